@@ -1,0 +1,78 @@
+"""Choosing the next token of every sequence in the batch at once.
+
+Randomness is a pure function of (request seed, output index, token id): a counter-
+based hash instead of a generator per request, so a seeded request gives the same
+tokens whatever else shares its batch, and the whole batch samples in a few tensor
+operations with no Python loop over rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters of one step, on the logits' device."""
+
+    temperature: torch.Tensor  # [B] float32, 0 for greedy rows
+    top_p: torch.Tensor  # [B] float32
+    top_k: torch.Tensor  # [B] int64, 0 for no cut
+    seed: torch.Tensor  # [B] int64
+    step: torch.Tensor  # [B] int64, index of the token being sampled in the request's output
+    all_greedy: bool  # host-side facts that let a step skip work
+    any_top_k_or_p: bool
+
+
+def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """Token ids [B] (int64) from float32 logits [B, V]."""
+    greedy_tokens = logits.argmax(dim=-1)
+    if params.all_greedy:
+        return greedy_tokens
+    is_greedy = params.temperature == 0
+    temperature = torch.where(is_greedy, torch.ones_like(params.temperature), params.temperature)
+    probs = torch.softmax(logits / temperature.unsqueeze(1), dim=-1)
+    # Exponential race: argmax(p / E) with E ~ Exp(1) draws index i with probability p_i.
+    race = uniform_noise(params.seed, params.step, logits.shape[1]).log_().neg_()
+    if params.any_top_k_or_p:
+        probs = _apply_top_k_top_p(probs, params.top_k, params.top_p)
+    sampled_tokens = (probs / race).argmax(dim=-1)
+    return torch.where(is_greedy, greedy_tokens, sampled_tokens)
+
+
+def _apply_top_k_top_p(
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Zero the probabilities outside each row's top-k and top-p nucleus."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[1], device=probs.device)
+    # A token stays if the mass ranked above it is below top_p (so the top token always stays).
+    keep = (sorted_probs.cumsum(dim=-1) - sorted_probs) < top_p.unsqueeze(1)
+    keep &= (top_k.unsqueeze(1) == 0) | (rank < top_k.unsqueeze(1))
+    return torch.zeros_like(probs).scatter_(1, order, sorted_probs * keep)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Wellons' two-round multiply-xorshift), on int64 lanes.
+
+    The multiplier is under 2**27 and lanes under 2**32, so products never overflow int64.
+    """
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] float32 in (0, 1), determined by each row's (seed, step) and the column."""
+    row_key = _mix32(seed & _MASK32) ^ _mix32((seed >> 32) & _MASK32 ^ 0x5BD1E995)
+    row_key = _mix32((row_key + _mix32(step & _MASK32)) & _MASK32)
+    column = torch.arange(vocab_size, device=seed.device, dtype=torch.int64)
+    column_key = (column * 0x9E3779B1) & _MASK32
+    bits = _mix32(_mix32(row_key.unsqueeze(1) ^ column_key.unsqueeze(0)))
+    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))

@@ -1,0 +1,159 @@
+"""Every message that crosses the engine socket. This file is the protocol.
+
+Servers hold a DEALER socket, the engine a ROUTER socket; each ZeroMQ message is
+one frame holding one encoded message (the ROUTER adds the peer identity frame).
+
+Server -> engine: HandshakeRequest, GenerateRequest, AbortRequest, StatsRequest.
+Engine -> server: HandshakeReply, TokenOutputs, ErrorReply, EngineStats.
+
+docs/architecture.md walks through the life of a request in these terms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from protocol.codec import Message
+
+# Bumped on any incompatible change to the messages below; checked at the handshake.
+PROTOCOL_VERSION = 1
+
+
+class FinishReason:
+    """Why a request stopped producing tokens (the OpenAI API's own words)."""
+
+    STOP = "stop"  # an EOS or stop token was sampled (the token itself is not sent)
+    LENGTH = "length"  # max_tokens or the model's context length was reached
+    ABORT = "abort"  # the server aborted it, or its server went away
+
+
+class ErrorCode:
+    PROTOCOL_VERSION = "protocol_version"  # handshake from an incompatible server
+    INVALID_REQUEST = "invalid_request"  # bad parameters or a duplicate request id
+    PROMPT_TOO_LONG = "prompt_too_long"  # prompt + max_tokens can never fit
+    NOT_READY = "not_ready"  # a request before the handshake
+
+
+@dataclass
+class SamplingParams:
+    """How to choose each next token. The defaults are greedy decoding."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut
+    seed: int | None = None  # same seed and prompt -> same output
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def validate(self) -> str | None:
+        """The reason these parameters are unusable, or None."""
+        if self.max_tokens < 1:
+            return "max_tokens must be at least 1"
+        if self.temperature < 0:
+            return "temperature must be non-negative"
+        if not 0 < self.top_p <= 1:
+            return "top_p must be in (0, 1]"
+        if self.top_k < 0:
+            return "top_k must be non-negative"
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            return "seed must be in [0, 2**63)"
+        return None
+
+
+@dataclass
+class HandshakeRequest(Message):
+    """First message of every server: checks versions and asks for the model's facts."""
+
+    TYPE: ClassVar[str] = "handshake"
+    protocol_version: int
+    client_name: str = ""
+
+
+@dataclass
+class HandshakeReply(Message):
+    """Everything a stateless server needs to serve this engine's model."""
+
+    TYPE: ClassVar[str] = "handshake_reply"
+    protocol_version: int
+    model_name: str
+    tokenizer_json: str  # the content of a Hugging Face tokenizer.json
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+    eos_token_ids: list[int]  # ids that end generation unless ignore_eos
+    max_model_len: int  # prompt + output tokens of one request
+    engine_pid: int
+    engine_started_at: float  # unix time the engine process started
+
+
+@dataclass
+class GenerateRequest(Message):
+    """Generate tokens after a prompt. Request ids are unique per server."""
+
+    TYPE: ClassVar[str] = "generate"
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+
+
+@dataclass
+class AbortRequest(Message):
+    """Stop a request and free its cache now. Unknown ids are ignored."""
+
+    TYPE: ClassVar[str] = "abort"
+    request_id: str
+
+
+@dataclass
+class StatsRequest(Message):
+    """Asks for an EngineStats; servers use it for /health."""
+
+    TYPE: ClassVar[str] = "stats"
+
+
+@dataclass
+class RequestOutput:
+    """New tokens of one request since its last output."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None  # a FinishReason once the request is done
+    num_prompt_tokens: int
+    num_output_tokens: int  # all tokens generated so far, the new ones included
+
+
+@dataclass
+class TokenOutputs(Message):
+    """One engine step's outputs for all of one server's requests."""
+
+    TYPE: ClassVar[str] = "outputs"
+    outputs: list[RequestOutput]
+
+
+@dataclass
+class ErrorReply(Message):
+    """A request (or, with an empty request_id, a message) the engine refused."""
+
+    TYPE: ClassVar[str] = "error"
+    request_id: str
+    code: str  # an ErrorCode
+    message: str
+
+
+@dataclass
+class EngineStats(Message):
+    """The engine's state: liveness, identity, and cache use."""
+
+    TYPE: ClassVar[str] = "engine_stats"
+    engine_pid: int
+    engine_started_at: float
+    model_name: str
+    device: str
+    block_size: int
+    num_total_blocks: int
+    num_free_blocks: int
+    num_running: int
+    num_waiting: int
+    num_finished: int  # requests finished since start, aborted ones included

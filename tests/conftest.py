@@ -1,0 +1,62 @@
+"""Shared fixtures: one real cluster (engine + two servers) for the end-to-end tests."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.processes import REPO_ROOT, free_port, spawn, stop, tail, wait_healthy
+
+
+@dataclass
+class Cluster:
+    engine_address: str
+    urls: list[str]
+    model: str
+    log_path: Path
+
+    def client(self, index: int = 0) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.urls[index]}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """The default model behind two servers, started by scripts/start_distributed.sh."""
+    workdir = tmp_path_factory.mktemp("cluster")
+    log_path = workdir / "cluster.log"
+    address = f"ipc://{workdir}/engine.sock"
+    port = free_port(2)
+    script = spawn(
+        ["bash", str(REPO_ROOT / "scripts/start_distributed.sh"), "--servers", "2",
+         "--port", str(port), "--device", "cpu", "--engine-address", address],
+        log_path,
+    )
+    urls = [f"http://127.0.0.1:{port + i}" for i in range(2)]
+    try:
+        for url in urls:
+            wait_healthy(url, [script], log_path)
+        model = cluster_model(urls[0])
+        yield Cluster(address, urls, model, log_path)
+    finally:
+        stop(script, signal.SIGTERM)
+        assert script.returncode is not None
+    print(tail(log_path))
+
+
+def cluster_model(url: str) -> str:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused").models.list().data[0].id
+
+
+@pytest.fixture
+def subprocess_cleanup() -> Iterator[list[subprocess.Popen]]:
+    """Processes a test starts itself; killed at the end whatever happens."""
+    processes: list[subprocess.Popen] = []
+    yield processes
+    for process in processes:
+        stop(process, signal.SIGKILL)

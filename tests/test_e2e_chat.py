@@ -1,0 +1,168 @@
+"""The whole system as a user sees it: real engine, real servers, the official openai client."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import zmq
+
+from tests.processes import engine_stats, wait_for_cache_free
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _chat(client, messages, **kwargs) -> str:
+    model = client.models.list().data[0].id
+    reply = client.chat.completions.create(model=model, messages=messages, **kwargs)
+    return reply.choices[0].message.content
+
+
+def _stream_chat(client, messages, **kwargs) -> str:
+    model = client.models.list().data[0].id
+    stream = client.chat.completions.create(
+        model=model, messages=messages, stream=True, **kwargs
+    )
+    return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+
+
+def test_greedy_answer_names_paris(cluster):
+    client = cluster.client()
+    reply = client.chat.completions.create(
+        model=cluster.model, messages=QUESTION, temperature=0, max_tokens=32
+    )
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.prompt_tokens > 0
+    assert reply.usage.completion_tokens > 0
+
+
+def test_streamed_answer_equals_the_plain_one(cluster):
+    client = cluster.client(1)
+    plain = client.chat.completions.create(
+        model=cluster.model, messages=QUESTION, temperature=0, max_tokens=32
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=cluster.model, messages=QUESTION, temperature=0, max_tokens=32, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == plain.choices[0].message.content
+    assert "Paris" in streamed
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["stop"]
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_completions_endpoint_streams_the_same_text(cluster):
+    client = cluster.client()
+    prompt = "The capital of France is"
+    plain = client.completions.create(model=cluster.model, prompt=prompt, max_tokens=12,
+                                      temperature=0)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model=cluster.model, prompt=prompt, max_tokens=12,
+                                           temperature=0, stream=True)
+    )
+    assert plain.choices[0].text == streamed
+    assert plain.choices[0].finish_reason == "length"
+    assert plain.usage.completion_tokens == 12
+
+
+def test_two_servers_serve_sixteen_concurrent_streams(cluster):
+    topics = ["cats", "the sea", "bread", "winter", "music", "trains", "the moon", "coffee",
+              "rivers", "chess", "bees", "mountains", "paper", "rain", "clocks", "gardens"]
+    prompts = [[{"role": "user", "content": f"Write one sentence about {t}."}] for t in topics]
+    clients = [cluster.client(0), cluster.client(1)]
+    # Each answer alone first; greedy decoding must give the same text in a batch of 16.
+    alone = [_chat(clients[0], p, temperature=0, max_tokens=24) for p in prompts]
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        futures = [
+            pool.submit(_stream_chat, clients[i % 2], p, temperature=0, max_tokens=24)
+            for i, p in enumerate(prompts)
+        ]
+        together = [f.result(timeout=600) for f in futures]
+    assert together == alone
+    assert len(set(together)) > 8  # distinct prompts got their own answers
+
+
+def test_seed_makes_sampling_reproducible(cluster):
+    client = cluster.client()
+    prompt = [{"role": "user", "content": "Tell me a short story."}]
+    runs = [_chat(client, prompt, temperature=1.0, seed=1234, max_tokens=20) for _ in range(2)]
+    other = _chat(client, prompt, temperature=1.0, seed=4321, max_tokens=20)
+    assert runs[0] == runs[1]
+    assert other != runs[0]
+
+
+def test_stop_string_cuts_the_answer(cluster):
+    client = cluster.client()
+    reply = client.chat.completions.create(
+        model=cluster.model, messages=QUESTION, temperature=0, max_tokens=32, stop=["Paris"]
+    )
+    assert "Paris" not in reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop"
+    wait_for_cache_free(cluster.urls[0])
+
+
+def test_models_and_health(cluster):
+    models = httpx.get(f"{cluster.urls[1]}/v1/models").json()
+    assert models["object"] == "list"
+    assert models["data"][0]["id"] == cluster.model
+    health = httpx.get(f"{cluster.urls[1]}/health")
+    assert health.status_code == 200
+    assert health.json()["engine"]["num_total_blocks"] > 0
+
+
+def test_client_disconnect_mid_stream_frees_the_cache(cluster):
+    url = cluster.urls[0]
+    body = {"model": cluster.model, "messages": QUESTION, "max_tokens": 1000,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        received = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in received)
+        assert engine_stats(url)["num_running"] == 1
+    stats = wait_for_cache_free(url)
+    assert stats["num_running"] == 0
+
+
+def _error_of(response: httpx.Response) -> dict:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["message"]
+    assert error["type"] == "invalid_request_error"
+    return error
+
+
+def test_bad_requests_get_openai_style_400s(cluster):
+    url = f"{cluster.urls[0]}/v1/chat/completions"
+    headers = {"content-type": "application/json"}
+    _error_of(httpx.post(url, content=b"{not json", headers=headers))
+    _error_of(httpx.post(url, json={"model": cluster.model}))
+    error = _error_of(httpx.post(url, json={"model": cluster.model, "messages": QUESTION,
+                                            "max_tokens": -5}))
+    assert "max_tokens" in error["message"] or error["param"] == "max_tokens"
+    long_prompt = [{"role": "user", "content": "word " * 20_000}]
+    error = _error_of(httpx.post(url, json={"model": cluster.model, "messages": long_prompt}))
+    assert "context" in error["message"]
+    # None of it disturbed the engine.
+    assert "Paris" in _chat(cluster.client(), QUESTION, temperature=0, max_tokens=32)
+
+
+def test_garbage_on_the_engine_socket_is_dropped(cluster):
+    context = zmq.Context()
+    rogue = context.socket(zmq.DEALER)
+    rogue.setsockopt(zmq.LINGER, 1000)
+    rogue.connect(cluster.engine_address)
+    rogue.send(b"\x00\xffthis is not a message")
+    rogue.send(b"\x81\xa4type\xa8generate")  # a map naming a message, with no fields
+    rogue.send_multipart([b"two", b"frames"])
+    rogue.send(b"\xc1" * 1000)
+    rogue.close()
+    context.term()
+    assert "Paris" in _chat(cluster.client(1), QUESTION, temperature=0, max_tokens=32)
+    assert "dropped" in cluster.log_path.read_text()

@@ -1,0 +1,57 @@
+"""A server dies mid-stream; the engine keeps its weights, frees the cache, serves a new server."""
+
+from __future__ import annotations
+
+import signal
+
+import httpx
+
+from tests.processes import (
+    engine_stats,
+    free_port,
+    start_engine,
+    start_server,
+    stop,
+    wait_for_cache_free,
+)
+
+
+def test_engine_survives_a_killed_server(tmp_path, subprocess_cleanup):
+    address = f"ipc://{tmp_path}/engine.sock"
+    engine = start_engine(address, tmp_path / "engine.log")
+    subprocess_cleanup.append(engine)
+    first_port, second_port = free_port(), free_port()
+    first = start_server(address, first_port, tmp_path / "server1.log")
+    subprocess_cleanup.append(first)
+    first_url = f"http://127.0.0.1:{first_port}"
+    before = engine_stats(first_url)
+
+    body = {"messages": [{"role": "user", "content": "Count to one thousand."}],
+            "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{first_url}/v1/chat/completions", json=body,
+                      timeout=60) as response:
+        lines = response.iter_lines()
+        for _ in range(8):
+            next(lines)
+        assert engine_stats(first_url)["num_running"] == 1
+        stop(first, signal.SIGKILL)
+
+    second = start_server(address, second_port, tmp_path / "server2.log")
+    subprocess_cleanup.append(second)
+    second_url = f"http://127.0.0.1:{second_port}"
+    after = wait_for_cache_free(second_url)
+    assert engine.poll() is None
+    assert after["engine_pid"] == before["engine_pid"] == engine.pid
+    assert after["engine_started_at"] == before["engine_started_at"]  # weights not reloaded
+    assert after["num_free_blocks"] == after["num_total_blocks"]
+
+    reply = httpx.post(
+        f"{second_url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "What is the capital of France?"}],
+              "temperature": 0, "max_tokens": 32},
+        timeout=120,
+    )
+    assert reply.status_code == 200
+    assert "Paris" in reply.json()["choices"][0]["message"]["content"]
+    log = (tmp_path / "engine.log").read_text()
+    assert "unreachable" in log

@@ -1,0 +1,87 @@
+"""The wire format: round trips, and malformed frames rejected with ProtocolError only."""
+
+import msgpack
+import pytest
+
+from protocol import (
+    MAX_FRAME_BYTES,
+    AbortRequest,
+    EngineStats,
+    ErrorReply,
+    GenerateRequest,
+    HandshakeReply,
+    HandshakeRequest,
+    ProtocolError,
+    RequestOutput,
+    SamplingParams,
+    StatsRequest,
+    TokenOutputs,
+    decode_message,
+)
+
+MESSAGES = [
+    HandshakeRequest(protocol_version=1, client_name="server-8000"),
+    HandshakeReply(1, "m", "{}", None, "<s>", "</s>", [2, 7], 2048, 123, 1.5),
+    GenerateRequest("r1", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.7, seed=9)),
+    AbortRequest("r1"),
+    StatsRequest(),
+    TokenOutputs([RequestOutput("r1", [5], None, 3, 1), RequestOutput("r2", [], "stop", 4, 9)]),
+    ErrorReply("r1", "prompt_too_long", "too long"),
+    EngineStats(1, 2.0, "m", "cpu", 16, 100, 90, 1, 0, 3),
+]
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip(message):
+    assert decode_message(message.encode()) == message
+
+
+def _frame(body: dict) -> bytes:
+    return msgpack.packb(body, use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"",
+        b"\xc1",  # a byte MessagePack never uses
+        b"garbage that is not msgpack \x00\xff",
+        _frame([1, 2, 3]),
+        _frame({"no": "type"}),
+        _frame({"type": "no_such_message"}),
+        _frame({"type": "abort"}),  # missing request_id
+        _frame({"type": "abort", "request_id": 5}),  # wrong type
+        _frame({"type": "abort", "request_id": "a", "extra": 1}),
+        _frame({"type": "generate", "request_id": "a", "prompt_token_ids": [1, "x"],
+                "sampling": {}}),
+        _frame({"type": "generate", "request_id": "a", "prompt_token_ids": [True],
+                "sampling": {}}),
+        _frame({"type": "generate", "request_id": "a", "prompt_token_ids": [1],
+                "sampling": {"max_tokens": "many"}}),
+        _frame({"type": "generate", "request_id": "a", "prompt_token_ids": [1],
+                "sampling": [1]}),
+        GenerateRequest("r", [1], SamplingParams()).encode()[:-3],  # truncated
+    ],
+)
+def test_malformed_frames_raise_protocol_error(frame):
+    with pytest.raises(ProtocolError):
+        decode_message(frame)
+
+
+def test_oversized_frame_is_rejected_before_parsing():
+    with pytest.raises(ProtocolError, match="exceeds"):
+        decode_message(b"\x00" * (MAX_FRAME_BYTES + 1))
+
+
+def test_defaults_fill_missing_optional_fields():
+    frame = _frame({"type": "generate", "request_id": "a", "prompt_token_ids": [1],
+                    "sampling": {"max_tokens": 4}})
+    message = decode_message(frame)
+    assert message.sampling == SamplingParams(max_tokens=4)
+
+
+def test_sampling_validation_names_the_problem():
+    assert SamplingParams().validate() is None
+    assert "max_tokens" in SamplingParams(max_tokens=0).validate()
+    assert "temperature" in SamplingParams(temperature=-1).validate()
+    assert "top_p" in SamplingParams(top_p=0).validate()

@@ -1,0 +1,61 @@
+"""Batched sampling: greedy rows, seeded reproducibility, and top-k/top-p cuts."""
+
+import torch
+
+from engine.sampler import SamplingTensors, sample, uniform_noise
+
+
+def _params(rows, all_greedy=False, cut=True):
+    temperature, top_p, top_k, seed, step = zip(*rows, strict=True)
+    return SamplingTensors(
+        temperature=torch.tensor(temperature, dtype=torch.float32),
+        top_p=torch.tensor(top_p, dtype=torch.float32),
+        top_k=torch.tensor(top_k),
+        seed=torch.tensor(seed),
+        step=torch.tensor(step),
+        all_greedy=all_greedy,
+        any_top_k_or_p=cut,
+    )
+
+
+def test_greedy_rows_take_the_argmax_next_to_sampled_rows():
+    logits = torch.randn(3, 50)
+    tokens = sample(logits, _params([(0, 1, 0, 1, 0), (1.0, 1, 0, 2, 0), (0, 0.5, 3, 3, 0)]))
+    assert tokens[0] == logits[0].argmax()
+    assert tokens[2] == logits[2].argmax()
+
+
+def test_same_seed_and_step_give_the_same_token_whatever_the_batch():
+    logits = torch.randn(1, 1000)
+    alone = sample(logits, _params([(1.0, 1, 0, 42, 5)]))
+    batch = torch.cat([torch.randn(2, 1000), logits])
+    together = sample(batch, _params([(1.0, 1, 0, 7, 0), (0.8, 0.9, 0, 8, 3), (1.0, 1, 0, 42, 5)]))
+    assert together[2] == alone[0]
+
+
+def test_noise_depends_on_seed_and_step_and_is_uniform():
+    seed = torch.tensor([1, 1, 2])
+    step = torch.tensor([0, 1, 0])
+    noise = uniform_noise(seed, step, 100_000)
+    assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
+    assert noise.min() > 0 and noise.max() < 1
+    assert abs(noise.mean().item() - 0.5) < 0.01
+    assert torch.equal(noise, uniform_noise(seed, step, 100_000))
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    logits = probs.log().expand(20_000, 4)
+    rows = [(1.0, 1.0, 0, 1234, step) for step in range(20_000)]
+    tokens = sample(logits, _params(rows, cut=False))
+    freq = torch.bincount(tokens, minlength=4).float() / len(tokens)
+    assert torch.allclose(freq, probs, atol=0.015)
+
+
+def test_top_k_and_top_p_keep_only_the_head():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).expand(2000, 5)
+    top_k_rows = [(1.0, 1.0, 2, 99, step) for step in range(1000)]
+    top_p_rows = [(1.0, 0.5, 0, 99, step) for step in range(1000)]
+    tokens = sample(logits, _params(top_k_rows + top_p_rows))
+    assert set(tokens[:1000].tolist()) == {0, 1}
+    assert set(tokens[1000:].tolist()) == {0}  # token 0 alone holds over half the mass
