@@ -38,7 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="memory for the KV cache (default: 1 GiB on CPU; on CUDA, what "
         "--gpu-memory-utilization leaves)",
     )
-    parser.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV cache size in blocks")
+    parser.add_argument(
+        "--num-kv-blocks", type=int, default=None, help="exact KV cache size in blocks"
+    )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)

@@ -124,11 +124,14 @@ class ModelRunner:
 
     def _prepare_sampling(self, batch: list[Request]) -> SamplingTensors:
         params = [r.sampling for r in batch]
-        floats = torch.tensor(
-            [(p.temperature, p.top_p) for p in params], dtype=torch.float32
-        ).to(self.device, non_blocking=True)
+        floats = torch.tensor([(p.temperature, p.top_p) for p in params], dtype=torch.float32).to(
+            self.device, non_blocking=True
+        )
         ints = torch.tensor(
-            [(p.top_k, r.seed, len(r.output_token_ids)) for p, r in zip(params, batch, strict=True)],
+            [
+                (p.top_k, r.seed, len(r.output_token_ids))
+                for p, r in zip(params, batch, strict=True)
+            ],
             dtype=torch.int64,
         ).to(self.device, non_blocking=True)
         return SamplingTensors(

@@ -33,8 +33,18 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     address = f"ipc://{workdir}/engine.sock"
     port = free_port(2)
     script = spawn(
-        ["bash", str(REPO_ROOT / "scripts/start_distributed.sh"), "--servers", "2",
-         "--port", str(port), "--device", "cpu", "--engine-address", address],
+        [
+            "bash",
+            str(REPO_ROOT / "scripts/start_distributed.sh"),
+            "--servers",
+            "2",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--engine-address",
+            address,
+        ],
         log_path,
     )
     urls = [f"http://127.0.0.1:{port + i}" for i in range(2)]

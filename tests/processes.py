@@ -49,8 +49,9 @@ def spawn(args: list[str], log_path: Path) -> subprocess.Popen:
 
 
 def start_engine(address: str, log_path: Path, *extra: str) -> subprocess.Popen:
-    return spawn([sys.executable, "-m", "engine", "--address", address, "--device", "cpu",
-                  *extra], log_path)
+    return spawn(
+        [sys.executable, "-m", "engine", "--address", address, "--device", "cpu", *extra], log_path
+    )
 
 
 def start_server(address: str, port: int, log_path: Path) -> subprocess.Popen:

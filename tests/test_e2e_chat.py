@@ -20,9 +20,7 @@ def _chat(client, messages, **kwargs) -> str:
 
 def _stream_chat(client, messages, **kwargs) -> str:
     model = client.models.list().data[0].id
-    stream = client.chat.completions.create(
-        model=model, messages=messages, stream=True, **kwargs
-    )
+    stream = client.chat.completions.create(model=model, messages=messages, stream=True, **kwargs)
     return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
 
 
@@ -44,14 +42,20 @@ def test_streamed_answer_equals_the_plain_one(cluster):
     )
     chunks = list(
         client.chat.completions.create(
-            model=cluster.model, messages=QUESTION, temperature=0, max_tokens=32, stream=True,
+            model=cluster.model,
+            messages=QUESTION,
+            temperature=0,
+            max_tokens=32,
+            stream=True,
             stream_options={"include_usage": True},
         )
     )
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == plain.choices[0].message.content
     assert "Paris" in streamed
-    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finish == ["stop"]
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
 
@@ -59,12 +63,14 @@ def test_streamed_answer_equals_the_plain_one(cluster):
 def test_completions_endpoint_streams_the_same_text(cluster):
     client = cluster.client()
     prompt = "The capital of France is"
-    plain = client.completions.create(model=cluster.model, prompt=prompt, max_tokens=12,
-                                      temperature=0)
+    plain = client.completions.create(
+        model=cluster.model, prompt=prompt, max_tokens=12, temperature=0
+    )
     streamed = "".join(
         c.choices[0].text
-        for c in client.completions.create(model=cluster.model, prompt=prompt, max_tokens=12,
-                                           temperature=0, stream=True)
+        for c in client.completions.create(
+            model=cluster.model, prompt=prompt, max_tokens=12, temperature=0, stream=True
+        )
     )
     assert plain.choices[0].text == streamed
     assert plain.choices[0].finish_reason == "length"
@@ -72,8 +78,24 @@ def test_completions_endpoint_streams_the_same_text(cluster):
 
 
 def test_two_servers_serve_sixteen_concurrent_streams(cluster):
-    topics = ["cats", "the sea", "bread", "winter", "music", "trains", "the moon", "coffee",
-              "rivers", "chess", "bees", "mountains", "paper", "rain", "clocks", "gardens"]
+    topics = [
+        "cats",
+        "the sea",
+        "bread",
+        "winter",
+        "music",
+        "trains",
+        "the moon",
+        "coffee",
+        "rivers",
+        "chess",
+        "bees",
+        "mountains",
+        "paper",
+        "rain",
+        "clocks",
+        "gardens",
+    ]
     prompts = [[{"role": "user", "content": f"Write one sentence about {t}."}] for t in topics]
     clients = [cluster.client(0), cluster.client(1)]
     # Each answer alone first; greedy decoding must give the same text in a batch of 16.
@@ -118,8 +140,13 @@ def test_models_and_health(cluster):
 
 def test_client_disconnect_mid_stream_frees_the_cache(cluster):
     url = cluster.urls[0]
-    body = {"model": cluster.model, "messages": QUESTION, "max_tokens": 1000,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": cluster.model,
+        "messages": QUESTION,
+        "max_tokens": 1000,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as response:
         assert response.status_code == 200
         lines = response.iter_lines()
@@ -143,8 +170,9 @@ def test_bad_requests_get_openai_style_400s(cluster):
     headers = {"content-type": "application/json"}
     _error_of(httpx.post(url, content=b"{not json", headers=headers))
     _error_of(httpx.post(url, json={"model": cluster.model}))
-    error = _error_of(httpx.post(url, json={"model": cluster.model, "messages": QUESTION,
-                                            "max_tokens": -5}))
+    error = _error_of(
+        httpx.post(url, json={"model": cluster.model, "messages": QUESTION, "max_tokens": -5})
+    )
     assert "max_tokens" in error["message"] or error["param"] == "max_tokens"
     long_prompt = [{"role": "user", "content": "word " * 20_000}]
     error = _error_of(httpx.post(url, json={"model": cluster.model, "messages": long_prompt}))

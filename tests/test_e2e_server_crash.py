@@ -26,10 +26,15 @@ def test_engine_survives_a_killed_server(tmp_path, subprocess_cleanup):
     first_url = f"http://127.0.0.1:{first_port}"
     before = engine_stats(first_url)
 
-    body = {"messages": [{"role": "user", "content": "Count to one thousand."}],
-            "max_tokens": 1500, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{first_url}/v1/chat/completions", json=body,
-                      timeout=60) as response:
+    body = {
+        "messages": [{"role": "user", "content": "Count to one thousand."}],
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", f"{first_url}/v1/chat/completions", json=body, timeout=60
+    ) as response:
         lines = response.iter_lines()
         for _ in range(8):
             next(lines)
@@ -47,8 +52,11 @@ def test_engine_survives_a_killed_server(tmp_path, subprocess_cleanup):
 
     reply = httpx.post(
         f"{second_url}/v1/chat/completions",
-        json={"messages": [{"role": "user", "content": "What is the capital of France?"}],
-              "temperature": 0, "max_tokens": 32},
+        json={
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "temperature": 0,
+            "max_tokens": 32,
+        },
         timeout=120,
     )
     assert reply.status_code == 200

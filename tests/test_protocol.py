@@ -52,14 +52,19 @@ def _frame(body: dict) -> bytes:
         _frame({"type": "abort"}),  # missing request_id
         _frame({"type": "abort", "request_id": 5}),  # wrong type
         _frame({"type": "abort", "request_id": "a", "extra": 1}),
-        _frame({"type": "generate", "request_id": "a", "prompt_token_ids": [1, "x"],
-                "sampling": {}}),
-        _frame({"type": "generate", "request_id": "a", "prompt_token_ids": [True],
-                "sampling": {}}),
-        _frame({"type": "generate", "request_id": "a", "prompt_token_ids": [1],
-                "sampling": {"max_tokens": "many"}}),
-        _frame({"type": "generate", "request_id": "a", "prompt_token_ids": [1],
-                "sampling": [1]}),
+        _frame(
+            {"type": "generate", "request_id": "a", "prompt_token_ids": [1, "x"], "sampling": {}}
+        ),
+        _frame({"type": "generate", "request_id": "a", "prompt_token_ids": [True], "sampling": {}}),
+        _frame(
+            {
+                "type": "generate",
+                "request_id": "a",
+                "prompt_token_ids": [1],
+                "sampling": {"max_tokens": "many"},
+            }
+        ),
+        _frame({"type": "generate", "request_id": "a", "prompt_token_ids": [1], "sampling": [1]}),
         GenerateRequest("r", [1], SamplingParams()).encode()[:-3],  # truncated
     ],
 )
@@ -74,8 +79,14 @@ def test_oversized_frame_is_rejected_before_parsing():
 
 
 def test_defaults_fill_missing_optional_fields():
-    frame = _frame({"type": "generate", "request_id": "a", "prompt_token_ids": [1],
-                    "sampling": {"max_tokens": 4}})
+    frame = _frame(
+        {
+            "type": "generate",
+            "request_id": "a",
+            "prompt_token_ids": [1],
+            "sampling": {"max_tokens": 4},
+        }
+    )
     message = decode_message(frame)
     assert message.sampling == SamplingParams(max_tokens=4)
 

@@ -1,0 +1,31 @@
+"""What every checkpoint format is read into."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.model_config import ModelConfig, TokenizerInfo
+
+WeightStream = Iterator[tuple[str, torch.Tensor]]
+
+
+@dataclass
+class Checkpoint:
+    """A model's shape, its tokenizer and a way to stream its weights, whatever the file format."""
+
+    name: str  # the model name shown to users, e.g. "SmolLM2-135M-Instruct"
+    config: ModelConfig
+    tokenizer: TokenizerInfo = field(repr=False)  # holds the whole tokenizer.json
+    # Opens the weights lazily, so a Checkpoint costs no memory until the model is built.
+    weight_source: Callable[[], WeightStream] = field(repr=False, compare=False)
+
+    def weights(self) -> WeightStream:
+        """Yield (Hugging Face name, CPU tensor) pairs, one tensor in memory at a time.
+
+        GGUF tensors come dequantized to float32, safetensors ones in their stored dtype; the
+        consumer converts dtype and device.
+        """
+        return self.weight_source()

@@ -1,0 +1,188 @@
+"""Start-up time and single-request latency of a real engine process, over its socket.
+
+    python scripts/bench_latency.py [--model M] [--device cpu|cuda] [--prompt-len 128]
+                                    [--output-len 256] [--peer]
+
+Measures, for one `python -m engine` process: start time (process start to the
+handshake reply, i.e. weights loaded and serving), time to first token, and time
+per output token for one request of random token ids (seed 0, ignore_eos). With
+--peer, Hugging Face transformers' own generate() runs on the same weights and
+device in the same run, for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import zmq
+from tokenizers import Tokenizer
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from protocol import (  # noqa: E402
+    PROTOCOL_VERSION,
+    ErrorReply,
+    GenerateRequest,
+    HandshakeReply,
+    HandshakeRequest,
+    SamplingParams,
+    TokenOutputs,
+    decode_message,
+)
+
+
+def random_prompt(vocab_size: int, length: int) -> list[int]:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab_size, (length,), generator=generator).tolist()
+
+
+def bench_engine(args: argparse.Namespace) -> dict[str, float]:
+    workdir = tempfile.mkdtemp(prefix="tandem-bench-")
+    address = f"ipc://{workdir}/engine.sock"
+    command = [
+        sys.executable,
+        "-m",
+        "engine",
+        "--address",
+        address,
+        "--model",
+        args.model,
+        "--device",
+        args.device,
+        "--log-level",
+        "warning",
+    ]
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(address)
+    started = time.perf_counter()
+    engine = subprocess.Popen(command, cwd=REPO_ROOT)
+    try:
+        socket.send(HandshakeRequest(PROTOCOL_VERSION, "bench").encode())
+        reply = decode_message(socket.recv())
+        start_s = time.perf_counter() - started
+        assert isinstance(reply, HandshakeReply), reply
+        vocab_size = Tokenizer.from_str(reply.tokenizer_json).get_vocab_size()
+        prompt = random_prompt(vocab_size, args.prompt_len)
+        runs = [_one_request(socket, prompt, args.output_len, f"r{i}") for i in range(args.runs)]
+    finally:
+        engine.terminate()
+        engine.wait()
+    ttft = statistics.median(r[0] for r in runs)
+    tpot = statistics.median(r[1] for r in runs)
+    return {"start_s": start_s, "ttft_ms": ttft * 1e3, "tpot_ms": tpot * 1e3}
+
+
+def _one_request(
+    socket: zmq.Socket, prompt: list[int], output_len: int, request_id: str
+) -> tuple[float, float]:
+    sampling = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    sent = time.perf_counter()
+    socket.send(GenerateRequest(request_id, prompt, sampling).encode())
+    token_times: list[float] = []
+    while True:
+        message = decode_message(socket.recv())
+        if isinstance(message, ErrorReply):
+            raise RuntimeError(message.message)
+        assert isinstance(message, TokenOutputs)
+        now = time.perf_counter()
+        for output in message.outputs:
+            token_times.extend(now for _ in output.new_token_ids)
+            if output.finish_reason is not None:
+                assert len(token_times) == output_len, (len(token_times), output.finish_reason)
+                ttft = token_times[0] - sent
+                return ttft, (token_times[-1] - token_times[0]) / (output_len - 1)
+
+
+def bench_transformers(args: argparse.Namespace) -> dict[str, float]:
+    """transformers' generate() on the same weights: the peer."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.checkpoint.resolve import CheckpointFormat, resolve_model
+
+    resolved = resolve_model(args.model)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    started = time.perf_counter()
+    if resolved.format is CheckpointFormat.GGUF:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(resolved.path.parent), gguf_file=resolved.path.name, dtype=dtype
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(resolved.path), dtype=dtype)
+    model = model.to(args.device).eval()
+    load_s = time.perf_counter() - started
+    prompt = torch.tensor(
+        [random_prompt(model.config.vocab_size, args.prompt_len)], device=args.device
+    )
+
+    def generate(new_tokens: int) -> float:
+        _synchronize(args.device)
+        begin = time.perf_counter()
+        model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=0,
+        )
+        _synchronize(args.device)
+        return time.perf_counter() - begin
+
+    generate(8)  # warm-up
+    ttft = statistics.median(generate(1) for _ in range(args.runs))
+    total = statistics.median(generate(args.output_len) for _ in range(args.runs))
+    return {
+        "start_s": load_s,
+        "ttft_ms": ttft * 1e3,
+        "tpot_ms": (total - ttft) / (args.output_len - 1) * 1e3,
+    }
+
+
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--peer", action="store_true", help="also time transformers")
+    args = parser.parse_args()
+
+    rows = [("tandem engine", bench_engine(args))]
+    if args.peer:
+        rows.append(("transformers generate", bench_transformers(args)))
+    print(
+        f"\nmodel {args.model}, device {args.device}, prompt {args.prompt_len} tokens, "
+        f"{args.output_len} new tokens, median of {args.runs} runs"
+    )
+    print(f"{'':24} {'start (s)':>10} {'TTFT (ms)':>10} {'TPOT (ms)':>10} {'tok/s':>8}")
+    for name, r in rows:
+        print(
+            f"{name:24} {r['start_s']:10.2f} {r['ttft_ms']:10.1f} {r['tpot_ms']:10.2f} "
+            f"{1e3 / r['tpot_ms']:8.1f}"
+        )
+    print(
+        "(transformers' start is its from_pretrained time in this process, not a process start)"
+        if args.peer
+        else ""
+    )
+
+
+if __name__ == "__main__":
+    main()

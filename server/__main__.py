@@ -1,0 +1,98 @@
+"""``python -m server --engine ADDRESS --port P``: one stateless HTTP server.
+
+It handshakes with the engine before it listens, so that a server that accepts
+connections always knows its model; the engine may still be loading weights, so
+the handshake waits (up to --handshake-timeout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import sys
+
+import uvicorn
+
+from server.app import create_app
+from server.engine_client import EngineClient, HandshakeError
+
+logger = logging.getLogger("server")
+
+# Seconds uvicorn lets open streams finish on shutdown before cancelling them
+# (which aborts their requests in the engine); answers can take minutes.
+_GRACEFUL_SHUTDOWN_S = 5
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m server", description="OpenAI-compatible HTTP server for a Tandem engine."
+    )
+    parser.add_argument(
+        "--engine", required=True, help="the engine's ZeroMQ address, e.g. tcp://127.0.0.1:5555"
+    )
+    parser.add_argument("--port", type=int, required=True, help="HTTP port to listen on")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
+    parser.add_argument(
+        "--handshake-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for the engine to answer the handshake (default: 600)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="log level (default: info)",
+    )
+    return parser.parse_args(argv)
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    client_name = f"tandem-server {socket.gethostname()}:{os.getpid()} port {args.port}"
+    client = EngineClient(args.engine, client_name)
+    try:
+        logger.info("connecting to the engine at %s", args.engine)
+        try:
+            handshake = await client.connect(args.handshake_timeout)
+        except HandshakeError as exc:
+            logger.error("cannot serve: %s", exc)
+            return 1
+        logger.info(
+            "serving %s (context %d tokens) on http://%s:%d",
+            handshake.model_name,
+            handshake.max_model_len,
+            args.host,
+            args.port,
+        )
+        config = uvicorn.Config(
+            create_app(client, handshake),
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
+            # Our logging is configured in main(); keep uvicorn's from replacing it.
+            log_config=None,
+        )
+        # uvicorn exits by itself (status 1) when it cannot listen on the port.
+        await uvicorn.Server(config).serve()
+        return 0
+    finally:
+        await client.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return asyncio.run(_serve(args))
+    except KeyboardInterrupt:  # Ctrl-C while waiting for the handshake
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,351 @@
+"""The OpenAI-compatible endpoints: requests in, engine requests out, answers back."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from contextlib import aclosing
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from protocol import SamplingParams
+from server.chat_template import ChatTemplateError
+from server.engine_client import EngineClient
+from server.errors import ApiError, internal_error
+from server.generation import TextDelta, generate_text
+from server.openai_schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationBody,
+    parse_request,
+)
+from server.served_model import ServedModel
+from server.sse import DONE, EventStreamResponse, event
+
+logger = logging.getLogger(__name__)
+
+# /health waits this long for the engine's stats before calling it unavailable.
+_HEALTH_TIMEOUT_S = 2.0
+# The status nginx logs for a client that went away before the answer (never sent).
+_CLIENT_CLOSED_REQUEST = 499
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(slots=True)
+class _Answer:
+    """What every response carries about one request, streamed or not."""
+
+    id: str
+    object: str  # the OpenAI object type of the response or of its chunks
+    created: int
+    model: str
+    prompt_tokens: int
+
+    def header(self) -> dict[str, Any]:
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model}
+
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
+        }
+
+
+class OpenAIApi:
+    """Route handlers for one engine connection and the model it serves."""
+
+    def __init__(self, client: EngineClient, model: ServedModel) -> None:
+        self._client = client
+        self._model = model
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = parse_request(ChatCompletionRequest, await request.body())
+        self._check_model(body.model)
+        template = self._model.chat_template
+        if template is None:
+            assert self._model.chat_template_problem is not None
+            raise ApiError(400, self._model.chat_template_problem, param="messages")
+        messages = [message.model_dump(exclude_unset=True) for message in body.messages]
+        try:
+            prompt = template.render(messages, add_generation_prompt=True)
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), param="messages") from exc
+        # The template already holds the special tokens (as apply_chat_template does).
+        prompt_ids = await self._model.encode(prompt, add_special_tokens=False)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        sampling = self._sampling(body, len(prompt_ids), max_tokens, "messages")
+        answer = _Answer(
+            f"chatcmpl-{uuid.uuid4().hex}",
+            "chat.completion.chunk" if body.stream else "chat.completion",
+            int(time.time()),
+            self._model.name,
+            len(prompt_ids),
+        )
+        deltas = generate_text(
+            self._client, self._model.tokenizer, answer.id, prompt_ids, sampling, body.stop
+        )
+        if body.stream:
+            chunks = _ChatChunks(answer, body.include_usage)
+            return EventStreamResponse(_event_stream(answer, deltas, chunks, body.include_usage))
+
+        def choice(text: str, finish_reason: str | None) -> dict[str, Any]:
+            message = {"role": "assistant", "content": text}
+            return {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+
+        return await _complete(request, answer, deltas, choice)
+
+    async def completions(self, request: Request) -> Response:
+        body = parse_request(CompletionRequest, await request.body())
+        self._check_model(body.model)
+        if isinstance(body.prompt, str):
+            prompt_ids = await self._model.encode(body.prompt, add_special_tokens=True)
+            if not prompt_ids:
+                raise ApiError(400, "The prompt is empty.", param="prompt")
+        else:
+            prompt_ids = body.prompt
+            self._check_token_ids(prompt_ids, "prompt")
+        sampling = self._sampling(body, len(prompt_ids), body.max_tokens, "prompt")
+        answer = _Answer(
+            f"cmpl-{uuid.uuid4().hex}",
+            "text_completion",
+            int(time.time()),
+            self._model.name,
+            len(prompt_ids),
+        )
+        deltas = generate_text(
+            self._client, self._model.tokenizer, answer.id, prompt_ids, sampling, body.stop
+        )
+        if body.stream:
+            chunks = _CompletionChunks(answer, body.include_usage)
+            return EventStreamResponse(_event_stream(answer, deltas, chunks, body.include_usage))
+
+        def choice(text: str, finish_reason: str | None) -> dict[str, Any]:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+        return await _complete(request, answer, deltas, choice)
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        self._check_model(request.path_params["model"])
+        return JSONResponse(self._model_card())
+
+    async def health(self, request: Request) -> Response:
+        stats = await self._client.stats(_HEALTH_TIMEOUT_S)
+        if stats is None:
+            error = ApiError(503, "The engine is not answering.", code="engine_unavailable").body()
+            return JSONResponse({"status": "unavailable", **error}, status_code=503)
+        return JSONResponse({"status": "ok", "engine": dataclasses.asdict(stats)})
+
+    def _model_card(self) -> dict[str, Any]:
+        return {
+            "id": self._model.name,
+            "object": "model",
+            "created": self._model.created,
+            "owned_by": "tandem",
+            "max_model_len": self._model.max_model_len,
+        }
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self._model.name:
+            raise ApiError(
+                404,
+                f"The model `{name}` does not exist. This server serves `{self._model.name}`.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def _check_token_ids(self, token_ids: list[int], param: str) -> None:
+        # Non-negative is checked by the schema; the upper bound depends on the model.
+        if token_ids and max(token_ids) >= self._model.vocab_size:
+            raise ApiError(
+                400,
+                f"Token id {max(token_ids)} is out of range: the vocabulary has "
+                f"{self._model.vocab_size} tokens.",
+                param=param,
+            )
+
+    def _sampling(
+        self, body: GenerationBody, prompt_tokens: int, max_tokens: int | None, prompt_param: str
+    ) -> SamplingParams:
+        limit = self._model.max_model_len
+        if max_tokens is None and prompt_tokens >= limit:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"{prompt_param} resulted in {prompt_tokens} tokens. Please reduce the "
+                f"length of the {prompt_param}.",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        if max_tokens is not None and prompt_tokens + max_tokens > limit:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
+                f"{prompt_param}, {max_tokens} in the completion). Please reduce the length "
+                f"of the {prompt_param} or completion.",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        self._check_token_ids(body.stop_token_ids, "stop_token_ids")
+        return SamplingParams(
+            max_tokens=max_tokens if max_tokens is not None else limit - prompt_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=max(body.top_k or 0, 0),  # vLLM's -1 and OpenAI's absence: no cut
+            # The engine takes seeds in [0, 2**63); this maps OpenAI's signed ones there.
+            seed=None if body.seed is None else body.seed % 2**63,
+            stop_token_ids=body.stop_token_ids,
+            ignore_eos=body.ignore_eos,
+        )
+
+
+async def _complete(
+    request: Request,
+    answer: _Answer,
+    deltas: AsyncGenerator[TextDelta, None],
+    choice: Callable[[str, str | None], dict[str, Any]],
+) -> Response:
+    """The non-streamed answer: all of the text in one response."""
+    result = await _unless_disconnected(request, _collect(deltas))
+    if result is None:
+        return Response(status_code=_CLIENT_CLOSED_REQUEST)
+    text, finish_reason, completion_tokens = result
+    return JSONResponse(
+        {
+            **answer.header(),
+            "choices": [choice(text, finish_reason)],
+            "usage": answer.usage(completion_tokens),
+        }
+    )
+
+
+async def _collect(deltas: AsyncGenerator[TextDelta, None]) -> tuple[str, str | None, int]:
+    """The whole text, its finish reason and the completion token count."""
+    pieces: list[str] = []
+    finish_reason, completion_tokens = None, 0
+    async with aclosing(deltas):
+        async for delta in deltas:
+            pieces.append(delta.text)
+            finish_reason, completion_tokens = delta.finish_reason, delta.completion_tokens
+    return "".join(pieces), finish_reason, completion_tokens
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """``work``'s result, or None (and ``work`` cancelled) if the client goes away first.
+
+    Nothing else reads from the connection once the body is in, so waiting for its
+    next message costs nothing and tells us at once when the client disconnects.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()  # its cleanup aborts the request in the engine
+    if not task.done():
+        logger.info("client went away before the answer to %s", request.url.path)
+        return None
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _ChatChunks:
+    """``chat.completion.chunk`` events: a role delta, content deltas, the finish."""
+
+    def __init__(self, answer: _Answer, include_usage: bool) -> None:
+        self._header = answer.header()
+        self._include_usage = include_usage
+
+    def start(self) -> list[str]:
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def render(self, delta: TextDelta) -> list[str]:
+        events = [self._chunk({"content": delta.text})] if delta.text else []
+        if delta.finish_reason is not None:
+            events.append(self._chunk({}, delta.finish_reason))
+        return events
+
+    def _chunk(self, delta: dict[str, str], finish_reason: str | None = None) -> str:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        data: dict[str, Any] = {**self._header, "choices": [choice]}
+        if self._include_usage:
+            data["usage"] = None  # as OpenAI does: only the usage chunk has usage
+        return event(data)
+
+
+class _CompletionChunks:
+    """``text_completion`` events: text deltas, then the finish."""
+
+    def __init__(self, answer: _Answer, include_usage: bool) -> None:
+        self._header = answer.header()
+        self._include_usage = include_usage
+
+    def start(self) -> list[str]:
+        return []
+
+    def render(self, delta: TextDelta) -> list[str]:
+        events = [self._chunk(delta.text)] if delta.text else []
+        if delta.finish_reason is not None:
+            events.append(self._chunk("", delta.finish_reason))
+        return events
+
+    def _chunk(self, text: str, finish_reason: str | None = None) -> str:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        data: dict[str, Any] = {**self._header, "choices": [choice]}
+        if self._include_usage:
+            data["usage"] = None
+        return event(data)
+
+
+async def _event_stream(
+    answer: _Answer,
+    deltas: AsyncGenerator[TextDelta, None],
+    chunks: _ChatChunks | _CompletionChunks,
+    include_usage: bool,
+) -> AsyncGenerator[str, None]:
+    """The SSE body: the chunks of each delta, the usage chunk if asked, then [DONE].
+
+    The response status is already sent when an error happens here, so the error
+    goes into the stream as an event, as OpenAI and vLLM do.
+    """
+    completion_tokens = 0
+    try:
+        for item in chunks.start():
+            yield item
+        async with aclosing(deltas):
+            async for delta in deltas:
+                completion_tokens = delta.completion_tokens
+                for item in chunks.render(delta):
+                    yield item
+        if include_usage:
+            yield event(
+                {**answer.header(), "choices": [], "usage": answer.usage(completion_tokens)}
+            )
+    except ApiError as exc:
+        yield event(exc.body())
+    except Exception:
+        logger.exception("streaming %s failed", answer.id)
+        yield event(internal_error().body())
+    yield DONE

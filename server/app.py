@@ -1,0 +1,47 @@
+"""The Starlette application: routes, error handlers, and the web UI's files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import FileResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from protocol import HandshakeReply
+from server.api import OpenAIApi
+from server.engine_client import EngineClient
+from server.errors import ApiError, handle_api_error, handle_http_exception, handle_unexpected
+from server.served_model import ServedModel
+
+FRONTEND_DIR = Path(__file__).resolve().parent.parent / "frontend"
+
+
+def create_app(client: EngineClient, handshake: HandshakeReply) -> Starlette:
+    """The HTTP application serving ``handshake``'s model through ``client``."""
+    api = OpenAIApi(client, ServedModel.from_handshake(handshake))
+    index = FRONTEND_DIR / "index.html"
+
+    async def web_ui(request: Request) -> Response:
+        return FileResponse(index)
+
+    routes = [
+        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", api.model, methods=["GET"]),
+        Route("/health", api.health, methods=["GET"]),
+        Route("/", web_ui, methods=["GET"]),
+        Mount("/static", StaticFiles(directory=FRONTEND_DIR), name="static"),
+    ]
+    return Starlette(
+        routes=routes,
+        exception_handlers={
+            ApiError: handle_api_error,
+            HTTPException: handle_http_exception,
+            Exception: handle_unexpected,
+        },
+    )

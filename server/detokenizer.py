@@ -1,0 +1,126 @@
+"""Token ids to text, incrementally, with stop strings.
+
+Decoding each token on its own is wrong: a multi-byte character can span several
+tokens, and some decoders change a token's text depending on what precedes it
+(leading spaces). Decoding the whole output each step is right but O(length) per
+token. So we keep a short window: ``prefix`` tokens already emitted, as context,
+followed by tokens not emitted yet; each step decodes the window with and without
+the new tokens and emits the difference (the technique vLLM and TGI use). The window
+is trimmed as text is emitted, so each step costs O(1) in the output's length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenizers import Tokenizer
+
+# The decoder's output for an incomplete UTF-8 byte sequence at the end of the ids.
+_REPLACEMENT_CHAR = "\ufffd"
+
+# Prompt tokens decoded as context before the first output token, so that the first
+# output token decodes as it does after the prompt (e.g. keeps its leading space).
+_PROMPT_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Turns the output ids of one request into final text, a step at a time.
+
+    ``push`` returns only text that can no longer change: never half a character, and
+    nothing that could be the start of a stop string. Once a stop string appears,
+    ``stopped`` is set, and the text is cut before it; the caller then ends the request.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = ()
+    ) -> None:
+        self._tokenizer = tokenizer
+        context = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:])
+        # ids[:read_offset] have been emitted; ids[prefix_offset:read_offset] are context.
+        self._ids = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._prefix_text = self._decode(context)
+        self._stop = _StopStringMatcher(stop)
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.stopped
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Adds the new tokens of one engine step; returns the text that became final."""
+        if self._stop.stopped:
+            return ""
+        self._ids.extend(token_ids)
+        text = self._decode(self._ids[self._prefix_offset :])
+        # A trailing replacement character means the last token ends inside a
+        # character: hold these tokens back until the character is complete.
+        if len(text) <= len(self._prefix_text) or text.endswith(_REPLACEMENT_CHAR):
+            return ""
+        new_text = text[len(self._prefix_text) :]
+        self._advance()
+        return self._stop.feed(new_text)
+
+    def finish(self) -> str:
+        """Everything still held back, once the engine has finished the request."""
+        if self._stop.stopped:
+            return ""
+        # The request is over, so an incomplete character will never complete: emit
+        # what the decoder makes of it, as decoding all the ids at once would.
+        text = self._decode(self._ids[self._prefix_offset :])
+        new_text = text[len(self._prefix_text) :]
+        self._advance()
+        return self._stop.feed(new_text) + self._stop.release()
+
+    def _advance(self) -> None:
+        # The emitted tokens become the next step's context; older ones are dropped,
+        # which keeps the window (and so the decode cost) small.
+        del self._ids[: self._read_offset]
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._prefix_text = self._decode(self._ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class _StopStringMatcher:
+    """Cuts text before the first stop string, holding back possible beginnings of one."""
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self._stop = tuple(stop)
+        self._held = ""  # a suffix of the text so far that some stop string starts with
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        """Returns the part of ``text`` (after what was held) that is final."""
+        if not self._stop:
+            return text
+        buffer = self._held + text
+        cut = min((i for i in map(buffer.find, self._stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            self._held = ""
+            return buffer[:cut]
+        keep = self._longest_stop_prefix_suffix(buffer)
+        self._held = buffer[len(buffer) - keep :] if keep else ""
+        return buffer[: len(buffer) - keep]
+
+    def release(self) -> str:
+        """The held text, once no more text will come (so it cannot become a stop string)."""
+        held, self._held = self._held, ""
+        return held
+
+    def _longest_stop_prefix_suffix(self, buffer: str) -> int:
+        # Only the last len(stop) - 1 characters can start an incomplete stop string, so
+        # this costs O(stop length) whatever the length of the output.
+        longest = 0
+        for stop in self._stop:
+            start = max(len(buffer) - len(stop) + 1, 0)
+            start = buffer.find(stop[0], start)
+            while start >= 0 and len(buffer) - start > longest:
+                if stop.startswith(buffer[start:]):
+                    longest = len(buffer) - start
+                    break
+                start = buffer.find(stop[0], start + 1)
+        return longest

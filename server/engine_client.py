@@ -1,0 +1,304 @@
+"""The server's one connection to the engine: a ZeroMQ DEALER socket speaking the protocol.
+
+One background task receives every frame and routes each request's outputs to that
+request's queue, so any number of HTTP requests share the socket without locks. A
+second task watches the connection: on every (re)connection it performs the
+handshake (a restarted engine knows nothing of this server), and on disconnection
+it fails the requests in flight at once instead of letting them wait forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
+
+from protocol import (
+    PROTOCOL_VERSION,
+    AbortRequest,
+    EngineStats,
+    ErrorCode,
+    ErrorReply,
+    GenerateRequest,
+    HandshakeReply,
+    HandshakeRequest,
+    Message,
+    ProtocolError,
+    RequestOutput,
+    SamplingParams,
+    StatsRequest,
+    TokenOutputs,
+    decode_message,
+)
+
+logger = logging.getLogger(__name__)
+
+# Milliseconds that close() may spend delivering queued messages (aborts, mostly);
+# the engine also drops the requests of a server that went away, so after that we
+# give up rather than hang the shutdown.
+_LINGER_MS = 500
+# ZMTP heartbeats notice an engine host that vanished without closing its connection.
+_HEARTBEAT_IVL_MS = 2_000
+_HEARTBEAT_TIMEOUT_MS = 10_000
+# How often connect() says it is still waiting for the engine to answer.
+_WAITING_LOG_INTERVAL_S = 15.0
+
+
+class EngineUnavailable(Exception):
+    """The engine is not connected, or the connection was lost during the request."""
+
+
+class EngineRequestError(Exception):
+    """The engine refused a request (an ErrorReply for it)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class HandshakeError(Exception):
+    """The engine cannot be served: incompatible, or not answering in time."""
+
+
+class EngineClient:
+    """Sends requests to the engine and hands each request its outputs."""
+
+    def __init__(self, address: str, client_name: str = "tandem-server") -> None:
+        self.address = address
+        self._client_name = client_name
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, _LINGER_MS)
+        self._socket.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
+        self._socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+        self._queues: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
+        self._stats_waiters: list[asyncio.Future[EngineStats | None]] = []
+        self._handshake: asyncio.Future[HandshakeReply] | None = None
+        self._ready = False  # handshaken with the engine at the other end right now
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def connect(self, timeout: float) -> HandshakeReply:
+        """Connects and handshakes; waits up to ``timeout`` s for the engine to answer.
+
+        The engine may still be loading its weights, and ZeroMQ keeps retrying the
+        connection by itself, so this only waits. Raises ``HandshakeError``.
+        """
+        self._handshake = asyncio.get_running_loop().create_future()
+        self._monitor = self._socket.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        )
+        self._tasks = [
+            asyncio.create_task(self._receive_loop(), name="engine-receive"),
+            asyncio.create_task(self._monitor_loop(self._monitor), name="engine-monitor"),
+        ]
+        self._socket.connect(self.address)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise HandshakeError(
+                    f"the engine at {self.address} did not answer within {timeout:g} s"
+                )
+            try:
+                wait = min(left, _WAITING_LOG_INTERVAL_S)
+                return await asyncio.wait_for(asyncio.shield(self._handshake), wait)
+            except TimeoutError:
+                if time.monotonic() < deadline:
+                    logger.info("still waiting for the engine at %s", self.address)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._monitor is not None:
+            self._socket.disable_monitor()
+            self._monitor.close(linger=0)
+        self._socket.close()
+        self._context.term()
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yields the request's outputs until the one with a finish reason.
+
+        Closing the iterator early (a client went away, a stop string was found)
+        aborts the request in the engine, so its cache is freed at once. Raises
+        ``EngineRequestError`` if the engine refuses it and ``EngineUnavailable``
+        if there is no engine.
+        """
+        if not self._ready:
+            raise EngineUnavailable(f"the engine at {self.address} is not connected")
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            self._send(GenerateRequest(request_id, prompt_token_ids, sampling))
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+        finally:
+            del self._queues[request_id]
+            if not finished:
+                # No await here: this runs when the consumer is cancelled too.
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Asks the engine to drop the request now (unknown ids are ignored there)."""
+        if self._ready:
+            self._send(AbortRequest(request_id))
+
+    async def stats(self, timeout: float) -> EngineStats | None:
+        """The engine's current stats, or None if it does not answer within ``timeout`` s."""
+        if not self._ready:
+            return None
+        # Replies carry no id, so any reply answers every caller waiting at that
+        # moment; each caller sends its own request so a lost one delays nobody else.
+        waiter: asyncio.Future[EngineStats | None] = asyncio.get_running_loop().create_future()
+        self._stats_waiters.append(waiter)
+        try:
+            self._send(StatsRequest())
+            return await asyncio.wait_for(waiter, timeout)
+        except TimeoutError:
+            return None
+        finally:
+            with contextlib.suppress(ValueError):  # already answered and removed
+                self._stats_waiters.remove(waiter)
+
+    def _send(self, message: Message) -> None:
+        # pyzmq sends at once unless the high-water mark is reached (the engine has
+        # stopped reading); then it finishes later, in order. Either way nobody needs
+        # to wait, which lets abort() run inside a cancelled task.
+        sent = asyncio.ensure_future(self._socket.send(message.encode()))
+        sent.add_done_callback(_log_send_failure)
+
+    async def _receive_loop(self) -> None:
+        while True:
+            frame = await self._socket.recv()
+            try:
+                message = decode_message(frame)
+            except ProtocolError as exc:
+                logger.error("dropped a malformed frame from the engine: %s", exc)
+                continue
+            try:
+                self._dispatch(message)
+            except Exception:
+                # A bug in handling one message must not stop all future deliveries.
+                logger.exception("failed to handle %s from the engine", type(message).__name__)
+
+    def _dispatch(self, message: Message) -> None:
+        if isinstance(message, TokenOutputs):
+            for output in message.outputs:
+                queue = self._queues.get(output.request_id)
+                # None: the request was aborted here while these tokens were on the way.
+                if queue is not None:
+                    queue.put_nowait(output)
+        elif isinstance(message, ErrorReply):
+            self._on_error(message)
+        elif isinstance(message, EngineStats):
+            for waiter in self._stats_waiters:
+                if not waiter.done():
+                    waiter.set_result(message)
+            self._stats_waiters.clear()
+        elif isinstance(message, HandshakeReply):
+            self._on_handshake_reply(message)
+        else:
+            logger.error("unexpected %s from the engine", type(message).__name__)
+
+    def _on_error(self, reply: ErrorReply) -> None:
+        if reply.code == ErrorCode.NOT_READY and self._ready:
+            # The engine has forgotten this server (it drops servers that stop
+            # reading), and with it every request of ours: fail them, then handshake
+            # again so that new requests work.
+            self._lose_engine(f"the engine dropped this server: {reply.message}")
+            self._send(HandshakeRequest(PROTOCOL_VERSION, self._client_name))
+            return
+        queue = self._queues.get(reply.request_id)
+        if queue is not None:
+            queue.put_nowait(EngineRequestError(reply.code, reply.message))
+            return
+        if reply.request_id:
+            logger.debug("error for finished request %s: %s", reply.request_id, reply.message)
+            return
+        if self._handshake is not None and not self._handshake.done():
+            self._handshake.set_exception(
+                HandshakeError(f"the engine refused the handshake: {reply.message}")
+            )
+        else:
+            logger.error("the engine refused a message: %s: %s", reply.code, reply.message)
+
+    def _on_handshake_reply(self, reply: HandshakeReply) -> None:
+        assert self._handshake is not None  # replies only come after connect()
+        if reply.protocol_version != PROTOCOL_VERSION:
+            problem = (
+                f"the engine speaks protocol version {reply.protocol_version}, "
+                f"this server {PROTOCOL_VERSION}"
+            )
+            if self._handshake.done():
+                logger.error(problem)
+            else:
+                self._handshake.set_exception(HandshakeError(problem))
+            return
+        if not self._handshake.done():
+            self._handshake.set_result(reply)
+        elif not _same_model(self._handshake.result(), reply):
+            # Everything this server knows (tokenizer, template, limits) came from
+            # the first handshake; serving another model with it would be wrong.
+            logger.error(
+                "the engine was restarted with a different model (%s); "
+                "restart this server to serve it",
+                reply.model_name,
+            )
+            return
+        logger.info("handshake with the engine (pid %d) done", reply.engine_pid)
+        self._ready = True
+
+    async def _monitor_loop(self, monitor: zmq.asyncio.Socket) -> None:
+        while True:
+            event = await recv_monitor_message(monitor)
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                logger.info("connected to the engine at %s", self.address)
+                self._send(HandshakeRequest(PROTOCOL_VERSION, self._client_name))
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self._lose_engine(f"lost the connection to the engine at {self.address}")
+
+    def _lose_engine(self, reason: str) -> None:
+        """Fails everything waiting on the engine; new requests wait for a handshake."""
+        if self._ready:
+            logger.error(reason)
+        self._ready = False
+        for queue in self._queues.values():
+            queue.put_nowait(EngineUnavailable(reason))
+        for waiter in self._stats_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._stats_waiters.clear()
+
+
+def _same_model(first: HandshakeReply, second: HandshakeReply) -> bool:
+    def identity(reply: HandshakeReply) -> HandshakeReply:
+        return dataclasses.replace(reply, engine_pid=0, engine_started_at=0.0)
+
+    return identity(first) == identity(second)
+
+
+def _log_send_failure(sent: asyncio.Future[Any]) -> None:
+    if not sent.cancelled() and sent.exception() is not None:
+        logger.error("failed to send to the engine: %s", sent.exception())

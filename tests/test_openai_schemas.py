@@ -1,0 +1,319 @@
+"""Request validation: bad requests get OpenAI's error bodies before any engine call.
+
+The app runs with a real EngineClient that has no engine behind it, so only the
+paths that answer without the engine are exercised here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from protocol import PROTOCOL_VERSION, HandshakeReply
+from server.app import create_app
+from server.engine_client import EngineClient
+from server.errors import ApiError
+from server.openai_schemas import ChatCompletionRequest, CompletionRequest, parse_request
+
+MODEL = "tiny-test-model"
+MAX_MODEL_LEN = 64
+CHATML = (
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+STRICT = (
+    "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}"
+)
+
+
+def tokenizer_json() -> str:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(["hello world, the quick brown fox"] * 5, trainer)
+    return tokenizer.to_str()
+
+
+TOKENIZER_JSON = tokenizer_json()
+VOCAB_SIZE = Tokenizer.from_str(TOKENIZER_JSON).get_vocab_size(with_added_tokens=True)
+
+
+def make_client(chat_template: str | None) -> Iterator[TestClient]:
+    handshake = HandshakeReply(
+        protocol_version=PROTOCOL_VERSION,
+        model_name=MODEL,
+        tokenizer_json=TOKENIZER_JSON,
+        chat_template=chat_template,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        eos_token_ids=[1],
+        max_model_len=MAX_MODEL_LEN,
+        engine_pid=1,
+        engine_started_at=time.time(),
+    )
+    # Never connected: there is no engine, and these tests must not need one.
+    engine = EngineClient("tcp://127.0.0.1:9")
+    with TestClient(create_app(engine, handshake), raise_server_exceptions=False) as client:
+        yield client
+    asyncio.run(engine.close())
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[TestClient]:
+    yield from make_client(CHATML)
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], **fields}
+
+
+def assert_error(
+    response: Any, status: int, param: str | None = None, code: str | None = None
+) -> str:
+    """Checks the OpenAI error body; returns its message."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    body = response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["type"] == ("invalid_request_error" if status < 500 else "server_error")
+    assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    return error["message"]
+
+
+# The body itself
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_invalid_json(client: TestClient, path: str) -> None:
+    response = client.post(path, content=b'{"messages": [')
+    assert "JSON" in assert_error(response, 400)
+
+
+@pytest.mark.parametrize("body", [b"[]", b'"text"', b"3"])
+def test_body_must_be_an_object(client: TestClient, body: bytes) -> None:
+    assert "object" in assert_error(client.post("/v1/chat/completions", content=body), 400)
+
+
+# Chat fields
+
+
+def test_missing_messages(client: TestClient) -> None:
+    response = client.post("/v1/chat/completions", json={"model": MODEL})
+    message = assert_error(response, 400, "messages", "missing_required_parameter")
+    assert "messages" in message
+
+
+def test_empty_messages(client: TestClient) -> None:
+    response = client.post("/v1/chat/completions", json=chat(messages=[]))
+    assert_error(response, 400, "messages")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", -1),
+        ("max_tokens", 0),
+        ("max_tokens", "many"),
+        ("max_completion_tokens", 0),
+        ("temperature", -0.1),
+        ("temperature", 2.5),
+        ("top_p", 0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("seed", 2**64),
+        ("stream", "sometimes"),
+    ],
+)
+def test_out_of_range_sampling(client: TestClient, field: str, value: Any) -> None:
+    response = client.post("/v1/chat/completions", json=chat(**{field: value}))
+    assert field in assert_error(response, 400, field)
+
+
+@pytest.mark.parametrize(
+    "stop", [["a", "b", "c", "d", "e"], 7, [1, 2], ["ok", ""]], ids=["five", "int", "ints", "empty"]
+)
+def test_bad_stop(client: TestClient, stop: Any) -> None:
+    assert_error(client.post("/v1/chat/completions", json=chat(stop=stop)), 400, "stop")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("n", 2),
+        ("frequency_penalty", 0.5),
+        ("presence_penalty", -1),
+        ("logprobs", True),
+        ("top_logprobs", 3),
+        ("logit_bias", {"42": 5}),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("response_format", {"type": "json_object"}),
+    ],
+)
+def test_honest_refusals(client: TestClient, field: str, value: Any) -> None:
+    response = client.post("/v1/chat/completions", json=chat(**{field: value}))
+    message = assert_error(response, 400, field, "unsupported_parameter")
+    assert "not supported" in message
+
+
+def test_message_fields(client: TestClient) -> None:
+    no_role = chat(messages=[{"content": "hi"}])
+    assert_error(client.post("/v1/chat/completions", json=no_role), 400, "messages[0].role")
+    image = [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+    with_image = chat(
+        messages=[{"role": "user", "content": "hi"}, {"role": "user", "content": image}]
+    )
+    response = client.post("/v1/chat/completions", json=with_image)
+    assert_error(response, 400, "messages[1].content", "unsupported_parameter")
+
+
+def test_unknown_model(client: TestClient) -> None:
+    response = client.post("/v1/chat/completions", json=chat(model="gpt-4o"))
+    assert "gpt-4o" in assert_error(response, 404, "model", "model_not_found")
+
+
+def test_prompt_longer_than_the_context(client: TestClient) -> None:
+    long = chat(messages=[{"role": "user", "content": "hello world " * MAX_MODEL_LEN}])
+    response = client.post("/v1/chat/completions", json=long)
+    message = assert_error(response, 400, "messages", "context_length_exceeded")
+    assert f"maximum context length is {MAX_MODEL_LEN} tokens" in message
+
+
+def test_prompt_plus_max_tokens_longer_than_the_context(client: TestClient) -> None:
+    response = client.post("/v1/chat/completions", json=chat(max_tokens=MAX_MODEL_LEN))
+    message = assert_error(response, 400, "messages", "context_length_exceeded")
+    assert f"{MAX_MODEL_LEN} in the completion" in message
+
+
+def test_template_refusal_is_a_400() -> None:
+    for client in make_client(STRICT):
+        response = client.post("/v1/chat/completions", json=chat(messages=[{"role": "system"}]))
+        assert "first must be user" in assert_error(response, 400, "messages")
+
+
+def test_no_chat_template() -> None:
+    for client in make_client(None):
+        response = client.post("/v1/chat/completions", json=chat())
+        message = assert_error(response, 400, "messages")
+        assert "no chat template" in message and "/v1/completions" in message
+
+
+# Completion fields
+
+
+@pytest.mark.parametrize("prompt", [["one", "two"], [], [1, "a"], [[1, 2]], None, [True]], ids=str)
+def test_bad_prompt(client: TestClient, prompt: Any) -> None:
+    response = client.post("/v1/completions", json={"prompt": prompt})
+    assert_error(response, 400, "prompt")
+
+
+def test_missing_prompt(client: TestClient) -> None:
+    response = client.post("/v1/completions", json={"model": MODEL})
+    assert_error(response, 400, "prompt", "missing_required_parameter")
+
+
+@pytest.mark.parametrize("token_ids", [[1, -1], [VOCAB_SIZE]])
+def test_token_ids_out_of_range(client: TestClient, token_ids: list[int]) -> None:
+    response = client.post("/v1/completions", json={"prompt": token_ids})
+    assert_error(response, 400, "prompt")
+    response = client.post("/v1/completions", json={"prompt": [1], "stop_token_ids": token_ids})
+    assert_error(response, 400, "stop_token_ids" if token_ids[-1] >= 0 else "stop_token_ids[1]")
+
+
+def test_completion_refusals(client: TestClient) -> None:
+    for field, value in [("echo", True), ("suffix", "end"), ("best_of", 2), ("logprobs", 2)]:
+        response = client.post("/v1/completions", json={"prompt": "hi", field: value})
+        assert_error(response, 400, field, "unsupported_parameter")
+
+
+def test_completion_too_long(client: TestClient) -> None:
+    response = client.post("/v1/completions", json={"prompt": list(range(MAX_MODEL_LEN))})
+    assert_error(response, 400, "prompt", "context_length_exceeded")
+
+
+# Without an engine
+
+
+def test_valid_request_without_engine_is_a_503(client: TestClient) -> None:
+    response = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})
+    assert_error(response, 503, None, "engine_unavailable")
+
+
+def test_health_without_engine(client: TestClient) -> None:
+    response = client.get("/health")
+    assert response.status_code == 503
+    assert response.json()["status"] == "unavailable"
+
+
+# Routing
+
+
+def test_unknown_route(client: TestClient) -> None:
+    assert_error(client.get("/v1/nothing-here"), 404)
+
+
+def test_wrong_method(client: TestClient) -> None:
+    response = client.get("/v1/chat/completions")
+    assert_error(response, 405)
+    assert "POST" in response.headers["allow"]
+
+
+def test_models(client: TestClient) -> None:
+    body = client.get("/v1/models").json()
+    assert body["object"] == "list"
+    (card,) = body["data"]
+    assert card["id"] == MODEL and card["object"] == "model"
+    assert card["max_model_len"] == MAX_MODEL_LEN
+    assert client.get(f"/v1/models/{MODEL}").json() == card
+    assert_error(client.get("/v1/models/other"), 404, "model", "model_not_found")
+
+
+def test_web_ui(client: TestClient) -> None:
+    page = client.get("/")
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    for name in ("app.js", "style.css"):
+        assert f"/static/{name}" in page.text
+        assert client.get(f"/static/{name}").status_code == 200
+
+
+# The models themselves
+
+
+def test_defaults_and_normalisation() -> None:
+    request = parse_request(
+        ChatCompletionRequest,
+        b'{"messages": [{"role": "user", "content": "hi", "name": "ann"}], "stop": "END",'
+        b' "frequency_penalty": 0, "n": 1, "stream_options": {"include_usage": true}}',
+    )
+    assert request.stop == ["END"]
+    assert request.temperature is None and request.top_p is None  # defaults come later
+    assert request.include_usage
+    assert request.messages[0].model_dump(exclude_unset=True) == {
+        "role": "user",
+        "content": "hi",
+        "name": "ann",
+    }
+    assert parse_request(CompletionRequest, b'{"prompt": ["just one"]}').prompt == "just one"
+    assert parse_request(CompletionRequest, b'{"prompt": [5, 6]}').prompt == [5, 6]
+
+
+def test_parse_request_raises_api_errors() -> None:
+    with pytest.raises(ApiError) as caught:
+        parse_request(CompletionRequest, b'{"prompt": "x", "max_tokens": 0}')
+    assert caught.value.status == 400 and caught.value.param == "max_tokens"
