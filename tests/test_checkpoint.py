@@ -5,6 +5,7 @@ from __future__ import annotations
 import filecmp
 import json
 import logging
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,8 @@ from transformers import (
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.checkpoint import DEFAULT_MODEL, Checkpoint, load_checkpoint, resolve
+from engine.checkpoint.gguf_dequantize import dequantize
+from engine.checkpoint.gguf_file import read_gguf
 from engine.checkpoint.hf_checkpoint import hf_model_config
 from engine.model_config import RopeScaling
 
@@ -340,6 +343,151 @@ def test_gguf_of_another_architecture_is_refused(
     write_tiny_gguf(path, tiny_model, architecture="qwen2")
     with pytest.raises(ValueError, match="'qwen2'"):
         load_checkpoint(str(path))
+
+
+# --- the GGUF reader and dequantization, against the gguf package ---------------------------
+
+VALUE_TYPE = gguf.GGUFValueType
+EVERY_VALUE_TYPE = {  # each scalar type's values: the first alone, and all of them as an array
+    VALUE_TYPE.UINT8: [200, 0, 255],
+    VALUE_TYPE.INT8: [-100, 127, -128],
+    VALUE_TYPE.UINT16: [60000, 1],
+    VALUE_TYPE.INT16: [-30000, 2],
+    VALUE_TYPE.UINT32: [4_000_000_000, 3],
+    VALUE_TYPE.INT32: [-2_000_000_000, 4],
+    VALUE_TYPE.FLOAT32: [0.1, -2.5, float("inf")],
+    VALUE_TYPE.BOOL: [True, False, True],
+    VALUE_TYPE.STRING: ["héllo 🤗", "", "two words"],
+    VALUE_TYPE.UINT64: [2**63 + 1, 5],
+    VALUE_TYPE.INT64: [-(2**62), 6],
+    VALUE_TYPE.FLOAT64: [0.1, 1e300],
+}
+QUANTIZED_TYPES = [
+    gguf.GGMLQuantizationType.Q4_0,
+    gguf.GGMLQuantizationType.Q4_1,
+    gguf.GGMLQuantizationType.Q8_0,
+]
+NESTED = [[1, 2], [3]]
+
+
+@pytest.fixture(scope="module")
+def every_type_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every metadata type, alone and in arrays, an alignment of 64, and tensors of many types."""
+    path = tmp_path_factory.mktemp("every-type") / "every-type.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_custom_alignment(64)
+    for value_type, values in EVERY_VALUE_TYPE.items():
+        key = f"test.{value_type.name.lower()}"
+        writer.add_key_value(key, values[0], value_type)
+        writer.add_key_value(f"{key}_array", values, VALUE_TYPE.ARRAY, sub_type=value_type)
+    writer.add_key_value("test.nested", NESTED, VALUE_TYPE.ARRAY)
+    values = np.random.default_rng(0).standard_normal((4, 3, 64), dtype=np.float32)
+    writer.add_tensor("f32", values)
+    writer.add_tensor("f16", values.astype(np.float16))
+    writer.add_tensor("f32_odd_length", values[0, 0, :7].copy())  # makes the next one pad
+    for qtype in QUANTIZED_TYPES:
+        writer.add_tensor(qtype.name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("file", ["smollm2_gguf", "tiny_gguf", "every_type_gguf"])
+def test_gguf_reader_matches_the_gguf_package(file: str, request: pytest.FixtureRequest) -> None:
+    path: Path = request.getfixturevalue(file)
+    ours = read_gguf(path)
+    reference = gguf.GGUFReader(path)
+    fields = {name: field.contents() for name, field in reference.fields.items()}
+    assert ours.version == fields.pop("GGUF.version")
+    assert len(ours.tensors) == fields.pop("GGUF.tensor_count")
+    assert len(ours.metadata) == fields.pop("GGUF.kv_count")
+    if "test.nested" in fields:
+        # gguf flattens an array of arrays; the nesting is kept here.
+        assert ours.metadata["test.nested"] == NESTED
+        assert fields["test.nested"] == [1, 2, 3]
+        fields["test.nested"] = NESTED
+    assert list(ours.metadata) == list(fields)
+    for key, value in fields.items():
+        # repr tells 1, 1.0 and True apart, which == does not.
+        assert repr(ours.metadata[key]) == repr(value), key
+    assert (ours.alignment, ours.data_offset) == (reference.alignment, reference.data_offset)
+    assert list(ours.tensors) == [tensor.name for tensor in reference.tensors]
+    for expected in reference.tensors:
+        tensor = ours.tensors[expected.name]
+        assert tensor.type == expected.tensor_type, expected.name
+        assert tensor.shape == tuple(reversed(expected.shape.tolist())), expected.name
+        assert tensor.data.nbytes == expected.n_bytes, expected.name
+        assert tensor.data.tobytes() == expected.data.tobytes(), expected.name
+        # A view of the file's map: nothing is read until the weights stream.
+        assert not tensor.data.flags.owndata and not tensor.data.flags.writeable
+
+
+def test_every_metadata_type_reads_as_written(every_type_gguf: Path) -> None:
+    metadata = read_gguf(every_type_gguf).metadata
+    assert read_gguf(every_type_gguf).alignment == 64
+    for value_type, values in EVERY_VALUE_TYPE.items():
+        key = f"test.{value_type.name.lower()}"
+        if value_type == VALUE_TYPE.FLOAT32:
+            values = np.array(values, dtype=np.float32).tolist()  # as rounded to float32
+        assert metadata[key] == values[0], key
+        assert metadata[f"{key}_array"] == values, key
+
+
+@pytest.mark.parametrize("file", ["smollm2_gguf", "every_type_gguf"])
+def test_dequantize_is_bit_exact_with_gguf(file: str, request: pytest.FixtureRequest) -> None:
+    tensors = read_gguf(request.getfixturevalue(file)).tensors.values()
+    assert {tensor.type for tensor in tensors} & set(QUANTIZED_TYPES)  # the fast path runs
+    for tensor in tensors:
+        rows = tensor.data.reshape(*tensor.shape[:-1], -1)  # gguf's input: bytes in rows
+        expected = (
+            gguf.quants.dequantize(rows, tensor.type).astype(np.float32).reshape(tensor.shape)
+        )
+        array = dequantize(tensor)
+        assert array.dtype == np.float32 and array.shape == tensor.shape, tensor.name
+        # Compared as bits: -0.0 against 0.0, or NaN against NaN, count too.
+        assert np.array_equal(array.view(np.uint32), expected.view(np.uint32)), tensor.name
+
+
+def gguf_header(version: int, byte_order: str = "<", metadata_count: int = 0) -> bytes:
+    return b"GGUF" + struct.pack(f"{byte_order}IQQ", version, 0, metadata_count)
+
+
+@pytest.mark.parametrize(
+    ("contents", "message"),
+    [
+        (b"GGML" + bytes(20), "no GGUF magic"),
+        (b"GG", "too short"),
+        (gguf_header(1), "version 1"),
+        (gguf_header(3, ">"), "big-endian"),
+        (gguf_header(3)[:-3], "truncated"),
+        (gguf_header(3, metadata_count=1) + struct.pack("<Q", 1) + b"\xff", "not UTF-8"),
+    ],
+)
+def test_not_a_readable_gguf_is_refused(tmp_path: Path, contents: bytes, message: str) -> None:
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(contents)
+    with pytest.raises(ValueError, match=message):
+        read_gguf(path)
+
+
+def test_truncated_gguf_is_refused(tmp_path: Path, every_type_gguf: Path) -> None:
+    contents = every_type_gguf.read_bytes()
+    reference = gguf.GGUFReader(every_type_gguf)
+    path = tmp_path / "truncated.gguf"
+    # Every cut from the counts to the tensor data: inside keys, values, arrays and tensor infos.
+    for cut in range(len(gguf_header(3)) - 8, reference.data_offset):
+        path.write_bytes(contents[:cut])
+        with pytest.raises(ValueError, match=r"truncated|runs past the end"):
+            read_gguf(path)
+    # A byte short of the last tensor's end; the padding after it does not count.
+    last = reference.tensors[-1]
+    path.write_bytes(contents[: last.data_offset + last.n_bytes - 1])
+    with pytest.raises(ValueError, match=f"tensor '{last.name}' runs past the end"):
+        read_gguf(path)
+    path.write_bytes(contents[: last.data_offset + last.n_bytes])
+    assert read_gguf(path).tensors[last.name].data.tobytes() == last.data.tobytes()
 
 
 # --- a Hugging Face directory ----------------------------------------------------------------

@@ -12,6 +12,7 @@ tensor data.
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -27,23 +28,22 @@ _SUPPORTED_VERSIONS = (2, 3)
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
-# How each scalar type reads alone, and as the items of an array.
-_SCALARS: dict[GGUFValueType, tuple[struct.Struct, np.dtype[Any]]] = {
-    value_type: (struct.Struct(form), np.dtype(dtype))
-    for value_type, form, dtype in [
-        (GGUFValueType.UINT8, "<B", "<u1"),
-        (GGUFValueType.INT8, "<b", "<i1"),
-        (GGUFValueType.UINT16, "<H", "<u2"),
-        (GGUFValueType.INT16, "<h", "<i2"),
-        (GGUFValueType.UINT32, "<I", "<u4"),
-        (GGUFValueType.INT32, "<i", "<i4"),
-        (GGUFValueType.FLOAT32, "<f", "<f4"),
-        (GGUFValueType.BOOL, "<?", "?"),
-        (GGUFValueType.UINT64, "<Q", "<u8"),
-        (GGUFValueType.INT64, "<q", "<i8"),
-        (GGUFValueType.FLOAT64, "<d", "<f8"),
-    ]
-}
+# Each scalar type: how one reads alone (struct) and how an array of them reads (numpy).
+_SCALAR_TYPES = [
+    (GGUFValueType.UINT8, "<B", "<u1"),
+    (GGUFValueType.INT8, "<b", "<i1"),
+    (GGUFValueType.UINT16, "<H", "<u2"),
+    (GGUFValueType.INT16, "<h", "<i2"),
+    (GGUFValueType.UINT32, "<I", "<u4"),
+    (GGUFValueType.INT32, "<i", "<i4"),
+    (GGUFValueType.FLOAT32, "<f", "<f4"),
+    (GGUFValueType.BOOL, "<?", "?"),
+    (GGUFValueType.UINT64, "<Q", "<u8"),
+    (GGUFValueType.INT64, "<q", "<i8"),
+    (GGUFValueType.FLOAT64, "<d", "<f8"),
+]
+_SCALAR_FORMS = {value_type: struct.Struct(form) for value_type, form, _ in _SCALAR_TYPES}
+_ARRAY_DTYPES = {value_type: np.dtype(dtype) for value_type, _, dtype in _SCALAR_TYPES}
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,8 @@ def read_gguf(path: Path) -> GGUFFile:
         return _Parser(buffer, path).file()
     except struct.error as error:
         raise ValueError(f"{path}: truncated GGUF file") from error
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: a GGUF string is not UTF-8: {error}") from error
 
 
 class _Parser:
@@ -92,7 +94,7 @@ class _Parser:
         version = self.scalar(_U32)
         if version not in _SUPPORTED_VERSIONS:
             # A big-endian file's small version number reads as a multiple of 65536 here.
-            detail = "is big-endian" if version & 0xFFFF == 0 else f"has version {version}"
+            detail = "is big-endian" if (version & 0xFFFF) == 0 else f"has version {version}"
             raise ValueError(
                 f"{self.path}: GGUF file {detail}; only little-endian versions 2 and 3 are read"
             )
@@ -128,37 +130,47 @@ class _Parser:
         return self.buffer[start : self.position].decode()
 
     def value(self, raw_type: int) -> Any:
-        value_type = GGUFValueType(raw_type)
+        value_type = self.value_type(raw_type)
         if value_type == GGUFValueType.STRING:
             return self.string()
         if value_type == GGUFValueType.ARRAY:
             return self.array()
-        return self.scalar(_SCALARS[value_type][0])
+        return self.scalar(_SCALAR_FORMS[value_type])
+
+    def value_type(self, raw_type: int) -> GGUFValueType:
+        try:
+            return GGUFValueType(raw_type)
+        except ValueError:
+            raise ValueError(f"{self.path}: unknown GGUF value type {raw_type}") from None
 
     def array(self) -> list[Any]:
-        item_type = GGUFValueType(self.scalar(_U32))
+        item_type = self.value_type(self.scalar(_U32))
         count = self.scalar(_U64)
         if item_type == GGUFValueType.STRING:
             return self.strings(count)
         if item_type == GGUFValueType.ARRAY:
             return [self.array() for _ in range(count)]
-        dtype = _SCALARS[item_type][1]
+        dtype = _ARRAY_DTYPES[item_type]
+        end = self.position + count * dtype.itemsize
+        if end > len(self.buffer):
+            raise ValueError(f"{self.path}: truncated GGUF file")
         items = np.frombuffer(self.buffer, dtype, count, self.position)
-        self.position += items.nbytes
+        self.position = end
         return items.tolist()
 
     def strings(self, count: int) -> list[str]:
         """A vocabulary is tens of thousands of strings: one tight loop with everything local."""
         buffer, position, unpack_length = self.buffer, self.position, _U64.unpack_from
+        size = len(buffer)
         strings: list[str] = []
         append = strings.append
         for _ in range(count):
             (length,) = unpack_length(buffer, position)
-            position += 8
-            append(buffer[position : position + length].decode())
-            position += length
-        if position > len(buffer):  # the last slices came back short instead of failing
-            raise ValueError(f"{self.path}: truncated GGUF file")
+            start = position + 8
+            position = start + length
+            if position > size:  # the slice would come back short instead of failing
+                raise ValueError(f"{self.path}: truncated GGUF file")
+            append(buffer[start:position].decode())
         self.position = position
         return strings
 
@@ -184,7 +196,7 @@ class _Parser:
         except ValueError:
             raise ValueError(f"{self.path}: tensor {name!r} has unknown type {raw_type}") from None
         block_size, type_size = GGML_QUANT_SIZES[tensor_type]
-        elements = int(np.prod(shape))
+        elements = math.prod(shape)
         if shape and shape[-1] % block_size:
             raise ValueError(
                 f"{self.path}: tensor {name!r} rows of {shape[-1]} are not whole "
