@@ -29,6 +29,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["cpu", "cuda"],
         default="cuda" if torch.cuda.is_available() else "cpu",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        default="auto",
+        help="weights and activations (auto: bfloat16 on CUDA, float32 on CPU)",
+    )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument(
@@ -61,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         EngineConfig(
             model=args.model,
             device=args.device,
+            dtype=args.dtype,
             max_model_len=args.max_model_len,
             block_size=args.block_size,
             kv_cache_memory_gb=args.kv_cache_memory_gb,

@@ -16,7 +16,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.checkpoint import load_checkpoint
-from engine.model_runner import CacheConfig, ModelRunner, default_dtype
+from engine.model_runner import CacheConfig, ModelRunner, resolve_dtype
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 from protocol import (
@@ -39,6 +39,7 @@ _CUDA_ACTIVATION_RESERVE_BYTES = 2 * 1024**3
 class EngineConfig:
     model: str
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype: str = "auto"  # or a name in model_runner.DTYPES
     max_model_len: int | None = None  # default: the model's, capped by what the cache holds
     block_size: int = 16
     kv_cache_memory_gb: float | None = None  # default: 1 GiB on CPU, by utilization on CUDA
@@ -66,7 +67,8 @@ class LLMEngine:
         self.tokenizer = checkpoint.tokenizer
         self.vocab_size = checkpoint.config.vocab_size
         model_len = config.max_model_len or checkpoint.config.max_position_embeddings
-        self.runner = ModelRunner(checkpoint, self.device, default_dtype(self.device), model_len)
+        dtype = resolve_dtype(config.dtype, self.device)
+        self.runner = ModelRunner(checkpoint, self.device, dtype, model_len)
 
         num_blocks = self._num_kv_blocks(config)
         capacity = num_blocks * config.block_size

@@ -24,8 +24,14 @@ class CacheConfig:
     num_blocks: int
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` is bfloat16 on CUDA and float32 on CPU, where bf16 matmuls are slow."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
 
 
 def select_attention_backend(device: torch.device) -> AttentionBackend:
@@ -66,10 +72,12 @@ class ModelRunner:
     def allocate_kv_cache(self, cache: CacheConfig) -> None:
         c = self.config
         shape = (cache.num_blocks, cache.block_size, c.num_key_value_heads, c.head_dim)
+        # Zeroed, not empty: the reference attention reads whole blocks and masks what lies
+        # past a sequence's end, and a masked NaN from uninitialized memory still poisons it.
         layers = [
             LayerKVCache(
-                torch.empty(shape, dtype=self.dtype, device=self.device),
-                torch.empty(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
             )
             for _ in range(c.num_hidden_layers)
         ]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 import torch
+from transformers import LlamaForCausalLM
 
 from engine.llm_engine import EngineConfig, LLMEngine
 from protocol import SamplingParams
@@ -16,13 +19,13 @@ from tests.test_model_parity import run_engine
 @pytest.fixture(scope="module")
 def llama_1b(tmp_path_factory):
     directory = tmp_path_factory.mktemp("llama-1b")
-    model = save_random_llama(directory, LLAMA_3_2_1B, torch.bfloat16)
-    return directory, model.to("cuda")
+    save_random_llama(directory, LLAMA_3_2_1B, torch.bfloat16)
+    return directory
 
 
 @pytest.fixture(scope="module")
 def engine(llama_1b):
-    directory, _ = llama_1b
+    directory = llama_1b
     return LLMEngine(
         EngineConfig(model=str(directory), device="cuda", max_model_len=4096, kv_cache_memory_gb=4)
     )
@@ -35,35 +38,65 @@ def _prompts(count: int) -> list[list[int]]:
 
 
 def test_last_token_logits_match_transformers_in_bf16(llama_1b, engine):
-    _, hf_model = llama_1b
-    prompts = _prompts(4)
-    errors = []
-    for prompt in prompts:
+    """Our bf16 logits are as close to a float32 reference as transformers' own bf16 ones."""
+    # Both loaded from the files: a model cast with .to() would carry a bf16-rounded RoPE
+    # inv_freq buffer into the float32 reference.
+    hf_fp32 = LlamaForCausalLM.from_pretrained(llama_1b, dtype=torch.float32).cuda().eval()
+    hf_bf16 = LlamaForCausalLM.from_pretrained(llama_1b, dtype=torch.bfloat16).cuda().eval()
+    ours_errors, theirs_errors = [], []
+    for prompt in _prompts(4):
         with torch.no_grad():
-            reference = hf_model(torch.tensor([prompt], device="cuda")).logits[0, -1].float()
-        # One step of the engine computes exactly these logits; read them back via greedy.
+            ids = torch.tensor([prompt], device="cuda")
+            reference = hf_fp32(ids).logits[0, -1]
+            theirs = hf_bf16(ids).logits[0, -1].float()
         engine.add_request(b"gpu", "logits", prompt, SamplingParams(max_tokens=1))
         batch = engine.scheduler.schedule()
         input_ids, metadata, logits_index = engine.runner._prepare_inputs(batch)
         with torch.inference_mode():
             ours = engine.runner.model(input_ids, metadata, logits_index)[0]
         engine.abort(b"gpu", "logits")
-        errors.append(((ours - reference).norm() / reference.norm()).item())
-    print(f"\nLlama-3.2-1B shape, bf16, relative logits error per prompt: {errors}")
-    assert max(errors) < 2e-2
+        ours_errors.append(_relative_error(ours, reference))
+        theirs_errors.append(_relative_error(theirs, reference))
+    print(
+        "\nLlama-3.2-1B shape, bf16 last-token logits, relative error to float32 transformers:"
+        f"\n  tandem       {[round(e, 4) for e in ours_errors]}"
+        f"\n  transformers {[round(e, 4) for e in theirs_errors]}"
+    )
+    assert sum(ours_errors) < 1.5 * sum(theirs_errors)
 
 
-def test_batched_greedy_equals_one_at_a_time(engine):
+def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((value - reference).norm() / reference.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def engine_fp32(llama_1b):
+    directory = llama_1b
+    return LLMEngine(
+        EngineConfig(
+            model=str(directory),
+            device="cuda",
+            dtype="float32",
+            max_model_len=4096,
+            kv_cache_memory_gb=4,
+        )
+    )
+
+
+def test_batched_greedy_equals_one_at_a_time(engine_fp32):
+    """In float32, so the check is of batching and the paged cache, not of bf16 rounding:
+    random weights give near-flat logits whose argmax any rounding difference flips."""
+    engine = engine_fp32
     prompts = _prompts(8)
     alone = [run_engine(engine, [p], max_tokens=32)[0] for p in prompts]
     together = run_engine(engine, prompts, max_tokens=32)
     matches = sum(a == b for a, b in zip(alone, together, strict=True))
     print(f"\nbatched vs alone, exact greedy matches: {matches}/8")
-    assert matches >= 7  # bf16 GEMMs may round differently at other batch sizes
+    assert matches == 8
 
 
 def test_http_end_to_end_on_cuda(llama_1b, tmp_path, subprocess_cleanup):
-    directory, _ = llama_1b
+    directory = llama_1b
     address = f"ipc://{tmp_path}/engine.sock"
     engine_process = start_engine(
         address,
@@ -91,8 +124,6 @@ def test_http_end_to_end_on_cuda(llama_1b, tmp_path, subprocess_cleanup):
     with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as response:
         for line in response.iter_lines():
             if line.startswith("data: {"):
-                import json
-
                 chunk = json.loads(line[6:])
                 if chunk["choices"]:
                     streamed += chunk["choices"][0]["delta"].get("content") or ""

@@ -1,0 +1,36 @@
+"""Write a random-weight Hugging Face checkpoint in a real model's shape, for speed work.
+
+    python scripts/make_random_checkpoint.py --shape llama-3.2-1b --out /tmp/llama-1b
+
+Throughput does not depend on the weights' values; the tokenizer maps every id to a word.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.gpu.random_checkpoint import LLAMA_3_1_8B, LLAMA_3_2_1B, save_random_llama
+
+SHAPES = {"llama-3.2-1b": LLAMA_3_2_1B, "llama-3.1-8b": LLAMA_3_1_8B}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    save_random_llama(args.out, SHAPES[args.shape], torch.bfloat16)
+    print(f"wrote {args.shape} to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
