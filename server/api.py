@@ -82,19 +82,6 @@ class OpenAIApi:
         prompt_ids = await self._model.encode(prompt, add_special_tokens=False)
         max_tokens = body.max_completion_tokens or body.max_tokens
         sampling = self._sampling(body, len(prompt_ids), max_tokens, "messages")
-        answer = _Answer(
-            f"chatcmpl-{uuid.uuid4().hex}",
-            "chat.completion.chunk" if body.stream else "chat.completion",
-            int(time.time()),
-            self._model.name,
-            len(prompt_ids),
-        )
-        deltas = generate_text(
-            self._client, self._model.tokenizer, answer.id, prompt_ids, sampling, body.stop
-        )
-        if body.stream:
-            chunks = _ChatChunks(answer, body.include_usage)
-            return EventStreamResponse(_event_stream(answer, deltas, chunks, body.include_usage))
 
         def choice(text: str, finish_reason: str | None) -> dict[str, Any]:
             message = {"role": "assistant", "content": text}
@@ -105,7 +92,8 @@ class OpenAIApi:
                 "finish_reason": finish_reason,
             }
 
-        return await _complete(request, answer, deltas, choice)
+        kind = ("chatcmpl", "chat.completion.chunk" if body.stream else "chat.completion")
+        return await self._respond(request, body, kind, prompt_ids, sampling, _ChatChunks, choice)
 
     async def completions(self, request: Request) -> Response:
         body = parse_request(CompletionRequest, await request.body())
@@ -118,9 +106,33 @@ class OpenAIApi:
             prompt_ids = body.prompt
             self._check_token_ids(prompt_ids, "prompt")
         sampling = self._sampling(body, len(prompt_ids), body.max_tokens, "prompt")
+
+        def choice(text: str, finish_reason: str | None) -> dict[str, Any]:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+        kind = ("cmpl", "text_completion")
+        return await self._respond(
+            request, body, kind, prompt_ids, sampling, _CompletionChunks, choice
+        )
+
+    async def _respond(
+        self,
+        request: Request,
+        body: GenerationBody,
+        kind: tuple[str, str],
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        chunks: type[_ChatChunks | _CompletionChunks],
+        choice: Callable[[str, str | None], dict[str, Any]],
+    ) -> Response:
+        """Run the request in the engine; answer as a stream or all at once.
+
+        ``kind`` is the response id's prefix and the OpenAI object type.
+        """
+        id_prefix, object_type = kind
         answer = _Answer(
-            f"cmpl-{uuid.uuid4().hex}",
-            "text_completion",
+            f"{id_prefix}-{uuid.uuid4().hex}",
+            object_type,
             int(time.time()),
             self._model.name,
             len(prompt_ids),
@@ -129,12 +141,8 @@ class OpenAIApi:
             self._client, self._model.tokenizer, answer.id, prompt_ids, sampling, body.stop
         )
         if body.stream:
-            chunks = _CompletionChunks(answer, body.include_usage)
-            return EventStreamResponse(_event_stream(answer, deltas, chunks, body.include_usage))
-
-        def choice(text: str, finish_reason: str | None) -> dict[str, Any]:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-
+            stream = _event_stream(answer, deltas, chunks(answer, body.include_usage), body)
+            return EventStreamResponse(stream)
         return await _complete(request, answer, deltas, choice)
 
     async def models(self, request: Request) -> Response:
@@ -323,7 +331,7 @@ async def _event_stream(
     answer: _Answer,
     deltas: AsyncGenerator[TextDelta, None],
     chunks: _ChatChunks | _CompletionChunks,
-    include_usage: bool,
+    body: GenerationBody,
 ) -> AsyncGenerator[str, None]:
     """The SSE body: the chunks of each delta, the usage chunk if asked, then [DONE].
 
@@ -339,7 +347,7 @@ async def _event_stream(
                 completion_tokens = delta.completion_tokens
                 for item in chunks.render(delta):
                     yield item
-        if include_usage:
+        if body.include_usage:
             yield event(
                 {**answer.header(), "choices": [], "usage": answer.usage(completion_tokens)}
             )

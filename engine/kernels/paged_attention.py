@@ -1,0 +1,531 @@
+"""Attention over the paged KV cache: a decode kernel (split-K) and a varlen prefill kernel.
+
+Both kernels are GQA-aware: a program owns one KV head and stacks all the query heads that
+share it (times the tile's query tokens) as the rows of one tile, so every K/V tile it
+gathers through the block table is loaded once per group and fed to ``tl.dot``. Softmax
+is online, in float32 and base 2 (scores are pre-multiplied by log2(e)).
+
+- ``paged_decode_attention``: one query token per sequence. The context is split into
+  ``num_splits`` parts computed by separate programs (flash-decoding), so a few sequences
+  with long contexts still fill the GPU; a second kernel merges the partial results.
+- ``paged_prefill_attention``: the packed new tokens of sequences of any lengths whose
+  earlier tokens are already cached (chunked prefill, prefix caching), causal; decodes are
+  sequences of one new token, so one launch serves a mixed step.
+
+The new tokens' K and V must be in the cache (``store_kv``) before either runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+# Rows of a prefill tile (query tokens x padded query heads of a group) and keys per tile.
+_PREFILL_BLOCK_M = 64
+_BLOCK_N = 64
+# tl.dot needs at least 16 rows; a decode tile has one token's group of heads.
+_MIN_DOT_ROWS = 16
+# Split decode until there are this many programs per SM (enough resident programs to keep
+# the memory system busy), but never into parts shorter than _MIN_SPLIT_TOKENS keys,
+# whose setup and merge would cost more than they save.
+_DECODE_PROGRAMS_PER_SM = 4
+_MIN_SPLIT_TOKENS = 256
+_MAX_SPLITS = 64
+# Scores below any real one: a row whose keys are all masked keeps a finite max, so its
+# rescaling factors stay exp2(0) = 1 instead of exp2(-inf - -inf) = NaN.
+_NO_SCORE = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _group_rows(
+    kv_head,
+    num_tokens,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Tile row -> (token within the tile, query head, row holds a real query)."""
+    rows = tl.arange(0, BLOCK_M)
+    token = rows // GROUP_PAD
+    head_in_group = rows % GROUP_PAD
+    valid = (token < num_tokens) & (head_in_group < GROUP)
+    return token, kv_head * GROUP + head_in_group, valid
+
+
+@triton.jit
+def _attend_keys(
+    q,
+    acc,
+    row_max,
+    row_sum,
+    query_pos,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_table_ptr,
+    kv_head,
+    key_start,
+    key_end,
+    window,
+    scale_log2,
+    stride_cache_slot,
+    stride_cache_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Fold keys [key_start, key_end) of one sequence into the online-softmax state.
+
+    A key is seen by a row when it is at or before the row's position (and within the
+    sliding window); keys are gathered through the block table one by one, so a tile may
+    span cache blocks and the block size need not divide the tile.
+    """
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    for tile_start in range(key_start, key_end, BLOCK_N):
+        keys = tile_start + tl.arange(0, BLOCK_N)
+        key_mask = keys < key_end
+        blocks = tl.load(block_table_ptr + keys // BLOCK_SIZE, mask=key_mask, other=0)
+        slots = blocks * BLOCK_SIZE + keys % BLOCK_SIZE
+        offsets = slots[:, None] * stride_cache_slot + kv_head * stride_cache_head + dims[None, :]
+        kv_mask = key_mask[:, None] & dim_mask[None, :]
+        k = tl.load(key_cache_ptr + offsets, mask=kv_mask, other=0.0)
+        v = tl.load(value_cache_ptr + offsets, mask=kv_mask, other=0.0)
+
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        visible = key_mask[None, :] & (keys[None, :] <= query_pos[:, None])
+        if USE_WINDOW:
+            visible &= keys[None, :] > query_pos[:, None] - window
+        scores = tl.where(visible, scores, float("-inf"))
+
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        rescale = tl.exp2(row_max - new_max)
+        p = tl.exp2(scores - new_max[:, None])
+        row_sum = row_sum * rescale + tl.sum(p, 1)
+        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        row_max = new_max
+    return acc, row_max, row_sum
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    out_ptr,
+    workspace_ptr,
+    window,
+    scale_log2,
+    stride_q_seq,
+    stride_q_head,
+    stride_table,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_out_seq,
+    stride_out_head,
+    stride_ws_seq,
+    stride_ws_head,
+    stride_ws_split,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Program (sequence, kv head, split): its part of the context, for the group's heads."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+
+    context_len = tl.load(context_lens_ptr + seq)
+    first_key = 0
+    if USE_WINDOW:
+        first_key = tl.maximum(context_len - window, 0)
+    # Every sequence divides its own (windowed) context evenly, in whole tiles.
+    split_len = tl.cdiv(tl.cdiv(context_len - first_key, num_splits), BLOCK_N) * BLOCK_N
+    key_start = first_key + split * split_len
+    key_end = tl.minimum(key_start + split_len, context_len)
+
+    _, heads, valid = _group_rows(kv_head, 1, GROUP, GROUP_PAD, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    mask = valid[:, None] & (dims < HEAD_DIM)[None, :]
+    q = tl.load(
+        q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :],
+        mask=mask,
+        other=0.0,
+    )
+    query_pos = tl.zeros([BLOCK_M], dtype=tl.int64) + context_len - 1
+    acc, row_max, row_sum = _attend_keys(
+        q,
+        tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32),
+        tl.full([BLOCK_M], _NO_SCORE, dtype=tl.float32),
+        tl.zeros([BLOCK_M], dtype=tl.float32),
+        query_pos,
+        key_cache_ptr,
+        value_cache_ptr,
+        block_tables_ptr + seq * stride_table,
+        kv_head,
+        key_start,
+        key_end,
+        window,
+        scale_log2,
+        stride_cache_slot,
+        stride_cache_head,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        BLOCK_SIZE,
+        False,  # every row is at context_len - 1: first_key already applies the window
+        DOT_PRECISION,
+    )
+    if WRITE_PARTIAL:
+        # Unnormalized output, then the row's max and sum, for the merge kernel.
+        row_ptr = workspace_ptr + seq * stride_ws_seq + heads * stride_ws_head
+        row_ptr += split * stride_ws_split
+        tl.store(row_ptr[:, None] + dims[None, :], acc, mask=mask)
+        tl.store(row_ptr + HEAD_DIM, row_max, mask=valid)
+        tl.store(row_ptr + HEAD_DIM + 1, row_sum, mask=valid)
+    else:
+        out = acc / row_sum[:, None]
+        tl.store(
+            out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=mask,
+        )
+
+
+@triton.jit
+def _decode_merge_kernel(
+    workspace_ptr,
+    out_ptr,
+    num_splits,
+    stride_ws_seq,
+    stride_ws_head,
+    stride_ws_split,
+    stride_out_seq,
+    stride_out_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Program (sequence, query head): rescale every split's partial sums to a common max."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    split_mask = splits < num_splits
+    dim_mask = dims < HEAD_DIM
+    row_ptr = workspace_ptr + seq * stride_ws_seq + head * stride_ws_head
+    row_ptr += splits * stride_ws_split
+    # An empty split holds max _NO_SCORE and sum 0, so its weight below is 0.
+    row_max = tl.load(row_ptr + HEAD_DIM, mask=split_mask, other=_NO_SCORE)
+    row_sum = tl.load(row_ptr + HEAD_DIM + 1, mask=split_mask, other=0.0)
+    acc = tl.load(
+        row_ptr[:, None] + dims[None, :], mask=split_mask[:, None] & dim_mask[None, :], other=0.0
+    )
+    weight = tl.exp2(row_max - tl.max(row_max, 0))
+    out = tl.sum(acc * weight[:, None], 0) / tl.sum(row_sum * weight, 0)
+    tl.store(
+        out_ptr + seq * stride_out_seq + head * stride_out_head + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dim_mask,
+    )
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    query_lens_ptr,
+    query_starts_ptr,
+    out_ptr,
+    window,
+    scale_log2,
+    stride_q_token,
+    stride_q_head,
+    stride_table,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_out_token,
+    stride_out_head,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Program (sequence, block of BLOCK_Q new tokens, kv head), causal over the cache."""
+    seq = tl.program_id(0)
+    query_block = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    query_len = tl.load(query_lens_ptr + seq)
+    block_first = query_block * BLOCK_Q
+    # The grid covers the longest sequence; shorter ones have nothing in this block.
+    if block_first >= query_len:
+        return
+    context_len = tl.load(context_lens_ptr + seq)
+    first_pos = context_len - query_len + block_first  # position of the block's first token
+
+    token, heads, valid = _group_rows(
+        kv_head, query_len - block_first, GROUP, GROUP_PAD, BLOCK_Q * GROUP_PAD
+    )
+    rows = tl.load(query_starts_ptr + seq) + block_first + token  # rows of the packed batch
+    dims = tl.arange(0, BLOCK_D)
+    mask = valid[:, None] & (dims < HEAD_DIM)[None, :]
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_q_token + heads[:, None] * stride_q_head + dims[None, :],
+        mask=mask,
+        other=0.0,
+    )
+    key_start = 0
+    if USE_WINDOW:
+        key_start = tl.maximum(first_pos - window + 1, 0)
+    acc, _, row_sum = _attend_keys(
+        q,
+        tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_D], dtype=tl.float32),
+        tl.full([BLOCK_Q * GROUP_PAD], _NO_SCORE, dtype=tl.float32),
+        tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32),
+        first_pos + token,
+        key_cache_ptr,
+        value_cache_ptr,
+        block_tables_ptr + seq * stride_table,
+        kv_head,
+        key_start,
+        tl.minimum(first_pos + BLOCK_Q, context_len),
+        window,
+        scale_log2,
+        stride_cache_slot,
+        stride_cache_head,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        BLOCK_SIZE,
+        USE_WINDOW,
+        DOT_PRECISION,
+    )
+    # Padding rows past the sequence's last token may see no key at all (sliding window):
+    # give them a sum of 1 rather than computing 0 / 0; they are not stored anyway.
+    out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+    out_offsets = rows[:, None] * stride_out_token + heads[:, None] * stride_out_head
+    tl.store(out_ptr + out_offsets + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
+    """How many parts to split each sequence's context into for one decode step.
+
+    Without splitting there are ``batch * num_kv_heads`` programs; split until there are
+    about _DECODE_PROGRAMS_PER_SM per SM, keeping parts at least _MIN_SPLIT_TOKENS long.
+    """
+    programs = batch * num_kv_heads
+    wanted = _DECODE_PROGRAMS_PER_SM * num_sms // programs
+    return max(1, min(wanted, max_context_len // _MIN_SPLIT_TOKENS, _MAX_SPLITS))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter runs one program at a time: splitting gains nothing
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_workspace(
+    batch: int, num_heads: int, head_dim: int, num_splits: int, device: torch.device
+) -> torch.Tensor:
+    """Float32 scratch for split decode: each split's unnormalized output, max and sum."""
+    return torch.empty(
+        batch, num_heads, num_splits, head_dim + 2, dtype=torch.float32, device=device
+    )
+
+
+def _check_cache(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    assert key_cache.shape == value_cache.shape and key_cache.stride() == value_cache.stride()
+    assert key_cache.dim() == 4 and key_cache[0, 0].is_contiguous()
+    assert q.dtype == key_cache.dtype == value_cache.dtype and q.stride(-1) == 1
+    assert q.shape[-1] == key_cache.shape[-1] and q.shape[-2] % key_cache.shape[-2] == 0
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 engines want float32 attention, not TF32's 10-bit mantissa.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _window(sliding_window: int | None) -> int:
+    assert sliding_window is None or sliding_window > 0
+    return sliding_window or 0
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per sequence to its cached context.
+
+    q: [B, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
+    block_tables: [B, max_blocks] int; context_lens: [B] int, the new token included.
+    ``num_splits`` defaults to ``decode_num_splits`` with block_tables' capacity as the
+    longest context (known without reading the lengths back from the GPU). For CUDA
+    graphs, pass ``out`` and, when splitting, ``workspace`` (``decode_workspace``).
+    Returns out: [B, num_heads, head_dim] in q's dtype.
+    """
+    _check_cache(q, key_cache, value_cache)
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    assert block_tables.shape[0] == context_lens.shape[0] == batch
+    if num_splits is None:
+        max_context_len = block_tables.shape[1] * block_size
+        num_splits = decode_num_splits(batch, num_kv_heads, max_context_len, _num_sms(q.device))
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
+    if num_splits > 1:
+        if workspace is None:
+            workspace = decode_workspace(batch, num_heads, head_dim, num_splits, q.device)
+        assert workspace.shape == (batch, num_heads, num_splits, head_dim + 2)
+        assert workspace.dtype == torch.float32 and workspace.is_contiguous()
+        ws_strides = workspace.stride()[:3]
+    else:
+        workspace, ws_strides = out, (0, 0, 0)  # unused: the kernel writes out directly
+
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lens,
+        out,
+        workspace,
+        _window(sliding_window),
+        scale * math.log2(math.e),
+        q.stride(0),
+        q.stride(1),
+        block_tables.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        *ws_strides,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_M=max(group_pad, _MIN_DOT_ROWS),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_N=_BLOCK_N,
+        BLOCK_SIZE=block_size,
+        USE_WINDOW=sliding_window is not None,
+        WRITE_PARTIAL=num_splits > 1,
+        DOT_PRECISION=_dot_precision(q.dtype),
+    )
+    if num_splits > 1:
+        _decode_merge_kernel[(batch, num_heads)](
+            workspace,
+            out,
+            num_splits,
+            *ws_strides,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+        )
+    return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    query_starts: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of a packed batch of new tokens to their sequences' caches.
+
+    q: [T, num_heads, head_dim], sequence b's tokens at rows
+    [query_starts[b], query_starts[b] + query_lens[b]) and positions
+    [context_lens[b] - query_lens[b], context_lens[b]); query_starts is the exclusive
+    cumsum of query_lens, computed once per step; max_query_len must bound query_lens.
+    Returns out: [T, num_heads, head_dim] in q's dtype.
+    """
+    _check_cache(q, key_cache, value_cache)
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    batch = block_tables.shape[0]
+    assert context_lens.shape == query_lens.shape == query_starts.shape == (batch,)
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
+
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_q = max(_PREFILL_BLOCK_M // group_pad, 1)
+    block_d = triton.next_power_of_2(head_dim)
+    grid = (batch, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    _prefill_kernel[grid](
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lens,
+        query_lens,
+        query_starts,
+        out,
+        _window(sliding_window),
+        scale * math.log2(math.e),
+        q.stride(0),
+        q.stride(1),
+        block_tables.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_N=_BLOCK_N,
+        BLOCK_SIZE=block_size,
+        USE_WINDOW=sliding_window is not None,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=4 if block_d <= 128 else 8,
+    )
+    return out

@@ -1,0 +1,114 @@
+"""Offline throughput: the workload the small engines publish.
+
+    python scripts/bench_offline.py --model DIR [--num-requests 256] [--peer]
+
+256 requests with input and output lengths uniform in [100, 1024] (random token
+ids, seed 0), ignore_eos, all submitted at once to an in-process engine. Prints
+output tokens, seconds and output tokens per second. With --peer, Hugging Face
+transformers' own batched generate() runs on the same weights and GPU in the same
+run: prompts left-padded in batches of --peer-batch-size, each batch generating as
+many tokens as its longest request; only the requested tokens are counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from protocol import SamplingParams  # noqa: E402
+
+
+def workload(num_requests: int, vocab_size: int, low: int, high: int) -> list[tuple[list[int], int]]:
+    generator = torch.Generator().manual_seed(0)
+    requests = []
+    for _ in range(num_requests):
+        input_len, output_len = torch.randint(low, high + 1, (2,), generator=generator).tolist()
+        prompt = torch.randint(0, vocab_size, (input_len,), generator=generator).tolist()
+        requests.append((prompt, output_len))
+    return requests
+
+
+def bench_engine(engine: LLMEngine, requests: list[tuple[list[int], int]]) -> tuple[int, float]:
+    # Warm-up: one short request, so first-use costs stay out of the timing.
+    engine.add_request(b"bench", "warmup", requests[0][0][:16], SamplingParams(max_tokens=4))
+    while engine.has_work:
+        engine.step()
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    for i, (prompt, output_len) in enumerate(requests):
+        engine.add_request(
+            b"bench", str(i), prompt, SamplingParams(max_tokens=output_len, ignore_eos=True)
+        )
+    generated = 0
+    while engine.has_work:
+        for _, output in engine.step():
+            generated += len(output.new_token_ids)
+    return generated, time.perf_counter() - started
+
+
+def bench_transformers(
+    model_dir: str, requests: list[tuple[list[int], int]], batch_size: int
+) -> tuple[int, float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    # Similar lengths share a batch, as a fair user of generate() would arrange.
+    ordered = sorted(requests, key=lambda r: len(r[0]))
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for start in range(0, len(ordered), batch_size):
+        batch = ordered[start : start + batch_size]
+        width = max(len(p) for p, _ in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, (prompt, _) in enumerate(batch):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        new_tokens = max(n for _, n in batch)
+        with torch.no_grad():
+            model.generate(ids.cuda(), attention_mask=mask.cuda(), do_sample=False,
+                           max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+    torch.cuda.synchronize()
+    return sum(n for _, n in requests), time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--min-len", type=int, default=100)
+    parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--peer", action="store_true", help="also time transformers (CUDA)")
+    parser.add_argument("--peer-batch-size", type=int, default=64)
+    args = parser.parse_args()
+
+    engine = LLMEngine(EngineConfig(model=args.model, device=args.device,
+                                    max_num_seqs=args.max_num_seqs,
+                                    max_model_len=2 * args.max_len + 16))
+    requests = workload(args.num_requests, engine.vocab_size, args.min_len, args.max_len)
+    rows = [("tandem", *bench_engine(engine, requests))]
+    if args.peer:
+        del engine
+        torch.cuda.empty_cache()
+        rows.append(("transformers generate", *bench_transformers(args.model, requests,
+                                                                  args.peer_batch_size)))
+    print(f"\n{args.model}: {args.num_requests} requests, lengths uniform in "
+          f"[{args.min_len}, {args.max_len}], ignore_eos, device {args.device}")
+    print(f"{'':24} {'output tokens':>14} {'seconds':>9} {'tok/s':>10}")
+    for name, tokens, seconds in rows:
+        print(f"{name:24} {tokens:14d} {seconds:9.2f} {tokens / seconds:10.1f}")
+
+
+if __name__ == "__main__":
+    main()
