@@ -50,6 +50,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CUDA: no CUDA graphs for decode steps (faster start, slower decode)",
+    )
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 
@@ -75,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
             gpu_memory_utilization=args.gpu_memory_utilization,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            enforce_eager=args.enforce_eager,
         )
     )
     service = EngineService(engine, args.address)

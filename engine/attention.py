@@ -1,9 +1,9 @@
 """Attention over the paged KV cache, behind one small interface.
 
-The model calls ``backend.forward(q, k, v, layer_cache, metadata)`` and nothing else,
-so a GPU backend (Triton kernels) can replace this PyTorch one without touching the
-model. The batch is packed: the new tokens of every sequence in one [T, ...] tensor,
-prefills and decodes mixed.
+The model calls ``backend.forward(q, k, v, layer_cache, metadata, scale, sliding_window)``
+and nothing else, so a GPU backend (Triton kernels) can replace this PyTorch one without
+touching the model. The batch is packed: the new tokens of every sequence in one [T, ...]
+tensor, prefills and decodes mixed.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with block 0
     context_lens: torch.Tensor  # [B] int64, tokens in the cache once this step's are written
     query_lens: torch.Tensor  # [B] int64, new tokens of each sequence in this step
+    query_starts: torch.Tensor  # [B] int64, index in the packed batch of each one's first
     max_query_len: int
 
 
@@ -45,8 +46,14 @@ class AttentionBackend(Protocol):
         cache: LayerKVCache,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Write k and v into the cache, then attend each query to its sequence's cache."""
+        """Write k and v into the cache, then attend each query to its sequence's cache.
+
+        With ``sliding_window`` (the layer's; None for full attention) a query at position p
+        attends only to the keys at positions p - sliding_window + 1 to p. The reference masks
+        the older ones; a kernel should skip the cache blocks that lie wholly before the window.
+        """
         ...
 
 
@@ -65,6 +72,7 @@ class TorchPagedAttention:
         cache: LayerKVCache,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         num_blocks, block_size, num_kv_heads, head_dim = cache.key.shape
         key_flat = cache.key.view(num_blocks * block_size, num_kv_heads, head_dim)
@@ -95,8 +103,12 @@ class TorchPagedAttention:
             batch * metadata.max_query_len, dtype=torch.int64, device=q.device
         )
         query_positions[grid_index] = metadata.positions
-        key_positions = torch.arange(context, device=q.device)
-        mask = key_positions.view(1, 1, -1) <= query_positions.view(batch, -1, 1)
+        key_positions = torch.arange(context, device=q.device).view(1, 1, -1)
+        query_positions = query_positions.view(batch, -1, 1)
+        mask = key_positions <= query_positions
+        if sliding_window is not None:
+            # The window includes the query's own key, so padding rows still see key 0.
+            mask &= key_positions > query_positions - sliding_window
 
         out = F.scaled_dot_product_attention(
             q_grid,

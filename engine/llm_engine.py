@@ -31,9 +31,6 @@ from protocol import (
 
 logger = logging.getLogger(__name__)
 
-# Room left on the GPU for activations of the largest step and the allocator's slack.
-_CUDA_ACTIVATION_RESERVE_BYTES = 2 * 1024**3
-
 
 @dataclass
 class EngineConfig:
@@ -47,6 +44,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    enforce_eager: bool = False  # CUDA: run decode steps op by op, without CUDA graphs
 
 
 class RequestRejected(Exception):
@@ -81,6 +79,8 @@ class LLMEngine:
             )
         self.max_model_len = model_len
         self.runner.allocate_kv_cache(CacheConfig(config.block_size, num_blocks))
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.runner.capture_decode_graphs(config.max_num_seqs)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d",
             num_blocks,
@@ -105,10 +105,18 @@ class LLMEngine:
         if config.kv_cache_memory_gb is not None:
             budget = int(config.kv_cache_memory_gb * 1024**3)
         elif self.device.type == "cuda":
+            # Leave room for the largest step's activations, measured by running one.
+            step_tokens = min(config.max_num_batched_tokens, self.runner.max_model_len)
+            activations = self.runner.measure_activation_bytes(step_tokens, config.max_num_seqs)
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free  # our weights and anything else on the GPU
-            budget = int(total * config.gpu_memory_utilization) - used
-            budget -= _CUDA_ACTIVATION_RESERVE_BYTES
+            budget = int(total * config.gpu_memory_utilization) - used - activations
+            logger.info(
+                "warm-up step of %d tokens: %.2f GiB of activations; %.2f GiB for the KV cache",
+                step_tokens,
+                activations / 1024**3,
+                budget / 1024**3,
+            )
         else:
             budget = 1024**3
         num_blocks = budget // per_block

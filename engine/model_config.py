@@ -17,7 +17,11 @@ class RopeScaling:
 
 @dataclass
 class ModelConfig:
-    """A Llama-architecture decoder, in Hugging Face's terms."""
+    """A decoder-only transformer, in Hugging Face's terms.
+
+    The fields up to ``tie_word_embeddings`` describe a Llama; the rest are the
+    variations of the other supported families, with defaults that mean "as Llama".
+    """
 
     architecture: str  # e.g. "LlamaForCausalLM"
     vocab_size: int
@@ -32,6 +36,22 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool = False
+    # Qwen2 / Qwen2.5: biases on the Q, K and V projections.
+    attention_bias: bool = False
+    # Qwen3, Gemma 3: an RMSNorm over each head of Q and K (weights of size head_dim).
+    qk_norm: bool = False
+    # "silu" (Llama, Qwen) or "gelu_pytorch_tanh" (Gemma), gating the MLP.
+    hidden_act: str = "silu"
+    # Gemma 3. Per layer "sliding_attention" or "full_attention"; None means all full.
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None  # tokens a sliding layer sees, its own included
+    rope_local_theta: float | None = None  # RoPE base of sliding layers
+    rope_linear_factor: float | None = None  # "linear" RoPE scaling of full layers
+    query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5
+    final_logit_softcapping: float | None = None
+    # Gemma: hidden states are scaled by sqrt(hidden_size) after the embedding, norms
+    # multiply by (1 + weight), and each sublayer has a norm after it too.
+    gemma_norms_and_scaling: bool = False
 
 
 @dataclass

@@ -11,7 +11,9 @@ import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata, LayerKVCache, TorchPagedAttention
 from engine.checkpoint import Checkpoint
-from engine.model import build_model
+from engine.cuda_graphs import DecodeGraphs
+from engine.layer_ops import LayerOps, TorchLayerOps
+from engine.models import build_model
 from engine.request import Request
 from engine.sampler import SamplingTensors, sample
 
@@ -34,9 +36,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def select_attention_backend(device: torch.device) -> AttentionBackend:
-    """The attention implementation for a device; the only place that chooses one."""
-    return TorchPagedAttention()
+def select_backend(device: torch.device) -> tuple[AttentionBackend, LayerOps]:
+    """The attention and layer implementations for a device; the only place that chooses."""
+    if device.type == "cuda":
+        # Imported here: importing the kernels without CUDA would select Triton's interpreter.
+        from engine.triton_backend import TritonLayerOps, TritonPagedAttention
+
+        return TritonPagedAttention(), TritonLayerOps()
+    return TorchPagedAttention(), TorchLayerOps()
 
 
 class ModelRunner:
@@ -52,7 +59,7 @@ class ModelRunner:
         self.config = checkpoint.config
         started = time.perf_counter()
         model = build_model(
-            checkpoint.config, select_attention_backend(device), max_model_len, device, dtype
+            checkpoint.config, *select_backend(device), max_model_len, device, dtype
         )
         model.load_weights(checkpoint.weights())
         self.model = model.eval()
@@ -64,6 +71,8 @@ class ModelRunner:
             time.perf_counter() - started,
         )
         self.block_size = 0
+        self.max_model_len = max_model_len
+        self.decode_graphs: DecodeGraphs | None = None
 
     def kv_bytes_per_token(self) -> int:
         c = self.config
@@ -85,10 +94,62 @@ class ModelRunner:
         self.block_size = cache.block_size
 
     @torch.inference_mode()
+    def measure_activation_bytes(self, num_tokens: int, num_logits: int) -> int:
+        """Peak memory a forward pass over ``num_tokens`` new tokens (one prefill, logits of
+        the last ``num_logits``) allocates beyond the weights: what sizing the KV cache must
+        leave free. CUDA only. The pass writes no cache slot and reads one scratch block,
+        so it needs no real cache (the scratch block stays bound until ``allocate_kv_cache``);
+        it also compiles the prefill kernels."""
+        c = self.config
+        block_size = 16
+        shape = (1, block_size, c.num_key_value_heads, c.head_dim)
+        scratch = LayerKVCache(
+            torch.zeros(shape, dtype=self.dtype, device=self.device),
+            torch.zeros(shape, dtype=self.dtype, device=self.device),
+        )
+        self.model.bind_kv_cache([scratch] * c.num_hidden_layers)
+
+        def ints(*values: int) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+        zeros = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        metadata = AttentionMetadata(
+            positions=torch.arange(num_tokens, device=self.device),
+            slot_mapping=torch.full_like(zeros, -1),
+            token_seq_index=zeros,
+            block_tables=torch.zeros(
+                1, -(-num_tokens // block_size), dtype=torch.int64, device=self.device
+            ),
+            context_lens=ints(num_tokens),
+            query_lens=ints(num_tokens),
+            query_starts=ints(0),
+            max_query_len=num_tokens,
+        )
+        logits_index = torch.arange(max(num_tokens - num_logits, 0), num_tokens, device=self.device)
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.model(zeros, metadata, logits_index)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        torch.cuda.empty_cache()  # what the pass cached is free for the KV cache again
+        return peak
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self, max_batch: int) -> None:
+        """Record the decode step as CUDA graphs; call once the cache is allocated."""
+        max_blocks = -(-self.max_model_len // self.block_size)
+        self.decode_graphs = DecodeGraphs(self.model, max_batch, max_blocks, self.device)
+
+    @torch.inference_mode()
     def step(self, batch: list[Request]) -> list[int]:
         """Run one forward pass over ``batch`` and return each request's next token."""
         input_ids, metadata, logits_index = self._prepare_inputs(batch)
-        logits = self.model(input_ids, metadata, logits_index)
+        graphs = self.decode_graphs
+        if graphs is not None and metadata.max_query_len == 1 and graphs.fits(len(batch)):
+            logits = graphs.run(input_ids, metadata)
+        else:
+            logits = self.model(input_ids, metadata, logits_index)
         next_tokens = sample(logits, self._prepare_sampling(batch))
         return next_tokens.tolist()  # the step's one host-device synchronization
 
@@ -99,6 +160,7 @@ class ModelRunner:
         starts = [r.num_cached_tokens for r in batch]
         ends = [r.num_tokens for r in batch]
         query_lens = np.subtract(ends, starts)
+        query_ends = np.cumsum(query_lens)
         num_tokens = int(query_lens.sum())
         max_blocks = max(len(r.block_ids) for r in batch)
         token_ids = [t for r, s in zip(batch, starts, strict=True) for t in r.token_ids_from(s)]
@@ -108,13 +170,31 @@ class ModelRunner:
         for row, request in enumerate(batch):
             block_tables[row, : len(request.block_ids)] = request.block_ids
         host = np.concatenate(
-            [token_ids, positions, token_seq_index, ends, query_lens, block_tables.ravel()]
+            [
+                token_ids,
+                positions,
+                token_seq_index,
+                ends,
+                query_lens,
+                query_ends - query_lens,
+                query_ends - 1,
+                block_tables.ravel(),
+            ]
         ).astype(np.int64)
         device = torch.from_numpy(host).to(self.device, non_blocking=True)
-        input_ids, positions_t, seq_index_t, context_lens, query_lens_t, tables = device.split(
-            [num_tokens, num_tokens, num_tokens, len(batch), len(batch), block_tables.size]
-        )
-        tables = tables.view(len(batch), max_blocks)
+        seqs = len(batch)
+        sizes = [num_tokens] * 3 + [seqs] * 4 + [block_tables.size]
+        (
+            input_ids,
+            positions_t,
+            seq_index_t,
+            context_lens,
+            query_lens_t,
+            query_starts,
+            logits_index,
+            tables,
+        ) = device.split(sizes)
+        tables = tables.view(seqs, max_blocks)
         block_of_token = tables[seq_index_t, positions_t // self.block_size]
         metadata = AttentionMetadata(
             positions=positions_t,
@@ -123,9 +203,9 @@ class ModelRunner:
             block_tables=tables,
             context_lens=context_lens,
             query_lens=query_lens_t,
+            query_starts=query_starts,
             max_query_len=int(query_lens.max()),
         )
-        logits_index = torch.cumsum(query_lens_t, dim=0) - 1
         for request in batch:
             request.num_cached_tokens = request.num_tokens
         return input_ids, metadata, logits_index

@@ -1,13 +1,14 @@
 """Start-up time and single-request latency of a real engine process, over its socket.
 
     python scripts/bench_latency.py [--model M] [--device cpu|cuda] [--prompt-len 128]
-                                    [--output-len 256] [--peer]
+                                    [--output-len 256] [--peer] [--enforce-eager]
 
 Measures, for one `python -m engine` process: start time (process start to the
 handshake reply, i.e. weights loaded and serving), time to first token, and time
 per output token for one request of random token ids (seed 0, ignore_eos). With
 --peer, Hugging Face transformers' own generate() runs on the same weights and
-device in the same run, for comparison.
+device in the same run, for comparison. On CUDA it also prints the decode step's
+memory-bandwidth floor and TPOT as a fraction of it.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def bench_engine(args: argparse.Namespace) -> dict[str, float]:
         args.device,
         "--log-level",
         "warning",
+        *(["--enforce-eager"] if args.enforce_eager else []),
     ]
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
@@ -147,6 +149,40 @@ def bench_transformers(args: argparse.Namespace) -> dict[str, float]:
     }
 
 
+def bandwidth_floor_ms(model: str) -> tuple[float, float]:
+    """The least time a decode step can take on this GPU: every weight the step reads
+    (all but the embedding table, of which it reads one row per token; a tied table is
+    read whole as the LM head), in bf16, over the device-to-device copy bandwidth
+    measured here. Returns (floor in ms, bandwidth in GB/s)."""
+    from engine.attention import TorchPagedAttention
+    from engine.checkpoint import load_checkpoint
+    from engine.layer_ops import TorchLayerOps
+    from engine.models import build_model
+
+    config = load_checkpoint(model).config
+    meta = build_model(
+        config, TorchPagedAttention(), TorchLayerOps(), 1, torch.device("meta"), torch.bfloat16
+    )
+    params = sum(p.numel() for p in meta.parameters())
+    if not config.tie_word_embeddings:
+        params -= meta.embed_tokens.weight.numel()
+    weight_bytes = params * torch.bfloat16.itemsize
+
+    source = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")  # 1 GiB
+    target = torch.empty_like(source)
+    target.copy_(source)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    copies = 20
+    for _ in range(copies):
+        target.copy_(source)
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1e3
+    bandwidth = 2 * source.nbytes * copies / seconds  # each copy reads and writes
+    return weight_bytes / bandwidth * 1e3, bandwidth / 1e9
+
+
 def _synchronize(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -162,6 +198,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--peer", action="store_true", help="also time transformers")
+    parser.add_argument("--enforce-eager", action="store_true", help="engine without CUDA graphs")
     args = parser.parse_args()
 
     rows = [("tandem engine", bench_engine(args))]
@@ -182,6 +219,13 @@ def main() -> None:
         if args.peer
         else ""
     )
+    if args.device == "cuda":
+        floor_ms, bandwidth = bandwidth_floor_ms(args.model)
+        print(
+            f"bandwidth floor: {floor_ms:.2f} ms per token (weights over {bandwidth:.0f} GB/s "
+            f"measured copy bandwidth); tandem TPOT at {floor_ms / rows[0][1]['tpot_ms']:.0%} "
+            "of the floor"
+        )
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
 """Offline throughput: the workload the small engines publish.
 
     python scripts/bench_offline.py --model DIR [--num-requests 256] [--peer]
+                                   [--peer-requests N] [--enforce-eager]
 
 256 requests with input and output lengths uniform in [100, 1024] (random token
 ids, seed 0), ignore_eos, all submitted at once to an in-process engine. Prints
 output tokens, seconds and output tokens per second. With --peer, Hugging Face
 transformers' own batched generate() runs on the same weights and GPU in the same
 run: prompts left-padded in batches of --peer-batch-size, each batch generating as
-many tokens as its longest request; only the requested tokens are counted.
+many tokens as its longest request; only the requested tokens are counted. With
+--peer-requests N it runs the first N requests only (a random sample of the workload),
+to keep its time in bounds; its tokens per second are then over those.
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
-from protocol import SamplingParams  # noqa: E402
+from engine.llm_engine import EngineConfig, LLMEngine
+from protocol import SamplingParams
 
 
-def workload(num_requests: int, vocab_size: int, low: int, high: int) -> list[tuple[list[int], int]]:
+def workload(
+    num_requests: int, vocab_size: int, low: int, high: int
+) -> list[tuple[list[int], int]]:
     generator = torch.Generator().manual_seed(0)
     requests = []
     for _ in range(num_requests):
@@ -74,15 +79,22 @@ def bench_transformers(
             mask[row, width - len(prompt) :] = 1
         new_tokens = max(n for _, n in batch)
         with torch.no_grad():
-            model.generate(ids.cuda(), attention_mask=mask.cuda(), do_sample=False,
-                           max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+            model.generate(
+                ids.cuda(),
+                attention_mask=mask.cuda(),
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=0,
+            )
     torch.cuda.synchronize()
     return sum(n for _, n in requests), time.perf_counter() - started
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", required=True)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--num-requests", type=int, default=256)
@@ -91,20 +103,41 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--peer", action="store_true", help="also time transformers (CUDA)")
     parser.add_argument("--peer-batch-size", type=int, default=64)
+    parser.add_argument(
+        "--peer-requests",
+        type=int,
+        default=None,
+        help="time transformers on the first N requests only (default: all)",
+    )
+    parser.add_argument("--enforce-eager", action="store_true", help="engine without CUDA graphs")
     args = parser.parse_args()
 
-    engine = LLMEngine(EngineConfig(model=args.model, device=args.device,
-                                    max_num_seqs=args.max_num_seqs,
-                                    max_model_len=2 * args.max_len + 16))
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            device=args.device,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=2 * args.max_len + 16,
+            enforce_eager=args.enforce_eager,
+        )
+    )
     requests = workload(args.num_requests, engine.vocab_size, args.min_len, args.max_len)
     rows = [("tandem", *bench_engine(engine, requests))]
     if args.peer:
         del engine
         torch.cuda.empty_cache()
-        rows.append(("transformers generate", *bench_transformers(args.model, requests,
-                                                                  args.peer_batch_size)))
-    print(f"\n{args.model}: {args.num_requests} requests, lengths uniform in "
-          f"[{args.min_len}, {args.max_len}], ignore_eos, device {args.device}")
+        rows.append(
+            (
+                "transformers generate",
+                *bench_transformers(
+                    args.model, requests[: args.peer_requests], args.peer_batch_size
+                ),
+            )
+        )
+    print(
+        f"\n{args.model}: {args.num_requests} requests, lengths uniform in "
+        f"[{args.min_len}, {args.max_len}], ignore_eos, device {args.device}"
+    )
     print(f"{'':24} {'output tokens':>14} {'seconds':>9} {'tok/s':>10}")
     for name, tokens, seconds in rows:
         print(f"{name:24} {tokens:14d} {seconds:9.2f} {tokens / seconds:10.1f}")

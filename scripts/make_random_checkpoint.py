@@ -2,6 +2,7 @@
 
     python scripts/make_random_checkpoint.py --shape llama-3.2-1b --out /tmp/llama-1b
 
+Shapes: Llama-3.2-1B, Llama-3.1-8B, Qwen3-0.6B, Qwen2.5-0.5B, Gemma-3-1B (bfloat16).
 Throughput does not depend on the weights' values; the tokenizer maps every id to a word.
 """
 
@@ -15,9 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.gpu.random_checkpoint import LLAMA_3_1_8B, LLAMA_3_2_1B, save_random_llama
-
-SHAPES = {"llama-3.2-1b": LLAMA_3_2_1B, "llama-3.1-8b": LLAMA_3_1_8B}
+from tests.gpu.random_checkpoint import SHAPES, save_random_model
 
 
 def main() -> None:
@@ -28,7 +27,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    save_random_llama(args.out, SHAPES[args.shape], torch.bfloat16)
+    save_random_model(args.out, args.shape, torch.bfloat16)
     print(f"wrote {args.shape} to {args.out}")
 
 

@@ -2,6 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+# Triton picks its CPU interpreter when a function is decorated, including its own
+# library functions at `import triton`; transformers imports triton, so the flag must be
+# set before any test module loads, not only when engine.kernels is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import signal
 import subprocess
 from collections.abc import Iterator

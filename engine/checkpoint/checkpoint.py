@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.checkpoint.progress import with_progress
 from engine.model_config import ModelConfig, TokenizerInfo
 
 WeightStream = Iterator[tuple[str, torch.Tensor]]
@@ -21,11 +22,13 @@ class Checkpoint:
     tokenizer: TokenizerInfo = field(repr=False)  # holds the whole tokenizer.json
     # Opens the weights lazily, so a Checkpoint costs no memory until the model is built.
     weight_source: Callable[[], WeightStream] = field(repr=False, compare=False)
+    tensor_count: int | None = None  # how many weight_source yields, for the progress bar
 
     def weights(self) -> WeightStream:
         """Yield (Hugging Face name, CPU tensor) pairs, one tensor in memory at a time.
 
         GGUF tensors come dequantized to float32, safetensors ones in their stored dtype; the
-        consumer converts dtype and device.
+        consumer converts dtype and device. A load that takes more than a second shows its
+        progress: a bar on a terminal, a log line otherwise.
         """
-        return self.weight_source()
+        return with_progress(self.weight_source(), self.tensor_count, self.name)

@@ -1,14 +1,37 @@
-"""Random-weight checkpoints in real models' shapes, with a tokenizer that covers the vocab."""
+"""Random-weight checkpoints in real models' shapes, with a tokenizer that covers the vocab.
+
+Throughput and numerical error do not depend on the weights' values, so these stand in
+for the real models (which no machine here can download) in GPU tests and benchmarks.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
+_SPECIAL_IDS = dict(bos_token_id=0, eos_token_id=1)
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 LLAMA_3_2_1B = dict(
     vocab_size=128256,
     hidden_size=2048,
@@ -21,15 +44,8 @@ LLAMA_3_2_1B = dict(
     max_position_embeddings=131072,
     tie_word_embeddings=True,
     rms_norm_eps=1e-5,
-    rope_scaling={
-        "rope_type": "llama3",
-        "factor": 32.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
-    bos_token_id=0,
-    eos_token_id=1,
+    rope_scaling=_LLAMA3_ROPE | {"factor": 32.0},
+    **_SPECIAL_IDS,
 )
 LLAMA_3_1_8B = dict(
     LLAMA_3_2_1B,
@@ -38,27 +54,79 @@ LLAMA_3_1_8B = dict(
     num_hidden_layers=32,
     head_dim=128,
     tie_word_embeddings=False,
-    rope_scaling={
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
+    rope_scaling=_LLAMA3_ROPE | {"factor": 8.0},
 )
+QWEN3_0_6B = dict(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    rope_theta=1_000_000.0,
+    max_position_embeddings=40960,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+    **_SPECIAL_IDS,
+)
+QWEN2_5_0_5B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    rope_theta=1_000_000.0,
+    max_position_embeddings=32768,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+    **_SPECIAL_IDS,
+)
+GEMMA3_1B = dict(  # google/gemma-3-1b-it: five sliding layers to one global, head_dim 256
+    vocab_size=262144,
+    hidden_size=1152,
+    intermediate_size=6912,
+    num_hidden_layers=26,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=256,
+    query_pre_attn_scalar=256,
+    sliding_window=512,
+    layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 4 + ["sliding_attention"] * 2,
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+    },
+    max_position_embeddings=32768,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+    **_SPECIAL_IDS,
+)
+
+# name: (transformers config class, model class, config)
+SHAPES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[str, Any]]] = {
+    "llama-3.2-1b": (LlamaConfig, LlamaForCausalLM, LLAMA_3_2_1B),
+    "llama-3.1-8b": (LlamaConfig, LlamaForCausalLM, LLAMA_3_1_8B),
+    "qwen3-0.6b": (Qwen3Config, Qwen3ForCausalLM, QWEN3_0_6B),
+    "qwen2.5-0.5b": (Qwen2Config, Qwen2ForCausalLM, QWEN2_5_0_5B),
+    "gemma3-1b": (Gemma3TextConfig, Gemma3ForCausalLM, GEMMA3_1B),
+}
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 
-def save_random_llama(directory: Path, shape: dict, dtype: torch.dtype) -> LlamaForCausalLM:
-    """A random Llama with `shape`, saved as safetensors with a word-level tokenizer."""
+def save_random_model(directory: Path, shape: str, dtype: torch.dtype) -> PreTrainedModel:
+    """A random model of ``shape`` (a key of SHAPES), saved as safetensors with a word-level
+    tokenizer; returns the transformers model (on the CPU, in ``dtype``)."""
+    config_class, model_class, config = SHAPES[shape]
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**shape)).to(dtype).eval()
+    model = model_class(config_class(**config)).to(dtype).eval()
     model.save_pretrained(directory, safe_serialization=True)
     # One word per id, so any generated id decodes to text.
-    vocab = {f"w{i}": i for i in range(shape["vocab_size"])}
+    vocab = {f"w{i}": i for i in range(config["vocab_size"])}
     for i, special in enumerate(["<|im_start|>", "<|im_end|>"]):
         vocab[special] = i
         del vocab[f"w{i}"]

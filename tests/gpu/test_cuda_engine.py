@@ -1,4 +1,4 @@
-"""The engine on CUDA in bfloat16, at the Llama-3.2-1B shape, against transformers."""
+"""The engine on CUDA in bfloat16, at real shapes with random weights, against transformers."""
 
 from __future__ import annotations
 
@@ -7,44 +7,50 @@ import json
 import httpx
 import pytest
 import torch
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 from engine.llm_engine import EngineConfig, LLMEngine
 from protocol import SamplingParams
-from tests.gpu.random_checkpoint import LLAMA_3_2_1B, save_random_llama
+from tests.gpu.random_checkpoint import save_random_model
 from tests.processes import free_port, start_engine, start_server
 from tests.test_model_parity import run_engine
+
+# One shape per family; Gemma 3's prompts run past its 512-token sliding window.
+FAMILY_SHAPES = ["llama-3.2-1b", "qwen3-0.6b", "qwen2.5-0.5b", "gemma3-1b"]
 
 
 @pytest.fixture(scope="module")
 def llama_1b(tmp_path_factory):
     directory = tmp_path_factory.mktemp("llama-1b")
-    save_random_llama(directory, LLAMA_3_2_1B, torch.bfloat16)
+    save_random_model(directory, "llama-3.2-1b", torch.bfloat16)
     return directory
 
 
-@pytest.fixture(scope="module")
-def engine(llama_1b):
-    directory = llama_1b
-    return LLMEngine(
-        EngineConfig(model=str(directory), device="cuda", max_model_len=4096, kv_cache_memory_gb=4)
-    )
-
-
-def _prompts(count: int) -> list[list[int]]:
+def _prompts(count: int, max_len: int = 300) -> list[list[int]]:
     generator = torch.Generator().manual_seed(3)
-    lengths = torch.randint(5, 300, (count,), generator=generator).tolist()
+    lengths = torch.randint(5, max_len, (count,), generator=generator).tolist()
     return [torch.randint(2, 128000, (n,), generator=generator).tolist() for n in lengths]
 
 
-def test_last_token_logits_match_transformers_in_bf16(llama_1b, engine):
+@pytest.mark.parametrize("shape", FAMILY_SHAPES)
+def test_last_token_logits_match_transformers_in_bf16(shape, tmp_path):
     """Our bf16 logits are as close to a float32 reference as transformers' own bf16 ones."""
+    save_random_model(tmp_path, shape, torch.bfloat16)
     # Both loaded from the files: a model cast with .to() would carry a bf16-rounded RoPE
     # inv_freq buffer into the float32 reference.
-    hf_fp32 = LlamaForCausalLM.from_pretrained(llama_1b, dtype=torch.float32).cuda().eval()
-    hf_bf16 = LlamaForCausalLM.from_pretrained(llama_1b, dtype=torch.bfloat16).cuda().eval()
+    hf_fp32 = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).cuda().eval()
+    hf_bf16 = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).cuda().eval()
+    engine = LLMEngine(  # eager: the test runs the model itself, never a decode step
+        EngineConfig(
+            model=str(tmp_path),
+            device="cuda",
+            max_model_len=4096,
+            kv_cache_memory_gb=4,
+            enforce_eager=True,
+        )
+    )
     ours_errors, theirs_errors = [], []
-    for prompt in _prompts(4):
+    for prompt in _prompts(4, max_len=1200):
         with torch.no_grad():
             ids = torch.tensor([prompt], device="cuda")
             reference = hf_fp32(ids).logits[0, -1]
@@ -58,7 +64,7 @@ def test_last_token_logits_match_transformers_in_bf16(llama_1b, engine):
         ours_errors.append(_relative_error(ours, reference))
         theirs_errors.append(_relative_error(theirs, reference))
     print(
-        "\nLlama-3.2-1B shape, bf16 last-token logits, relative error to float32 transformers:"
+        f"\n{shape} shape, bf16 last-token logits, relative error to float32 transformers:"
         f"\n  tandem       {[round(e, 4) for e in ours_errors]}"
         f"\n  transformers {[round(e, 4) for e in theirs_errors]}"
     )
@@ -93,6 +99,26 @@ def test_batched_greedy_equals_one_at_a_time(engine_fp32):
     matches = sum(a == b for a, b in zip(alone, together, strict=True))
     print(f"\nbatched vs alone, exact greedy matches: {matches}/8")
     assert matches == 8
+
+
+def test_graph_decode_equals_eager_decode(engine_fp32):
+    """A decode step replayed from a CUDA graph (batch padded to a captured size, block
+    tables as wide as max_model_len) gives the logits of the same step run op by op."""
+    engine = engine_fp32
+    assert engine.runner.decode_graphs is not None
+    prompts = _prompts(5)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(b"gpu", f"graph{i}", prompt, SamplingParams(max_tokens=4))
+    engine.step()  # the prefills
+    batch = engine.scheduler.schedule()
+    input_ids, metadata, logits_index = engine.runner._prepare_inputs(batch)
+    assert metadata.max_query_len == 1 and len(batch) == 5
+    with torch.inference_mode():
+        eager = engine.runner.model(input_ids, metadata, logits_index)
+        graphed = engine.runner.decode_graphs.run(input_ids, metadata).clone()
+    for i in range(len(prompts)):
+        engine.abort(b"gpu", f"graph{i}")
+    torch.testing.assert_close(graphed, eager, rtol=1e-3, atol=1e-3)
 
 
 def test_http_end_to_end_on_cuda(llama_1b, tmp_path, subprocess_cleanup):

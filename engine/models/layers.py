@@ -1,0 +1,213 @@
+"""The building blocks every family shares: norms, RoPE, attention, gated MLP, decoder layer.
+
+Each block reads the variations it supports from ``ModelConfig`` (the one description of a
+network, whatever file it came from), so a family differs from Llama by configuration, not
+by copied code. Same code on CPU (float32) and CUDA (bfloat16); Hugging Face's weight names
+load directly, with Q/K/V and gate/up fused into one matrix each.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionBackend, AttentionMetadata, LayerKVCache
+from engine.layer_ops import LayerOps
+from engine.model_config import ModelConfig, RopeScaling
+
+# The layer types of ModelConfig.layer_types, named as in config.json.
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+}
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm, or with ``unit_offset`` Gemma's, which scales by (1 + weight)."""
+
+    def __init__(self, size: int, eps: float, ops: LayerOps, unit_offset: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+        self.ops = ops
+        self.unit_offset = unit_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.unit_offset:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        # Gemma multiplies by the weight in float32 and rounds once, after it.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add ``x`` to the residual stream (None: ``x`` starts it); the stream normalized,
+        and the stream."""
+        if residual is None:
+            return self(x), x
+        if self.unit_offset:
+            residual = x + residual
+            return self(residual), residual
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+def model_norm(config: ModelConfig, size: int, ops: LayerOps) -> RMSNorm:
+    return RMSNorm(size, config.rms_norm_eps, ops, unit_offset=config.gemma_norms_and_scaling)
+
+
+def rope_inverse_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling | None, linear_factor: float | None
+) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if linear_factor is not None:
+        inv_freq = inv_freq / linear_factor  # "linear": every position divided by the factor
+    if scaling is None:
+        return inv_freq
+    # Llama 3: long wavelengths slowed by `factor`, short ones kept, a smooth blend between.
+    low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+class RotaryEmbedding:
+    """Rotate-half RoPE's cos/sin tables, precomputed for every position; ``LayerOps.rope``
+    applies them.
+
+    No nn.Module: the layers of one kind share it, and its tables are plain float32
+    tensors made on ``device``, so a model built on the meta device and then materialized
+    keeps their real values, and casting the model leaves them float32.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        max_positions: int,
+        device: torch.device,
+        scaling: RopeScaling | None = None,
+        linear_factor: float | None = None,
+    ) -> None:
+        inv_freq = rope_inverse_frequencies(head_dim, theta, scaling, linear_factor)
+        positions = torch.arange(max_positions, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(positions, inv_freq)
+        angles = torch.cat([freqs, freqs], dim=-1).to(device)
+        self.cos = angles.cos()
+        self.sin = angles.sin()
+
+
+class Attention(nn.Module):
+    """Grouped-query attention; optional Q/K/V biases (Qwen2), per-head Q/K norms (Qwen3,
+    Gemma 3), a sliding window and a scale other than head_dim ** -0.5 (Gemma 3)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        ops: LayerOps,
+        rotary: RotaryEmbedding,
+        sliding_window: int | None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = model_norm(config, self.head_dim, ops) if config.qk_norm else None
+        self.k_norm = model_norm(config, self.head_dim, ops) if config.qk_norm else None
+        scale_base = config.query_pre_attn_scalar or self.head_dim
+        self.scale = scale_base**-0.5
+        self.sliding_window = sliding_window
+        self.backend = backend
+        self.ops = ops
+        self.rotary = rotary
+        self.cache: LayerKVCache | None = None  # bound once the engine allocates the cache
+
+    def forward(self, x: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # before RoPE, as the checkpoints were trained
+        q, k = self.ops.rope(q, k, metadata.positions, self.rotary.cos, self.rotary.sin)
+        assert self.cache is not None, "the KV cache must be bound before the first forward"
+        out = self.backend.forward(q, k, v, self.cache, metadata, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    """Gated MLP: down(act(gate(x)) * up(x)), act SiLU or tanh-approximated GELU."""
+
+    def __init__(self, config: ModelConfig, ops: LayerOps) -> None:
+        super().__init__()
+        if config.hidden_act not in ACTIVATIONS:
+            raise ValueError(
+                f"activation {config.hidden_act!r} is not supported, only {', '.join(ACTIVATIONS)}"
+            )
+        self.act = ACTIVATIONS[config.hidden_act]
+        self.ops = ops
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.act is F.silu:
+            return self.down_proj(self.ops.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP, each added to the residual stream.
+
+    A layer returns its last sublayer's output and the stream without it: the next norm
+    adds the two, in one fused pass where the ops have one. Gemma also normalises each
+    sublayer's output before adding it. Its checkpoints then call the norm before the MLP
+    ``pre_feedforward_layernorm`` and use Llama's name ``post_attention_layernorm`` for
+    the norm of the attention output.
+    """
+
+    def __init__(self, config: ModelConfig, self_attn: Attention, ops: LayerOps) -> None:
+        super().__init__()
+        self.input_layernorm = model_norm(config, config.hidden_size, ops)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = model_norm(config, config.hidden_size, ops)
+        self.mlp = MLP(config, ops)
+        self.sandwich_norms = config.gemma_norms_and_scaling
+        if self.sandwich_norms:
+            self.pre_feedforward_layernorm = model_norm(config, config.hidden_size, ops)
+            self.post_feedforward_layernorm = model_norm(config, config.hidden_size, ops)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, metadata: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(h, metadata)
+        if self.sandwich_norms:
+            h = self.post_attention_layernorm(h)
+            h, residual = self.pre_feedforward_layernorm.add_and_norm(h, residual)
+            return self.post_feedforward_layernorm(self.mlp(h)), residual
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: GPU tests and/or benchmarks, logs under $OUT (or /tmp).
+#
+#   scripts/gpu_session.sh tests|bench-1b|bench-8b|bench-qwen3 ...
+#
+# Expects the wheels the GPU image lacks in .whl/ (shared/tools/device-wheels.sh).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/tandem-gpu}
+mkdir -p "$out"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
+
+checkpoint() {  # shape -> directory, made once per machine
+  local dir=/tmp/ckpt-$1
+  [ -f "$dir/config.json" ] || python3 scripts/make_random_checkpoint.py --shape "$1" --out "$dir" >&2
+  echo "$dir"
+}
+
+for stage in "$@"; do
+  echo "=== $stage $(date -u +%FT%TZ)"
+  case $stage in
+    tests)
+      python3 -m pytest -q -rs -s tests/gpu tests/test_kernels.py tests/test_model_parity.py \
+        -p no:cacheprovider 2>&1 | tee "$out/tests.log" | grep -vE '^\s*$' | tail -60 ;;
+    bench-1b)
+      m=$(checkpoint llama-3.2-1b)
+      python3 scripts/bench_offline.py --model "$m" --peer --peer-requests 128 2>&1 | tee "$out/offline-1b.log" | tail -5
+      python3 scripts/bench_latency.py --model "$m" --peer 2>&1 | tee "$out/latency-1b.log" | tail -6 ;;
+    bench-8b)
+      m=$(checkpoint llama-3.1-8b)
+      python3 scripts/bench_latency.py --model "$m" --peer 2>&1 | tee "$out/latency-8b.log" | tail -6
+      python3 scripts/bench_offline.py --model "$m" --peer --peer-requests 64 2>&1 | tee "$out/offline-8b.log" | tail -5 ;;
+    bench-qwen3)
+      m=$(checkpoint qwen3-0.6b)
+      python3 scripts/bench_offline.py --model "$m" --peer --peer-requests 128 2>&1 | tee "$out/offline-qwen3.log" | tail -5 ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
