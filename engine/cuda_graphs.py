@@ -36,8 +36,9 @@ class DecodeGraphs:
         self.slot_mapping = buffer(largest)
         self.context_lens = buffer(largest)
         self.block_tables = buffer(largest, max_blocks)
-        steps = torch.arange(largest, device=device)
-        ones = torch.ones(largest, dtype=torch.int64, device=device)
+        # Read by every replay, so held here: a graph keeps addresses, not tensors alive.
+        self.steps = steps = torch.arange(largest, device=device)
+        self.ones = ones = torch.ones(largest, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         pool = None

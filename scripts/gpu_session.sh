@@ -28,10 +28,10 @@ for stage in "$@"; do
   case $stage in
     tests)
       python3 -m pytest -q -rs -s tests/gpu tests/test_kernels.py tests/test_model_parity.py \
-        -p no:cacheprovider 2>&1 | tee "$out/tests.log" | grep -vE '^\s*$' | tail -60 ;;
+        -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$out/tests.log" | grep -vE '^\s*$' | tail -40 ;;
     bench-1b)
       m=$(checkpoint llama-3.2-1b)
-      python3 scripts/bench_offline.py --model "$m" --peer --peer-requests 128 2>&1 | tee "$out/offline-1b.log" | tail -5
+      python3 scripts/bench_offline.py --model "$m" --peer --peer-requests 64 2>&1 | tee "$out/offline-1b.log" | tail -5
       python3 scripts/bench_latency.py --model "$m" --peer 2>&1 | tee "$out/latency-1b.log" | tail -6 ;;
     bench-8b)
       m=$(checkpoint llama-3.1-8b)
