@@ -31,15 +31,15 @@ for stage in "$@"; do
         -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$out/tests.log" | grep -vE '^\s*$' | tail -40 ;;
     bench-1b)
       m=$(checkpoint llama-3.2-1b)
-      python3 scripts/bench_offline.py --model "$m" --peer --peer-requests 64 2>&1 | tee "$out/offline-1b.log" | tail -5
-      python3 scripts/bench_latency.py --model "$m" --peer 2>&1 | tee "$out/latency-1b.log" | tail -6 ;;
+      timeout 300 python3 scripts/bench_offline.py --model "$m" --peer --peer-requests 64 2>&1 | tee "$out/offline-1b.log" | tail -5
+      timeout 300 python3 scripts/bench_latency.py --model "$m" --peer 2>&1 | tee "$out/latency-1b.log" | tail -6 ;;
     bench-8b)
       m=$(checkpoint llama-3.1-8b)
-      python3 scripts/bench_latency.py --model "$m" --peer 2>&1 | tee "$out/latency-8b.log" | tail -6
-      python3 scripts/bench_offline.py --model "$m" --peer --peer-requests 64 2>&1 | tee "$out/offline-8b.log" | tail -5 ;;
+      timeout 300 python3 scripts/bench_latency.py --model "$m" --peer 2>&1 | tee "$out/latency-8b.log" | tail -6
+      timeout 300 python3 scripts/bench_offline.py --model "$m" --peer --peer-requests 64 2>&1 | tee "$out/offline-8b.log" | tail -5 ;;
     bench-qwen3)
       m=$(checkpoint qwen3-0.6b)
-      python3 scripts/bench_offline.py --model "$m" --peer --peer-requests 128 2>&1 | tee "$out/offline-qwen3.log" | tail -5 ;;
+      timeout 300 python3 scripts/bench_offline.py --model "$m" --peer --peer-requests 128 2>&1 | tee "$out/offline-qwen3.log" | tail -5 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
