@@ -20,6 +20,7 @@ from typing import Any
 
 import gguf
 import numpy as np
+import openai
 import pytest
 import torch
 from tokenizers import Tokenizer
@@ -45,9 +46,12 @@ from engine.checkpoint.gguf_dequantize import dequantize
 from engine.checkpoint.gguf_file import read_gguf
 from engine.checkpoint.hf_checkpoint import hf_model_config
 from engine.checkpoint.resolve import join_members
+from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model_config import ModelConfig
 from scripts.fetch_test_gguf import TEST_MODELS
+from tests.processes import free_port, start_engine, start_server
 from tests.test_checkpoint import TEXTS, assert_config_matches, llama_cpp_permute, rope_theta
+from tests.test_model_parity import hf_greedy, run_engine
 
 QT = gguf.GGMLQuantizationType
 CONTROL, USER_DEFINED, BYTE, NORMAL, UNKNOWN = 3, 4, 6, 1, 2
@@ -643,3 +647,81 @@ def test_real_weights_match_transformers(real_gguf: Path, real_checkpoint: Check
     )
     tied = {"lm_head.weight"} if real_checkpoint.config.tie_word_embeddings else set()
     assert sorted(names) == sorted(set(expected) - tied)
+
+
+# A simple prompt per real model and a word a sensible answer holds. Gemma 3 270M is a base
+# model without a chat template: it continues text through /v1/completions.
+REAL_PROMPTS = {
+    "gemma-3-270m-q4_k_m.gguf": ("completions", "Paris is the capital city of", "France"),
+    "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf": (
+        "chat/completions",
+        "Write a Python function that returns the sum of two numbers.",
+        "def ",
+    ),
+}
+
+
+def _real_prompt_ids(checkpoint: Checkpoint, real_gguf: Path) -> list[int]:
+    """The token ids our server would send for the model's simple prompt."""
+    endpoint, text, _ = REAL_PROMPTS[real_gguf.name]
+    if endpoint == "chat/completions":
+        text = AutoTokenizer.from_pretrained(
+            real_gguf.parent, gguf_file=real_gguf.name
+        ).apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+    tokenizer = Tokenizer.from_str(checkpoint.tokenizer.tokenizer_json)
+    return tokenizer.encode(text).ids
+
+
+@pytest.mark.slow
+def test_real_greedy_tokens_match_transformers(
+    real_gguf: Path, real_checkpoint: Checkpoint
+) -> None:
+    """Our first 32 greedy tokens are those of transformers' own GGUF loading (float32, CPU)."""
+    prompt = _real_prompt_ids(real_checkpoint, real_gguf)
+    engine = LLMEngine(
+        EngineConfig(model=str(real_gguf), device="cpu", max_model_len=512, kv_cache_memory_gb=0.2)
+    )
+    ours = run_engine(engine, [prompt], max_tokens=32)[0]
+    del engine
+    reference = AutoModelForCausalLM.from_pretrained(
+        real_gguf.parent, gguf_file=real_gguf.name, dtype=torch.float32
+    ).eval()
+    theirs = hf_greedy(reference, prompt, 32)
+    tokenizer = Tokenizer.from_str(real_checkpoint.tokenizer.tokenizer_json)
+    print(f"{real_gguf.name}: {tokenizer.decode(ours)!r}")
+    assert ours == theirs
+
+
+@pytest.mark.slow
+def test_real_model_answers_over_http(
+    real_gguf: Path, tmp_path: Path, subprocess_cleanup: list
+) -> None:
+    endpoint, text, expected = REAL_PROMPTS[real_gguf.name]
+    address = f"ipc://{tmp_path}/engine.sock"
+    engine = start_engine(address, tmp_path / "engine.log", "--model", str(real_gguf))
+    subprocess_cleanup.append(engine)
+    port = free_port()
+    subprocess_cleanup.append(start_server(address, port, tmp_path / "server.log"))
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    if endpoint == "completions":
+        answer = (
+            client.completions.create(model=model, prompt=text, max_tokens=16, temperature=0)
+            .choices[0]
+            .text
+        )
+    else:
+        answer = (
+            client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": text}],
+                max_tokens=96,
+                temperature=0,
+            )
+            .choices[0]
+            .message.content
+        )
+    print(f"{real_gguf.name}: {text!r} -> {answer!r}")
+    assert expected in (answer or "")
