@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests and/or benchmarks, logs under $OUT (or /tmp).
 #
-#   scripts/gpu_session.sh tests|bench-1b|bench-8b|bench-qwen3 ...
+#   scripts/gpu_session.sh tests|bench-1b|bench-8b|bench-qwen3|profile-1b|profile-8b ...
 #
 # Expects the wheels the GPU image lacks in .whl/ (shared/tools/device-wheels.sh).
 set -uo pipefail
@@ -40,6 +40,12 @@ for stage in "$@"; do
     bench-qwen3)
       m=$(checkpoint qwen3-0.6b)
       timeout 300 python3 scripts/bench_offline.py --model "$m" --peer --peer-requests 128 2>&1 | tee "$out/offline-qwen3.log" | tail -5 ;;
+    profile-1b)
+      m=$(checkpoint llama-3.2-1b)
+      timeout 300 python3 scripts/profile_step.py --model "$m" 2>&1 | tee "$out/profile-1b.log" | grep -v USDT ;;
+    profile-8b)
+      m=$(checkpoint llama-3.1-8b)
+      timeout 300 python3 scripts/profile_step.py --model "$m" 2>&1 | tee "$out/profile-8b.log" | grep -v USDT ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -1,0 +1,108 @@
+"""Where a decode step's time goes: wall time, device kernel time, and the host's share.
+
+    python scripts/profile_step.py --model DIR [--batch 1 --batch 256] [--context 512]
+
+For each batch size, BATCH requests of CONTEXT random prompt tokens are prefilled, then
+decode steps run through the engine as in serving (scheduler, input packing, CUDA-graph
+replay, sampling, the one read-back). Prints, per step: the wall time, the device's kernel
+time (from torch.profiler), the difference (host work and launch gaps the GPU waits
+through), and the kernels that take the most device time. On CPU only host times exist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.llm_engine import EngineConfig, LLMEngine
+from protocol import SamplingParams
+
+# New tokens a request may make: more than prefilling the whole batch and the profiled
+# steps take, so the batch stays whole.
+MAX_NEW_TOKENS = 1024
+
+
+def start_requests(engine: LLMEngine, batch: int, context: int) -> None:
+    """Admit ``batch`` requests and run their prefills, leaving them all decoding."""
+    generator = torch.Generator().manual_seed(0)
+    for i in range(batch):
+        prompt = torch.randint(0, engine.vocab_size, (context,), generator=generator).tolist()
+        sampling = SamplingParams(max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+        engine.add_request(b"profile", f"{batch}-{i}", prompt, sampling)
+    while any(r.num_cached_tokens == 0 for r in engine.requests.values()):
+        engine.step()
+
+
+def profile_batch(engine: LLMEngine, batch: int, context: int, steps: int, top: int) -> None:
+    start_requests(engine, batch, context)
+    for _ in range(3):  # warm-up decodes
+        engine.step()
+    activities = [ProfilerActivity.CPU]
+    cuda = engine.device.type == "cuda"
+    if cuda:
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as profiler:
+        started = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall_ms = (time.perf_counter() - started) * 1e3 / steps
+    for request in list(engine.requests.values()):
+        engine.abort(request.client, request.request_id)
+
+    events = profiler.key_averages()
+    if cuda:  # the kernels themselves: the ops that launched them would count them again
+        events = [e for e in events if e.device_type == DeviceType.CUDA]
+    print(f"\nbatch {batch}, context {context}: {wall_ms:.3f} ms per decode step (wall)")
+    if cuda:
+        kernel_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps
+        print(
+            f"  device kernels {kernel_ms:.3f} ms per step; host and launch gaps "
+            f"{wall_ms - kernel_ms:.3f} ms ({(wall_ms - kernel_ms) / wall_ms:.0%} of the step)"
+        )
+        key = "self_device_time_total"
+    else:
+        key = "self_cpu_time_total"
+    print(f"  {'ms per step':>11}  {'calls':>6}  name")
+    for event in sorted(events, key=lambda e: getattr(e, key), reverse=True)[:top]:
+        print(
+            f"  {getattr(event, key) / 1e3 / steps:11.4f}  {event.count // steps:6d}  "
+            f"{event.key[:90]}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, action="append", help="repeatable (default 1, 256)")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--enforce-eager", action="store_true")
+    args = parser.parse_args()
+    batches = args.batch or [1, 256]
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            device=args.device,
+            max_num_seqs=max(batches),
+            max_model_len=args.context + MAX_NEW_TOKENS,
+            enforce_eager=args.enforce_eager,
+        )
+    )
+    for batch in batches:
+        profile_batch(engine, batch, args.context, args.steps, args.top)
+
+
+if __name__ == "__main__":
+    main()
