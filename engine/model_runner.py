@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from itertools import chain, repeat
 
 import numpy as np
 import torch
@@ -156,54 +157,69 @@ class ModelRunner:
     def _prepare_inputs(
         self, batch: list[Request]
     ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Pack the batch's new tokens and cache layout, and move them in one copy."""
-        starts = [r.num_cached_tokens for r in batch]
-        ends = [r.num_tokens for r in batch]
-        query_lens = np.subtract(ends, starts)
+        """Pack the batch's new tokens and cache layout on the host, in numpy over the whole
+        batch, and move them in one copy."""
+        seqs = len(batch)
+        starts = np.fromiter((r.num_cached_tokens for r in batch), np.int64, seqs)
+        ends = np.fromiter((r.num_tokens for r in batch), np.int64, seqs)
+        query_lens = ends - starts
         query_ends = np.cumsum(query_lens)
-        num_tokens = int(query_lens.sum())
+        query_starts = query_ends - query_lens
+        num_tokens = int(query_ends[-1])
+        token_ids = np.fromiter(
+            chain.from_iterable(r.token_ids_from(r.num_cached_tokens) for r in batch),
+            np.int64,
+            num_tokens,
+        )
+        token_seq_index = np.repeat(np.arange(seqs), query_lens)
+        # Each token's position: its index in the packed batch, shifted by its sequence's offset.
+        positions = np.arange(num_tokens) - np.repeat(query_starts - starts, query_lens)
         max_blocks = max(len(r.block_ids) for r in batch)
-        token_ids = [t for r, s in zip(batch, starts, strict=True) for t in r.token_ids_from(s)]
-        positions = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends, strict=True)])
-        token_seq_index = np.repeat(np.arange(len(batch)), query_lens)
-        block_tables = np.zeros((len(batch), max_blocks), dtype=np.int64)
-        for row, request in enumerate(batch):
-            block_tables[row, : len(request.block_ids)] = request.block_ids
+        block_tables = np.fromiter(
+            chain.from_iterable(
+                chain(r.block_ids, repeat(0, max_blocks - len(r.block_ids))) for r in batch
+            ),
+            np.int64,
+            seqs * max_blocks,
+        ).reshape(seqs, max_blocks)
+        slot_mapping = (
+            block_tables[token_seq_index, positions // self.block_size] * self.block_size
+            + positions % self.block_size
+        )
         host = np.concatenate(
             [
                 token_ids,
                 positions,
+                slot_mapping,
                 token_seq_index,
                 ends,
                 query_lens,
-                query_ends - query_lens,
+                query_starts,
                 query_ends - 1,
                 block_tables.ravel(),
             ]
-        ).astype(np.int64)
+        )
         device = torch.from_numpy(host).to(self.device, non_blocking=True)
-        seqs = len(batch)
-        sizes = [num_tokens] * 3 + [seqs] * 4 + [block_tables.size]
+        sizes = [num_tokens] * 4 + [seqs] * 4 + [block_tables.size]
         (
             input_ids,
             positions_t,
+            slot_mapping_t,
             seq_index_t,
             context_lens,
             query_lens_t,
-            query_starts,
+            query_starts_t,
             logits_index,
             tables,
         ) = device.split(sizes)
-        tables = tables.view(seqs, max_blocks)
-        block_of_token = tables[seq_index_t, positions_t // self.block_size]
         metadata = AttentionMetadata(
             positions=positions_t,
-            slot_mapping=block_of_token * self.block_size + positions_t % self.block_size,
+            slot_mapping=slot_mapping_t,
             token_seq_index=seq_index_t,
-            block_tables=tables,
+            block_tables=tables.view(seqs, max_blocks),
             context_lens=context_lens,
             query_lens=query_lens_t,
-            query_starts=query_starts,
+            query_starts=query_starts_t,
             max_query_len=int(query_lens.max()),
         )
         for request in batch:

@@ -43,12 +43,13 @@ class Scheduler:
 
     def _schedule_running(self) -> list[Request]:
         kept: list[Request] = []
-        queue = list(self.running)
+        queue = deque(self.running)
         while queue:
-            request = queue.pop(0)
-            while not self.block_manager.can_grow(request) and queue:
+            request = queue.popleft()
+            # Oldest first: the newest requests give their blocks up to the older ones.
+            while not (fits := self.block_manager.can_grow(request)) and queue:
                 self._preempt(queue.pop())
-            if self.block_manager.can_grow(request):
+            if fits:
                 self.block_manager.grow(request)
                 kept.append(request)
             else:
