@@ -1,0 +1,90 @@
+"""The host's share of a decode step, without the model: what a GPU waits through.
+
+    python scripts/bench_host_step.py [--batch 1 --batch 256] [--context 500] [--model DIR]
+
+BATCH requests of CONTEXT tokens are prefilled on the CPU, then decode steps run with the
+forward pass and the sampler replaced by constant outputs, timing the engine's own Python
+and numpy parts: scheduling, packing the inputs, the sampling parameters, and appending
+each new token. The model only shapes the cache: by default a tiny random Llama, quick to
+prefill; it runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.llm_engine import EngineConfig, LLMEngine
+from protocol import SamplingParams
+
+
+def time_host_step(engine: LLMEngine, batch: int, context: int, steps: int) -> dict[str, float]:
+    for i in range(batch):
+        sampling = SamplingParams(max_tokens=steps + 64, ignore_eos=True)
+        engine.add_request(b"bench", str(i), [5] * context, sampling)
+    while any(r.num_cached_tokens == 0 for r in engine.requests.values()):
+        engine.step()
+    runner, scheduler = engine.runner, engine.scheduler
+    next_tokens = [5] * batch
+    parts = dict.fromkeys(["schedule", "pack inputs", "sampling params", "append tokens"], 0.0)
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        requests = scheduler.schedule()
+        t1 = time.perf_counter()
+        runner._prepare_inputs(requests)
+        t2 = time.perf_counter()
+        runner._prepare_sampling(requests)
+        t3 = time.perf_counter()
+        for request, token in zip(requests, next_tokens, strict=True):
+            engine._append_token(request, token)
+        t4 = time.perf_counter()
+        for name, seconds in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            parts[name] += seconds
+    for request in list(engine.requests.values()):
+        engine.abort(request.client, request.request_id)
+    return {name: seconds * 1e3 / steps for name, seconds in parts.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", help="a checkpoint (default: a tiny random Llama)")
+    parser.add_argument("--batch", type=int, action="append", help="repeatable (default 1, 256)")
+    parser.add_argument("--context", type=int, default=500)
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args()
+    batches = args.batch or [1, 256]
+    torch.set_num_threads(1)  # the host path is single-threaded Python
+    if args.model is None:
+        from tests.test_model_parity import save_tiny_llama
+
+        args.model = tempfile.mkdtemp(prefix="tandem-tiny-llama-")
+        save_tiny_llama(Path(args.model), num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            device="cpu",
+            max_num_seqs=max(batches),
+            max_model_len=args.context + args.steps + 64,
+            kv_cache_memory_gb=1,
+        )
+    )
+    rows = [(batch, time_host_step(engine, batch, args.context, args.steps)) for batch in batches]
+    names = list(rows[0][1])
+    print(f"\nhost ms per decode step, context {args.context}")
+    print(f"{'batch':>6} " + " ".join(f"{n:>16}" for n in names) + f" {'total':>8}")
+    for batch, parts in rows:
+        cells = " ".join(f"{parts[n]:16.3f}" for n in names)
+        print(f"{batch:6d} {cells} {sum(parts.values()):8.3f}")
+
+
+if __name__ == "__main__":
+    main()
