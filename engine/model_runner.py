@@ -226,8 +226,12 @@ class ModelRunner:
             request.num_cached_tokens = request.num_tokens
         return input_ids, metadata, logits_index
 
-    def _prepare_sampling(self, batch: list[Request]) -> SamplingTensors:
+    def _prepare_sampling(self, batch: list[Request]) -> SamplingTensors | None:
+        """The batch's sampling parameters on the device; None when every row is greedy,
+        which needs none (no tensors built, no copies)."""
         params = [r.sampling for r in batch]
+        if all(p.temperature == 0 for p in params):
+            return None
         floats = torch.tensor([(p.temperature, p.top_p) for p in params], dtype=torch.float32).to(
             self.device, non_blocking=True
         )
@@ -244,6 +248,5 @@ class ModelRunner:
             top_k=ints[:, 0],
             seed=ints[:, 1],
             step=ints[:, 2],
-            all_greedy=all(p.temperature == 0 for p in params),
             any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
         )

@@ -17,21 +17,21 @@ _MASK32 = 0xFFFFFFFF
 
 @dataclass
 class SamplingTensors:
-    """Per-row sampling parameters of one step, on the logits' device."""
+    """Per-row sampling parameters of a step that samples at least one row, on the logits'
+    device. A step whose rows are all greedy needs none (``sample(logits, None)``)."""
 
     temperature: torch.Tensor  # [B] float32, 0 for greedy rows
     top_p: torch.Tensor  # [B] float32
     top_k: torch.Tensor  # [B] int64, 0 for no cut
     seed: torch.Tensor  # [B] int64
     step: torch.Tensor  # [B] int64, index of the token being sampled in the request's output
-    all_greedy: bool  # host-side facts that let a step skip work
-    any_top_k_or_p: bool
+    any_top_k_or_p: bool  # a host-side fact that lets a step skip the sort
 
 
-def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-    """Token ids [B] (int64) from float32 logits [B, V]."""
+def sample(logits: torch.Tensor, params: SamplingTensors | None) -> torch.Tensor:
+    """Token ids [B] (int64) from float32 logits [B, V]; ``params`` None: all rows greedy."""
     greedy_tokens = logits.argmax(dim=-1)
-    if params.all_greedy:
+    if params is None:
         return greedy_tokens
     is_greedy = params.temperature == 0
     temperature = torch.where(is_greedy, torch.ones_like(params.temperature), params.temperature)

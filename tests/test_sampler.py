@@ -5,7 +5,7 @@ import torch
 from engine.sampler import SamplingTensors, sample, uniform_noise
 
 
-def _params(rows, all_greedy=False, cut=True):
+def _params(rows, cut=True):
     temperature, top_p, top_k, seed, step = zip(*rows, strict=True)
     return SamplingTensors(
         temperature=torch.tensor(temperature, dtype=torch.float32),
@@ -13,7 +13,6 @@ def _params(rows, all_greedy=False, cut=True):
         top_k=torch.tensor(top_k),
         seed=torch.tensor(seed),
         step=torch.tensor(step),
-        all_greedy=all_greedy,
         any_top_k_or_p=cut,
     )
 
@@ -23,6 +22,11 @@ def test_greedy_rows_take_the_argmax_next_to_sampled_rows():
     tokens = sample(logits, _params([(0, 1, 0, 1, 0), (1.0, 1, 0, 2, 0), (0, 0.5, 3, 3, 0)]))
     assert tokens[0] == logits[0].argmax()
     assert tokens[2] == logits[2].argmax()
+
+
+def test_an_all_greedy_step_needs_no_parameters():
+    logits = torch.randn(4, 50)
+    assert torch.equal(sample(logits, None), logits.argmax(dim=-1))
 
 
 def test_same_seed_and_step_give_the_same_token_whatever_the_batch():
