@@ -138,9 +138,9 @@ def attention_reference(
     )
 
 
-# (num_heads, num_kv_heads, head_dim): GQA groups of 1, 4 and 8, and an odd group and
-# head_dim (padded inside the kernels).
-HEAD_SHAPES = [(4, 4, 64), (8, 2, 128), (16, 2, 64), (6, 2, 80)]
+# (num_heads, num_kv_heads, head_dim): GQA groups of 1, 4 and 8, an odd group and head_dim
+# (padded inside the kernels), and Gemma 3 1B's four heads of 256 on one KV head.
+HEAD_SHAPES = [(4, 4, 64), (8, 2, 128), (16, 2, 64), (6, 2, 80), (4, 1, 256)]
 
 
 @pytest.mark.parametrize(
@@ -150,6 +150,7 @@ HEAD_SHAPES = [(4, 4, 64), (8, 2, 128), (16, 2, 64), (6, 2, 80)]
         (HEAD_SHAPES[1], 3, None),
         (HEAD_SHAPES[2], 4, 40),
         (HEAD_SHAPES[3], 2, None),
+        (HEAD_SHAPES[4], 2, 100),
     ],
 )
 def test_decode_attention(
@@ -176,7 +177,13 @@ def test_decode_attention(
 
 @pytest.mark.parametrize(
     ("heads", "sliding_window"),
-    [(HEAD_SHAPES[0], None), (HEAD_SHAPES[1], None), (HEAD_SHAPES[2], 24), (HEAD_SHAPES[3], 5)],
+    [
+        (HEAD_SHAPES[0], None),
+        (HEAD_SHAPES[1], None),
+        (HEAD_SHAPES[2], 24),
+        (HEAD_SHAPES[3], 5),
+        (HEAD_SHAPES[4], 24),
+    ],
 )
 def test_prefill_attention(heads: tuple[int, int, int], sliding_window: int | None) -> None:
     num_heads, num_kv_heads, head_dim = heads
