@@ -101,24 +101,51 @@ def test_batched_greedy_equals_one_at_a_time(engine_fp32):
     assert matches == 8
 
 
-def test_graph_decode_equals_eager_decode(engine_fp32):
-    """A decode step replayed from a CUDA graph (batch padded to a captured size, block
-    tables as wide as max_model_len) gives the logits of the same step run op by op."""
-    engine = engine_fp32
+def _graph_and_eager_decode(
+    engine: LLMEngine, prompts: list[list[int]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of one decode step after ``prompts``' prefills: replayed from a CUDA graph
+    (batch padded to a captured size, block tables as wide as max_model_len), and op by op."""
     assert engine.runner.decode_graphs is not None
-    prompts = _prompts(5)
     for i, prompt in enumerate(prompts):
         engine.add_request(b"gpu", f"graph{i}", prompt, SamplingParams(max_tokens=4))
-    engine.step()  # the prefills
+    while any(r.num_cached_tokens == 0 for r in engine.requests.values()):
+        engine.step()  # the prefills
     batch = engine.scheduler.schedule()
     input_ids, metadata, logits_index = engine.runner._prepare_inputs(batch)
-    assert metadata.max_query_len == 1 and len(batch) == 5
+    assert metadata.max_query_len == 1 and len(batch) == len(prompts)
     with torch.inference_mode():
         eager = engine.runner.model(input_ids, metadata, logits_index)
         graphed = engine.runner.decode_graphs.run(input_ids, metadata).clone()
     for i in range(len(prompts)):
         engine.abort(b"gpu", f"graph{i}")
+    return graphed, eager
+
+
+def test_graph_decode_equals_eager_decode(engine_fp32):
+    graphed, eager = _graph_and_eager_decode(engine_fp32, _prompts(5))
     torch.testing.assert_close(graphed, eager, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("shape", [s for s in FAMILY_SHAPES if s != "llama-3.2-1b"])
+def test_graph_decode_equals_eager_decode_per_family(shape, tmp_path):
+    """bf16, the engine as served: Qwen's Q/K norms and biases, Gemma's head_dim 256 and
+    sliding windows (prompts past its 512-token window) inside the captured graphs. The
+    two paths split the context differently, so they agree to bf16 rounding, not bits."""
+    save_random_model(tmp_path, shape, torch.bfloat16)
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tmp_path),
+            device="cuda",
+            max_model_len=2048,
+            kv_cache_memory_gb=2,
+            max_num_seqs=8,
+        )
+    )
+    graphed, eager = _graph_and_eager_decode(engine, _prompts(5, max_len=1200))
+    error = _relative_error(graphed, eager)
+    print(f"\n{shape}: graph vs eager decode logits, relative difference {error:.2e}")
+    assert error < 1e-2
 
 
 def test_http_end_to_end_on_cuda(llama_1b, tmp_path, subprocess_cleanup):
