@@ -639,7 +639,9 @@ def test_hub_name_not_cached_whole_is_downloaded(
     (partial / "config.json").write_text("{}")
     calls = []
 
-    def snapshot_download(repo_id: str, allow_patterns: list[str], local_files_only: bool = False):
+    def snapshot_download(
+        repo_id: str, allow_patterns: list[str], local_files_only: bool = False
+    ) -> str:
         calls.append((repo_id, allow_patterns, local_files_only))
         if not local_files_only:
             return str(downloaded)

@@ -5,26 +5,28 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import openai
 import zmq
 
+from tests.conftest import Cluster
 from tests.processes import engine_stats, wait_for_cache_free
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def _chat(client, messages, **kwargs) -> str:
+def _chat(client: openai.OpenAI, messages: list[dict[str, str]], **kwargs) -> str:
     model = client.models.list().data[0].id
     reply = client.chat.completions.create(model=model, messages=messages, **kwargs)
     return reply.choices[0].message.content
 
 
-def _stream_chat(client, messages, **kwargs) -> str:
+def _stream_chat(client: openai.OpenAI, messages: list[dict[str, str]], **kwargs) -> str:
     model = client.models.list().data[0].id
     stream = client.chat.completions.create(model=model, messages=messages, stream=True, **kwargs)
     return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
 
 
-def test_greedy_answer_names_paris(cluster):
+def test_greedy_answer_names_paris(cluster: Cluster) -> None:
     client = cluster.client()
     reply = client.chat.completions.create(
         model=cluster.model, messages=QUESTION, temperature=0, max_tokens=32
@@ -35,7 +37,7 @@ def test_greedy_answer_names_paris(cluster):
     assert reply.usage.completion_tokens > 0
 
 
-def test_streamed_answer_equals_the_plain_one(cluster):
+def test_streamed_answer_equals_the_plain_one(cluster: Cluster) -> None:
     client = cluster.client(1)
     plain = client.chat.completions.create(
         model=cluster.model, messages=QUESTION, temperature=0, max_tokens=32
@@ -60,7 +62,7 @@ def test_streamed_answer_equals_the_plain_one(cluster):
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
 
 
-def test_completions_endpoint_streams_the_same_text(cluster):
+def test_completions_endpoint_streams_the_same_text(cluster: Cluster) -> None:
     client = cluster.client()
     prompt = "The capital of France is"
     plain = client.completions.create(
@@ -77,7 +79,7 @@ def test_completions_endpoint_streams_the_same_text(cluster):
     assert plain.usage.completion_tokens == 12
 
 
-def test_two_servers_serve_sixteen_concurrent_streams(cluster):
+def test_two_servers_serve_sixteen_concurrent_streams(cluster: Cluster) -> None:
     topics = [
         "cats",
         "the sea",
@@ -110,7 +112,7 @@ def test_two_servers_serve_sixteen_concurrent_streams(cluster):
     assert len(set(together)) > 8  # distinct prompts got their own answers
 
 
-def test_seed_makes_sampling_reproducible(cluster):
+def test_seed_makes_sampling_reproducible(cluster: Cluster) -> None:
     client = cluster.client()
     prompt = [{"role": "user", "content": "Tell me a short story."}]
     runs = [_chat(client, prompt, temperature=1.0, seed=1234, max_tokens=20) for _ in range(2)]
@@ -119,7 +121,7 @@ def test_seed_makes_sampling_reproducible(cluster):
     assert other != runs[0]
 
 
-def test_stop_string_cuts_the_answer(cluster):
+def test_stop_string_cuts_the_answer(cluster: Cluster) -> None:
     client = cluster.client()
     reply = client.chat.completions.create(
         model=cluster.model, messages=QUESTION, temperature=0, max_tokens=32, stop=["Paris"]
@@ -129,7 +131,7 @@ def test_stop_string_cuts_the_answer(cluster):
     wait_for_cache_free(cluster.urls[0])
 
 
-def test_models_and_health(cluster):
+def test_models_and_health(cluster: Cluster) -> None:
     models = httpx.get(f"{cluster.urls[1]}/v1/models").json()
     assert models["object"] == "list"
     assert models["data"][0]["id"] == cluster.model
@@ -138,7 +140,7 @@ def test_models_and_health(cluster):
     assert health.json()["engine"]["num_total_blocks"] > 0
 
 
-def test_client_disconnect_mid_stream_frees_the_cache(cluster):
+def test_client_disconnect_mid_stream_frees_the_cache(cluster: Cluster) -> None:
     url = cluster.urls[0]
     body = {
         "model": cluster.model,
@@ -165,7 +167,7 @@ def _error_of(response: httpx.Response) -> dict:
     return error
 
 
-def test_bad_requests_get_openai_style_400s(cluster):
+def test_bad_requests_get_openai_style_400s(cluster: Cluster) -> None:
     url = f"{cluster.urls[0]}/v1/chat/completions"
     headers = {"content-type": "application/json"}
     _error_of(httpx.post(url, content=b"{not json", headers=headers))
@@ -181,7 +183,7 @@ def test_bad_requests_get_openai_style_400s(cluster):
     assert "Paris" in _chat(cluster.client(), QUESTION, temperature=0, max_tokens=32)
 
 
-def test_garbage_on_the_engine_socket_is_dropped(cluster):
+def test_garbage_on_the_engine_socket_is_dropped(cluster: Cluster) -> None:
     context = zmq.Context()
     rogue = context.socket(zmq.DEALER)
     rogue.setsockopt(zmq.LINGER, 1000)

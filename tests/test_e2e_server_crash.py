@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import signal
+import subprocess
+from pathlib import Path
 
 import httpx
 
@@ -17,7 +19,9 @@ from tests.processes import (
 )
 
 
-def test_engine_survives_a_killed_server(tmp_path, subprocess_cleanup):
+def test_engine_survives_a_killed_server(
+    tmp_path: Path, subprocess_cleanup: list[subprocess.Popen]
+) -> None:
     address = f"ipc://{tmp_path}/engine.sock"
     engine = start_engine(address, tmp_path / "engine.log")
     subprocess_cleanup.append(engine)
@@ -66,7 +70,9 @@ def test_engine_survives_a_killed_server(tmp_path, subprocess_cleanup):
     assert "unreachable" in log
 
 
-def test_server_survives_an_engine_restart(tmp_path, subprocess_cleanup):
+def test_server_survives_an_engine_restart(
+    tmp_path: Path, subprocess_cleanup: list[subprocess.Popen]
+) -> None:
     """The engine dies mid-stream: the stream ends with an error, /health says 503, and once
     an engine is back on the same address the same server answers again."""
     address = f"ipc://{tmp_path}/engine.sock"

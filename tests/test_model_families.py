@@ -121,7 +121,9 @@ def saved_tiny_model(name: str, directory: Path, **changes: Any) -> PreTrainedMo
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request, tmp_path_factory) -> tuple[Path, PreTrainedModel]:
+def family(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, PreTrainedModel]:
     directory = tmp_path_factory.mktemp(request.param)
     return directory, saved_tiny_model(request.param, directory)
 

@@ -77,7 +77,9 @@ def save_with_tokenizer(model: PreTrainedModel, directory: Path) -> None:
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
-def tiny(request, tmp_path_factory) -> tuple[Path, HFLlama]:
+def tiny(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, HFLlama]:
     directory = tmp_path_factory.mktemp(request.param)
     return directory, save_tiny_llama(directory, **CONFIGS[request.param])
 
@@ -162,7 +164,7 @@ def hf_prefill_logits(model: PreTrainedModel, prompts: list[list[int]]) -> torch
         return torch.cat([model(torch.tensor([p])).logits[0] for p in prompts])
 
 
-def test_prefill_logits_match_transformers(tiny):
+def test_prefill_logits_match_transformers(tiny: tuple[Path, HFLlama]) -> None:
     directory, hf_model = tiny
     prompts = random_prompts(3, seed=2)  # lengths 1, 5, 17
     torch.testing.assert_close(
@@ -173,7 +175,7 @@ def test_prefill_logits_match_transformers(tiny):
     )
 
 
-def test_triton_backend_prefill_logits_match_transformers(tiny):
+def test_triton_backend_prefill_logits_match_transformers(tiny: tuple[Path, HFLlama]) -> None:
     """The CUDA backend's kernels in the whole model, run by Triton's CPU interpreter."""
     directory, hf_model = tiny
     prompts = random_prompts(3, seed=2)
@@ -185,7 +187,7 @@ def test_triton_backend_prefill_logits_match_transformers(tiny):
     )
 
 
-def test_greedy_generation_matches_transformers(tiny):
+def test_greedy_generation_matches_transformers(tiny: tuple[Path, HFLlama]) -> None:
     directory, hf_model = tiny
     engine = LLMEngine(
         EngineConfig(model=str(directory), device="cpu", block_size=4, kv_cache_memory_gb=0.01)
@@ -197,7 +199,7 @@ def test_greedy_generation_matches_transformers(tiny):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_preemption_under_cache_pressure_keeps_outputs_exact(tiny):
+def test_preemption_under_cache_pressure_keeps_outputs_exact(tiny: tuple[Path, HFLlama]) -> None:
     directory, hf_model = tiny
     # 40 blocks of 4 tokens: the 8 requests (up to 64 + 24 tokens) cannot all stay resident.
     engine = LLMEngine(

@@ -11,6 +11,7 @@ from protocol import (
     GenerateRequest,
     HandshakeReply,
     HandshakeRequest,
+    Message,
     ProtocolError,
     RequestOutput,
     SamplingParams,
@@ -32,7 +33,7 @@ MESSAGES = [
 
 
 @pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
-def test_round_trip(message):
+def test_round_trip(message: Message) -> None:
     assert decode_message(message.encode()) == message
 
 
@@ -68,17 +69,17 @@ def _frame(body: dict) -> bytes:
         GenerateRequest("r", [1], SamplingParams()).encode()[:-3],  # truncated
     ],
 )
-def test_malformed_frames_raise_protocol_error(frame):
+def test_malformed_frames_raise_protocol_error(frame: bytes) -> None:
     with pytest.raises(ProtocolError):
         decode_message(frame)
 
 
-def test_oversized_frame_is_rejected_before_parsing():
+def test_oversized_frame_is_rejected_before_parsing() -> None:
     with pytest.raises(ProtocolError, match="exceeds"):
         decode_message(b"\x00" * (MAX_FRAME_BYTES + 1))
 
 
-def test_defaults_fill_missing_optional_fields():
+def test_defaults_fill_missing_optional_fields() -> None:
     frame = _frame(
         {
             "type": "generate",
@@ -91,7 +92,7 @@ def test_defaults_fill_missing_optional_fields():
     assert message.sampling == SamplingParams(max_tokens=4)
 
 
-def test_sampling_validation_names_the_problem():
+def test_sampling_validation_names_the_problem() -> None:
     assert SamplingParams().validate() is None
     assert "max_tokens" in SamplingParams(max_tokens=0).validate()
     assert "temperature" in SamplingParams(temperature=-1).validate()

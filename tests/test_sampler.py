@@ -5,7 +5,7 @@ import torch
 from engine.sampler import SamplingTensors, sample, uniform_noise
 
 
-def _params(rows, cut=True):
+def _params(rows: list[tuple[float, float, int, int, int]], cut: bool = True) -> SamplingTensors:
     temperature, top_p, top_k, seed, step = zip(*rows, strict=True)
     return SamplingTensors(
         temperature=torch.tensor(temperature, dtype=torch.float32),
@@ -17,19 +17,19 @@ def _params(rows, cut=True):
     )
 
 
-def test_greedy_rows_take_the_argmax_next_to_sampled_rows():
+def test_greedy_rows_take_the_argmax_next_to_sampled_rows() -> None:
     logits = torch.randn(3, 50)
     tokens = sample(logits, _params([(0, 1, 0, 1, 0), (1.0, 1, 0, 2, 0), (0, 0.5, 3, 3, 0)]))
     assert tokens[0] == logits[0].argmax()
     assert tokens[2] == logits[2].argmax()
 
 
-def test_an_all_greedy_step_needs_no_parameters():
+def test_an_all_greedy_step_needs_no_parameters() -> None:
     logits = torch.randn(4, 50)
     assert torch.equal(sample(logits, None), logits.argmax(dim=-1))
 
 
-def test_same_seed_and_step_give_the_same_token_whatever_the_batch():
+def test_same_seed_and_step_give_the_same_token_whatever_the_batch() -> None:
     logits = torch.randn(1, 1000)
     alone = sample(logits, _params([(1.0, 1, 0, 42, 5)]))
     batch = torch.cat([torch.randn(2, 1000), logits])
@@ -37,7 +37,7 @@ def test_same_seed_and_step_give_the_same_token_whatever_the_batch():
     assert together[2] == alone[0]
 
 
-def test_noise_depends_on_seed_and_step_and_is_uniform():
+def test_noise_depends_on_seed_and_step_and_is_uniform() -> None:
     seed = torch.tensor([1, 1, 2])
     step = torch.tensor([0, 1, 0])
     noise = uniform_noise(seed, step, 100_000)
@@ -47,7 +47,7 @@ def test_noise_depends_on_seed_and_step_and_is_uniform():
     assert torch.equal(noise, uniform_noise(seed, step, 100_000))
 
 
-def test_sampling_follows_the_distribution():
+def test_sampling_follows_the_distribution() -> None:
     probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
     logits = probs.log().expand(20_000, 4)
     rows = [(1.0, 1.0, 0, 1234, step) for step in range(20_000)]
@@ -56,7 +56,7 @@ def test_sampling_follows_the_distribution():
     assert torch.allclose(freq, probs, atol=0.015)
 
 
-def test_top_k_and_top_p_keep_only_the_head():
+def test_top_k_and_top_p_keep_only_the_head() -> None:
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).expand(2000, 5)
     top_k_rows = [(1.0, 1.0, 2, 99, step) for step in range(1000)]
     top_p_rows = [(1.0, 0.5, 0, 99, step) for step in range(1000)]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 
-def pytest_collection_modifyitems(config, items):
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,7 +22,7 @@ FAMILY_SHAPES = ["llama-3.2-1b", "qwen3-0.6b", "qwen2.5-0.5b", "gemma3-1b"]
 
 
 @pytest.fixture(scope="module")
-def llama_1b(tmp_path_factory):
+def llama_1b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("llama-1b")
     save_random_model(directory, "llama-3.2-1b", torch.bfloat16)
     return directory
@@ -33,7 +35,7 @@ def _prompts(count: int, max_len: int = 300) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("shape", FAMILY_SHAPES)
-def test_last_token_logits_match_transformers_in_bf16(shape, tmp_path):
+def test_last_token_logits_match_transformers_in_bf16(shape: str, tmp_path: Path) -> None:
     """Our bf16 logits are as close to a float32 reference as transformers' own bf16 ones."""
     save_random_model(tmp_path, shape, torch.bfloat16)
     # Both loaded from the files: a model cast with .to() would carry a bf16-rounded RoPE
@@ -76,7 +78,7 @@ def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 @pytest.fixture(scope="module")
-def engine_fp32(llama_1b):
+def engine_fp32(llama_1b: Path) -> LLMEngine:
     directory = llama_1b
     return LLMEngine(
         EngineConfig(
@@ -89,7 +91,7 @@ def engine_fp32(llama_1b):
     )
 
 
-def test_batched_greedy_equals_one_at_a_time(engine_fp32):
+def test_batched_greedy_equals_one_at_a_time(engine_fp32: LLMEngine) -> None:
     """In float32, so the check is of batching and the paged cache, not of bf16 rounding:
     random weights give near-flat logits whose argmax any rounding difference flips."""
     engine = engine_fp32
@@ -122,13 +124,13 @@ def _graph_and_eager_decode(
     return graphed, eager
 
 
-def test_graph_decode_equals_eager_decode(engine_fp32):
+def test_graph_decode_equals_eager_decode(engine_fp32: LLMEngine) -> None:
     graphed, eager = _graph_and_eager_decode(engine_fp32, _prompts(5))
     torch.testing.assert_close(graphed, eager, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize("shape", [s for s in FAMILY_SHAPES if s != "llama-3.2-1b"])
-def test_graph_decode_equals_eager_decode_per_family(shape, tmp_path):
+def test_graph_decode_equals_eager_decode_per_family(shape: str, tmp_path: Path) -> None:
     """bf16, the engine as served: Qwen's Q/K norms and biases, Gemma's head_dim 256 and
     sliding windows (prompts past its 512-token window) inside the captured graphs. The
     two paths split the context differently, so they agree to bf16 rounding, not bits."""
@@ -148,7 +150,9 @@ def test_graph_decode_equals_eager_decode_per_family(shape, tmp_path):
     assert error < 1e-2
 
 
-def test_http_end_to_end_on_cuda(llama_1b, tmp_path, subprocess_cleanup):
+def test_http_end_to_end_on_cuda(
+    llama_1b: Path, tmp_path: Path, subprocess_cleanup: list[subprocess.Popen]
+) -> None:
     directory = llama_1b
     address = f"ipc://{tmp_path}/engine.sock"
     engine_process = start_engine(
