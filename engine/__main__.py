@@ -55,6 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="CUDA: no CUDA graphs for decode steps (faster start, slower decode)",
     )
+    parser.add_argument(
+        "--stats-interval",
+        type=float,
+        default=10.0,
+        help="seconds between throughput log lines (0: none)",
+    )
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 
@@ -83,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
             enforce_eager=args.enforce_eager,
         )
     )
-    service = EngineService(engine, args.address)
+    service = EngineService(engine, args.address, args.stats_interval)
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: service.stop_event.set())
     service.serve_forever()

@@ -97,6 +97,7 @@ class LLMEngine:
         self.requests: dict[tuple[bytes, str], Request] = {}
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.num_finished = 0
+        self.num_generated_tokens = 0  # sampled, one per request per step
 
     def _num_kv_blocks(self, config: EngineConfig) -> int:
         if config.num_kv_blocks is not None:
@@ -203,6 +204,7 @@ class LLMEngine:
         if not batch:
             return []
         next_tokens = self.runner.step(batch)
+        self.num_generated_tokens += len(batch)
         outputs = []
         for request, token in zip(batch, next_tokens, strict=True):
             outputs.append((request.client, self._append_token(request, token)))

@@ -24,6 +24,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_prefill_tokens = 0  # tokens admitted for prefill, recomputations included
 
     @property
     def has_work(self) -> bool:
@@ -71,6 +72,7 @@ class Scheduler:
             self.running.append(request)
             batch.append(request)
             budget -= num_new
+            self.num_prefill_tokens += num_new
 
     def _preempt(self, request: Request) -> None:
         self.num_preemptions += 1

@@ -15,6 +15,7 @@ from collections import defaultdict
 import zmq
 
 from engine.llm_engine import LLMEngine, RequestRejected
+from engine.throughput_log import ThroughputLog
 from protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -40,8 +41,9 @@ _IDLE_POLL_MS = 100
 
 
 class EngineService:
-    def __init__(self, engine: LLMEngine, address: str) -> None:
+    def __init__(self, engine: LLMEngine, address: str, stats_interval_s: float = 10.0) -> None:
         self.engine = engine
+        self.throughput_log = ThroughputLog(engine, stats_interval_s)
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         # Sending to a vanished peer raises EHOSTUNREACH instead of dropping silently:
@@ -64,6 +66,7 @@ class EngineService:
                     self._drain_inbox()
                 if self.engine.has_work:
                     self._send_outputs(self.engine.step())
+                self.throughput_log.maybe_log()
         finally:
             self.socket.close()
             self.context.term()
