@@ -56,6 +56,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="CUDA: no CUDA graphs for decode steps (faster start, slower decode)",
     )
     parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV cache of prompts' common prefixes (default: on)",
+    )
+    parser.add_argument(
         "--stats-interval",
         type=float,
         default=10.0,
@@ -87,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             enforce_eager=args.enforce_eager,
+            enable_prefix_caching=args.enable_prefix_caching,
         )
     )
     service = EngineService(engine, args.address, args.stats_interval)

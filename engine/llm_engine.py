@@ -45,6 +45,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     enforce_eager: bool = False  # CUDA: run decode steps op by op, without CUDA graphs
+    enable_prefix_caching: bool = True  # reuse the cache of prompts' common prefixes
 
 
 class RequestRejected(Exception):
@@ -88,7 +89,9 @@ class LLMEngine:
             capacity,
             model_len,
         )
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, prefix_caching=config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
@@ -203,10 +206,17 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        next_tokens = self.runner.step(batch)
+        return self.process_step(batch, self.runner.step(batch))
+
+    def process_step(
+        self, batch: list[Request], next_tokens: list[int]
+    ) -> list[tuple[bytes, RequestOutput]]:
+        """Take in a step's sampled tokens: key the newly computed cache blocks, append each
+        token, finish the requests that are done."""
         self.num_generated_tokens += len(batch)
         outputs = []
         for request, token in zip(batch, next_tokens, strict=True):
+            self.block_manager.cache_computed_blocks(request)  # before a finish frees them
             outputs.append((request.client, self._append_token(request, token)))
         return outputs
 

@@ -26,6 +26,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # tokens whose K/V are in the cache
+    num_keyed_blocks: int = 0  # leading blocks keyed for prefix caching (BlockManager)
+    parent_key: int = 0  # hash of the last keyed block's key
     status: RequestStatus = RequestStatus.WAITING
 
     @property
@@ -35,6 +37,15 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """Tokens at positions [start, end)."""
+        prompt_len = len(self.prompt_token_ids)
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len : end - prompt_len]
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
 
     def token_ids_from(self, start: int) -> list[int]:
         """Tokens from position ``start`` on: what the next forward pass must feed in."""

@@ -24,7 +24,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self.num_prefill_tokens = 0  # tokens admitted for prefill, recomputations included
+        self.num_prefill_tokens = 0  # tokens to compute at admission (cached prefixes not)
 
     @property
     def has_work(self) -> bool:
@@ -61,16 +61,15 @@ class Scheduler:
         budget = self.max_num_batched_tokens - len(batch)
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            num_new = request.num_tokens
-            if num_new > budget and batch:
+            if request.num_tokens > budget and batch:
                 break
-            if self.block_manager.missing_blocks(request) > self.block_manager.num_free_blocks:
+            if not self.block_manager.admit(request):
                 break
             self.waiting.popleft()
-            self.block_manager.grow(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             batch.append(request)
+            num_new = request.num_tokens - request.num_cached_tokens
             budget -= num_new
             self.num_prefill_tokens += num_new
 

@@ -4,8 +4,8 @@
 
 BATCH requests of CONTEXT tokens are prefilled on the CPU, then decode steps run with the
 forward pass and the sampler replaced by constant outputs, timing the engine's own Python
-and numpy parts: scheduling, packing the inputs, the sampling parameters, and appending
-each new token. The model only shapes the cache: by default a tiny random Llama, quick to
+and numpy parts: scheduling, packing the inputs, the sampling parameters, and taking in
+the new tokens. The model only shapes the cache: by default a tiny random Llama, quick to
 prefill; it runs on the CPU.
 """
 
@@ -33,7 +33,7 @@ def time_host_step(engine: LLMEngine, batch: int, context: int, steps: int) -> d
         engine.step()
     runner, scheduler = engine.runner, engine.scheduler
     next_tokens = [5] * batch
-    parts = dict.fromkeys(["schedule", "pack inputs", "sampling params", "append tokens"], 0.0)
+    parts = dict.fromkeys(["schedule", "pack inputs", "sampling params", "process tokens"], 0.0)
     for _ in range(steps):
         t0 = time.perf_counter()
         requests = scheduler.schedule()
@@ -42,8 +42,7 @@ def time_host_step(engine: LLMEngine, batch: int, context: int, steps: int) -> d
         t2 = time.perf_counter()
         runner._prepare_sampling(requests)
         t3 = time.perf_counter()
-        for request, token in zip(requests, next_tokens, strict=True):
-            engine._append_token(request, token)
+        engine.process_step(requests, next_tokens)
         t4 = time.perf_counter()
         for name, seconds in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
             parts[name] += seconds

@@ -5,7 +5,8 @@
 
 Measures, for one `python -m engine` process: start time (process start to the
 handshake reply, i.e. weights loaded and serving), time to first token, and time
-per output token for one request of random token ids (seed 0, ignore_eos). With
+per output token for one request of random token ids (seeds 0, 1, …: a new prompt each
+run, so no run finds another's prefix cached; ignore_eos). With
 --peer, Hugging Face transformers' own generate() runs on the same weights and
 device in the same run, for comparison. On CUDA it also prints the decode step's
 memory-bandwidth floor and TPOT as a fraction of it.
@@ -40,8 +41,8 @@ from protocol import (  # noqa: E402
 )
 
 
-def random_prompt(vocab_size: int, length: int) -> list[int]:
-    generator = torch.Generator().manual_seed(0)
+def random_prompt(vocab_size: int, length: int, seed: int = 0) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (length,), generator=generator).tolist()
 
 
@@ -73,14 +74,28 @@ def bench_engine(args: argparse.Namespace) -> dict[str, float]:
         start_s = time.perf_counter() - started
         assert isinstance(reply, HandshakeReply), reply
         vocab_size = Tokenizer.from_str(reply.tokenizer_json).get_vocab_size()
-        prompt = random_prompt(vocab_size, args.prompt_len)
-        runs = [_one_request(socket, prompt, args.output_len, f"r{i}") for i in range(args.runs)]
+        # A new prompt each run (a repeated one would find its prefix in the engine's
+        # cache), after the shared prefix, if any: that one is cached from the second run on.
+        prefix = random_prompt(vocab_size, args.shared_prefix_len, seed=12345)
+        runs = [
+            _one_request(
+                socket,
+                prefix + random_prompt(vocab_size, args.prompt_len, i),
+                args.output_len,
+                f"r{i}",
+            )
+            for i in range(args.runs)
+        ]
     finally:
         engine.terminate()
         engine.wait()
     ttft = statistics.median(r[0] for r in runs)
     tpot = statistics.median(r[1] for r in runs)
-    return {"start_s": start_s, "ttft_ms": ttft * 1e3, "tpot_ms": tpot * 1e3}
+    result = {"start_s": start_s, "ttft_ms": ttft * 1e3, "tpot_ms": tpot * 1e3}
+    if prefix:
+        result["cold_ttft_ms"] = runs[0][0] * 1e3
+        result["cached_ttft_ms"] = statistics.median(r[0] for r in runs[1:]) * 1e3
+    return result
 
 
 def _one_request(
@@ -197,11 +212,27 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        help="put a prefix of this many tokens, the same in every run, before each prompt, "
+        "and report TTFT with it cold (first run) and cached (the others)",
+    )
     parser.add_argument("--peer", action="store_true", help="also time transformers")
     parser.add_argument("--enforce-eager", action="store_true", help="engine without CUDA graphs")
     args = parser.parse_args()
 
+    if args.shared_prefix_len and args.runs < 2:
+        parser.error("--shared-prefix-len needs --runs 2 or more: the first run is the cold one")
     rows = [("tandem engine", bench_engine(args))]
+    if args.shared_prefix_len:
+        ours = rows[0][1]
+        print(
+            f"\nshared prefix of {args.shared_prefix_len} tokens + {args.prompt_len} new: "
+            f"tandem TTFT {ours['cold_ttft_ms']:.1f} ms cold, "
+            f"{ours['cached_ttft_ms']:.1f} ms with the prefix cached (median of {args.runs - 1})"
+        )
     if args.peer:
         rows.append(("transformers generate", bench_transformers(args)))
     print(

@@ -34,7 +34,7 @@ def test_a_line_of_rates_after_work_and_none_when_idle(
     line = caplog.records[0].getMessage()
     match = re.fullmatch(
         r"prompt ([\d.]+) tok/s, generation ([\d.]+) tok/s, 0 running, 0 waiting, "
-        r"KV cache 0\.0% used",
+        r"KV cache 0\.0% used, prefix cache hits 0\.0% of prompt tokens",
         line,
     )
     assert match is not None, line
