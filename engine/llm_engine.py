@@ -16,7 +16,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.checkpoint import load_checkpoint
-from engine.model_runner import CacheConfig, ModelRunner, resolve_dtype
+from engine.model_runner import CacheConfig, ModelRunner, SampledTokens, resolve_dtype
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 from protocol import (
@@ -27,6 +27,7 @@ from protocol import (
     HandshakeReply,
     RequestOutput,
     SamplingParams,
+    TokenLogprobs,
 )
 
 logger = logging.getLogger(__name__)
@@ -209,44 +210,60 @@ class LLMEngine:
         return self.process_step(batch, self.runner.step(batch))
 
     def process_step(
-        self, batch: list[Request], next_tokens: list[int]
+        self, batch: list[Request], sampled: SampledTokens
     ) -> list[tuple[bytes, RequestOutput]]:
         """Take in a step's sampled tokens: key the newly computed cache blocks, append each
         token, finish the requests that are done."""
         self.num_generated_tokens += len(batch)
+        logprobs = sampled.logprobs or [None] * len(batch)
         outputs = []
-        for request, token in zip(batch, next_tokens, strict=True):
+        for request, token, token_logprobs in zip(batch, sampled.token_ids, logprobs, strict=True):
             self.block_manager.cache_computed_blocks(request)  # before a finish frees them
-            outputs.append((request.client, self._append_token(request, token)))
+            outputs.append((request.client, self._append_token(request, token, token_logprobs)))
         return outputs
 
-    def _append_token(self, request: Request, token: int) -> RequestOutput:
+    def _append_token(
+        self, request: Request, token: int, logprobs: TokenLogprobs | None
+    ) -> RequestOutput:
         sampling = request.sampling
         if token in sampling.stop_token_ids or (
             not sampling.ignore_eos and token in self.eos_token_ids
         ):
             return self._finish(request, FinishReason.STOP, [])
         request.output_token_ids.append(token)
+        new_logprobs = None if logprobs is None else [logprobs]
         if (
             len(request.output_token_ids) >= sampling.max_tokens
             or request.num_tokens >= self.max_model_len
         ):
-            return self._finish(request, FinishReason.LENGTH, [token])
-        return self._output(request, [token], None)
+            return self._finish(request, FinishReason.LENGTH, [token], new_logprobs)
+        return self._output(request, [token], None, new_logprobs)
 
-    def _finish(self, request: Request, reason: str, new_tokens: list[int]) -> RequestOutput:
+    def _finish(
+        self,
+        request: Request,
+        reason: str,
+        new_tokens: list[int],
+        logprobs: list[TokenLogprobs] | None = None,
+    ) -> RequestOutput:
         if request.status is not RequestStatus.FINISHED:
             self.scheduler.remove(request)
             del self.requests[request.key]
             self.num_finished += 1
-        return self._output(request, new_tokens, reason)
+        return self._output(request, new_tokens, reason, logprobs)
 
     @staticmethod
-    def _output(request: Request, new_tokens: list[int], reason: str | None) -> RequestOutput:
+    def _output(
+        request: Request,
+        new_tokens: list[int],
+        reason: str | None,
+        logprobs: list[TokenLogprobs] | None = None,
+    ) -> RequestOutput:
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=new_tokens,
             finish_reason=reason,
             num_prompt_tokens=len(request.prompt_token_ids),
             num_output_tokens=len(request.output_token_ids),
+            logprobs=logprobs,
         )

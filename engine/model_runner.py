@@ -16,9 +16,19 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.layer_ops import LayerOps, TorchLayerOps
 from engine.models import build_model
 from engine.request import Request
-from engine.sampler import SamplingTensors, sample
+from engine.sampler import SamplingTensors, sample, token_logprobs
+from protocol import TokenLogprobs
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SampledTokens:
+    """A step's result: each request's next token and, for the requests that asked, its
+    log-probabilities (None for the others; None for all when none asked)."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None
 
 
 @dataclass
@@ -143,8 +153,9 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(self.model, max_batch, max_blocks, self.device)
 
     @torch.inference_mode()
-    def step(self, batch: list[Request]) -> list[int]:
-        """Run one forward pass over ``batch`` and return each request's next token."""
+    def step(self, batch: list[Request]) -> SampledTokens:
+        """Run one forward pass over ``batch``: each request's next token, and its
+        log-probabilities where the request asked for them."""
         input_ids, metadata, logits_index = self._prepare_inputs(batch)
         graphs = self.decode_graphs
         if graphs is not None and metadata.max_query_len == 1 and graphs.fits(len(batch)):
@@ -152,7 +163,23 @@ class ModelRunner:
         else:
             logits = self.model(input_ids, metadata, logits_index)
         next_tokens = sample(logits, self._prepare_sampling(batch))
-        return next_tokens.tolist()  # the step's one host-device synchronization
+        asked = [r.sampling.logprobs for r in batch]
+        if all(k is None for k in asked):
+            return SampledTokens(next_tokens.tolist(), None)  # the step's one synchronization
+        return self._with_logprobs(logits, next_tokens, asked)
+
+    def _with_logprobs(
+        self, logits: torch.Tensor, next_tokens: torch.Tensor, asked: list[int | None]
+    ) -> SampledTokens:
+        num_top = max(k for k in asked if k is not None)
+        chosen, top_logprobs, top_ids = token_logprobs(logits, next_tokens, num_top)
+        values = torch.cat([chosen.unsqueeze(1), top_logprobs], dim=1).tolist()
+        ids = torch.cat([next_tokens.unsqueeze(1), top_ids], dim=1).tolist()
+        logprobs = [
+            None if k is None else TokenLogprobs(row[0], row_ids[1 : k + 1], row[1 : k + 1])
+            for k, row, row_ids in zip(asked, values, ids, strict=True)
+        ]
+        return SampledTokens([row_ids[0] for row_ids in ids], logprobs)
 
     def _prepare_inputs(
         self, batch: list[Request]

@@ -44,6 +44,18 @@ def sample(logits: torch.Tensor, params: SamplingTensors | None) -> torch.Tensor
     return torch.where(is_greedy, greedy_tokens, sampled_tokens)
 
 
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Under the raw distribution of float32 ``logits`` [B, V] (no temperature, no cuts):
+    the log-probability [B] of each row's token, and the ``num_top`` likeliest tokens'
+    log-probabilities and ids [B, num_top], likeliest first."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
+    return chosen, top_logprobs, top_ids
+
+
 def _apply_top_k_top_p(
     probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:

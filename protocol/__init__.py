@@ -2,6 +2,7 @@
 
 from protocol.codec import MAX_FRAME_BYTES, Message, ProtocolError, decode_message
 from protocol.messages import (
+    MAX_TOP_LOGPROBS,
     PROTOCOL_VERSION,
     AbortRequest,
     EngineStats,
@@ -14,11 +15,13 @@ from protocol.messages import (
     RequestOutput,
     SamplingParams,
     StatsRequest,
+    TokenLogprobs,
     TokenOutputs,
 )
 
 __all__ = [
     "MAX_FRAME_BYTES",
+    "MAX_TOP_LOGPROBS",
     "PROTOCOL_VERSION",
     "AbortRequest",
     "EngineStats",
@@ -33,6 +36,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "StatsRequest",
+    "TokenLogprobs",
     "TokenOutputs",
     "decode_message",
 ]

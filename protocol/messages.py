@@ -17,7 +17,10 @@ from typing import ClassVar
 from protocol.codec import Message
 
 # Bumped on any incompatible change to the messages below; checked at the handshake.
-PROTOCOL_VERSION = 1
+# 2: log-probabilities (SamplingParams.logprobs, RequestOutput.logprobs).
+PROTOCOL_VERSION = 2
+# The most alternatives a request may ask log-probabilities of, as OpenAI's top_logprobs.
+MAX_TOP_LOGPROBS = 20
 
 
 class FinishReason:
@@ -46,6 +49,8 @@ class SamplingParams:
     seed: int | None = None  # same seed and prompt -> same output
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # None: no log-probabilities; k: each new token's, and those of the k likeliest tokens.
+    logprobs: int | None = None
 
     def validate(self) -> str | None:
         """The reason these parameters are unusable, or None."""
@@ -59,6 +64,8 @@ class SamplingParams:
             return "top_k must be non-negative"
         if self.seed is not None and not 0 <= self.seed < 2**63:
             return "seed must be in [0, 2**63)"
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            return f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]"
         return None
 
 
@@ -114,6 +121,16 @@ class StatsRequest(Message):
 
 
 @dataclass
+class TokenLogprobs:
+    """A generated token's log-probability under the model (its raw distribution, before
+    temperature and top-k/top-p), and the likeliest tokens' ids and log-probabilities."""
+
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
 class RequestOutput:
     """New tokens of one request since its last output."""
 
@@ -122,6 +139,8 @@ class RequestOutput:
     finish_reason: str | None  # a FinishReason once the request is done
     num_prompt_tokens: int
     num_output_tokens: int  # all tokens generated so far, the new ones included
+    # One per new token when the request asked for them (SamplingParams.logprobs).
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass

@@ -9,16 +9,18 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
+from functools import partial
 from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from protocol import SamplingParams
+from protocol import SamplingParams, TokenLogprobs
 from server.chat_template import ChatTemplateError
 from server.engine_client import EngineClient
 from server.errors import ApiError, internal_error
 from server.generation import TextDelta, generate_text
+from server.logprobs import CompletionLogprobs, chat_logprobs
 from server.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,6 +38,8 @@ _HEALTH_TIMEOUT_S = 2.0
 _CLIENT_CLOSED_REQUEST = 499
 
 T = TypeVar("T")
+# Log-probabilities of some tokens in an endpoint's shape (server/logprobs.py).
+RenderLogprobs = Callable[[list[int], list[TokenLogprobs]], dict[str, Any]]
 
 
 @dataclasses.dataclass(slots=True)
@@ -81,19 +85,26 @@ class OpenAIApi:
         # The template already holds the special tokens (as apply_chat_template does).
         prompt_ids = await self._model.encode(prompt, add_special_tokens=False)
         max_tokens = body.max_completion_tokens or body.max_tokens
-        sampling = self._sampling(body, len(prompt_ids), max_tokens, "messages")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs")
+        num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        sampling = self._sampling(body, len(prompt_ids), max_tokens, "messages", num_logprobs)
+        tokenizer = self._model.tokenizer
+        render_logprobs = partial(chat_logprobs, tokenizer) if num_logprobs is not None else None
 
-        def choice(text: str, finish_reason: str | None) -> dict[str, Any]:
+        def choice(text: str, finish_reason: str | None, logprobs: Any) -> dict[str, Any]:
             message = {"role": "assistant", "content": text}
             return {
                 "index": 0,
                 "message": message,
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
 
         kind = ("chatcmpl", "chat.completion.chunk" if body.stream else "chat.completion")
-        return await self._respond(request, body, kind, prompt_ids, sampling, _ChatChunks, choice)
+        return await self._respond(
+            request, body, kind, prompt_ids, sampling, _ChatChunks, choice, render_logprobs
+        )
 
     async def completions(self, request: Request) -> Response:
         body = parse_request(CompletionRequest, await request.body())
@@ -105,14 +116,17 @@ class OpenAIApi:
         else:
             prompt_ids = body.prompt
             self._check_token_ids(prompt_ids, "prompt")
-        sampling = self._sampling(body, len(prompt_ids), body.max_tokens, "prompt")
+        sampling = self._sampling(body, len(prompt_ids), body.max_tokens, "prompt", body.logprobs)
+        render_logprobs = (
+            CompletionLogprobs(self._model.tokenizer).render if body.logprobs is not None else None
+        )
 
-        def choice(text: str, finish_reason: str | None) -> dict[str, Any]:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        def choice(text: str, finish_reason: str | None, logprobs: Any) -> dict[str, Any]:
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
         kind = ("cmpl", "text_completion")
         return await self._respond(
-            request, body, kind, prompt_ids, sampling, _CompletionChunks, choice
+            request, body, kind, prompt_ids, sampling, _CompletionChunks, choice, render_logprobs
         )
 
     async def _respond(
@@ -123,11 +137,13 @@ class OpenAIApi:
         prompt_ids: list[int],
         sampling: SamplingParams,
         chunks: type[_ChatChunks | _CompletionChunks],
-        choice: Callable[[str, str | None], dict[str, Any]],
+        choice: Callable[[str, str | None, Any], dict[str, Any]],
+        render_logprobs: RenderLogprobs | None,
     ) -> Response:
         """Run the request in the engine; answer as a stream or all at once.
 
-        ``kind`` is the response id's prefix and the OpenAI object type.
+        ``kind`` is the response id's prefix and the OpenAI object type;
+        ``render_logprobs`` is None when the request asked for no log-probabilities.
         """
         id_prefix, object_type = kind
         answer = _Answer(
@@ -141,9 +157,9 @@ class OpenAIApi:
             self._client, self._model.tokenizer, answer.id, prompt_ids, sampling, body.stop
         )
         if body.stream:
-            stream = _event_stream(answer, deltas, chunks(answer, body.include_usage), body)
-            return EventStreamResponse(stream)
-        return await _complete(request, answer, deltas, choice)
+            renderer = chunks(answer, body.include_usage, render_logprobs)
+            return EventStreamResponse(_event_stream(answer, deltas, renderer, body))
+        return await _complete(request, answer, deltas, choice, render_logprobs)
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_card()]})
@@ -188,7 +204,12 @@ class OpenAIApi:
             )
 
     def _sampling(
-        self, body: GenerationBody, prompt_tokens: int, max_tokens: int | None, prompt_param: str
+        self,
+        body: GenerationBody,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        prompt_param: str,
+        logprobs: int | None,
     ) -> SamplingParams:
         limit = self._model.max_model_len
         if max_tokens is None and prompt_tokens >= limit:
@@ -220,6 +241,7 @@ class OpenAIApi:
             seed=None if body.seed is None else body.seed % 2**63,
             stop_token_ids=body.stop_token_ids,
             ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
         )
 
 
@@ -227,31 +249,41 @@ async def _complete(
     request: Request,
     answer: _Answer,
     deltas: AsyncGenerator[TextDelta, None],
-    choice: Callable[[str, str | None], dict[str, Any]],
+    choice: Callable[[str, str | None, Any], dict[str, Any]],
+    render_logprobs: RenderLogprobs | None,
 ) -> Response:
     """The non-streamed answer: all of the text in one response."""
-    result = await _unless_disconnected(request, _collect(deltas))
-    if result is None:
+    whole = await _unless_disconnected(request, _collect(deltas))
+    if whole is None:
         return Response(status_code=_CLIENT_CLOSED_REQUEST)
-    text, finish_reason, completion_tokens = result
+    logprobs = None
+    if render_logprobs is not None:
+        logprobs = render_logprobs(whole.token_ids, whole.logprobs)
     return JSONResponse(
         {
             **answer.header(),
-            "choices": [choice(text, finish_reason)],
-            "usage": answer.usage(completion_tokens),
+            "choices": [choice(whole.text, whole.finish_reason, logprobs)],
+            "usage": answer.usage(whole.completion_tokens),
         }
     )
 
 
-async def _collect(deltas: AsyncGenerator[TextDelta, None]) -> tuple[str, str | None, int]:
-    """The whole text, its finish reason and the completion token count."""
+async def _collect(deltas: AsyncGenerator[TextDelta, None]) -> TextDelta:
+    """All the deltas as one: the whole text, every token with log-probabilities, the
+    finish reason and the completion token count."""
+    whole = TextDelta("", None, 0)
     pieces: list[str] = []
-    finish_reason, completion_tokens = None, 0
     async with aclosing(deltas):
         async for delta in deltas:
             pieces.append(delta.text)
-            finish_reason, completion_tokens = delta.finish_reason, delta.completion_tokens
-    return "".join(pieces), finish_reason, completion_tokens
+            whole.token_ids += delta.token_ids
+            whole.logprobs += delta.logprobs
+            whole.finish_reason, whole.completion_tokens = (
+                delta.finish_reason,
+                delta.completion_tokens,
+            )
+    whole.text = "".join(pieces)
+    return whole
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
@@ -282,21 +314,31 @@ async def _disconnected(request: Request) -> None:
 class _ChatChunks:
     """``chat.completion.chunk`` events: a role delta, content deltas, the finish."""
 
-    def __init__(self, answer: _Answer, include_usage: bool) -> None:
+    def __init__(
+        self, answer: _Answer, include_usage: bool, render_logprobs: RenderLogprobs | None
+    ) -> None:
         self._header = answer.header()
         self._include_usage = include_usage
+        self._render_logprobs = render_logprobs
 
     def start(self) -> list[str]:
         return [self._chunk({"role": "assistant", "content": ""})]
 
     def render(self, delta: TextDelta) -> list[str]:
-        events = [self._chunk({"content": delta.text})] if delta.text else []
+        events = []
+        if delta.text or delta.token_ids:
+            logprobs = None
+            if self._render_logprobs is not None:
+                logprobs = self._render_logprobs(delta.token_ids, delta.logprobs)
+            events.append(self._chunk({"content": delta.text}, logprobs=logprobs))
         if delta.finish_reason is not None:
             events.append(self._chunk({}, delta.finish_reason))
         return events
 
-    def _chunk(self, delta: dict[str, str], finish_reason: str | None = None) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    def _chunk(
+        self, delta: dict[str, str], finish_reason: str | None = None, logprobs: Any = None
+    ) -> str:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         data: dict[str, Any] = {**self._header, "choices": [choice]}
         if self._include_usage:
             data["usage"] = None  # as OpenAI does: only the usage chunk has usage
@@ -306,21 +348,29 @@ class _ChatChunks:
 class _CompletionChunks:
     """``text_completion`` events: text deltas, then the finish."""
 
-    def __init__(self, answer: _Answer, include_usage: bool) -> None:
+    def __init__(
+        self, answer: _Answer, include_usage: bool, render_logprobs: RenderLogprobs | None
+    ) -> None:
         self._header = answer.header()
         self._include_usage = include_usage
+        self._render_logprobs = render_logprobs
 
     def start(self) -> list[str]:
         return []
 
     def render(self, delta: TextDelta) -> list[str]:
-        events = [self._chunk(delta.text)] if delta.text else []
+        events = []
+        if delta.text or delta.token_ids:
+            logprobs = None
+            if self._render_logprobs is not None:
+                logprobs = self._render_logprobs(delta.token_ids, delta.logprobs)
+            events.append(self._chunk(delta.text, logprobs=logprobs))
         if delta.finish_reason is not None:
             events.append(self._chunk("", delta.finish_reason))
         return events
 
-    def _chunk(self, text: str, finish_reason: str | None = None) -> str:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def _chunk(self, text: str, finish_reason: str | None = None, logprobs: Any = None) -> str:
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         data: dict[str, Any] = {**self._header, "choices": [choice]}
         if self._include_usage:
             data["usage"] = None

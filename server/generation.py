@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
-from protocol import ErrorCode, FinishReason, SamplingParams
+from protocol import ErrorCode, FinishReason, SamplingParams, TokenLogprobs
 from server.detokenizer import IncrementalDetokenizer
 from server.engine_client import EngineClient, EngineRequestError, EngineUnavailable
 from server.errors import ApiError
@@ -23,6 +23,10 @@ class TextDelta:
     text: str  # may be empty in the last delta
     finish_reason: str | None  # set on the last delta only
     completion_tokens: int  # generated so far, stop tokens included
+    # The tokens that arrived since the last delta, with their log-probabilities, when the
+    # request asked for them (SamplingParams.logprobs); else both empty.
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 async def generate_text(
@@ -39,23 +43,35 @@ async def generate_text(
     iterator early aborts the request in the engine.
     """
     detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, stop)
+    token_ids: list[int] = []  # with log-probabilities, not yet in a delta
+    logprobs: list[TokenLogprobs] = []
+
+    def delta(text: str, finish_reason: str | None, completion_tokens: int) -> TextDelta:
+        nonlocal token_ids, logprobs
+        result = TextDelta(text, finish_reason, completion_tokens, token_ids, logprobs)
+        token_ids, logprobs = [], []
+        return result
+
     try:
         async with aclosing(client.generate(request_id, prompt_ids, sampling)) as outputs:
             async for output in outputs:
+                if output.logprobs:
+                    token_ids.extend(output.new_token_ids)
+                    logprobs.extend(output.logprobs)
                 text = detokenizer.push(output.new_token_ids)
                 if detokenizer.stopped:
                     # Leaving this block closes ``outputs``, which aborts the request.
-                    yield TextDelta(text, FinishReason.STOP, output.num_output_tokens)
+                    yield delta(text, FinishReason.STOP, output.num_output_tokens)
                     return
                 if output.finish_reason == FinishReason.ABORT:
                     # Only the engine aborts a request that this server still reads.
                     raise ApiError(503, "The engine aborted the request.", code="engine_aborted")
                 if output.finish_reason is not None:
                     text += detokenizer.finish()
-                    yield TextDelta(text, output.finish_reason, output.num_output_tokens)
+                    yield delta(text, output.finish_reason, output.num_output_tokens)
                     return
                 if text:
-                    yield TextDelta(text, None, output.num_output_tokens)
+                    yield delta(text, None, output.num_output_tokens)
     except EngineUnavailable as exc:
         raise ApiError(
             503, f"The engine is unavailable: {exc}.", code="engine_unavailable"

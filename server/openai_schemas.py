@@ -1,8 +1,8 @@
 """The request bodies of the OpenAI API that this server accepts, and their validation.
 
 Fields that OpenAI defines but this server cannot honour yet are refused with a 400
-rather than silently ignored: a client asking for logprobs must not get an answer
-that looks right without them. Unknown fields are ignored, as OpenAI does.
+rather than silently ignored: a client asking for tools must not get an answer that
+looks right without them. Unknown fields are ignored, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Annotated, Any, TypeVar
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticCustomError
 
+from protocol import MAX_TOP_LOGPROBS
 from server.errors import ApiError
 
 _MAX_STOP_STRINGS = 4
@@ -138,8 +139,8 @@ class GenerationBody(_Body):
 class ChatCompletionRequest(GenerationBody):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int | None, Field(ge=1)] = None
-    logprobs: Annotated[Any, _unsupported("logprobs", False)] = None
-    top_logprobs: Annotated[Any, _unsupported("top_logprobs", 0)] = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
     tools: Annotated[Any, _unsupported("tools", [])] = None
     tool_choice: Annotated[Any, _unsupported("tool_choice other than none", "none")] = None
     response_format: Annotated[Any, _unsupported("response_format other than text", _TEXT)] = None
@@ -148,7 +149,7 @@ class ChatCompletionRequest(GenerationBody):
 class CompletionRequest(GenerationBody):
     prompt: Prompt
     echo: Annotated[Any, _unsupported("echo", False)] = None
-    logprobs: Annotated[Any, _unsupported("logprobs", 0)] = None
+    logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
     suffix: Annotated[Any, _unsupported("suffix", "")] = None
     best_of: Annotated[Any, _unsupported("best_of other than 1", 1)] = None
 

@@ -196,3 +196,53 @@ def test_garbage_on_the_engine_socket_is_dropped(cluster: Cluster) -> None:
     context.term()
     assert "Paris" in _chat(cluster.client(1), QUESTION, temperature=0, max_tokens=32)
     assert "dropped" in cluster.log_path.read_text()
+
+
+def test_chat_logprobs_streamed_and_not(cluster: Cluster) -> None:
+    client = cluster.client()
+    request = dict(
+        model=cluster.model,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=12,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    plain = client.chat.completions.create(**request)
+    content = plain.choices[0].logprobs.content
+    assert len(content) == plain.usage.completion_tokens
+    assert "".join(entry.token for entry in content) == plain.choices[0].message.content
+    for entry in content:
+        alternatives = [top.logprob for top in entry.top_logprobs]
+        assert len(alternatives) == 3 and alternatives == sorted(alternatives, reverse=True)
+        assert entry.logprob == alternatives[0] <= 0  # greedy: the likeliest token
+        assert bytes(entry.bytes) == entry.token.encode()
+    streamed = [
+        entry
+        for chunk in client.chat.completions.create(stream=True, **request)
+        if chunk.choices and chunk.choices[0].logprobs
+        for entry in chunk.choices[0].logprobs.content
+    ]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert all(abs(s.logprob - p.logprob) < 1e-4 for s, p in zip(streamed, content, strict=True))
+
+
+def test_completion_logprobs(cluster: Cluster) -> None:
+    reply = cluster.client().completions.create(
+        model=cluster.model,
+        prompt="The capital of France is",
+        max_tokens=6,
+        temperature=0,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    logprobs = reply.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 6
+    assert "".join(logprobs.tokens) == reply.choices[0].text
+    assert logprobs.text_offset == [
+        sum(len(token) for token in logprobs.tokens[:i]) for i in range(6)
+    ]
+    for token, logprob, top in zip(
+        logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+    ):
+        assert 1 <= len(top) <= 2 and top[token] == logprob == max(top.values())

@@ -159,8 +159,6 @@ def test_bad_stop(client: TestClient, stop: Any) -> None:
         ("n", 2),
         ("frequency_penalty", 0.5),
         ("presence_penalty", -1),
-        ("logprobs", True),
-        ("top_logprobs", 3),
         ("logit_bias", {"42": 5}),
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("response_format", {"type": "json_object"}),
@@ -170,6 +168,21 @@ def test_honest_refusals(client: TestClient, field: str, value: Any) -> None:
     response = client.post("/v1/chat/completions", json=chat(**{field: value}))
     message = assert_error(response, 400, field, "unsupported_parameter")
     assert "not supported" in message
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "param"),
+    [
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs
+        ("/v1/chat/completions", {"logprobs": [1]}, "logprobs"),
+        ("/v1/completions", {"logprobs": 21}, "logprobs"),
+    ],
+)
+def test_bad_logprobs(client: TestClient, path: str, fields: dict[str, Any], param: str) -> None:
+    body = chat(**fields) if "chat" in path else {"prompt": "hi", **fields}
+    assert_error(client.post(path, json=body), 400, param)
 
 
 def test_message_fields(client: TestClient) -> None:
@@ -237,7 +250,7 @@ def test_token_ids_out_of_range(client: TestClient, token_ids: list[int]) -> Non
 
 
 def test_completion_refusals(client: TestClient) -> None:
-    for field, value in [("echo", True), ("suffix", "end"), ("best_of", 2), ("logprobs", 2)]:
+    for field, value in [("echo", True), ("suffix", "end"), ("best_of", 2)]:
         response = client.post("/v1/completions", json={"prompt": "hi", field: value})
         assert_error(response, 400, field, "unsupported_parameter")
 

@@ -1,0 +1,67 @@
+"""The engine's per-token log-probabilities in the OpenAI API's two shapes.
+
+Chat completions list one object per token (its text, log-probability, UTF-8 bytes and
+the likeliest alternatives); completions give parallel lists (tokens, their
+log-probabilities, the alternatives as {text: log-probability} maps, and each token's
+character offset in the completion). A token's text is that token decoded alone: a token
+holding part of a multi-byte character shows a replacement character there, as in vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from protocol import TokenLogprobs
+
+
+def token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def chat_logprobs(
+    tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs]
+) -> dict[str, Any]:
+    """``choices[].logprobs`` of a chat completion or chunk: {"content": [...]}."""
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    content = []
+    for token_id, token in zip(token_ids, logprobs, strict=True):
+        top = zip(token.top_token_ids, token.top_logprobs, strict=True)
+        content.append(
+            entry(token_id, token.logprob) | {"top_logprobs": [entry(i, lp) for i, lp in top]}
+        )
+    return {"content": content}
+
+
+class CompletionLogprobs:
+    """``choices[].logprobs`` of a completion or of its chunks, one after another: the
+    character offsets run on from chunk to chunk."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._offset = 0
+
+    def render(self, token_ids: list[int], logprobs: list[TokenLogprobs]) -> dict[str, Any]:
+        tokens, offsets = [], []
+        for token_id in token_ids:
+            text = token_text(self._tokenizer, token_id)
+            tokens.append(text)
+            offsets.append(self._offset)
+            self._offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [token.logprob for token in logprobs],
+            "top_logprobs": [
+                {
+                    token_text(self._tokenizer, i): lp
+                    for i, lp in zip(token.top_token_ids, token.top_logprobs, strict=True)
+                }
+                for token in logprobs
+            ],
+            "text_offset": offsets,
+        }
