@@ -60,6 +60,12 @@ class RequestRejected(Exception):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        if config.max_num_batched_tokens < config.max_num_seqs:
+            # Each running request decodes a token a step: the step's budget must hold them.
+            raise ValueError(
+                f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be at least "
+                f"max_num_seqs ({config.max_num_seqs})"
+            )
         self.started_at = time.time()
         self.device = torch.device(config.device)
         checkpoint = load_checkpoint(config.model)
@@ -94,9 +100,7 @@ class LLMEngine:
             num_blocks, config.block_size, prefix_caching=config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
-            self.block_manager,
-            config.max_num_seqs,
-            max(config.max_num_batched_tokens, model_len),
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
         self.requests: dict[tuple[bytes, str], Request] = {}
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
@@ -212,15 +216,18 @@ class LLMEngine:
     def process_step(
         self, batch: list[Request], sampled: SampledTokens
     ) -> list[tuple[bytes, RequestOutput]]:
-        """Take in a step's sampled tokens: key the newly computed cache blocks, append each
+        """Take in a step's results: key the newly computed cache blocks, append each sampled
         token, finish the requests that are done."""
-        self.num_generated_tokens += len(batch)
-        logprobs = sampled.logprobs or [None] * len(batch)
-        outputs = []
-        for request, token, token_logprobs in zip(batch, sampled.token_ids, logprobs, strict=True):
+        for request in batch:
             self.block_manager.cache_computed_blocks(request)  # before a finish frees them
-            outputs.append((request.client, self._append_token(request, token, token_logprobs)))
-        return outputs
+        self.num_generated_tokens += len(sampled.requests)
+        logprobs = sampled.logprobs or [None] * len(sampled.requests)
+        return [
+            (request.client, self._append_token(request, token, token_logprobs))
+            for request, token, token_logprobs in zip(
+                sampled.requests, sampled.token_ids, logprobs, strict=True
+            )
+        ]
 
     def _append_token(
         self, request: Request, token: int, logprobs: TokenLogprobs | None

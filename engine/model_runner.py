@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from itertools import chain, repeat
+from itertools import chain, compress, repeat
 
 import numpy as np
 import torch
@@ -24,9 +24,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class SampledTokens:
-    """A step's result: each request's next token and, for the requests that asked, its
-    log-probabilities (None for the others; None for all when none asked)."""
+    """A step's result: the requests whose prompts are now computed (all of the batch but
+    those with only a chunk of their prompt done), each one's next token and, for those
+    that asked, its log-probabilities (None for the others; None for all if none asked)."""
 
+    requests: list[Request]
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None
 
@@ -156,20 +158,32 @@ class ModelRunner:
     def step(self, batch: list[Request]) -> SampledTokens:
         """Run one forward pass over ``batch``: each request's next token, and its
         log-probabilities where the request asked for them."""
-        input_ids, metadata, logits_index = self._prepare_inputs(batch)
+        input_ids, metadata, logits_index, rows = self._prepare_inputs(batch)
         graphs = self.decode_graphs
-        if graphs is not None and metadata.max_query_len == 1 and graphs.fits(len(batch)):
+        if (
+            graphs is not None
+            and metadata.max_query_len == 1
+            and len(rows) == len(batch)
+            and graphs.fits(len(batch))
+        ):
             logits = graphs.run(input_ids, metadata)
         else:
             logits = self.model(input_ids, metadata, logits_index)
-        next_tokens = sample(logits, self._prepare_sampling(batch))
-        asked = [r.sampling.logprobs for r in batch]
+        if not rows:
+            return SampledTokens([], [], None)  # only prompt chunks: nothing to sample yet
+        next_tokens = sample(logits, self._prepare_sampling(rows))
+        asked = [r.sampling.logprobs for r in rows]
         if all(k is None for k in asked):
-            return SampledTokens(next_tokens.tolist(), None)  # the step's one synchronization
-        return self._with_logprobs(logits, next_tokens, asked)
+            # The step's one synchronization.
+            return SampledTokens(rows, next_tokens.tolist(), None)
+        return self._with_logprobs(rows, logits, next_tokens, asked)
 
     def _with_logprobs(
-        self, logits: torch.Tensor, next_tokens: torch.Tensor, asked: list[int | None]
+        self,
+        rows: list[Request],
+        logits: torch.Tensor,
+        next_tokens: torch.Tensor,
+        asked: list[int | None],
     ) -> SampledTokens:
         num_top = max(k for k in asked if k is not None)
         chosen, top_logprobs, top_ids = token_logprobs(logits, next_tokens, num_top)
@@ -179,22 +193,29 @@ class ModelRunner:
             None if k is None else TokenLogprobs(row[0], row_ids[1 : k + 1], row[1 : k + 1])
             for k, row, row_ids in zip(asked, values, ids, strict=True)
         ]
-        return SampledTokens([row_ids[0] for row_ids in ids], logprobs)
+        return SampledTokens(rows, [row_ids[0] for row_ids in ids], logprobs)
 
     def _prepare_inputs(
         self, batch: list[Request]
-    ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Pack the batch's new tokens and cache layout on the host, in numpy over the whole
-        batch, and move them in one copy."""
+    ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor, list[Request]]:
+        """Pack the scheduled tokens of the batch and its cache layout on the host, in numpy
+        over the whole batch, and move them in one copy. Also returns the rows to sample:
+        those whose every token is computed after this step (not a prompt's first chunks)."""
         seqs = len(batch)
         starts = np.fromiter((r.num_cached_tokens for r in batch), np.int64, seqs)
-        ends = np.fromiter((r.num_tokens for r in batch), np.int64, seqs)
-        query_lens = ends - starts
+        query_lens = np.fromiter((r.num_scheduled_tokens for r in batch), np.int64, seqs)
+        ends = starts + query_lens
+        completes = ends == np.fromiter((r.num_tokens for r in batch), np.int64, seqs)
         query_ends = np.cumsum(query_lens)
         query_starts = query_ends - query_lens
         num_tokens = int(query_ends[-1])
         token_ids = np.fromiter(
-            chain.from_iterable(r.token_ids_from(r.num_cached_tokens) for r in batch),
+            chain.from_iterable(
+                r.token_ids_between(
+                    r.num_cached_tokens, r.num_cached_tokens + r.num_scheduled_tokens
+                )
+                for r in batch
+            ),
             np.int64,
             num_tokens,
         )
@@ -213,6 +234,7 @@ class ModelRunner:
             block_tables[token_seq_index, positions // self.block_size] * self.block_size
             + positions % self.block_size
         )
+        logits_index = (query_ends - 1)[completes]
         host = np.concatenate(
             [
                 token_ids,
@@ -222,12 +244,12 @@ class ModelRunner:
                 ends,
                 query_lens,
                 query_starts,
-                query_ends - 1,
                 block_tables.ravel(),
+                logits_index,
             ]
         )
         device = torch.from_numpy(host).to(self.device, non_blocking=True)
-        sizes = [num_tokens] * 4 + [seqs] * 4 + [block_tables.size]
+        sizes = [num_tokens] * 4 + [seqs] * 3 + [block_tables.size, logits_index.size]
         (
             input_ids,
             positions_t,
@@ -236,8 +258,8 @@ class ModelRunner:
             context_lens,
             query_lens_t,
             query_starts_t,
-            logits_index,
             tables,
+            logits_index_t,
         ) = device.split(sizes)
         metadata = AttentionMetadata(
             positions=positions_t,
@@ -250,8 +272,9 @@ class ModelRunner:
             max_query_len=int(query_lens.max()),
         )
         for request in batch:
-            request.num_cached_tokens = request.num_tokens
-        return input_ids, metadata, logits_index
+            request.num_cached_tokens += request.num_scheduled_tokens
+        rows = batch if completes.all() else list(compress(batch, completes.tolist()))
+        return input_ids, metadata, logits_index_t, rows
 
     def _prepare_sampling(self, batch: list[Request]) -> SamplingTensors | None:
         """The batch's sampling parameters on the device; None when every row is greedy,

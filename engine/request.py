@@ -26,6 +26,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # tokens whose K/V are in the cache
+    num_scheduled_tokens: int = 0  # tokens the current step computes, from num_cached_tokens
     num_keyed_blocks: int = 0  # leading blocks keyed for prefix caching (BlockManager)
     parent_key: int = 0  # hash of the last keyed block's key
     status: RequestStatus = RequestStatus.WAITING
@@ -47,9 +48,7 @@ class Request:
             return self.prompt_token_ids[start:end]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
 
-    def token_ids_from(self, start: int) -> list[int]:
-        """Tokens from position ``start`` on: what the next forward pass must feed in."""
-        prompt_len = len(self.prompt_token_ids)
-        if start >= prompt_len:
-            return self.output_token_ids[start - prompt_len :]
-        return self.prompt_token_ids[start:] + self.output_token_ids
+    def scheduled_token_ids(self) -> list[int]:
+        """The tokens the current step computes."""
+        start = self.num_cached_tokens
+        return self.token_ids_between(start, start + self.num_scheduled_tokens)

@@ -1,9 +1,11 @@
 """Continuous batching: which requests run in the next step.
 
 Every step decodes all running requests and prefills newly admitted ones in the
-same forward pass. When the cache runs out mid-decode, the newest running request
-is preempted: its blocks are freed and it goes back to the front of the queue, to
-be recomputed (prompt and output so far) once blocks free up.
+same forward pass, within a token budget: a long prompt is prefilled in chunks over
+several steps while the others keep decoding. When the cache runs out mid-decode,
+the newest running request is preempted: its blocks are freed and it goes back to
+the front of the queue, to be recomputed (prompt and output so far) once blocks free
+up, from what of it prefix caching still holds.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self.num_prefill_tokens = 0  # tokens to compute at admission (cached prefixes not)
+        self.num_prefill_tokens = 0  # prompt tokens scheduled (cached prefixes not)
 
     @property
     def has_work(self) -> bool:
@@ -34,13 +36,37 @@ class Scheduler:
         self.waiting.append(request)
 
     def schedule(self) -> list[Request]:
-        """The requests of the next forward pass; each computes tokens from its cached count on."""
+        """The requests of the next forward pass, each with ``num_scheduled_tokens`` set: how
+        many of its uncomputed tokens it computes. Within the step's token budget, decodes
+        come first, then prefills under way, then newly admitted requests; a prompt longer
+        than what is left of the budget is prefilled a chunk a step."""
         num_running = len(self.running)
         self.running = self._schedule_running()
-        batch = list(self.running)
-        if len(batch) == num_running:  # nothing was preempted, so there may be room for more
-            self._admit_waiting(batch)
+        budget = self.max_num_batched_tokens
+        batch: list[Request] = []
+        prefilling: list[Request] = []
+        for request in self.running:
+            if request.num_tokens - request.num_cached_tokens > 1:
+                prefilling.append(request)
+            elif budget:
+                request.num_scheduled_tokens = 1
+                batch.append(request)
+                budget -= 1
+        for request in prefilling:
+            if not budget:
+                break
+            budget -= self._schedule_prefill(request, budget)
+            batch.append(request)
+        if len(self.running) == num_running:  # nothing was preempted: there may be room
+            self._admit_waiting(batch, budget)
         return batch
+
+    def _schedule_prefill(self, request: Request, budget: int) -> int:
+        """Schedule as much of the request's prompt as the budget allows; how much."""
+        chunk = min(request.num_tokens - request.num_cached_tokens, budget)
+        request.num_scheduled_tokens = chunk
+        self.num_prefill_tokens += chunk
+        return chunk
 
     def _schedule_running(self) -> list[Request]:
         kept: list[Request] = []
@@ -57,21 +83,16 @@ class Scheduler:
                 self._preempt(request)
         return kept
 
-    def _admit_waiting(self, batch: list[Request]) -> None:
-        budget = self.max_num_batched_tokens - len(batch)
-        while self.waiting and len(self.running) < self.max_num_seqs:
+    def _admit_waiting(self, batch: list[Request], budget: int) -> None:
+        while self.waiting and budget and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            if request.num_tokens > budget and batch:
-                break
             if not self.block_manager.admit(request):
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            budget -= self._schedule_prefill(request, budget)
             batch.append(request)
-            num_new = request.num_tokens - request.num_cached_tokens
-            budget -= num_new
-            self.num_prefill_tokens += num_new
 
     def _preempt(self, request: Request) -> None:
         self.num_preemptions += 1

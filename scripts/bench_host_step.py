@@ -43,7 +43,7 @@ def time_host_step(engine: LLMEngine, batch: int, context: int, steps: int) -> d
         t2 = time.perf_counter()
         runner._prepare_sampling(requests)
         t3 = time.perf_counter()
-        engine.process_step(requests, SampledTokens(next_tokens, None))
+        engine.process_step(requests, SampledTokens(requests, next_tokens, None))
         t4 = time.perf_counter()
         for name, seconds in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
             parts[name] += seconds

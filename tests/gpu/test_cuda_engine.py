@@ -59,7 +59,7 @@ def test_last_token_logits_match_transformers_in_bf16(shape: str, tmp_path: Path
             theirs = hf_bf16(ids).logits[0, -1].float()
         engine.add_request(b"gpu", "logits", prompt, SamplingParams(max_tokens=1))
         batch = engine.scheduler.schedule()
-        input_ids, metadata, logits_index = engine.runner._prepare_inputs(batch)
+        input_ids, metadata, logits_index, _ = engine.runner._prepare_inputs(batch)
         with torch.inference_mode():
             ours = engine.runner.model(input_ids, metadata, logits_index)[0]
         engine.abort(b"gpu", "logits")
@@ -114,7 +114,7 @@ def _graph_and_eager_decode(
     while any(r.num_cached_tokens == 0 for r in engine.requests.values()):
         engine.step()  # the prefills
     batch = engine.scheduler.schedule()
-    input_ids, metadata, logits_index = engine.runner._prepare_inputs(batch)
+    input_ids, metadata, logits_index, _ = engine.runner._prepare_inputs(batch)
     assert metadata.max_query_len == 1 and len(batch) == len(prompts)
     with torch.inference_mode():
         eager = engine.runner.model(input_ids, metadata, logits_index)
