@@ -55,17 +55,7 @@ def test_engine_survives_a_killed_server(
     assert after["engine_started_at"] == before["engine_started_at"]  # weights not reloaded
     assert after["num_free_blocks"] == after["num_total_blocks"]
 
-    reply = httpx.post(
-        f"{second_url}/v1/chat/completions",
-        json={
-            "messages": [{"role": "user", "content": "What is the capital of France?"}],
-            "temperature": 0,
-            "max_tokens": 32,
-        },
-        timeout=120,
-    )
-    assert reply.status_code == 200
-    assert "Paris" in reply.json()["choices"][0]["message"]["content"]
+    assert_answers_paris(second_url)
     log = (tmp_path / "engine.log").read_text()
     assert "unreachable" in log
 
@@ -103,6 +93,10 @@ def test_server_survives_an_engine_restart(
     subprocess_cleanup.append(restarted)
     health = wait_healthy(url, [restarted, server], tmp_path / "server.log")
     assert health["engine"]["engine_pid"] == restarted.pid != first_pid
+    assert_answers_paris(url)
+
+
+def assert_answers_paris(url: str) -> None:
     reply = httpx.post(
         f"{url}/v1/chat/completions",
         json={
