@@ -38,8 +38,12 @@ _HEALTH_TIMEOUT_S = 2.0
 _CLIENT_CLOSED_REQUEST = 499
 
 T = TypeVar("T")
-# Log-probabilities of some tokens in an endpoint's shape (server/logprobs.py).
+# Log-probabilities of some tokens in an endpoint's shape (server/logprobs.py), and what
+# makes one such renderer per choice (completions' carry the choice's text offset).
 RenderLogprobs = Callable[[list[int], list[TokenLogprobs]], dict[str, Any]]
+LogprobsRenderer = Callable[[], RenderLogprobs]
+# An endpoint's choice object: (index, text, finish reason, log-probabilities).
+Choice = Callable[[int, str, str | None, Any], dict[str, Any]]
 
 
 @dataclasses.dataclass(slots=True)
@@ -90,12 +94,16 @@ class OpenAIApi:
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         sampling = self._sampling(body, len(prompt_ids), max_tokens, "messages", num_logprobs)
         tokenizer = self._model.tokenizer
-        render_logprobs = partial(chat_logprobs, tokenizer) if num_logprobs is not None else None
 
-        def choice(text: str, finish_reason: str | None, logprobs: Any) -> dict[str, Any]:
+        def chat_renderer() -> RenderLogprobs:
+            return partial(chat_logprobs, tokenizer)
+
+        logprobs_renderer = None if num_logprobs is None else chat_renderer
+
+        def choice(index: int, text: str, finish_reason: str | None, logprobs: Any) -> dict:
             message = {"role": "assistant", "content": text}
             return {
-                "index": 0,
+                "index": index,
                 "message": message,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
@@ -103,7 +111,7 @@ class OpenAIApi:
 
         kind = ("chatcmpl", "chat.completion.chunk" if body.stream else "chat.completion")
         return await self._respond(
-            request, body, kind, prompt_ids, sampling, _ChatChunks, choice, render_logprobs
+            request, body, kind, prompt_ids, sampling, _ChatChunks, choice, logprobs_renderer
         )
 
     async def completions(self, request: Request) -> Response:
@@ -117,16 +125,24 @@ class OpenAIApi:
             prompt_ids = body.prompt
             self._check_token_ids(prompt_ids, "prompt")
         sampling = self._sampling(body, len(prompt_ids), body.max_tokens, "prompt", body.logprobs)
-        render_logprobs = (
-            CompletionLogprobs(self._model.tokenizer).render if body.logprobs is not None else None
-        )
+        tokenizer = self._model.tokenizer
 
-        def choice(text: str, finish_reason: str | None, logprobs: Any) -> dict[str, Any]:
-            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        def completion_renderer() -> RenderLogprobs:
+            return CompletionLogprobs(tokenizer).render  # a text offset of its own
+
+        logprobs_renderer = None if body.logprobs is None else completion_renderer
+
+        def choice(index: int, text: str, finish_reason: str | None, logprobs: Any) -> dict:
+            return {
+                "index": index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
 
         kind = ("cmpl", "text_completion")
         return await self._respond(
-            request, body, kind, prompt_ids, sampling, _CompletionChunks, choice, render_logprobs
+            request, body, kind, prompt_ids, sampling, _CompletionChunks, choice, logprobs_renderer
         )
 
     async def _respond(
@@ -137,13 +153,14 @@ class OpenAIApi:
         prompt_ids: list[int],
         sampling: SamplingParams,
         chunks: type[_ChatChunks | _CompletionChunks],
-        choice: Callable[[str, str | None, Any], dict[str, Any]],
-        render_logprobs: RenderLogprobs | None,
+        choice: Choice,
+        logprobs_renderer: LogprobsRenderer | None,
     ) -> Response:
-        """Run the request in the engine; answer as a stream or all at once.
+        """Run the request's ``n`` choices in the engine; answer as a stream or all at once.
 
         ``kind`` is the response id's prefix and the OpenAI object type;
-        ``render_logprobs`` is None when the request asked for no log-probabilities.
+        ``logprobs_renderer`` makes each choice's renderer of log-probabilities, and is None
+        when the request asked for none.
         """
         id_prefix, object_type = kind
         answer = _Answer(
@@ -153,13 +170,25 @@ class OpenAIApi:
             self._model.name,
             len(prompt_ids),
         )
-        deltas = generate_text(
-            self._client, self._model.tokenizer, answer.id, prompt_ids, sampling, body.stop
-        )
+        deltas = [
+            generate_text(
+                self._client,
+                self._model.tokenizer,
+                f"{answer.id}-{index}",
+                prompt_ids,
+                # A seeded request's choices each take a seed of their own, in turn.
+                sampling
+                if sampling.seed is None
+                else dataclasses.replace(sampling, seed=(sampling.seed + index) % 2**63),
+                body.stop,
+            )
+            for index in range(body.num_choices)
+        ]
+        renderers = [logprobs_renderer() if logprobs_renderer else None for _ in deltas]
         if body.stream:
-            renderer = chunks(answer, body.include_usage, render_logprobs)
-            return EventStreamResponse(_event_stream(answer, deltas, renderer, body))
-        return await _complete(request, answer, deltas, choice, render_logprobs)
+            stream_chunks = chunks(answer, body.include_usage, renderers)
+            return EventStreamResponse(_event_stream(answer, deltas, stream_chunks, body))
+        return await _complete(request, answer, deltas, choice, renderers)
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_card()]})
@@ -248,24 +277,37 @@ class OpenAIApi:
 async def _complete(
     request: Request,
     answer: _Answer,
-    deltas: AsyncGenerator[TextDelta, None],
-    choice: Callable[[str, str | None, Any], dict[str, Any]],
-    render_logprobs: RenderLogprobs | None,
+    deltas: list[AsyncGenerator[TextDelta, None]],
+    choice: Choice,
+    renderers: list[RenderLogprobs | None],
 ) -> Response:
-    """The non-streamed answer: all of the text in one response."""
-    whole = await _unless_disconnected(request, _collect(deltas))
-    if whole is None:
+    """The non-streamed answer: all of every choice's text in one response."""
+    wholes = await _unless_disconnected(request, _collect_all(deltas))
+    if wholes is None:
         return Response(status_code=_CLIENT_CLOSED_REQUEST)
-    logprobs = None
-    if render_logprobs is not None:
-        logprobs = render_logprobs(whole.token_ids, whole.logprobs)
+    choices = []
+    for index, (whole, render) in enumerate(zip(wholes, renderers, strict=True)):
+        logprobs = None if render is None else render(whole.token_ids, whole.logprobs)
+        choices.append(choice(index, whole.text, whole.finish_reason, logprobs))
     return JSONResponse(
         {
             **answer.header(),
-            "choices": [choice(whole.text, whole.finish_reason, logprobs)],
-            "usage": answer.usage(whole.completion_tokens),
+            "choices": choices,
+            "usage": answer.usage(sum(whole.completion_tokens for whole in wholes)),
         }
     )
+
+
+async def _collect_all(deltas: list[AsyncGenerator[TextDelta, None]]) -> list[TextDelta]:
+    """Every choice collected at once; the first error ends (and aborts) all of them."""
+    if len(deltas) == 1:
+        return [await _collect(deltas[0])]
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(_collect(d)) for d in deltas]
+    except* ApiError as errors:
+        raise errors.exceptions[0] from None
+    return [task.result() for task in tasks]
 
 
 async def _collect(deltas: AsyncGenerator[TextDelta, None]) -> TextDelta:
@@ -312,33 +354,45 @@ async def _disconnected(request: Request) -> None:
 
 
 class _ChatChunks:
-    """``chat.completion.chunk`` events: a role delta, content deltas, the finish."""
+    """``chat.completion.chunk`` events: for each choice a role delta, content deltas and
+    the finish."""
 
     def __init__(
-        self, answer: _Answer, include_usage: bool, render_logprobs: RenderLogprobs | None
+        self, answer: _Answer, include_usage: bool, renderers: list[RenderLogprobs | None]
     ) -> None:
         self._header = answer.header()
         self._include_usage = include_usage
-        self._render_logprobs = render_logprobs
+        self._renderers = renderers
 
     def start(self) -> list[str]:
-        return [self._chunk({"role": "assistant", "content": ""})]
+        return [
+            self._chunk(index, {"role": "assistant", "content": ""})
+            for index in range(len(self._renderers))
+        ]
 
-    def render(self, delta: TextDelta) -> list[str]:
+    def render(self, index: int, delta: TextDelta) -> list[str]:
         events = []
         if delta.text or delta.token_ids:
-            logprobs = None
-            if self._render_logprobs is not None:
-                logprobs = self._render_logprobs(delta.token_ids, delta.logprobs)
-            events.append(self._chunk({"content": delta.text}, logprobs=logprobs))
+            render = self._renderers[index]
+            logprobs = None if render is None else render(delta.token_ids, delta.logprobs)
+            events.append(self._chunk(index, {"content": delta.text}, logprobs=logprobs))
         if delta.finish_reason is not None:
-            events.append(self._chunk({}, delta.finish_reason))
+            events.append(self._chunk(index, {}, delta.finish_reason))
         return events
 
     def _chunk(
-        self, delta: dict[str, str], finish_reason: str | None = None, logprobs: Any = None
+        self,
+        index: int,
+        delta: dict[str, str],
+        finish_reason: str | None = None,
+        logprobs: Any = None,
     ) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
         data: dict[str, Any] = {**self._header, "choices": [choice]}
         if self._include_usage:
             data["usage"] = None  # as OpenAI does: only the usage chunk has usage
@@ -346,40 +400,85 @@ class _ChatChunks:
 
 
 class _CompletionChunks:
-    """``text_completion`` events: text deltas, then the finish."""
+    """``text_completion`` events: each choice's text deltas, then its finish."""
 
     def __init__(
-        self, answer: _Answer, include_usage: bool, render_logprobs: RenderLogprobs | None
+        self, answer: _Answer, include_usage: bool, renderers: list[RenderLogprobs | None]
     ) -> None:
         self._header = answer.header()
         self._include_usage = include_usage
-        self._render_logprobs = render_logprobs
+        self._renderers = renderers
 
     def start(self) -> list[str]:
         return []
 
-    def render(self, delta: TextDelta) -> list[str]:
+    def render(self, index: int, delta: TextDelta) -> list[str]:
         events = []
         if delta.text or delta.token_ids:
-            logprobs = None
-            if self._render_logprobs is not None:
-                logprobs = self._render_logprobs(delta.token_ids, delta.logprobs)
-            events.append(self._chunk(delta.text, logprobs=logprobs))
+            render = self._renderers[index]
+            logprobs = None if render is None else render(delta.token_ids, delta.logprobs)
+            events.append(self._chunk(index, delta.text, logprobs=logprobs))
         if delta.finish_reason is not None:
-            events.append(self._chunk("", delta.finish_reason))
+            events.append(self._chunk(index, "", delta.finish_reason))
         return events
 
-    def _chunk(self, text: str, finish_reason: str | None = None, logprobs: Any = None) -> str:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    def _chunk(
+        self, index: int, text: str, finish_reason: str | None = None, logprobs: Any = None
+    ) -> str:
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
         data: dict[str, Any] = {**self._header, "choices": [choice]}
         if self._include_usage:
             data["usage"] = None
         return event(data)
 
 
+async def _merged(
+    deltas: list[AsyncGenerator[TextDelta, None]],
+) -> AsyncGenerator[tuple[int, TextDelta], None]:
+    """The choices' deltas as they come, each with its choice's index. Closing this
+    generator, or an error in one choice, closes (and so aborts) every choice."""
+    if len(deltas) == 1:
+        async with aclosing(deltas[0]):
+            async for delta in deltas[0]:
+                yield 0, delta
+        return
+    queue: asyncio.Queue[tuple[int, TextDelta | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, choice_deltas: AsyncGenerator[TextDelta, None]) -> None:
+        try:
+            async with aclosing(choice_deltas):
+                async for delta in choice_deltas:
+                    await queue.put((index, delta, None))
+        except Exception as exc:
+            await queue.put((index, None, exc))
+            return
+        await queue.put((index, None, None))  # this choice is done
+
+    tasks = [asyncio.create_task(pump(i, d)) for i, d in enumerate(deltas)]
+    try:
+        running = len(tasks)
+        while running:
+            index, delta, error = await queue.get()
+            if error is not None:
+                raise error
+            if delta is None:
+                running -= 1
+            else:
+                yield index, delta
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def _event_stream(
     answer: _Answer,
-    deltas: AsyncGenerator[TextDelta, None],
+    deltas: list[AsyncGenerator[TextDelta, None]],
     chunks: _ChatChunks | _CompletionChunks,
     body: GenerationBody,
 ) -> AsyncGenerator[str, None]:
@@ -388,18 +487,19 @@ async def _event_stream(
     The response status is already sent when an error happens here, so the error
     goes into the stream as an event, as OpenAI and vLLM do.
     """
-    completion_tokens = 0
+    completion_tokens = [0] * len(deltas)
     try:
         for item in chunks.start():
             yield item
-        async with aclosing(deltas):
-            async for delta in deltas:
-                completion_tokens = delta.completion_tokens
-                for item in chunks.render(delta):
+        merged = _merged(deltas)
+        async with aclosing(merged):
+            async for index, delta in merged:
+                completion_tokens[index] = delta.completion_tokens
+                for item in chunks.render(index, delta):
                     yield item
         if body.include_usage:
             yield event(
-                {**answer.header(), "choices": [], "usage": answer.usage(completion_tokens)}
+                {**answer.header(), "choices": [], "usage": answer.usage(sum(completion_tokens))}
             )
     except ApiError as exc:
         yield event(exc.body())

@@ -16,6 +16,7 @@ from protocol import MAX_TOP_LOGPROBS
 from server.errors import ApiError
 
 _MAX_STOP_STRINGS = 4
+MAX_CHOICES = 128  # n, as OpenAI allows
 _TEXT = {"type": "text"}  # the one response_format there is: plain text
 
 
@@ -116,7 +117,7 @@ class GenerationBody(_Body):
     max_tokens: Annotated[int | None, Field(ge=1)] = None
     temperature: Annotated[float | None, Field(ge=0, le=2)] = None
     top_p: Annotated[float | None, Field(gt=0, le=1)] = None
-    n: Annotated[Any, _unsupported("n other than 1", 1)] = None
+    n: Annotated[int | None, Field(ge=1, le=MAX_CHOICES)] = None
     stop: StopStrings = Field(default_factory=list)
     # OpenAI takes any 64-bit seed; the engine's are non-negative (mapped in api.py).
     seed: Annotated[int | None, Field(ge=-(2**63), lt=2**63)] = None
@@ -130,6 +131,10 @@ class GenerationBody(_Body):
     top_k: Annotated[int | None, Field(ge=-1)] = None  # -1 or 0: no top-k cut
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
 
     @property
     def include_usage(self) -> bool:

@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
+import pytest
 import zmq
 
 from tests.conftest import Cluster
@@ -140,7 +141,8 @@ def test_models_and_health(cluster: Cluster) -> None:
     assert health.json()["engine"]["num_total_blocks"] > 0
 
 
-def test_client_disconnect_mid_stream_frees_the_cache(cluster: Cluster) -> None:
+@pytest.mark.parametrize("choices", [1, 3])
+def test_client_disconnect_mid_stream_frees_the_cache(cluster: Cluster, choices: int) -> None:
     url = cluster.urls[0]
     body = {
         "model": cluster.model,
@@ -148,13 +150,14 @@ def test_client_disconnect_mid_stream_frees_the_cache(cluster: Cluster) -> None:
         "max_tokens": 1000,
         "ignore_eos": True,
         "stream": True,
+        "n": choices,
     }
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as response:
         assert response.status_code == 200
         lines = response.iter_lines()
-        received = [next(lines) for _ in range(6)]
+        received = [next(lines) for _ in range(6 * choices)]
         assert any(line.startswith("data: ") for line in received)
-        assert engine_stats(url)["num_running"] == 1
+        assert engine_stats(url)["num_running"] == choices
     stats = wait_for_cache_free(url)
     assert stats["num_running"] == 0
 
@@ -246,3 +249,25 @@ def test_completion_logprobs(cluster: Cluster) -> None:
         logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
     ):
         assert 1 <= len(top) <= 2 and top[token] == logprob == max(top.values())
+
+
+def test_several_choices_streamed_and_not(cluster: Cluster) -> None:
+    client = cluster.client()
+    request = dict(model=cluster.model, messages=QUESTION, temperature=1.0, seed=11, max_tokens=16)
+    plain = client.chat.completions.create(n=3, **request)
+    assert [c.index for c in plain.choices] == [0, 1, 2]
+    texts = [c.message.content for c in plain.choices]
+    assert len(set(texts)) > 1  # each choice samples with a seed of its own
+    streamed = ["", "", ""]
+    for chunk in client.chat.completions.create(n=3, stream=True, **request):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == texts
+    # The first choice is the one a single request with the same seed gets.
+    assert client.chat.completions.create(**request).choices[0].message.content == texts[0]
+    one = client.chat.completions.create(**request)
+    assert plain.usage.prompt_tokens == one.usage.prompt_tokens
+    assert plain.usage.completion_tokens == sum(
+        client.chat.completions.create(**{**request, "seed": 11 + i}).usage.completion_tokens
+        for i in range(3)
+    )

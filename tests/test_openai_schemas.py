@@ -156,7 +156,6 @@ def test_bad_stop(client: TestClient, stop: Any) -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("n", 2),
         ("frequency_penalty", 0.5),
         ("presence_penalty", -1),
         ("logit_bias", {"42": 5}),
@@ -173,6 +172,8 @@ def test_honest_refusals(client: TestClient, field: str, value: Any) -> None:
 @pytest.mark.parametrize(
     ("path", "fields", "param"),
     [
+        ("/v1/chat/completions", {"n": 0}, "n"),
+        ("/v1/completions", {"n": 129}, "n"),
         ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("/v1/chat/completions", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
         ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs
@@ -180,7 +181,9 @@ def test_honest_refusals(client: TestClient, field: str, value: Any) -> None:
         ("/v1/completions", {"logprobs": 21}, "logprobs"),
     ],
 )
-def test_bad_logprobs(client: TestClient, path: str, fields: dict[str, Any], param: str) -> None:
+def test_bad_choices_or_logprobs(
+    client: TestClient, path: str, fields: dict[str, Any], param: str
+) -> None:
     body = chat(**fields) if "chat" in path else {"prompt": "hi", **fields}
     assert_error(client.post(path, json=body), 400, param)
 
