@@ -16,7 +16,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.layer_ops import LayerOps, TorchLayerOps
 from engine.models import build_model
 from engine.request import Request
-from engine.sampler import SamplingTensors, sample, token_logprobs
+from engine.sampler import Penalties, SamplingTensors, sample, token_logprobs
 from protocol import TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -277,14 +277,16 @@ class ModelRunner:
         return input_ids, metadata, logits_index_t, rows
 
     def _prepare_sampling(self, batch: list[Request]) -> SamplingTensors | None:
-        """The batch's sampling parameters on the device; None when every row is greedy,
-        which needs none (no tensors built, no copies)."""
+        """The batch's sampling parameters on the device; None when every row is greedy
+        without penalties, which needs none (no tensors built, no copies)."""
         params = [r.sampling for r in batch]
-        if all(p.temperature == 0 for p in params):
+        penalized = any(p.presence_penalty or p.frequency_penalty for p in params)
+        if not penalized and all(p.temperature == 0 for p in params):
             return None
-        floats = torch.tensor([(p.temperature, p.top_p) for p in params], dtype=torch.float32).to(
-            self.device, non_blocking=True
-        )
+        floats = torch.tensor(
+            [(p.temperature, p.top_p, p.presence_penalty, p.frequency_penalty) for p in params],
+            dtype=torch.float32,
+        ).to(self.device, non_blocking=True)
         ints = torch.tensor(
             [
                 (p.top_k, r.seed, len(r.output_token_ids))
@@ -292,6 +294,9 @@ class ModelRunner:
             ],
             dtype=torch.int64,
         ).to(self.device, non_blocking=True)
+        penalties = None
+        if penalized:
+            penalties = Penalties(self._output_token_counts(batch), floats[:, 2], floats[:, 3])
         return SamplingTensors(
             temperature=floats[:, 0],
             top_p=floats[:, 1],
@@ -299,4 +304,20 @@ class ModelRunner:
             seed=ints[:, 1],
             step=ints[:, 2],
             any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
+            penalties=penalties,
         )
+
+    def _output_token_counts(self, batch: list[Request]) -> torch.Tensor:
+        """[B, V] float32: how often each request has generated each token."""
+        lengths = [len(r.output_token_ids) for r in batch]
+        host = np.concatenate(
+            [
+                np.repeat(np.arange(len(batch)), lengths),
+                np.fromiter(chain.from_iterable(r.output_token_ids for r in batch), np.int64),
+            ]
+        )
+        total = sum(lengths)
+        device = torch.from_numpy(host).to(self.device, non_blocking=True)
+        rows, tokens = device.split([total, total])
+        counts = torch.zeros(len(batch), self.config.vocab_size, device=self.device)
+        return counts.index_put_((rows, tokens), torch.ones_like(rows, dtype=counts.dtype), True)

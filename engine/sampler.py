@@ -16,6 +16,15 @@ _MASK32 = 0xFFFFFFFF
 
 
 @dataclass
+class Penalties:
+    """OpenAI's presence and frequency penalties of a step's rows, on the logits' device."""
+
+    counts: torch.Tensor  # [B, V] float32: how often each row has generated each token
+    presence: torch.Tensor  # [B] float32
+    frequency: torch.Tensor  # [B] float32
+
+
+@dataclass
 class SamplingTensors:
     """Per-row sampling parameters of a step that samples at least one row, on the logits'
     device. A step whose rows are all greedy needs none (``sample(logits, None)``)."""
@@ -26,10 +35,13 @@ class SamplingTensors:
     seed: torch.Tensor  # [B] int64
     step: torch.Tensor  # [B] int64, index of the token being sampled in the request's output
     any_top_k_or_p: bool  # a host-side fact that lets a step skip the sort
+    penalties: Penalties | None = None  # None when no row has one
 
 
 def sample(logits: torch.Tensor, params: SamplingTensors | None) -> torch.Tensor:
     """Token ids [B] (int64) from float32 logits [B, V]; ``params`` None: all rows greedy."""
+    if params is not None and params.penalties is not None:
+        logits = apply_penalties(logits, params.penalties)
     greedy_tokens = logits.argmax(dim=-1)
     if params is None:
         return greedy_tokens
@@ -42,6 +54,17 @@ def sample(logits: torch.Tensor, params: SamplingTensors | None) -> torch.Tensor
         probs = _apply_top_k_top_p(probs, params.top_k, params.top_p)
     sampled_tokens = (probs / race).argmax(dim=-1)
     return torch.where(is_greedy, greedy_tokens, sampled_tokens)
+
+
+def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
+    """The logits less each row's presence penalty for every token it has generated and its
+    frequency penalty times how often (new tensor: the raw logits serve logprobs)."""
+    counts = penalties.counts
+    return (
+        logits
+        - penalties.frequency.unsqueeze(1) * counts
+        - penalties.presence.unsqueeze(1) * (counts > 0).float()
+    )
 
 
 def token_logprobs(

@@ -17,7 +17,8 @@ from typing import ClassVar
 from protocol.codec import Message
 
 # Bumped on any incompatible change to the messages below; checked at the handshake.
-# 2: log-probabilities (SamplingParams.logprobs, RequestOutput.logprobs).
+# 2: log-probabilities (SamplingParams.logprobs, RequestOutput.logprobs), presence and
+#    frequency penalties.
 PROTOCOL_VERSION = 2
 # The most alternatives a request may ask log-probabilities of, as OpenAI's top_logprobs.
 MAX_TOP_LOGPROBS = 20
@@ -51,6 +52,10 @@ class SamplingParams:
     ignore_eos: bool = False
     # None: no log-probabilities; k: each new token's, and those of the k likeliest tokens.
     logprobs: int | None = None
+    # OpenAI's: subtracted from the logit of every token already generated, once
+    # (presence) or once per time it was (frequency). 0 is off.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def validate(self) -> str | None:
         """The reason these parameters are unusable, or None."""
@@ -66,6 +71,8 @@ class SamplingParams:
             return "seed must be in [0, 2**63)"
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             return f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]"
+        if not (-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2):
+            return "presence_penalty and frequency_penalty must be in [-2, 2]"
         return None
 
 

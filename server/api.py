@@ -271,6 +271,8 @@ class OpenAIApi:
             stop_token_ids=body.stop_token_ids,
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
         )
 
 

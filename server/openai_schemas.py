@@ -124,8 +124,8 @@ class GenerationBody(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    frequency_penalty: Annotated[Any, _unsupported("frequency_penalty other than 0", 0)] = None
-    presence_penalty: Annotated[Any, _unsupported("presence_penalty other than 0", 0)] = None
+    frequency_penalty: Annotated[float | None, Field(ge=-2, le=2)] = None
+    presence_penalty: Annotated[float | None, Field(ge=-2, le=2)] = None
     logit_bias: Annotated[Any, _unsupported("logit_bias", {})] = None
     # vLLM's extensions, which many clients use.
     top_k: Annotated[int | None, Field(ge=-1)] = None  # -1 or 0: no top-k cut

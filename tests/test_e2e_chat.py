@@ -271,3 +271,18 @@ def test_several_choices_streamed_and_not(cluster: Cluster) -> None:
         client.chat.completions.create(**{**request, "seed": 11 + i}).usage.completion_tokens
         for i in range(3)
     )
+
+
+def test_frequency_penalty_changes_a_greedy_answer(cluster: Cluster) -> None:
+    client = cluster.client()
+    request = dict(
+        model=cluster.model,
+        messages=[{"role": "user", "content": "Write a long poem about the sea."}],
+        temperature=0,
+        max_tokens=48,
+    )
+    plain = client.chat.completions.create(**request).choices[0].message.content
+    penalized = client.chat.completions.create(
+        frequency_penalty=1.5, presence_penalty=0.5, **request
+    )
+    assert penalized.choices[0].message.content != plain

@@ -156,8 +156,6 @@ def test_bad_stop(client: TestClient, stop: Any) -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("frequency_penalty", 0.5),
-        ("presence_penalty", -1),
         ("logit_bias", {"42": 5}),
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("response_format", {"type": "json_object"}),
@@ -173,6 +171,8 @@ def test_honest_refusals(client: TestClient, field: str, value: Any) -> None:
     ("path", "fields", "param"),
     [
         ("/v1/chat/completions", {"n": 0}, "n"),
+        ("/v1/chat/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+        ("/v1/completions", {"frequency_penalty": -3}, "frequency_penalty"),
         ("/v1/completions", {"n": 129}, "n"),
         ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("/v1/chat/completions", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
@@ -181,7 +181,7 @@ def test_honest_refusals(client: TestClient, field: str, value: Any) -> None:
         ("/v1/completions", {"logprobs": 21}, "logprobs"),
     ],
 )
-def test_bad_choices_or_logprobs(
+def test_bad_choices_penalties_or_logprobs(
     client: TestClient, path: str, fields: dict[str, Any], param: str
 ) -> None:
     body = chat(**fields) if "chat" in path else {"prompt": "hi", **fields}

@@ -2,7 +2,7 @@
 
 import torch
 
-from engine.sampler import SamplingTensors, sample, uniform_noise
+from engine.sampler import Penalties, SamplingTensors, apply_penalties, sample, uniform_noise
 
 
 def _params(rows: list[tuple[float, float, int, int, int]], cut: bool = True) -> SamplingTensors:
@@ -63,3 +63,15 @@ def test_top_k_and_top_p_keep_only_the_head() -> None:
     tokens = sample(logits, _params(top_k_rows + top_p_rows))
     assert set(tokens[:1000].tolist()) == {0, 1}
     assert set(tokens[1000:].tolist()) == {0}  # token 0 alone holds over half the mass
+
+
+def test_penalties_lower_the_tokens_already_generated() -> None:
+    logits = torch.zeros(2, 4)
+    counts = torch.tensor([[0.0, 1.0, 3.0, 0.0], [2.0, 0.0, 0.0, 0.0]])
+    presence, frequency = torch.tensor([0.5, 0.0]), torch.tensor([1.0, -1.0])
+    penalties = Penalties(counts, presence, frequency)
+    expected = torch.tensor([[0.0, -1.5, -3.5, 0.0], [2.0, 0.0, 0.0, 0.0]])
+    torch.testing.assert_close(apply_penalties(logits, penalties), expected)
+    params = _params([(0, 1, 0, 1, 0), (0, 1, 0, 1, 0)])
+    params.penalties = penalties
+    assert sample(logits, params).tolist() == [0, 0]  # greedy rows see the penalties too

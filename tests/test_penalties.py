@@ -1,0 +1,53 @@
+"""Presence and frequency penalties against a plain loop over transformers' logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM as HFLlama
+
+from engine.llm_engine import EngineConfig, LLMEngine
+from protocol import SamplingParams
+from tests.test_model_parity import VOCAB, hf_greedy, random_prompts, save_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, HFLlama]:
+    directory = tmp_path_factory.mktemp("tiny")
+    model = save_tiny_llama(directory, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    return directory, model
+
+
+def penalized_greedy(
+    model: HFLlama, prompt: list[int], steps: int, presence: float, frequency: float
+) -> list[int]:
+    output: list[int] = []
+    for _ in range(steps):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + output])).logits[0, -1].float()
+        counts = torch.bincount(torch.tensor(output, dtype=torch.int64), minlength=VOCAB).float()
+        logits = logits - frequency * counts - presence * (counts > 0).float()
+        output.append(int(logits.argmax()))
+    return output
+
+
+def test_penalized_greedy_matches_transformers(tiny: tuple[Path, HFLlama]) -> None:
+    directory, hf_model = tiny
+    engine = LLMEngine(EngineConfig(model=str(directory), device="cpu", kv_cache_memory_gb=0.01))
+    prompts = random_prompts(5)[2:]
+    settings = [(0.0, 1.5), (1.0, 0.0), (0.5, 0.5)]  # (presence, frequency) per prompt
+    for i, (prompt, (presence, frequency)) in enumerate(zip(prompts, settings, strict=True)):
+        sampling = SamplingParams(
+            max_tokens=16, ignore_eos=True, presence_penalty=presence, frequency_penalty=frequency
+        )
+        engine.add_request(b"t", str(i), prompt, sampling)
+    outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_work:
+        for _, output in engine.step():
+            outputs[output.request_id] += output.new_token_ids
+    for i, (prompt, (presence, frequency)) in enumerate(zip(prompts, settings, strict=True)):
+        expected = penalized_greedy(hf_model, prompt, 16, presence, frequency)
+        assert outputs[str(i)] == expected
+        assert expected != hf_greedy(hf_model, prompt, 16)  # the penalties changed something
