@@ -16,8 +16,8 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.layer_ops import LayerOps, TorchLayerOps
 from engine.models import build_model
 from engine.request import Request
-from engine.sampler import Penalties, SamplingTensors, sample, token_logprobs
-from protocol import TokenLogprobs
+from engine.sampler import LogitBias, Penalties, SamplingTensors, sample, token_logprobs
+from protocol import SamplingParams, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -281,7 +281,8 @@ class ModelRunner:
         without penalties, which needs none (no tensors built, no copies)."""
         params = [r.sampling for r in batch]
         penalized = any(p.presence_penalty or p.frequency_penalty for p in params)
-        if not penalized and all(p.temperature == 0 for p in params):
+        biased = any(p.logit_bias_token_ids for p in params)
+        if not (penalized or biased) and all(p.temperature == 0 for p in params):
             return None
         floats = torch.tensor(
             [(p.temperature, p.top_p, p.presence_penalty, p.frequency_penalty) for p in params],
@@ -305,7 +306,22 @@ class ModelRunner:
             step=ints[:, 2],
             any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
             penalties=penalties,
+            logit_bias=self._logit_bias(params) if biased else None,
         )
+
+    def _logit_bias(self, params: list[SamplingParams]) -> LogitBias:
+        lengths = [len(p.logit_bias_token_ids) for p in params]
+        rows_and_ids = np.concatenate(
+            [
+                np.repeat(np.arange(len(params)), lengths),
+                np.fromiter(chain.from_iterable(p.logit_bias_token_ids for p in params), np.int64),
+            ]
+        )
+        values = list(chain.from_iterable(p.logit_bias_values for p in params))
+        device = torch.from_numpy(rows_and_ids).to(self.device, non_blocking=True)
+        rows, token_ids = device.split([len(values), len(values)])
+        values_t = torch.tensor(values, dtype=torch.float32).to(self.device, non_blocking=True)
+        return LogitBias(rows, token_ids, values_t)
 
     def _output_token_counts(self, batch: list[Request]) -> torch.Tensor:
         """[B, V] float32: how often each request has generated each token."""

@@ -25,6 +25,15 @@ class Penalties:
 
 
 @dataclass
+class LogitBias:
+    """OpenAI's logit_bias of a step's rows, sparse: add ``values`` at (``rows``, ``token_ids``)."""
+
+    rows: torch.Tensor  # [N] int64
+    token_ids: torch.Tensor  # [N] int64
+    values: torch.Tensor  # [N] float32
+
+
+@dataclass
 class SamplingTensors:
     """Per-row sampling parameters of a step that samples at least one row, on the logits'
     device. A step whose rows are all greedy needs none (``sample(logits, None)``)."""
@@ -36,12 +45,17 @@ class SamplingTensors:
     step: torch.Tensor  # [B] int64, index of the token being sampled in the request's output
     any_top_k_or_p: bool  # a host-side fact that lets a step skip the sort
     penalties: Penalties | None = None  # None when no row has one
+    logit_bias: LogitBias | None = None  # None when no row has one
 
 
 def sample(logits: torch.Tensor, params: SamplingTensors | None) -> torch.Tensor:
     """Token ids [B] (int64) from float32 logits [B, V]; ``params`` None: all rows greedy."""
     if params is not None and params.penalties is not None:
         logits = apply_penalties(logits, params.penalties)
+    if params is not None and params.logit_bias is not None:
+        bias = params.logit_bias
+        # A copy (index_put, not index_put_): the raw logits serve logprobs.
+        logits = logits.index_put((bias.rows, bias.token_ids), bias.values, accumulate=True)
     greedy_tokens = logits.argmax(dim=-1)
     if params is None:
         return greedy_tokens

@@ -18,7 +18,7 @@ from protocol.codec import Message
 
 # Bumped on any incompatible change to the messages below; checked at the handshake.
 # 2: log-probabilities (SamplingParams.logprobs, RequestOutput.logprobs), presence and
-#    frequency penalties.
+#    frequency penalties, logit bias.
 PROTOCOL_VERSION = 2
 # The most alternatives a request may ask log-probabilities of, as OpenAI's top_logprobs.
 MAX_TOP_LOGPROBS = 20
@@ -56,6 +56,9 @@ class SamplingParams:
     # (presence) or once per time it was (frequency). 0 is off.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # OpenAI's logit_bias as two parallel lists: added to these tokens' logits.
+    logit_bias_token_ids: list[int] = field(default_factory=list)
+    logit_bias_values: list[float] = field(default_factory=list)
 
     def validate(self) -> str | None:
         """The reason these parameters are unusable, or None."""
@@ -73,6 +76,10 @@ class SamplingParams:
             return f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]"
         if not (-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2):
             return "presence_penalty and frequency_penalty must be in [-2, 2]"
+        if len(self.logit_bias_token_ids) != len(self.logit_bias_values):
+            return "logit_bias_token_ids and logit_bias_values must be as long"
+        if not all(-100 <= bias <= 100 for bias in self.logit_bias_values):
+            return "logit_bias values must be in [-100, 100]"
         return None
 
 

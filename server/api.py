@@ -261,6 +261,8 @@ class OpenAIApi:
                 code="context_length_exceeded",
             )
         self._check_token_ids(body.stop_token_ids, "stop_token_ids")
+        logit_bias = body.logit_bias or {}
+        self._check_token_ids(list(logit_bias), "logit_bias")
         return SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else limit - prompt_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -273,6 +275,8 @@ class OpenAIApi:
             logprobs=logprobs,
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
+            logit_bias_token_ids=list(logit_bias),
+            logit_bias_values=list(logit_bias.values()),
         )
 
 

@@ -126,7 +126,10 @@ class GenerationBody(_Body):
     user: str | None = None
     frequency_penalty: Annotated[float | None, Field(ge=-2, le=2)] = None
     presence_penalty: Annotated[float | None, Field(ge=-2, le=2)] = None
-    logit_bias: Annotated[Any, _unsupported("logit_bias", {})] = None
+    # Token ids (as strings, JSON's keys) to a bias added to their logits.
+    logit_bias: (
+        dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100, le=100)]] | None
+    ) = None
     # vLLM's extensions, which many clients use.
     top_k: Annotated[int | None, Field(ge=-1)] = None  # -1 or 0: no top-k cut
     ignore_eos: bool = False

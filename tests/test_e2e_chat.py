@@ -286,3 +286,18 @@ def test_frequency_penalty_changes_a_greedy_answer(cluster: Cluster) -> None:
         frequency_penalty=1.5, presence_penalty=0.5, **request
     )
     assert penalized.choices[0].message.content != plain
+
+
+def test_logit_bias_forces_a_token(cluster: Cluster) -> None:
+    reply = cluster.client().completions.create(
+        model=cluster.model,
+        prompt="The capital of France is",
+        max_tokens=4,
+        temperature=0,
+        logprobs=0,
+        logit_bias={"42": 100},
+        extra_body={"ignore_eos": True},
+    )
+    tokens = reply.choices[0].logprobs.tokens
+    assert len(tokens) == 4 and len(set(tokens)) == 1
+    assert reply.choices[0].text == tokens[0] * 4

@@ -156,7 +156,6 @@ def test_bad_stop(client: TestClient, stop: Any) -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("logit_bias", {"42": 5}),
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("response_format", {"type": "json_object"}),
     ],
@@ -172,6 +171,9 @@ def test_honest_refusals(client: TestClient, field: str, value: Any) -> None:
     [
         ("/v1/chat/completions", {"n": 0}, "n"),
         ("/v1/chat/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+        ("/v1/chat/completions", {"logit_bias": {"5": 101}}, "logit_bias.5"),
+        ("/v1/chat/completions", {"logit_bias": {"x": 1}}, "logit_bias.x.[key]"),
+        ("/v1/completions", {"logit_bias": {str(VOCAB_SIZE): 1}}, "logit_bias"),
         ("/v1/completions", {"frequency_penalty": -3}, "frequency_penalty"),
         ("/v1/completions", {"n": 129}, "n"),
         ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),

@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaForCausalLM as HFLlama
 
 from engine.llm_engine import EngineConfig, LLMEngine
-from protocol import SamplingParams
+from protocol import SamplingParams, TokenLogprobs
 from tests.test_model_parity import VOCAB, hf_greedy, random_prompts, save_tiny_llama
 
 
@@ -51,3 +51,34 @@ def test_penalized_greedy_matches_transformers(tiny: tuple[Path, HFLlama]) -> No
         expected = penalized_greedy(hf_model, prompt, 16, presence, frequency)
         assert outputs[str(i)] == expected
         assert expected != hf_greedy(hf_model, prompt, 16)  # the penalties changed something
+
+
+def test_logit_bias_forces_and_bans_tokens(tiny: tuple[Path, HFLlama]) -> None:
+    directory, hf_model = tiny
+    engine = LLMEngine(EngineConfig(model=str(directory), device="cpu", kv_cache_memory_gb=0.01))
+    prompt = random_prompts(4)[3]
+    plain = hf_greedy(hf_model, prompt, 8)
+    requests = {
+        "forced": SamplingParams(
+            max_tokens=8, ignore_eos=True, logit_bias_token_ids=[42], logit_bias_values=[100.0]
+        ),
+        "banned": SamplingParams(
+            max_tokens=8,
+            ignore_eos=True,
+            logit_bias_token_ids=sorted(set(plain)),
+            logit_bias_values=[-100.0] * len(set(plain)),
+            logprobs=0,
+        ),
+    }
+    for request_id, sampling in requests.items():
+        engine.add_request(b"t", request_id, prompt, sampling)
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in requests}
+    logprobs: list[TokenLogprobs] = []
+    while engine.has_work:
+        for _, output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+            logprobs += output.logprobs or []
+    assert tokens["forced"] == [42] * 8
+    assert len(tokens["banned"]) == 8 and not set(tokens["banned"]) & set(plain)
+    # Log-probabilities stay the raw model's, unbiased.
+    assert len(logprobs) == 8 and all(lp.logprob > -20 for lp in logprobs)
