@@ -310,30 +310,28 @@ class ModelRunner:
         )
 
     def _logit_bias(self, params: list[SamplingParams]) -> LogitBias:
-        lengths = [len(p.logit_bias_token_ids) for p in params]
-        rows_and_ids = np.concatenate(
-            [
-                np.repeat(np.arange(len(params)), lengths),
-                np.fromiter(chain.from_iterable(p.logit_bias_token_ids for p in params), np.int64),
-            ]
-        )
+        rows, token_ids = self._ragged_to_device([p.logit_bias_token_ids for p in params])
         values = list(chain.from_iterable(p.logit_bias_values for p in params))
-        device = torch.from_numpy(rows_and_ids).to(self.device, non_blocking=True)
-        rows, token_ids = device.split([len(values), len(values)])
         values_t = torch.tensor(values, dtype=torch.float32).to(self.device, non_blocking=True)
         return LogitBias(rows, token_ids, values_t)
 
     def _output_token_counts(self, batch: list[Request]) -> torch.Tensor:
         """[B, V] float32: how often each request has generated each token."""
-        lengths = [len(r.output_token_ids) for r in batch]
-        host = np.concatenate(
-            [
-                np.repeat(np.arange(len(batch)), lengths),
-                np.fromiter(chain.from_iterable(r.output_token_ids for r in batch), np.int64),
-            ]
-        )
-        total = sum(lengths)
-        device = torch.from_numpy(host).to(self.device, non_blocking=True)
-        rows, tokens = device.split([total, total])
+        rows, tokens = self._ragged_to_device([r.output_token_ids for r in batch])
         counts = torch.zeros(len(batch), self.config.vocab_size, device=self.device)
         return counts.index_put_((rows, tokens), torch.ones_like(rows, dtype=counts.dtype), True)
+
+    def _ragged_to_device(self, lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Lists of ints, one per row, as two flat int64 tensors on the device, moved in one
+        copy: each item's row, and the items."""
+        lengths = [len(items) for items in lists]
+        total = sum(lengths)
+        host = np.concatenate(
+            [
+                np.repeat(np.arange(len(lists)), lengths),
+                np.fromiter(chain.from_iterable(lists), np.int64, total),
+            ]
+        )
+        device = torch.from_numpy(host).to(self.device, non_blocking=True)
+        rows, items = device.split([total, total])
+        return rows, items
