@@ -23,8 +23,11 @@ from server.generation import TextDelta, generate_text
 from server.logprobs import CompletionLogprobs, chat_logprobs
 from server.openai_schemas import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
     GenerationBody,
+    TokenizeRequest,
     parse_request,
 )
 from server.served_model import ServedModel
@@ -77,17 +80,7 @@ class OpenAIApi:
     async def chat_completions(self, request: Request) -> Response:
         body = parse_request(ChatCompletionRequest, await request.body())
         self._check_model(body.model)
-        template = self._model.chat_template
-        if template is None:
-            assert self._model.chat_template_problem is not None
-            raise ApiError(400, self._model.chat_template_problem, param="messages")
-        messages = [message.model_dump(exclude_unset=True) for message in body.messages]
-        try:
-            prompt = template.render(messages, add_generation_prompt=True)
-        except ChatTemplateError as exc:
-            raise ApiError(400, str(exc), param="messages") from exc
-        # The template already holds the special tokens (as apply_chat_template does).
-        prompt_ids = await self._model.encode(prompt, add_special_tokens=False)
+        prompt_ids = await self._chat_prompt_ids(body.messages, add_generation_prompt=True)
         max_tokens = body.max_completion_tokens or body.max_tokens
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs")
@@ -189,6 +182,41 @@ class OpenAIApi:
             stream_chunks = chunks(answer, body.include_usage, renderers)
             return EventStreamResponse(_event_stream(answer, deltas, stream_chunks, body))
         return await _complete(request, answer, deltas, choice, renderers)
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: the token ids of a prompt, or of messages through the template."""
+        body = parse_request(TokenizeRequest, await request.body())
+        self._check_model(body.model)
+        if body.messages is not None:
+            ids = await self._chat_prompt_ids(body.messages, body.add_generation_prompt)
+        else:
+            assert body.prompt is not None  # the schema wants exactly one of the two
+            ids = await self._model.encode(body.prompt, body.add_special_tokens)
+        return JSONResponse(
+            {"count": len(ids), "max_model_len": self._model.max_model_len, "tokens": ids}
+        )
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: the text of token ids."""
+        body = parse_request(DetokenizeRequest, await request.body())
+        self._check_model(body.model)
+        self._check_token_ids(body.tokens, "tokens")
+        return JSONResponse({"prompt": self._model.decode(body.tokens)})
+
+    async def _chat_prompt_ids(
+        self, messages: list[ChatMessage], add_generation_prompt: bool
+    ) -> list[int]:
+        template = self._model.chat_template
+        if template is None:
+            assert self._model.chat_template_problem is not None
+            raise ApiError(400, self._model.chat_template_problem, param="messages")
+        dumped = [message.model_dump(exclude_unset=True) for message in messages]
+        try:
+            prompt = template.render(dumped, add_generation_prompt=add_generation_prompt)
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), param="messages") from exc
+        # The template already holds the special tokens (as apply_chat_template does).
+        return await self._model.encode(prompt, add_special_tokens=False)
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_card()]})

@@ -33,6 +33,8 @@ def create_app(client: EngineClient, handshake: HandshakeReply) -> Starlette:
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/models/{model:path}", api.model, methods=["GET"]),
+        Route("/tokenize", api.tokenize, methods=["POST"]),
+        Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/", web_ui, methods=["GET"]),
         Mount("/static", StaticFiles(directory=FRONTEND_DIR), name="static"),

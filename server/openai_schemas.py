@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from protocol import MAX_TOP_LOGPROBS
@@ -162,6 +169,27 @@ class CompletionRequest(GenerationBody):
     best_of: Annotated[Any, _unsupported("best_of other than 1", 1)] = None
 
 
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize body: a prompt, or messages to render with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage] | None, Field(min_length=1)] = None
+    add_special_tokens: bool = True  # for a prompt (a template holds its own)
+    add_generation_prompt: bool = True  # for messages
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise PydanticCustomError("invalid_value", "give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
 def parse_request(model: type[RequestT], body: bytes) -> RequestT:
     """The validated request, or an ``ApiError`` naming the first bad field."""
     try:
@@ -178,8 +206,10 @@ def _to_api_error(exc: ValidationError) -> ApiError:
             400,
             "We could not parse the JSON body of your request. The body must be valid JSON.",
         )
-    if not location:
-        return ApiError(400, "The request body must be a JSON object.")
+    if not location:  # the body as a whole: not an object, or a rule across its fields
+        if kind == "model_type":
+            return ApiError(400, "The request body must be a JSON object.")
+        return ApiError(400, f"Invalid request: {error['msg']}.", code="invalid_value")
     param = _param_name(location)
     if kind == "missing":
         return ApiError(

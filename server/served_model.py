@@ -57,3 +57,6 @@ class ServedModel:
             return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
         return await asyncio.to_thread(run)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)

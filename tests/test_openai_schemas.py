@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from starlette.testclient import TestClient
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from protocol import PROTOCOL_VERSION, HandshakeReply
 from server.app import create_app
@@ -37,6 +37,7 @@ STRICT = (
 def tokenizer_json() -> str:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=300,
         special_tokens=["<|im_start|>", "<|im_end|>"],
@@ -335,3 +336,39 @@ def test_parse_request_raises_api_errors() -> None:
     with pytest.raises(ApiError) as caught:
         parse_request(CompletionRequest, b'{"prompt": "x", "max_tokens": 0}')
     assert caught.value.status == 400 and caught.value.param == "max_tokens"
+
+
+# Tokenizing needs no engine either: the model's tokenizer came with the handshake.
+
+
+def test_tokenize_and_detokenize(client: TestClient) -> None:
+    tokenizer = Tokenizer.from_str(TOKENIZER_JSON)
+    reply = client.post("/tokenize", json={"model": MODEL, "prompt": "hello world"})
+    assert reply.status_code == 200, reply.text
+    ids = tokenizer.encode("hello world").ids
+    assert reply.json() == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids}
+    back = client.post("/detokenize", json={"model": MODEL, "tokens": ids})
+    assert back.json() == {"prompt": "hello world"}
+
+    messages = [{"role": "user", "content": "hello"}]
+    reply = client.post("/tokenize", json={"messages": messages})
+    rendered = "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    assert reply.json()["tokens"] == tokenizer.encode(rendered, add_special_tokens=False).ids
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/tokenize", {}, None),  # neither prompt nor messages
+        ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, None),
+        ("/tokenize", {"prompt": "a", "model": "other"}, "model"),
+        ("/detokenize", {"tokens": [VOCAB_SIZE]}, "tokens"),
+        ("/detokenize", {"tokens": [-1]}, "tokens[0]"),
+    ],
+)
+def test_bad_tokenize_requests(
+    client: TestClient, path: str, body: dict[str, Any], param: str | None
+) -> None:
+    response = client.post(path, json=body)
+    assert response.status_code in (400, 404), response.text
+    assert response.json()["error"]["param"] == param
