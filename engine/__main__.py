@@ -20,6 +20,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a Hugging Face directory, a .gguf file, or the default model's name",
     )
     parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's name in the API (default: the checkpoint's)",
+    )
+    parser.add_argument(
         "--address",
         default="ipc:///tmp/tandem-engine.sock",
         help="ZeroMQ address to bind: ipc://PATH or tcp://HOST:PORT",
@@ -94,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
             max_num_batched_tokens=args.max_num_batched_tokens,
             enforce_eager=args.enforce_eager,
             enable_prefix_caching=args.enable_prefix_caching,
+            served_model_name=args.served_model_name,
         )
     )
     service = EngineService(engine, args.address, args.stats_interval)

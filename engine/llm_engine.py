@@ -47,6 +47,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     enforce_eager: bool = False  # CUDA: run decode steps op by op, without CUDA graphs
     enable_prefix_caching: bool = True  # reuse the cache of prompts' common prefixes
+    served_model_name: str | None = None  # the name clients use; default: the checkpoint's
 
 
 class RequestRejected(Exception):
@@ -69,7 +70,7 @@ class LLMEngine:
         self.started_at = time.time()
         self.device = torch.device(config.device)
         checkpoint = load_checkpoint(config.model)
-        self.model_name = checkpoint.name
+        self.model_name = config.served_model_name or checkpoint.name
         self.tokenizer = checkpoint.tokenizer
         self.vocab_size = checkpoint.config.vocab_size
         model_len = config.max_model_len or checkpoint.config.max_position_embeddings

@@ -18,6 +18,7 @@ const ui = {
   temperature: $("temperature"),
   temperatureValue: $("temperature-value"),
   maxTokens: $("max-tokens"),
+  apiKey: $("api-key"),
   template: $("message-template"),
 };
 
@@ -34,6 +35,7 @@ function loadSettings() {
     if (typeof saved.systemPrompt === "string") ui.systemPrompt.value = saved.systemPrompt;
     if (typeof saved.temperature === "number") ui.temperature.value = saved.temperature;
     if (typeof saved.maxTokens === "string") ui.maxTokens.value = saved.maxTokens;
+    if (typeof saved.apiKey === "string") ui.apiKey.value = saved.apiKey;
   } catch {
     localStorage.removeItem(SETTINGS_KEY);
   }
@@ -47,8 +49,15 @@ function saveSettings() {
       systemPrompt: ui.systemPrompt.value,
       temperature: Number(ui.temperature.value),
       maxTokens: ui.maxTokens.value,
+      apiKey: ui.apiKey.value,
     }),
   );
+}
+
+// The headers of every API call: the key, when the server wants one (--api-key).
+function apiHeaders(extra = {}) {
+  const key = ui.apiKey.value.trim();
+  return key ? { ...extra, Authorization: `Bearer ${key}` } : extra;
 }
 
 function showTemperature() {
@@ -59,7 +68,12 @@ function showTemperature() {
 
 async function loadModel() {
   try {
-    const response = await fetch("/v1/models");
+    const response = await fetch("/v1/models", { headers: apiHeaders() });
+    if (response.status === 401) {
+      ui.model.textContent = "API key needed: see Settings";
+      ui.model.classList.add("offline");
+      return;
+    }
     const body = await response.json();
     const card = body.data[0];
     modelName = card.id;
@@ -176,7 +190,7 @@ async function send(text) {
   try {
     const response = await fetch("/v1/chat/completions", {
       method: "POST",
-      headers: { "Content-Type": "application/json" },
+      headers: apiHeaders({ "Content-Type": "application/json" }),
       body: JSON.stringify(requestBody(messages)),
       signal: controller.signal,
     });
@@ -272,9 +286,10 @@ ui.toggleSettings.addEventListener("click", () => {
 });
 
 ui.temperature.addEventListener("input", showTemperature);
-for (const field of [ui.systemPrompt, ui.temperature, ui.maxTokens]) {
+for (const field of [ui.systemPrompt, ui.temperature, ui.maxTokens, ui.apiKey]) {
   field.addEventListener("change", saveSettings);
 }
+ui.apiKey.addEventListener("change", loadModel);
 
 loadSettings();
 loadModel();

@@ -42,6 +42,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="seconds to wait for the engine to answer the handshake (default: 600)",
     )
     parser.add_argument(
+        "--api-key",
+        default=os.environ.get("TANDEM_API_KEY"),
+        help="answer API requests only with 'Authorization: Bearer KEY' "
+        "(default: $TANDEM_API_KEY; none: open)",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -68,7 +74,7 @@ async def _serve(args: argparse.Namespace) -> int:
             args.port,
         )
         config = uvicorn.Config(
-            create_app(client, handshake),
+            create_app(client, handshake, args.api_key),
             host=args.host,
             port=args.port,
             log_level=args.log_level,

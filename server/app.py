@@ -6,6 +6,7 @@ from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 from starlette.routing import Mount, Route
@@ -13,6 +14,7 @@ from starlette.staticfiles import StaticFiles
 
 from protocol import HandshakeReply
 from server.api import OpenAIApi
+from server.api_key import ApiKeyCheck
 from server.engine_client import EngineClient
 from server.errors import ApiError, handle_api_error, handle_http_exception, handle_unexpected
 from server.served_model import ServedModel
@@ -20,8 +22,11 @@ from server.served_model import ServedModel
 FRONTEND_DIR = Path(__file__).resolve().parent.parent / "frontend"
 
 
-def create_app(client: EngineClient, handshake: HandshakeReply) -> Starlette:
-    """The HTTP application serving ``handshake``'s model through ``client``."""
+def create_app(
+    client: EngineClient, handshake: HandshakeReply, api_key: str | None = None
+) -> Starlette:
+    """The HTTP application serving ``handshake``'s model through ``client``; with
+    ``api_key``, the API answers only requests that carry it."""
     api = OpenAIApi(client, ServedModel.from_handshake(handshake))
     index = FRONTEND_DIR / "index.html"
 
@@ -41,6 +46,7 @@ def create_app(client: EngineClient, handshake: HandshakeReply) -> Starlette:
     ]
     return Starlette(
         routes=routes,
+        middleware=[Middleware(ApiKeyCheck, api_key=api_key)] if api_key else [],
         exception_handlers={
             ApiError: handle_api_error,
             HTTPException: handle_http_exception,

@@ -51,8 +51,8 @@ TOKENIZER_JSON = tokenizer_json()
 VOCAB_SIZE = Tokenizer.from_str(TOKENIZER_JSON).get_vocab_size(with_added_tokens=True)
 
 
-def make_client(chat_template: str | None) -> Iterator[TestClient]:
-    handshake = HandshakeReply(
+def handshake(chat_template: str | None) -> HandshakeReply:
+    return HandshakeReply(
         protocol_version=PROTOCOL_VERSION,
         model_name=MODEL,
         tokenizer_json=TOKENIZER_JSON,
@@ -64,9 +64,13 @@ def make_client(chat_template: str | None) -> Iterator[TestClient]:
         engine_pid=1,
         engine_started_at=time.time(),
     )
+
+
+def make_client(chat_template: str | None) -> Iterator[TestClient]:
     # Never connected: there is no engine, and these tests must not need one.
     engine = EngineClient("tcp://127.0.0.1:9")
-    with TestClient(create_app(engine, handshake), raise_server_exceptions=False) as client:
+    app = create_app(engine, handshake(chat_template))
+    with TestClient(app, raise_server_exceptions=False) as client:
         yield client
     asyncio.run(engine.close())
 
@@ -372,3 +376,19 @@ def test_bad_tokenize_requests(
     response = client.post(path, json=body)
     assert response.status_code in (400, 404), response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_api_key_guards_the_api_but_not_the_page() -> None:
+    engine = EngineClient("tcp://127.0.0.1:9")
+    app = create_app(engine, handshake(CHATML), api_key="s3cret")
+    with TestClient(app, raise_server_exceptions=False) as client:
+        refused = client.get("/v1/models")
+        assert refused.status_code == 401
+        assert refused.json()["error"]["code"] == "invalid_api_key"
+        wrong = client.post("/tokenize", json={"prompt": "hi"}, headers={"Authorization": "x"})
+        assert wrong.status_code == 401
+        allowed = client.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
+        assert allowed.json()["data"][0]["id"] == MODEL
+        assert client.get("/").status_code == 200
+        assert client.get("/health").status_code == 503  # open; no engine behind this one
+    asyncio.run(engine.close())

@@ -1,0 +1,20 @@
+"""Engine options that change what servers are told."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.__main__ import parse_args
+from engine.llm_engine import EngineConfig, LLMEngine
+from tests.test_model_parity import save_tiny_llama
+
+
+def test_served_model_name_replaces_the_checkpoints(tmp_path: Path) -> None:
+    save_tiny_llama(tmp_path, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    config = EngineConfig(
+        model=str(tmp_path), device="cpu", kv_cache_memory_gb=0.01, served_model_name="my-model"
+    )
+    assert LLMEngine(config).handshake_reply().model_name == "my-model"
+    args = parse_args(["--model", str(tmp_path), "--served-model-name", "my-model"])
+    assert args.served_model_name == "my-model"
+    assert parse_args(["--no-enable-prefix-caching"]).enable_prefix_caching is False
