@@ -164,6 +164,10 @@ class LLMEngine:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_finished=self.num_finished,
+            num_prompt_tokens=self.scheduler.num_prefill_tokens,
+            num_cached_prompt_tokens=self.block_manager.num_hit_tokens,
+            num_generated_tokens=self.num_generated_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
         )
 
     def add_request(

@@ -18,7 +18,7 @@ from protocol.codec import Message
 
 # Bumped on any incompatible change to the messages below; checked at the handshake.
 # 2: log-probabilities (SamplingParams.logprobs, RequestOutput.logprobs), presence and
-#    frequency penalties, logit bias.
+#    frequency penalties, logit bias, token counters in EngineStats.
 PROTOCOL_VERSION = 2
 # The most alternatives a request may ask log-probabilities of, as OpenAI's top_logprobs.
 MAX_TOP_LOGPROBS = 20
@@ -190,3 +190,8 @@ class EngineStats(Message):
     num_running: int
     num_waiting: int
     num_finished: int  # requests finished since start, aborted ones included
+    # Counters since start, for throughput and cache-efficiency monitoring.
+    num_prompt_tokens: int = 0  # prompt tokens computed (not those found in the cache)
+    num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0

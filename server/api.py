@@ -13,7 +13,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from protocol import SamplingParams, TokenLogprobs
 from server.chat_template import ChatTemplateError
@@ -21,6 +21,7 @@ from server.engine_client import EngineClient
 from server.errors import ApiError, internal_error
 from server.generation import TextDelta, generate_text
 from server.logprobs import CompletionLogprobs, chat_logprobs
+from server.metrics import render_metrics
 from server.openai_schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -231,6 +232,12 @@ class OpenAIApi:
             error = ApiError(503, "The engine is not answering.", code="engine_unavailable").body()
             return JSONResponse({"status": "unavailable", **error}, status_code=503)
         return JSONResponse({"status": "ok", "engine": dataclasses.asdict(stats)})
+
+    async def metrics(self, request: Request) -> Response:
+        stats = await self._client.stats(_HEALTH_TIMEOUT_S)
+        return PlainTextResponse(
+            render_metrics(stats), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
 
     def _model_card(self) -> dict[str, Any]:
         return {

@@ -41,6 +41,7 @@ def create_app(
         Route("/tokenize", api.tokenize, methods=["POST"]),
         Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/health", api.health, methods=["GET"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
         Route("/", web_ui, methods=["GET"]),
         Mount("/static", StaticFiles(directory=FRONTEND_DIR), name="static"),
     ]

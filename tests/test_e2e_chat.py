@@ -301,3 +301,28 @@ def test_logit_bias_forces_a_token(cluster: Cluster) -> None:
     tokens = reply.choices[0].logprobs.tokens
     assert len(tokens) == 4 and len(set(tokens)) == 1
     assert reply.choices[0].text == tokens[0] * 4
+
+
+def test_metrics_count_tokens(cluster: Cluster) -> None:
+    def scrape() -> dict[str, float]:
+        text = httpx.get(f"{cluster.urls[1]}/metrics", timeout=10).text
+        samples = [line for line in text.splitlines() if line and not line.startswith("#")]
+        return {line.split("{")[0].split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in samples}
+
+    def grew(name: str, before: dict[str, float], after: dict[str, float]) -> float:
+        return after[name] - before[name]
+
+    def ask() -> None:
+        cluster.client().chat.completions.create(
+            model=cluster.model, messages=QUESTION, max_tokens=5, extra_body={"ignore_eos": True}
+        )
+
+    first = scrape()
+    assert first["tandem_engine_up"] == 1 and first["tandem_kv_cache_blocks"] > 0
+    ask()
+    second = scrape()
+    assert grew("tandem_generation_tokens_total", first, second) >= 5
+    assert grew("tandem_prompt_tokens_total", first, second) > 0
+    ask()  # the same prompt again: its full blocks come from the prefix cache
+    third = scrape()
+    assert grew("tandem_prefix_cache_hit_tokens_total", second, third) > 0

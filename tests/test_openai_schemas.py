@@ -392,3 +392,10 @@ def test_api_key_guards_the_api_but_not_the_page() -> None:
         assert client.get("/").status_code == 200
         assert client.get("/health").status_code == 503  # open; no engine behind this one
     asyncio.run(engine.close())
+
+
+def test_metrics_without_an_engine_say_it_is_down(client: TestClient) -> None:
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert "tandem_engine_up 0" in response.text.splitlines()
