@@ -210,12 +210,7 @@ class ModelRunner:
         query_starts = query_ends - query_lens
         num_tokens = int(query_ends[-1])
         token_ids = np.fromiter(
-            chain.from_iterable(
-                r.token_ids_between(
-                    r.num_cached_tokens, r.num_cached_tokens + r.num_scheduled_tokens
-                )
-                for r in batch
-            ),
+            chain.from_iterable(r.scheduled_token_ids() for r in batch),
             np.int64,
             num_tokens,
         )

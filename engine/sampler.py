@@ -50,15 +50,15 @@ class SamplingTensors:
 
 def sample(logits: torch.Tensor, params: SamplingTensors | None) -> torch.Tensor:
     """Token ids [B] (int64) from float32 logits [B, V]; ``params`` None: all rows greedy."""
-    if params is not None and params.penalties is not None:
+    if params is None:
+        return logits.argmax(dim=-1)
+    if params.penalties is not None:
         logits = apply_penalties(logits, params.penalties)
-    if params is not None and params.logit_bias is not None:
+    if params.logit_bias is not None:
         bias = params.logit_bias
         # A copy (index_put, not index_put_): the raw logits serve logprobs.
         logits = logits.index_put((bias.rows, bias.token_ids), bias.values, accumulate=True)
     greedy_tokens = logits.argmax(dim=-1)
-    if params is None:
-        return greedy_tokens
     is_greedy = params.temperature == 0
     temperature = torch.where(is_greedy, torch.ones_like(params.temperature), params.temperature)
     probs = torch.softmax(logits / temperature.unsqueeze(1), dim=-1)

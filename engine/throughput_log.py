@@ -18,9 +18,7 @@ class ThroughputLog:
         self.engine = engine
         self.interval_s = interval_s
         self._since = time.monotonic()
-        self._prompt_tokens = engine.scheduler.num_prefill_tokens
-        self._generated_tokens = engine.num_generated_tokens
-        self._hit_tokens = engine.block_manager.num_hit_tokens
+        self._last = engine.stats()  # its counters, to take the next line's differences from
 
     def maybe_log(self) -> None:
         """Log the rates since the last line once ``interval_s`` has passed, unless idle."""
@@ -28,15 +26,13 @@ class ThroughputLog:
         elapsed = now - self._since
         if self.interval_s <= 0 or elapsed < self.interval_s:
             return
-        prompt = self.engine.scheduler.num_prefill_tokens - self._prompt_tokens
-        generated = self.engine.num_generated_tokens - self._generated_tokens
-        hits = self.engine.block_manager.num_hit_tokens - self._hit_tokens
-        self._since, self._prompt_tokens = now, self.engine.scheduler.num_prefill_tokens
-        self._generated_tokens = self.engine.num_generated_tokens
-        self._hit_tokens = self.engine.block_manager.num_hit_tokens
+        stats, last = self.engine.stats(), self._last
+        self._since, self._last = now, stats
+        prompt = stats.num_prompt_tokens - last.num_prompt_tokens
+        generated = stats.num_generated_tokens - last.num_generated_tokens
+        hits = stats.num_cached_prompt_tokens - last.num_cached_prompt_tokens
         if prompt == 0 and generated == 0:
             return  # idle: nothing worth a line
-        stats = self.engine.stats()
         used = 1 - stats.num_free_blocks / stats.num_total_blocks
         logger.info(
             "prompt %.1f tok/s, generation %.1f tok/s, %d running, %d waiting, "

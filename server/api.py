@@ -87,10 +87,9 @@ class OpenAIApi:
             raise ApiError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs")
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         sampling = self._sampling(body, len(prompt_ids), max_tokens, "messages", num_logprobs)
-        tokenizer = self._model.tokenizer
 
         def chat_renderer() -> RenderLogprobs:
-            return partial(chat_logprobs, tokenizer)
+            return partial(chat_logprobs, self._model)
 
         logprobs_renderer = None if num_logprobs is None else chat_renderer
 
@@ -119,10 +118,9 @@ class OpenAIApi:
             prompt_ids = body.prompt
             self._check_token_ids(prompt_ids, "prompt")
         sampling = self._sampling(body, len(prompt_ids), body.max_tokens, "prompt", body.logprobs)
-        tokenizer = self._model.tokenizer
 
         def completion_renderer() -> RenderLogprobs:
-            return CompletionLogprobs(tokenizer).render  # a text offset of its own
+            return CompletionLogprobs(self._model).render  # a text offset of its own
 
         logprobs_renderer = None if body.logprobs is None else completion_renderer
 
@@ -146,7 +144,7 @@ class OpenAIApi:
         kind: tuple[str, str],
         prompt_ids: list[int],
         sampling: SamplingParams,
-        chunks: type[_ChatChunks | _CompletionChunks],
+        chunks: type[_Chunks],
         choice: Choice,
         logprobs_renderer: LogprobsRenderer | None,
     ) -> Response:
@@ -394,54 +392,10 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-class _ChatChunks:
-    """``chat.completion.chunk`` events: for each choice a role delta, content deltas and
-    the finish."""
-
-    def __init__(
-        self, answer: _Answer, include_usage: bool, renderers: list[RenderLogprobs | None]
-    ) -> None:
-        self._header = answer.header()
-        self._include_usage = include_usage
-        self._renderers = renderers
-
-    def start(self) -> list[str]:
-        return [
-            self._chunk(index, {"role": "assistant", "content": ""})
-            for index in range(len(self._renderers))
-        ]
-
-    def render(self, index: int, delta: TextDelta) -> list[str]:
-        events = []
-        if delta.text or delta.token_ids:
-            render = self._renderers[index]
-            logprobs = None if render is None else render(delta.token_ids, delta.logprobs)
-            events.append(self._chunk(index, {"content": delta.text}, logprobs=logprobs))
-        if delta.finish_reason is not None:
-            events.append(self._chunk(index, {}, delta.finish_reason))
-        return events
-
-    def _chunk(
-        self,
-        index: int,
-        delta: dict[str, str],
-        finish_reason: str | None = None,
-        logprobs: Any = None,
-    ) -> str:
-        choice = {
-            "index": index,
-            "delta": delta,
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
-        data: dict[str, Any] = {**self._header, "choices": [choice]}
-        if self._include_usage:
-            data["usage"] = None  # as OpenAI does: only the usage chunk has usage
-        return event(data)
-
-
-class _CompletionChunks:
-    """``text_completion`` events: each choice's text deltas, then its finish."""
+class _Chunks:
+    """The events of one streamed answer: for each choice its content deltas, each with its
+    tokens' log-probabilities when asked for, then its finish. Subclasses give the
+    endpoint's shape of a choice's body."""
 
     def __init__(
         self, answer: _Answer, include_usage: bool, renderers: list[RenderLogprobs | None]
@@ -458,24 +412,45 @@ class _CompletionChunks:
         if delta.text or delta.token_ids:
             render = self._renderers[index]
             logprobs = None if render is None else render(delta.token_ids, delta.logprobs)
-            events.append(self._chunk(index, delta.text, logprobs=logprobs))
+            events.append(self._chunk(index, self._content(delta.text), logprobs=logprobs))
         if delta.finish_reason is not None:
-            events.append(self._chunk(index, "", delta.finish_reason))
+            events.append(self._chunk(index, self._content(None), delta.finish_reason))
         return events
 
+    def _content(self, text: str | None) -> dict[str, Any]:
+        """A choice's body holding ``text``, or the finish chunk's (None)."""
+        raise NotImplementedError
+
     def _chunk(
-        self, index: int, text: str, finish_reason: str | None = None, logprobs: Any = None
+        self,
+        index: int,
+        body: dict[str, Any],
+        finish_reason: str | None = None,
+        logprobs: Any = None,
     ) -> str:
-        choice = {
-            "index": index,
-            "text": text,
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
+        choice = {"index": index, **body, "logprobs": logprobs, "finish_reason": finish_reason}
         data: dict[str, Any] = {**self._header, "choices": [choice]}
         if self._include_usage:
-            data["usage"] = None
+            data["usage"] = None  # as OpenAI does: only the usage chunk has usage
         return event(data)
+
+
+class _ChatChunks(_Chunks):
+    """``chat.completion.chunk`` events: a role delta for each choice first."""
+
+    def start(self) -> list[str]:
+        role = {"delta": {"role": "assistant", "content": ""}}
+        return [self._chunk(index, role) for index in range(len(self._renderers))]
+
+    def _content(self, text: str | None) -> dict[str, Any]:
+        return {"delta": {} if text is None else {"content": text}}
+
+
+class _CompletionChunks(_Chunks):
+    """``text_completion`` events."""
+
+    def _content(self, text: str | None) -> dict[str, Any]:
+        return {"text": text or ""}
 
 
 async def _merged(
@@ -520,7 +495,7 @@ async def _merged(
 async def _event_stream(
     answer: _Answer,
     deltas: list[AsyncGenerator[TextDelta, None]],
-    chunks: _ChatChunks | _CompletionChunks,
+    chunks: _Chunks,
     body: GenerationBody,
 ) -> AsyncGenerator[str, None]:
     """The SSE body: the chunks of each delta, the usage chunk if asked, then [DONE].

@@ -11,22 +11,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenizers import Tokenizer
-
 from protocol import TokenLogprobs
-
-
-def token_text(tokenizer: Tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False)
+from server.served_model import ServedModel
 
 
 def chat_logprobs(
-    tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs]
+    model: ServedModel, token_ids: list[int], logprobs: list[TokenLogprobs]
 ) -> dict[str, Any]:
     """``choices[].logprobs`` of a chat completion or chunk: {"content": [...]}."""
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = token_text(tokenizer, token_id)
+        text = model.decode([token_id])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
     content = []
@@ -42,14 +37,14 @@ class CompletionLogprobs:
     """``choices[].logprobs`` of a completion or of its chunks, one after another: the
     character offsets run on from chunk to chunk."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tokenizer = tokenizer
+    def __init__(self, model: ServedModel) -> None:
+        self._model = model
         self._offset = 0
 
     def render(self, token_ids: list[int], logprobs: list[TokenLogprobs]) -> dict[str, Any]:
         tokens, offsets = [], []
         for token_id in token_ids:
-            text = token_text(self._tokenizer, token_id)
+            text = self._model.decode([token_id])
             tokens.append(text)
             offsets.append(self._offset)
             self._offset += len(text)
@@ -58,7 +53,7 @@ class CompletionLogprobs:
             "token_logprobs": [token.logprob for token in logprobs],
             "top_logprobs": [
                 {
-                    token_text(self._tokenizer, i): lp
+                    self._model.decode([i]): lp
                     for i, lp in zip(token.top_token_ids, token.top_logprobs, strict=True)
                 }
                 for token in logprobs
