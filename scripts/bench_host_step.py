@@ -30,7 +30,8 @@ def time_host_step(engine: LLMEngine, batch: int, context: int, steps: int) -> d
     for i in range(batch):
         sampling = SamplingParams(max_tokens=steps + 64, ignore_eos=True)
         engine.add_request(b"bench", str(i), [5] * context, sampling)
-    while any(r.num_cached_tokens == 0 for r in engine.requests.values()):
+    # Until every prompt is computed (a request has its first token), chunks and all.
+    while any(not r.output_token_ids for r in engine.requests.values()):
         engine.step()
     runner, scheduler = engine.runner, engine.scheduler
     next_tokens = [5] * batch

@@ -37,7 +37,8 @@ def start_requests(engine: LLMEngine, batch: int, context: int) -> None:
         prompt = torch.randint(0, engine.vocab_size, (context,), generator=generator).tolist()
         sampling = SamplingParams(max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
         engine.add_request(b"profile", f"{batch}-{i}", prompt, sampling)
-    while any(r.num_cached_tokens == 0 for r in engine.requests.values()):
+    # Until every prompt is computed (a request has its first token), chunks and all.
+    while any(not r.output_token_ids for r in engine.requests.values()):
         engine.step()
 
 

@@ -111,8 +111,9 @@ def _graph_and_eager_decode(
     assert engine.runner.decode_graphs is not None
     for i, prompt in enumerate(prompts):
         engine.add_request(b"gpu", f"graph{i}", prompt, SamplingParams(max_tokens=4))
-    while any(r.num_cached_tokens == 0 for r in engine.requests.values()):
-        engine.step()  # the prefills
+    # Until every prompt is computed (a request has its first token), chunks and all.
+    while any(not r.output_token_ids for r in engine.requests.values()):
+        engine.step()
     batch = engine.scheduler.schedule()
     input_ids, metadata, logits_index, _ = engine.runner._prepare_inputs(batch)
     assert metadata.max_query_len == 1 and len(batch) == len(prompts)
