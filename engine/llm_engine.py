@@ -181,10 +181,12 @@ class LLMEngine:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, f"duplicate request id {request_id}")
         if not prompt:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, "the prompt has no tokens")
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise RequestRejected(
-                ErrorCode.INVALID_REQUEST, f"token ids must be in [0, {self.vocab_size})"
-            )
+        # logit_bias ids index the logits: out of range they would fail the whole step.
+        for token_ids in (prompt, sampling.logit_bias_token_ids):
+            if token_ids and (min(token_ids) < 0 or max(token_ids) >= self.vocab_size):
+                raise RequestRejected(
+                    ErrorCode.INVALID_REQUEST, f"token ids must be in [0, {self.vocab_size})"
+                )
         total = len(prompt) + sampling.max_tokens
         if total > self.max_model_len:
             raise RequestRejected(

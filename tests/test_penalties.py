@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM as HFLlama
 
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.llm_engine import EngineConfig, LLMEngine, RequestRejected
 from protocol import SamplingParams, TokenLogprobs
 from tests.test_model_parity import VOCAB, hf_greedy, random_prompts, save_tiny_llama
 
@@ -82,3 +82,12 @@ def test_logit_bias_forces_and_bans_tokens(tiny: tuple[Path, HFLlama]) -> None:
     assert len(tokens["banned"]) == 8 and not set(tokens["banned"]) & set(plain)
     # Log-probabilities stay the raw model's, unbiased.
     assert len(logprobs) == 8 and all(lp.logprob > -20 for lp in logprobs)
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused(tiny: tuple[Path, HFLlama]) -> None:
+    directory, _ = tiny
+    engine = LLMEngine(EngineConfig(model=str(directory), device="cpu", kv_cache_memory_gb=0.01))
+    sampling = SamplingParams(logit_bias_token_ids=[VOCAB], logit_bias_values=[1.0])
+    with pytest.raises(RequestRejected, match=r"token ids must be in \[0, 256\)"):
+        engine.add_request(b"t", "r", [1, 2, 3], sampling)
+    assert not engine.has_work  # nothing was queued
