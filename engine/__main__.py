@@ -67,6 +67,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="reuse the KV cache of prompts' common prefixes (default: on)",
     )
     parser.add_argument(
+        "--overlap-steps",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="launch each step before reading the last one's tokens, hiding the host's "
+        "work behind the device's (default: on for CUDA, off on CPU)",
+    )
+    parser.add_argument(
         "--stats-interval",
         type=float,
         default=10.0,
@@ -100,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
             enforce_eager=args.enforce_eager,
             enable_prefix_caching=args.enable_prefix_caching,
             served_model_name=args.served_model_name,
+            overlap_steps=args.overlap_steps,
         )
     )
     service = EngineService(engine, args.address, args.stats_interval)

@@ -77,10 +77,11 @@ class BlockManager:
         return True
 
     def cache_computed_blocks(self, request: Request) -> None:
-        """Key the blocks that the last step filled with computed tokens."""
+        """Key the blocks that the last step filled with computed tokens. Only tokens the host
+        has read name a block: one still pending is keyed by a later call."""
         if not self.prefix_caching:
             return
-        full = request.num_cached_tokens // self.block_size
+        full = min(request.num_cached_tokens, request.num_known_tokens) // self.block_size
         while request.num_keyed_blocks < full:
             key = self._key(request.parent_key, request, request.num_keyed_blocks)
             # Two requests may compute the same block in one step: the first keeps the key.

@@ -16,7 +16,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.checkpoint import load_checkpoint
-from engine.model_runner import CacheConfig, ModelRunner, SampledTokens, resolve_dtype
+from engine.model_runner import CacheConfig, LaunchedStep, ModelRunner, resolve_dtype
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 from protocol import (
@@ -48,6 +48,10 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: run decode steps op by op, without CUDA graphs
     enable_prefix_caching: bool = True  # reuse the cache of prompts' common prefixes
     served_model_name: str | None = None  # the name clients use; default: the checkpoint's
+    # Launch each step before reading the last one's tokens, so the host's work overlaps the
+    # device's. None: on for CUDA; off on CPU, whose ops run as they are called (it would
+    # only delay each token by a step).
+    overlap_steps: bool | None = None
 
 
 class RequestRejected(Exception):
@@ -104,6 +108,10 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
         self.requests: dict[tuple[bytes, str], Request] = {}
+        self.overlap_steps = (
+            config.overlap_steps if config.overlap_steps is not None else self.device.type == "cuda"
+        )
+        self.in_flight: LaunchedStep | None = None  # launched, results not yet read
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.num_finished = 0
         self.num_generated_tokens = 0  # sampled, one per request per step
@@ -136,7 +144,7 @@ class LLMEngine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self.in_flight is not None
 
     def handshake_reply(self) -> HandshakeReply:
         return HandshakeReply(
@@ -214,27 +222,45 @@ class LLMEngine:
         return len(mine)
 
     def step(self) -> list[tuple[bytes, RequestOutput]]:
-        """One forward pass over the scheduled batch; the outputs, each with its client."""
+        """Launch the next forward pass and read a step's results: with overlapped steps, those
+        of the step launched before it, which ran on the device while this one was scheduled
+        and packed. The outputs, each with its client."""
         batch = self.scheduler.schedule()
-        if not batch:
-            return []
-        return self.process_step(batch, self.runner.step(batch))
+        outputs = []
+        if self.in_flight is not None and any(_needs_read_history(r) for r in batch):
+            # Penalties count the tokens generated so far: read the pending ones first.
+            outputs = self.sync()
+            batch = [r for r in batch if r.status is not RequestStatus.FINISHED]
+        launched = self.runner.launch(batch) if batch else None
+        if not self.overlap_steps:
+            return self._read_results(launched) if launched else []
+        outputs += self.sync()
+        self.in_flight = launched
+        return outputs
 
-    def process_step(
-        self, batch: list[Request], sampled: SampledTokens
-    ) -> list[tuple[bytes, RequestOutput]]:
+    def sync(self) -> list[tuple[bytes, RequestOutput]]:
+        """Read the step in flight, if any: after it every sampled token is in host memory."""
+        step, self.in_flight = self.in_flight, None
+        return self._read_results(step) if step is not None else []
+
+    def _read_results(self, step: LaunchedStep) -> list[tuple[bytes, RequestOutput]]:
         """Take in a step's results: key the newly computed cache blocks, append each sampled
-        token, finish the requests that are done."""
-        for request in batch:
-            self.block_manager.cache_computed_blocks(request)  # before a finish frees them
-        self.num_generated_tokens += len(sampled.requests)
+        token, finish the requests that are done. Requests finished or aborted since the
+        step was launched are skipped: their rows were computed for nothing."""
+        sampled = step.result()
+        for request in step.batch:
+            if request.status is not RequestStatus.FINISHED:  # before a finish frees them
+                self.block_manager.cache_computed_blocks(request)
         logprobs = sampled.logprobs or [None] * len(sampled.requests)
-        return [
-            (request.client, self._append_token(request, token, token_logprobs))
-            for request, token, token_logprobs in zip(
-                sampled.requests, sampled.token_ids, logprobs, strict=True
-            )
-        ]
+        outputs = []
+        for request, token, token_logprobs in zip(
+            sampled.requests, sampled.token_ids, logprobs, strict=True
+        ):
+            if request.status is not RequestStatus.FINISHED:
+                request.num_pending_tokens -= 1
+                self.num_generated_tokens += 1
+                outputs.append((request.client, self._append_token(request, token, token_logprobs)))
+        return outputs
 
     def _append_token(
         self, request: Request, token: int, logprobs: TokenLogprobs | None
@@ -281,3 +307,10 @@ class LLMEngine:
             num_output_tokens=len(request.output_token_ids),
             logprobs=logprobs,
         )
+
+
+def _needs_read_history(request: Request) -> bool:
+    """Whether sampling the request's next token needs every earlier one in host memory."""
+    return request.num_pending_tokens > 0 and bool(
+        request.sampling.presence_penalty or request.sampling.frequency_penalty
+    )

@@ -34,6 +34,31 @@ class SampledTokens:
 
 
 @dataclass
+class LaunchedStep:
+    """A step whose work is queued on the device; its results reach host memory by an
+    asynchronous copy that ``copied`` marks done (None: the copy was synchronous)."""
+
+    batch: list[Request]
+    rows: list[Request]  # the sampled ones, in the order of the results
+    host_results: list[torch.Tensor]  # token ids [B]; with logprobs, also values and ids
+    logprobs_asked: list[int | None] | None  # per row; None when no row asked
+    copied: torch.cuda.Event | None
+
+    def result(self) -> SampledTokens:
+        """Wait for the results and read them: the step's one synchronization."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        if self.logprobs_asked is None:
+            return SampledTokens(self.rows, self.host_results[0].tolist(), None)
+        _, values, ids = (t.tolist() for t in self.host_results)
+        logprobs = [
+            None if k is None else TokenLogprobs(row[0], row_ids[1 : k + 1], row[1 : k + 1])
+            for k, row, row_ids in zip(self.logprobs_asked, values, ids, strict=True)
+        ]
+        return SampledTokens(self.rows, [row_ids[0] for row_ids in ids], logprobs)
+
+
+@dataclass
 class CacheConfig:
     block_size: int
     num_blocks: int
@@ -86,6 +111,7 @@ class ModelRunner:
         self.block_size = 0
         self.max_model_len = max_model_len
         self.decode_graphs: DecodeGraphs | None = None
+        self._last_sampled = torch.empty(0, dtype=torch.int64, device=device)
 
     def kv_bytes_per_token(self) -> int:
         c = self.config
@@ -155,9 +181,11 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(self.model, max_batch, max_blocks, self.device)
 
     @torch.inference_mode()
-    def step(self, batch: list[Request]) -> SampledTokens:
-        """Run one forward pass over ``batch``: each request's next token, and its
-        log-probabilities where the request asked for them."""
+    def launch(self, batch: list[Request]) -> LaunchedStep:
+        """Queue one forward pass over ``batch`` and the sampling of each complete row's next
+        token (and its log-probabilities where asked), without waiting for the device. The
+        sampled tokens count as pending in their requests until the host reads them, and the
+        next step may take them as its inputs on the device."""
         input_ids, metadata, logits_index, rows = self._prepare_inputs(batch)
         graphs = self.decode_graphs
         if (
@@ -169,31 +197,33 @@ class ModelRunner:
             logits = graphs.run(input_ids, metadata)
         else:
             logits = self.model(input_ids, metadata, logits_index)
-        if not rows:
-            return SampledTokens([], [], None)  # only prompt chunks: nothing to sample yet
+        if not rows:  # only prompt chunks: nothing to sample yet
+            return LaunchedStep(batch, [], [torch.empty(0, dtype=torch.int64)], None, None)
         next_tokens = sample(logits, self._prepare_sampling(rows))
+        self._last_sampled = next_tokens
+        for row, request in enumerate(rows):
+            request.num_pending_tokens += 1
+            request.pending_row = row
         asked = [r.sampling.logprobs for r in rows]
         if all(k is None for k in asked):
-            # The step's one synchronization.
-            return SampledTokens(rows, next_tokens.tolist(), None)
-        return self._with_logprobs(rows, logits, next_tokens, asked)
-
-    def _with_logprobs(
-        self,
-        rows: list[Request],
-        logits: torch.Tensor,
-        next_tokens: torch.Tensor,
-        asked: list[int | None],
-    ) -> SampledTokens:
+            return LaunchedStep(batch, rows, *self._copy_to_host([next_tokens]), None)
         num_top = max(k for k in asked if k is not None)
         chosen, top_logprobs, top_ids = token_logprobs(logits, next_tokens, num_top)
-        values = torch.cat([chosen.unsqueeze(1), top_logprobs], dim=1).tolist()
-        ids = torch.cat([next_tokens.unsqueeze(1), top_ids], dim=1).tolist()
-        logprobs = [
-            None if k is None else TokenLogprobs(row[0], row_ids[1 : k + 1], row[1 : k + 1])
-            for k, row, row_ids in zip(asked, values, ids, strict=True)
-        ]
-        return SampledTokens(rows, [row_ids[0] for row_ids in ids], logprobs)
+        values = torch.cat([chosen.unsqueeze(1), top_logprobs], dim=1)
+        ids = torch.cat([next_tokens.unsqueeze(1), top_ids], dim=1)
+        host_results, copied = self._copy_to_host([next_tokens, values, ids])
+        return LaunchedStep(batch, rows, host_results, asked, copied)
+
+    def _copy_to_host(
+        self, tensors: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+        """Start copying ``tensors`` into (pinned) host memory; the event marks them there."""
+        if self.device.type != "cuda":
+            return tensors, None
+        host = [t.to("cpu", non_blocking=True) for t in tensors]
+        copied = torch.cuda.Event()
+        copied.record()
+        return host, copied
 
     def _prepare_inputs(
         self, batch: list[Request]
@@ -230,6 +260,12 @@ class ModelRunner:
             + positions % self.block_size
         )
         logits_index = (query_ends - 1)[completes]
+        # Decodes whose input is a token the step in flight sampled: where it goes in the
+        # packed batch, and where it is in that step's sampled tokens.
+        source_rows = np.fromiter(
+            (r.pending_row if r.num_pending_tokens else -1 for r in batch), np.int64, seqs
+        )
+        pending = source_rows >= 0
         host = np.concatenate(
             [
                 token_ids,
@@ -241,9 +277,16 @@ class ModelRunner:
                 query_starts,
                 block_tables.ravel(),
                 logits_index,
+                query_starts[pending],
+                source_rows[pending],
             ]
         )
-        device = torch.from_numpy(host).to(self.device, non_blocking=True)
+        # Pinned, so the copy is asynchronous: the device may still be running the last step.
+        host_t = torch.from_numpy(host)
+        if self.device.type == "cuda":
+            host_t = host_t.pin_memory()
+        device = host_t.to(self.device, non_blocking=True)
+        num_pending = int(pending.sum())
         sizes = [num_tokens] * 4 + [seqs] * 3 + [block_tables.size, logits_index.size]
         (
             input_ids,
@@ -255,7 +298,11 @@ class ModelRunner:
             query_starts_t,
             tables,
             logits_index_t,
-        ) = device.split(sizes)
+            pending_index,
+            pending_source,
+        ) = device.split([*sizes, num_pending, num_pending])
+        if num_pending:
+            input_ids.index_copy_(0, pending_index, self._last_sampled[pending_source])
         metadata = AttentionMetadata(
             positions=positions_t,
             slot_mapping=slot_mapping_t,
@@ -284,10 +331,7 @@ class ModelRunner:
             dtype=torch.float32,
         ).to(self.device, non_blocking=True)
         ints = torch.tensor(
-            [
-                (p.top_k, r.seed, len(r.output_token_ids))
-                for p, r in zip(params, batch, strict=True)
-            ],
+            [(p.top_k, r.seed, r.num_output_tokens) for p, r in zip(params, batch, strict=True)],
             dtype=torch.int64,
         ).to(self.device, non_blocking=True)
         penalties = None

@@ -27,6 +27,11 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # tokens whose K/V are in the cache
     num_scheduled_tokens: int = 0  # tokens the current step computes, from num_cached_tokens
+    # Tokens sampled by a step still in flight (overlapped steps), not yet read by the host:
+    # they count in num_tokens but are not in output_token_ids. pending_row is the newest
+    # one's row in that step's sampled tokens, where the next step's input is taken from.
+    num_pending_tokens: int = 0
+    pending_row: int = -1
     num_keyed_blocks: int = 0  # leading blocks keyed for prefix caching (BlockManager)
     parent_key: int = 0  # hash of the last keyed block's key
     status: RequestStatus = RequestStatus.WAITING
@@ -36,8 +41,23 @@ class Request:
         return (self.client, self.request_id)
 
     @property
-    def num_tokens(self) -> int:
+    def num_known_tokens(self) -> int:
+        """Prompt and output tokens the host has read."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_known_tokens + self.num_pending_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def has_all_tokens(self) -> bool:
+        """Every token it may generate is sampled (the last maybe still on the device): it
+        finishes when the host reads that token, with nothing left to compute."""
+        return self.num_output_tokens >= self.sampling.max_tokens
 
     def token_ids_between(self, start: int, end: int) -> list[int]:
         """Tokens at positions [start, end)."""
@@ -49,6 +69,8 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
 
     def scheduled_token_ids(self) -> list[int]:
-        """The tokens the current step computes."""
+        """The tokens the current step computes. A pending token (a decode's input, still on
+        the device) reads as 0: the runner fills it in on the device."""
         start = self.num_cached_tokens
-        return self.token_ids_between(start, start + self.num_scheduled_tokens)
+        known = self.token_ids_between(start, start + self.num_scheduled_tokens)
+        return known + [0] * (self.num_scheduled_tokens - len(known))

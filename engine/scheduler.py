@@ -46,6 +46,8 @@ class Scheduler:
         batch: list[Request] = []
         prefilling: list[Request] = []
         for request in self.running:
+            if request.has_all_tokens:
+                continue
             if request.num_tokens - request.num_cached_tokens > 1:
                 prefilling.append(request)
             elif budget:
@@ -73,6 +75,9 @@ class Scheduler:
         queue = deque(self.running)
         while queue:
             request = queue.popleft()
+            if request.has_all_tokens:  # finishes when its last token is read: no block
+                kept.append(request)
+                continue
             # Oldest first: the newest requests give their blocks up to the older ones.
             while not (fits := self.block_manager.can_grow(request)) and queue:
                 self._preempt(queue.pop())
@@ -84,6 +89,8 @@ class Scheduler:
         return kept
 
     def _admit_waiting(self, batch: list[Request], budget: int) -> None:
+        # A waiting request has no pending token: one preempted with a token in flight was
+        # preempted in this call, which admits no one, and the token is read before the next.
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if not self.block_manager.admit(request):

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.model_runner import SampledTokens
+from engine.model_runner import LaunchedStep
 from protocol import SamplingParams
 
 
@@ -33,8 +33,9 @@ def time_host_step(engine: LLMEngine, batch: int, context: int, steps: int) -> d
     # Until every prompt is computed (a request has its first token), chunks and all.
     while any(not r.output_token_ids for r in engine.requests.values()):
         engine.step()
+    engine.sync()  # no step left in flight
     runner, scheduler = engine.runner, engine.scheduler
-    next_tokens = [5] * batch
+    next_tokens = torch.full((batch,), 5)
     parts = dict.fromkeys(["schedule", "pack inputs", "sampling params", "process tokens"], 0.0)
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -44,7 +45,9 @@ def time_host_step(engine: LLMEngine, batch: int, context: int, steps: int) -> d
         t2 = time.perf_counter()
         runner._prepare_sampling(requests)
         t3 = time.perf_counter()
-        engine.process_step(requests, SampledTokens(requests, next_tokens, None))
+        for request in requests:  # as launch() leaves them
+            request.num_pending_tokens += 1
+        engine._read_results(LaunchedStep(requests, requests, [next_tokens], None, None))
         t4 = time.perf_counter()
         for name, seconds in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
             parts[name] += seconds

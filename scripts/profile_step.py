@@ -41,6 +41,7 @@ def start_requests(engine: LLMEngine, batch: int, context: int) -> None:
     # Until every prompt is computed (a request has its first token), chunks and all.
     while any(not r.output_token_ids for r in engine.requests.values()):
         engine.step()
+    engine.sync()  # no step left in flight
 
 
 def profile_batch(engine: LLMEngine, batch: int, context: int, steps: int, top: int) -> None:

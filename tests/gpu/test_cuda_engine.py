@@ -114,6 +114,7 @@ def _graph_and_eager_decode(
     # Until every prompt is computed (a request has its first token), chunks and all.
     while any(not r.output_token_ids for r in engine.requests.values()):
         engine.step()
+    engine.sync()  # no step left in flight
     batch = engine.scheduler.schedule()
     input_ids, metadata, logits_index, _ = engine.runner._prepare_inputs(batch)
     assert metadata.max_query_len == 1 and len(batch) == len(prompts)

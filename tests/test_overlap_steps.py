@@ -1,0 +1,138 @@
+"""Overlapped steps (each step launched before the last one's tokens are read, as on CUDA),
+run on the CPU: the same tokens, stops, log-probabilities and freed blocks as one step at a
+time, through chunked prefill, prefix caching, preemption, penalties and aborts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import LlamaForCausalLM as HFLlama
+
+from engine.llm_engine import EngineConfig, LLMEngine
+from protocol import FinishReason, RequestOutput, SamplingParams
+from tests.test_model_parity import hf_greedy, random_prompts, run_engine, save_tiny_llama
+from tests.test_penalties import penalized_greedy
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, HFLlama]:
+    directory = tmp_path_factory.mktemp("tiny")
+    model = save_tiny_llama(directory, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    return directory, model
+
+
+def make_engine(directory: Path, overlap: bool = True, **overrides: int) -> LLMEngine:
+    settings = {"block_size": 4, "kv_cache_memory_gb": 0.01, **overrides}
+    return LLMEngine(
+        EngineConfig(model=str(directory), device="cpu", overlap_steps=overlap, **settings)
+    )
+
+
+def generate(
+    engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
+) -> dict[str, list[RequestOutput]]:
+    for request_id, (prompt, sampling) in requests.items():
+        engine.add_request(b"t", request_id, prompt, sampling)
+    outputs: dict[str, list[RequestOutput]] = {request_id: [] for request_id in requests}
+    while engine.has_work:
+        for _, output in engine.step():
+            outputs[output.request_id].append(output)
+    return outputs
+
+
+def tokens(outputs: list[RequestOutput]) -> list[int]:
+    return [t for output in outputs for t in output.new_token_ids]
+
+
+def assert_all_blocks_free(engine: LLMEngine) -> None:
+    assert engine.in_flight is None and not engine.requests
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_greedy_tokens_match_transformers_with_chunks_and_cached_prefixes(
+    tiny: tuple[Path, HFLlama],
+) -> None:
+    directory, hf_model = tiny
+    engine = make_engine(directory, max_num_seqs=8, max_num_batched_tokens=8)
+    prompts = random_prompts(6)
+    # Then prompts that start with one of the first ones, whose blocks are cached by then.
+    followups = [prompts[4][:40] + p for p in random_prompts(2, seed=3)]
+    for batch in (prompts, followups):
+        assert run_engine(engine, batch, max_tokens=12) == [
+            hf_greedy(hf_model, p, 12) for p in batch
+        ]
+    assert engine.block_manager.num_hit_tokens > 0
+    assert_all_blocks_free(engine)
+
+
+def test_preemption_keeps_outputs_exact(tiny: tuple[Path, HFLlama]) -> None:
+    directory, hf_model = tiny
+    engine = make_engine(directory, num_kv_blocks=40, max_model_len=160)
+    prompts = random_prompts(8)
+    assert run_engine(engine, prompts, max_tokens=24) == [
+        hf_greedy(hf_model, p, 24) for p in prompts
+    ]
+    assert engine.scheduler.num_preemptions > 0
+    assert_all_blocks_free(engine)
+
+
+def test_a_stop_token_ends_the_request_as_without_overlap(tiny: tuple[Path, HFLlama]) -> None:
+    """The step after the stop is already launched when the stop is read: its token is
+    dropped, and the request's blocks are freed once."""
+    directory, hf_model = tiny
+    prompt = random_prompts(4)[3]
+    greedy = hf_greedy(hf_model, prompt, 8)
+    sampling = SamplingParams(max_tokens=8, stop_token_ids=[greedy[4]])
+    requests = {"stops": (prompt, sampling), "runs": (random_prompts(3)[2], SamplingParams())}
+    overlapped = generate(make_engine(directory), requests)
+    one_at_a_time = generate(make_engine(directory, overlap=False), requests)
+    assert overlapped == one_at_a_time
+    assert tokens(overlapped["stops"]) == greedy[: greedy.index(greedy[4])]
+    assert overlapped["stops"][-1].finish_reason == FinishReason.STOP
+
+
+def test_penalties_logprobs_and_seeded_sampling_as_without_overlap(
+    tiny: tuple[Path, HFLlama],
+) -> None:
+    directory, hf_model = tiny
+    prompts = random_prompts(5)[2:]
+    requests = {
+        "penalized": (
+            prompts[0],
+            SamplingParams(
+                max_tokens=16, ignore_eos=True, presence_penalty=0.5, frequency_penalty=1
+            ),
+        ),
+        "logprobs": (prompts[1], SamplingParams(max_tokens=16, ignore_eos=True, logprobs=3)),
+        "sampled": (
+            prompts[2],
+            SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, top_p=0.9, seed=7),
+        ),
+    }
+    engine = make_engine(directory)
+    overlapped = generate(engine, requests)
+    assert overlapped == generate(make_engine(directory, overlap=False), requests)
+    assert tokens(overlapped["penalized"]) == penalized_greedy(hf_model, prompts[0], 16, 0.5, 1)
+    assert_all_blocks_free(engine)
+
+
+def test_abort_with_a_step_in_flight(tiny: tuple[Path, HFLlama]) -> None:
+    directory, hf_model = tiny
+    engine = make_engine(directory)
+    prompts = random_prompts(4)[2:]
+    sampling = SamplingParams(max_tokens=10, ignore_eos=True)
+    engine.add_request(b"t", "aborted", prompts[0], sampling)
+    engine.add_request(b"t", "kept", prompts[1], sampling)
+    kept: list[int] = []
+    for _ in range(3):
+        kept += [t for _, o in engine.step() if o.request_id == "kept" for t in o.new_token_ids]
+    assert engine.in_flight is not None
+    final = engine.abort(b"t", "aborted")
+    assert final is not None and final.finish_reason == FinishReason.ABORT
+    while engine.has_work:
+        for _, output in engine.step():
+            assert output.request_id == "kept"
+            kept += output.new_token_ids
+    assert kept == hf_greedy(hf_model, prompts[1], 10)
+    assert_all_blocks_free(engine)
