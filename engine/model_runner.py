@@ -205,14 +205,15 @@ class ModelRunner:
             request.num_pending_tokens += 1
             request.pending_row = row
         asked = [r.sampling.logprobs for r in rows]
-        if all(k is None for k in asked):
-            return LaunchedStep(batch, rows, *self._copy_to_host([next_tokens]), None)
-        num_top = max(k for k in asked if k is not None)
-        chosen, top_logprobs, top_ids = token_logprobs(logits, next_tokens, num_top)
-        values = torch.cat([chosen.unsqueeze(1), top_logprobs], dim=1)
-        ids = torch.cat([next_tokens.unsqueeze(1), top_ids], dim=1)
-        host_results, copied = self._copy_to_host([next_tokens, values, ids])
-        return LaunchedStep(batch, rows, host_results, asked, copied)
+        results = [next_tokens]
+        if any(k is not None for k in asked):
+            num_top = max(k for k in asked if k is not None)
+            chosen, top_logprobs, top_ids = token_logprobs(logits, next_tokens, num_top)
+            results.append(torch.cat([chosen.unsqueeze(1), top_logprobs], dim=1))
+            results.append(torch.cat([next_tokens.unsqueeze(1), top_ids], dim=1))
+        host_results, copied = self._copy_to_host(results)
+        logprobs_asked = asked if len(results) > 1 else None
+        return LaunchedStep(batch, rows, host_results, logprobs_asked, copied)
 
     def _copy_to_host(
         self, tensors: list[torch.Tensor]
