@@ -6,13 +6,16 @@ For each batch size, BATCH requests of CONTEXT random prompt tokens are prefille
 decode steps run through the engine as in serving (scheduler, input packing, CUDA-graph
 replay, sampling, the one read-back). Prints, per step: the wall time (unprofiled), the
 device's kernel time (from torch.profiler, over as many more steps), the difference
-(host work and launch gaps the GPU waits through), and the kernels that take the most
-device time. On CPU only host times exist.
+(host work and launch gaps the GPU waits through), the kernels that take the most
+device time, and the host functions that take the most time under cProfile. On CPU only
+host times exist.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -60,6 +63,10 @@ def profile_batch(engine: LLMEngine, batch: int, context: int, steps: int, top: 
     with profile(activities=activities) as profiler:
         for _ in range(steps):
             engine.step()
+    host_profile = cProfile.Profile()
+    with host_profile:
+        for _ in range(steps):
+            engine.step()
     for request in list(engine.requests.values()):
         engine.abort(request.client, request.request_id)
 
@@ -82,6 +89,18 @@ def profile_batch(engine: LLMEngine, batch: int, context: int, steps: int, top: 
             f"  {getattr(event, key) / 1e3 / steps:11.4f}  {event.count // steps:6d}  "
             f"{event.key[:90]}"
         )
+    print_host_functions(host_profile, steps, top)
+
+
+def print_host_functions(host_profile: cProfile.Profile, steps: int, top: int) -> None:
+    """The host's own time per step by function (cProfile's, which inflates it)."""
+    stats = pstats.Stats(host_profile).stats  # (file, line, name) -> (cc, calls, tottime, ...)
+    total_ms = sum(row[2] for row in stats.values()) * 1e3 / steps
+    print(f"  host time per step under cProfile: {total_ms:.3f} ms; functions by own time:")
+    rows = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:top]
+    for (file, line, name), (_, calls, own_s, *_) in rows:
+        where = f"{Path(file).name}:{line}({name})" if line else name
+        print(f"  {own_s * 1e3 / steps:11.4f}  {calls // steps:6d}  {where[:90]}")
 
 
 def main() -> None:
