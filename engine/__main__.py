@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s engine %(name)s: %(message)s",
     )
-    from engine.llm_engine import EngineConfig, LLMEngine, freeze_startup_objects
+    from engine.llm_engine import EngineConfig, LLMEngine
     from engine.service import EngineService
 
     engine = LLMEngine(
@@ -110,7 +110,6 @@ def main(argv: list[str] | None = None) -> None:
             overlap_steps=args.overlap_steps,
         )
     )
-    freeze_startup_objects()
     service = EngineService(engine, args.address, args.stats_interval)
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: service.stop_event.set())

@@ -6,8 +6,6 @@ directly in-process.
 
 from __future__ import annotations
 
-import atexit
-import gc
 import logging
 import os
 import random
@@ -316,16 +314,3 @@ def _needs_read_history(request: Request) -> bool:
     return request.num_pending_tokens > 0 and bool(
         request.sampling.presence_penalty or request.sampling.frequency_penalty
     )
-
-
-def freeze_startup_objects() -> None:
-    """Move every object alive now (libraries, model, tokenizer: they live as long as the
-    process) out of the garbage collector's scans. A step allocates thousands of small
-    objects, and the collections they trigger would otherwise walk the whole heap too; on an
-    H200 at batch 256 that doubled the host's time per step, past the device's. Call once,
-    after start-up."""
-    gc.collect()
-    gc.freeze()
-    # At exit they are ordinary garbage again, freed before the extension modules that own
-    # some of them go (nanobind reports what outlives its module as leaked).
-    atexit.register(gc.unfreeze)

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.llm_engine import EngineConfig, LLMEngine, freeze_startup_objects
+from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model_runner import LaunchedStep
 from protocol import SamplingParams
 
@@ -81,7 +81,6 @@ def main() -> None:
             kv_cache_memory_gb=1,
         )
     )
-    freeze_startup_objects()
     rows = [(batch, time_host_step(engine, batch, args.context, args.steps)) for batch in batches]
     names = list(rows[0][1])
     print(f"\nhost ms per decode step, context {args.context}")

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.llm_engine import EngineConfig, LLMEngine, freeze_startup_objects
+from engine.llm_engine import EngineConfig, LLMEngine
 from protocol import SamplingParams
 
 
@@ -121,7 +121,6 @@ def main() -> None:
             enforce_eager=args.enforce_eager,
         )
     )
-    freeze_startup_objects()
     requests = workload(args.num_requests, engine.vocab_size, args.min_len, args.max_len)
     rows = [("tandem", *bench_engine(engine, requests))]
     if args.peer:

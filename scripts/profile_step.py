@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.llm_engine import EngineConfig, LLMEngine, freeze_startup_objects
+from engine.llm_engine import EngineConfig, LLMEngine
 from protocol import SamplingParams
 
 # New tokens a request may make: more than prefilling the whole batch and the profiled
@@ -125,7 +125,6 @@ def main() -> None:
             enforce_eager=args.enforce_eager,
         )
     )
-    freeze_startup_objects()
     for batch in batches:
         profile_batch(engine, batch, args.context, args.steps, args.top)
 
