@@ -49,7 +49,7 @@ def start_requests(engine: LLMEngine, batch: int, context: int) -> None:
 
 def profile_batch(engine: LLMEngine, batch: int, context: int, steps: int, top: int) -> None:
     start_requests(engine, batch, context)
-    for _ in range(3):  # warm-up decodes
+    for _ in range(steps):  # warm-up decodes: the first few after the prefills run slow
         engine.step()
     activities = [ProfilerActivity.CPU]
     cuda = engine.device.type == "cuda"
