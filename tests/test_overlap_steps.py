@@ -11,6 +11,7 @@ from transformers import LlamaForCausalLM as HFLlama
 
 from engine.llm_engine import EngineConfig, LLMEngine
 from protocol import FinishReason, RequestOutput, SamplingParams
+from tests.test_logprobs import generate
 from tests.test_model_parity import hf_greedy, random_prompts, run_engine, save_tiny_llama
 from tests.test_penalties import penalized_greedy
 
@@ -27,18 +28,6 @@ def make_engine(directory: Path, overlap: bool = True, **overrides: int) -> LLME
     return LLMEngine(
         EngineConfig(model=str(directory), device="cpu", overlap_steps=overlap, **settings)
     )
-
-
-def generate(
-    engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
-) -> dict[str, list[RequestOutput]]:
-    for request_id, (prompt, sampling) in requests.items():
-        engine.add_request(b"t", request_id, prompt, sampling)
-    outputs: dict[str, list[RequestOutput]] = {request_id: [] for request_id in requests}
-    while engine.has_work:
-        for _, output in engine.step():
-            outputs[output.request_id].append(output)
-    return outputs
 
 
 def tokens(outputs: list[RequestOutput]) -> list[int]:
