@@ -3,6 +3,8 @@
 #
 #   scripts/gpu_session.sh tests|bench-1b|bench-8b|bench-qwen3|profile-1b|profile-8b ...
 #
+# PEERS=0 leaves out transformers' runs (minutes of device time each); PYTEST_K filters tests.
+#
 # Expects the wheels the GPU image lacks in .whl/ (shared/tools/device-wheels.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +16,9 @@ if [ -d .whl ]; then
   export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONUNBUFFERED=1
+peer() {  # the peer flags of a benchmark, unless PEERS=0
+  [ "${PEERS:-1}" = 0 ] || echo "--peer $*"
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
 
@@ -31,15 +36,15 @@ for stage in "$@"; do
         -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$out/tests.log" | grep -vE '^\s*$' | tail -40 ;;
     bench-1b)
       m=$(checkpoint llama-3.2-1b)
-      timeout 300 python3 scripts/bench_offline.py --model "$m" --peer --peer-requests 64 2>&1 | tee "$out/offline-1b.log" | tail -5
-      timeout 300 python3 scripts/bench_latency.py --model "$m" --peer 2>&1 | tee "$out/latency-1b.log" | tail -6 ;;
+      timeout 300 python3 scripts/bench_offline.py --model "$m" $(peer --peer-requests 64) 2>&1 | tee "$out/offline-1b.log" | tail -5
+      timeout 300 python3 scripts/bench_latency.py --model "$m" $(peer) 2>&1 | tee "$out/latency-1b.log" | tail -6 ;;
     bench-8b)
       m=$(checkpoint llama-3.1-8b)
-      timeout 300 python3 scripts/bench_latency.py --model "$m" --peer 2>&1 | tee "$out/latency-8b.log" | tail -6
-      timeout 300 python3 scripts/bench_offline.py --model "$m" --peer --peer-requests 64 2>&1 | tee "$out/offline-8b.log" | tail -5 ;;
+      timeout 300 python3 scripts/bench_latency.py --model "$m" $(peer) 2>&1 | tee "$out/latency-8b.log" | tail -6
+      timeout 300 python3 scripts/bench_offline.py --model "$m" $(peer --peer-requests 64) 2>&1 | tee "$out/offline-8b.log" | tail -5 ;;
     bench-qwen3)
       m=$(checkpoint qwen3-0.6b)
-      timeout 300 python3 scripts/bench_offline.py --model "$m" --peer --peer-requests 128 2>&1 | tee "$out/offline-qwen3.log" | tail -5 ;;
+      timeout 300 python3 scripts/bench_offline.py --model "$m" $(peer --peer-requests 128) 2>&1 | tee "$out/offline-qwen3.log" | tail -5 ;;
     profile-1b)
       m=$(checkpoint llama-3.2-1b)
       timeout 300 python3 scripts/profile_step.py --model "$m" 2>&1 | tee "$out/profile-1b.log" | grep -v USDT ;;
