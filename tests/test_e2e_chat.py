@@ -264,12 +264,12 @@ def test_several_choices_streamed_and_not(cluster: Cluster) -> None:
             streamed[choice.index] += choice.delta.content or ""
     assert streamed == texts
     # The first choice is the one a single request with the same seed gets.
-    assert client.chat.completions.create(**request).choices[0].message.content == texts[0]
     one = client.chat.completions.create(**request)
+    assert one.choices[0].message.content == texts[0]
     assert plain.usage.prompt_tokens == one.usage.prompt_tokens
+    others = [client.chat.completions.create(**{**request, "seed": 11 + i}) for i in (1, 2)]
     assert plain.usage.completion_tokens == sum(
-        client.chat.completions.create(**{**request, "seed": 11 + i}).usage.completion_tokens
-        for i in range(3)
+        reply.usage.completion_tokens for reply in [one, *others]
     )
 
 
