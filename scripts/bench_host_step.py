@@ -68,7 +68,7 @@ def main() -> None:
     batches = args.batch or [1, 256]
     torch.set_num_threads(1)  # the host path is single-threaded Python
     if args.model is None:
-        from tests.test_model_parity import save_tiny_llama
+        from tests.random_checkpoint import save_tiny_llama
 
         args.model = tempfile.mkdtemp(prefix="tandem-tiny-llama-")
         save_tiny_llama(Path(args.model), num_attention_heads=4, num_key_value_heads=2, head_dim=16)

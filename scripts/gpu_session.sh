@@ -32,7 +32,7 @@ for stage in "$@"; do
   echo "=== $stage $(date -u +%FT%TZ)"
   case $stage in
     tests)
-      python3 -m pytest -q -rs -s tests/gpu tests/test_kernels.py tests/test_model_parity.py \
+      python3 -m pytest -q -rs -s tests/gpu tests/engine/test_kernels.py tests/engine/test_model_parity.py \
         -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$out/tests.log" | grep -vE '^\s*$' | tail -40 ;;
     bench-1b)
       m=$(checkpoint llama-3.2-1b)

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.gpu.random_checkpoint import SHAPES, save_random_model
+from tests.random_checkpoint import SHAPES, save_random_model
 
 
 def main() -> None:

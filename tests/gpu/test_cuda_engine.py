@@ -13,9 +13,9 @@ from transformers import AutoModelForCausalLM
 
 from engine.llm_engine import EngineConfig, LLMEngine
 from protocol import SamplingParams
-from tests.gpu.random_checkpoint import save_random_model
 from tests.processes import free_port, start_engine, start_server
-from tests.test_model_parity import run_engine
+from tests.random_checkpoint import save_random_model
+from tests.reference import run_engine
 
 # One shape per family; Gemma 3's prompts run past its 512-token sliding window.
 FAMILY_SHAPES = ["llama-3.2-1b", "qwen3-0.6b", "qwen2.5-0.5b", "gemma3-1b"]

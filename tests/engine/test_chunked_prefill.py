@@ -10,7 +10,8 @@ from transformers import LlamaForCausalLM as HFLlama
 
 from engine.llm_engine import EngineConfig, LLMEngine
 from protocol import SamplingParams
-from tests.test_model_parity import hf_greedy, random_prompts, run_engine, save_tiny_llama
+from tests.random_checkpoint import random_prompts, save_tiny_llama
+from tests.reference import hf_greedy, run_engine
 
 BUDGET = 8  # tokens a step
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from engine.__main__ import parse_args
 from engine.llm_engine import EngineConfig, LLMEngine
-from tests.test_model_parity import save_tiny_llama
+from tests.random_checkpoint import save_tiny_llama
 
 
 def test_served_model_name_replaces_the_checkpoints(tmp_path: Path) -> None:

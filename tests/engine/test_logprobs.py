@@ -10,7 +10,7 @@ from transformers import LlamaForCausalLM as HFLlama
 
 from engine.llm_engine import EngineConfig, LLMEngine
 from protocol import RequestOutput, SamplingParams
-from tests.test_model_parity import random_prompts, save_tiny_llama
+from tests.random_checkpoint import random_prompts, save_tiny_llama
 
 
 @pytest.fixture(scope="module")

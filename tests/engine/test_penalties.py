@@ -10,7 +10,8 @@ from transformers import LlamaForCausalLM as HFLlama
 
 from engine.llm_engine import EngineConfig, LLMEngine, RequestRejected
 from protocol import SamplingParams, TokenLogprobs
-from tests.test_model_parity import VOCAB, hf_greedy, random_prompts, save_tiny_llama
+from tests.random_checkpoint import VOCAB, random_prompts, save_tiny_llama
+from tests.reference import hf_greedy
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,9 @@
-"""Random-weight checkpoints in real models' shapes, with a tokenizer that covers the vocab.
+"""Random-weight checkpoints saved by transformers itself, for CPU tests, GPU tests and benchmarks.
 
-Throughput and numerical error do not depend on the weights' values, so these stand in
-for the real models (which no machine here can download) in GPU tests and benchmarks.
+Tiny ones (``save_tiny_llama``, ``save_with_tokenizer``) for the CPU tests against transformers;
+real models' shapes (``save_random_model``) for the GPU tests and benchmarks. Throughput and
+numerical error do not depend on the weights' values, so these stand in for the real models
+(which no machine here can download).
 """
 
 from __future__ import annotations
@@ -24,6 +26,43 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+
+VOCAB = 256  # the tiny checkpoints' vocabulary
+
+
+def save_tiny_llama(directory: Path, **overrides: Any) -> LlamaForCausalLM:
+    """A 3-layer Llama of hidden size 64 over ``VOCAB`` ids, ``overrides`` applied to its config."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        eos_token_id=VOCAB - 1,
+        bos_token_id=0,
+        **overrides,
+    )
+    model = LlamaForCausalLM(config).eval()
+    save_with_tokenizer(model, directory)
+    return model
+
+
+def save_with_tokenizer(model: PreTrainedModel, directory: Path) -> None:
+    """Save ``model`` as a checkpoint directory the engine loads."""
+    model.save_pretrained(directory, safe_serialization=True)
+    # The engine needs a tokenizer.json to hand to servers; ids here never meet text.
+    Tokenizer(models.BPE()).save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": None}))
+
+
+def random_prompts(count: int, seed: int = 1) -> list[list[int]]:
+    """Up to 8 prompts of ids below ``VOCAB`` - 1 (the tiny checkpoints' EOS), lengths 1 to 64."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = [1, 5, 17, 33, 64, 3, 40, 9][:count]
+    return [torch.randint(0, VOCAB - 1, (n,), generator=generator).tolist() for n in lengths]
+
 
 _SPECIAL_IDS = dict(bos_token_id=0, eos_token_id=1)
 _LLAMA3_ROPE = {

@@ -1,21 +1,19 @@
 """Our engine against Hugging Face transformers on tiny random Llama checkpoints (float32, CPU).
 
 The model, the paged cache, the scheduler and preemption are all in the path: greedy
-generations of a mixed batch must equal transformers' token for token. The helpers serve
-tests/test_model_families.py too.
+generations of a mixed batch must equal transformers' token for token. The prefill helpers serve
+tests/engine/test_model_families.py too.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models
-from transformers import LlamaConfig, PreTrainedModel
 from transformers import LlamaForCausalLM as HFLlama
+from transformers import PreTrainedModel
 
 from engine.attention import AttentionBackend, AttentionMetadata, LayerKVCache
 from engine.checkpoint import load_checkpoint
@@ -24,9 +22,8 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model_runner import select_backend
 from engine.models import build_model
 from engine.triton_backend import TritonLayerOps, TritonPagedAttention
-from protocol import SamplingParams
-
-VOCAB = 256
+from tests.random_checkpoint import random_prompts, save_tiny_llama
+from tests.reference import hf_greedy, run_engine
 
 CONFIGS = {
     "gqa-untied-llama3-rope": dict(
@@ -51,67 +48,12 @@ CONFIGS = {
 }
 
 
-def save_tiny_llama(directory: Path, **overrides) -> HFLlama:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=3,
-        max_position_embeddings=512,
-        rope_theta=10000.0,
-        eos_token_id=VOCAB - 1,
-        bos_token_id=0,
-        **overrides,
-    )
-    model = HFLlama(config).eval()
-    save_with_tokenizer(model, directory)
-    return model
-
-
-def save_with_tokenizer(model: PreTrainedModel, directory: Path) -> None:
-    """Save ``model`` as a checkpoint directory the engine loads."""
-    model.save_pretrained(directory, safe_serialization=True)
-    # The engine needs a tokenizer.json to hand to servers; ids here never meet text.
-    Tokenizer(models.BPE()).save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": None}))
-
-
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def tiny(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, HFLlama]:
     directory = tmp_path_factory.mktemp(request.param)
     return directory, save_tiny_llama(directory, **CONFIGS[request.param])
-
-
-def random_prompts(count: int, seed: int = 1) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    lengths = [1, 5, 17, 33, 64, 3, 40, 9][:count]
-    return [torch.randint(0, VOCAB - 1, (n,), generator=generator).tolist() for n in lengths]
-
-
-def hf_greedy(model: PreTrainedModel, prompt: list[int], max_new_tokens: int) -> list[int]:
-    output = model.generate(
-        torch.tensor([prompt]),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-        attention_mask=torch.ones(1, len(prompt)),
-    )
-    return output[0, len(prompt) :].tolist()
-
-
-def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(b"test", str(i), prompt, sampling)
-    outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while engine.has_work:
-        for _, output in engine.step():
-            outputs[output.request_id].extend(output.new_token_ids)
-    return [outputs[str(i)] for i in range(len(prompts))]
 
 
 def engine_prefill_logits(

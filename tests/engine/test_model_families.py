@@ -31,15 +31,9 @@ from engine.checkpoint.hf_checkpoint import hf_model_config
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model_runner import select_backend
 from engine.models import SUPPORTED_ARCHITECTURES, build_model
-from tests.test_model_parity import (
-    VOCAB,
-    engine_prefill_logits,
-    hf_greedy,
-    hf_prefill_logits,
-    random_prompts,
-    run_engine,
-    save_with_tokenizer,
-)
+from tests.engine.test_model_parity import engine_prefill_logits, hf_prefill_logits
+from tests.random_checkpoint import VOCAB, random_prompts, save_with_tokenizer
+from tests.reference import hf_greedy, run_engine
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 WINDOW = 16  # shorter than most test prompts, so sliding layers see only part of them

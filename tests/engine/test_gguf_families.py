@@ -49,9 +49,9 @@ from engine.checkpoint.resolve import join_members
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model_config import ModelConfig
 from scripts.fetch_test_gguf import TEST_MODELS
+from tests.engine.test_checkpoint import TEXTS, assert_config_matches, llama_cpp_permute, rope_theta
 from tests.processes import free_port, start_engine, start_server
-from tests.test_checkpoint import TEXTS, assert_config_matches, llama_cpp_permute, rope_theta
-from tests.test_model_parity import hf_greedy, run_engine
+from tests.reference import hf_greedy, run_engine
 
 QT = gguf.GGMLQuantizationType
 CONTROL, USER_DEFINED, BYTE, NORMAL, UNKNOWN = 3, 4, 6, 1, 2

@@ -10,7 +10,8 @@ import pytest
 
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.throughput_log import ThroughputLog
-from tests.test_model_parity import random_prompts, run_engine, save_tiny_llama
+from tests.random_checkpoint import random_prompts, save_tiny_llama
+from tests.reference import run_engine
 
 
 @pytest.fixture

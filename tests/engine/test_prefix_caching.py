@@ -11,7 +11,8 @@ from transformers import LlamaForCausalLM as HFLlama
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import Request
 from protocol import SamplingParams
-from tests.test_model_parity import VOCAB, hf_greedy, run_engine, save_tiny_llama
+from tests.random_checkpoint import VOCAB, save_tiny_llama
+from tests.reference import hf_greedy, run_engine
 
 BLOCK_SIZE = 4
 

@@ -11,9 +11,10 @@ from transformers import LlamaForCausalLM as HFLlama
 
 from engine.llm_engine import EngineConfig, LLMEngine
 from protocol import FinishReason, RequestOutput, SamplingParams
-from tests.test_logprobs import generate
-from tests.test_model_parity import hf_greedy, random_prompts, run_engine, save_tiny_llama
-from tests.test_penalties import penalized_greedy
+from tests.engine.test_logprobs import generate
+from tests.engine.test_penalties import penalized_greedy
+from tests.random_checkpoint import random_prompts, save_tiny_llama
+from tests.reference import hf_greedy, run_engine
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,33 @@
+"""Greedy generations side by side: transformers' (the reference) and our in-process engine's."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from engine.llm_engine import LLMEngine
+from protocol import SamplingParams
+
+
+def hf_greedy(model: PreTrainedModel, prompt: list[int], max_new_tokens: int) -> list[int]:
+    output = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        attention_mask=torch.ones(1, len(prompt)),
+    )
+    return output[0, len(prompt) :].tolist()
+
+
+def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy tokens (EOS ignored) from ``engine``, all added at once."""
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(b"test", str(i), prompt, sampling)
+    outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_work:
+        for _, output in engine.step():
+            outputs[output.request_id].extend(output.new_token_ids)
+    return [outputs[str(i)] for i in range(len(prompts))]
