@@ -10,12 +10,12 @@ import logging
 import os
 import random
 import time
-from dataclasses import dataclass
 
 import torch
 
 from engine.block_manager import BlockManager
 from engine.checkpoint import load_checkpoint
+from engine.config import EngineConfig
 from engine.model_runner import CacheConfig, LaunchedStep, ModelRunner, resolve_dtype
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
@@ -31,27 +31,6 @@ from protocol import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineConfig:
-    model: str
-    device: str = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype: str = "auto"  # or a name in model_runner.DTYPES
-    max_model_len: int | None = None  # default: the model's, capped by what the cache holds
-    block_size: int = 16
-    kv_cache_memory_gb: float | None = None  # default: 1 GiB on CPU, by utilization on CUDA
-    num_kv_blocks: int | None = None  # an exact block count; overrides the memory budget
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    enforce_eager: bool = False  # CUDA: run decode steps op by op, without CUDA graphs
-    enable_prefix_caching: bool = True  # reuse the cache of prompts' common prefixes
-    served_model_name: str | None = None  # the name clients use; default: the checkpoint's
-    # Launch each step before reading the last one's tokens, so the host's work overlaps the
-    # device's. None: on for CUDA; off on CPU, whose ops run as they are called (it would
-    # only delay each token by a step).
-    overlap_steps: bool | None = None
 
 
 class RequestRejected(Exception):

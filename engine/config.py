@@ -1,0 +1,118 @@
+"""The engine's options, each written once: a dataclass field whose metadata is its help text.
+
+``python -m engine``'s command line is generated from these fields (``add_arguments``), so an
+option added here is a flag there, with the same name, default and help, and in-process users
+(tests, benchmarks) build the same dataclasses directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.checkpoint.resolve import DEFAULT_MODEL
+
+
+def option(default: Any, help: str, **argparse_kwargs: Any) -> Any:
+    """A field with a default and the command line's help text (and choices, if any)."""
+    return field(default=default, metadata={"help": help, **argparse_kwargs})
+
+
+@dataclass
+class EngineConfig:
+    """What the engine loads and how it schedules; every field is a ``python -m engine`` flag."""
+
+    model: str = option(
+        DEFAULT_MODEL,
+        "a Hugging Face directory, a hub name ORG/NAME, a .gguf file, or the default model's name",
+    )
+    served_model_name: str | None = option(
+        None, "the model's name in the API (default: the checkpoint's)"
+    )
+    device: str = option(
+        "cuda" if torch.cuda.is_available() else "cpu",
+        "where the model runs (default: cuda when available)",
+        choices=["cpu", "cuda"],
+    )
+    dtype: str = option(
+        "auto",
+        "weights and activations (auto: bfloat16 on CUDA, float32 on CPU)",
+        choices=["auto", "bfloat16", "float16", "float32"],
+    )
+    max_model_len: int | None = option(
+        None, "context length (default: the model's, capped by what the KV cache holds)"
+    )
+    block_size: int = option(16, "tokens per KV cache block")
+    kv_cache_memory_gb: float | None = option(
+        None,
+        "memory for the KV cache (default: 1 GiB on CPU; on CUDA, what "
+        "--gpu-memory-utilization leaves)",
+    )
+    num_kv_blocks: int | None = option(
+        None, "exact KV cache size in blocks; overrides the memory budget"
+    )
+    gpu_memory_utilization: float = option(
+        0.9, "share of the GPU's memory for weights, activations and the KV cache"
+    )
+    max_num_seqs: int = option(256, "requests decoded together at most")
+    max_num_batched_tokens: int = option(
+        8192, "tokens one step computes at most; longer prompts are prefilled in chunks"
+    )
+    enforce_eager: bool = option(
+        False, "CUDA: no CUDA graphs for decode steps (faster start, slower decode)"
+    )
+    enable_prefix_caching: bool = option(
+        True, "reuse the KV cache of prompts' common prefixes (default: on)"
+    )
+    # None: on for CUDA; off on CPU, whose ops run as they are called (overlap would only
+    # delay each token by a step).
+    overlap_steps: bool | None = option(
+        None,
+        "launch each step before reading the last one's tokens, hiding the host's work "
+        "behind the device's (default: on for CUDA, off on CPU)",
+    )
+
+
+@dataclass
+class ServiceConfig:
+    """How the engine process serves: its socket and its logs."""
+
+    address: str = option(
+        "ipc:///tmp/tandem-engine.sock", "ZeroMQ address to bind: ipc://PATH or tcp://HOST:PORT"
+    )
+    stats_interval: float = option(10.0, "seconds between throughput log lines (0: none)")
+    log_level: str = option("info", "logging level")
+
+
+def add_arguments(parser: argparse.ArgumentParser, config_class: type) -> None:
+    """A ``--flag-name`` for every field of the dataclass ``config_class``."""
+    hints = typing.get_type_hints(config_class)
+    for config_field in dataclasses.fields(config_class):
+        kwargs = dict(config_field.metadata)
+        kind = _value_type(hints[config_field.name])
+        flag = "--" + config_field.name.replace("_", "-")
+        if kind is bool:
+            # --flag and --no-flag; a None default leaves the choice to the engine.
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = kind
+        parser.add_argument(flag, default=config_field.default, **kwargs)
+
+
+def from_arguments(config_class: type, args: argparse.Namespace) -> Any:
+    """An instance of the dataclass ``config_class`` from the parsed flags of its fields."""
+    return config_class(**{f.name: getattr(args, f.name) for f in dataclasses.fields(config_class)})
+
+
+def _value_type(hint: Any) -> type:
+    """``int`` for ``int | None``: the type a flag's text converts to."""
+    if isinstance(hint, types.UnionType):
+        (kind,) = (arg for arg in typing.get_args(hint) if arg is not type(None))
+        return kind
+    return hint
