@@ -1,6 +1,7 @@
 """The messages between HTTP servers and the engine: the one source of truth for the socket."""
 
 from protocol.codec import MAX_FRAME_BYTES, Message, ProtocolError, decode_message
+from protocol.limits import context_length_problem
 from protocol.messages import (
     MAX_TOP_LOGPROBS,
     PROTOCOL_VERSION,
@@ -38,5 +39,6 @@ __all__ = [
     "StatsRequest",
     "TokenLogprobs",
     "TokenOutputs",
+    "context_length_problem",
     "decode_message",
 ]

@@ -13,10 +13,14 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from protocol import HandshakeReply
-from server.api import OpenAIApi
 from server.api_key import ApiKeyCheck
 from server.engine_client import EngineClient
 from server.errors import ApiError, handle_api_error, handle_http_exception, handle_unexpected
+from server.routes.chat import ChatCompletions
+from server.routes.completions import Completions
+from server.routes.health import Health
+from server.routes.models import Models
+from server.routes.tokenize import Tokenization
 from server.served_model import ServedModel
 
 FRONTEND_DIR = Path(__file__).resolve().parent.parent / "frontend"
@@ -27,21 +31,26 @@ def create_app(
 ) -> Starlette:
     """The HTTP application serving ``handshake``'s model through ``client``; with
     ``api_key``, the API answers only requests that carry it."""
-    api = OpenAIApi(client, ServedModel.from_handshake(handshake))
+    model = ServedModel.from_handshake(handshake)
+    chat = ChatCompletions(client, model)
+    completions = Completions(client, model)
+    models = Models(model)
+    tokenization = Tokenization(model)
+    health = Health(client)
     index = FRONTEND_DIR / "index.html"
 
     async def web_ui(request: Request) -> Response:
         return FileResponse(index)
 
     routes = [
-        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
-        Route("/v1/completions", api.completions, methods=["POST"]),
-        Route("/v1/models", api.models, methods=["GET"]),
-        Route("/v1/models/{model:path}", api.model, methods=["GET"]),
-        Route("/tokenize", api.tokenize, methods=["POST"]),
-        Route("/detokenize", api.detokenize, methods=["POST"]),
-        Route("/health", api.health, methods=["GET"]),
-        Route("/metrics", api.metrics, methods=["GET"]),
+        Route("/v1/chat/completions", chat.create, methods=["POST"]),
+        Route("/v1/completions", completions.create, methods=["POST"]),
+        Route("/v1/models", models.list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", models.retrieve_model, methods=["GET"]),
+        Route("/tokenize", tokenization.tokenize, methods=["POST"]),
+        Route("/detokenize", tokenization.detokenize, methods=["POST"]),
+        Route("/health", health.health, methods=["GET"]),
+        Route("/metrics", health.metrics, methods=["GET"]),
         Route("/", web_ui, methods=["GET"]),
         Mount("/static", StaticFiles(directory=FRONTEND_DIR), name="static"),
     ]

@@ -9,10 +9,21 @@ holding part of a multi-byte character shows a replacement character there, as i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from protocol import TokenLogprobs
+from server.generation import TextDelta
 from server.served_model import ServedModel
+
+# Some tokens' log-probabilities in one endpoint's shape: ``chat_logprobs`` bound to its
+# model, or a choice's ``CompletionLogprobs.render``.
+RenderLogprobs = Callable[[list[int], list[TokenLogprobs]], dict[str, Any]]
+
+
+def logprobs_of(render: RenderLogprobs | None, delta: TextDelta) -> dict[str, Any] | None:
+    """``delta``'s tokens' log-probabilities as ``render`` writes them; None if not asked."""
+    return None if render is None else render(delta.token_ids, delta.logprobs)
 
 
 def chat_logprobs(

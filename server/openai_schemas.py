@@ -7,7 +7,7 @@ looks right without them. Unknown fields are ignored, as OpenAI does.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, ClassVar, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -19,8 +19,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from protocol import MAX_TOP_LOGPROBS
+from protocol import MAX_TOP_LOGPROBS, SamplingParams, context_length_problem
 from server.errors import ApiError
+from server.served_model import ServedModel
 
 _MAX_STOP_STRINGS = 4
 MAX_CHOICES = 128  # n, as OpenAI allows
@@ -118,7 +119,14 @@ class ChatMessage(BaseModel):
 
 
 class GenerationBody(_Body):
-    """What both endpoints share: the model, sampling, stopping and streaming."""
+    """What the generating endpoints share: the model, sampling, stopping and streaming.
+
+    Each endpoint's body says what it calls its prompt and how it asks for a length and
+    for log-probabilities; ``sampling_params`` turns all of it into the engine's terms.
+    """
+
+    # What the request calls its prompt, in errors about it (the chat API's "messages").
+    prompt_param: ClassVar[str]
 
     model: str | None = None
     max_tokens: Annotated[int | None, Field(ge=1)] = None
@@ -126,7 +134,7 @@ class GenerationBody(_Body):
     top_p: Annotated[float | None, Field(gt=0, le=1)] = None
     n: Annotated[int | None, Field(ge=1, le=MAX_CHOICES)] = None
     stop: StopStrings = Field(default_factory=list)
-    # OpenAI takes any 64-bit seed; the engine's are non-negative (mapped in api.py).
+    # OpenAI takes any 64-bit seed; the engine's are non-negative (see sampling_params).
     seed: Annotated[int | None, Field(ge=-(2**63), lt=2**63)] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -150,8 +158,46 @@ class GenerationBody(_Body):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def requested_max_tokens(self) -> int | None:
+        """The most tokens to generate, if the request says; else as many as fit."""
+        return self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        """How many alternatives' log-probabilities each token needs, or None for none."""
+        raise NotImplementedError
+
+    def sampling_params(self, prompt_tokens: int, model: ServedModel) -> SamplingParams:
+        """How the engine samples each choice after a prompt of ``prompt_tokens`` tokens;
+        raises ``ApiError`` for what ``model`` cannot do (context length, token ids)."""
+        logprobs = self.requested_logprobs()
+        max_tokens = self.requested_max_tokens()
+        limit = model.max_model_len
+        problem = context_length_problem(prompt_tokens, max_tokens, limit, self.prompt_param)
+        if problem:
+            raise ApiError(400, problem, param=self.prompt_param, code="context_length_exceeded")
+        model.check_token_ids(self.stop_token_ids, "stop_token_ids")
+        logit_bias = self.logit_bias or {}
+        model.check_token_ids(list(logit_bias), "logit_bias")
+        return SamplingParams(
+            max_tokens=max_tokens if max_tokens is not None else limit - prompt_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(self.top_k or 0, 0),  # vLLM's -1 and OpenAI's absence: no cut
+            # The engine takes seeds in [0, 2**63); this maps OpenAI's signed ones there.
+            seed=None if self.seed is None else self.seed % 2**63,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            logit_bias_token_ids=list(logit_bias),
+            logit_bias_values=list(logit_bias.values()),
+        )
+
 
 class ChatCompletionRequest(GenerationBody):
+    prompt_param: ClassVar[str] = "messages"
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int | None, Field(ge=1)] = None
     logprobs: bool = False
@@ -160,13 +206,26 @@ class ChatCompletionRequest(GenerationBody):
     tool_choice: Annotated[Any, _unsupported("tool_choice other than none", "none")] = None
     response_format: Annotated[Any, _unsupported("response_format other than text", _TEXT)] = None
 
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(GenerationBody):
+    prompt_param: ClassVar[str] = "prompt"
+
     prompt: Prompt
     echo: Annotated[Any, _unsupported("echo", False)] = None
     logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
     suffix: Annotated[Any, _unsupported("suffix", "")] = None
     best_of: Annotated[Any, _unsupported("best_of other than 1", 1)] = None
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class TokenizeRequest(_Body):

@@ -10,6 +10,7 @@ from tokenizers import Tokenizer
 
 from protocol import HandshakeReply
 from server.chat_template import ChatTemplate, ChatTemplateError
+from server.errors import ApiError
 
 logger = logging.getLogger(__name__)
 
@@ -60,3 +61,24 @@ class ServedModel:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def check_name(self, name: str | None) -> None:
+        """Refuses a request for another model (one that names none is for this one)."""
+        if name is not None and name != self.name:
+            raise ApiError(
+                404,
+                f"The model `{name}` does not exist. This server serves `{self.name}`.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        """Refuses token ids beyond the vocabulary, naming the request's ``param``."""
+        # Non-negative is checked by the schema; the upper bound depends on the model.
+        if token_ids and max(token_ids) >= self.vocab_size:
+            raise ApiError(
+                400,
+                f"Token id {max(token_ids)} is out of range: the vocabulary has "
+                f"{self.vocab_size} tokens.",
+                param=param,
+            )

@@ -1,0 +1,33 @@
+"""GET /health and /metrics: whether the engine answers, and its state for monitoring."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from server.engine_client import EngineClient
+from server.errors import ApiError
+from server.metrics import render_metrics
+
+# Both wait this long for the engine's stats before calling it unavailable.
+_STATS_TIMEOUT_S = 2.0
+
+
+class Health:
+    def __init__(self, client: EngineClient) -> None:
+        self._client = client
+
+    async def health(self, request: Request) -> Response:
+        stats = await self._client.stats(_STATS_TIMEOUT_S)
+        if stats is None:
+            error = ApiError(503, "The engine is not answering.", code="engine_unavailable").body()
+            return JSONResponse({"status": "unavailable", **error}, status_code=503)
+        return JSONResponse({"status": "ok", "engine": dataclasses.asdict(stats)})
+
+    async def metrics(self, request: Request) -> Response:
+        stats = await self._client.stats(_STATS_TIMEOUT_S)
+        return PlainTextResponse(
+            render_metrics(stats), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )

@@ -1,0 +1,150 @@
+"""Streamed answers: the choices' deltas merged as they come, and written as the SSE chunks
+of chat completions (``ChatChunks``) or completions (``CompletionChunks``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from typing import Any
+
+from server.answer import Answer
+from server.choices import ChoiceDeltas
+from server.errors import ApiError, internal_error
+from server.generation import TextDelta
+from server.logprobs import RenderLogprobs, logprobs_of
+from server.sse import DONE, event
+
+logger = logging.getLogger(__name__)
+
+
+class Chunks:
+    """The events of one streamed answer: for each choice its content deltas, each with its
+    tokens' log-probabilities when asked for, then its finish; last, the usage if asked.
+    Subclasses give the endpoint's shape of a choice's body."""
+
+    def __init__(
+        self, answer: Answer, include_usage: bool, renderers: list[RenderLogprobs | None]
+    ) -> None:
+        """``renderers`` holds each choice's renderer of log-probabilities (None: none)."""
+        self.answer = answer
+        self._include_usage = include_usage
+        self._renderers = renderers
+
+    def start(self) -> list[str]:
+        return []
+
+    def render(self, index: int, delta: TextDelta) -> list[str]:
+        events = []
+        if delta.text or delta.token_ids:
+            logprobs = logprobs_of(self._renderers[index], delta)
+            events.append(self._chunk(index, self._content(delta.text), logprobs=logprobs))
+        if delta.finish_reason is not None:
+            events.append(self._chunk(index, self._content(None), delta.finish_reason))
+        return events
+
+    def finish(self, completion_tokens: int) -> list[str]:
+        """The usage chunk, if the request asked for it."""
+        if not self._include_usage:
+            return []
+        usage = self.answer.usage(completion_tokens)
+        return [event({**self.answer.header(), "choices": [], "usage": usage})]
+
+    def _content(self, text: str | None) -> dict[str, Any]:
+        """A choice's body holding ``text``, or the finish chunk's (None)."""
+        raise NotImplementedError
+
+    def _chunk(
+        self,
+        index: int,
+        body: dict[str, Any],
+        finish_reason: str | None = None,
+        logprobs: Any = None,
+    ) -> str:
+        choice = {"index": index, **body, "logprobs": logprobs, "finish_reason": finish_reason}
+        data: dict[str, Any] = {**self.answer.header(), "choices": [choice]}
+        if self._include_usage:
+            data["usage"] = None  # as OpenAI does: only the usage chunk has usage
+        return event(data)
+
+
+class ChatChunks(Chunks):
+    """``chat.completion.chunk`` events: a role delta for each choice first."""
+
+    def start(self) -> list[str]:
+        role = {"delta": {"role": "assistant", "content": ""}}
+        return [self._chunk(index, role) for index in range(len(self._renderers))]
+
+    def _content(self, text: str | None) -> dict[str, Any]:
+        return {"delta": {} if text is None else {"content": text}}
+
+
+class CompletionChunks(Chunks):
+    """``text_completion`` events."""
+
+    def _content(self, text: str | None) -> dict[str, Any]:
+        return {"text": text or ""}
+
+
+async def merged(choices: list[ChoiceDeltas]) -> AsyncGenerator[tuple[int, TextDelta], None]:
+    """The choices' deltas as they come, each with its choice's index. Closing this
+    generator, or an error in one choice, closes (and so aborts) every choice."""
+    if len(choices) == 1:
+        async with aclosing(choices[0]):
+            async for delta in choices[0]:
+                yield 0, delta
+        return
+    queue: asyncio.Queue[tuple[int, TextDelta | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, deltas: ChoiceDeltas) -> None:
+        try:
+            async with aclosing(deltas):
+                async for delta in deltas:
+                    await queue.put((index, delta, None))
+        except Exception as exc:
+            await queue.put((index, None, exc))
+            return
+        await queue.put((index, None, None))  # this choice is done
+
+    tasks = [asyncio.create_task(pump(i, d)) for i, d in enumerate(choices)]
+    try:
+        running = len(tasks)
+        while running:
+            index, delta, error = await queue.get()
+            if error is not None:
+                raise error
+            if delta is None:
+                running -= 1
+            else:
+                yield index, delta
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def event_stream(chunks: Chunks, choices: list[ChoiceDeltas]) -> AsyncGenerator[str, None]:
+    """The SSE body: the chunks of each delta, the usage chunk if asked, then [DONE].
+
+    The response status is already sent when an error happens here, so the error
+    goes into the stream as an event, as OpenAI and vLLM do.
+    """
+    completion_tokens = [0] * len(choices)
+    try:
+        for item in chunks.start():
+            yield item
+        deltas = merged(choices)
+        async with aclosing(deltas):
+            async for index, delta in deltas:
+                completion_tokens[index] = delta.completion_tokens
+                for item in chunks.render(index, delta):
+                    yield item
+        for item in chunks.finish(sum(completion_tokens)):
+            yield item
+    except ApiError as exc:
+        yield event(exc.body())
+    except Exception:
+        logger.exception("streaming %s failed", chunks.answer.id)
+        yield event(internal_error().body())
+    yield DONE
