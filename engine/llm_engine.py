@@ -28,6 +28,7 @@ from protocol import (
     RequestOutput,
     SamplingParams,
     TokenLogprobs,
+    context_length_problem,
 )
 
 logger = logging.getLogger(__name__)
@@ -174,13 +175,9 @@ class LLMEngine:
                 raise RequestRejected(
                     ErrorCode.INVALID_REQUEST, f"token ids must be in [0, {self.vocab_size})"
                 )
-        total = len(prompt) + sampling.max_tokens
-        if total > self.max_model_len:
-            raise RequestRejected(
-                ErrorCode.PROMPT_TOO_LONG,
-                f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds "
-                f"the maximum context length of {self.max_model_len} tokens",
-            )
+        problem = context_length_problem(len(prompt), sampling.max_tokens, self.max_model_len)
+        if problem:
+            raise RequestRejected(ErrorCode.PROMPT_TOO_LONG, problem)
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
         request = Request(client, request_id, list(prompt), sampling, seed)
         self.requests[request.key] = request
