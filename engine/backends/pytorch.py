@@ -23,11 +23,14 @@ def store_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Copy key/value [T, num_kv_heads, head_dim] to the caches' flat slots ``slot_mapping``
-    (block * block_size + offset), skipping tokens whose slot is negative."""
+    (block * block_size + offset), skipping tokens whose slot is negative. Reads back
+    whether there are any (a synchronization on CUDA)."""
     keep = slot_mapping >= 0
+    if not keep.all():  # never in a scheduled step: its every token has a slot
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     num_slots = key_cache.shape[0] * key_cache.shape[1]
-    key_cache.view(num_slots, *key_cache.shape[2:])[slot_mapping[keep]] = key[keep]
-    value_cache.view(num_slots, *value_cache.shape[2:])[slot_mapping[keep]] = value[keep]
+    key_cache.view(num_slots, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key)
+    value_cache.view(num_slots, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value)
 
 
 @dataclass
@@ -43,6 +46,8 @@ class TorchPagedAttention(AttentionBackend):
     """Gathers each sequence's cache and runs masked SDPA on a padded batch.
 
     Not captured in CUDA graphs: skipping negative slots reads them back to the host.
+    Zero the cache before its first step: masked garbage past a sequence's end still
+    poisons SDPA if it is NaN.
     """
 
     def __init__(self) -> None:
