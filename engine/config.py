@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from engine.backends import BACKENDS
 from engine.checkpoint.resolve import DEFAULT_MODEL
 
 
@@ -76,6 +77,11 @@ class EngineConfig:
         None,
         "launch each step before reading the last one's tokens, hiding the host's work "
         "behind the device's (default: on for CUDA, off on CPU)",
+    )
+    attention_backend: str | None = option(
+        None,
+        "the attention and layer-op implementations (default: triton on CUDA, torch on CPU)",
+        choices=list(BACKENDS),
     )
 
 

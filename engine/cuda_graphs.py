@@ -4,7 +4,8 @@ A decode step of a small model is hundreds of short kernels; launching them one 
 from Python costs more than running them. A graph replays the whole forward pass in
 one launch. Inputs live in static buffers that each step fills; a batch is padded up
 to the next captured size, its padding rows writing nowhere (slot -1) and reading one
-cached key.
+cached key. Each graph records the attention backend's ``prepare`` with the forward pass,
+all of them captured inside its ``graph_capture``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionBackend, AttentionMetadata
 from engine.models.causal_lm import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -23,7 +24,14 @@ CAPTURE_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 2
 
 
 class DecodeGraphs:
-    def __init__(self, model: CausalLM, max_batch: int, max_blocks: int, device: torch.device):
+    def __init__(
+        self,
+        model: CausalLM,
+        attention: AttentionBackend,
+        max_batch: int,
+        max_blocks: int,
+        device: torch.device,
+    ) -> None:
         started = time.perf_counter()
         self.batch_sizes = [b for b in CAPTURE_BATCH_SIZES if b <= max_batch]
         largest = self.batch_sizes[-1]
@@ -42,26 +50,30 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         pool = None
-        # Largest first, so the smaller graphs fit in the memory pool the largest made.
-        for size in reversed(self.batch_sizes):
-            metadata = AttentionMetadata(
-                positions=self.positions[:size],
-                slot_mapping=self.slot_mapping[:size],
-                token_seq_index=steps[:size],
-                block_tables=self.block_tables[:size],
-                context_lens=self.context_lens[:size],
-                query_lens=ones[:size],
-                query_starts=steps[:size],
-                max_query_len=1,
-            )
-            self._pad(0, size)
-            args = (self.input_ids[:size], metadata, steps[:size])
-            model(*args)  # warm-up: Triton compiles and autotunes outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = model(*args)
-            pool = graph.pool()
-            self.graphs[size] = graph
+        with attention.graph_capture(largest):
+            # Largest first, so the smaller graphs fit in the memory pool the largest made.
+            for size in reversed(self.batch_sizes):
+                metadata = AttentionMetadata(
+                    positions=self.positions[:size],
+                    slot_mapping=self.slot_mapping[:size],
+                    token_seq_index=steps[:size],
+                    block_tables=self.block_tables[:size],
+                    context_lens=self.context_lens[:size],
+                    query_lens=ones[:size],
+                    query_starts=steps[:size],
+                    max_query_len=1,
+                )
+                self._pad(0, size)
+                args = (self.input_ids[:size], metadata, steps[:size])
+                # Warm-up: Triton compiles and autotunes outside the capture.
+                attention.prepare(metadata)
+                model(*args)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    attention.prepare(metadata)
+                    self.logits[size] = model(*args)
+                pool = graph.pool()
+                self.graphs[size] = graph
         torch.cuda.synchronize(device)
         logger.info(
             "captured decode CUDA graphs for batch sizes %s in %.1f s",

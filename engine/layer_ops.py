@@ -1,8 +1,9 @@
-"""The model's per-token operations (norms, RoPE, gated activation), behind one interface.
+"""The model's per-token operations (norms, RoPE, gated activation): the interface.
 
-Like ``AttentionBackend``, the model calls these and nothing device-specific: this PyTorch
-implementation runs everywhere and is the reference; ``engine.triton_backend`` replaces it
-on CUDA with fused Triton kernels. Numerics follow Hugging Face's Llama.
+Like ``AttentionBackend``, the model calls these and nothing device-specific; each backend
+of ``engine.backends`` supplies an implementation: ``TorchLayerOps`` (PyTorch, runs
+everywhere, the reference) and ``TritonLayerOps`` (fused kernels). Numerics follow
+Hugging Face's Llama.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 
 class LayerOps(Protocol):
@@ -39,38 +39,3 @@ class LayerOps(Protocol):
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of gate_up [T, 2 * I], gate half first."""
         ...
-
-
-class TorchLayerOps:
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        # Normalise in float32 as Hugging Face does; bf16 variance loses too much.
-        x32 = x.float()
-        return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-    def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = x + residual
-        return self.rms_norm(residual, weight, eps), residual
-
-    def rope(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # In the compute dtype, as Hugging Face rounds.
-        cos = cos[positions].unsqueeze(1).to(q.dtype)
-        sin = sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([-second, first], dim=-1)

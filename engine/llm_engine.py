@@ -6,17 +6,14 @@ directly in-process.
 
 from __future__ import annotations
 
-import logging
 import os
 import random
 import time
 
-import torch
-
 from engine.block_manager import BlockManager
 from engine.checkpoint import load_checkpoint
 from engine.config import EngineConfig
-from engine.model_runner import CacheConfig, LaunchedStep, ModelRunner, resolve_dtype
+from engine.model_runner import LaunchedStep, ModelRunner
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 from protocol import (
@@ -30,8 +27,6 @@ from protocol import (
     TokenLogprobs,
     context_length_problem,
 )
-
-logger = logging.getLogger(__name__)
 
 
 class RequestRejected(Exception):
@@ -52,37 +47,17 @@ class LLMEngine:
                 f"max_num_seqs ({config.max_num_seqs})"
             )
         self.started_at = time.time()
-        self.device = torch.device(config.device)
         checkpoint = load_checkpoint(config.model)
         self.model_name = config.served_model_name or checkpoint.name
         self.tokenizer = checkpoint.tokenizer
         self.vocab_size = checkpoint.config.vocab_size
-        model_len = config.max_model_len or checkpoint.config.max_position_embeddings
-        dtype = resolve_dtype(config.dtype, self.device)
-        self.runner = ModelRunner(checkpoint, self.device, dtype, model_len)
-
-        num_blocks = self._num_kv_blocks(config)
-        capacity = num_blocks * config.block_size
-        if config.max_model_len is None:
-            model_len = min(model_len, capacity)
-        elif config.max_model_len > capacity:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} exceeds the KV cache's {capacity} tokens; "
-                "give the cache more memory or lower max_model_len"
-            )
-        self.max_model_len = model_len
-        self.runner.allocate_kv_cache(CacheConfig(config.block_size, num_blocks))
-        if self.device.type == "cuda" and not config.enforce_eager:
-            self.runner.capture_decode_graphs(config.max_num_seqs)
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d",
-            num_blocks,
-            config.block_size,
-            capacity,
-            model_len,
-        )
+        self.runner = ModelRunner(config, checkpoint)
+        self.device = self.runner.device
+        self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, prefix_caching=config.enable_prefix_caching
+            self.runner.num_kv_blocks,
+            config.block_size,
+            prefix_caching=config.enable_prefix_caching,
         )
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
@@ -95,32 +70,6 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.num_finished = 0
         self.num_generated_tokens = 0  # sampled, one per request per step
-
-    def _num_kv_blocks(self, config: EngineConfig) -> int:
-        if config.num_kv_blocks is not None:
-            return config.num_kv_blocks
-        per_block = self.runner.kv_bytes_per_token() * config.block_size
-        if config.kv_cache_memory_gb is not None:
-            budget = int(config.kv_cache_memory_gb * 1024**3)
-        elif self.device.type == "cuda":
-            # Leave room for the largest step's activations, measured by running one.
-            step_tokens = min(config.max_num_batched_tokens, self.runner.max_model_len)
-            activations = self.runner.measure_activation_bytes(step_tokens, config.max_num_seqs)
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free  # our weights and anything else on the GPU
-            budget = int(total * config.gpu_memory_utilization) - used - activations
-            logger.info(
-                "warm-up step of %d tokens: %.2f GiB of activations; %.2f GiB for the KV cache",
-                step_tokens,
-                activations / 1024**3,
-                budget / 1024**3,
-            )
-        else:
-            budget = 1024**3
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ValueError(f"no memory left for the KV cache (budget {budget} bytes)")
-        return num_blocks
 
     @property
     def has_work(self) -> bool:

@@ -1,23 +1,33 @@
-"""Owns the model and its KV cache on one device; turns a scheduled batch into next tokens."""
+"""Owns one device: the model on it, its KV cache and the decode CUDA graphs; turns each
+scheduled batch into next tokens.
+
+Built from the engine's config and a checkpoint, it sizes everything device-bound itself
+(the memory left for the cache, the cache, the graphs) and reports the result: how many KV
+blocks there are and the context length they allow. It is the unit a tensor-parallel
+worker process would run once per GPU.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
-from itertools import chain, compress, repeat
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from engine.attention import AttentionBackend, AttentionMetadata, LayerKVCache, TorchPagedAttention
+from engine.attention import AttentionMetadata, LayerKVCache
+from engine.backends import create_backend, default_backend
+from engine.batch import StepInputs, pack, sampling_tensors
 from engine.checkpoint import Checkpoint
 from engine.cuda_graphs import DecodeGraphs
-from engine.layer_ops import LayerOps, TorchLayerOps
 from engine.models import build_model
 from engine.request import Request
-from engine.sampler import LogitBias, Penalties, SamplingTensors, sample, token_logprobs
-from protocol import SamplingParams, TokenLogprobs
+from engine.sampler import sample, token_logprobs
+from protocol import TokenLogprobs
+
+if TYPE_CHECKING:
+    from engine.llm_engine import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +68,6 @@ class LaunchedStep:
         return SampledTokens(self.rows, [row_ids[0] for row_ids in ids], logprobs)
 
 
-@dataclass
-class CacheConfig:
-    block_size: int
-    num_blocks: int
-
-
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -74,52 +78,98 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def select_backend(device: torch.device) -> tuple[AttentionBackend, LayerOps]:
-    """The attention and layer implementations for a device; the only place that chooses."""
-    if device.type == "cuda":
-        # Imported here: importing the kernels without CUDA would select Triton's interpreter.
-        from engine.triton_backend import TritonLayerOps, TritonPagedAttention
-
-        return TritonPagedAttention(), TritonLayerOps()
-    return TorchPagedAttention(), TorchLayerOps()
-
-
 class ModelRunner:
-    def __init__(
-        self,
-        checkpoint: Checkpoint,
-        device: torch.device,
-        dtype: torch.dtype,
-        max_model_len: int,
-    ) -> None:
-        self.device = device
-        self.dtype = dtype
-        self.config = checkpoint.config
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint) -> None:
+        """Load the model, size and allocate the KV cache, capture the decode graphs.
+
+        ``num_kv_blocks`` and ``max_model_len`` are then the cache's size and the longest
+        sequence it serves: ``config.max_model_len``, which must fit in the cache, or else
+        the model's own, capped by what the cache holds."""
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_config = checkpoint.config
+        self.block_size = config.block_size
+        # RoPE tables cover this length, the cap below being known only once the model
+        # is loaded and measured.
+        model_len = config.max_model_len or checkpoint.config.max_position_embeddings
+        backend = config.attention_backend or default_backend(self.device)
+        self.attention, ops = create_backend(backend, self.device)
         started = time.perf_counter()
         model = build_model(
-            checkpoint.config, *select_backend(device), max_model_len, device, dtype
+            checkpoint.config, self.attention, ops, model_len, self.device, self.dtype
         )
         model.load_weights(checkpoint.weights())
         self.model = model.eval()
         logger.info(
             "loaded %s on %s (%s) in %.1f s",
             checkpoint.name,
-            device,
-            str(dtype).removeprefix("torch."),
+            self.device,
+            str(self.dtype).removeprefix("torch."),
             time.perf_counter() - started,
         )
-        self.block_size = 0
-        self.max_model_len = max_model_len
+
+        self.num_kv_blocks = self._num_kv_blocks(config, model_len)
+        capacity = self.num_kv_blocks * self.block_size
+        if config.max_model_len is None:
+            model_len = min(model_len, capacity)
+        elif config.max_model_len > capacity:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the KV cache's {capacity} tokens; "
+                "give the cache more memory or lower max_model_len"
+            )
+        self.max_model_len = model_len
+        self._allocate_kv_cache()
         self.decode_graphs: DecodeGraphs | None = None
-        self._last_sampled = torch.empty(0, dtype=torch.int64, device=device)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            if self.attention.supports_cuda_graphs:
+                self.decode_graphs = self._capture_decode_graphs(config.max_num_seqs)
+            else:
+                logger.info(
+                    "decode steps run eagerly: the %s backend cannot run in CUDA graphs",
+                    backend,
+                )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d",
+            self.num_kv_blocks,
+            self.block_size,
+            capacity,
+            self.max_model_len,
+        )
+        self._last_sampled = torch.empty(0, dtype=torch.int64, device=self.device)
 
-    def kv_bytes_per_token(self) -> int:
-        c = self.config
-        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.dtype.itemsize
+    def _num_kv_blocks(self, config: EngineConfig, model_len: int) -> int:
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        c = self.model_config
+        kv_bytes_per_token = (
+            2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.dtype.itemsize
+        )
+        per_block = kv_bytes_per_token * self.block_size
+        if config.kv_cache_memory_gb is not None:
+            budget = int(config.kv_cache_memory_gb * 1024**3)
+        elif self.device.type == "cuda":
+            # Leave room for the largest step's activations, measured by running one.
+            step_tokens = min(config.max_num_batched_tokens, model_len)
+            activations = self._measure_activation_bytes(step_tokens, config.max_num_seqs)
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free  # our weights and anything else on the GPU
+            budget = int(total * config.gpu_memory_utilization) - used - activations
+            logger.info(
+                "warm-up step of %d tokens: %.2f GiB of activations; %.2f GiB for the KV cache",
+                step_tokens,
+                activations / 1024**3,
+                budget / 1024**3,
+            )
+        else:
+            budget = 1024**3
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"no memory left for the KV cache (budget {budget} bytes)")
+        return num_blocks
 
-    def allocate_kv_cache(self, cache: CacheConfig) -> None:
-        c = self.config
-        shape = (cache.num_blocks, cache.block_size, c.num_key_value_heads, c.head_dim)
+    def _allocate_kv_cache(self) -> None:
+        c = self.model_config
+        shape = (self.num_kv_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
         # Zeroed, not empty: the reference attention reads whole blocks and masks what lies
         # past a sequence's end, and a masked NaN from uninitialized memory still poisons it.
         layers = [
@@ -130,16 +180,15 @@ class ModelRunner:
             for _ in range(c.num_hidden_layers)
         ]
         self.model.bind_kv_cache(layers)
-        self.block_size = cache.block_size
 
     @torch.inference_mode()
-    def measure_activation_bytes(self, num_tokens: int, num_logits: int) -> int:
+    def _measure_activation_bytes(self, num_tokens: int, num_logits: int) -> int:
         """Peak memory a forward pass over ``num_tokens`` new tokens (one prefill, logits of
         the last ``num_logits``) allocates beyond the weights: what sizing the KV cache must
         leave free. CUDA only. The pass writes no cache slot and reads one scratch block,
-        so it needs no real cache (the scratch block stays bound until ``allocate_kv_cache``);
-        it also compiles the prefill kernels."""
-        c = self.config
+        so it needs no real cache (the scratch block stays bound until the cache is
+        allocated); it also compiles the prefill kernels."""
+        c = self.model_config
         block_size = 16
         shape = (1, block_size, c.num_key_value_heads, c.head_dim)
         scratch = LayerKVCache(
@@ -168,6 +217,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
+        self.attention.prepare(metadata)
         self.model(zeros, metadata, logits_index)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
@@ -175,10 +225,20 @@ class ModelRunner:
         return peak
 
     @torch.inference_mode()
-    def capture_decode_graphs(self, max_batch: int) -> None:
-        """Record the decode step as CUDA graphs; call once the cache is allocated."""
+    def _capture_decode_graphs(self, max_batch: int) -> DecodeGraphs:
+        """Record the decode step as CUDA graphs; the cache must be allocated."""
         max_blocks = -(-self.max_model_len // self.block_size)
-        self.decode_graphs = DecodeGraphs(self.model, max_batch, max_blocks, self.device)
+        return DecodeGraphs(self.model, self.attention, max_batch, max_blocks, self.device)
+
+    def step_inputs(self, batch: list[Request]) -> StepInputs:
+        """``batch``'s scheduled tokens as a forward pass's inputs; the requests are left as
+        they are."""
+        return pack(batch, self.block_size, self.device, self._last_sampled)
+
+    def forward_eager(self, inputs: StepInputs) -> torch.Tensor:
+        """The logits of the step's sampled rows, the model run op by op."""
+        self.attention.prepare(inputs.metadata)
+        return self.model(inputs.input_ids, inputs.metadata, inputs.logits_index)
 
     @torch.inference_mode()
     def launch(self, batch: list[Request]) -> LaunchedStep:
@@ -186,20 +246,19 @@ class ModelRunner:
         token (and its log-probabilities where asked), without waiting for the device. The
         sampled tokens count as pending in their requests until the host reads them, and the
         next step may take them as its inputs on the device."""
-        input_ids, metadata, logits_index, rows = self._prepare_inputs(batch)
+        inputs = self.step_inputs(batch)
+        for request in batch:
+            request.num_cached_tokens += request.num_scheduled_tokens
         graphs = self.decode_graphs
-        if (
-            graphs is not None
-            and metadata.max_query_len == 1
-            and len(rows) == len(batch)
-            and graphs.fits(len(batch))
-        ):
-            logits = graphs.run(input_ids, metadata)
+        if graphs is not None and inputs.is_decode and graphs.fits(inputs.num_seqs):
+            logits = graphs.run(inputs.input_ids, inputs.metadata)
         else:
-            logits = self.model(input_ids, metadata, logits_index)
+            logits = self.forward_eager(inputs)
+        rows = inputs.rows
         if not rows:  # only prompt chunks: nothing to sample yet
             return LaunchedStep(batch, [], [torch.empty(0, dtype=torch.int64)], None, None)
-        next_tokens = sample(logits, self._prepare_sampling(rows))
+        vocab_size = self.model_config.vocab_size
+        next_tokens = sample(logits, sampling_tensors(rows, vocab_size, self.device))
         self._last_sampled = next_tokens
         for row, request in enumerate(rows):
             request.num_pending_tokens += 1
@@ -225,153 +284,3 @@ class ModelRunner:
         copied = torch.cuda.Event()
         copied.record()
         return host, copied
-
-    def _prepare_inputs(
-        self, batch: list[Request]
-    ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor, list[Request]]:
-        """Pack the scheduled tokens of the batch and its cache layout on the host, in numpy
-        over the whole batch, and move them in one copy. Also returns the rows to sample:
-        those whose every token is computed after this step (not a prompt's first chunks)."""
-        seqs = len(batch)
-        starts = np.fromiter((r.num_cached_tokens for r in batch), np.int64, seqs)
-        query_lens = np.fromiter((r.num_scheduled_tokens for r in batch), np.int64, seqs)
-        ends = starts + query_lens
-        completes = ends == np.fromiter((r.num_tokens for r in batch), np.int64, seqs)
-        query_ends = np.cumsum(query_lens)
-        query_starts = query_ends - query_lens
-        num_tokens = int(query_ends[-1])
-        token_ids = np.fromiter(
-            chain.from_iterable(r.scheduled_token_ids() for r in batch),
-            np.int64,
-            num_tokens,
-        )
-        token_seq_index = np.repeat(np.arange(seqs), query_lens)
-        # Each token's position: its index in the packed batch, shifted by its sequence's offset.
-        positions = np.arange(num_tokens) - np.repeat(query_starts - starts, query_lens)
-        max_blocks = max(len(r.block_ids) for r in batch)
-        block_tables = np.fromiter(
-            chain.from_iterable(
-                chain(r.block_ids, repeat(0, max_blocks - len(r.block_ids))) for r in batch
-            ),
-            np.int64,
-            seqs * max_blocks,
-        ).reshape(seqs, max_blocks)
-        slot_mapping = (
-            block_tables[token_seq_index, positions // self.block_size] * self.block_size
-            + positions % self.block_size
-        )
-        logits_index = (query_ends - 1)[completes]
-        # Decodes whose input is a token the step in flight sampled: where it goes in the
-        # packed batch, and where it is in that step's sampled tokens.
-        source_rows = np.fromiter(
-            (r.pending_row if r.num_pending_tokens else -1 for r in batch), np.int64, seqs
-        )
-        pending = source_rows >= 0
-        host = np.concatenate(
-            [
-                token_ids,
-                positions,
-                slot_mapping,
-                token_seq_index,
-                ends,
-                query_lens,
-                query_starts,
-                block_tables.ravel(),
-                logits_index,
-                query_starts[pending],
-                source_rows[pending],
-            ]
-        )
-        # Pinned, so the copy is asynchronous: the device may still be running the last step.
-        host_t = torch.from_numpy(host)
-        if self.device.type == "cuda":
-            host_t = host_t.pin_memory()
-        device = host_t.to(self.device, non_blocking=True)
-        num_pending = int(pending.sum())
-        sizes = [num_tokens] * 4 + [seqs] * 3 + [block_tables.size, logits_index.size]
-        (
-            input_ids,
-            positions_t,
-            slot_mapping_t,
-            seq_index_t,
-            context_lens,
-            query_lens_t,
-            query_starts_t,
-            tables,
-            logits_index_t,
-            pending_index,
-            pending_source,
-        ) = device.split([*sizes, num_pending, num_pending])
-        if num_pending:
-            input_ids.index_copy_(0, pending_index, self._last_sampled[pending_source])
-        metadata = AttentionMetadata(
-            positions=positions_t,
-            slot_mapping=slot_mapping_t,
-            token_seq_index=seq_index_t,
-            block_tables=tables.view(seqs, max_blocks),
-            context_lens=context_lens,
-            query_lens=query_lens_t,
-            query_starts=query_starts_t,
-            max_query_len=int(query_lens.max()),
-        )
-        for request in batch:
-            request.num_cached_tokens += request.num_scheduled_tokens
-        rows = batch if completes.all() else list(compress(batch, completes.tolist()))
-        return input_ids, metadata, logits_index_t, rows
-
-    def _prepare_sampling(self, batch: list[Request]) -> SamplingTensors | None:
-        """The batch's sampling parameters on the device; None when every row is greedy
-        without penalties, which needs none (no tensors built, no copies)."""
-        params = [r.sampling for r in batch]
-        penalized = any(p.presence_penalty or p.frequency_penalty for p in params)
-        biased = any(p.logit_bias_token_ids for p in params)
-        if not (penalized or biased) and all(p.temperature == 0 for p in params):
-            return None
-        floats = torch.tensor(
-            [(p.temperature, p.top_p, p.presence_penalty, p.frequency_penalty) for p in params],
-            dtype=torch.float32,
-        ).to(self.device, non_blocking=True)
-        ints = torch.tensor(
-            [(p.top_k, r.seed, r.num_output_tokens) for p, r in zip(params, batch, strict=True)],
-            dtype=torch.int64,
-        ).to(self.device, non_blocking=True)
-        penalties = None
-        if penalized:
-            penalties = Penalties(self._output_token_counts(batch), floats[:, 2], floats[:, 3])
-        return SamplingTensors(
-            temperature=floats[:, 0],
-            top_p=floats[:, 1],
-            top_k=ints[:, 0],
-            seed=ints[:, 1],
-            step=ints[:, 2],
-            any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
-            penalties=penalties,
-            logit_bias=self._logit_bias(params) if biased else None,
-        )
-
-    def _logit_bias(self, params: list[SamplingParams]) -> LogitBias:
-        rows, token_ids = self._ragged_to_device([p.logit_bias_token_ids for p in params])
-        values = list(chain.from_iterable(p.logit_bias_values for p in params))
-        values_t = torch.tensor(values, dtype=torch.float32).to(self.device, non_blocking=True)
-        return LogitBias(rows, token_ids, values_t)
-
-    def _output_token_counts(self, batch: list[Request]) -> torch.Tensor:
-        """[B, V] float32: how often each request has generated each token."""
-        rows, tokens = self._ragged_to_device([r.output_token_ids for r in batch])
-        counts = torch.zeros(len(batch), self.config.vocab_size, device=self.device)
-        return counts.index_put_((rows, tokens), torch.ones_like(rows, dtype=counts.dtype), True)
-
-    def _ragged_to_device(self, lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Lists of ints, one per row, as two flat int64 tensors on the device, moved in one
-        copy: each item's row, and the items."""
-        lengths = [len(items) for items in lists]
-        total = sum(lengths)
-        host = np.concatenate(
-            [
-                np.repeat(np.arange(len(lists)), lengths),
-                np.fromiter(chain.from_iterable(lists), np.int64, total),
-            ]
-        )
-        device = torch.from_numpy(host).to(self.device, non_blocking=True)
-        rows, items = device.split([total, total])
-        return rows, items

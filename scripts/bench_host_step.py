@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from engine.batch import sampling_tensors
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model_runner import LaunchedStep
 from protocol import SamplingParams
@@ -41,11 +42,12 @@ def time_host_step(engine: LLMEngine, batch: int, context: int, steps: int) -> d
         t0 = time.perf_counter()
         requests = scheduler.schedule()
         t1 = time.perf_counter()
-        runner._prepare_inputs(requests)
+        runner.step_inputs(requests)
         t2 = time.perf_counter()
-        runner._prepare_sampling(requests)
+        sampling_tensors(requests, engine.vocab_size, engine.device)
         t3 = time.perf_counter()
         for request in requests:  # as launch() leaves them
+            request.num_cached_tokens += request.num_scheduled_tokens
             request.num_pending_tokens += 1
         engine._read_results(LaunchedStep(requests, requests, [next_tokens], None, None))
         t4 = time.perf_counter()

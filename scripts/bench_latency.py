@@ -169,15 +169,14 @@ def bandwidth_floor_ms(model: str) -> tuple[float, float]:
     (all but the embedding table, of which it reads one row per token; a tied table is
     read whole as the LM head), in bf16, over the device-to-device copy bandwidth
     measured here. Returns (floor in ms, bandwidth in GB/s)."""
-    from engine.attention import TorchPagedAttention
+    from engine.backends import create_backend
     from engine.checkpoint import load_checkpoint
-    from engine.layer_ops import TorchLayerOps
     from engine.models import build_model
 
     config = load_checkpoint(model).config
-    meta = build_model(
-        config, TorchPagedAttention(), TorchLayerOps(), 1, torch.device("meta"), torch.bfloat16
-    )
+    meta_device = torch.device("meta")
+    backend = create_backend("torch", meta_device)
+    meta = build_model(config, *backend, 1, meta_device, torch.bfloat16)
     params = sum(p.numel() for p in meta.parameters())
     if not config.tie_word_embeddings:
         params -= meta.embed_tokens.weight.numel()

@@ -8,7 +8,7 @@ import torch
 
 # Triton picks its CPU interpreter when a function is decorated, including its own
 # library functions at `import triton`; transformers imports triton, so the flag must be
-# set before any test module loads, not only when engine.kernels is imported.
+# set before any test module loads. Nothing in engine/ sets it.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

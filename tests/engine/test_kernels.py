@@ -1,9 +1,10 @@
-"""The Triton kernels against their PyTorch references, and the attention ops against the backend.
+"""The Triton kernels against the PyTorch backend's ops (attention against the loop in
+tests/kernel_reference.py), and the two attention backends against each other.
 
 Runs natively on CUDA (bfloat16) and, without it, in Triton's interpreter on CPU (float32;
-importing engine.kernels selects the interpreter, see its docstring). Shapes are small so
-the interpreter stays fast. Outputs and unused cache slots start as NaN, so an element a
-kernel fails to write, or garbage it reads, shows up as a mismatch.
+tests/conftest.py selects the interpreter). Shapes are small so the interpreter stays fast.
+Outputs and unused cache slots start as NaN, so an element a kernel fails to write, or
+garbage it reads, shows up as a mismatch.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, LayerKVCache, TorchPagedAttention
-from engine.kernels import (
+from engine.attention import AttentionMetadata, LayerKVCache
+from engine.backends.pytorch import TorchLayerOps, TorchPagedAttention
+from engine.backends.pytorch import store_kv as store_kv_reference
+from engine.backends.triton import (
     add_rms_norm,
     apply_rope_,
     decode_num_splits,
@@ -25,20 +28,15 @@ from engine.kernels import (
     silu_and_mul,
     store_kv,
 )
-from engine.kernels.reference import (
-    add_rms_norm_reference,
-    paged_attention_reference,
-    rope_reference,
-    silu_and_mul_reference,
-    store_kv_reference,
-)
-from engine.triton_backend import TritonPagedAttention
+from engine.backends.triton.backend import TritonPagedAttention
+from tests.kernel_reference import paged_attention_reference
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 DTYPE = torch.bfloat16 if CUDA else torch.float32
 # bf16 outputs are one rounding (2^-8 relative) off a float32 reference.
 ATTENTION_TOL = {"atol": 2e-2, "rtol": 2e-2} if CUDA else {"atol": 1e-4, "rtol": 1e-4}
+REFERENCE_OPS = TorchLayerOps()
 BLOCK_SIZE = 16
 # Lengths around block boundaries (BLOCK_SIZE multiples and +-1), a lone token and one
 # long enough to span several attention tiles and decode splits.
@@ -226,10 +224,14 @@ def test_triton_backend_matches_torch_backend(decode: bool, sliding_window: int 
     scale = head_dim**-0.5
 
     expected_cache = LayerKVCache(batch.key_cache.clone(), batch.value_cache.clone())
-    expected = TorchPagedAttention().forward(q, k, v, expected_cache, m, scale, sliding_window)
+    reference = TorchPagedAttention()
+    reference.prepare(m)
+    expected = reference.forward(q, k, v, expected_cache, m, scale, sliding_window)
 
     cache = LayerKVCache(batch.key_cache, batch.value_cache)
-    out = TritonPagedAttention().forward(q, k, v, cache, m, scale, sliding_window)
+    triton_backend = TritonPagedAttention()
+    triton_backend.prepare(m)
+    out = triton_backend.forward(q, k, v, cache, m, scale, sliding_window)
     torch.testing.assert_close(batch.key_cache, expected_cache.key, atol=0, rtol=0)
     torch.testing.assert_close(batch.value_cache, expected_cache.value, atol=0, rtol=0)
     torch.testing.assert_close(out, expected, **ATTENTION_TOL)
@@ -294,7 +296,10 @@ def test_add_rms_norm(with_residual: bool) -> None:
     num_rows, hidden = 5, 1000  # not a power of two: the row is masked
     x, weight = randn(num_rows, hidden), randn(hidden)
     residual = randn(num_rows, hidden) if with_residual else None
-    expected_out, expected_residual = add_rms_norm_reference(x, residual, weight, 1e-5)
+    if residual is None:  # the first layer: x starts the residual stream
+        expected_out, expected_residual = REFERENCE_OPS.rms_norm(x, weight, 1e-5), x
+    else:
+        expected_out, expected_residual = REFERENCE_OPS.add_rms_norm(x, residual, weight, 1e-5)
 
     out = torch.full_like(x, float("nan"))
     # In place on the residual stream, as a decoder layer would run it.
@@ -318,7 +323,10 @@ def test_rope(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
     q, k, v = qkv.split([num_heads * head_dim, *[num_kv_heads * head_dim] * 2], dim=-1)
     q = q.view(num_tokens, num_heads, head_dim)
     k = k.view(num_tokens, num_kv_heads, head_dim)
-    expected_q, expected_k = rope_reference(q, k, positions, cos, sin)
+    # The kernel computes in float32 and rounds once: so does the reference, given float32.
+    expected_q, expected_k = (
+        t.to(DTYPE) for t in REFERENCE_OPS.rope(q.float(), k.float(), positions, cos, sin)
+    )
 
     apply_rope_(q, k, positions, cos, sin)
     torch.testing.assert_close(q, expected_q)
@@ -332,4 +340,5 @@ def test_silu_and_mul() -> None:
     x = randn(num_rows, 2 * intermediate + 8)[:, : 2 * intermediate]
     out = torch.full((num_rows, intermediate), float("nan"), dtype=DTYPE, device=DEVICE)
     assert silu_and_mul(x, out=out) is out
-    torch.testing.assert_close(out, silu_and_mul_reference(x))
+    # In float32, rounded once, as the kernel computes.
+    torch.testing.assert_close(out, REFERENCE_OPS.silu_and_mul(x.float()).to(DTYPE))

@@ -26,10 +26,10 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from engine.backends import create_backend
 from engine.checkpoint import load_checkpoint
 from engine.checkpoint.hf_checkpoint import hf_model_config
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.model_runner import select_backend
 from engine.models import SUPPORTED_ARCHITECTURES, build_model
 from tests.engine.test_model_parity import engine_prefill_logits, hf_prefill_logits
 from tests.random_checkpoint import VOCAB, random_prompts, save_with_tokenizer
@@ -196,7 +196,7 @@ def test_build_model_refuses_an_unknown_architecture(tmp_path: Path) -> None:
     config.architecture = "Qwen2MoeForCausalLM"
     device = torch.device("cpu")
     with pytest.raises(ValueError, match="'Qwen2MoeForCausalLM' is not supported, only Llama"):
-        build_model(config, *select_backend(device), 64, device, torch.float32)
+        build_model(config, *create_backend("torch", device), 64, device, torch.float32)
 
 
 # --- config.json in the formats found on the Hub ------------------------------------------------

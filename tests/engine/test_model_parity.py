@@ -15,13 +15,11 @@ import torch
 from transformers import LlamaForCausalLM as HFLlama
 from transformers import PreTrainedModel
 
-from engine.attention import AttentionBackend, AttentionMetadata, LayerKVCache
+from engine.attention import AttentionMetadata, LayerKVCache
+from engine.backends import create_backend
 from engine.checkpoint import load_checkpoint
-from engine.layer_ops import LayerOps
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.model_runner import select_backend
 from engine.models import build_model
-from engine.triton_backend import TritonLayerOps, TritonPagedAttention
 from tests.random_checkpoint import random_prompts, save_tiny_llama
 from tests.reference import hf_greedy, run_engine
 
@@ -57,16 +55,14 @@ def tiny(
 
 
 def engine_prefill_logits(
-    directory: Path,
-    prompts: list[list[int]],
-    backend: tuple[AttentionBackend, LayerOps] | None = None,
+    directory: Path, prompts: list[list[int]], backend: str = "torch"
 ) -> torch.Tensor:
-    """Our model's logits at every prompt token, the prompts prefilled as one packed batch,
-    with the CPU's backend unless ``backend`` names another."""
+    """Our model's logits at every prompt token, the prompts prefilled as one packed batch
+    on the CPU, with the CPU's backend unless ``backend`` names another."""
     checkpoint = load_checkpoint(str(directory))
     device = torch.device("cpu")
     config = checkpoint.config
-    attention, ops = backend or select_backend(device)
+    attention, ops = create_backend(backend, device)
     model = build_model(config, attention, ops, 512, device, torch.float32)
     model.load_weights(checkpoint.weights())
     block_size, blocks_per_sequence = 4, 32  # each sequence its own blocks, up to 128 tokens
@@ -98,6 +94,7 @@ def engine_prefill_logits(
         max_query_len=int(lengths.max()),
     )
     input_ids = torch.tensor([t for p in prompts for t in p])
+    attention.prepare(metadata)
     with torch.no_grad():
         return model(input_ids, metadata, torch.arange(int(lengths.sum())))
 
@@ -127,7 +124,7 @@ def test_triton_backend_prefill_logits_match_transformers(tiny: tuple[Path, HFLl
     directory, hf_model = tiny
     prompts = random_prompts(3, seed=2)
     torch.testing.assert_close(
-        engine_prefill_logits(directory, prompts, (TritonPagedAttention(), TritonLayerOps())),
+        engine_prefill_logits(directory, prompts, "triton"),
         hf_prefill_logits(hf_model, prompts),
         rtol=1e-4,
         atol=1e-4,

@@ -59,9 +59,9 @@ def test_last_token_logits_match_transformers_in_bf16(shape: str, tmp_path: Path
             theirs = hf_bf16(ids).logits[0, -1].float()
         engine.add_request(b"gpu", "logits", prompt, SamplingParams(max_tokens=1))
         batch = engine.scheduler.schedule()
-        input_ids, metadata, logits_index, _ = engine.runner._prepare_inputs(batch)
+        inputs = engine.runner.step_inputs(batch)
         with torch.inference_mode():
-            ours = engine.runner.model(input_ids, metadata, logits_index)[0]
+            ours = engine.runner.forward_eager(inputs)[0]
         engine.abort(b"gpu", "logits")
         ours_errors.append(_relative_error(ours, reference))
         theirs_errors.append(_relative_error(theirs, reference))
@@ -116,11 +116,11 @@ def _graph_and_eager_decode(
         engine.step()
     engine.sync()  # no step left in flight
     batch = engine.scheduler.schedule()
-    input_ids, metadata, logits_index, _ = engine.runner._prepare_inputs(batch)
-    assert metadata.max_query_len == 1 and len(batch) == len(prompts)
+    inputs = engine.runner.step_inputs(batch)
+    assert inputs.metadata.max_query_len == 1 and len(batch) == len(prompts)
     with torch.inference_mode():
-        eager = engine.runner.model(input_ids, metadata, logits_index)
-        graphed = engine.runner.decode_graphs.run(input_ids, metadata).clone()
+        eager = engine.runner.forward_eager(inputs)
+        graphed = engine.runner.decode_graphs.run(inputs.input_ids, inputs.metadata).clone()
     for i in range(len(prompts)):
         engine.abort(b"gpu", f"graph{i}")
     return graphed, eager

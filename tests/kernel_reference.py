@@ -1,25 +1,15 @@
-"""Plain PyTorch versions of the kernels: the definitions the kernels are tested against.
+"""Paged attention as a plain loop over sequences: the definition the attention kernels are
+tested against, where the torch backend cannot serve.
 
-Written for clarity, not speed: they loop over sequences and read lengths back to the host.
+The torch backend (engine/backends/pytorch.py) reads each sequence's whole blocks, and the
+kernel tests fill every slot no sequence owns with NaN, so that a kernel reading one shows;
+this reads only the slots it attends to. Written for clarity, not speed: it reads lengths
+back to the host.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-
-
-def store_kv_reference(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    keep = slot_mapping >= 0
-    num_slots = key_cache.shape[0] * key_cache.shape[1]
-    key_cache.view(num_slots, *key_cache.shape[2:])[slot_mapping[keep]] = key[keep]
-    value_cache.view(num_slots, *value_cache.shape[2:])[slot_mapping[keep]] = value[keep]
 
 
 def paged_attention_reference(
@@ -57,38 +47,3 @@ def paged_attention_reference(
         outputs.append(torch.einsum("hqk,khd->qhd", probs, values))
         start += query_len
     return torch.cat(outputs).to(q.dtype)
-
-
-def add_rms_norm_reference(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hugging Face's residual add and RMSNorm: the norm in float32, cast before the weight."""
-    if residual is not None:
-        x = x + residual
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype), x
-
-
-def rope_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half RoPE computed in float32; returns new (q, k)."""
-    cos = cos[positions].unsqueeze(1)
-    sin = sin[positions].unsqueeze(1)
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        first, second = x32.chunk(2, dim=-1)
-        return (x32 * cos + torch.cat([-second, first], dim=-1) * sin).to(x.dtype)
-
-    return rotate(q), rotate(k)
-
-
-def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.float().chunk(2, dim=-1)
-    return (F.silu(gate) * up).to(x.dtype)

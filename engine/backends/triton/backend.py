@@ -4,14 +4,19 @@ Pure-decode steps (every sequence adds one token, as in a captured CUDA graph) t
 split-K decode kernel; steps with any prefill take the variable-length prefill kernel,
 which also serves the decodes in a mixed batch. Norms, RoPE and SiLU-and-multiply are
 fused kernels, each one pass over its tensor.
+
+Nothing to plan per step (``prepare`` is the base class's no-op): each kernel's launch
+parameters, the decode split count included, follow from tensor shapes every layer has,
+and a decode step runs as a CUDA graph whose launches were fixed at capture.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata, LayerKVCache
-from engine.kernels import (
+from engine.attention import AttentionBackend, AttentionMetadata, LayerKVCache
+from engine.backends.pytorch import TorchLayerOps
+from engine.backends.triton import (
     add_rms_norm,
     apply_rope_,
     paged_decode_attention,
@@ -19,10 +24,12 @@ from engine.kernels import (
     silu_and_mul,
     store_kv,
 )
-from engine.layer_ops import TorchLayerOps
 
 
-class TritonPagedAttention:
+class TritonPagedAttention(AttentionBackend):
+    # Padding rows' negative slots are skipped on the device (store_kv).
+    supports_cuda_graphs = True
+
     def forward(
         self,
         q: torch.Tensor,

@@ -1,0 +1,149 @@
+"""The PyTorch backend: runs on any device, and is the reference the Triton kernels are
+tested against (tests/engine/test_kernels.py), one PyTorch definition per op.
+
+Simple and exact rather than fast: attention gathers each sequence's whole context every
+layer, which a paged-attention kernel avoids. Numerics follow Hugging Face's Llama.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionBackend, AttentionMetadata, LayerKVCache
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Copy key/value [T, num_kv_heads, head_dim] to the caches' flat slots ``slot_mapping``
+    (block * block_size + offset), skipping tokens whose slot is negative. Reads back
+    whether there are any (a synchronization on CUDA)."""
+    keep = slot_mapping >= 0
+    if not keep.all():  # never in a scheduled step: its every token has a slot
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    key_cache.view(num_slots, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key)
+    value_cache.view(num_slots, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value)
+
+
+@dataclass
+class _QueryGrid:
+    """A step's packed queries laid out as a padded [B, max_query_len] grid, for SDPA."""
+
+    metadata: AttentionMetadata  # the step it was made for
+    index: torch.Tensor  # [T] each packed query's row in the flattened grid
+    positions: torch.Tensor  # [B, max_query_len, 1] each grid row's position; padding: 0
+
+
+class TorchPagedAttention(AttentionBackend):
+    """Gathers each sequence's cache and runs masked SDPA on a padded batch.
+
+    Not captured in CUDA graphs: skipping negative slots reads them back to the host.
+    Zero the cache before its first step: masked garbage past a sequence's end still
+    poisons SDPA if it is NaN.
+    """
+
+    def __init__(self) -> None:
+        self._grid: _QueryGrid | None = None
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        """The query grid every layer of the step shares."""
+        batch = metadata.block_tables.shape[0]
+        first_new_position = metadata.context_lens - metadata.query_lens
+        column = metadata.positions - first_new_position[metadata.token_seq_index]
+        index = metadata.token_seq_index * metadata.max_query_len + column
+        # Grid padding sits at position 0 so its row is never empty (an empty row gives NaN).
+        positions = torch.zeros(
+            batch * metadata.max_query_len, dtype=torch.int64, device=index.device
+        )
+        positions[index] = metadata.positions
+        self._grid = _QueryGrid(metadata, index, positions.view(batch, -1, 1))
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerKVCache,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        grid = self._grid
+        assert grid is not None and grid.metadata is metadata, "prepare() the step first"
+        store_kv(k, v, cache.key, cache.value, metadata.slot_mapping)
+
+        _, block_size, num_kv_heads, head_dim = cache.key.shape
+        batch, max_blocks = metadata.block_tables.shape
+        context = max_blocks * block_size
+        # [B, heads, context, head_dim]: each sequence's cache in order, garbage past its length.
+        keys = cache.key[metadata.block_tables].view(batch, context, num_kv_heads, head_dim)
+        values = cache.value[metadata.block_tables].view(batch, context, num_kv_heads, head_dim)
+        keys = keys.transpose(1, 2)
+        values = values.transpose(1, 2)
+
+        # Scatter the packed queries into the [B, max_query_len] grid.
+        num_heads = q.shape[1]
+        q_grid = q.new_zeros(batch * metadata.max_query_len, num_heads, head_dim)
+        q_grid[grid.index] = q
+        q_grid = q_grid.view(batch, metadata.max_query_len, num_heads, head_dim).transpose(1, 2)
+
+        # A query sees the keys at or before its own position.
+        key_positions = torch.arange(context, device=q.device).view(1, 1, -1)
+        mask = key_positions <= grid.positions
+        if sliding_window is not None:
+            # The window includes the query's own key, so padding rows still see key 0.
+            mask &= key_positions > grid.positions - sliding_window
+
+        out = F.scaled_dot_product_attention(
+            q_grid,
+            keys,
+            values,
+            attn_mask=mask.unsqueeze(1),
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+        out = out.transpose(1, 2).reshape(batch * metadata.max_query_len, num_heads, head_dim)
+        return out[grid.index]
+
+
+class TorchLayerOps:
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # Normalise in float32 as Hugging Face does; bf16 variance loses too much.
+        x32 = x.float()
+        return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = x + residual
+        return self.rms_norm(residual, weight, eps), residual
+
+    def rope(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # In the compute dtype, as Hugging Face rounds.
+        cos = cos[positions].unsqueeze(1).to(q.dtype)
+        sin = sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
