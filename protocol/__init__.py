@@ -15,6 +15,8 @@ from protocol.messages import (
     RequestOutput,
     SamplingParams,
     StatsRequest,
+    StructuredOutput,
+    StructuredOutputKind,
     TokenLogprobs,
     TokenOutputs,
 )
@@ -36,6 +38,8 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "StatsRequest",
+    "StructuredOutput",
+    "StructuredOutputKind",
     "TokenLogprobs",
     "TokenOutputs",
     "decode_message",
