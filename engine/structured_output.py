@@ -197,6 +197,9 @@ class GrammarBitmask:
         )
         self._copied = torch.cuda.Event() if on_cuda else None
         self._filler = xgr.BatchGrammarMatcher()
+        if self._device is not None:  # compile the library's Triton kernel now, not mid-step
+            allow_all = self._device[:1].fill_(-1)
+            xgr.apply_token_bitmask_inplace(torch.zeros(1, vocab_size, device=device), allow_all)
 
     def apply(self, logits: torch.Tensor, matchers: Sequence[xgr.GrammarMatcher | None]) -> None:
         """Set to -inf, in place, each row's logits of the tokens its grammar forbids next.
