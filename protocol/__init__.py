@@ -16,6 +16,8 @@ from protocol.messages import (
     RequestOutput,
     SamplingParams,
     StatsRequest,
+    StructuredOutput,
+    StructuredOutputKind,
     TokenLogprobs,
     TokenOutputs,
 )
@@ -37,6 +39,8 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "StatsRequest",
+    "StructuredOutput",
+    "StructuredOutputKind",
     "TokenLogprobs",
     "TokenOutputs",
     "context_length_problem",

@@ -11,6 +11,7 @@ docs/architecture.md walks through the life of a request in these terms.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -39,6 +40,55 @@ class ErrorCode:
     NOT_READY = "not_ready"  # a request before the handshake
 
 
+class StructuredOutputKind:
+    """What a StructuredOutput's ``spec`` holds, and so what the output must be."""
+
+    JSON_SCHEMA = "json_schema"  # a JSON Schema (JSON text): the output is JSON it validates
+    JSON_OBJECT = "json_object"  # no spec: the output is a JSON object
+    REGEX = "regex"  # a regular expression the whole output matches
+    CHOICE = "choice"  # a JSON list of strings: the output is exactly one of them
+    GRAMMAR = "grammar"  # an EBNF grammar (GBNF, as llama.cpp's) whose root rule the output matches
+
+
+STRUCTURED_OUTPUT_KINDS = (
+    StructuredOutputKind.JSON_SCHEMA,
+    StructuredOutputKind.JSON_OBJECT,
+    StructuredOutputKind.REGEX,
+    StructuredOutputKind.CHOICE,
+    StructuredOutputKind.GRAMMAR,
+)
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output, enforced token by token by the engine's grammar
+    matcher. Frozen: the engine caches compiled grammars by it."""
+
+    kind: str  # a StructuredOutputKind
+    spec: str = ""
+
+    def validate(self) -> str | None:
+        """The reason this constraint is malformed, or None. Whether the schema, regex or
+        grammar itself is valid is the grammar library's to say (the engine asks it)."""
+        if self.kind not in STRUCTURED_OUTPUT_KINDS:
+            return f"structured output kind must be one of {', '.join(STRUCTURED_OUTPUT_KINDS)}"
+        if self.kind == StructuredOutputKind.JSON_OBJECT:
+            return None if not self.spec else "a json_object structured output takes no spec"
+        if self.kind == StructuredOutputKind.CHOICE:
+            try:
+                choices = json.loads(self.spec)
+            except ValueError:
+                choices = None
+            if not (
+                isinstance(choices, list)
+                and choices
+                and all(isinstance(choice, str) for choice in choices)
+            ):
+                return "choice structured output must be a JSON list of strings, not empty"
+            return None
+        return None if self.spec else f"a {self.kind} structured output needs a spec"
+
+
 @dataclass
 class SamplingParams:
     """How to choose each next token. The defaults are greedy decoding."""
@@ -59,6 +109,8 @@ class SamplingParams:
     # OpenAI's logit_bias as two parallel lists: added to these tokens' logits.
     logit_bias_token_ids: list[int] = field(default_factory=list)
     logit_bias_values: list[float] = field(default_factory=list)
+    # None: free text; otherwise each token is sampled among those the constraint allows.
+    structured_output: StructuredOutput | None = None
 
     def validate(self) -> str | None:
         """The reason these parameters are unusable, or None."""
@@ -80,6 +132,8 @@ class SamplingParams:
             return "logit_bias_token_ids and logit_bias_values must be as long"
         if not all(-100 <= bias <= 100 for bias in self.logit_bias_values):
             return "logit_bias values must be in [-100, 100]"
+        if self.structured_output is not None:
+            return self.structured_output.validate()
         return None
 
 

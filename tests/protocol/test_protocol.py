@@ -16,6 +16,8 @@ from protocol import (
     RequestOutput,
     SamplingParams,
     StatsRequest,
+    StructuredOutput,
+    StructuredOutputKind,
     TokenOutputs,
     decode_message,
 )
@@ -24,6 +26,12 @@ MESSAGES = [
     HandshakeRequest(protocol_version=1, client_name="server-8000"),
     HandshakeReply(1, "m", "{}", None, "<s>", "</s>", [2, 7], 2048, 123, 1.5),
     GenerateRequest("r1", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.7, seed=9)),
+    GenerateRequest(
+        "r2",
+        [1],
+        SamplingParams(structured_output=StructuredOutput("json_schema", '{"type":"object"}')),
+    ),
+    GenerateRequest("r3", [1], SamplingParams(structured_output=StructuredOutput("json_object"))),
     AbortRequest("r1"),
     StatsRequest(),
     TokenOutputs([RequestOutput("r1", [5], None, 3, 1), RequestOutput("r2", [], "stop", 4, 9)]),
@@ -66,6 +74,23 @@ def _frame(body: dict) -> bytes:
             }
         ),
         _frame({"type": "generate", "request_id": "a", "prompt_token_ids": [1], "sampling": [1]}),
+        *(
+            _frame(
+                {
+                    "type": "generate",
+                    "request_id": "a",
+                    "prompt_token_ids": [1],
+                    "sampling": {"structured_output": constraint},
+                }
+            )
+            for constraint in [
+                "regex",  # not a map
+                {"spec": "a+"},  # no kind
+                {"kind": 3, "spec": "a+"},
+                {"kind": "regex", "spec": None},
+                {"kind": "regex", "spec": "a+", "flags": "i"},
+            ]
+        ),
         GenerateRequest("r", [1], SamplingParams()).encode()[:-3],  # truncated
     ],
 )
@@ -97,3 +122,48 @@ def test_sampling_validation_names_the_problem() -> None:
     assert "max_tokens" in SamplingParams(max_tokens=0).validate()
     assert "temperature" in SamplingParams(temperature=-1).validate()
     assert "top_p" in SamplingParams(top_p=0).validate()
+
+
+def test_structured_output_is_optional_on_the_wire() -> None:
+    frame = _frame({"type": "generate", "request_id": "a", "prompt_token_ids": [1], "sampling": {}})
+    assert decode_message(frame).sampling.structured_output is None
+    constrained = _frame(
+        {
+            "type": "generate",
+            "request_id": "a",
+            "prompt_token_ids": [1],
+            "sampling": {"structured_output": {"kind": "regex", "spec": "[0-9]+"}},
+        }
+    )
+    assert decode_message(constrained).sampling.structured_output == StructuredOutput(
+        StructuredOutputKind.REGEX, "[0-9]+"
+    )
+
+
+@pytest.mark.parametrize(
+    ("constraint", "problem"),
+    [
+        (StructuredOutput("yaml", "a: 1"), "kind must be one of"),
+        (StructuredOutput("regex"), "needs a spec"),
+        (StructuredOutput("json_schema"), "needs a spec"),
+        (StructuredOutput("json_object", "{}"), "takes no spec"),
+        (StructuredOutput("choice", "yes"), "JSON list of strings"),
+        (StructuredOutput("choice", "[]"), "JSON list of strings"),
+        (StructuredOutput("choice", '["a", 1]'), "JSON list of strings"),
+    ],
+)
+def test_structured_output_validation_names_the_problem(
+    constraint: StructuredOutput, problem: str
+) -> None:
+    assert problem in SamplingParams(structured_output=constraint).validate()
+
+
+def test_well_formed_structured_outputs_validate() -> None:
+    for constraint in [
+        StructuredOutput("json_object"),
+        StructuredOutput("json_schema", '{"type": "string"}'),
+        StructuredOutput("regex", "a|b"),
+        StructuredOutput("choice", '["a", ""]'),
+        StructuredOutput("grammar", 'root ::= "a"'),
+    ]:
+        assert SamplingParams(structured_output=constraint).validate() is None

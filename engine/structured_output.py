@@ -1,0 +1,224 @@
+"""Structured outputs: a request's constraint as an xgrammar grammar, compiled once per distinct
+constraint off the step loop, matched token by token, and applied to a step's logits as masks.
+
+Three parts, used in this order:
+
+- ``GrammarCompiler.compile`` turns a ``StructuredOutput`` into a future compiled grammar.
+  Building the grammar (parsing the schema, regex or EBNF) is cheap and happens at once, so a
+  malformed one is refused with the library's own message; compiling it against the
+  vocabulary (the token masks of every grammar state) runs on a thread pool, cached.
+- ``new_matcher`` starts a request's own place in its compiled grammar: each token the host
+  reads is accepted into it, and it terminates once it accepts a stop token after a complete
+  output.
+- ``GrammarBitmask.apply`` masks a step's logits: one int32 bitmask row per sampled row, filled
+  by the library for the constrained rows, moved in one copy, applied by its kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Executor, Future
+
+import tokenizers
+import torch
+import xgrammar as xgr
+from transformers import PreTrainedTokenizerFast
+
+from engine.model_config import TokenizerInfo
+from protocol import StructuredOutput, StructuredOutputKind
+
+# OpenAI's JSON mode promises a JSON object, as vLLM reads it.
+_JSON_OBJECT_SCHEMA = '{"type": "object"}'
+# The library's messages start with its log prefix: "[10:51:54] /project/cpp/file.cc:83: ",
+# and failed checks with "Check failed: (condition) is false: ". Neither means anything to users.
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+
+
+class GrammarError(ValueError):
+    """A constraint the grammar library refuses; the message is the library's, for the user."""
+
+
+def build_grammar(constraint: StructuredOutput) -> xgr.Grammar:
+    """The constraint as a grammar, or GrammarError saying what is wrong with it. Cheap: this
+    parses the schema, regex or grammar but does no work over the vocabulary."""
+    kind, spec = constraint.kind, constraint.spec
+    try:
+        if kind == StructuredOutputKind.JSON_SCHEMA:
+            # Any whitespace, as vLLM: small models pretty-print their JSON, and forced
+            # onto one line they were seen to repeat an array item until max_tokens.
+            return xgr.Grammar.from_json_schema(spec, any_whitespace=True, strict_mode=True)
+        if kind == StructuredOutputKind.JSON_OBJECT:
+            return xgr.Grammar.from_json_schema(_JSON_OBJECT_SCHEMA, any_whitespace=True)
+        if kind == StructuredOutputKind.REGEX:
+            return xgr.Grammar.from_regex(spec)
+        if kind == StructuredOutputKind.CHOICE:
+            return xgr.Grammar.from_ebnf(_choice_ebnf(json.loads(spec)))
+        if kind == StructuredOutputKind.GRAMMAR:
+            return xgr.Grammar.from_ebnf(spec)
+    except (RuntimeError, ValueError) as exc:
+        raise GrammarError(_LOG_PREFIX.sub("", str(exc)).strip()) from None
+    raise GrammarError(f"unknown structured output kind {kind!r}")
+
+
+def grammar_problem(constraint: StructuredOutput) -> str | None:
+    """Why the library refuses this constraint, or None: the check ``SamplingParams.validate``
+    leaves to the engine."""
+    try:
+        build_grammar(constraint)
+    except GrammarError as exc:
+        return str(exc)
+    return None
+
+
+def _choice_ebnf(choices: list[str]) -> str:
+    """A grammar whose root is exactly one of ``choices``. JSON string literals are valid EBNF
+    string literals, escapes included; a NUL would end the library's C string early."""
+    if any("\0" in choice for choice in choices):
+        raise ValueError("choices must not contain a NUL character")
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+
+
+def grammar_vocabulary(tokenizer: TokenizerInfo, vocab_size: int) -> xgr.TokenizerInfo:
+    """The vocabulary as the grammar library sees it, from the tokenizer.json and EOS ids the
+    engine has (no hub, no files). ``vocab_size`` is the model's: the logits' width, which may
+    exceed the tokenizer's (ids past it are never allowed).
+
+    The library detects how tokens spell bytes (byte-level BPE as GPT-2's "Ġ" for a space, or
+    SentencePiece's "<0x0A>" byte fallback) from the tokenizer; special tokens are then blanked,
+    which makes them unmatchable: the server leaves them out of the text, so a grammar must
+    not count on them spelling anything. The EOS ids stay the stop tokens, allowed exactly
+    where the grammar is complete."""
+    backend = tokenizers.Tokenizer.from_str(tokenizer.tokenizer_json)
+    stop_token_ids = list(tokenizer.eos_token_ids) or None  # None: the library detects them
+    detected = xgr.TokenizerInfo.from_huggingface(
+        PreTrainedTokenizerFast(tokenizer_object=backend),
+        vocab_size=vocab_size,
+        stop_token_ids=stop_token_ids,
+    )
+    special = {i for i, token in backend.get_added_tokens_decoder().items() if token.special}
+    encoded_vocab = [""] * vocab_size
+    for token, token_id in backend.get_vocab(with_added_tokens=True).items():
+        if token_id < vocab_size and token_id not in special:
+            encoded_vocab[token_id] = token
+    return xgr.TokenizerInfo(
+        encoded_vocab,
+        detected.vocab_type,
+        vocab_size=vocab_size,
+        stop_token_ids=stop_token_ids,
+        add_prefix_space=detected.add_prefix_space,
+    )
+
+
+class GrammarCompiler:
+    """Compiled grammars of one model's vocabulary, by constraint: each distinct one is compiled
+    once, on ``executor``'s threads (the library releases the GIL, so the step loop runs on),
+    and the ``max_cached`` most recently asked for are kept. Call from one thread: the step
+    loop."""
+
+    def __init__(
+        self,
+        tokenizer: TokenizerInfo,
+        vocab_size: int,
+        executor: Executor,
+        *,
+        max_cached: int = 256,
+        threads_per_compile: int = 4,
+    ) -> None:
+        # Reading the vocabulary takes a second or two: on the pool too, so the engine starts
+        # without waiting for it; the first compile does.
+        self._compiler = executor.submit(
+            self._new_compiler, tokenizer, vocab_size, threads_per_compile
+        )
+        self._executor = executor
+        self._max_cached = max_cached
+        self._cache: OrderedDict[StructuredOutput, Future[xgr.CompiledGrammar]] = OrderedDict()
+
+    @staticmethod
+    def _new_compiler(
+        tokenizer: TokenizerInfo, vocab_size: int, threads_per_compile: int
+    ) -> xgr.GrammarCompiler:
+        # The library's own cache is off: this one also dedups compiles still running and
+        # answers a repeat at once, without a trip through the pool.
+        return xgr.GrammarCompiler(
+            grammar_vocabulary(tokenizer, vocab_size),
+            max_threads=threads_per_compile,
+            cache_enabled=False,
+        )
+
+    def compile(self, constraint: StructuredOutput) -> Future[xgr.CompiledGrammar]:
+        """The constraint's compiled grammar, maybe still compiling; GrammarError at once if
+        the library refuses it. A compile that fails anyway holds its GrammarError."""
+        future = self._cache.get(constraint)
+        if future is not None:
+            self._cache.move_to_end(constraint)
+            return future
+        grammar = build_grammar(constraint)
+        future = self._executor.submit(self._compile, grammar)
+        self._cache[constraint] = future
+        if len(self._cache) > self._max_cached:
+            self._cache.popitem(last=False)  # requests compiling it keep their own reference
+        return future
+
+    def _compile(self, grammar: xgr.Grammar) -> xgr.CompiledGrammar:
+        compiler = self._compiler.result()
+        try:
+            return compiler.compile_grammar(grammar)
+        except (RuntimeError, ValueError) as exc:
+            raise GrammarError(_LOG_PREFIX.sub("", str(exc)).strip()) from None
+
+
+def new_matcher(
+    compiled: xgr.CompiledGrammar, stop_token_ids: Sequence[int] = ()
+) -> xgr.GrammarMatcher:
+    """One request's place in its grammar, at the start. Once the output is complete the
+    grammar allows only stop tokens: the EOS ids and the request's own ``stop_token_ids``;
+    accepting one terminates the matcher, and the request should finish then."""
+    if not stop_token_ids:
+        return xgr.GrammarMatcher(compiled)
+    stops = sorted({*compiled.tokenizer_info.stop_token_ids, *stop_token_ids})
+    return xgr.GrammarMatcher(compiled, override_stop_tokens=stops)
+
+
+class GrammarBitmask:
+    """Masks the logits of a step's sampled rows with their requests' grammars. One int32
+    bitmask of ``max_rows`` rows, a bit per token, allocated once (pinned on CUDA, with its
+    device copy); a step fills the rows it needs and moves them in one non-blocking copy."""
+
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
+        shape = xgr.get_bitmask_shape(max_rows, vocab_size)
+        on_cuda = device.type == "cuda"
+        self._host = torch.empty(shape, dtype=xgr.bitmask_dtype, pin_memory=on_cuda)
+        # On CUDA, the device copy and the event that marks the host rows read by it.
+        self._device = (
+            torch.empty(shape, dtype=xgr.bitmask_dtype, device=device) if on_cuda else None
+        )
+        self._copied = torch.cuda.Event() if on_cuda else None
+        self._filler = xgr.BatchGrammarMatcher()
+        if self._device is not None:  # compile the library's Triton kernel now, not mid-step
+            allow_all = self._device[:1].fill_(-1)
+            xgr.apply_token_bitmask_inplace(torch.zeros(1, vocab_size, device=device), allow_all)
+
+    def apply(self, logits: torch.Tensor, matchers: Sequence[xgr.GrammarMatcher | None]) -> None:
+        """Set to -inf, in place, each row's logits of the tokens its grammar forbids next.
+        ``matchers`` holds one per row of ``logits``: None, or one terminated since the step
+        was scheduled (its request finished: the row is dropped), leaves the row as it is."""
+        rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
+        if not rows:
+            return
+        if self._copied is not None:
+            self._copied.synchronize()  # the last copy has read the host rows: free to refill
+        num_rows = len(matchers)
+        host = self._host[:num_rows]
+        host.fill_(-1)  # every bit set: every token allowed
+        self._filler.batch_fill_next_token_bitmask(
+            [matchers[i] for i in rows], self._host, indices=rows
+        )
+        bitmask = host
+        if self._device is not None and self._copied is not None:
+            bitmask = self._device[:num_rows]
+            bitmask.copy_(host, non_blocking=True)
+            self._copied.record()
+        xgr.apply_token_bitmask_inplace(logits, bitmask)

@@ -1,0 +1,363 @@
+"""Structured outputs on the default model's real tokenizer: outputs decoded under the grammar
+masks are what the constraint asks for, bad constraints get the library's message, and each
+distinct constraint is compiled once, off the calling thread."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import tokenizers
+import torch
+import xgrammar as xgr
+
+from engine.checkpoint import load_checkpoint
+from engine.model_config import TokenizerInfo
+from engine.structured_output import (
+    GrammarBitmask,
+    GrammarCompiler,
+    GrammarError,
+    grammar_problem,
+    grammar_vocabulary,
+    new_matcher,
+)
+from protocol import StructuredOutput, StructuredOutputKind
+
+MAX_TOKENS = 400
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> TokenizerInfo:
+    return load_checkpoint("SmolLM2-135M-Instruct").tokenizer
+
+
+@pytest.fixture(scope="module")
+def text_tokenizer(tokenizer: TokenizerInfo) -> tokenizers.Tokenizer:
+    return tokenizers.Tokenizer.from_str(tokenizer.tokenizer_json)
+
+
+@pytest.fixture(scope="module")
+def vocab_size() -> int:
+    return load_checkpoint("SmolLM2-135M-Instruct").config.vocab_size
+
+
+@pytest.fixture(scope="module")
+def executor() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar") as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def compiler(
+    tokenizer: TokenizerInfo, vocab_size: int, executor: ThreadPoolExecutor
+) -> GrammarCompiler:
+    return GrammarCompiler(tokenizer, vocab_size, executor)
+
+
+def compiled(compiler: GrammarCompiler, kind: str, spec: str = "") -> xgr.CompiledGrammar:
+    return compiler.compile(StructuredOutput(kind, spec)).result()
+
+
+def decode(
+    grammar: xgr.CompiledGrammar,
+    vocab_size: int,
+    seed: int,
+    bias: torch.Tensor | None = None,
+    stop_token_ids: list[int] = (),
+) -> tuple[list[int], int | None]:
+    """Greedy decoding of random logits under the grammar's masks, as the engine will sample:
+    the output tokens and the stop token that ended them (None: MAX_TOKENS ran out first).
+    ``bias`` [V] is added to the logits, to steer unbounded grammars towards an end."""
+    generator = torch.Generator().manual_seed(seed)
+    matcher = new_matcher(grammar, stop_token_ids)
+    bitmask = GrammarBitmask(1, vocab_size, torch.device("cpu"))
+    tokens = []
+    for _ in range(MAX_TOKENS):
+        logits = torch.randn(1, vocab_size, generator=generator)
+        if bias is not None:
+            logits += bias
+        bitmask.apply(logits, [matcher])
+        token = int(logits.argmax())
+        assert matcher.accept_token(token), f"the mask allowed token {token}, which breaks it"
+        if matcher.is_terminated():
+            return tokens, token
+        tokens.append(token)
+    return tokens, None
+
+
+def favouring(vocab_size: int, favoured: list[int], avoided: list[int] = ()) -> torch.Tensor:
+    bias = torch.zeros(vocab_size)
+    bias[favoured] = 4.0
+    bias[list(avoided)] = -8.0
+    return bias
+
+
+@pytest.fixture(scope="module")
+def json_bias(
+    text_tokenizer: tokenizers.Tokenizer, tokenizer: TokenizerInfo, vocab_size: int
+) -> torch.Tensor:
+    """Random logits would pick whitespace between JSON tokens most of the time (the grammar
+    allows any, and many tokens are whitespace) and wander through strings and nestings:
+    closing them is favoured, whitespace avoided."""
+    whitespace = [
+        token_id
+        for token_id in range(vocab_size)
+        if (text := text_tokenizer.decode([token_id])) and text.isspace()
+    ]
+    closers = [text_tokenizer.token_to_id(c) for c in ['"', "}", "]"]]
+    return favouring(vocab_size, closers + tokenizer.eos_token_ids, whitespace)
+
+
+def text_of(text_tokenizer: tokenizers.Tokenizer, tokens: list[int]) -> str:
+    return text_tokenizer.decode(tokens, skip_special_tokens=True)  # as the server does
+
+
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 3},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "role", "tags"],
+}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_json_schema_output_is_valid_json_of_the_schema(
+    compiler: GrammarCompiler,
+    json_bias: torch.Tensor,
+    text_tokenizer: tokenizers.Tokenizer,
+    tokenizer: TokenizerInfo,
+    vocab_size: int,
+    seed: int,
+) -> None:
+    grammar = compiled(compiler, StructuredOutputKind.JSON_SCHEMA, json.dumps(PERSON_SCHEMA))
+    tokens, stop = decode(grammar, vocab_size, seed, json_bias)
+    assert stop in tokenizer.eos_token_ids
+    person = json.loads(text_of(text_tokenizer, tokens))
+    assert set(PERSON_SCHEMA["required"]) <= person.keys() <= PERSON_SCHEMA["properties"].keys()
+    assert isinstance(person["name"], str) and 1 <= len(person["name"]) <= 12
+    assert type(person["age"]) is int and 0 <= person["age"] <= 150
+    assert person["role"] in ("admin", "user", "guest")
+    assert len(person["tags"]) <= 3 and all(len(tag) <= 5 for tag in person["tags"])
+    assert type(person.get("active", True)) is bool
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_json_object_output_is_a_json_object(
+    compiler: GrammarCompiler,
+    json_bias: torch.Tensor,
+    text_tokenizer: tokenizers.Tokenizer,
+    tokenizer: TokenizerInfo,
+    vocab_size: int,
+    seed: int,
+) -> None:
+    grammar = compiled(compiler, StructuredOutputKind.JSON_OBJECT)
+    tokens, stop = decode(grammar, vocab_size, seed, json_bias)
+    assert stop is not None
+    assert isinstance(json.loads(text_of(text_tokenizer, tokens)), dict)
+
+
+def test_json_object_allows_exactly_objects(
+    compiler: GrammarCompiler, text_tokenizer: tokenizers.Tokenizer, tokenizer: TokenizerInfo
+) -> None:
+    grammar = compiled(compiler, StructuredOutputKind.JSON_OBJECT)
+    matcher = new_matcher(grammar)
+    for token in text_tokenizer.encode('{"a": [1, 2.5, "x"], "b": {"c": null}}').ids:
+        assert matcher.accept_token(token)
+    assert matcher.accept_token(tokenizer.eos_token_ids[0])
+    assert matcher.is_terminated()
+    assert not new_matcher(grammar).accept_token(text_tokenizer.token_to_id("["))
+
+
+@pytest.mark.parametrize(
+    "regex",
+    [
+        r"(19|20)\d{2}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])",
+        r"[A-Z][a-z]{2,8}( [A-Z][a-z]{2,8}){0,2}",
+        r"\+?[0-9]{1,3} \([0-9]{3}\) [0-9]{3}-[0-9]{4}",
+    ],
+)
+def test_regex_output_matches_the_regex(
+    compiler: GrammarCompiler,
+    text_tokenizer: tokenizers.Tokenizer,
+    tokenizer: TokenizerInfo,
+    vocab_size: int,
+    regex: str,
+) -> None:
+    grammar = compiled(compiler, StructuredOutputKind.REGEX, regex)
+    for seed in range(3):
+        tokens, stop = decode(grammar, vocab_size, seed)
+        assert stop in tokenizer.eos_token_ids
+        assert re.fullmatch(regex, text_of(text_tokenizer, tokens))
+
+
+CHOICES = ["yes", "no", 'say "maybe"', "back\\slash", "new\nline", "über 🚀", "ctrl\x01", ""]
+
+
+def test_choice_output_is_one_of_the_choices(
+    compiler: GrammarCompiler, text_tokenizer: tokenizers.Tokenizer, vocab_size: int
+) -> None:
+    grammar = compiled(compiler, StructuredOutputKind.CHOICE, json.dumps(CHOICES))
+    outputs = {text_of(text_tokenizer, decode(grammar, vocab_size, seed)[0]) for seed in range(8)}
+    assert outputs <= set(CHOICES)
+    assert len(outputs) > 1
+
+
+@pytest.mark.parametrize("choice", CHOICES)
+def test_every_choice_is_accepted(
+    compiler: GrammarCompiler,
+    text_tokenizer: tokenizers.Tokenizer,
+    tokenizer: TokenizerInfo,
+    choice: str,
+) -> None:
+    """Escaping keeps each choice's text exactly: quotes, backslashes, control characters."""
+    matcher = new_matcher(compiled(compiler, StructuredOutputKind.CHOICE, json.dumps(CHOICES)))
+    for token in text_tokenizer.encode(choice).ids:
+        assert matcher.accept_token(token)
+    assert matcher.accept_token(tokenizer.eos_token_ids[0])
+    rejected = new_matcher(compiled(compiler, StructuredOutputKind.CHOICE, json.dumps(CHOICES)))
+    assert not all(rejected.accept_token(t) for t in text_tokenizer.encode(choice + "!").ids)
+
+
+def test_ebnf_grammar_output_is_in_the_language(
+    compiler: GrammarCompiler, text_tokenizer: tokenizers.Tokenizer, vocab_size: int
+) -> None:
+    ebnf = 'root ::= term (("+" | "-") term)*\nterm ::= [1-9] [0-9]* | "(" root ")"'
+    grammar = compiled(compiler, StructuredOutputKind.GRAMMAR, ebnf)
+    bias = favouring(vocab_size, [text_tokenizer.token_to_id(")")])
+    for seed in range(4):
+        tokens, stop = decode(grammar, vocab_size, seed, bias)
+        assert stop is not None
+        expression = text_of(text_tokenizer, tokens)
+        assert re.fullmatch(r"[0-9+\-()]+", expression)
+        eval(compile(expression, "<grammar output>", "eval"))  # well-formed arithmetic
+
+
+def test_the_request_stop_tokens_end_a_complete_output(
+    compiler: GrammarCompiler, text_tokenizer: tokenizers.Tokenizer, vocab_size: int
+) -> None:
+    stop_token = text_tokenizer.token_to_id("!")
+    grammar = compiled(compiler, StructuredOutputKind.REGEX, "[a-z]{3}")
+    bias = favouring(vocab_size, [stop_token])
+    tokens, stop = decode(grammar, vocab_size, 0, bias, stop_token_ids=[stop_token])
+    assert stop == stop_token
+    assert re.fullmatch("[a-z]{3}", text_of(text_tokenizer, tokens))
+
+
+@pytest.mark.parametrize(
+    ("constraint", "message"),
+    [
+        (StructuredOutput("json_schema", '{"type": "nope"}'), 'Unsupported type "nope"'),
+        (StructuredOutput("json_schema", "{not json"), "Failed to parse JSON"),
+        (StructuredOutput("regex", "a(b"), "The parenthesis is not closed."),
+        (StructuredOutput("regex", "a\0b"), "must not contain null characters"),
+        (StructuredOutput("grammar", "root ::= foo"), 'Rule "foo" is not defined'),
+        (StructuredOutput("grammar", 'start ::= "a"'), 'root rule with name "root"'),
+        (StructuredOutput("choice", '["a\\u0000"]'), "must not contain a NUL"),
+    ],
+)
+def test_a_bad_constraint_gets_the_library_message(
+    compiler: GrammarCompiler, constraint: StructuredOutput, message: str
+) -> None:
+    problem = grammar_problem(constraint)
+    assert problem is not None and message in problem
+    assert not re.search(r"\.cc:\d+|Check failed|^\[", problem), "the library's log prefix stays"
+    with pytest.raises(GrammarError, match=re.escape(problem)):
+        compiler.compile(constraint)
+    with pytest.raises(GrammarError):  # refused at once again: a refusal is not cached
+        compiler.compile(constraint)
+
+
+def test_good_constraints_have_no_problem() -> None:
+    assert grammar_problem(StructuredOutput("json_schema", json.dumps(PERSON_SCHEMA))) is None
+    assert grammar_problem(StructuredOutput("json_object")) is None
+    assert grammar_problem(StructuredOutput("choice", json.dumps(CHOICES))) is None
+
+
+def test_each_distinct_constraint_is_compiled_once(
+    tokenizer: TokenizerInfo, vocab_size: int, executor: ThreadPoolExecutor
+) -> None:
+    compiler = GrammarCompiler(tokenizer, vocab_size, executor, max_cached=2)
+    a, b, c = (StructuredOutput("regex", regex) for regex in ["a+", "b+", "c+"])
+    first_a = compiler.compile(a)
+    assert compiler.compile(StructuredOutput("regex", "a+")) is first_a  # equal, not the same
+    first_b = compiler.compile(b)
+    assert first_b is not first_a
+    assert compiler.compile(a) is first_a  # a is now the most recently used
+    compiler.compile(c)  # evicts b, the least recently used
+    assert compiler.compile(a) is first_a
+    assert compiler.compile(b) is not first_b
+    assert isinstance(first_a.result(), xgr.CompiledGrammar)
+
+
+def test_compiles_run_on_the_pool_not_the_caller(tokenizer: TokenizerInfo, vocab_size: int) -> None:
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        compiler = GrammarCompiler(tokenizer, vocab_size, pool)
+        gate = threading.Event()
+        pool.submit(gate.wait)  # the pool's one thread is busy until the gate opens
+        future = compiler.compile(StructuredOutput("json_schema", json.dumps(PERSON_SCHEMA)))
+        assert not future.done()  # compile() returned without compiling
+        gate.set()
+        assert isinstance(future.result(timeout=60), xgr.CompiledGrammar)
+
+
+def test_padded_and_special_tokens_are_never_allowed(
+    tokenizer: TokenizerInfo, text_tokenizer: tokenizers.Tokenizer, vocab_size: int
+) -> None:
+    """A model's vocabulary may exceed its tokenizer's; those ids, and special tokens the
+    server would leave out of the text, are masked. EOS is allowed once the output is done."""
+    padded = vocab_size + 40
+    vocabulary = grammar_vocabulary(tokenizer, padded)
+    assert vocabulary.vocab_size == padded
+    assert vocabulary.vocab_type is xgr.VocabType.BYTE_LEVEL  # GPT-2 style "Ġ" spaces
+    special = {i for i, token in text_tokenizer.get_added_tokens_decoder().items() if token.special}
+    grammar = xgr.GrammarCompiler(vocabulary).compile_grammar(
+        xgr.Grammar.from_ebnf('root ::= [^x]* "x"')  # anything, then x
+    )
+    matcher = new_matcher(grammar)
+    bitmask = GrammarBitmask(4, padded, torch.device("cpu"))
+    logits = torch.zeros(1, padded)
+    bitmask.apply(logits, [matcher])
+    allowed = set(torch.nonzero(logits[0] == 0).flatten().tolist())
+    assert not allowed & special
+    assert max(allowed) < vocab_size
+    assert len(allowed) > vocab_size // 2
+    assert matcher.accept_token(text_tokenizer.token_to_id("x"))
+    logits = torch.zeros(1, padded)
+    bitmask.apply(logits, [matcher])
+    assert set(torch.nonzero(logits[0] == 0).flatten().tolist()) == set(tokenizer.eos_token_ids)
+
+
+def test_a_step_masks_only_its_constrained_rows(
+    compiler: GrammarCompiler,
+    text_tokenizer: tokenizers.Tokenizer,
+    tokenizer: TokenizerInfo,
+    vocab_size: int,
+) -> None:
+    digits = compiled(compiler, StructuredOutputKind.REGEX, "[0-9]+")
+    done = new_matcher(digits)
+    assert done.accept_token(text_tokenizer.token_to_id("7"))
+    assert done.accept_token(tokenizer.eos_token_ids[0])  # terminated: its request finished
+    matchers = [new_matcher(digits), None, done, new_matcher(digits)]
+    bitmask = GrammarBitmask(8, vocab_size, torch.device("cpu"))
+    logits = torch.randn(4, vocab_size)
+    raw = logits.clone()
+    bitmask.apply(logits, matchers)
+    for row in (1, 2):
+        assert torch.equal(logits[row], raw[row])
+    for row in (0, 3):
+        allowed = torch.nonzero(logits[row] == raw[row]).flatten().tolist()
+        assert {text_tokenizer.id_to_token(token) for token in allowed} == set("0123456789")
+    # A later step with fewer rows reuses the same buffers.
+    logits = torch.randn(1, vocab_size)
+    raw = logits.clone()
+    bitmask.apply(logits, [None])
+    assert torch.equal(logits, raw)
