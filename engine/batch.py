@@ -14,8 +14,15 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.prompt_logprobs import ScoredPositions, scored_chunks
 from engine.request import Request
-from engine.sampler import LogitBias, Penalties, SamplingTensors
+from engine.sampler import (
+    AllowedTokens,
+    BannedTokens,
+    LogitBias,
+    Penalties,
+    SamplingTensors,
+)
 from protocol import SamplingParams
 
 
@@ -25,11 +32,14 @@ class StepInputs:
 
     input_ids: torch.Tensor  # [T] int64
     metadata: AttentionMetadata
-    logits_index: torch.Tensor  # [R] int64: the packed tokens whose logits are sampled
+    # [R + C] int64: the packed tokens whose logits are sampled, then those of the C prompt
+    # positions scored for prompt log-probabilities.
+    logits_index: torch.Tensor
     # The R requests those are the last tokens of: every one whose tokens are all computed
     # after this step (not a prompt's first chunks), in batch order.
     rows: list[Request]
     num_seqs: int
+    scored: ScoredPositions | None  # None when no request wants prompt log-probabilities
 
     @property
     def is_decode(self) -> bool:
@@ -71,6 +81,7 @@ def pack(
         block_tables[token_seq_index, positions // block_size] * block_size + positions % block_size
     )
     logits_index = (query_ends - 1)[completes]
+    chunks, scored_index, target_ids = scored_chunks(batch, starts, query_starts)
     # Decodes whose input is a pending token: where it goes in the packed batch, and where
     # it is in the last step's sampled tokens.
     source_rows = np.fromiter(
@@ -88,6 +99,8 @@ def pack(
             query_starts,
             block_tables.ravel(),
             logits_index,
+            scored_index,
+            target_ids,
             query_starts[pending],
             source_rows[pending],
         ]
@@ -98,7 +111,8 @@ def pack(
         host_t = host_t.pin_memory()
     on_device = host_t.to(device, non_blocking=True)
     num_pending = int(pending.sum())
-    sizes = [num_tokens] * 4 + [seqs] * 3 + [block_tables.size, logits_index.size]
+    num_logits = logits_index.size + scored_index.size
+    sizes = [num_tokens] * 4 + [seqs] * 3 + [block_tables.size, num_logits, target_ids.size]
     (
         input_ids,
         positions_t,
@@ -109,6 +123,7 @@ def pack(
         query_starts_t,
         tables,
         logits_index_t,
+        target_ids_t,
         pending_index,
         pending_source,
     ) = on_device.split([*sizes, num_pending, num_pending])
@@ -125,21 +140,50 @@ def pack(
         max_query_len=int(query_lens.max()),
     )
     rows = batch if completes.all() else list(compress(batch, completes.tolist()))
-    return StepInputs(input_ids, metadata, logits_index_t, rows, seqs)
+    scored = None
+    if chunks:
+        num_top = max(chunk.request.sampling.prompt_logprobs or 0 for chunk in chunks)
+        scored = ScoredPositions(chunks, target_ids_t, num_top)
+    return StepInputs(input_ids, metadata, logits_index_t, rows, seqs, scored)
 
 
 def sampling_tensors(
-    rows: list[Request], vocab_size: int, device: torch.device
+    rows: list[Request],
+    vocab_size: int,
+    device: torch.device,
+    last_sampled: torch.Tensor,
+    eos_token_ids: list[int],
 ) -> SamplingTensors | None:
     """The sampling parameters of the requests sampled in a step, on the device; None when
-    every one is greedy without penalties or bias, which needs none (no tensors, no copies)."""
+    every one is greedy with nothing to apply to its logits, which needs none (no tensors, no
+    copies). A request's pending token (see ``pack``) is counted where the parameters look
+    at the output so far, taken from ``last_sampled`` on the device: no step waits for it."""
     params = [r.sampling for r in rows]
-    penalized = any(p.presence_penalty or p.frequency_penalty for p in params)
+    penalized = any(
+        p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in params
+    )
     biased = any(p.logit_bias_token_ids for p in params)
-    if not (penalized or biased) and all(p.temperature == 0 for p in params):
+    restricted = any(p.allowed_token_ids is not None for p in params)
+    banning = any(
+        p.bad_words_token_ids or r.num_output_tokens < p.min_tokens
+        for p, r in zip(params, rows, strict=True)
+    )
+    if not (penalized or biased or restricted or banning) and all(
+        p.temperature == 0 for p in params
+    ):
         return None
     floats = torch.tensor(
-        [(p.temperature, p.top_p, p.presence_penalty, p.frequency_penalty) for p in params],
+        [
+            (
+                p.temperature,
+                p.top_p,
+                p.presence_penalty,
+                p.frequency_penalty,
+                p.repetition_penalty,
+                p.min_p,
+            )
+            for p in params
+        ],
         dtype=torch.float32,
     ).to(device, non_blocking=True)
     ints = torch.tensor(
@@ -148,8 +192,11 @@ def sampling_tensors(
     ).to(device, non_blocking=True)
     penalties = None
     if penalized:
-        counts = _output_token_counts(rows, vocab_size, device)
+        counts = _output_token_counts(rows, vocab_size, device, last_sampled)
         penalties = Penalties(counts, floats[:, 2], floats[:, 3])
+        if any(p.repetition_penalty != 1 for p in params):
+            penalties.repetition = floats[:, 4]
+            penalties.prompt_tokens = _prompt_token_masks(rows, vocab_size, device)
     return SamplingTensors(
         temperature=floats[:, 0],
         top_p=floats[:, 1],
@@ -159,6 +206,9 @@ def sampling_tensors(
         any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
         penalties=penalties,
         logit_bias=_logit_bias(params, device) if biased else None,
+        min_p=floats[:, 5] if any(p.min_p > 0 and p.temperature > 0 for p in params) else None,
+        allowed=_allowed_tokens(params, device) if restricted else None,
+        banned=_banned_tokens(rows, eos_token_ids, device, last_sampled) if banning else None,
     )
 
 
@@ -169,14 +219,100 @@ def _logit_bias(params: list[SamplingParams], device: torch.device) -> LogitBias
     return LogitBias(rows, token_ids, values_t)
 
 
+def _allowed_tokens(params: list[SamplingParams], device: torch.device) -> AllowedTokens:
+    restricted = torch.tensor([p.allowed_token_ids is not None for p in params])
+    rows, token_ids = _ragged_to_device([p.allowed_token_ids or [] for p in params], device)
+    return AllowedTokens(restricted.to(device, non_blocking=True), rows, token_ids)
+
+
+def _banned_tokens(
+    rows: list[Request], eos_token_ids: list[int], device: torch.device, last_sampled: torch.Tensor
+) -> BannedTokens:
+    """The tokens each row may not sample now: EOS and its stop tokens while it has fewer
+    than min_tokens output tokens, and the last token of each of its bad words, where the
+    word's other tokens are its last output tokens."""
+    entries: list[tuple[int, int, list[int]]] = []  # (row, banned token, prefix)
+    for row, request in enumerate(rows):
+        sampling = request.sampling
+        if request.num_output_tokens < sampling.min_tokens:
+            stops = dict.fromkeys([*sampling.stop_token_ids, *eos_token_ids])
+            entries.extend((row, token, []) for token in stops)
+        entries.extend((row, word[-1], word[:-1]) for word in sampling.bad_words_token_ids)
+    width = max((len(prefix) for _, _, prefix in entries), default=0)
+    prefixes = np.full((len(entries), width), -1, np.int64)
+    recent = np.full((len(rows), width), -2, np.int64)
+    if width:
+        for index, (_, _, prefix) in enumerate(entries):
+            prefixes[index, width - len(prefix) :] = prefix
+        for row, request in enumerate(rows):
+            # A pending last token is filled in on the device.
+            known = width - request.num_pending_tokens
+            tail = request.output_token_ids[-known:] if known else []
+            recent[row, known - len(tail) : known] = tail
+    pending_rows, sources = _pending(rows)
+    entry_rows, tokens, prefixes_t, recent_t, pending_t, sources_t = _to_device(
+        [
+            np.fromiter((row for row, _, _ in entries), np.int64, len(entries)),
+            np.fromiter((token for _, token, _ in entries), np.int64, len(entries)),
+            prefixes.ravel(),
+            recent.ravel(),
+            pending_rows,
+            sources,
+        ],
+        device,
+    )
+    recent_t = recent_t.view(len(rows), width)
+    if width and pending_rows.size:
+        recent_t[:, -1].index_copy_(0, pending_t, last_sampled[sources_t])
+    return BannedTokens(entry_rows, tokens, prefixes_t.view(len(entries), width), recent_t)
+
+
 def _output_token_counts(
-    rows: list[Request], vocab_size: int, device: torch.device
+    rows: list[Request], vocab_size: int, device: torch.device, last_sampled: torch.Tensor
 ) -> torch.Tensor:
-    """[B, V] float32: how often each request has generated each token."""
-    row_index, tokens = _ragged_to_device([r.output_token_ids for r in rows], device)
+    """[B, V] float32: how often each request has generated each token, its pending one
+    included."""
+    lengths = [len(r.output_token_ids) for r in rows]
+    total = sum(lengths)
+    pending_rows, sources = _pending(rows)
+    known_rows, known_tokens, pending_t, sources_t = _to_device(
+        [
+            np.repeat(np.arange(len(rows)), lengths),
+            np.fromiter(chain.from_iterable(r.output_token_ids for r in rows), np.int64, total),
+            pending_rows,
+            sources,
+        ],
+        device,
+    )
     counts = torch.zeros(len(rows), vocab_size, device=device)
-    ones = torch.ones_like(row_index, dtype=counts.dtype)
-    return counts.index_put_((row_index, tokens), ones, True)
+    counts.index_put_((known_rows, known_tokens), torch.ones(total, device=device), True)
+    if pending_rows.size:
+        ones = torch.ones(pending_rows.size, device=device)
+        counts.index_put_((pending_t, last_sampled[sources_t]), ones, True)
+    return counts
+
+
+def _prompt_token_masks(rows: list[Request], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[B, V] bool: the tokens of each request's prompt, for those with a repetition penalty
+    (the others' rows are empty: their penalty, 1, changes nothing anyway). A request's row
+    is made once and kept in it."""
+    empty = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+    masks = []
+    for request in rows:
+        if request.sampling.repetition_penalty == 1:
+            masks.append(empty)
+            continue
+        if request.prompt_token_mask is None:
+            (prompt,) = _to_device([np.asarray(request.prompt_token_ids, np.int64)], device)
+            request.prompt_token_mask = empty.index_fill(0, prompt, True)
+        masks.append(request.prompt_token_mask)
+    return torch.stack(masks)
+
+
+def _pending(rows: list[Request]) -> tuple[np.ndarray, np.ndarray]:
+    """The rows whose last token is pending, and where it is in the last step's tokens."""
+    pending = [(row, r.pending_row) for row, r in enumerate(rows) if r.num_pending_tokens]
+    return np.array(pending, np.int64).reshape(-1, 2).T
 
 
 def _ragged_to_device(
@@ -186,12 +322,17 @@ def _ragged_to_device(
     copy: each item's row, and the items."""
     lengths = [len(items) for items in lists]
     total = sum(lengths)
-    host = np.concatenate(
+    rows, items = _to_device(
         [
             np.repeat(np.arange(len(lists)), lengths),
             np.fromiter(chain.from_iterable(lists), np.int64, total),
-        ]
+        ],
+        device,
     )
-    on_device = torch.from_numpy(host).to(device, non_blocking=True)
-    rows, items = on_device.split([total, total])
     return rows, items
+
+
+def _to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """int64 arrays on the device, moved in one copy."""
+    host = torch.from_numpy(np.concatenate(arrays).astype(np.int64, copy=False))
+    return list(host.to(device, non_blocking=True).split([a.size for a in arrays]))

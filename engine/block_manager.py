@@ -120,10 +120,11 @@ class BlockManager:
     def _cached_prefix(self, request: Request) -> tuple[list[int], int]:
         """The keyed blocks the request's tokens start with, and the last one's key hash. The
         last token is always left to compute (its logits are needed), so its block is never
-        a shared one."""
+        a shared one. A request that wants its prompt's log-probabilities takes none: it
+        needs the logits of every prompt position (as vLLM does)."""
         blocks: list[int] = []
         parent_key = _NO_PARENT
-        if not self.prefix_caching:
+        if not self.prefix_caching or request.needs_prompt_logprobs:
             return blocks, parent_key
         for index in range((request.num_tokens - 1) // self.block_size):
             key = self._key(parent_key, request, index)

@@ -78,6 +78,12 @@ class EngineConfig:
         "launch each step before reading the last one's tokens, hiding the host's work "
         "behind the device's (default: on for CUDA, off on CPU)",
     )
+    generation_config: str = option(
+        "auto",
+        "sampling defaults for what a request leaves out: auto, those of the model's "
+        "generation_config.json; vllm, none (vLLM's names); or a directory holding a "
+        "generation_config.json",
+    )
     attention_backend: str | None = option(
         None,
         "the attention and layer-op implementations (default: triton on CUDA, torch on CPU)",

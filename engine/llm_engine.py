@@ -6,14 +6,19 @@ directly in-process.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import random
 import time
+from pathlib import Path
 
 from engine.block_manager import BlockManager
-from engine.checkpoint import load_checkpoint
+from engine.checkpoint import Checkpoint, load_checkpoint
+from engine.checkpoint.generation_config import read_sampling_defaults
 from engine.config import EngineConfig
 from engine.model_runner import LaunchedStep, ModelRunner
+from engine.prompt_logprobs import take_scored
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 from protocol import (
@@ -22,11 +27,15 @@ from protocol import (
     ErrorCode,
     FinishReason,
     HandshakeReply,
+    PromptTokenLogprobs,
     RequestOutput,
+    SamplingDefaults,
     SamplingParams,
     TokenLogprobs,
     context_length_problem,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class RequestRejected(Exception):
@@ -68,6 +77,7 @@ class LLMEngine:
         )
         self.in_flight: LaunchedStep | None = None  # launched, results not yet read
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self.sampling_defaults = _sampling_defaults(config.generation_config, checkpoint)
         self.num_finished = 0
         self.num_generated_tokens = 0  # sampled, one per request per step
 
@@ -87,6 +97,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             engine_pid=os.getpid(),
             engine_started_at=self.started_at,
+            sampling_defaults=self.sampling_defaults,
         )
 
     def stats(self) -> EngineStats:
@@ -118,8 +129,8 @@ class LLMEngine:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, f"duplicate request id {request_id}")
         if not prompt:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, "the prompt has no tokens")
-        # logit_bias ids index the logits: out of range they would fail the whole step.
-        for token_ids in (prompt, sampling.logit_bias_token_ids):
+        # Token ids index the logits: out of range they would fail the whole step.
+        for token_ids in (prompt, *sampling.token_ids()):
             if token_ids and (min(token_ids) < 0 or max(token_ids) >= self.vocab_size):
                 raise RequestRejected(
                     ErrorCode.INVALID_REQUEST, f"token ids must be in [0, {self.vocab_size})"
@@ -151,15 +162,10 @@ class LLMEngine:
         of the step launched before it, which ran on the device while this one was scheduled
         and packed. The outputs, each with its client."""
         batch = self.scheduler.schedule()
-        outputs = []
-        if self.in_flight is not None and any(_needs_read_history(r) for r in batch):
-            # Penalties count the tokens generated so far: read the pending ones first.
-            outputs = self.sync()
-            batch = [r for r in batch if r.status is not RequestStatus.FINISHED]
         launched = self.runner.launch(batch) if batch else None
         if not self.overlap_steps:
             return self._read_results(launched) if launched else []
-        outputs += self.sync()
+        outputs = self.sync()
         self.in_flight = launched
         return outputs
 
@@ -176,6 +182,11 @@ class LLMEngine:
         for request in step.batch:
             if request.status is not RequestStatus.FINISHED:  # before a finish frees them
                 self.block_manager.cache_computed_blocks(request)
+        # Before the tokens: a prompt's last chunk also samples its first token, whose output
+        # carries them.
+        for chunk, entries in sampled.prompt_logprobs:
+            if chunk.request.status is not RequestStatus.FINISHED:
+                take_scored(chunk.request, chunk.first_token, entries)
         logprobs = sampled.logprobs or [None] * len(sampled.requests)
         outputs = []
         for request, token, token_logprobs in zip(
@@ -191,18 +202,23 @@ class LLMEngine:
         self, request: Request, token: int, logprobs: TokenLogprobs | None
     ) -> RequestOutput:
         sampling = request.sampling
+        # The first token's output carries the prompt's log-probabilities, now all read.
+        first = not request.output_token_ids and sampling.prompt_logprobs is not None
+        prompt_logprobs = request.prompt_logprobs if first else None
         if token in sampling.stop_token_ids or (
             not sampling.ignore_eos and token in self.eos_token_ids
         ):
-            return self._finish(request, FinishReason.STOP, [])
+            return self._finish(request, FinishReason.STOP, [], None, prompt_logprobs)
         request.output_token_ids.append(token)
         new_logprobs = None if logprobs is None else [logprobs]
         if (
             len(request.output_token_ids) >= sampling.max_tokens
             or request.num_tokens >= self.max_model_len
         ):
-            return self._finish(request, FinishReason.LENGTH, [token], new_logprobs)
-        return self._output(request, [token], None, new_logprobs)
+            return self._finish(
+                request, FinishReason.LENGTH, [token], new_logprobs, prompt_logprobs
+            )
+        return self._output(request, [token], None, new_logprobs, prompt_logprobs)
 
     def _finish(
         self,
@@ -210,12 +226,13 @@ class LLMEngine:
         reason: str,
         new_tokens: list[int],
         logprobs: list[TokenLogprobs] | None = None,
+        prompt_logprobs: list[PromptTokenLogprobs] | None = None,
     ) -> RequestOutput:
         if request.status is not RequestStatus.FINISHED:
             self.scheduler.remove(request)
             del self.requests[request.key]
             self.num_finished += 1
-        return self._output(request, new_tokens, reason, logprobs)
+        return self._output(request, new_tokens, reason, logprobs, prompt_logprobs)
 
     @staticmethod
     def _output(
@@ -223,6 +240,7 @@ class LLMEngine:
         new_tokens: list[int],
         reason: str | None,
         logprobs: list[TokenLogprobs] | None = None,
+        prompt_logprobs: list[PromptTokenLogprobs] | None = None,
     ) -> RequestOutput:
         return RequestOutput(
             request_id=request.request_id,
@@ -231,11 +249,26 @@ class LLMEngine:
             num_prompt_tokens=len(request.prompt_token_ids),
             num_output_tokens=len(request.output_token_ids),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
-def _needs_read_history(request: Request) -> bool:
-    """Whether sampling the request's next token needs every earlier one in host memory."""
-    return request.num_pending_tokens > 0 and bool(
-        request.sampling.presence_penalty or request.sampling.frequency_penalty
-    )
+def _sampling_defaults(generation_config: str, checkpoint: Checkpoint) -> SamplingDefaults:
+    """The sampling defaults servers apply, as ``--generation-config`` says."""
+    if generation_config == "vllm":
+        return SamplingDefaults()
+    if generation_config == "auto":
+        defaults = checkpoint.sampling_defaults
+    else:
+        directory = Path(generation_config).expanduser()
+        if not (directory / "generation_config.json").is_file():
+            raise ValueError(f"--generation-config: no generation_config.json in {directory}")
+        defaults = read_sampling_defaults(directory)
+    recommended = {k: v for k, v in dataclasses.asdict(defaults).items() if v is not None}
+    if recommended:
+        logger.info(
+            "sampling defaults from the generation config: %s (--generation-config vllm "
+            "turns them off)",
+            ", ".join(f"{name} {value}" for name, value in recommended.items()),
+        )
+    return defaults

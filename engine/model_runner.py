@@ -22,9 +22,10 @@ from engine.batch import StepInputs, pack, sampling_tensors
 from engine.checkpoint import Checkpoint
 from engine.cuda_graphs import DecodeGraphs
 from engine.models import build_model
+from engine.prompt_logprobs import ScoredChunk, read_scored
 from engine.request import Request
-from engine.sampler import sample, token_logprobs
-from protocol import TokenLogprobs
+from engine.sampler import prompt_token_logprobs, sample, token_logprobs
+from protocol import PromptTokenLogprobs, TokenLogprobs
 
 if TYPE_CHECKING:
     from engine.llm_engine import EngineConfig
@@ -36,11 +37,13 @@ logger = logging.getLogger(__name__)
 class SampledTokens:
     """A step's result: the requests whose prompts are now computed (all of the batch but
     those with only a chunk of their prompt done), each one's next token and, for those
-    that asked, its log-probabilities (None for the others; None for all if none asked)."""
+    that asked, its log-probabilities (None for the others; None for all if none asked);
+    and the prompt log-probabilities its chunks scored, per chunk."""
 
     requests: list[Request]
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None
+    prompt_logprobs: list[tuple[ScoredChunk, list[PromptTokenLogprobs]]]
 
 
 @dataclass
@@ -50,22 +53,27 @@ class LaunchedStep:
 
     batch: list[Request]
     rows: list[Request]  # the sampled ones, in the order of the results
-    host_results: list[torch.Tensor]  # token ids [B]; with logprobs, also values and ids
+    # Token ids [R]; with logprobs, their values and ids [R, 1 + k]; with scored prompt
+    # positions, their values and ranks-and-ids [C, 1 + k].
+    host_results: list[torch.Tensor]
     logprobs_asked: list[int | None] | None  # per row; None when no row asked
+    scored: list[ScoredChunk]
     copied: torch.cuda.Event | None
 
     def result(self) -> SampledTokens:
         """Wait for the results and read them: the step's one synchronization."""
         if self.copied is not None:
             self.copied.synchronize()
-        if self.logprobs_asked is None:
-            return SampledTokens(self.rows, self.host_results[0].tolist(), None)
-        _, values, ids = (t.tolist() for t in self.host_results)
-        logprobs = [
-            None if k is None else TokenLogprobs(row[0], row_ids[1 : k + 1], row[1 : k + 1])
-            for k, row, row_ids in zip(self.logprobs_asked, values, ids, strict=True)
-        ]
-        return SampledTokens(self.rows, [row_ids[0] for row_ids in ids], logprobs)
+        token_ids, *rest = (t.tolist() for t in self.host_results)
+        logprobs = None
+        if self.logprobs_asked is not None:
+            values, ids, *rest = rest
+            logprobs = [
+                None if k is None else TokenLogprobs(row[0], row_ids[1 : k + 1], row[1 : k + 1])
+                for k, row, row_ids in zip(self.logprobs_asked, values, ids, strict=True)
+            ]
+        prompt_logprobs = read_scored(self.scored, *rest) if self.scored else []
+        return SampledTokens(self.rows, token_ids, logprobs, prompt_logprobs)
 
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -88,6 +96,8 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_config = checkpoint.config
+        # Not to be sampled before a request's min_tokens, with its stop tokens.
+        self.eos_token_ids = list(checkpoint.tokenizer.eos_token_ids)
         self.block_size = config.block_size
         # RoPE tables cover this length, the cap below being known only once the model
         # is loaded and measured.
@@ -236,7 +246,9 @@ class ModelRunner:
         return pack(batch, self.block_size, self.device, self._last_sampled)
 
     def forward_eager(self, inputs: StepInputs) -> torch.Tensor:
-        """The logits of the step's sampled rows, the model run op by op."""
+        """The logits of the step's sampled rows and scored prompt positions, the model run
+        op by op. (A decode step, which a graph may run, scores none: a one-token chunk that
+        scores a prompt token leaves the rest of its prompt to compute, and samples nothing.)"""
         self.attention.prepare(inputs.metadata)
         return self.model(inputs.input_ids, inputs.metadata, inputs.logits_index)
 
@@ -255,24 +267,42 @@ class ModelRunner:
         else:
             logits = self.forward_eager(inputs)
         rows = inputs.rows
-        if not rows:  # only prompt chunks: nothing to sample yet
-            return LaunchedStep(batch, [], [torch.empty(0, dtype=torch.int64)], None, None)
-        vocab_size = self.model_config.vocab_size
-        next_tokens = sample(logits, sampling_tensors(rows, vocab_size, self.device))
+        results = [torch.empty(0, dtype=torch.int64, device=self.device)]
+        logprobs_asked = None
+        if rows:  # else only prompt chunks: nothing to sample yet
+            results, logprobs_asked = self._sample(rows, logits[: len(rows)])
+        scored = inputs.scored
+        if scored is not None:
+            chosen, rank, top_logprobs, top_ids = prompt_token_logprobs(
+                logits[len(rows) :], scored.target_ids, scored.num_top
+            )
+            results.append(torch.cat([chosen.unsqueeze(1), top_logprobs], dim=1))
+            results.append(torch.cat([rank.unsqueeze(1), top_ids], dim=1))
+        host_results, copied = self._copy_to_host(results)
+        chunks = [] if scored is None else scored.chunks
+        return LaunchedStep(batch, rows, host_results, logprobs_asked, chunks, copied)
+
+    def _sample(
+        self, rows: list[Request], logits: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[int | None] | None]:
+        """Sample each row's next token and make it pending; the tokens and, if any row
+        asked, the log-probabilities' values and ids, and what each row asked."""
+        params = sampling_tensors(
+            rows, self.model_config.vocab_size, self.device, self._last_sampled, self.eos_token_ids
+        )
+        next_tokens = sample(logits, params)
         self._last_sampled = next_tokens
         for row, request in enumerate(rows):
             request.num_pending_tokens += 1
             request.pending_row = row
         asked = [r.sampling.logprobs for r in rows]
-        results = [next_tokens]
-        if any(k is not None for k in asked):
-            num_top = max(k for k in asked if k is not None)
-            chosen, top_logprobs, top_ids = token_logprobs(logits, next_tokens, num_top)
-            results.append(torch.cat([chosen.unsqueeze(1), top_logprobs], dim=1))
-            results.append(torch.cat([next_tokens.unsqueeze(1), top_ids], dim=1))
-        host_results, copied = self._copy_to_host(results)
-        logprobs_asked = asked if len(results) > 1 else None
-        return LaunchedStep(batch, rows, host_results, logprobs_asked, copied)
+        if all(k is None for k in asked):
+            return [next_tokens], None
+        num_top = max(k for k in asked if k is not None)
+        chosen, top_logprobs, top_ids = token_logprobs(logits, next_tokens, num_top)
+        values = torch.cat([chosen.unsqueeze(1), top_logprobs], dim=1)
+        ids = torch.cat([next_tokens.unsqueeze(1), top_ids], dim=1)
+        return [next_tokens, values, ids], asked
 
     def _copy_to_host(
         self, tensors: list[torch.Tensor]

@@ -5,7 +5,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from protocol import SamplingParams
+import torch
+
+from protocol import PromptTokenLogprobs, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -35,6 +37,11 @@ class Request:
     num_keyed_blocks: int = 0  # leading blocks keyed for prefix caching (BlockManager)
     parent_key: int = 0  # hash of the last keyed block's key
     status: RequestStatus = RequestStatus.WAITING
+    # With sampling.prompt_logprobs: those read so far, of prompt tokens 1, 2, ... in order.
+    prompt_logprobs: list[PromptTokenLogprobs] = field(default_factory=list)
+    # With a repetition penalty: the prompt's tokens as a [V] bool mask on the device, made
+    # once by the first step that needs it (engine/batch.py).
+    prompt_token_mask: torch.Tensor | None = None
 
     @property
     def key(self) -> tuple[bytes, str]:
@@ -52,6 +59,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asked for prompt log-probabilities and has not sampled its first token: its
+        prefill must score every prompt position, so it may take no cached blocks."""
+        return self.sampling.prompt_logprobs is not None and self.num_output_tokens == 0
 
     @property
     def has_all_tokens(self) -> bool:

@@ -17,11 +17,15 @@ _MASK32 = 0xFFFFFFFF
 
 @dataclass
 class Penalties:
-    """OpenAI's presence and frequency penalties of a step's rows, on the logits' device."""
+    """The penalties of a step's rows on the tokens they have seen, on the logits' device."""
 
     counts: torch.Tensor  # [B, V] float32: how often each row has generated each token
     presence: torch.Tensor  # [B] float32
     frequency: torch.Tensor  # [B] float32
+    # vLLM's repetition penalty [B] float32 (1 for none) and each row's prompt tokens
+    # [B, V] bool; both None when no row has one.
+    repetition: torch.Tensor | None = None
+    prompt_tokens: torch.Tensor | None = None
 
 
 @dataclass
@@ -34,9 +38,33 @@ class LogitBias:
 
 
 @dataclass
+class AllowedTokens:
+    """vLLM's allowed_token_ids of a step's rows, sparse: each ``restricted`` row may sample
+    only the ``token_ids`` listed at its index in ``rows``."""
+
+    restricted: torch.Tensor  # [B] bool
+    rows: torch.Tensor  # [N] int64
+    token_ids: torch.Tensor  # [N] int64
+
+
+@dataclass
+class BannedTokens:
+    """Tokens some rows may not sample now (bad words; EOS and stop tokens before
+    min_tokens), sparse: ``token_ids`` at ``rows``, each where the row's last output tokens
+    are its ``prefixes`` row (right-aligned, -1 matching any token): a bad word's last token
+    is banned right after the rest of the word."""
+
+    rows: torch.Tensor  # [N] int64
+    token_ids: torch.Tensor  # [N] int64
+    prefixes: torch.Tensor  # [N, M] int64
+    recent: torch.Tensor  # [B, M] int64: each row's last M output tokens, -2 where it has fewer
+
+
+@dataclass
 class SamplingTensors:
     """Per-row sampling parameters of a step that samples at least one row, on the logits'
-    device. A step whose rows are all greedy needs none (``sample(logits, None)``)."""
+    device. A step whose rows are all greedy needs none (``sample(logits, None)``); every
+    optional part is None when no row uses it, and then costs nothing."""
 
     temperature: torch.Tensor  # [B] float32, 0 for greedy rows
     top_p: torch.Tensor  # [B] float32
@@ -44,24 +72,24 @@ class SamplingTensors:
     seed: torch.Tensor  # [B] int64
     step: torch.Tensor  # [B] int64, index of the token being sampled in the request's output
     any_top_k_or_p: bool  # a host-side fact that lets a step skip the sort
-    penalties: Penalties | None = None  # None when no row has one
-    logit_bias: LogitBias | None = None  # None when no row has one
+    penalties: Penalties | None = None
+    logit_bias: LogitBias | None = None
+    min_p: torch.Tensor | None = None  # [B] float32, 0 for none
+    allowed: AllowedTokens | None = None
+    banned: BannedTokens | None = None
 
 
 def sample(logits: torch.Tensor, params: SamplingTensors | None) -> torch.Tensor:
     """Token ids [B] (int64) from float32 logits [B, V]; ``params`` None: all rows greedy."""
     if params is None:
         return logits.argmax(dim=-1)
-    if params.penalties is not None:
-        logits = apply_penalties(logits, params.penalties)
-    if params.logit_bias is not None:
-        bias = params.logit_bias
-        # A copy (index_put, not index_put_): the raw logits serve logprobs.
-        logits = logits.index_put((bias.rows, bias.token_ids), bias.values, accumulate=True)
+    logits = process_logits(logits, params)
     greedy_tokens = logits.argmax(dim=-1)
     is_greedy = params.temperature == 0
     temperature = torch.where(is_greedy, torch.ones_like(params.temperature), params.temperature)
     probs = torch.softmax(logits / temperature.unsqueeze(1), dim=-1)
+    if params.min_p is not None:
+        probs = apply_min_p(probs, params.min_p)
     # Exponential race: argmax(p / E) with E ~ Exp(1) draws index i with probability p_i.
     race = uniform_noise(params.seed, params.step, logits.shape[1]).log_().neg_()
     if params.any_top_k_or_p:
@@ -70,15 +98,60 @@ def sample(logits: torch.Tensor, params: SamplingTensors | None) -> torch.Tensor
     return torch.where(is_greedy, greedy_tokens, sampled_tokens)
 
 
+def process_logits(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """The logits that greedy rows take the argmax of, in vLLM's order: allowed tokens, bans,
+    logit bias, penalties. Each step makes a new tensor: the raw logits serve logprobs."""
+    if params.allowed is not None:
+        logits = apply_allowed_tokens(logits, params.allowed)
+    if params.banned is not None:
+        logits = apply_bans(logits, params.banned)
+    if params.logit_bias is not None:
+        bias = params.logit_bias
+        logits = logits.index_put((bias.rows, bias.token_ids), bias.values, accumulate=True)
+    if params.penalties is not None:
+        logits = apply_penalties(logits, params.penalties)
+    return logits
+
+
 def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
-    """The logits less each row's presence penalty for every token it has generated and its
-    frequency penalty times how often (new tensor: the raw logits serve logprobs)."""
+    """The logits with each row's repetition penalty on every token of its prompt and output
+    (divided if positive, multiplied if not), then less its frequency penalty times how often
+    it generated each token and its presence penalty for every one it did."""
     counts = penalties.counts
+    generated = counts > 0
+    if penalties.repetition is not None and penalties.prompt_tokens is not None:
+        seen = penalties.prompt_tokens | generated
+        repetition = penalties.repetition.unsqueeze(1)
+        penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+        logits = torch.where(seen, penalized, logits)
     return (
         logits
         - penalties.frequency.unsqueeze(1) * counts
-        - penalties.presence.unsqueeze(1) * (counts > 0).float()
+        - penalties.presence.unsqueeze(1) * generated.float()
     )
+
+
+def apply_allowed_tokens(logits: torch.Tensor, allowed: AllowedTokens) -> torch.Tensor:
+    """-inf for every token a restricted row does not allow."""
+    banned = allowed.restricted.unsqueeze(1).repeat(1, logits.shape[1])
+    banned.index_put_((allowed.rows, allowed.token_ids), torch.zeros_like(allowed.rows, dtype=bool))
+    return logits.masked_fill(banned, float("-inf"))
+
+
+def apply_bans(logits: torch.Tensor, banned: BannedTokens) -> torch.Tensor:
+    """-inf for each banned token whose prefix its row just generated."""
+    prefixes = banned.prefixes
+    matched = ((prefixes == banned.recent[banned.rows]) | (prefixes < 0)).all(dim=1)
+    penalty = torch.where(matched, float("-inf"), 0.0)
+    return logits.index_put((banned.rows, banned.token_ids), penalty, accumulate=True)
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero each row's probabilities below min_p times its largest, and renormalize (so that
+    top-p, after it, measures what is left)."""
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    kept = probs.masked_fill(probs < threshold, 0.0)
+    return kept / kept.sum(dim=-1, keepdim=True)
 
 
 def token_logprobs(
@@ -87,7 +160,23 @@ def token_logprobs(
     """Under the raw distribution of float32 ``logits`` [B, V] (no temperature, no cuts):
     the log-probability [B] of each row's token, and the ``num_top`` likeliest tokens'
     log-probabilities and ids [B, num_top], likeliest first."""
+    return _chosen_and_top(torch.log_softmax(logits, dim=-1), tokens, num_top)
+
+
+def prompt_token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``token_logprobs``'s three, and with them each token's rank [B] (int64): how many
+    tokens are at least as likely, itself included, as vLLM counts."""
     logprobs = torch.log_softmax(logits, dim=-1)
+    chosen, top_logprobs, top_ids = _chosen_and_top(logprobs, tokens, num_top)
+    rank = (logprobs >= chosen.unsqueeze(1)).sum(dim=-1)
+    return chosen, rank, top_logprobs, top_ids
+
+
+def _chosen_and_top(
+    logprobs: torch.Tensor, tokens: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
     top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
     return chosen, top_logprobs, top_ids

@@ -27,6 +27,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_prefill_tokens = 0  # prompt tokens scheduled (cached prefixes not)
+        self._scored_positions_left = max_num_seqs  # this step's (schedule)
 
     @property
     def has_work(self) -> bool:
@@ -43,6 +44,9 @@ class Scheduler:
         num_running = len(self.running)
         self.running = self._schedule_running()
         budget = self.max_num_batched_tokens
+        # Prompt positions whose logits are all computed for their log-probabilities: at
+        # most as many as the logits rows sizing the KV cache left room for (max_num_seqs).
+        self._scored_positions_left = self.max_num_seqs
         batch: list[Request] = []
         prefilling: list[Request] = []
         for request in self.running:
@@ -57,18 +61,22 @@ class Scheduler:
         for request in prefilling:
             if not budget:
                 break
-            budget -= self._schedule_prefill(request, budget)
-            batch.append(request)
+            if self._schedule_prefill(request, budget):
+                budget -= request.num_scheduled_tokens
+                batch.append(request)
         if len(self.running) == num_running:  # nothing was preempted: there may be room
             self._admit_waiting(batch, budget)
         return batch
 
-    def _schedule_prefill(self, request: Request, budget: int) -> int:
-        """Schedule as much of the request's prompt as the budget allows; how much."""
+    def _schedule_prefill(self, request: Request, budget: int) -> bool:
+        """Schedule as much of the request's prompt as the budget allows; whether any."""
         chunk = min(request.num_tokens - request.num_cached_tokens, budget)
+        if request.needs_prompt_logprobs:
+            chunk = min(chunk, self._scored_positions_left)
+            self._scored_positions_left -= chunk
         request.num_scheduled_tokens = chunk
         self.num_prefill_tokens += chunk
-        return chunk
+        return chunk > 0
 
     def _schedule_running(self) -> list[Request]:
         kept: list[Request] = []
@@ -93,12 +101,15 @@ class Scheduler:
         # preempted in this call, which admits no one, and the token is read before the next.
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.needs_prompt_logprobs and not self._scored_positions_left:
+                break
             if not self.block_manager.admit(request):
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            budget -= self._schedule_prefill(request, budget)
+            self._schedule_prefill(request, budget)
+            budget -= request.num_scheduled_tokens
             batch.append(request)
 
     def _preempt(self, request: Request) -> None:

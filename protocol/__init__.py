@@ -3,6 +3,8 @@
 from protocol.codec import MAX_FRAME_BYTES, Message, ProtocolError, decode_message
 from protocol.limits import context_length_problem
 from protocol.messages import (
+    MAX_BAD_WORDS,
+    MAX_BAD_WORDS_TOKENS,
     MAX_TOP_LOGPROBS,
     PROTOCOL_VERSION,
     AbortRequest,
@@ -13,7 +15,9 @@ from protocol.messages import (
     GenerateRequest,
     HandshakeReply,
     HandshakeRequest,
+    PromptTokenLogprobs,
     RequestOutput,
+    SamplingDefaults,
     SamplingParams,
     StatsRequest,
     StructuredOutput,
@@ -23,6 +27,8 @@ from protocol.messages import (
 )
 
 __all__ = [
+    "MAX_BAD_WORDS",
+    "MAX_BAD_WORDS_TOKENS",
     "MAX_FRAME_BYTES",
     "MAX_TOP_LOGPROBS",
     "PROTOCOL_VERSION",
@@ -35,8 +41,10 @@ __all__ = [
     "HandshakeReply",
     "HandshakeRequest",
     "Message",
+    "PromptTokenLogprobs",
     "ProtocolError",
     "RequestOutput",
+    "SamplingDefaults",
     "SamplingParams",
     "StatsRequest",
     "StructuredOutput",

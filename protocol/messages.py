@@ -12,6 +12,7 @@ docs/architecture.md walks through the life of a request in these terms.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -23,6 +24,10 @@ from protocol.codec import Message
 PROTOCOL_VERSION = 2
 # The most alternatives a request may ask log-probabilities of, as OpenAI's top_logprobs.
 MAX_TOP_LOGPROBS = 20
+# The most token sequences a request's bad words may tokenize to, and their total tokens
+# (vLLM's limits).
+MAX_BAD_WORDS = 128
+MAX_BAD_WORDS_TOKENS = 1024
 
 
 class FinishReason:
@@ -91,7 +96,13 @@ class StructuredOutput:
 
 @dataclass
 class SamplingParams:
-    """How to choose each next token. The defaults are greedy decoding."""
+    """How to choose each next token. The defaults are greedy decoding.
+
+    The engine applies them in vLLM's order: allowed_token_ids, bad words and min_tokens'
+    bans, logit bias, then the penalties (repetition, frequency, presence); greedy rows take
+    the argmax of that, sampled ones divide it by the temperature and cut it by min_p, then
+    top-k and top-p.
+    """
 
     max_tokens: int = 16
     temperature: float = 0.0  # 0 means greedy
@@ -111,6 +122,22 @@ class SamplingParams:
     logit_bias_values: list[float] = field(default_factory=list)
     # None: free text; otherwise each token is sampled among those the constraint allows.
     structured_output: StructuredOutput | None = None
+    # vLLM's: only tokens whose probability is at least min_p times the likeliest one's
+    # (after the temperature) may be sampled. 0 is off.
+    min_p: float = 0.0
+    # vLLM's (Hugging Face's): every token of the prompt or the output so far has its logit
+    # divided by this if positive, multiplied by it if not. 1 is off.
+    repetition_penalty: float = 1.0
+    # EOS and stop_token_ids cannot be sampled before this many output tokens.
+    min_tokens: int = 0
+    # vLLM's bad_words, tokenized by the server: the last token of each sequence cannot be
+    # sampled right after the others (a one-token sequence never).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # None: any token; otherwise only these may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # None: none; k: each prompt token's log-probability given the ones before it (the
+    # first has none) and the k likeliest tokens' at its position.
+    prompt_logprobs: int | None = None
 
     def validate(self) -> str | None:
         """The reason these parameters are unusable, or None."""
@@ -124,17 +151,53 @@ class SamplingParams:
             return "top_k must be non-negative"
         if self.seed is not None and not 0 <= self.seed < 2**63:
             return "seed must be in [0, 2**63)"
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            return f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]"
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+                return f"{name} must be in [0, {MAX_TOP_LOGPROBS}]"
         if not (-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2):
             return "presence_penalty and frequency_penalty must be in [-2, 2]"
         if len(self.logit_bias_token_ids) != len(self.logit_bias_values):
             return "logit_bias_token_ids and logit_bias_values must be as long"
         if not all(-100 <= bias <= 100 for bias in self.logit_bias_values):
             return "logit_bias values must be in [-100, 100]"
+        if not 0 <= self.min_p <= 1:
+            return "min_p must be in [0, 1]"
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            return "repetition_penalty must be a finite number greater than 0"
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            return "min_tokens must be in [0, max_tokens]"
+        words = self.bad_words_token_ids
+        if not all(words) or len(words) > MAX_BAD_WORDS:
+            return f"bad words may be {MAX_BAD_WORDS} token sequences at most, none empty"
+        if sum(map(len, words)) > MAX_BAD_WORDS_TOKENS:
+            return f"bad words may hold {MAX_BAD_WORDS_TOKENS} tokens in all"
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            return "allowed_token_ids must not be empty"
         if self.structured_output is not None:
             return self.structured_output.validate()
         return None
+
+    def token_ids(self) -> list[list[int]]:
+        """Every list of token ids these parameters hold, for the vocabulary check."""
+        return [
+            self.stop_token_ids,
+            self.logit_bias_token_ids,
+            self.allowed_token_ids or [],
+            *self.bad_words_token_ids,
+        ]
+
+
+@dataclass
+class SamplingDefaults:
+    """The model's own sampling defaults (its generation_config.json, as vLLM reads it by
+    default): what a server uses for a field a request leaves out. None: no default here."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
 
 
 @dataclass
@@ -161,6 +224,8 @@ class HandshakeReply(Message):
     max_model_len: int  # prompt + output tokens of one request
     engine_pid: int
     engine_started_at: float  # unix time the engine process started
+    # For the fields a request leaves out (the engine's --generation-config).
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
 
 @dataclass
@@ -199,6 +264,18 @@ class TokenLogprobs:
 
 
 @dataclass
+class PromptTokenLogprobs:
+    """A prompt token's log-probability given the tokens before it, its rank among the
+    vocabulary's (1: the likeliest; tokens as likely count before it), and the likeliest
+    tokens' ids and log-probabilities at its position."""
+
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
 class RequestOutput:
     """New tokens of one request since its last output."""
 
@@ -209,6 +286,9 @@ class RequestOutput:
     num_output_tokens: int  # all tokens generated so far, the new ones included
     # One per new token when the request asked for them (SamplingParams.logprobs).
     logprobs: list[TokenLogprobs] | None = None
+    # With the first token, when the request asked (SamplingParams.prompt_logprobs): one
+    # per prompt token after the first.
+    prompt_logprobs: list[PromptTokenLogprobs] | None = None
 
 
 @dataclass

@@ -53,9 +53,11 @@ async def whole_response(
     answer: Answer,
     choices: list[ChoiceDeltas],
     render_choice: Callable[[int, TextDelta], dict[str, Any]],
+    render_extra: Callable[[TextDelta], dict[str, Any]] | None = None,
 ) -> Response:
     """The non-streamed answer: every choice whole, as ``render_choice`` writes it (from its
-    index and its collected text), and the usage of them all."""
+    index and its collected text), the usage of them all, and what ``render_extra`` makes
+    of the first choice."""
     wholes = await collect(request, choices)
     if wholes is None:
         return Response(status_code=_CLIENT_CLOSED_REQUEST)
@@ -64,5 +66,6 @@ async def whole_response(
             **answer.header(),
             "choices": [render_choice(index, whole) for index, whole in enumerate(wholes)],
             "usage": answer.usage(sum(whole.completion_tokens for whole in wholes)),
+            **(render_extra(wholes[0]) if render_extra is not None else {}),
         }
     )

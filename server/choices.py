@@ -47,14 +47,22 @@ class PreparedGeneration:
                 tokenizer,
                 f"{request_id}-{index}",
                 self.prompt_ids,
-                # A seeded request's choices each take a seed of their own, in turn.
-                self.sampling
-                if self.sampling.seed is None
-                else dataclasses.replace(self.sampling, seed=(self.sampling.seed + index) % 2**63),
+                self._choice_sampling(index),
                 self.stop,
             )
             for index in range(self.num_choices)
         ]
+
+    def _choice_sampling(self, index: int) -> SamplingParams:
+        """A seeded request's choices each take a seed of their own, in turn. Only the
+        first computes the prompt's log-probabilities, the same for every choice (the others
+        may then find the prompt in the prefix cache)."""
+        changes: dict[str, int | None] = {}
+        if self.sampling.seed is not None:
+            changes["seed"] = (self.sampling.seed + index) % 2**63
+        if index:
+            changes["prompt_logprobs"] = None
+        return dataclasses.replace(self.sampling, **changes) if changes else self.sampling
 
 
 async def collect(request: Request, choices: list[ChoiceDeltas]) -> list[TextDelta] | None:
@@ -71,12 +79,15 @@ async def _collect_all(choices: list[ChoiceDeltas]) -> list[TextDelta]:
             tasks = [group.create_task(_collect(deltas)) for deltas in choices]
     except* ApiError as errors:
         raise errors.exceptions[0] from None
-    return [task.result() for task in tasks]
+    wholes = [task.result() for task in tasks]
+    for whole in wholes[1:]:  # the first choice computed them for all
+        whole.prompt_logprobs = wholes[0].prompt_logprobs
+    return wholes
 
 
 async def _collect(deltas: ChoiceDeltas) -> TextDelta:
     """All the deltas as one: the whole text, every token with log-probabilities, the
-    finish reason and the completion token count."""
+    prompt's log-probabilities, the finish reason and the completion token count."""
     whole = TextDelta("", None, 0)
     pieces: list[str] = []
     async with aclosing(deltas):
@@ -84,6 +95,8 @@ async def _collect(deltas: ChoiceDeltas) -> TextDelta:
             pieces.append(delta.text)
             whole.token_ids += delta.token_ids
             whole.logprobs += delta.logprobs
+            if delta.prompt_logprobs is not None:
+                whole.prompt_logprobs = delta.prompt_logprobs
             whole.finish_reason, whole.completion_tokens = (
                 delta.finish_reason,
                 delta.completion_tokens,

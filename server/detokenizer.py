@@ -29,12 +29,20 @@ class IncrementalDetokenizer:
     ``push`` returns only text that can no longer change: never half a character, and
     nothing that could be the start of a stop string. Once a stop string appears,
     ``stopped`` is set, and the text is cut before it; the caller then ends the request.
+    As in vLLM, a stop string only counts once the output has more than ``min_tokens``
+    tokens: it must end in the text of a later token.
     """
 
     def __init__(
-        self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = ()
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
+        self._min_tokens = min_tokens
+        self._num_tokens = 0  # output tokens pushed
         context = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:])
         # ids[:read_offset] have been emitted; ids[prefix_offset:read_offset] are context.
         self._ids = context
@@ -52,6 +60,7 @@ class IncrementalDetokenizer:
         if self._stop.stopped:
             return ""
         self._ids.extend(token_ids)
+        self._num_tokens += len(token_ids)
         text = self._decode(self._ids[self._prefix_offset :])
         # A trailing replacement character means the last token ends inside a
         # character: hold these tokens back until the character is complete.
@@ -59,7 +68,7 @@ class IncrementalDetokenizer:
             return ""
         new_text = text[len(self._prefix_text) :]
         self._advance()
-        return self._stop.feed(new_text)
+        return self._stop.feed(new_text, searched=self._num_tokens > self._min_tokens)
 
     def finish(self) -> str:
         """Everything still held back, once the engine has finished the request."""
@@ -92,12 +101,15 @@ class _StopStringMatcher:
         self._held = ""  # a suffix of the text so far that some stop string starts with
         self.stopped = False
 
-    def feed(self, text: str) -> str:
-        """Returns the part of ``text`` (after what was held) that is final."""
+    def feed(self, text: str, searched: bool = True) -> str:
+        """Returns the part of ``text`` (after what was held) that is final. Only a stop
+        string that ends in ``text`` counts, and none if ``searched`` is false."""
         if not self._stop:
             return text
         buffer = self._held + text
-        cut = min((i for i in map(buffer.find, self._stop) if i >= 0), default=-1)
+        held = len(self._held)
+        found = (buffer.find(stop, max(held - len(stop) + 1, 0)) for stop in self._stop)
+        cut = min((i for i in found if i >= 0), default=-1) if searched else -1
         if cut >= 0:
             self.stopped = True
             self._held = ""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
-from protocol import ErrorCode, FinishReason, SamplingParams, TokenLogprobs
+from protocol import ErrorCode, FinishReason, PromptTokenLogprobs, SamplingParams, TokenLogprobs
 from server.detokenizer import IncrementalDetokenizer
 from server.engine_client import EngineClient, EngineRequestError, EngineUnavailable
 from server.errors import ApiError
@@ -27,6 +27,9 @@ class TextDelta:
     # request asked for them (SamplingParams.logprobs); else both empty.
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # In the first delta, when the request asked (SamplingParams.prompt_logprobs): one per
+    # prompt token after the first.
+    prompt_logprobs: list[PromptTokenLogprobs] | None = None
 
 
 async def generate_text(
@@ -42,19 +45,24 @@ async def generate_text(
     Raises ``ApiError`` when the engine is gone or refuses the request. Closing the
     iterator early aborts the request in the engine.
     """
-    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, stop)
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, stop, sampling.min_tokens)
     token_ids: list[int] = []  # with log-probabilities, not yet in a delta
     logprobs: list[TokenLogprobs] = []
+    prompt_logprobs: list[PromptTokenLogprobs] | None = None  # not yet in a delta
 
     def delta(text: str, finish_reason: str | None, completion_tokens: int) -> TextDelta:
-        nonlocal token_ids, logprobs
-        result = TextDelta(text, finish_reason, completion_tokens, token_ids, logprobs)
-        token_ids, logprobs = [], []
+        nonlocal token_ids, logprobs, prompt_logprobs
+        result = TextDelta(
+            text, finish_reason, completion_tokens, token_ids, logprobs, prompt_logprobs
+        )
+        token_ids, logprobs, prompt_logprobs = [], [], None
         return result
 
     try:
         async with aclosing(client.generate(request_id, prompt_ids, sampling)) as outputs:
             async for output in outputs:
+                if output.prompt_logprobs is not None:
+                    prompt_logprobs = output.prompt_logprobs
                 if output.logprobs:
                     token_ids.extend(output.new_token_ids)
                     logprobs.extend(output.logprobs)

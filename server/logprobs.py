@@ -1,4 +1,5 @@
-"""The engine's per-token log-probabilities in the OpenAI API's two shapes.
+"""The engine's per-token log-probabilities in the OpenAI API's two shapes, and the
+prompt's in vLLM's.
 
 Chat completions list one object per token (its text, log-probability, UTF-8 bytes and
 the likeliest alternatives); completions give parallel lists (tokens, their
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from protocol import TokenLogprobs
+from protocol import PromptTokenLogprobs, TokenLogprobs
 from server.generation import TextDelta
 from server.served_model import ServedModel
 
@@ -71,3 +72,23 @@ class CompletionLogprobs:
             ],
             "text_offset": offsets,
         }
+
+
+def prompt_logprobs(
+    model: ServedModel, prompt_ids: list[int], logprobs: list[PromptTokenLogprobs]
+) -> list[dict[int, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token (nothing precedes it),
+    then for each other a map from token id to its log-probability, rank and text: the
+    prompt token's own first, then the likeliest tokens', ranked 1, 2, ..."""
+
+    def entry(token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": model.decode([token_id])}
+
+    rendered: list[dict[int, dict[str, Any]] | None] = [None]
+    for token_id, token in zip(prompt_ids[1:], logprobs, strict=True):
+        position = {token_id: entry(token_id, token.logprob, token.rank)}
+        top = zip(token.top_token_ids, token.top_logprobs, strict=True)
+        for rank, (top_id, logprob) in enumerate(top, start=1):
+            position[top_id] = entry(top_id, logprob, rank)
+        rendered.append(position)
+    return rendered

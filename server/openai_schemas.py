@@ -104,6 +104,7 @@ class _Body(BaseModel):
 
 
 RequestT = TypeVar("RequestT", bound=_Body)
+T = TypeVar("T", int, float)
 
 
 class StreamOptions(_Body):
@@ -149,6 +150,14 @@ class GenerationBody(_Body):
     top_k: Annotated[int | None, Field(ge=-1)] = None  # -1 or 0: no top-k cut
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    min_p: Annotated[float | None, Field(ge=0, le=1)] = None
+    repetition_penalty: Annotated[float | None, Field(gt=0, allow_inf_nan=False)] = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    bad_words: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)
+    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]] | None, Field(min_length=1)] = (
+        None
+    )
+    prompt_logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
 
     @property
     def num_choices(self) -> int:
@@ -168,21 +177,43 @@ class GenerationBody(_Body):
 
     def sampling_params(self, prompt_tokens: int, model: ServedModel) -> SamplingParams:
         """How the engine samples each choice after a prompt of ``prompt_tokens`` tokens;
-        raises ``ApiError`` for what ``model`` cannot do (context length, token ids)."""
+        raises ``ApiError`` for what ``model`` cannot do (context length, token ids).
+
+        A sampling field the request leaves out takes the model's default (its
+        generation_config.json, as vLLM does), else vLLM's."""
         logprobs = self.requested_logprobs()
-        max_tokens = self.requested_max_tokens()
+        requested_max_tokens = self.requested_max_tokens()
         limit = model.max_model_len
-        problem = context_length_problem(prompt_tokens, max_tokens, limit, self.prompt_param)
+        problem = context_length_problem(
+            prompt_tokens, requested_max_tokens, limit, self.prompt_param
+        )
         if problem:
             raise ApiError(400, problem, param=self.prompt_param, code="context_length_exceeded")
+        max_tokens = (
+            requested_max_tokens if requested_max_tokens is not None else limit - prompt_tokens
+        )
+        if self.min_tokens > max_tokens:
+            raise ApiError(
+                400,
+                f"min_tokens must be less than or equal to max_tokens={max_tokens}, got "
+                f"{self.min_tokens}.",
+                param="min_tokens",
+            )
+        if self.stream and self.prompt_logprobs is not None:
+            raise ApiError(
+                400, "prompt_logprobs are not available when stream=True.", param="prompt_logprobs"
+            )
         model.check_token_ids(self.stop_token_ids, "stop_token_ids")
         logit_bias = self.logit_bias or {}
         model.check_token_ids(list(logit_bias), "logit_bias")
+        model.check_token_ids(self.allowed_token_ids or [], "allowed_token_ids")
+        defaults = model.sampling_defaults
         return SamplingParams(
-            max_tokens=max_tokens if max_tokens is not None else limit - prompt_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=max(self.top_k or 0, 0),  # vLLM's -1 and OpenAI's absence: no cut
+            max_tokens=max_tokens,
+            temperature=_first(self.temperature, defaults.temperature, 1.0),
+            top_p=_first(self.top_p, defaults.top_p, 1.0),
+            # vLLM's -1 and OpenAI's absence: no cut
+            top_k=max(_first(self.top_k, defaults.top_k, 0), 0),
             # The engine takes seeds in [0, 2**63); this maps OpenAI's signed ones there.
             seed=None if self.seed is None else self.seed % 2**63,
             stop_token_ids=self.stop_token_ids,
@@ -192,7 +223,20 @@ class GenerationBody(_Body):
             frequency_penalty=self.frequency_penalty or 0.0,
             logit_bias_token_ids=list(logit_bias),
             logit_bias_values=list(logit_bias.values()),
+            min_p=_first(self.min_p, defaults.min_p, 0.0),
+            repetition_penalty=_first(self.repetition_penalty, defaults.repetition_penalty, 1.0),
+            min_tokens=self.min_tokens,
+            bad_words_token_ids=model.bad_words_token_ids(self.bad_words),
+            allowed_token_ids=self.allowed_token_ids,
+            prompt_logprobs=self.prompt_logprobs,
         )
+
+
+def _first(requested: T | None, default: T | None, fallback: T) -> T:
+    """The request's value, else the model's default, else ``fallback``."""
+    if requested is not None:
+        return requested
+    return default if default is not None else fallback
 
 
 class ChatCompletionRequest(GenerationBody):

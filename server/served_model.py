@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
-from protocol import HandshakeReply
+from protocol import MAX_BAD_WORDS, MAX_BAD_WORDS_TOKENS, HandshakeReply, SamplingDefaults
 from server.chat_template import ChatTemplate, ChatTemplateError
 from server.errors import ApiError
 
@@ -25,6 +25,8 @@ class ServedModel:
     chat_template: ChatTemplate | None
     # Why there is no chat template (the chat endpoint answers with it), or None.
     chat_template_problem: str | None
+    # For the sampling fields a request leaves out (the model's generation_config.json).
+    sampling_defaults: SamplingDefaults
 
     @classmethod
     def from_handshake(cls, reply: HandshakeReply) -> ServedModel:
@@ -49,6 +51,7 @@ class ServedModel:
             created=int(reply.engine_started_at),
             chat_template=template,
             chat_template_problem=problem,
+            sampling_defaults=reply.sampling_defaults,
         )
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -82,3 +85,28 @@ class ServedModel:
                 f"{self.vocab_size} tokens.",
                 param=param,
             )
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's bad_words as token sequences: each word tokenized as it is (its leading
+        spaces stripped) and, where that makes a word of another first token but as many
+        tokens, after a space too (as it reads mid-text)."""
+        sequences: list[list[int]] = []
+        for word in words:
+            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False).ids
+            if not bare:
+                raise ApiError(
+                    400, "bad_words entries must tokenize to at least one token.", param="bad_words"
+                )
+            sequences.append(bare)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False).ids
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                sequences.append(spaced)
+        if len(sequences) > MAX_BAD_WORDS or sum(map(len, sequences)) > MAX_BAD_WORDS_TOKENS:
+            raise ApiError(
+                400,
+                f"Too many bad words: they tokenize to {len(sequences)} sequences of "
+                f"{sum(map(len, sequences))} tokens; at most {MAX_BAD_WORDS} sequences of "
+                f"{MAX_BAD_WORDS_TOKENS} tokens in all are allowed.",
+                param="bad_words",
+            )
+        return sequences

@@ -9,6 +9,7 @@ import torch
 
 from engine.checkpoint.progress import with_progress
 from engine.model_config import ModelConfig, TokenizerInfo
+from protocol import SamplingDefaults
 
 WeightStream = Iterator[tuple[str, torch.Tensor]]
 
@@ -23,6 +24,8 @@ class Checkpoint:
     # Opens the weights lazily, so a Checkpoint costs no memory until the model is built.
     weight_source: Callable[[], WeightStream] = field(repr=False, compare=False)
     tensor_count: int | None = None  # how many weight_source yields, for the progress bar
+    # What its generation_config.json recommends (a GGUF file has none).
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     def weights(self) -> WeightStream:
         """Yield (Hugging Face name, CPU tensor) pairs, one tensor in memory at a time.

@@ -12,6 +12,7 @@ from tokenizers import Tokenizer
 
 from engine.checkpoint.checkpoint import Checkpoint, WeightStream
 from engine.checkpoint.eos import eos_token_ids
+from engine.checkpoint.generation_config import read_sampling_defaults
 from engine.model_config import ModelConfig, RopeScaling, TokenizerInfo
 from engine.models import model_class
 from engine.models.layers import FULL_ATTENTION as FULL
@@ -26,6 +27,7 @@ def load_hf_directory(path: Path) -> Checkpoint:
         config=hf_model_config(config_json, path),
         tokenizer=hf_tokenizer_info(path, config_json),
         weight_source=lambda: _safetensors_weights(files),
+        sampling_defaults=read_sampling_defaults(path),
     )
 
 

@@ -12,7 +12,7 @@ from server.answer import Answer, whole_response
 from server.choices import PreparedGeneration
 from server.engine_client import EngineClient
 from server.generation import TextDelta
-from server.logprobs import chat_logprobs, logprobs_of
+from server.logprobs import chat_logprobs, logprobs_of, prompt_logprobs
 from server.openai_schemas import ChatCompletionRequest, parse_request
 from server.prompts import chat_prompt_ids
 from server.served_model import ServedModel
@@ -47,4 +47,12 @@ class ChatCompletions:
                 "finish_reason": whole.finish_reason,
             }
 
-        return await whole_response(request, answer, choices, choice)
+        def extra(first: TextDelta) -> dict[str, Any]:
+            # vLLM gives the prompt's log-probabilities once, beside the choices.
+            if first.prompt_logprobs is None:
+                return {}
+            return {
+                "prompt_logprobs": prompt_logprobs(self._model, prompt_ids, first.prompt_logprobs)
+            }
+
+        return await whole_response(request, answer, choices, choice, extra)

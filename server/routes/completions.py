@@ -11,7 +11,7 @@ from server.answer import Answer, whole_response
 from server.choices import PreparedGeneration
 from server.engine_client import EngineClient
 from server.generation import TextDelta
-from server.logprobs import CompletionLogprobs, RenderLogprobs, logprobs_of
+from server.logprobs import CompletionLogprobs, RenderLogprobs, logprobs_of, prompt_logprobs
 from server.openai_schemas import CompletionRequest, parse_request
 from server.prompts import completion_prompt_ids
 from server.served_model import ServedModel
@@ -42,11 +42,16 @@ class Completions:
             return EventStreamResponse(event_stream(chunks, choices))
 
         def choice(index: int, whole: TextDelta) -> dict[str, Any]:
-            return {
+            rendered = {
                 "index": index,
                 "text": whole.text,
                 "logprobs": logprobs_of(renderer(), whole),
                 "finish_reason": whole.finish_reason,
             }
+            if whole.prompt_logprobs is not None:
+                rendered["prompt_logprobs"] = prompt_logprobs(
+                    self._model, prompt_ids, whole.prompt_logprobs
+                )
+            return rendered
 
         return await whole_response(request, answer, choices, choice)

@@ -1,0 +1,323 @@
+"""vLLM's sampling parameters (min_p, repetition_penalty, min_tokens, bad_words,
+allowed_token_ids) against transformers' own logits processors on the same logits, and
+through the whole engine against transformers' generation, with and without overlapped
+steps (where the last token is still on the device when the next step's parameters are
+built)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM as HFLlama
+from transformers import (
+    LogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+)
+
+from engine.llm_engine import EngineConfig, LLMEngine, RequestRejected
+from engine.sampler import (
+    AllowedTokens,
+    BannedTokens,
+    Penalties,
+    SamplingTensors,
+    apply_min_p,
+    process_logits,
+    sample,
+)
+from protocol import FinishReason, RequestOutput, SamplingParams
+from tests.engine.test_logprobs import generate
+from tests.random_checkpoint import VOCAB, random_prompts, save_tiny_llama
+from tests.reference import hf_greedy
+
+EOS = VOCAB - 1  # the tiny checkpoints'
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, HFLlama]:
+    directory = tmp_path_factory.mktemp("tiny")
+    model = save_tiny_llama(directory, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    return directory, model
+
+
+def make_engine(directory: Path, overlap: bool = False, **overrides: int) -> LLMEngine:
+    settings = {"block_size": 4, "kv_cache_memory_gb": 0.01, **overrides}
+    return LLMEngine(
+        EngineConfig(model=str(directory), device="cpu", overlap_steps=overlap, **settings)
+    )
+
+
+def tokens(outputs: list[RequestOutput]) -> list[int]:
+    return [t for output in outputs for t in output.new_token_ids]
+
+
+def greedy_params(batch: int) -> SamplingTensors:
+    def zeros(dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(batch, dtype=dtype)
+
+    return SamplingTensors(
+        temperature=zeros(torch.float32),
+        top_p=torch.ones(batch),
+        top_k=zeros(torch.int64),
+        seed=zeros(torch.int64),
+        step=zeros(torch.int64),
+        any_top_k_or_p=False,
+    )
+
+
+def processed_greedy(
+    model: HFLlama,
+    prompt: list[int],
+    steps: int,
+    processors: list[LogitsProcessor],
+    stop_token_ids: tuple[int, ...] = (),
+) -> list[int]:
+    """Greedy tokens, each the argmax of transformers' logits after ``processors`` (called
+    on prompt and output so far, as generate() does), until a stop token."""
+    output: list[int] = []
+    for _ in range(steps):
+        input_ids = torch.tensor([prompt + output])
+        with torch.no_grad():
+            logits = model(input_ids).logits[:, -1].float()
+        for processor in processors:
+            logits = processor(input_ids, logits)
+        token = int(logits.argmax())
+        if token in stop_token_ids:
+            break
+        output.append(token)
+    return output
+
+
+# The sampler's operations against transformers' processors, on the same logits
+
+
+def test_min_p_keeps_what_transformers_keeps() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 300) * 3
+    min_p = torch.tensor([0.0, 0.05, 0.3, 1.0])
+    for temperature in (0.5, 1.0, 1.7):
+        probs = torch.softmax(logits / temperature, dim=-1)
+        ours = apply_min_p(probs, min_p)
+        for row, value in enumerate(min_p.tolist()):
+            theirs = MinPLogitsWarper(value)(None, logits[row : row + 1] / temperature)[0]
+            assert torch.equal(ours[row] > 0, theirs > float("-inf"))
+        torch.testing.assert_close(ours.sum(dim=-1), torch.ones(4))
+
+
+def test_repetition_penalty_is_transformers() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(2, 50)
+    prompts = torch.tensor([[3, 7, 7, 20], [0, 1, 2, 3]])
+    outputs = [[4, 20], [49]]
+    penalty = torch.tensor([1.5, 0.7])
+    counts = torch.zeros(2, 50)
+    for row, output in enumerate(outputs):
+        counts[row, output] += 1
+    prompt_tokens = torch.zeros(2, 50, dtype=torch.bool)
+    prompt_tokens[[[0] * 4, [1] * 4], prompts] = True
+    params = greedy_params(2)
+    params.penalties = Penalties(counts, torch.zeros(2), torch.zeros(2), penalty, prompt_tokens)
+    ours = process_logits(logits, params)
+    for row, output in enumerate(outputs):
+        seen = torch.cat([prompts[row], torch.tensor(output)]).unsqueeze(0)
+        theirs = RepetitionPenaltyLogitsProcessor(penalty[row].item())(seen, logits[row : row + 1])
+        torch.testing.assert_close(ours[row], theirs[0])
+
+
+def test_bans_are_transformers_bad_words_and_min_new_tokens() -> None:
+    """Rows' last output tokens (recent) against bad words' prefixes, and stop tokens banned
+    outright (min_tokens), as transformers' NoBadWords and MinNewTokensLength do."""
+    torch.manual_seed(2)
+    logits = torch.randn(2, 30)
+    recent = torch.tensor([[5, 6], [-2, 9]])  # row 1 has generated one token
+    words = [[7], [5, 6, 11], [6, 12], [8, 9, 13], [9, 14]]
+    rows, banned, prefixes = [], [], []
+    for row in range(2):
+        for word in words:
+            rows.append(row)
+            banned.append(word[-1])
+            prefixes.append([-1] * (3 - len(word)) + word[:-1])
+    rows += [1, 1]  # row 1 is before its min_tokens: tokens 0 and 29 stop it
+    banned += [0, 29]
+    prefixes += [[-1, -1]] * 2
+    params = greedy_params(2)
+    params.banned = BannedTokens(
+        torch.tensor(rows), torch.tensor(banned), torch.tensor(prefixes), recent
+    )
+    ours = process_logits(logits, params)
+    bad_words = NoBadWordsLogitsProcessor(words)
+    theirs = bad_words(torch.tensor([[5, 6]]), logits[:1])
+    assert torch.equal(ours[0], theirs[0])
+    theirs = bad_words(torch.tensor([[9]]), logits[1:])
+    theirs = MinNewTokensLengthLogitsProcessor(0, 2, [0, 29])(torch.tensor([[9]]), theirs)
+    assert torch.equal(ours[1], theirs[0])
+    assert (ours == float("-inf")).sum() == 4 + 3  # 7, 11, 12; then 7, 14, 0, 29
+
+
+def test_allowed_tokens_are_the_only_ones_left() -> None:
+    logits = torch.randn(3, 20)
+    params = greedy_params(3)
+    params.allowed = AllowedTokens(
+        torch.tensor([True, False, True]), torch.tensor([0, 0, 2]), torch.tensor([4, 9, 17])
+    )
+    ours = process_logits(logits, params)
+    assert set(torch.nonzero(ours[0] > float("-inf")).flatten().tolist()) == {4, 9}
+    assert torch.equal(ours[1], logits[1])
+    assert set(torch.nonzero(ours[2] > float("-inf")).flatten().tolist()) == {17}
+    first = [4, 9][int(logits[0, [4, 9]].argmax())]
+    assert sample(logits, params).tolist() == [first, int(logits[1].argmax()), 17]
+
+
+# Through the engine, against transformers' generation
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["one-step-at-a-time", "overlapped"])
+def test_repetition_penalty_matches_transformers_generate(
+    tiny: tuple[Path, HFLlama], overlap: bool
+) -> None:
+    directory, hf_model = tiny
+    prompts = random_prompts(5)[1:]
+    penalties = [1.3, 2.0, 0.8, 1.0]
+    requests = {
+        str(i): (prompt, SamplingParams(max_tokens=16, ignore_eos=True, repetition_penalty=p))
+        for i, (prompt, p) in enumerate(zip(prompts, penalties, strict=True))
+    }
+    engine = make_engine(directory, overlap, max_num_batched_tokens=16, max_num_seqs=8)
+    outputs = generate(engine, requests)
+    for i, (prompt, penalty) in enumerate(zip(prompts, penalties, strict=True)):
+        expected = hf_model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=16,
+            do_sample=False,
+            repetition_penalty=penalty,
+            eos_token_id=None,
+            pad_token_id=0,
+            attention_mask=torch.ones(1, len(prompt)),
+        )[0, len(prompt) :].tolist()
+        assert tokens(outputs[str(i)]) == expected
+        if penalty > 1:
+            assert expected != hf_greedy(hf_model, prompt, 16)  # the penalty changed something
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["one-step-at-a-time", "overlapped"])
+def test_bad_words_match_transformers(tiny: tuple[Path, HFLlama], overlap: bool) -> None:
+    directory, hf_model = tiny
+    prompt = random_prompts(5)[4]
+    plain = hf_greedy(hf_model, prompt, 16)
+    # A two-token word the plain answer says at its third token, and a one-token word.
+    words = [[plain[2], plain[3]], [plain[6]]]
+    assert prompt[-1] != plain[2]  # vLLM matches the output only; transformers the prompt too
+    sampling = SamplingParams(max_tokens=16, ignore_eos=True, bad_words_token_ids=words)
+    outputs = generate(make_engine(directory, overlap), {"r": (prompt, sampling)})
+    expected = processed_greedy(hf_model, prompt, 16, [NoBadWordsLogitsProcessor(words)])
+    assert tokens(outputs["r"]) == expected
+    assert expected[:3] == plain[:3] and expected[3] != plain[3]
+    assert plain[6] not in expected
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["one-step-at-a-time", "overlapped"])
+def test_min_tokens_keeps_eos_and_stop_tokens_out(
+    tiny: tuple[Path, HFLlama], overlap: bool
+) -> None:
+    directory, hf_model = tiny
+    prompt = random_prompts(5)[4]
+    plain = hf_greedy(hf_model, prompt, 12)
+    stop = plain[1]  # plain generation stops after one token
+    # EOS made the likeliest token: without min_tokens, generation would end at once.
+    eager_eos = {"logit_bias_token_ids": [EOS], "logit_bias_values": [50.0]}
+    requests = {
+        "stop": (prompt, SamplingParams(max_tokens=12, stop_token_ids=[stop], min_tokens=6)),
+        "eos": (prompt, SamplingParams(max_tokens=12, min_tokens=4, **eager_eos)),
+        "eos-at-once": (prompt, SamplingParams(max_tokens=12, **eager_eos)),
+    }
+    outputs = generate(make_engine(directory, overlap), requests)
+    expected = processed_greedy(
+        hf_model,
+        prompt,
+        12,
+        [MinNewTokensLengthLogitsProcessor(len(prompt), 6, [stop, EOS])],
+        stop_token_ids=(stop, EOS),
+    )
+    assert tokens(outputs["stop"]) == expected and len(expected) >= 6
+    assert tokens(outputs["eos"]) == processed_greedy(
+        hf_model, prompt, 4, [MinNewTokensLengthLogitsProcessor(len(prompt), 4, [EOS])]
+    )
+    assert outputs["eos"][-1].finish_reason == FinishReason.STOP
+    assert outputs["eos"][-1].num_output_tokens == 4
+    assert tokens(outputs["eos-at-once"]) == []
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["one-step-at-a-time", "overlapped"])
+def test_allowed_token_ids_restrict_greedy_and_sampled_rows(
+    tiny: tuple[Path, HFLlama], overlap: bool
+) -> None:
+    directory, hf_model = tiny
+    prompt = random_prompts(4)[3]
+    allowed = [3, 17, 80, 81, 200]
+    requests = {
+        "greedy": (prompt, SamplingParams(max_tokens=10, allowed_token_ids=allowed)),
+        "sampled": (
+            prompt,
+            SamplingParams(max_tokens=10, temperature=1.5, seed=5, allowed_token_ids=allowed),
+        ),
+    }
+    outputs = generate(make_engine(directory, overlap), requests)
+    mask = torch.full((VOCAB,), float("-inf"))
+    mask[allowed] = 0
+
+    class Allowed(LogitsProcessor):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            return scores + mask
+
+    assert tokens(outputs["greedy"]) == processed_greedy(hf_model, prompt, 10, [Allowed()])
+    assert len(tokens(outputs["sampled"])) == 10 and set(tokens(outputs["sampled"])) <= set(allowed)
+
+
+def test_min_p_one_samples_the_greedy_tokens(tiny: tuple[Path, HFLlama]) -> None:
+    """min_p 1 keeps only the likeliest token; a lower one keeps what transformers keeps."""
+    directory, hf_model = tiny
+    prompt = random_prompts(4)[3]
+    requests = {
+        "one": (prompt, SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.0, min_p=1.0)),
+        "half": (
+            prompt,
+            SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.3, seed=1, min_p=0.5),
+        ),
+    }
+    outputs = generate(make_engine(directory, overlap=True), requests)
+    assert tokens(outputs["one"]) == hf_greedy(hf_model, prompt, 10)
+    sampled = tokens(outputs["half"])
+    for step, token in enumerate(sampled):
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([prompt + sampled[:step]])).logits[:, -1].float()
+        kept = MinPLogitsWarper(0.5)(None, logits / 1.3)[0] > float("-inf")
+        assert kept[token]
+
+
+def test_bad_parameters_are_refused(tiny: tuple[Path, HFLlama]) -> None:
+    directory, _ = tiny
+    engine = make_engine(directory)
+    refusals = {
+        "min_p must be in [0, 1]": SamplingParams(min_p=1.5),
+        "repetition_penalty must be a finite number greater than 0": SamplingParams(
+            repetition_penalty=0.0
+        ),
+        "min_tokens must be in [0, max_tokens]": SamplingParams(max_tokens=4, min_tokens=5),
+        "allowed_token_ids must not be empty": SamplingParams(allowed_token_ids=[]),
+        "bad words may be 128 token sequences at most, none empty": SamplingParams(
+            bad_words_token_ids=[[1], []]
+        ),
+        "prompt_logprobs must be in [0, 20]": SamplingParams(prompt_logprobs=21),
+        r"token ids must be in [0, 256)": SamplingParams(allowed_token_ids=[VOCAB]),
+    }
+    for message, sampling in refusals.items():
+        with pytest.raises(RequestRejected) as refused:
+            engine.add_request(b"t", "r", [1, 2, 3], sampling)
+        assert refused.value.message == message
+    with pytest.raises(RequestRejected, match="token ids"):
+        engine.add_request(b"t", "r", [1], SamplingParams(bad_words_token_ids=[[2, VOCAB]]))
+    assert not engine.has_work
