@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+import pytest
 
 from engine.__main__ import parse_args
 from engine.config import EngineConfig, from_arguments
 from engine.llm_engine import LLMEngine
+from protocol import SamplingDefaults
 from tests.random_checkpoint import save_tiny_llama
 
 
@@ -27,3 +31,44 @@ def test_every_engine_option_is_a_flag_with_the_fields_default() -> None:
     config = from_arguments(EngineConfig, args)
     assert (config.max_num_seqs, config.kv_cache_memory_gb, config.overlap_steps) == (8, 0.5, False)
     assert parse_args(["--enforce-eager"]).enforce_eager is True
+
+
+def test_sampling_defaults_come_from_generation_config(tmp_path: Path) -> None:
+    """As vLLM's --generation-config: auto (the checkpoint's), vllm (none), or a directory's.
+    A value equal to transformers' own default is no recommendation (vLLM reads the file's
+    difference from those); one the engine could not use is left out."""
+    checkpoint = tmp_path / "model"
+    save_tiny_llama(checkpoint, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    generation_config = {
+        "do_sample": True,
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "top_k": 50,  # transformers' default
+        "min_p": 0.05,
+        "repetition_penalty": 1.1,
+        "eos_token_id": 255,
+    }
+    (checkpoint / "generation_config.json").write_text(json.dumps(generation_config))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text(
+        json.dumps({"top_k": 20, "top_p": 0, "temperature": "hot"})  # the last two unusable
+    )
+
+    def defaults(generation_config: str) -> SamplingDefaults:
+        config = EngineConfig(
+            model=str(checkpoint),
+            device="cpu",
+            kv_cache_memory_gb=0.01,
+            generation_config=generation_config,
+        )
+        return LLMEngine(config).handshake_reply().sampling_defaults
+
+    assert defaults("auto") == SamplingDefaults(
+        temperature=0.6, top_p=0.9, min_p=0.05, repetition_penalty=1.1
+    )
+    assert defaults("vllm") == SamplingDefaults()
+    assert defaults(str(other)) == SamplingDefaults(top_k=20)
+    with pytest.raises(ValueError, match=r"no generation_config\.json"):
+        defaults(str(tmp_path))
+    assert parse_args(["--generation-config", "vllm"]).generation_config == "vllm"

@@ -246,3 +246,29 @@ def test_stop_string_in_the_first_step() -> None:
     detokenizer = IncrementalDetokenizer(tokenizer, [], ["Hé"])
     assert detokenizer.push(tokenizer.encode("Héllo").ids) == ""
     assert detokenizer.stopped
+
+
+def vllm_stop_cut(tokenizer: Tokenizer, ids: list[int], stops: list[str], min_tokens: int) -> str:
+    """The text before the stop, as vLLM finds it: after each token past the first
+    ``min_tokens``, a stop string that ends in that token's text."""
+    for count in range(min_tokens + 1, len(ids) + 1):
+        text = tokenizer.decode(ids[:count])
+        new = len(text) - len(tokenizer.decode(ids[: count - 1]))
+        found = [text.find(stop, max(len(text) - new - len(stop) + 1, 0)) for stop in stops]
+        if any(i >= 0 for i in found):
+            return text[: min(i for i in found if i >= 0)]
+    raise AssertionError("no stop")
+
+
+@pytest.mark.parametrize("min_tokens", range(12))
+def test_stop_strings_count_after_min_tokens(tokenizer: Tokenizer, min_tokens: int) -> None:
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog.").ids
+    stops = ["o", "own fox j"]  # the longer one is held while the shorter one is in it
+    detokenizer = IncrementalDetokenizer(tokenizer, [], stops, min_tokens)
+    pieces = []
+    for token_id in ids:
+        pieces.append(detokenizer.push([token_id]))
+        if detokenizer.stopped:
+            break
+    assert detokenizer.stopped
+    assert "".join(pieces) == vllm_stop_cut(tokenizer, ids, stops, min_tokens)

@@ -7,6 +7,7 @@ paths that answer without the engine are exercised here.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -15,11 +16,12 @@ import pytest
 from starlette.testclient import TestClient
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from protocol import PROTOCOL_VERSION, HandshakeReply
+from protocol import PROTOCOL_VERSION, HandshakeReply, SamplingDefaults
 from server.app import create_app
 from server.engine_client import EngineClient
 from server.errors import ApiError
 from server.openai_schemas import ChatCompletionRequest, CompletionRequest, parse_request
+from server.served_model import ServedModel
 
 MODEL = "tiny-test-model"
 MAX_MODEL_LEN = 64
@@ -195,6 +197,31 @@ def test_bad_choices_penalties_or_logprobs(
     assert_error(client.post(path, json=body), 400, param)
 
 
+@pytest.mark.parametrize(
+    ("path", "fields", "param"),
+    [
+        ("/v1/chat/completions", {"min_p": 1.5}, "min_p"),
+        ("/v1/chat/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+        ("/v1/completions", {"min_tokens": -1}, "min_tokens"),
+        ("/v1/completions", {"max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+        ("/v1/chat/completions", {"bad_words": [""]}, "bad_words[0]"),
+        ("/v1/chat/completions", {"bad_words": ["  "]}, "bad_words"),  # no token
+        ("/v1/chat/completions", {"bad_words": ["the"] * 65}, "bad_words"),  # 130 sequences
+        ("/v1/chat/completions", {"bad_words": "the"}, "bad_words"),
+        ("/v1/completions", {"allowed_token_ids": []}, "allowed_token_ids"),
+        ("/v1/completions", {"allowed_token_ids": [VOCAB_SIZE]}, "allowed_token_ids"),
+        ("/v1/completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
+        ("/v1/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        ("/v1/chat/completions", {"prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
+    ],
+)
+def test_bad_vllm_sampling_fields(
+    client: TestClient, path: str, fields: dict[str, Any], param: str
+) -> None:
+    body = chat(**fields) if "chat" in path else {"prompt": "hi", **fields}
+    assert_error(client.post(path, json=body), 400, param)
+
+
 def test_message_fields(client: TestClient) -> None:
     no_role = chat(messages=[{"content": "hi"}])
     assert_error(client.post("/v1/chat/completions", json=no_role), 400, "messages[0].role")
@@ -334,6 +361,37 @@ def test_defaults_and_normalisation() -> None:
     }
     assert parse_request(CompletionRequest, b'{"prompt": ["just one"]}').prompt == "just one"
     assert parse_request(CompletionRequest, b'{"prompt": [5, 6]}').prompt == [5, 6]
+
+
+def test_model_defaults_fill_only_what_the_request_leaves_out() -> None:
+    defaults = SamplingDefaults(temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=1.1)
+    model = ServedModel.from_handshake(
+        dataclasses.replace(handshake(CHATML), sampling_defaults=defaults)
+    )
+    bare = parse_request(CompletionRequest, b'{"prompt": "hi"}').sampling_params(1, model)
+    assert (bare.temperature, bare.top_p, bare.top_k) == (0.6, 0.9, 20)
+    assert (bare.min_p, bare.repetition_penalty) == (0.0, 1.1)
+    body = b'{"prompt": "hi", "temperature": 0, "top_k": -1, "repetition_penalty": 1, "min_p": 0.2}'
+    chosen = parse_request(CompletionRequest, body).sampling_params(1, model)
+    assert (chosen.temperature, chosen.top_p, chosen.top_k) == (0, 0.9, 0)
+    assert (chosen.min_p, chosen.repetition_penalty) == (0.2, 1.0)
+    plain = ServedModel.from_handshake(handshake(CHATML))  # a model with no defaults: vLLM's
+    vllm = parse_request(CompletionRequest, b'{"prompt": "hi"}').sampling_params(1, plain)
+    assert (vllm.temperature, vllm.top_p, vllm.top_k, vllm.repetition_penalty) == (1, 1, 0, 1)
+
+
+def test_bad_words_are_tokenized_as_vllm_does() -> None:
+    """Each word as it is; after a space too, if that gives another first token and as many
+    tokens (so " world", one token here against two for "world", is not banned)."""
+    model = ServedModel.from_handshake(handshake(CHATML))
+    tokenizer = model.tokenizer
+
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
+    assert len(ids("the")) == len(ids(" the")) == 1 and ids("the") != ids(" the")
+    assert len(ids("world")) == 2 and len(ids(" world")) == 1
+    assert model.bad_words_token_ids(["the", "  world"]) == [ids("the"), ids(" the"), ids("world")]
 
 
 def test_parse_request_raises_api_errors() -> None:
