@@ -159,19 +159,22 @@ def sampling_tensors(
     copies). A request's pending token (see ``pack``) is counted where the parameters look
     at the output so far, taken from ``last_sampled`` on the device: no step waits for it."""
     params = [r.sampling for r in rows]
-    penalized = any(
-        p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in params
-    )
-    biased = any(p.logit_bias_token_ids for p in params)
-    restricted = any(p.allowed_token_ids is not None for p in params)
-    banning = any(
-        p.bad_words_token_ids or r.num_output_tokens < p.min_tokens
-        for p, r in zip(params, rows, strict=True)
-    )
-    if not (penalized or biased or restricted or banning) and all(
-        p.temperature == 0 for p in params
-    ):
+    shaping = [r for r in rows if r.shapes_logits]
+    if not shaping and all(p.temperature == 0 for p in params):
         return None
+    penalized = any(
+        r.sampling.presence_penalty
+        or r.sampling.frequency_penalty
+        or r.sampling.repetition_penalty != 1
+        for r in shaping
+    )
+    biased = any(r.sampling.logit_bias_token_ids for r in shaping)
+    restricted = any(r.sampling.allowed_token_ids is not None for r in shaping)
+    banning = any(
+        r.sampling.bad_words_token_ids or r.num_output_tokens < r.sampling.min_tokens
+        for r in shaping
+    )
+    min_p = any(r.sampling.min_p > 0 and r.sampling.temperature > 0 for r in shaping)
     floats = torch.tensor(
         [
             (
@@ -206,7 +209,7 @@ def sampling_tensors(
         any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
         penalties=penalties,
         logit_bias=_logit_bias(params, device) if biased else None,
-        min_p=floats[:, 5] if any(p.min_p > 0 and p.temperature > 0 for p in params) else None,
+        min_p=floats[:, 5] if min_p else None,
         allowed=_allowed_tokens(params, device) if restricted else None,
         banned=_banned_tokens(rows, eos_token_ids, device, last_sampled) if banning else None,
     )

@@ -50,7 +50,7 @@ def scored_chunks(
     indices: list[np.ndarray] = []
     targets: list[list[int]] = []
     for i, request in enumerate(batch):
-        if not request.needs_prompt_logprobs:
+        if request.sampling.prompt_logprobs is None or not request.needs_prompt_logprobs:
             continue
         start = int(starts[i])
         end = min(start + request.num_scheduled_tokens, len(request.prompt_token_ids) - 1)

@@ -42,6 +42,23 @@ class Request:
     # With a repetition penalty: the prompt's tokens as a [V] bool mask on the device, made
     # once by the first step that needs it (engine/batch.py).
     prompt_token_mask: torch.Tensor | None = None
+    # Whether sampling does more than temperature, top-k and top-p for it (penalties, logit
+    # bias, bans, allowed tokens, min_p): known at arrival, so that a step of requests that
+    # do not checks one flag each (engine/batch.py).
+    shapes_logits: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        s = self.sampling
+        self.shapes_logits = bool(
+            s.presence_penalty
+            or s.frequency_penalty
+            or s.repetition_penalty != 1
+            or s.logit_bias_token_ids
+            or s.allowed_token_ids is not None
+            or s.bad_words_token_ids
+            or s.min_tokens
+            or s.min_p
+        )
 
     @property
     def key(self) -> tuple[bytes, str]:
