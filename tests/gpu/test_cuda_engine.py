@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from itertools import pairwise
 from pathlib import Path
 
 import httpx
@@ -12,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine.llm_engine import EngineConfig, LLMEngine
-from protocol import SamplingParams
+from protocol import RequestOutput, SamplingParams
 from tests.processes import free_port, start_engine, start_server
 from tests.random_checkpoint import save_random_model
 from tests.reference import run_engine
@@ -129,6 +130,76 @@ def _graph_and_eager_decode(
 def test_graph_decode_equals_eager_decode(engine_fp32: LLMEngine) -> None:
     graphed, eager = _graph_and_eager_decode(engine_fp32, _prompts(5))
     torch.testing.assert_close(graphed, eager, rtol=1e-3, atol=1e-3)
+
+
+def _generate(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
+    for request_id, (prompt, sampling) in requests.items():
+        engine.add_request(b"gpu", request_id, prompt, sampling)
+    outputs: dict[str, list[RequestOutput]] = {request_id: [] for request_id in requests}
+    while engine.has_work:
+        for _, output in engine.step():
+            outputs[output.request_id].append(output)
+    return outputs
+
+
+def test_sampling_parameters_batched_and_overlapped_equal_one_at_a_time(
+    engine_fp32: LLMEngine, llama_1b: Path
+) -> None:
+    """vLLM's parameters on CUDA, overlapped steps and decode graphs on, in one batch: each
+    request gets the tokens it gets alone (float32, as above), prompt log-probabilities are
+    transformers', and launching a step of them never synchronizes with the device."""
+    engine = engine_fp32
+    assert engine.overlap_steps and engine.runner.decode_graphs is not None
+    prompts = _prompts(7)
+    plain = run_engine(engine, prompts[2:3], max_tokens=24)[0]
+    sampled = {"max_tokens": 24, "ignore_eos": True}
+    params = [
+        SamplingParams(**sampled, repetition_penalty=1.3),
+        SamplingParams(**sampled, presence_penalty=0.5, frequency_penalty=0.7),
+        SamplingParams(**sampled, bad_words_token_ids=[[plain[3], plain[4]], [plain[8]]]),
+        SamplingParams(**sampled, allowed_token_ids=list(range(1000, 1100))),
+        SamplingParams(**sampled, temperature=0.9, top_p=0.9, min_p=0.2, seed=3),
+        SamplingParams(max_tokens=24, min_tokens=20, stop_token_ids=[plain[1]]),
+        SamplingParams(**sampled, prompt_logprobs=5),
+    ]
+    requests = {str(i): (p, s) for i, (p, s) in enumerate(zip(prompts, params, strict=True))}
+    alone = {i: _generate(engine, {i: request})[i] for i, request in requests.items()}
+    engine.add_request(b"gpu", "sync", prompts[0], params[0])
+    for request_id, request in requests.items():
+        engine.add_request(b"gpu", f"sync{request_id}", *request)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):
+            engine.runner.launch(engine.scheduler.schedule())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for request in list(engine.requests.values()):
+        engine.abort(request.client, request.request_id)
+    engine.sync()
+    together = _generate(engine, requests)
+
+    def tokens(outputs: list[RequestOutput]) -> list[int]:
+        return [t for output in outputs for t in output.new_token_ids]
+
+    for request_id in requests:
+        assert tokens(together[request_id]) == tokens(alone[request_id]), request_id
+    banned = tokens(together["2"])
+    assert (plain[3], plain[4]) not in pairwise(banned) and plain[8] not in banned
+    assert set(tokens(together["3"])) <= set(range(1000, 1100))
+    assert len(tokens(together["5"])) >= 20
+    scored = together["6"][0].prompt_logprobs
+    assert scored is not None and len(scored) == len(prompts[6]) - 1
+    hf = AutoModelForCausalLM.from_pretrained(llama_1b, dtype=torch.float32).cuda().eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompts[6]], device="cuda")).logits[0, :-1].float()
+    reference = torch.log_softmax(logits, dim=-1).cpu()
+    targets = torch.tensor(prompts[6][1:])
+    torch.testing.assert_close(
+        torch.tensor([entry.logprob for entry in scored]),
+        reference[torch.arange(len(targets)), targets],
+        rtol=1e-3,
+        atol=1e-3,
+    )
 
 
 @pytest.mark.parametrize("shape", [s for s in FAMILY_SHAPES if s != "llama-3.2-1b"])
