@@ -134,6 +134,17 @@ def test_prompt_logprobs_in_vllms_shapes(cluster: Cluster) -> None:
         best = next(entry for entry in scored[i].values() if entry["rank"] == 1)
         assert list(top) == [best["decoded_token"]]
         assert abs(next(iter(top.values())) - best["logprob"]) < 1e-3
+    # Every choice shows them (the first choice's engine request computed them).
+    two = client.completions.create(
+        model=cluster.model,
+        prompt=prompt,
+        max_tokens=1,
+        n=2,
+        temperature=1.0,
+        extra_body={"prompt_logprobs": 2},
+    )
+    first, second = (choice.model_extra["prompt_logprobs"] for choice in two.choices)
+    assert first == second and len(first) == len(scored)
     chat = client.chat.completions.create(
         model=cluster.model,
         messages=QUESTION,
