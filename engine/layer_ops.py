@@ -18,6 +18,13 @@ class LayerOps(Protocol):
         """rmsnorm(x) * weight, normalized in float32 over the last dimension."""
         ...
 
+    def rms_norm_round_once(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """rmsnorm(x) * weight with the product in float32 too, rounded to x's dtype once at
+        the end (OLMo 2's norm; Gemma's, given 1 + its weight); rms_norm rounds before it."""
+        ...
+
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,6 +53,13 @@ class TorchLayerOps:
         # Normalise in float32 as Hugging Face does; bf16 variance loses too much.
         x32 = x.float()
         return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    def rms_norm_round_once(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return (x32 * weight.float()).to(x.dtype)
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float

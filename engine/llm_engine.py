@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.block_manager import BlockManager
-from engine.checkpoint import load_checkpoint
 from engine.model_runner import CacheConfig, LaunchedStep, ModelRunner, resolve_dtype
+from engine.models import load_checkpoint
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 from protocol import (

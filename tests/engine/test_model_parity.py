@@ -16,11 +16,10 @@ from transformers import LlamaForCausalLM as HFLlama
 from transformers import PreTrainedModel
 
 from engine.attention import AttentionBackend, AttentionMetadata, LayerKVCache
-from engine.checkpoint import load_checkpoint
 from engine.layer_ops import LayerOps
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model_runner import select_backend
-from engine.models import build_model
+from engine.models import build_model, load_checkpoint
 from engine.triton_backend import TritonLayerOps, TritonPagedAttention
 from tests.random_checkpoint import random_prompts, save_tiny_llama
 from tests.reference import hf_greedy, run_engine
