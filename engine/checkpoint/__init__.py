@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from engine.checkpoint.checkpoint import Checkpoint, WeightStream
+from engine.checkpoint.checkpoint import Checkpoint
 from engine.checkpoint.gguf_checkpoint import GGUFModelFile, read_gguf_model
 from engine.checkpoint.hf_checkpoint import HFDirectory, read_hf_directory
 from engine.checkpoint.resolve import DEFAULT_MODEL, CheckpointFormat, resolve_model
@@ -20,7 +20,6 @@ __all__ = [
     "Checkpoint",
     "GGUFModelFile",
     "HFDirectory",
-    "WeightStream",
     "read_checkpoint",
 ]
 

@@ -30,10 +30,6 @@ class HFDirectory:
     tokenizer: TokenizerInfo = field(repr=False)
     safetensors: list[Path]
 
-    @property
-    def architecture(self) -> str | None:
-        return hf_architecture(self.config)
-
     def weights(self) -> WeightStream:
         """(name, tensor) as stored, one tensor in memory at a time."""
         for file in self.safetensors:

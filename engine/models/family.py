@@ -41,12 +41,12 @@ GGUF_LLAMA_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_
 GGUF_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 
 
-def plain_gguf_config(keys: GGUFMetadata, common: dict[str, Any]) -> ModelConfig:
+def _plain_gguf_config(keys: GGUFMetadata, common: dict[str, Any]) -> ModelConfig:
     """The config of an architecture whose metadata holds only the fields every one has."""
     return ModelConfig(**common)
 
 
-def as_stored(name: str, array: np.ndarray, config: ModelConfig) -> np.ndarray:
+def _as_stored(name: str, array: np.ndarray, config: ModelConfig) -> np.ndarray:
     return array
 
 
@@ -58,9 +58,9 @@ class GGUFLayout:
     block_names: Mapping[str, str]  # GGUF module in a block -> Hugging Face module in a layer
     biased_modules: tuple[str, ...] = ()  # GGUF modules stored with a bias beside the weight
     # The config from the metadata and the fields every architecture has (``common``).
-    read_config: Callable[[GGUFMetadata, dict[str, Any]], ModelConfig] = plain_gguf_config
+    read_config: Callable[[GGUFMetadata, dict[str, Any]], ModelConfig] = _plain_gguf_config
     # A tensor's values as Hugging Face has them, from those the converter wrote (by GGUF name).
-    restore: Callable[[str, np.ndarray, ModelConfig], np.ndarray] = as_stored
+    restore: Callable[[str, np.ndarray, ModelConfig], np.ndarray] = _as_stored
 
 
 @dataclass(frozen=True)
