@@ -1,9 +1,9 @@
 """Read a model checkpoint's files, a GGUF file or a Hugging Face directory.
 
-`read_checkpoint(name)` finds the files (fetching them once if need be) and reads the config
-(config.json as a dict, or the GGUF metadata) and the tokenizer; weights stream later. What the
-config means for the model is its family's to say: `engine.models.load_checkpoint` turns these
-files into a `Checkpoint`, a ModelConfig and Hugging Face-named weights.
+`read_checkpoint(name)` finds the files (fetching them once if need be) and reads the config:
+config.json as a dict, or the GGUF metadata; the tokenizer and weights are read on demand. What
+the config means for the model is its family's to say: `engine.models.load_checkpoint` turns
+these files into a `Checkpoint`, a ModelConfig and Hugging Face-named weights.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ logger = logging.getLogger("engine.checkpoint")
 
 
 def read_checkpoint(model: str) -> HFDirectory | GGUFModelFile:
-    """The config and tokenizer of `model` now; its weights when they are iterated.
+    """The files of `model`, its config read.
 
     `model` is the default model's name, a local Hugging Face directory, a local .gguf file or a
     Hugging Face hub name ("org/name"), fetched into the hub's cache.

@@ -71,14 +71,17 @@ def decimal(value: float) -> float:
 
 @dataclass(frozen=True)
 class GGUFModelFile:
-    """A GGUF file's metadata, tokenizer and tensor index; the tensor data stays on disk."""
+    """A GGUF file's metadata and tensor index; the tensor data stays on disk."""
 
     name: str  # the model name shown to users
     path: Path
     metadata: GGUFMetadata = field(repr=False)
     # Views of a memory map, in file order: holding them keeps no tensor in memory.
     tensors: Mapping[str, GGUFTensor] = field(repr=False)
-    tokenizer: TokenizerInfo = field(repr=False)
+
+    def tokenizer(self) -> TokenizerInfo:
+        """The tokenizer and chat template, rebuilt from the metadata."""
+        return gguf_tokenizer_info(self.metadata.metadata)
 
 
 def read_gguf_model(path: Path, name: str | None = None) -> GGUFModelFile:
@@ -90,7 +93,6 @@ def read_gguf_model(path: Path, name: str | None = None) -> GGUFModelFile:
         path=path,
         metadata=GGUFMetadata(metadata, path),
         tensors=gguf_file.tensors,
-        tokenizer=gguf_tokenizer_info(metadata),
     )
 
 

@@ -22,13 +22,15 @@ from engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION, RopeScaling, 
 
 @dataclass(frozen=True)
 class HFDirectory:
-    """A checkpoint directory's files, read but for the weights."""
+    """A checkpoint directory's config.json, read, and its other files, found."""
 
     name: str  # the model name shown to users
     path: Path
     config: dict[str, Any] = field(repr=False)  # config.json
-    tokenizer: TokenizerInfo = field(repr=False)
     safetensors: list[Path]
+
+    def tokenizer(self) -> TokenizerInfo:
+        return hf_tokenizer_info(self.path, self.config)
 
     def weights(self) -> WeightStream:
         """(name, tensor) as stored, one tensor in memory at a time."""
@@ -40,14 +42,12 @@ class HFDirectory:
 
 
 def read_hf_directory(path: Path, name: str | None = None) -> HFDirectory:
-    """The directory's config, tokenizer and weight files; ``name`` overrides the directory's."""
-    config = _read_json(path / "config.json")
+    """The directory's config and weight files; ``name`` overrides the directory's."""
     return HFDirectory(
         name=name or path.resolve().name,
         path=path,
-        config=config,
+        config=_read_json(path / "config.json"),
         safetensors=safetensors_files(path),
-        tokenizer=hf_tokenizer_info(path, config),
     )
 
 
@@ -89,10 +89,8 @@ def hf_config_fields(
 def check_layer_types(layer_types: list[str] | None, num_layers: int, path: Path) -> None:
     if layer_types is None:
         return
-    if len(layer_types) != num_layers or not set(layer_types) <= {
-        FULL_ATTENTION,
-        SLIDING_ATTENTION,
-    }:
+    known = {FULL_ATTENTION, SLIDING_ATTENTION}
+    if len(layer_types) != num_layers or not set(layer_types) <= known:
         raise ValueError(
             f"{path}: layer_types must name {FULL_ATTENTION!r} or {SLIDING_ATTENTION!r} for each "
             f"of the {num_layers} layers, not {layer_types}"

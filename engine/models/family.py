@@ -86,7 +86,7 @@ class ModelFamily:
         return Checkpoint(
             name=directory.name,
             config=self.config_from_hf(directory.config, directory.path),
-            tokenizer=directory.tokenizer,
+            tokenizer=directory.tokenizer(),
             weight_source=directory.weights,
         )
 
@@ -109,7 +109,7 @@ class ModelFamily:
         return Checkpoint(
             name=file.name,
             config=config,
-            tokenizer=file.tokenizer,
+            tokenizer=file.tokenizer(),
             weight_source=lambda: gguf_weights(file, names, restore),
             tensor_count=len(names),
         )
