@@ -11,9 +11,9 @@ import random
 import time
 
 from engine.block_manager import BlockManager
-from engine.checkpoint import load_checkpoint
 from engine.config import EngineConfig
 from engine.model_runner import LaunchedStep, ModelRunner
+from engine.models import load_checkpoint
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 from protocol import (
