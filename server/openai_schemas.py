@@ -118,9 +118,8 @@ TopK = Annotated[int | None, Field(ge=-1)]  # vLLM's; -1 or 0: no top-k cut
 # Token ids (as strings, JSON's keys) to a bias added to their logits.
 LogitBias = dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100, le=100)]] | None
 
-# Fields of vLLM's OpenAI server that every generating endpoint does not serve yet, each
-# with the values that ask for nothing (vLLM's defaults; null always does): any other
-# value is refused with a 400.
+# vLLM's fields of chat completions and completions that this server does not serve yet
+# (RequestBody.not_served): the values that ask for nothing are vLLM's defaults.
 _NOT_SERVED_GENERATION: dict[str, tuple[Any, ...]] = {
     "min_p": (0,),
     "repetition_penalty": (1,),
@@ -149,7 +148,6 @@ _NOT_SERVED_GENERATION: dict[str, tuple[Any, ...]] = {
     "kv_transfer_params": (),
     "ec_transfer_params": (),
     "vllm_xargs": (),
-    "mm_processor_kwargs": (),
     "return_tokens_as_token_ids": (False,),
     "return_token_ids": (False,),
     "repetition_detection": (),
@@ -305,6 +303,7 @@ class ChatCompletionRequest(GenerationBody):
         "chat_template": (),
         "chat_template_kwargs": ({},),
         "media_io_kwargs": (),
+        "mm_processor_kwargs": (),
         "reasoning_effort": (),
         "include_reasoning": (True, False),  # no model served here reasons
         "return_prompt_text": (False,),
