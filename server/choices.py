@@ -36,7 +36,7 @@ class PreparedGeneration:
     sampling: SamplingParams
     stop: list[str]  # stop strings: each choice ends before the first it generates
     num_choices: int
-    include_stop_str_in_output: bool = False  # ... or with it, when this is set
+    include_stop_str_in_output: bool = False  # ... or end with it, if this is set
 
     def choices(
         self, client: EngineClient, tokenizer: Tokenizer, request_id: str

@@ -1,6 +1,6 @@
 """Streamed answers: the choices' deltas merged as they come, and written as the SSE chunks
 of chat completions (``ChatChunks``) or completions (``CompletionChunks``), or as the
-events of another API (``StreamEvents``: server/responses_events.py)."""
+events of another API (``StreamEvents``: server/responses_output.py)."""
 
 from __future__ import annotations
 
