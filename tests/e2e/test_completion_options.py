@@ -1,13 +1,19 @@
 """vLLM's and OpenAI's further request options end to end: batched prompts, echo, best_of,
-stop strings kept, truncated prompts, request ids, the version, and unknown fields."""
+stop strings kept, truncated prompts, request ids, the version, unknown fields, and (slow,
+on Qwen2.5-Coder) fill in the middle."""
 
 from __future__ import annotations
+
+import subprocess
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from scripts.fetch_test_gguf import TEST_MODELS
 from tests.conftest import Cluster
+from tests.processes import free_port, start_engine, start_server
 
 PROMPTS = ["The capital of France is", "One, two, three,"]
 
@@ -105,3 +111,28 @@ def test_request_ids_version_and_unknown_fields(cluster: Cluster) -> None:
     # SmolLM2's tokenizer has no fill-in-the-middle tokens.
     refused = httpx.post(f"{url}/v1/completions", json={**body, "suffix": "!"})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "suffix"
+
+
+@pytest.mark.slow
+def test_suffix_fills_in_the_middle_with_qwen_coder(
+    tmp_path: Path, subprocess_cleanup: list[subprocess.Popen]
+) -> None:
+    path = TEST_MODELS["qwen2.5-coder-0.5b"].path
+    if not path.is_file():
+        pytest.skip(f"{path} is absent: scripts/fetch_test_gguf.py fetches it")
+    address = f"ipc://{tmp_path}/engine.sock"
+    subprocess_cleanup.append(start_engine(address, tmp_path / "engine.log", "--model", str(path)))
+    port = free_port()
+    subprocess_cleanup.append(start_server(address, port, tmp_path / "server.log"))
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+    request = dict(model=client.models.list().data[0].id, max_tokens=6, temperature=0, stop=["("])
+    # The name the model gives the function depends on the code after it.
+    named = {
+        "\n\n\nassert product(6, 3) == 18\n": "product",
+        "(a, b):\n    return a - b\n": "subtract",
+    }
+    for suffix, name in named.items():
+        reply = client.completions.create(prompt="def ", suffix=suffix, **request)
+        assert reply.choices[0].text == name
+    plain = client.completions.create(prompt="def ", **request).choices[0].text
+    assert plain.strip() not in named.values()
