@@ -36,6 +36,7 @@ class PreparedGeneration:
     sampling: SamplingParams
     stop: list[str]  # stop strings: each choice ends before the first it generates
     num_choices: int
+    include_stop_str_in_output: bool = False  # ... or end with it, if this is set
 
     def choices(
         self, client: EngineClient, tokenizer: Tokenizer, request_id: str
@@ -52,6 +53,7 @@ class PreparedGeneration:
                 if self.sampling.seed is None
                 else dataclasses.replace(self.sampling, seed=(self.sampling.seed + index) % 2**63),
                 self.stop,
+                self.include_stop_str_in_output,
             )
             for index in range(self.num_choices)
         ]

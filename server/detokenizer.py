@@ -28,11 +28,16 @@ class IncrementalDetokenizer:
 
     ``push`` returns only text that can no longer change: never half a character, and
     nothing that could be the start of a stop string. Once a stop string appears,
-    ``stopped`` is set, and the text is cut before it; the caller then ends the request.
+    ``stopped`` is set, and the text is cut before it (after it, with
+    ``include_stop``); the caller then ends the request.
     """
 
     def __init__(
-        self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = ()
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        include_stop: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
         context = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:])
@@ -41,7 +46,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(context)
         self._prefix_text = self._decode(context)
-        self._stop = _StopStringMatcher(stop)
+        self._stop = _StopStringMatcher(stop, include_stop)
 
     @property
     def stopped(self) -> bool:
@@ -85,10 +90,12 @@ class IncrementalDetokenizer:
 
 
 class _StopStringMatcher:
-    """Cuts text before the first stop string, holding back possible beginnings of one."""
+    """Cuts text before the first stop string (after it, with ``include_stop``), holding
+    back possible beginnings of one."""
 
-    def __init__(self, stop: Sequence[str]) -> None:
+    def __init__(self, stop: Sequence[str], include_stop: bool) -> None:
         self._stop = tuple(stop)
+        self._include_stop = include_stop
         self._held = ""  # a suffix of the text so far that some stop string starts with
         self.stopped = False
 
@@ -97,11 +104,13 @@ class _StopStringMatcher:
         if not self._stop:
             return text
         buffer = self._held + text
-        cut = min((i for i in map(buffer.find, self._stop) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(at, stop) for stop in self._stop if (at := buffer.find(stop)) >= 0]
+        if found:
+            # The first stop string to appear; of those starting together, the first listed.
+            at, stop = min(found, key=lambda match: match[0])
             self.stopped = True
             self._held = ""
-            return buffer[:cut]
+            return buffer[: at + len(stop)] if self._include_stop else buffer[:at]
         keep = self._longest_stop_prefix_suffix(buffer)
         self._held = buffer[len(buffer) - keep :] if keep else ""
         return buffer[: len(buffer) - keep]

@@ -36,13 +36,15 @@ async def generate_text(
     prompt_ids: list[int],
     sampling: SamplingParams,
     stop: Sequence[str],
+    include_stop_str_in_output: bool = False,
 ) -> AsyncGenerator[TextDelta, None]:
-    """Yields text as it becomes final; the last delta carries the finish reason.
+    """Yields text as it becomes final; the last delta carries the finish reason. A stop
+    string ends the text (``include_stop_str_in_output``) or is cut off with what follows.
 
     Raises ``ApiError`` when the engine is gone or refuses the request. Closing the
     iterator early aborts the request in the engine.
     """
-    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, stop)
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, stop, include_stop_str_in_output)
     token_ids: list[int] = []  # with log-probabilities, not yet in a delta
     logprobs: list[TokenLogprobs] = []
 

@@ -11,6 +11,7 @@ from tokenizers import Tokenizer
 from protocol import HandshakeReply
 from server.chat_template import ChatTemplate, ChatTemplateError
 from server.errors import ApiError
+from server.fill_in_middle import FillInMiddle
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +26,7 @@ class ServedModel:
     chat_template: ChatTemplate | None
     # Why there is no chat template (the chat endpoint answers with it), or None.
     chat_template_problem: str | None
+    fill_in_middle: FillInMiddle | None  # None: the tokenizer cannot take a suffix
 
     @classmethod
     def from_handshake(cls, reply: HandshakeReply) -> ServedModel:
@@ -49,6 +51,7 @@ class ServedModel:
             created=int(reply.engine_started_at),
             chat_template=template,
             chat_template_problem=problem,
+            fill_in_middle=FillInMiddle.of(tokenizer),
         )
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:

@@ -1,5 +1,6 @@
 """Streamed answers: the choices' deltas merged as they come, and written as the SSE chunks
-of chat completions (``ChatChunks``) or completions (``CompletionChunks``)."""
+of chat completions (``ChatChunks``) or completions (``CompletionChunks``), or as the
+events of another API (``StreamEvents``: server/responses_output.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import asyncio
 import logging
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from typing import Any
+from typing import Any, Protocol
 
 from server.answer import Answer
 from server.choices import ChoiceDeltas
@@ -17,6 +18,24 @@ from server.logprobs import RenderLogprobs, logprobs_of
 from server.sse import DONE, event
 
 logger = logging.getLogger(__name__)
+
+
+class StreamEvents(Protocol):
+    """What a streamed answer writes, as SSE text: ``start`` before any delta, ``render`` for
+    each delta of each choice, ``finish`` after the last, ``error`` if the answer fails
+    (the status is sent by then), and ``end`` last, whatever happened."""
+
+    answer: Answer
+
+    def start(self) -> list[str]: ...
+
+    def render(self, index: int, delta: TextDelta) -> list[str]: ...
+
+    def finish(self, completion_tokens: int) -> list[str]: ...
+
+    def error(self, error: ApiError) -> list[str]: ...
+
+    def end(self) -> list[str]: ...
 
 
 class Chunks:
@@ -51,6 +70,13 @@ class Chunks:
         usage = self.answer.usage(completion_tokens)
         return [event({**self.answer.header(), "choices": [], "usage": usage})]
 
+    def error(self, error: ApiError) -> list[str]:
+        # As OpenAI and vLLM do: the error body as a chunk.
+        return [event(error.body())]
+
+    def end(self) -> list[str]:
+        return [DONE]
+
     def _content(self, text: str | None) -> dict[str, Any]:
         """A choice's body holding ``text``, or the finish chunk's (None)."""
         raise NotImplementedError
@@ -81,7 +107,23 @@ class ChatChunks(Chunks):
 
 
 class CompletionChunks(Chunks):
-    """``text_completion`` events."""
+    """``text_completion`` events; with ``echoes`` (each choice's prompt text, for
+    ``echo``), a chunk of each choice's echo first."""
+
+    def __init__(
+        self,
+        answer: Answer,
+        include_usage: bool,
+        renderers: list[RenderLogprobs | None],
+        echoes: list[str] | None = None,
+    ) -> None:
+        super().__init__(answer, include_usage, renderers)
+        self._echoes = echoes
+
+    def start(self) -> list[str]:
+        if self._echoes is None:
+            return []
+        return [self._chunk(index, self._content(text)) for index, text in enumerate(self._echoes)]
 
     def _content(self, text: str | None) -> dict[str, Any]:
         return {"text": text or ""}
@@ -124,27 +166,33 @@ async def merged(choices: list[ChoiceDeltas]) -> AsyncGenerator[tuple[int, TextD
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def event_stream(chunks: Chunks, choices: list[ChoiceDeltas]) -> AsyncGenerator[str, None]:
-    """The SSE body: the chunks of each delta, the usage chunk if asked, then [DONE].
+async def event_stream(
+    events: StreamEvents, choices: list[ChoiceDeltas]
+) -> AsyncGenerator[str, None]:
+    """The SSE body: ``events``' start, what they write of each delta, their finish, and
+    their end (for chat completions and completions: the usage chunk if asked, then [DONE]).
 
     The response status is already sent when an error happens here, so the error
     goes into the stream as an event, as OpenAI and vLLM do.
     """
     completion_tokens = [0] * len(choices)
     try:
-        for item in chunks.start():
+        for item in events.start():
             yield item
         deltas = merged(choices)
         async with aclosing(deltas):
             async for index, delta in deltas:
                 completion_tokens[index] = delta.completion_tokens
-                for item in chunks.render(index, delta):
+                for item in events.render(index, delta):
                     yield item
-        for item in chunks.finish(sum(completion_tokens)):
+        for item in events.finish(sum(completion_tokens)):
             yield item
     except ApiError as exc:
-        yield event(exc.body())
+        for item in events.error(exc):
+            yield item
     except Exception:
-        logger.exception("streaming %s failed", chunks.answer.id)
-        yield event(internal_error().body())
-    yield DONE
+        logger.exception("streaming %s failed", events.answer.id)
+        for item in events.error(internal_error()):
+            yield item
+    for item in events.end():
+        yield item

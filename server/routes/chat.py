@@ -9,12 +9,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from server.answer import Answer, whole_response
-from server.choices import PreparedGeneration
 from server.engine_client import EngineClient
 from server.generation import TextDelta
 from server.logprobs import chat_logprobs, logprobs_of
 from server.openai_schemas import ChatCompletionRequest, parse_request
-from server.prompts import chat_prompt_ids
+from server.prompts import chat_generation
+from server.request_id import request_id
 from server.served_model import ServedModel
 from server.sse import EventStreamResponse
 from server.streaming import ChatChunks, event_stream
@@ -28,13 +28,18 @@ class ChatCompletions:
     async def create(self, request: Request) -> Response:
         body = parse_request(ChatCompletionRequest, await request.body())
         self._model.check_name(body.model)
-        prompt_ids = await chat_prompt_ids(self._model, body.messages, add_generation_prompt=True)
-        sampling = body.sampling_params(len(prompt_ids), self._model)
-        generation = PreparedGeneration(prompt_ids, sampling, body.stop, body.num_choices)
+        generation = await chat_generation(self._model, body)
         object_type = "chat.completion.chunk" if body.stream else "chat.completion"
-        answer = Answer.new("chatcmpl", object_type, self._model.name, len(prompt_ids))
-        choices = generation.choices(self._client, self._model.tokenizer, answer.id)
-        render = None if sampling.logprobs is None else partial(chat_logprobs, self._model)
+        answer = Answer.new(
+            "chatcmpl-",
+            object_type,
+            self._model.name,
+            request_id(request),
+            len(generation.prompt_ids),
+        )
+        choices = generation.choices(self._client, self._model.tokenizer, answer.engine_id)
+        wants_logprobs = generation.sampling.logprobs is not None
+        render = partial(chat_logprobs, self._model) if wants_logprobs else None
         if body.stream:
             chunks = ChatChunks(answer, body.include_usage, [render] * len(choices))
             return EventStreamResponse(event_stream(chunks, choices))

@@ -169,10 +169,10 @@ def test_incomplete_character_at_the_end_is_flushed_as_decode_does() -> None:
 
 
 def run_with_stop(
-    tokenizer: Tokenizer, text: str, stop: list[str]
+    tokenizer: Tokenizer, text: str, stop: list[str], include_stop: bool = False
 ) -> tuple[list[str], IncrementalDetokenizer, int]:
     """Pieces emitted token by token until a stop string; and the tokens consumed."""
-    detokenizer = IncrementalDetokenizer(tokenizer, [], stop)
+    detokenizer = IncrementalDetokenizer(tokenizer, [], stop, include_stop)
     pieces, consumed = [], 0
     for token_id in tokenizer.encode(text).ids:
         pieces.append(detokenizer.push([token_id]))
@@ -213,6 +213,16 @@ def test_earliest_stop_string_wins(tokenizer: Tokenizer) -> None:
     text = "The quick brown fox jumps over the lazy dog."
     pieces, _, _ = run_with_stop(tokenizer, text, ["lazy", "fox", "over"])
     assert "".join(pieces) == "The quick brown "
+
+
+def test_stop_string_included_ends_the_text(tokenizer: Tokenizer) -> None:
+    text = "The quick brown fox jumps over the lazy dog."
+    pieces, detokenizer, _ = run_with_stop(tokenizer, text, ["lazy", "n fox j"], True)
+    assert detokenizer.stopped
+    assert "".join(pieces) == "The quick brown fox j"
+    # Of two stop strings that start together in one step, the first listed ends the text.
+    detokenizer = IncrementalDetokenizer(tokenizer, [], ["fox jumps", "fox"], include_stop=True)
+    assert detokenizer.push(tokenizer.encode(text).ids) == "The quick brown fox jumps"
 
 
 def test_possible_stop_string_is_held_then_released(tokenizer: Tokenizer) -> None:
