@@ -27,7 +27,7 @@ from engine.sampler import sample, token_logprobs
 from protocol import TokenLogprobs
 
 if TYPE_CHECKING:
-    from engine.llm_engine import EngineConfig
+    from engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from protocol import SamplingParams
 
 

@@ -47,7 +47,8 @@ from engine.checkpoint import Checkpoint, progress
 from engine.checkpoint.gguf_dequantize import dequantize
 from engine.checkpoint.gguf_file import read_gguf
 from engine.checkpoint.resolve import join_members
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from engine.model_config import ModelConfig
 from engine.models import hf_model_config, load_checkpoint
 from scripts.fetch_test_gguf import TEST_MODELS

@@ -29,7 +29,8 @@ from transformers import (
 )
 
 from engine.backends import create_backend
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from engine.models import SUPPORTED_ARCHITECTURES, build_model, hf_model_config, load_checkpoint
 from tests.engine.test_model_parity import engine_prefill_logits, hf_prefill_logits
 from tests.random_checkpoint import VOCAB, random_prompts, save_with_tokenizer

@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from protocol import SamplingParams
 from tests.processes import free_port, start_engine, start_server
 from tests.random_checkpoint import save_random_model
