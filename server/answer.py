@@ -17,7 +17,7 @@ from server.choices import ChoiceDeltas, collect
 from server.generation import TextDelta
 
 # The status nginx logs for a client that went away before the answer (never sent).
-_CLIENT_CLOSED_REQUEST = 499
+CLIENT_CLOSED_REQUEST = 499
 
 
 @dataclass(slots=True)
@@ -58,7 +58,7 @@ async def whole_response(
     index and its collected text), and the usage of them all."""
     wholes = await collect(request, choices)
     if wholes is None:
-        return Response(status_code=_CLIENT_CLOSED_REQUEST)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     return JSONResponse(
         {
             **answer.header(),

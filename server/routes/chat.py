@@ -16,8 +16,7 @@ from server.logprobs import chat_logprobs, logprobs_of
 from server.openai_schemas import ChatCompletionRequest, parse_request
 from server.prompts import chat_prompt_ids
 from server.served_model import ServedModel
-from server.sse import EventStreamResponse
-from server.streaming import ChatChunks, event_stream
+from server.streaming import ChatChunks, streamed_response
 
 
 class ChatCompletions:
@@ -37,7 +36,8 @@ class ChatCompletions:
         render = None if sampling.logprobs is None else partial(chat_logprobs, self._model)
         if body.stream:
             chunks = ChatChunks(answer, body.include_usage, [render] * len(choices))
-            return EventStreamResponse(event_stream(chunks, choices))
+            constrained = sampling.structured_output is not None
+            return await streamed_response(request, chunks, choices, constrained)
 
         def choice(index: int, whole: TextDelta) -> dict[str, Any]:
             return {

@@ -15,8 +15,7 @@ from server.logprobs import CompletionLogprobs, RenderLogprobs, logprobs_of
 from server.openai_schemas import CompletionRequest, parse_request
 from server.prompts import completion_prompt_ids
 from server.served_model import ServedModel
-from server.sse import EventStreamResponse
-from server.streaming import CompletionChunks, event_stream
+from server.streaming import CompletionChunks, streamed_response
 
 
 class Completions:
@@ -39,7 +38,8 @@ class Completions:
 
         if body.stream:
             chunks = CompletionChunks(answer, body.include_usage, [renderer() for _ in choices])
-            return EventStreamResponse(event_stream(chunks, choices))
+            constrained = sampling.structured_output is not None
+            return await streamed_response(request, chunks, choices, constrained)
 
         def choice(index: int, whole: TextDelta) -> dict[str, Any]:
             return {
