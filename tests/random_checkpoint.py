@@ -162,17 +162,23 @@ _PRINTABLE = [chr(c) for c in range(0x20, 0x7F)]
 
 def save_random_model(directory: Path, shape: str, dtype: torch.dtype) -> PreTrainedModel:
     """A random model of ``shape`` (a key of SHAPES), saved as safetensors with a word-level
-    tokenizer (words and the printable ASCII characters); returns the transformers model (on
-    the CPU, in ``dtype``)."""
+    tokenizer (``save_word_tokenizer``); returns the transformers model (on the CPU, in
+    ``dtype``)."""
     config_class, model_class, config = SHAPES[shape]
     torch.manual_seed(0)
     model = model_class(config_class(**config)).to(dtype).eval()
     model.save_pretrained(directory, safe_serialization=True)
-    # One word per id, so any generated id decodes to text; the last ids are the printable
-    # ASCII characters, so that a grammar (JSON, say) can be spelled in these tokens.
-    vocab_size = config["vocab_size"]
-    vocab = {f"w{i}": i for i in range(vocab_size - len(_PRINTABLE))}
-    vocab |= {char: vocab_size - len(_PRINTABLE) + i for i, char in enumerate(_PRINTABLE)}
+    save_word_tokenizer(directory, config["vocab_size"])
+    return model
+
+
+def save_word_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A tokenizer of one word per id, so any generated id decodes to text: ChatML's two
+    special tokens, the printable ASCII characters last, so that a grammar (JSON, say) can be
+    spelled in these tokens, and words between."""
+    first_char = vocab_size - len(_PRINTABLE)
+    vocab = {f"w{i}": i for i in range(first_char)}
+    vocab |= {char: first_char + i for i, char in enumerate(_PRINTABLE)}
     for i, special in enumerate(["<|im_start|>", "<|im_end|>"]):
         vocab[special] = i
         del vocab[f"w{i}"]
@@ -182,4 +188,3 @@ def save_random_model(directory: Path, shape: str, dtype: torch.dtype) -> PreTra
     (directory / "tokenizer_config.json").write_text(
         json.dumps({"chat_template": CHATML, "bos_token": None, "eos_token": "<|im_end|>"})
     )
-    return model
