@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
 
 from engine.attention import AttentionMetadata, LayerKVCache
 from engine.backends import create_backend, default_backend
@@ -30,6 +29,8 @@ from engine.structured_output import GrammarBitmask
 from protocol import TokenLogprobs
 
 if TYPE_CHECKING:
+    import xgrammar as xgr
+
     from engine.llm_engine import EngineConfig
 
 logger = logging.getLogger(__name__)
