@@ -13,9 +13,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.block_manager import BlockManager
-from engine.checkpoint import load_checkpoint
 from engine.config import EngineConfig
 from engine.model_runner import LaunchedStep, ModelRunner
+from engine.models import load_checkpoint
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 from engine.structured_output import CompilingRequests, GrammarCompiler, GrammarError

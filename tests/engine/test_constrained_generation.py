@@ -17,8 +17,8 @@ import tokenizers
 import torch
 from transformers import LlamaForCausalLM as HFLlama
 
-from engine.checkpoint import load_checkpoint
 from engine.llm_engine import EngineConfig, LLMEngine, RequestRejected
+from engine.models import load_checkpoint
 from engine.request import RequestStatus
 from engine.structured_output import GrammarBitmask, new_matcher
 from protocol import (
