@@ -195,7 +195,7 @@ class LLMEngine:
             return self.sync()
         forwarded = self.runner.forward(batch)
         outputs = []
-        if self.in_flight is not None and any(_samples_after_read(r) for r in batch):
+        if self.in_flight is not None and self._samples_after_read(batch):
             # Read the pending tokens before sampling, while the device runs the forward pass.
             outputs = self.sync()
         # Only when a request has a grammar: the unconstrained steps pay nothing for them.
@@ -206,6 +206,15 @@ class LLMEngine:
         outputs += self.sync()
         self.in_flight = launched
         return outputs
+
+    def _samples_after_read(self, batch: list[Request]) -> bool:
+        """Whether sampling ``batch`` needs its pending tokens read first: penalties count
+        every token generated so far, and a grammar advances on each one."""
+        if self.num_constrained and any(
+            r.num_pending_tokens and r.grammar is not None for r in batch
+        ):
+            return True
+        return any(_penalized_with_pending(r) for r in batch)
 
     def _schedule_compiled(self) -> None:
         """Schedule the requests whose grammars are ready; refuse those whose compile failed."""
@@ -301,10 +310,7 @@ class LLMEngine:
         )
 
 
-def _samples_after_read(request: Request) -> bool:
-    """Whether sampling the request's next token needs its pending one read first: penalties
-    count every token generated so far, and a grammar advances on each one."""
-    return request.num_pending_tokens > 0 and (
-        request.grammar is not None
-        or bool(request.sampling.presence_penalty or request.sampling.frequency_penalty)
+def _penalized_with_pending(request: Request) -> bool:
+    return request.num_pending_tokens > 0 and bool(
+        request.sampling.presence_penalty or request.sampling.frequency_penalty
     )
