@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,9 +25,12 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.models import build_model
 from engine.request import Request
 from engine.sampler import sample, token_logprobs
+from engine.structured_output import GrammarBitmask
 from protocol import TokenLogprobs
 
 if TYPE_CHECKING:
+    import xgrammar as xgr
+
     from engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -41,6 +45,15 @@ class SampledTokens:
     requests: list[Request]
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None
+
+
+@dataclass
+class ForwardedStep:
+    """A step whose forward pass is queued on the device: the logits of its sampled rows."""
+
+    batch: list[Request]
+    rows: list[Request]  # the requests whose tokens are all computed after it, in batch order
+    logits: torch.Tensor  # [len(rows), V] float32
 
 
 @dataclass
@@ -136,6 +149,9 @@ class ModelRunner:
             self.max_model_len,
         )
         self._last_sampled = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.grammar_bitmask = GrammarBitmask(
+            config.max_num_seqs, checkpoint.config.vocab_size, self.device
+        )
 
     def _num_kv_blocks(self, config: EngineConfig, model_len: int) -> int:
         if config.num_kv_blocks is not None:
@@ -241,11 +257,9 @@ class ModelRunner:
         return self.model(inputs.input_ids, inputs.metadata, inputs.logits_index)
 
     @torch.inference_mode()
-    def launch(self, batch: list[Request]) -> LaunchedStep:
-        """Queue one forward pass over ``batch`` and the sampling of each complete row's next
-        token (and its log-probabilities where asked), without waiting for the device. The
-        sampled tokens count as pending in their requests until the host reads them, and the
-        next step may take them as its inputs on the device."""
+    def forward(self, batch: list[Request]) -> ForwardedStep:
+        """Queue one forward pass over ``batch``, without waiting for the device; ``sample``
+        then picks its rows' next tokens."""
         inputs = self.step_inputs(batch)
         for request in batch:
             request.num_cached_tokens += request.num_scheduled_tokens
@@ -254,9 +268,23 @@ class ModelRunner:
             logits = graphs.run(inputs.input_ids, inputs.metadata)
         else:
             logits = self.forward_eager(inputs)
-        rows = inputs.rows
+        return ForwardedStep(batch, inputs.rows, logits)
+
+    @torch.inference_mode()
+    def sample(
+        self, step: ForwardedStep, grammars: Sequence[xgr.GrammarMatcher | None] | None
+    ) -> LaunchedStep:
+        """Queue the sampling of each complete row's next token (and its log-probabilities
+        where asked), without waiting for the device. ``grammars``, one per row (None: no
+        row is constrained), restrict each row to the tokens its grammar allows next; the
+        log-probabilities are those of that restricted distribution, as vLLM's. The sampled
+        tokens count as pending in their requests until the host reads them, and the next
+        step may take them as its inputs on the device."""
+        batch, rows, logits = step.batch, step.rows, step.logits
         if not rows:  # only prompt chunks: nothing to sample yet
             return LaunchedStep(batch, [], [torch.empty(0, dtype=torch.int64)], None, None)
+        if grammars is not None:
+            self.grammar_bitmask.apply(logits, grammars)
         vocab_size = self.model_config.vocab_size
         next_tokens = sample(logits, sampling_tensors(rows, vocab_size, self.device))
         self._last_sampled = next_tokens

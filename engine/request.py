@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from protocol import SamplingParams
 
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
 
 class RequestStatus(enum.Enum):
+    COMPILING = enum.auto()  # waits for its grammar (structured outputs); not scheduled yet
     WAITING = enum.auto()  # queued; no cache blocks
     RUNNING = enum.auto()  # has blocks; decodes every step
     FINISHED = enum.auto()
@@ -35,6 +40,9 @@ class Request:
     num_keyed_blocks: int = 0  # leading blocks keyed for prefix caching (BlockManager)
     parent_key: int = 0  # hash of the last keyed block's key
     status: RequestStatus = RequestStatus.WAITING
+    # Its structured output's matcher: it has accepted every token of output_token_ids
+    # (never a pending one). None: free text.
+    grammar: xgr.GrammarMatcher | None = None
 
     @property
     def key(self) -> tuple[bytes, str]:

@@ -17,7 +17,7 @@ from server.choices import ChoiceDeltas, collect
 from server.generation import TextDelta
 
 # The status nginx logs for a client that went away before the answer (never sent).
-_CLIENT_CLOSED_REQUEST = 499
+CLIENT_CLOSED_REQUEST = 499
 
 
 @dataclass(slots=True)
@@ -82,5 +82,5 @@ async def whole_answer(
     (status 499, never sent) if the client goes away first."""
     wholes = await collect(request, choices)
     if wholes is None:
-        return Response(status_code=_CLIENT_CLOSED_REQUEST)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     return JSONResponse(render(wholes))

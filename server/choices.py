@@ -94,6 +94,31 @@ async def _collect(deltas: ChoiceDeltas) -> TextDelta:
     return whole
 
 
+async def taken(request: Request, choices: list[ChoiceDeltas]) -> list[ChoiceDeltas] | None:
+    """``choices`` once the engine has taken them: each one's first delta is in, so that a
+    refusal raises its ApiError here, before a streamed response commits to a status. None
+    (and every choice aborted) if the client goes away first."""
+    return await _unless_disconnected(request, _first_deltas(choices))
+
+
+async def _first_deltas(choices: list[ChoiceDeltas]) -> list[ChoiceDeltas]:
+    try:
+        async with asyncio.TaskGroup() as group:
+            firsts = [group.create_task(anext(deltas)) for deltas in choices]
+    except* Exception as errors:
+        for deltas in choices:
+            await deltas.aclose()  # aborts the choices that were taken
+        raise errors.exceptions[0] from None
+    return [_resumed(first.result(), deltas) for first, deltas in zip(firsts, choices, strict=True)]
+
+
+async def _resumed(first: TextDelta, rest: ChoiceDeltas) -> ChoiceDeltas:
+    async with aclosing(rest):
+        yield first
+        async for delta in rest:
+            yield delta
+
+
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     """``work``'s result, or None (and ``work`` cancelled) if the client goes away first.
 

@@ -25,12 +25,12 @@ from pydantic_core import PydanticCustomError
 from protocol import MAX_TOP_LOGPROBS, SamplingParams, context_length_problem
 from server.errors import ApiError
 from server.served_model import ServedModel
+from server.structured_output import structured_output_of
 
 logger = logging.getLogger(__name__)
 
 _MAX_STOP_STRINGS = 4
 MAX_CHOICES = 128  # n, as OpenAI allows
-_TEXT = {"type": "text"}  # the one response_format there is: plain text
 
 
 def _stop_strings(value: Any) -> list[str]:
@@ -133,11 +133,6 @@ _NOT_SERVED_GENERATION: dict[str, tuple[Any, ...]] = {
     "watermarking": (False,),
     "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
-    "structured_outputs": (),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
     "guided_decoding_backend": (),
     "guided_whitespace_pattern": (),
     "structural_tag": (),
@@ -218,6 +213,14 @@ class GenerationBody(RequestBody):
     # -1: as many as the context holds.
     truncate_prompt_tokens: Annotated[int | None, Field(ge=-1)] = None
     truncation_side: Literal["left", "right"] | None = None
+    # Structured outputs, in every shape clients send (server/structured_output.py reads
+    # them): OpenAI's response_format, vLLM's structured_outputs and its older guided_*.
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     @property
     def num_choices(self) -> int:
@@ -289,6 +292,14 @@ class GenerationBody(RequestBody):
             frequency_penalty=self.frequency_penalty or 0.0,
             logit_bias_token_ids=list(logit_bias),
             logit_bias_values=list(logit_bias.values()),
+            structured_output=structured_output_of(
+                response_format=self.response_format,
+                structured_outputs=self.structured_outputs,
+                guided_json=self.guided_json,
+                guided_regex=self.guided_regex,
+                guided_choice=self.guided_choice,
+                guided_grammar=self.guided_grammar,
+            ),
         )
 
 
@@ -317,7 +328,6 @@ class ChatCompletionRequest(GenerationBody):
     top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
     tools: Annotated[Any, _unsupported("tools", [])] = None
     tool_choice: Annotated[Any, _unsupported("tool_choice other than none", "none")] = None
-    response_format: Annotated[Any, _unsupported("response_format other than text", _TEXT)] = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -332,7 +342,6 @@ class CompletionRequest(GenerationBody):
     not_served: ClassVar[Mapping[str, tuple[Any, ...]]] = {
         **_NOT_SERVED_GENERATION,
         "prompt_embeds": (),
-        "response_format": (_TEXT,),
     }
     prompt_param: ClassVar[str] = "prompt"
 

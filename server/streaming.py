@@ -10,12 +10,15 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any, Protocol
 
-from server.answer import Answer
-from server.choices import ChoiceDeltas
+from starlette.requests import Request
+from starlette.responses import Response
+
+from server.answer import CLIENT_CLOSED_REQUEST, Answer
+from server.choices import ChoiceDeltas, taken
 from server.errors import ApiError, internal_error
 from server.generation import TextDelta
 from server.logprobs import RenderLogprobs, logprobs_of
-from server.sse import DONE, event
+from server.sse import DONE, EventStreamResponse, event
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +167,21 @@ async def merged(choices: list[ChoiceDeltas]) -> AsyncGenerator[tuple[int, TextD
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def streamed_response(
+    request: Request, events: StreamEvents, choices: list[ChoiceDeltas], wait_until_taken: bool
+) -> Response:
+    """The SSE response of ``choices``. With ``wait_until_taken`` (a request the engine may
+    refuse after every check here: its structured output's schema, regex or grammar is the
+    engine's grammar library's to judge), the response starts once the engine has taken
+    every choice, so that a refusal is an HTTP 400 rather than an error event."""
+    if wait_until_taken:
+        taken_choices = await taken(request, choices)
+        if taken_choices is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        choices = taken_choices
+    return EventStreamResponse(event_stream(events, choices))
 
 
 async def event_stream(

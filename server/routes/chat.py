@@ -16,8 +16,7 @@ from server.openai_schemas import ChatCompletionRequest, parse_request
 from server.prompts import chat_generation
 from server.request_id import request_id
 from server.served_model import ServedModel
-from server.sse import EventStreamResponse
-from server.streaming import ChatChunks, event_stream
+from server.streaming import ChatChunks, streamed_response
 
 
 class ChatCompletions:
@@ -42,7 +41,8 @@ class ChatCompletions:
         render = partial(chat_logprobs, self._model) if wants_logprobs else None
         if body.stream:
             chunks = ChatChunks(answer, body.include_usage, [render] * len(choices))
-            return EventStreamResponse(event_stream(chunks, choices))
+            constrained = generation.sampling.structured_output is not None
+            return await streamed_response(request, chunks, choices, constrained)
 
         def choice(index: int, whole: TextDelta) -> dict[str, Any]:
             return {

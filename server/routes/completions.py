@@ -21,8 +21,7 @@ from server.openai_schemas import CompletionRequest, parse_request
 from server.prompts import completion_prompts
 from server.request_id import request_id
 from server.served_model import ServedModel
-from server.sse import EventStreamResponse
-from server.streaming import CompletionChunks, event_stream
+from server.streaming import CompletionChunks, streamed_response
 
 
 class Completions:
@@ -64,7 +63,8 @@ class Completions:
                 [renderer() for _ in choices],
                 echoes if body.echo else None,
             )
-            return EventStreamResponse(event_stream(chunks, choices))
+            constrained = generation.sampling.structured_output is not None
+            return await streamed_response(request, chunks, choices, constrained)
 
         def choice(index: int, whole: TextDelta) -> dict[str, Any]:
             return {

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from protocol import SamplingParams
+from protocol import SamplingParams, StructuredOutput, StructuredOutputKind
+from tests.engine.test_logprobs import generate
 from tests.processes import free_port, start_engine, start_server
 from tests.random_checkpoint import save_random_model
 from tests.reference import run_engine
@@ -102,6 +105,32 @@ def test_batched_greedy_equals_one_at_a_time(engine_fp32: LLMEngine) -> None:
     matches = sum(a == b for a, b in zip(alone, together, strict=True))
     print(f"\nbatched vs alone, exact greedy matches: {matches}/8")
     assert matches == 8
+
+
+def test_constrained_requests_in_overlapped_graph_steps(engine_fp32: LLMEngine) -> None:
+    """Decode steps replayed from CUDA graphs and overlapped, the grammar masks moved by a
+    pinned copy and applied by xgrammar's kernel: each constrained request spells its regex
+    and gets the tokens it gets alone, as does each free request sharing its batches."""
+    engine = engine_fp32
+    assert engine.overlap_steps and engine.runner.decode_graphs is not None
+    tokenizer = Tokenizer.from_str(engine.tokenizer.tokenizer_json)
+    regex = r"[0-9]{3}-[a-z]{2,5}"
+    constraint = StructuredOutput(StructuredOutputKind.REGEX, regex)
+    constrained = SamplingParams(max_tokens=16, structured_output=constraint)
+    free = SamplingParams(max_tokens=16, ignore_eos=True)
+    requests = {
+        (f"constrained{i}" if i % 2 else f"free{i}"): (prompt, constrained if i % 2 else free)
+        for i, prompt in enumerate(_prompts(8))
+    }
+    together = generate(engine, requests)
+    for name, request in requests.items():
+        tokens = [t for output in together[name] for t in output.new_token_ids]
+        alone = generate(engine, {name: request})[name]
+        assert tokens == [t for output in alone for t in output.new_token_ids], name
+        if name.startswith("constrained"):
+            assert together[name][-1].finish_reason == "stop"
+            assert re.fullmatch(regex, "".join(tokenizer.id_to_token(t) for t in tokens))
+    assert not engine.requests and engine.num_constrained == 0
 
 
 def _graph_and_eager_decode(

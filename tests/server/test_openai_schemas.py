@@ -164,13 +164,32 @@ def test_bad_stop(client: TestClient, stop: Any) -> None:
     ("field", "value"),
     [
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("response_format", {"type": "json_object"}),
     ],
 )
 def test_honest_refusals(client: TestClient, field: str, value: Any) -> None:
     response = client.post("/v1/chat/completions", json=chat(**{field: value}))
     message = assert_error(response, 400, field, "unsupported_parameter")
     assert "not supported" in message
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"guided_regex": "a", "guided_json": {}}, "guided_json"),
+    ],
+)
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_malformed_structured_outputs(
+    client: TestClient, path: str, fields: dict[str, Any], param: str
+) -> None:
+    """Both endpoints read the structured-output fields; their form is checked here, the
+    schema, regex or grammar itself by the engine."""
+    body = chat(**fields) if "chat" in path else {"prompt": "hi", **fields}
+    assert_error(client.post(path, json=body), 400, param)
 
 
 @pytest.mark.parametrize(
@@ -336,8 +355,8 @@ def test_include_stop_str_with_stop_tokens_that_have_text(client: TestClient) ->
         ("/v1/chat/completions", {"min_p": 0.1}, "min_p"),
         ("/v1/completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
         ("/v1/completions", {"bad_words": ["x"]}, "bad_words"),
-        ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
-        ("/v1/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/completions", {"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+        ("/v1/completions", {"structural_tag": "{}"}, "structural_tag"),
         ("/v1/completions", {"request_id": "mine"}, "request_id"),
         ("/v1/chat/completions", {"echo": True}, "echo"),
         ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
