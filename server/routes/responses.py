@@ -26,7 +26,7 @@ class Responses:
     async def create(self, request: Request) -> Response:
         body = parse_request(ResponsesRequest, await request.body())
         self._model.check_name(body.model)
-        generation = await chat_generation(self._model, body.chat_request())
+        generation = (await chat_generation(self._model, body.chat_request())).generation
         answer = Answer.new(
             "resp_", "response", self._model.name, request_id(request), len(generation.prompt_ids)
         )

@@ -162,10 +162,7 @@ def test_bad_stop(client: TestClient, stop: Any) -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("response_format", {"type": "json_object"}),
-    ],
+    [("response_format", {"type": "json_object"})],
 )
 def test_honest_refusals(client: TestClient, field: str, value: Any) -> None:
     response = client.post("/v1/chat/completions", json=chat(**{field: value}))
@@ -340,7 +337,6 @@ def test_include_stop_str_with_stop_tokens_that_have_text(client: TestClient) ->
         ("/v1/completions", {"response_format": {"type": "json_object"}}, "response_format"),
         ("/v1/completions", {"request_id": "mine"}, "request_id"),
         ("/v1/chat/completions", {"echo": True}, "echo"),
-        ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
         ("/v1/chat/completions", {"skip_special_tokens": False}, "skip_special_tokens"),
         (
             "/v1/chat/completions",
