@@ -52,7 +52,8 @@ def tool_use(model: ServedModel, body: ChatCompletionRequest) -> ToolUse:
             param="tools",
         )
     choice = body.tool_choice
-    if choice is None:
+    if choice is None or (choice == "auto" and not tools):
+        # Clients send "auto" without tools; with no tools there is nothing to call.
         choice = "auto" if tools else "none"
     if choice == "none":
         return ToolUse(tools, None, None)
