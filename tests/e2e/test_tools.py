@@ -198,3 +198,58 @@ def test_template_options_change_the_prompt(client: openai.OpenAI, tools_url: st
         json={"messages": QUESTION, "chat_template_kwargs": {"messages": []}},
     )
     assert response.status_code == 400 and "chat_template_kwargs" in response.text
+
+
+RESPONSES_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]
+
+
+def test_responses_with_function_tools(client: openai.OpenAI) -> None:
+    fields: dict[str, Any] = {
+        "model": served_model(client),
+        "input": QUESTION[0]["content"],
+        "tools": RESPONSES_TOOLS,
+        "temperature": 0,
+        "max_output_tokens": 40,
+    }
+    response = client.responses.create(**fields)
+    assert response.status in ("completed", "incomplete")
+    for item in response.output:
+        assert item.type in ("message", "function_call")
+        if item.type == "function_call":
+            assert item.name == "get_weather" and item.call_id.startswith("call_")
+            json.loads(item.arguments)
+    streamed = list(client.responses.create(stream=True, **fields))
+    final = streamed[-1].response
+    assert [item.type for item in final.output] == [item.type for item in response.output]
+    # A call and its result as input items round-trip through the template.
+    call = {
+        "type": "function_call",
+        "call_id": "call_1",
+        "name": "get_weather",
+        "arguments": '{"city": "Paris"}',
+    }
+    result = {"type": "function_call_output", "call_id": "call_1", "output": "21 degrees"}
+    user = {"role": "user", "content": QUESTION[0]["content"]}
+    answered = client.responses.create(
+        **{**fields, "input": [user, call, result], "tool_choice": "none", "max_output_tokens": 4}
+    )
+    assert answered.usage.input_tokens > response.usage.input_tokens
+
+
+@NEEDS_GRAMMAR
+def test_responses_required_streams_function_call_arguments(client: openai.OpenAI) -> None:
+    events = list(
+        client.responses.create(
+            model=served_model(client),
+            input=QUESTION[0]["content"],
+            tools=RESPONSES_TOOLS,
+            tool_choice="required",
+            temperature=0,
+            max_output_tokens=40,
+            stream=True,
+        )
+    )
+    kinds = [event.type for event in events]
+    assert "response.function_call_arguments.delta" in kinds
+    [call] = [item for item in events[-1].response.output if item.type == "function_call"]
+    assert_weather_arguments(json.loads(call.arguments))
