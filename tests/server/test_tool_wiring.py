@@ -9,13 +9,17 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from openai.types.chat import ChatCompletionChunk
 from starlette.testclient import TestClient
 
 from protocol import StructuredOutputKind
+from server.answer import Answer
 from server.errors import ApiError
+from server.generation import TextDelta
 from server.openai_schemas import ChatCompletionRequest
 from server.served_model import ChatOptions, ServedModel
-from server.tool_calling import tool_use
+from server.streaming import ChatChunks
+from server.tool_calling import ChatParsing, tool_use
 from tests.server.renderings import CHATML_TOOLS
 from tests.server.test_openai_schemas import CHATML, assert_error, chat, handshake, make_client
 
@@ -120,3 +124,41 @@ def test_required_and_named_choices_constrain_the_output() -> None:
     assert json.loads(named.constraint.spec) == WEATHER["function"]["parameters"]
     none = tool_use(model, request(tools=[WEATHER], tool_choice="none"))
     assert none.constraint is None and none.parser is None and none.tools == [WEATHER]
+
+
+def test_streamed_chunks_assemble_to_the_whole_message() -> None:
+    model = served(CHATML_TOOLS.read_text())
+    parsing = ChatParsing("", None, tool_use(model, request(tools=[WEATHER], n=2)))
+    text = (
+        'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon"}}\n'
+        "</tool_call>"
+    )
+    answer = Answer.new("chatcmpl-", "chat.completion.chunk", "m", "r", 3)
+    parsers = [parsing.parser(), parsing.parser()]
+    chunks = ChatChunks(answer, False, [None, None], parsing, parsers)
+    written = chunks.start()
+    for start in range(0, len(text), 5):
+        last = start + 5 >= len(text)
+        for index in (0, 1):
+            piece = TextDelta(text[start : start + 5], "stop" if last else None, 1)
+            written += chunks.render(index, piece)
+    events = [json.loads(e.removeprefix("data: ")) for e in "".join(written).split("\n\n") if e]
+    for index in (0, 1):
+        typed = [
+            ChatCompletionChunk.model_validate(e)
+            for e in events
+            if e["choices"][0]["index"] == index
+        ]
+        content = "".join(c.choices[0].delta.content or "" for c in typed)
+        calls: dict[int, list[str]] = {}
+        for chunk in typed:
+            for call in chunk.choices[0].delta.tool_calls or []:
+                if call.id is not None:
+                    calls[call.index] = [call.function.name, ""]
+                calls[call.index][1] += call.function.arguments
+        whole = parsing.parser().parse(text)
+        assert content == whole.content == "Checking."
+        assert list(calls.values()) == [[c.name, c.arguments] for c in whole.tool_calls]
+        assert [json.loads(args)["city"] for _, args in calls.values()] == ["Paris", "Lyon"]
+        assert typed[-1].choices[0].finish_reason == "tool_calls"
