@@ -25,17 +25,20 @@ from server.routes.models import Models
 from server.routes.responses import Responses
 from server.routes.tokenize import Tokenization
 from server.routes.version import server_version
-from server.served_model import ServedModel
+from server.served_model import ChatOptions, ServedModel
 
 FRONTEND_DIR = Path(__file__).resolve().parent.parent / "frontend"
 
 
 def create_app(
-    client: EngineClient, handshake: HandshakeReply, api_key: str | None = None
+    client: EngineClient,
+    handshake: HandshakeReply,
+    api_key: str | None = None,
+    chat_options: ChatOptions | None = None,
 ) -> ASGIApp:
     """The HTTP application serving ``handshake``'s model through ``client``; with
     ``api_key``, the API answers only requests that carry it."""
-    model = ServedModel.from_handshake(handshake)
+    model = ServedModel.from_handshake(handshake, chat_options)
     chat = ChatCompletions(client, model)
     completions = Completions(client, model)
     responses = Responses(client, model)

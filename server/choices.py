@@ -37,6 +37,8 @@ class PreparedGeneration:
     stop: list[str]  # stop strings: each choice ends before the first it generates
     num_choices: int
     include_stop_str_in_output: bool = False  # ... or end with it, if this is set
+    # None: special tokens' text is left out; else it is kept, but for these tokens'.
+    hidden_token_ids: frozenset[int] | None = None
 
     def choices(
         self, client: EngineClient, tokenizer: Tokenizer, request_id: str
@@ -54,6 +56,7 @@ class PreparedGeneration:
                 else dataclasses.replace(self.sampling, seed=(self.sampling.seed + index) % 2**63),
                 self.stop,
                 self.include_stop_str_in_output,
+                self.hidden_token_ids,
             )
             for index in range(self.num_choices)
         ]

@@ -38,8 +38,13 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int],
         stop: Sequence[str] = (),
         include_stop: bool = False,
+        hidden_ids: frozenset[int] | None = None,
     ) -> None:
+        """``hidden_ids``: None decodes without special tokens; a set decodes with them,
+        but for these ids (EOS, stop tokens), which are dropped as they arrive."""
         self._tokenizer = tokenizer
+        self._skip_special_tokens = hidden_ids is None
+        self._hidden_ids = hidden_ids or frozenset()
         context = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:])
         # ids[:read_offset] have been emitted; ids[prefix_offset:read_offset] are context.
         self._ids = context
@@ -56,6 +61,8 @@ class IncrementalDetokenizer:
         """Adds the new tokens of one engine step; returns the text that became final."""
         if self._stop.stopped:
             return ""
+        if self._hidden_ids:
+            token_ids = [token_id for token_id in token_ids if token_id not in self._hidden_ids]
         self._ids.extend(token_ids)
         text = self._decode(self._ids[self._prefix_offset :])
         # A trailing replacement character means the last token ends inside a
@@ -86,7 +93,7 @@ class IncrementalDetokenizer:
         self._prefix_text = self._decode(self._ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
 
 class _StopStringMatcher:

@@ -95,19 +95,6 @@ def _content(value: Any) -> str | list[dict[str, str]] | None:
     return parts
 
 
-def _unsupported(what: str, off: Any) -> Any:
-    """A validator that refuses any value but ``off`` (or null) with "``what`` is not supported"."""
-
-    def check(value: Any) -> Any:
-        if value not in (None, off):
-            raise PydanticCustomError(
-                "unsupported_parameter", "{what} is not supported yet", {"what": what}
-            )
-        return value
-
-    return BeforeValidator(check)
-
-
 StopStrings = Annotated[list[str], BeforeValidator(_stop_strings)]
 Prompts = Annotated[list[str | list[int]], BeforeValidator(_prompts)]
 Content = Annotated[str | list[dict[str, str]] | None, BeforeValidator(_content)]
@@ -177,6 +164,38 @@ class ChatMessage(BaseModel):
 
     role: Annotated[str, Field(min_length=1)]
     content: Content = None
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: Annotated[str, Field(min_length=1)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+def _tool_choice(value: Any) -> str | dict[str, Any] | None:
+    """none, auto, required, or {"type": "function", "function": {"name": ...}}."""
+    if value is None or value in ("none", "auto", "required"):
+        return value
+    function = value.get("function") if isinstance(value, dict) else None
+    if (
+        not isinstance(function, dict)
+        or value.get("type") != "function"
+        or not isinstance(function.get("name"), str)
+    ):
+        raise PydanticCustomError(
+            "invalid_value",
+            'tool_choice must be none, auto, required or {"type": "function", '
+            '"function": {"name": ...}}',
+        )
+    return {"type": "function", "function": {"name": function["name"]}}
 
 
 class GenerationBody(RequestBody):
@@ -307,18 +326,14 @@ class ChatCompletionRequest(GenerationBody):
     not_served: ClassVar[Mapping[str, tuple[Any, ...]]] = {
         **_NOT_SERVED_GENERATION,
         "echo": (False,),
-        "add_generation_prompt": (True,),
-        "continue_final_message": (False,),
         "add_special_tokens": (False,),
         "documents": (),
         "chat_template": (),
-        "chat_template_kwargs": ({},),
         "media_io_kwargs": (),
         "mm_processor_kwargs": (),
         "reasoning_effort": (),
         "include_reasoning": (True, False),  # no model served here reasons
         "return_prompt_text": (False,),
-        "parallel_tool_calls": (True, False),  # tools are refused, so there are no calls
     }
     prompt_param: ClassVar[str] = "messages"
 
@@ -326,8 +341,13 @@ class ChatCompletionRequest(GenerationBody):
     max_completion_tokens: Annotated[int | None, Field(ge=1)] = None
     logprobs: bool = False
     top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
-    tools: Annotated[Any, _unsupported("tools", [])] = None
-    tool_choice: Annotated[Any, _unsupported("tool_choice other than none", "none")] = None
+    tools: list[Tool] | None = None
+    # Default: "auto" with tools, else "none" (server/tool_calling.py reads it).
+    tool_choice: Annotated[str | dict[str, Any] | None, BeforeValidator(_tool_choice)] = None
+    parallel_tool_calls: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last message goes on instead
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables of the template
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

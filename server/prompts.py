@@ -4,13 +4,17 @@ request made ready for the engine."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
+from protocol import StructuredOutput
 from server.chat_template import ChatTemplateError
 from server.choices import PreparedGeneration
 from server.errors import ApiError
 from server.openai_schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from server.served_model import ServedModel
+from server.tool_calling import ChatParsing, tool_use
 
 
 async def chat_prompt_ids(
@@ -22,34 +26,95 @@ async def chat_prompt_ids(
     """``messages`` rendered with the chat template and tokenized; ``add_generation_prompt``
     ends the prompt where the assistant's answer starts. Errors name ``param``, what the
     request calls its messages."""
+    prompt = chat_prompt(model, messages, param, add_generation_prompt=add_generation_prompt)
+    return await model.encode(prompt, add_special_tokens=False)
+
+
+def chat_prompt(
+    model: ServedModel,
+    messages: list[ChatMessage],
+    param: str,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """The prompt text of ``messages`` (and ``tools``) through the chat template."""
     template = model.chat_template
     if template is None:
         assert model.chat_template_problem is not None
         raise ApiError(400, model.chat_template_problem, param=param)
     dumped = [message.model_dump(exclude_unset=True) for message in messages]
     try:
-        prompt = template.render(dumped, add_generation_prompt=add_generation_prompt)
+        return template.render(
+            dumped,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+            template_kwargs=template_kwargs,
+        )
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), param=param) from exc
-    # The template already holds the special tokens (as apply_chat_template does).
-    return await model.encode(prompt, add_special_tokens=False)
 
 
-async def chat_generation(model: ServedModel, body: ChatCompletionRequest) -> PreparedGeneration:
-    """A chat request made ready for the engine: its messages through the chat template, cut
-    as ``truncate_prompt_tokens`` says, its sampling, stop strings and choices. The chat
-    endpoint and the Responses API (which maps its requests to chat ones) both start here."""
-    prompt_ids = await chat_prompt_ids(
-        model, body.messages, add_generation_prompt=True, param=body.prompt_param
+@dataclass(frozen=True, slots=True)
+class ChatGeneration:
+    generation: PreparedGeneration
+    parsing: ChatParsing  # how each answer splits into reasoning, content and tool calls
+
+
+async def chat_generation(
+    model: ServedModel,
+    body: ChatCompletionRequest,
+    structured_output: StructuredOutput | None = None,
+) -> ChatGeneration:
+    """A chat request made ready for the engine: its messages (and tools) through the chat
+    template, cut as ``truncate_prompt_tokens`` says, its sampling (held to its tool_choice's
+    JSON, or to ``structured_output``), stop strings and choices, and how its answers are
+    read. The chat endpoint and the Responses API (which maps its requests to chat ones)
+    both start here."""
+    tools = tool_use(model, body)
+    prompt = chat_prompt(
+        model,
+        body.messages,
+        body.prompt_param,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        tools=tools.tools,
+        template_kwargs=body.chat_template_kwargs,
     )
+    # The template already holds the special tokens (as apply_chat_template does).
+    prompt_ids = await model.encode(prompt, add_special_tokens=False)
     prompt_ids = body.truncated_prompt(prompt_ids, model.max_model_len)
-    return PreparedGeneration(
+    parsing = ChatParsing(prompt, model.reasoning_parser, tools)
+    sampling = body.sampling_params(len(prompt_ids), model)
+    # The Responses API's text.format, or the chat body's own response_format / guided_*.
+    requested = structured_output or sampling.structured_output
+    if tools.constraint is not None and requested is not None:
+        raise ApiError(
+            400,
+            "tool_choice required or a named function cannot be combined with a structured "
+            "output format.",
+            param="tool_choice",
+        )
+    constraint = tools.constraint or requested
+    if constraint is not None:
+        sampling = dataclasses.replace(sampling, structured_output=constraint)
+    generation = PreparedGeneration(
         prompt_ids,
-        body.sampling_params(len(prompt_ids), model),
+        sampling,
         body.stop,
         body.num_choices,
         body.include_stop_str_in_output,
+        # A parser reads special tokens' text (markers); the end of the turn stays hidden.
+        hidden_token_ids=(
+            model.eos_token_ids | frozenset(sampling.stop_token_ids)
+            if parsing.keeps_special_tokens
+            else None
+        ),
     )
+    return ChatGeneration(generation, parsing)
 
 
 @dataclass(frozen=True, slots=True)

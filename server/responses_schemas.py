@@ -5,9 +5,10 @@ A response is generated as a chat completion is: ``ResponsesRequest.chat_request
 the instructions and input items into chat messages and the sampling fields into the chat
 ones, and the chat endpoint's preparation (server/prompts.py, ``chat_generation``) takes it
 from there. What the chat endpoint learns to do, the Responses API gets by extending that
-map: ``text.format`` (json_schema, json_object) will map to ``response_format`` and
-function ``tools`` / ``tool_choice`` to the chat ones; until the chat endpoint serves those,
-they are refused here, naming the Responses field.
+map: function ``tools``, ``tool_choice`` and ``parallel_tool_calls`` map to the chat ones,
+``function_call`` and ``function_call_output`` input items to an assistant message's
+``tool_calls`` and ``tool`` messages, and ``text.format`` (json_schema, json_object) to
+a structured output (``structured_output``).
 
 This server is stateless: ``store`` is accepted (OpenAI's default is true, and clients send
 it) but nothing is stored, as vLLM does without its store; what needs a stored response or
@@ -22,7 +23,7 @@ from typing import Annotated, Any, ClassVar
 from pydantic import BeforeValidator, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from protocol import MAX_TOP_LOGPROBS
+from protocol import MAX_TOP_LOGPROBS, StructuredOutput
 from server.errors import ApiError
 from server.openai_schemas import (
     ChatCompletionRequest,
@@ -33,6 +34,7 @@ from server.openai_schemas import (
     TopK,
     TopP,
 )
+from server.structured_output import structured_output_of
 
 # The input roles, as chat templates know them: a developer message is a system one.
 _CHAT_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -48,13 +50,25 @@ def _input_messages(value: Any) -> list[dict[str, Any]]:
         raise PydanticCustomError(
             "invalid_type", "input must be a string or a non-empty list of input items"
         )
-    return [_input_message(f"input[{index}]", item) for index, item in enumerate(value)]
+    messages: list[dict[str, Any]] = []
+    for index, item in enumerate(value):
+        message = _input_message(f"input[{index}]", item)
+        previous = messages[-1] if messages else None
+        if "tool_calls" in message and previous is not None and previous.get("tool_calls"):
+            previous["tool_calls"] += message["tool_calls"]  # parallel calls: one message
+        else:
+            messages.append(message)
+    return messages
 
 
 def _input_message(where: str, item: Any) -> dict[str, Any]:
     if not isinstance(item, dict):
         raise PydanticCustomError("invalid_type", "{where} must be an object", {"where": where})
     kind = item.get("type", "message")
+    if kind == "function_call":
+        return _function_call(where, item)
+    if kind == "function_call_output":
+        return _function_call_output(where, item)
     if kind != "message":
         raise PydanticCustomError(
             "unsupported_parameter",
@@ -93,15 +107,37 @@ def _input_message(where: str, item: Any) -> dict[str, Any]:
     return {"role": _CHAT_ROLES[role], "content": parts}
 
 
+def _function_call(where: str, item: dict[str, Any]) -> dict[str, Any]:
+    """An earlier answer's call, as the assistant message that made it."""
+    fields = {name: item.get(name) for name in ("call_id", "name", "arguments")}
+    if not all(isinstance(value, str) for value in fields.values()):
+        raise PydanticCustomError(
+            "invalid_type",
+            "{where}: a function_call needs string call_id, name and arguments",
+            {"where": where},
+        )
+    call = {
+        "id": fields["call_id"],
+        "type": "function",
+        "function": {"name": fields["name"], "arguments": fields["arguments"]},
+    }
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
+def _function_call_output(where: str, item: dict[str, Any]) -> dict[str, Any]:
+    """A call's result, as the ``tool`` message that answers it."""
+    if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"), str):
+        raise PydanticCustomError(
+            "invalid_type",
+            "{where}: a function_call_output needs string call_id and output",
+            {"where": where},
+        )
+    return {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
+
+
 def _text_format(value: Any) -> Any:
     kind = value.get("type") if isinstance(value, dict) else None
-    if kind in ("json_schema", "json_object"):
-        raise PydanticCustomError(
-            "unsupported_parameter",
-            "text.format of type '{kind}' is not supported yet",
-            {"kind": kind},
-        )
-    if value is not None and kind != "text":
+    if value is not None and kind not in ("text", "json_schema", "json_object"):
         raise PydanticCustomError(
             "invalid_value", "text.format.type must be text, json_schema or json_object"
         )
@@ -116,15 +152,31 @@ def _tools(value: Any) -> list[Any]:
     for tool in value:
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind == "function":
-            raise PydanticCustomError(
-                "unsupported_parameter", "function tools are not supported yet"
-            )
+            if not isinstance(tool.get("name"), str):
+                raise PydanticCustomError("invalid_type", "a function tool needs a string name")
+            continue
         raise PydanticCustomError(
             "unsupported_parameter",
             "tools of type '{kind}' are not supported: this server runs no built-in tools",
             {"kind": str(kind)},
         )
     return value
+
+
+def _tool_choice(value: Any) -> Any:
+    """none, auto, required, or ``{"type": "function", "name": ...}``."""
+    if value is None or value in ("none", "auto", "required"):
+        return value
+    if (
+        isinstance(value, dict)
+        and value.get("type") == "function"
+        and isinstance(value.get("name"), str)
+    ):
+        return {"type": "function", "name": value["name"]}
+    raise PydanticCustomError(
+        "invalid_value",
+        'tool_choice must be none, auto, required or {"type": "function", "name": ...}',
+    )
 
 
 def _include(value: Any) -> list[str]:
@@ -194,10 +246,7 @@ class ResponsesRequest(RequestBody):
     top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
     text: ResponseText | None = None
     tools: Annotated[list[Any], BeforeValidator(_tools)] = Field(default_factory=list)
-    tool_choice: Annotated[
-        Any, _refused("tool_choice other than none and auto is not supported yet", "none", "auto")
-    ] = None
-    # Without tools there are no tool calls to limit or to make in parallel.
+    tool_choice: Annotated[Any, BeforeValidator(_tool_choice)] = None
     parallel_tool_calls: bool | None = None
     max_tool_calls: Annotated[int | None, Field(ge=1)] = None
     # Informational: echoed in the response, changing nothing.
@@ -249,7 +298,38 @@ class ResponsesRequest(RequestBody):
             logprobs=self.wants_logprobs,
             top_logprobs=self.top_logprobs if self.wants_logprobs else None,
             stream=self.stream,
+            tools=[_chat_tool(tool) for tool in self.tools] or None,
+            tool_choice=(
+                {"type": "function", "function": {"name": self.tool_choice["name"]}}
+                if isinstance(self.tool_choice, dict)
+                else self.tool_choice
+            ),
+            parallel_tool_calls=(
+                True if self.parallel_tool_calls is None else self.parallel_tool_calls
+            ),
         )
+
+    def structured_output(self) -> StructuredOutput | None:
+        """What ``text.format`` holds the output to, or None (plain text)."""
+        text_format = self.text.format if self.text is not None else None
+        if not isinstance(text_format, dict) or text_format["type"] == "text":
+            return None
+        try:
+            if text_format["type"] == "json_object":
+                return structured_output_of(response_format={"type": "json_object"})
+            # The Responses API flattens what the chat API nests under json_schema.
+            json_schema = {k: v for k, v in text_format.items() if k != "type"}
+            return structured_output_of(
+                response_format={"type": "json_schema", "json_schema": json_schema}
+            )
+        except ApiError as exc:
+            raise ApiError(400, exc.message, param="text.format") from exc
+
+
+def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A Responses function tool as a chat one: its fields under ``function``."""
+    function = {key: value for key, value in tool.items() if key != "type"}
+    return {"type": "function", "function": function}
 
 
 class _ChatForResponses(ChatCompletionRequest):

@@ -14,11 +14,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from server.answer import CLIENT_CLOSED_REQUEST, Answer
+from server.chat_output import ChatDelta, ChatOutputParser
 from server.choices import ChoiceDeltas, taken
 from server.errors import ApiError, internal_error
 from server.generation import TextDelta
 from server.logprobs import RenderLogprobs, logprobs_of
 from server.sse import DONE, EventStreamResponse, event
+from server.tool_calling import ChatParsing
 
 logger = logging.getLogger(__name__)
 
@@ -99,14 +101,55 @@ class Chunks:
 
 
 class ChatChunks(Chunks):
-    """``chat.completion.chunk`` events: a role delta for each choice first."""
+    """``chat.completion.chunk`` events: a role delta for each choice first, then each
+    choice's text split by its parser into reasoning, content and tool-call deltas."""
+
+    def __init__(
+        self,
+        answer: Answer,
+        include_usage: bool,
+        renderers: list[RenderLogprobs | None],
+        parsing: ChatParsing,
+        parsers: list[ChatOutputParser],
+    ) -> None:
+        super().__init__(answer, include_usage, renderers)
+        self._parsing = parsing
+        self._parsers = parsers
 
     def start(self) -> list[str]:
         role = {"delta": {"role": "assistant", "content": ""}}
         return [self._chunk(index, role) for index in range(len(self._renderers))]
 
+    def render(self, index: int, delta: TextDelta) -> list[str]:
+        parser = self._parsers[index]
+        split = parser.feed(delta.text)
+        if delta.finish_reason is not None:
+            last = parser.finish()
+            split.reasoning_content += last.reasoning_content
+            split.content += last.content
+            split.tool_calls += last.tool_calls
+        events = []
+        if not split.is_empty() or delta.token_ids:
+            logprobs = logprobs_of(self._renderers[index], delta)
+            events.append(self._chunk(index, {"delta": _chat_delta(split)}, logprobs=logprobs))
+        if delta.finish_reason is not None:
+            reason = self._parsing.finish_reason(delta.finish_reason, parser.called_tools)
+            events.append(self._chunk(index, self._content(None), reason))
+        return events
+
     def _content(self, text: str | None) -> dict[str, Any]:
         return {"delta": {} if text is None else {"content": text}}
+
+
+def _chat_delta(split: ChatDelta) -> dict[str, Any]:
+    delta: dict[str, Any] = {}
+    if split.reasoning_content:
+        delta["reasoning_content"] = split.reasoning_content
+    if split.content:
+        delta["content"] = split.content
+    if split.tool_calls:
+        delta["tool_calls"] = [call.to_openai() for call in split.tool_calls]
+    return delta
 
 
 class CompletionChunks(Chunks):

@@ -27,7 +27,8 @@ class ChatCompletions:
     async def create(self, request: Request) -> Response:
         body = parse_request(ChatCompletionRequest, await request.body())
         self._model.check_name(body.model)
-        generation = await chat_generation(self._model, body)
+        prepared = await chat_generation(self._model, body)
+        generation, parsing = prepared.generation, prepared.parsing
         object_type = "chat.completion.chunk" if body.stream else "chat.completion"
         answer = Answer.new(
             "chatcmpl-",
@@ -40,16 +41,22 @@ class ChatCompletions:
         wants_logprobs = generation.sampling.logprobs is not None
         render = partial(chat_logprobs, self._model) if wants_logprobs else None
         if body.stream:
-            chunks = ChatChunks(answer, body.include_usage, [render] * len(choices))
+            parsers = [parsing.parser() for _ in choices]
+            renderers = [render] * len(choices)
+            chunks = ChatChunks(answer, body.include_usage, renderers, parsing, parsers)
             constrained = generation.sampling.structured_output is not None
             return await streamed_response(request, chunks, choices, constrained)
 
         def choice(index: int, whole: TextDelta) -> dict[str, Any]:
+            output = parsing.parser().parse(whole.text)
+            assert whole.finish_reason is not None
             return {
                 "index": index,
-                "message": {"role": "assistant", "content": whole.text},
+                "message": output.message(),
                 "logprobs": logprobs_of(render, whole),
-                "finish_reason": whole.finish_reason,
+                "finish_reason": parsing.finish_reason(
+                    whole.finish_reason, called_tools=bool(output.tool_calls)
+                ),
             }
 
         return await whole_response(request, answer, choices, choice)

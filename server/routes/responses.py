@@ -26,12 +26,13 @@ class Responses:
     async def create(self, request: Request) -> Response:
         body = parse_request(ResponsesRequest, await request.body())
         self._model.check_name(body.model)
-        generation = await chat_generation(self._model, body.chat_request())
+        prepared = await chat_generation(self._model, body.chat_request(), body.structured_output())
+        generation = prepared.generation
         answer = Answer.new(
             "resp_", "response", self._model.name, request_id(request), len(generation.prompt_ids)
         )
         choices = generation.choices(self._client, self._model.tokenizer, answer.engine_id)
-        response = ResponseObject(answer, body, self._model)
+        response = ResponseObject(answer, body, self._model, prepared.parsing)
         if body.stream:
             return EventStreamResponse(event_stream(ResponseEvents(response), choices))
         return await whole_answer(request, choices, lambda wholes: response.final(wholes[0]))

@@ -87,7 +87,7 @@ def test_instructions_request_ids_and_refusals(cluster: Cluster) -> None:
         client.responses.create(
             model=cluster.model,
             input=QUESTION,
-            text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}},
+            tools=[{"type": "web_search"}],
         )
-    assert refused.value.body["param"] == "text.format"
-    assert "not supported yet" in refused.value.body["message"]
+    assert refused.value.body["param"] == "tools"
+    assert "not supported" in refused.value.body["message"]

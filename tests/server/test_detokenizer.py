@@ -256,3 +256,14 @@ def test_stop_string_in_the_first_step() -> None:
     detokenizer = IncrementalDetokenizer(tokenizer, [], ["Hé"])
     assert detokenizer.push(tokenizer.encode("Héllo").ids) == ""
     assert detokenizer.stopped
+
+
+def test_special_tokens_kept_but_the_hidden_ones() -> None:
+    """With a parser reading markers, special tokens' text stays, but not the end of turn."""
+    tokenizer = byte_level_bpe()
+    marker, end = tokenizer.token_to_id("<|endoftext|>"), tokenizer.token_to_id("<|im_end|>")
+    ids = [marker, *tokenizer.encode("plain ascii").ids, end]
+    kept = IncrementalDetokenizer(tokenizer, [], hidden_ids=frozenset([end]))
+    assert "".join(stream(kept, one_by_one(ids))) == "<|endoftext|>plain ascii"
+    skipped = IncrementalDetokenizer(tokenizer, [])
+    assert "".join(stream(skipped, one_by_one(ids))) == "plain ascii"

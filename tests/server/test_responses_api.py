@@ -4,6 +4,7 @@ own types."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -18,9 +19,12 @@ from server.answer import Answer
 from server.errors import ApiError
 from server.generation import TextDelta
 from server.openai_schemas import parse_request
+from server.prompts import chat_generation
 from server.responses_output import ResponseEvents, ResponseObject
 from server.responses_schemas import ResponsesRequest
 from server.served_model import ServedModel
+from server.tool_calling import ChatParsing, tool_use
+from tests.server.renderings import CHATML_TOOLS
 from tests.server.test_openai_schemas import CHATML, MAX_MODEL_LEN, MODEL, assert_error, handshake
 from tests.server.test_openai_schemas import make_client as make_app_client
 
@@ -28,6 +32,9 @@ from tests.server.test_openai_schemas import make_client as make_app_client
 @pytest.fixture(scope="module")
 def client() -> Iterator[TestClient]:
     yield from make_app_client(CHATML)
+
+
+TOOL = {"type": "function", "name": "f", "parameters": {"type": "object"}}
 
 
 def body(**fields: Any) -> dict[str, Any]:
@@ -40,20 +47,13 @@ def body(**fields: Any) -> dict[str, Any]:
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"conversation": "conv_1"}, "conversation"),
         ({"background": True}, "background"),
-        ({"text": {"format": {"type": "json_object"}}}, "text.format"),
-        (
-            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},
-            "text.format",
-        ),
         ({"text": {"verbosity": "low"}}, "text.verbosity"),
-        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
         ({"tools": [{"type": "web_search"}]}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
         ({"truncation": "auto"}, "truncation"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"include": ["file_search_call.results"]}, "include"),
         ({"prompt": {"id": "pmpt_1"}}, "prompt"),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
         ({"skip_special_tokens": False}, "skip_special_tokens"),
     ],
@@ -76,6 +76,11 @@ def test_what_is_not_served_is_refused(
         ({"temperature": 3}, "temperature"),
         ({"top_logprobs": 3}, "top_logprobs"),  # without include, it would show nothing
         ({"text": {"format": {"type": "xml"}}}, "text.format"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input"),
+        ({"tools": [TOOL]}, "tools"),  # plain ChatML shows no tools
     ],
 )
 def test_bad_fields(client: TestClient, fields: dict[str, Any], param: str) -> None:
@@ -160,7 +165,9 @@ def test_the_chat_request_it_maps_to() -> None:
 def response_object(**fields: Any) -> ResponseObject:
     request = parse_request(ResponsesRequest, json.dumps(body(**fields)).encode())
     answer = Answer.new("resp_", "response", MODEL, "abc", 4)
-    return ResponseObject(answer, request, ServedModel.from_handshake(handshake(CHATML)))
+    model = ServedModel.from_handshake(handshake(CHATML))
+    prepared = asyncio.run(chat_generation(model, request.chat_request()))
+    return ResponseObject(answer, request, model, prepared.parsing)
 
 
 def deltas(finish_reason: str) -> list[TextDelta]:
@@ -251,3 +258,67 @@ def test_an_error_mid_stream_fails_the_response() -> None:
     assert TypeAdapter(ResponseStreamEvent).validate_python(error).message == "gone"
     assert failed["type"] == "response.failed"
     assert failed["response"]["error"] == {"code": "engine_unavailable", "message": "gone"}
+
+
+def test_a_function_call_streams_as_its_events_and_ends_as_the_whole() -> None:
+    request = parse_request(
+        ResponsesRequest, json.dumps(body(tools=[TOOL], tool_choice="auto")).encode()
+    )
+    model = ServedModel.from_handshake(handshake(CHATML_TOOLS.read_text()))
+    # The prompt with the tools is beyond the tiny model's context: only the parsing is made.
+    parsing = ChatParsing("", None, tool_use(model, request.chat_request()))
+    response = ResponseObject(
+        Answer.new("resp_", "response", MODEL, "t", 4), request, model, parsing
+    )
+    text = 'Let me see.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    events = ResponseEvents(response)
+    written = events.start()
+    for index in range(0, len(text), 7):
+        piece = text[index : index + 7]
+        last = index + 7 >= len(text)
+        written += events.render(0, TextDelta(piece, FinishReason.STOP if last else None, 1))
+    parsed = [
+        TypeAdapter(ResponseStreamEvent).validate_python(e)
+        for e in parse_events("".join(written + events.finish(9)))
+    ]
+    kinds = [event.type for event in parsed]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds.count("response.output_item.added") == 2
+    assert "response.function_call_arguments.delta" in kinds
+    arguments = "".join(
+        e.delta for e in parsed if e.type == "response.function_call_arguments.delta"
+    )
+    done = next(e for e in parsed if e.type == "response.function_call_arguments.done")
+    assert json.loads(arguments) == json.loads(done.arguments) == {"a": 1}
+    final = parsed[-1].response
+    assert [item.type for item in final.output] == ["message", "function_call"]
+    assert final.output_text == "Let me see."
+    call = final.output[1]
+    assert call.name == "f" and call.call_id.startswith("call_") and call.id.startswith("fc_")
+    whole = response.final(TextDelta(text, FinishReason.STOP, 9))
+    assert [item["type"] for item in whole["output"]] == ["message", "function_call"]
+    assert whole["output"][1]["arguments"] == call.arguments
+    assert whole["output"][0]["content"][0]["text"] == "Let me see."
+
+
+def test_function_call_items_in_the_input_become_chat_tool_messages() -> None:
+    call = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
+    second = {**call, "call_id": "call_2"}
+    result = {"type": "function_call_output", "call_id": "call_1", "output": "42"}
+    request = parse_request(
+        ResponsesRequest,
+        json.dumps(body(input=[{"role": "user", "content": "hi"}, call, second, result])).encode(),
+    )
+    messages = [m.model_dump(exclude_unset=True) for m in request.chat_request().messages]
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
+    assert [c["id"] for c in messages[1]["tool_calls"]] == ["call_1", "call_2"]
+    assert messages[2] == {"role": "tool", "tool_call_id": "call_1", "content": "42"}
+    assert request.structured_output() is None
+    schema = {"type": "json_schema", "name": "x", "schema": {"type": "object"}}
+    request = parse_request(ResponsesRequest, json.dumps(body(text={"format": schema})).encode())
+    assert json.loads(request.structured_output().spec) == {"type": "object"}
