@@ -18,6 +18,13 @@ class LayerOps(Protocol):
         """rmsnorm(x) * weight, normalized in float32 over the last dimension."""
         ...
 
+    def rms_norm_round_once(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """rmsnorm(x) * weight with the product in float32 too, rounded to x's dtype once at
+        the end (OLMo 2's norm; Gemma's, given 1 + its weight); rms_norm rounds before it."""
+        ...
+
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,20 +11,24 @@ import logging
 import os
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from engine.block_manager import BlockManager
-from engine.checkpoint import Checkpoint, load_checkpoint
+from engine.checkpoint import Checkpoint
 from engine.checkpoint.generation_config import read_sampling_defaults
 from engine.config import EngineConfig
 from engine.model_runner import LaunchedStep, ModelRunner
+from engine.models import load_checkpoint
 from engine.prompt_logprobs import take_scored
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
+from engine.structured_output import CompilingRequests, GrammarCompiler, GrammarError
 from protocol import (
     PROTOCOL_VERSION,
     EngineStats,
     ErrorCode,
+    ErrorReply,
     FinishReason,
     HandshakeReply,
     PromptTokenLogprobs,
@@ -78,11 +82,31 @@ class LLMEngine:
         self.in_flight: LaunchedStep | None = None  # launched, results not yet read
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.sampling_defaults = _sampling_defaults(config.generation_config, checkpoint)
+        # Structured outputs: grammars compile on these threads while the steps run on.
+        self.grammar_pool = ThreadPoolExecutor(2, thread_name_prefix="grammar")
+        self.compiling = CompilingRequests(
+            GrammarCompiler(self.tokenizer, self.vocab_size, self.grammar_pool)
+        )
+        self.num_constrained = 0  # requests in the scheduler with a grammar
+        # Requests refused after add_request returned (their grammar failed to compile),
+        # for the service to send (take_errors).
+        self.errors: list[tuple[bytes, ErrorReply]] = []
         self.num_finished = 0
         self.num_generated_tokens = 0  # sampled, one per request per step
 
     @property
     def has_work(self) -> bool:
+        """Whether any request is unfinished: steps have work to run or to read, or requests
+        wait for their grammars (a step schedules those that are ready)."""
+        return self._has_device_work or len(self.compiling) > 0
+
+    @property
+    def only_compiling(self) -> bool:
+        """Whether all the work is waiting for grammars: nothing for the device yet."""
+        return not self._has_device_work and len(self.compiling) > 0
+
+    @property
+    def _has_device_work(self) -> bool:
         return self.scheduler.has_work or self.in_flight is not None
 
     def handshake_reply(self) -> HandshakeReply:
@@ -110,7 +134,7 @@ class LLMEngine:
             num_total_blocks=self.block_manager.num_blocks,
             num_free_blocks=self.block_manager.num_free_blocks,
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self.compiling),
             num_finished=self.num_finished,
             num_prompt_tokens=self.scheduler.num_prefill_tokens,
             num_cached_prompt_tokens=self.block_manager.num_hit_tokens,
@@ -140,8 +164,20 @@ class LLMEngine:
             raise RequestRejected(ErrorCode.PROMPT_TOO_LONG, problem)
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
         request = Request(client, request_id, list(prompt), sampling, seed)
+        if sampling.structured_output is not None:
+            try:
+                self.compiling.add(request)  # scheduled once its grammar is compiled
+            except GrammarError as exc:
+                raise RequestRejected(ErrorCode.INVALID_REQUEST, str(exc)) from None
+        else:
+            self.scheduler.add(request)
         self.requests[request.key] = request
-        self.scheduler.add(request)
+
+    def take_errors(self) -> list[tuple[bytes, ErrorReply]]:
+        """The refusals of requests whose grammars failed to compile since the last call,
+        each with its client; the requests are gone."""
+        errors, self.errors = self.errors, []
+        return errors
 
     def abort(self, client: bytes, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks now; its final output, or None if unknown."""
@@ -161,13 +197,43 @@ class LLMEngine:
         """Launch the next forward pass and read a step's results: with overlapped steps, those
         of the step launched before it, which ran on the device while this one was scheduled
         and packed. The outputs, each with its client."""
+        if self.compiling:
+            self._schedule_compiled()
         batch = self.scheduler.schedule()
-        launched = self.runner.launch(batch) if batch else None
+        if not batch:
+            return self.sync()
+        forwarded = self.runner.forward(batch)
+        outputs = []
+        if self.in_flight is not None and self._samples_after_read(batch):
+            # Read the pending tokens before sampling, while the device runs the forward pass.
+            outputs = self.sync()
+        # Only when a request has a grammar: the unconstrained steps pay nothing for them.
+        grammars = [r.grammar for r in forwarded.rows] if self.num_constrained else None
+        launched = self.runner.sample(forwarded, grammars)
         if not self.overlap_steps:
-            return self._read_results(launched) if launched else []
-        outputs = self.sync()
+            return self._read_results(launched)
+        outputs += self.sync()
         self.in_flight = launched
         return outputs
+
+    def _samples_after_read(self, batch: list[Request]) -> bool:
+        """Whether sampling ``batch`` needs its pending tokens read first: a grammar advances
+        on each one. (Penalties and bans take a pending token from the device.)"""
+        return bool(self.num_constrained) and any(
+            r.num_pending_tokens and r.grammar is not None for r in batch
+        )
+
+    def _schedule_compiled(self) -> None:
+        """Schedule the requests whose grammars are ready; refuse those whose compile failed."""
+        ready, failed = self.compiling.take_done()
+        for request in ready:
+            self.num_constrained += 1
+            self.scheduler.add(request)
+        for request, message in failed:  # never scheduled: they hold nothing
+            request.status = RequestStatus.FINISHED
+            del self.requests[request.key]
+            reply = ErrorReply(request.request_id, ErrorCode.INVALID_REQUEST, message)
+            self.errors.append((request.client, reply))
 
     def sync(self) -> list[tuple[bytes, RequestOutput]]:
         """Read the step in flight, if any: after it every sampled token is in host memory."""
@@ -205,8 +271,15 @@ class LLMEngine:
         # The first token's output carries the prompt's log-probabilities, now all read.
         first = not request.output_token_ids and sampling.prompt_logprobs is not None
         prompt_logprobs = request.prompt_logprobs if first else None
-        if token in sampling.stop_token_ids or (
-            not sampling.ignore_eos and token in self.eos_token_ids
+        grammar = request.grammar
+        if grammar is not None and not grammar.accept_token(token):
+            # The mask allowed only tokens the grammar accepts: a bug, not the user's doing.
+            logger.error("request %s: token %d breaks its grammar", request.request_id, token)
+            return self._finish(request, FinishReason.ABORT, [])
+        if (
+            token in sampling.stop_token_ids
+            or (not sampling.ignore_eos and token in self.eos_token_ids)
+            or (grammar is not None and grammar.is_terminated())
         ):
             return self._finish(request, FinishReason.STOP, [], None, prompt_logprobs)
         request.output_token_ids.append(token)
@@ -229,6 +302,10 @@ class LLMEngine:
         prompt_logprobs: list[PromptTokenLogprobs] | None = None,
     ) -> RequestOutput:
         if request.status is not RequestStatus.FINISHED:
+            if request.status is RequestStatus.COMPILING:
+                self.compiling.remove(request)
+            elif request.grammar is not None:
+                self.num_constrained -= 1
             self.scheduler.remove(request)
             del self.requests[request.key]
             self.num_finished += 1

@@ -1,8 +1,11 @@
-"""The shape of a model and the text facts that travel with it, whatever file they came from."""
+"""The shape of a model and the text facts that travel with it, whatever file it came from."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+# The layer types of ModelConfig.layer_types, named as in config.json.
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 
 
 @dataclass
@@ -17,10 +20,10 @@ class RopeScaling:
 
 @dataclass
 class ModelConfig:
-    """A decoder-only transformer, in Hugging Face's terms.
+    """A decoder-only transformer's shape, in Hugging Face's terms, as every family has it.
 
-    The fields up to ``tie_word_embeddings`` describe a Llama; the rest are the
-    variations of the other supported families, with defaults that mean "as Llama".
+    What a family does differently lives in its module of ``engine.models``, not here; a family
+    with settings of its own (Gemma 3's attention scale, say) subclasses this.
     """
 
     architecture: str  # e.g. "LlamaForCausalLM"
@@ -35,23 +38,13 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: RopeScaling | None = None
+    rope_linear_factor: float | None = None  # "linear" RoPE scaling of full-attention layers
     tie_word_embeddings: bool = False
-    # Qwen2 / Qwen2.5: biases on the Q, K and V projections.
-    attention_bias: bool = False
-    # Qwen3, Gemma 3: an RMSNorm over each head of Q and K (weights of size head_dim).
-    qk_norm: bool = False
-    # "silu" (Llama, Qwen) or "gelu_pytorch_tanh" (Gemma), gating the MLP.
-    hidden_act: str = "silu"
-    # Gemma 3. Per layer "sliding_attention" or "full_attention"; None means all full.
+    hidden_act: str = "silu"  # gating the MLP: "silu" or "gelu_pytorch_tanh"
+    # Per layer FULL_ATTENTION or SLIDING_ATTENTION; None means all full.
     layer_types: list[str] | None = None
     sliding_window: int | None = None  # tokens a sliding layer sees, its own included
-    rope_local_theta: float | None = None  # RoPE base of sliding layers
-    rope_linear_factor: float | None = None  # "linear" RoPE scaling of full layers
-    query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5
-    final_logit_softcapping: float | None = None
-    # Gemma: hidden states are scaled by sqrt(hidden_size) after the embedding, norms
-    # multiply by (1 + weight), and each sublayer has a norm after it too.
-    gemma_norms_and_scaling: bool = False
+    rope_local_theta: float | None = None  # RoPE base of sliding layers; None: the full layers'
 
 
 @dataclass

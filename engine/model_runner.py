@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,13 +23,16 @@ from engine.batch import StepInputs, pack, sampling_tensors
 from engine.checkpoint import Checkpoint
 from engine.cuda_graphs import DecodeGraphs
 from engine.models import build_model
-from engine.prompt_logprobs import ScoredChunk, read_scored
+from engine.prompt_logprobs import ScoredChunk, ScoredPositions, read_scored
 from engine.request import Request
 from engine.sampler import prompt_token_logprobs, sample, token_logprobs
+from engine.structured_output import GrammarBitmask
 from protocol import PromptTokenLogprobs, TokenLogprobs
 
 if TYPE_CHECKING:
-    from engine.llm_engine import EngineConfig
+    import xgrammar as xgr
+
+    from engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +48,17 @@ class SampledTokens:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None
     prompt_logprobs: list[tuple[ScoredChunk, list[PromptTokenLogprobs]]]
+
+
+@dataclass
+class ForwardedStep:
+    """A step whose forward pass is queued on the device: the logits of its sampled rows,
+    then those of its scored prompt positions."""
+
+    batch: list[Request]
+    rows: list[Request]  # the requests whose tokens are all computed after it, in batch order
+    logits: torch.Tensor  # [len(rows) + C, V] float32
+    scored: ScoredPositions | None  # the C prompt positions; None when none is scored
 
 
 @dataclass
@@ -146,6 +161,9 @@ class ModelRunner:
             self.max_model_len,
         )
         self._last_sampled = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.grammar_bitmask = GrammarBitmask(
+            config.max_num_seqs, checkpoint.config.vocab_size, self.device
+        )
 
     def _num_kv_blocks(self, config: EngineConfig, model_len: int) -> int:
         if config.num_kv_blocks is not None:
@@ -253,11 +271,9 @@ class ModelRunner:
         return self.model(inputs.input_ids, inputs.metadata, inputs.logits_index)
 
     @torch.inference_mode()
-    def launch(self, batch: list[Request]) -> LaunchedStep:
-        """Queue one forward pass over ``batch`` and the sampling of each complete row's next
-        token (and its log-probabilities where asked), without waiting for the device. The
-        sampled tokens count as pending in their requests until the host reads them, and the
-        next step may take them as its inputs on the device."""
+    def forward(self, batch: list[Request]) -> ForwardedStep:
+        """Queue one forward pass over ``batch``, without waiting for the device; ``sample``
+        then picks its rows' next tokens."""
         inputs = self.step_inputs(batch)
         for request in batch:
             request.num_cached_tokens += request.num_scheduled_tokens
@@ -266,12 +282,27 @@ class ModelRunner:
             logits = graphs.run(inputs.input_ids, inputs.metadata)
         else:
             logits = self.forward_eager(inputs)
-        rows = inputs.rows
+        return ForwardedStep(batch, inputs.rows, logits, inputs.scored)
+
+    @torch.inference_mode()
+    def sample(
+        self, step: ForwardedStep, grammars: Sequence[xgr.GrammarMatcher | None] | None
+    ) -> LaunchedStep:
+        """Queue the sampling of each complete row's next token (and its log-probabilities
+        where asked), and the scoring of its prompt positions, without waiting for the
+        device. ``grammars``, one per row (None: no row is constrained), restrict each row to
+        the tokens its grammar allows next; the log-probabilities are those of that
+        restricted distribution, as vLLM's. The sampled tokens count as pending in their
+        requests until the host reads them, and the next step may take them as its inputs on
+        the device."""
+        batch, rows, logits, scored = step.batch, step.rows, step.logits, step.scored
         results = [torch.empty(0, dtype=torch.int64, device=self.device)]
         logprobs_asked = None
         if rows:  # else only prompt chunks: nothing to sample yet
-            results, logprobs_asked = self._sample(rows, logits[: len(rows)])
-        scored = inputs.scored
+            row_logits = logits[: len(rows)]
+            if grammars is not None:
+                self.grammar_bitmask.apply(row_logits, grammars)
+            results, logprobs_asked = self._sample(rows, row_logits)
         if scored is not None:
             chosen, rank, top_logprobs, top_ids = prompt_token_logprobs(
                 logits[len(rows) :], scored.target_ids, scored.num_top

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from protocol import PromptTokenLogprobs, SamplingParams
 
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
 
 class RequestStatus(enum.Enum):
+    COMPILING = enum.auto()  # waits for its grammar (structured outputs); not scheduled yet
     WAITING = enum.auto()  # queued; no cache blocks
     RUNNING = enum.auto()  # has blocks; decodes every step
     FINISHED = enum.auto()
@@ -46,6 +51,9 @@ class Request:
     # bias, bans, allowed tokens, min_p): known at arrival, so that a step of requests that
     # do not checks one flag each (engine/batch.py).
     shapes_logits: bool = field(init=False)
+    # Its structured output's matcher: it has accepted every token of output_token_ids
+    # (never a pending one). None: free text.
+    grammar: xgr.GrammarMatcher | None = None
 
     def __post_init__(self) -> None:
         s = self.sampling

@@ -34,6 +34,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
     def schedule(self) -> list[Request]:
@@ -119,7 +120,8 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def remove(self, request: Request) -> None:
-        """Take a finished or aborted request out and free its blocks."""
+        """Take a finished or aborted request out and free its blocks (a request that was
+        never added, its grammar still compiling, has none)."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:

@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 # a busy server reads thousands of messages a second.
 _SEND_HIGH_WATER_MARK = 100_000
 _IDLE_POLL_MS = 100
+# While requests wait only for their grammars to compile: how often to look at them.
+_COMPILING_POLL_MS = 2
 
 
 class EngineService:
@@ -61,11 +63,18 @@ class EngineService:
         logger.info("engine ready at %s", self.address)
         try:
             while not self.stop_event.is_set():
-                timeout = 0 if self.engine.has_work else _IDLE_POLL_MS
+                if not self.engine.has_work:
+                    timeout = _IDLE_POLL_MS
+                elif self.engine.only_compiling:
+                    timeout = _COMPILING_POLL_MS
+                else:
+                    timeout = 0
                 if self.socket.poll(timeout):
                     self._drain_inbox()
                 if self.engine.has_work:
                     self._send_outputs(self.engine.step())
+                    for client, error in self.engine.take_errors():
+                        self._send(client, error)
                 self.throughput_log.maybe_log()
         finally:
             self.socket.close()

@@ -1,12 +1,14 @@
 """Structured outputs: a request's constraint as an xgrammar grammar, compiled once per distinct
 constraint off the step loop, matched token by token, and applied to a step's logits as masks.
 
-Three parts, used in this order:
+Four parts, used in this order:
 
 - ``GrammarCompiler.compile`` turns a ``StructuredOutput`` into a future compiled grammar.
   Building the grammar (parsing the schema, regex or EBNF) is cheap and happens at once, so a
   malformed one is refused with the library's own message; compiling it against the
   vocabulary (the token masks of every grammar state) runs on a thread pool, cached.
+- ``CompilingRequests`` holds the requests whose grammars compile, outside the scheduler,
+  until each is ready or fails.
 - ``new_matcher`` starts a request's own place in its compiled grammar: each token the host
   reads is accepted into it, and it terminates once it accepts a stop token after a complete
   output.
@@ -17,7 +19,9 @@ Three parts, used in this order:
 from __future__ import annotations
 
 import json
+import logging
 import re
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Executor, Future
@@ -28,7 +32,10 @@ import xgrammar as xgr
 from transformers import PreTrainedTokenizerFast
 
 from engine.model_config import TokenizerInfo
+from engine.request import Request, RequestStatus
 from protocol import StructuredOutput, StructuredOutputKind
+
+logger = logging.getLogger(__name__)
 
 # OpenAI's JSON mode promises a JSON object, as vLLM reads it.
 _JSON_OBJECT_SCHEMA = '{"type": "object"}'
@@ -127,11 +134,10 @@ class GrammarCompiler:
         max_cached: int = 256,
         threads_per_compile: int = 4,
     ) -> None:
-        # Reading the vocabulary takes a second or two: on the pool too, so the engine starts
-        # without waiting for it; the first compile does.
-        self._compiler = executor.submit(
-            self._new_compiler, tokenizer, vocab_size, threads_per_compile
-        )
+        # Reading the vocabulary takes a second or so, holding the GIL: done on the pool at
+        # the first compile, so that an engine never asked for one never pays for it.
+        self._vocabulary = (tokenizer, vocab_size, threads_per_compile)
+        self._compiler: Future[xgr.GrammarCompiler] | None = None
         self._executor = executor
         self._max_cached = max_cached
         self._cache: OrderedDict[StructuredOutput, Future[xgr.CompiledGrammar]] = OrderedDict()
@@ -156,14 +162,19 @@ class GrammarCompiler:
             self._cache.move_to_end(constraint)
             return future
         grammar = build_grammar(constraint)
-        future = self._executor.submit(self._compile, grammar)
+        if self._compiler is None:
+            self._compiler = self._executor.submit(self._new_compiler, *self._vocabulary)
+        future = self._executor.submit(self._compile, self._compiler, grammar)
         self._cache[constraint] = future
         if len(self._cache) > self._max_cached:
             self._cache.popitem(last=False)  # requests compiling it keep their own reference
         return future
 
-    def _compile(self, grammar: xgr.Grammar) -> xgr.CompiledGrammar:
-        compiler = self._compiler.result()
+    @staticmethod
+    def _compile(
+        compiler_future: Future[xgr.GrammarCompiler], grammar: xgr.Grammar
+    ) -> xgr.CompiledGrammar:
+        compiler = compiler_future.result()
         try:
             return compiler.compile_grammar(grammar)
         except (RuntimeError, ValueError) as exc:
@@ -180,6 +191,59 @@ def new_matcher(
         return xgr.GrammarMatcher(compiled)
     stops = sorted({*compiled.tokenizer_info.stop_token_ids, *stop_token_ids})
     return xgr.GrammarMatcher(compiled, override_stop_tokens=stops)
+
+
+class CompilingRequests:
+    """Requests whose grammars are compiling. A constrained request waits here, outside the
+    scheduler, until its grammar is ready (it gets its matcher then, and is scheduled) or
+    fails; one that waits more than ``timeout_s`` fails too. ``take_done`` is called once a
+    step, from the step loop."""
+
+    def __init__(self, compiler: GrammarCompiler, timeout_s: float = 30.0) -> None:
+        self.compiler = compiler
+        self.timeout_s = timeout_s
+        self._waiting: dict[Request, tuple[Future[xgr.CompiledGrammar], float]] = {}
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def add(self, request: Request) -> None:
+        """Start compiling the request's grammar (n requests of one constraint share one
+        compile); GrammarError at once if the library refuses the constraint."""
+        assert request.sampling.structured_output is not None
+        future = self.compiler.compile(request.sampling.structured_output)
+        self._waiting[request] = (future, time.monotonic() + self.timeout_s)
+        request.status = RequestStatus.COMPILING
+
+    def remove(self, request: Request) -> None:
+        """Forget an aborted request; its compile goes on, for the cache."""
+        del self._waiting[request]
+
+    def take_done(self) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """The requests whose grammars are ready, each with its matcher, and those whose
+        compile failed or ran out of time, each with the message for its user."""
+        ready: list[Request] = []
+        failed: list[tuple[Request, str]] = []
+        now = time.monotonic()
+        for request, (future, deadline) in list(self._waiting.items()):
+            if future.done():
+                error = future.exception()
+                if error is None:
+                    stops = request.sampling.stop_token_ids
+                    request.grammar = new_matcher(future.result(), stops)
+                    ready.append(request)
+                else:
+                    if not isinstance(error, GrammarError):
+                        logger.error("compiling a grammar failed", exc_info=error)
+                    failed.append((request, str(error)))
+            elif now > deadline:
+                failed.append(
+                    (request, f"the grammar took more than {self.timeout_s:g} s to compile")
+                )
+            else:
+                continue
+            del self._waiting[request]
+        return ready, failed
 
 
 class GrammarBitmask:

@@ -21,7 +21,8 @@ from protocol.codec import Message
 # Bumped on any incompatible change to the messages below; checked at the handshake.
 # 2: log-probabilities (SamplingParams.logprobs, RequestOutput.logprobs), presence and
 #    frequency penalties, logit bias, token counters in EngineStats.
-PROTOCOL_VERSION = 2
+# 3: structured outputs (SamplingParams.structured_output), refused with invalid_request.
+PROTOCOL_VERSION = 3
 # The most alternatives a request may ask log-probabilities of, as OpenAI's top_logprobs.
 MAX_TOP_LOGPROBS = 20
 # The most token sequences a request's bad words may tokenize to, and their total tokens

@@ -170,8 +170,7 @@ def bandwidth_floor_ms(model: str) -> tuple[float, float]:
     read whole as the LM head), in bf16, over the device-to-device copy bandwidth
     measured here. Returns (floor in ms, bandwidth in GB/s)."""
     from engine.backends import create_backend
-    from engine.checkpoint import load_checkpoint
-    from engine.models import build_model
+    from engine.models import build_model, load_checkpoint
 
     config = load_checkpoint(model).config
     meta_device = torch.device("meta")

@@ -2,6 +2,7 @@
 
     python scripts/bench_offline.py --model DIR [--num-requests 256] [--peer]
                                    [--peer-requests N] [--enforce-eager]
+                                   [--structured-fraction F [--schema FILE|builtin]]
 
 256 requests with input and output lengths uniform in [100, 1024] (random token
 ids, seed 0), ignore_eos, all submitted at once to an in-process engine. Prints
@@ -11,11 +12,19 @@ run: prompts left-padded in batches of --peer-batch-size, each batch generating 
 many tokens as its longest request; only the requested tokens are counted. With
 --peer-requests N it runs the first N requests only (a random sample of the workload),
 to keep its time in bounds; its tokens per second are then over those.
+
+With --structured-fraction F, that share of the requests (spread evenly) is constrained by a
+JSON schema (--schema: a file, or the builtin one, an object of string, number, enum, array
+and boolean fields); its compile time, cold, is printed first, and the run finds it compiled.
+The tokenizer must spell JSON: scripts/make_random_checkpoint.py's do. A constrained request
+stops where its JSON is complete, ignore_eos or not; with random weights few complete, and
+most run to their length, masked at every step.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -24,8 +33,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.llm_engine import EngineConfig, LLMEngine
-from protocol import SamplingParams
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from protocol import SamplingParams, StructuredOutput, StructuredOutputKind
+
+BUILTIN_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"},
+        "name": {"type": "string"},
+        "price": {"type": "number"},
+        "category": {"enum": ["book", "music", "film", "game"]},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "in_stock": {"type": "boolean"},
+    },
+    "required": ["id", "name", "price", "category", "tags", "in_stock"],
+}
 
 
 def workload(
@@ -40,18 +63,42 @@ def workload(
     return requests
 
 
-def bench_engine(engine: LLMEngine, requests: list[tuple[list[int], int]]) -> tuple[int, float]:
-    # Warm-up: one short request, so first-use costs stay out of the timing.
-    engine.add_request(b"bench", "warmup", requests[0][0][:16], SamplingParams(max_tokens=4))
+def constrained_indices(num_requests: int, fraction: float) -> set[int]:
+    """``fraction`` of the request indices, spread evenly: i where floor(i * fraction) steps."""
+    return {i for i in range(num_requests) if int((i + 1) * fraction) > int(i * fraction)}
+
+
+def compile_times(engine: LLMEngine, constraint: StructuredOutput) -> tuple[float, float]:
+    """Seconds to read the vocabulary (the engine's first compile, of a trivial grammar) and
+    then to compile ``constraint``, cold; the run then finds it compiled."""
+    timings = []
+    for grammar in (StructuredOutput(StructuredOutputKind.REGEX, "x"), constraint):
+        started = time.perf_counter()
+        engine.compiling.compiler.compile(grammar).result()
+        timings.append(time.perf_counter() - started)
+    return timings[0], timings[1]
+
+
+def bench_engine(
+    engine: LLMEngine,
+    requests: list[tuple[list[int], int]],
+    constrained: set[int],
+    constraint: StructuredOutput | None,
+) -> tuple[int, float]:
+    # Warm-up: one short request (constrained too if any is), so first-use costs stay out
+    # of the timing.
+    warmup = SamplingParams(max_tokens=4, structured_output=constraint)
+    engine.add_request(b"bench", "warmup", requests[0][0][:16], warmup)
     while engine.has_work:
         engine.step()
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     started = time.perf_counter()
     for i, (prompt, output_len) in enumerate(requests):
-        engine.add_request(
-            b"bench", str(i), prompt, SamplingParams(max_tokens=output_len, ignore_eos=True)
-        )
+        sampling = SamplingParams(max_tokens=output_len, ignore_eos=True)
+        if i in constrained:
+            sampling.structured_output = constraint
+        engine.add_request(b"bench", str(i), prompt, sampling)
     generated = 0
     while engine.has_work:
         for _, output in engine.step():
@@ -110,7 +157,18 @@ def main() -> None:
         help="time transformers on the first N requests only (default: all)",
     )
     parser.add_argument("--enforce-eager", action="store_true", help="engine without CUDA graphs")
+    parser.add_argument(
+        "--structured-fraction",
+        type=float,
+        default=0.0,
+        help="share of the requests constrained by --schema (default: none)",
+    )
+    parser.add_argument(
+        "--schema", default="builtin", help="a JSON schema file, or builtin (default)"
+    )
     args = parser.parse_args()
+    if not 0 <= args.structured_fraction <= 1:
+        parser.error("--structured-fraction must be in [0, 1]")
 
     engine = LLMEngine(
         EngineConfig(
@@ -122,7 +180,21 @@ def main() -> None:
         )
     )
     requests = workload(args.num_requests, engine.vocab_size, args.min_len, args.max_len)
-    rows = [("tandem", *bench_engine(engine, requests))]
+    constrained = constrained_indices(args.num_requests, args.structured_fraction)
+    constraint = None
+    if constrained:
+        schema = (
+            BUILTIN_SCHEMA
+            if args.schema == "builtin"
+            else json.loads(Path(args.schema).read_text())
+        )
+        constraint = StructuredOutput(StructuredOutputKind.JSON_SCHEMA, json.dumps(schema))
+        vocabulary_s, schema_s = compile_times(engine, constraint)
+        print(
+            f"structured outputs: {len(constrained)} of {args.num_requests} requests; reading "
+            f"the vocabulary {vocabulary_s:.3f} s, compiling the schema (cold) {schema_s:.3f} s"
+        )
+    rows = [("tandem", *bench_engine(engine, requests, constrained, constraint))]
     if args.peer:
         del engine
         torch.cuda.empty_cache()
@@ -134,9 +206,10 @@ def main() -> None:
                 ),
             )
         )
+    structured = f", {len(constrained)} constrained by a JSON schema" if constrained else ""
     print(
         f"\n{args.model}: {args.num_requests} requests, lengths uniform in "
-        f"[{args.min_len}, {args.max_len}], ignore_eos, device {args.device}"
+        f"[{args.min_len}, {args.max_len}], ignore_eos{structured}, device {args.device}"
     )
     print(f"{'':24} {'output tokens':>14} {'seconds':>9} {'tok/s':>10}")
     for name, tokens, seconds in rows:

@@ -3,7 +3,8 @@
     python scripts/make_random_checkpoint.py --shape llama-3.2-1b --out /tmp/llama-1b
 
 Shapes: Llama-3.2-1B, Llama-3.1-8B, Qwen3-0.6B, Qwen2.5-0.5B, Gemma-3-1B (bfloat16).
-Throughput does not depend on the weights' values; the tokenizer maps every id to a word.
+Throughput does not depend on the weights' values; the tokenizer maps every id to a word, the
+last ones to the printable ASCII characters (so that structured outputs can spell JSON).
 """
 
 from __future__ import annotations

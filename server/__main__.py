@@ -18,6 +18,9 @@ import uvicorn
 
 from server.app import create_app
 from server.engine_client import EngineClient, HandshakeError
+from server.reasoning import REASONING_PARSERS
+from server.served_model import ChatOptions, load_chat_template
+from server.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("server")
 
@@ -48,6 +51,24 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(default: $TANDEM_API_KEY; none: open)",
     )
     parser.add_argument(
+        "--chat-template",
+        help="the chat template to render messages with instead of the model's: a Jinja file, "
+        "or the name of one packaged with the server (chatml_tools: ChatML with tools, "
+        "calls in <tool_call> tags)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        help="how the model writes tool calls, for tool_choice auto (default: from the "
+        "chat template's markers)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        help="split the answer's reasoning into reasoning_content (default: if the chat "
+        "template has </think>)",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -57,6 +78,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 async def _serve(args: argparse.Namespace) -> int:
+    if args.chat_template is not None:
+        try:
+            load_chat_template(args.chat_template)  # fail now, not after the handshake
+        except ValueError as exc:
+            logger.error("cannot serve: %s", exc)
+            return 2
+    options = ChatOptions(args.chat_template, args.tool_call_parser, args.reasoning_parser)
     client_name = f"tandem-server {socket.gethostname()}:{os.getpid()} port {args.port}"
     client = EngineClient(args.engine, client_name)
     try:
@@ -74,7 +102,7 @@ async def _serve(args: argparse.Namespace) -> int:
             args.port,
         )
         config = uvicorn.Config(
-            create_app(client, handshake, args.api_key),
+            create_app(client, handshake, args.api_key, options),
             host=args.host,
             port=args.port,
             log_level=args.log_level,

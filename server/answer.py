@@ -1,5 +1,5 @@
-"""The answers of chat completions and completions: the envelope that every response and
-every chunk carries (id, object type, creation time, model, usage), and the non-streamed
+"""The answers of the generating endpoints: the envelope that every response and every
+chunk carries (id, object type, creation time, model, usage), and the non-streamed
 response; server/streaming.py writes the streamed one."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from server.choices import ChoiceDeltas, collect
 from server.generation import TextDelta
 
 # The status nginx logs for a client that went away before the answer (never sent).
-_CLIENT_CLOSED_REQUEST = 499
+CLIENT_CLOSED_REQUEST = 499
 
 
 @dataclass(slots=True)
@@ -29,13 +29,19 @@ class Answer:
     created: int
     model: str
     prompt_tokens: int
+    # What its engine requests' ids start with: its id and a part of its own, since two
+    # requests may come with one X-Request-Id.
+    engine_id: str
 
     @classmethod
-    def new(cls, id_prefix: str, object_type: str, model: str, prompt_tokens: int) -> Answer:
-        """An answer created now, under a new id that starts with ``id_prefix``."""
-        return cls(
-            f"{id_prefix}-{uuid.uuid4().hex}", object_type, int(time.time()), model, prompt_tokens
-        )
+    def new(
+        cls, id_prefix: str, object_type: str, model: str, request_id: str, prompt_tokens: int
+    ) -> Answer:
+        """An answer created now to the request ``request_id`` (server/request_id.py), under
+        the id ``id_prefix`` + ``request_id``."""
+        answer_id = id_prefix + request_id
+        engine_id = f"{answer_id}-{uuid.uuid4().hex[:8]}"
+        return cls(answer_id, object_type, int(time.time()), model, prompt_tokens, engine_id)
 
     def header(self) -> dict[str, Any]:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model}
@@ -58,14 +64,26 @@ async def whole_response(
     """The non-streamed answer: every choice whole, as ``render_choice`` writes it (from its
     index and its collected text), the usage of them all, and what ``render_extra`` makes
     of the first choice."""
-    wholes = await collect(request, choices)
-    if wholes is None:
-        return Response(status_code=_CLIENT_CLOSED_REQUEST)
-    return JSONResponse(
-        {
+
+    def body(wholes: list[TextDelta]) -> dict[str, Any]:
+        return {
             **answer.header(),
             "choices": [render_choice(index, whole) for index, whole in enumerate(wholes)],
             "usage": answer.usage(sum(whole.completion_tokens for whole in wholes)),
             **(render_extra(wholes[0]) if render_extra is not None else {}),
         }
-    )
+
+    return await whole_answer(request, choices, body)
+
+
+async def whole_answer(
+    request: Request,
+    choices: list[ChoiceDeltas],
+    render: Callable[[list[TextDelta]], dict[str, Any]],
+) -> Response:
+    """The non-streamed answer as ``render`` writes it from every choice whole; nothing
+    (status 499, never sent) if the client goes away first."""
+    wholes = await collect(request, choices)
+    if wholes is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return JSONResponse(render(wholes))

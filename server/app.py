@@ -11,29 +11,37 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp
 
 from protocol import HandshakeReply
 from server.api_key import ApiKeyCheck
 from server.engine_client import EngineClient
 from server.errors import ApiError, handle_api_error, handle_http_exception, handle_unexpected
+from server.request_id import RequestIdHeader
 from server.routes.chat import ChatCompletions
 from server.routes.completions import Completions
 from server.routes.health import Health
 from server.routes.models import Models
+from server.routes.responses import Responses
 from server.routes.tokenize import Tokenization
-from server.served_model import ServedModel
+from server.routes.version import server_version
+from server.served_model import ChatOptions, ServedModel
 
 FRONTEND_DIR = Path(__file__).resolve().parent.parent / "frontend"
 
 
 def create_app(
-    client: EngineClient, handshake: HandshakeReply, api_key: str | None = None
-) -> Starlette:
+    client: EngineClient,
+    handshake: HandshakeReply,
+    api_key: str | None = None,
+    chat_options: ChatOptions | None = None,
+) -> ASGIApp:
     """The HTTP application serving ``handshake``'s model through ``client``; with
     ``api_key``, the API answers only requests that carry it."""
-    model = ServedModel.from_handshake(handshake)
+    model = ServedModel.from_handshake(handshake, chat_options)
     chat = ChatCompletions(client, model)
     completions = Completions(client, model)
+    responses = Responses(client, model)
     models = Models(model)
     tokenization = Tokenization(model)
     health = Health(client)
@@ -45,16 +53,18 @@ def create_app(
     routes = [
         Route("/v1/chat/completions", chat.create, methods=["POST"]),
         Route("/v1/completions", completions.create, methods=["POST"]),
+        Route("/v1/responses", responses.create, methods=["POST"]),
         Route("/v1/models", models.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", models.retrieve_model, methods=["GET"]),
         Route("/tokenize", tokenization.tokenize, methods=["POST"]),
         Route("/detokenize", tokenization.detokenize, methods=["POST"]),
         Route("/health", health.health, methods=["GET"]),
         Route("/metrics", health.metrics, methods=["GET"]),
+        Route("/version", server_version, methods=["GET"]),
         Route("/", web_ui, methods=["GET"]),
         Mount("/static", StaticFiles(directory=FRONTEND_DIR), name="static"),
     ]
-    return Starlette(
+    app = Starlette(
         routes=routes,
         middleware=[Middleware(ApiKeyCheck, api_key=api_key)] if api_key else [],
         exception_handlers={
@@ -63,3 +73,5 @@ def create_app(
             Exception: handle_unexpected,
         },
     )
+    # Outside Starlette's own error middleware, so that every response carries the id.
+    return RequestIdHeader(app)

@@ -36,6 +36,9 @@ class PreparedGeneration:
     sampling: SamplingParams
     stop: list[str]  # stop strings: each choice ends before the first it generates
     num_choices: int
+    include_stop_str_in_output: bool = False  # ... or end with it, if this is set
+    # None: special tokens' text is left out; else it is kept, but for these tokens'.
+    hidden_token_ids: frozenset[int] | None = None
 
     def choices(
         self, client: EngineClient, tokenizer: Tokenizer, request_id: str
@@ -47,22 +50,16 @@ class PreparedGeneration:
                 tokenizer,
                 f"{request_id}-{index}",
                 self.prompt_ids,
-                self._choice_sampling(index),
+                # A seeded request's choices each take a seed of their own, in turn.
+                self.sampling
+                if self.sampling.seed is None
+                else dataclasses.replace(self.sampling, seed=(self.sampling.seed + index) % 2**63),
                 self.stop,
+                self.include_stop_str_in_output,
+                self.hidden_token_ids,
             )
             for index in range(self.num_choices)
         ]
-
-    def _choice_sampling(self, index: int) -> SamplingParams:
-        """A seeded request's choices each take a seed of their own, in turn. Only the
-        first computes the prompt's log-probabilities, the same for every choice (the others
-        may then find the prompt in the prefix cache)."""
-        changes: dict[str, int | None] = {}
-        if self.sampling.seed is not None:
-            changes["seed"] = (self.sampling.seed + index) % 2**63
-        if index:
-            changes["prompt_logprobs"] = None
-        return dataclasses.replace(self.sampling, **changes) if changes else self.sampling
 
 
 async def collect(request: Request, choices: list[ChoiceDeltas]) -> list[TextDelta] | None:
@@ -79,10 +76,7 @@ async def _collect_all(choices: list[ChoiceDeltas]) -> list[TextDelta]:
             tasks = [group.create_task(_collect(deltas)) for deltas in choices]
     except* ApiError as errors:
         raise errors.exceptions[0] from None
-    wholes = [task.result() for task in tasks]
-    for whole in wholes[1:]:  # the first choice computed them for all
-        whole.prompt_logprobs = wholes[0].prompt_logprobs
-    return wholes
+    return [task.result() for task in tasks]
 
 
 async def _collect(deltas: ChoiceDeltas) -> TextDelta:
@@ -103,6 +97,31 @@ async def _collect(deltas: ChoiceDeltas) -> TextDelta:
             )
     whole.text = "".join(pieces)
     return whole
+
+
+async def taken(request: Request, choices: list[ChoiceDeltas]) -> list[ChoiceDeltas] | None:
+    """``choices`` once the engine has taken them: each one's first delta is in, so that a
+    refusal raises its ApiError here, before a streamed response commits to a status. None
+    (and every choice aborted) if the client goes away first."""
+    return await _unless_disconnected(request, _first_deltas(choices))
+
+
+async def _first_deltas(choices: list[ChoiceDeltas]) -> list[ChoiceDeltas]:
+    try:
+        async with asyncio.TaskGroup() as group:
+            firsts = [group.create_task(anext(deltas)) for deltas in choices]
+    except* Exception as errors:
+        for deltas in choices:
+            await deltas.aclose()  # aborts the choices that were taken
+        raise errors.exceptions[0] from None
+    return [_resumed(first.result(), deltas) for first, deltas in zip(firsts, choices, strict=True)]
+
+
+async def _resumed(first: TextDelta, rest: ChoiceDeltas) -> ChoiceDeltas:
+    async with aclosing(rest):
+        yield first
+        async for delta in rest:
+            yield delta
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:

@@ -28,9 +28,10 @@ class IncrementalDetokenizer:
 
     ``push`` returns only text that can no longer change: never half a character, and
     nothing that could be the start of a stop string. Once a stop string appears,
-    ``stopped`` is set, and the text is cut before it; the caller then ends the request.
-    As in vLLM, a stop string only counts once the output has more than ``min_tokens``
-    tokens: it must end in the text of a later token.
+    ``stopped`` is set, and the text is cut before it (after it, with
+    ``include_stop``); the caller then ends the request. As in vLLM, a stop string only
+    counts once the output has more than ``min_tokens`` tokens: it must end in the text of
+    a later token.
     """
 
     def __init__(
@@ -38,9 +39,15 @@ class IncrementalDetokenizer:
         tokenizer: Tokenizer,
         prompt_ids: Sequence[int],
         stop: Sequence[str] = (),
+        include_stop: bool = False,
+        hidden_ids: frozenset[int] | None = None,
         min_tokens: int = 0,
     ) -> None:
+        """``hidden_ids``: None decodes without special tokens; a set decodes with them,
+        but for these ids (EOS, stop tokens), which are dropped as they arrive."""
         self._tokenizer = tokenizer
+        self._skip_special_tokens = hidden_ids is None
+        self._hidden_ids = hidden_ids or frozenset()
         self._min_tokens = min_tokens
         self._num_tokens = 0  # output tokens pushed
         context = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:])
@@ -49,7 +56,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(context)
         self._prefix_text = self._decode(context)
-        self._stop = _StopStringMatcher(stop)
+        self._stop = _StopStringMatcher(stop, include_stop)
 
     @property
     def stopped(self) -> bool:
@@ -59,8 +66,10 @@ class IncrementalDetokenizer:
         """Adds the new tokens of one engine step; returns the text that became final."""
         if self._stop.stopped:
             return ""
+        self._num_tokens += len(token_ids)  # the engine's count, hidden ones included
+        if self._hidden_ids:
+            token_ids = [token_id for token_id in token_ids if token_id not in self._hidden_ids]
         self._ids.extend(token_ids)
-        self._num_tokens += len(token_ids)
         text = self._decode(self._ids[self._prefix_offset :])
         # A trailing replacement character means the last token ends inside a
         # character: hold these tokens back until the character is complete.
@@ -90,14 +99,16 @@ class IncrementalDetokenizer:
         self._prefix_text = self._decode(self._ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
 
 class _StopStringMatcher:
-    """Cuts text before the first stop string, holding back possible beginnings of one."""
+    """Cuts text before the first stop string (after it, with ``include_stop``), holding
+    back possible beginnings of one."""
 
-    def __init__(self, stop: Sequence[str]) -> None:
+    def __init__(self, stop: Sequence[str], include_stop: bool) -> None:
         self._stop = tuple(stop)
+        self._include_stop = include_stop
         self._held = ""  # a suffix of the text so far that some stop string starts with
         self.stopped = False
 
@@ -108,12 +119,17 @@ class _StopStringMatcher:
             return text
         buffer = self._held + text
         held = len(self._held)
-        found = (buffer.find(stop, max(held - len(stop) + 1, 0)) for stop in self._stop)
-        cut = min((i for i in found if i >= 0), default=-1) if searched else -1
-        if cut >= 0:
+        found = [
+            (at, stop)
+            for stop in (self._stop if searched else ())
+            if (at := buffer.find(stop, max(held - len(stop) + 1, 0))) >= 0
+        ]
+        if found:
+            # The first stop string to appear; of those starting together, the first listed.
+            at, stop = min(found, key=lambda match: match[0])
             self.stopped = True
             self._held = ""
-            return buffer[:cut]
+            return buffer[: at + len(stop)] if self._include_stop else buffer[:at]
         keep = self._longest_stop_prefix_suffix(buffer)
         self._held = buffer[len(buffer) - keep :] if keep else ""
         return buffer[: len(buffer) - keep]

@@ -39,13 +39,26 @@ async def generate_text(
     prompt_ids: list[int],
     sampling: SamplingParams,
     stop: Sequence[str],
+    include_stop_str_in_output: bool = False,
+    hidden_token_ids: frozenset[int] | None = None,
 ) -> AsyncGenerator[TextDelta, None]:
-    """Yields text as it becomes final; the last delta carries the finish reason.
+    """Yields text as it becomes final; the last delta carries the finish reason. A stop
+    string ends the text (``include_stop_str_in_output``) or is cut off with what follows.
+
+    ``hidden_token_ids``: None leaves every special token's text out of the text; a set
+    keeps special tokens' text (a tool-call parser reads its markers) but these tokens'.
 
     Raises ``ApiError`` when the engine is gone or refuses the request. Closing the
     iterator early aborts the request in the engine.
     """
-    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, stop, sampling.min_tokens)
+    detokenizer = IncrementalDetokenizer(
+        tokenizer,
+        prompt_ids,
+        stop,
+        include_stop_str_in_output,
+        hidden_token_ids,
+        sampling.min_tokens,
+    )
     token_ids: list[int] = []  # with log-probabilities, not yet in a delta
     logprobs: list[TokenLogprobs] = []
     prompt_logprobs: list[PromptTokenLogprobs] | None = None  # not yet in a delta

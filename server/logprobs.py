@@ -17,6 +17,10 @@ from protocol import PromptTokenLogprobs, TokenLogprobs
 from server.generation import TextDelta
 from server.served_model import ServedModel
 
+# The least log-probability written, as OpenAI's and vLLM's: a token that a structured
+# output forbids has -inf, which JSON cannot hold.
+_MIN_LOGPROB = -9999.0
+
 # Some tokens' log-probabilities in one endpoint's shape: ``chat_logprobs`` bound to its
 # model, or a choice's ``CompletionLogprobs.render``.
 RenderLogprobs = Callable[[list[int], list[TokenLogprobs]], dict[str, Any]]
@@ -34,7 +38,7 @@ def chat_logprobs(
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         text = model.decode([token_id])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
 
     content = []
     for token_id, token in zip(token_ids, logprobs, strict=True):
@@ -62,16 +66,20 @@ class CompletionLogprobs:
             self._offset += len(text)
         return {
             "tokens": tokens,
-            "token_logprobs": [token.logprob for token in logprobs],
+            "token_logprobs": [_finite(token.logprob) for token in logprobs],
             "top_logprobs": [
                 {
-                    self._model.decode([i]): lp
+                    self._model.decode([i]): _finite(lp)
                     for i, lp in zip(token.top_token_ids, token.top_logprobs, strict=True)
                 }
                 for token in logprobs
             ],
             "text_offset": offsets,
         }
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, _MIN_LOGPROB)
 
 
 def prompt_logprobs(

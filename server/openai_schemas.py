@@ -1,13 +1,16 @@
 """The request bodies of the OpenAI API that this server accepts, and their validation.
 
-Fields that OpenAI defines but this server cannot honour yet are refused with a 400
-rather than silently ignored: a client asking for tools must not get an answer that
-looks right without them. Unknown fields are ignored, as OpenAI does.
+Fields that OpenAI or vLLM define but this server cannot honour yet are refused with a
+400 rather than silently ignored: a client asking for tools must not get an answer that
+looks right without them. Fields that neither defines are ignored with a warning naming
+them, as vLLM does.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, TypeVar
+import logging
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -22,10 +25,12 @@ from pydantic_core import PydanticCustomError
 from protocol import MAX_TOP_LOGPROBS, SamplingParams, context_length_problem
 from server.errors import ApiError
 from server.served_model import ServedModel
+from server.structured_output import structured_output_of
+
+logger = logging.getLogger(__name__)
 
 _MAX_STOP_STRINGS = 4
 MAX_CHOICES = 128  # n, as OpenAI allows
-_TEXT = {"type": "text"}  # the one response_format there is: plain text
 
 
 def _stop_strings(value: Any) -> list[str]:
@@ -43,20 +48,30 @@ def _stop_strings(value: Any) -> list[str]:
     return stops
 
 
-def _prompt(value: Any) -> str | list[int]:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
-        return value[0]
-    # bool is an int subclass; [true] is not a list of token ids.
-    if isinstance(value, list) and value and all(type(item) is int for item in value):
-        if min(value) < 0:
-            raise PydanticCustomError("invalid_value", "token ids must not be negative")
+def _prompts(value: Any) -> list[str | list[int]]:
+    """A completion's prompts: OpenAI's one prompt (text or token ids) or batch of them."""
+    if isinstance(value, str) or _is_token_ids(value):
+        return [value]
+    if isinstance(value, list) and value and all(_is_prompt(item) for item in value):
         return value
     raise PydanticCustomError(
         "invalid_type",
-        "prompt must be a string, a non-empty list of token ids, or a list of one string",
+        "prompt must be a string, a non-empty list of non-negative token ids, or a non-empty "
+        "list of either",
     )
+
+
+def _is_token_ids(value: Any) -> bool:
+    # bool is an int subclass; [true] is not a list of token ids.
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(type(item) is int and item >= 0 for item in value)
+    )
+
+
+def _is_prompt(value: Any) -> bool:
+    return isinstance(value, str) or _is_token_ids(value)
 
 
 def _content(value: Any) -> str | list[dict[str, str]] | None:
@@ -80,34 +95,61 @@ def _content(value: Any) -> str | list[dict[str, str]] | None:
     return parts
 
 
-def _unsupported(what: str, off: Any) -> Any:
-    """A validator that refuses any value but ``off`` (or null) with "``what`` is not supported"."""
-
-    def check(value: Any) -> Any:
-        if value not in (None, off):
-            raise PydanticCustomError(
-                "unsupported_parameter", "{what} is not supported yet", {"what": what}
-            )
-        return value
-
-    return BeforeValidator(check)
-
-
 StopStrings = Annotated[list[str], BeforeValidator(_stop_strings)]
-Prompt = Annotated[str | list[int], BeforeValidator(_prompt)]
+Prompts = Annotated[list[str | list[int]], BeforeValidator(_prompts)]
 Content = Annotated[str | list[dict[str, str]] | None, BeforeValidator(_content)]
+# Sampling fields that more than one body has, each validated the same way everywhere.
+Temperature = Annotated[float | None, Field(ge=0, le=2)]
+TopP = Annotated[float | None, Field(gt=0, le=1)]
+TopK = Annotated[int | None, Field(ge=-1)]  # vLLM's; -1 or 0: no top-k cut
+# Token ids (as strings, JSON's keys) to a bias added to their logits.
+LogitBias = dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100, le=100)]] | None
+
+# vLLM's fields of chat completions and completions that this server does not serve yet
+# (RequestBody.not_served): the values that ask for nothing are vLLM's defaults.
+_NOT_SERVED_GENERATION: dict[str, tuple[Any, ...]] = {
+    "logprob_token_ids": (),
+    "use_beam_search": (False,),
+    "length_penalty": (1,),
+    "watermarking": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (),
+    "structural_tag": (),
+    "logits_processors": (),
+    "priority": (0,),
+    "request_id": (),  # the X-Request-Id header names a request (server/request_id.py)
+    "cache_salt": (),
+    "kv_transfer_params": (),
+    "ec_transfer_params": (),
+    "vllm_xargs": (),
+    "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,),
+    "repetition_detection": (),
+    "thinking_token_budget": (),
+    "stream_interval": (),
+}
 
 
-class _Body(BaseModel):
-    # OpenAI's clients send fields this server has no use for; ignore them.
-    model_config = ConfigDict(extra="ignore")
+class RequestBody(BaseModel):
+    """A request body. Undeclared fields are kept, for ``parse_request`` to refuse those
+    in ``not_served`` and to warn about (and then ignore) the others."""
+
+    model_config = ConfigDict(extra="allow")
+
+    # Fields that vLLM knows and this server does not serve yet, each with the values
+    # that ask for nothing (null always does).
+    not_served: ClassVar[Mapping[str, tuple[Any, ...]]] = {}
 
 
-RequestT = TypeVar("RequestT", bound=_Body)
+RequestT = TypeVar("RequestT", bound=RequestBody)
 T = TypeVar("T", int, float)
 
 
-class StreamOptions(_Body):
+class StreamOptions(RequestBody):
+    not_served: ClassVar[Mapping[str, tuple[Any, ...]]] = {"continuous_usage_stats": (False,)}
+
     include_usage: bool = False
 
 
@@ -119,20 +161,53 @@ class ChatMessage(BaseModel):
     content: Content = None
 
 
-class GenerationBody(_Body):
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: Annotated[str, Field(min_length=1)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+def _tool_choice(value: Any) -> str | dict[str, Any] | None:
+    """none, auto, required, or {"type": "function", "function": {"name": ...}}."""
+    if value is None or value in ("none", "auto", "required"):
+        return value
+    function = value.get("function") if isinstance(value, dict) else None
+    if (
+        not isinstance(function, dict)
+        or value.get("type") != "function"
+        or not isinstance(function.get("name"), str)
+    ):
+        raise PydanticCustomError(
+            "invalid_value",
+            'tool_choice must be none, auto, required or {"type": "function", '
+            '"function": {"name": ...}}',
+        )
+    return {"type": "function", "function": {"name": function["name"]}}
+
+
+class GenerationBody(RequestBody):
     """What the generating endpoints share: the model, sampling, stopping and streaming.
 
     Each endpoint's body says what it calls its prompt and how it asks for a length and
     for log-probabilities; ``sampling_params`` turns all of it into the engine's terms.
     """
 
+    not_served: ClassVar[Mapping[str, tuple[Any, ...]]] = _NOT_SERVED_GENERATION
     # What the request calls its prompt, in errors about it (the chat API's "messages").
     prompt_param: ClassVar[str]
 
     model: str | None = None
     max_tokens: Annotated[int | None, Field(ge=1)] = None
-    temperature: Annotated[float | None, Field(ge=0, le=2)] = None
-    top_p: Annotated[float | None, Field(gt=0, le=1)] = None
+    temperature: Temperature = None
+    top_p: TopP = None
     n: Annotated[int | None, Field(ge=1, le=MAX_CHOICES)] = None
     stop: StopStrings = Field(default_factory=list)
     # OpenAI takes any 64-bit seed; the engine's are non-negative (see sampling_params).
@@ -142,12 +217,9 @@ class GenerationBody(_Body):
     user: str | None = None
     frequency_penalty: Annotated[float | None, Field(ge=-2, le=2)] = None
     presence_penalty: Annotated[float | None, Field(ge=-2, le=2)] = None
-    # Token ids (as strings, JSON's keys) to a bias added to their logits.
-    logit_bias: (
-        dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100, le=100)]] | None
-    ) = None
+    logit_bias: LogitBias = None
     # vLLM's extensions, which many clients use.
-    top_k: Annotated[int | None, Field(ge=-1)] = None  # -1 or 0: no top-k cut
+    top_k: TopK = None
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     min_p: Annotated[float | None, Field(ge=0, le=1)] = None
@@ -158,6 +230,19 @@ class GenerationBody(_Body):
         None
     )
     prompt_logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
+    include_stop_str_in_output: bool = False  # a stop string ends the text, not cut off
+    # Keep only the prompt's last k tokens (its first, with truncation_side "right");
+    # -1: as many as the context holds.
+    truncate_prompt_tokens: Annotated[int | None, Field(ge=-1)] = None
+    truncation_side: Literal["left", "right"] | None = None
+    # Structured outputs, in every shape clients send (server/structured_output.py reads
+    # them): OpenAI's response_format, vLLM's structured_outputs and its older guided_*.
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     @property
     def num_choices(self) -> int:
@@ -174,6 +259,22 @@ class GenerationBody(_Body):
     def requested_logprobs(self) -> int | None:
         """How many alternatives' log-probabilities each token needs, or None for none."""
         raise NotImplementedError
+
+    def truncated_prompt(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """``prompt_ids`` as ``truncate_prompt_tokens`` cuts them (vLLM's semantics)."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return prompt_ids
+        if keep == 0:
+            raise ApiError(
+                400,
+                "truncate_prompt_tokens must be -1 or at least 1.",
+                param="truncate_prompt_tokens",
+            )
+        keep = max_model_len if keep == -1 else keep
+        if self.truncation_side == "right":
+            return prompt_ids[:keep]
+        return prompt_ids[-keep:]
 
     def sampling_params(self, prompt_tokens: int, model: ServedModel) -> SamplingParams:
         """How the engine samples each choice after a prompt of ``prompt_tokens`` tokens;
@@ -204,6 +305,18 @@ class GenerationBody(_Body):
                 400, "prompt_logprobs are not available when stream=True.", param="prompt_logprobs"
             )
         model.check_token_ids(self.stop_token_ids, "stop_token_ids")
+        if self.include_stop_str_in_output and any(
+            model.tokenizer.decode([token_id], skip_special_tokens=True)
+            for token_id in self.stop_token_ids
+        ):
+            # vLLM would end the text with such a token's text; the engine does not send it.
+            raise ApiError(
+                400,
+                "include_stop_str_in_output with stop_token_ids that have text is not "
+                "supported yet.",
+                param="include_stop_str_in_output",
+                code="unsupported_parameter",
+            )
         logit_bias = self.logit_bias or {}
         model.check_token_ids(list(logit_bias), "logit_bias")
         model.check_token_ids(self.allowed_token_ids or [], "allowed_token_ids")
@@ -229,6 +342,14 @@ class GenerationBody(_Body):
             bad_words_token_ids=model.bad_words_token_ids(self.bad_words),
             allowed_token_ids=self.allowed_token_ids,
             prompt_logprobs=self.prompt_logprobs,
+            structured_output=structured_output_of(
+                response_format=self.response_format,
+                structured_outputs=self.structured_outputs,
+                guided_json=self.guided_json,
+                guided_regex=self.guided_regex,
+                guided_choice=self.guided_choice,
+                guided_grammar=self.guided_grammar,
+            ),
         )
 
 
@@ -240,15 +361,31 @@ def _first(requested: T | None, default: T | None, fallback: T) -> T:
 
 
 class ChatCompletionRequest(GenerationBody):
+    not_served: ClassVar[Mapping[str, tuple[Any, ...]]] = {
+        **_NOT_SERVED_GENERATION,
+        "echo": (False,),
+        "add_special_tokens": (False,),
+        "documents": (),
+        "chat_template": (),
+        "media_io_kwargs": (),
+        "mm_processor_kwargs": (),
+        "reasoning_effort": (),
+        "include_reasoning": (True, False),  # no model served here reasons
+        "return_prompt_text": (False,),
+    }
     prompt_param: ClassVar[str] = "messages"
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int | None, Field(ge=1)] = None
     logprobs: bool = False
     top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
-    tools: Annotated[Any, _unsupported("tools", [])] = None
-    tool_choice: Annotated[Any, _unsupported("tool_choice other than none", "none")] = None
-    response_format: Annotated[Any, _unsupported("response_format other than text", _TEXT)] = None
+    tools: list[Tool] | None = None
+    # Default: "auto" with tools, else "none" (server/tool_calling.py reads it).
+    tool_choice: Annotated[str | dict[str, Any] | None, BeforeValidator(_tool_choice)] = None
+    parallel_tool_calls: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last message goes on instead
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables of the template
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -260,20 +397,67 @@ class ChatCompletionRequest(GenerationBody):
 
 
 class CompletionRequest(GenerationBody):
+    not_served: ClassVar[Mapping[str, tuple[Any, ...]]] = {
+        **_NOT_SERVED_GENERATION,
+        "prompt_embeds": (),
+    }
     prompt_param: ClassVar[str] = "prompt"
 
-    prompt: Prompt
-    echo: Annotated[Any, _unsupported("echo", False)] = None
+    prompt: Prompts
+    echo: bool = False  # each choice's text starts with its prompt's
     logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
-    suffix: Annotated[Any, _unsupported("suffix", "")] = None
-    best_of: Annotated[Any, _unsupported("best_of other than 1", 1)] = None
+    # Fill in the middle: the text that follows the completion (server/fill_in_middle.py).
+    suffix: str | None = None
+    # Generate this many candidates for each prompt; answer with the n likeliest.
+    best_of: Annotated[int | None, Field(ge=1, le=MAX_CHOICES)] = None
+    add_special_tokens: bool = True  # vLLM's: a text prompt gets the BOS token if the model has one
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> CompletionRequest:
+        # ApiError, not a validation error: it names the field (pydantic lets it through).
+        if self.best_of is not None and self.best_of < self.num_choices:
+            raise ApiError(400, "best_of must be at least n.", param="best_of")
+        if self.best_of is not None and self.best_of > 1 and self.stream:
+            raise ApiError(400, "best_of cannot be used with stream.", param="best_of")
+        if self.echo and self.logprobs is not None:
+            # The prompt's own tokens would need log-probabilities from the engine.
+            raise ApiError(
+                400,
+                "echo with logprobs is not supported yet.",
+                param="echo",
+                code="unsupported_parameter",
+            )
+        if self.suffix and not all(isinstance(prompt, str) for prompt in self.prompt):
+            raise ApiError(400, "suffix needs text prompts, not token ids.", param="suffix")
+        if self.suffix and self.truncate_prompt_tokens is not None:
+            # Cutting the prompt would cut the fill-in-the-middle tokens around it.
+            raise ApiError(
+                400, "suffix cannot be used with truncate_prompt_tokens.", param="suffix"
+            )
+        return self
+
+    @property
+    def num_candidates(self) -> int:
+        """How many choices each prompt generates, of which the ``n`` best are answered."""
+        return self.best_of or self.num_choices
 
     def requested_logprobs(self) -> int | None:
+        if self.logprobs is None and self.num_candidates > self.num_choices:
+            return 0  # best_of ranks the candidates by their tokens' log-probabilities
         return self.logprobs
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestBody):
     """vLLM's /tokenize body: a prompt, or messages to render with the chat template."""
+
+    not_served: ClassVar[Mapping[str, tuple[Any, ...]]] = {
+        "return_token_strs": (False,),
+        "continue_final_message": (False,),
+        "chat_template": (),
+        "chat_template_kwargs": ({},),
+        "tools": ([],),
+        "mm_processor_kwargs": (),
+    }
 
     model: str | None = None
     prompt: str | None = None
@@ -288,17 +472,48 @@ class TokenizeRequest(_Body):
         return self
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0)]]
 
 
 def parse_request(model: type[RequestT], body: bytes) -> RequestT:
-    """The validated request, or an ``ApiError`` naming the first bad field."""
+    """The validated request, or an ``ApiError`` naming the first bad field or the first
+    field it asks for that this server does not serve yet. Fields that nobody defines are
+    logged and ignored."""
     try:
-        return model.model_validate_json(body)
+        request = model.model_validate_json(body)
     except ValidationError as exc:
         raise _to_api_error(exc) from None
+    unknown = _undeclared_fields(request)
+    if unknown:
+        logger.warning(
+            "The following fields were present in the request but ignored: %s",
+            ", ".join(unknown),
+        )
+    return request
+
+
+def _undeclared_fields(request: RequestBody, path: str = "") -> list[str]:
+    """The names of ``request``'s fields (and its nested bodies') that nobody defines;
+    raises ``ApiError`` for the first one this server does not serve yet."""
+    unknown = []
+    for name, value in (request.model_extra or {}).items():
+        neutral = request.not_served.get(name)
+        if neutral is None:
+            unknown.append(path + name)
+        elif value is not None and value not in neutral:
+            raise ApiError(
+                400,
+                f"{path}{name} is not supported yet.",
+                param=path + name,
+                code="unsupported_parameter",
+            )
+    for name in type(request).model_fields:
+        value = getattr(request, name)
+        if isinstance(value, RequestBody):
+            unknown += _undeclared_fields(value, f"{path}{name}.")
+    return unknown
 
 
 def _to_api_error(exc: ValidationError) -> ApiError:

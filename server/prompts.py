@@ -1,38 +1,159 @@
 """Prompts from request bodies, as token ids: messages through the model's chat template,
-or a completion's prompt (text, or token ids checked against the vocabulary)."""
+or a completion's prompts (text, or token ids checked against the vocabulary); and a chat
+request made ready for the engine."""
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from protocol import StructuredOutput
 from server.chat_template import ChatTemplateError
+from server.choices import PreparedGeneration
 from server.errors import ApiError
-from server.openai_schemas import ChatMessage
+from server.openai_schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from server.served_model import ServedModel
+from server.tool_calling import ChatParsing, tool_use
 
 
 async def chat_prompt_ids(
-    model: ServedModel, messages: list[ChatMessage], add_generation_prompt: bool
+    model: ServedModel,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    param: str = "messages",
 ) -> list[int]:
     """``messages`` rendered with the chat template and tokenized; ``add_generation_prompt``
-    ends the prompt where the assistant's answer starts."""
-    template = model.chat_template
-    if template is None:
-        assert model.chat_template_problem is not None
-        raise ApiError(400, model.chat_template_problem, param="messages")
-    dumped = [message.model_dump(exclude_unset=True) for message in messages]
-    try:
-        prompt = template.render(dumped, add_generation_prompt=add_generation_prompt)
-    except ChatTemplateError as exc:
-        raise ApiError(400, str(exc), param="messages") from exc
-    # The template already holds the special tokens (as apply_chat_template does).
+    ends the prompt where the assistant's answer starts. Errors name ``param``, what the
+    request calls its messages."""
+    prompt = chat_prompt(model, messages, param, add_generation_prompt=add_generation_prompt)
     return await model.encode(prompt, add_special_tokens=False)
 
 
-async def completion_prompt_ids(model: ServedModel, prompt: str | list[int]) -> list[int]:
-    """A completion's prompt: text tokenized with the special tokens, or the ids given."""
-    if isinstance(prompt, str):
-        prompt_ids = await model.encode(prompt, add_special_tokens=True)
-        if not prompt_ids:
+def chat_prompt(
+    model: ServedModel,
+    messages: list[ChatMessage],
+    param: str,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """The prompt text of ``messages`` (and ``tools``) through the chat template."""
+    template = model.chat_template
+    if template is None:
+        assert model.chat_template_problem is not None
+        raise ApiError(400, model.chat_template_problem, param=param)
+    dumped = [message.model_dump(exclude_unset=True) for message in messages]
+    try:
+        return template.render(
+            dumped,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+            template_kwargs=template_kwargs,
+        )
+    except ChatTemplateError as exc:
+        raise ApiError(400, str(exc), param=param) from exc
+
+
+@dataclass(frozen=True, slots=True)
+class ChatGeneration:
+    generation: PreparedGeneration
+    parsing: ChatParsing  # how each answer splits into reasoning, content and tool calls
+
+
+async def chat_generation(
+    model: ServedModel,
+    body: ChatCompletionRequest,
+    structured_output: StructuredOutput | None = None,
+) -> ChatGeneration:
+    """A chat request made ready for the engine: its messages (and tools) through the chat
+    template, cut as ``truncate_prompt_tokens`` says, its sampling (held to its tool_choice's
+    JSON, or to ``structured_output``), stop strings and choices, and how its answers are
+    read. The chat endpoint and the Responses API (which maps its requests to chat ones)
+    both start here."""
+    tools = tool_use(model, body)
+    prompt = chat_prompt(
+        model,
+        body.messages,
+        body.prompt_param,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        tools=tools.tools,
+        template_kwargs=body.chat_template_kwargs,
+    )
+    # The template already holds the special tokens (as apply_chat_template does).
+    prompt_ids = await model.encode(prompt, add_special_tokens=False)
+    prompt_ids = body.truncated_prompt(prompt_ids, model.max_model_len)
+    parsing = ChatParsing(prompt, model.reasoning_parser, tools)
+    sampling = body.sampling_params(len(prompt_ids), model)
+    # The Responses API's text.format, or the chat body's own response_format / guided_*.
+    requested = structured_output or sampling.structured_output
+    if tools.constraint is not None and requested is not None:
+        raise ApiError(
+            400,
+            "tool_choice required or a named function cannot be combined with a structured "
+            "output format.",
+            param="tool_choice",
+        )
+    constraint = tools.constraint or requested
+    if constraint is not None:
+        sampling = dataclasses.replace(sampling, structured_output=constraint)
+    generation = PreparedGeneration(
+        prompt_ids,
+        sampling,
+        body.stop,
+        body.num_choices,
+        body.include_stop_str_in_output,
+        # A parser reads special tokens' text (markers); the end of the turn stays hidden.
+        hidden_token_ids=(
+            model.eos_token_ids | frozenset(sampling.stop_token_ids)
+            if parsing.keeps_special_tokens
+            else None
+        ),
+    )
+    return ChatGeneration(generation, parsing)
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionPrompt:
+    ids: list[int]
+    echo: str | None  # with ``echo``: the text its choices start with; else None
+
+
+async def completion_prompts(model: ServedModel, body: CompletionRequest) -> list[CompletionPrompt]:
+    """Each of a completion's prompts: text tokenized (with the special tokens, if the body
+    says; between fill-in-the-middle tokens, with a ``suffix``), or the ids given; then cut
+    as ``truncate_prompt_tokens`` says."""
+    return [await _completion_prompt(model, body, prompt) for prompt in body.prompt]
+
+
+async def _completion_prompt(
+    model: ServedModel, body: CompletionRequest, prompt: str | list[int]
+) -> CompletionPrompt:
+    if isinstance(prompt, list):
+        model.check_token_ids(prompt, "prompt")
+        ids = prompt
+    else:
+        text = prompt
+        if body.suffix:
+            if model.fill_in_middle is None:
+                raise ApiError(
+                    400,
+                    f"suffix is not supported for {model.name}: its tokenizer has no "
+                    "fill-in-the-middle tokens.",
+                    param="suffix",
+                    code="unsupported_parameter",
+                )
+            text = model.fill_in_middle.prompt(prompt, body.suffix)
+        ids = await model.encode(text, add_special_tokens=body.add_special_tokens)
+        if not ids:
             raise ApiError(400, "The prompt is empty.", param="prompt")
-        return prompt_ids
-    model.check_token_ids(prompt, "prompt")
-    return prompt
+    kept = body.truncated_prompt(ids, model.max_model_len)
+    if not body.echo:
+        return CompletionPrompt(kept, None)
+    # The prompt as given, unless it was token ids or was cut: then its tokens' text.
+    echo = prompt if isinstance(prompt, str) and len(kept) == len(ids) else model.decode(kept)
+    return CompletionPrompt(kept, echo)

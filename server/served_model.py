@@ -4,15 +4,48 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from tokenizers import Tokenizer
 
 from protocol import MAX_BAD_WORDS, MAX_BAD_WORDS_TOKENS, HandshakeReply, SamplingDefaults
 from server.chat_template import ChatTemplate, ChatTemplateError
 from server.errors import ApiError
+from server.fill_in_middle import FillInMiddle
+from server.reasoning import REASONING_PARSERS, reasoning_parser_for_template
+from server.tool_parsers import TOOL_PARSERS, tool_parser_for_template
 
 logger = logging.getLogger(__name__)
+
+# Chat templates shipped with the server, by the name --chat-template takes for them.
+_PACKAGED_TEMPLATES = Path(__file__).resolve().parent / "templates"
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """The server's options about chat answers (``python -m server``): a chat template to
+    use instead of the model's (a path, or a packaged template's name), and the parsers of
+    tool calls and reasoning (None: the ones the template's markers call for)."""
+
+    chat_template: str | None = None
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+
+def load_chat_template(name_or_path: str) -> str:
+    """The source of ``--chat-template``: a packaged template's name, or a file."""
+    packaged = _PACKAGED_TEMPLATES / f"{name_or_path}.jinja"
+    path = packaged if packaged.is_file() else Path(name_or_path)
+    try:
+        return path.read_text()
+    except OSError as exc:
+        packaged_names = ", ".join(sorted(p.stem for p in _PACKAGED_TEMPLATES.glob("*.jinja")))
+        raise ValueError(
+            f"--chat-template {name_or_path}: not a packaged template ({packaged_names}) "
+            f"nor a readable file: {exc}"
+        ) from exc
 
 
 @dataclass(frozen=True)
@@ -25,21 +58,33 @@ class ServedModel:
     chat_template: ChatTemplate | None
     # Why there is no chat template (the chat endpoint answers with it), or None.
     chat_template_problem: str | None
+    fill_in_middle: FillInMiddle | None  # None: the tokenizer cannot take a suffix
+    # The tool-call parser (a TOOL_PARSERS name) for tool_choice "auto", or None: none known.
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None  # a REASONING_PARSERS name, or None: no reasoning
+    # Tokens whose text never shows in an answer, even where special tokens are kept.
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     # For the sampling fields a request leaves out (the model's generation_config.json).
-    sampling_defaults: SamplingDefaults
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     @classmethod
-    def from_handshake(cls, reply: HandshakeReply) -> ServedModel:
+    def from_handshake(
+        cls, reply: HandshakeReply, options: ChatOptions | None = None
+    ) -> ServedModel:
+        options = options or ChatOptions()
         tokenizer = Tokenizer.from_str(reply.tokenizer_json)
         template, problem = None, None
-        if reply.chat_template is None:
+        source = reply.chat_template
+        if options.chat_template is not None:
+            source = load_chat_template(options.chat_template)
+        if source is None:
             problem = (
                 f"The model {reply.model_name} has no chat template, so this server cannot "
                 "turn messages into a prompt; use /v1/completions with a prompt instead."
             )
         else:
             try:
-                template = ChatTemplate(reply.chat_template, reply.bos_token, reply.eos_token)
+                template = ChatTemplate(source, reply.bos_token, reply.eos_token)
             except ChatTemplateError as exc:
                 problem = str(exc)
                 logger.error("%s; the chat endpoint will refuse requests", problem)
@@ -51,6 +96,14 @@ class ServedModel:
             created=int(reply.engine_started_at),
             chat_template=template,
             chat_template_problem=problem,
+            fill_in_middle=FillInMiddle.of(tokenizer),
+            tool_parser=_parser_name(
+                options.tool_call_parser, TOOL_PARSERS, tool_parser_for_template, source
+            ),
+            reasoning_parser=_parser_name(
+                options.reasoning_parser, REASONING_PARSERS, reasoning_parser_for_template, source
+            ),
+            eos_token_ids=frozenset(reply.eos_token_ids),
             sampling_defaults=reply.sampling_defaults,
         )
 
@@ -110,3 +163,17 @@ class ServedModel:
                 param="bad_words",
             )
         return sequences
+
+
+def _parser_name(
+    chosen: str | None,
+    known: Mapping[str, object],
+    for_template: Callable[[str], str | None],
+    template_source: str | None,
+) -> str | None:
+    """The parser the option names (checked against ``known``), else the template's."""
+    if chosen is not None:
+        if chosen not in known:
+            raise ValueError(f"unknown parser {chosen!r}; known: {', '.join(sorted(known))}")
+        return chosen
+    return None if template_source is None else for_template(template_source)

@@ -12,8 +12,10 @@ from starlette.types import Send
 DONE = "data: [DONE]\n\n"
 
 
-def event(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def event(data: dict[str, Any], name: str | None = None) -> str:
+    """One event holding ``data`` as JSON; ``name`` is its ``event:`` field, if it has one."""
+    line = f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return line if name is None else f"event: {name}\n{line}"
 
 
 class EventStreamResponse(StreamingResponse):

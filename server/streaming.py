@@ -1,5 +1,6 @@
 """Streamed answers: the choices' deltas merged as they come, and written as the SSE chunks
-of chat completions (``ChatChunks``) or completions (``CompletionChunks``)."""
+of chat completions (``ChatChunks``) or completions (``CompletionChunks``), or as the
+events of another API (``StreamEvents``: server/responses_output.py)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,39 @@ import asyncio
 import logging
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from typing import Any
+from typing import Any, Protocol
 
-from server.answer import Answer
-from server.choices import ChoiceDeltas
+from starlette.requests import Request
+from starlette.responses import Response
+
+from server.answer import CLIENT_CLOSED_REQUEST, Answer
+from server.chat_output import ChatDelta, ChatOutputParser
+from server.choices import ChoiceDeltas, taken
 from server.errors import ApiError, internal_error
 from server.generation import TextDelta
 from server.logprobs import RenderLogprobs, logprobs_of
-from server.sse import DONE, event
+from server.sse import DONE, EventStreamResponse, event
+from server.tool_calling import ChatParsing
 
 logger = logging.getLogger(__name__)
+
+
+class StreamEvents(Protocol):
+    """What a streamed answer writes, as SSE text: ``start`` before any delta, ``render`` for
+    each delta of each choice, ``finish`` after the last, ``error`` if the answer fails
+    (the status is sent by then), and ``end`` last, whatever happened."""
+
+    answer: Answer
+
+    def start(self) -> list[str]: ...
+
+    def render(self, index: int, delta: TextDelta) -> list[str]: ...
+
+    def finish(self, completion_tokens: int) -> list[str]: ...
+
+    def error(self, error: ApiError) -> list[str]: ...
+
+    def end(self) -> list[str]: ...
 
 
 class Chunks:
@@ -51,6 +75,13 @@ class Chunks:
         usage = self.answer.usage(completion_tokens)
         return [event({**self.answer.header(), "choices": [], "usage": usage})]
 
+    def error(self, error: ApiError) -> list[str]:
+        # As OpenAI and vLLM do: the error body as a chunk.
+        return [event(error.body())]
+
+    def end(self) -> list[str]:
+        return [DONE]
+
     def _content(self, text: str | None) -> dict[str, Any]:
         """A choice's body holding ``text``, or the finish chunk's (None)."""
         raise NotImplementedError
@@ -70,18 +101,75 @@ class Chunks:
 
 
 class ChatChunks(Chunks):
-    """``chat.completion.chunk`` events: a role delta for each choice first."""
+    """``chat.completion.chunk`` events: a role delta for each choice first, then each
+    choice's text split by its parser into reasoning, content and tool-call deltas."""
+
+    def __init__(
+        self,
+        answer: Answer,
+        include_usage: bool,
+        renderers: list[RenderLogprobs | None],
+        parsing: ChatParsing,
+        parsers: list[ChatOutputParser],
+    ) -> None:
+        super().__init__(answer, include_usage, renderers)
+        self._parsing = parsing
+        self._parsers = parsers
 
     def start(self) -> list[str]:
         role = {"delta": {"role": "assistant", "content": ""}}
         return [self._chunk(index, role) for index in range(len(self._renderers))]
 
+    def render(self, index: int, delta: TextDelta) -> list[str]:
+        parser = self._parsers[index]
+        split = parser.feed(delta.text)
+        if delta.finish_reason is not None:
+            last = parser.finish()
+            split.reasoning_content += last.reasoning_content
+            split.content += last.content
+            split.tool_calls += last.tool_calls
+        events = []
+        if not split.is_empty() or delta.token_ids:
+            logprobs = logprobs_of(self._renderers[index], delta)
+            events.append(self._chunk(index, {"delta": _chat_delta(split)}, logprobs=logprobs))
+        if delta.finish_reason is not None:
+            reason = self._parsing.finish_reason(delta.finish_reason, parser.called_tools)
+            events.append(self._chunk(index, self._content(None), reason))
+        return events
+
     def _content(self, text: str | None) -> dict[str, Any]:
         return {"delta": {} if text is None else {"content": text}}
 
 
+def _chat_delta(split: ChatDelta) -> dict[str, Any]:
+    delta: dict[str, Any] = {}
+    if split.reasoning_content:
+        delta["reasoning_content"] = split.reasoning_content
+    if split.content:
+        delta["content"] = split.content
+    if split.tool_calls:
+        delta["tool_calls"] = [call.to_openai() for call in split.tool_calls]
+    return delta
+
+
 class CompletionChunks(Chunks):
-    """``text_completion`` events."""
+    """``text_completion`` events; with ``echoes`` (each choice's prompt text, for
+    ``echo``), a chunk of each choice's echo first."""
+
+    def __init__(
+        self,
+        answer: Answer,
+        include_usage: bool,
+        renderers: list[RenderLogprobs | None],
+        echoes: list[str] | None = None,
+    ) -> None:
+        super().__init__(answer, include_usage, renderers)
+        self._echoes = echoes
+
+    def start(self) -> list[str]:
+        if self._echoes is None:
+            return []
+        return [self._chunk(index, self._content(text)) for index, text in enumerate(self._echoes)]
 
     def _content(self, text: str | None) -> dict[str, Any]:
         return {"text": text or ""}
@@ -124,27 +212,48 @@ async def merged(choices: list[ChoiceDeltas]) -> AsyncGenerator[tuple[int, TextD
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def event_stream(chunks: Chunks, choices: list[ChoiceDeltas]) -> AsyncGenerator[str, None]:
-    """The SSE body: the chunks of each delta, the usage chunk if asked, then [DONE].
+async def streamed_response(
+    request: Request, events: StreamEvents, choices: list[ChoiceDeltas], wait_until_taken: bool
+) -> Response:
+    """The SSE response of ``choices``. With ``wait_until_taken`` (a request the engine may
+    refuse after every check here: its structured output's schema, regex or grammar is the
+    engine's grammar library's to judge), the response starts once the engine has taken
+    every choice, so that a refusal is an HTTP 400 rather than an error event."""
+    if wait_until_taken:
+        taken_choices = await taken(request, choices)
+        if taken_choices is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        choices = taken_choices
+    return EventStreamResponse(event_stream(events, choices))
+
+
+async def event_stream(
+    events: StreamEvents, choices: list[ChoiceDeltas]
+) -> AsyncGenerator[str, None]:
+    """The SSE body: ``events``' start, what they write of each delta, their finish, and
+    their end (for chat completions and completions: the usage chunk if asked, then [DONE]).
 
     The response status is already sent when an error happens here, so the error
     goes into the stream as an event, as OpenAI and vLLM do.
     """
     completion_tokens = [0] * len(choices)
     try:
-        for item in chunks.start():
+        for item in events.start():
             yield item
         deltas = merged(choices)
         async with aclosing(deltas):
             async for index, delta in deltas:
                 completion_tokens[index] = delta.completion_tokens
-                for item in chunks.render(index, delta):
+                for item in events.render(index, delta):
                     yield item
-        for item in chunks.finish(sum(completion_tokens)):
+        for item in events.finish(sum(completion_tokens)):
             yield item
     except ApiError as exc:
-        yield event(exc.body())
+        for item in events.error(exc):
+            yield item
     except Exception:
-        logger.exception("streaming %s failed", chunks.answer.id)
-        yield event(internal_error().body())
-    yield DONE
+        logger.exception("streaming %s failed", events.answer.id)
+        for item in events.error(internal_error()):
+            yield item
+    for item in events.end():
+        yield item

@@ -54,9 +54,10 @@ def start_engine(address: str, log_path: Path, *extra: str) -> subprocess.Popen:
     )
 
 
-def start_server(address: str, port: int, log_path: Path) -> subprocess.Popen:
+def start_server(address: str, port: int, log_path: Path, *extra: str) -> subprocess.Popen:
     process = spawn(
-        [sys.executable, "-m", "server", "--engine", address, "--port", str(port)], log_path
+        [sys.executable, "-m", "server", "--engine", address, "--port", str(port), *extra],
+        log_path,
     )
     wait_healthy(f"http://127.0.0.1:{port}", [process], log_path)
     return process

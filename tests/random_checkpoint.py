@@ -33,7 +33,7 @@ VOCAB = 256  # the tiny checkpoints' vocabulary
 def save_tiny_llama(directory: Path, **overrides: Any) -> LlamaForCausalLM:
     """A 3-layer Llama of hidden size 64 over ``VOCAB`` ids, ``overrides`` applied to its config."""
     torch.manual_seed(0)
-    config = LlamaConfig(
+    defaults = dict(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=160,
@@ -42,8 +42,8 @@ def save_tiny_llama(directory: Path, **overrides: Any) -> LlamaForCausalLM:
         rope_theta=10000.0,
         eos_token_id=VOCAB - 1,
         bos_token_id=0,
-        **overrides,
     )
+    config = LlamaConfig(**(defaults | overrides))
     model = LlamaForCausalLM(config).eval()
     save_with_tokenizer(model, directory)
     return model
@@ -157,15 +157,28 @@ CHATML = (
 )
 
 
+_PRINTABLE = [chr(c) for c in range(0x20, 0x7F)]
+
+
 def save_random_model(directory: Path, shape: str, dtype: torch.dtype) -> PreTrainedModel:
     """A random model of ``shape`` (a key of SHAPES), saved as safetensors with a word-level
-    tokenizer; returns the transformers model (on the CPU, in ``dtype``)."""
+    tokenizer (``save_word_tokenizer``); returns the transformers model (on the CPU, in
+    ``dtype``)."""
     config_class, model_class, config = SHAPES[shape]
     torch.manual_seed(0)
     model = model_class(config_class(**config)).to(dtype).eval()
     model.save_pretrained(directory, safe_serialization=True)
-    # One word per id, so any generated id decodes to text.
-    vocab = {f"w{i}": i for i in range(config["vocab_size"])}
+    save_word_tokenizer(directory, config["vocab_size"])
+    return model
+
+
+def save_word_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A tokenizer of one word per id, so any generated id decodes to text: ChatML's two
+    special tokens, the printable ASCII characters last, so that a grammar (JSON, say) can be
+    spelled in these tokens, and words between."""
+    first_char = vocab_size - len(_PRINTABLE)
+    vocab = {f"w{i}": i for i in range(first_char)}
+    vocab |= {char: first_char + i for i, char in enumerate(_PRINTABLE)}
     for i, special in enumerate(["<|im_start|>", "<|im_end|>"]):
         vocab[special] = i
         del vocab[f"w{i}"]
@@ -175,4 +188,3 @@ def save_random_model(directory: Path, shape: str, dtype: torch.dtype) -> PreTra
     (directory / "tokenizer_config.json").write_text(
         json.dumps({"chat_template": CHATML, "bos_token": None, "eos_token": "<|im_end|>"})
     )
-    return model

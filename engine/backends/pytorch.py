@@ -116,9 +116,12 @@ class TorchPagedAttention(AttentionBackend):
 
 class TorchLayerOps:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        # Normalise in float32 as Hugging Face does; bf16 variance loses too much.
-        x32 = x.float()
-        return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return weight * _normalized(x, eps).to(x.dtype)
+
+    def rms_norm_round_once(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        return (_normalized(x, eps) * weight.float()).to(x.dtype)
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -142,6 +145,12 @@ class TorchLayerOps:
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) in float32, as Hugging Face normalises: bf16 variance loses too much."""
+    x32 = x.float()
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

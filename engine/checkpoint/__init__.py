@@ -1,26 +1,33 @@
-"""Load a model checkpoint, GGUF or Hugging Face directory, as Hugging Face-named weights.
+"""Read a model checkpoint's files, a GGUF file or a Hugging Face directory.
 
-`load_checkpoint(name)` reads the config and tokenizer at once; `Checkpoint.weights()` then streams
-the tensors into the model one at a time.
+`read_checkpoint(name)` finds the files (fetching them once if need be) and reads the config:
+config.json as a dict, or the GGUF metadata; the tokenizer and weights are read on demand. What
+the config means for the model is its family's to say: `engine.models.load_checkpoint` turns
+these files into a `Checkpoint`, a ModelConfig and Hugging Face-named weights.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 from engine.checkpoint.checkpoint import Checkpoint
-from engine.checkpoint.gguf_checkpoint import load_gguf
-from engine.checkpoint.hf_checkpoint import load_hf_directory
+from engine.checkpoint.gguf_checkpoint import GGUFModelFile, read_gguf_model
+from engine.checkpoint.hf_checkpoint import HFDirectory, read_hf_directory
 from engine.checkpoint.resolve import DEFAULT_MODEL, CheckpointFormat, resolve_model
 
-__all__ = ["DEFAULT_MODEL", "Checkpoint", "load_checkpoint"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "Checkpoint",
+    "GGUFModelFile",
+    "HFDirectory",
+    "read_checkpoint",
+]
 
 logger = logging.getLogger("engine.checkpoint")
 
 
-def load_checkpoint(model: str) -> Checkpoint:
-    """Config and tokenizer of `model` now; its weights when `Checkpoint.weights()` is iterated.
+def read_checkpoint(model: str) -> HFDirectory | GGUFModelFile:
+    """The files of `model`, its config read.
 
     `model` is the default model's name, a local Hugging Face directory, a local .gguf file or a
     Hugging Face hub name ("org/name"), fetched into the hub's cache.
@@ -28,9 +35,6 @@ def load_checkpoint(model: str) -> Checkpoint:
     resolved = resolve_model(model)
     logger.info("loading %s (%s) from %s", model, resolved.format.value, resolved.path)
     if resolved.format is CheckpointFormat.GGUF:
-        return load_gguf(resolved.path, name=resolved.name)
-    checkpoint = load_hf_directory(resolved.path)
+        return read_gguf_model(resolved.path, name=resolved.name)
     # A hub snapshot's directory is named by its commit; users know the model by its hub name.
-    return (
-        checkpoint if resolved.name is None else dataclasses.replace(checkpoint, name=resolved.name)
-    )
+    return read_hf_directory(resolved.path, name=resolved.name)

@@ -1,4 +1,4 @@
-"""What every checkpoint format is read into."""
+"""What a model is loaded from, whatever the file format."""
 
 from __future__ import annotations
 
@@ -16,7 +16,10 @@ WeightStream = Iterator[tuple[str, torch.Tensor]]
 
 @dataclass
 class Checkpoint:
-    """A model's shape, its tokenizer and a way to stream its weights, whatever the file format."""
+    """A model's shape, its tokenizer and a way to stream its weights, whatever the file format.
+
+    The model's family makes it from the files (``engine.models.load_checkpoint``).
+    """
 
     name: str  # the model name shown to users, e.g. "SmolLM2-135M-Instruct"
     config: ModelConfig

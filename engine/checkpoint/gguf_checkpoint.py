@@ -1,32 +1,34 @@
-"""Read a llama.cpp GGUF file as the Hugging Face checkpoint it was converted from.
+"""Read a llama.cpp GGUF file in the terms of the Hugging Face checkpoint it was converted from.
 
 llama.cpp's convert_hf_to_gguf.py renames every tensor, moves the config into metadata and changes a
-few tensors on the way; this undoes that per architecture, so a GGUF gives the ModelConfig and the
-weight names and values that a Hugging Face directory of the same model gives (and that
-transformers' own GGUF loading gives: the tests check against it).
+few tensors on the way. What all architectures share is undone here: the config fields every one of
+them has, the names of the tensors outside the blocks, Llama 3's RoPE scaling tensor. The family
+(``engine.models``) does the rest: it names its block tensors, undoes what the converter did to its
+own tensors and reads its own metadata keys. A GGUF then gives the ModelConfig and the weight names
+and values that a Hugging Face directory of the same model gives (and that transformers' own GGUF
+loading gives: the tests check against it).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from engine.checkpoint.checkpoint import Checkpoint, WeightStream
+from engine.checkpoint.checkpoint import WeightStream
 from engine.checkpoint.gguf_dequantize import dequantize
 from engine.checkpoint.gguf_file import GGUFTensor, read_gguf
 from engine.checkpoint.gguf_tokenizer import gguf_tokenizer_info
-from engine.model_config import ModelConfig, RopeScaling
-from engine.models.layers import FULL_ATTENTION, SLIDING_ATTENTION
+from engine.model_config import RopeScaling, TokenizerInfo
 
 # llama.cpp writes Llama 3's RoPE scaling as this tensor of per-frequency divisors, not as
 # parameters. It feeds the config, and is no model weight.
-_ROPE_FREQS = "rope_freqs.weight"
+ROPE_FREQS = "rope_freqs.weight"
 
 # Every Llama 3.x release scales RoPE with these and varies only the factor. The divisors in a
 # file are checked against them, so another scaling fails loudly instead of decoding badly.
@@ -34,40 +36,19 @@ _LLAMA3_LOW_FREQ_FACTOR = 1.0
 _LLAMA3_HIGH_FREQ_FACTOR = 4.0
 _LLAMA3_ORIGINAL_CONTEXT = 8192
 
-# Gemma 3 facts that llama.cpp hard-codes for the architecture instead of writing them to the
-# file (llama-model.cpp), as transformers' Gemma3TextConfig defaults them too: every 6th layer
-# attends globally, and sliding layers use RoPE base 10000.
-_GEMMA3_SLIDING_WINDOW_PATTERN = 6
-_GEMMA3_LOCAL_ROPE_THETA = 10_000.0
-# llama.cpp scales Gemma 3's attention by head_dim ** -0.5, but by (hidden / heads) ** -0.5 for
-# the 27B model, which it knows by its layer count; the configs of the Hugging Face releases agree.
-_GEMMA3_27B_LAYERS = 62
-
 _TOP_LEVEL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-_LLAMA_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-_BIASED_MODULES = ("attn_q", "attn_k", "attn_v")  # with attention_bias (Qwen2)
 
 
-class _Metadata:
-    """One architecture's `{arch}.*` metadata keys, failing on a missing one by its name."""
+class GGUFMetadata:
+    """A GGUF file's metadata; its architecture's ``{arch}.*`` keys fail by name when missing."""
 
-    def __init__(self, metadata: Mapping[str, Any], arch: str, path: Path) -> None:
-        self.metadata, self.arch, self.path = metadata, arch, path
+    def __init__(self, metadata: Mapping[str, Any], path: Path) -> None:
+        self.metadata, self.path = metadata, path
+        self.arch: str | None = metadata.get("general.architecture")
 
     def required(self, suffix: str) -> Any:
         key = f"{self.arch}.{suffix}"
@@ -79,7 +60,7 @@ class _Metadata:
         return self.metadata.get(f"{self.arch}.{suffix}", default)
 
 
-def _decimal(value: float) -> float:
+def decimal(value: float) -> float:
     """The value config.json had, from the float32 that llama.cpp wrote of it.
 
     1e-6 comes back from float32 as 9.99999997e-07; the shortest decimal that rounds to the same
@@ -88,108 +69,42 @@ def _decimal(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _no_fields(keys: _Metadata, common: Mapping[str, Any]) -> dict[str, Any]:
-    return {}
-
-
-def _gemma3_fields(keys: _Metadata, common: Mapping[str, Any]) -> dict[str, Any]:
-    num_layers = common["num_hidden_layers"]
-    softcap = keys.optional("final_logit_softcapping")
-    query_pre_attn_scalar = (
-        common["hidden_size"] / common["num_attention_heads"]
-        if num_layers == _GEMMA3_27B_LAYERS
-        else common["head_dim"]
-    )
-    return {
-        "hidden_act": "gelu_pytorch_tanh",
-        "gemma_norms_and_scaling": True,
-        "layer_types": [
-            FULL_ATTENTION
-            if (layer + 1) % _GEMMA3_SLIDING_WINDOW_PATTERN == 0
-            else SLIDING_ATTENTION
-            for layer in range(num_layers)
-        ],
-        "sliding_window": keys.required("attention.sliding_window"),
-        "rope_local_theta": _decimal(keys.optional("rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_THETA)),
-        "query_pre_attn_scalar": float(query_pre_attn_scalar),
-        "final_logit_softcapping": None if softcap is None else _decimal(softcap),
-    }
-
-
 @dataclass(frozen=True)
-class _Family:
-    """How llama.cpp stores one architecture, and what undoes it."""
+class GGUFModelFile:
+    """A GGUF file's metadata and tensor index; the tensor data stays on disk."""
 
-    architecture: str  # the Hugging Face class, as config.json names it
-    block_names: Mapping[str, str]  # GGUF module in a block -> Hugging Face module in a layer
-    # llama.cpp permutes Q and K rows for its interleaved RoPE in "llama" files only.
-    permuted_qk: bool = False
-    # Gemma's RMSNorm multiplies by (1 + weight); llama.cpp stores the sum.
-    norms_plus_one: bool = False
-    attention_bias: bool = False
-    # The config fields beyond Llama's, from the metadata and the fields read so far.
-    fields: Callable[[_Metadata, Mapping[str, Any]], dict[str, Any]] = _no_fields
+    name: str  # the model name shown to users
+    path: Path
+    metadata: GGUFMetadata = field(repr=False)
+    # Views of a memory map, in file order: holding them keeps no tensor in memory.
+    tensors: Mapping[str, GGUFTensor] = field(repr=False)
 
-
-_FAMILIES = {
-    "llama": _Family("LlamaForCausalLM", _LLAMA_BLOCK_NAMES, permuted_qk=True),
-    "qwen2": _Family("Qwen2ForCausalLM", _LLAMA_BLOCK_NAMES, attention_bias=True),
-    "qwen3": _Family("Qwen3ForCausalLM", _LLAMA_BLOCK_NAMES | _QK_NORM_NAMES),
-    "gemma3": _Family(
-        "Gemma3ForCausalLM",
-        _LLAMA_BLOCK_NAMES
-        | _QK_NORM_NAMES
-        | {
-            "post_attention_norm": "post_attention_layernorm",
-            "ffn_norm": "pre_feedforward_layernorm",  # Llama's post_attention_layernorm
-            "post_ffw_norm": "post_feedforward_layernorm",
-        },
-        norms_plus_one=True,
-        fields=_gemma3_fields,
-    ),
-}
+    def tokenizer(self) -> TokenizerInfo:
+        """The tokenizer and chat template, rebuilt from the metadata."""
+        return gguf_tokenizer_info(self.metadata.metadata)
 
 
-def load_gguf(path: Path, name: str | None = None) -> Checkpoint:
-    """A Checkpoint over a GGUF file; `name` overrides the file's own `general.name`."""
+def read_gguf_model(path: Path, name: str | None = None) -> GGUFModelFile:
+    """``path`` read; ``name`` overrides the file's own ``general.name``."""
     gguf_file = read_gguf(path)
-    metadata, tensors = gguf_file.metadata, gguf_file.tensors
-    family = _family(metadata, path)
-    config = gguf_model_config(metadata, tensors, path)
-    names = hf_tensor_names(family, config)
-    _check_tensors(set(tensors) - {_ROPE_FREQS}, names, path)  # now, not mid-load
-    return Checkpoint(
+    metadata = gguf_file.metadata
+    return GGUFModelFile(
         name=name or metadata.get("general.name") or path.stem,
-        config=config,
-        tokenizer=gguf_tokenizer_info(metadata),
-        # The tensors are views of a memory map: holding them keeps no tensor in memory.
-        weight_source=lambda: _gguf_weights(tensors.values(), names, family, config),
-        tensor_count=len(names),
+        path=path,
+        metadata=GGUFMetadata(metadata, path),
+        tensors=gguf_file.tensors,
     )
 
 
-def _family(metadata: Mapping[str, Any], path: Path) -> _Family:
-    arch = metadata.get("general.architecture")
-    if arch not in _FAMILIES:
-        raise ValueError(
-            f"{path}: GGUF architecture {arch!r} is not supported, only {', '.join(_FAMILIES)}"
-        )
-    return _FAMILIES[arch]
-
-
-def gguf_model_config(
-    metadata: Mapping[str, Any], tensors: Mapping[str, GGUFTensor], path: Path
-) -> ModelConfig:
-    """The config a Hugging Face directory of the model has, from llama.cpp's metadata keys."""
-    family = _family(metadata, path)
-    keys = _Metadata(metadata, metadata["general.architecture"], path)
+def gguf_config_fields(file: GGUFModelFile) -> dict[str, Any]:
+    """The ``ModelConfig`` fields every architecture's metadata holds, as config.json has them."""
+    keys, tensors = file.metadata, file.tensors
     hidden_size = keys.required("embedding_length")
     num_heads = keys.required("attention.head_count")
     head_dim = keys.optional("attention.key_length") or hidden_size // num_heads
-    rope_theta = _decimal(keys.optional("rope.freq_base", 10000.0))
-    common: dict[str, Any] = {
-        "architecture": family.architecture,
-        "vocab_size": len(metadata["tokenizer.ggml.tokens"]),
+    rope_theta = decimal(keys.optional("rope.freq_base", 10000.0))
+    return {
+        "vocab_size": len(keys.metadata["tokenizer.ggml.tokens"]),
         "hidden_size": hidden_size,
         "intermediate_size": keys.required("feed_forward_length"),
         "num_hidden_layers": keys.required("block_count"),
@@ -197,32 +112,29 @@ def gguf_model_config(
         "num_key_value_heads": keys.optional("attention.head_count_kv") or num_heads,
         "head_dim": head_dim,
         "max_position_embeddings": keys.required("context_length"),
-        "rms_norm_eps": _decimal(keys.required("attention.layer_norm_rms_epsilon")),
+        "rms_norm_eps": decimal(keys.required("attention.layer_norm_rms_epsilon")),
         "rope_theta": rope_theta,
         # llama.cpp leaves the output projection out when it is the embedding matrix.
         "tie_word_embeddings": "output.weight" not in tensors,
-        "attention_bias": family.attention_bias,
-        "qk_norm": "attn_q_norm" in family.block_names,
         **_rope_scaling(keys, tensors, rope_theta, head_dim),
     }
-    return ModelConfig(**common, **family.fields(keys, common))
 
 
 def _rope_scaling(
-    keys: _Metadata, tensors: Mapping[str, GGUFTensor], rope_theta: float, head_dim: int
+    keys: GGUFMetadata, tensors: Mapping[str, GGUFTensor], rope_theta: float, head_dim: int
 ) -> dict[str, Any]:
     """The config fields of the file's RoPE scaling: none, linear, or Llama 3's."""
     scaling_type = keys.optional("rope.scaling.type", "none")
     if scaling_type == "linear":
-        return {"rope_linear_factor": _decimal(keys.required("rope.scaling.factor"))}
+        return {"rope_linear_factor": decimal(keys.required("rope.scaling.factor"))}
     if scaling_type != "none":
         raise ValueError(
             f"{keys.path}: RoPE scaling {scaling_type!r} is not supported, only 'linear' and "
-            f"Llama 3's (which llama.cpp stores as a {_ROPE_FREQS} tensor)"
+            f"Llama 3's (which llama.cpp stores as a {ROPE_FREQS} tensor)"
         )
-    if _ROPE_FREQS not in tensors:
+    if ROPE_FREQS not in tensors:
         return {}
-    divisors = dequantize(tensors[_ROPE_FREQS])
+    divisors = dequantize(tensors[ROPE_FREQS])
     scaling = RopeScaling(
         factor=float(divisors.max()),
         low_freq_factor=_LLAMA3_LOW_FREQ_FACTOR,
@@ -231,7 +143,7 @@ def _rope_scaling(
     )
     if not np.allclose(divisors, llama3_rope_divisors(scaling, rope_theta, head_dim), rtol=1e-4):
         raise ValueError(
-            f"{keys.path}: its {_ROPE_FREQS} tensor is not Llama 3's RoPE scaling with factor "
+            f"{keys.path}: its {ROPE_FREQS} tensor is not Llama 3's RoPE scaling with factor "
             f"{scaling.factor}; other RoPE scalings are not supported"
         )
     return {"rope_scaling": scaling}
@@ -257,23 +169,33 @@ def llama3_rope_divisors(scaling: RopeScaling, rope_theta: float, head_dim: int)
     return np.array(divisors, dtype=np.float32)
 
 
-def hf_tensor_names(family: _Family, config: ModelConfig) -> dict[str, str]:
+def hf_tensor_names(
+    block_names: Mapping[str, str],
+    biased_modules: tuple[str, ...],
+    num_layers: int,
+    tie_word_embeddings: bool,
+) -> dict[str, str]:
     """Every tensor the file must hold, GGUF name -> Hugging Face name, e.g.
-    blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight."""
+    blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight.
+
+    ``block_names`` maps a block's GGUF modules to a layer's Hugging Face modules;
+    ``biased_modules`` (GGUF names) have a bias beside their weight.
+    """
     names = {
         f"{module}.weight": f"{hf_module}.weight"
         for module, hf_module in _TOP_LEVEL_NAMES.items()
-        if not (module == "output" and config.tie_word_embeddings)
+        if not (module == "output" and tie_word_embeddings)
     }
-    for layer in range(config.num_hidden_layers):
-        for module, hf_module in family.block_names.items():
-            biased = family.attention_bias and module in _BIASED_MODULES
-            for kind in ("weight", "bias") if biased else ("weight",):
+    for layer in range(num_layers):
+        for module, hf_module in block_names.items():
+            for kind in ("weight", "bias") if module in biased_modules else ("weight",):
                 names[f"blk.{layer}.{module}.{kind}"] = f"model.layers.{layer}.{hf_module}.{kind}"
     return names
 
 
-def _check_tensors(present: set[str], expected: Mapping[str, str], path: Path) -> None:
+def check_tensors(file: GGUFModelFile, expected: Mapping[str, str]) -> None:
+    """Fail now, not mid-load, naming the tensors missing from the file or unknown to the model."""
+    present = set(file.tensors) - {ROPE_FREQS}
     for problem, tensors in (
         ("lacks tensors", sorted(expected.keys() - present)),
         ("has tensors with no Hugging Face counterpart", sorted(present - expected.keys())),
@@ -282,31 +204,20 @@ def _check_tensors(present: set[str], expected: Mapping[str, str], path: Path) -
             shown = ", ".join(tensors[:5]) + (
                 f" and {len(tensors) - 5} more" if tensors[5:] else ""
             )
-            raise ValueError(f"{path}: the GGUF file {problem}: {shown}")
+            raise ValueError(f"{file.path}: the GGUF file {problem}: {shown}")
 
 
-def _gguf_weights(
-    tensors: Iterable[GGUFTensor], names: Mapping[str, str], family: _Family, config: ModelConfig
+def gguf_weights(
+    file: GGUFModelFile,
+    names: Mapping[str, str],
+    restore: Callable[[str, np.ndarray], np.ndarray],
 ) -> WeightStream:
-    for tensor in tensors:
-        if tensor.name == _ROPE_FREQS:
+    """(Hugging Face name, float32 tensor) of every tensor in ``names``, dequantized one at a
+    time; ``restore`` (GGUF name, array) undoes what the converter did to the values."""
+    for tensor in file.tensors.values():
+        if tensor.name == ROPE_FREQS:
             continue
-        array = dequantize(tensor)
-        # llama.cpp permutes Q and K rows for its interleaved RoPE; Hugging Face's rotate-half
-        # RoPE needs the original order back.
-        if family.permuted_qk and ".attn_q." in tensor.name:
-            array = _unpermute_rope_rows(array, config.num_attention_heads)
-        elif family.permuted_qk and ".attn_k." in tensor.name:
-            array = _unpermute_rope_rows(array, config.num_key_value_heads)
-        elif family.norms_plus_one and tensor.name.endswith("norm.weight"):
-            array = array - np.float32(1)
+        array = restore(tensor.name, dequantize(tensor))
         # np.require copies only what is read-only (undequantized float32 still points into the
-        # memory-mapped file) or not contiguous (the unpermuted rows).
+        # memory-mapped file) or not contiguous (unpermuted rows, say).
         yield names[tensor.name], torch.from_numpy(np.require(array, requirements="CW"))
-
-
-def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo `permute` in llama.cpp's convert_hf_to_gguf.py, which interleaves head halves."""
-    half_head_dim = weight.shape[0] // num_heads // 2
-    rows = weight.reshape(num_heads, half_head_dim, 2, *weight.shape[1:])
-    return rows.swapaxes(1, 2).reshape(weight.shape)

@@ -1,52 +1,82 @@
-"""Read a Hugging Face checkpoint directory: config.json, safetensors and tokenizer files."""
+"""Read a Hugging Face checkpoint directory: config.json, safetensors and tokenizer files.
+
+config.json stays a dict here: each family in ``engine.models`` reads it, with
+``hf_config_fields`` for the fields that every family's config.json spells alike.
+"""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from engine.checkpoint.checkpoint import Checkpoint, WeightStream
+from engine.checkpoint.checkpoint import WeightStream
 from engine.checkpoint.eos import eos_token_ids
 from engine.checkpoint.generation_config import read_sampling_defaults
-from engine.model_config import ModelConfig, RopeScaling, TokenizerInfo
-from engine.models import model_class
-from engine.models.layers import FULL_ATTENTION as FULL
-from engine.models.layers import SLIDING_ATTENTION as SLIDING
+from engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION, RopeScaling, TokenizerInfo
+from protocol import SamplingDefaults
 
 
-def load_hf_directory(path: Path) -> Checkpoint:
-    config_json = _read_json(path / "config.json")
-    files = safetensors_files(path)
-    return Checkpoint(
-        name=path.resolve().name,
-        config=hf_model_config(config_json, path),
-        tokenizer=hf_tokenizer_info(path, config_json),
-        weight_source=lambda: _safetensors_weights(files),
-        sampling_defaults=read_sampling_defaults(path),
+@dataclass(frozen=True)
+class HFDirectory:
+    """A checkpoint directory's config.json, read, and its other files, found."""
+
+    name: str  # the model name shown to users
+    path: Path
+    config: dict[str, Any] = field(repr=False)  # config.json
+    safetensors: list[Path]
+
+    def tokenizer(self) -> TokenizerInfo:
+        return hf_tokenizer_info(self.path, self.config)
+
+    def sampling_defaults(self) -> SamplingDefaults:
+        """What its generation_config.json recommends for sampling."""
+        return read_sampling_defaults(self.path)
+
+    def weights(self) -> WeightStream:
+        """(name, tensor) as stored, one tensor in memory at a time."""
+        for file in self.safetensors:
+            # safe_open memory-maps the file; get_tensor reads one tensor into its own memory.
+            with safe_open(file, framework="pt") as shard:
+                for name in shard.keys():  # noqa: SIM118 -- safe_open is no dict
+                    yield name, shard.get_tensor(name)
+
+
+def read_hf_directory(path: Path, name: str | None = None) -> HFDirectory:
+    """The directory's config and weight files; ``name`` overrides the directory's."""
+    return HFDirectory(
+        name=name or path.resolve().name,
+        path=path,
+        config=_read_json(path / "config.json"),
+        safetensors=safetensors_files(path),
     )
 
 
-def hf_model_config(config: Mapping[str, Any], path: Path) -> ModelConfig:
-    """config.json as ``ModelConfig``, in transformers' older format or in that of v5."""
-    architecture = (config.get("architectures") or [None])[0]
-    if architecture == "Gemma3ForConditionalGeneration":
-        raise ValueError(
-            f"{path}: Gemma3ForConditionalGeneration (text and images) is not supported; "
-            "text-only Gemma 3 checkpoints (Gemma3ForCausalLM, e.g. gemma-3-1b-it) are"
-        )
-    try:
-        model_class(architecture)
-    except ValueError as error:
-        raise ValueError(f"{path}: {error}") from None
+def hf_architecture(config: Mapping[str, Any]) -> str | None:
+    """The model class config.json names, e.g. "LlamaForCausalLM"."""
+    return (config.get("architectures") or [None])[0]
+
+
+def hf_config_fields(
+    config: Mapping[str, Any],
+    path: Path,
+    default_rope_theta: float = 10_000.0,
+    default_local_rope_theta: float | None = None,
+) -> dict[str, Any]:
+    """The ``ModelConfig`` fields that config.json spells alike for every family, in
+    transformers' older format or in that of v5.
+
+    ``default_local_rope_theta`` not None: sliding layers have a RoPE base of their own, with
+    this default. The defaults are transformers' for the family, where a config leaves them out.
+    """
     num_heads = config["num_attention_heads"]
-    full_theta, local_theta = _ROPE_THETA_DEFAULTS.get(architecture, (10_000.0, None))
-    fields: dict[str, Any] = {
-        "architecture": architecture,
+    return {
+        "architecture": hf_architecture(config),
         "vocab_size": config["vocab_size"],
         "hidden_size": config["hidden_size"],
         "intermediate_size": config["intermediate_size"],
@@ -58,92 +88,18 @@ def hf_model_config(config: Mapping[str, Any], path: Path) -> ModelConfig:
         "rms_norm_eps": float(config["rms_norm_eps"]),
         "tie_word_embeddings": config.get("tie_word_embeddings", False),
         "hidden_act": config.get("hidden_act", "silu"),
-        **_rope_fields(config, path, full_theta, local_theta),
-        **_FAMILY_FIELDS[architecture](config, path),
-    }
-    _check_layer_types(fields.get("layer_types"), config["num_hidden_layers"], path)
-    return ModelConfig(**fields)
-
-
-def _llama_fields(config: Mapping[str, Any], path: Path) -> dict[str, Any]:
-    # Llama's and Qwen3's attention_bias also puts a bias on o_proj, which no model here has.
-    if config.get("attention_bias") or config.get("mlp_bias"):
-        raise ValueError(f"{path}: attention_bias and mlp_bias are not supported")
-    return {}
-
-
-def _mistral_fields(config: Mapping[str, Any], path: Path) -> dict[str, Any]:
-    # Mistral 7B v0.1 slides a window over every layer; later versions set it to null.
-    window = config.get("sliding_window")
-    if window is None:
-        return {}
-    return {"sliding_window": window, "layer_types": [SLIDING] * config["num_hidden_layers"]}
-
-
-def _qwen_sliding_fields(config: Mapping[str, Any]) -> dict[str, Any]:
-    # Qwen configs name a window that applies only with use_sliding_window, and then (unless
-    # layer_types says otherwise) to the layers from max_window_layers on.
-    window = config.get("sliding_window")
-    if not config.get("use_sliding_window") or window is None:
-        return {}
-    layer_types = config.get("layer_types") or [
-        SLIDING if i >= config["max_window_layers"] else FULL
-        for i in range(config["num_hidden_layers"])
-    ]
-    return {"sliding_window": window, "layer_types": layer_types}
-
-
-def _qwen2_fields(config: Mapping[str, Any], path: Path) -> dict[str, Any]:
-    return {"attention_bias": True, **_qwen_sliding_fields(config)}
-
-
-def _qwen3_fields(config: Mapping[str, Any], path: Path) -> dict[str, Any]:
-    return {"qk_norm": True, **_llama_fields(config, path), **_qwen_sliding_fields(config)}
-
-
-def _gemma3_fields(config: Mapping[str, Any], path: Path) -> dict[str, Any]:
-    for unsupported in ("attn_logit_softcapping", "use_bidirectional_attention"):
-        if config.get(unsupported):
-            raise ValueError(f"{path}: Gemma 3 with {unsupported} is not supported")
-    # Configs before transformers 5 give the pattern instead: every Nth layer is global.
-    pattern = config.get("sliding_window_pattern", 6)
-    layer_types = config.get("layer_types") or [
-        FULL if (i + 1) % pattern == 0 else SLIDING for i in range(config["num_hidden_layers"])
-    ]
-    softcap = config.get("final_logit_softcapping")
-    return {
-        "tie_word_embeddings": config.get("tie_word_embeddings", True),
-        "hidden_act": config.get("hidden_activation", "gelu_pytorch_tanh"),
-        "qk_norm": True,
-        "gemma_norms_and_scaling": True,
-        "layer_types": layer_types,
-        "sliding_window": config["sliding_window"],
-        "query_pre_attn_scalar": float(config["query_pre_attn_scalar"]),
-        "final_logit_softcapping": None if softcap is None else float(softcap),
+        **_rope_fields(config, path, default_rope_theta, default_local_rope_theta),
     }
 
 
-# How each architecture's config.json differs from Llama's; keyed like engine.models' registry.
-_FAMILY_FIELDS: dict[str, Callable[[Mapping[str, Any], Path], dict[str, Any]]] = {
-    "LlamaForCausalLM": _llama_fields,
-    "MistralForCausalLM": _mistral_fields,
-    "Qwen2ForCausalLM": _qwen2_fields,
-    "Qwen3ForCausalLM": _qwen3_fields,
-    "Gemma3ForCausalLM": _gemma3_fields,
-}
-
-# transformers' RoPE bases where a config leaves them out: (full layers, sliding layers, or None
-# when those use the full layers' RoPE).
-_ROPE_THETA_DEFAULTS = {"Gemma3ForCausalLM": (1_000_000.0, 10_000.0)}
-
-
-def _check_layer_types(layer_types: list[str] | None, num_layers: int, path: Path) -> None:
+def check_layer_types(layer_types: list[str] | None, num_layers: int, path: Path) -> None:
     if layer_types is None:
         return
-    if len(layer_types) != num_layers or not set(layer_types) <= {FULL, SLIDING}:
+    known = {FULL_ATTENTION, SLIDING_ATTENTION}
+    if len(layer_types) != num_layers or not set(layer_types) <= known:
         raise ValueError(
-            f"{path}: layer_types must name {FULL!r} or {SLIDING!r} for each of the "
-            f"{num_layers} layers, not {layer_types}"
+            f"{path}: layer_types must name {FULL_ATTENTION!r} or {SLIDING_ATTENTION!r} for each "
+            f"of the {num_layers} layers, not {layer_types}"
         )
 
 
@@ -153,8 +109,8 @@ def _rope_fields(
     """RoPE of the full layers (base, Llama 3 or linear scaling) and of sliding layers that
     have their own (``local_theta`` not None), from the older format or transformers 5's."""
     parameters = config.get("rope_parameters") or {}
-    if FULL in parameters:  # transformers 5, per layer type (Gemma 3)
-        full, sliding = parameters[FULL], parameters.get(SLIDING) or {}
+    if FULL_ATTENTION in parameters:  # transformers 5, per layer type (Gemma 3)
+        full, sliding = parameters[FULL_ATTENTION], parameters.get(SLIDING_ATTENTION) or {}
     else:  # transformers 5 for all layers, or older: rope_theta beside rope_scaling
         full = {"rope_theta": config.get("rope_theta", full_theta)}
         full |= config.get("rope_scaling") or parameters
@@ -191,14 +147,6 @@ def safetensors_files(path: Path) -> list[Path]:
     if single.is_file():
         return [single]
     raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
-
-
-def _safetensors_weights(files: list[Path]) -> WeightStream:
-    for file in files:
-        # safe_open memory-maps the file; get_tensor reads one tensor into its own memory.
-        with safe_open(file, framework="pt") as shard:
-            for name in shard.keys():  # noqa: SIM118 -- safe_open is no dict
-                yield name, shard.get_tensor(name)
 
 
 def hf_tokenizer_info(path: Path, config: Mapping[str, Any]) -> TokenizerInfo:

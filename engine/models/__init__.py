@@ -1,47 +1,97 @@
-"""Model families, found by the checkpoint's ``architectures[0]``.
+"""Model families, found by config.json's ``architectures[0]`` or a GGUF's architecture.
 
-Every family is a ``CausalLM`` built from the shared layers; its ``ModelConfig`` says
-which of their variations it uses. Adding a family: a module with its class, an entry
-here, and the reading of its config.json in ``engine.checkpoint.hf_checkpoint``.
+A family is one module: its model class (a ``CausalLM`` with the blocks it changes), the reading
+of its config.json and its GGUF layout, in one ``ModelFamily``. Adding one: that module, and
+its line in ``FAMILIES``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
 import torch
 
 from engine.attention import AttentionBackend
+from engine.checkpoint import Checkpoint, GGUFModelFile, read_checkpoint
+from engine.checkpoint.hf_checkpoint import hf_architecture
 from engine.layer_ops import LayerOps
 from engine.model_config import ModelConfig
+from engine.models import gemma3, llama, olmo2, qwen2, qwen3
 from engine.models.causal_lm import CausalLM
-from engine.models.gemma3 import Gemma3ForCausalLM
-from engine.models.llama import LlamaForCausalLM, MistralForCausalLM
-from engine.models.qwen2 import Qwen2ForCausalLM
-from engine.models.qwen3 import Qwen3ForCausalLM
+from engine.models.family import ModelFamily
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "CausalLM", "build_model", "model_class"]
+__all__ = [
+    "FAMILIES",
+    "SUPPORTED_ARCHITECTURES",
+    "CausalLM",
+    "build_model",
+    "hf_model_config",
+    "load_checkpoint",
+    "model_family",
+]
 
-_MODEL_CLASSES: dict[str, type[CausalLM]] = {
-    cls.__name__: cls
-    for cls in (
-        LlamaForCausalLM,
-        MistralForCausalLM,
-        Qwen2ForCausalLM,
-        Qwen3ForCausalLM,
-        Gemma3ForCausalLM,
+FAMILIES: tuple[ModelFamily, ...] = (
+    llama.LLAMA,
+    llama.MISTRAL,
+    qwen2.QWEN2,
+    qwen3.QWEN3,
+    gemma3.GEMMA3,
+    olmo2.OLMO2,
+)
+
+_BY_ARCHITECTURE = {family.architecture: family for family in FAMILIES}
+_BY_GGUF_ARCH = {family.gguf.arch: family for family in FAMILIES if family.gguf is not None}
+SUPPORTED_ARCHITECTURES = tuple(_BY_ARCHITECTURE)
+
+
+def model_family(architecture: str | None) -> ModelFamily:
+    """The family of ``architecture``; a ValueError naming it and the supported ones if none."""
+    family = _BY_ARCHITECTURE.get(architecture) if architecture is not None else None
+    if family is not None:
+        return family
+    for other in FAMILIES:
+        if architecture in other.refused:
+            raise ValueError(other.refused[architecture])
+    raise ValueError(
+        f"architecture {architecture!r} is not supported, only {', '.join(SUPPORTED_ARCHITECTURES)}"
     )
-}
-SUPPORTED_ARCHITECTURES = tuple(_MODEL_CLASSES)
 
 
-def model_class(architecture: str | None) -> type[CausalLM]:
-    """The class of ``architecture``; a ValueError naming it and the supported ones if none."""
-    cls = _MODEL_CLASSES.get(architecture) if architecture is not None else None
-    if cls is None:
+def load_checkpoint(model: str) -> Checkpoint:
+    """Config and tokenizer of ``model`` now; its weights when ``Checkpoint.weights()`` is
+    iterated, Hugging Face-named whatever the format.
+
+    ``model`` is the default model's name, a local Hugging Face directory, a local .gguf file or
+    a Hugging Face hub name ("org/name"), fetched into the hub's cache.
+    """
+    files = read_checkpoint(model)
+    if isinstance(files, GGUFModelFile):
+        return _gguf_family(files).gguf_checkpoint(files)
+    return _hf_family(files.config, files.path).hf_checkpoint(files)
+
+
+def hf_model_config(config: Mapping[str, Any], path: Path) -> ModelConfig:
+    """config.json (``path``'s, for messages) as its family reads it."""
+    return _hf_family(config, path).config_from_hf(config, path)
+
+
+def _hf_family(config: Mapping[str, Any], path: Path) -> ModelFamily:
+    try:
+        return model_family(hf_architecture(config))
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
+
+
+def _gguf_family(file: GGUFModelFile) -> ModelFamily:
+    arch = file.metadata.arch
+    if arch not in _BY_GGUF_ARCH:
         raise ValueError(
-            f"architecture {architecture!r} is not supported, "
-            f"only {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{file.path}: GGUF architecture {arch!r} is not supported, "
+            f"only {', '.join(_BY_GGUF_ARCH)}"
         )
-    return cls
+    return _BY_GGUF_ARCH[arch]
 
 
 def build_model(
@@ -53,7 +103,7 @@ def build_model(
     dtype: torch.dtype,
 ) -> CausalLM:
     """An uninitialized model of the config's family, allocated once on ``device`` in ``dtype``."""
-    cls = model_class(config.architecture)
+    cls = model_family(config.architecture).model
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

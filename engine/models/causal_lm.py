@@ -14,15 +14,8 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata, LayerKVCache
 from engine.layer_ops import LayerOps
-from engine.model_config import ModelConfig
-from engine.models.layers import (
-    FULL_ATTENTION,
-    SLIDING_ATTENTION,
-    Attention,
-    DecoderLayer,
-    RotaryEmbedding,
-    model_norm,
-)
+from engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from engine.models.layers import Attention, DecoderLayer, RMSNorm, RotaryEmbedding
 
 # Hugging Face names of the separate projections, and where they go in our fused ones.
 _FUSED_WEIGHTS = {
@@ -44,11 +37,17 @@ def _fused_name(name: str) -> tuple[str, str | None, int]:
 
 
 class CausalLM(nn.Module):
-    """Embedding, decoder layers, final norm and LM head, shaped entirely by ``ModelConfig``.
+    """A Llama: embedding, decoder layers, final norm and LM head, shaped by ``ModelConfig``.
 
-    Families subclass it to be found by architecture name; what sets one apart from Llama
-    (biases, Q/K norms, sliding windows, Gemma's norms) is in the config and the shared layers.
+    Each family subclasses it, named as config.json's ``architectures`` names it, and says
+    what it does differently by the blocks it picks (the class attributes) and by overriding
+    ``embed`` or ``compute_logits``.
     """
+
+    attention_class: type[Attention] = Attention
+    # Called as (config, attention, ops); keeps DecoderLayer's (x, residual) convention.
+    decoder_layer_class: type[nn.Module] = DecoderLayer
+    norm_class: type[RMSNorm] = RMSNorm  # the final norm's
 
     def __init__(
         self,
@@ -61,8 +60,6 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        # Gemma scales the embeddings by sqrt(hidden_size) before the first layer.
-        self.embed_scale = config.hidden_size**0.5 if config.gemma_norms_and_scaling else None
         full_rotary = RotaryEmbedding(
             config.head_dim,
             config.rope_theta,
@@ -78,18 +75,17 @@ class CausalLM(nn.Module):
             if config.rope_local_theta is None
             else RotaryEmbedding(config.head_dim, config.rope_local_theta, max_positions, device)
         )
-        layer_types = config.layer_types or [FULL_ATTENTION] * config.num_hidden_layers
         self.layers = nn.ModuleList(
-            DecoderLayer(
+            self.decoder_layer_class(
                 config,
-                Attention(config, backend, ops, sliding_rotary, config.sliding_window)
+                self.attention_class(config, backend, ops, sliding_rotary, config.sliding_window)
                 if layer_type == SLIDING_ATTENTION
-                else Attention(config, backend, ops, full_rotary, None),
+                else self.attention_class(config, backend, ops, full_rotary, None),
                 ops,
             )
-            for layer_type in layer_types
+            for layer_type in config.layer_types or [FULL_ATTENTION] * config.num_hidden_layers
         )
-        self.norm = model_norm(config, config.hidden_size, ops)
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps, ops)
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -103,23 +99,21 @@ class CausalLM(nn.Module):
         logits_index: torch.Tensor,
     ) -> torch.Tensor:
         """Logits (float32) of the tokens at ``logits_index`` of the packed batch."""
-        x = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:
-            # Rounded to the compute dtype before multiplying, as Hugging Face does. A CPU
-            # scalar tensor: no copy to the device.
-            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        x = self.embed(input_ids)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, metadata)
         assert residual is not None
         x, _ = self.norm.add_and_norm(x[logits_index], residual[logits_index])
+        return self.compute_logits(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of the final norm's output."""
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(x, head).float()
-        cap = self.config.final_logit_softcapping
-        if cap is not None:
-            # In float32 (Hugging Face caps in the compute dtype): sampling reads these.
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return F.linear(hidden, head).float()
 
     def bind_kv_cache(self, caches: list[LayerKVCache]) -> None:
         for layer, cache in zip(self.layers, caches, strict=True):

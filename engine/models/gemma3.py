@@ -1,15 +1,199 @@
-"""Gemma 3, text only (Gemma3ForCausalLM: the 1B model, or a text model split off a larger one)."""
+"""Gemma 3, text only (Gemma3ForCausalLM: the 1B model, or a text model split off a larger one).
+
+What sets it apart from Llama: embeddings scaled by sqrt(hidden_size); RMSNorms that scale by
+(1 + weight) in float32, also after each sublayer (the sandwich layer); per-head Q/K norms; a
+GELU-tanh MLP; attention scale query_pre_attn_scalar ** -0.5; sliding-window layers with a RoPE
+base of their own between global layers; an optional final logit soft-cap.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.checkpoint.gguf_checkpoint import GGUFMetadata, decimal
+from engine.checkpoint.hf_checkpoint import hf_config_fields
+from engine.layer_ops import LayerOps
+from engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from engine.models.causal_lm import CausalLM
+from engine.models.family import GGUF_PROJECTIONS, GGUF_QK_NORMS, GGUFLayout, ModelFamily
+from engine.models.layers import MLP, QKNormAttention, RotaryEmbedding, RoundOnceRMSNorm
+
+# transformers' defaults where a config leaves them out: every 6th layer attends globally; RoPE
+# bases of the global and the sliding layers.
+_SLIDING_WINDOW_PATTERN = 6
+_ROPE_THETA = 1_000_000.0
+_LOCAL_ROPE_THETA = 10_000.0
+# llama.cpp scales Gemma 3's attention by head_dim ** -0.5, but by (hidden / heads) ** -0.5 for
+# the 27B model, which it knows by its layer count; the configs of the Hugging Face releases agree.
+_GEMMA3_27B_LAYERS = 62
+
+
+@dataclass(kw_only=True)
+class Gemma3Config(ModelConfig):
+    query_pre_attn_scalar: float  # the attention scale is this ** -0.5
+    final_logit_softcapping: float | None = None
+
+
+class UnitOffsetRMSNorm(RoundOnceRMSNorm):
+    """Gemma's RMSNorm: scales by (1 + weight), the weight starting at zero, in float32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm_round_once(x, 1.0 + self.weight.float(), self.eps)
+
+
+class Gemma3Attention(QKNormAttention):
+    norm_class = UnitOffsetRMSNorm
+
+    def __init__(
+        self,
+        config: Gemma3Config,
+        backend: AttentionBackend,
+        ops: LayerOps,
+        rotary: RotaryEmbedding,
+        sliding_window: int | None,
+    ) -> None:
+        super().__init__(config, backend, ops, rotary, sliding_window)
+        self.scale = config.query_pre_attn_scalar**-0.5
+
+
+class Gemma3DecoderLayer(nn.Module):
+    """Each sublayer normalized before and after: the output of attention is normalized
+    before it joins the stream, and so is the MLP's.
+
+    The checkpoints call the norm before the MLP ``pre_feedforward_layernorm`` and use
+    Llama's name ``post_attention_layernorm`` for the norm of the attention output.
+    """
+
+    def __init__(self, config: ModelConfig, self_attn: Gemma3Attention, ops: LayerOps) -> None:
+        super().__init__()
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = UnitOffsetRMSNorm(size, eps, ops)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = UnitOffsetRMSNorm(size, eps, ops)
+        self.pre_feedforward_layernorm = UnitOffsetRMSNorm(size, eps, ops)
+        self.mlp = MLP(config, ops)
+        self.post_feedforward_layernorm = UnitOffsetRMSNorm(size, eps, ops)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, metadata: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(h, metadata))
+        h, residual = self.pre_feedforward_layernorm.add_and_norm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class Gemma3ForCausalLM(CausalLM):
-    """What ``gemma_norms_and_scaling`` and the Gemma 3 config fields turn on in the shared layers.
+    attention_class = Gemma3Attention
+    decoder_layer_class = Gemma3DecoderLayer
+    norm_class = UnitOffsetRMSNorm
 
-    Embeddings scaled by sqrt(hidden_size); (1 + weight) RMSNorms in float32, also after
-    each sublayer; Q/K norms; GELU-tanh MLP; attention scale query_pre_attn_scalar ** -0.5;
-    sliding-window layers with a RoPE base of their own (``rope_local_theta``) between
-    global layers (``rope_theta``, optionally linear scaled); optional final logit soft-cap.
-    """
+    def __init__(
+        self,
+        config: Gemma3Config,
+        backend: AttentionBackend,
+        ops: LayerOps,
+        max_positions: int,
+        device: torch.device,
+    ) -> None:
+        super().__init__(config, backend, ops, max_positions, device)
+        self.embed_scale = config.hidden_size**0.5
+        self.final_logit_softcapping = config.final_logit_softcapping
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        # Rounded to the compute dtype before multiplying, as Hugging Face does. A CPU scalar
+        # tensor: no copy to the device.
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        cap = self.final_logit_softcapping
+        if cap is None:
+            return logits
+        # In float32 (Hugging Face caps in the compute dtype): sampling reads these.
+        return torch.tanh(logits / cap) * cap
+
+
+def _gemma3_config(config: Mapping[str, Any], path: Path) -> Gemma3Config:
+    for unsupported in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if config.get(unsupported):
+            raise ValueError(f"{path}: Gemma 3 with {unsupported} is not supported")
+    # Configs before transformers 5 give the pattern instead: every Nth layer is global.
+    pattern = config.get("sliding_window_pattern", _SLIDING_WINDOW_PATTERN)
+    layer_types = config.get("layer_types") or [
+        FULL_ATTENTION if (i + 1) % pattern == 0 else SLIDING_ATTENTION
+        for i in range(config["num_hidden_layers"])
+    ]
+    softcap = config.get("final_logit_softcapping")
+    fields = hf_config_fields(config, path, _ROPE_THETA, _LOCAL_ROPE_THETA) | {
+        "tie_word_embeddings": config.get("tie_word_embeddings", True),
+        "hidden_act": config.get("hidden_activation", "gelu_pytorch_tanh"),
+        "layer_types": layer_types,
+        "sliding_window": config["sliding_window"],
+    }
+    return Gemma3Config(
+        **fields,
+        query_pre_attn_scalar=float(config["query_pre_attn_scalar"]),
+        final_logit_softcapping=None if softcap is None else float(softcap),
+    )
+
+
+def _gemma3_gguf_config(keys: GGUFMetadata, common: dict[str, Any]) -> Gemma3Config:
+    # llama.cpp hard-codes the layer pattern and the sliding layers' default RoPE base for the
+    # architecture (llama-model.cpp) instead of writing them to the file.
+    num_layers = common["num_hidden_layers"]
+    softcap = keys.optional("final_logit_softcapping")
+    query_pre_attn_scalar = (
+        common["hidden_size"] / common["num_attention_heads"]
+        if num_layers == _GEMMA3_27B_LAYERS
+        else common["head_dim"]
+    )
+    return Gemma3Config(
+        **common,
+        hidden_act="gelu_pytorch_tanh",
+        layer_types=[
+            FULL_ATTENTION if (layer + 1) % _SLIDING_WINDOW_PATTERN == 0 else SLIDING_ATTENTION
+            for layer in range(num_layers)
+        ],
+        sliding_window=keys.required("attention.sliding_window"),
+        rope_local_theta=decimal(keys.optional("rope.freq_base_swa", _LOCAL_ROPE_THETA)),
+        query_pre_attn_scalar=float(query_pre_attn_scalar),
+        final_logit_softcapping=None if softcap is None else decimal(softcap),
+    )
+
+
+def _norms_minus_one(name: str, array: np.ndarray, config: ModelConfig) -> np.ndarray:
+    # llama.cpp stores the (1 + weight) that Gemma's norms scale by.
+    return array - np.float32(1) if name.endswith("norm.weight") else array
+
+
+GEMMA3 = ModelFamily(
+    Gemma3ForCausalLM,
+    _gemma3_config,
+    GGUFLayout(
+        "gemma3",
+        GGUF_PROJECTIONS
+        | GGUF_QK_NORMS
+        | {
+            "attn_norm": "input_layernorm",
+            "post_attention_norm": "post_attention_layernorm",
+            "ffn_norm": "pre_feedforward_layernorm",  # Llama's post_attention_layernorm
+            "post_ffw_norm": "post_feedforward_layernorm",
+        },
+        read_config=_gemma3_gguf_config,
+        restore=_norms_minus_one,
+    ),
+    refused={
+        "Gemma3ForConditionalGeneration": "Gemma3ForConditionalGeneration (text and images) is "
+        "not supported; text-only Gemma 3 checkpoints (Gemma3ForCausalLM, e.g. gemma-3-1b-it) are"
+    },
+)

@@ -1,9 +1,10 @@
-"""The building blocks every family shares: norms, RoPE, attention, gated MLP, decoder layer.
+"""The building blocks of a Llama, which the other families reuse or subclass.
 
-Each block reads the variations it supports from ``ModelConfig`` (the one description of a
-network, whatever file it came from), so a family differs from Llama by configuration, not
-by copied code. Same code on CPU (float32) and CUDA (bfloat16); Hugging Face's weight names
-load directly, with Q/K/V and gate/up fused into one matrix each.
+RMSNorm, RoPE, grouped-query attention, gated MLP and the pre-norm decoder layer. A family that
+computes something differently subclasses a block (Qwen3's Q/K norms are ``QKNormAttention``) or
+brings its own block in its module; nothing here asks which family it serves. Same code on CPU
+(float32) and CUDA (bfloat16); Hugging Face's weight names load directly, with Q/K/V and gate/up
+fused into one matrix each.
 """
 
 from __future__ import annotations
@@ -20,9 +21,6 @@ from engine.attention import AttentionBackend, AttentionMetadata, LayerKVCache
 from engine.layer_ops import LayerOps
 from engine.model_config import ModelConfig, RopeScaling
 
-# The layer types of ModelConfig.layer_types, named as in config.json.
-FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
-
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
@@ -30,22 +28,16 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 class RMSNorm(nn.Module):
-    """Llama's RMSNorm, or with ``unit_offset`` Gemma's, which scales by (1 + weight)."""
+    """Llama's RMSNorm: normalized in float32, rounded, then scaled by the weight."""
 
-    def __init__(self, size: int, eps: float, ops: LayerOps, unit_offset: bool = False) -> None:
+    def __init__(self, size: int, eps: float, ops: LayerOps) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.ops = ops
-        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.unit_offset:
-            return self.ops.rms_norm(x, self.weight, self.eps)
-        # Gemma multiplies by the weight in float32 and rounds once, after it.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None
@@ -54,14 +46,20 @@ class RMSNorm(nn.Module):
         and the stream."""
         if residual is None:
             return self(x), x
-        if self.unit_offset:
-            residual = x + residual
-            return self(residual), residual
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
-def model_norm(config: ModelConfig, size: int, ops: LayerOps) -> RMSNorm:
-    return RMSNorm(size, config.rms_norm_eps, ops, unit_offset=config.gemma_norms_and_scaling)
+class RoundOnceRMSNorm(RMSNorm):
+    """RMSNorm whose product with the weight is in float32 too, rounded once (OLMo 2's)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm_round_once(x, self.weight, self.eps)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        stream = x if residual is None else x + residual
+        return self(stream), stream
 
 
 def rope_inverse_frequencies(
@@ -113,8 +111,14 @@ class RotaryEmbedding:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention; optional Q/K/V biases (Qwen2), per-head Q/K norms (Qwen3,
-    Gemma 3), a sliding window and a scale other than head_dim ** -0.5 (Gemma 3)."""
+    """Llama's grouped-query attention: one fused Q/K/V projection without biases, RoPE,
+    scale head_dim ** -0.5, and a sliding window when the layer has one.
+
+    Subclasses change ``qkv_bias``, or ``project_qkv`` for what comes between the projection
+    and RoPE, or ``scale``.
+    """
+
+    qkv_bias = False
 
     def __init__(
         self,
@@ -131,30 +135,63 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=self.qkv_bias
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.q_norm = model_norm(config, self.head_dim, ops) if config.qk_norm else None
-        self.k_norm = model_norm(config, self.head_dim, ops) if config.qk_norm else None
-        scale_base = config.query_pre_attn_scalar or self.head_dim
-        self.scale = scale_base**-0.5
+        self.scale = self.head_dim**-0.5
         self.sliding_window = sliding_window
         self.backend = backend
         self.ops = ops
         self.rotary = rotary
         self.cache: LayerKVCache | None = None  # bound once the engine allocates the cache
 
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, heads, head_dim], k and v [T, kv_heads, head_dim] of ``x`` [T, hidden]."""
+        q, k, v = self.split_qkv(self.qkv_proj(x))
+        return self.split_heads(q, k, v)
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return q, k, v
+
+    def split_heads(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (
+            q.view(-1, self.num_heads, self.head_dim),
+            k.view(-1, self.num_kv_heads, self.head_dim),
+            v.view(-1, self.num_kv_heads, self.head_dim),
+        )
+
     def forward(self, x: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)  # before RoPE, as the checkpoints were trained
+        q, k, v = self.project_qkv(x)
         q, k = self.ops.rope(q, k, metadata.positions, self.rotary.cos, self.rotary.sin)
         assert self.cache is not None, "the KV cache must be bound before the first forward"
         out = self.backend.forward(q, k, v, self.cache, metadata, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class QKNormAttention(Attention):
+    """An RMSNorm over each head of Q and K (weights of size head_dim), before RoPE, as the
+    checkpoints were trained (Qwen3; Gemma 3 with its own norm)."""
+
+    norm_class: type[RMSNorm] = RMSNorm
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        ops: LayerOps,
+        rotary: RotaryEmbedding,
+        sliding_window: int | None,
+    ) -> None:
+        super().__init__(config, backend, ops, rotary, sliding_window)
+        self.q_norm = self.norm_class(self.head_dim, config.rms_norm_eps, ops)
+        self.k_norm = self.norm_class(self.head_dim, config.rms_norm_eps, ops)
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = super().project_qkv(x)
+        return self.q_norm(q), self.k_norm(k), v
 
 
 class MLP(nn.Module):
@@ -180,34 +217,24 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP, each added to the residual stream.
+    """Llama's layer: pre-norm attention and MLP, each added to the residual stream.
 
-    A layer returns its last sublayer's output and the stream without it: the next norm
-    adds the two, in one fused pass where the ops have one. Gemma also normalises each
-    sublayer's output before adding it. Its checkpoints then call the norm before the MLP
-    ``pre_feedforward_layernorm`` and use Llama's name ``post_attention_layernorm`` for
-    the norm of the attention output.
+    A layer takes and returns the last sublayer's output and the stream without it: the next
+    norm adds the two, in one fused pass where the ops have one. Every decoder layer keeps to
+    this, so ``CausalLM`` runs any of them.
     """
 
     def __init__(self, config: ModelConfig, self_attn: Attention, ops: LayerOps) -> None:
         super().__init__()
-        self.input_layernorm = model_norm(config, config.hidden_size, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.self_attn = self_attn
-        self.post_attention_layernorm = model_norm(config, config.hidden_size, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.mlp = MLP(config, ops)
-        self.sandwich_norms = config.gemma_norms_and_scaling
-        if self.sandwich_norms:
-            self.pre_feedforward_layernorm = model_norm(config, config.hidden_size, ops)
-            self.post_feedforward_layernorm = model_norm(config, config.hidden_size, ops)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, metadata: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.input_layernorm.add_and_norm(x, residual)
         h = self.self_attn(h, metadata)
-        if self.sandwich_norms:
-            h = self.post_attention_layernorm(h)
-            h, residual = self.pre_feedforward_layernorm.add_and_norm(h, residual)
-            return self.post_feedforward_layernorm(self.mlp(h)), residual
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
         return self.mlp(h), residual

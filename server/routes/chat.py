@@ -9,15 +9,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from server.answer import Answer, whole_response
-from server.choices import PreparedGeneration
 from server.engine_client import EngineClient
 from server.generation import TextDelta
 from server.logprobs import chat_logprobs, logprobs_of, prompt_logprobs
 from server.openai_schemas import ChatCompletionRequest, parse_request
-from server.prompts import chat_prompt_ids
+from server.prompts import chat_generation
+from server.request_id import request_id
 from server.served_model import ServedModel
-from server.sse import EventStreamResponse
-from server.streaming import ChatChunks, event_stream
+from server.streaming import ChatChunks, streamed_response
 
 
 class ChatCompletions:
@@ -28,23 +27,36 @@ class ChatCompletions:
     async def create(self, request: Request) -> Response:
         body = parse_request(ChatCompletionRequest, await request.body())
         self._model.check_name(body.model)
-        prompt_ids = await chat_prompt_ids(self._model, body.messages, add_generation_prompt=True)
-        sampling = body.sampling_params(len(prompt_ids), self._model)
-        generation = PreparedGeneration(prompt_ids, sampling, body.stop, body.num_choices)
+        prepared = await chat_generation(self._model, body)
+        generation, parsing = prepared.generation, prepared.parsing
         object_type = "chat.completion.chunk" if body.stream else "chat.completion"
-        answer = Answer.new("chatcmpl", object_type, self._model.name, len(prompt_ids))
-        choices = generation.choices(self._client, self._model.tokenizer, answer.id)
-        render = None if sampling.logprobs is None else partial(chat_logprobs, self._model)
+        answer = Answer.new(
+            "chatcmpl-",
+            object_type,
+            self._model.name,
+            request_id(request),
+            len(generation.prompt_ids),
+        )
+        choices = generation.choices(self._client, self._model.tokenizer, answer.engine_id)
+        wants_logprobs = generation.sampling.logprobs is not None
+        render = partial(chat_logprobs, self._model) if wants_logprobs else None
         if body.stream:
-            chunks = ChatChunks(answer, body.include_usage, [render] * len(choices))
-            return EventStreamResponse(event_stream(chunks, choices))
+            parsers = [parsing.parser() for _ in choices]
+            renderers = [render] * len(choices)
+            chunks = ChatChunks(answer, body.include_usage, renderers, parsing, parsers)
+            constrained = generation.sampling.structured_output is not None
+            return await streamed_response(request, chunks, choices, constrained)
 
         def choice(index: int, whole: TextDelta) -> dict[str, Any]:
+            output = parsing.parser().parse(whole.text)
+            assert whole.finish_reason is not None
             return {
                 "index": index,
-                "message": {"role": "assistant", "content": whole.text},
+                "message": output.message(),
                 "logprobs": logprobs_of(render, whole),
-                "finish_reason": whole.finish_reason,
+                "finish_reason": parsing.finish_reason(
+                    whole.finish_reason, called_tools=bool(output.tool_calls)
+                ),
             }
 
         def extra(first: TextDelta) -> dict[str, Any]:
@@ -52,7 +64,9 @@ class ChatCompletions:
             if first.prompt_logprobs is None:
                 return {}
             return {
-                "prompt_logprobs": prompt_logprobs(self._model, prompt_ids, first.prompt_logprobs)
+                "prompt_logprobs": prompt_logprobs(
+                    self._model, generation.prompt_ids, first.prompt_logprobs
+                )
             }
 
         return await whole_response(request, answer, choices, choice, extra)

@@ -1,4 +1,9 @@
-"""POST /v1/completions: a prompt (text or token ids) in, its continuation out."""
+"""POST /v1/completions: prompts (text or token ids) in, their continuations out.
+
+A request's prompts make a batch: prompt ``i``'s ``n`` choices answer with the indexes
+``i * n`` to ``i * n + n - 1``, as OpenAI numbers them. With ``best_of``, each prompt
+generates that many candidates and its ``n`` likeliest answer.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +12,16 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from server.answer import Answer, whole_response
-from server.choices import PreparedGeneration
+from server.answer import Answer, whole_answer
+from server.choices import ChoiceDeltas, PreparedGeneration
 from server.engine_client import EngineClient
 from server.generation import TextDelta
 from server.logprobs import CompletionLogprobs, RenderLogprobs, logprobs_of, prompt_logprobs
 from server.openai_schemas import CompletionRequest, parse_request
-from server.prompts import completion_prompt_ids
+from server.prompts import completion_prompts
+from server.request_id import request_id
 from server.served_model import ServedModel
-from server.sse import EventStreamResponse
-from server.streaming import CompletionChunks, event_stream
+from server.streaming import CompletionChunks, streamed_response
 
 
 class Completions:
@@ -27,31 +32,74 @@ class Completions:
     async def create(self, request: Request) -> Response:
         body = parse_request(CompletionRequest, await request.body())
         self._model.check_name(body.model)
-        prompt_ids = await completion_prompt_ids(self._model, body.prompt)
-        sampling = body.sampling_params(len(prompt_ids), self._model)
-        generation = PreparedGeneration(prompt_ids, sampling, body.stop, body.num_choices)
-        answer = Answer.new("cmpl", "text_completion", self._model.name, len(prompt_ids))
-        choices = generation.choices(self._client, self._model.tokenizer, answer.id)
+        prompts = await completion_prompts(self._model, body)
+        prompt_tokens = sum(len(prompt.ids) for prompt in prompts)
+        answer = Answer.new(
+            "cmpl-", "text_completion", self._model.name, request_id(request), prompt_tokens
+        )
+        choices: list[ChoiceDeltas] = []
+        for index, prompt in enumerate(prompts):
+            generation = PreparedGeneration(
+                prompt.ids,
+                body.sampling_params(len(prompt.ids), self._model),
+                body.stop,
+                body.num_candidates,
+                body.include_stop_str_in_output,
+            )
+            choices += generation.choices(
+                self._client, self._model.tokenizer, f"{answer.engine_id}-{index}"
+            )
+        # Each choice's prompt text, for echo, in the order of the choices.
+        echoes = [prompt.echo or "" for prompt in prompts for _ in range(body.num_choices)]
 
         def renderer() -> RenderLogprobs | None:
             # Each choice's own: its text offsets run on from chunk to chunk.
-            return None if sampling.logprobs is None else CompletionLogprobs(self._model).render
+            return None if body.logprobs is None else CompletionLogprobs(self._model).render
 
-        if body.stream:
-            chunks = CompletionChunks(answer, body.include_usage, [renderer() for _ in choices])
-            return EventStreamResponse(event_stream(chunks, choices))
+        if body.stream:  # best_of is refused with stream, so every candidate is a choice
+            chunks = CompletionChunks(
+                answer,
+                body.include_usage,
+                [renderer() for _ in choices],
+                echoes if body.echo else None,
+            )
+            constrained = generation.sampling.structured_output is not None
+            return await streamed_response(request, chunks, choices, constrained)
 
         def choice(index: int, whole: TextDelta) -> dict[str, Any]:
             rendered = {
                 "index": index,
-                "text": whole.text,
+                "text": echoes[index] + whole.text,
                 "logprobs": logprobs_of(renderer(), whole),
                 "finish_reason": whole.finish_reason,
             }
             if whole.prompt_logprobs is not None:
+                prompt_ids = prompts[index // body.num_choices].ids
                 rendered["prompt_logprobs"] = prompt_logprobs(
                     self._model, prompt_ids, whole.prompt_logprobs
                 )
             return rendered
 
-        return await whole_response(request, answer, choices, choice)
+        def render(wholes: list[TextDelta]) -> dict[str, Any]:
+            chosen = _likeliest(wholes, body.num_candidates, body.num_choices)
+            return {
+                **answer.header(),
+                "choices": [choice(index, whole) for index, whole in enumerate(chosen)],
+                # Every candidate was generated, so every one counts, as OpenAI counts them.
+                "usage": answer.usage(sum(whole.completion_tokens for whole in wholes)),
+            }
+
+        return await whole_answer(request, choices, render)
+
+
+def _likeliest(wholes: list[TextDelta], candidates: int, n: int) -> list[TextDelta]:
+    """Of each prompt's ``candidates`` choices in turn, the ``n`` with the highest sum of
+    their tokens' log-probabilities, likeliest first; all of them if there are only ``n``."""
+    if candidates == n:
+        return wholes
+    chosen = []
+    for start in range(0, len(wholes), candidates):
+        group = wholes[start : start + candidates]
+        group.sort(key=lambda whole: sum(token.logprob for token in whole.logprobs), reverse=True)
+        chosen += group[:n]
+    return chosen

@@ -27,11 +27,11 @@ from transformers import (
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from engine.checkpoint import DEFAULT_MODEL, Checkpoint, load_checkpoint, resolve
+from engine.checkpoint import DEFAULT_MODEL, Checkpoint, resolve
 from engine.checkpoint.gguf_dequantize import dequantize
 from engine.checkpoint.gguf_file import read_gguf
-from engine.checkpoint.hf_checkpoint import hf_model_config
 from engine.model_config import ModelConfig, RopeScaling
+from engine.models import hf_model_config, load_checkpoint
 
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from transformers import LlamaForCausalLM as HFLlama
 
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from protocol import SamplingParams
 from tests.random_checkpoint import random_prompts, save_tiny_llama
 from tests.reference import hf_greedy, run_engine

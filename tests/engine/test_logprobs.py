@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM as HFLlama
 
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from protocol import RequestOutput, SamplingParams
 from tests.random_checkpoint import random_prompts, save_tiny_llama
 

@@ -18,6 +18,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
@@ -27,10 +29,9 @@ from transformers import (
 )
 
 from engine.backends import create_backend
-from engine.checkpoint import load_checkpoint
-from engine.checkpoint.hf_checkpoint import hf_model_config
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.models import SUPPORTED_ARCHITECTURES, build_model
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.models import SUPPORTED_ARCHITECTURES, build_model, hf_model_config, load_checkpoint
 from tests.engine.test_model_parity import engine_prefill_logits, hf_prefill_logits
 from tests.random_checkpoint import VOCAB, random_prompts, save_with_tokenizer
 from tests.reference import hf_greedy, run_engine
@@ -96,6 +97,8 @@ FAMILIES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[st
         Gemma3ForCausalLM,
         GEMMA3 | dict(tie_word_embeddings=False, final_logit_softcapping=2.0),
     ),
+    # Q/K norms over all heads (q and k of different widths under GQA), norms after sublayers.
+    "olmo2-gqa": (Olmo2Config, Olmo2ForCausalLM, dict()),
 }
 
 
@@ -142,6 +145,25 @@ def test_greedy_generation_matches_transformers(family: tuple[Path, PreTrainedMo
     ours = run_engine(engine, prompts, max_tokens=24)
     assert ours == [hf_greedy(hf_model, p, 24) for p in prompts]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_prefill_logits_match_transformers_with_random_norms(name: str, tmp_path: Path) -> None:
+    """Norm weights start all alike (ones; zeros for Gemma's (1 + weight)): drawn at random
+    here, a weight loaded into the wrong norm shows."""
+    hf_model = tiny_model(name)
+    with torch.no_grad():
+        for parameter_name, parameter in hf_model.named_parameters():
+            if "norm" in parameter_name:
+                parameter.uniform_(0.5, 1.5)
+    save_with_tokenizer(hf_model, tmp_path)
+    prompts = random_prompts(4, seed=3)
+    torch.testing.assert_close(
+        engine_prefill_logits(tmp_path, prompts),
+        hf_prefill_logits(hf_model, prompts),
+        rtol=1e-4,
+        atol=1e-4,
+    )
 
 
 @pytest.mark.parametrize("name", [n for n, (_, _, o) in FAMILIES.items() if "sliding_window" in o])
@@ -233,7 +255,7 @@ def test_gemma3_config_in_the_older_format() -> None:
     assert config.query_pre_attn_scalar == 256
     assert config.tie_word_embeddings  # Gemma 3's default, which the file leaves out
     assert config.hidden_act == "gelu_pytorch_tanh"
-    assert config.qk_norm and config.gemma_norms_and_scaling
+    assert config.architecture == "Gemma3ForCausalLM"  # its QK norms and Gemma's norms
     assert config.final_logit_softcapping is None
 
 
@@ -267,7 +289,7 @@ QWEN25_7B = {  # Qwen/Qwen2.5-7B-Instruct: a window named, but not used
 
 def test_qwen2_config_ignores_an_unused_window() -> None:
     config = hf_model_config(QWEN25_7B, Path("Qwen2.5-7B-Instruct"))
-    assert config.attention_bias
+    assert config.architecture == "Qwen2ForCausalLM"  # its Q/K/V biases
     assert (config.layer_types, config.sliding_window) == (None, None)
     assert config.rope_theta == 1_000_000.0
 

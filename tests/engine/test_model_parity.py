@@ -17,9 +17,9 @@ from transformers import PreTrainedModel
 
 from engine.attention import AttentionMetadata, LayerKVCache
 from engine.backends import create_backend
-from engine.checkpoint import load_checkpoint
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.models import build_model
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.models import build_model, load_checkpoint
 from tests.random_checkpoint import random_prompts, save_tiny_llama
 from tests.reference import hf_greedy, run_engine
 

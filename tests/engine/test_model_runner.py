@@ -11,7 +11,8 @@ import torch
 from transformers import LlamaForCausalLM as HFLlama
 
 from engine.backends import BACKENDS, create_backend
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from tests.random_checkpoint import random_prompts, save_tiny_llama
 from tests.reference import hf_greedy, run_engine
 

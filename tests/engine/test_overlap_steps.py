@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from transformers import LlamaForCausalLM as HFLlama
 
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from protocol import FinishReason, RequestOutput, SamplingParams
 from tests.engine.test_logprobs import generate
 from tests.engine.test_penalties import penalized_greedy

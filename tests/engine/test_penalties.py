@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM as HFLlama
 
-from engine.llm_engine import EngineConfig, LLMEngine, RequestRejected
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, RequestRejected
 from protocol import SamplingParams, TokenLogprobs
 from tests.random_checkpoint import VOCAB, random_prompts, save_tiny_llama
 from tests.reference import hf_greedy

@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM as HFLlama
 
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from engine.request import Request
 from protocol import SamplingParams
 from tests.random_checkpoint import VOCAB, save_tiny_llama

@@ -15,8 +15,8 @@ import tokenizers
 import torch
 import xgrammar as xgr
 
-from engine.checkpoint import load_checkpoint
 from engine.model_config import TokenizerInfo
+from engine.models import load_checkpoint
 from engine.structured_output import (
     GrammarBitmask,
     GrammarCompiler,

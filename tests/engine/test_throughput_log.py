@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from engine.throughput_log import ThroughputLog
 from tests.random_checkpoint import random_prompts, save_tiny_llama
 from tests.reference import run_engine

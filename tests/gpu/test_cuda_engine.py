@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from itertools import pairwise
 from pathlib import Path
@@ -10,10 +11,13 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
-from engine.llm_engine import EngineConfig, LLMEngine
-from protocol import RequestOutput, SamplingParams
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from protocol import RequestOutput, SamplingParams, StructuredOutput, StructuredOutputKind
+from tests.engine.test_logprobs import generate
 from tests.processes import free_port, start_engine, start_server
 from tests.random_checkpoint import save_random_model
 from tests.reference import run_engine
@@ -104,6 +108,32 @@ def test_batched_greedy_equals_one_at_a_time(engine_fp32: LLMEngine) -> None:
     assert matches == 8
 
 
+def test_constrained_requests_in_overlapped_graph_steps(engine_fp32: LLMEngine) -> None:
+    """Decode steps replayed from CUDA graphs and overlapped, the grammar masks moved by a
+    pinned copy and applied by xgrammar's kernel: each constrained request spells its regex
+    and gets the tokens it gets alone, as does each free request sharing its batches."""
+    engine = engine_fp32
+    assert engine.overlap_steps and engine.runner.decode_graphs is not None
+    tokenizer = Tokenizer.from_str(engine.tokenizer.tokenizer_json)
+    regex = r"[0-9]{3}-[a-z]{2,5}"
+    constraint = StructuredOutput(StructuredOutputKind.REGEX, regex)
+    constrained = SamplingParams(max_tokens=16, structured_output=constraint)
+    free = SamplingParams(max_tokens=16, ignore_eos=True)
+    requests = {
+        (f"constrained{i}" if i % 2 else f"free{i}"): (prompt, constrained if i % 2 else free)
+        for i, prompt in enumerate(_prompts(8))
+    }
+    together = generate(engine, requests)
+    for name, request in requests.items():
+        tokens = [t for output in together[name] for t in output.new_token_ids]
+        alone = generate(engine, {name: request})[name]
+        assert tokens == [t for output in alone for t in output.new_token_ids], name
+        if name.startswith("constrained"):
+            assert together[name][-1].finish_reason == "stop"
+            assert re.fullmatch(regex, "".join(tokenizer.id_to_token(t) for t in tokens))
+    assert not engine.requests and engine.num_constrained == 0
+
+
 def _graph_and_eager_decode(
     engine: LLMEngine, prompts: list[list[int]]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,16 +162,6 @@ def test_graph_decode_equals_eager_decode(engine_fp32: LLMEngine) -> None:
     torch.testing.assert_close(graphed, eager, rtol=1e-3, atol=1e-3)
 
 
-def _generate(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
-    for request_id, (prompt, sampling) in requests.items():
-        engine.add_request(b"gpu", request_id, prompt, sampling)
-    outputs: dict[str, list[RequestOutput]] = {request_id: [] for request_id in requests}
-    while engine.has_work:
-        for _, output in engine.step():
-            outputs[output.request_id].append(output)
-    return outputs
-
-
 def test_sampling_parameters_batched_and_overlapped_equal_one_at_a_time(
     engine_fp32: LLMEngine, llama_1b: Path
 ) -> None:
@@ -163,20 +183,21 @@ def test_sampling_parameters_batched_and_overlapped_equal_one_at_a_time(
         SamplingParams(**sampled, prompt_logprobs=5),
     ]
     requests = {str(i): (p, s) for i, (p, s) in enumerate(zip(prompts, params, strict=True))}
-    alone = {i: _generate(engine, {i: request})[i] for i, request in requests.items()}
+    alone = {i: generate(engine, {i: request})[i] for i, request in requests.items()}
     engine.add_request(b"gpu", "sync", prompts[0], params[0])
     for request_id, request in requests.items():
         engine.add_request(b"gpu", f"sync{request_id}", *request)
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(4):
-            engine.runner.launch(engine.scheduler.schedule())
+            runner = engine.runner
+            runner.sample(runner.forward(engine.scheduler.schedule()), None)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for request in list(engine.requests.values()):
         engine.abort(request.client, request.request_id)
     engine.sync()
-    together = _generate(engine, requests)
+    together = generate(engine, requests)
 
     def tokens(outputs: list[RequestOutput]) -> list[int]:
         return [t for output in outputs for t in output.new_token_ids]

@@ -169,10 +169,10 @@ def test_incomplete_character_at_the_end_is_flushed_as_decode_does() -> None:
 
 
 def run_with_stop(
-    tokenizer: Tokenizer, text: str, stop: list[str]
+    tokenizer: Tokenizer, text: str, stop: list[str], include_stop: bool = False
 ) -> tuple[list[str], IncrementalDetokenizer, int]:
     """Pieces emitted token by token until a stop string; and the tokens consumed."""
-    detokenizer = IncrementalDetokenizer(tokenizer, [], stop)
+    detokenizer = IncrementalDetokenizer(tokenizer, [], stop, include_stop)
     pieces, consumed = [], 0
     for token_id in tokenizer.encode(text).ids:
         pieces.append(detokenizer.push([token_id]))
@@ -215,6 +215,16 @@ def test_earliest_stop_string_wins(tokenizer: Tokenizer) -> None:
     assert "".join(pieces) == "The quick brown "
 
 
+def test_stop_string_included_ends_the_text(tokenizer: Tokenizer) -> None:
+    text = "The quick brown fox jumps over the lazy dog."
+    pieces, detokenizer, _ = run_with_stop(tokenizer, text, ["lazy", "n fox j"], True)
+    assert detokenizer.stopped
+    assert "".join(pieces) == "The quick brown fox j"
+    # Of two stop strings that start together in one step, the first listed ends the text.
+    detokenizer = IncrementalDetokenizer(tokenizer, [], ["fox jumps", "fox"], include_stop=True)
+    assert detokenizer.push(tokenizer.encode(text).ids) == "The quick brown fox jumps"
+
+
 def test_possible_stop_string_is_held_then_released(tokenizer: Tokenizer) -> None:
     text = "The quick brown fox jumps over the lazy dog."
     stop = ["fox jumps under"]
@@ -248,6 +258,17 @@ def test_stop_string_in_the_first_step() -> None:
     assert detokenizer.stopped
 
 
+def test_special_tokens_kept_but_the_hidden_ones() -> None:
+    """With a parser reading markers, special tokens' text stays, but not the end of turn."""
+    tokenizer = byte_level_bpe()
+    marker, end = tokenizer.token_to_id("<|endoftext|>"), tokenizer.token_to_id("<|im_end|>")
+    ids = [marker, *tokenizer.encode("plain ascii").ids, end]
+    kept = IncrementalDetokenizer(tokenizer, [], hidden_ids=frozenset([end]))
+    assert "".join(stream(kept, one_by_one(ids))) == "<|endoftext|>plain ascii"
+    skipped = IncrementalDetokenizer(tokenizer, [])
+    assert "".join(stream(skipped, one_by_one(ids))) == "plain ascii"
+
+
 def vllm_stop_cut(tokenizer: Tokenizer, ids: list[int], stops: list[str], min_tokens: int) -> str:
     """The text before the stop, as vLLM finds it: after each token past the first
     ``min_tokens``, a stop string that ends in that token's text."""
@@ -264,7 +285,7 @@ def vllm_stop_cut(tokenizer: Tokenizer, ids: list[int], stops: list[str], min_to
 def test_stop_strings_count_after_min_tokens(tokenizer: Tokenizer, min_tokens: int) -> None:
     ids = tokenizer.encode("The quick brown fox jumps over the lazy dog.").ids
     stops = ["o", "own fox j"]  # the longer one is held while the shorter one is in it
-    detokenizer = IncrementalDetokenizer(tokenizer, [], stops, min_tokens)
+    detokenizer = IncrementalDetokenizer(tokenizer, [], stops, min_tokens=min_tokens)
     pieces = []
     for token_id in ids:
         pieces.append(detokenizer.push([token_id]))

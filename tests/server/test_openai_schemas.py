@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.metadata
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -160,17 +162,32 @@ def test_bad_stop(client: TestClient, stop: Any) -> None:
     assert_error(client.post("/v1/chat/completions", json=chat(stop=stop)), 400, "stop")
 
 
+def test_honest_refusals(client: TestClient) -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}
+    messages = [{"role": "user", "content": [image]}]
+    response = client.post("/v1/chat/completions", json=chat(messages=messages))
+    message = assert_error(response, 400, "messages[0].content", "unsupported_parameter")
+    assert "not supported" in message
+
+
 @pytest.mark.parametrize(
-    ("field", "value"),
+    ("fields", "param"),
     [
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("response_format", {"type": "json_object"}),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"guided_regex": "a", "guided_json": {}}, "guided_json"),
     ],
 )
-def test_honest_refusals(client: TestClient, field: str, value: Any) -> None:
-    response = client.post("/v1/chat/completions", json=chat(**{field: value}))
-    message = assert_error(response, 400, field, "unsupported_parameter")
-    assert "not supported" in message
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_malformed_structured_outputs(
+    client: TestClient, path: str, fields: dict[str, Any], param: str
+) -> None:
+    """Both endpoints read the structured-output fields; their form is checked here, the
+    schema, regex or grammar itself by the engine."""
+    body = chat(**fields) if "chat" in path else {"prompt": "hi", **fields}
+    assert_error(client.post(path, json=body), 400, param)
 
 
 @pytest.mark.parametrize(
@@ -267,7 +284,9 @@ def test_no_chat_template() -> None:
 # Completion fields
 
 
-@pytest.mark.parametrize("prompt", [["one", "two"], [], [1, "a"], [[1, 2]], None, [True]], ids=str)
+@pytest.mark.parametrize(
+    "prompt", [[], [1, "a"], [[]], [[1, -1]], [["a"]], ["a", [1, "b"]], None, [True]], ids=str
+)
 def test_bad_prompt(client: TestClient, prompt: Any) -> None:
     response = client.post("/v1/completions", json={"prompt": prompt})
     assert_error(response, 400, "prompt")
@@ -286,10 +305,131 @@ def test_token_ids_out_of_range(client: TestClient, token_ids: list[int]) -> Non
     assert_error(response, 400, "stop_token_ids" if token_ids[-1] >= 0 else "stop_token_ids[1]")
 
 
-def test_completion_refusals(client: TestClient) -> None:
-    for field, value in [("echo", True), ("suffix", "end"), ("best_of", 2)]:
-        response = client.post("/v1/completions", json={"prompt": "hi", field: value})
-        assert_error(response, 400, field, "unsupported_parameter")
+@pytest.mark.parametrize(
+    ("fields", "param", "code"),
+    [
+        ({"best_of": 1, "n": 2}, "best_of", None),
+        ({"best_of": 2, "stream": True}, "best_of", None),
+        ({"best_of": 129}, "best_of", None),
+        ({"echo": True, "logprobs": 1}, "echo", "unsupported_parameter"),
+        # The test tokenizer has no fill-in-the-middle tokens.
+        ({"suffix": "end"}, "suffix", "unsupported_parameter"),
+        ({"suffix": "end", "prompt": [1, 2]}, "suffix", None),
+        ({"suffix": "end", "truncate_prompt_tokens": 2}, "suffix", None),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", None),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens", None),
+        ({"truncation_side": "middle"}, "truncation_side", None),
+    ],
+)
+def test_completion_combinations(
+    client: TestClient, fields: dict[str, Any], param: str, code: str | None
+) -> None:
+    response = client.post("/v1/completions", json={"prompt": "hi", **fields})
+    assert_error(response, 400, param, code)
+
+
+def test_completion_extensions_pass_validation(client: TestClient) -> None:
+    # No engine behind this app: a 503 means the request was valid and was sent.
+    for fields in [
+        {"prompt": ["hello", [5, 6]], "n": 2, "echo": True},
+        {"prompt": "hello", "best_of": 3, "n": 2},
+        {"prompt": "hello", "suffix": ""},  # an empty suffix asks for nothing
+        {"prompt": "hello", "add_special_tokens": False, "include_stop_str_in_output": True},
+        # Truncated to fit the context; without truncate_prompt_tokens, too long.
+        {"prompt": list(range(MAX_MODEL_LEN)), "truncate_prompt_tokens": 8},
+        {
+            "prompt": list(range(MAX_MODEL_LEN)),
+            "truncate_prompt_tokens": 8,
+            "truncation_side": "right",
+        },
+    ]:
+        response = client.post("/v1/completions", json=fields)
+        assert_error(response, 503, None, "engine_unavailable")
+
+
+def test_truncation_keeps_the_last_tokens() -> None:
+    def truncated(**fields: Any) -> list[int]:
+        request = CompletionRequest(prompt="x", **fields)
+        return request.truncated_prompt(list(range(10)), max_model_len=6)
+
+    assert truncated() == list(range(10))
+    assert truncated(truncate_prompt_tokens=3) == [7, 8, 9]
+    assert truncated(truncate_prompt_tokens=3, truncation_side="right") == [0, 1, 2]
+    assert truncated(truncate_prompt_tokens=-1) == [4, 5, 6, 7, 8, 9]  # the context's length
+
+
+def test_include_stop_str_with_stop_tokens_that_have_text(client: TestClient) -> None:
+    tokenizer = Tokenizer.from_str(TOKENIZER_JSON)
+    text_token, special_token = tokenizer.token_to_id("hello"), tokenizer.token_to_id("<|im_end|>")
+    body = {"prompt": "hi", "include_stop_str_in_output": True}
+    response = client.post("/v1/completions", json={**body, "stop_token_ids": [text_token]})
+    assert_error(response, 400, "include_stop_str_in_output", "unsupported_parameter")
+    # A special token has no text (it is skipped), so there is nothing to include.
+    response = client.post("/v1/completions", json={**body, "stop_token_ids": [special_token]})
+    assert_error(response, 503, None, "engine_unavailable")
+
+
+# Fields beyond those declared
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "param"),
+    [
+        ("/v1/chat/completions", {"use_beam_search": True}, "use_beam_search"),
+        ("/v1/completions", {"length_penalty": 1.2}, "length_penalty"),
+        ("/v1/completions", {"logprob_token_ids": [1]}, "logprob_token_ids"),
+        ("/v1/completions", {"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+        ("/v1/completions", {"structural_tag": "{}"}, "structural_tag"),
+        ("/v1/completions", {"request_id": "mine"}, "request_id"),
+        ("/v1/chat/completions", {"echo": True}, "echo"),
+        ("/v1/chat/completions", {"skip_special_tokens": False}, "skip_special_tokens"),
+        (
+            "/v1/chat/completions",
+            {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+            "stream_options.continuous_usage_stats",
+        ),
+        ("/tokenize", {"prompt": "hi", "return_token_strs": True}, "return_token_strs"),
+    ],
+)
+def test_vllm_fields_not_served_yet_are_refused(
+    client: TestClient, path: str, fields: dict[str, Any], param: str
+) -> None:
+    body = chat(**fields) if "chat" in path else {"prompt": "hi", **fields}
+    message = assert_error(client.post(path, json=body), 400, param, "unsupported_parameter")
+    assert "not supported" in message
+
+
+def test_vllm_fields_at_their_defaults_and_unknown_fields_are_accepted(
+    client: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    neutral = {"use_beam_search": False, "length_penalty": 1.0, "skip_special_tokens": True}
+    with caplog.at_level(logging.WARNING, logger="server.openai_schemas"):
+        response = client.post(
+            "/v1/chat/completions", json=chat(**neutral, frobnicate=1, service_tier="auto")
+        )
+    assert_error(response, 503, None, "engine_unavailable")
+    warnings = [record.getMessage() for record in caplog.records]
+    assert warnings == [
+        "The following fields were present in the request but ignored: frobnicate, service_tier"
+    ]
+
+
+# Request ids and the version
+
+
+def test_request_ids_are_echoed_or_made(client: TestClient) -> None:
+    for response in [
+        client.get("/v1/models", headers={"X-Request-Id": "abc-123"}),
+        client.get("/v1/nothing", headers={"X-Request-Id": "abc-123"}),
+        client.post("/v1/completions", json={"prompt": "hi"}, headers={"X-Request-Id": "abc-123"}),
+    ]:
+        assert response.headers["x-request-id"] == "abc-123"
+    made = [client.get("/v1/models").headers["x-request-id"] for _ in range(2)]
+    assert made[0] != made[1] and all(len(made_id) == 32 for made_id in made)
+
+
+def test_version(client: TestClient) -> None:
+    assert client.get("/version").json() == {"version": importlib.metadata.version("tandem")}
 
 
 def test_completion_too_long(client: TestClient) -> None:
@@ -359,8 +499,10 @@ def test_defaults_and_normalisation() -> None:
         "content": "hi",
         "name": "ann",
     }
-    assert parse_request(CompletionRequest, b'{"prompt": ["just one"]}').prompt == "just one"
-    assert parse_request(CompletionRequest, b'{"prompt": [5, 6]}').prompt == [5, 6]
+    assert parse_request(CompletionRequest, b'{"prompt": "one"}').prompt == ["one"]
+    assert parse_request(CompletionRequest, b'{"prompt": ["one", "two"]}').prompt == ["one", "two"]
+    assert parse_request(CompletionRequest, b'{"prompt": [5, 6]}').prompt == [[5, 6]]
+    assert parse_request(CompletionRequest, b'{"prompt": [[5], "x"]}').prompt == [[5], "x"]
 
 
 def test_model_defaults_fill_only_what_the_request_leaves_out() -> None:

@@ -1,0 +1,42 @@
+"""X-Request-Id: every response carries one, the client's own or a new one, as vLLM does.
+
+A client's id also starts the id of its answer (``chatcmpl-<id>``, ``cmpl-<id>``,
+``resp_<id>``), so that its logs and ours name the same request. A pure ASGI middleware
+around the whole application, so that streamed answers pass through untouched and
+even the 500s of unexpected errors carry the header.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from starlette.datastructures import MutableHeaders
+from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+_HEADER = "x-request-id"
+
+
+class RequestIdHeader:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(_HEADER.encode())
+        request_id = given.decode("latin-1") if given else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)[_HEADER] = request_id
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def request_id(request: Request) -> str:
+    """The request's id: its X-Request-Id header's, or the one made for it."""
+    return request.state.request_id

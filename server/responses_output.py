@@ -1,0 +1,358 @@
+"""The Responses API's answer: the ``response`` object, whole (``ResponseObject.final``) or
+built up by the events of its stream (``ResponseEvents``), as OpenAI writes them.
+
+A response's output is its reasoning (a ``reasoning`` item, when a reasoning parser
+reads the answer), its text (an assistant message holding one ``output_text`` part; an
+empty one when the answer is nothing else) and its tool calls (``function_call`` items),
+in that order. It is ``completed``, or ``incomplete`` (``max_output_tokens``) when the
+length ran out. The usage's cache and reasoning token counts are 0: the engine does not
+report the first per request, nor which tokens were reasoning.
+"""
+
+from __future__ import annotations
+
+import uuid
+from functools import partial
+from typing import Any, Literal
+
+from protocol import FinishReason, TokenLogprobs
+from server.answer import Answer
+from server.errors import ApiError
+from server.generation import TextDelta
+from server.logprobs import chat_logprobs
+from server.responses_schemas import ResponsesRequest
+from server.served_model import ServedModel
+from server.sse import event
+from server.tool_calling import ChatParsing
+from server.tool_parsers import ToolCall
+
+
+class ResponseObject:
+    """One response's ``response`` object, at each stage of its life."""
+
+    def __init__(
+        self,
+        answer: Answer,
+        request: ResponsesRequest,
+        model: ServedModel,
+        parsing: ChatParsing,
+    ) -> None:
+        self.answer = answer
+        self.parsing = parsing  # how the answer splits into reasoning, text and calls
+        self._request = request
+        self._message_id = f"msg_{uuid.uuid4().hex}"
+        self._reasoning_id = f"rs_{uuid.uuid4().hex}"
+        self._logprobs = partial(chat_logprobs, model) if request.wants_logprobs else None
+
+    @property
+    def message_id(self) -> str:
+        return self._message_id
+
+    @property
+    def reasoning_id(self) -> str:
+        return self._reasoning_id
+
+    def body(
+        self, status: str, output: list[dict[str, Any]], completion_tokens: int | None = None
+    ) -> dict[str, Any]:
+        """The response object; its usage once ``completion_tokens`` are known."""
+        request = self._request
+        prompt_tokens = self.answer.prompt_tokens
+        usage = None
+        if completion_tokens is not None:
+            usage = {
+                "input_tokens": prompt_tokens,
+                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                "output_tokens": completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": prompt_tokens + completion_tokens,
+            }
+        text_format = request.text.format if request.text and request.text.format else None
+        return {
+            "id": self.answer.id,
+            "object": "response",
+            "created_at": self.answer.created,
+            "status": status,
+            "background": False,
+            "error": None,
+            "incomplete_details": (
+                {"reason": "max_output_tokens"} if status == "incomplete" else None
+            ),
+            "instructions": request.instructions,
+            "max_output_tokens": request.max_output_tokens,
+            "max_tool_calls": request.max_tool_calls,
+            "model": self.answer.model,
+            "output": output,
+            "parallel_tool_calls": (
+                True if request.parallel_tool_calls is None else request.parallel_tool_calls
+            ),
+            "previous_response_id": None,
+            "reasoning": None,
+            "service_tier": "default",
+            "store": False,  # nothing is stored, whatever the request said
+            "temperature": 1.0 if request.temperature is None else request.temperature,
+            "text": {"format": text_format or {"type": "text"}},
+            "tool_choice": request.tool_choice or ("auto" if request.tools else "none"),
+            "tools": request.tools,
+            "top_logprobs": request.top_logprobs or 0,
+            "top_p": 1.0 if request.top_p is None else request.top_p,
+            "truncation": "disabled",
+            "usage": usage,
+            "user": request.user,
+            "metadata": request.metadata or {},
+        }
+
+    def output_text(
+        self, text: str, token_ids: list[int], logprobs: list[TokenLogprobs]
+    ) -> dict[str, Any]:
+        """The message's ``output_text`` part."""
+        return {
+            "type": "output_text",
+            "text": text,
+            "annotations": [],
+            "logprobs": self.logprobs(token_ids, logprobs),
+        }
+
+    def logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs]) -> list[Any]:
+        """The tokens' log-probabilities, as the chat API lists them; none if not asked."""
+        return [] if self._logprobs is None else self._logprobs(token_ids, logprobs)["content"]
+
+    def message(self, status: str, content: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "type": "message",
+            "id": self._message_id,
+            "status": status,
+            "role": "assistant",
+            "content": content,
+        }
+
+    def reasoning(self, status: str, text: str) -> dict[str, Any]:
+        return {
+            "type": "reasoning",
+            "id": self._reasoning_id,
+            "status": status,
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}],
+        }
+
+    def final(self, whole: TextDelta) -> dict[str, Any]:
+        """The finished response, from its one choice whole."""
+        status = _status(whole.finish_reason)
+        output = self.parsing.parser().parse(whole.text)
+        items = []
+        if output.reasoning_content is not None:
+            items.append(self.reasoning("completed", output.reasoning_content))
+        if output.content is not None or not output.tool_calls:
+            part = self.output_text(output.content or "", whole.token_ids, whole.logprobs)
+            items.append(self.message(status, [part]))
+        items += [function_call(call, "completed") for call in output.tool_calls]
+        return self.body(status, items, whole.completion_tokens)
+
+
+def function_call(call: ToolCall, status: str) -> dict[str, Any]:
+    """A ``function_call`` output item; its id is the call's, as ``fc_...``."""
+    return {
+        "type": "function_call",
+        "id": "fc_" + call.id.removeprefix("call_"),
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments,
+        "status": status,
+    }
+
+
+class ResponseEvents:
+    """The events of a streamed response (server/streaming.py's ``StreamEvents``): each is
+    an SSE event named by its type, numbered in order; no [DONE] ends them.
+
+    Output items open as the answer reaches them (its reasoning, its text, each tool
+    call) and are done when the next one opens or the answer ends."""
+
+    def __init__(self, response: ResponseObject) -> None:
+        self.answer = response.answer
+        self._response = response
+        self._parser = response.parsing.parser()
+        self._sequence_number = 0
+        self._items: list[dict[str, Any]] = []  # the output items done
+        self._open: Literal["reasoning", "message", "function_call"] | None = None
+        self._reasoning: list[str] = []
+        self._text: list[str] = []
+        self._call: ToolCall | None = None  # the open function call, its arguments so far
+        self._token_ids: list[int] = []
+        self._logprobs: list[TokenLogprobs] = []
+        self._unsent = 0  # tokens at the end of _token_ids whose logprobs no delta carried
+        self._finish_reason: str | None = None
+
+    def start(self) -> list[str]:
+        in_progress = self._response.body("in_progress", [])
+        return [
+            self._event("response.created", response=in_progress),
+            self._event("response.in_progress", response=in_progress),
+        ]
+
+    def render(self, index: int, delta: TextDelta) -> list[str]:
+        self._token_ids += delta.token_ids
+        self._logprobs += delta.logprobs
+        self._unsent += len(delta.token_ids)
+        self._finish_reason = delta.finish_reason
+        split = self._parser.feed(delta.text)
+        if delta.finish_reason is not None:
+            last = self._parser.finish()
+            split.reasoning_content += last.reasoning_content
+            split.content += last.content
+            split.tool_calls += last.tool_calls
+        events = []
+        if split.reasoning_content:
+            events += self._open_item("reasoning")
+            self._reasoning.append(split.reasoning_content)
+            delta_event = "response.reasoning_text.delta"
+            events.append(
+                self._event(delta_event, **self._reasoning_place(), delta=split.reasoning_content)
+            )
+        if split.content:
+            events += self._open_item("message")
+            self._text.append(split.content)
+            events.append(self._text_delta(split.content))
+        for call in split.tool_calls:
+            if call.id is not None:
+                assert call.name is not None
+                events += self._open_item("function_call")
+                self._call = ToolCall(call.id, call.name, "")
+                item = function_call(self._call, "in_progress")
+                events.append(
+                    self._event(
+                        "response.output_item.added", output_index=len(self._items), item=item
+                    )
+                )
+            assert self._call is not None
+            if call.arguments:
+                self._call = ToolCall(
+                    self._call.id, self._call.name, self._call.arguments + call.arguments
+                )
+                events.append(
+                    self._event(
+                        "response.function_call_arguments.delta",
+                        item_id=function_call(self._call, "")["id"],
+                        output_index=len(self._items),
+                        delta=call.arguments,
+                    )
+                )
+        if not events and self._open == "message" and delta.token_ids:
+            events.append(self._text_delta(""))  # tokens held back: their logprobs go now
+        return events
+
+    def finish(self, completion_tokens: int) -> list[str]:
+        status = _status(self._finish_reason)
+        events = []
+        if not self._items and self._open is None:
+            events += self._open_item("message")  # an empty answer: an empty message
+        events += self._close(status)
+        response = self._response.body(status, self._items, completion_tokens)
+        return [*events, self._event(f"response.{status}", response=response)]
+
+    def error(self, error: ApiError) -> list[str]:
+        failed = self._response.body("failed", [])
+        failed["error"] = {"code": error.code or error.type, "message": error.message}
+        return [
+            self._event("error", code=error.code, message=error.message, param=error.param),
+            self._event("response.failed", response=failed),
+        ]
+
+    def end(self) -> list[str]:
+        return []
+
+    def _open_item(self, kind: Literal["reasoning", "message", "function_call"]) -> list[str]:
+        """Opens an item of ``kind`` unless one is open (a function call always opens)."""
+        if self._open == kind and kind != "function_call":
+            return []
+        events = self._close("completed")
+        self._open = kind
+        output_index = len(self._items)
+        if kind == "reasoning":
+            item = self._response.reasoning("in_progress", "")
+            events.append(
+                self._event("response.output_item.added", output_index=output_index, item=item)
+            )
+        elif kind == "message":
+            item = self._response.message("in_progress", [])
+            events += [
+                self._event("response.output_item.added", output_index=output_index, item=item),
+                self._event("response.content_part.added", **self._part_place(), part=self._part()),
+            ]
+        return events  # a function call's item is added with its name
+
+    def _close(self, status: str) -> list[str]:
+        """The events that end the open item, if any; the item joins the output."""
+        kind, self._open = self._open, None
+        output_index = len(self._items)
+        if kind == "reasoning":
+            text = "".join(self._reasoning)
+            item = self._response.reasoning("completed", text)
+            events = [
+                self._event("response.reasoning_text.done", **self._reasoning_place(), text=text)
+            ]
+        elif kind == "message":
+            part = self._part()
+            item = self._response.message(status, [part])
+            events = [
+                self._event(
+                    "response.output_text.done",
+                    **self._part_place(),
+                    text=part["text"],
+                    logprobs=part["logprobs"],
+                ),
+                self._event("response.content_part.done", **self._part_place(), part=part),
+            ]
+        elif kind == "function_call":
+            assert self._call is not None
+            item = function_call(self._call, "completed")
+            events = [
+                self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=output_index,
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+            ]
+        else:
+            return []
+        self._items.append(item)
+        return [
+            *events,
+            self._event("response.output_item.done", output_index=output_index, item=item),
+        ]
+
+    def _text_delta(self, text: str) -> str:
+        sent = len(self._token_ids) - self._unsent
+        self._unsent = 0
+        logprobs = self._response.logprobs(self._token_ids[sent:], self._logprobs[sent:])
+        return self._event(
+            "response.output_text.delta", **self._part_place(), delta=text, logprobs=logprobs
+        )
+
+    def _part(self) -> dict[str, Any]:
+        return self._response.output_text("".join(self._text), self._token_ids, self._logprobs)
+
+    def _part_place(self) -> dict[str, Any]:
+        return {
+            "item_id": self._response.message_id,
+            "output_index": len(self._items),
+            "content_index": 0,
+        }
+
+    def _reasoning_place(self) -> dict[str, Any]:
+        return {
+            "item_id": self._response.reasoning_id,
+            "output_index": len(self._items),
+            "content_index": 0,
+        }
+
+    def _event(self, kind: str, **fields: Any) -> str:
+        data = {"type": kind, "sequence_number": self._sequence_number, **fields}
+        self._sequence_number += 1
+        return event(data, kind)
+
+
+def _status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == FinishReason.LENGTH else "completed"

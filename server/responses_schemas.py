@@ -1,0 +1,338 @@
+"""The request body of OpenAI's Responses API (POST /v1/responses), and the chat request
+it maps to.
+
+A response is generated as a chat completion is: ``ResponsesRequest.chat_request`` turns
+the instructions and input items into chat messages and the sampling fields into the chat
+ones, and the chat endpoint's preparation (server/prompts.py, ``chat_generation``) takes it
+from there. What the chat endpoint learns to do, the Responses API gets by extending that
+map: function ``tools``, ``tool_choice`` and ``parallel_tool_calls`` map to the chat ones,
+``function_call`` and ``function_call_output`` input items to an assistant message's
+``tool_calls`` and ``tool`` messages, and ``text.format`` (json_schema, json_object) to
+a structured output (``structured_output``).
+
+This server is stateless: ``store`` is accepted (OpenAI's default is true, and clients send
+it) but nothing is stored, as vLLM does without its store; what needs a stored response or
+conversation (``previous_response_id``, ``conversation``, ``background``) is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar
+
+from pydantic import BeforeValidator, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from protocol import MAX_TOP_LOGPROBS, StructuredOutput
+from server.errors import ApiError
+from server.openai_schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    LogitBias,
+    RequestBody,
+    Temperature,
+    TopK,
+    TopP,
+)
+from server.structured_output import structured_output_of
+
+# The input roles, as chat templates know them: a developer message is a system one.
+_CHAT_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+_TEXT_PARTS = ("input_text", "output_text")
+LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the one ``include`` value served
+
+
+def _input_messages(value: Any) -> list[dict[str, Any]]:
+    """``input`` as chat messages: a string is one user message; a list holds messages."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise PydanticCustomError(
+            "invalid_type", "input must be a string or a non-empty list of input items"
+        )
+    messages: list[dict[str, Any]] = []
+    for index, item in enumerate(value):
+        message = _input_message(f"input[{index}]", item)
+        previous = messages[-1] if messages else None
+        if "tool_calls" in message and previous is not None and previous.get("tool_calls"):
+            previous["tool_calls"] += message["tool_calls"]  # parallel calls: one message
+        else:
+            messages.append(message)
+    return messages
+
+
+def _input_message(where: str, item: Any) -> dict[str, Any]:
+    if not isinstance(item, dict):
+        raise PydanticCustomError("invalid_type", "{where} must be an object", {"where": where})
+    kind = item.get("type", "message")
+    if kind == "function_call":
+        return _function_call(where, item)
+    if kind == "function_call_output":
+        return _function_call_output(where, item)
+    if kind != "message":
+        raise PydanticCustomError(
+            "unsupported_parameter",
+            "{where}: input items of type '{kind}' are not supported yet",
+            {"where": where, "kind": str(kind)},
+        )
+    role = item.get("role")
+    if role not in _CHAT_ROLES:
+        raise PydanticCustomError(
+            "invalid_value",
+            "{where}.role must be one of user, assistant, system and developer",
+            {"where": where},
+        )
+    content = item.get("content")
+    if isinstance(content, str):
+        return {"role": _CHAT_ROLES[role], "content": content}
+    if not isinstance(content, list):
+        raise PydanticCustomError(
+            "invalid_type", "{where}.content must be a string or a list of parts", {"where": where}
+        )
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS:
+            raise PydanticCustomError(
+                "unsupported_parameter",
+                "{where}: content parts of type '{kind}' are not supported yet; "
+                "only input_text and output_text are",
+                {"where": where, "kind": str(kind)},
+            )
+        if not isinstance(part.get("text"), str):
+            raise PydanticCustomError(
+                "invalid_type", "{where}: a text part needs a string 'text'", {"where": where}
+            )
+        parts.append({"type": "text", "text": part["text"]})  # the chat API's text part
+    return {"role": _CHAT_ROLES[role], "content": parts}
+
+
+def _function_call(where: str, item: dict[str, Any]) -> dict[str, Any]:
+    """An earlier answer's call, as the assistant message that made it."""
+    fields = {name: item.get(name) for name in ("call_id", "name", "arguments")}
+    if not all(isinstance(value, str) for value in fields.values()):
+        raise PydanticCustomError(
+            "invalid_type",
+            "{where}: a function_call needs string call_id, name and arguments",
+            {"where": where},
+        )
+    call = {
+        "id": fields["call_id"],
+        "type": "function",
+        "function": {"name": fields["name"], "arguments": fields["arguments"]},
+    }
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
+def _function_call_output(where: str, item: dict[str, Any]) -> dict[str, Any]:
+    """A call's result, as the ``tool`` message that answers it."""
+    if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"), str):
+        raise PydanticCustomError(
+            "invalid_type",
+            "{where}: a function_call_output needs string call_id and output",
+            {"where": where},
+        )
+    return {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
+
+
+def _text_format(value: Any) -> Any:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if value is not None and kind not in ("text", "json_schema", "json_object"):
+        raise PydanticCustomError(
+            "invalid_value", "text.format.type must be text, json_schema or json_object"
+        )
+    return value
+
+
+def _tools(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise PydanticCustomError("invalid_type", "tools must be a list")
+    for tool in value:
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "function":
+            if not isinstance(tool.get("name"), str):
+                raise PydanticCustomError("invalid_type", "a function tool needs a string name")
+            continue
+        raise PydanticCustomError(
+            "unsupported_parameter",
+            "tools of type '{kind}' are not supported: this server runs no built-in tools",
+            {"kind": str(kind)},
+        )
+    return value
+
+
+def _tool_choice(value: Any) -> Any:
+    """none, auto, required, or ``{"type": "function", "name": ...}``."""
+    if value is None or value in ("none", "auto", "required"):
+        return value
+    if (
+        isinstance(value, dict)
+        and value.get("type") == "function"
+        and isinstance(value.get("name"), str)
+    ):
+        return {"type": "function", "name": value["name"]}
+    raise PydanticCustomError(
+        "invalid_value",
+        'tool_choice must be none, auto, required or {"type": "function", "name": ...}',
+    )
+
+
+def _include(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise PydanticCustomError("invalid_type", "include must be a list of strings")
+    for item in value:
+        if item != LOGPROBS_INCLUDE:
+            raise PydanticCustomError(
+                "unsupported_parameter",
+                "include '{item}' is not supported; only '{served}' is",
+                {"item": item, "served": LOGPROBS_INCLUDE},
+            )
+    return value
+
+
+def _no_reasoning(value: Any) -> Any:
+    # Clients may send the reasoning object with nothing set in it.
+    if value is not None and (not isinstance(value, dict) or any(value.values())):
+        raise PydanticCustomError(
+            "unsupported_parameter", "reasoning is not supported: the model has no reasoning mode"
+        )
+    return value
+
+
+def _refused(reason: str, *neutral: Any) -> BeforeValidator:
+    """A validator that refuses any value but null and ``neutral`` ones, saying ``reason``."""
+
+    def check(value: Any) -> Any:
+        if value is not None and value not in neutral:
+            raise PydanticCustomError("unsupported_parameter", reason)
+        return value
+
+    return BeforeValidator(check)
+
+
+class ResponseText(RequestBody):
+    format: Annotated[Any, BeforeValidator(_text_format)] = None
+    verbosity: Annotated[
+        Any, _refused("verbosity other than medium is not supported", "medium")
+    ] = None
+
+
+class ResponsesRequest(RequestBody):
+    not_served: ClassVar[Mapping[str, tuple[Any, ...]]] = {
+        # vLLM's own fields
+        "skip_special_tokens": (True,),
+        "enable_response_messages": (False,),
+        "previous_input_messages": (),
+        "request_id": (),  # the X-Request-Id header names a request (server/request_id.py)
+        "priority": (0,),
+        "cache_salt": (),
+        "mm_processor_kwargs": (),
+    }
+
+    model: str | None = None
+    input: Annotated[list[ChatMessage], BeforeValidator(_input_messages)]
+    instructions: str | None = None  # a system message before the input
+    max_output_tokens: Annotated[int | None, Field(ge=1)] = None
+    temperature: Temperature = None
+    top_p: TopP = None
+    top_k: TopK = None  # vLLM's
+    logit_bias: LogitBias = None  # vLLM's
+    stream: bool = False
+    include: Annotated[list[str], BeforeValidator(_include)] = Field(default_factory=list)
+    top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
+    text: ResponseText | None = None
+    tools: Annotated[list[Any], BeforeValidator(_tools)] = Field(default_factory=list)
+    tool_choice: Annotated[Any, BeforeValidator(_tool_choice)] = None
+    parallel_tool_calls: bool | None = None
+    max_tool_calls: Annotated[int | None, Field(ge=1)] = None
+    # Informational: echoed in the response, changing nothing.
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    service_tier: str | None = None
+    store: bool | None = None  # accepted; nothing is stored (see the module's docstring)
+    previous_response_id: Annotated[
+        Any, _refused("previous_response_id is not supported: this server stores no responses")
+    ] = None
+    conversation: Annotated[
+        Any, _refused("conversation is not supported: this server stores no conversations")
+    ] = None
+    background: Annotated[
+        Any, _refused("background is not supported: this server stores no responses", False)
+    ] = None
+    prompt: Annotated[Any, _refused("prompt templates are not supported")] = None
+    truncation: Annotated[
+        Any, _refused("truncation other than disabled is not supported yet", "disabled")
+    ] = None
+    reasoning: Annotated[Any, BeforeValidator(_no_reasoning)] = None
+
+    @model_validator(mode="after")
+    def _logprobs_need_include(self) -> ResponsesRequest:
+        # ApiError, not a validation error: it names the field (pydantic lets it through).
+        if self.top_logprobs and not self.wants_logprobs:
+            raise ApiError(
+                400,
+                f"top_logprobs requires include: ['{LOGPROBS_INCLUDE}'].",
+                param="top_logprobs",
+            )
+        return self
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS_INCLUDE in self.include
+
+    def chat_request(self) -> ChatCompletionRequest:
+        """The chat completion request that generates this response."""
+        instructions = [ChatMessage(role="system", content=self.instructions)]
+        return _ChatForResponses(
+            model=self.model,
+            messages=(instructions if self.instructions else []) + self.input,
+            max_completion_tokens=self.max_output_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            logit_bias=self.logit_bias,
+            logprobs=self.wants_logprobs,
+            top_logprobs=self.top_logprobs if self.wants_logprobs else None,
+            stream=self.stream,
+            tools=[_chat_tool(tool) for tool in self.tools] or None,
+            tool_choice=(
+                {"type": "function", "function": {"name": self.tool_choice["name"]}}
+                if isinstance(self.tool_choice, dict)
+                else self.tool_choice
+            ),
+            parallel_tool_calls=(
+                True if self.parallel_tool_calls is None else self.parallel_tool_calls
+            ),
+        )
+
+    def structured_output(self) -> StructuredOutput | None:
+        """What ``text.format`` holds the output to, or None (plain text)."""
+        text_format = self.text.format if self.text is not None else None
+        if not isinstance(text_format, dict) or text_format["type"] == "text":
+            return None
+        try:
+            if text_format["type"] == "json_object":
+                return structured_output_of(response_format={"type": "json_object"})
+            # The Responses API flattens what the chat API nests under json_schema.
+            json_schema = {k: v for k, v in text_format.items() if k != "type"}
+            return structured_output_of(
+                response_format={"type": "json_schema", "json_schema": json_schema}
+            )
+        except ApiError as exc:
+            raise ApiError(400, exc.message, param="text.format") from exc
+
+
+def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A Responses function tool as a chat one: its fields under ``function``."""
+    function = {key: value for key, value in tool.items() if key != "type"}
+    return {"type": "function", "function": function}
+
+
+class _ChatForResponses(ChatCompletionRequest):
+    """A chat request made from a Responses one: errors about its prompt name ``input``."""
+
+    prompt_param: ClassVar[str] = "input"

@@ -1,0 +1,109 @@
+"""A chat request's tools: the constraint its ``tool_choice`` puts on the output, and how
+each of its answers is read (``ChatParsing``: reasoning, content, tool calls).
+
+"auto" lets the model write calls in its own format, read by the served model's tool-call
+parser; "required" and a named function hold the output to JSON (``tool_choice_schema``),
+enforced by the engine as a structured output, and read by the parsers of that JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from protocol import StructuredOutput, StructuredOutputKind
+from server.chat_output import ChatOutputParser, chat_finish_reason
+from server.errors import ApiError
+from server.openai_schemas import ChatCompletionRequest
+from server.reasoning import REASONING_PARSERS
+from server.served_model import ServedModel
+from server.tool_parsers import (
+    TOOL_PARSERS,
+    CallArrayParser,
+    NamedFunctionParser,
+    ToolChoiceError,
+    ToolParser,
+    tool_choice_schema,
+)
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """What a request's tools and ``tool_choice`` ask of its answers."""
+
+    tools: list[dict[str, Any]] | None  # for the chat template, as the request gave them
+    constraint: StructuredOutput | None  # the output's JSON schema ("required", named)
+    parser: Callable[[], ToolParser] | None  # a new tool-call parser for each answer
+    named: bool = False  # a named function: OpenAI's finish reason stays "stop"
+
+
+def tool_use(model: ServedModel, body: ChatCompletionRequest) -> ToolUse:
+    """The request's tools, checked against the model's template and parser; ApiError (400)
+    for tools the template cannot show, or a ``tool_choice`` that cannot be honoured."""
+    tools = None if body.tools is None else [t.model_dump(exclude_unset=True) for t in body.tools]
+    if tools and not (model.chat_template and model.chat_template.supports_tools):
+        raise ApiError(
+            400,
+            "This model's chat template does not support tools (start the server with "
+            "--chat-template to use one that does).",
+            param="tools",
+        )
+    choice = body.tool_choice
+    if choice is None or (choice == "auto" and not tools):
+        # Clients send "auto" without tools; with no tools there is nothing to call.
+        choice = "auto" if tools else "none"
+    if choice == "none":
+        return ToolUse(tools, None, None)
+    if not tools:
+        raise ApiError(400, "tool_choice needs tools.", param="tool_choice")
+    try:
+        schema = tool_choice_schema(tools, choice, body.parallel_tool_calls)
+    except ToolChoiceError as exc:
+        raise ApiError(400, f"Invalid 'tool_choice': {exc}.", param="tool_choice") from exc
+    max_calls = None if body.parallel_tool_calls else 1
+    if choice == "auto":
+        if model.tool_parser is None:
+            raise ApiError(
+                400,
+                'tool_choice "auto" needs a tool-call parser, and none is known for this '
+                "model's chat template (start the server with --tool-call-parser).",
+                param="tool_choice",
+            )
+        return ToolUse(tools, None, partial(TOOL_PARSERS[model.tool_parser], max_calls=max_calls))
+    assert schema is not None
+    constraint = StructuredOutput(kind=StructuredOutputKind.JSON_SCHEMA, spec=json.dumps(schema))
+    if choice == "required":
+        return ToolUse(tools, constraint, partial(CallArrayParser, max_calls=max_calls))
+    assert isinstance(choice, dict)
+    named = partial(NamedFunctionParser, choice["function"]["name"])
+    return ToolUse(tools, constraint, named, named=True)
+
+
+@dataclass(frozen=True)
+class ChatParsing:
+    """How each answer of one chat request splits into reasoning, content and tool calls."""
+
+    prompt: str  # whether the answer starts inside reasoning is read from the prompt
+    reasoning_parser: str | None
+    tools: ToolUse
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Markers such as [TOOL_CALLS] are special tokens: a parser must see their text."""
+        return self.reasoning_parser is not None or self.tools.parser is not None
+
+    def parser(self) -> ChatOutputParser:
+        """A parser for one answer (each choice has its own)."""
+        reasoning = self.reasoning_parser
+        return ChatOutputParser(
+            REASONING_PARSERS[reasoning](self.prompt) if reasoning is not None else None,
+            self.tools.parser() if self.tools.parser is not None else None,
+        )
+
+    def finish_reason(self, engine_finish_reason: str, called_tools: bool) -> str:
+        if self.tools.named:
+            return engine_finish_reason  # OpenAI answers a forced function with "stop"
+        return chat_finish_reason(engine_finish_reason, called_tools)

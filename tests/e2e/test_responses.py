@@ -1,0 +1,93 @@
+"""The Responses API end to end, through the official openai client's own parsing."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.conftest import Cluster
+
+QUESTION = "What is the capital of France?"
+
+
+def test_response_whole_streamed_and_through_the_stream_helper(cluster: Cluster) -> None:
+    client = cluster.client()
+    request = dict(model=cluster.model, input=QUESTION, temperature=0, max_output_tokens=32)
+    whole = client.responses.create(**request)
+    assert whole.status == "completed" and whole.object == "response"
+    assert whole.id.startswith("resp_") and whole.output[0].id.startswith("msg_")
+    assert "Paris" in whole.output_text
+    # It is the chat endpoint's answer to the same message.
+    chat = client.chat.completions.create(
+        model=cluster.model,
+        messages=[{"role": "user", "content": QUESTION}],
+        temperature=0,
+        max_tokens=32,
+    )
+    assert whole.output_text == chat.choices[0].message.content
+    assert whole.usage.input_tokens == chat.usage.prompt_tokens
+    assert whole.usage.output_tokens == chat.usage.completion_tokens
+
+    events = list(client.responses.create(stream=True, **request))
+    kinds = [event.type for event in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    deltas = [event.delta for event in events if event.type == "response.output_text.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == whole.output_text
+    assert events[-1].response.output_text == whole.output_text
+
+    with client.responses.stream(**request) as stream:
+        helper_deltas = [
+            event.delta for event in stream if event.type == "response.output_text.delta"
+        ]
+        final = stream.get_final_response()
+    assert "".join(helper_deltas) == final.output_text == whole.output_text
+
+
+def test_running_out_of_tokens_makes_an_incomplete_response(cluster: Cluster) -> None:
+    client = cluster.client(1)
+    request = dict(model=cluster.model, input=QUESTION, max_output_tokens=3)
+    whole = client.responses.create(**request)
+    assert whole.status == "incomplete"
+    assert whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.usage.output_tokens == 3
+    last = list(client.responses.create(stream=True, **request))[-1]
+    assert last.type == "response.incomplete"
+    assert last.response.incomplete_details.reason == "max_output_tokens"
+
+
+def test_instructions_request_ids_and_refusals(cluster: Cluster) -> None:
+    client = cluster.client()
+    reply = client.responses.with_raw_response.create(
+        model=cluster.model,
+        instructions="Answer in one word.",
+        input=[{"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}],
+        temperature=0,
+        max_output_tokens=8,
+        extra_headers={"X-Request-Id": "my-request-7"},
+    )
+    assert reply.headers["x-request-id"] == "my-request-7"
+    assert reply.parse().id == "resp_my-request-7"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=cluster.model, input=QUESTION, previous_response_id="resp_1")
+    assert refused.value.body["param"] == "previous_response_id"
+    assert refused.value.body["code"] == "unsupported_parameter"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(
+            model=cluster.model,
+            input=QUESTION,
+            tools=[{"type": "web_search"}],
+        )
+    assert refused.value.body["param"] == "tools"
+    assert "not supported" in refused.value.body["message"]
