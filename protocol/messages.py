@@ -22,7 +22,10 @@ from protocol.codec import Message
 # 2: log-probabilities (SamplingParams.logprobs, RequestOutput.logprobs), presence and
 #    frequency penalties, logit bias, token counters in EngineStats.
 # 3: structured outputs (SamplingParams.structured_output), refused with invalid_request.
-PROTOCOL_VERSION = 3
+# 4: vLLM's sampling fields (min_p, repetition_penalty, min_tokens, bad_words,
+#    allowed_token_ids, prompt_logprobs), RequestOutput.prompt_logprobs and
+#    HandshakeReply.sampling_defaults.
+PROTOCOL_VERSION = 4
 # The most alternatives a request may ask log-probabilities of, as OpenAI's top_logprobs.
 MAX_TOP_LOGPROBS = 20
 # The most token sequences a request's bad words may tokenize to, and their total tokens
