@@ -17,7 +17,7 @@ import tokenizers
 import torch
 from transformers import LlamaForCausalLM as HFLlama
 
-from engine.llm_engine import EngineConfig, LLMEngine, RequestRejected
+from engine.llm_engine import LLMEngine, RequestRejected
 from engine.models import load_checkpoint
 from engine.request import RequestStatus
 from engine.structured_output import GrammarBitmask, new_matcher
@@ -30,6 +30,7 @@ from protocol import (
     StructuredOutputKind,
 )
 from tests.engine.test_logprobs import generate
+from tests.engine.test_overlap_steps import make_engine
 from tests.random_checkpoint import random_prompts, save_tiny_llama
 from tests.reference import hf_greedy
 
@@ -73,13 +74,6 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, HFLlama]:
 @pytest.fixture(scope="module")
 def text_tokenizer(tiny: tuple[Path, HFLlama]) -> tokenizers.Tokenizer:
     return tokenizers.Tokenizer.from_file(str(tiny[0] / "tokenizer.json"))
-
-
-def make_engine(directory: Path, overlap: bool = True, **overrides: int) -> LLMEngine:
-    settings = {"block_size": 4, "kv_cache_memory_gb": 0.01, **overrides}
-    return LLMEngine(
-        EngineConfig(model=str(directory), device="cpu", overlap_steps=overlap, **settings)
-    )
 
 
 def hf_constrained_greedy(

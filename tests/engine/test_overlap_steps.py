@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from transformers import LlamaForCausalLM as HFLlama
 
 from engine.config import EngineConfig
@@ -14,15 +13,8 @@ from engine.llm_engine import LLMEngine
 from protocol import FinishReason, RequestOutput, SamplingParams
 from tests.engine.test_logprobs import generate
 from tests.engine.test_penalties import penalized_greedy
-from tests.random_checkpoint import random_prompts, save_tiny_llama
+from tests.random_checkpoint import random_prompts
 from tests.reference import hf_greedy, run_engine
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, HFLlama]:
-    directory = tmp_path_factory.mktemp("tiny")
-    model = save_tiny_llama(directory, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    return directory, model
 
 
 def make_engine(directory: Path, overlap: bool = True, **overrides: int) -> LLMEngine:

@@ -19,7 +19,7 @@ from transformers import (
     RepetitionPenaltyLogitsProcessor,
 )
 
-from engine.llm_engine import EngineConfig, LLMEngine, RequestRejected
+from engine.llm_engine import RequestRejected
 from engine.sampler import (
     AllowedTokens,
     BannedTokens,
@@ -29,30 +29,13 @@ from engine.sampler import (
     process_logits,
     sample,
 )
-from protocol import FinishReason, RequestOutput, SamplingParams
+from protocol import FinishReason, SamplingParams
 from tests.engine.test_logprobs import generate
-from tests.random_checkpoint import VOCAB, random_prompts, save_tiny_llama
+from tests.engine.test_overlap_steps import make_engine, tokens
+from tests.random_checkpoint import VOCAB, random_prompts
 from tests.reference import hf_greedy
 
 EOS = VOCAB - 1  # the tiny checkpoints'
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, HFLlama]:
-    directory = tmp_path_factory.mktemp("tiny")
-    model = save_tiny_llama(directory, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    return directory, model
-
-
-def make_engine(directory: Path, overlap: bool = False, **overrides: int) -> LLMEngine:
-    settings = {"block_size": 4, "kv_cache_memory_gb": 0.01, **overrides}
-    return LLMEngine(
-        EngineConfig(model=str(directory), device="cpu", overlap_steps=overlap, **settings)
-    )
-
-
-def tokens(outputs: list[RequestOutput]) -> list[int]:
-    return [t for output in outputs for t in output.new_token_ids]
 
 
 def greedy_params(batch: int) -> SamplingTensors:
@@ -300,7 +283,7 @@ def test_min_p_one_samples_the_greedy_tokens(tiny: tuple[Path, HFLlama]) -> None
 
 def test_bad_parameters_are_refused(tiny: tuple[Path, HFLlama]) -> None:
     directory, _ = tiny
-    engine = make_engine(directory)
+    engine = make_engine(directory, overlap=False)
     refusals = {
         "min_p must be in [0, 1]": SamplingParams(min_p=1.5),
         "repetition_penalty must be a finite number greater than 0": SamplingParams(
