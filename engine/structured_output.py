@@ -260,10 +260,17 @@ class GrammarBitmask:
             torch.empty(shape, dtype=xgr.bitmask_dtype, device=device) if on_cuda else None
         )
         self._copied = torch.cuda.Event() if on_cuda else None
-        self._filler = xgr.BatchGrammarMatcher()
-        if self._device is not None:  # compile the library's Triton kernel now, not mid-step
-            allow_all = self._device[:1].fill_(-1)
-            xgr.apply_token_bitmask_inplace(torch.zeros(1, vocab_size, device=device), allow_all)
+        # One thread: handing the rows to the library's threads costs more than filling them
+        # (measured on a 16-core H200 host, 98 rows: 0.4 ms on one thread, 2.3-3.7 ms on 2 to
+        # 8; scripts/bench_structured_output.py prints it).
+        self._filler = xgr.BatchGrammarMatcher(max_threads=1)
+        if self._device is not None:
+            # Compile the library's Triton kernel now, not mid-step: Triton compiles a variant
+            # for a row count of 1, a multiple of 16 and any other.
+            for rows in sorted({1, min(2, max_rows), min(16, max_rows)}):
+                allow_all = self._device[:rows].fill_(-1)
+                logits = torch.zeros(rows, vocab_size, device=device)
+                xgr.apply_token_bitmask_inplace(logits, allow_all)
 
     def apply(self, logits: torch.Tensor, matchers: Sequence[xgr.GrammarMatcher | None]) -> None:
         """Set to -inf, in place, each row's logits of the tokens its grammar forbids next.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests and/or benchmarks, logs under $OUT (or /tmp).
 #
-#   scripts/gpu_session.sh tests|bench-1b|bench-8b|bench-qwen3|profile-1b|profile-8b ...
+#   scripts/gpu_session.sh tests|bench-1b|bench-8b|bench-qwen3|structured-1b|profile-1b|profile-8b ...
 #
 # PEERS=0 leaves out transformers' runs (minutes of device time each); PYTEST_K filters tests.
 #
@@ -47,6 +47,9 @@ for stage in "$@"; do
     bench-qwen3)
       m=$(checkpoint qwen3-0.6b)
       timeout 300 python3 scripts/bench_offline.py --model "$m" $(peer --peer-requests 128) 2>&1 | tee "$out/offline-qwen3.log" | tail -5 ;;
+    structured-1b)
+      m=$(checkpoint llama-3.2-1b)
+      timeout 420 python3 scripts/bench_structured_output.py --model "$m" 2>&1 | tee "$out/structured-1b.log" | grep -v Warning | tail -12 ;;
     profile-1b)
       m=$(checkpoint llama-3.2-1b)
       timeout 300 python3 scripts/profile_step.py --model "$m" 2>&1 | tee "$out/profile-1b.log" | grep -v USDT ;;
