@@ -123,7 +123,7 @@ class ModelRunner:
         model = build_model(
             checkpoint.config, self.attention, ops, model_len, self.device, self.dtype
         )
-        model.load_weights(checkpoint.weights())
+        model.load_weights(checkpoint.weight_slices())
         self.model = model.eval()
         logger.info(
             "loaded %s on %s (%s) in %.1f s",
