@@ -47,6 +47,14 @@ class TensorParallel:
             )
         return self.rank // (self.size // num_kv_heads), 1
 
+    def min_over_ranks(self, value: int, device: torch.device) -> int:
+        """The least of every rank's ``value`` (the KV blocks all ranks' memory holds)."""
+        if self.size == 1:
+            return value
+        least = torch.tensor([value], device=device)
+        dist.all_reduce(least, op=dist.ReduceOp.MIN)
+        return int(least.item())
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``x``, in place (a row-parallel layer's partial products)."""
         if self.size > 1:
