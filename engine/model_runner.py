@@ -148,13 +148,14 @@ class ModelRunner:
         else:
             model.load_weights(checkpoint.weight_slices())
         self.model = model.eval()
+        self.load_seconds = time.perf_counter() - started
         logger.info(
             "loaded %s%s on %s (%s) in %.1f s",
             checkpoint.name,
             f" (rank {tp.rank} of {tp.size})" if tp.size > 1 else "",
             self.device,
             str(self.dtype).removeprefix("torch."),
-            time.perf_counter() - started,
+            self.load_seconds,
         )
 
         self.num_kv_blocks = self._num_kv_blocks(config, model_len)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -131,6 +132,10 @@ def worker_main(
         level=log_level,
         format=f"%(asctime)s %(levelname)s engine rank {rank} %(name)s: %(message)s",
     )
+    # Ctrl-C or a SIGTERM to the process group is the engine's to act on: it stops the
+    # workers between steps, and a worker gone mid-step would stop it instead.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     size = config.tensor_parallel_size
     if config.device == "cpu":
         # The ranks share the machine's cores instead of each taking all of them.
