@@ -90,9 +90,9 @@ def test_greedy_generation_equals_transformers(
     parallel: tuple[Path, PreTrainedModel, LLMEngine],
 ) -> None:
     _, hf_model, engine = parallel
-    prompts = random_prompts(6)  # decodes and prefills in the same steps
-    ours = run_engine(engine, prompts, max_tokens=12)
-    assert ours == [hf_greedy(hf_model, p, 12) for p in prompts]
+    prompts = random_prompts(5)  # decodes and prefills in the same steps
+    ours = run_engine(engine, prompts, max_tokens=10)
+    assert ours == [hf_greedy(hf_model, p, 10) for p in prompts]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
