@@ -60,6 +60,10 @@ class LLMEngine:
                 f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be at least "
                 f"max_num_seqs ({config.max_num_seqs})"
             )
+        if config.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be 1 or more, not {config.tensor_parallel_size}"
+            )
         self.started_at = time.time()
         checkpoint = load_checkpoint(config.model)
         self.model_name = config.served_model_name or checkpoint.name
