@@ -11,6 +11,7 @@ overlapped steps already hide behind the device's work.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import os
@@ -72,18 +73,24 @@ class WorkerGroup:
             reader.close()  # the worker's end; the engine keeps only the writer
             self.processes.append(process)
             pipes.append(writer)
+        self._closing = False
+        threading.Thread(target=self._watch, name="tensor-parallel watch", daemon=True).start()
         _join_process_group(config, store, 0)
         self.tp = TensorParallel(0, size)
         self.sender = StepSender(pipes)
-        self._closing = False
-        threading.Thread(target=self._watch, name="tensor-parallel watch", daemon=True).start()
+        # An engine that exits without closing (an exception) still stops its workers: this
+        # runs before multiprocessing's own exit handler, which would wait for them forever.
+        atexit.register(self.close)
         logger.info(
             "tensor parallelism over %d %s ranks: started %d workers", size, config.device, size - 1
         )
 
     def close(self) -> None:
         """Stop the workers (each finishes the step it runs) and leave the process group."""
+        if self._closing:
+            return
         self._closing = True
+        atexit.unregister(self.close)
         self.sender.stop()
         for process in self.processes:
             process.join(timeout=10)
@@ -97,6 +104,7 @@ class WorkerGroup:
         if self._closing:
             return
         process = by_sentinel[exited[0]]  # type: ignore[index]
+        process.join(timeout=1)  # reaped, for its exit code
         logger.critical(
             "%s exited (code %s): the engine cannot run without it, and stops",
             process.name,
