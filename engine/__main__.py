@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: service.stop_event.set())
     service.serve_forever()
+    engine.close()
     logging.getLogger("engine").info("engine stopped")
     sys.exit(0)
 

@@ -26,6 +26,52 @@ from engine.sampler import (
 from protocol import SamplingParams
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """The sizes a step's packed device buffer splits by: with the buffer, all a
+    tensor-parallel worker needs to run the step's forward pass."""
+
+    num_tokens: int
+    num_seqs: int
+    max_blocks: int  # the block tables' width
+    num_logits: int  # R + C
+    num_targets: int  # C
+    max_query_len: int
+    num_rows: int  # R
+
+    def split(self, packed: torch.Tensor) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """The input ids, attention metadata and logits index that ``packed`` holds; views."""
+        tokens, seqs = self.num_tokens, self.num_seqs
+        sizes = [tokens] * 4 + [seqs] * 3 + [seqs * self.max_blocks, self.num_logits]
+        (
+            input_ids,
+            positions,
+            slot_mapping,
+            seq_index,
+            context_lens,
+            query_lens,
+            query_starts,
+            tables,
+            logits_index,
+        ) = packed[: sum(sizes)].split(sizes)
+        metadata = AttentionMetadata(
+            positions=positions,
+            slot_mapping=slot_mapping,
+            token_seq_index=seq_index,
+            block_tables=tables.view(seqs, self.max_blocks),
+            context_lens=context_lens,
+            query_lens=query_lens,
+            query_starts=query_starts,
+            max_query_len=self.max_query_len,
+        )
+        return input_ids, metadata, logits_index
+
+    @property
+    def packed_size(self) -> int:
+        tokens, seqs = self.num_tokens, self.num_seqs
+        return 4 * tokens + seqs * (3 + self.max_blocks) + self.num_logits + self.num_targets
+
+
 @dataclass
 class StepInputs:
     """One forward pass's inputs on the device, and the host's facts about them."""
@@ -36,15 +82,23 @@ class StepInputs:
     # positions scored for prompt log-probabilities.
     logits_index: torch.Tensor
     # The R requests those are the last tokens of: every one whose tokens are all computed
-    # after this step (not a prompt's first chunks), in batch order.
+    # after this step (not a prompt's first chunks), in batch order. (Empty on a
+    # tensor-parallel worker, which knows no requests.)
     rows: list[Request]
-    num_seqs: int
     scored: ScoredPositions | None  # None when no request wants prompt log-probabilities
+    shape: StepShape
+    # All of the above in one int64 buffer, pending tokens filled in: what a tensor-parallel
+    # engine broadcasts to its workers.
+    packed: torch.Tensor
+
+    @property
+    def num_seqs(self) -> int:
+        return self.shape.num_seqs
 
     @property
     def is_decode(self) -> bool:
         """Every sequence adds one token and samples the next: what a decode graph runs."""
-        return self.metadata.max_query_len == 1 and len(self.rows) == self.num_seqs
+        return self.shape.max_query_len == 1 and self.shape.num_rows == self.shape.num_seqs
 
 
 def pack(
@@ -111,40 +165,28 @@ def pack(
         host_t = host_t.pin_memory()
     on_device = host_t.to(device, non_blocking=True)
     num_pending = int(pending.sum())
-    num_logits = logits_index.size + scored_index.size
-    sizes = [num_tokens] * 4 + [seqs] * 3 + [block_tables.size, num_logits, target_ids.size]
-    (
-        input_ids,
-        positions_t,
-        slot_mapping_t,
-        seq_index_t,
-        context_lens,
-        query_lens_t,
-        query_starts_t,
-        tables,
-        logits_index_t,
-        target_ids_t,
-        pending_index,
-        pending_source,
-    ) = on_device.split([*sizes, num_pending, num_pending])
+    shape = StepShape(
+        num_tokens=num_tokens,
+        num_seqs=seqs,
+        max_blocks=max_blocks,
+        num_logits=logits_index.size + scored_index.size,
+        num_targets=target_ids.size,
+        max_query_len=int(query_lens.max()),
+        num_rows=logits_index.size,
+    )
+    packed, pending_index, pending_source = on_device.split(
+        [shape.packed_size, num_pending, num_pending]
+    )
+    input_ids, metadata, logits_index_t = shape.split(packed)
     if num_pending:
         input_ids.index_copy_(0, pending_index, last_sampled[pending_source])
-    metadata = AttentionMetadata(
-        positions=positions_t,
-        slot_mapping=slot_mapping_t,
-        token_seq_index=seq_index_t,
-        block_tables=tables.view(seqs, max_blocks),
-        context_lens=context_lens,
-        query_lens=query_lens_t,
-        query_starts=query_starts_t,
-        max_query_len=int(query_lens.max()),
-    )
     rows = batch if completes.all() else list(compress(batch, completes.tolist()))
     scored = None
     if chunks:
         num_top = max(chunk.request.sampling.prompt_logprobs or 0 for chunk in chunks)
+        target_ids_t = packed[shape.packed_size - shape.num_targets :]
         scored = ScoredPositions(chunks, target_ids_t, num_top)
-    return StepInputs(input_ids, metadata, logits_index_t, rows, seqs, scored)
+    return StepInputs(input_ids, metadata, logits_index_t, rows, scored, shape, packed)
 
 
 def sampling_tensors(

@@ -84,6 +84,17 @@ class EngineConfig:
         "generation_config.json; vllm, none (vLLM's names); or a directory holding a "
         "generation_config.json",
     )
+    tensor_parallel_size: int = option(
+        1,
+        "GPUs the model is split over (tensor parallelism, NCCL; gloo on CPU): the engine "
+        "starts a worker process for each but the first, which it drives itself",
+    )
+    load_format: str = option(
+        "auto",
+        "auto: the checkpoint's weights; dummy: random weights in the shape of its config.json "
+        "(for benchmarks of shapes whose weights are not at hand; no weight files needed)",
+        choices=["auto", "dummy"],
+    )
     attention_backend: str | None = option(
         None,
         "the attention and layer-op implementations (default: triton on CUDA, torch on CPU)",

@@ -24,6 +24,7 @@ from engine.prompt_logprobs import take_scored
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 from engine.structured_output import CompilingRequests, GrammarCompiler, GrammarError
+from engine.tensor_parallel import WorkerGroup
 from protocol import (
     PROTOCOL_VERSION,
     EngineStats,
@@ -59,12 +60,28 @@ class LLMEngine:
                 f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be at least "
                 f"max_num_seqs ({config.max_num_seqs})"
             )
+        if config.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be 1 or more, not {config.tensor_parallel_size}"
+            )
         self.started_at = time.time()
         checkpoint = load_checkpoint(config.model)
         self.model_name = config.served_model_name or checkpoint.name
         self.tokenizer = checkpoint.tokenizer
         self.vocab_size = checkpoint.config.vocab_size
-        self.runner = ModelRunner(config, checkpoint)
+        # Tensor parallelism: this process is rank 0 and drives the workers it starts here.
+        self.workers = (
+            WorkerGroup(config, checkpoint.config) if config.tensor_parallel_size > 1 else None
+        )
+        try:
+            if self.workers is None:
+                self.runner = ModelRunner(config, checkpoint)
+            else:
+                send_step = self.workers.sender.send
+                self.runner = ModelRunner(config, checkpoint, self.workers.tp, send_step)
+        except BaseException:
+            self.close()
+            raise
         self.device = self.runner.device
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(
@@ -93,6 +110,12 @@ class LLMEngine:
         self.errors: list[tuple[bytes, ErrorReply]] = []
         self.num_finished = 0
         self.num_generated_tokens = 0  # sampled, one per request per step
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine serves no more)."""
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
 
     @property
     def has_work(self) -> bool:

@@ -3,15 +3,16 @@ scheduled batch into next tokens.
 
 Built from the engine's config and a checkpoint, it sizes everything device-bound itself
 (the memory left for the cache, the cache, the graphs) and reports the result: how many KV
-blocks there are and the context length they allow. It is the unit a tensor-parallel
-worker process would run once per GPU.
+blocks there are and the context length they allow. Under tensor parallelism every rank
+runs one (``engine.tensor_parallel``): the engine's own, rank 0, packs each step, sends it
+to the others (``send_step``) and samples; a worker's runs only the forward passes.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,7 @@ from engine.batch import StepInputs, pack, sampling_tensors
 from engine.checkpoint import Checkpoint
 from engine.cuda_graphs import DecodeGraphs
 from engine.models import build_model
+from engine.parallel import SINGLE, TensorParallel
 from engine.prompt_logprobs import ScoredChunk, ScoredPositions, read_scored
 from engine.request import Request
 from engine.sampler import prompt_token_logprobs, sample, token_logprobs
@@ -101,16 +103,34 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def rank_device(device: str, tp: TensorParallel) -> torch.device:
+    """Rank r of a tensor-parallel group runs on GPU r (of those visible)."""
+    if device == "cuda" and tp.size > 1:
+        return torch.device("cuda", tp.rank)
+    return torch.device(device)
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, checkpoint: Checkpoint) -> None:
-        """Load the model, size and allocate the KV cache, capture the decode graphs.
+    def __init__(
+        self,
+        config: EngineConfig,
+        checkpoint: Checkpoint,
+        tp: TensorParallel = SINGLE,
+        send_step: Callable[[StepInputs], None] | None = None,
+    ) -> None:
+        """Load the model (rank ``tp.rank``'s part of it), size and allocate the KV cache,
+        capture the decode graphs. ``send_step``, on rank 0 of several, hands each step's
+        inputs to the other ranks before its forward pass.
 
         ``num_kv_blocks`` and ``max_model_len`` are then the cache's size and the longest
         sequence it serves: ``config.max_model_len``, which must fit in the cache, or else
-        the model's own, capped by what the cache holds."""
-        self.device = torch.device(config.device)
+        the model's own, capped by what the cache holds. Every rank comes to the same."""
+        self.tp = tp
+        self.send_step = send_step
+        self.device = rank_device(config.device, tp)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_config = checkpoint.config
+        self.num_kv_heads = tp.kv_heads(checkpoint.config.num_key_value_heads)[1]
         # Not to be sampled before a request's min_tokens, with its stop tokens.
         self.eos_token_ids = list(checkpoint.tokenizer.eos_token_ids)
         self.block_size = config.block_size
@@ -121,16 +141,21 @@ class ModelRunner:
         self.attention, ops = create_backend(backend, self.device)
         started = time.perf_counter()
         model = build_model(
-            checkpoint.config, self.attention, ops, model_len, self.device, self.dtype
+            checkpoint.config, self.attention, ops, model_len, self.device, self.dtype, tp
         )
-        model.load_weights(checkpoint.weights())
+        if config.load_format == "dummy":
+            model.load_random_weights()
+        else:
+            model.load_weights(checkpoint.weight_slices())
         self.model = model.eval()
+        self.load_seconds = time.perf_counter() - started
         logger.info(
-            "loaded %s on %s (%s) in %.1f s",
+            "loaded %s%s on %s (%s) in %.1f s",
             checkpoint.name,
+            f" (rank {tp.rank} of {tp.size})" if tp.size > 1 else "",
             self.device,
             str(self.dtype).removeprefix("torch."),
-            time.perf_counter() - started,
+            self.load_seconds,
         )
 
         self.num_kv_blocks = self._num_kv_blocks(config, model_len)
@@ -168,9 +193,13 @@ class ModelRunner:
     def _num_kv_blocks(self, config: EngineConfig, model_len: int) -> int:
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
+        # The ranks' caches hold the same blocks: as many as the fullest GPU has room for.
+        return self.tp.min_over_ranks(self._kv_blocks_that_fit(config, model_len), self.device)
+
+    def _kv_blocks_that_fit(self, config: EngineConfig, model_len: int) -> int:
         c = self.model_config
         kv_bytes_per_token = (
-            2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.dtype.itemsize
+            2 * c.num_hidden_layers * self.num_kv_heads * c.head_dim * self.dtype.itemsize
         )
         per_block = kv_bytes_per_token * self.block_size
         if config.kv_cache_memory_gb is not None:
@@ -197,7 +226,7 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> None:
         c = self.model_config
-        shape = (self.num_kv_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
+        shape = (self.num_kv_blocks, self.block_size, self.num_kv_heads, c.head_dim)
         # Zeroed, not empty: the reference attention reads whole blocks and masks what lies
         # past a sequence's end, and a masked NaN from uninitialized memory still poisons it.
         layers = [
@@ -218,7 +247,7 @@ class ModelRunner:
         allocated); it also compiles the prefill kernels."""
         c = self.model_config
         block_size = 16
-        shape = (1, block_size, c.num_key_value_heads, c.head_dim)
+        shape = (1, block_size, self.num_kv_heads, c.head_dim)
         scratch = LayerKVCache(
             torch.zeros(shape, dtype=self.dtype, device=self.device),
             torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -275,14 +304,20 @@ class ModelRunner:
         """Queue one forward pass over ``batch``, without waiting for the device; ``sample``
         then picks its rows' next tokens."""
         inputs = self.step_inputs(batch)
+        if self.send_step is not None:
+            self.send_step(inputs)
         for request in batch:
             request.num_cached_tokens += request.num_scheduled_tokens
+        logits = self.run_model(inputs)
+        return ForwardedStep(batch, inputs.rows, logits, inputs.scored)
+
+    def run_model(self, inputs: StepInputs) -> torch.Tensor:
+        """The step's logits: a pure decode on CUDA by graph replay, else op by op. (What a
+        tensor-parallel worker runs for each step it receives.)"""
         graphs = self.decode_graphs
         if graphs is not None and inputs.is_decode and graphs.fits(inputs.num_seqs):
-            logits = graphs.run(inputs.input_ids, inputs.metadata)
-        else:
-            logits = self.forward_eager(inputs)
-        return ForwardedStep(batch, inputs.rows, logits, inputs.scored)
+            return graphs.run(inputs.input_ids, inputs.metadata)
+        return self.forward_eager(inputs)
 
     @torch.inference_mode()
     def sample(

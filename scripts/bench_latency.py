@@ -2,6 +2,8 @@
 
     python scripts/bench_latency.py [--model M] [--device cpu|cuda] [--prompt-len 128]
                                     [--output-len 256] [--peer] [--enforce-eager]
+                                    [--tensor-parallel-size N] [--load-format dummy]
+                                    [--json-out FILE]
 
 Measures, for one `python -m engine` process: start time (process start to the
 handshake reply, i.e. weights loaded and serving), time to first token, and time
@@ -9,12 +11,15 @@ per output token for one request of random token ids (seeds 0, 1, …: a new pro
 run, so no run finds another's prefix cached; ignore_eos). With
 --peer, Hugging Face transformers' own generate() runs on the same weights and
 device in the same run, for comparison. On CUDA it also prints the decode step's
-memory-bandwidth floor and TPOT as a fraction of it.
+memory-bandwidth floor and TPOT as a fraction of it; at --tensor-parallel-size N the floor
+is that of N GPUs, each reading its share of the weights. --json-out writes the figures to
+FILE too (scripts/bench_tensor_parallel.py reads them).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
@@ -61,6 +66,10 @@ def bench_engine(args: argparse.Namespace) -> dict[str, float]:
         args.device,
         "--log-level",
         "warning",
+        "--tensor-parallel-size",
+        str(args.tensor_parallel_size),
+        "--load-format",
+        args.load_format,
         *(["--enforce-eager"] if args.enforce_eager else []),
     ]
     socket = zmq.Context.instance().socket(zmq.DEALER)
@@ -164,11 +173,12 @@ def bench_transformers(args: argparse.Namespace) -> dict[str, float]:
     }
 
 
-def bandwidth_floor_ms(model: str) -> tuple[float, float]:
-    """The least time a decode step can take on this GPU: every weight the step reads
-    (all but the embedding table, of which it reads one row per token; a tied table is
-    read whole as the LM head), in bf16, over the device-to-device copy bandwidth
-    measured here. Returns (floor in ms, bandwidth in GB/s)."""
+def bandwidth_floor_ms(model: str, num_gpus: int = 1) -> tuple[float, float]:
+    """The least time a decode step can take on ``num_gpus`` of these GPUs: every weight the
+    step reads (all but the embedding table, of which it reads one row per token; a tied
+    table is read whole as the LM head), in bf16, split evenly over the GPUs, each reading
+    its share at the device-to-device copy bandwidth measured here on one. Returns (floor
+    in ms, one GPU's bandwidth in GB/s)."""
     from engine.backends import create_backend
     from engine.models import build_model, load_checkpoint
 
@@ -193,7 +203,7 @@ def bandwidth_floor_ms(model: str) -> tuple[float, float]:
     end.synchronize()
     seconds = start.elapsed_time(end) / 1e3
     bandwidth = 2 * source.nbytes * copies / seconds  # each copy reads and writes
-    return weight_bytes / bandwidth * 1e3, bandwidth / 1e9
+    return weight_bytes / num_gpus / bandwidth * 1e3, bandwidth / 1e9
 
 
 def _synchronize(device: str) -> None:
@@ -219,6 +229,11 @@ def main() -> None:
     )
     parser.add_argument("--peer", action="store_true", help="also time transformers")
     parser.add_argument("--enforce-eager", action="store_true", help="engine without CUDA graphs")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (engine's)")
+    parser.add_argument(
+        "--load-format", default="auto", choices=["auto", "dummy"], help="the engine's"
+    )
+    parser.add_argument("--json-out", type=Path, help="also write the figures here")
     args = parser.parse_args()
 
     if args.shared_prefix_len and args.runs < 2:
@@ -234,8 +249,9 @@ def main() -> None:
     if args.peer:
         rows.append(("transformers generate", bench_transformers(args)))
     print(
-        f"\nmodel {args.model}, device {args.device}, prompt {args.prompt_len} tokens, "
-        f"{args.output_len} new tokens, median of {args.runs} runs"
+        f"\nmodel {args.model}, device {args.device}, tensor parallel {args.tensor_parallel_size}"
+        f", prompt {args.prompt_len} tokens, {args.output_len} new tokens, "
+        f"median of {args.runs} runs"
     )
     print(f"{'':24} {'start (s)':>10} {'TTFT (ms)':>10} {'TPOT (ms)':>10} {'tok/s':>8}")
     for name, r in rows:
@@ -248,13 +264,17 @@ def main() -> None:
         if args.peer
         else ""
     )
+    ours = rows[0][1]
     if args.device == "cuda":
-        floor_ms, bandwidth = bandwidth_floor_ms(args.model)
+        floor_ms, bandwidth = bandwidth_floor_ms(args.model, args.tensor_parallel_size)
+        ours |= {"floor_ms": floor_ms, "floor_share": floor_ms / ours["tpot_ms"]}
         print(
-            f"bandwidth floor: {floor_ms:.2f} ms per token (weights over {bandwidth:.0f} GB/s "
-            f"measured copy bandwidth); tandem TPOT at {floor_ms / rows[0][1]['tpot_ms']:.0%} "
-            "of the floor"
+            f"bandwidth floor: {floor_ms:.2f} ms per token (weights over "
+            f"{args.tensor_parallel_size} x {bandwidth:.0f} GB/s measured copy bandwidth); "
+            f"tandem TPOT at {ours['floor_share']:.0%} of the floor"
         )
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps(ours))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
     python scripts/bench_offline.py --model DIR [--num-requests 256] [--peer]
                                    [--peer-requests N] [--enforce-eager]
                                    [--structured-fraction F [--schema FILE|builtin]]
+                                   [--tensor-parallel-size N] [--load-format dummy]
+                                   [--json-out FILE]
 
 256 requests with input and output lengths uniform in [100, 1024] (random token
 ids, seed 0), ignore_eos, all submitted at once to an in-process engine. Prints
@@ -19,6 +21,9 @@ and boolean fields); its compile time, cold, is printed first, and the run finds
 The tokenizer must spell JSON: scripts/make_random_checkpoint.py's do. A constrained request
 stops where its JSON is complete, ignore_eos or not; with random weights few complete, and
 most run to their length, masked at every step.
+
+--json-out writes the engine's figures to FILE too, with its start-up (the in-process
+engine's construction: load, cache sizing, graphs) and load times.
 """
 
 from __future__ import annotations
@@ -166,10 +171,16 @@ def main() -> None:
     parser.add_argument(
         "--schema", default="builtin", help="a JSON schema file, or builtin (default)"
     )
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (engine's)")
+    parser.add_argument(
+        "--load-format", default="auto", choices=["auto", "dummy"], help="the engine's"
+    )
+    parser.add_argument("--json-out", type=Path, help="also write the engine's figures here")
     args = parser.parse_args()
     if not 0 <= args.structured_fraction <= 1:
         parser.error("--structured-fraction must be in [0, 1]")
 
+    started = time.perf_counter()
     engine = LLMEngine(
         EngineConfig(
             model=args.model,
@@ -177,8 +188,11 @@ def main() -> None:
             max_num_seqs=args.max_num_seqs,
             max_model_len=2 * args.max_len + 16,
             enforce_eager=args.enforce_eager,
+            tensor_parallel_size=args.tensor_parallel_size,
+            load_format=args.load_format,
         )
     )
+    start_s = time.perf_counter() - started
     requests = workload(args.num_requests, engine.vocab_size, args.min_len, args.max_len)
     constrained = constrained_indices(args.num_requests, args.structured_fraction)
     constraint = None
@@ -195,6 +209,12 @@ def main() -> None:
             f"the vocabulary {vocabulary_s:.3f} s, compiling the schema (cold) {schema_s:.3f} s"
         )
     rows = [("tandem", *bench_engine(engine, requests, constrained, constraint))]
+    if args.json_out is not None:
+        _, tokens, seconds = rows[0]
+        figures = {"start_s": start_s, "load_s": engine.runner.load_seconds}
+        figures |= {"output_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
+        args.json_out.write_text(json.dumps(figures))
+    engine.close()
     if args.peer:
         del engine
         torch.cuda.empty_cache()
@@ -209,7 +229,8 @@ def main() -> None:
     structured = f", {len(constrained)} constrained by a JSON schema" if constrained else ""
     print(
         f"\n{args.model}: {args.num_requests} requests, lengths uniform in "
-        f"[{args.min_len}, {args.max_len}], ignore_eos{structured}, device {args.device}"
+        f"[{args.min_len}, {args.max_len}], ignore_eos{structured}, device {args.device}, "
+        f"tensor parallel {args.tensor_parallel_size}"
     )
     print(f"{'':24} {'output tokens':>14} {'seconds':>9} {'tok/s':>10}")
     for name, tokens, seconds in rows:

@@ -2,6 +2,7 @@
 # One call on the GPU machine: GPU tests and/or benchmarks, logs under $OUT (or /tmp).
 #
 #   scripts/gpu_session.sh tests|bench-1b|bench-8b|bench-qwen3|structured-1b|profile-1b|profile-8b ...
+#   scripts/gpu_session.sh tp-check tp-8b tp-70b   # tensor parallelism, on 2 GPUs (TP=4/8: TP=N)
 #
 # PEERS=0 leaves out transformers' runs (minutes of device time each); PYTEST_K filters tests.
 #
@@ -56,6 +57,9 @@ for stage in "$@"; do
     profile-8b)
       m=$(checkpoint llama-3.1-8b)
       timeout 300 python3 scripts/profile_step.py --model "$m" 2>&1 | tee "$out/profile-8b.log" | grep -v USDT ;;
+    tp-check|tp-8b|tp-70b)  # each within one call's 10 minutes
+      timeout 590 python3 scripts/bench_tensor_parallel.py --part "${stage#tp-}" \
+        --tensor-parallel-size "${TP:-2}" 2>&1 | tee "$out/$stage.log" | tail -12 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

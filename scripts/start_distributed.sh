@@ -3,9 +3,10 @@
 #
 #   scripts/start_distributed.sh [--model PATH_OR_NAME] [--servers N] [--port P]
 #                                [--device cpu|cuda] [--host H] [--engine-address ADDR]
-#                                [-- ENGINE_ARGS...]
+#                                [--tensor-parallel-size N] [-- ENGINE_ARGS...]
 #
-# Server i listens on port P+i. Arguments after `--` go to `python -m engine`.
+# Server i listens on port P+i. With --tensor-parallel-size N the engine splits the model
+# over N GPUs (N processes, which it starts). Arguments after `--` go to `python -m engine`.
 set -euo pipefail
 
 model=""
@@ -14,6 +15,7 @@ port=8000
 device=""
 host=127.0.0.1
 engine_address=""
+tensor_parallel_size=""
 engine_args=()
 
 usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; }
@@ -26,6 +28,7 @@ while [[ $# -gt 0 ]]; do
     --device) device="$2"; shift 2 ;;
     --host) host="$2"; shift 2 ;;
     --engine-address) engine_address="$2"; shift 2 ;;
+    --tensor-parallel-size) tensor_parallel_size="$2"; shift 2 ;;
     --) shift; engine_args=("$@"); break ;;
     -h|--help) usage; exit 0 ;;
     *) echo "unknown option: $1" >&2; usage >&2; exit 2 ;;
@@ -46,6 +49,7 @@ cd "$root"
 args=(--address "$engine_address")
 [[ -n "$model" ]] && args+=(--model "$model")
 [[ -n "$device" ]] && args+=(--device "$device")
+[[ -n "$tensor_parallel_size" ]] && args+=(--tensor-parallel-size "$tensor_parallel_size")
 
 pids=()
 stop_all() {

@@ -95,6 +95,13 @@ LLAMA_3_1_8B = dict(
     tie_word_embeddings=False,
     rope_scaling=_LLAMA3_ROPE | {"factor": 8.0},
 )
+LLAMA_3_1_70B = dict(
+    LLAMA_3_1_8B,
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_hidden_layers=80,
+    num_attention_heads=64,
+)
 QWEN3_0_6B = dict(
     vocab_size=151936,
     hidden_size=1024,
@@ -147,6 +154,7 @@ GEMMA3_1B = dict(  # google/gemma-3-1b-it: five sliding layers to one global, he
 SHAPES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[str, Any]]] = {
     "llama-3.2-1b": (LlamaConfig, LlamaForCausalLM, LLAMA_3_2_1B),
     "llama-3.1-8b": (LlamaConfig, LlamaForCausalLM, LLAMA_3_1_8B),
+    "llama-3.1-70b": (LlamaConfig, LlamaForCausalLM, LLAMA_3_1_70B),
     "qwen3-0.6b": (Qwen3Config, Qwen3ForCausalLM, QWEN3_0_6B),
     "qwen2.5-0.5b": (Qwen2Config, Qwen2ForCausalLM, QWEN2_5_0_5B),
     "gemma3-1b": (Gemma3TextConfig, Gemma3ForCausalLM, GEMMA3_1B),
@@ -170,6 +178,17 @@ def save_random_model(directory: Path, shape: str, dtype: torch.dtype) -> PreTra
     model.save_pretrained(directory, safe_serialization=True)
     save_word_tokenizer(directory, config["vocab_size"])
     return model
+
+
+def save_random_config(directory: Path, shape: str) -> None:
+    """``shape``'s config.json and a word-level tokenizer, no weights: for the engine's
+    ``--load-format dummy``, which makes random weights of the config's shape itself (a 70B
+    model's 141 GB need never be written)."""
+    config_class, model_class, config = SHAPES[shape]
+    hf_config = config_class(**config)
+    hf_config.architectures = [model_class.__name__]
+    hf_config.save_pretrained(directory)
+    save_word_tokenizer(directory, config["vocab_size"])
 
 
 def save_word_tokenizer(directory: Path, vocab_size: int) -> None:

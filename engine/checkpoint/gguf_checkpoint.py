@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.checkpoint.checkpoint import WeightStream
+from engine.checkpoint.checkpoint import SliceStream
 from engine.checkpoint.gguf_dequantize import dequantize
 from engine.checkpoint.gguf_file import GGUFTensor, read_gguf
 from engine.checkpoint.gguf_tokenizer import gguf_tokenizer_info
@@ -211,13 +211,39 @@ def gguf_weights(
     file: GGUFModelFile,
     names: Mapping[str, str],
     restore: Callable[[str, np.ndarray], np.ndarray],
-) -> WeightStream:
-    """(Hugging Face name, float32 tensor) of every tensor in ``names``, dequantized one at a
-    time; ``restore`` (GGUF name, array) undoes what the converter did to the values."""
+) -> SliceStream:
+    """(Hugging Face name, tensor not read yet) of every tensor in ``names``; ``restore`` (GGUF
+    name, array) undoes what the converter did to the values, of whole heads' rows at least."""
     for tensor in file.tensors.values():
-        if tensor.name == ROPE_FREQS:
-            continue
-        array = restore(tensor.name, dequantize(tensor))
+        if tensor.name != ROPE_FREQS:
+            yield names[tensor.name], GGUFSlices(tensor, restore)
+
+
+class GGUFSlices:
+    """A GGUF tensor, dequantized to float32 when read.
+
+    Rows (dimension 0 of a matrix) are read alone: each row is whole quantization blocks
+    (``read_gguf`` checks), so only the rows asked for are dequantized. Columns cut across
+    blocks: the whole tensor is dequantized, then sliced."""
+
+    def __init__(self, tensor: GGUFTensor, restore: Callable[[str, np.ndarray], np.ndarray]):
+        self.tensor, self.restore = tensor, restore
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.tensor.shape
+
+    def read(self, dim: int = 0, start: int = 0, length: int | None = None) -> torch.Tensor:
+        tensor = self.tensor
+        if length is not None and dim == 0 and len(tensor.shape) > 1:
+            rows = tensor.data.reshape(tensor.shape[0], -1)[start : start + length].reshape(-1)
+            tensor = GGUFTensor(tensor.name, tensor.type, (length, *tensor.shape[1:]), rows)
+            array = dequantize(tensor)
+        else:
+            array = dequantize(tensor)
+            if length is not None:
+                array = array.take(range(start, start + length), axis=dim)
+        array = self.restore(tensor.name, array)
         # np.require copies only what is read-only (undequantized float32 still points into the
         # memory-mapped file) or not contiguous (unpermuted rows, say).
-        yield names[tensor.name], torch.from_numpy(np.require(array, requirements="CW"))
+        return torch.from_numpy(np.require(array, requirements="CW"))

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from engine.checkpoint.checkpoint import WeightStream
+from engine.checkpoint.checkpoint import SliceStream
 from engine.checkpoint.eos import eos_token_ids
 from engine.checkpoint.generation_config import read_sampling_defaults
 from engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION, RopeScaling, TokenizerInfo
@@ -29,7 +30,6 @@ class HFDirectory:
     name: str  # the model name shown to users
     path: Path
     config: dict[str, Any] = field(repr=False)  # config.json
-    safetensors: list[Path]
 
     def tokenizer(self) -> TokenizerInfo:
         return hf_tokenizer_info(self.path, self.config)
@@ -38,13 +38,31 @@ class HFDirectory:
         """What its generation_config.json recommends for sampling."""
         return read_sampling_defaults(self.path)
 
-    def weights(self) -> WeightStream:
-        """(name, tensor) as stored, one tensor in memory at a time."""
-        for file in self.safetensors:
-            # safe_open memory-maps the file; get_tensor reads one tensor into its own memory.
+    def weights(self) -> SliceStream:
+        """(name, tensor not read yet) as stored. The files are found only now: a directory
+        without them still serves a model of random weights (``--load-format dummy``)."""
+        for file in safetensors_files(self.path):
+            # safe_open memory-maps the file; a slice reads only its own rows into memory.
             with safe_open(file, framework="pt") as shard:
                 for name in shard.keys():  # noqa: SIM118 -- safe_open is no dict
-                    yield name, shard.get_tensor(name)
+                    yield name, SafetensorsSlices(shard.get_slice(name))
+
+
+class SafetensorsSlices:
+    """A tensor of a memory-mapped safetensors file (safetensors' ``PySafeSlice``)."""
+
+    def __init__(self, stored: Any) -> None:
+        self.stored = stored
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.stored.get_shape())
+
+    def read(self, dim: int = 0, start: int = 0, length: int | None = None) -> torch.Tensor:
+        if length is None:
+            return self.stored[:]
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self.stored[index]
 
 
 def read_hf_directory(path: Path, name: str | None = None) -> HFDirectory:
@@ -53,7 +71,6 @@ def read_hf_directory(path: Path, name: str | None = None) -> HFDirectory:
         name=name or path.resolve().name,
         path=path,
         config=_read_json(path / "config.json"),
-        safetensors=safetensors_files(path),
     )
 
 

@@ -21,6 +21,7 @@ from engine.model_config import ModelConfig
 from engine.models import gemma3, llama, olmo2, qwen2, qwen3
 from engine.models.causal_lm import CausalLM
 from engine.models.family import ModelFamily
+from engine.parallel import SINGLE, TensorParallel
 
 __all__ = [
     "FAMILIES",
@@ -101,14 +102,16 @@ def build_model(
     max_positions: int,
     device: torch.device,
     dtype: torch.dtype,
+    tp: TensorParallel = SINGLE,
 ) -> CausalLM:
-    """An uninitialized model of the config's family, allocated once on ``device`` in ``dtype``."""
+    """An uninitialized model of the config's family, allocated once on ``device`` in ``dtype``:
+    rank ``tp.rank``'s part of it."""
     cls = model_family(config.architecture).model
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = cls(config, backend, ops, max_positions, device)
+            model = cls(config, backend, ops, tp, max_positions, device)
     finally:
         torch.set_default_dtype(previous_dtype)
     return model.to_empty(device=device)

@@ -9,13 +9,20 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata, LayerKVCache
+from engine.checkpoint.checkpoint import TensorSlices
 from engine.layer_ops import LayerOps
 from engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from engine.models.layers import Attention, DecoderLayer, RMSNorm, RotaryEmbedding
+from engine.models.parallel_layers import (
+    ColumnParallelLinear,
+    ParallelLayer,
+    VocabParallelEmbedding,
+    load_slice,
+)
+from engine.parallel import TensorParallel
 
 # Hugging Face names of the separate projections, and where they go in our fused ones.
 _FUSED_WEIGHTS = {
@@ -27,13 +34,13 @@ _FUSED_WEIGHTS = {
 }
 
 
-def _fused_name(name: str) -> tuple[str, str | None, int]:
-    """``name`` renamed into our fused projection if it is one of its parts, that fused
-    projection and the part's index; else ``name`` itself, None and 0."""
-    for separate, (fused, shard) in _FUSED_WEIGHTS.items():
+def _fused_name(name: str) -> tuple[str, int | None]:
+    """``name`` renamed into our fused projection if it is one of its parts, and the part's
+    index; else ``name`` itself and None."""
+    for separate, (fused, part) in _FUSED_WEIGHTS.items():
         if f".{separate}." in name:
-            return name.replace(separate, fused), fused, shard
-    return name, None, 0
+            return name.replace(separate, fused), part
+    return name, None
 
 
 class CausalLM(nn.Module):
@@ -42,6 +49,10 @@ class CausalLM(nn.Module):
     Each family subclasses it, named as config.json's ``architectures`` names it, and says
     what it does differently by the blocks it picks (the class attributes) and by overriding
     ``embed`` or ``compute_logits``.
+
+    Under tensor parallelism (``tp``) every rank builds one: its share of the heads, the MLP's
+    features and the vocabulary, the rest (norms, RoPE) whole; its logits are the whole
+    vocabulary's, on every rank.
     """
 
     attention_class: type[Attention] = Attention
@@ -54,12 +65,13 @@ class CausalLM(nn.Module):
         config: ModelConfig,
         backend: AttentionBackend,
         ops: LayerOps,
+        tp: TensorParallel,
         max_positions: int,
         device: torch.device,
     ) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         full_rotary = RotaryEmbedding(
             config.head_dim,
             config.rope_theta,
@@ -78,10 +90,13 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(
             self.decoder_layer_class(
                 config,
-                self.attention_class(config, backend, ops, sliding_rotary, config.sliding_window)
+                self.attention_class(
+                    config, backend, ops, tp, sliding_rotary, config.sliding_window
+                )
                 if layer_type == SLIDING_ATTENTION
-                else self.attention_class(config, backend, ops, full_rotary, None),
+                else self.attention_class(config, backend, ops, tp, full_rotary, None),
                 ops,
+                tp,
             )
             for layer_type in config.layer_types or [FULL_ATTENTION] * config.num_hidden_layers
         )
@@ -89,7 +104,7 @@ class CausalLM(nn.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         )
 
     def forward(
@@ -112,48 +127,51 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of the final norm's output."""
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, head).float()
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return head.logits(hidden).float()
 
     def bind_kv_cache(self, caches: list[LayerKVCache]) -> None:
         for layer, cache in zip(self.layers, caches, strict=True):
             layer.self_attn.cache = cache
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors in, one at a time; fail naming any missing one."""
+    def load_weights(self, weights: Iterable[tuple[str, TensorSlices]]) -> None:
+        """Copy Hugging Face-named tensors in, one at a time, each rank reading only its own
+        part of each; fail naming any missing one."""
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         loaded: set[str] = set()
-        c = self.config
-        q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        shard_rows = {
-            "self_attn.qkv_proj": [q_size, kv_size, kv_size],
-            "mlp.gate_up_proj": [c.intermediate_size] * 2,
-        }
-        for hf_name, tensor in weights:
+        for hf_name, source in weights:
             name = hf_name.removeprefix("model.")
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # some tied checkpoints store the head anyway
-            name, fused, shard = _fused_name(name)
+            name, part = _fused_name(name)
             if name not in params:
                 raise ValueError(f"checkpoint has a tensor the model does not: {hf_name}")
-            target = params[name]
-            if fused is None:
-                loaded.add(name)
+            module_name, _, param = name.rpartition(".")
+            module = modules[module_name]
+            if isinstance(module, ParallelLayer):
+                module.load(param, part or 0, source, hf_name)
             else:
-                rows = shard_rows[fused]
-                target = target.narrow(0, sum(rows[:shard]), rows[shard])
-                loaded.add(f"{name}#{shard}")
-            if target.shape != tensor.shape:
-                raise ValueError(
-                    f"{hf_name}: checkpoint shape {tuple(tensor.shape)}, "
-                    f"model expects {tuple(target.shape)}"
-                )
-            target.copy_(tensor)
-        for fused, rows in shard_rows.items():
-            for name in [n for n in params if n.rsplit(".", 1)[0].endswith(fused)]:
-                if all(f"{name}#{i}" in loaded for i in range(len(rows))):
-                    loaded.add(name)
+                load_slice(params[name], source, hf_name)
+            loaded.add(name if part is None else f"{name}#{part}")
+        for name in params:  # a fused projection is loaded once all its parts are
+            module = modules[name.rpartition(".")[0]]
+            if isinstance(module, ColumnParallelLinear) and all(
+                f"{name}#{i}" in loaded for i in range(len(module.parts))
+            ):
+                loaded.add(name)
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+    @torch.no_grad()
+    def load_random_weights(self, seed: int = 0) -> None:
+        """Random weights instead of a checkpoint's (``--load-format dummy``, vLLM's): the
+        shape's speed without its files. Matrices N(0, 0.02), vectors (norms, biases) ones."""
+        generator = torch.Generator(self.embed_tokens.weight.device).manual_seed(seed)
+        for param in self.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.02, generator=generator)
+            else:
+                param.fill_(1.0)

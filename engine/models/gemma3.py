@@ -25,6 +25,7 @@ from engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from engine.models.causal_lm import CausalLM
 from engine.models.family import GGUF_PROJECTIONS, GGUF_QK_NORMS, GGUFLayout, ModelFamily
 from engine.models.layers import MLP, QKNormAttention, RotaryEmbedding, RoundOnceRMSNorm
+from engine.parallel import TensorParallel
 
 # transformers' defaults where a config leaves them out: every 6th layer attends globally; RoPE
 # bases of the global and the sliding layers.
@@ -57,10 +58,11 @@ class Gemma3Attention(QKNormAttention):
         config: Gemma3Config,
         backend: AttentionBackend,
         ops: LayerOps,
+        tp: TensorParallel,
         rotary: RotaryEmbedding,
         sliding_window: int | None,
     ) -> None:
-        super().__init__(config, backend, ops, rotary, sliding_window)
+        super().__init__(config, backend, ops, tp, rotary, sliding_window)
         self.scale = config.query_pre_attn_scalar**-0.5
 
 
@@ -72,14 +74,16 @@ class Gemma3DecoderLayer(nn.Module):
     Llama's name ``post_attention_layernorm`` for the norm of the attention output.
     """
 
-    def __init__(self, config: ModelConfig, self_attn: Gemma3Attention, ops: LayerOps) -> None:
+    def __init__(
+        self, config: ModelConfig, self_attn: Gemma3Attention, ops: LayerOps, tp: TensorParallel
+    ) -> None:
         super().__init__()
         size, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = UnitOffsetRMSNorm(size, eps, ops)
         self.self_attn = self_attn
         self.post_attention_layernorm = UnitOffsetRMSNorm(size, eps, ops)
         self.pre_feedforward_layernorm = UnitOffsetRMSNorm(size, eps, ops)
-        self.mlp = MLP(config, ops)
+        self.mlp = MLP(config, ops, tp)
         self.post_feedforward_layernorm = UnitOffsetRMSNorm(size, eps, ops)
 
     def forward(
@@ -101,10 +105,11 @@ class Gemma3ForCausalLM(CausalLM):
         config: Gemma3Config,
         backend: AttentionBackend,
         ops: LayerOps,
+        tp: TensorParallel,
         max_positions: int,
         device: torch.device,
     ) -> None:
-        super().__init__(config, backend, ops, max_positions, device)
+        super().__init__(config, backend, ops, tp, max_positions, device)
         self.embed_scale = config.hidden_size**0.5
         self.final_logit_softcapping = config.final_logit_softcapping
 

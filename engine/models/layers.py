@@ -20,6 +20,8 @@ from torch import nn
 from engine.attention import AttentionBackend, AttentionMetadata, LayerKVCache
 from engine.layer_ops import LayerOps
 from engine.model_config import ModelConfig, RopeScaling
+from engine.models.parallel_layers import ColumnParallelLinear, RowParallelLinear, Rows
+from engine.parallel import TensorParallel
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -114,6 +116,9 @@ class Attention(nn.Module):
     """Llama's grouped-query attention: one fused Q/K/V projection without biases, RoPE,
     scale head_dim ** -0.5, and a sliding window when the layer has one.
 
+    Under tensor parallelism a rank computes its share of the query heads with the KV heads
+    they attend with (``TensorParallel.kv_heads``), and its cache holds only those.
+
     Subclasses change ``qkv_bias``, or ``project_qkv`` for what comes between the projection
     and RoPE, or ``scale``.
     """
@@ -125,19 +130,28 @@ class Attention(nn.Module):
         config: ModelConfig,
         backend: AttentionBackend,
         ops: LayerOps,
+        tp: TensorParallel,
         rotary: RotaryEmbedding,
         sliding_window: int | None,
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=self.qkv_bias
+        self.tp = tp
+        self.head_dim = head_dim = config.head_dim
+        self.first_head, self.num_heads = tp.split(
+            config.num_attention_heads, "the number of attention heads"
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.first_kv_head, self.num_kv_heads = tp.kv_heads(config.num_key_value_heads)
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        q_total = config.num_attention_heads * head_dim
+        q_rows = Rows(self.first_head * head_dim, self.q_size, q_total)
+        kv_rows = Rows(
+            self.first_kv_head * head_dim, self.kv_size, config.num_key_value_heads * head_dim
+        )
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size, [q_rows, kv_rows, kv_rows], bias=self.qkv_bias
+        )
+        self.o_proj = RowParallelLinear(q_rows, config.hidden_size, tp)
         self.scale = self.head_dim**-0.5
         self.sliding_window = sliding_window
         self.backend = backend
@@ -182,10 +196,11 @@ class QKNormAttention(Attention):
         config: ModelConfig,
         backend: AttentionBackend,
         ops: LayerOps,
+        tp: TensorParallel,
         rotary: RotaryEmbedding,
         sliding_window: int | None,
     ) -> None:
-        super().__init__(config, backend, ops, rotary, sliding_window)
+        super().__init__(config, backend, ops, tp, rotary, sliding_window)
         self.q_norm = self.norm_class(self.head_dim, config.rms_norm_eps, ops)
         self.k_norm = self.norm_class(self.head_dim, config.rms_norm_eps, ops)
 
@@ -195,9 +210,10 @@ class QKNormAttention(Attention):
 
 
 class MLP(nn.Module):
-    """Gated MLP: down(act(gate(x)) * up(x)), act SiLU or tanh-approximated GELU."""
+    """Gated MLP: down(act(gate(x)) * up(x)), act SiLU or tanh-approximated GELU; a rank
+    holds its share of the intermediate features."""
 
-    def __init__(self, config: ModelConfig, ops: LayerOps) -> None:
+    def __init__(self, config: ModelConfig, ops: LayerOps, tp: TensorParallel) -> None:
         super().__init__()
         if config.hidden_act not in ACTIVATIONS:
             raise ValueError(
@@ -205,8 +221,10 @@ class MLP(nn.Module):
             )
         self.act = ACTIVATIONS[config.hidden_act]
         self.ops = ops
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        start, length = tp.split(config.intermediate_size, "intermediate_size")
+        rows = Rows(start, length, config.intermediate_size)
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [rows, rows], bias=False)
+        self.down_proj = RowParallelLinear(rows, config.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -224,12 +242,14 @@ class DecoderLayer(nn.Module):
     this, so ``CausalLM`` runs any of them.
     """
 
-    def __init__(self, config: ModelConfig, self_attn: Attention, ops: LayerOps) -> None:
+    def __init__(
+        self, config: ModelConfig, self_attn: Attention, ops: LayerOps, tp: TensorParallel
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.mlp = MLP(config, ops)
+        self.mlp = MLP(config, ops, tp)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, metadata: AttentionMetadata

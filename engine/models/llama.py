@@ -47,15 +47,11 @@ def _mistral_config(config: Mapping[str, Any], path: Path) -> ModelConfig:
 
 def _unpermute_qk(name: str, array: np.ndarray, config: ModelConfig) -> np.ndarray:
     """Undo `permute` in llama.cpp's convert_hf_to_gguf.py, which interleaves the halves of each
-    head's Q and K rows for llama.cpp's RoPE; Hugging Face's rotate-half RoPE needs them back."""
-    if ".attn_q." in name:
-        num_heads = config.num_attention_heads
-    elif ".attn_k." in name:
-        num_heads = config.num_key_value_heads
-    else:
+    head's Q and K rows for llama.cpp's RoPE; Hugging Face's rotate-half RoPE needs them back.
+    Head by head, so a tensor-parallel rank's heads are restored alone."""
+    if ".attn_q." not in name and ".attn_k." not in name:
         return array
-    half_head_dim = array.shape[0] // num_heads // 2
-    rows = array.reshape(num_heads, half_head_dim, 2, *array.shape[1:])
+    rows = array.reshape(-1, config.head_dim // 2, 2, *array.shape[1:])
     return rows.swapaxes(1, 2).reshape(array.shape)
 
 

@@ -21,24 +21,47 @@ from engine.models.causal_lm import CausalLM
 from engine.models.family import GGUF_PROJECTIONS, GGUF_QK_NORMS, GGUFLayout, ModelFamily
 from engine.models.layers import MLP, Attention, RotaryEmbedding, RoundOnceRMSNorm
 from engine.models.llama import llama_config
+from engine.parallel import TensorParallel
 
 
 class Olmo2Attention(Attention):
+    """Under tensor parallelism each norm spans every rank's heads: a rank gathers all of Q
+    (and of K, each KV head once), normalizes them with the whole weight and keeps its own
+    heads, as vLLM does; exact, where summing squares across ranks would reorder the sum."""
+
     def __init__(
         self,
         config: ModelConfig,
         backend: AttentionBackend,
         ops: LayerOps,
+        tp: TensorParallel,
         rotary: RotaryEmbedding,
         sliding_window: int | None,
     ) -> None:
-        super().__init__(config, backend, ops, rotary, sliding_window)
-        self.q_norm = RoundOnceRMSNorm(self.q_size, config.rms_norm_eps, ops)
-        self.k_norm = RoundOnceRMSNorm(self.kv_size, config.rms_norm_eps, ops)
+        super().__init__(config, backend, ops, tp, rotary, sliding_window)
+        head_dim, eps = config.head_dim, config.rms_norm_eps
+        self.q_norm = RoundOnceRMSNorm(config.num_attention_heads * head_dim, eps, ops)
+        self.k_norm = RoundOnceRMSNorm(config.num_key_value_heads * head_dim, eps, ops)
+        # Ranks that hold the same KV head: its copies in a gathered K.
+        self.kv_replicas = max(1, tp.size // config.num_key_value_heads)
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = self.split_qkv(self.qkv_proj(x))
-        return self.split_heads(self.q_norm(q), self.k_norm(k), v)
+        q = self._norm_all_heads(self.q_norm, q, self.first_head, 1)
+        k = self._norm_all_heads(self.k_norm, k, self.first_kv_head, self.kv_replicas)
+        return self.split_heads(q, k, v)
+
+    def _norm_all_heads(
+        self, norm: RoundOnceRMSNorm, x: torch.Tensor, first_head: int, replicas: int
+    ) -> torch.Tensor:
+        if self.tp.size == 1:
+            return norm(x)
+        every_rank = self.tp.all_gather(x)
+        if replicas > 1:
+            every_rank = every_rank.view(x.shape[0], self.tp.size, -1)[:, ::replicas]
+        normed = norm(every_rank.reshape(x.shape[0], -1))
+        start = first_head * self.head_dim
+        return normed[:, start : start + x.shape[1]]
 
 
 class Olmo2DecoderLayer(nn.Module):
@@ -48,12 +71,14 @@ class Olmo2DecoderLayer(nn.Module):
     (or the final norm) adds them.
     """
 
-    def __init__(self, config: ModelConfig, self_attn: Olmo2Attention, ops: LayerOps) -> None:
+    def __init__(
+        self, config: ModelConfig, self_attn: Olmo2Attention, ops: LayerOps, tp: TensorParallel
+    ) -> None:
         super().__init__()
         size, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = self_attn
         self.post_attention_layernorm = RoundOnceRMSNorm(size, eps, ops)
-        self.mlp = MLP(config, ops)
+        self.mlp = MLP(config, ops, tp)
         self.post_feedforward_layernorm = RoundOnceRMSNorm(size, eps, ops)
 
     def forward(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from engine.config import EngineConfig, from_arguments
 from engine.llm_engine import LLMEngine
 from protocol import SamplingDefaults
 from tests.random_checkpoint import save_tiny_llama
+from tests.reference import run_engine
 
 
 def test_served_model_name_replaces_the_checkpoints(tmp_path: Path) -> None:
@@ -72,3 +74,15 @@ def test_sampling_defaults_come_from_generation_config(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"no generation_config\.json"):
         defaults(str(tmp_path))
     assert parse_args(["--generation-config", "vllm"]).generation_config == "vllm"
+
+
+def test_dummy_load_format_needs_no_weight_files(tmp_path: Path) -> None:
+    """vLLM's --load-format dummy: random weights of config.json's shape, for benchmarks of
+    shapes whose files are not at hand; without it, the missing files are named."""
+    save_tiny_llama(tmp_path, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    (tmp_path / "model.safetensors").unlink()
+    config = EngineConfig(model=str(tmp_path), device="cpu", kv_cache_memory_gb=0.01)
+    with pytest.raises(ValueError, match=r"no model\.safetensors"):
+        LLMEngine(config)
+    engine = LLMEngine(replace(config, load_format="dummy"))
+    assert [len(tokens) for tokens in run_engine(engine, [[1, 2, 3]], max_tokens=4)] == [4]

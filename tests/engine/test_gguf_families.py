@@ -433,6 +433,19 @@ def test_weights_match_transformers(mixed_gguf: Path) -> None:
     assert checkpoint.tensor_count == len(names)
 
 
+def test_a_rank_reads_its_slice_as_the_whole_tensor_has_it(mixed_gguf: Path) -> None:
+    """Tensor parallelism: a matrix's rows (whole quantization blocks each) are dequantized
+    alone, its columns cut from the whole; either way, with the converter's changes undone
+    (llama's Q/K rows, head by head), the values are those of the whole tensor."""
+    for name, source in load_checkpoint(str(mixed_gguf)).weight_slices():
+        whole = source.read()
+        if whole.dim() < 2:
+            continue
+        rows, columns = whole.shape[0] // 2, whole.shape[1] // 2
+        assert torch.equal(source.read(0, rows, whole.shape[0] - rows), whole[rows:]), name
+        assert torch.equal(source.read(1, columns, columns), whole[:, columns:]), name
+
+
 # --- tokenizer ---------------------------------------------------------------------------------
 
 

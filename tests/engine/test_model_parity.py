@@ -64,7 +64,7 @@ def engine_prefill_logits(
     config = checkpoint.config
     attention, ops = create_backend(backend, device)
     model = build_model(config, attention, ops, 512, device, torch.float32)
-    model.load_weights(checkpoint.weights())
+    model.load_weights(checkpoint.weight_slices())
     block_size, blocks_per_sequence = 4, 32  # each sequence its own blocks, up to 128 tokens
     shape = (
         len(prompts) * blocks_per_sequence,

@@ -1,0 +1,73 @@
+"""Tensor parallelism as a model's layers see it: which rank of how many this process is, what
+share of a dimension is its own, and the two collectives the layers call.
+
+The ranks form torch.distributed's default process group (NCCL on CUDA, gloo on the CPU),
+which ``engine.tensor_parallel`` starts; with one rank nothing here communicates. The
+collectives are torch.distributed's own, which a CUDA graph captures (NCCL), so the decode
+graphs keep working across GPUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed all_gather_into_tensor (and deprecated the old name); older ones lack it.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+
+    def split(self, total: int, what: str) -> tuple[int, int]:
+        """This rank's equal share of ``total`` (the start and the length); ``what`` names
+        it when ``total`` does not divide evenly."""
+        if total % self.size:
+            raise ValueError(
+                f"tensor parallelism over {self.size} ranks needs {what} divisible by "
+                f"{self.size}, not {total}"
+            )
+        share = total // self.size
+        return self.rank * share, share
+
+    def kv_heads(self, num_kv_heads: int) -> tuple[int, int]:
+        """The first KV head of this rank and how many it holds: an equal share, or, with
+        more ranks than KV heads, one head, replicated on ``size / num_kv_heads`` ranks
+        (each holds the KV heads its query heads attend with)."""
+        if self.size <= num_kv_heads:
+            return self.split(num_kv_heads, "the number of KV heads")
+        if self.size % num_kv_heads:
+            raise ValueError(
+                f"tensor parallelism over {self.size} ranks needs a multiple of the "
+                f"{num_kv_heads} KV heads"
+            )
+        return self.rank // (self.size // num_kv_heads), 1
+
+    def min_over_ranks(self, value: int, device: torch.device) -> int:
+        """The least of every rank's ``value`` (the KV blocks all ranks' memory holds)."""
+        if self.size == 1:
+            return value
+        least = torch.tensor([value], device=device)
+        dist.all_reduce(least, op=dist.ReduceOp.MIN)
+        return int(least.item())
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's ``x``, in place (a row-parallel layer's partial products)."""
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` [T, n] side by side in rank order: [T, size * n]."""
+        if self.size == 1:
+            return x
+        gathered = torch.empty(self.size * x.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+        _all_gather(gathered, x.contiguous())
+        return gathered.view(self.size, *x.shape).transpose(0, 1).reshape(x.shape[0], -1)
+
+
+SINGLE = TensorParallel()  # one process, the whole model
