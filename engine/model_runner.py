@@ -28,13 +28,13 @@ from engine.parallel import SINGLE, TensorParallel
 from engine.prompt_logprobs import ScoredChunk, ScoredPositions, read_scored
 from engine.request import Request
 from engine.sampler import prompt_token_logprobs, sample, token_logprobs
-from engine.structured_output import GrammarBitmask
 from protocol import PromptTokenLogprobs, TokenLogprobs
 
 if TYPE_CHECKING:
     import xgrammar as xgr
 
     from engine.config import EngineConfig
+    from engine.structured_output import GrammarBitmask
 
 logger = logging.getLogger(__name__)
 
@@ -186,9 +186,15 @@ class ModelRunner:
             self.max_model_len,
         )
         self._last_sampled = torch.empty(0, dtype=torch.int64, device=self.device)
-        self.grammar_bitmask = GrammarBitmask(
-            config.max_num_seqs, checkpoint.config.vocab_size, self.device
-        )
+        # Rank 0 samples; the other ranks' processes start faster without the grammar
+        # library (and transformers, which it imports).
+        self.grammar_bitmask: GrammarBitmask | None = None
+        if tp.rank == 0:
+            from engine.structured_output import GrammarBitmask
+
+            self.grammar_bitmask = GrammarBitmask(
+                config.max_num_seqs, checkpoint.config.vocab_size, self.device
+            )
 
     def _num_kv_blocks(self, config: EngineConfig, model_len: int) -> int:
         if config.num_kv_blocks is not None:
@@ -336,6 +342,7 @@ class ModelRunner:
         if rows:  # else only prompt chunks: nothing to sample yet
             row_logits = logits[: len(rows)]
             if grammars is not None:
+                assert self.grammar_bitmask is not None, "only rank 0 samples"
                 self.grammar_bitmask.apply(row_logits, grammars)
             results, logprobs_asked = self._sample(rows, row_logits)
         if scored is not None:

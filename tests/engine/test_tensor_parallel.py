@@ -20,7 +20,6 @@ from transformers import PreTrainedModel
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from protocol import SamplingParams
-from tests.engine.test_gguf_families import random_model, write_gguf
 from tests.engine.test_model_families import saved_tiny_model
 from tests.engine.test_model_parity import hf_prefill_logits
 from tests.random_checkpoint import VOCAB, random_prompts
@@ -102,17 +101,3 @@ def test_a_model_that_does_not_split_is_refused_before_any_worker_starts(tmp_pat
     saved_tiny_model("llama-llama3-rope-untied", tmp_path)  # 4 heads, 2 KV heads
     with pytest.raises(ValueError, match="the number of attention heads divisible by 8"):
         LLMEngine(engine_config(tmp_path, 8))
-
-
-def test_a_quantized_gguf_file_splits_as_it_loads_whole(tmp_path: Path) -> None:
-    """Each rank dequantizes only its rows of the quantized matrices (llama's Q and K rows
-    restored head by head) and cuts its columns from the rest: TP=2 on a file of mixed
-    quantization types generates TP=1's greedy tokens."""
-    path = write_gguf(tmp_path / "llama.gguf", random_model("llama"), "llama", mixed_types=True)
-    prompts = [[5, 60, 7], list(range(100, 140))]  # ids of the byte-level vocabulary
-    one_rank = run_engine(LLMEngine(engine_config(path, 1)), prompts, max_tokens=10)
-    engine = LLMEngine(engine_config(path, 2))
-    try:
-        assert run_engine(engine, prompts, max_tokens=10) == one_rank
-    finally:
-        engine.close()
