@@ -100,6 +100,11 @@ class ServiceConfig:
     )
     stats_interval: float = option(10.0, "seconds between throughput log lines (0: none)")
     log_level: str = option("info", "logging level")
+    step_record: str | None = option(
+        None,
+        "keep every step's shape and write them to this JSON file when the engine stops "
+        "(for a benchmark's roofline: engine/roofline.py)",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser, config_class: type) -> None:
