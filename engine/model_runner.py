@@ -27,6 +27,7 @@ from engine.prompt_logprobs import ScoredChunk, ScoredPositions, read_scored
 from engine.request import Request
 from engine.sampler import prompt_token_logprobs, sample, token_logprobs
 from engine.structured_output import GrammarBitmask
+from engine.warm_up import warm_up
 from protocol import PromptTokenLogprobs, TokenLogprobs
 
 if TYPE_CHECKING:
@@ -164,6 +165,8 @@ class ModelRunner:
         self.grammar_bitmask = GrammarBitmask(
             config.max_num_seqs, checkpoint.config.vocab_size, self.device
         )
+        if self.device.type == "cuda":  # where kernels compile or load on first use
+            warm_up(self, config.max_num_seqs)
 
     def _num_kv_blocks(self, config: EngineConfig, model_len: int) -> int:
         if config.num_kv_blocks is not None:

@@ -7,7 +7,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# The slot mapping is a view of the step's packed inputs, at any alignment: one variant.
+@triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])
 def _store_kv_kernel(
     key_ptr,
     value_ptr,

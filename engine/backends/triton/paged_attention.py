@@ -35,6 +35,10 @@ _MIN_DOT_ROWS = 16
 _DECODE_PROGRAMS_PER_SM = 4
 _MIN_SPLIT_TOKENS = 256
 _MAX_SPLITS = 64
+# Arguments that change from step to step in eager steps (views of the step's one packed
+# input buffer, block tables of any width): Triton would otherwise compile a variant per
+# alignment and divisibility it sees, mid-run. Their values need no specialization.
+_STEP_POINTERS = ["block_tables_ptr", "context_lens_ptr", "query_lens_ptr", "query_starts_ptr"]
 # Scores below any real one: a row whose keys are all masked keeps a finite max, so its
 # rescaling factors stay exp2(0) = 1 instead of exp2(-inf - -inf) = NaN.
 _NO_SCORE = tl.constexpr(-1.0e30)
@@ -113,7 +117,10 @@ def _attend_keys(
     return acc, row_max, row_sum
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["stride_table"],
+    do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr"],
+)
 def _decode_kernel(
     q_ptr,
     key_cache_ptr,
@@ -208,7 +215,7 @@ def _decode_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     workspace_ptr,
     out_ptr,
@@ -246,7 +253,7 @@ def _decode_merge_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table"], do_not_specialize_on_alignment=_STEP_POINTERS)
 def _prefill_kernel(
     q_ptr,
     key_cache_ptr,
@@ -404,6 +411,7 @@ def paged_decode_attention(
     if num_splits is None:
         max_context_len = block_tables.shape[1] * block_size
         num_splits = decode_num_splits(batch, num_kv_heads, max_context_len, _num_sms(q.device))
+    assert 1 <= num_splits <= _MAX_SPLITS
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
@@ -458,7 +466,9 @@ def paged_decode_attention(
             out.stride(1),
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            # One variant for every split count, compiled once.
+            BLOCK_S=_MAX_SPLITS,
+            num_warps=4 if block_d <= 128 else 8,
         )
     return out
 

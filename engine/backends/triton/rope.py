@@ -36,7 +36,8 @@ def _rotate_heads(
     tl.store(first_ptr + HALF, new_second.to(x_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# The positions are a view of the step's packed inputs, at any alignment: one variant.
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr"])
 def _rope_kernel(
     q_ptr,
     k_ptr,
