@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionBackend, AttentionMetadata, LayerKVCache
+from engine.attention import AttentionBackend, AttentionMetadata, LayerKVCache, Rotary
 
 
 def store_kv(
@@ -31,6 +31,26 @@ def store_kv(
     num_slots = key_cache.shape[0] * key_cache.shape[1]
     key_cache.view(num_slots, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key)
     value_cache.view(num_slots, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value)
+
+
+def rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, heads, head_dim] and k rotated (rotate-half) by the float32 tables' rows at
+    ``positions``, in the compute dtype, as Hugging Face rounds."""
+    cos = cos[positions].unsqueeze(1).to(q.dtype)
+    sin = sin[positions].unsqueeze(1).to(q.dtype)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary: Rotary
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k normalized per head (if ``rotary`` has norms) and rotated, as new tensors."""
+    if rotary.q_norm is not None and rotary.k_norm is not None:
+        q = rms_norm(q, rotary.q_norm, rotary.eps)
+        k = rms_norm(k, rotary.k_norm, rotary.eps)
+    return rope(q, k, positions, rotary.cos, rotary.sin)
 
 
 @dataclass
@@ -75,9 +95,13 @@ class TorchPagedAttention(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        *,
+        rotary: Rotary | None = None,
     ) -> torch.Tensor:
         grid = self._grid
         assert grid is not None and grid.metadata is metadata, "prepare() the step first"
+        if rotary is not None:
+            q, k = apply_rotary(q, k, metadata.positions, rotary)
         store_kv(k, v, cache.key, cache.value, metadata.slot_mapping)
 
         _, block_size, num_kv_heads, head_dim = cache.key.shape
@@ -114,9 +138,13 @@ class TorchPagedAttention(AttentionBackend):
         return out[grid.index]
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * _normalized(x, eps).to(x.dtype)
+
+
 class TorchLayerOps:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return weight * _normalized(x, eps).to(x.dtype)
+        return rms_norm(x, weight, eps)
 
     def rms_norm_round_once(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float
@@ -128,19 +156,6 @@ class TorchLayerOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         residual = x + residual
         return self.rms_norm(residual, weight, eps), residual
-
-    def rope(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # In the compute dtype, as Hugging Face rounds.
-        cos = cos[positions].unsqueeze(1).to(q.dtype)
-        sin = sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)

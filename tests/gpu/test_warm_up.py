@@ -12,20 +12,18 @@ import torch
 import triton
 
 import engine.backends.triton.activation
-import engine.backends.triton.cache
 import engine.backends.triton.norm
 import engine.backends.triton.paged_attention
-import engine.backends.triton.rope
+import engine.backends.triton.rotary_store
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from protocol import SamplingParams
 
 KERNEL_MODULES = [
     engine.backends.triton.activation,
-    engine.backends.triton.cache,
     engine.backends.triton.norm,
     engine.backends.triton.paged_attention,
-    engine.backends.triton.rope,
+    engine.backends.triton.rotary_store,
 ]
 
 

@@ -12,7 +12,7 @@ is online, in float32 and base 2 (scores are pre-multiplied by log2(e)).
   earlier tokens are already cached (chunked prefill, prefix caching), causal; decodes are
   sequences of one new token, so one launch serves a mixed step.
 
-The new tokens' K and V must be in the cache (``store_kv``) before either runs.
+The new tokens' K and V must be in the cache (``rotary_store_kv``) before either runs.
 """
 
 from __future__ import annotations
