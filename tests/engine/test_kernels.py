@@ -175,6 +175,7 @@ HEAD_SHAPES = [(4, 4, 64), (8, 2, 128), (16, 2, 64), (6, 2, 80), (4, 1, 256)]
         (HEAD_SHAPES[2], 4, 40),
         (HEAD_SHAPES[3], 2, None),
         (HEAD_SHAPES[4], 2, 100),
+        (HEAD_SHAPES[1], 37, None),  # more splits than the merge reads at once; some empty
     ],
 )
 def test_decode_attention(
@@ -303,12 +304,15 @@ def test_triton_backend_matches_torch_backend(
 
 
 def test_decode_num_splits() -> None:
-    # Few sequences with long contexts: split to fill the SMs, in parts of >= 256 keys.
-    assert decode_num_splits(batch=1, num_kv_heads=8, max_context_len=8192, num_sms=132) == 32
-    assert decode_num_splits(batch=2, num_kv_heads=8, max_context_len=2048, num_sms=132) == 8
+    # Few sequences with long contexts: split to fill the SMs, in parts of >= 128 keys.
+    assert decode_num_splits(batch=1, num_kv_heads=8, max_context_len=16384, num_sms=132) == 66
+    assert decode_num_splits(batch=1, num_kv_heads=8, max_context_len=8192, num_sms=132) == 64
+    assert decode_num_splits(batch=2, num_kv_heads=8, max_context_len=2048, num_sms=132) == 16
+    # One KV head (Gemma 3 1B): as many splits as 128-key parts allow, up to 4 per SM.
+    assert decode_num_splits(batch=1, num_kv_heads=1, max_context_len=16384, num_sms=132) == 128
     # Enough programs already, or contexts too short to split.
     assert decode_num_splits(batch=64, num_kv_heads=8, max_context_len=8192, num_sms=132) == 1
-    assert decode_num_splits(batch=1, num_kv_heads=8, max_context_len=300, num_sms=132) == 1
+    assert decode_num_splits(batch=1, num_kv_heads=8, max_context_len=200, num_sms=132) == 1
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need CUDA")

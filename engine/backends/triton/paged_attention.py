@@ -30,11 +30,13 @@ _BLOCK_N = 64
 # tl.dot needs at least 16 rows; a decode tile has one token's group of heads.
 _MIN_DOT_ROWS = 16
 # Split decode until there are this many programs per SM (enough resident programs to keep
-# the memory system busy), but never into parts shorter than _MIN_SPLIT_TOKENS keys,
-# whose setup and merge would cost more than they save.
+# the memory system busy), but never into parts shorter than _MIN_SPLIT_TOKENS keys (two
+# tiles), whose setup and merge would cost more than they save. One sequence of a model
+# with one KV head (Gemma 3 1B) at 16k keys thus still gets 128 programs.
 _DECODE_PROGRAMS_PER_SM = 4
-_MIN_SPLIT_TOKENS = 256
-_MAX_SPLITS = 64
+_MIN_SPLIT_TOKENS = 128
+_MAX_SPLITS = 256
+_MERGE_BLOCK_S = 16  # splits the merge kernel reads at a time
 # Arguments that change from step to step in eager steps (views of the step's one packed
 # input buffer, block tables of any width): Triton would otherwise compile a variant per
 # alignment and divisibility it sees, mid-run. Their values need no specialization.
@@ -229,23 +231,42 @@ def _decode_merge_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    """Program (sequence, query head): rescale every split's partial sums to a common max."""
+    """Program (sequence, query head): rescale every split's partial sums to a common max,
+    BLOCK_S splits at a time (one compiled variant for every split count)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
-    split_mask = splits < num_splits
     dim_mask = dims < HEAD_DIM
     row_ptr = workspace_ptr + seq * stride_ws_seq + head * stride_ws_head
-    row_ptr += splits * stride_ws_split
-    # An empty split holds max _NO_SCORE and sum 0, so its weight below is 0.
-    row_max = tl.load(row_ptr + HEAD_DIM, mask=split_mask, other=_NO_SCORE)
-    row_sum = tl.load(row_ptr + HEAD_DIM + 1, mask=split_mask, other=0.0)
-    acc = tl.load(
-        row_ptr[:, None] + dims[None, :], mask=split_mask[:, None] & dim_mask[None, :], other=0.0
-    )
-    weight = tl.exp2(row_max - tl.max(row_max, 0))
-    out = tl.sum(acc * weight[:, None], 0) / tl.sum(row_sum * weight, 0)
+    # The largest of the splits' maxima first. An empty split holds max _NO_SCORE and sum
+    # 0, so its weight below is 0.
+    top = tl.full([BLOCK_S], _NO_SCORE, dtype=tl.float32)
+    for first in range(0, num_splits, BLOCK_S):
+        splits = first + tl.arange(0, BLOCK_S)
+        row_max = tl.load(
+            row_ptr + splits * stride_ws_split + HEAD_DIM,
+            mask=splits < num_splits,
+            other=_NO_SCORE,
+        )
+        top = tl.maximum(top, row_max)
+    top_max = tl.max(top, 0)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    total = tl.zeros([BLOCK_S], dtype=tl.float32)
+    for first in range(0, num_splits, BLOCK_S):
+        splits = first + tl.arange(0, BLOCK_S)
+        split_mask = splits < num_splits
+        split_ptr = row_ptr + splits * stride_ws_split
+        row_max = tl.load(split_ptr + HEAD_DIM, mask=split_mask, other=_NO_SCORE)
+        row_sum = tl.load(split_ptr + HEAD_DIM + 1, mask=split_mask, other=0.0)
+        partial = tl.load(
+            split_ptr[:, None] + dims[None, :],
+            mask=split_mask[:, None] & dim_mask[None, :],
+            other=0.0,
+        )
+        weight = tl.exp2(row_max - top_max)
+        acc += tl.sum(partial * weight[:, None], 0)
+        total += row_sum * weight
+    out = acc / tl.sum(total, 0)
     tl.store(
         out_ptr + seq * stride_out_seq + head * stride_out_head + dims,
         out.to(out_ptr.dtype.element_ty),
@@ -466,9 +487,7 @@ def paged_decode_attention(
             out.stride(1),
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
-            # One variant for every split count, compiled once.
-            BLOCK_S=_MAX_SPLITS,
-            num_warps=4 if block_d <= 128 else 8,
+            BLOCK_S=_MERGE_BLOCK_S,
         )
     return out
 
