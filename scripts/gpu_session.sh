@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests and/or benchmarks, logs under $OUT (or /tmp).
 #
-#   scripts/gpu_session.sh tests|bench-1b|bench-8b|bench-qwen3|profile-1b|profile-8b ...
+#   scripts/gpu_session.sh tests|perf|bench-1b|bench-8b|bench-qwen3|profile-1b|profile-8b ...
+#
+# perf (issue 14, about 7 minutes on an H100): the kernels' tests on CUDA, decode attention's
+# share of copy bandwidth (scripts/bench_kernels.py), bench_offline at the 1B and Qwen3 0.6B
+# shapes and bench_latency at 1B against their rooflines, then the warm-up and float32
+# decode-parity GPU tests; a summary last.
 #
 # PEERS=0 leaves out transformers' runs (minutes of device time each); PYTEST_K filters tests.
 #
@@ -24,6 +29,7 @@ peer() {  # the peer flags of a benchmark, unless PEERS=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
 
+export TANDEM_CHECKPOINTS=/tmp  # where tests/gpu finds the checkpoints made here
 checkpoint() {  # shape -> directory, made once per machine
   local dir=/tmp/ckpt-$1
   [ -f "$dir/config.json" ] || python3 scripts/make_random_checkpoint.py --shape "$1" --out "$dir" >&2
@@ -36,6 +42,25 @@ for stage in "$@"; do
     tests)
       python3 -m pytest -q -rs -s tests/gpu tests/engine/test_kernels.py tests/engine/test_model_parity.py \
         -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$out/tests.log" | grep -vE '^\s*$' | tail -40 ;;
+    perf)
+      python3 -m pytest -q -rs tests/engine/test_kernels.py -p no:cacheprovider 2>&1 \
+        | tee "$out/perf-kernel-tests.log" | tail -4
+      timeout 150 python3 scripts/bench_kernels.py 2>&1 | tee "$out/bench-kernels.log"
+      m=$(checkpoint llama-3.2-1b)
+      timeout 150 python3 scripts/bench_offline.py --model "$m" 2>&1 | tee "$out/offline-1b.log" | tail -7
+      timeout 90 python3 scripts/bench_latency.py --model "$m" 2>&1 | tee "$out/latency-1b.log" | tail -6
+      m=$(checkpoint qwen3-0.6b)
+      timeout 150 python3 scripts/bench_offline.py --model "$m" 2>&1 | tee "$out/offline-qwen3.log" | tail -7
+      timeout 200 python3 -m pytest -q -rs -s tests/gpu/test_warm_up.py tests/gpu/test_decode_parity.py \
+        -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$out/perf-gpu-tests.log" \
+        | grep -E "enforce_eager=|worst logprob|passed|failed|Error" | tail -12
+      echo "=== perf summary"
+      grep -hE "passed|failed" "$out/perf-kernel-tests.log" "$out/perf-gpu-tests.log" | tail -2
+      grep -hE "^decode attention: worst|tokens: " "$out/bench-kernels.log"
+      for f in offline-1b offline-qwen3; do
+        echo "$f:"; grep -hE "^tandem, |engine start" "$out/$f.log"
+      done
+      echo "latency-1b:"; grep -hE "^tandem, |^roofline" "$out/latency-1b.log" ;;
     bench-1b)
       m=$(checkpoint llama-3.2-1b)
       timeout 300 python3 scripts/bench_offline.py --model "$m" $(peer --peer-requests 64) 2>&1 | tee "$out/offline-1b.log" | tail -5

@@ -4,6 +4,7 @@ log-probabilities against transformers' on the same tokens."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,6 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from protocol import SamplingParams
 from tests.engine.test_logprobs import generate
-from tests.random_checkpoint import save_random_model
 
 STEPS = 64
 TOP = 5
@@ -23,12 +23,14 @@ LOGPROB_ATOL = 2e-4
 
 
 @pytest.mark.parametrize("shape", ["llama-3.2-1b", "qwen3-0.6b", "gemma3-1b"])
-def test_greedy_decode_matches_transformers_in_float32(shape: str, tmp_path: Path) -> None:
-    save_random_model(tmp_path, shape, torch.bfloat16)
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).cuda().eval()
+def test_greedy_decode_matches_transformers_in_float32(
+    shape: str, shape_checkpoint: Callable[[str], Path]
+) -> None:
+    directory = shape_checkpoint(shape)
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).cuda().eval()
     engine = LLMEngine(
         EngineConfig(
-            model=str(tmp_path),
+            model=str(directory),
             device="cuda",
             dtype="float32",
             max_model_len=4096,

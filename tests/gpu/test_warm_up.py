@@ -5,6 +5,7 @@ request is as fast as the later ones."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -74,17 +75,13 @@ def varied_workload(engine: LLMEngine) -> float:
 
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_no_kernel_compiles_after_start_up(
-    enforce_eager: bool, tmp_path_factory: pytest.TempPathFactory
+    enforce_eager: bool, shape_checkpoint: Callable[[str], Path]
 ) -> None:
-    from tests.random_checkpoint import save_random_model
-
-    directory = tmp_path_factory.getbasetemp() / "gemma3-1b"
-    if not (directory / "config.json").exists():  # sliding and full layers: both variants
-        save_random_model(directory, "gemma3-1b", torch.bfloat16)
+    directory = shape_checkpoint("gemma3-1b")  # sliding and full layers: both variants
     started = time.perf_counter()
     engine = LLMEngine(
         EngineConfig(
-            model=str(Path(directory)),
+            model=str(directory),
             device="cuda",
             max_model_len=4096,
             max_num_batched_tokens=1024,
