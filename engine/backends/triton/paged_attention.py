@@ -40,7 +40,13 @@ _MERGE_BLOCK_S = 16  # splits the merge kernel reads at a time
 # Arguments that change from step to step in eager steps (views of the step's one packed
 # input buffer, block tables of any width): Triton would otherwise compile a variant per
 # alignment and divisibility it sees, mid-run. Their values need no specialization.
-_STEP_POINTERS = ["block_tables_ptr", "context_lens_ptr", "query_lens_ptr", "query_starts_ptr"]
+_STEP_ARGUMENTS = [
+    "block_tables_ptr",
+    "context_lens_ptr",
+    "query_lens_ptr",
+    "query_starts_ptr",
+    "stride_table",
+]
 # Scores below any real one: a row whose keys are all masked keeps a finite max, so its
 # rescaling factors stay exp2(0) = 1 instead of exp2(-inf - -inf) = NaN.
 _NO_SCORE = tl.constexpr(-1.0e30)
@@ -121,7 +127,7 @@ def _attend_keys(
 
 @triton.jit(
     do_not_specialize=["stride_table"],
-    do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr"],
+    do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr", "stride_table"],
 )
 def _decode_kernel(
     q_ptr,
@@ -217,7 +223,7 @@ def _decode_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["num_splits"])
 def _decode_merge_kernel(
     workspace_ptr,
     out_ptr,
@@ -274,7 +280,7 @@ def _decode_merge_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["stride_table"], do_not_specialize_on_alignment=_STEP_POINTERS)
+@triton.jit(do_not_specialize=["stride_table"], do_not_specialize_on_alignment=_STEP_ARGUMENTS)
 def _prefill_kernel(
     q_ptr,
     key_cache_ptr,

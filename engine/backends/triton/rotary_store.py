@@ -23,25 +23,27 @@ def _norm_and_rotate(
     eps,
     dims,
     dim_mask,
-    dtype: tl.constexpr,
     HALF: tl.constexpr,
     NORM: tl.constexpr,
 ):
-    """The halves [heads, HALF] of each head, normalized (if NORM) as Llama's RMSNorm rounds
-    (float32, rounded to ``dtype``, times the weight in ``dtype``), then rotated in float32:
-    x * cos + rotate_half(x) * sin, where rotate_half([a, b]) = [-b, a]."""
+    """The float32 halves [heads, HALF] of each head, normalized (if NORM) as Llama's
+    RMSNorm rounds (in float32, rounded to the weight's dtype, the model's, times the
+    weight), then rotated: x * cos + rotate_half(x) * sin, where rotate_half([a, b]) =
+    [-b, a]. In float32; the caller rounds once."""
     if NORM:
         square_sum = tl.sum(first * first, 1) + tl.sum(second * second, 1)
         inv_rms = tl.rsqrt(square_sum / (2 * HALF) + eps)[:, None]
         weight_first = tl.load(norm_ptr + dims, mask=dim_mask, other=0.0)[None, :]
         weight_second = tl.load(norm_ptr + HALF + dims, mask=dim_mask, other=0.0)[None, :]
-        first = ((first * inv_rms).to(dtype) * weight_first).to(tl.float32)
-        second = ((second * inv_rms).to(dtype) * weight_second).to(tl.float32)
+        first = ((first * inv_rms).to(weight_first.dtype) * weight_first).to(tl.float32)
+        second = ((second * inv_rms).to(weight_second.dtype) * weight_second).to(tl.float32)
     new_first = first * cos_first - second * sin_first
     new_second = second * cos_second + first * sin_second
-    return new_first.to(dtype), new_second.to(dtype)
+    return new_first, new_second
 
 
+# The positions and slots are views of the step's packed inputs, at any alignment: one
+# variant (engine/warm_up.py).
 @triton.jit(do_not_specialize_on_alignment=["positions_ptr", "slot_mapping_ptr"])
 def _rotary_store_kernel(
     q_ptr,
@@ -106,12 +108,11 @@ def _rotary_store_kernel(
             eps,
             dims,
             dim_mask,
-            dtype,
             HALF,
             NORM,
         )
-        tl.store(q_first_ptr, q_first, mask=mask)
-        tl.store(q_first_ptr + HALF, q_second, mask=mask)
+        tl.store(q_first_ptr, q_first.to(dtype), mask=mask)
+        tl.store(q_first_ptr + HALF, q_second.to(dtype), mask=mask)
 
     slot = tl.load(slot_mapping_ptr + token)
     if slot < 0:
@@ -134,12 +135,11 @@ def _rotary_store_kernel(
             eps,
             dims,
             dim_mask,
-            dtype,
             HALF,
             NORM,
         )
-    tl.store(key_cache_ptr + cache_offsets, k_first, mask=kv_mask)
-    tl.store(key_cache_ptr + cache_offsets + HALF, k_second, mask=kv_mask)
+    tl.store(key_cache_ptr + cache_offsets, k_first.to(dtype), mask=kv_mask)
+    tl.store(key_cache_ptr + cache_offsets + HALF, k_second.to(dtype), mask=kv_mask)
     v_first_ptr = v_ptr + token * stride_v_token + kv_heads * stride_v_head + dims[None, :]
     tl.store(value_cache_ptr + cache_offsets, tl.load(v_first_ptr, mask=kv_mask), mask=kv_mask)
     tl.store(
