@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests and/or benchmarks, logs under $OUT (or /tmp).
 #
-#   scripts/gpu_session.sh tests|perf|bench-1b|bench-8b|bench-qwen3|profile-1b|profile-8b ...
+#   scripts/gpu_session.sh tests|perf|bench-1b|bench-8b|bench-qwen3|profile-1b|profile-8b|profile-qwen3 ...
 #
 # perf (issue 14, about 7 minutes on an H100): the kernels' tests on CUDA, decode attention's
 # share of copy bandwidth (scripts/bench_kernels.py), bench_offline at the 1B and Qwen3 0.6B
@@ -75,6 +75,9 @@ for stage in "$@"; do
     profile-1b)
       m=$(checkpoint llama-3.2-1b)
       timeout 300 python3 scripts/profile_step.py --model "$m" 2>&1 | tee "$out/profile-1b.log" | grep -v USDT ;;
+    profile-qwen3)  # issue 14: Qwen3 0.6B at batch 256, context 840: attention and GEMMs' share
+      m=$(checkpoint qwen3-0.6b)
+      timeout 300 python3 scripts/profile_step.py --model "$m" --batch 256 --context 840 2>&1 | tee "$out/profile-qwen3.log" | grep -v USDT ;;
     profile-8b)
       m=$(checkpoint llama-3.1-8b)
       timeout 300 python3 scripts/profile_step.py --model "$m" 2>&1 | tee "$out/profile-8b.log" | grep -v USDT ;;
