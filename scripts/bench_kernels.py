@@ -9,7 +9,10 @@ the block table's width, a CUDA graph's case) is timed over random caches with s
 blocks, and its K/V bytes over its time are compared with the device-to-device copy
 bandwidth measured at the start (engine/roofline.py). Head shapes are the models': head_dim
 64 as Llama 3.2 1B (32 query heads on 8 KV heads), 128 as Qwen3 0.6B (16 on 8), 256 as
-Gemma 3 1B (4 on 1). Every result is checked against the float32 reference first.
+Gemma 3 1B (4 on 1). Every result is checked against the float32 reference first. Each
+timing starts with the L2 cache flushed. "of same" compares with a copy of the same bytes
+timed alike: small cases (a few MB) are bound by launch and latency, not bandwidth, for
+any kernel.
 Then the fused Q/K-norm + RoPE + cache-write kernel at a decode and a prefill step.
 CUDA only.
 """
@@ -42,16 +45,22 @@ BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
 
 
+_L2_FLUSH_BYTES = 256 * 1024**2  # more than any GPU's L2: each timing starts cold
+
+
 def time_ms(run: Callable[[], None], repeats: int = 20) -> float:
     """Median of ``repeats`` timings of ``run`` replayed from a CUDA graph (as the engine's
-    decode runs), after a warm-up."""
+    decode runs), after a warm-up, each with the L2 cache flushed first (a decode step
+    reads what the last step's other layers pushed out)."""
     run()  # compiles
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
     graph.replay()
+    flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     timings = []
     for _ in range(repeats):
+        flush.zero_()
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
@@ -60,6 +69,14 @@ def time_ms(run: Callable[[], None], repeats: int = 20) -> float:
         end.synchronize()
         timings.append(start.elapsed_time(end))
     return statistics.median(timings)
+
+
+def copy_ms(num_bytes: int) -> float:
+    """A device-to-device copy reading ``num_bytes`` (and writing as many), timed alike: the
+    best a kernel reading that much could do, launch included."""
+    source = torch.empty(num_bytes // 2, dtype=DTYPE, device="cuda")
+    target = torch.empty_like(source)
+    return time_ms(lambda: target.copy_(source))
 
 
 def decode_case(
@@ -152,7 +169,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: measured {rates.describe()}")
     print(
         f"\n{'head_dim':>8} {'heads':>6} {'context':>8} {'batch':>6} {'splits':>6} "
-        f"{'us':>9} {'GB/s':>7} {'of copy':>8}"
+        f"{'us':>9} {'GB/s':>7} {'of copy':>8} {'copy us':>8} {'of same':>8}"
     )
     shares = []
     for head_dim in args.head_dims:
@@ -164,11 +181,13 @@ def main() -> None:
                     continue
                 check = batch * context <= 64 * 1024  # the float32 reference loops in Python
                 splits, ms, share = decode_case(head_dim, context, batch, rates.bytes_per_s, check)
+                # A copy moves each byte twice (read, write): half as many bytes to copy.
+                same_ms = copy_ms(cache_bytes // 2)
                 shares.append((share, head_dim, context, batch))
                 print(
                     f"{head_dim:8d} {f'{num_heads}/{num_kv_heads}':>6} {context:8d} {batch:6d} "
                     f"{splits:6d} {ms * 1e3:9.1f} {share * rates.bytes_per_s / 1e9:7.0f} "
-                    f"{share:8.0%}"
+                    f"{share:8.0%} {same_ms * 1e3:8.1f} {same_ms / ms:8.0%}"
                 )
                 torch.cuda.empty_cache()
     print("\nfused Q/K norms + RoPE + cache write, Qwen3 0.6B's heads:")
