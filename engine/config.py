@@ -46,6 +46,13 @@ class EngineConfig:
         "weights and activations (auto: bfloat16 on CUDA, float32 on CPU)",
         choices=["auto", "bfloat16", "float16", "float32"],
     )
+    kv_cache_dtype: str = option(
+        "auto",
+        "the KV cache's dtype: auto (the model's) or fp8 (float8 e4m3, stored unscaled as "
+        "vLLM stores it without calibrated scales: half bf16's bytes, so twice the tokens "
+        "and half the bytes for decode attention to read)",
+        choices=["auto", "fp8"],
+    )
     max_model_len: int | None = option(
         None, "context length (default: the model's, capped by what the KV cache holds)"
     )

@@ -95,6 +95,11 @@ class LaunchedStep:
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """``auto`` is the model's dtype; ``fp8`` float8 e4m3, which attention reads directly."""
+    return model_dtype if name == "auto" else torch.float8_e4m3fn
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto`` is bfloat16 on CUDA and float32 on CPU, where bf16 matmuls are slow."""
     if name == "auto":
@@ -111,6 +116,7 @@ class ModelRunner:
         the model's own, capped by what the cache holds."""
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.model_config = checkpoint.config
         # Not to be sampled before a request's min_tokens, with its stop tokens.
         self.eos_token_ids = list(checkpoint.tokenizer.eos_token_ids)
@@ -173,7 +179,7 @@ class ModelRunner:
             return config.num_kv_blocks
         c = self.model_config
         kv_bytes_per_token = (
-            2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.dtype.itemsize
+            2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.kv_dtype.itemsize
         )
         per_block = kv_bytes_per_token * self.block_size
         if config.kv_cache_memory_gb is not None:
@@ -205,8 +211,8 @@ class ModelRunner:
         # past a sequence's end, and a masked NaN from uninitialized memory still poisons it.
         layers = [
             LayerKVCache(
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
             )
             for _ in range(c.num_hidden_layers)
         ]
@@ -223,8 +229,8 @@ class ModelRunner:
         block_size = 16
         shape = (1, block_size, c.num_key_value_heads, c.head_dim)
         scratch = LayerKVCache(
-            torch.zeros(shape, dtype=self.dtype, device=self.device),
-            torch.zeros(shape, dtype=self.dtype, device=self.device),
+            torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+            torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
         )
         self.model.bind_kv_cache([scratch] * c.num_hidden_layers)
 

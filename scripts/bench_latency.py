@@ -34,6 +34,7 @@ from tokenizers import Tokenizer
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from engine.model_runner import resolve_kv_cache_dtype  # noqa: E402
 from engine.roofline import (  # noqa: E402
     DeviceRates,
     ModelCost,
@@ -90,6 +91,8 @@ def bench_engine(args: argparse.Namespace) -> tuple[float, list[Latency], list[S
         "--step-record",
         step_record,
         *(["--enforce-eager"] if args.enforce_eager else []),
+        "--kv-cache-dtype",
+        args.kv_cache_dtype,
     ]
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
@@ -210,7 +213,7 @@ def bench_transformers(args: argparse.Namespace) -> tuple[float, Latency]:
     return load_s, Latency(ttft, (total - ttft) / (args.output_len - 1))
 
 
-def model_cost(model: str, dtype: torch.dtype) -> ModelCost:
+def model_cost(model: str, dtype: torch.dtype, kv_dtype: torch.dtype) -> ModelCost:
     """The cost of the model the engine loads, built on the meta device: no weights read."""
     from engine.backends import create_backend
     from engine.models import build_model, load_checkpoint
@@ -218,7 +221,7 @@ def model_cost(model: str, dtype: torch.dtype) -> ModelCost:
     config = load_checkpoint(model).config
     meta = torch.device("meta")
     return ModelCost.of_model(
-        build_model(config, *create_backend("torch", meta), 1, meta, dtype), dtype
+        build_model(config, *create_backend("torch", meta), 1, meta, dtype), kv_dtype
     )
 
 
@@ -245,6 +248,7 @@ def main() -> None:
     )
     parser.add_argument("--peer", action="store_true", help="also time transformers")
     parser.add_argument("--enforce-eager", action="store_true", help="engine without CUDA graphs")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     args = parser.parse_args()
 
     if args.shared_prefix_len and args.runs < 2:
@@ -255,7 +259,7 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the engine process sizes its cache from what is free
     start_s, runs, steps = bench_engine(args)
-    cost = model_cost(args.model, dtype)
+    cost = model_cost(args.model, dtype, resolve_kv_cache_dtype(args.kv_cache_dtype, dtype))
     bounds = [roofline_latency(s, cost, rates, args.output_len) for s in split_runs(steps)]
     assert len(bounds) == len(runs), (len(bounds), len(runs))
 

@@ -195,6 +195,7 @@ def main() -> None:
         help="time transformers on the first N requests only (default: all)",
     )
     parser.add_argument("--enforce-eager", action="store_true", help="engine without CUDA graphs")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument(
         "--structured-fraction",
         type=float,
@@ -220,10 +221,11 @@ def main() -> None:
             max_num_seqs=args.max_num_seqs,
             max_model_len=2 * args.max_len + 16,
             enforce_eager=args.enforce_eager,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
     )
     start_s = time.perf_counter() - started
-    cost = ModelCost.of_model(engine.runner.model, engine.runner.dtype)
+    cost = ModelCost.of_model(engine.runner.model, engine.runner.kv_dtype)
     constrained = constrained_indices(args.num_requests, args.structured_fraction)
     constraint = None
     if constrained:

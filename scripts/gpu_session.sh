@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests and/or benchmarks, logs under $OUT (or /tmp).
 #
-#   scripts/gpu_session.sh tests|perf|bench-1b|bench-8b|bench-qwen3|profile-1b|profile-8b|profile-qwen3 ...
+#   scripts/gpu_session.sh tests|perf|perf-fp8|bench-1b|bench-8b|bench-qwen3|profile-1b|profile-8b|profile-qwen3 ...
 #
 # perf (issue 14, about 7 minutes on an H100): the kernels' tests on CUDA, decode attention's
 # share of copy bandwidth (scripts/bench_kernels.py), bench_offline at the 1B and Qwen3 0.6B
@@ -61,6 +61,11 @@ for stage in "$@"; do
         echo "$f:"; grep -hE "^tandem, |engine start" "$out/$f.log"
       done
       echo "latency-1b:"; grep -hE "^tandem, |^roofline" "$out/latency-1b.log" ;;
+    perf-fp8)  # --kv-cache-dtype fp8: Qwen3 0.6B offline and 1B batch-1 latency, rooflines
+      m=$(checkpoint qwen3-0.6b)
+      timeout 150 python3 scripts/bench_offline.py --model "$m" --kv-cache-dtype fp8 2>&1 | tee "$out/offline-qwen3-fp8.log" | tail -7
+      m=$(checkpoint llama-3.2-1b)
+      timeout 90 python3 scripts/bench_latency.py --model "$m" --kv-cache-dtype fp8 2>&1 | tee "$out/latency-1b-fp8.log" | tail -6 ;;
     bench-1b)
       m=$(checkpoint llama-3.2-1b)
       timeout 300 python3 scripts/bench_offline.py --model "$m" $(peer --peer-requests 64) 2>&1 | tee "$out/offline-1b.log" | tail -5

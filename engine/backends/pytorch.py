@@ -23,11 +23,17 @@ def store_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Copy key/value [T, num_kv_heads, head_dim] to the caches' flat slots ``slot_mapping``
-    (block * block_size + offset), skipping tokens whose slot is negative. Reads back
-    whether there are any (a synchronization on CUDA)."""
+    (block * block_size + offset), in the caches' dtype (float8 for an fp8 cache), skipping
+    tokens whose slot is negative. Reads back whether there are any (a synchronization on
+    CUDA)."""
     keep = slot_mapping >= 0
     if not keep.all():  # never in a scheduled step: its every token has a slot
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)  # an fp8 cache
+    if key_cache.dtype.itemsize == 1:  # PyTorch copies float8 by index as bytes only
+        key, value, key_cache, value_cache = (
+            t.view(torch.uint8) for t in (key, value, key_cache, value_cache)
+        )
     num_slots = key_cache.shape[0] * key_cache.shape[1]
     key_cache.view(num_slots, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key)
     value_cache.view(num_slots, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value)
@@ -108,8 +114,10 @@ class TorchPagedAttention(AttentionBackend):
         batch, max_blocks = metadata.block_tables.shape
         context = max_blocks * block_size
         # [B, heads, context, head_dim]: each sequence's cache in order, garbage past its length.
+        # An fp8 cache is read as the model's dtype.
         keys = cache.key[metadata.block_tables].view(batch, context, num_kv_heads, head_dim)
         values = cache.value[metadata.block_tables].view(batch, context, num_kv_heads, head_dim)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
         keys = keys.transpose(1, 2)
         values = values.transpose(1, 2)
 

@@ -233,6 +233,55 @@ def test_prefill_attention(heads: tuple[int, int, int], sliding_window: int | No
     assert_rounding_close(out, attention_reference(q, batch, sliding_window))
 
 
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_attention_reads_an_fp8_cache(decode: bool) -> None:
+    """With --kv-cache-dtype fp8 the kernels read float8 K/V as q's dtype: held to the
+    float32 reference over the same float8 values, as closely as over a q-dtype cache."""
+    num_heads, num_kv_heads, head_dim = 8, 2, 128
+    if decode:
+        context_lens, query_lens = DECODE_CONTEXT_LENS, [1] * len(DECODE_CONTEXT_LENS)
+    else:
+        context_lens, query_lens = (list(x) for x in zip(*PREFILL_SEQUENCES, strict=True))
+    batch = paged_batch(context_lens, query_lens, num_kv_heads, head_dim, fill=float("nan"))
+    batch.key_cache, batch.value_cache = batch.key_cache.to(FP8), batch.value_cache.to(FP8)
+    m = batch.metadata
+    q = randn(sum(query_lens), num_heads, head_dim)
+    args = (q, batch.key_cache, batch.value_cache, m.block_tables, m.context_lens)
+    if decode:
+        out = paged_decode_attention(*args, head_dim**-0.5, num_splits=3)
+    else:
+        out = paged_prefill_attention(
+            *args, m.query_lens, m.query_starts, m.max_query_len, head_dim**-0.5
+        )
+    assert_rounding_close(out, attention_reference(q, batch, None))
+
+
+@pytest.mark.skipif(
+    not CUDA, reason="Triton's CPU interpreter rounds to float8 wrongly (-7.84 to -4.0)"
+)
+def test_rotary_store_into_an_fp8_cache() -> None:
+    num_tokens, num_heads, num_kv_heads, head_dim = 9, 4, 2, 64
+    rotary = make_rotary(head_dim, norms=True, max_positions=50)
+    positions = torch.randint(0, 50, (num_tokens,), device=DEVICE)
+    q, k, v = (
+        randn(num_tokens, num_heads, head_dim),
+        *(randn(num_tokens, num_kv_heads, head_dim) for _ in range(2)),
+    )
+    slot_mapping = torch.randperm(2 * BLOCK_SIZE, device=DEVICE)[:num_tokens]
+    shape = (2, BLOCK_SIZE, num_kv_heads, head_dim)
+    key_cache, value_cache = (torch.zeros(shape, dtype=FP8, device=DEVICE) for _ in range(2))
+    _, expected_k = apply_rotary(q.float(), k.float(), positions, float32_rotary(rotary))
+    rotary_store_kv(q, k, v, key_cache, value_cache, slot_mapping, positions, rotary)
+    stored_k = key_cache.flatten(0, 1)[slot_mapping].float()
+    # float8 e4m3 keeps 3 bits of mantissa: within one of its roundings (2^-4 relative).
+    torch.testing.assert_close(stored_k, expected_k, rtol=2**-3, atol=2**-6)
+    expected_v = v.to(FP8).float()
+    torch.testing.assert_close(value_cache.flatten(0, 1)[slot_mapping].float(), expected_v)
+
+
 def make_rotary(head_dim: int, norms: bool, max_positions: int = 512) -> Rotary:
     """RoPE tables as the model builds them and, with ``norms``, random per-head norm
     weights (in DTYPE), so that a kernel ignoring them shows."""

@@ -107,8 +107,9 @@ def _attend_keys(
         slots = blocks * BLOCK_SIZE + keys % BLOCK_SIZE
         offsets = slots[:, None] * stride_cache_slot + kv_head * stride_cache_head + dims[None, :]
         kv_mask = key_mask[:, None] & dim_mask[None, :]
-        k = tl.load(key_cache_ptr + offsets, mask=kv_mask, other=0.0)
-        v = tl.load(value_cache_ptr + offsets, mask=kv_mask, other=0.0)
+        # An fp8 cache is read as q's dtype.
+        k = tl.load(key_cache_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(value_cache_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         visible = key_mask[None, :] & (keys[None, :] <= query_pos[:, None])
@@ -395,7 +396,8 @@ def decode_workspace(
 def _check_cache(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
     assert key_cache.shape == value_cache.shape and key_cache.stride() == value_cache.stride()
     assert key_cache.dim() == 4 and key_cache[0, 0].is_contiguous()
-    assert q.dtype == key_cache.dtype == value_cache.dtype and q.stride(-1) == 1
+    assert key_cache.dtype == value_cache.dtype in (q.dtype, torch.float8_e4m3fn)
+    assert q.stride(-1) == 1
     assert q.shape[-1] == key_cache.shape[-1] and q.shape[-2] % key_cache.shape[-2] == 0
 
 

@@ -138,15 +138,16 @@ def _rotary_store_kernel(
             HALF,
             NORM,
         )
-    tl.store(key_cache_ptr + cache_offsets, k_first.to(dtype), mask=kv_mask)
-    tl.store(key_cache_ptr + cache_offsets + HALF, k_second.to(dtype), mask=kv_mask)
+    # K rounded to the model's dtype, as the reference rounds it, then to the cache's.
+    cache_dtype = key_cache_ptr.dtype.element_ty
+    tl.store(key_cache_ptr + cache_offsets, k_first.to(dtype).to(cache_dtype), mask=kv_mask)
+    k_second = k_second.to(dtype).to(cache_dtype)
+    tl.store(key_cache_ptr + cache_offsets + HALF, k_second, mask=kv_mask)
     v_first_ptr = v_ptr + token * stride_v_token + kv_heads * stride_v_head + dims[None, :]
-    tl.store(value_cache_ptr + cache_offsets, tl.load(v_first_ptr, mask=kv_mask), mask=kv_mask)
-    tl.store(
-        value_cache_ptr + cache_offsets + HALF,
-        tl.load(v_first_ptr + HALF, mask=kv_mask),
-        mask=kv_mask,
-    )
+    v_first = tl.load(v_first_ptr, mask=kv_mask).to(cache_dtype)
+    tl.store(value_cache_ptr + cache_offsets, v_first, mask=kv_mask)
+    v_second = tl.load(v_first_ptr + HALF, mask=kv_mask).to(cache_dtype)
+    tl.store(value_cache_ptr + cache_offsets + HALF, v_second, mask=kv_mask)
 
 
 def rotary_store_kv(
@@ -161,7 +162,8 @@ def rotary_store_kv(
 ) -> None:
     """Apply ``rotary`` (None: nothing) to q [T, num_heads, head_dim] in place and to k
     [T, num_kv_heads, head_dim], and copy k and v to the caches' flat slots ``slot_mapping``
-    (block * block_size + offset; a negative slot is skipped). k is left as it was.
+    (block * block_size + offset; a negative slot is skipped), in the caches' dtype (q's,
+    or float8 e4m3 for an fp8 cache). k is left as it was.
 
     Caches are [num_blocks, block_size, num_kv_heads, head_dim]; q, k and v may be strided
     views (of a fused QKV output) as long as head_dim is contiguous. positions: [T] int,
@@ -173,7 +175,8 @@ def rotary_store_kv(
     assert slot_mapping.shape == (num_tokens,)
     assert key_cache.shape == value_cache.shape and key_cache.stride() == value_cache.stride()
     assert key_cache.shape[2:] == (num_kv_heads, head_dim) and key_cache[0, 0].is_contiguous()
-    assert q.dtype == k.dtype == v.dtype == key_cache.dtype == value_cache.dtype
+    assert q.dtype == k.dtype == v.dtype
+    assert key_cache.dtype == value_cache.dtype in (q.dtype, torch.float8_e4m3fn)
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
     if rotary is None:
         cos = sin = q_norm = k_norm = key_cache  # unread: the kernel is built without them
