@@ -24,14 +24,19 @@ def main(argv: list[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s engine %(name)s: %(message)s",
     )
     from engine.llm_engine import LLMEngine
+    from engine.roofline import save_steps
     from engine.service import EngineService
 
     engine = LLMEngine(from_arguments(EngineConfig, args))
+    if args.step_record:
+        engine.step_shapes = []
     service = EngineService(engine, args.address, args.stats_interval)
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: service.stop_event.set())
     service.serve_forever()
     engine.close()
+    if engine.step_shapes is not None:
+        save_steps(args.step_record, engine.step_shapes)
     logging.getLogger("engine").info("engine stopped")
     sys.exit(0)
 

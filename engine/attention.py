@@ -1,9 +1,11 @@
 """Attention over the paged KV cache: the interface every backend implements.
 
-The model calls ``backend.forward(q, k, v, layer_cache, metadata, scale, sliding_window)``
-and nothing else, so backends (``engine.backends``: the PyTorch reference, the Triton
-kernels) replace each other without touching the model. The batch is packed: the new
-tokens of every sequence in one [T, ...] tensor, prefills and decodes mixed.
+The model calls ``backend.forward(q, k, v, layer_cache, metadata, scale, sliding_window,
+rotary=...)`` and nothing else (the backend applies the Q/K norms and RoPE, ``Rotary``, so
+that one kernel can do them with the cache write), so backends (``engine.backends``: the
+PyTorch reference, the Triton kernels) replace each other without touching the model.
+The batch is packed: the new tokens of every sequence in one [T, ...] tensor, prefills and
+decodes mixed.
 
 The model runner calls two more methods: ``prepare`` once per step before the forward
 pass, with the step's metadata, for planning shared by every layer; ``graph_capture``
@@ -45,6 +47,24 @@ class AttentionMetadata:
     max_query_len: int
 
 
+@dataclass
+class Rotary:
+    """What the backend applies to the projected q and k before it stores K and attends, in
+    one pass where it can: with ``q_norm`` and ``k_norm`` (weights [head_dim]), an RMSNorm
+    over each head, as Llama's RMSNorm rounds (normalized in float32, rounded to the
+    model's dtype, times the weight); then rotate-half RoPE by the rows of the float32
+    [max_positions, head_dim] tables at the tokens' positions."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    eps: float = 0.0
+
+    def __post_init__(self) -> None:
+        assert (self.q_norm is None) == (self.k_norm is None)
+
+
 class AttentionBackend(ABC):
     # Whether the decode step may be captured in a CUDA graph with this backend: its forward
     # never synchronizes with the host and skips negative slots without reading them back.
@@ -65,15 +85,19 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(
         self,
-        q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
-        k: torch.Tensor,  # [T, num_kv_heads, head_dim], RoPE applied
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
         v: torch.Tensor,  # [T, num_kv_heads, head_dim]
         cache: LayerKVCache,
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        *,
+        rotary: Rotary | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Write k and v into the cache, then attend each query to its sequence's cache.
+        """Apply ``rotary`` to q and k (None: they come rotated), write k and v into the
+        cache, then attend each query to its sequence's cache. q and k may be changed in
+        place; v is not.
 
         With ``sliding_window`` (the layer's; None for full attention) a query at position p
         attends only to the keys at positions p - sliding_window + 1 to p. The reference masks

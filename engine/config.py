@@ -46,6 +46,13 @@ class EngineConfig:
         "weights and activations (auto: bfloat16 on CUDA, float32 on CPU)",
         choices=["auto", "bfloat16", "float16", "float32"],
     )
+    kv_cache_dtype: str = option(
+        "auto",
+        "the KV cache's dtype: auto (the model's) or fp8 (float8 e4m3, stored unscaled as "
+        "vLLM stores it without calibrated scales: half bf16's bytes, so twice the tokens "
+        "and half the bytes for decode attention to read)",
+        choices=["auto", "fp8"],
+    )
     max_model_len: int | None = option(
         None, "context length (default: the model's, capped by what the KV cache holds)"
     )
@@ -111,6 +118,11 @@ class ServiceConfig:
     )
     stats_interval: float = option(10.0, "seconds between throughput log lines (0: none)")
     log_level: str = option("info", "logging level")
+    step_record: str | None = option(
+        None,
+        "keep every step's shape and write them to this JSON file when the engine stops "
+        "(for a benchmark's roofline: engine/roofline.py)",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser, config_class: type) -> None:

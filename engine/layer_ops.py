@@ -1,4 +1,6 @@
-"""The model's per-token operations (norms, RoPE, gated activation): the interface.
+"""The model's per-token operations (norms, gated activation): the interface. (RoPE and
+the per-head Q/K norms before it are the attention backend's, ``engine.attention.Rotary``,
+so that they fuse with the cache write.)
 
 Like ``AttentionBackend``, the model calls these and nothing device-specific; each backend
 of ``engine.backends`` supplies an implementation: ``TorchLayerOps`` (PyTorch, runs
@@ -29,18 +31,6 @@ class LayerOps(Protocol):
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(x + residual), x + residual); x: [T, hidden]."""
-        ...
-
-    def rope(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, heads, head_dim] and k rotated (rotate-half) by the float32 [max_positions,
-        head_dim] tables' rows at ``positions``; may rotate q and k in place."""
         ...
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from engine.model_runner import LaunchedStep, ModelRunner
 from engine.models import load_checkpoint
 from engine.prompt_logprobs import take_scored
 from engine.request import Request, RequestStatus
+from engine.roofline import StepShape
 from engine.scheduler import Scheduler
 from engine.structured_output import CompilingRequests, GrammarCompiler, GrammarError
 from engine.tensor_parallel import WorkerGroup
@@ -110,6 +111,9 @@ class LLMEngine:
         self.errors: list[tuple[bytes, ErrorReply]] = []
         self.num_finished = 0
         self.num_generated_tokens = 0  # sampled, one per request per step
+        # Each step's shape, for a benchmark's roofline (engine/roofline.py): kept only when
+        # one sets a list here.
+        self.step_shapes: list[StepShape] | None = None
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (the engine serves no more)."""
@@ -226,6 +230,8 @@ class LLMEngine:
         if not batch:
             return self.sync()
         forwarded = self.runner.forward(batch)
+        if self.step_shapes is not None:
+            self.step_shapes.append(StepShape.of(batch, forwarded.logits.shape[0]))
         outputs = []
         if self.in_flight is not None and self._samples_after_read(batch):
             # Read the pending tokens before sampling, while the device runs the forward pass.

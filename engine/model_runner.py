@@ -28,6 +28,7 @@ from engine.parallel import SINGLE, TensorParallel
 from engine.prompt_logprobs import ScoredChunk, ScoredPositions, read_scored
 from engine.request import Request
 from engine.sampler import prompt_token_logprobs, sample, token_logprobs
+from engine.warm_up import warm_up
 from protocol import PromptTokenLogprobs, TokenLogprobs
 
 if TYPE_CHECKING:
@@ -96,6 +97,11 @@ class LaunchedStep:
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """``auto`` is the model's dtype; ``fp8`` float8 e4m3, which attention reads directly."""
+    return model_dtype if name == "auto" else torch.float8_e4m3fn
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto`` is bfloat16 on CUDA and float32 on CPU, where bf16 matmuls are slow."""
     if name == "auto":
@@ -129,6 +135,7 @@ class ModelRunner:
         self.send_step = send_step
         self.device = rank_device(config.device, tp)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.model_config = checkpoint.config
         self.num_kv_heads = tp.kv_heads(checkpoint.config.num_key_value_heads)[1]
         # Not to be sampled before a request's min_tokens, with its stop tokens.
@@ -195,6 +202,10 @@ class ModelRunner:
             self.grammar_bitmask = GrammarBitmask(
                 config.max_num_seqs, checkpoint.config.vocab_size, self.device
             )
+            # Where kernels compile or load on first use. Rank 0's steps reach the other
+            # ranks, which run them once they are constructed too.
+            if self.device.type == "cuda":
+                warm_up(self, config.max_num_seqs)
 
     def _num_kv_blocks(self, config: EngineConfig, model_len: int) -> int:
         if config.num_kv_blocks is not None:
@@ -205,7 +216,7 @@ class ModelRunner:
     def _kv_blocks_that_fit(self, config: EngineConfig, model_len: int) -> int:
         c = self.model_config
         kv_bytes_per_token = (
-            2 * c.num_hidden_layers * self.num_kv_heads * c.head_dim * self.dtype.itemsize
+            2 * c.num_hidden_layers * self.num_kv_heads * c.head_dim * self.kv_dtype.itemsize
         )
         per_block = kv_bytes_per_token * self.block_size
         if config.kv_cache_memory_gb is not None:
@@ -237,8 +248,8 @@ class ModelRunner:
         # past a sequence's end, and a masked NaN from uninitialized memory still poisons it.
         layers = [
             LayerKVCache(
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
             )
             for _ in range(c.num_hidden_layers)
         ]
@@ -255,8 +266,8 @@ class ModelRunner:
         block_size = 16
         shape = (1, block_size, self.num_kv_heads, c.head_dim)
         scratch = LayerKVCache(
-            torch.zeros(shape, dtype=self.dtype, device=self.device),
-            torch.zeros(shape, dtype=self.dtype, device=self.device),
+            torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+            torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
         )
         self.model.bind_kv_cache([scratch] * c.num_hidden_layers)
 

@@ -8,12 +8,17 @@
 Measures, for one `python -m engine` process: start time (process start to the
 handshake reply, i.e. weights loaded and serving), time to first token, and time
 per output token for one request of random token ids (seeds 0, 1, …: a new prompt each
-run, so no run finds another's prefix cached; ignore_eos). With
---peer, Hugging Face transformers' own generate() runs on the same weights and
-device in the same run, for comparison. On CUDA it also prints the decode step's
-memory-bandwidth floor and TPOT as a fraction of it; at --tensor-parallel-size N the floor
-is that of N GPUs, each reading its share of the weights. --json-out writes the figures to
-FILE too (scripts/bench_tensor_parallel.py reads them).
+run, so no run finds another's prefix cached; ignore_eos), --runs times one after the
+other: the first run and the median are printed. With --peer, Hugging Face transformers'
+own generate() runs on the same weights and device in the same run, for comparison.
+
+The roofline (engine/roofline.py): the device's copy bandwidth and GEMM rate are measured
+before the engine starts; the engine writes the shape of every step it ran
+(``--step-record``); each run's TTFT and TPOT are printed against the least time its own
+steps can take (per step the larger of bytes over bandwidth and FLOPs over GEMM rate). At
+--tensor-parallel-size N the bound is that of N GPUs, each reading and computing its share
+in parallel (the collectives between them are not counted). --json-out writes the median
+run's figures to FILE too (scripts/bench_tensor_parallel.py reads them).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,6 +40,15 @@ from tokenizers import Tokenizer
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from engine.model_runner import resolve_kv_cache_dtype  # noqa: E402
+from engine.roofline import (  # noqa: E402
+    DeviceRates,
+    ModelCost,
+    StepShape,
+    load_steps,
+    measure_rates,
+    run_bound,
+)
 from protocol import (  # noqa: E402
     PROTOCOL_VERSION,
     ErrorReply,
@@ -51,9 +66,22 @@ def random_prompt(vocab_size: int, length: int, seed: int = 0) -> list[int]:
     return torch.randint(0, vocab_size, (length,), generator=generator).tolist()
 
 
-def bench_engine(args: argparse.Namespace) -> dict[str, float]:
+@dataclass
+class Latency:
+    ttft_s: float
+    tpot_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1 / self.tpot_s
+
+
+def bench_engine(args: argparse.Namespace) -> tuple[float, list[Latency], list[StepShape]]:
+    """Start an engine process, time --runs requests one after the other, stop it: its start
+    time, each run's latencies, and the steps it ran."""
     workdir = tempfile.mkdtemp(prefix="tandem-bench-")
     address = f"ipc://{workdir}/engine.sock"
+    step_record = f"{workdir}/steps.json"
     command = [
         sys.executable,
         "-m",
@@ -70,7 +98,11 @@ def bench_engine(args: argparse.Namespace) -> dict[str, float]:
         str(args.tensor_parallel_size),
         "--load-format",
         args.load_format,
+        "--step-record",
+        step_record,
         *(["--enforce-eager"] if args.enforce_eager else []),
+        "--kv-cache-dtype",
+        args.kv_cache_dtype,
     ]
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
@@ -98,18 +130,40 @@ def bench_engine(args: argparse.Namespace) -> dict[str, float]:
     finally:
         engine.terminate()
         engine.wait()
-    ttft = statistics.median(r[0] for r in runs)
-    tpot = statistics.median(r[1] for r in runs)
-    result = {"start_s": start_s, "ttft_ms": ttft * 1e3, "tpot_ms": tpot * 1e3}
-    if prefix:
-        result["cold_ttft_ms"] = runs[0][0] * 1e3
-        result["cached_ttft_ms"] = statistics.median(r[0] for r in runs[1:]) * 1e3
-    return result
+    return start_s, runs, load_steps(step_record)
+
+
+def split_runs(steps: list[StepShape]) -> list[list[StepShape]]:
+    """The steps of one request after another: a request's first step starts below where
+    the last step left the cache (its prompt is new), every other step where it left it."""
+    runs: list[list[StepShape]] = []
+    last_context = None
+    for step in steps:
+        assert len(step.query_lens) == 1, "one request at a time"
+        cached = int(step.context_lens[0] - step.query_lens[0])
+        if last_context is None or cached < last_context:
+            runs.append([])
+        runs[-1].append(step)
+        last_context = int(step.context_lens[0])
+    return runs
+
+
+def roofline_latency(
+    steps: list[StepShape], cost: ModelCost, rates: DeviceRates, output_len: int
+) -> Latency:
+    """The least TTFT (the steps up to the one that samples the first token) and TPOT (the
+    rest, a token each) of one request's steps."""
+    first = next(i for i, s in enumerate(steps) if s.num_logits) + 1
+    decode = steps[first:]
+    assert len(decode) == output_len - 1, (len(decode), output_len)
+    return Latency(
+        run_bound(steps[:first], cost, rates), run_bound(decode, cost, rates) / len(decode)
+    )
 
 
 def _one_request(
     socket: zmq.Socket, prompt: list[int], output_len: int, request_id: str
-) -> tuple[float, float]:
+) -> Latency:
     sampling = SamplingParams(max_tokens=output_len, ignore_eos=True)
     sent = time.perf_counter()
     socket.send(GenerateRequest(request_id, prompt, sampling).encode())
@@ -125,10 +179,10 @@ def _one_request(
             if output.finish_reason is not None:
                 assert len(token_times) == output_len, (len(token_times), output.finish_reason)
                 ttft = token_times[0] - sent
-                return ttft, (token_times[-1] - token_times[0]) / (output_len - 1)
+                return Latency(ttft, (token_times[-1] - token_times[0]) / (output_len - 1))
 
 
-def bench_transformers(args: argparse.Namespace) -> dict[str, float]:
+def bench_transformers(args: argparse.Namespace) -> tuple[float, Latency]:
     """transformers' generate() on the same weights: the peer."""
     from transformers import AutoModelForCausalLM
 
@@ -166,44 +220,19 @@ def bench_transformers(args: argparse.Namespace) -> dict[str, float]:
     generate(8)  # warm-up
     ttft = statistics.median(generate(1) for _ in range(args.runs))
     total = statistics.median(generate(args.output_len) for _ in range(args.runs))
-    return {
-        "start_s": load_s,
-        "ttft_ms": ttft * 1e3,
-        "tpot_ms": (total - ttft) / (args.output_len - 1) * 1e3,
-    }
+    return load_s, Latency(ttft, (total - ttft) / (args.output_len - 1))
 
 
-def bandwidth_floor_ms(model: str, num_gpus: int = 1) -> tuple[float, float]:
-    """The least time a decode step can take on ``num_gpus`` of these GPUs: every weight the
-    step reads (all but the embedding table, of which it reads one row per token; a tied
-    table is read whole as the LM head), in bf16, split evenly over the GPUs, each reading
-    its share at the device-to-device copy bandwidth measured here on one. Returns (floor
-    in ms, one GPU's bandwidth in GB/s)."""
+def model_cost(model: str, dtype: torch.dtype, kv_dtype: torch.dtype) -> ModelCost:
+    """The cost of the model the engine loads, built on the meta device: no weights read."""
     from engine.backends import create_backend
     from engine.models import build_model, load_checkpoint
 
     config = load_checkpoint(model).config
-    meta_device = torch.device("meta")
-    backend = create_backend("torch", meta_device)
-    meta = build_model(config, *backend, 1, meta_device, torch.bfloat16)
-    params = sum(p.numel() for p in meta.parameters())
-    if not config.tie_word_embeddings:
-        params -= meta.embed_tokens.weight.numel()
-    weight_bytes = params * torch.bfloat16.itemsize
-
-    source = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")  # 1 GiB
-    target = torch.empty_like(source)
-    target.copy_(source)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    copies = 20
-    for _ in range(copies):
-        target.copy_(source)
-    end.record()
-    end.synchronize()
-    seconds = start.elapsed_time(end) / 1e3
-    bandwidth = 2 * source.nbytes * copies / seconds  # each copy reads and writes
-    return weight_bytes / num_gpus / bandwidth * 1e3, bandwidth / 1e9
+    meta = torch.device("meta")
+    return ModelCost.of_model(
+        build_model(config, *create_backend("torch", meta), 1, meta, dtype), kv_dtype
+    )
 
 
 def _synchronize(device: str) -> None:
@@ -229,52 +258,78 @@ def main() -> None:
     )
     parser.add_argument("--peer", action="store_true", help="also time transformers")
     parser.add_argument("--enforce-eager", action="store_true", help="engine without CUDA graphs")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (engine's)")
     parser.add_argument(
         "--load-format", default="auto", choices=["auto", "dummy"], help="the engine's"
     )
-    parser.add_argument("--json-out", type=Path, help="also write the figures here")
+    parser.add_argument("--json-out", type=Path, help="also write the median's figures here")
     args = parser.parse_args()
 
     if args.shared_prefix_len and args.runs < 2:
         parser.error("--shared-prefix-len needs --runs 2 or more: the first run is the cold one")
-    rows = [("tandem engine", bench_engine(args))]
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rates = measure_rates(device, dtype)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the engine process sizes its cache from what is free
+    start_s, runs, steps = bench_engine(args)
+    cost = model_cost(args.model, dtype, resolve_kv_cache_dtype(args.kv_cache_dtype, dtype))
+    gpus = args.tensor_parallel_size
+    bounds = [
+        Latency(bound.ttft_s / gpus, bound.tpot_s / gpus)
+        for bound in (roofline_latency(s, cost, rates, args.output_len) for s in split_runs(steps))
+    ]
+    assert len(bounds) == len(runs), (len(bounds), len(runs))
+
+    def median(values: list[Latency]) -> Latency:
+        return Latency(
+            statistics.median(v.ttft_s for v in values),
+            statistics.median(v.tpot_s for v in values),
+        )
+
+    rows = [
+        ("tandem, first run", start_s, runs[0], bounds[0]),
+        (f"tandem, median of {len(runs)}", start_s, median(runs), median(bounds)),
+    ]
+    if args.peer:
+        rows.append(("transformers generate", *bench_transformers(args), None))
     if args.shared_prefix_len:
-        ours = rows[0][1]
+        cached = statistics.median(r.ttft_s for r in runs[1:])
         print(
             f"\nshared prefix of {args.shared_prefix_len} tokens + {args.prompt_len} new: "
-            f"tandem TTFT {ours['cold_ttft_ms']:.1f} ms cold, "
-            f"{ours['cached_ttft_ms']:.1f} ms with the prefix cached (median of {args.runs - 1})"
-        )
-    if args.peer:
-        rows.append(("transformers generate", bench_transformers(args)))
-    print(
-        f"\nmodel {args.model}, device {args.device}, tensor parallel {args.tensor_parallel_size}"
-        f", prompt {args.prompt_len} tokens, {args.output_len} new tokens, "
-        f"median of {args.runs} runs"
-    )
-    print(f"{'':24} {'start (s)':>10} {'TTFT (ms)':>10} {'TPOT (ms)':>10} {'tok/s':>8}")
-    for name, r in rows:
-        print(
-            f"{name:24} {r['start_s']:10.2f} {r['ttft_ms']:10.1f} {r['tpot_ms']:10.2f} "
-            f"{1e3 / r['tpot_ms']:8.1f}"
+            f"tandem TTFT {runs[0].ttft_s * 1e3:.1f} ms cold, "
+            f"{cached * 1e3:.1f} ms with the prefix cached (median of {args.runs - 1})"
         )
     print(
-        "(transformers' start is its from_pretrained time in this process, not a process start)"
-        if args.peer
-        else ""
+        f"\nmodel {args.model}, device {args.device}, tensor parallel {gpus}, prompt "
+        f"{args.prompt_len} tokens, {args.output_len} new tokens; measured {rates.describe()}"
     )
-    ours = rows[0][1]
-    if args.device == "cuda":
-        floor_ms, bandwidth = bandwidth_floor_ms(args.model, args.tensor_parallel_size)
-        ours |= {"floor_ms": floor_ms, "floor_share": floor_ms / ours["tpot_ms"]}
-        print(
-            f"bandwidth floor: {floor_ms:.2f} ms per token (weights over "
-            f"{args.tensor_parallel_size} x {bandwidth:.0f} GB/s measured copy bandwidth); "
-            f"tandem TPOT at {ours['floor_share']:.0%} of the floor"
+    print(
+        f"{'':28} {'start (s)':>10} {'TTFT (ms)':>10} {'TPOT (ms)':>10} {'tok/s':>8}"
+        f" {'TTFT roofline':>14} {'TPOT roofline':>14}"
+    )
+    for name, start, r, bound in rows:
+        line = (
+            f"{name:28} {start:10.2f} {r.ttft_s * 1e3:10.2f} {r.tpot_s * 1e3:10.3f} "
+            f"{r.tokens_per_s:8.1f}"
         )
+        if bound is not None:
+            line += f" {bound.ttft_s / r.ttft_s:14.0%} {bound.tpot_s / r.tpot_s:14.0%}"
+        print(line)
+    least, ours = median(bounds), median(runs)
     if args.json_out is not None:
-        args.json_out.write_text(json.dumps(ours))
+        figures = {"start_s": start_s, "ttft_ms": ours.ttft_s * 1e3, "tpot_ms": ours.tpot_s * 1e3}
+        figures |= {"floor_ms": least.tpot_s * 1e3, "floor_share": least.tpot_s / ours.tpot_s}
+        args.json_out.write_text(json.dumps(figures))
+    print(
+        f"roofline: TTFT {least.ttft_s * 1e3:.2f} ms, TPOT {least.tpot_s * 1e3:.3f} ms "
+        "(the least time the steps each run ran can take; % of roofline = that over the time)"
+    )
+    if args.peer:
+        print(
+            "(transformers' start is its from_pretrained time in this process, not a process start)"
+        )
 
 
 if __name__ == "__main__":

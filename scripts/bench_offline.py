@@ -1,29 +1,41 @@
-"""Offline throughput: the workload the small engines publish.
+"""Offline throughput: the workload the small engines publish, against its roofline.
 
-    python scripts/bench_offline.py --model DIR [--num-requests 256] [--peer]
+    python scripts/bench_offline.py --model DIR [--num-requests 256] [--runs 3] [--peer]
                                    [--peer-requests N] [--enforce-eager]
                                    [--structured-fraction F [--schema FILE|builtin]]
                                    [--tensor-parallel-size N] [--load-format dummy]
                                    [--json-out FILE]
 
 256 requests with input and output lengths uniform in [100, 1024] (random token
-ids, seed 0), ignore_eos, all submitted at once to an in-process engine. Prints
-output tokens, seconds and output tokens per second. With --peer, Hugging Face
-transformers' own batched generate() runs on the same weights and GPU in the same
-run: prompts left-padded in batches of --peer-batch-size, each batch generating as
-many tokens as its longest request; only the requested tokens are counted. With
---peer-requests N it runs the first N requests only (a random sample of the workload),
+ids; the lengths from seed 0, each run's prompts from a seed of its own, so that no run
+finds another's prompts in the prefix cache), ignore_eos, all submitted at once to an
+in-process engine, --runs times in one process, with no warm-up of its own: the first run
+shows what a fresh engine's first users get. Prints each run's output tokens, seconds and
+output tokens per second, the first run and the median.
+
+The roofline (engine/roofline.py): the copy bandwidth and bf16 GEMM rate are measured on
+the device before the engine starts; the engine records the shape of every step it runs;
+each step's bound is the larger of its bytes (weights, K/V read and written) over the
+bandwidth and its FLOPs over the GEMM rate; a run's is the sum over its steps, printed as
+the run's time against it ("% of roofline").
+
+With --peer, Hugging Face transformers' own batched generate() runs on the same weights
+and GPU in the same run: prompts left-padded in batches of --peer-batch-size, each batch
+generating as many tokens as its longest request; only the requested tokens are counted.
+With --peer-requests N it runs the first N requests only (a random sample of the workload),
 to keep its time in bounds; its tokens per second are then over those.
 
 With --structured-fraction F, that share of the requests (spread evenly) is constrained by a
 JSON schema (--schema: a file, or the builtin one, an object of string, number, enum, array
-and boolean fields); its compile time, cold, is printed first, and the run finds it compiled.
-The tokenizer must spell JSON: scripts/make_random_checkpoint.py's do. A constrained request
-stops where its JSON is complete, ignore_eos or not; with random weights few complete, and
-most run to their length, masked at every step.
+and boolean fields); its compile time, cold, is printed first, and the run finds it compiled
+(one short constrained request warms it up). The tokenizer must spell JSON:
+scripts/make_random_checkpoint.py's do. A constrained request stops where its JSON is
+complete, ignore_eos or not; with random weights few complete, and most run to their
+length, masked at every step.
 
---json-out writes the engine's figures to FILE too, with its start-up (the in-process
-engine's construction: load, cache sizing, graphs) and load times.
+--json-out writes the engine's figures to FILE too: its start-up (the in-process
+engine's construction: load, cache sizing, graphs), load time, the median run's figures and
+the first run's speed.
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.roofline import DeviceRates, ModelCost, measure_rates, run_bound
 from protocol import SamplingParams, StructuredOutput, StructuredOutputKind
 
 BUILTIN_SCHEMA = {
@@ -57,15 +71,20 @@ BUILTIN_SCHEMA = {
 
 
 def workload(
-    num_requests: int, vocab_size: int, low: int, high: int
+    num_requests: int, vocab_size: int, low: int, high: int, prompt_seed: int = 0
 ) -> list[tuple[list[int], int]]:
-    generator = torch.Generator().manual_seed(0)
-    requests = []
-    for _ in range(num_requests):
-        input_len, output_len = torch.randint(low, high + 1, (2,), generator=generator).tolist()
-        prompt = torch.randint(0, vocab_size, (input_len,), generator=generator).tolist()
-        requests.append((prompt, output_len))
-    return requests
+    """Requests of lengths uniform in [low, high] (always the same), prompts of random ids
+    drawn with ``prompt_seed``."""
+    lengths = torch.randint(low, high + 1, (num_requests, 2), generator=_seeded(0)).tolist()
+    ids = _seeded(prompt_seed + 1)
+    return [
+        (torch.randint(0, vocab_size, (input_len,), generator=ids).tolist(), output_len)
+        for input_len, output_len in lengths
+    ]
+
+
+def _seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
 
 
 def constrained_indices(num_requests: int, fraction: float) -> set[int]:
@@ -84,31 +103,50 @@ def compile_times(engine: LLMEngine, constraint: StructuredOutput) -> tuple[floa
     return timings[0], timings[1]
 
 
+@dataclass
+class Run:
+    tokens: int
+    seconds: float
+    bound_s: float  # the roofline: the least time the steps it ran can take
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
 def bench_engine(
     engine: LLMEngine,
     requests: list[tuple[list[int], int]],
     constrained: set[int],
     constraint: StructuredOutput | None,
-) -> tuple[int, float]:
-    # Warm-up: one short request (constrained too if any is), so first-use costs stay out
-    # of the timing.
-    warmup = SamplingParams(max_tokens=4, structured_output=constraint)
-    engine.add_request(b"bench", "warmup", requests[0][0][:16], warmup)
-    while engine.has_work:
-        engine.step()
+    cost: ModelCost,
+    rates: DeviceRates,
+    run: int,
+) -> Run:
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
+    engine.step_shapes = []
     started = time.perf_counter()
     for i, (prompt, output_len) in enumerate(requests):
         sampling = SamplingParams(max_tokens=output_len, ignore_eos=True)
         if i in constrained:
             sampling.structured_output = constraint
-        engine.add_request(b"bench", str(i), prompt, sampling)
+        engine.add_request(b"bench", f"{run}-{i}", prompt, sampling)
     generated = 0
     while engine.has_work:
         for _, output in engine.step():
             generated += len(output.new_token_ids)
-    return generated, time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    steps, engine.step_shapes = engine.step_shapes, None
+    return Run(generated, seconds, run_bound(steps, cost, rates))
+
+
+def warm_up_grammar(engine: LLMEngine, prompt: list[int], constraint: StructuredOutput) -> None:
+    """One short constrained request, so that the grammar's first-use costs stay out."""
+    sampling = SamplingParams(max_tokens=4, structured_output=constraint)
+    engine.add_request(b"bench", "warmup", prompt[:16], sampling)
+    while engine.has_work:
+        engine.step()
 
 
 def bench_transformers(
@@ -150,6 +188,7 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--runs", type=int, default=3, help="timed runs in this process")
     parser.add_argument("--min-len", type=int, default=100)
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -162,6 +201,7 @@ def main() -> None:
         help="time transformers on the first N requests only (default: all)",
     )
     parser.add_argument("--enforce-eager", action="store_true", help="engine without CUDA graphs")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument(
         "--structured-fraction",
         type=float,
@@ -180,6 +220,10 @@ def main() -> None:
     if not 0 <= args.structured_fraction <= 1:
         parser.error("--structured-fraction must be in [0, 1]")
 
+    device = torch.device(args.device)
+    rates = measure_rates(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the measurement's buffers are the KV cache's again
     started = time.perf_counter()
     engine = LLMEngine(
         EngineConfig(
@@ -190,10 +234,12 @@ def main() -> None:
             enforce_eager=args.enforce_eager,
             tensor_parallel_size=args.tensor_parallel_size,
             load_format=args.load_format,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
     )
     start_s = time.perf_counter() - started
-    requests = workload(args.num_requests, engine.vocab_size, args.min_len, args.max_len)
+    # Under tensor parallelism rank 0's share of the model: each GPU's bound, run in parallel.
+    cost = ModelCost.of_model(engine.runner.model, engine.runner.kv_dtype)
     constrained = constrained_indices(args.num_requests, args.structured_fraction)
     constraint = None
     if constrained:
@@ -208,33 +254,51 @@ def main() -> None:
             f"structured outputs: {len(constrained)} of {args.num_requests} requests; reading "
             f"the vocabulary {vocabulary_s:.3f} s, compiling the schema (cold) {schema_s:.3f} s"
         )
-    rows = [("tandem", *bench_engine(engine, requests, constrained, constraint))]
-    if args.json_out is not None:
-        _, tokens, seconds = rows[0]
+    runs = []
+    for run in range(args.runs):
+        requests = workload(
+            args.num_requests, engine.vocab_size, args.min_len, args.max_len, prompt_seed=run
+        )
+        if constraint is not None and run == 0:
+            warm_up_grammar(engine, requests[0][0], constraint)
+        runs.append(bench_engine(engine, requests, constrained, constraint, cost, rates, run))
+        r = runs[-1]
+        print(
+            f"run {run + 1}: {r.tokens} tokens in {r.seconds:.2f} s, {r.tokens_per_s:.1f} tok/s; "
+            f"roofline {r.bound_s:.2f} s ({r.bound_s / r.seconds:.0%})"
+        )
+    median = sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
+    if args.json_out is not None:  # the median run's, and the first's speed
         figures = {"start_s": start_s, "load_s": engine.runner.load_seconds}
-        figures |= {"output_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
+        figures |= {"output_tokens": median.tokens, "seconds": median.seconds}
+        figures |= {"tok_s": median.tokens_per_s, "roofline_share": median.bound_s / median.seconds}
+        figures |= {"first_tok_s": runs[0].tokens_per_s}
         args.json_out.write_text(json.dumps(figures))
     engine.close()
+    peer = None
     if args.peer:
+        vocab_size = engine.vocab_size
         del engine
         torch.cuda.empty_cache()
-        rows.append(
-            (
-                "transformers generate",
-                *bench_transformers(
-                    args.model, requests[: args.peer_requests], args.peer_batch_size
-                ),
-            )
-        )
+        requests = workload(args.num_requests, vocab_size, args.min_len, args.max_len)
+        peer = bench_transformers(args.model, requests[: args.peer_requests], args.peer_batch_size)
     structured = f", {len(constrained)} constrained by a JSON schema" if constrained else ""
     print(
         f"\n{args.model}: {args.num_requests} requests, lengths uniform in "
         f"[{args.min_len}, {args.max_len}], ignore_eos{structured}, device {args.device}, "
-        f"tensor parallel {args.tensor_parallel_size}"
+        f"tensor parallel {args.tensor_parallel_size}; engine start {start_s:.1f} s; "
+        f"measured {rates.describe()}"
     )
-    print(f"{'':24} {'output tokens':>14} {'seconds':>9} {'tok/s':>10}")
-    for name, tokens, seconds in rows:
-        print(f"{name:24} {tokens:14d} {seconds:9.2f} {tokens / seconds:10.1f}")
+    print(f"{'':28} {'output tokens':>14} {'seconds':>9} {'tok/s':>10} {'% of roofline':>14}")
+    rows = [("tandem, first run", runs[0]), (f"tandem, median of {len(runs)}", median)]
+    for name, r in rows:
+        print(
+            f"{name:28} {r.tokens:14d} {r.seconds:9.2f} {r.tokens_per_s:10.1f} "
+            f"{r.bound_s / r.seconds:14.0%}"
+        )
+    if peer is not None:
+        tokens, seconds = peer
+        print(f"{'transformers generate':28} {tokens:14d} {seconds:9.2f} {tokens / seconds:10.1f}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests and/or benchmarks, logs under $OUT (or /tmp).
 #
-#   scripts/gpu_session.sh tests|bench-1b|bench-8b|bench-qwen3|structured-1b|profile-1b|profile-8b ...
+#   scripts/gpu_session.sh tests|perf|perf-fp8|bench-1b|bench-8b|bench-qwen3|structured-1b|profile-1b|profile-8b|profile-qwen3 ...
 #   scripts/gpu_session.sh tp-check tp-8b tp-70b   # tensor parallelism, on 2 GPUs (TP=4/8: TP=N)
+#
+# perf (issue 14, about 7 minutes on an H100): the kernels' tests on CUDA, decode attention's
+# share of copy bandwidth (scripts/bench_kernels.py), bench_offline at the 1B and Qwen3 0.6B
+# shapes and bench_latency at 1B against their rooflines, then the warm-up and float32
+# decode-parity GPU tests; a summary last.
 #
 # PEERS=0 leaves out transformers' runs (minutes of device time each); PYTEST_K filters tests.
 #
@@ -25,6 +30,7 @@ peer() {  # the peer flags of a benchmark, unless PEERS=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
 
+export TANDEM_CHECKPOINTS=/tmp  # where tests/gpu finds the checkpoints made here
 checkpoint() {  # shape -> directory, made once per machine
   local dir=/tmp/ckpt-$1
   [ -f "$dir/config.json" ] || python3 scripts/make_random_checkpoint.py --shape "$1" --out "$dir" >&2
@@ -37,6 +43,30 @@ for stage in "$@"; do
     tests)
       python3 -m pytest -q -rs -s tests/gpu tests/engine/test_kernels.py tests/engine/test_model_parity.py \
         -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$out/tests.log" | grep -vE '^\s*$' | tail -40 ;;
+    perf)
+      python3 -m pytest -q -rs tests/engine/test_kernels.py -p no:cacheprovider 2>&1 \
+        | tee "$out/perf-kernel-tests.log" | tail -4
+      timeout 150 python3 scripts/bench_kernels.py 2>&1 | tee "$out/bench-kernels.log"
+      m=$(checkpoint llama-3.2-1b)
+      timeout 150 python3 scripts/bench_offline.py --model "$m" 2>&1 | tee "$out/offline-1b.log" | tail -7
+      timeout 90 python3 scripts/bench_latency.py --model "$m" 2>&1 | tee "$out/latency-1b.log" | tail -6
+      m=$(checkpoint qwen3-0.6b)
+      timeout 150 python3 scripts/bench_offline.py --model "$m" 2>&1 | tee "$out/offline-qwen3.log" | tail -7
+      timeout 200 python3 -m pytest -q -rs -s tests/gpu/test_warm_up.py tests/gpu/test_decode_parity.py \
+        -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$out/perf-gpu-tests.log" \
+        | grep -E "enforce_eager=|worst logprob|passed|failed|Error" | tail -12
+      echo "=== perf summary"
+      grep -hE "passed|failed" "$out/perf-kernel-tests.log" "$out/perf-gpu-tests.log" | tail -2
+      grep -hE "^decode attention: worst|tokens: " "$out/bench-kernels.log"
+      for f in offline-1b offline-qwen3; do
+        echo "$f:"; grep -hE "^tandem, |engine start" "$out/$f.log"
+      done
+      echo "latency-1b:"; grep -hE "^tandem, |^roofline" "$out/latency-1b.log" ;;
+    perf-fp8)  # --kv-cache-dtype fp8: Qwen3 0.6B offline and 1B batch-1 latency, rooflines
+      m=$(checkpoint qwen3-0.6b)
+      timeout 150 python3 scripts/bench_offline.py --model "$m" --kv-cache-dtype fp8 2>&1 | tee "$out/offline-qwen3-fp8.log" | tail -7
+      m=$(checkpoint llama-3.2-1b)
+      timeout 90 python3 scripts/bench_latency.py --model "$m" --kv-cache-dtype fp8 2>&1 | tee "$out/latency-1b-fp8.log" | tail -6 ;;
     bench-1b)
       m=$(checkpoint llama-3.2-1b)
       timeout 300 python3 scripts/bench_offline.py --model "$m" $(peer --peer-requests 64) 2>&1 | tee "$out/offline-1b.log" | tail -5
@@ -54,6 +84,9 @@ for stage in "$@"; do
     profile-1b)
       m=$(checkpoint llama-3.2-1b)
       timeout 300 python3 scripts/profile_step.py --model "$m" 2>&1 | tee "$out/profile-1b.log" | grep -v USDT ;;
+    profile-qwen3)  # issue 14: Qwen3 0.6B at batch 256, context 840: attention and GEMMs' share
+      m=$(checkpoint qwen3-0.6b)
+      timeout 300 python3 scripts/profile_step.py --model "$m" --batch 256 --context 840 2>&1 | tee "$out/profile-qwen3.log" | grep -v USDT ;;
     profile-8b)
       m=$(checkpoint llama-3.1-8b)
       timeout 300 python3 scripts/profile_step.py --model "$m" 2>&1 | tee "$out/profile-8b.log" | grep -v USDT ;;

@@ -25,7 +25,8 @@ def paged_attention_reference(
     """Packed q [T, heads, dim] (sequence by sequence, query_lens[b] tokens each, the last of
     a sequence at position context_lens[b] - 1), attending causally, in float32, to the keys
     it can see: those at or before its position and, with a window, after position - window.
-    Covers decode too (all query_lens 1)."""
+    Covers decode too (all query_lens 1). Returned in float32: a kernel's error is measured
+    against it, in units of its own dtype's rounding."""
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = q.shape[1] // num_kv_heads
     outputs = []
@@ -46,4 +47,4 @@ def paged_attention_reference(
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         outputs.append(torch.einsum("hqk,khd->qhd", probs, values))
         start += query_len
-    return torch.cat(outputs).to(q.dtype)
+    return torch.cat(outputs)

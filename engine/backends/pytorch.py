@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionBackend, AttentionMetadata, LayerKVCache
+from engine.attention import AttentionBackend, AttentionMetadata, LayerKVCache, Rotary
 
 
 def store_kv(
@@ -23,14 +23,40 @@ def store_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Copy key/value [T, num_kv_heads, head_dim] to the caches' flat slots ``slot_mapping``
-    (block * block_size + offset), skipping tokens whose slot is negative. Reads back
-    whether there are any (a synchronization on CUDA)."""
+    (block * block_size + offset), in the caches' dtype (float8 for an fp8 cache), skipping
+    tokens whose slot is negative. Reads back whether there are any (a synchronization on
+    CUDA)."""
     keep = slot_mapping >= 0
     if not keep.all():  # never in a scheduled step: its every token has a slot
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)  # an fp8 cache
+    if key_cache.dtype.itemsize == 1:  # PyTorch copies float8 by index as bytes only
+        key, value, key_cache, value_cache = (
+            t.view(torch.uint8) for t in (key, value, key_cache, value_cache)
+        )
     num_slots = key_cache.shape[0] * key_cache.shape[1]
     key_cache.view(num_slots, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key)
     value_cache.view(num_slots, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value)
+
+
+def rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, heads, head_dim] and k rotated (rotate-half) by the float32 tables' rows at
+    ``positions``, in the compute dtype, as Hugging Face rounds."""
+    cos = cos[positions].unsqueeze(1).to(q.dtype)
+    sin = sin[positions].unsqueeze(1).to(q.dtype)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary: Rotary
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k normalized per head (if ``rotary`` has norms) and rotated, as new tensors."""
+    if rotary.q_norm is not None and rotary.k_norm is not None:
+        q = rms_norm(q, rotary.q_norm, rotary.eps)
+        k = rms_norm(k, rotary.k_norm, rotary.eps)
+    return rope(q, k, positions, rotary.cos, rotary.sin)
 
 
 @dataclass
@@ -75,17 +101,23 @@ class TorchPagedAttention(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        *,
+        rotary: Rotary | None = None,
     ) -> torch.Tensor:
         grid = self._grid
         assert grid is not None and grid.metadata is metadata, "prepare() the step first"
+        if rotary is not None:
+            q, k = apply_rotary(q, k, metadata.positions, rotary)
         store_kv(k, v, cache.key, cache.value, metadata.slot_mapping)
 
         _, block_size, num_kv_heads, head_dim = cache.key.shape
         batch, max_blocks = metadata.block_tables.shape
         context = max_blocks * block_size
         # [B, heads, context, head_dim]: each sequence's cache in order, garbage past its length.
+        # An fp8 cache is read as the model's dtype.
         keys = cache.key[metadata.block_tables].view(batch, context, num_kv_heads, head_dim)
         values = cache.value[metadata.block_tables].view(batch, context, num_kv_heads, head_dim)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
         keys = keys.transpose(1, 2)
         values = values.transpose(1, 2)
 
@@ -114,9 +146,13 @@ class TorchPagedAttention(AttentionBackend):
         return out[grid.index]
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * _normalized(x, eps).to(x.dtype)
+
+
 class TorchLayerOps:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return weight * _normalized(x, eps).to(x.dtype)
+        return rms_norm(x, weight, eps)
 
     def rms_norm_round_once(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float
@@ -128,19 +164,6 @@ class TorchLayerOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         residual = x + residual
         return self.rms_norm(residual, weight, eps), residual
-
-    def rope(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # In the compute dtype, as Hugging Face rounds.
-        cos = cos[positions].unsqueeze(1).to(q.dtype)
-        sin = sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)

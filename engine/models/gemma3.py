@@ -24,7 +24,7 @@ from engine.layer_ops import LayerOps
 from engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from engine.models.causal_lm import CausalLM
 from engine.models.family import GGUF_PROJECTIONS, GGUF_QK_NORMS, GGUFLayout, ModelFamily
-from engine.models.layers import MLP, QKNormAttention, RotaryEmbedding, RoundOnceRMSNorm
+from engine.models.layers import MLP, Attention, RotaryEmbedding, RoundOnceRMSNorm
 from engine.parallel import TensorParallel
 
 # transformers' defaults where a config leaves them out: every 6th layer attends globally; RoPE
@@ -50,8 +50,9 @@ class UnitOffsetRMSNorm(RoundOnceRMSNorm):
         return self.ops.rms_norm_round_once(x, 1.0 + self.weight.float(), self.eps)
 
 
-class Gemma3Attention(QKNormAttention):
-    norm_class = UnitOffsetRMSNorm
+class Gemma3Attention(Attention):
+    """Per-head Q/K norms of Gemma's own kind (1 + weight, rounded once), applied before the
+    backend's RoPE; the scale is query_pre_attn_scalar ** -0.5."""
 
     def __init__(
         self,
@@ -63,7 +64,13 @@ class Gemma3Attention(QKNormAttention):
         sliding_window: int | None,
     ) -> None:
         super().__init__(config, backend, ops, tp, rotary, sliding_window)
+        self.q_norm = UnitOffsetRMSNorm(self.head_dim, config.rms_norm_eps, ops)
+        self.k_norm = UnitOffsetRMSNorm(self.head_dim, config.rms_norm_eps, ops)
         self.scale = config.query_pre_attn_scalar**-0.5
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = super().project_qkv(x)
+        return self.q_norm(q), self.k_norm(k), v
 
 
 class Gemma3DecoderLayer(nn.Module):

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionBackend, AttentionMetadata, LayerKVCache
+from engine.attention import AttentionBackend, AttentionMetadata, LayerKVCache, Rotary
 from engine.layer_ops import LayerOps
 from engine.model_config import ModelConfig, RopeScaling
 from engine.models.parallel_layers import ColumnParallelLinear, RowParallelLinear, Rows
@@ -87,7 +87,7 @@ def rope_inverse_frequencies(
 
 
 class RotaryEmbedding:
-    """Rotate-half RoPE's cos/sin tables, precomputed for every position; ``LayerOps.rope``
+    """Rotate-half RoPE's cos/sin tables, precomputed for every position; the attention backend
     applies them.
 
     No nn.Module: the layers of one kind share it, and its tables are plain float32
@@ -120,7 +120,7 @@ class Attention(nn.Module):
     they attend with (``TensorParallel.kv_heads``), and its cache holds only those.
 
     Subclasses change ``qkv_bias``, or ``project_qkv`` for what comes between the projection
-    and RoPE, or ``scale``.
+    and RoPE, or ``rotary`` for what the backend applies with RoPE, or ``scale``.
     """
 
     qkv_bias = False
@@ -156,7 +156,7 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.backend = backend
         self.ops = ops
-        self.rotary = rotary
+        self.rotary_embedding = rotary
         self.cache: LayerKVCache | None = None  # bound once the engine allocates the cache
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -177,19 +177,30 @@ class Attention(nn.Module):
             v.view(-1, self.num_kv_heads, self.head_dim),
         )
 
+    def rotary(self) -> Rotary:
+        """RoPE, as the backend applies it to the projected q and k."""
+        return Rotary(self.rotary_embedding.cos, self.rotary_embedding.sin)
+
     def forward(self, x: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.project_qkv(x)
-        q, k = self.ops.rope(q, k, metadata.positions, self.rotary.cos, self.rotary.sin)
         assert self.cache is not None, "the KV cache must be bound before the first forward"
-        out = self.backend.forward(q, k, v, self.cache, metadata, self.scale, self.sliding_window)
+        out = self.backend.forward(
+            q,
+            k,
+            v,
+            self.cache,
+            metadata,
+            self.scale,
+            self.sliding_window,
+            rotary=self.rotary(),
+        )
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class QKNormAttention(Attention):
     """An RMSNorm over each head of Q and K (weights of size head_dim), before RoPE, as the
-    checkpoints were trained (Qwen3; Gemma 3 with its own norm)."""
-
-    norm_class: type[RMSNorm] = RMSNorm
+    checkpoints were trained (Qwen3). The backend applies them, with RoPE and the cache
+    write in one pass (``Rotary``)."""
 
     def __init__(
         self,
@@ -201,12 +212,14 @@ class QKNormAttention(Attention):
         sliding_window: int | None,
     ) -> None:
         super().__init__(config, backend, ops, tp, rotary, sliding_window)
-        self.q_norm = self.norm_class(self.head_dim, config.rms_norm_eps, ops)
-        self.k_norm = self.norm_class(self.head_dim, config.rms_norm_eps, ops)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
 
-    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = super().project_qkv(x)
-        return self.q_norm(q), self.k_norm(k), v
+    def rotary(self) -> Rotary:
+        rotary = super().rotary()
+        rotary.q_norm, rotary.k_norm = self.q_norm.weight, self.k_norm.weight
+        rotary.eps = self.q_norm.eps
+        return rotary
 
 
 class MLP(nn.Module):

@@ -15,16 +15,22 @@ import torch
 from transformers import LlamaForCausalLM as HFLlama
 from transformers import PreTrainedModel
 
-from engine.attention import AttentionMetadata, LayerKVCache
-from engine.backends import create_backend
+from engine.attention import AttentionMetadata, LayerKVCache, Rotary
+from engine.backends import BACKENDS, create_backend
+from engine.backends.pytorch import TorchLayerOps, TorchPagedAttention, store_kv
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.models import build_model, load_checkpoint
 from tests.random_checkpoint import random_prompts, save_tiny_llama
 from tests.reference import hf_greedy, run_engine
 
+# initializer_range 0.2, not transformers' 0.02: at 0.02 these tiny models' greedy outputs
+# collapse into one token repeated, which a decode that ignores the cache reproduces too
+# (test_a_decode_that_ignores_the_cache_fails_parity).
+DIVERSE = dict(initializer_range=0.2)
 CONFIGS = {
-    "gqa-untied-llama3-rope": dict(
+    "gqa-untied-llama3-rope": DIVERSE
+    | dict(
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
@@ -37,12 +43,10 @@ CONFIGS = {
             "original_max_position_embeddings": 32,
         },
     ),
-    "mha-tied": dict(
-        num_attention_heads=4, num_key_value_heads=4, head_dim=16, tie_word_embeddings=True
-    ),
-    "gqa8-head64": dict(
-        num_attention_heads=8, num_key_value_heads=1, head_dim=64, tie_word_embeddings=True
-    ),
+    "mha-tied": DIVERSE
+    | dict(num_attention_heads=4, num_key_value_heads=4, head_dim=16, tie_word_embeddings=True),
+    "gqa8-head64": DIVERSE
+    | dict(num_attention_heads=8, num_key_value_heads=1, head_dim=64, tie_word_embeddings=True),
 }
 
 
@@ -139,8 +143,55 @@ def test_greedy_generation_matches_transformers(tiny: tuple[Path, HFLlama]) -> N
     prompts = random_prompts(8)
     ours = run_engine(engine, prompts, max_tokens=24)
     theirs = [hf_greedy(hf_model, p, 24) for p in prompts]
+    # Varied outputs, not one token repeated: what makes equality mean something.
+    assert all(len(set(tokens)) >= 8 for tokens in theirs)
     assert ours == theirs
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+class CachelessDecode(TorchPagedAttention):
+    """A fast, wrong decode: each new token attends to itself alone, ignoring the cache
+    (which it still writes). Prefills are right."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerKVCache,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        *,
+        rotary: Rotary | None = None,
+    ) -> torch.Tensor:
+        if metadata.max_query_len > 1:
+            return super().forward(q, k, v, cache, metadata, scale, sliding_window, rotary=rotary)
+        store_kv(k, v, cache.key, cache.value, metadata.slot_mapping)
+        return v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)  # softmax of one key
+
+
+def test_a_decode_that_ignores_the_cache_fails_parity(
+    tiny: tuple[Path, HFLlama], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The parity test above can fail: with decode steps that ignore the cache, each
+    request's first token (from its prefill) is right and the rest are not."""
+    directory, hf_model = tiny
+    monkeypatch.setitem(BACKENDS, "cacheless", lambda _: (CachelessDecode(), TorchLayerOps()))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(directory),
+            device="cpu",
+            block_size=4,
+            kv_cache_memory_gb=0.01,
+            attention_backend="cacheless",
+        )
+    )
+    prompts = random_prompts(8)
+    ours = run_engine(engine, prompts, max_tokens=24)
+    theirs = [hf_greedy(hf_model, p, 24) for p in prompts]
+    assert [tokens[0] for tokens in ours] == [tokens[0] for tokens in theirs]
+    assert all(mine != reference for mine, reference in zip(ours, theirs, strict=True))
 
 
 def test_preemption_under_cache_pressure_keeps_outputs_exact(tiny: tuple[Path, HFLlama]) -> None:

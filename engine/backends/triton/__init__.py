@@ -10,7 +10,6 @@ these kernels on CPU tensors, slowly. Importing this package sets nothing.
 """
 
 from engine.backends.triton.activation import silu_and_mul
-from engine.backends.triton.cache import store_kv
 from engine.backends.triton.norm import add_rms_norm
 from engine.backends.triton.paged_attention import (
     decode_num_splits,
@@ -18,15 +17,14 @@ from engine.backends.triton.paged_attention import (
     paged_decode_attention,
     paged_prefill_attention,
 )
-from engine.backends.triton.rope import apply_rope_
+from engine.backends.triton.rotary_store import rotary_store_kv
 
 __all__ = [
     "add_rms_norm",
-    "apply_rope_",
     "decode_num_splits",
     "decode_workspace",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "rotary_store_kv",
     "silu_and_mul",
-    "store_kv",
 ]

@@ -12,7 +12,7 @@ is online, in float32 and base 2 (scores are pre-multiplied by log2(e)).
   earlier tokens are already cached (chunked prefill, prefix caching), causal; decodes are
   sequences of one new token, so one launch serves a mixed step.
 
-The new tokens' K and V must be in the cache (``store_kv``) before either runs.
+The new tokens' K and V must be in the cache (``rotary_store_kv``) before either runs.
 """
 
 from __future__ import annotations
@@ -30,11 +30,23 @@ _BLOCK_N = 64
 # tl.dot needs at least 16 rows; a decode tile has one token's group of heads.
 _MIN_DOT_ROWS = 16
 # Split decode until there are this many programs per SM (enough resident programs to keep
-# the memory system busy), but never into parts shorter than _MIN_SPLIT_TOKENS keys,
-# whose setup and merge would cost more than they save.
+# the memory system busy), but never into parts shorter than _MIN_SPLIT_TOKENS keys (two
+# tiles), whose setup and merge would cost more than they save. One sequence of a model
+# with one KV head (Gemma 3 1B) at 16k keys thus still gets 128 programs.
 _DECODE_PROGRAMS_PER_SM = 4
-_MIN_SPLIT_TOKENS = 256
-_MAX_SPLITS = 64
+_MIN_SPLIT_TOKENS = 128
+_MAX_SPLITS = 256
+_MERGE_BLOCK_S = 16  # splits the merge kernel reads at a time
+# Arguments that change from step to step in eager steps (views of the step's one packed
+# input buffer, block tables of any width): Triton would otherwise compile a variant per
+# alignment and divisibility it sees, mid-run. Their values need no specialization.
+_STEP_ARGUMENTS = [
+    "block_tables_ptr",
+    "context_lens_ptr",
+    "query_lens_ptr",
+    "query_starts_ptr",
+    "stride_table",
+]
 # Scores below any real one: a row whose keys are all masked keeps a finite max, so its
 # rescaling factors stay exp2(0) = 1 instead of exp2(-inf - -inf) = NaN.
 _NO_SCORE = tl.constexpr(-1.0e30)
@@ -95,8 +107,9 @@ def _attend_keys(
         slots = blocks * BLOCK_SIZE + keys % BLOCK_SIZE
         offsets = slots[:, None] * stride_cache_slot + kv_head * stride_cache_head + dims[None, :]
         kv_mask = key_mask[:, None] & dim_mask[None, :]
-        k = tl.load(key_cache_ptr + offsets, mask=kv_mask, other=0.0)
-        v = tl.load(value_cache_ptr + offsets, mask=kv_mask, other=0.0)
+        # An fp8 cache is read as q's dtype.
+        k = tl.load(key_cache_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(value_cache_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         visible = key_mask[None, :] & (keys[None, :] <= query_pos[:, None])
@@ -113,7 +126,10 @@ def _attend_keys(
     return acc, row_max, row_sum
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["stride_table"],
+    do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr", "stride_table"],
+)
 def _decode_kernel(
     q_ptr,
     key_cache_ptr,
@@ -208,7 +224,7 @@ def _decode_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["num_splits"])
 def _decode_merge_kernel(
     workspace_ptr,
     out_ptr,
@@ -222,23 +238,42 @@ def _decode_merge_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    """Program (sequence, query head): rescale every split's partial sums to a common max."""
+    """Program (sequence, query head): rescale every split's partial sums to a common max,
+    BLOCK_S splits at a time (one compiled variant for every split count)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
-    split_mask = splits < num_splits
     dim_mask = dims < HEAD_DIM
     row_ptr = workspace_ptr + seq * stride_ws_seq + head * stride_ws_head
-    row_ptr += splits * stride_ws_split
-    # An empty split holds max _NO_SCORE and sum 0, so its weight below is 0.
-    row_max = tl.load(row_ptr + HEAD_DIM, mask=split_mask, other=_NO_SCORE)
-    row_sum = tl.load(row_ptr + HEAD_DIM + 1, mask=split_mask, other=0.0)
-    acc = tl.load(
-        row_ptr[:, None] + dims[None, :], mask=split_mask[:, None] & dim_mask[None, :], other=0.0
-    )
-    weight = tl.exp2(row_max - tl.max(row_max, 0))
-    out = tl.sum(acc * weight[:, None], 0) / tl.sum(row_sum * weight, 0)
+    # The largest of the splits' maxima first. An empty split holds max _NO_SCORE and sum
+    # 0, so its weight below is 0.
+    top = tl.full([BLOCK_S], _NO_SCORE, dtype=tl.float32)
+    for first in range(0, num_splits, BLOCK_S):
+        splits = first + tl.arange(0, BLOCK_S)
+        row_max = tl.load(
+            row_ptr + splits * stride_ws_split + HEAD_DIM,
+            mask=splits < num_splits,
+            other=_NO_SCORE,
+        )
+        top = tl.maximum(top, row_max)
+    top_max = tl.max(top, 0)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    total = tl.zeros([BLOCK_S], dtype=tl.float32)
+    for first in range(0, num_splits, BLOCK_S):
+        splits = first + tl.arange(0, BLOCK_S)
+        split_mask = splits < num_splits
+        split_ptr = row_ptr + splits * stride_ws_split
+        row_max = tl.load(split_ptr + HEAD_DIM, mask=split_mask, other=_NO_SCORE)
+        row_sum = tl.load(split_ptr + HEAD_DIM + 1, mask=split_mask, other=0.0)
+        partial = tl.load(
+            split_ptr[:, None] + dims[None, :],
+            mask=split_mask[:, None] & dim_mask[None, :],
+            other=0.0,
+        )
+        weight = tl.exp2(row_max - top_max)
+        acc += tl.sum(partial * weight[:, None], 0)
+        total += row_sum * weight
+    out = acc / tl.sum(total, 0)
     tl.store(
         out_ptr + seq * stride_out_seq + head * stride_out_head + dims,
         out.to(out_ptr.dtype.element_ty),
@@ -246,7 +281,7 @@ def _decode_merge_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table"], do_not_specialize_on_alignment=_STEP_ARGUMENTS)
 def _prefill_kernel(
     q_ptr,
     key_cache_ptr,
@@ -361,7 +396,8 @@ def decode_workspace(
 def _check_cache(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
     assert key_cache.shape == value_cache.shape and key_cache.stride() == value_cache.stride()
     assert key_cache.dim() == 4 and key_cache[0, 0].is_contiguous()
-    assert q.dtype == key_cache.dtype == value_cache.dtype and q.stride(-1) == 1
+    assert key_cache.dtype == value_cache.dtype in (q.dtype, torch.float8_e4m3fn)
+    assert q.stride(-1) == 1
     assert q.shape[-1] == key_cache.shape[-1] and q.shape[-2] % key_cache.shape[-2] == 0
 
 
@@ -404,6 +440,7 @@ def paged_decode_attention(
     if num_splits is None:
         max_context_len = block_tables.shape[1] * block_size
         num_splits = decode_num_splits(batch, num_kv_heads, max_context_len, _num_sms(q.device))
+    assert 1 <= num_splits <= _MAX_SPLITS
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
@@ -458,7 +495,7 @@ def paged_decode_attention(
             out.stride(1),
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_S=_MERGE_BLOCK_S,
         )
     return out
 

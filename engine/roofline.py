@@ -1,0 +1,225 @@
+"""A physical lower bound on a run's time, from the steps the engine actually ran.
+
+Each step (one forward pass) must at least move its bytes through the device's memory and
+do its arithmetic; it takes no less than the larger of the two:
+
+- bytes over the measured copy bandwidth: every weight the step reads (the decoder layers
+  and final norm always, the LM head when the step computes logits, one embedding row a
+  token), the K/V of the cache that its queries attend to (written by earlier steps), and
+  the K/V it writes;
+- FLOPs over the measured dense bf16 GEMM rate: two a weight a token in the layers' matrix
+  products, two a head weight a logits row, and four a (query, key) pair a head a
+  dimension in attention (QK^T and PV), causal and within a layer's sliding window.
+
+A step's new tokens attend to K/V they wrote themselves, which a fused kernel need not read
+back: only the keys cached before the step count as read. Activations count for nothing, so
+the bound is below any real step; "% of roofline" is the bound over the time measured.
+
+The engine keeps a ``StepShape`` a step only when asked (``LLMEngine.step_shapes``, or the
+engine process's ``--step-record`` file); benchmarks measure the two rates on their own
+device at the start of the run (``measure_rates``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.request import Request
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One forward pass as it ran: each sequence's new tokens and its context after them,
+    and how many rows of logits it computed (sampled rows and scored prompt positions)."""
+
+    query_lens: np.ndarray  # [B] int64
+    context_lens: np.ndarray  # [B] int64, the new tokens included
+    num_logits: int
+
+    @classmethod
+    def of(cls, batch: Sequence[Request], num_logits: int) -> StepShape:
+        """The shape of ``batch``'s step, read after the runner launched it (its requests'
+        cached tokens then include the step's)."""
+        count = len(batch)
+        return cls(
+            np.fromiter((r.num_scheduled_tokens for r in batch), np.int64, count),
+            np.fromiter((r.num_cached_tokens for r in batch), np.int64, count),
+            num_logits,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_lens.sum())
+
+    @property
+    def is_decode(self) -> bool:
+        return bool((self.query_lens == 1).all())
+
+
+def save_steps(path: str | Path, steps: Iterable[StepShape]) -> None:
+    """Write ``steps`` as JSON: one [query_lens, context_lens, num_logits] list a step."""
+    rows = [[s.query_lens.tolist(), s.context_lens.tolist(), s.num_logits] for s in steps]
+    Path(path).write_text(json.dumps(rows))
+
+
+def load_steps(path: str | Path) -> list[StepShape]:
+    return [
+        StepShape(np.array(q, np.int64), np.array(c, np.int64), n)
+        for q, c, n in json.loads(Path(path).read_text())
+    ]
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What one step of a model costs per unit of work: bytes, FLOPs and the attention's
+    shape, layer by layer."""
+
+    layer_weight_bytes: int  # the decoder layers' and the final norm's weights
+    head_weight_bytes: int  # the LM head (the embedding table when tied)
+    embedding_row_bytes: int  # one token's embedding row
+    layer_matmul_params: int  # elements of the layers' matrices: 2 FLOPs each a token
+    head_params: int  # hidden_size * vocab_size: 2 FLOPs each a logits row
+    kv_bytes_per_token: int  # one token's K and V in one layer
+    attention_flops_per_pair: int  # 4 * num_heads * head_dim: a (query, key) pair in one layer
+    windows: tuple[int | None, ...]  # each layer's sliding window; None: full attention
+
+    @classmethod
+    def of_model(cls, model: nn.Module, kv_dtype: torch.dtype) -> ModelCost:
+        """The cost of a ``CausalLM`` (any device, the meta device included) whose K/V cache
+        holds ``kv_dtype``. Matrices are the layers' 2-D parameters, whatever module holds
+        them."""
+        layers = model.layers
+        layer_params = [p for layer in layers for p in layer.parameters()]
+        norm_bytes = sum(p.numel() * p.element_size() for p in model.norm.parameters())
+        embedding = model.embed_tokens.weight
+        head = embedding if model.lm_head is None else model.lm_head.weight
+        attention = layers[0].self_attn
+        return cls(
+            layer_weight_bytes=sum(p.numel() * p.element_size() for p in layer_params) + norm_bytes,
+            head_weight_bytes=head.numel() * head.element_size(),
+            embedding_row_bytes=embedding.shape[1] * embedding.element_size(),
+            layer_matmul_params=sum(p.numel() for p in layer_params if p.dim() == 2),
+            head_params=head.numel(),
+            kv_bytes_per_token=2 * attention.num_kv_heads * attention.head_dim * kv_dtype.itemsize,
+            attention_flops_per_pair=4 * attention.num_heads * attention.head_dim,
+            windows=tuple(layer.self_attn.sliding_window for layer in layers),
+        )
+
+
+def _visible_keys_below(n: np.ndarray, window: int | None) -> np.ndarray:
+    """sum over k = 1..n of min(k, window): the keys the queries at positions 0..n-1 see."""
+    if window is None:
+        return n * (n + 1) // 2
+    w = window
+    return np.where(n <= w, n * (n + 1) // 2, w * (w + 1) // 2 + (n - w) * w)
+
+
+def step_traffic(step: StepShape, cost: ModelCost) -> tuple[int, int]:
+    """(bytes, FLOPs) the step cannot do without."""
+    tokens = step.num_tokens
+    cached = step.context_lens - step.query_lens
+    kv_read_tokens = 0
+    attention_pairs = 0
+    for window in cost.windows:
+        # Queries at positions cached.. see keys back to position - window + 1.
+        kv_read_tokens += int((cached if window is None else np.minimum(cached, window - 1)).sum())
+        attention_pairs += int(
+            (
+                _visible_keys_below(step.context_lens, window) - _visible_keys_below(cached, window)
+            ).sum()
+        )
+    kv_written_tokens = tokens * len(cost.windows)
+    head = step.num_logits > 0
+    weight_bytes = (
+        cost.layer_weight_bytes
+        + (cost.head_weight_bytes if head else 0)
+        + tokens * cost.embedding_row_bytes
+    )
+    kv_bytes = (kv_read_tokens + kv_written_tokens) * cost.kv_bytes_per_token
+    flops = (
+        2 * cost.layer_matmul_params * tokens
+        + 2 * cost.head_params * step.num_logits
+        + cost.attention_flops_per_pair * attention_pairs
+    )
+    return weight_bytes + kv_bytes, flops
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """What the device sustains, measured: copy bandwidth and dense GEMM rate."""
+
+    bytes_per_s: float
+    flops_per_s: float
+
+    def describe(self) -> str:
+        return f"copy {self.bytes_per_s / 1e9:.0f} GB/s, GEMM {self.flops_per_s / 1e12:.1f} TFLOP/s"
+
+
+def step_bound(step: StepShape, cost: ModelCost, rates: DeviceRates) -> float:
+    """Seconds the step takes at least."""
+    num_bytes, flops = step_traffic(step, cost)
+    return max(num_bytes / rates.bytes_per_s, flops / rates.flops_per_s)
+
+
+def run_bound(steps: Iterable[StepShape], cost: ModelCost, rates: DeviceRates) -> float:
+    """Seconds a run of ``steps`` takes at least: the sum of its steps' bounds."""
+    return sum(step_bound(s, cost, rates) for s in steps)
+
+
+def share_of_roofline(bound_s: float, measured_s: float) -> str:
+    return f"{bound_s / measured_s:.0%}"
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best_seconds(run: Callable[[], None], device: torch.device, repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls of ``run``, after one untimed."""
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        _synchronize(device)
+        started = time.perf_counter()
+        run()
+        _synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def measure_rates(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> DeviceRates:
+    """Copy bandwidth (a device-to-device copy reads and writes every byte) and the rate of
+    a large square matrix product in ``dtype``, each the best of a few timings. On CUDA,
+    1 GiB copies and 8192-wide products; smaller on the CPU, where they only make the
+    benchmarks' arithmetic testable."""
+    cuda = device.type == "cuda"
+    elements = (1 << 29) if cuda else (1 << 22)
+    source = torch.empty(elements, dtype=dtype, device=device)
+    target = torch.empty_like(source)
+    copies = 10
+
+    def copy() -> None:
+        for _ in range(copies):
+            target.copy_(source)
+
+    copy_s = _best_seconds(copy, device, 3) / copies
+    n = 8192 if cuda else 512
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    products = 10 if cuda else 2
+
+    def gemm() -> None:
+        for _ in range(products):
+            torch.mm(a, b)
+
+    gemm_s = _best_seconds(gemm, device, 3) / products
+    return DeviceRates(2 * source.nbytes / copy_s, 2 * n**3 / gemm_s)

@@ -1,0 +1,84 @@
+"""Start-up warm-up: each kind of step the engine can run, run once before the first request.
+
+The first use of a kernel compiles it (Triton) or loads it (CUDA's lazy module loading), which
+costs a first request hundreds of milliseconds. The Triton kernels take every argument that
+changes from step to step (packed-input views, block-table widths, split counts) without
+specializing on it (engine/backends/triton/), so their variants are few and fixed by the
+model: one per layer kind (sliding window or not) and per decode path (split or not). These
+steps reach all of them, and every sampling path:
+
+- a prefill step of two prompts, one sampled greedily and one with temperature, top-k,
+  top-p and log-probabilities (the prefill kernel serves mixed steps and every chunk size:
+  nothing in its variants depends on them);
+- a decode step of the two, its inputs the pending tokens on the device, as overlapped
+  steps take them: a replayed CUDA graph (captured before, which compiled the decode
+  kernels of each graph's batch size) or the eager decode;
+- where decode may run eagerly (no graphs, or batches beyond the largest one), eager decodes
+  of one sequence at the longest context (split-K) and of max_num_seqs at one token.
+
+The steps use fake requests whose every block is block 0: what they write there is finite
+and later overwritten by the requests that own those slots, and nothing reads a slot before
+its owner writes it (the torch backend reads whole blocks but masks what lies beyond).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.request import Request, RequestStatus
+from protocol import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_PROMPT_LEN = 37  # odd, and beyond a block: nothing in the variants depends on it anyway
+_GREEDY = SamplingParams(max_tokens=2, temperature=0.0)
+_SAMPLED = SamplingParams(max_tokens=2, temperature=0.8, top_p=0.9, top_k=20, logprobs=2)
+
+
+def _request(
+    index: int, num_tokens: int, sampling: SamplingParams, block_size: int, cached: int = 0
+) -> Request:
+    """A request of ``num_tokens`` prompt tokens, ``cached`` of them already in the cache,
+    the rest scheduled, with room for one more; every block is block 0."""
+    request = Request(b"", f"warm-up-{index}", [1] * num_tokens, sampling, seed=index)
+    request.block_ids = [0] * (num_tokens // block_size + 1)
+    request.num_cached_tokens = cached
+    request.num_scheduled_tokens = num_tokens - cached
+    request.status = RequestStatus.RUNNING
+    return request
+
+
+@torch.inference_mode()
+def warm_up(runner: ModelRunner, max_num_seqs: int) -> None:
+    """Run each kind of step once on ``runner``, whose cache is allocated and graphs
+    captured; it is left as it was."""
+    started = time.perf_counter()
+    block_size = runner.block_size
+    batch = [
+        _request(0, _PROMPT_LEN, _GREEDY, block_size),
+        _request(1, 3, _SAMPLED, block_size),
+    ]
+    runner.sample(runner.forward(batch), None).result()  # prefill
+    for request in batch:
+        request.num_scheduled_tokens = 1
+    runner.sample(runner.forward(batch), None).result()  # decode of the pending tokens
+    num_steps = 2
+    graphs = runner.decode_graphs
+    # Under tensor parallelism the other ranks run each step rank 0 sends them, and these
+    # eager decodes are not sent: they are left to the first steps that need them.
+    if runner.send_step is None and (graphs is None or not graphs.fits(max_num_seqs)):
+        longest = _request(2, runner.max_model_len, _GREEDY, block_size, runner.max_model_len - 1)
+        widest = [_request(3 + i, 1, _GREEDY, block_size) for i in range(max_num_seqs)]
+        for decode in ([longest], widest):
+            runner.forward_eager(runner.step_inputs(decode))
+        num_steps += 2
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    logger.info("warm-up: %d steps in %.2f s", num_steps, time.perf_counter() - started)

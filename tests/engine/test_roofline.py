@@ -1,0 +1,142 @@
+"""The roofline's arithmetic (engine/roofline.py) by hand, and the step shapes the engine
+records against the schedule it ran."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from engine.backends import create_backend
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.models import build_model, load_checkpoint
+from engine.roofline import (
+    DeviceRates,
+    ModelCost,
+    StepShape,
+    load_steps,
+    measure_rates,
+    run_bound,
+    save_steps,
+    step_bound,
+    step_traffic,
+)
+from tests.reference import run_engine
+
+# One layer of 2 KV heads of dim 4 (K and V: 16 elements a token), 8 query heads.
+COST = ModelCost(
+    layer_weight_bytes=1000,
+    head_weight_bytes=500,
+    embedding_row_bytes=10,
+    layer_matmul_params=300,
+    head_params=250,
+    kv_bytes_per_token=2 * 2 * 4 * 2,
+    attention_flops_per_pair=4 * 8 * 4,
+    windows=(None,),
+)
+
+
+def shape(query_lens: list[int], context_lens: list[int], num_logits: int) -> StepShape:
+    return StepShape(np.array(query_lens), np.array(context_lens), num_logits)
+
+
+def test_decode_step_reads_the_weights_and_every_cached_key() -> None:
+    step = shape([1, 1], [10, 3], num_logits=2)
+    num_bytes, flops = step_traffic(step, COST)
+    kv_read, kv_written = 9 + 2, 2  # the new keys are written, never read back
+    assert num_bytes == 1000 + 500 + 2 * 10 + (kv_read + kv_written) * 32
+    # Each query sees its whole context, itself included.
+    assert flops == 2 * 300 * 2 + 2 * 250 * 2 + 128 * (10 + 3)
+
+
+def test_prefill_chunk_is_causal_and_skips_the_head_without_logits() -> None:
+    # A chunk of 4 tokens after 6 cached ones: its queries see 7, 8, 9 and 10 keys.
+    step = shape([4], [10], num_logits=0)
+    num_bytes, flops = step_traffic(step, COST)
+    assert num_bytes == 1000 + 4 * 10 + (6 + 4) * 32
+    assert flops == 2 * 300 * 4 + 128 * (7 + 8 + 9 + 10)
+
+
+def test_sliding_window_caps_keys_read_and_attended() -> None:
+    windowed = ModelCost(**{**COST.__dict__, "windows": (None, 4)})
+    # Decode at context 10: the full layer reads 9 cached keys and sees 10; the windowed
+    # one reads the 3 before the new token and sees 4.
+    num_bytes, flops = step_traffic(shape([1], [10], 1), windowed)
+    assert num_bytes == 1000 + 500 + 10 + (9 + 3 + 2) * 32
+    assert flops == 2 * 300 + 2 * 250 + 128 * (10 + 4)
+    # A prefill of 6 from nothing: the windowed layer's queries see 1, 2, 3, 4, 4, 4 keys.
+    _, flops = step_traffic(shape([6], [6], 1), windowed)
+    assert flops == 2 * 300 * 6 + 2 * 250 + 128 * (21 + 18)
+
+
+def test_bound_is_the_larger_term_summed_over_steps() -> None:
+    decode, prefill = shape([1], [10], 1), shape([8], [8], 1)
+    rates = DeviceRates(bytes_per_s=1000.0, flops_per_s=5e3)
+    for step in (decode, prefill):
+        num_bytes, flops = step_traffic(step, COST)
+        assert step_bound(step, COST, rates) == max(num_bytes / 1000.0, flops / 5e3)
+    # The decode step is bound by bytes, the prefill by FLOPs at these rates.
+    assert step_traffic(decode, COST)[0] / 1000.0 > step_traffic(decode, COST)[1] / 5e3
+    assert step_traffic(prefill, COST)[1] / 5e3 > step_traffic(prefill, COST)[0] / 1000.0
+    assert run_bound([decode, prefill, decode], COST, rates) == pytest.approx(
+        2 * step_bound(decode, COST, rates) + step_bound(prefill, COST, rates)
+    )
+
+
+def test_model_cost_of_a_tiny_llama(tiny: tuple[Path, LlamaForCausalLM]) -> None:
+    directory, _ = tiny
+    config = load_checkpoint(str(directory)).config
+    meta = torch.device("meta")
+    model = build_model(config, *create_backend("torch", meta), 16, meta, torch.bfloat16)
+    cost = ModelCost.of_model(model, torch.bfloat16)
+    hidden, inter, layers, vocab = 64, 160, 3, 256
+    q, kv = 4 * 16, 2 * 16
+    matmuls = hidden * (q + 2 * kv) + q * hidden + hidden * 2 * inter + inter * hidden
+    assert cost.layer_matmul_params == layers * matmuls
+    assert cost.layer_weight_bytes == 2 * (layers * (matmuls + 2 * hidden) + hidden)
+    assert cost.head_params == vocab * hidden  # untied: lm_head's own
+    assert cost.head_weight_bytes == 2 * vocab * hidden
+    assert cost.embedding_row_bytes == 2 * hidden
+    assert cost.kv_bytes_per_token == 2 * kv * 2
+    assert cost.attention_flops_per_pair == 4 * q
+    assert cost.windows == (None, None, None)
+
+
+def test_engine_records_the_steps_it_ran(
+    tiny: tuple[Path, LlamaForCausalLM], tmp_path: Path
+) -> None:
+    directory, _ = tiny
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(directory),
+            device="cpu",
+            block_size=4,
+            max_num_seqs=4,
+            max_num_batched_tokens=16,
+        )
+    )
+    assert engine.step_shapes is None  # nothing kept unless asked
+    engine.step_shapes = []
+    prompts = [list(range(1, 21)), list(range(30, 35))]
+    run_engine(engine, prompts, max_tokens=3)
+    steps = engine.step_shapes
+    # 16 tokens a step: the first prompt's first chunk; then its last 4 with the second
+    # prompt; then two decode steps of both.
+    assert [s.query_lens.tolist() for s in steps] == [[16], [4, 5], [1, 1], [1, 1]]
+    assert [s.context_lens.tolist() for s in steps] == [[16], [20, 5], [21, 6], [22, 7]]
+    assert [s.num_logits for s in steps] == [0, 2, 2, 2]
+    assert [s.is_decode for s in steps] == [False, False, True, True]
+    save_steps(tmp_path / "steps.json", steps)
+    loaded = load_steps(tmp_path / "steps.json")
+    assert [(s.query_lens.tolist(), s.context_lens.tolist(), s.num_logits) for s in loaded] == [
+        (s.query_lens.tolist(), s.context_lens.tolist(), s.num_logits) for s in steps
+    ]
+
+
+def test_measure_rates_runs_on_the_cpu() -> None:
+    rates = measure_rates(torch.device("cpu"), torch.float32)
+    assert rates.bytes_per_s > 1e8 and rates.flops_per_s > 1e8

@@ -1,0 +1,100 @@
+"""On CUDA: the start-up warm-up (engine/warm_up.py) compiles every Triton kernel variant the
+engine will use, so that no step of a varied workload compiles another, and the first
+request is as fast as the later ones."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+import engine.backends.triton.activation
+import engine.backends.triton.norm
+import engine.backends.triton.paged_attention
+import engine.backends.triton.rotary_store
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from protocol import SamplingParams
+
+KERNEL_MODULES = [
+    engine.backends.triton.activation,
+    engine.backends.triton.norm,
+    engine.backends.triton.paged_attention,
+    engine.backends.triton.rotary_store,
+]
+
+
+def compiled_variants() -> dict[str, int]:
+    """How many variants of each of our Triton kernels this process has compiled."""
+    kernels = {
+        name: value
+        for module in KERNEL_MODULES
+        for name, value in vars(module).items()
+        if isinstance(value, triton.runtime.JITFunction)
+    }
+    return {
+        name: sum(len(caches[0]) for caches in kernel.device_caches.values())
+        for name, kernel in kernels.items()
+    }
+
+
+def varied_workload(engine: LLMEngine) -> float:
+    """Prompts of odd and even lengths, chunked and mixed with decodes, batches of every
+    size as requests come and go, greedy and sampled, with and without log-probabilities,
+    and one long prompt decoded alone at the end; the first request's TTFT in seconds."""
+    generator = torch.Generator().manual_seed(5)
+    first = SamplingParams(max_tokens=1)
+    started = time.perf_counter()
+    engine.add_request(b"gpu", "first", list(range(2, 130)), first)
+    while engine.has_work:
+        engine.step()
+    ttft = time.perf_counter() - started
+    lengths = torch.randint(1, 1500, (40,), generator=generator).tolist()
+    for i, length in enumerate(lengths):
+        prompt = torch.randint(2, 1000, (length,), generator=generator).tolist()
+        sampling = SamplingParams(
+            max_tokens=1 + i % 37,
+            ignore_eos=True,
+            temperature=0.0 if i % 2 else 0.7,
+            top_p=0.9,
+            logprobs=2 if i % 3 == 0 else None,
+        )
+        engine.add_request(b"gpu", str(i), prompt, sampling)
+        if i % 4 == 3:
+            for _ in range(i % 7):
+                engine.step()
+    engine.add_request(b"gpu", "long", list(range(2, 3500)), SamplingParams(max_tokens=8))
+    while engine.has_work:
+        engine.step()
+    return ttft
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_no_kernel_compiles_after_start_up(
+    enforce_eager: bool, shape_checkpoint: Callable[[str], Path]
+) -> None:
+    directory = shape_checkpoint("gemma3-1b")  # sliding and full layers: both variants
+    started = time.perf_counter()
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(directory),
+            device="cuda",
+            max_model_len=4096,
+            max_num_batched_tokens=1024,
+            kv_cache_memory_gb=4,
+            enforce_eager=enforce_eager,
+        )
+    )
+    start_s = time.perf_counter() - started
+    after_start = compiled_variants()
+    ttft = varied_workload(engine)
+    after_run = compiled_variants()
+    print(
+        f"\nenforce_eager={enforce_eager}: start {start_s:.1f} s, first TTFT {ttft * 1e3:.1f} ms;"
+        f" variants {after_start}"
+    )
+    assert after_run == after_start
