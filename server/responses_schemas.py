@@ -25,15 +25,7 @@ from pydantic_core import PydanticCustomError
 
 from protocol import MAX_TOP_LOGPROBS, StructuredOutput
 from server.errors import ApiError
-from server.openai_schemas import (
-    ChatCompletionRequest,
-    ChatMessage,
-    LogitBias,
-    RequestBody,
-    Temperature,
-    TopK,
-    TopP,
-)
+from server.openai_schemas import ChatCompletionRequest, ChatMessage, RequestBody, SamplingFields
 from server.structured_output import structured_output_of
 
 # The input roles, as chat templates know them: a developer message is a system one.
@@ -221,10 +213,13 @@ class ResponseText(RequestBody):
     ] = None
 
 
-class ResponsesRequest(RequestBody):
+class ResponsesRequest(SamplingFields):
+    """The sampling fields it shares with chat (``SamplingFields``: vLLM's ResponsesRequest
+    takes those) go to the chat request as they are."""
+
     not_served: ClassVar[Mapping[str, tuple[Any, ...]]] = {
         # vLLM's own fields
-        "skip_special_tokens": (True,),
+        "vllm_xargs": (),
         "enable_response_messages": (False,),
         "previous_input_messages": (),
         "request_id": (),  # the X-Request-Id header names a request (server/request_id.py)
@@ -237,10 +232,6 @@ class ResponsesRequest(RequestBody):
     input: Annotated[list[ChatMessage], BeforeValidator(_input_messages)]
     instructions: str | None = None  # a system message before the input
     max_output_tokens: Annotated[int | None, Field(ge=1)] = None
-    temperature: Temperature = None
-    top_p: TopP = None
-    top_k: TopK = None  # vLLM's
-    logit_bias: LogitBias = None  # vLLM's
     stream: bool = False
     include: Annotated[list[str], BeforeValidator(_include)] = Field(default_factory=list)
     top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
@@ -291,10 +282,7 @@ class ResponsesRequest(RequestBody):
             model=self.model,
             messages=(instructions if self.instructions else []) + self.input,
             max_completion_tokens=self.max_output_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            logit_bias=self.logit_bias,
+            **{name: getattr(self, name) for name in SamplingFields.model_fields},
             logprobs=self.wants_logprobs,
             top_logprobs=self.top_logprobs if self.wants_logprobs else None,
             stream=self.stream,
@@ -313,7 +301,11 @@ class ResponsesRequest(RequestBody):
         """What ``text.format`` holds the output to, or None (plain text)."""
         text_format = self.text.format if self.text is not None else None
         if not isinstance(text_format, dict) or text_format["type"] == "text":
-            return None
+            return None  # the chat request's structured_outputs, if any
+        if self.structured_outputs is not None:
+            raise ApiError(
+                400, "Cannot specify both structured_outputs and text.format.", param="text.format"
+            )
         try:
             if text_format["type"] == "json_object":
                 return structured_output_of(response_format={"type": "json_object"})
