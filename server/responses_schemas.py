@@ -8,7 +8,9 @@ from there. What the chat endpoint learns to do, the Responses API gets by exten
 map: function ``tools``, ``tool_choice`` and ``parallel_tool_calls`` map to the chat ones,
 ``function_call`` and ``function_call_output`` input items to an assistant message's
 ``tool_calls`` and ``tool`` messages, and ``text.format`` (json_schema, json_object) to
-a structured output (``structured_output``).
+a structured output (``structured_output``). The sampling fields vLLM's Responses API adds
+(``SamplingFields``: top_k, seed, stop, repetition_penalty, structured_outputs, ...) are
+the chat request's own, passed on as they are.
 
 This server is stateless: ``store`` is accepted (OpenAI's default is true, and clients send
 it) but nothing is stored, as vLLM does without its store; what needs a stored response or
