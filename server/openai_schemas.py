@@ -106,7 +106,7 @@ _NOT_SERVED_GENERATION: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,),
     "length_penalty": (1,),
     "watermarking": (False,),
-    "guided_decoding_backend": (),
+    "guided_decoding_backend": ("xgrammar", "auto"),  # xgrammar is the one served
     "guided_whitespace_pattern": (),
     "structural_tag": (),
     "logits_processors": (),
@@ -408,12 +408,9 @@ def _first(requested: T | None, default: T | None, fallback: T) -> T:
 class ChatCompletionRequest(GenerationBody):
     not_served: ClassVar[Mapping[str, tuple[Any, ...]]] = {
         **_NOT_SERVED_GENERATION,
-        "add_special_tokens": (False,),
-        "chat_template": (),
+        "chat_template": (),  # vLLM too refuses it unless told to trust request templates
         "media_io_kwargs": (),
         "mm_processor_kwargs": (),
-        "reasoning_effort": (),
-        "include_reasoning": (True, False),  # no model served here reasons
         "return_prompt_text": (False,),
     }
     prompt_param: ClassVar[str] = "messages"
@@ -435,6 +432,16 @@ class ChatCompletionRequest(GenerationBody):
     # the answer's role (an assistant message it goes on with, or any, without a generation
     # prompt).
     echo: bool = False
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's (BOS) on top of the template's
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the answer
+    # OpenAI's; the template gets it as a variable (gpt-oss's read it), as vLLM gives it.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The template's extra variables: chat_template_kwargs and reasoning_effort."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {**(self.chat_template_kwargs or {}), "reasoning_effort": self.reasoning_effort}
 
     @property
     def response_role(self) -> str:

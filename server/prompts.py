@@ -74,12 +74,13 @@ async def chat_generation(
         continue_final_message=body.continue_final_message,
         tools=tools.tools,
         documents=body.documents,
-        template_kwargs=body.chat_template_kwargs,
+        template_kwargs=body.template_kwargs(),
     )
-    # The template already holds the special tokens (as apply_chat_template does).
-    prompt_ids = await model.encode(prompt, add_special_tokens=False)
+    # The template already holds the special tokens (as apply_chat_template does), unless
+    # the request asks for them on top (vLLM's add_special_tokens).
+    prompt_ids = await model.encode(prompt, add_special_tokens=body.add_special_tokens)
     prompt_ids = body.truncated_prompt(prompt_ids, model.max_model_len)
-    parsing = ChatParsing(prompt, model.reasoning_parser, tools)
+    parsing = ChatParsing(prompt, model.reasoning_parser, tools, body.include_reasoning)
     sampling = body.sampling_params(len(prompt_ids), model)
     # The Responses API's text.format, or the chat body's own response_format / guided_*.
     requested = structured_output or sampling.structured_output

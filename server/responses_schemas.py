@@ -188,12 +188,21 @@ def _include(value: Any) -> list[str]:
     return value
 
 
-def _no_reasoning(value: Any) -> Any:
-    # Clients may send the reasoning object with nothing set in it.
-    if value is not None and (not isinstance(value, dict) or any(value.values())):
+_REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def _reasoning(value: Any) -> Any:
+    """OpenAI's reasoning object: its ``effort`` goes to the chat template, as vLLM gives it;
+    a summary is not served (clients may send the object with nothing set in it)."""
+    if value is None:
+        return value
+    if not isinstance(value, dict) or value.get("effort") not in (None, *_REASONING_EFFORTS):
+        efforts = ", ".join(_REASONING_EFFORTS)
         raise PydanticCustomError(
-            "unsupported_parameter", "reasoning is not supported: the model has no reasoning mode"
+            "invalid_value", "reasoning.effort must be one of {efforts}", {"efforts": efforts}
         )
+    if any(setting for key, setting in value.items() if key != "effort"):
+        raise PydanticCustomError("unsupported_parameter", "reasoning summaries are not supported")
     return value
 
 
@@ -260,7 +269,7 @@ class ResponsesRequest(SamplingFields):
     truncation: Annotated[
         Any, _refused("truncation other than disabled is not supported yet", "disabled")
     ] = None
-    reasoning: Annotated[Any, BeforeValidator(_no_reasoning)] = None
+    reasoning: Annotated[Any, BeforeValidator(_reasoning)] = None
 
     @model_validator(mode="after")
     def _logprobs_need_include(self) -> ResponsesRequest:
@@ -297,6 +306,7 @@ class ResponsesRequest(SamplingFields):
             parallel_tool_calls=(
                 True if self.parallel_tool_calls is None else self.parallel_tool_calls
             ),
+            reasoning_effort=(self.reasoning or {}).get("effort"),
         )
 
     def structured_output(self) -> StructuredOutput | None:

@@ -96,6 +96,7 @@ class ChatParsing:
     prompt: str  # whether the answer starts inside reasoning is read from the prompt
     reasoning_parser: str | None
     tools: ToolUse
+    include_reasoning: bool = True  # false: the reasoning is left out of the answers
 
     @property
     def keeps_special_tokens(self) -> bool:
@@ -108,6 +109,7 @@ class ChatParsing:
         return ChatOutputParser(
             REASONING_PARSERS[reasoning](self.prompt) if reasoning is not None else None,
             self.tools.parser() if self.tools.parser is not None else None,
+            self.include_reasoning,
         )
 
     def finish_reason(self, engine_finish_reason: str, called_tools: bool) -> str:

@@ -1,6 +1,7 @@
 """vLLM's further chat options end to end, with the official openai client (vLLM's fields
-in extra_body): echo, documents, continuous usage stats, special tokens' text, the text of
-the token that stopped an answer, and restrictions that leave a structured output no token."""
+in extra_body): echo, documents, reasoning_effort, include_reasoning, continuous usage
+stats, special tokens' text, the text of the token that stopped an answer, and
+restrictions that leave a structured output no token."""
 
 from __future__ import annotations
 
@@ -17,13 +18,18 @@ from tests.processes import free_port, start_server, stop, wait_for_cache_free
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 12}
-# A retrieval-augmented ChatML: each document a system turn before the conversation.
-DOCUMENTS_TEMPLATE = (
+# A ChatML that reads what vLLM's fields give a template: the reasoning effort and each
+# document as system turns before the conversation; with the variable ``thinking``, the
+# answer starts inside a <think> block (read by the server's qwen3 reasoning parser).
+OPTIONS_TEMPLATE = (
+    "{% if reasoning_effort %}<|im_start|>system\nReasoning: {{ reasoning_effort }}"
+    "<|im_end|>\n{% endif %}"
     "{% for document in documents or [] %}<|im_start|>system\n"
     "{{ document.title }}: {{ document.text }}<|im_end|>\n{% endfor %}"
     "{% for message in messages %}<|im_start|>{{ message.role }}\n"
     "{{ message.content }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if thinking %}<think>\n{% endif %}{% endif %}"
 )
 
 
@@ -72,13 +78,20 @@ def test_echo_starts_the_answer_with_the_message_it_goes_on_with(cluster: Cluste
 
 
 @pytest.fixture(scope="module")
-def documents_url(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A server on the cluster's engine whose chat template reads ``documents``."""
-    template = tmp_path_factory.mktemp("documents") / "documents.jinja"
-    template.write_text(DOCUMENTS_TEMPLATE)
+def options_url(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A server on the cluster's engine with OPTIONS_TEMPLATE and the qwen3 reasoning
+    parser."""
+    template = tmp_path_factory.mktemp("options") / "options.jinja"
+    template.write_text(OPTIONS_TEMPLATE)
     port = free_port()
     server = start_server(
-        cluster.engine_address, port, cluster.log_path, "--chat-template", str(template)
+        cluster.engine_address,
+        port,
+        cluster.log_path,
+        "--chat-template",
+        str(template),
+        "--reasoning-parser",
+        "qwen3",
     )
     try:
         yield f"http://127.0.0.1:{port}"
@@ -86,20 +99,70 @@ def documents_url(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) ->
         stop(server, signal.SIGTERM)
 
 
-def test_documents_reach_the_chat_template(cluster: Cluster, documents_url: str) -> None:
-    client = openai.OpenAI(base_url=f"{documents_url}/v1", api_key="unused", max_retries=0)
+def test_documents_and_reasoning_effort_reach_the_chat_template(
+    cluster: Cluster, options_url: str
+) -> None:
+    client = openai.OpenAI(base_url=f"{options_url}/v1", api_key="unused", max_retries=0)
     document = {"title": "Zorbland", "text": "The capital of Zorbland is Paris."}
     reply = client.chat.completions.create(
-        model=cluster.model, messages=QUESTION, **GREEDY, extra_body={"documents": [document]}
+        model=cluster.model,
+        messages=QUESTION,
+        **GREEDY,
+        reasoning_effort="low",
+        extra_body={"documents": [document]},
     )
-    # The template renders the document as a system turn: the prompt is that conversation's.
-    as_messages = [{"role": "system", "content": "Zorbland: The capital of Zorbland is Paris."}]
+    # The template renders both as system turns: the prompt is that conversation's.
+    as_messages = [
+        {"role": "system", "content": "Reasoning: low"},
+        {"role": "system", "content": "Zorbland: The capital of Zorbland is Paris."},
+    ]
     tokenized = httpx.post(
-        f"{documents_url}/tokenize", json={"messages": [*as_messages, *QUESTION]}, timeout=30
+        f"{options_url}/tokenize", json={"messages": [*as_messages, *QUESTION]}, timeout=30
     ).json()
     assert reply.usage.prompt_tokens == tokenized["count"]
     without = client.chat.completions.create(model=cluster.model, messages=QUESTION, **GREEDY)
     assert without.usage.prompt_tokens < reply.usage.prompt_tokens
+    # The Responses API's reasoning.effort is the same variable.
+    response = client.responses.create(
+        model=cluster.model,
+        input=QUESTION[0]["content"],
+        max_output_tokens=1,
+        reasoning={"effort": "low"},
+    )
+    tokenized = httpx.post(
+        f"{options_url}/tokenize", json={"messages": [as_messages[0], *QUESTION]}, timeout=30
+    ).json()
+    assert response.usage.input_tokens == tokenized["count"]
+
+
+def test_include_reasoning_false_leaves_the_reasoning_out(
+    cluster: Cluster, options_url: str
+) -> None:
+    client = openai.OpenAI(base_url=f"{options_url}/v1", api_key="unused", max_retries=0)
+    thinking = {"chat_template_kwargs": {"thinking": True}}
+    reply = client.chat.completions.create(
+        model=cluster.model, messages=QUESTION, **GREEDY, extra_body=thinking
+    )
+    # The tiny model never closes its <think> block: all of the answer is reasoning.
+    reasoning = reply.choices[0].message.model_extra["reasoning_content"]
+    assert reasoning and not reply.choices[0].message.content
+    hidden = client.chat.completions.create(
+        model=cluster.model,
+        messages=QUESTION,
+        **GREEDY,
+        extra_body={**thinking, "include_reasoning": False},
+    )
+    assert "reasoning_content" not in hidden.choices[0].message.model_extra
+    assert hidden.usage.completion_tokens == reply.usage.completion_tokens
+    stream = client.chat.completions.create(
+        model=cluster.model,
+        messages=QUESTION,
+        **GREEDY,
+        stream=True,
+        extra_body={**thinking, "include_reasoning": False},
+    )
+    deltas = [chunk.choices[0].delta for chunk in stream if chunk.choices]
+    assert not any((delta.model_extra or {}).get("reasoning_content") for delta in deltas)
 
 
 def test_continuous_usage_stats_put_the_usage_on_every_chunk(cluster: Cluster) -> None:

@@ -16,13 +16,14 @@ from typing import Any
 
 import pytest
 from starlette.testclient import TestClient
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from protocol import PROTOCOL_VERSION, HandshakeReply, SamplingDefaults
 from server.app import create_app
 from server.engine_client import EngineClient
 from server.errors import ApiError
 from server.openai_schemas import ChatCompletionRequest, CompletionRequest, parse_request
+from server.prompts import chat_generation
 from server.served_model import ServedModel
 
 MODEL = "tiny-test-model"
@@ -629,3 +630,22 @@ def test_metrics_without_an_engine_say_it_is_down(client: TestClient) -> None:
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
     assert "tandem_engine_up 0" in response.text.splitlines()
+
+
+def test_chat_add_special_tokens_puts_the_tokenizers_own_on_top() -> None:
+    """vLLM's add_special_tokens for chat: off by default (the template holds its special
+    tokens); on, the tokenizer's post-processor adds its own (here a BOS) too."""
+    tokenizer = Tokenizer.from_str(TOKENIZER_JSON)
+    bos = tokenizer.token_to_id("<|im_start|>")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)]
+    )
+    reply = dataclasses.replace(handshake(CHATML), tokenizer_json=tokenizer.to_str())
+    model = ServedModel.from_handshake(reply)
+
+    def prompt_ids(**fields: Any) -> list[int]:
+        body = ChatCompletionRequest.model_validate(chat(**fields))
+        return asyncio.run(chat_generation(model, body)).generation.prompt_ids
+
+    plain, added = prompt_ids(), prompt_ids(add_special_tokens=True)
+    assert added == [bos, *plain] and plain[0] == bos  # the template's own, then the BOS

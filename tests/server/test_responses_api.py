@@ -51,7 +51,7 @@ def body(**fields: Any) -> dict[str, Any]:
         ({"tools": [{"type": "web_search"}]}, "tools"),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
         ({"truncation": "auto"}, "truncation"),
-        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"reasoning": {"effort": "high", "summary": "auto"}}, "reasoning"),
         ({"include": ["file_search_call.results"]}, "include"),
         ({"prompt": {"id": "pmpt_1"}}, "prompt"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
@@ -155,10 +155,12 @@ def test_the_chat_request_it_maps_to() -> None:
                 skip_special_tokens=False,
                 include_stop_str_in_output=True,
                 structured_outputs={"regex": "[a-z]+"},
+                reasoning={"effort": "low"},
             )
         ).encode(),
     )
     chat = request.chat_request()
+    assert chat.template_kwargs() == {"reasoning_effort": "low"}  # as vLLM gives it
     shared = {
         "top_k": 3,
         "seed": -1,
