@@ -116,7 +116,6 @@ _NOT_SERVED_GENERATION: dict[str, tuple[Any, ...]] = {
     "kv_transfer_params": (),
     "ec_transfer_params": (),
     "vllm_xargs": (),
-    "return_tokens_as_token_ids": (False,),
     "return_token_ids": (False,),
     "repetition_detection": (),
     "thinking_token_budget": (),
@@ -239,6 +238,8 @@ class GenerationBody(SamplingFields):
     # vLLM's: with skip_special_tokens false, False joins special tokens without the
     # spaces a tokenizer's decoder may put between them.
     spaces_between_special_tokens: bool = True
+    # vLLM's: log-probabilities name their tokens "token_id:ID" rather than by their text.
+    return_tokens_as_token_ids: bool = False
     # Keep only the prompt's last k tokens (its first, with truncation_side "right");
     # -1: as many as the context holds.
     truncate_prompt_tokens: Annotated[int | None, Field(ge=-1)] = None

@@ -39,7 +39,11 @@ class ChatCompletions:
         )
         choices = generation.choices(self._client, self._model.tokenizer, answer.engine_id)
         wants_logprobs = generation.sampling.logprobs is not None
-        render = partial(chat_logprobs, self._model) if wants_logprobs else None
+        render = (
+            partial(chat_logprobs, self._model, as_token_ids=body.return_tokens_as_token_ids)
+            if wants_logprobs
+            else None
+        )
         echo = body.echoed_content()
         if body.stream:
             parsers = [parsing.parser() for _ in choices]

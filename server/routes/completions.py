@@ -55,7 +55,9 @@ class Completions:
 
         def renderer() -> RenderLogprobs | None:
             # Each choice's own: its text offsets run on from chunk to chunk.
-            return None if body.logprobs is None else CompletionLogprobs(self._model).render
+            if body.logprobs is None:
+                return None
+            return CompletionLogprobs(self._model, body.return_tokens_as_token_ids).render
 
         if body.stream:  # best_of is refused with stream, so every candidate is a choice
             chunks = CompletionChunks(

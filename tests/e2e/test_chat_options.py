@@ -251,3 +251,19 @@ def test_restrictions_that_leave_a_structured_output_no_token_are_a_400(
     # The engine serves on.
     assert "Paris" in chat(cluster).choices[0].message.content
     wait_for_cache_free(cluster.urls[0])
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(cluster: Cluster) -> None:
+    fields = {"return_tokens_as_token_ids": True}
+    reply = chat(cluster, logprobs=True, top_logprobs=2, extra_body=fields)
+    entries = reply.choices[0].logprobs.content
+    ids = [int(entry.token.removeprefix("token_id:")) for entry in entries]
+    assert all(top.token.startswith("token_id:") for e in entries for top in e.top_logprobs)
+    text = httpx.post(f"{cluster.urls[0]}/detokenize", json={"tokens": ids}, timeout=30).json()
+    assert text["prompt"] == reply.choices[0].message.content
+    completion = cluster.client().completions.create(
+        model=cluster.model, prompt="One, two,", max_tokens=3, logprobs=1, extra_body=fields
+    )
+    logprobs = completion.choices[0].logprobs
+    assert all(token.startswith("token_id:") for token in logprobs.tokens)
+    assert all(key.startswith("token_id:") for top in logprobs.top_logprobs for key in top)
