@@ -271,8 +271,9 @@ class GenerationBody(SamplingFields):
     ) -> frozenset[int] | None:
         """Whose text the answer leaves out (``PreparedGeneration.hidden_token_ids``): every
         special token's (None), as vLLM by default; none, with skip_special_tokens false
-        (the engine never sends the EOS or stop token that ends a request); or, while a
-        parser reads special tokens' text (markers), the EOS and stop tokens'."""
+        (the EOS or stop token that ends a request is not among the tokens sent: its text
+        shows only with include_stop_str_in_output, as in vLLM); or, while a parser reads
+        special tokens' text (markers), the EOS and stop tokens'."""
         if not self.skip_special_tokens:
             if not self.spaces_between_special_tokens and model.spaces_between_added_tokens:
                 raise ApiError(
@@ -288,7 +289,8 @@ class GenerationBody(SamplingFields):
         return None
 
     def requested_max_tokens(self) -> int | None:
-        """The most tokens to generate, if the request says; else as many as fit."""
+        """The most tokens to generate, if the request says; else None: the model's
+        max_new_tokens, or as many as fit (``sampling_params``)."""
         return self.max_tokens
 
     def requested_logprobs(self) -> int | None:
