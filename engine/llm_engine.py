@@ -26,6 +26,7 @@ from engine.roofline import StepShape
 from engine.scheduler import Scheduler
 from engine.structured_output import CompilingRequests, GrammarCompiler, GrammarError
 from engine.tensor_parallel import WorkerGroup
+from engine.token_restrictions import breaks_restrictions, dead_end_message, may_dead_end
 from protocol import (
     PROTOCOL_VERSION,
     EngineStats,
@@ -106,8 +107,8 @@ class LLMEngine:
             GrammarCompiler(self.tokenizer, self.vocab_size, self.grammar_pool)
         )
         self.num_constrained = 0  # requests in the scheduler with a grammar
-        # Requests refused after add_request returned (their grammar failed to compile),
-        # for the service to send (take_errors).
+        # Requests refused after add_request returned (their grammar failed to compile, or
+        # they reached a dead end), for the service to send (take_errors).
         self.errors: list[tuple[bytes, ErrorReply]] = []
         self.num_finished = 0
         self.num_generated_tokens = 0  # sampled, one per request per step
@@ -201,8 +202,9 @@ class LLMEngine:
         self.requests[request.key] = request
 
     def take_errors(self) -> list[tuple[bytes, ErrorReply]]:
-        """The refusals of requests whose grammars failed to compile since the last call,
-        each with its client; the requests are gone."""
+        """The refusals since the last call of requests whose grammars failed to compile or
+        that reached a dead end (engine/token_restrictions.py), each with its client; the
+        requests are gone."""
         errors, self.errors = self.errors, []
         return errors
 
@@ -290,27 +292,32 @@ class LLMEngine:
             if request.status is not RequestStatus.FINISHED:
                 request.num_pending_tokens -= 1
                 self.num_generated_tokens += 1
-                outputs.append((request.client, self._append_token(request, token, token_logprobs)))
+                output = self._append_token(request, token, token_logprobs)
+                if output is not None:  # None: refused, its error is in self.errors
+                    outputs.append((request.client, output))
         return outputs
 
     def _append_token(
         self, request: Request, token: int, logprobs: TokenLogprobs | None
-    ) -> RequestOutput:
+    ) -> RequestOutput | None:
         sampling = request.sampling
         # The first token's output carries the prompt's log-probabilities, now all read.
         first = not request.output_token_ids and sampling.prompt_logprobs is not None
         prompt_logprobs = request.prompt_logprobs if first else None
         grammar = request.grammar
-        if grammar is not None and not grammar.accept_token(token):
-            # The mask allowed only tokens the grammar accepts: a bug, not the user's doing.
-            logger.error("request %s: token %d breaks its grammar", request.request_id, token)
-            return self._finish(request, FinishReason.ABORT, [])
+        if may_dead_end(request) and (
+            breaks_restrictions(request, token, self.eos_token_ids)
+            or (grammar is not None and not grammar.accept_token(token))
+        ):
+            return self._refuse_dead_end(request, token)
         if (
             token in sampling.stop_token_ids
             or (not sampling.ignore_eos and token in self.eos_token_ids)
             or (grammar is not None and grammar.is_terminated())
         ):
-            return self._finish(request, FinishReason.STOP, [], None, prompt_logprobs)
+            return self._finish(
+                request, FinishReason.STOP, [], None, prompt_logprobs, stop_token_id=token
+            )
         request.output_token_ids.append(token)
         new_logprobs = None if logprobs is None else [logprobs]
         if (
@@ -322,6 +329,21 @@ class LLMEngine:
             )
         return self._output(request, [token], None, new_logprobs, prompt_logprobs)
 
+    def _refuse_dead_end(self, request: Request, token: int) -> RequestOutput | None:
+        """End a request the sampler found no token for (engine/token_restrictions.py): its
+        user gets an error, not the token it never allowed. Without restrictions of its own,
+        its grammar's mask alone allowed the token: a bug, not the user's doing."""
+        sampling = request.sampling
+        if sampling.allowed_token_ids is None and not (
+            sampling.bad_words_token_ids or sampling.min_tokens
+        ):
+            logger.error("request %s: token %d breaks its grammar", request.request_id, token)
+            return self._finish(request, FinishReason.ABORT, [])
+        reply = ErrorReply(request.request_id, ErrorCode.INVALID_REQUEST, dead_end_message(request))
+        self._finish(request, FinishReason.ABORT, [])  # its output is not sent: the error is
+        self.errors.append((request.client, reply))
+        return None
+
     def _finish(
         self,
         request: Request,
@@ -329,6 +351,8 @@ class LLMEngine:
         new_tokens: list[int],
         logprobs: list[TokenLogprobs] | None = None,
         prompt_logprobs: list[PromptTokenLogprobs] | None = None,
+        *,
+        stop_token_id: int | None = None,
     ) -> RequestOutput:
         if request.status is not RequestStatus.FINISHED:
             if request.status is RequestStatus.COMPILING:
@@ -338,7 +362,9 @@ class LLMEngine:
             self.scheduler.remove(request)
             del self.requests[request.key]
             self.num_finished += 1
-        return self._output(request, new_tokens, reason, logprobs, prompt_logprobs)
+        output = self._output(request, new_tokens, reason, logprobs, prompt_logprobs)
+        output.stop_token_id = stop_token_id
+        return output
 
     @staticmethod
     def _output(

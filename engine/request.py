@@ -51,6 +51,9 @@ class Request:
     # bias, bans, allowed tokens, min_p): known at arrival, so that a step of requests that
     # do not checks one flag each (engine/batch.py).
     shapes_logits: bool = field(init=False)
+    # sampling.allowed_token_ids as a set, for the host's check of each token it reads
+    # (engine/token_restrictions.py); None: every token is allowed.
+    allowed_token_set: frozenset[int] | None = field(init=False)
     # Its structured output's matcher: it has accepted every token of output_token_ids
     # (never a pending one). None: free text.
     grammar: xgr.GrammarMatcher | None = None
@@ -67,6 +70,8 @@ class Request:
             or s.min_tokens
             or s.min_p
         )
+        allowed = s.allowed_token_ids
+        self.allowed_token_set = None if allowed is None else frozenset(allowed)
 
     @property
     def key(self) -> tuple[bytes, str]:

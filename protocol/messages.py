@@ -25,7 +25,9 @@ from protocol.codec import Message
 # 4: vLLM's sampling fields (min_p, repetition_penalty, min_tokens, bad_words,
 #    allowed_token_ids, prompt_logprobs), RequestOutput.prompt_logprobs and
 #    HandshakeReply.sampling_defaults.
-PROTOCOL_VERSION = 4
+# 5: SamplingDefaults.max_tokens (generation_config.json's max_new_tokens) and
+#    RequestOutput.stop_token_id.
+PROTOCOL_VERSION = 5
 # The most alternatives a request may ask log-probabilities of, as OpenAI's top_logprobs.
 MAX_TOP_LOGPROBS = 20
 # The most token sequences a request's bad words may tokenize to, and their total tokens
@@ -37,7 +39,7 @@ MAX_BAD_WORDS_TOKENS = 1024
 class FinishReason:
     """Why a request stopped producing tokens (the OpenAI API's own words)."""
 
-    STOP = "stop"  # an EOS or stop token was sampled (the token itself is not sent)
+    STOP = "stop"  # an EOS or stop token was sampled (sent as RequestOutput.stop_token_id)
     LENGTH = "length"  # max_tokens or the model's context length was reached
     ABORT = "abort"  # the server aborted it, or its server went away
 
@@ -202,6 +204,7 @@ class SamplingDefaults:
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    max_tokens: int | None = None  # max_new_tokens: the most a request generates by default
 
 
 @dataclass
@@ -293,6 +296,9 @@ class RequestOutput:
     # With the first token, when the request asked (SamplingParams.prompt_logprobs): one
     # per prompt token after the first.
     prompt_logprobs: list[PromptTokenLogprobs] | None = None
+    # With finish_reason stop: the EOS or stop token that ended the request, which is not
+    # among the new tokens (a server shows its text only with include_stop_str_in_output).
+    stop_token_id: int | None = None
 
 
 @dataclass

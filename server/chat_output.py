@@ -63,10 +63,15 @@ class ChatOutputParser:
     """One answer's text deltas in, chat deltas out; one instance per answer."""
 
     def __init__(
-        self, reasoning: ThinkReasoningParser | None = None, tools: ToolParser | None = None
+        self,
+        reasoning: ThinkReasoningParser | None = None,
+        tools: ToolParser | None = None,
+        include_reasoning: bool = True,
     ) -> None:
+        """``include_reasoning`` false (vLLM's field) drops the reasoning from the answer."""
         self._reasoning = reasoning
         self._tools = tools
+        self._include_reasoning = include_reasoning
 
     @property
     def called_tools(self) -> bool:
@@ -77,7 +82,8 @@ class ChatOutputParser:
             return self._content(text, final=False)
         split = self._reasoning.feed(text)
         delta = self._content(split.content, final=False)
-        delta.reasoning_content = split.reasoning_content
+        if self._include_reasoning:
+            delta.reasoning_content = split.reasoning_content
         return delta
 
     def finish(self) -> ChatDelta:
@@ -85,7 +91,8 @@ class ChatOutputParser:
             return self._content("", final=True)
         split = self._reasoning.finish()
         delta = self._content(split.content, final=True)
-        delta.reasoning_content = split.reasoning_content
+        if self._include_reasoning:
+            delta.reasoning_content = split.reasoning_content
         return delta
 
     def parse(self, text: str) -> ChatOutput:

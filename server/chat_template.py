@@ -66,14 +66,16 @@ class ChatTemplate:
         *,
         continue_final_message: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt text for ``messages``; raises ``ChatTemplateError``.
 
         ``tools`` are OpenAI tool dicts (``{"type": "function", "function": {...}}``),
-        given to the template as they are. ``continue_final_message`` leaves the last
-        message open, so that the model goes on with its content. ``template_kwargs``
-        are extra template variables.
+        given to the template as they are, and so are ``documents`` (for retrieval-augmented
+        generation: each a dict, typically of "title" and "text").
+        ``continue_final_message`` leaves the last message open, so that the model goes on
+        with its content. ``template_kwargs`` are extra template variables.
         """
         extra = dict(template_kwargs or {})
         if reserved := sorted(_RESERVED_VARIABLES & extra.keys()):
@@ -93,7 +95,7 @@ class ChatTemplate:
             prompt = self._template.render(
                 messages=conversation,
                 tools=None if tools is None else list(tools),
-                documents=None,
+                documents=None if documents is None else list(documents),
                 add_generation_prompt=add_generation_prompt,
                 **variables,
             )

@@ -43,7 +43,9 @@ async def generate_text(
     hidden_token_ids: frozenset[int] | None = None,
 ) -> AsyncGenerator[TextDelta, None]:
     """Yields text as it becomes final; the last delta carries the finish reason. A stop
-    string ends the text (``include_stop_str_in_output``) or is cut off with what follows.
+    string ends the text (``include_stop_str_in_output``) or is cut off with what follows;
+    so does the text of the EOS or stop token that ended the request (with special tokens
+    hidden, an EOS has none).
 
     ``hidden_token_ids``: None leaves every special token's text out of the text; a set
     keeps special tokens' text (a tool-call parser reads its markers) but these tokens'.
@@ -88,6 +90,8 @@ async def generate_text(
                     # Only the engine aborts a request that this server still reads.
                     raise ApiError(503, "The engine aborted the request.", code="engine_aborted")
                 if output.finish_reason is not None:
+                    if include_stop_str_in_output and output.stop_token_id is not None:
+                        text += detokenizer.push([output.stop_token_id])
                     text += detokenizer.finish()
                     yield delta(text, output.finish_reason, output.num_output_tokens)
                     return

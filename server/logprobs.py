@@ -5,7 +5,8 @@ Chat completions list one object per token (its text, log-probability, UTF-8 byt
 the likeliest alternatives); completions give parallel lists (tokens, their
 log-probabilities, the alternatives as {text: log-probability} maps, and each token's
 character offset in the completion). A token's text is that token decoded alone: a token
-holding part of a multi-byte character shows a replacement character there, as in vLLM.
+holding part of a multi-byte character shows a replacement character there, as in vLLM;
+or, with vLLM's return_tokens_as_token_ids, "token_id:ID".
 """
 
 from __future__ import annotations
@@ -31,13 +32,23 @@ def logprobs_of(render: RenderLogprobs | None, delta: TextDelta) -> dict[str, An
     return None if render is None else render(delta.token_ids, delta.logprobs)
 
 
+def token_text(model: ServedModel, token_id: int, as_token_id: bool = False) -> str:
+    """How a token is named in log-probabilities: its text, or "token_id:ID" (vLLM's
+    return_tokens_as_token_ids, for tokens whose text is not theirs alone)."""
+    return f"token_id:{token_id}" if as_token_id else model.decode([token_id])
+
+
 def chat_logprobs(
-    model: ServedModel, token_ids: list[int], logprobs: list[TokenLogprobs]
+    model: ServedModel,
+    token_ids: list[int],
+    logprobs: list[TokenLogprobs],
+    *,
+    as_token_ids: bool = False,
 ) -> dict[str, Any]:
     """``choices[].logprobs`` of a chat completion or chunk: {"content": [...]}."""
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = model.decode([token_id])
+        text = token_text(model, token_id, as_token_ids)
         return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
 
     content = []
@@ -53,14 +64,15 @@ class CompletionLogprobs:
     """``choices[].logprobs`` of a completion or of its chunks, one after another: the
     character offsets run on from chunk to chunk."""
 
-    def __init__(self, model: ServedModel) -> None:
+    def __init__(self, model: ServedModel, as_token_ids: bool = False) -> None:
         self._model = model
+        self._as_token_ids = as_token_ids
         self._offset = 0
 
     def render(self, token_ids: list[int], logprobs: list[TokenLogprobs]) -> dict[str, Any]:
         tokens, offsets = [], []
         for token_id in token_ids:
-            text = self._model.decode([token_id])
+            text = self._text(token_id)
             tokens.append(text)
             offsets.append(self._offset)
             self._offset += len(text)
@@ -69,13 +81,16 @@ class CompletionLogprobs:
             "token_logprobs": [_finite(token.logprob) for token in logprobs],
             "top_logprobs": [
                 {
-                    self._model.decode([i]): _finite(lp)
+                    self._text(i): _finite(lp)
                     for i, lp in zip(token.top_token_ids, token.top_logprobs, strict=True)
                 }
                 for token in logprobs
             ],
             "text_offset": offsets,
         }
+
+    def _text(self, token_id: int) -> str:
+        return token_text(self._model, token_id, self._as_token_ids)
 
 
 def _finite(logprob: float) -> float:

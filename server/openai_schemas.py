@@ -98,12 +98,6 @@ def _content(value: Any) -> str | list[dict[str, str]] | None:
 StopStrings = Annotated[list[str], BeforeValidator(_stop_strings)]
 Prompts = Annotated[list[str | list[int]], BeforeValidator(_prompts)]
 Content = Annotated[str | list[dict[str, str]] | None, BeforeValidator(_content)]
-# Sampling fields that more than one body has, each validated the same way everywhere.
-Temperature = Annotated[float | None, Field(ge=0, le=2)]
-TopP = Annotated[float | None, Field(gt=0, le=1)]
-TopK = Annotated[int | None, Field(ge=-1)]  # vLLM's; -1 or 0: no top-k cut
-# Token ids (as strings, JSON's keys) to a bias added to their logits.
-LogitBias = dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100, le=100)]] | None
 
 # vLLM's fields of chat completions and completions that this server does not serve yet
 # (RequestBody.not_served): the values that ask for nothing are vLLM's defaults.
@@ -112,9 +106,7 @@ _NOT_SERVED_GENERATION: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,),
     "length_penalty": (1,),
     "watermarking": (False,),
-    "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,),
-    "guided_decoding_backend": (),
+    "guided_decoding_backend": ("xgrammar", "auto"),  # xgrammar is the one served
     "guided_whitespace_pattern": (),
     "structural_tag": (),
     "logits_processors": (),
@@ -124,7 +116,6 @@ _NOT_SERVED_GENERATION: dict[str, tuple[Any, ...]] = {
     "kv_transfer_params": (),
     "ec_transfer_params": (),
     "vllm_xargs": (),
-    "return_tokens_as_token_ids": (False,),
     "return_token_ids": (False,),
     "repetition_detection": (),
     "thinking_token_budget": (),
@@ -148,9 +139,8 @@ T = TypeVar("T", int, float)
 
 
 class StreamOptions(RequestBody):
-    not_served: ClassVar[Mapping[str, tuple[Any, ...]]] = {"continuous_usage_stats": (False,)}
-
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage on every chunk
 
 
 class ChatMessage(BaseModel):
@@ -175,6 +165,30 @@ class Tool(BaseModel):
     function: FunctionDefinition
 
 
+class SamplingFields(RequestBody):
+    """The sampling fields that chat completions, completions and the Responses API all take
+    (vLLM's ResponsesRequest has these of them), validated and read the same way: the
+    Responses API hands them to the chat request it makes (server/responses_schemas.py)."""
+
+    temperature: Annotated[float | None, Field(ge=0, le=2)] = None
+    top_p: Annotated[float | None, Field(gt=0, le=1)] = None
+    top_k: Annotated[int | None, Field(ge=-1)] = None  # vLLM's; -1 or 0: no top-k cut
+    # Token ids (as strings, JSON's keys) to a bias added to their logits.
+    logit_bias: (
+        dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100, le=100)]] | None
+    ) = None
+    stop: StopStrings = Field(default_factory=list)
+    # OpenAI takes any 64-bit seed; the engine's are non-negative (see sampling_params).
+    seed: Annotated[int | None, Field(ge=-(2**63), lt=2**63)] = None
+    ignore_eos: bool = False
+    repetition_penalty: Annotated[float | None, Field(gt=0, allow_inf_nan=False)] = None
+    include_stop_str_in_output: bool = False  # a stop string or token ends the text
+    # vLLM's: False keeps special tokens' text in the answer.
+    skip_special_tokens: bool = True
+    # vLLM's structured outputs (server/structured_output.py reads them).
+    structured_outputs: Any = None
+
+
 def _tool_choice(value: Any) -> str | dict[str, Any] | None:
     """none, auto, required, or {"type": "function", "function": {"name": ...}}."""
     if value is None or value in ("none", "auto", "required"):
@@ -193,7 +207,7 @@ def _tool_choice(value: Any) -> str | dict[str, Any] | None:
     return {"type": "function", "function": {"name": function["name"]}}
 
 
-class GenerationBody(RequestBody):
+class GenerationBody(SamplingFields):
     """What the generating endpoints share: the model, sampling, stopping and streaming.
 
     Each endpoint's body says what it calls its prompt and how it asks for a length and
@@ -206,31 +220,26 @@ class GenerationBody(RequestBody):
 
     model: str | None = None
     max_tokens: Annotated[int | None, Field(ge=1)] = None
-    temperature: Temperature = None
-    top_p: TopP = None
     n: Annotated[int | None, Field(ge=1, le=MAX_CHOICES)] = None
-    stop: StopStrings = Field(default_factory=list)
-    # OpenAI takes any 64-bit seed; the engine's are non-negative (see sampling_params).
-    seed: Annotated[int | None, Field(ge=-(2**63), lt=2**63)] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     frequency_penalty: Annotated[float | None, Field(ge=-2, le=2)] = None
     presence_penalty: Annotated[float | None, Field(ge=-2, le=2)] = None
-    logit_bias: LogitBias = None
     # vLLM's extensions, which many clients use.
-    top_k: TopK = None
-    ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     min_p: Annotated[float | None, Field(ge=0, le=1)] = None
-    repetition_penalty: Annotated[float | None, Field(gt=0, allow_inf_nan=False)] = None
     min_tokens: Annotated[int, Field(ge=0)] = 0
     bad_words: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)
     allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]] | None, Field(min_length=1)] = (
         None
     )
     prompt_logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
-    include_stop_str_in_output: bool = False  # a stop string ends the text, not cut off
+    # vLLM's: with skip_special_tokens false, False joins special tokens without the
+    # spaces a tokenizer's decoder may put between them.
+    spaces_between_special_tokens: bool = True
+    # vLLM's: log-probabilities name their tokens "token_id:ID" rather than by their text.
+    return_tokens_as_token_ids: bool = False
     # Keep only the prompt's last k tokens (its first, with truncation_side "right");
     # -1: as many as the context holds.
     truncate_prompt_tokens: Annotated[int | None, Field(ge=-1)] = None
@@ -238,7 +247,6 @@ class GenerationBody(RequestBody):
     # Structured outputs, in every shape clients send (server/structured_output.py reads
     # them): OpenAI's response_format, vLLM's structured_outputs and its older guided_*.
     response_format: Any = None
-    structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -252,8 +260,37 @@ class GenerationBody(RequestBody):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every chunk carries the usage so far (vLLM's continuous_usage_stats)."""
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
+
+    def hidden_token_ids(
+        self, model: ServedModel, parser_reads_special_tokens: bool = False
+    ) -> frozenset[int] | None:
+        """Whose text the answer leaves out (``PreparedGeneration.hidden_token_ids``): every
+        special token's (None), as vLLM by default; none, with skip_special_tokens false
+        (the EOS or stop token that ends a request is not among the tokens sent: its text
+        shows only with include_stop_str_in_output, as in vLLM); or, while a parser reads
+        special tokens' text (markers), the EOS and stop tokens'."""
+        if not self.skip_special_tokens:
+            if not self.spaces_between_special_tokens and model.spaces_between_added_tokens:
+                raise ApiError(
+                    400,
+                    f"spaces_between_special_tokens false is not supported for {model.name}: "
+                    "its tokenizer's decoder puts spaces between special tokens.",
+                    param="spaces_between_special_tokens",
+                    code="unsupported_parameter",
+                )
+            return frozenset()
+        if parser_reads_special_tokens:
+            return model.eos_token_ids | frozenset(self.stop_token_ids)
+        return None
+
     def requested_max_tokens(self) -> int | None:
-        """The most tokens to generate, if the request says; else as many as fit."""
+        """The most tokens to generate, if the request says; else None: the model's
+        max_new_tokens, or as many as fit (``sampling_params``)."""
         return self.max_tokens
 
     def requested_logprobs(self) -> int | None:
@@ -290,8 +327,11 @@ class GenerationBody(RequestBody):
         )
         if problem:
             raise ApiError(400, problem, param=self.prompt_param, code="context_length_exceeded")
-        max_tokens = (
-            requested_max_tokens if requested_max_tokens is not None else limit - prompt_tokens
+        defaults = model.sampling_defaults
+        # As vLLM: what the request asks, else the model's max_new_tokens, within the context.
+        max_tokens = min(
+            _first(requested_max_tokens, defaults.max_tokens, limit),
+            limit - prompt_tokens,
         )
         if self.min_tokens > max_tokens:
             raise ApiError(
@@ -305,22 +345,11 @@ class GenerationBody(RequestBody):
                 400, "prompt_logprobs are not available when stream=True.", param="prompt_logprobs"
             )
         model.check_token_ids(self.stop_token_ids, "stop_token_ids")
-        if self.include_stop_str_in_output and any(
-            model.tokenizer.decode([token_id], skip_special_tokens=True)
-            for token_id in self.stop_token_ids
-        ):
-            # vLLM would end the text with such a token's text; the engine does not send it.
-            raise ApiError(
-                400,
-                "include_stop_str_in_output with stop_token_ids that have text is not "
-                "supported yet.",
-                param="include_stop_str_in_output",
-                code="unsupported_parameter",
-            )
         logit_bias = self.logit_bias or {}
         model.check_token_ids(list(logit_bias), "logit_bias")
         model.check_token_ids(self.allowed_token_ids or [], "allowed_token_ids")
-        defaults = model.sampling_defaults
+        bad_words_token_ids = model.bad_words_token_ids(self.bad_words)
+        self._check_some_token_allowed(model, bad_words_token_ids)
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=_first(self.temperature, defaults.temperature, 1.0),
@@ -339,7 +368,7 @@ class GenerationBody(RequestBody):
             min_p=_first(self.min_p, defaults.min_p, 0.0),
             repetition_penalty=_first(self.repetition_penalty, defaults.repetition_penalty, 1.0),
             min_tokens=self.min_tokens,
-            bad_words_token_ids=model.bad_words_token_ids(self.bad_words),
+            bad_words_token_ids=bad_words_token_ids,
             allowed_token_ids=self.allowed_token_ids,
             prompt_logprobs=self.prompt_logprobs,
             structured_output=structured_output_of(
@@ -352,6 +381,25 @@ class GenerationBody(RequestBody):
             ),
         )
 
+    def _check_some_token_allowed(
+        self, model: ServedModel, bad_words_token_ids: list[list[int]]
+    ) -> None:
+        """Refuses allowed_token_ids that the request's other fields ban from the first token:
+        bad words of one token, or EOS and stop tokens before min_tokens. (What a structured
+        output leaves is the engine's to find: engine/token_restrictions.py.)"""
+        if self.allowed_token_ids is None:
+            return
+        banned = {word[0] for word in bad_words_token_ids if len(word) == 1}
+        if self.min_tokens:
+            banned |= model.eos_token_ids | set(self.stop_token_ids)
+        if banned.issuperset(self.allowed_token_ids):
+            raise ApiError(
+                400,
+                "Every token of allowed_token_ids is banned by bad_words or, before "
+                "min_tokens, as an EOS or stop token: no token is left to generate.",
+                param="allowed_token_ids",
+            )
+
 
 def _first(requested: T | None, default: T | None, fallback: T) -> T:
     """The request's value, else the model's default, else ``fallback``."""
@@ -363,14 +411,9 @@ def _first(requested: T | None, default: T | None, fallback: T) -> T:
 class ChatCompletionRequest(GenerationBody):
     not_served: ClassVar[Mapping[str, tuple[Any, ...]]] = {
         **_NOT_SERVED_GENERATION,
-        "echo": (False,),
-        "add_special_tokens": (False,),
-        "documents": (),
-        "chat_template": (),
+        "chat_template": (),  # vLLM too refuses it unless told to trust request templates
         "media_io_kwargs": (),
         "mm_processor_kwargs": (),
-        "reasoning_effort": (),
-        "include_reasoning": (True, False),  # no model served here reasons
         "return_prompt_text": (False,),
     }
     prompt_param: ClassVar[str] = "messages"
@@ -386,6 +429,37 @@ class ChatCompletionRequest(GenerationBody):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last message goes on instead
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables of the template
+    # Retrieved documents for a RAG template, as transformers' apply_chat_template takes them.
+    documents: list[dict[str, Any]] | None = None
+    # vLLM's: the answer's content starts with the last message's, where that message has
+    # the answer's role (an assistant message it goes on with, or any, without a generation
+    # prompt).
+    echo: bool = False
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's (BOS) on top of the template's
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the answer
+    # OpenAI's; the template gets it as a variable (gpt-oss's read it), as vLLM gives it.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The template's extra variables: chat_template_kwargs and reasoning_effort."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {**(self.chat_template_kwargs or {}), "reasoning_effort": self.reasoning_effort}
+
+    @property
+    def response_role(self) -> str:
+        """The answer's role, as vLLM gives it: the assistant's, or without a generation
+        prompt the last message's (which the answer goes on with)."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    def echoed_content(self) -> str:
+        """With ``echo``: what the answer's content starts with (else nothing)."""
+        last = self.messages[-1]
+        if not self.echo or last.role != self.response_role or last.content is None:
+            return ""
+        if isinstance(last.content, str):
+            return last.content
+        return "\n".join(part["text"] for part in last.content)  # as the template sees it
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -451,11 +525,7 @@ class TokenizeRequest(RequestBody):
     """vLLM's /tokenize body: a prompt, or messages to render with the chat template."""
 
     not_served: ClassVar[Mapping[str, tuple[Any, ...]]] = {
-        "return_token_strs": (False,),
-        "continue_final_message": (False,),
         "chat_template": (),
-        "chat_template_kwargs": ({},),
-        "tools": ([],),
         "mm_processor_kwargs": (),
     }
 
@@ -463,7 +533,12 @@ class TokenizeRequest(RequestBody):
     prompt: str | None = None
     messages: Annotated[list[ChatMessage] | None, Field(min_length=1)] = None
     add_special_tokens: bool = True  # for a prompt (a template holds its own)
-    add_generation_prompt: bool = True  # for messages
+    return_token_strs: bool = False  # the tokens' strings too, as the vocabulary spells them
+    # For messages, as the chat endpoint takes them:
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

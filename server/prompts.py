@@ -17,19 +17,6 @@ from server.served_model import ServedModel
 from server.tool_calling import ChatParsing, tool_use
 
 
-async def chat_prompt_ids(
-    model: ServedModel,
-    messages: list[ChatMessage],
-    add_generation_prompt: bool,
-    param: str = "messages",
-) -> list[int]:
-    """``messages`` rendered with the chat template and tokenized; ``add_generation_prompt``
-    ends the prompt where the assistant's answer starts. Errors name ``param``, what the
-    request calls its messages."""
-    prompt = chat_prompt(model, messages, param, add_generation_prompt=add_generation_prompt)
-    return await model.encode(prompt, add_special_tokens=False)
-
-
 def chat_prompt(
     model: ServedModel,
     messages: list[ChatMessage],
@@ -38,9 +25,12 @@ def chat_prompt(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     tools: list[dict[str, Any]] | None = None,
+    documents: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
 ) -> str:
-    """The prompt text of ``messages`` (and ``tools``) through the chat template."""
+    """The prompt text of ``messages`` (and ``tools``, ``documents``) through the chat
+    template; errors name ``param``, what the request calls its messages.
+    ``add_generation_prompt`` ends the prompt where the assistant's answer starts."""
     template = model.chat_template
     if template is None:
         assert model.chat_template_problem is not None
@@ -52,6 +42,7 @@ def chat_prompt(
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             tools=tools,
+            documents=documents,
             template_kwargs=template_kwargs,
         )
     except ChatTemplateError as exc:
@@ -82,12 +73,14 @@ async def chat_generation(
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
         tools=tools.tools,
-        template_kwargs=body.chat_template_kwargs,
+        documents=body.documents,
+        template_kwargs=body.template_kwargs(),
     )
-    # The template already holds the special tokens (as apply_chat_template does).
-    prompt_ids = await model.encode(prompt, add_special_tokens=False)
+    # The template already holds the special tokens (as apply_chat_template does), unless
+    # the request asks for them on top (vLLM's add_special_tokens).
+    prompt_ids = await model.encode(prompt, add_special_tokens=body.add_special_tokens)
     prompt_ids = body.truncated_prompt(prompt_ids, model.max_model_len)
-    parsing = ChatParsing(prompt, model.reasoning_parser, tools)
+    parsing = ChatParsing(prompt, model.reasoning_parser, tools, body.include_reasoning)
     sampling = body.sampling_params(len(prompt_ids), model)
     # The Responses API's text.format, or the chat body's own response_format / guided_*.
     requested = structured_output or sampling.structured_output
@@ -107,12 +100,7 @@ async def chat_generation(
         body.stop,
         body.num_choices,
         body.include_stop_str_in_output,
-        # A parser reads special tokens' text (markers); the end of the turn stays hidden.
-        hidden_token_ids=(
-            model.eos_token_ids | frozenset(sampling.stop_token_ids)
-            if parsing.keeps_special_tokens
-            else None
-        ),
+        hidden_token_ids=body.hidden_token_ids(model, parsing.keeps_special_tokens),
     )
     return ChatGeneration(generation, parsing)
 

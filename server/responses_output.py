@@ -87,7 +87,7 @@ class ResponseObject:
                 True if request.parallel_tool_calls is None else request.parallel_tool_calls
             ),
             "previous_response_id": None,
-            "reasoning": None,
+            "reasoning": request.reasoning,
             "service_tier": "default",
             "store": False,  # nothing is stored, whatever the request said
             "temperature": 1.0 if request.temperature is None else request.temperature,

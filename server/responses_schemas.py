@@ -8,7 +8,9 @@ from there. What the chat endpoint learns to do, the Responses API gets by exten
 map: function ``tools``, ``tool_choice`` and ``parallel_tool_calls`` map to the chat ones,
 ``function_call`` and ``function_call_output`` input items to an assistant message's
 ``tool_calls`` and ``tool`` messages, and ``text.format`` (json_schema, json_object) to
-a structured output (``structured_output``).
+a structured output (``structured_output``). The sampling fields vLLM's Responses API adds
+(``SamplingFields``: top_k, seed, stop, repetition_penalty, structured_outputs, ...) are
+the chat request's own, passed on as they are.
 
 This server is stateless: ``store`` is accepted (OpenAI's default is true, and clients send
 it) but nothing is stored, as vLLM does without its store; what needs a stored response or
@@ -25,15 +27,7 @@ from pydantic_core import PydanticCustomError
 
 from protocol import MAX_TOP_LOGPROBS, StructuredOutput
 from server.errors import ApiError
-from server.openai_schemas import (
-    ChatCompletionRequest,
-    ChatMessage,
-    LogitBias,
-    RequestBody,
-    Temperature,
-    TopK,
-    TopP,
-)
+from server.openai_schemas import ChatCompletionRequest, ChatMessage, RequestBody, SamplingFields
 from server.structured_output import structured_output_of
 
 # The input roles, as chat templates know them: a developer message is a system one.
@@ -194,12 +188,21 @@ def _include(value: Any) -> list[str]:
     return value
 
 
-def _no_reasoning(value: Any) -> Any:
-    # Clients may send the reasoning object with nothing set in it.
-    if value is not None and (not isinstance(value, dict) or any(value.values())):
+_REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def _reasoning(value: Any) -> Any:
+    """OpenAI's reasoning object: its ``effort`` goes to the chat template, as vLLM gives it;
+    a summary is not served (clients may send the object with nothing set in it)."""
+    if value is None:
+        return value
+    if not isinstance(value, dict) or value.get("effort") not in (None, *_REASONING_EFFORTS):
+        efforts = ", ".join(_REASONING_EFFORTS)
         raise PydanticCustomError(
-            "unsupported_parameter", "reasoning is not supported: the model has no reasoning mode"
+            "invalid_value", "reasoning.effort must be one of {efforts}", {"efforts": efforts}
         )
+    if any(setting for key, setting in value.items() if key != "effort"):
+        raise PydanticCustomError("unsupported_parameter", "reasoning summaries are not supported")
     return value
 
 
@@ -221,10 +224,13 @@ class ResponseText(RequestBody):
     ] = None
 
 
-class ResponsesRequest(RequestBody):
+class ResponsesRequest(SamplingFields):
+    """The sampling fields it shares with chat (``SamplingFields``: vLLM's ResponsesRequest
+    takes those) go to the chat request as they are."""
+
     not_served: ClassVar[Mapping[str, tuple[Any, ...]]] = {
         # vLLM's own fields
-        "skip_special_tokens": (True,),
+        "vllm_xargs": (),
         "enable_response_messages": (False,),
         "previous_input_messages": (),
         "request_id": (),  # the X-Request-Id header names a request (server/request_id.py)
@@ -237,10 +243,6 @@ class ResponsesRequest(RequestBody):
     input: Annotated[list[ChatMessage], BeforeValidator(_input_messages)]
     instructions: str | None = None  # a system message before the input
     max_output_tokens: Annotated[int | None, Field(ge=1)] = None
-    temperature: Temperature = None
-    top_p: TopP = None
-    top_k: TopK = None  # vLLM's
-    logit_bias: LogitBias = None  # vLLM's
     stream: bool = False
     include: Annotated[list[str], BeforeValidator(_include)] = Field(default_factory=list)
     top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
@@ -267,7 +269,7 @@ class ResponsesRequest(RequestBody):
     truncation: Annotated[
         Any, _refused("truncation other than disabled is not supported yet", "disabled")
     ] = None
-    reasoning: Annotated[Any, BeforeValidator(_no_reasoning)] = None
+    reasoning: Annotated[Any, BeforeValidator(_reasoning)] = None
 
     @model_validator(mode="after")
     def _logprobs_need_include(self) -> ResponsesRequest:
@@ -291,10 +293,7 @@ class ResponsesRequest(RequestBody):
             model=self.model,
             messages=(instructions if self.instructions else []) + self.input,
             max_completion_tokens=self.max_output_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            logit_bias=self.logit_bias,
+            **{name: getattr(self, name) for name in SamplingFields.model_fields},
             logprobs=self.wants_logprobs,
             top_logprobs=self.top_logprobs if self.wants_logprobs else None,
             stream=self.stream,
@@ -307,13 +306,18 @@ class ResponsesRequest(RequestBody):
             parallel_tool_calls=(
                 True if self.parallel_tool_calls is None else self.parallel_tool_calls
             ),
+            reasoning_effort=(self.reasoning or {}).get("effort"),
         )
 
     def structured_output(self) -> StructuredOutput | None:
         """What ``text.format`` holds the output to, or None (plain text)."""
         text_format = self.text.format if self.text is not None else None
         if not isinstance(text_format, dict) or text_format["type"] == "text":
-            return None
+            return None  # the chat request's structured_outputs, if any
+        if self.structured_outputs is not None:
+            raise ApiError(
+                400, "Cannot specify both structured_outputs and text.format.", param="text.format"
+            )
         try:
             if text_format["type"] == "json_object":
                 return structured_output_of(response_format={"type": "json_object"})

@@ -66,6 +66,10 @@ class ServedModel:
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     # For the sampling fields a request leaves out (the model's generation_config.json).
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    # Whether the tokenizer's decoder puts spaces between added tokens (WordPiece's does;
+    # byte-level BPE's and SentencePiece's do not), which vLLM's
+    # spaces_between_special_tokens false would take out.
+    spaces_between_added_tokens: bool = False
 
     @classmethod
     def from_handshake(
@@ -105,6 +109,7 @@ class ServedModel:
             ),
             eos_token_ids=frozenset(reply.eos_token_ids),
             sampling_defaults=reply.sampling_defaults,
+            spaces_between_added_tokens=_spaces_between_added_tokens(tokenizer),
         )
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -163,6 +168,15 @@ class ServedModel:
                 param="bad_words",
             )
         return sequences
+
+
+def _spaces_between_added_tokens(tokenizer: Tokenizer) -> bool:
+    added = list(tokenizer.get_added_tokens_decoder().items())[:2]
+    if len(added) < 2:
+        return False
+    ids = [token_id for token_id, _ in added]
+    joined = "".join(token.content for _, token in added)
+    return tokenizer.decode(ids, skip_special_tokens=False) != joined
 
 
 def _parser_name(

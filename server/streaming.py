@@ -45,27 +45,39 @@ class StreamEvents(Protocol):
 
 class Chunks:
     """The events of one streamed answer: for each choice its content deltas, each with its
-    tokens' log-probabilities when asked for, then its finish; last, the usage if asked.
-    Subclasses give the endpoint's shape of a choice's body."""
+    tokens' log-probabilities when asked for, then its finish; last, the usage if asked
+    (and with ``continuous_usage``, as vLLM's continuous_usage_stats, on every chunk too:
+    its choice's prompt tokens and completion tokens so far). Subclasses give the
+    endpoint's shape of a choice's body."""
 
     def __init__(
-        self, answer: Answer, include_usage: bool, renderers: list[RenderLogprobs | None]
+        self,
+        answer: Answer,
+        include_usage: bool,
+        renderers: list[RenderLogprobs | None],
+        *,
+        continuous_usage: bool = False,
+        prompt_tokens: list[int] | None = None,
     ) -> None:
-        """``renderers`` holds each choice's renderer of log-probabilities (None: none)."""
+        """``renderers`` holds each choice's renderer of log-probabilities (None: none);
+        ``prompt_tokens`` each choice's prompt length (default: the answer's)."""
         self.answer = answer
         self._include_usage = include_usage
+        self._continuous_usage = continuous_usage
         self._renderers = renderers
+        self._prompt_tokens = prompt_tokens or [answer.prompt_tokens] * len(renderers)
 
     def start(self) -> list[str]:
         return []
 
     def render(self, index: int, delta: TextDelta) -> list[str]:
         events = []
+        tokens = delta.completion_tokens
         if delta.text or delta.token_ids:
             logprobs = logprobs_of(self._renderers[index], delta)
-            events.append(self._chunk(index, self._content(delta.text), logprobs=logprobs))
+            events.append(self._chunk(index, self._content(delta.text), tokens, logprobs=logprobs))
         if delta.finish_reason is not None:
-            events.append(self._chunk(index, self._content(None), delta.finish_reason))
+            events.append(self._chunk(index, self._content(None), tokens, delta.finish_reason))
         return events
 
     def finish(self, completion_tokens: int) -> list[str]:
@@ -90,19 +102,29 @@ class Chunks:
         self,
         index: int,
         body: dict[str, Any],
+        completion_tokens: int,
         finish_reason: str | None = None,
         logprobs: Any = None,
     ) -> str:
+        """A chunk of choice ``index``, which has generated ``completion_tokens`` so far."""
         choice = {"index": index, **body, "logprobs": logprobs, "finish_reason": finish_reason}
         data: dict[str, Any] = {**self.answer.header(), "choices": [choice]}
-        if self._include_usage:
+        if self._continuous_usage:
+            prompt_tokens = self._prompt_tokens[index]
+            data["usage"] = {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            }
+        elif self._include_usage:
             data["usage"] = None  # as OpenAI does: only the usage chunk has usage
         return event(data)
 
 
 class ChatChunks(Chunks):
-    """``chat.completion.chunk`` events: a role delta for each choice first, then each
-    choice's text split by its parser into reasoning, content and tool-call deltas."""
+    """``chat.completion.chunk`` events: a role delta for each choice first, then (with
+    ``echo``) each choice's echoed content, then each choice's text split by its parser into
+    reasoning, content and tool-call deltas."""
 
     def __init__(
         self,
@@ -111,14 +133,24 @@ class ChatChunks(Chunks):
         renderers: list[RenderLogprobs | None],
         parsing: ChatParsing,
         parsers: list[ChatOutputParser],
+        *,
+        continuous_usage: bool = False,
+        role: str = "assistant",
+        echo: str = "",
     ) -> None:
-        super().__init__(answer, include_usage, renderers)
+        super().__init__(answer, include_usage, renderers, continuous_usage=continuous_usage)
         self._parsing = parsing
         self._parsers = parsers
+        self._role = role
+        self._echo = echo
 
     def start(self) -> list[str]:
-        role = {"delta": {"role": "assistant", "content": ""}}
-        return [self._chunk(index, role) for index in range(len(self._renderers))]
+        choices = range(len(self._renderers))
+        role = {"delta": {"role": self._role, "content": ""}}
+        events = [self._chunk(index, role, 0) for index in choices]
+        if self._echo:
+            events += [self._chunk(index, self._content(self._echo), 0) for index in choices]
+        return events
 
     def render(self, index: int, delta: TextDelta) -> list[str]:
         parser = self._parsers[index]
@@ -129,12 +161,14 @@ class ChatChunks(Chunks):
             split.content += last.content
             split.tool_calls += last.tool_calls
         events = []
+        tokens = delta.completion_tokens
         if not split.is_empty() or delta.token_ids:
             logprobs = logprobs_of(self._renderers[index], delta)
-            events.append(self._chunk(index, {"delta": _chat_delta(split)}, logprobs=logprobs))
+            body = {"delta": _chat_delta(split)}
+            events.append(self._chunk(index, body, tokens, logprobs=logprobs))
         if delta.finish_reason is not None:
             reason = self._parsing.finish_reason(delta.finish_reason, parser.called_tools)
-            events.append(self._chunk(index, self._content(None), reason))
+            events.append(self._chunk(index, self._content(None), tokens, reason))
         return events
 
     def _content(self, text: str | None) -> dict[str, Any]:
@@ -162,14 +196,24 @@ class CompletionChunks(Chunks):
         include_usage: bool,
         renderers: list[RenderLogprobs | None],
         echoes: list[str] | None = None,
+        *,
+        continuous_usage: bool = False,
+        prompt_tokens: list[int] | None = None,
     ) -> None:
-        super().__init__(answer, include_usage, renderers)
+        super().__init__(
+            answer,
+            include_usage,
+            renderers,
+            continuous_usage=continuous_usage,
+            prompt_tokens=prompt_tokens,
+        )
         self._echoes = echoes
 
     def start(self) -> list[str]:
         if self._echoes is None:
             return []
-        return [self._chunk(index, self._content(text)) for index, text in enumerate(self._echoes)]
+        echoes = enumerate(self._echoes)
+        return [self._chunk(index, self._content(text), 0) for index, text in echoes]
 
     def _content(self, text: str | None) -> dict[str, Any]:
         return {"text": text or ""}

@@ -17,7 +17,7 @@ from typing import Any
 from protocol import StructuredOutput, StructuredOutputKind
 from server.chat_output import ChatOutputParser, chat_finish_reason
 from server.errors import ApiError
-from server.openai_schemas import ChatCompletionRequest
+from server.openai_schemas import ChatCompletionRequest, Tool
 from server.reasoning import REASONING_PARSERS
 from server.served_model import ServedModel
 from server.tool_parsers import (
@@ -40,10 +40,10 @@ class ToolUse:
     named: bool = False  # a named function: OpenAI's finish reason stays "stop"
 
 
-def tool_use(model: ServedModel, body: ChatCompletionRequest) -> ToolUse:
-    """The request's tools, checked against the model's template and parser; ApiError (400)
-    for tools the template cannot show, or a ``tool_choice`` that cannot be honoured."""
-    tools = None if body.tools is None else [t.model_dump(exclude_unset=True) for t in body.tools]
+def template_tools(model: ServedModel, tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """``tools`` as the chat template gets them; ApiError (400) if it cannot show them."""
+    if tools is None:
+        return None
     if tools and not (model.chat_template and model.chat_template.supports_tools):
         raise ApiError(
             400,
@@ -51,6 +51,13 @@ def tool_use(model: ServedModel, body: ChatCompletionRequest) -> ToolUse:
             "--chat-template to use one that does).",
             param="tools",
         )
+    return [tool.model_dump(exclude_unset=True) for tool in tools]
+
+
+def tool_use(model: ServedModel, body: ChatCompletionRequest) -> ToolUse:
+    """The request's tools, checked against the model's template and parser; ApiError (400)
+    for tools the template cannot show, or a ``tool_choice`` that cannot be honoured."""
+    tools = template_tools(model, body.tools)
     choice = body.tool_choice
     if choice is None or (choice == "auto" and not tools):
         # Clients send "auto" without tools; with no tools there is nothing to call.
@@ -89,6 +96,7 @@ class ChatParsing:
     prompt: str  # whether the answer starts inside reasoning is read from the prompt
     reasoning_parser: str | None
     tools: ToolUse
+    include_reasoning: bool = True  # false: the reasoning is left out of the answers
 
     @property
     def keeps_special_tokens(self) -> bool:
@@ -101,6 +109,7 @@ class ChatParsing:
         return ChatOutputParser(
             REASONING_PARSERS[reasoning](self.prompt) if reasoning is not None else None,
             self.tools.parser() if self.tools.parser is not None else None,
+            self.include_reasoning,
         )
 
     def finish_reason(self, engine_finish_reason: str, called_tools: bool) -> str:

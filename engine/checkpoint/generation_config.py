@@ -18,7 +18,10 @@ _TRANSFORMERS_DEFAULTS: dict[str, float | int | None] = {
     "top_k": 50,
     "min_p": None,
     "repetition_penalty": 1.0,
+    "max_new_tokens": None,
 }
+# generation_config.json's names for SamplingDefaults' fields, where they differ.
+_DEFAULT_NAMES = {"max_new_tokens": "max_tokens"}
 
 
 def read_sampling_defaults(directory: Path) -> SamplingDefaults:
@@ -33,14 +36,15 @@ def read_sampling_defaults(directory: Path) -> SamplingDefaults:
         value = config.get(name)
         if value is None or value == transformers_default:
             continue
-        kind = int if name == "top_k" else float
+        field = _DEFAULT_NAMES.get(name, name)
+        kind = int if field in ("top_k", "max_tokens") else float
         problem = (
             f"{name} must be a number"
             if isinstance(value, bool) or not isinstance(value, int | float)
-            else SamplingParams(**{name: kind(value)}).validate()
+            else SamplingParams(**{field: kind(value)}).validate()
         )
         if problem:
             logger.warning("%s: ignoring %s = %r: %s", path, name, value, problem)
             continue
-        values[name] = kind(value)
+        values[field] = kind(value)
     return SamplingDefaults(**values)

@@ -39,20 +39,37 @@ class ChatCompletions:
         )
         choices = generation.choices(self._client, self._model.tokenizer, answer.engine_id)
         wants_logprobs = generation.sampling.logprobs is not None
-        render = partial(chat_logprobs, self._model) if wants_logprobs else None
+        render = (
+            partial(chat_logprobs, self._model, as_token_ids=body.return_tokens_as_token_ids)
+            if wants_logprobs
+            else None
+        )
+        echo = body.echoed_content()
         if body.stream:
             parsers = [parsing.parser() for _ in choices]
             renderers = [render] * len(choices)
-            chunks = ChatChunks(answer, body.include_usage, renderers, parsing, parsers)
+            chunks = ChatChunks(
+                answer,
+                body.include_usage,
+                renderers,
+                parsing,
+                parsers,
+                continuous_usage=body.continuous_usage,
+                role=body.response_role,
+                echo=echo,
+            )
             constrained = generation.sampling.structured_output is not None
             return await streamed_response(request, chunks, choices, constrained)
 
         def choice(index: int, whole: TextDelta) -> dict[str, Any]:
             output = parsing.parser().parse(whole.text)
             assert whole.finish_reason is not None
+            message = {**output.message(), "role": body.response_role}
+            if echo:  # as vLLM: before the content, whatever the parsers made of the rest
+                message["content"] = echo + (message["content"] or "")
             return {
                 "index": index,
-                "message": output.message(),
+                "message": message,
                 "logprobs": logprobs_of(render, whole),
                 "finish_reason": parsing.finish_reason(
                     whole.finish_reason, called_tools=bool(output.tool_calls)

@@ -45,6 +45,7 @@ class Completions:
                 body.stop,
                 body.num_candidates,
                 body.include_stop_str_in_output,
+                body.hidden_token_ids(self._model),
             )
             choices += generation.choices(
                 self._client, self._model.tokenizer, f"{answer.engine_id}-{index}"
@@ -54,7 +55,9 @@ class Completions:
 
         def renderer() -> RenderLogprobs | None:
             # Each choice's own: its text offsets run on from chunk to chunk.
-            return None if body.logprobs is None else CompletionLogprobs(self._model).render
+            if body.logprobs is None:
+                return None
+            return CompletionLogprobs(self._model, body.return_tokens_as_token_ids).render
 
         if body.stream:  # best_of is refused with stream, so every candidate is a choice
             chunks = CompletionChunks(
@@ -62,6 +65,8 @@ class Completions:
                 body.include_usage,
                 [renderer() for _ in choices],
                 echoes if body.echo else None,
+                continuous_usage=body.continuous_usage,
+                prompt_tokens=[len(p.ids) for p in prompts for _ in range(body.num_choices)],
             )
             constrained = generation.sampling.structured_output is not None
             return await streamed_response(request, chunks, choices, constrained)

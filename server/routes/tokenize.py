@@ -6,8 +6,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from server.openai_schemas import DetokenizeRequest, TokenizeRequest, parse_request
-from server.prompts import chat_prompt_ids
+from server.prompts import chat_prompt
 from server.served_model import ServedModel
+from server.tool_calling import template_tools
 
 
 class Tokenization:
@@ -15,16 +16,36 @@ class Tokenization:
         self._model = model
 
     async def tokenize(self, request: Request) -> Response:
-        """The token ids of a prompt, or of messages through the chat template."""
+        """The token ids of a prompt, or of messages (and tools) through the chat template,
+        as the chat endpoint renders them."""
         body = parse_request(TokenizeRequest, await request.body())
-        self._model.check_name(body.model)
+        model = self._model
+        model.check_name(body.model)
         if body.messages is not None:
-            ids = await chat_prompt_ids(self._model, body.messages, body.add_generation_prompt)
+            prompt = chat_prompt(
+                model,
+                body.messages,
+                "messages",
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                tools=template_tools(model, body.tools),
+                template_kwargs=body.chat_template_kwargs,
+            )
+            # The template already holds the special tokens (as apply_chat_template does).
+            ids = await model.encode(prompt, add_special_tokens=False)
         else:
             assert body.prompt is not None  # the schema wants exactly one of the two
-            ids = await self._model.encode(body.prompt, body.add_special_tokens)
+            ids = await model.encode(body.prompt, body.add_special_tokens)
+        token_strs = None
+        if body.return_token_strs:  # as vLLM: the vocabulary's spelling ("Ġthe")
+            token_strs = [model.tokenizer.id_to_token(token_id) for token_id in ids]
         return JSONResponse(
-            {"count": len(ids), "max_model_len": self._model.max_model_len, "tokens": ids}
+            {
+                "count": len(ids),
+                "max_model_len": model.max_model_len,
+                "tokens": ids,
+                "token_strs": token_strs,
+            }
         )
 
     async def detokenize(self, request: Request) -> Response:

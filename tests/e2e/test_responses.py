@@ -91,3 +91,33 @@ def test_instructions_request_ids_and_refusals(cluster: Cluster) -> None:
         )
     assert refused.value.body["param"] == "tools"
     assert "not supported" in refused.value.body["message"]
+
+
+def test_vllms_sampling_fields_as_the_chat_endpoint_takes_them(cluster: Cluster) -> None:
+    """seed, stop, repetition_penalty, top_k, ignore_eos and structured_outputs, which vLLM's
+    Responses API takes, mean what they mean in chat."""
+    client = cluster.client()
+    fields = {"seed": 11, "stop": ["."], "repetition_penalty": 1.3, "top_k": 20}
+    response = client.responses.create(
+        model=cluster.model,
+        input=QUESTION,
+        temperature=1.0,
+        max_output_tokens=24,
+        extra_body=fields,
+    )
+    chat = client.chat.completions.create(
+        model=cluster.model,
+        messages=[{"role": "user", "content": QUESTION}],
+        temperature=1.0,
+        max_tokens=24,
+        extra_body=fields,
+    )
+    assert response.output_text == chat.choices[0].message.content
+    assert "." not in response.output_text
+    constrained = client.responses.create(
+        model=cluster.model,
+        input=QUESTION,
+        max_output_tokens=8,
+        extra_body={"structured_outputs": {"choice": ["Paris", "Rome"]}, "ignore_eos": True},
+    )
+    assert constrained.output_text in ("Paris", "Rome")

@@ -169,7 +169,9 @@ def _word_level_checkpoint(directory: Path, generation_config: dict[str, float])
 def test_generation_config_fills_what_a_request_leaves_out(
     tmp_path: Path, subprocess_cleanup: list
 ) -> None:
-    _word_level_checkpoint(tmp_path / "model", {"repetition_penalty": 2.0, "top_k": 1})
+    _word_level_checkpoint(
+        tmp_path / "model", {"repetition_penalty": 2.0, "top_k": 1, "max_new_tokens": 5}
+    )
     address = f"ipc://{tmp_path}/engine.sock"
     log = tmp_path / "engine.log"
     subprocess_cleanup.append(start_engine(address, log, "--model", str(tmp_path / "model")))
@@ -194,3 +196,8 @@ def test_generation_config_fills_what_a_request_leaves_out(
     assert defaulted == complete(0, repetition_penalty=2.0)
     assert defaulted != complete(0, repetition_penalty=1.0)
     assert "sampling defaults from the generation config" in log.read_text()
+    # max_new_tokens is the length of a request that names none.
+    unbounded = client.completions.create(
+        model=model, prompt=random_prompts(5)[4], extra_body={"ignore_eos": True}
+    )
+    assert unbounded.usage.completion_tokens == 5 and unbounded.choices[0].finish_reason == "length"

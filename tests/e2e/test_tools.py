@@ -198,6 +198,20 @@ def test_template_options_change_the_prompt(client: openai.OpenAI, tools_url: st
     assert response.status_code == 400 and "chat_template_kwargs" in response.text
 
 
+def test_tokenize_renders_tools_as_the_chat_endpoint(
+    client: openai.OpenAI, tools_url: str, cluster: Cluster
+) -> None:
+    reply = chat(client, max_tokens=1)
+    body = {"messages": QUESTION, "tools": TOOLS}
+    tokenized = httpx.post(f"{tools_url}/tokenize", json=body, timeout=30).json()
+    assert tokenized["count"] == reply.usage.prompt_tokens
+    without = httpx.post(f"{tools_url}/tokenize", json={"messages": QUESTION}, timeout=30).json()
+    assert without["count"] < tokenized["count"]
+    # The default template shows no tools: refused, as on the chat endpoint.
+    refused = httpx.post(f"{cluster.urls[0]}/tokenize", json=body, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
+
+
 RESPONSES_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]
 
 

@@ -30,7 +30,7 @@ from protocol import (
     StructuredOutputKind,
 )
 from tests.engine.test_logprobs import generate
-from tests.engine.test_overlap_steps import make_engine
+from tests.engine.test_overlap_steps import make_engine, tokens
 from tests.random_checkpoint import random_prompts, save_tiny_llama
 from tests.reference import hf_greedy
 
@@ -198,6 +198,61 @@ def test_a_complete_output_stops_on_a_stop_token(
         tokens, finish = tokens_and_finish(outputs[name])
         assert finish == FinishReason.STOP, name
         assert re.fullmatch("[a-z]{3}", text_tokenizer.decode(tokens)), name
+    # The token that stopped each is named beside its last output, not among its tokens.
+    assert outputs["stop-token"][-1].stop_token_id == exclamation
+    assert outputs["ignore-eos"][-1].stop_token_id in engine.eos_token_ids
+    assert_all_done(engine)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "one-at-a-time"])
+def test_restrictions_that_leave_no_token_end_the_request_with_an_error(
+    tiny: tuple[Path, HFLlama], text_tokenizer: tokenizers.Tokenizer, overlap: bool
+) -> None:
+    """Where a request's allowed_token_ids, bad words or min_tokens and its grammar allow no
+    token, its user gets an invalid_request error saying so (never a token it forbade, nor
+    an abort), and the other requests go on."""
+    directory, hf_model = tiny
+    engine = make_engine(directory, overlap)
+    letter_a, digit = text_tokenizer.token_to_id("a"), text_tokenizer.token_to_id("1")
+    three_as = StructuredOutput(StructuredOutputKind.REGEX, "aaa")
+    prompts = random_prompts(4)
+    outputs = generate(
+        engine,
+        {
+            # At once: the grammar wants a letter, only a digit is allowed.
+            "first": (
+                prompts[0],
+                SamplingParams(allowed_token_ids=[digit], structured_output=REGEX),
+            ),
+            # After "aaa" the grammar wants EOS, which min_tokens bans until token 5.
+            "later": (
+                prompts[1],
+                SamplingParams(
+                    max_tokens=8,
+                    allowed_token_ids=[letter_a],
+                    min_tokens=5,
+                    structured_output=three_as,
+                ),
+            ),
+            # No grammar: the only allowed token is a bad word.
+            "banned": (
+                prompts[2],
+                SamplingParams(allowed_token_ids=[letter_a], bad_words_token_ids=[[letter_a]]),
+            ),
+            "free": (prompts[3], SamplingParams(max_tokens=6, ignore_eos=True)),
+        },
+    )
+    errors = {reply.request_id: reply for _, reply in engine.take_errors()}
+    assert sorted(errors) == ["banned", "first", "later"]
+    assert all(reply.code == ErrorCode.INVALID_REQUEST for reply in errors.values())
+    assert "output token 1: the structured output and allowed_token_ids" in errors["first"].message
+    assert "output token 4: the structured output, allowed_token_ids and min_tokens" in (
+        errors["later"].message
+    )
+    assert "output token 1: allowed_token_ids and bad_words together" in errors["banned"].message
+    assert tokens_and_finish(outputs["later"])[0] == [letter_a] * 3
+    assert not outputs["first"] and not outputs["banned"]
+    assert tokens(outputs["free"]) == hf_greedy(hf_model, prompts[3], 6)
     assert_all_done(engine)
 
 

@@ -48,13 +48,15 @@ def test_sampling_defaults_come_from_generation_config(tmp_path: Path) -> None:
         "top_k": 50,  # transformers' default
         "min_p": 0.05,
         "repetition_penalty": 1.1,
+        "max_new_tokens": 300,  # vLLM's default max_tokens
         "eos_token_id": 255,
     }
     (checkpoint / "generation_config.json").write_text(json.dumps(generation_config))
     other = tmp_path / "other"
     other.mkdir()
     (other / "generation_config.json").write_text(
-        json.dumps({"top_k": 20, "top_p": 0, "temperature": "hot"})  # the last two unusable
+        # the last three unusable
+        json.dumps({"top_k": 20, "top_p": 0, "temperature": "hot", "max_new_tokens": 0})
     )
 
     def defaults(generation_config: str) -> SamplingDefaults:
@@ -67,7 +69,7 @@ def test_sampling_defaults_come_from_generation_config(tmp_path: Path) -> None:
         return LLMEngine(config).handshake_reply().sampling_defaults
 
     assert defaults("auto") == SamplingDefaults(
-        temperature=0.6, top_p=0.9, min_p=0.05, repetition_penalty=1.1
+        temperature=0.6, top_p=0.9, min_p=0.05, repetition_penalty=1.1, max_tokens=300
     )
     assert defaults("vllm") == SamplingDefaults()
     assert defaults(str(other)) == SamplingDefaults(top_k=20)

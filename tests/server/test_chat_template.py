@@ -330,3 +330,23 @@ def test_chatml_tools_is_smollm2s_template_when_there_are_no_tools() -> None:
     assert tool_parser_for_template(smollm2) is None
     ours = real_render("chatml_tools", CONVERSATION)
     assert ours == ChatTemplate(smollm2, None, None).render(CONVERSATION)
+
+
+def test_documents_reach_the_template_as_transformers_gives_them() -> None:
+    """A retrieval-augmented template reads ``documents`` (the chat endpoint's field)."""
+    source = (
+        "{% for document in documents or [] %}[{{ document.title }}] {{ document.text }}\n"
+        "{% endfor %}{% for message in messages %}{{ message.role }}: {{ message.content }}\n"
+        "{% endfor %}"
+    )
+    documents = [{"title": "Paris", "text": "The capital of France."}, {"title": "B", "text": "b"}]
+    messages = [{"role": "user", "content": "What is Paris?"}]
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    reference = PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=source)
+    expected = reference.apply_chat_template(
+        messages, documents=documents, tokenize=False, add_generation_prompt=False
+    )
+    template = ChatTemplate(source, None, None)
+    assert template.render(messages, False, documents=documents) == expected
+    assert "[Paris] The capital of France." in expected
+    assert template.render(messages, False) == "user: What is Paris?\n"

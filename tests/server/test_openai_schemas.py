@@ -16,13 +16,14 @@ from typing import Any
 
 import pytest
 from starlette.testclient import TestClient
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from protocol import PROTOCOL_VERSION, HandshakeReply, SamplingDefaults
 from server.app import create_app
 from server.engine_client import EngineClient
 from server.errors import ApiError
 from server.openai_schemas import ChatCompletionRequest, CompletionRequest, parse_request
+from server.prompts import chat_generation
 from server.served_model import ServedModel
 
 MODEL = "tiny-test-model"
@@ -358,15 +359,33 @@ def test_truncation_keeps_the_last_tokens() -> None:
     assert truncated(truncate_prompt_tokens=-1) == [4, 5, 6, 7, 8, 9]  # the context's length
 
 
-def test_include_stop_str_with_stop_tokens_that_have_text(client: TestClient) -> None:
+def test_allowed_token_ids_that_other_fields_ban_are_refused(client: TestClient) -> None:
+    """Up front, where the server can tell: every allowed token a one-token bad word, or an
+    EOS or stop token before min_tokens. (Structured outputs: tests/engine.)"""
     tokenizer = Tokenizer.from_str(TOKENIZER_JSON)
-    text_token, special_token = tokenizer.token_to_id("hello"), tokenizer.token_to_id("<|im_end|>")
-    body = {"prompt": "hi", "include_stop_str_in_output": True}
-    response = client.post("/v1/completions", json={**body, "stop_token_ids": [text_token]})
-    assert_error(response, 400, "include_stop_str_in_output", "unsupported_parameter")
-    # A special token has no text (it is skipped), so there is nothing to include.
-    response = client.post("/v1/completions", json={**body, "stop_token_ids": [special_token]})
-    assert_error(response, 503, None, "engine_unavailable")
+    hello, world = tokenizer.token_to_id("hello"), tokenizer.token_to_id("Ġworld")
+
+    def post(**fields: Any) -> Any:
+        return client.post("/v1/completions", json={"prompt": "hi", **fields})
+
+    banned = post(allowed_token_ids=[hello], bad_words=["hello"])
+    assert "no token is left" in assert_error(banned, 400, "allowed_token_ids")
+    before_min = post(allowed_token_ids=[1, hello], stop_token_ids=[hello], min_tokens=2)
+    assert_error(before_min, 400, "allowed_token_ids")
+    for fine in (
+        post(allowed_token_ids=[hello, world], bad_words=["hello"]),
+        post(allowed_token_ids=[1, hello], stop_token_ids=[hello]),  # no min_tokens
+    ):
+        assert_error(fine, 503, None, "engine_unavailable")
+
+
+def test_spaces_between_special_tokens_false_where_the_decoder_adds_none(
+    client: TestClient,
+) -> None:
+    """Byte-level BPE puts no spaces between special tokens: false changes nothing, as in
+    vLLM. (A WordPiece decoder does: ServedModel.spaces_between_added_tokens.)"""
+    body = chat(skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert_error(client.post("/v1/chat/completions", json=body), 503, None, "engine_unavailable")
 
 
 # Fields beyond those declared
@@ -381,14 +400,8 @@ def test_include_stop_str_with_stop_tokens_that_have_text(client: TestClient) ->
         ("/v1/completions", {"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
         ("/v1/completions", {"structural_tag": "{}"}, "structural_tag"),
         ("/v1/completions", {"request_id": "mine"}, "request_id"),
-        ("/v1/chat/completions", {"echo": True}, "echo"),
-        ("/v1/chat/completions", {"skip_special_tokens": False}, "skip_special_tokens"),
-        (
-            "/v1/chat/completions",
-            {"stream": True, "stream_options": {"continuous_usage_stats": True}},
-            "stream_options.continuous_usage_stats",
-        ),
-        ("/tokenize", {"prompt": "hi", "return_token_strs": True}, "return_token_strs"),
+        ("/v1/chat/completions", {"chat_template": "{{ 1 }}"}, "chat_template"),
+        ("/tokenize", {"prompt": "hi", "chat_template": "{{ 1 }}"}, "chat_template"),
     ],
 )
 def test_vllm_fields_not_served_yet_are_refused(
@@ -550,13 +563,31 @@ def test_tokenize_and_detokenize(client: TestClient) -> None:
     reply = client.post("/tokenize", json={"model": MODEL, "prompt": "hello world"})
     assert reply.status_code == 200, reply.text
     ids = tokenizer.encode("hello world").ids
-    assert reply.json() == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids}
+    assert reply.json() == {
+        "count": len(ids),
+        "max_model_len": MAX_MODEL_LEN,
+        "tokens": ids,
+        "token_strs": None,
+    }
+    strings = client.post("/tokenize", json={"prompt": "hello world", "return_token_strs": True})
+    assert strings.json()["token_strs"] == ["hello", "Ġworld"]
     back = client.post("/detokenize", json={"model": MODEL, "tokens": ids})
     assert back.json() == {"prompt": "hello world"}
 
     messages = [{"role": "user", "content": "hello"}]
     reply = client.post("/tokenize", json={"messages": messages})
     rendered = "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    assert reply.json()["tokens"] == tokenizer.encode(rendered, add_special_tokens=False).ids
+    # The chat endpoint's other template fields, as vLLM's /tokenize takes them.
+    reply = client.post(
+        "/tokenize",
+        json={
+            "messages": [*messages, {"role": "assistant", "content": "hello wor"}],
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+        },
+    )
+    rendered = "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\nhello wor"
     assert reply.json()["tokens"] == tokenizer.encode(rendered, add_special_tokens=False).ids
 
 
@@ -599,3 +630,22 @@ def test_metrics_without_an_engine_say_it_is_down(client: TestClient) -> None:
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
     assert "tandem_engine_up 0" in response.text.splitlines()
+
+
+def test_chat_add_special_tokens_puts_the_tokenizers_own_on_top() -> None:
+    """vLLM's add_special_tokens for chat: off by default (the template holds its special
+    tokens); on, the tokenizer's post-processor adds its own (here a BOS) too."""
+    tokenizer = Tokenizer.from_str(TOKENIZER_JSON)
+    bos = tokenizer.token_to_id("<|im_start|>")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)]
+    )
+    reply = dataclasses.replace(handshake(CHATML), tokenizer_json=tokenizer.to_str())
+    model = ServedModel.from_handshake(reply)
+
+    def prompt_ids(**fields: Any) -> list[int]:
+        body = ChatCompletionRequest.model_validate(chat(**fields))
+        return asyncio.run(chat_generation(model, body)).generation.prompt_ids
+
+    plain, added = prompt_ids(), prompt_ids(add_special_tokens=True)
+    assert added == [bos, *plain] and plain[0] == bos  # the template's own, then the BOS

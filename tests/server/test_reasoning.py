@@ -169,3 +169,20 @@ def test_finish_reason_and_message() -> None:
     parser = ChatOutputParser(tools=HermesToolParser())
     parser.feed('<tool_call>{"name": "f", "arguments": {}}</tool_call>')
     assert parser.called_tools
+
+
+def test_include_reasoning_false_leaves_the_reasoning_out() -> None:
+    """vLLM's include_reasoning: the answer's content as before, without its reasoning,
+    whole or streamed."""
+    text = "<think>\nThe user greets me.\n</think>\n\nHello!"
+
+    def parser(include_reasoning: bool) -> ChatOutputParser:
+        return ChatOutputParser(ThinkReasoningParser(""), include_reasoning=include_reasoning)
+
+    assert parser(True).parse(text) == ChatOutput("Hello!", "The user greets me.", [])
+    assert parser(False).parse(text) == ChatOutput("Hello!", None, [])
+    streaming = parser(False)
+    deltas = [streaming.feed(piece) for piece in (text[:9], text[9:30], text[30:])]
+    deltas.append(streaming.finish())
+    assert all(not delta.reasoning_content for delta in deltas)
+    assert assemble_chat(deltas) == ChatOutput("Hello!", None, [])

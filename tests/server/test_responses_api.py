@@ -51,11 +51,11 @@ def body(**fields: Any) -> dict[str, Any]:
         ({"tools": [{"type": "web_search"}]}, "tools"),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
         ({"truncation": "auto"}, "truncation"),
-        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"reasoning": {"effort": "high", "summary": "auto"}}, "reasoning"),
         ({"include": ["file_search_call.results"]}, "include"),
         ({"prompt": {"id": "pmpt_1"}}, "prompt"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
-        ({"skip_special_tokens": False}, "skip_special_tokens"),
+        ({"vllm_xargs": {"k": 1}}, "vllm_xargs"),
     ],
 )
 def test_what_is_not_served_is_refused(
@@ -81,6 +81,12 @@ def test_what_is_not_served_is_refused(
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input"),
         ({"tools": [TOOL]}, "tools"),  # plain ChatML shows no tools
+        ({"repetition_penalty": 0}, "repetition_penalty"),  # validated as chat's
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        (
+            {"text": {"format": {"type": "json_object"}}, "structured_outputs": {"regex": "a"}},
+            "text.format",
+        ),
     ],
 )
 def test_bad_fields(client: TestClient, fields: dict[str, Any], param: str) -> None:
@@ -140,10 +146,37 @@ def test_the_chat_request_it_maps_to() -> None:
                 temperature=0.5,
                 include=["message.output_text.logprobs"],
                 top_logprobs=2,
+                # vLLM's extra sampling fields, which chat has too.
+                top_k=3,
+                seed=-1,
+                stop="END",
+                ignore_eos=True,
+                repetition_penalty=1.2,
+                skip_special_tokens=False,
+                include_stop_str_in_output=True,
+                structured_outputs={"regex": "[a-z]+"},
+                reasoning={"effort": "low"},
             )
         ).encode(),
     )
     chat = request.chat_request()
+    assert chat.template_kwargs() == {"reasoning_effort": "low"}  # as vLLM gives it
+    shared = {
+        "top_k": 3,
+        "seed": -1,
+        "stop": ["END"],
+        "ignore_eos": True,
+        "repetition_penalty": 1.2,
+        "skip_special_tokens": False,
+        "include_stop_str_in_output": True,
+        "structured_outputs": {"regex": "[a-z]+"},
+    }
+    assert {name: getattr(chat, name) for name in shared} == shared
+    model = ServedModel.from_handshake(handshake(CHATML))
+    sampling = chat.sampling_params(10, model)
+    assert (sampling.top_k, sampling.seed, sampling.ignore_eos) == (3, 2**63 - 1, True)
+    assert sampling.repetition_penalty == 1.2 and sampling.structured_output is not None
+    assert chat.hidden_token_ids(model) == frozenset()  # skip_special_tokens false
     assert [message.model_dump(exclude_unset=True) for message in chat.messages] == [
         {"role": "system", "content": "You are terse."},
         {"role": "system", "content": "Be brief."},
