@@ -25,7 +25,8 @@ from protocol.codec import Message
 # 4: vLLM's sampling fields (min_p, repetition_penalty, min_tokens, bad_words,
 #    allowed_token_ids, prompt_logprobs), RequestOutput.prompt_logprobs and
 #    HandshakeReply.sampling_defaults.
-PROTOCOL_VERSION = 4
+# 5: RequestOutput.queue_time, ErrorCode.SHUTTING_DOWN (an engine draining on SIGTERM).
+PROTOCOL_VERSION = 5
 # The most alternatives a request may ask log-probabilities of, as OpenAI's top_logprobs.
 MAX_TOP_LOGPROBS = 20
 # The most token sequences a request's bad words may tokenize to, and their total tokens
@@ -39,7 +40,7 @@ class FinishReason:
 
     STOP = "stop"  # an EOS or stop token was sampled (the token itself is not sent)
     LENGTH = "length"  # max_tokens or the model's context length was reached
-    ABORT = "abort"  # the server aborted it, or its server went away
+    ABORT = "abort"  # the server aborted it, its server went away, or the engine stopped
 
 
 class ErrorCode:
@@ -47,6 +48,7 @@ class ErrorCode:
     INVALID_REQUEST = "invalid_request"  # bad parameters or a duplicate request id
     PROMPT_TOO_LONG = "prompt_too_long"  # prompt + max_tokens can never fit
     NOT_READY = "not_ready"  # a request before the handshake
+    SHUTTING_DOWN = "shutting_down"  # the engine is draining (SIGTERM) and takes no more
 
 
 class StructuredOutputKind:
@@ -293,6 +295,9 @@ class RequestOutput:
     # With the first token, when the request asked (SamplingParams.prompt_logprobs): one
     # per prompt token after the first.
     prompt_logprobs: list[PromptTokenLogprobs] | None = None
+    # With the first output: seconds from the engine's receipt of the request to its first
+    # step (vLLM's queue time). None on the others.
+    queue_time: float | None = None
 
 
 @dataclass
