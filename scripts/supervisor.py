@@ -98,6 +98,8 @@ class Supervisor:
         await asyncio.wait([ready, failed], return_when=asyncio.FIRST_COMPLETED)
         if self.startup_failed.is_set():
             ready.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ready
             await self.stop()
             await asyncio.gather(*tasks, return_exceptions=True)
             return 1
