@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 from protocol import (
     PROTOCOL_VERSION,
@@ -270,3 +271,38 @@ def test_a_stopped_engine_ends_its_requests_with_a_finish_reason(
         assert "aborted 1 requests still running at shutdown" in log.read_text()
     finally:
         context.destroy(linger=0)
+
+
+def test_metrics_time_each_request_and_count_statuses(deployment: Deployment) -> None:
+    url = deployment.urls[0]
+
+    def scrape() -> dict[tuple[str, tuple], float]:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        return {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        }
+
+    before = scrape()
+    reply = httpx.post(f"{url}/v1/completions", json=_body(PROMPTS[0]), timeout=60)
+    assert reply.status_code == 200
+    assert httpx.post(f"{url}/v1/completions", json={"prompt": 5}, timeout=60).status_code == 400
+    after = scrape()
+
+    model = reply.json()["model"]
+
+    def grew(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted({"model_name": model, **labels}.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert grew("tandem:time_to_first_token_seconds_count") == 1
+    assert grew("tandem:inter_token_latency_seconds_count") == STREAM_TOKENS - 1
+    assert grew("tandem:e2e_request_latency_seconds_count") == 1
+    assert grew("tandem:request_queue_time_seconds_count") == 1
+    assert grew("tandem:request_success_total", finished_reason="length") == 1
+    assert grew("tandem:http_requests_total", method="POST", status="200") == 1
+    assert grew("tandem:http_requests_total", method="POST", status="400") == 1
+    # The engine's series stay, from its fresh stats.
+    assert after[("tandem_engine_up", ())] == 1
+    assert after[("tandem_kv_cache_blocks", (("model", model),))] > 0
