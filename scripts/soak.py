@@ -268,9 +268,10 @@ async def soak(args: argparse.Namespace, deployment: Deployment) -> bool:
     for problem in (restart_failures + chaos_failures)[:10]:
         print("FAILURE:", problem)
     width = max(len(row[0]) for row in rows)
-    print(f"\n{'check':<{width}}  result  details")
+    verdict_width = max(len(row[2]) for row in rows)
+    print(f"\n{'check':<{width}}  {'result':<{verdict_width}}  details")
     for name, details, verdict in rows:
-        print(f"{name:<{width}}  {verdict}  {details}")
+        print(f"{name:<{width}}  {verdict:<{verdict_width}}  {details}")
     return (
         not restart_failures
         and not chaos_failures
