@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import ipaddress
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -152,6 +153,13 @@ def _log_failed_handshakes(monitor: zmq.Socket) -> None:
                 return
             if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 why = f"authentication refused (ZAP status {event['value']})"
+            elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                # An errno: the peer hung up mid-handshake, as one without CURVE (or with
+                # another engine's key) does when it sees the engine's greeting first.
+                why = (
+                    f"handshake failed ({os.strerror(event['value'])}): the peer may not use "
+                    "CURVE, or not this engine's key"
+                )
             else:
                 why = _PROTOCOL_ERRORS.get(event["value"], f"protocol error {event['value']:#x}")
                 if why == "zmtp_mechanism_mismatch":

@@ -10,8 +10,8 @@ given), computes each prompt's greedy answer at each length one request at a tim
    turn; every stream must equal its reference (refusals of a draining server are retried
    on another, as a load balancer does);
 2. chaos: ``--streams`` concurrent streams of mixed lengths, ``--disconnect`` of them
-   closed by their client part-way, and one server SIGKILLed once the streams are running
-   (the supervisor starts it again);
+   closed by their client part-way, and one server SIGKILLed once ``--kill-when`` of the
+   streams have been answered (the supervisor starts it again);
 3. the end: every KV block is free, and the engine's and the surviving servers' RSS and
    open file descriptors are back to their baseline (taken after a warm-up round).
 
@@ -172,9 +172,9 @@ async def chaos(
         ] += 1  # fmt: skip
 
     tasks = [asyncio.create_task(one(i)) for i in range(args.streams)]
-    while started < args.streams:
+    # The kill comes once most streams are answered: the victim's are then in flight.
+    while started < args.streams or balancer.answered < args.kill_when * args.streams:
         await asyncio.sleep(0.05)
-    await asyncio.sleep(args.kill_after)
     victim = deployment.command("status")["servers"][-1]
     os.kill(victim["pid"], signal.SIGKILL)
     print(f"SIGKILLed {victim['name']} (pid {victim['pid']}) with streams in flight", flush=True)
@@ -295,7 +295,9 @@ def main() -> None:
     parser.add_argument("--restart-streams", type=int, default=200, help="rolling restart")
     parser.add_argument("--lengths", default="16,64,256", help="max_tokens of the streams")
     parser.add_argument("--disconnect", type=float, default=0.1, help="share abandoned")
-    parser.add_argument("--kill-after", type=float, default=1.0, help="s after all started")
+    parser.add_argument(
+        "--kill-when", type=float, default=0.75, help="share of streams answered before the kill"
+    )
     args = parser.parse_args(argv)
     # A file descriptor per stream, on both sides.
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -39,6 +39,7 @@ class Balancer:
     client: httpx.AsyncClient
     urls: list[str]
     retries: int = field(default=0)
+    answered: int = field(default=0)  # streams a server answered 200
 
     async def stream(
         self, body: dict[str, Any], start: int, disconnect_after: int | None = None
@@ -75,6 +76,7 @@ class Balancer:
                 result.error = f"HTTP {response.status_code}: {error}"
                 return True
             result.answered = True
+            self.answered += 1
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
                     continue

@@ -128,7 +128,7 @@ def test_only_authorized_servers_reach_the_engine_and_nobody_reads_the_wire(
         wire = bytes(relay.captured)
     # The handshake reply went through the relay, and the words of its tokenizer.
     assert len(wire) > (tmp_path / "model/tokenizer.json").stat().st_size
-    for plaintext in (b"tokenizer_json", b"<|im_start|>", b"handshake_reply", b"w5"):
+    for plaintext in (b"tokenizer_json", b"<|im_start|>", b"handshake_reply", b"prompt_token_ids"):
         assert plaintext not in wire
 
     def plain(sock: zmq.Socket) -> None:
@@ -144,13 +144,15 @@ def test_only_authorized_servers_reach_the_engine_and_nobody_reads_the_wire(
         assert not _answered(f"tcp://127.0.0.1:{engine_port}", configure), configure.__name__
 
     intruder_public = load_public_key(intruder_keys / "intruder.key_secret").decode()
+    # Either side may see the failed handshake first: the engine then learns why, or only
+    # that the peer hung up.
     expected = [
-        "the peer does not use CURVE",
-        f"DENIED (CURVE) domain=* client_key=b'{intruder_public}'",
-        "the peer has a different engine public key",
+        ("the peer does not use CURVE", "the peer may not use CURVE"),
+        (f"DENIED (CURVE) domain=* client_key=b'{intruder_public}'",),
+        ("the peer has a different engine public key", "the peer may not use CURVE"),
     ]
     deadline = time.monotonic() + 10
-    while not all(line in engine_log.read_text() for line in expected):
+    while not all(any(line in engine_log.read_text() for line in lines) for lines in expected):
         assert time.monotonic() < deadline, tail(engine_log)
         time.sleep(0.2)
     # Nothing the intruders sent ran: the engine finished our one request.
