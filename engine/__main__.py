@@ -8,6 +8,7 @@ import signal
 import sys
 
 from engine.config import EngineConfig, ServiceConfig, add_arguments, from_arguments
+from engine.curve_auth import SocketSecurityError, check_security
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -23,6 +24,12 @@ def main(argv: list[str] | None = None) -> None:
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s engine %(name)s: %(message)s",
     )
+    service_config = from_arguments(ServiceConfig, args)
+    try:
+        check_security(service_config)  # before minutes of loading weights
+    except SocketSecurityError as exc:
+        logging.getLogger("engine").error("cannot serve: %s", exc)
+        sys.exit(2)
     from engine.llm_engine import LLMEngine
     from engine.roofline import save_steps
     from engine.service import EngineService
@@ -30,9 +37,9 @@ def main(argv: list[str] | None = None) -> None:
     engine = LLMEngine(from_arguments(EngineConfig, args))
     if args.step_record:
         engine.step_shapes = []
-    service = EngineService(engine, args.address, args.stats_interval)
+    service = EngineService(engine, service_config)
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: service.stop_event.set())
+        signal.signal(signum, lambda *_: service.request_stop())
     service.serve_forever()
     engine.close()
     if engine.step_shapes is not None:

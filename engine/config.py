@@ -116,6 +116,24 @@ class ServiceConfig:
     address: str = option(
         "ipc:///tmp/tandem-engine.sock", "ZeroMQ address to bind: ipc://PATH or tcp://HOST:PORT"
     )
+    curve_secret_key: str | None = option(
+        None,
+        "CURVE: the engine's key pair (a .key_secret file, scripts/make_curve_keys.py); "
+        "every connection is then encrypted and must present an authorized key",
+    )
+    curve_authorized_keys: str | None = option(
+        None, "CURVE: a directory of the public keys (.key files) of the servers allowed in"
+    )
+    insecure: bool = option(
+        False,
+        "allow a tcp:// address that other hosts can reach without CURVE keys "
+        "(unencrypted, open to anyone who reaches it)",
+    )
+    drain_timeout: float = option(
+        10.0,
+        "on SIGTERM, seconds the requests in flight may take to finish (new ones are refused) "
+        "before the rest are aborted",
+    )
     stats_interval: float = option(10.0, "seconds between throughput log lines (0: none)")
     log_level: str = option("info", "logging level")
     step_record: str | None = option(

@@ -222,6 +222,14 @@ class LLMEngine:
             self._finish(request, FinishReason.ABORT, [])
         return len(mine)
 
+    def abort_all(self) -> list[tuple[bytes, RequestOutput]]:
+        """Abort every request (the engine is stopping): their final outputs, each with its
+        client."""
+        return [
+            (request.client, self._finish(request, FinishReason.ABORT, []))
+            for request in list(self.requests.values())
+        ]
+
     def step(self) -> list[tuple[bytes, RequestOutput]]:
         """Launch the next forward pass and read a step's results: with overlapped steps, those
         of the step launched before it, which ran on the device while this one was scheduled
@@ -302,8 +310,10 @@ class LLMEngine:
     ) -> RequestOutput | None:
         sampling = request.sampling
         # The first token's output carries the prompt's log-probabilities, now all read.
-        first = not request.output_token_ids and sampling.prompt_logprobs is not None
-        prompt_logprobs = request.prompt_logprobs if first else None
+        first = not request.output_token_ids
+        prompt_logprobs = (
+            request.prompt_logprobs if first and sampling.prompt_logprobs is not None else None
+        )
         grammar = request.grammar
         if may_dead_end(request) and (
             breaks_restrictions(request, token, self.eos_token_ids)
@@ -315,19 +325,24 @@ class LLMEngine:
             or (not sampling.ignore_eos and token in self.eos_token_ids)
             or (grammar is not None and grammar.is_terminated())
         ):
-            return self._finish(
+            output = self._finish(
                 request, FinishReason.STOP, [], None, prompt_logprobs, stop_token_id=token
             )
-        request.output_token_ids.append(token)
-        new_logprobs = None if logprobs is None else [logprobs]
-        if (
-            len(request.output_token_ids) >= sampling.max_tokens
-            or request.num_tokens >= self.max_model_len
-        ):
-            return self._finish(
-                request, FinishReason.LENGTH, [token], new_logprobs, prompt_logprobs
-            )
-        return self._output(request, [token], None, new_logprobs, prompt_logprobs)
+        else:
+            request.output_token_ids.append(token)
+            new_logprobs = None if logprobs is None else [logprobs]
+            if (
+                len(request.output_token_ids) >= sampling.max_tokens
+                or request.num_tokens >= self.max_model_len
+            ):
+                output = self._finish(
+                    request, FinishReason.LENGTH, [token], new_logprobs, prompt_logprobs
+                )
+            else:
+                output = self._output(request, [token], None, new_logprobs, prompt_logprobs)
+        if first and request.first_scheduled_time is not None:
+            output.queue_time = request.first_scheduled_time - request.arrival_time
+        return output
 
     def _refuse_dead_end(self, request: Request, token: int) -> RequestOutput | None:
         """End a request the sampler found no token for (engine/token_restrictions.py): its

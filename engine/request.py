@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -57,6 +58,10 @@ class Request:
     # Its structured output's matcher: it has accepted every token of output_token_ids
     # (never a pending one). None: free text.
     grammar: xgr.GrammarMatcher | None = None
+    # time.monotonic() at arrival and when first admitted: its queue time, sent with its
+    # first output (the servers' request_queue_time histogram).
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
 
     def __post_init__(self) -> None:
         s = self.sampling

@@ -10,6 +10,7 @@ up, from what of it prefix caching still holds.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from engine.block_manager import BlockManager
@@ -108,6 +109,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             self._schedule_prefill(request, budget)
             budget -= request.num_scheduled_tokens

@@ -4,16 +4,22 @@ One thread: drain every waiting message, run one engine step, send each server i
 step's outputs, repeat. Sends never block: a server that went away (or stopped
 reading) is forgotten and its requests are aborted, so one bad peer cannot stall
 the others.
+
+Stopping (SIGTERM) drains: new requests are refused (``shutting_down``), those in flight
+run on for up to ``--drain-timeout`` seconds, and the rest end with finish reason
+``abort`` before the socket closes. A second signal stops at once.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
+import time
 from collections import defaultdict
 
 import zmq
 
+from engine.config import ServiceConfig
+from engine.curve_auth import CurveGuard
 from engine.llm_engine import LLMEngine, RequestRejected
 from engine.throughput_log import ThroughputLog
 from protocol import (
@@ -40,12 +46,15 @@ _SEND_HIGH_WATER_MARK = 100_000
 _IDLE_POLL_MS = 100
 # While requests wait only for their grammars to compile: how often to look at them.
 _COMPILING_POLL_MS = 2
+# Milliseconds that closing the socket may spend delivering the last outputs (the aborts).
+_CLOSE_LINGER_MS = 2_000
 
 
 class EngineService:
-    def __init__(self, engine: LLMEngine, address: str, stats_interval_s: float = 10.0) -> None:
+    def __init__(self, engine: LLMEngine, config: ServiceConfig) -> None:
         self.engine = engine
-        self.throughput_log = ThroughputLog(engine, stats_interval_s)
+        self.throughput_log = ThroughputLog(engine, config.stats_interval)
+        self.drain_timeout_s = config.drain_timeout
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         # Sending to a vanished peer raises EHOSTUNREACH instead of dropping silently:
@@ -54,15 +63,40 @@ class EngineService:
         self.socket.setsockopt(zmq.SNDHWM, _SEND_HIGH_WATER_MARK)
         self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # larger frames drop the peer
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.bind(address)
-        self.address = address
+        self.curve: CurveGuard | None = None
+        if config.curve_secret_key is not None and config.curve_authorized_keys is not None:
+            self.curve = CurveGuard(
+                self.context, self.socket, config.curve_secret_key, config.curve_authorized_keys
+            )
+        self.socket.bind(config.address)
+        self.address = config.address
         self.handshaken: set[bytes] = set()
-        self.stop_event = threading.Event()
+        # Set by the first stop signal: new requests are refused from then on.
+        self.drain_deadline: float | None = None
+        self.stop_now = False  # a second signal: abort what runs and exit
+
+    def request_stop(self) -> None:
+        """The first call starts draining, the second stops at once (signal handlers)."""
+        if self.drain_deadline is None:
+            self.drain_deadline = time.monotonic() + self.drain_timeout_s
+            logger.info(
+                "stopping: refusing new requests, draining %d for up to %g s",
+                len(self.engine.requests),
+                self.drain_timeout_s,
+            )
+        else:
+            self.stop_now = True
+
+    def _drained(self) -> bool:
+        if self.drain_deadline is None:
+            return False
+        return self.stop_now or not self.engine.has_work or time.monotonic() >= self.drain_deadline
 
     def serve_forever(self) -> None:
-        logger.info("engine ready at %s", self.address)
+        secured = "CURVE" if self.curve is not None else "no CURVE"
+        logger.info("engine ready at %s (%s)", self.address, secured)
         try:
-            while not self.stop_event.is_set():
+            while not self._drained():
                 if not self.engine.has_work:
                     timeout = _IDLE_POLL_MS
                 elif self.engine.only_compiling:
@@ -76,8 +110,14 @@ class EngineService:
                     for client, error in self.engine.take_errors():
                         self._send(client, error)
                 self.throughput_log.maybe_log()
+            aborted = self.engine.abort_all()
+            if aborted:
+                logger.warning("aborted %d requests still running at shutdown", len(aborted))
+            self._send_outputs(aborted)
         finally:
-            self.socket.close()
+            if self.curve is not None:
+                self.curve.close()
+            self.socket.close(linger=_CLOSE_LINGER_MS)
             self.context.term()
 
     def _drain_inbox(self) -> None:
@@ -125,6 +165,12 @@ class EngineService:
                 logger.warning("dropped a %s: not a message for the engine", message.TYPE)
 
     def _generate(self, client: bytes, request: GenerateRequest) -> None:
+        if self.drain_deadline is not None:
+            reply = ErrorReply(
+                request.request_id, ErrorCode.SHUTTING_DOWN, "the engine is stopping"
+            )
+            self._send(client, reply)
+            return
         if client not in self.handshaken:
             self._send(
                 client,

@@ -25,8 +25,9 @@ from protocol.codec import Message
 # 4: vLLM's sampling fields (min_p, repetition_penalty, min_tokens, bad_words,
 #    allowed_token_ids, prompt_logprobs), RequestOutput.prompt_logprobs and
 #    HandshakeReply.sampling_defaults.
-# 5: SamplingDefaults.max_tokens (generation_config.json's max_new_tokens) and
-#    RequestOutput.stop_token_id.
+# 5: SamplingDefaults.max_tokens (generation_config.json's max_new_tokens),
+#    RequestOutput.stop_token_id and .queue_time, ErrorCode.SHUTTING_DOWN (an engine draining
+#    on SIGTERM).
 PROTOCOL_VERSION = 5
 # The most alternatives a request may ask log-probabilities of, as OpenAI's top_logprobs.
 MAX_TOP_LOGPROBS = 20
@@ -41,7 +42,7 @@ class FinishReason:
 
     STOP = "stop"  # an EOS or stop token was sampled (sent as RequestOutput.stop_token_id)
     LENGTH = "length"  # max_tokens or the model's context length was reached
-    ABORT = "abort"  # the server aborted it, or its server went away
+    ABORT = "abort"  # the server aborted it, its server went away, or the engine stopped
 
 
 class ErrorCode:
@@ -49,6 +50,7 @@ class ErrorCode:
     INVALID_REQUEST = "invalid_request"  # bad parameters or a duplicate request id
     PROMPT_TOO_LONG = "prompt_too_long"  # prompt + max_tokens can never fit
     NOT_READY = "not_ready"  # a request before the handshake
+    SHUTTING_DOWN = "shutting_down"  # the engine is draining (SIGTERM) and takes no more
 
 
 class StructuredOutputKind:
@@ -299,6 +301,9 @@ class RequestOutput:
     # With finish_reason stop: the EOS or stop token that ended the request, which is not
     # among the new tokens (a server shows its text only with include_stop_str_in_output).
     stop_token_id: int | None = None
+    # With the first output: seconds from the engine's receipt of the request to its first
+    # step (vLLM's queue time). None on the others.
+    queue_time: float | None = None
 
 
 @dataclass

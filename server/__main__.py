@@ -2,7 +2,7 @@
 
 It handshakes with the engine before it listens, so that a server that accepts
 connections always knows its model; the engine may still be loading weights, so
-the handshake waits (up to --handshake-timeout).
+the handshake waits (up to --handshake-timeout). SIGTERM drains it (server/drain.py).
 """
 
 from __future__ import annotations
@@ -17,16 +17,17 @@ import sys
 import uvicorn
 
 from server.app import create_app
-from server.engine_client import EngineClient, HandshakeError
+from server.drain import Drain, DrainingServer
+from server.engine_client import CurveKeys, EngineClient, HandshakeError
 from server.reasoning import REASONING_PARSERS
 from server.served_model import ChatOptions, load_chat_template
 from server.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("server")
 
-# Seconds uvicorn lets open streams finish on shutdown before cancelling them
-# (which aborts their requests in the engine); answers can take minutes.
-_GRACEFUL_SHUTDOWN_S = 5
+# Seconds uvicorn gives open connections after the drain (--drain-timeout) before it
+# cancels them, which aborts their requests in the engine.
+_GRACEFUL_SHUTDOWN_S = 2
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -69,12 +70,40 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "template has </think>)",
     )
     parser.add_argument(
+        "--engine-public-key",
+        metavar="FILE",
+        help="CURVE: the engine's public key (its .key file); with --curve-secret-key, the "
+        "connection to the engine is encrypted and authenticated (scripts/make_curve_keys.py)",
+    )
+    parser.add_argument(
+        "--curve-secret-key",
+        metavar="FILE",
+        help="CURVE: this server's key pair (a .key_secret file), whose public key must be "
+        "in the engine's --curve-authorized-keys directory",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        help="refuse larger request bodies with 413 (default: 4 MiB plus 32 bytes per token "
+        "of the model's context)",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds that requests in flight may take to finish while new ones "
+        "are refused (default: 30)",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
         help="log level (default: info)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if (args.engine_public_key is None) != (args.curve_secret_key is None):
+        parser.error("give --engine-public-key and --curve-secret-key together")
+    return args
 
 
 async def _serve(args: argparse.Namespace) -> int:
@@ -86,7 +115,14 @@ async def _serve(args: argparse.Namespace) -> int:
             return 2
     options = ChatOptions(args.chat_template, args.tool_call_parser, args.reasoning_parser)
     client_name = f"tandem-server {socket.gethostname()}:{os.getpid()} port {args.port}"
-    client = EngineClient(args.engine, client_name)
+    curve = None
+    if args.curve_secret_key is not None:
+        curve = CurveKeys(args.curve_secret_key, args.engine_public_key)
+    try:
+        client = EngineClient(args.engine, client_name, curve)
+    except (OSError, ValueError) as exc:  # unreadable key files
+        logger.error("cannot serve: %s", exc)
+        return 2
     try:
         logger.info("connecting to the engine at %s", args.engine)
         try:
@@ -101,8 +137,10 @@ async def _serve(args: argparse.Namespace) -> int:
             args.host,
             args.port,
         )
+        drain = Drain(args.drain_timeout)
+        app = create_app(client, handshake, args.api_key, options, args.max_request_bytes, drain)
         config = uvicorn.Config(
-            create_app(client, handshake, args.api_key, options),
+            app,
             host=args.host,
             port=args.port,
             log_level=args.log_level,
@@ -111,7 +149,7 @@ async def _serve(args: argparse.Namespace) -> int:
             log_config=None,
         )
         # uvicorn exits by itself (status 1) when it cannot listen on the port.
-        await uvicorn.Server(config).serve()
+        await DrainingServer(config, drain).serve()
         return 0
     finally:
         await client.close()

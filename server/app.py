@@ -15,8 +15,11 @@ from starlette.types import ASGIApp
 
 from protocol import HandshakeReply
 from server.api_key import ApiKeyCheck
+from server.body_limit import BodySizeLimit, default_max_request_bytes
+from server.drain import Drain, DrainGate
 from server.engine_client import EngineClient
 from server.errors import ApiError, handle_api_error, handle_http_exception, handle_unexpected
+from server.metrics import HttpStatusCounter
 from server.request_id import RequestIdHeader
 from server.routes.chat import ChatCompletions
 from server.routes.completions import Completions
@@ -35,9 +38,13 @@ def create_app(
     handshake: HandshakeReply,
     api_key: str | None = None,
     chat_options: ChatOptions | None = None,
+    max_request_bytes: int | None = None,
+    drain: Drain | None = None,
 ) -> ASGIApp:
     """The HTTP application serving ``handshake``'s model through ``client``; with
-    ``api_key``, the API answers only requests that carry it."""
+    ``api_key``, the API answers only requests that carry it. Bodies over
+    ``max_request_bytes`` (default: a few MB over the model's context) are refused; with
+    ``drain``, the server refuses new requests once it drains (server/drain.py)."""
     model = ServedModel.from_handshake(handshake, chat_options)
     chat = ChatCompletions(client, model)
     completions = Completions(client, model)
@@ -64,14 +71,22 @@ def create_app(
         Route("/", web_ui, methods=["GET"]),
         Mount("/static", StaticFiles(directory=FRONTEND_DIR), name="static"),
     ]
-    app = Starlette(
+    if max_request_bytes is None:
+        max_request_bytes = default_max_request_bytes(handshake.max_model_len)
+    middleware = [Middleware(ApiKeyCheck, api_key=api_key)] if api_key else []
+    # Inside Starlette's error middleware, so that the 413 it raises is an OpenAI error body.
+    middleware.append(Middleware(BodySizeLimit, max_bytes=max_request_bytes))
+    app: ASGIApp = Starlette(
         routes=routes,
-        middleware=[Middleware(ApiKeyCheck, api_key=api_key)] if api_key else [],
+        middleware=middleware,
         exception_handlers={
             ApiError: handle_api_error,
             HTTPException: handle_http_exception,
             Exception: handle_unexpected,
         },
     )
-    # Outside Starlette's own error middleware, so that every response carries the id.
-    return RequestIdHeader(app)
+    if drain is not None:
+        app = DrainGate(app, drain)
+    # Outside Starlette's own error middleware, so that every response, the 500s too,
+    # carries the id and is counted.
+    return RequestIdHeader(HttpStatusCounter(app, client.metrics))

@@ -38,6 +38,8 @@ from protocol import (
     TokenOutputs,
     decode_message,
 )
+from protocol.curve import make_curve_client
+from server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -69,14 +71,28 @@ class HandshakeError(Exception):
     """The engine cannot be served: incompatible, or not answering in time."""
 
 
-class EngineClient:
-    """Sends requests to the engine and hands each request its outputs."""
+@dataclasses.dataclass(frozen=True)
+class CurveKeys:
+    """This server's key pair (a .key_secret file) and the engine's public key (.key)."""
 
-    def __init__(self, address: str, client_name: str = "tandem-server") -> None:
+    secret_key_file: str
+    engine_public_key_file: str
+
+
+class EngineClient:
+    """Sends requests to the engine and hands each request its outputs; ``metrics`` times
+    each of them (server/generation.py observes, /metrics reads)."""
+
+    def __init__(
+        self, address: str, client_name: str = "tandem-server", curve: CurveKeys | None = None
+    ) -> None:
         self.address = address
+        self.metrics = ServerMetrics()
         self._client_name = client_name
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.DEALER)
+        if curve is not None:
+            make_curve_client(self._socket, curve.secret_key_file, curve.engine_public_key_file)
         self._socket.setsockopt(zmq.LINGER, _LINGER_MS)
         self._socket.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
         self._socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
@@ -84,6 +100,7 @@ class EngineClient:
         self._stats_waiters: list[asyncio.Future[EngineStats | None]] = []
         self._handshake: asyncio.Future[HandshakeReply] | None = None
         self._ready = False  # handshaken with the engine at the other end right now
+        self._refused = False  # the engine refused the connection (CURVE), and we said so
         self._monitor: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -95,7 +112,10 @@ class EngineClient:
         """
         self._handshake = asyncio.get_running_loop().create_future()
         self._monitor = self._socket.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+            zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | zmq.EVENT_DISCONNECTED
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
         )
         self._tasks = [
             asyncio.create_task(self._receive_loop(), name="engine-receive"),
@@ -257,6 +277,7 @@ class EngineClient:
                 self._handshake.set_exception(HandshakeError(problem))
             return
         if not self._handshake.done():
+            self.metrics.model_name = reply.model_name
             self._handshake.set_result(reply)
         elif not _same_model(self._handshake.result(), reply):
             # Everything this server knows (tokenizer, template, limits) came from
@@ -274,10 +295,21 @@ class EngineClient:
         while True:
             event = await recv_monitor_message(monitor)
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._refused = False
                 logger.info("connected to the engine at %s", self.address)
                 self._send(HandshakeRequest(PROTOCOL_VERSION, self._client_name))
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self._lose_engine(f"lost the connection to the engine at {self.address}")
+            elif not self._refused:  # a failed handshake; ZeroMQ tries again (said once)
+                self._refused = True
+                logger.error(
+                    "the engine at %s refused the connection (%s): check the CURVE keys "
+                    "(--curve-secret-key, --engine-public-key) and the engine's authorized keys",
+                    self.address,
+                    "not authorized"
+                    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                    else f"protocol error {event['value']:#x}",
+                )
 
     def _lose_engine(self, reason: str) -> None:
         """Fails everything waiting on the engine; new requests wait for a handshake."""

@@ -6,6 +6,7 @@ is by construction the same as the non-streamed one.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -73,9 +74,12 @@ async def generate_text(
         token_ids, logprobs, prompt_logprobs = [], [], None
         return result
 
+    timer = client.metrics.request()
+    finish_reason: str | None = None  # for the metrics: "error" if it stays None
     try:
         async with aclosing(client.generate(request_id, prompt_ids, sampling)) as outputs:
             async for output in outputs:
+                timer.output(output)
                 if output.prompt_logprobs is not None:
                     prompt_logprobs = output.prompt_logprobs
                 if output.logprobs:
@@ -83,13 +87,17 @@ async def generate_text(
                     logprobs.extend(output.logprobs)
                 text = detokenizer.push(output.new_token_ids)
                 if detokenizer.stopped:
+                    finish_reason = FinishReason.STOP
                     # Leaving this block closes ``outputs``, which aborts the request.
                     yield delta(text, FinishReason.STOP, output.num_output_tokens)
                     return
                 if output.finish_reason == FinishReason.ABORT:
-                    # Only the engine aborts a request that this server still reads.
+                    finish_reason = FinishReason.ABORT
+                    # Only the engine aborts a request that this server still reads (it
+                    # stopped, or the request broke its grammar).
                     raise ApiError(503, "The engine aborted the request.", code="engine_aborted")
                 if output.finish_reason is not None:
+                    finish_reason = output.finish_reason
                     if include_stop_str_in_output and output.stop_token_id is not None:
                         text += detokenizer.push([output.stop_token_id])
                     text += detokenizer.finish()
@@ -97,12 +105,19 @@ async def generate_text(
                     return
                 if text:
                     yield delta(text, None, output.num_output_tokens)
+    except (GeneratorExit, asyncio.CancelledError):
+        # Closed or cancelled before its end (after it, the reason is already set): the
+        # client went away.
+        finish_reason = finish_reason or FinishReason.ABORT
+        raise
     except EngineUnavailable as exc:
         raise ApiError(
             503, f"The engine is unavailable: {exc}.", code="engine_unavailable"
         ) from exc
     except EngineRequestError as exc:
         raise _refusal(exc) from exc
+    finally:
+        timer.finish(finish_reason or "error")
 
 
 def _refusal(exc: EngineRequestError) -> ApiError:
@@ -110,6 +125,8 @@ def _refusal(exc: EngineRequestError) -> ApiError:
         return ApiError(400, exc.message, code="context_length_exceeded")
     if exc.code == ErrorCode.INVALID_REQUEST:
         return ApiError(400, exc.message)
-    if exc.code == ErrorCode.NOT_READY:
-        return ApiError(503, exc.message, code="engine_unavailable")
+    if exc.code in (ErrorCode.NOT_READY, ErrorCode.SHUTTING_DOWN):
+        return ApiError(
+            503, f"The engine is unavailable: {exc.message}.", code="engine_unavailable"
+        )
     return ApiError(500, f"The engine refused the request: {exc.message}")

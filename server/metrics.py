@@ -1,32 +1,73 @@
-"""GET /metrics: the engine's state in Prometheus' text format, for dashboards and alerts.
+"""GET /metrics in Prometheus' text format, made with prometheus-client.
 
-Each scrape asks the engine for fresh stats; counters count since the engine started,
-so a restarted engine shows as a counter reset, which Prometheus handles.
+Two sources:
+
+- this server's own measurements (``ServerMetrics``): vLLM's latency histograms under
+  ``tandem:`` names of the same shape (time to first token, inter-token latency, end-to-end
+  latency, queue time, one observation per engine request), requests by finish reason, and
+  HTTP responses by status;
+- the engine's state (``ENGINE_METRICS``), asked fresh at each scrape: its gauges and
+  counters since it started, so a restarted engine shows as a counter reset, which
+  Prometheus handles.
 """
 
 from __future__ import annotations
 
-from protocol import EngineStats
+import time
+from collections.abc import Iterator
 
-# (name, type, help, value of the stats)
-_METRICS = [
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from protocol import EngineStats, RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# No "_created" series beside each counter and histogram: vLLM's dashboards do not read
+# them, and they double the text.
+disable_created_metrics()
+
+# vLLM's buckets for the same histograms, so that its dashboards read these alike.
+_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_REQUEST_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+# The engine's state: (name, kind, help, EngineStats field). One table, so that every
+# series is labelled alike (model, and whatever else a deployment adds).
+ENGINE_METRICS = [
     ("tandem_requests_running", "gauge", "Requests decoding or prefilling.", "num_running"),
     ("tandem_requests_waiting", "gauge", "Requests queued for cache blocks.", "num_waiting"),
-    ("tandem_requests_finished_total", "counter", "Requests finished or aborted.", "num_finished"),
+    ("tandem_requests_finished", "counter", "Requests finished or aborted.", "num_finished"),
     (
-        "tandem_prompt_tokens_total",
+        "tandem_prompt_tokens",
         "counter",
         "Prompt tokens computed (prefix-cache hits excluded).",
         "num_prompt_tokens",
     ),
     (
-        "tandem_prefix_cache_hit_tokens_total",
+        "tandem_prefix_cache_hit_tokens",
         "counter",
         "Prompt tokens found in the prefix cache.",
         "num_cached_prompt_tokens",
     ),
-    ("tandem_generation_tokens_total", "counter", "Tokens generated.", "num_generated_tokens"),
-    ("tandem_preemptions_total", "counter", "Requests preempted for cache.", "num_preemptions"),
+    ("tandem_generation_tokens", "counter", "Tokens generated.", "num_generated_tokens"),
+    ("tandem_preemptions", "counter", "Requests preempted for cache.", "num_preemptions"),
     ("tandem_kv_cache_blocks", "gauge", "KV cache blocks in all.", "num_total_blocks"),
     (
         "tandem_kv_cache_free_blocks",
@@ -37,23 +78,132 @@ _METRICS = [
 ]
 
 
-def render_metrics(stats: EngineStats | None) -> str:
-    """The exposition text; with no stats (engine not answering) only ``tandem_engine_up 0``."""
-    lines = [
-        "# HELP tandem_engine_up Whether the engine answered this scrape.",
-        "# TYPE tandem_engine_up gauge",
-        f"tandem_engine_up {0 if stats is None else 1}",
-    ]
-    if stats is not None:
-        labels = f'{{model="{_escape(stats.model_name)}"}}'
-        for name, kind, help_text, field in _METRICS:
-            lines += [
-                f"# HELP {name} {help_text}",
-                f"# TYPE {name} {kind}",
-                f"{name}{labels} {getattr(stats, field)}",
-            ]
-    return "\n".join(lines) + "\n"
+class EngineCollector(Collector):
+    """One scrape's engine series; with no stats (the engine did not answer), only
+    ``tandem_engine_up 0``."""
+
+    def __init__(self, stats: EngineStats | None) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("tandem_engine_up", "Whether the engine answered this scrape.")
+        up.add_metric([], 0 if self.stats is None else 1)
+        yield up
+        if self.stats is None:
+            return
+        for name, kind, help_text, field in ENGINE_METRICS:
+            family_type = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            family = family_type(name, help_text, labels=["model"])
+            family.add_metric([self.stats.model_name], getattr(self.stats, field))
+            yield family
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+class ServerMetrics:
+    """This server's histograms and counters, in a registry of its own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = ""  # set at the engine's handshake
+        labels = ["model_name"]
+        self.time_to_first_token = Histogram(
+            "tandem:time_to_first_token_seconds",
+            "Seconds from sending a request to the engine to its first token.",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            "tandem:inter_token_latency_seconds",
+            "Seconds between a request's successive token outputs.",
+            labels,
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e_request_latency = Histogram(
+            "tandem:e2e_request_latency_seconds",
+            "Seconds from sending a request to the engine to its end.",
+            labels,
+            buckets=_REQUEST_BUCKETS,
+            registry=self.registry,
+        )
+        self.request_queue_time = Histogram(
+            "tandem:request_queue_time_seconds",
+            "Seconds a request waited in the engine before its first step.",
+            labels,
+            buckets=_REQUEST_BUCKETS,
+            registry=self.registry,
+        )
+        self.request_success = Counter(
+            "tandem:request_success",
+            "Engine requests ended, by finish reason (stop, length, abort; error: refused "
+            "or lost with the engine).",
+            [*labels, "finished_reason"],
+            registry=self.registry,
+        )
+        self.http_requests = Counter(
+            "tandem:http_requests",
+            "HTTP responses, by method and status.",
+            [*labels, "method", "status"],
+            registry=self.registry,
+        )
+
+    def request(self) -> RequestTimer:
+        """The clock of one engine request, started now."""
+        return RequestTimer(self)
+
+    def render(self, stats: EngineStats | None) -> bytes:
+        """The exposition text: this server's series, then the engine's."""
+        engine = CollectorRegistry()
+        engine.register(EngineCollector(stats))
+        return generate_latest(self.registry) + generate_latest(engine)
+
+
+class RequestTimer:
+    """Observes one engine request's latencies as its outputs arrive."""
+
+    __slots__ = ("_last", "_metrics", "_start")
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+        self._start = time.monotonic()
+        self._last: float | None = None
+
+    def output(self, output: RequestOutput) -> None:
+        metrics, model = self._metrics, self._metrics.model_name
+        if output.queue_time is not None:
+            metrics.request_queue_time.labels(model).observe(output.queue_time)
+        if not output.new_token_ids:
+            return
+        now = time.monotonic()
+        if self._last is None:
+            metrics.time_to_first_token.labels(model).observe(now - self._start)
+        else:
+            metrics.inter_token_latency.labels(model).observe(now - self._last)
+        self._last = now
+
+    def finish(self, reason: str) -> None:
+        model = self._metrics.model_name
+        self._metrics.e2e_request_latency.labels(model).observe(time.monotonic() - self._start)
+        self._metrics.request_success.labels(model, reason).inc()
+
+
+class HttpStatusCounter:
+    """ASGI middleware: counts every response by method and status."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counted_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.http_requests.labels(
+                    self.metrics.model_name, scope["method"], str(message["status"])
+                ).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted_send)

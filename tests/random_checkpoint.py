@@ -49,6 +49,13 @@ def save_tiny_llama(directory: Path, **overrides: Any) -> LlamaForCausalLM:
     return model
 
 
+def save_tiny_word_model(directory: Path) -> None:
+    """``save_tiny_llama`` with a tokenizer of words and a ChatML template
+    (``save_word_tokenizer``): the fastest model a server can chat with; the text is nonsense."""
+    save_tiny_llama(directory)
+    save_word_tokenizer(directory, VOCAB)
+
+
 def save_with_tokenizer(model: PreTrainedModel, directory: Path) -> None:
     """Save ``model`` as a checkpoint directory the engine loads."""
     model.save_pretrained(directory, safe_serialization=True)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, Response
 
 from server.engine_client import EngineClient
 from server.errors import ApiError
-from server.metrics import render_metrics
+from server.metrics import CONTENT_TYPE
 
 # Both wait this long for the engine's stats before calling it unavailable.
 _STATS_TIMEOUT_S = 2.0
@@ -28,6 +28,4 @@ class Health:
 
     async def metrics(self, request: Request) -> Response:
         stats = await self._client.stats(_STATS_TIMEOUT_S)
-        return PlainTextResponse(
-            render_metrics(stats), media_type="text/plain; version=0.0.4; charset=utf-8"
-        )
+        return Response(self._client.metrics.render(stats), media_type=CONTENT_TYPE)

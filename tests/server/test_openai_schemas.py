@@ -629,7 +629,7 @@ def test_metrics_without_an_engine_say_it_is_down(client: TestClient) -> None:
     response = client.get("/metrics")
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
-    assert "tandem_engine_up 0" in response.text.splitlines()
+    assert "tandem_engine_up 0.0" in response.text.splitlines()
 
 
 def test_chat_add_special_tokens_puts_the_tokenizers_own_on_top() -> None:

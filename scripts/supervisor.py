@@ -1,0 +1,377 @@
+"""Run one engine and N HTTP servers, keep them running, and restart the servers one by one.
+
+    python scripts/supervisor.py [--model M] [--servers N] [--port P] [--device cpu|cuda]
+                                 [--host H] [--engine-address ADDR] [--drain-timeout S]
+                                 [--server-args "ARGS"] [--control PATH] [-- ENGINE_ARGS...]
+    python scripts/supervisor.py --rolling-restart [--port P | --control PATH]
+    python scripts/supervisor.py --status [--port P | --control PATH]
+
+(``scripts/start_distributed.sh`` runs this.) Server i listens on port P+i; ``--server-args``
+go to every ``python -m server``, arguments after ``--`` to ``python -m engine``.
+
+- A process that exits during start-up stops everything (its log says why). Afterwards a
+  process that exits is started again, after 1 s, then 2, 4, ... up to 30 s while it keeps
+  failing (the delay starts over once it has run a minute); the engine keeps its weights
+  while servers come and go, and servers reconnect to a restarted engine by themselves.
+- A rolling restart (``--rolling-restart`` against a running supervisor, or SIGHUP to it)
+  restarts the servers in turn: SIGTERM (the server drains: /health 503, new requests 503,
+  streams finish, up to ``--drain-timeout``), start it again, wait until its /health answers
+  200, then the next. Behind a load balancer that follows /health and retries a 503 or a
+  refused connection on another server, no request fails.
+- SIGTERM or SIGINT stops everything: the servers first (they drain), then the engine.
+
+The control socket (default ``$TMPDIR/tandem-supervisor-P.sock``) takes one JSON line,
+``{"command": "status"}`` or ``{"command": "rolling-restart"}``, and answers one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shlex
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("supervisor")
+
+ROOT = Path(__file__).resolve().parent.parent
+_FIRST_BACKOFF_S = 1.0
+_MAX_BACKOFF_S = 30.0
+_STABLE_AFTER_S = 60.0  # a process that ran this long starts its backoff over
+_START_TIMEOUT_S = 900.0  # a server waits for the engine's handshake (weights loading)
+_STOP_MARGIN_S = 15.0  # past a drain timeout, before SIGKILL
+_HEALTH_POLL_S = 0.25
+
+
+@dataclass
+class Child:
+    """One supervised process: how to start it, and its current incarnation."""
+
+    name: str
+    argv: list[str]
+    health: tuple[str, int] | None = None  # (host, port) of its /health; None: the engine
+    stop_timeout_s: float = 30.0  # how long it may take to exit on SIGTERM
+    process: asyncio.subprocess.Process | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    replace: bool = False  # its next exit is a restart we asked for
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def status(self) -> dict[str, Any]:
+        running = self.process is not None and self.process.returncode is None
+        return {
+            "name": self.name,
+            "pid": self.process.pid if running and self.process is not None else None,
+            "ready": self.ready.is_set(),
+            "restarts": self.restarts,
+            **({"port": self.health[1]} if self.health else {}),
+        }
+
+
+class Supervisor:
+    def __init__(self, engine_address: str, engines: list[Child], servers: list[Child]) -> None:
+        self.engine_address = engine_address
+        self.engines = engines
+        self.servers = servers
+        self.stopping = False
+        self.started = False  # all ready once: from then on, exits are restarted
+        self.startup_failed = asyncio.Event()
+        self.rolling = asyncio.Lock()
+
+    @property
+    def children(self) -> list[Child]:
+        return self.engines + self.servers
+
+    async def run(self) -> int:
+        tasks = [asyncio.create_task(self._keep_alive(child)) for child in self.children]
+        ready = asyncio.gather(*(server.ready.wait() for server in self.servers))
+        failed = asyncio.create_task(self.startup_failed.wait())
+        await asyncio.wait([ready, failed], return_when=asyncio.FIRST_COMPLETED)
+        if self.startup_failed.is_set():
+            ready.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ready
+            await self.stop()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return 1
+        failed.cancel()
+        self.started = True
+        await asyncio.gather(*tasks)
+        return 0
+
+    async def _keep_alive(self, child: Child) -> None:
+        backoff = _FIRST_BACKOFF_S
+        while not self.stopping:
+            process = await self._start(child)
+            health = asyncio.create_task(self._watch_health(child, process))
+            code = await process.wait()
+            health.cancel()
+            child.ready.clear()
+            if self.stopping:
+                return
+            if child.replace:  # a rolling restart: straight back
+                child.replace = False
+                child.restarts += 1
+                continue
+            if not self.started:
+                logger.error("%s exited with %s during start-up; stopping", child.name, code)
+                self.startup_failed.set()
+                return
+            if time.monotonic() - child.started_at > _STABLE_AFTER_S:
+                backoff = _FIRST_BACKOFF_S
+            logger.error("%s exited with %s; starting it again in %g s", child.name, code, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, _MAX_BACKOFF_S)
+            child.restarts += 1
+
+    async def _start(self, child: Child) -> asyncio.subprocess.Process:
+        # A process group of its own: a Ctrl-C or a SIGTERM to the supervisor's group reaches
+        # the supervisor alone, which stops the servers (draining) before the engine.
+        child.process = await asyncio.create_subprocess_exec(*child.argv, cwd=ROOT, process_group=0)
+        child.started_at = time.monotonic()
+        logger.info("%s started (pid %d)", child.name, child.process.pid)
+        return child.process
+
+    async def _watch_health(self, child: Child, process: asyncio.subprocess.Process) -> None:
+        """Sets ``child.ready`` once this incarnation's /health answers 200 (the engine: now)."""
+        if child.health is None:
+            child.ready.set()
+            return
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while process.returncode is None and time.monotonic() < deadline:
+            if await http_status(*child.health, "/health") == 200:
+                if child.process is process:
+                    child.ready.set()
+                    logger.info("%s ready (pid %d)", child.name, process.pid)
+                return
+            await asyncio.sleep(_HEALTH_POLL_S)
+
+    async def rolling_restart(self) -> dict[str, Any]:
+        """Restarts each server in turn, each once the one before serves again."""
+        if self.rolling.locked():
+            return {"ok": False, "error": "a rolling restart is already running"}
+        async with self.rolling:
+            restarted = []
+            for child in self.servers:
+                if self.stopping:
+                    return {"ok": False, "error": "stopping", "restarted": restarted}
+                logger.info("rolling restart: %s", child.name)
+                old = child.process
+                if old is not None and old.returncode is None:
+                    child.replace = True
+                    await terminate(old, child.stop_timeout_s)
+                try:
+                    await asyncio.wait_for(self._ready_again(child, old), _START_TIMEOUT_S)
+                except TimeoutError:
+                    error = f"{child.name} did not come back in {_START_TIMEOUT_S:g} s"
+                    logger.error("rolling restart stopped: %s", error)
+                    return {"ok": False, "error": error, "restarted": restarted}
+                restarted.append(child.status())
+            logger.info("rolling restart done: %d servers", len(restarted))
+            return {"ok": True, "restarted": restarted}
+
+    @staticmethod
+    async def _ready_again(child: Child, old: asyncio.subprocess.Process | None) -> None:
+        while child.process is old or not child.ready.is_set():
+            await asyncio.sleep(_HEALTH_POLL_S)
+
+    async def stop(self) -> None:
+        """Servers first (they drain), then the engines."""
+        if self.stopping:
+            return
+        self.stopping = True
+        logger.info("stopping: servers first, then the engine")
+        for group in (self.servers, self.engines):
+            await asyncio.gather(
+                *(terminate(c.process, c.stop_timeout_s) for c in group if c.process is not None)
+            )
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "ok": True,
+            "engines": [c.status() for c in self.engines],
+            "servers": [c.status() for c in self.servers],
+            "rolling_restart": self.rolling.locked(),
+        }
+
+    async def serve_control(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        try:
+            command = json.loads(await reader.readline()).get("command")
+            if command == "status":
+                reply = self.status()
+            elif command == "rolling-restart":
+                reply = await self.rolling_restart()
+            else:
+                reply = {"ok": False, "error": f"unknown command {command!r}"}
+        except (ValueError, AttributeError) as exc:
+            reply = {"ok": False, "error": f"bad command: {exc}"}
+        writer.write(json.dumps(reply).encode() + b"\n")
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        writer.close()
+
+
+async def terminate(process: asyncio.subprocess.Process, timeout_s: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited ``timeout_s`` (plus a margin) later."""
+    if process.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        process.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(process.wait(), timeout_s + _STOP_MARGIN_S)
+    except TimeoutError:
+        logger.warning("pid %d did not stop in time: killing it", process.pid)
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        await process.wait()
+
+
+async def http_status(host: str, port: int, path: str, timeout: float = 2.0) -> int | None:
+    """The status of GET ``path``, or None if the server does not answer."""
+    writer = None
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        status_line = await asyncio.wait_for(reader.readline(), timeout)
+        return int(status_line.split()[1])
+    except (OSError, TimeoutError, ValueError, IndexError):
+        return None
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+def control_path(args: argparse.Namespace) -> Path:
+    if args.control is not None:
+        return Path(args.control)
+    return Path(tempfile.gettempdir()) / f"tandem-supervisor-{args.port}.sock"
+
+
+async def send_command(path: Path, command: str) -> dict[str, Any]:
+    reader, writer = await asyncio.open_unix_connection(str(path))
+    writer.write(json.dumps({"command": command}).encode() + b"\n")
+    await writer.drain()
+    reply = json.loads(await reader.readline())
+    writer.close()
+    return reply
+
+
+def build_children(args: argparse.Namespace, engine_args: list[str]) -> Supervisor:
+    python = sys.executable
+    engine_address = args.engine_address or (
+        f"ipc://{tempfile.gettempdir()}/tandem-engine-{os.getpid()}.sock"
+    )
+    engine_argv = [python, "-m", "engine", "--address", engine_address]
+    if args.model:
+        engine_argv += ["--model", args.model]
+    if args.device:
+        engine_argv += ["--device", args.device]
+    if args.tensor_parallel_size:
+        engine_argv += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    engine = Child("engine", [*engine_argv, *engine_args])
+    connect_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    servers = []
+    for index in range(args.servers):
+        port = args.port + index
+        argv = [
+            python, "-m", "server", "--engine", engine_address, "--host", args.host,
+            "--port", str(port), "--drain-timeout", str(args.drain_timeout),
+            *shlex.split(args.server_args),
+        ]  # fmt: skip
+        servers.append(Child(f"server {index}", argv, (connect_host, port), args.drain_timeout))
+    return Supervisor(engine_address, [engine], servers)
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    engine_args: list[str] = []
+    if "--" in argv:
+        split = argv.index("--")
+        argv, engine_args = argv[:split], argv[split + 1 :]
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model")
+    parser.add_argument("--servers", type=int, default=1)
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--device", choices=["cpu", "cuda"])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--engine-address", help="default: an ipc:// socket in $TMPDIR")
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, help="GPUs the engine splits the model over"
+    )
+    parser.add_argument("--drain-timeout", type=float, default=30.0)
+    parser.add_argument("--server-args", default="", help="more arguments for every server")
+    parser.add_argument("--control", help="the control socket's path")
+    action = parser.add_mutually_exclusive_group()
+    action.add_argument("--rolling-restart", action="store_true")
+    action.add_argument("--status", action="store_true")
+    return parser.parse_args(argv), engine_args
+
+
+async def main_async(args: argparse.Namespace, engine_args: list[str]) -> int:
+    control = control_path(args)
+    if args.rolling_restart or args.status:
+        try:
+            reply = await send_command(
+                control, "rolling-restart" if args.rolling_restart else "status"
+            )
+        except OSError as exc:
+            print(f"no supervisor answers at {control}: {exc}", file=sys.stderr)
+            return 1
+        print(json.dumps(reply, indent=2))
+        return 0 if reply.get("ok") else 1
+
+    supervisor = build_children(args, engine_args)
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, lambda: asyncio.ensure_future(supervisor.stop()))
+    loop.add_signal_handler(
+        signal.SIGHUP, lambda: asyncio.ensure_future(supervisor.rolling_restart())
+    )
+    control.unlink(missing_ok=True)
+    server = await asyncio.start_unix_server(supervisor.serve_control, str(control))
+    try:
+        running = asyncio.create_task(supervisor.run())
+        while not running.done() and not supervisor.started:
+            await asyncio.sleep(0.1)
+        if supervisor.started:
+            print_ready(supervisor, args)
+        return await running
+    finally:
+        server.close()
+        control.unlink(missing_ok=True)
+
+
+def print_ready(supervisor: Supervisor, args: argparse.Namespace) -> None:
+    print(f"engine at {supervisor.engine_address}")
+    for index in range(args.servers):
+        url = f"http://{args.host}:{args.port + index}"
+        print(f"server {index}: {url}  (OpenAI API at {url}/v1)")
+    print(
+        f"ready; Ctrl-C stops everything; rolling restart of the servers: kill -HUP "
+        f"{os.getpid()}, or scripts/start_distributed.sh --rolling-restart --port {args.port}",
+        flush=True,
+    )
+
+
+def main() -> None:
+    args, engine_args = parse_args(sys.argv[1:])
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    sys.exit(asyncio.run(main_async(args, engine_args)))
+
+
+if __name__ == "__main__":
+    main()
