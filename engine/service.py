@@ -8,11 +8,13 @@ the others.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections import defaultdict
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from engine.llm_engine import LLMEngine, RequestRejected
 from engine.throughput_log import ThroughputLog
@@ -54,6 +56,13 @@ class EngineService:
         self.socket.setsockopt(zmq.SNDHWM, _SEND_HIGH_WATER_MARK)
         self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # larger frames drop the peer
         self.socket.setsockopt(zmq.LINGER, 0)
+        # The socket's connection events (libzmq's ROUTER does not say which peer left, so the
+        # servers are counted, not named): the live panel's "connected servers".
+        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self.num_connections = 0
+        self.poller = zmq.Poller()
+        self.poller.register(self.socket, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
         self.socket.bind(address)
         self.address = address
         self.handshaken: set[bytes] = set()
@@ -69,7 +78,10 @@ class EngineService:
                     timeout = _COMPILING_POLL_MS
                 else:
                     timeout = 0
-                if self.socket.poll(timeout):
+                ready = dict(self.poller.poll(timeout))
+                if self.monitor in ready:
+                    self._count_connections()
+                if self.socket in ready:
                     self._drain_inbox()
                 if self.engine.has_work:
                     self._send_outputs(self.engine.step())
@@ -77,8 +89,15 @@ class EngineService:
                         self._send(client, error)
                 self.throughput_log.maybe_log()
         finally:
+            self.socket.disable_monitor()
+            self.monitor.close()
             self.socket.close()
             self.context.term()
+
+    def _count_connections(self) -> None:
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)["event"]
+            self.num_connections += 1 if event == zmq.EVENT_ACCEPTED else -1
 
     def _drain_inbox(self) -> None:
         while True:
@@ -120,7 +139,10 @@ class EngineService:
                 if output is not None:
                     self._send(client, TokenOutputs([output]))
             case StatsRequest():
-                self._send(client, self.engine.stats())
+                stats = self.engine.stats()
+                self._send(
+                    client, dataclasses.replace(stats, num_connected_servers=self.num_connections)
+                )
             case _:
                 logger.warning("dropped a %s: not a message for the engine", message.TYPE)
 

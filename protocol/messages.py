@@ -25,7 +25,7 @@ from protocol.codec import Message
 # 4: vLLM's sampling fields (min_p, repetition_penalty, min_tokens, bad_words,
 #    allowed_token_ids, prompt_logprobs), RequestOutput.prompt_logprobs and
 #    HandshakeReply.sampling_defaults.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 # The most alternatives a request may ask log-probabilities of, as OpenAI's top_logprobs.
 MAX_TOP_LOGPROBS = 20
 # The most token sequences a request's bad words may tokenize to, and their total tokens
@@ -333,3 +333,5 @@ class EngineStats(Message):
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache
     num_generated_tokens: int = 0
     num_preemptions: int = 0
+    # Peers connected to the engine's socket now: the servers (the service's count).
+    num_connected_servers: int = 0
