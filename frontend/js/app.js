@@ -101,7 +101,7 @@ function renderList() {
         if (NARROW.matches) showSidebar(false);
       });
       const rename = smallButton("✎", `Rename ${c.title}`, () => renameInline(item, c));
-      const remove = smallButton("🗑", `Delete ${c.title}`, () => {
+      const remove = smallButton("✕", `Delete ${c.title}`, () => {
         if (!window.confirm(`Delete "${c.title}"?`)) return;
         store.deleteConversation(c.id);
         if (conversation?.id === c.id) startNewConversation();

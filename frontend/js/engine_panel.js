@@ -5,6 +5,7 @@
 import { fetchStats } from "./api.js";
 
 const POLL_MS = 1000;
+const HIDDEN_POLL_MS = 5000; // panel closed: only the top bar's dot needs the engine's state
 const HISTORY = 60; // sparkline points: a minute
 
 const $ = (id) => document.getElementById(id);
@@ -28,6 +29,9 @@ export class EnginePanel {
     this.online = null;
     this.generation = [];
     this.prompt = [];
+    this.started = false;
+    this.polling = false;
+    this.timer = 0;
     this.toggleButton.addEventListener("click", () => this.show(this.panel.hidden));
     const saved = localStorage.getItem("tandem.enginePanel");
     this.show(saved === null ? window.matchMedia("(min-width: 1100px)").matches : saved === "shown", false);
@@ -37,14 +41,25 @@ export class EnginePanel {
     this.panel.hidden = !visible;
     this.toggleButton.setAttribute("aria-expanded", String(visible));
     if (remember) localStorage.setItem("tandem.enginePanel", visible ? "shown" : "hidden");
+    if (visible && this.started) this.schedule(0);
   }
 
   start() {
-    const tick = async () => {
-      await this.poll();
-      setTimeout(tick, POLL_MS);
-    };
-    tick();
+    this.started = true;
+    this.schedule(0);
+  }
+
+  schedule(delay) {
+    clearTimeout(this.timer);
+    this.timer = setTimeout(() => this.tick(), delay);
+  }
+
+  async tick() {
+    if (this.polling) return; // the poll in flight schedules the next
+    this.polling = true;
+    await this.poll();
+    this.polling = false;
+    this.schedule(this.panel.hidden ? HIDDEN_POLL_MS : POLL_MS);
   }
 
   async poll() {
@@ -101,9 +116,13 @@ export class EnginePanel {
     }
     const peak = Math.max(1, ...this.generation, ...this.prompt);
     $("sparkline-peak").textContent = rate(peak);
+    // The newest reading at the right edge; a series shorter than a minute starts further in.
     const points = (series) =>
       series
-        .map((value, i) => `${(i * 240) / (HISTORY - 1)},${(58 - (value / peak) * 56).toFixed(1)}`)
+        .map((value, i) => {
+          const x = ((HISTORY - series.length + i) * 240) / (HISTORY - 1);
+          return `${x.toFixed(1)},${(58 - (value / peak) * 56).toFixed(1)}`;
+        })
         .join(" ");
     $("sparkline-generation").setAttribute("points", points(this.generation));
     $("sparkline-prompt").setAttribute("points", points(this.prompt));

@@ -11,6 +11,7 @@ through the page's own import path.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -98,8 +99,21 @@ def answers(page: Page) -> Any:
     return page.locator(".message.assistant")
 
 
-def wait_answered(page: Page, count: int = 1) -> None:
-    expect(page.locator(".message.assistant:not(.pending)")).to_have_count(count, timeout=60_000)
+def wait_answered(page: Page, count: int = 1, timeout_s: float = 60) -> None:
+    expect(page.locator(".message.assistant:not(.pending)")).to_have_count(
+        count, timeout=timeout_s * 1000
+    )
+
+
+def wait_idle(url: str, timeout_s: float = 10) -> None:
+    """Until the engine runs no request (an abort crosses from the server to the engine)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        response = httpx.get(f"{url}/stats", timeout=timeout_s)
+        if response.status_code == 200 and response.json()["num_running"] == 0:
+            return
+        assert time.monotonic() < deadline, f"still running: {response.text}"
+        time.sleep(0.1)
 
 
 def force_answer(page: Page, text: str) -> None:
@@ -156,12 +170,7 @@ def test_escape_stops_an_answer_and_the_engine_frees_it(cluster: Cluster, browse
     wait_answered(page)
     expect(page.locator("#stop")).to_be_hidden()
     expect(answers(page).locator(".meta")).to_contain_text("stopped")
-    stats = httpx.get(f"{cluster.urls[0]}/stats").json()
-    deadline = 50
-    while stats["num_running"] and deadline:  # the abort crosses to the engine
-        page.wait_for_timeout(100)
-        stats, deadline = httpx.get(f"{cluster.urls[0]}/stats").json(), deadline - 1
-    assert stats["num_running"] == 0
+    wait_idle(cluster.urls[0])
     page.context.close()
 
 
@@ -195,7 +204,7 @@ def test_model_output_renders_code_and_stays_inert(cluster: Cluster, browser: Br
     page = open_chat(browser, cluster.urls[0])
     force_answer(page, '<img src=x onerror="pwned=1">\n\n```py\nx=1\n```')
     ask(page, "Show me.")
-    wait_answered(page)
+    wait_answered(page, timeout_s=180)  # ~20 tokens, each through the grammar
     answer = answers(page).first
     expect(answer.locator("pre > code")).to_have_text("x=1")
     expect(answer.locator(".code-lang")).to_have_text("py")
