@@ -116,7 +116,7 @@ function renderList() {
 function smallButton(text, label, onClick) {
   const button = document.createElement("button");
   button.type = "button";
-  button.className = "ghost small icon";
+  button.className = "ghost small";
   button.textContent = text;
   button.setAttribute("aria-label", label);
   button.title = label;
@@ -275,7 +275,6 @@ function messageActions(message) {
   } else {
     actions.push(smallButton("Regenerate", "Regenerate answer", () => !generation && generate(message.parentId)));
   }
-  for (const button of actions) if (button.tagName === "BUTTON") button.classList.remove("icon");
   return actions;
 }
 
@@ -291,7 +290,6 @@ function editMessage(message, button) {
   send.type = "button";
   send.textContent = "Send";
   const cancel = smallButton("Cancel", "Cancel edit", () => renderConversation());
-  cancel.classList.remove("icon");
   const submit = () => {
     const text = field.value.trim();
     if (!text) return;
@@ -357,7 +355,8 @@ function stopGeneration() {
 /** Streams a new answer under `parentId`: a new branch if it already has one. */
 async function generate(parentId) {
   const target = conversation;
-  const history = store.currentPath(target).slice(0, store.currentPath(target).findIndex((m) => m.id === parentId) + 1);
+  const path = store.currentPath(target);
+  const history = path.slice(0, path.findIndex((m) => m.id === parentId) + 1);
   const message = store.addMessage(target, parentId, { role: "assistant" });
   store.saveConversation(target);
   renderConversation();

@@ -254,6 +254,45 @@ def test_imported_conversation_is_sanitized_and_fits_a_phone(
     page.context.close()
 
 
+STREAMED = (
+    "# Title\n\nSome *text* with $x^2$ math\nand [a link][ref].\n\n- one\n- two\n\n"
+    "```python\nprint('hi')\n```\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n"
+    "[ref]: https://example.com\n\n> a quote\n\nThe end."
+)
+
+
+def test_streamed_markdown_renders_as_the_whole_text(cluster: Cluster, browser: Browser) -> None:
+    """Fed a few characters at a time, the streaming renderer ends with the same elements
+    and text as rendering the whole answer at once, and keeps finished blocks' nodes."""
+    page = open_chat(browser, cluster.urls[0])
+    result = page.evaluate(
+        """async (text) => {
+            const { StreamingMarkdown, renderMarkdown } = await import("/static/js/markdown.js");
+            const streamed = document.createElement("div");
+            const stream = new StreamingMarkdown(streamed);
+            let heading = null, sameHeading = true;
+            for (let end = 3; end < text.length + 3; end += 3) {
+                stream.update(text.slice(0, end));
+                stream.finish();
+                heading ??= streamed.querySelector("h1");
+                if (heading) sameHeading &&= streamed.querySelector("h1") === heading;
+            }
+            const whole = document.createElement("div");
+            whole.append(renderMarkdown(text));
+            const shape = (root) => [...root.querySelectorAll("*")]
+                .filter((node) => !node.classList.contains("open-block"))
+                .map((node) => node.tagName).join(" ");
+            return { streamed: shape(streamed), whole: shape(whole), sameHeading,
+                     texts: [streamed.textContent, whole.textContent] };
+        }""",
+        STREAMED,
+    )
+    assert result["streamed"] == result["whole"]
+    assert result["texts"][0] == result["texts"][1]
+    assert result["sameHeading"]  # a finished block's DOM is never rebuilt
+    page.context.close()
+
+
 def test_engine_panel_shows_the_live_engine(cluster: Cluster, browser: Browser) -> None:
     page = open_chat(browser, cluster.urls[0], viewport={"width": 1280, "height": 800})
     expect(page.locator("#engine-panel")).to_be_visible()
