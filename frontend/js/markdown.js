@@ -79,7 +79,8 @@ export function renderMarkdown(text) {
 // every block but the last. Renders are also batched to one per animation frame, so a fast
 // stream lexes at most once a frame whatever its token rate. A long code block stays open
 // until its fence closes: only it is re-lexed, which is linear per frame, not per answer.
-// Reference links defined in a finished block still resolve later: `links` keeps them.
+// Reference links defined in a finished block still resolve later (`links` keeps them); one
+// used in a finished block before its definition came stays literal text.
 export class StreamingMarkdown {
   constructor(container) {
     this.container = container;
@@ -107,22 +108,24 @@ export class StreamingMarkdown {
   render() {
     this.frame = 0;
     const tail = this.source.slice(this.done);
-    const tokens = marked.lexer(tail);
-    Object.assign(this.links, tokens.links);
+    // marked resolves reference links as it lexes: the tail's lexer starts with a copy of
+    // those defined in finished blocks (the open block's may still be half written).
+    const lexer = new marked.Lexer(marked.defaults);
+    lexer.tokens.links = Object.assign(Object.create(null), this.links);
+    const tokens = lexer.lex(tail);
     let open = tokens.length - 1;
     while (open > 0 && tokens[open].type === "space") open--;
     const finished = tokens.slice(0, Math.max(open, 0));
     const finishedSource = finished.map((token) => token.raw).join("");
     // Only if the lexer's raws are exactly the source (they are; this guards upgrades).
     if (finished.length && tail.startsWith(finishedSource)) {
-      finished.links = this.links;
+      for (const { type, tag, href, title } of finished) {
+        if (type === "def") this.links[tag] ??= { href, title };
+      }
       this.open.before(toFragment(marked.parser(finished)));
       this.done += finishedSource.length;
-      const rest = tokens.slice(open);
-      rest.links = this.links;
-      this.open.replaceChildren(toFragment(marked.parser(rest)));
+      this.open.replaceChildren(toFragment(marked.parser(tokens.slice(open))));
     } else {
-      tokens.links = this.links;
       this.open.replaceChildren(toFragment(marked.parser(tokens)));
     }
   }
