@@ -14,7 +14,6 @@ import collections
 import ipaddress
 import logging
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,6 @@ from typing import Any
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
-from zmq.utils.monitor import recv_monitor_message
 
 from engine.config import ServiceConfig
 from protocol.curve import load_key_pair, make_curve_server
@@ -99,6 +97,13 @@ def check_address(address: str, curve: bool, insecure: bool) -> None:
 class CurveGuard:
     """CURVE on a ROUTER socket, its allow-list, and the log of refused connections."""
 
+    # The socket monitor's events of a refused peer, for log_failed_handshake.
+    HANDSHAKE_FAILURES = (
+        zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    )
+
     def __init__(
         self,
         context: zmq.Context,
@@ -111,23 +116,41 @@ class CurveGuard:
         # Only the public keys in this directory may connect, from any address ("*").
         self._authenticator.configure_curve(domain="*", location=authorized_keys_dir)
         make_curve_server(socket, secret_key_file)
-        self._socket = socket
-        monitor = socket.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-            | zmq.EVENT_MONITOR_STOPPED
-        )
-        self._monitor_thread = threading.Thread(
-            target=_log_failed_handshakes, args=(monitor,), name="curve-monitor", daemon=True
-        )
-        self._monitor_thread.start()
+        # A refused peer reconnects every 100 ms or so: each reason is logged once in a while,
+        # with how many refusals it stands for.
+        self._last_logged: dict[str, float] = {}
+        self._unlogged: collections.Counter[str] = collections.Counter()
 
     def close(self) -> None:
-        """Before the socket closes: stops the monitor and the authenticator."""
-        self._socket.disable_monitor()  # the monitor thread reads MONITOR_STOPPED and ends
-        self._monitor_thread.join(timeout=5)
+        """Before the socket closes: stops the authenticator."""
         self._authenticator.stop()
+
+    def log_failed_handshake(self, event: dict[str, Any]) -> None:
+        """Log one of the socket monitor's HANDSHAKE_FAILURES events (the engine's service
+        owns the monitor: libzmq allows one per socket)."""
+        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            why = f"authentication refused (ZAP status {event['value']})"
+        elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            # An errno: the peer hung up mid-handshake, as one without CURVE (or with
+            # another engine's key) does when it sees the engine's greeting first.
+            why = (
+                f"handshake failed ({os.strerror(event['value'])}): the peer may not use "
+                "CURVE, or not this engine's key"
+            )
+        else:
+            why = _PROTOCOL_ERRORS.get(event["value"], f"protocol error {event['value']:#x}")
+            if why == "zmtp_mechanism_mismatch":
+                why += ": the peer does not use CURVE"
+            elif why == "zmtp_cryptographic":
+                why += ": the peer has a different engine public key"
+        now = time.monotonic()
+        last = self._last_logged.get(why, -_REPEAT_LOG_INTERVAL_S)
+        if now - last < _REPEAT_LOG_INTERVAL_S:
+            self._unlogged[why] += 1
+            return
+        self._last_logged[why] = now
+        again = f" ({self._unlogged.pop(why)} more times since)" if self._unlogged[why] else ""
+        logger.warning("refused a connection on %s: %s%s", event["endpoint"].decode(), why, again)
 
 
 class _RefusalLog(logging.LoggerAdapter):
@@ -139,41 +162,3 @@ class _RefusalLog(logging.LoggerAdapter):
         if text.startswith("DENIED"):  # e.g. "DENIED (CURVE) domain=* client_key=..."
             level, msg, args = logging.WARNING, "refused a connection: %s", (text,)
         super().log(level, msg, *args, **kwargs)
-
-
-def _log_failed_handshakes(monitor: zmq.Socket) -> None:
-    # A refused peer reconnects every 100 ms or so: each reason is logged once in a while,
-    # with how many refusals it stands for.
-    last_logged: dict[str, float] = {}
-    unlogged: collections.Counter[str] = collections.Counter()
-    try:
-        while True:
-            event = recv_monitor_message(monitor)
-            if event["event"] == zmq.EVENT_MONITOR_STOPPED:
-                return
-            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                why = f"authentication refused (ZAP status {event['value']})"
-            elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-                # An errno: the peer hung up mid-handshake, as one without CURVE (or with
-                # another engine's key) does when it sees the engine's greeting first.
-                why = (
-                    f"handshake failed ({os.strerror(event['value'])}): the peer may not use "
-                    "CURVE, or not this engine's key"
-                )
-            else:
-                why = _PROTOCOL_ERRORS.get(event["value"], f"protocol error {event['value']:#x}")
-                if why == "zmtp_mechanism_mismatch":
-                    why += ": the peer does not use CURVE"
-                elif why == "zmtp_cryptographic":
-                    why += ": the peer has a different engine public key"
-            now = time.monotonic()
-            if now - last_logged.get(why, -_REPEAT_LOG_INTERVAL_S) < _REPEAT_LOG_INTERVAL_S:
-                unlogged[why] += 1
-                continue
-            last_logged[why] = now
-            again = f" ({unlogged.pop(why)} more times since)" if unlogged[why] else ""
-            logger.warning(
-                "refused a connection on %s: %s%s", event["endpoint"].decode(), why, again
-            )
-    finally:
-        monitor.close(linger=0)

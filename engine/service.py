@@ -12,11 +12,13 @@ run on for up to ``--drain-timeout`` seconds, and the rest end with finish reaso
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import defaultdict
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from engine.config import ServiceConfig
 from engine.curve_auth import CurveGuard
@@ -64,10 +66,20 @@ class EngineService:
         self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # larger frames drop the peer
         self.socket.setsockopt(zmq.LINGER, 0)
         self.curve: CurveGuard | None = None
+        events = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
         if config.curve_secret_key is not None and config.curve_authorized_keys is not None:
             self.curve = CurveGuard(
                 self.context, self.socket, config.curve_secret_key, config.curve_authorized_keys
             )
+            events |= CurveGuard.HANDSHAKE_FAILURES
+        # The socket's one monitor (libzmq allows one): connections counted (a ROUTER does not
+        # say which peer left, so servers are counted, not named: the live panel's "connected
+        # servers"), and refused CURVE handshakes logged.
+        self.monitor = self.socket.get_monitor_socket(events)
+        self.num_connections = 0
+        self.poller = zmq.Poller()
+        self.poller.register(self.socket, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
         self.socket.bind(config.address)
         self.address = config.address
         self.handshaken: set[bytes] = set()
@@ -103,7 +115,10 @@ class EngineService:
                     timeout = _COMPILING_POLL_MS
                 else:
                     timeout = 0
-                if self.socket.poll(timeout):
+                ready = dict(self.poller.poll(timeout))
+                if self.monitor in ready:
+                    self._read_socket_events()
+                if self.socket in ready:
                     self._drain_inbox()
                 if self.engine.has_work:
                     self._send_outputs(self.engine.step())
@@ -115,10 +130,22 @@ class EngineService:
                 logger.warning("aborted %d requests still running at shutdown", len(aborted))
             self._send_outputs(aborted)
         finally:
+            self.socket.disable_monitor()
+            self.monitor.close()
             if self.curve is not None:
                 self.curve.close()
             self.socket.close(linger=_CLOSE_LINGER_MS)
             self.context.term()
+
+    def _read_socket_events(self) -> None:
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self.num_connections += 1
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self.num_connections -= 1
+            elif self.curve is not None:
+                self.curve.log_failed_handshake(event)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -160,7 +187,10 @@ class EngineService:
                 if output is not None:
                     self._send(client, TokenOutputs([output]))
             case StatsRequest():
-                self._send(client, self.engine.stats())
+                stats = self.engine.stats()
+                self._send(
+                    client, dataclasses.replace(stats, num_connected_servers=self.num_connections)
+                )
             case _:
                 logger.warning("dropped a %s: not a message for the engine", message.TYPE)
 

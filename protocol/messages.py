@@ -27,7 +27,7 @@ from protocol.codec import Message
 #    HandshakeReply.sampling_defaults.
 # 5: SamplingDefaults.max_tokens (generation_config.json's max_new_tokens),
 #    RequestOutput.stop_token_id and .queue_time, ErrorCode.SHUTTING_DOWN (an engine draining
-#    on SIGTERM).
+#    on SIGTERM), EngineStats.num_connected_servers.
 PROTOCOL_VERSION = 5
 # The most alternatives a request may ask log-probabilities of, as OpenAI's top_logprobs.
 MAX_TOP_LOGPROBS = 20
@@ -344,3 +344,5 @@ class EngineStats(Message):
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache
     num_generated_tokens: int = 0
     num_preemptions: int = 0
+    # Peers connected to the engine's socket now: the servers (the service's count).
+    num_connected_servers: int = 0

@@ -26,6 +26,7 @@ from server.routes.completions import Completions
 from server.routes.health import Health
 from server.routes.models import Models
 from server.routes.responses import Responses
+from server.routes.stats import Stats
 from server.routes.tokenize import Tokenization
 from server.routes.version import server_version
 from server.served_model import ChatOptions, ServedModel
@@ -52,6 +53,7 @@ def create_app(
     models = Models(model)
     tokenization = Tokenization(model)
     health = Health(client)
+    stats = Stats(client)
     index = FRONTEND_DIR / "index.html"
 
     async def web_ui(request: Request) -> Response:
@@ -67,6 +69,7 @@ def create_app(
         Route("/detokenize", tokenization.detokenize, methods=["POST"]),
         Route("/health", health.health, methods=["GET"]),
         Route("/metrics", health.metrics, methods=["GET"]),
+        Route("/stats", stats.stats, methods=["GET"]),
         Route("/version", server_version, methods=["GET"]),
         Route("/", web_ui, methods=["GET"]),
         Mount("/static", StaticFiles(directory=FRONTEND_DIR), name="static"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from starlette.requests import Request
@@ -28,4 +29,11 @@ class Models:
             "created": self._model.created,
             "owned_by": "tandem",
             "max_model_len": self._model.max_model_len,
+            # Beyond OpenAI's card: the model's own sampling defaults (generation_config.json),
+            # those set only, which the web chat starts its settings from.
+            "sampling_defaults": {
+                name: value
+                for name, value in dataclasses.asdict(self._model.sampling_defaults).items()
+                if value is not None
+            },
         }

@@ -30,6 +30,7 @@ def test_engine_survives_a_killed_server(
     subprocess_cleanup.append(first)
     first_url = f"http://127.0.0.1:{first_port}"
     before = engine_stats(first_url)
+    assert before["num_connected_servers"] == 1
 
     body = {
         "messages": [{"role": "user", "content": "Count to one thousand."}],
@@ -54,6 +55,7 @@ def test_engine_survives_a_killed_server(
     assert after["engine_pid"] == before["engine_pid"] == engine.pid
     assert after["engine_started_at"] == before["engine_started_at"]  # weights not reloaded
     assert after["num_free_blocks"] == after["num_total_blocks"]
+    assert after["num_connected_servers"] == 1  # the killed one is no longer counted
 
     assert_answers_paris(second_url)
     log = (tmp_path / "engine.log").read_text()
