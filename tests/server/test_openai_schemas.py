@@ -490,7 +490,7 @@ def test_models(client: TestClient) -> None:
 def test_web_ui(client: TestClient) -> None:
     page = client.get("/")
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
-    for name in ("app.js", "style.css"):
+    for name in ("js/app.js", "style.css", "vendor/dompurify/purify.min.js"):
         assert f"/static/{name}" in page.text
         assert client.get(f"/static/{name}").status_code == 200
 
