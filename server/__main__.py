@@ -1,8 +1,10 @@
-"""``python -m server --engine ADDRESS --port P``: one stateless HTTP server.
+"""``python -m server --engine ADDRESS [--engine ADDRESS ...] --port P``: one stateless HTTP server.
 
 It handshakes with the engine before it listens, so that a server that accepts
 connections always knows its model; the engine may still be loading weights, so
-the handshake waits (up to --handshake-timeout).
+the handshake waits (up to --handshake-timeout). With several engine addresses
+(data-parallel replicas of one model), it handshakes with every one and spreads the
+requests over them (server/engine_pool.py).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import sys
 import uvicorn
 
 from server.app import create_app
-from server.engine_client import EngineClient, HandshakeError
+from server.engine_client import HandshakeError
+from server.engine_pool import EnginePool
 from server.reasoning import REASONING_PARSERS
 from server.served_model import ChatOptions, load_chat_template
 from server.tool_parsers import TOOL_PARSERS
@@ -34,7 +37,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m server", description="OpenAI-compatible HTTP server for a Tandem engine."
     )
     parser.add_argument(
-        "--engine", required=True, help="the engine's ZeroMQ address, e.g. tcp://127.0.0.1:5555"
+        "--engine",
+        required=True,
+        action="append",
+        help="the engine's ZeroMQ address, e.g. tcp://127.0.0.1:5555; data-parallel replicas of "
+        "one model: the option once for each, or their addresses separated by commas",
     )
     parser.add_argument("--port", type=int, required=True, help="HTTP port to listen on")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
@@ -74,7 +81,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=["critical", "error", "warning", "info", "debug"],
         help="log level (default: info)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.engine = [address for option in args.engine for address in option.split(",") if address]
+    if len(set(args.engine)) != len(args.engine):
+        parser.error(f"an engine address is given twice: {', '.join(args.engine)}")
+    return args
 
 
 async def _serve(args: argparse.Namespace) -> int:
@@ -86,18 +97,20 @@ async def _serve(args: argparse.Namespace) -> int:
             return 2
     options = ChatOptions(args.chat_template, args.tool_call_parser, args.reasoning_parser)
     client_name = f"tandem-server {socket.gethostname()}:{os.getpid()} port {args.port}"
-    client = EngineClient(args.engine, client_name)
+    client = EnginePool(args.engine, client_name)
     try:
-        logger.info("connecting to the engine at %s", args.engine)
+        logger.info("connecting to the engine at %s", ", ".join(args.engine))
         try:
             handshake = await client.connect(args.handshake_timeout)
         except HandshakeError as exc:
             logger.error("cannot serve: %s", exc)
             return 1
         logger.info(
-            "serving %s (context %d tokens) on http://%s:%d",
+            "serving %s (context %d tokens, %d engine replica%s) on http://%s:%d",
             handshake.model_name,
             handshake.max_model_len,
+            len(args.engine),
+            "" if len(args.engine) == 1 else "s",
             args.host,
             args.port,
         )

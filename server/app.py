@@ -15,7 +15,7 @@ from starlette.types import ASGIApp
 
 from protocol import HandshakeReply
 from server.api_key import ApiKeyCheck
-from server.engine_client import EngineClient
+from server.engine_pool import EnginePool
 from server.errors import ApiError, handle_api_error, handle_http_exception, handle_unexpected
 from server.request_id import RequestIdHeader
 from server.routes.chat import ChatCompletions
@@ -31,7 +31,7 @@ FRONTEND_DIR = Path(__file__).resolve().parent.parent / "frontend"
 
 
 def create_app(
-    client: EngineClient,
+    client: EnginePool,
     handshake: HandshakeReply,
     api_key: str | None = None,
     chat_options: ChatOptions | None = None,

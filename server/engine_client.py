@@ -87,6 +87,11 @@ class EngineClient:
         self._monitor: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
+    @property
+    def ready(self) -> bool:
+        """Handshaken with the engine at the other end now: requests can be sent."""
+        return self._ready
+
     async def connect(self, timeout: float) -> HandshakeReply:
         """Connects and handshakes; waits up to ``timeout`` s for the engine to answer.
 
@@ -258,7 +263,7 @@ class EngineClient:
             return
         if not self._handshake.done():
             self._handshake.set_result(reply)
-        elif not _same_model(self._handshake.result(), reply):
+        elif model_differences(self._handshake.result(), reply):
             # Everything this server knows (tokenizer, template, limits) came from
             # the first handshake; serving another model with it would be wrong.
             logger.error(
@@ -292,11 +297,14 @@ class EngineClient:
         self._stats_waiters.clear()
 
 
-def _same_model(first: HandshakeReply, second: HandshakeReply) -> bool:
-    def identity(reply: HandshakeReply) -> HandshakeReply:
-        return dataclasses.replace(reply, engine_pid=0, engine_started_at=0.0)
-
-    return identity(first) == identity(second)
+def model_differences(first: HandshakeReply, second: HandshakeReply) -> list[str]:
+    """The handshake fields in which two engines' models differ (their process aside)."""
+    process = {"engine_pid", "engine_started_at"}
+    return [
+        field.name
+        for field in dataclasses.fields(HandshakeReply)
+        if field.name not in process and getattr(first, field.name) != getattr(second, field.name)
+    ]
 
 
 def _log_send_failure(sent: asyncio.Future[Any]) -> None:

@@ -1,7 +1,8 @@
-"""GET /metrics: the engine's state in Prometheus' text format, for dashboards and alerts.
+"""GET /metrics: the engines' state in Prometheus' text format, for dashboards and alerts.
 
-Each scrape asks the engine for fresh stats; counters count since the engine started,
-so a restarted engine shows as a counter reset, which Prometheus handles.
+Each scrape asks every engine replica for fresh stats; each sample carries its replica's index
+(``replica="0"``, …). Counters count since that engine started, so a restarted engine shows as
+a counter reset, which Prometheus handles.
 """
 
 from __future__ import annotations
@@ -37,21 +38,26 @@ _METRICS = [
 ]
 
 
-def render_metrics(stats: EngineStats | None) -> str:
-    """The exposition text; with no stats (engine not answering) only ``tandem_engine_up 0``."""
+def render_metrics(replicas: list[EngineStats | None]) -> str:
+    """The exposition text of each replica's stats, by index; a replica with no stats (not
+    answering) has only its ``tandem_engine_up{replica="i"} 0``."""
     lines = [
-        "# HELP tandem_engine_up Whether the engine answered this scrape.",
+        "# HELP tandem_engine_up Whether the engine replica answered this scrape.",
         "# TYPE tandem_engine_up gauge",
-        f"tandem_engine_up {0 if stats is None else 1}",
     ]
-    if stats is not None:
-        labels = f'{{model="{_escape(stats.model_name)}"}}'
-        for name, kind, help_text, field in _METRICS:
-            lines += [
-                f"# HELP {name} {help_text}",
-                f"# TYPE {name} {kind}",
-                f"{name}{labels} {getattr(stats, field)}",
-            ]
+    lines += [
+        f'tandem_engine_up{{replica="{index}"}} {0 if stats is None else 1}'
+        for index, stats in enumerate(replicas)
+    ]
+    # A family with no replica answering keeps its HELP and TYPE lines, as prometheus-client's.
+    answering = [(index, stats) for index, stats in enumerate(replicas) if stats is not None]
+    for name, kind, help_text, field in _METRICS:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        lines += [
+            f'{name}{{model="{_escape(stats.model_name)}",replica="{index}"}} '
+            f"{getattr(stats, field)}"
+            for index, stats in answering
+        ]
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,182 @@
+"""Data parallelism: one server over two real engine replicas (``--engine A,B``).
+
+Requests land on both, a prompt's next turn goes back to the replica that has its prefix
+cached, and a replica killed mid-stream fails only its own stream while the other keeps
+answering; restarted, it is chosen again.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.processes import free_port, start_engine, start_server, stop
+from tests.random_checkpoint import VOCAB, random_prompts, save_tiny_llama, save_word_tokenizer
+
+# Long enough that a stream is still running when the test kills its engine.
+MAX_MODEL_LEN = 4096
+
+
+def replica_stats(url: str) -> list[dict | None]:
+    """Each replica's engine stats from /health, by index; None for one not answering."""
+    health = httpx.get(f"{url}/health", timeout=10).json()
+    return [replica["engine"] for replica in health["replicas"]]
+
+
+def finished_by_replica(url: str) -> list[int]:
+    return [stats["num_finished"] if stats else 0 for stats in replica_stats(url)]
+
+
+def complete(url: str, prompt: list[int], max_tokens: int = 4) -> httpx.Response:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+
+def served_by(url: str, prompt: list[int]) -> int:
+    """The replica that answered ``prompt`` (sent alone), by its finished-request count."""
+    before = finished_by_replica(url)
+    assert complete(url, prompt).status_code == 200
+    after = finished_by_replica(url)
+    grew = [index for index, (b, a) in enumerate(zip(before, after, strict=True)) if a > b]
+    assert len(grew) == 1, (before, after)
+    return grew[0]
+
+
+def wait_for_all_replicas(url: str, timeout_s: float = 120) -> dict:
+    """Poll /health until every replica answers; its last body."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        health = httpx.get(f"{url}/health", timeout=10).json()
+        if health["status"] == "ok":
+            return health
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not every replica answers after {timeout_s} s: {health}")
+        time.sleep(0.2)
+
+
+class Replicas:
+    """Two engines on one tiny checkpoint and a server over both."""
+
+    def __init__(self, workdir: Path, cleanup: list[subprocess.Popen]) -> None:
+        self.workdir = workdir
+        self.cleanup = cleanup
+        self.model = workdir / "model"
+        save_tiny_llama(self.model, max_position_embeddings=MAX_MODEL_LEN)
+        save_word_tokenizer(self.model, VOCAB)
+        self.addresses = [f"ipc://{workdir}/engine{index}.sock" for index in range(2)]
+        self.engines = [self.start_engine(index) for index in range(2)]
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.server_log = workdir / "server.log"
+        self.server = start_server(",".join(self.addresses), port, self.server_log)
+        cleanup.append(self.server)
+
+    def start_engine(self, index: int) -> subprocess.Popen:
+        log = self.workdir / f"engine{index}.log"
+        engine = start_engine(self.addresses[index], log, "--model", str(self.model))
+        self.cleanup.append(engine)
+        return engine
+
+
+@pytest.fixture
+def replicas(tmp_path: Path, subprocess_cleanup: list[subprocess.Popen]) -> Iterator[Replicas]:
+    yield Replicas(tmp_path, subprocess_cleanup)
+
+
+def test_requests_spread_and_a_next_turn_finds_its_replica(replicas: Replicas) -> None:
+    url = replicas.url
+    # Different prompts, sent at once: each replica takes its share.
+    prompts = random_prompts(8, seed=1) + random_prompts(8, seed=2)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        replies = list(pool.map(lambda prompt: complete(url, prompt, max_tokens=16), prompts))
+    assert all(reply.status_code == 200 for reply in replies)
+    finished = finished_by_replica(url)
+    assert sum(finished) == len(prompts)
+    assert min(finished) >= len(prompts) // 4, finished
+
+    # A conversation: each turn's prompt starts with the one before and its answer. Alone,
+    # each request would go to either replica in turn; each turn goes where the first did,
+    # and finds its prefix in that replica's cache.
+    conversation = random_prompts(5, seed=7)[4]  # 64 tokens: four full blocks
+    first = served_by(url, conversation)
+    for turn in range(4):
+        conversation = conversation + random_prompts(3, seed=turn)[2]  # 17 more tokens
+        cached_before = replica_stats(url)[first]["num_cached_prompt_tokens"]
+        assert served_by(url, conversation) == first
+        cached = replica_stats(url)[first]["num_cached_prompt_tokens"] - cached_before
+        assert cached >= 64, cached
+    # Prompts with nothing in common still alternate.
+    assert {served_by(url, prompt) for prompt in random_prompts(4, seed=99)} == {0, 1}
+
+
+def test_a_killed_replica_fails_only_its_requests_and_rejoins(replicas: Replicas) -> None:
+    url = replicas.url
+    body = {"max_tokens": MAX_MODEL_LEN - 100, "ignore_eos": True, "stream": True}
+    prompts = random_prompts(2, seed=3)
+    with ExitStack() as streams:
+        # One stream on each replica: the second goes to the one the first left idle.
+        lines = []
+        on_replica = []
+        for prompt in prompts:
+            response = streams.enter_context(
+                httpx.stream("POST", f"{url}/v1/completions", json={**body, "prompt": prompt})
+            )
+            lines.append(response.iter_lines())
+            assert next(lines[-1]).startswith("data: ")
+            health = httpx.get(f"{url}/health", timeout=10).json()
+            busy = [r["replica"] for r in health["replicas"] if r["requests_in_flight"]]
+            on_replica.append(next(index for index in busy if index not in on_replica))
+        killed = on_replica[0]
+        survivor_lines = lines[1]
+        stop(replicas.engines[killed], signal.SIGKILL)
+
+        # The killed replica's stream ends, with an error naming it.
+        rest = [line.removeprefix("data: ") for line in lines[0] if line]
+        assert rest[-1] == "[DONE]"
+        error = json.loads(rest[-2])["error"]
+        assert error["code"] == "engine_unavailable"
+        assert f"replica {killed}" in error["message"]
+        # The other stream goes on.
+        for _ in range(20):
+            chunk = json.loads(next(line for line in survivor_lines if line).removeprefix("data: "))
+            assert chunk["choices"][0]["text"], chunk
+
+        # New requests all go to the survivor while the killed one is away.
+        health = httpx.get(f"{url}/health", timeout=10)
+        assert health.status_code == 200
+        assert health.json()["status"] == "degraded"
+        assert health.json()["replicas"][killed]["status"] == "unavailable"
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+        assert f'tandem_engine_up{{replica="{killed}"}} 0' in metrics
+        for prompt in random_prompts(4, seed=11):
+            assert complete(url, prompt).status_code == 200
+
+    # Restarted at its address, the replica rejoins and takes requests again.
+    replicas.engines[killed] = replicas.start_engine(killed)
+    health = wait_for_all_replicas(url)
+    assert health["replicas"][killed]["engine"]["engine_pid"] == replicas.engines[killed].pid
+    assert {served_by(url, prompt) for prompt in random_prompts(4, seed=12)} == {0, 1}
+
+
+def test_replicas_of_different_models_are_refused(
+    tmp_path: Path, subprocess_cleanup: list[subprocess.Popen]
+) -> None:
+    model = tmp_path / "model"
+    save_tiny_llama(model, max_position_embeddings=MAX_MODEL_LEN)
+    addresses = [f"ipc://{tmp_path}/engine{index}.sock" for index in range(2)]
+    for address, max_model_len in zip(addresses, [1024, 2048], strict=True):
+        extra = ("--model", str(model), "--max-model-len", str(max_model_len))
+        subprocess_cleanup.append(start_engine(address, tmp_path / "engine.log", *extra))
+    with pytest.raises(RuntimeError, match="exited with 1") as refused:
+        start_server(",".join(addresses), free_port(), tmp_path / "server.log")
+    assert "do not serve the same model" in str(refused.value)
+    assert "max_model_len" in str(refused.value)
