@@ -2,14 +2,17 @@
 
 Requests land on both, a prompt's next turn goes back to the replica that has its prefix
 cached, and a replica killed mid-stream fails only its own stream while the other keeps
-answering; restarted, it is chosen again.
+answering; restarted, it is chosen again. ``scripts/start_distributed.sh
+--data-parallel-size 2`` starts such a deployment and restarts a replica that dies.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +22,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.processes import free_port, start_engine, start_server, stop
+from tests.processes import (
+    REPO_ROOT,
+    free_port,
+    spawn,
+    start_engine,
+    start_server,
+    stop,
+    tail,
+    wait_healthy,
+)
 from tests.random_checkpoint import VOCAB, random_prompts, save_tiny_llama, save_word_tokenizer
 
 # Long enough that a stream is still running when the test kills its engine.
@@ -63,15 +75,20 @@ def wait_for_all_replicas(url: str, timeout_s: float = 120) -> dict:
         time.sleep(0.2)
 
 
+def save_model(directory: Path) -> Path:
+    """A tiny Llama whose every token decodes to a word, so that each streams a chunk."""
+    save_tiny_llama(directory, max_position_embeddings=MAX_MODEL_LEN)
+    save_word_tokenizer(directory, VOCAB)
+    return directory
+
+
 class Replicas:
     """Two engines on one tiny checkpoint and a server over both."""
 
     def __init__(self, workdir: Path, cleanup: list[subprocess.Popen]) -> None:
         self.workdir = workdir
         self.cleanup = cleanup
-        self.model = workdir / "model"
-        save_tiny_llama(self.model, max_position_embeddings=MAX_MODEL_LEN)
-        save_word_tokenizer(self.model, VOCAB)
+        self.model = save_model(workdir / "model")
         self.addresses = [f"ipc://{workdir}/engine{index}.sock" for index in range(2)]
         self.engines = [self.start_engine(index) for index in range(2)]
         port = free_port()
@@ -180,3 +197,37 @@ def test_replicas_of_different_models_are_refused(
         start_server(",".join(addresses), free_port(), tmp_path / "server.log")
     assert "do not serve the same model" in str(refused.value)
     assert "max_model_len" in str(refused.value)
+
+
+def test_start_distributed_starts_replicas_and_restarts_a_dead_one(
+    tmp_path: Path, subprocess_cleanup: list[subprocess.Popen]
+) -> None:
+    model = save_model(tmp_path / "model")
+    port = free_port()
+    log = tmp_path / "cluster.log"
+    script = spawn(
+        [
+            *("env", f"PYTHON={sys.executable}", "bash"),  # the script runs this interpreter
+            str(REPO_ROOT / "scripts/start_distributed.sh"),
+            *("--model", str(model), "--port", str(port), "--device", "cpu"),
+            *("--data-parallel-size", "2", "--engine-address", f"ipc://{tmp_path}/engine"),
+        ],
+        log,
+    )
+    subprocess_cleanup.append(script)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, [script], log)
+    health = wait_for_all_replicas(url)
+    addresses = [replica["address"] for replica in health["replicas"]]
+    assert addresses == [f"ipc://{tmp_path}/engine-0", f"ipc://{tmp_path}/engine-1"]
+    pids = [replica["engine"]["engine_pid"] for replica in health["replicas"]]
+
+    os.kill(pids[1], signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while (health := wait_for_all_replicas(url))["replicas"][1]["engine"]["engine_pid"] == pids[1]:
+        assert time.monotonic() < deadline, tail(log)
+        time.sleep(0.2)
+    assert health["replicas"][0]["engine"]["engine_pid"] == pids[0]
+    assert script.poll() is None
+    assert "engine replica 1 exited with status 137; restarting it" in log.read_text()
+    assert {served_by(url, prompt) for prompt in random_prompts(4, seed=5)} == {0, 1}
