@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests and/or benchmarks, logs under $OUT (or /tmp).
 #
-#   scripts/gpu_session.sh tests|bench-1b|bench-8b|bench-qwen3|profile-1b|profile-8b ...
+#   scripts/gpu_session.sh tests|bench-1b|bench-8b|bench-qwen3|bench-dp|bench-dp-smoke|profile-1b|profile-8b ...
+#
+# bench-dp needs two GPUs (DP=2 against DP=1); bench-dp-smoke runs both replicas on GPU 0.
 #
 # PEERS=0 leaves out transformers' runs (minutes of device time each); PYTEST_K filters tests.
 #
@@ -44,6 +46,10 @@ for stage in "$@"; do
       m=$(checkpoint llama-3.1-8b)
       timeout 300 python3 scripts/bench_latency.py --model "$m" $(peer) 2>&1 | tee "$out/latency-8b.log" | tail -6
       timeout 300 python3 scripts/bench_offline.py --model "$m" $(peer --peer-requests 64) 2>&1 | tee "$out/offline-8b.log" | tail -5 ;;
+    bench-dp|bench-dp-smoke)
+      m=$(checkpoint llama-3.2-1b)
+      gpus=0,1; [ "$stage" = bench-dp-smoke ] && gpus=0,0
+      timeout 540 python3 scripts/bench_data_parallel.py --model "$m" --gpus $gpus 2>&1 | tee "$out/$stage-1b.log" | grep -v '^INFO' | tail -8 ;;
     bench-qwen3)
       m=$(checkpoint qwen3-0.6b)
       timeout 300 python3 scripts/bench_offline.py --model "$m" $(peer --peer-requests 128) 2>&1 | tee "$out/offline-qwen3.log" | tail -5 ;;
