@@ -2,17 +2,19 @@
 
     python scripts/bench_data_parallel.py --model DIR [--data-parallel-size 2] [--gpus 0,1]
                                          [--num-requests 1024] [--kv-cache-memory-gb G]
-                                         [--min-len 100] [--max-len 1024] [-- ENGINE_ARGS...]
+                                         [--min-len 100] [--max-len 1024] [--clients 4]
+                                         [-- ENGINE_ARGS...]
 
 Runs DP=1 (one `python -m engine` on the first GPU of --gpus), then DP=M (replica r on GPU r of
 --gpus, M real engine processes), each fed through `server/engine_pool.py`'s `EnginePool`, the
-balancer every HTTP server uses, without the HTTP and text work. For each it checks first that
-every replica generates the same greedy tokens for a few probe prompts, one at a time; then it
-times the offline workload of scripts/bench_offline.py (random token ids, input and output
-lengths uniform in [--min-len, --max-len], ignore_eos), all submitted at once, and checks that
-every request got all its tokens and that each replica took its share. It prints the time to
-ready (process start to every handshake), output tokens per second, and DP=M over DP=1 (the
-target on two GPUs: at least 1.8x).
+balancer every HTTP server uses, without the HTTP and text work, from --clients processes (as
+from that many servers: one Python process would bound the tokens per second received). For
+each it checks first that every replica generates the same greedy tokens for a few probe
+prompts, one at a time; then it times the offline workload of scripts/bench_offline.py (random
+token ids, input and output lengths uniform in [--min-len, --max-len], ignore_eos), all
+submitted at once, and checks that every request got all its tokens and that each replica took
+its share. It prints the time to ready (process start to every handshake), output tokens per
+second, and DP=M over DP=1 (the target on two GPUs: at least 1.8x).
 
 The default workload keeps each replica's batch full (4 x --max-num-seqs requests): with fewer
 requests than one engine's batch holds, replicas only split the same batch.
@@ -26,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
+import queue
 import random
 import signal
 import subprocess
@@ -34,6 +38,8 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Barrier, Event
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -99,14 +105,8 @@ async def run_replicas(args: argparse.Namespace, run: Run) -> None:
         run.probes = await probe_every_replica(pool, vocab_size)
         requests = workload(args.num_requests, vocab_size, args.min_len, args.max_len)
         before = [stats.num_finished for stats in await _stats(pool)]
-        started = time.perf_counter()
-        counts = await asyncio.gather(
-            *(
-                _generate(pool, f"bench-{i}", prompt, SamplingParams(max_tokens=n, ignore_eos=True))
-                for i, (prompt, n) in enumerate(requests)
-            )
-        )
-        run.seconds = time.perf_counter() - started
+        # Blocking this loop meanwhile is fine: its pool sends and receives nothing then.
+        counts, run.seconds = generate_in_clients(addresses, requests, args.clients)
         after = [stats.num_finished for stats in await _stats(pool)]
         run.requests_per_replica = tuple(a - b for a, b in zip(after, before, strict=True))
         short = [
@@ -159,12 +159,92 @@ async def probe_every_replica(pool: EnginePool, vocab_size: int) -> list[list[in
     return answers[0]
 
 
-async def _generate(
-    pool: EnginePool, request_id: str, prompt: list[int], sampling: SamplingParams
-) -> int:
-    return sum(
-        [len(output.new_token_ids) async for output in pool.generate(request_id, prompt, sampling)]
-    )
+def generate_in_clients(
+    addresses: list[str], requests: list[tuple[list[int], int]], num_clients: int
+) -> tuple[list[int], float]:
+    """Each request's output token count, and the seconds from the start signal to the last
+    token: request i sent by client process i % num_clients through its own EnginePool (as
+    if by that many servers), so that no one Python process's handling of the outputs bounds
+    the engines' throughput."""
+    context = multiprocessing.get_context("spawn")
+    ready = context.Barrier(num_clients + 1)
+    go = context.Event()
+    results = context.Queue()
+    clients = [
+        context.Process(
+            target=run_client,
+            args=(addresses, k, requests[k::num_clients], ready, go, results),
+            daemon=True,
+        )
+        for k in range(num_clients)
+    ]
+    for client in clients:
+        client.start()
+    try:
+        ready.wait(timeout=READY_TIMEOUT_S)  # every client connected
+        started = time.monotonic()
+        go.set()
+        counts = [0] * len(requests)
+        finished = started
+        for _ in clients:
+            while True:
+                try:
+                    k, share_counts, share_finished = results.get(timeout=1.0)
+                    break
+                except queue.Empty:
+                    if any(client.exitcode not in (None, 0) for client in clients):
+                        raise SystemExit(
+                            "FAIL: a client process failed (its error is above)"
+                        ) from None
+            counts[k::num_clients] = share_counts
+            finished = max(finished, share_finished)
+    finally:
+        for client in clients:
+            client.join(timeout=30)
+            client.kill()
+    return counts, finished - started
+
+
+def run_client(
+    addresses: list[str],
+    client: int,
+    requests: list[tuple[list[int], int]],
+    ready: Barrier,
+    go: Event,
+    results: Queue,
+) -> None:
+    """One client process: its requests' output token counts, and when the last ended."""
+    counts, finished = asyncio.run(_client(addresses, client, requests, ready, go))
+    results.put((client, counts, finished))
+
+
+async def _client(
+    addresses: list[str],
+    client: int,
+    requests: list[tuple[list[int], int]],
+    ready: Barrier,
+    go: Event,
+) -> tuple[list[int], float]:
+    pool = EnginePool(addresses, f"bench_data_parallel client {client}")
+    try:
+        await pool.connect(READY_TIMEOUT_S)
+        await asyncio.to_thread(ready.wait)
+        await asyncio.to_thread(go.wait)
+        counts = await asyncio.gather(
+            *(
+                _generate(pool, f"bench-{client}-{i}", prompt, n)
+                for i, (prompt, n) in enumerate(requests)
+            )
+        )
+        return counts, time.monotonic()
+    finally:
+        await pool.close()
+
+
+async def _generate(pool: EnginePool, request_id: str, prompt: list[int], max_tokens: int) -> int:
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    outputs = pool.generate(request_id, prompt, sampling)
+    return sum([len(output.new_token_ids) async for output in outputs])
 
 
 async def _stats(pool: EnginePool) -> list:
@@ -193,6 +273,9 @@ def main() -> None:
     parser.add_argument("--min-len", type=int, default=100)
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--kv-cache-memory-gb", type=float)
+    parser.add_argument(
+        "--clients", type=int, default=4, help="client processes sending the requests"
+    )
     parser.add_argument("engine_args", nargs=argparse.REMAINDER, help="after --: engine options")
     args = parser.parse_args()
     # A SIGTERM (a timeout) stops the engines too, as Ctrl-C does.
