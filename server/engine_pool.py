@@ -127,7 +127,7 @@ class EnginePool:
                 async for output in outputs:
                     yield output
         except EngineUnavailable as exc:
-            raise EngineUnavailable(f"{replica}: {exc}") from exc
+            raise EngineUnavailable(f"replica {replica.index}: {exc}") from exc
         finally:
             replica.in_flight -= 1
 
