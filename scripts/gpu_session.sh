@@ -3,11 +3,14 @@
 #
 #   scripts/gpu_session.sh tests|perf|perf-fp8|bench-1b|bench-8b|bench-qwen3|structured-1b|profile-1b|profile-8b|profile-qwen3 ...
 #   scripts/gpu_session.sh tp-check tp-8b tp-70b   # tensor parallelism, on 2 GPUs (TP=4/8: TP=N)
+#   scripts/gpu_session.sh bench-dp|bench-dp-smoke  # data parallelism
 #
 # perf (issue 14, about 7 minutes on an H100): the kernels' tests on CUDA, decode attention's
 # share of copy bandwidth (scripts/bench_kernels.py), bench_offline at the 1B and Qwen3 0.6B
 # shapes and bench_latency at 1B against their rooflines, then the warm-up and float32
 # decode-parity GPU tests; a summary last.
+#
+# bench-dp needs two GPUs (DP=2 against DP=1); bench-dp-smoke runs both replicas on GPU 0.
 #
 # PEERS=0 leaves out transformers' runs (minutes of device time each); PYTEST_K filters tests.
 #
@@ -75,6 +78,10 @@ for stage in "$@"; do
       m=$(checkpoint llama-3.1-8b)
       timeout 300 python3 scripts/bench_latency.py --model "$m" $(peer) 2>&1 | tee "$out/latency-8b.log" | tail -6
       timeout 300 python3 scripts/bench_offline.py --model "$m" $(peer --peer-requests 64) 2>&1 | tee "$out/offline-8b.log" | tail -5 ;;
+    bench-dp|bench-dp-smoke)
+      m=$(checkpoint llama-3.2-1b)
+      gpus=0,1; [ "$stage" = bench-dp-smoke ] && gpus=0,0
+      timeout 540 python3 scripts/bench_data_parallel.py --model "$m" --gpus $gpus 2>&1 | tee "$out/$stage-1b.log" | grep -v '^INFO' | tail -8 ;;
     bench-qwen3)
       m=$(checkpoint qwen3-0.6b)
       timeout 300 python3 scripts/bench_offline.py --model "$m" $(peer --peer-requests 128) 2>&1 | tee "$out/offline-qwen3.log" | tail -5 ;;

@@ -1,23 +1,28 @@
 #!/usr/bin/env bash
-# Start one engine and N HTTP servers on it, keep them running, stop them all on Ctrl-C or SIGTERM.
+# Start M engine replicas and N HTTP servers over them, keep them running, stop them all on
+# Ctrl-C or SIGTERM.
 #
 #   scripts/start_distributed.sh [--model PATH_OR_NAME] [--servers N] [--port P]
 #                                [--device cpu|cuda] [--host H] [--engine-address ADDR]
-#                                [--tensor-parallel-size N] [--drain-timeout S]
+#                                [--tensor-parallel-size T] [--data-parallel-size M]
+#                                [--gpus LIST] [--drain-timeout S]
 #                                [--server-args "ARGS"] [-- ENGINE_ARGS...]
 #   scripts/start_distributed.sh --rolling-restart [--port P]   # restart the servers in turn
 #   scripts/start_distributed.sh --status [--port P]
 #
-# Server i listens on port P+i. With --tensor-parallel-size N the engine splits the model
-# over N GPUs (N processes, which it starts). Arguments after `--` go to `python -m engine`.
-# A crashed server (or engine) is started again with backoff; a rolling restart (or SIGHUP
-# to the supervisor) restarts the servers one by one while the engine keeps its weights. The
-# work is done by scripts/supervisor.py, which says more.
+# Server i listens on port P+i and spreads its requests over every replica (M defaults to 1).
+# With --tensor-parallel-size T each engine splits the model over T GPUs (T processes, which
+# it starts); replica r runs on GPUs r*T .. r*T+T-1 of LIST (default: $CUDA_VISIBLE_DEVICES,
+# else every GPU nvidia-smi lists), and binds ADDR with r added to its TCP port or "-r" to its
+# IPC path (or ADDR lists the M addresses, separated by commas). Arguments after `--` go to
+# every `python -m engine`. A crashed server or engine replica is started again with backoff;
+# a rolling restart (or SIGHUP to the supervisor) restarts the servers one by one while the
+# engines keep their weights. The work is done by scripts/supervisor.py, which says more.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
-  sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
   exit 0
 fi
 if [[ -n "${PYTHON:-}" ]]; then

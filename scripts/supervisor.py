@@ -1,24 +1,36 @@
-"""Run one engine and N HTTP servers, keep them running, and restart the servers one by one.
+"""Run M engine replicas and N HTTP servers, keep them running, restart the servers one by one.
 
     python scripts/supervisor.py [--model M] [--servers N] [--port P] [--device cpu|cuda]
                                  [--host H] [--engine-address ADDR] [--drain-timeout S]
-                                 [--server-args "ARGS"] [--control PATH] [-- ENGINE_ARGS...]
+                                 [--tensor-parallel-size T] [--data-parallel-size M]
+                                 [--gpus LIST] [--server-args "ARGS"] [--control PATH]
+                                 [-- ENGINE_ARGS...]
     python scripts/supervisor.py --rolling-restart [--port P | --control PATH]
     python scripts/supervisor.py --status [--port P | --control PATH]
 
 (``scripts/start_distributed.sh`` runs this.) Server i listens on port P+i; ``--server-args``
-go to every ``python -m server``, arguments after ``--`` to ``python -m engine``.
+go to every ``python -m server``, arguments after ``--`` to every ``python -m engine``.
+
+- Data parallelism: ``--data-parallel-size M`` starts M engine replicas of the model, and every
+  server spreads its requests over all of them (server/engine_pool.py). Replica r runs on GPUs
+  r*T .. r*T+T-1 of ``--gpus`` (default: $CUDA_VISIBLE_DEVICES, else every GPU nvidia-smi
+  lists), T being the tensor-parallel size, through CUDA_VISIBLE_DEVICES in its environment;
+  a GPU listed twice is shared (then size each replica's cache: ``-- --kv-cache-memory-gb G``).
+  Replica r binds ADDR with r added to its port (tcp://H:PORT) or "-r" appended to its path
+  (ipc://PATH); ADDR may also list the M addresses, separated by commas. With CURVE, the
+  replicas share one key pair (the engine arguments after ``--`` go to each).
 
 - A process that exits during start-up stops everything (its log says why). Afterwards a
   process that exits is started again, after 1 s, then 2, 4, ... up to 30 s while it keeps
-  failing (the delay starts over once it has run a minute); the engine keeps its weights
-  while servers come and go, and servers reconnect to a restarted engine by themselves.
+  failing (the delay starts over once it has run a minute), each engine replica on its own;
+  the engines keep their weights while servers come and go, and servers reconnect to a
+  restarted engine by themselves (with replicas, the others take its share meanwhile).
 - A rolling restart (``--rolling-restart`` against a running supervisor, or SIGHUP to it)
   restarts the servers in turn: SIGTERM (the server drains: /health 503, new requests 503,
   streams finish, up to ``--drain-timeout``), start it again, wait until its /health answers
   200, then the next. Behind a load balancer that follows /health and retries a 503 or a
   refused connection on another server, no request fails.
-- SIGTERM or SIGINT stops everything: the servers first (they drain), then the engine.
+- SIGTERM or SIGINT stops everything: the servers first (they drain), then the engines.
 
 The control socket (default ``$TMPDIR/tandem-supervisor-P.sock``) takes one JSON line,
 ``{"command": "status"}`` or ``{"command": "rolling-restart"}``, and answers one.
@@ -33,7 +45,9 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -60,6 +74,8 @@ class Child:
     argv: list[str]
     health: tuple[str, int] | None = None  # (host, port) of its /health; None: the engine
     stop_timeout_s: float = 30.0  # how long it may take to exit on SIGTERM
+    address: str | None = None  # an engine's ZeroMQ address
+    gpus: str | None = None  # an engine's CUDA_VISIBLE_DEVICES; None: the supervisor's
     process: asyncio.subprocess.Process | None = None
     started_at: float = 0.0
     restarts: int = 0
@@ -74,12 +90,13 @@ class Child:
             "ready": self.ready.is_set(),
             "restarts": self.restarts,
             **({"port": self.health[1]} if self.health else {}),
+            **({"address": self.address} if self.address else {}),
+            **({"gpus": self.gpus} if self.gpus else {}),
         }
 
 
 class Supervisor:
-    def __init__(self, engine_address: str, engines: list[Child], servers: list[Child]) -> None:
-        self.engine_address = engine_address
+    def __init__(self, engines: list[Child], servers: list[Child]) -> None:
         self.engines = engines
         self.servers = servers
         self.stopping = False
@@ -136,7 +153,10 @@ class Supervisor:
     async def _start(self, child: Child) -> asyncio.subprocess.Process:
         # A process group of its own: a Ctrl-C or a SIGTERM to the supervisor's group reaches
         # the supervisor alone, which stops the servers (draining) before the engine.
-        child.process = await asyncio.create_subprocess_exec(*child.argv, cwd=ROOT, process_group=0)
+        env = None if child.gpus is None else {**os.environ, "CUDA_VISIBLE_DEVICES": child.gpus}
+        child.process = await asyncio.create_subprocess_exec(
+            *child.argv, cwd=ROOT, process_group=0, env=env
+        )
         child.started_at = time.monotonic()
         logger.info("%s started (pid %d)", child.name, child.process.pid)
         return child.process
@@ -189,7 +209,7 @@ class Supervisor:
         if self.stopping:
             return
         self.stopping = True
-        logger.info("stopping: servers first, then the engine")
+        logger.info("stopping: servers first, then the engines")
         for group in (self.servers, self.engines):
             await asyncio.gather(
                 *(terminate(c.process, c.stop_timeout_s) for c in group if c.process is not None)
@@ -267,30 +287,101 @@ async def send_command(path: Path, command: str) -> dict[str, Any]:
     return reply
 
 
+class UsageError(Exception):
+    """Options that do not fit together; the supervisor says why and exits with status 2."""
+
+
+def engine_addresses(args: argparse.Namespace) -> list[str]:
+    """Each replica's address: ``--engine-address`` as a list, or numbered from it (or from a
+    default ipc:// path in $TMPDIR)."""
+    replicas, given = args.data_parallel_size, args.engine_address
+    if given and "," in given:
+        addresses = [address for address in given.split(",") if address]
+        if len(addresses) != replicas:
+            raise UsageError(
+                f"--engine-address lists {len(addresses)} addresses for {replicas} replicas"
+            )
+        return addresses
+    if replicas == 1:
+        return [given or f"ipc://{tempfile.gettempdir()}/tandem-engine-{os.getpid()}.sock"]
+    if not given:
+        base = f"ipc://{tempfile.gettempdir()}/tandem-engine-{os.getpid()}"
+        return [f"{base}-{r}.sock" for r in range(replicas)]
+    host, _, port = given.rpartition(":")
+    if given.startswith("tcp://") and port.isdigit():
+        return [f"{host}:{int(port) + r}" for r in range(replicas)]
+    return [f"{given}-{r}" for r in range(replicas)]
+
+
+def gpu_sets(args: argparse.Namespace, tensor_parallel_size: int) -> list[str | None]:
+    """Each replica's CUDA_VISIBLE_DEVICES; None where it sees what the supervisor sees (one
+    replica and no --gpus, the CPU, or no GPU list to split)."""
+    replicas = args.data_parallel_size
+    if (replicas == 1 and args.gpus is None) or args.device == "cpu":
+        return [None] * replicas
+    gpus = args.gpus or os.environ.get("CUDA_VISIBLE_DEVICES") or visible_gpus()
+    if not gpus:
+        return [None] * replicas
+    gpu_list = gpus.split(",")
+    needed = replicas * tensor_parallel_size
+    if len(gpu_list) < needed:
+        raise UsageError(
+            f"{replicas} replicas of {tensor_parallel_size} GPU(s) need {needed} GPUs; there "
+            f"are {len(gpu_list)} ({gpus}); --gpus may list one twice to share it"
+        )
+    size = tensor_parallel_size
+    return [",".join(gpu_list[r * size : (r + 1) * size]) for r in range(replicas)]
+
+
+def visible_gpus() -> str:
+    """The indices nvidia-smi lists, separated by commas; empty without nvidia-smi."""
+    if shutil.which("nvidia-smi") is None:
+        return ""
+    listed = subprocess.run(
+        ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return ",".join(line.strip() for line in listed.stdout.splitlines() if line.strip())
+
+
+def tensor_parallel_size(args: argparse.Namespace, engine_args: list[str]) -> int:
+    """The supervisor's --tensor-parallel-size, or the engine's if given after ``--``."""
+    if args.tensor_parallel_size:
+        return args.tensor_parallel_size
+    engine = argparse.ArgumentParser(add_help=False)
+    engine.add_argument("--tensor-parallel-size", type=int, default=1)
+    return engine.parse_known_args(engine_args)[0].tensor_parallel_size
+
+
 def build_children(args: argparse.Namespace, engine_args: list[str]) -> Supervisor:
     python = sys.executable
-    engine_address = args.engine_address or (
-        f"ipc://{tempfile.gettempdir()}/tandem-engine-{os.getpid()}.sock"
-    )
-    engine_argv = [python, "-m", "engine", "--address", engine_address]
+    addresses = engine_addresses(args)
+    gpus = gpu_sets(args, tensor_parallel_size(args, engine_args))
+    engine_argv = [python, "-m", "engine"]
     if args.model:
         engine_argv += ["--model", args.model]
     if args.device:
         engine_argv += ["--device", args.device]
     if args.tensor_parallel_size:
         engine_argv += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
-    engine = Child("engine", [*engine_argv, *engine_args])
+    engines = []
+    for replica, (address, replica_gpus) in enumerate(zip(addresses, gpus, strict=True)):
+        name = "engine" if len(addresses) == 1 else f"engine replica {replica}"
+        argv = [*engine_argv, "--address", address, *engine_args]
+        engines.append(Child(name, argv, address=address, gpus=replica_gpus))
     connect_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     servers = []
     for index in range(args.servers):
         port = args.port + index
         argv = [
-            python, "-m", "server", "--engine", engine_address, "--host", args.host,
+            python, "-m", "server", "--engine", ",".join(addresses), "--host", args.host,
             "--port", str(port), "--drain-timeout", str(args.drain_timeout),
             *shlex.split(args.server_args),
         ]  # fmt: skip
         servers.append(Child(f"server {index}", argv, (connect_host, port), args.drain_timeout))
-    return Supervisor(engine_address, [engine], servers)
+    return Supervisor(engines, servers)
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -308,7 +399,18 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--engine-address", help="default: an ipc:// socket in $TMPDIR")
     parser.add_argument(
-        "--tensor-parallel-size", type=int, help="GPUs the engine splits the model over"
+        "--tensor-parallel-size", type=int, help="GPUs each engine splits the model over"
+    )
+    parser.add_argument(
+        "--data-parallel-size",
+        type=positive_int,
+        default=1,
+        help="engine replicas of the model, each on its own GPUs (default: 1)",
+    )
+    parser.add_argument(
+        "--gpus",
+        help="the GPUs to split over the replicas, e.g. 0,1,2,3 (default: "
+        "$CUDA_VISIBLE_DEVICES, else every GPU nvidia-smi lists)",
     )
     parser.add_argument("--drain-timeout", type=float, default=30.0)
     parser.add_argument("--server-args", default="", help="more arguments for every server")
@@ -317,6 +419,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     action.add_argument("--rolling-restart", action="store_true")
     action.add_argument("--status", action="store_true")
     return parser.parse_args(argv), engine_args
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
+    return int(text)
 
 
 async def main_async(args: argparse.Namespace, engine_args: list[str]) -> int:
@@ -332,7 +440,11 @@ async def main_async(args: argparse.Namespace, engine_args: list[str]) -> int:
         print(json.dumps(reply, indent=2))
         return 0 if reply.get("ok") else 1
 
-    supervisor = build_children(args, engine_args)
+    try:
+        supervisor = build_children(args, engine_args)
+    except UsageError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, lambda: asyncio.ensure_future(supervisor.stop()))
@@ -354,7 +466,9 @@ async def main_async(args: argparse.Namespace, engine_args: list[str]) -> int:
 
 
 def print_ready(supervisor: Supervisor, args: argparse.Namespace) -> None:
-    print(f"engine at {supervisor.engine_address}")
+    for engine in supervisor.engines:
+        on_gpus = f" (GPUs {engine.gpus})" if engine.gpus else ""
+        print(f"{engine.name}{on_gpus} at {engine.address}")
     for index in range(args.servers):
         url = f"http://{args.host}:{args.port + index}"
         print(f"server {index}: {url}  (OpenAI API at {url}/v1)")

@@ -1,8 +1,10 @@
-"""``python -m server --engine ADDRESS --port P``: one stateless HTTP server.
+"""``python -m server --engine ADDRESS [--engine ADDRESS ...] --port P``: one stateless HTTP server.
 
 It handshakes with the engine before it listens, so that a server that accepts
 connections always knows its model; the engine may still be loading weights, so
-the handshake waits (up to --handshake-timeout). SIGTERM drains it (server/drain.py).
+the handshake waits (up to --handshake-timeout). With several engine addresses
+(data-parallel replicas of one model), it handshakes with every one and spreads the
+requests over them (server/engine_pool.py). SIGTERM drains it (server/drain.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import uvicorn
 
 from server.app import create_app
 from server.drain import Drain, DrainingServer
-from server.engine_client import CurveKeys, EngineClient, HandshakeError
+from server.engine_client import CurveKeys, HandshakeError
+from server.engine_pool import EnginePool
 from server.reasoning import REASONING_PARSERS
 from server.served_model import ChatOptions, load_chat_template
 from server.tool_parsers import TOOL_PARSERS
@@ -35,7 +38,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m server", description="OpenAI-compatible HTTP server for a Tandem engine."
     )
     parser.add_argument(
-        "--engine", required=True, help="the engine's ZeroMQ address, e.g. tcp://127.0.0.1:5555"
+        "--engine",
+        required=True,
+        action="append",
+        help="the engine's ZeroMQ address, e.g. tcp://127.0.0.1:5555; data-parallel replicas of "
+        "one model: the option once for each, or their addresses separated by commas",
     )
     parser.add_argument("--port", type=int, required=True, help="HTTP port to listen on")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
@@ -72,14 +79,15 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--engine-public-key",
         metavar="FILE",
-        help="CURVE: the engine's public key (its .key file); with --curve-secret-key, the "
-        "connection to the engine is encrypted and authenticated (scripts/make_curve_keys.py)",
+        help="CURVE: the engine's public key (its .key file), the same for every --engine "
+        "(replicas share one key pair); with --curve-secret-key, the connections to the "
+        "engines are encrypted and authenticated (scripts/make_curve_keys.py)",
     )
     parser.add_argument(
         "--curve-secret-key",
         metavar="FILE",
         help="CURVE: this server's key pair (a .key_secret file), whose public key must be "
-        "in the engine's --curve-authorized-keys directory",
+        "in every engine's --curve-authorized-keys directory",
     )
     parser.add_argument(
         "--max-request-bytes",
@@ -103,6 +111,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if (args.engine_public_key is None) != (args.curve_secret_key is None):
         parser.error("give --engine-public-key and --curve-secret-key together")
+    args.engine = [address for option in args.engine for address in option.split(",") if address]
+    if len(set(args.engine)) != len(args.engine):
+        parser.error(f"an engine address is given twice: {', '.join(args.engine)}")
     return args
 
 
@@ -119,21 +130,23 @@ async def _serve(args: argparse.Namespace) -> int:
     if args.curve_secret_key is not None:
         curve = CurveKeys(args.curve_secret_key, args.engine_public_key)
     try:
-        client = EngineClient(args.engine, client_name, curve)
+        client = EnginePool(args.engine, client_name, curve)
     except (OSError, ValueError) as exc:  # unreadable key files
         logger.error("cannot serve: %s", exc)
         return 2
     try:
-        logger.info("connecting to the engine at %s", args.engine)
+        logger.info("connecting to the engine at %s", ", ".join(args.engine))
         try:
             handshake = await client.connect(args.handshake_timeout)
         except HandshakeError as exc:
             logger.error("cannot serve: %s", exc)
             return 1
         logger.info(
-            "serving %s (context %d tokens) on http://%s:%d",
+            "serving %s (context %d tokens, %d engine replica%s) on http://%s:%d",
             handshake.model_name,
             handshake.max_model_len,
+            len(args.engine),
+            "" if len(args.engine) == 1 else "s",
             args.host,
             args.port,
         )

@@ -17,7 +17,7 @@ from protocol import HandshakeReply
 from server.api_key import ApiKeyCheck
 from server.body_limit import BodySizeLimit, default_max_request_bytes
 from server.drain import Drain, DrainGate
-from server.engine_client import EngineClient
+from server.engine_pool import EnginePool
 from server.errors import ApiError, handle_api_error, handle_http_exception, handle_unexpected
 from server.metrics import HttpStatusCounter
 from server.request_id import RequestIdHeader
@@ -35,7 +35,7 @@ FRONTEND_DIR = Path(__file__).resolve().parent.parent / "frontend"
 
 
 def create_app(
-    client: EngineClient,
+    client: EnginePool,
     handshake: HandshakeReply,
     api_key: str | None = None,
     chat_options: ChatOptions | None = None,

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from tokenizers import Tokenizer
 
 from protocol import SamplingParams
-from server.engine_client import EngineClient
+from server.engine_pool import EnginePool
 from server.errors import ApiError
 from server.generation import TextDelta, generate_text
 
@@ -41,7 +41,7 @@ class PreparedGeneration:
     hidden_token_ids: frozenset[int] | None = None
 
     def choices(
-        self, client: EngineClient, tokenizer: Tokenizer, request_id: str
+        self, client: EnginePool, tokenizer: Tokenizer, request_id: str
     ) -> list[ChoiceDeltas]:
         """Each choice's deltas; iterating one runs it in the engine as ``request_id-index``."""
         return [

@@ -39,7 +39,6 @@ from protocol import (
     decode_message,
 )
 from protocol.curve import make_curve_client
-from server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -80,14 +79,12 @@ class CurveKeys:
 
 
 class EngineClient:
-    """Sends requests to the engine and hands each request its outputs; ``metrics`` times
-    each of them (server/generation.py observes, /metrics reads)."""
+    """Sends requests to the engine and hands each request its outputs."""
 
     def __init__(
         self, address: str, client_name: str = "tandem-server", curve: CurveKeys | None = None
     ) -> None:
         self.address = address
-        self.metrics = ServerMetrics()
         self._client_name = client_name
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.DEALER)
@@ -103,6 +100,11 @@ class EngineClient:
         self._refused = False  # the engine refused the connection (CURVE), and we said so
         self._monitor: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def ready(self) -> bool:
+        """Handshaken with the engine at the other end now: requests can be sent."""
+        return self._ready
 
     async def connect(self, timeout: float) -> HandshakeReply:
         """Connects and handshakes; waits up to ``timeout`` s for the engine to answer.
@@ -277,9 +279,8 @@ class EngineClient:
                 self._handshake.set_exception(HandshakeError(problem))
             return
         if not self._handshake.done():
-            self.metrics.model_name = reply.model_name
             self._handshake.set_result(reply)
-        elif not _same_model(self._handshake.result(), reply):
+        elif model_differences(self._handshake.result(), reply):
             # Everything this server knows (tokenizer, template, limits) came from
             # the first handshake; serving another model with it would be wrong.
             logger.error(
@@ -324,11 +325,14 @@ class EngineClient:
         self._stats_waiters.clear()
 
 
-def _same_model(first: HandshakeReply, second: HandshakeReply) -> bool:
-    def identity(reply: HandshakeReply) -> HandshakeReply:
-        return dataclasses.replace(reply, engine_pid=0, engine_started_at=0.0)
-
-    return identity(first) == identity(second)
+def model_differences(first: HandshakeReply, second: HandshakeReply) -> list[str]:
+    """The handshake fields in which two engines' models differ (their process aside)."""
+    process = {"engine_pid", "engine_started_at"}
+    return [
+        field.name
+        for field in dataclasses.fields(HandshakeReply)
+        if field.name not in process and getattr(first, field.name) != getattr(second, field.name)
+    ]
 
 
 def _log_send_failure(sent: asyncio.Future[Any]) -> None:

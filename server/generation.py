@@ -15,7 +15,8 @@ from tokenizers import Tokenizer
 
 from protocol import ErrorCode, FinishReason, PromptTokenLogprobs, SamplingParams, TokenLogprobs
 from server.detokenizer import IncrementalDetokenizer
-from server.engine_client import EngineClient, EngineRequestError, EngineUnavailable
+from server.engine_client import EngineRequestError, EngineUnavailable
+from server.engine_pool import EnginePool
 from server.errors import ApiError
 
 
@@ -34,7 +35,7 @@ class TextDelta:
 
 
 async def generate_text(
-    client: EngineClient,
+    client: EnginePool,
     tokenizer: Tokenizer,
     request_id: str,
     prompt_ids: list[int],

@@ -6,9 +6,12 @@ Two sources:
   ``tandem:`` names of the same shape (time to first token, inter-token latency, end-to-end
   latency, queue time, one observation per engine request), requests by finish reason, and
   HTTP responses by status;
-- the engine's state (``ENGINE_METRICS``), asked fresh at each scrape: its gauges and
-  counters since it started, so a restarted engine shows as a counter reset, which
-  Prometheus handles.
+- each engine replica's state (``ENGINE_METRICS``), asked fresh at each scrape and labelled
+  with the replica's index (``replica="0"``, …): its gauges and counters since it started,
+  so a restarted engine shows as a counter reset, which Prometheus handles.
+
+One ``ServerMetrics`` per server process, owned by the engine pool that routes its requests
+(server/engine_pool.py): the latencies are this server's, whichever replica served them.
 """
 
 from __future__ import annotations
@@ -79,22 +82,31 @@ ENGINE_METRICS = [
 
 
 class EngineCollector(Collector):
-    """One scrape's engine series; with no stats (the engine did not answer), only
-    ``tandem_engine_up 0``."""
+    """One scrape's engine series, one sample per replica (labelled ``replica``, by index); a
+    replica with no stats (it did not answer) has only its ``tandem_engine_up`` at 0."""
 
-    def __init__(self, stats: EngineStats | None) -> None:
-        self.stats = stats
+    def __init__(self, replicas: list[EngineStats | None]) -> None:
+        self.replicas = replicas
 
     def collect(self) -> Iterator[Metric]:
-        up = GaugeMetricFamily("tandem_engine_up", "Whether the engine answered this scrape.")
-        up.add_metric([], 0 if self.stats is None else 1)
+        up = GaugeMetricFamily(
+            "tandem_engine_up",
+            "Whether the engine replica answered this scrape.",
+            labels=["replica"],
+        )
+        for index, stats in enumerate(self.replicas):
+            up.add_metric([str(index)], 0 if stats is None else 1)
         yield up
-        if self.stats is None:
+        answering = [
+            (str(index), stats) for index, stats in enumerate(self.replicas) if stats is not None
+        ]
+        if not answering:
             return
         for name, kind, help_text, field in ENGINE_METRICS:
             family_type = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
-            family = family_type(name, help_text, labels=["model"])
-            family.add_metric([self.stats.model_name], getattr(self.stats, field))
+            family = family_type(name, help_text, labels=["model", "replica"])
+            for index, stats in answering:
+                family.add_metric([stats.model_name, index], getattr(stats, field))
             yield family
 
 
@@ -151,10 +163,10 @@ class ServerMetrics:
         """The clock of one engine request, started now."""
         return RequestTimer(self)
 
-    def render(self, stats: EngineStats | None) -> bytes:
-        """The exposition text: this server's series, then the engine's."""
+    def render(self, replicas: list[EngineStats | None]) -> bytes:
+        """The exposition text: this server's series, then each engine replica's."""
         engine = CollectorRegistry()
-        engine.register(EngineCollector(stats))
+        engine.register(EngineCollector(replicas))
         return generate_latest(self.registry) + generate_latest(engine)
 
 

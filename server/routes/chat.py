@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from server.answer import Answer, whole_response
-from server.engine_client import EngineClient
+from server.engine_pool import EnginePool
 from server.generation import TextDelta
 from server.logprobs import chat_logprobs, logprobs_of, prompt_logprobs
 from server.openai_schemas import ChatCompletionRequest, parse_request
@@ -20,7 +20,7 @@ from server.streaming import ChatChunks, streamed_response
 
 
 class ChatCompletions:
-    def __init__(self, client: EngineClient, model: ServedModel) -> None:
+    def __init__(self, client: EnginePool, model: ServedModel) -> None:
         self._client = client
         self._model = model
 

@@ -14,7 +14,7 @@ from starlette.responses import Response
 
 from server.answer import Answer, whole_answer
 from server.choices import ChoiceDeltas, PreparedGeneration
-from server.engine_client import EngineClient
+from server.engine_pool import EnginePool
 from server.generation import TextDelta
 from server.logprobs import CompletionLogprobs, RenderLogprobs, logprobs_of, prompt_logprobs
 from server.openai_schemas import CompletionRequest, parse_request
@@ -25,7 +25,7 @@ from server.streaming import CompletionChunks, streamed_response
 
 
 class Completions:
-    def __init__(self, client: EngineClient, model: ServedModel) -> None:
+    def __init__(self, client: EnginePool, model: ServedModel) -> None:
         self._client = client
         self._model = model
 

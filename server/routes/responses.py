@@ -7,7 +7,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from server.answer import Answer, whole_answer
-from server.engine_client import EngineClient
+from server.engine_pool import EnginePool
 from server.openai_schemas import parse_request
 from server.prompts import chat_generation
 from server.request_id import request_id
@@ -19,7 +19,7 @@ from server.streaming import event_stream
 
 
 class Responses:
-    def __init__(self, client: EngineClient, model: ServedModel) -> None:
+    def __init__(self, client: EnginePool, model: ServedModel) -> None:
         self._client = client
         self._model = model
 

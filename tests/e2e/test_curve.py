@@ -24,7 +24,16 @@ from protocol import (
     StatsRequest,
 )
 from protocol.curve import load_public_key, make_curve_client
-from tests.processes import REPO_ROOT, free_port, start_engine, start_server, stop, tail
+from tests.processes import (
+    REPO_ROOT,
+    free_port,
+    spawn,
+    start_engine,
+    start_server,
+    stop,
+    tail,
+    wait_healthy,
+)
 from tests.random_checkpoint import save_tiny_word_model
 
 _SMALL_CACHE = ("--kv-cache-memory-gb", "0.05")
@@ -184,3 +193,49 @@ def test_engine_refuses_an_open_address_without_keys(tmp_path: Path) -> None:
     assert engine.wait(timeout=120) == 2
     assert "refusing to listen on tcp://0.0.0.0" in log.read_text()
     assert "--insecure" in log.read_text()
+
+
+def test_data_parallel_replicas_share_one_engine_key_pair(
+    tmp_path: Path, subprocess_cleanup: list[subprocess.Popen]
+) -> None:
+    """``--data-parallel-size 2`` on TCP: both replicas take the one engine key pair and
+    allow-list, the server's --engine-public-key applies to both, and both serve."""
+    save_tiny_word_model(tmp_path / "model")
+    keys = tmp_path / "keys"
+    make_keys(keys, "web")
+    engine_port, http_port = free_port(2), free_port()
+    log = tmp_path / "cluster.log"
+    server_keys = (
+        f"--engine-public-key {keys / 'engine.key'} --curve-secret-key {keys / 'web.key_secret'}"
+    )
+    script = spawn(
+        [
+            "env", f"PYTHON={sys.executable}",
+            "bash", str(REPO_ROOT / "scripts/start_distributed.sh"),
+            "--model", str(tmp_path / "model"), "--device", "cpu", "--port", str(http_port),
+            "--data-parallel-size", "2", "--engine-address", f"tcp://127.0.0.1:{engine_port}",
+            "--server-args", server_keys,
+            "--", "--curve-secret-key", str(keys / "engine.key_secret"),
+            "--curve-authorized-keys", str(keys / "authorized"), *_SMALL_CACHE,
+        ],
+        log,
+    )  # fmt: skip
+    subprocess_cleanup.append(script)
+    url = f"http://127.0.0.1:{http_port}"
+    wait_healthy(url, [script], log)
+    deadline = time.monotonic() + 120
+    while (health := httpx.get(f"{url}/health", timeout=10).json())["status"] != "ok":
+        assert time.monotonic() < deadline, tail(log)
+        time.sleep(0.2)
+    addresses = [replica["address"] for replica in health["replicas"]]
+    assert addresses == [f"tcp://127.0.0.1:{engine_port + r}" for r in range(2)]
+    # Prompts with nothing in common alternate between the replicas: both answer.
+    body = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    for prompt in ("w5 w6 w7", "w9 w3 w8", "w2 w4 w6", "w7 w7 w1"):
+        reply = httpx.post(f"{url}/v1/completions", json={**body, "prompt": prompt}, timeout=60)
+        assert reply.status_code == 200, reply.text
+    replicas = httpx.get(f"{url}/health", timeout=10).json()["replicas"]
+    assert all(replica["engine"]["num_finished"] >= 1 for replica in replicas), replicas
+    # Nobody without a key gets an answer from either replica.
+    for address in addresses:
+        assert not _answered(address, lambda sock: None)

@@ -303,6 +303,6 @@ def test_metrics_time_each_request_and_count_statuses(deployment: Deployment) ->
     assert grew("tandem:request_success_total", finished_reason="length") == 1
     assert grew("tandem:http_requests_total", method="POST", status="200") == 1
     assert grew("tandem:http_requests_total", method="POST", status="400") == 1
-    # The engine's series stay, from its fresh stats.
-    assert after[("tandem_engine_up", ())] == 1
-    assert after[("tandem_kv_cache_blocks", (("model", model),))] > 0
+    # The engine's series stay, from its fresh stats, labelled with its replica index.
+    assert after[("tandem_engine_up", (("replica", "0"),))] == 1
+    assert after[("tandem_kv_cache_blocks", (("model", model), ("replica", "0")))] > 0

@@ -1,6 +1,6 @@
 """Request validation: bad requests get OpenAI's error bodies before any engine call.
 
-The app runs with a real EngineClient that has no engine behind it, so only the
+The app runs with a real EnginePool that has no engine behind it, so only the
 paths that answer without the engine are exercised here.
 """
 
@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from protocol import PROTOCOL_VERSION, HandshakeReply, SamplingDefaults
 from server.app import create_app
-from server.engine_client import EngineClient
+from server.engine_pool import EnginePool
 from server.errors import ApiError
 from server.openai_schemas import ChatCompletionRequest, CompletionRequest, parse_request
 from server.prompts import chat_generation
@@ -73,7 +73,7 @@ def handshake(chat_template: str | None) -> HandshakeReply:
 
 def make_client(chat_template: str | None) -> Iterator[TestClient]:
     # Never connected: there is no engine, and these tests must not need one.
-    engine = EngineClient("tcp://127.0.0.1:9")
+    engine = EnginePool(["tcp://127.0.0.1:9"])
     app = create_app(engine, handshake(chat_template))
     with TestClient(app, raise_server_exceptions=False) as client:
         yield client
@@ -610,7 +610,7 @@ def test_bad_tokenize_requests(
 
 
 def test_api_key_guards_the_api_but_not_the_page() -> None:
-    engine = EngineClient("tcp://127.0.0.1:9")
+    engine = EnginePool(["tcp://127.0.0.1:9"])
     app = create_app(engine, handshake(CHATML), api_key="s3cret")
     with TestClient(app, raise_server_exceptions=False) as client:
         refused = client.get("/v1/models")
@@ -629,7 +629,7 @@ def test_metrics_without_an_engine_say_it_is_down(client: TestClient) -> None:
     response = client.get("/metrics")
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
-    assert "tandem_engine_up 0.0" in response.text.splitlines()
+    assert 'tandem_engine_up{replica="0"} 0.0' in response.text.splitlines()
 
 
 def test_chat_add_special_tokens_puts_the_tokenizers_own_on_top() -> None:

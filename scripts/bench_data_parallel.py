@@ -1,0 +1,327 @@
+"""Data-parallel throughput: M engine replicas behind the server's pool against one engine.
+
+    python scripts/bench_data_parallel.py --model DIR [--data-parallel-size 2] [--gpus 0,1]
+                                         [--num-requests 1024] [--kv-cache-memory-gb G]
+                                         [--min-len 100] [--max-len 1024] [--clients 4]
+                                         [-- ENGINE_ARGS...]
+
+Runs DP=1 (one `python -m engine` on the first GPU of --gpus), then DP=M (replica r on GPU r of
+--gpus, M real engine processes), each fed through `server/engine_pool.py`'s `EnginePool`, the
+balancer every HTTP server uses, without the HTTP and text work, from --clients processes (as
+from that many servers: one Python process would bound the tokens per second received). For
+each it checks first that every replica generates the same greedy tokens for a few probe
+prompts, one at a time; then it times the offline workload of scripts/bench_offline.py (random
+token ids, input and output lengths uniform in [--min-len, --max-len], ignore_eos), all
+submitted at once, and checks that every request got all its tokens and that each replica took
+its share. It prints the time to ready (process start to every handshake), output tokens per
+second, and DP=M over DP=1 (the target on two GPUs: at least 1.8x).
+
+The default workload keeps each replica's batch full (4 x --max-num-seqs requests): with fewer
+requests than one engine's batch holds, replicas only split the same batch.
+
+One GPU, as a smoke check: --gpus 0,0 puts both replicas on GPU 0; the KV cache of each
+replica is then --kv-cache-memory-gb (default here 16 GiB), since each engine would otherwise
+count the other's memory as its own. The ratio is then not the target's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Barrier, Event
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from protocol import HandshakeReply, SamplingParams  # noqa: E402
+from scripts.bench_offline import workload  # noqa: E402
+from server.engine_pool import EnginePool  # noqa: E402
+
+PROBE_TOKENS = 32
+NUM_PROBES = 4
+SHARED_GPU_KV_CACHE_GB = 16.0
+READY_TIMEOUT_S = 900.0
+TARGET_SPEEDUP = 1.8
+
+
+@dataclass
+class Run:
+    replicas: int
+    gpus: list[str]  # each replica's CUDA_VISIBLE_DEVICES ("" on the CPU)
+    ready_s: float = 0.0
+    output_tokens: int = 0
+    seconds: float = 0.0
+    requests_per_replica: tuple[int, ...] = ()
+    probes: list[list[int]] | None = None  # the probe prompts' greedy tokens
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def shares_a_gpu(self) -> bool:
+        return bool(self.gpus[0]) and len(set(self.gpus)) < len(self.gpus)
+
+
+def engine_command(args: argparse.Namespace, address: str, shared_gpu: bool) -> list[str]:
+    command = [sys.executable, "-m", "engine", "--address", address, "--model", args.model]
+    command += ["--device", args.device, "--log-level", "warning"]
+    command += ["--max-num-seqs", str(args.max_num_seqs)]
+    command += ["--max-model-len", str(2 * args.max_len + 16)]  # as bench_offline's
+    kv_cache_gb = args.kv_cache_memory_gb
+    if kv_cache_gb is None and shared_gpu:
+        kv_cache_gb = SHARED_GPU_KV_CACHE_GB
+    if kv_cache_gb is not None:
+        command += ["--kv-cache-memory-gb", str(kv_cache_gb)]
+    return command + args.engine_args
+
+
+async def run_replicas(args: argparse.Namespace, run: Run) -> None:
+    workdir = tempfile.mkdtemp(prefix="tandem-dp-")
+    addresses = [f"ipc://{workdir}/engine{r}.sock" for r in range(run.replicas)]
+    processes = []
+    started = time.perf_counter()
+    for address, gpus in zip(addresses, run.gpus, strict=True):
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus) if gpus else None
+        command = engine_command(args, address, run.shares_a_gpu)
+        processes.append(subprocess.Popen(command, cwd=REPO_ROOT, env=env))
+    pool = EnginePool(addresses, "bench_data_parallel")
+    try:
+        handshake = await until_ready(pool, processes)
+        run.ready_s = time.perf_counter() - started
+        vocab_size = _vocab_size(handshake.tokenizer_json)
+        run.probes = await probe_every_replica(pool, vocab_size)
+        requests = workload(args.num_requests, vocab_size, args.min_len, args.max_len)
+        before = [stats.num_finished for stats in await _stats(pool)]
+        # Blocking this loop meanwhile is fine: its pool sends and receives nothing then.
+        counts, run.seconds = generate_in_clients(addresses, requests, args.clients)
+        after = [stats.num_finished for stats in await _stats(pool)]
+        run.requests_per_replica = tuple(a - b for a, b in zip(after, before, strict=True))
+        short = [
+            i for i, (count, (_, n)) in enumerate(zip(counts, requests, strict=True)) if count != n
+        ]
+        if short:
+            raise SystemExit(
+                f"FAIL: {len(short)} requests got fewer tokens than asked: {short[:8]}"
+            )
+        run.output_tokens = sum(counts)
+    finally:
+        await pool.close()
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+async def until_ready(pool: EnginePool, processes: list[subprocess.Popen]) -> HandshakeReply:
+    """Every replica's handshake; fails at once if an engine exits before it answers."""
+    connecting = asyncio.create_task(pool.connect(READY_TIMEOUT_S))
+    while not connecting.done():
+        await asyncio.wait([connecting], timeout=1.0)
+        exited = [(r, p.returncode) for r, p in enumerate(processes) if p.poll() is not None]
+        if exited and not connecting.done():
+            connecting.cancel()
+            raise SystemExit(f"FAIL: engine replica {exited[0][0]} exited ({exited[0][1]})")
+    return connecting.result()
+
+
+async def probe_every_replica(pool: EnginePool, vocab_size: int) -> list[list[int]]:
+    """The probes' greedy tokens, each generated alone on every replica; they must agree."""
+    rng = random.Random(1)  # not the workload's seed: no probe is a prefix of its prompts
+    prompts = [[rng.randrange(vocab_size) for _ in range(48)] for _ in range(NUM_PROBES)]
+    greedy = SamplingParams(max_tokens=PROBE_TOKENS, temperature=0.0, ignore_eos=True)
+    answers = []
+    for replica in pool.replicas:
+        tokens = []
+        for i, prompt in enumerate(prompts):
+            outputs = replica.client.generate(f"probe-{replica.index}-{i}", prompt, greedy)
+            tokens.append([t async for output in outputs for t in output.new_token_ids])
+        answers.append(tokens)
+    for replica, tokens in enumerate(answers[1:], start=1):
+        if tokens != answers[0]:
+            raise SystemExit(f"FAIL: replica {replica}'s greedy tokens differ from replica 0's")
+    return answers[0]
+
+
+def generate_in_clients(
+    addresses: list[str], requests: list[tuple[list[int], int]], num_clients: int
+) -> tuple[list[int], float]:
+    """Each request's output token count, and the seconds from the start signal to the last
+    token: request i sent by client process i % num_clients through its own EnginePool (as
+    if by that many servers), so that no one Python process's handling of the outputs bounds
+    the engines' throughput."""
+    context = multiprocessing.get_context("spawn")
+    ready = context.Barrier(num_clients + 1)
+    go = context.Event()
+    results = context.Queue()
+    clients = [
+        context.Process(
+            target=run_client,
+            args=(addresses, k, requests[k::num_clients], ready, go, results),
+            daemon=True,
+        )
+        for k in range(num_clients)
+    ]
+    for client in clients:
+        client.start()
+    try:
+        ready.wait(timeout=READY_TIMEOUT_S)  # every client connected
+        started = time.monotonic()
+        go.set()
+        counts = [0] * len(requests)
+        finished = started
+        for _ in clients:
+            while True:
+                try:
+                    k, share_counts, share_finished = results.get(timeout=1.0)
+                    break
+                except queue.Empty:
+                    if any(client.exitcode not in (None, 0) for client in clients):
+                        raise SystemExit(
+                            "FAIL: a client process failed (its error is above)"
+                        ) from None
+            counts[k::num_clients] = share_counts
+            finished = max(finished, share_finished)
+    finally:
+        for client in clients:
+            client.join(timeout=30)
+            client.kill()
+    return counts, finished - started
+
+
+def run_client(
+    addresses: list[str],
+    client: int,
+    requests: list[tuple[list[int], int]],
+    ready: Barrier,
+    go: Event,
+    results: Queue,
+) -> None:
+    """One client process: its requests' output token counts, and when the last ended."""
+    counts, finished = asyncio.run(_client(addresses, client, requests, ready, go))
+    results.put((client, counts, finished))
+
+
+async def _client(
+    addresses: list[str],
+    client: int,
+    requests: list[tuple[list[int], int]],
+    ready: Barrier,
+    go: Event,
+) -> tuple[list[int], float]:
+    pool = EnginePool(addresses, f"bench_data_parallel client {client}")
+    try:
+        await pool.connect(READY_TIMEOUT_S)
+        await asyncio.to_thread(ready.wait)
+        await asyncio.to_thread(go.wait)
+        counts = await asyncio.gather(
+            *(
+                _generate(pool, f"bench-{client}-{i}", prompt, n)
+                for i, (prompt, n) in enumerate(requests)
+            )
+        )
+        return counts, time.monotonic()
+    finally:
+        await pool.close()
+
+
+async def _generate(pool: EnginePool, request_id: str, prompt: list[int], max_tokens: int) -> int:
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    outputs = pool.generate(request_id, prompt, sampling)
+    return sum([len(output.new_token_ids) async for output in outputs])
+
+
+async def _stats(pool: EnginePool) -> list:
+    stats = await pool.stats(timeout=30)
+    if any(s is None for s in stats):
+        raise SystemExit("FAIL: a replica does not answer")
+    return stats
+
+
+def _vocab_size(tokenizer_json: str) -> int:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(tokenizer_json).get_vocab_size()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--data-parallel-size", type=int, default=2)
+    parser.add_argument("--gpus", default="0,1", help="one GPU per replica; repeat one to share it")
+    parser.add_argument("--num-requests", type=int, help="default: 4 x --max-num-seqs")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--min-len", type=int, default=100)
+    parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--kv-cache-memory-gb", type=float)
+    parser.add_argument(
+        "--clients", type=int, default=4, help="client processes sending the requests"
+    )
+    parser.add_argument("engine_args", nargs=argparse.REMAINDER, help="after --: engine options")
+    args = parser.parse_args()
+    # A SIGTERM (a timeout) stops the engines too, as Ctrl-C does.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    args.engine_args = [a for a in args.engine_args if a != "--"]
+    args.num_requests = args.num_requests or 4 * args.max_num_seqs
+    gpus = args.gpus.split(",") if args.device == "cuda" else [""] * args.data_parallel_size
+    if len(gpus) < args.data_parallel_size:
+        parser.error(f"--gpus lists {len(gpus)} GPUs for {args.data_parallel_size} replicas")
+
+    runs = [Run(1, gpus[:1]), Run(args.data_parallel_size, gpus[: args.data_parallel_size])]
+    for run in runs:
+        print(f"=== DP={run.replicas} on GPUs {run.gpus}", flush=True)
+        asyncio.run(run_replicas(args, run))
+        print(f"ready in {run.ready_s:.1f} s; {run.tokens_per_s:.1f} output tok/s", flush=True)
+
+    single, parallel = runs
+    if parallel.probes != single.probes:
+        raise SystemExit("FAIL: DP=1 and DP=M generate different greedy tokens for the probes")
+    fair = args.num_requests / parallel.replicas
+    unbalanced = [n for n in parallel.requests_per_replica if abs(n - fair) > 0.1 * fair]
+    if unbalanced:
+        raise SystemExit(f"FAIL: requests per replica {parallel.requests_per_replica}")
+    print(
+        f"\n{args.model}: {args.num_requests} requests, lengths uniform in "
+        f"[{args.min_len}, {args.max_len}], ignore_eos, max_num_seqs {args.max_num_seqs}"
+    )
+    print(
+        f"{'':6} {'GPUs':12} {'ready s':>8} {'requests/replica':>18} {'tokens':>9} "
+        f"{'seconds':>8} {'tok/s':>9}"
+    )
+    for run in runs:
+        print(
+            f"DP={run.replicas:<3} {','.join(run.gpus) if run.gpus[0] else 'cpu':12} "
+            f"{run.ready_s:8.1f} "
+            f"{'/'.join(map(str, run.requests_per_replica)):>18} {run.output_tokens:9d} "
+            f"{run.seconds:8.2f} {run.tokens_per_s:9.1f}"
+        )
+    speedup = parallel.tokens_per_s / single.tokens_per_s
+    if parallel.shares_a_gpu or args.device == "cpu":
+        print(f"DP={parallel.replicas} / DP=1: {speedup:.2f}x (smoke: replicas share a device)")
+    else:
+        verdict = "met" if speedup >= TARGET_SPEEDUP else "NOT met"
+        target = f"target >= {TARGET_SPEEDUP}x: {verdict}"
+        print(f"DP={parallel.replicas} / DP=1: {speedup:.2f}x ({target})")
+
+
+if __name__ == "__main__":
+    main()
