@@ -42,7 +42,12 @@ from tests.processes import (
     wait_for_cache_free,
     wait_healthy,
 )
-from tests.random_checkpoint import save_tiny_word_model
+from tests.random_checkpoint import (
+    VOCAB,
+    save_tiny_llama,
+    save_tiny_word_model,
+    save_word_tokenizer,
+)
 from tests.streams import Balancer
 
 # Concurrent streams during the rolling restart: the 200 run in scripts/soak.py;
@@ -232,12 +237,18 @@ def test_an_oversized_body_gets_413_unread(deployment: Deployment) -> None:
 
 
 def test_a_stopped_engine_ends_its_requests_with_a_finish_reason(
-    deployment: Deployment, tmp_path: Path, subprocess_cleanup: list[subprocess.Popen]
+    tmp_path: Path, subprocess_cleanup: list[subprocess.Popen]
 ) -> None:
     address = f"ipc://{tmp_path}/engine.sock"
     log = tmp_path / "engine.log"
-    model = str(deployment.model)
-    engine = start_engine(address, log, "--model", model, "--drain-timeout", "3", *_SMALL_CACHE)
+    # A context long enough that the long request cannot finish within the drain, however
+    # fast the machine: 6,000 tokens in 3 s would take 0.5 ms a step.
+    model = tmp_path / "model"
+    save_tiny_llama(model, max_position_embeddings=8192)
+    save_word_tokenizer(model, VOCAB)
+    engine = start_engine(
+        address, log, "--model", str(model), "--drain-timeout", "3", *_SMALL_CACHE
+    )
     subprocess_cleanup.append(engine)
     context = zmq.Context()
     peer = context.socket(zmq.DEALER)
@@ -247,7 +258,7 @@ def test_a_stopped_engine_ends_its_requests_with_a_finish_reason(
         peer.send(HandshakeRequest(PROTOCOL_VERSION, "test").encode())
         assert peer.poll(300_000), tail(log)
         assert isinstance(decode_message(peer.recv()), HandshakeReply)
-        for request_id, max_tokens in (("short", 8), ("long", 480)):
+        for request_id, max_tokens in (("short", 8), ("long", 6000)):
             sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
             peer.send(GenerateRequest(request_id, [5, 6, 7], sampling).encode())
         while not peer.poll(10_000) or not isinstance(decode_message(peer.recv()), TokenOutputs):
