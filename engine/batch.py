@@ -32,7 +32,8 @@ class StepInputs:
 
     input_ids: torch.Tensor  # [T] int64
     metadata: AttentionMetadata
-    # [R + C] int64: the packed tokens whose logits are sampled, then those of the C prompt
+    # [R + D + C] int64: the packed tokens whose logits are sampled (each row's last token
+    # and, with speculative decoding, its D drafts in all), then those of the C prompt
     # positions scored for prompt log-probabilities.
     logits_index: torch.Tensor
     # The R requests those are the last tokens of: every one whose tokens are all computed
@@ -40,6 +41,8 @@ class StepInputs:
     rows: list[Request]
     num_seqs: int
     scored: ScoredPositions | None  # None when no request wants prompt log-probabilities
+    # Per row, how many drafts it verifies (its logits rows are 1 + that); None: no drafts.
+    num_drafts: list[int] | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -57,7 +60,8 @@ def pack(
     starts = np.fromiter((r.num_cached_tokens for r in batch), np.int64, seqs)
     query_lens = np.fromiter((r.num_scheduled_tokens for r in batch), np.int64, seqs)
     ends = starts + query_lens
-    completes = ends == np.fromiter((r.num_tokens for r in batch), np.int64, seqs)
+    drafts = np.fromiter((len(r.draft_token_ids) for r in batch), np.int64, seqs)
+    completes = ends == np.fromiter((r.num_tokens for r in batch), np.int64, seqs) + drafts
     query_ends = np.cumsum(query_lens)
     query_starts = query_ends - query_lens
     num_tokens = int(query_ends[-1])
@@ -81,6 +85,12 @@ def pack(
         block_tables[token_seq_index, positions // block_size] * block_size + positions % block_size
     )
     logits_index = (query_ends - 1)[completes]
+    speculating = bool(drafts.any())
+    if speculating:  # a row verifying drafts samples after its last token and each draft
+        num_logits = (1 + drafts)[completes]
+        row_starts = np.cumsum(num_logits) - num_logits
+        logits_index = np.repeat(logits_index - num_logits + 1 - row_starts, num_logits)
+        logits_index += np.arange(logits_index.size)
     chunks, scored_index, target_ids = scored_chunks(batch, starts, query_starts)
     # Decodes whose input is a pending token: where it goes in the packed batch, and where
     # it is in the last step's sampled tokens.
@@ -144,7 +154,8 @@ def pack(
     if chunks:
         num_top = max(chunk.request.sampling.prompt_logprobs or 0 for chunk in chunks)
         scored = ScoredPositions(chunks, target_ids_t, num_top)
-    return StepInputs(input_ids, metadata, logits_index_t, rows, seqs, scored)
+    num_drafts = drafts[completes].tolist() if speculating else None
+    return StepInputs(input_ids, metadata, logits_index_t, rows, seqs, scored, num_drafts)
 
 
 def sampling_tensors(

@@ -89,6 +89,21 @@ class EngineConfig:
         "the attention and layer-op implementations (default: triton on CUDA, torch on CPU)",
         choices=list(BACKENDS),
     )
+    speculative_method: str | None = option(
+        None,
+        "speculative decoding: ngram drafts tokens from the request's own prompt and output "
+        "(prompt lookup), verified in one forward pass (default: none)",
+        choices=["ngram"],
+    )
+    num_speculative_tokens: int = option(
+        4, "with --speculative-method: tokens drafted for each request a step"
+    )
+    prompt_lookup_max: int = option(
+        4, "ngram speculation: the longest n-gram looked up in the request's tokens"
+    )
+    prompt_lookup_min: int = option(
+        2, "ngram speculation: the shortest n-gram looked up in the request's tokens"
+    )
 
 
 @dataclass

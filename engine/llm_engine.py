@@ -23,6 +23,7 @@ from engine.models import load_checkpoint
 from engine.prompt_logprobs import take_scored
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
+from engine.speculative.ngram import NgramProposer
 from engine.structured_output import CompilingRequests, GrammarCompiler, GrammarError
 from protocol import (
     PROTOCOL_VERSION,
@@ -79,6 +80,16 @@ class LLMEngine:
         self.overlap_steps = (
             config.overlap_steps if config.overlap_steps is not None else self.device.type == "cuda"
         )
+        self.proposer: NgramProposer | None = None
+        if config.speculative_method == "ngram":
+            self.proposer = NgramProposer(
+                config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+            )
+            # Proposing reads a request's every token, its last one included: each step is
+            # read before the next one is scheduled.
+            if self.overlap_steps:
+                logger.info("speculative decoding: steps are not overlapped")
+            self.overlap_steps = False
         self.in_flight: LaunchedStep | None = None  # launched, results not yet read
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.sampling_defaults = _sampling_defaults(config.generation_config, checkpoint)
@@ -93,6 +104,9 @@ class LLMEngine:
         self.errors: list[tuple[bytes, ErrorReply]] = []
         self.num_finished = 0
         self.num_generated_tokens = 0  # sampled, one per request per step
+        # Speculative decoding: drafts verified, and those accepted.
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     @property
     def has_work(self) -> bool:
@@ -199,6 +213,8 @@ class LLMEngine:
         and packed. The outputs, each with its client."""
         if self.compiling:
             self._schedule_compiled()
+        if self.proposer is not None:
+            self._propose()
         batch = self.scheduler.schedule()
         if not batch:
             return self.sync()
@@ -215,6 +231,27 @@ class LLMEngine:
         outputs += self.sync()
         self.in_flight = launched
         return outputs
+
+    def _propose(self) -> None:
+        """Draft the tokens after each decoding request's last one, for the step to verify.
+        Not for requests whose logits a step shapes (penalties, bans, logit bias, min_p,
+        grammars): what those do at a draft's position depends on the drafts before it."""
+        proposer = self.proposer
+        assert proposer is not None
+        for request in self.scheduler.running:
+            request.draft_token_ids = []
+            if (
+                request.num_tokens - request.num_cached_tokens != 1
+                or request.shapes_logits
+                or request.grammar is not None
+            ):
+                continue
+            # Every token it emits must fit its max_tokens and the context.
+            room = min(
+                request.sampling.max_tokens - request.num_output_tokens,
+                self.max_model_len - request.num_tokens,
+            )
+            request.draft_token_ids = proposer.propose(request, room - 1)
 
     def _samples_after_read(self, batch: list[Request]) -> bool:
         """Whether sampling ``batch`` needs its pending tokens read first: a grammar advances
@@ -255,43 +292,61 @@ class LLMEngine:
                 take_scored(chunk.request, chunk.first_token, entries)
         logprobs = sampled.logprobs or [None] * len(sampled.requests)
         outputs = []
-        for request, token, token_logprobs in zip(
+        for request, tokens, token_logprobs in zip(
             sampled.requests, sampled.token_ids, logprobs, strict=True
         ):
             if request.status is not RequestStatus.FINISHED:
                 request.num_pending_tokens -= 1
-                self.num_generated_tokens += 1
-                outputs.append((request.client, self._append_token(request, token, token_logprobs)))
+                self.num_generated_tokens += len(tokens)
+                if request.draft_token_ids:
+                    self._take_verified(request, len(tokens) - 1)
+                output = self._append_tokens(request, tokens, token_logprobs)
+                outputs.append((request.client, output))
         return outputs
 
-    def _append_token(
-        self, request: Request, token: int, logprobs: TokenLogprobs | None
+    def _take_verified(self, request: Request, num_accepted: int) -> None:
+        """Count a request's verified drafts and forget the K/V of those rejected."""
+        num_drafts = len(request.draft_token_ids)
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        self.block_manager.roll_back(request, num_drafts - num_accepted)
+        request.draft_token_ids = []
+
+    def _append_tokens(
+        self, request: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None
     ) -> RequestOutput:
+        """Append a step's new tokens to the request, up to the one that finishes it; its
+        output."""
         sampling = request.sampling
         # The first token's output carries the prompt's log-probabilities, now all read.
         first = not request.output_token_ids and sampling.prompt_logprobs is not None
         prompt_logprobs = request.prompt_logprobs if first else None
         grammar = request.grammar
-        if grammar is not None and not grammar.accept_token(token):
-            # The mask allowed only tokens the grammar accepts: a bug, not the user's doing.
-            logger.error("request %s: token %d breaks its grammar", request.request_id, token)
-            return self._finish(request, FinishReason.ABORT, [])
-        if (
-            token in sampling.stop_token_ids
-            or (not sampling.ignore_eos and token in self.eos_token_ids)
-            or (grammar is not None and grammar.is_terminated())
-        ):
-            return self._finish(request, FinishReason.STOP, [], None, prompt_logprobs)
-        request.output_token_ids.append(token)
-        new_logprobs = None if logprobs is None else [logprobs]
-        if (
-            len(request.output_token_ids) >= sampling.max_tokens
-            or request.num_tokens >= self.max_model_len
-        ):
-            return self._finish(
-                request, FinishReason.LENGTH, [token], new_logprobs, prompt_logprobs
-            )
-        return self._output(request, [token], None, new_logprobs, prompt_logprobs)
+        for count, token in enumerate(tokens):
+            new_tokens = tokens[:count]
+            new_logprobs = None if logprobs is None or not count else logprobs[:count]
+            if grammar is not None and not grammar.accept_token(token):
+                # The mask allowed only tokens the grammar accepts: a bug, not the user's doing.
+                logger.error("request %s: token %d breaks its grammar", request.request_id, token)
+                return self._finish(request, FinishReason.ABORT, new_tokens, new_logprobs)
+            if (
+                token in sampling.stop_token_ids
+                or (not sampling.ignore_eos and token in self.eos_token_ids)
+                or (grammar is not None and grammar.is_terminated())
+            ):
+                return self._finish(
+                    request, FinishReason.STOP, new_tokens, new_logprobs, prompt_logprobs
+                )
+            request.output_token_ids.append(token)
+            if (
+                len(request.output_token_ids) >= sampling.max_tokens
+                or request.num_tokens >= self.max_model_len
+            ):
+                new_logprobs = None if logprobs is None else logprobs[: count + 1]
+                return self._finish(
+                    request, FinishReason.LENGTH, tokens[: count + 1], new_logprobs, prompt_logprobs
+                )
+        return self._output(request, tokens, None, logprobs, prompt_logprobs)
 
     def _finish(
         self,

@@ -56,9 +56,11 @@ class Scheduler:
             if request.num_tokens - request.num_cached_tokens > 1:
                 prefilling.append(request)
             elif budget:
-                request.num_scheduled_tokens = 1
+                if len(request.draft_token_ids) >= budget:  # its drafts wait for a later step
+                    request.draft_token_ids = []
+                request.num_scheduled_tokens = 1 + len(request.draft_token_ids)
                 batch.append(request)
-                budget -= 1
+                budget -= request.num_scheduled_tokens
         for request in prefilling:
             if not budget:
                 break
@@ -87,6 +89,8 @@ class Scheduler:
             if request.has_all_tokens:  # finishes when its last token is read: no block
                 kept.append(request)
                 continue
+            if request.draft_token_ids and not self.block_manager.can_grow(request):
+                request.draft_token_ids = []  # no one is preempted for a draft
             # Oldest first: the newest requests give their blocks up to the older ones.
             while not (fits := self.block_manager.can_grow(request)) and queue:
                 self._preempt(queue.pop())
@@ -115,6 +119,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.num_preemptions += 1
+        request.draft_token_ids = []
         self.block_manager.release(request)
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
