@@ -85,11 +85,7 @@ class LLMEngine:
             self.proposer = NgramProposer(
                 config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
             )
-            # Proposing reads a request's every token, its last one included: each step is
-            # read before the next one is scheduled.
-            if self.overlap_steps:
-                logger.info("speculative decoding: steps are not overlapped")
-            self.overlap_steps = False
+        self.speculative_disable_by_batch_size = config.speculative_disable_by_batch_size
         self.in_flight: LaunchedStep | None = None  # launched, results not yet read
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.sampling_defaults = _sampling_defaults(config.generation_config, checkpoint)
@@ -213,24 +209,35 @@ class LLMEngine:
         and packed. The outputs, each with its client."""
         if self.compiling:
             self._schedule_compiled()
-        if self.proposer is not None:
+        outputs = []
+        if self._speculates():
+            # Proposing reads every token, the last one too: the step in flight first.
+            outputs = self.sync()
             self._propose()
         batch = self.scheduler.schedule()
         if not batch:
-            return self.sync()
+            return outputs + self.sync()
         forwarded = self.runner.forward(batch)
-        outputs = []
         if self.in_flight is not None and self._samples_after_read(batch):
             # Read the pending tokens before sampling, while the device runs the forward pass.
-            outputs = self.sync()
+            outputs += self.sync()
         # Only when a request has a grammar: the unconstrained steps pay nothing for them.
         grammars = [r.grammar for r in forwarded.rows] if self.num_constrained else None
         launched = self.runner.sample(forwarded, grammars)
-        if not self.overlap_steps:
-            return self._read_results(launched)
+        if not self.overlap_steps or forwarded.num_drafts is not None:
+            # A step that verifies drafts is read at once: how many tokens each request has
+            # is known only then, and the next step drafts after them.
+            return outputs + self.sync() + self._read_results(launched)
         outputs += self.sync()
         self.in_flight = launched
         return outputs
+
+    def _speculates(self) -> bool:
+        """Whether this step drafts tokens: with a proposer, while fewer requests run than
+        --speculative-disable-by-batch-size (a large batch keeps the device busy already,
+        and its steps overlap)."""
+        limit = self.speculative_disable_by_batch_size
+        return self.proposer is not None and (limit is None or len(self.scheduler.running) < limit)
 
     def _propose(self) -> None:
         """Draft the tokens after each decoding request's last one, for the step to verify.

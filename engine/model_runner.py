@@ -200,7 +200,7 @@ class ModelRunner:
         elif self.device.type == "cuda":
             # Leave room for the largest step's activations, measured by running one.
             step_tokens = min(config.max_num_batched_tokens, model_len)
-            activations = self._measure_activation_bytes(step_tokens, config.max_num_seqs)
+            activations = self._measure_activation_bytes(step_tokens, config.max_logits_rows)
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free  # our weights and anything else on the GPU
             budget = int(total * config.gpu_memory_utilization) - used - activations

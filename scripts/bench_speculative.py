@@ -2,6 +2,7 @@
 
     python scripts/bench_speculative.py --model FILE.gguf [--num-speculative-tokens 4]
                                         [--max-tokens 256] [--batch-size 32]
+                                        [--speculative-disable-by-batch-size N]
 
 Two greedy chat prompts: a code edit (this file, to be rewritten whole with one change) and a
 summary (of docs/architecture.md's first part). For each, and for a batch of --batch-size
@@ -97,6 +98,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument(
+        "--speculative-disable-by-batch-size",
+        type=int,
+        default=None,
+        help="the engine option: no drafts while this many requests run (default: none)",
+    )
     args = parser.parse_args()
 
     def user(text: str) -> list[dict[str, str]]:
@@ -116,6 +123,7 @@ def main() -> None:
         "num_speculative_tokens": args.num_speculative_tokens,
         "prompt_lookup_min": args.prompt_lookup_min,
         "prompt_lookup_max": args.prompt_lookup_max,
+        "speculative_disable_by_batch_size": args.speculative_disable_by_batch_size,
     }
     runs: dict[str, list[Run]] = {name: [] for name in workloads}
     for options in ({}, speculation):

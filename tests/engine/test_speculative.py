@@ -101,7 +101,19 @@ def test_accepted_drafts_keep_greedy_output_and_roll_back_the_rest(
     assert_all_blocks_free(engine)
 
 
-def test_mixed_batch_gives_what_it_gives_without_speculation(tiny: tuple[Path, HFLlama]) -> None:
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"overlap_steps": False},
+        {"overlap_steps": True},
+        # Steps draft only once fewer than 3 requests run; the others overlap.
+        {"overlap_steps": True, "speculative_disable_by_batch_size": 3},
+    ],
+    ids=["one-step-at-a-time", "overlapped", "overlapped-large-batches-not-drafted"],
+)
+def test_mixed_batch_gives_what_it_gives_without_speculation(
+    tiny: tuple[Path, HFLlama], options: dict[str, Any]
+) -> None:
     directory, _ = tiny
     prompts = random_prompts(6)
     shared = prompts[4][:40]
@@ -124,12 +136,13 @@ def test_mixed_batch_gives_what_it_gives_without_speculation(tiny: tuple[Path, H
     settings = dict(max_num_batched_tokens=24, max_num_seqs=8, prompt_lookup_min=1)
     results = []
     for speculative in (False, True):
-        engine = make_engine(directory, speculative, **settings)
+        engine = make_engine(directory, speculative, **settings, **(options if speculative else {}))
         run_engine(engine, [[*shared, 3]], max_tokens=2)  # the prefix is cached now
         results.append(generate(engine, requests))
         assert engine.block_manager.num_hit_tokens > 0
         assert_all_blocks_free(engine)
     assert engine.num_accepted_tokens > 0
+    assert engine.in_flight is None
     plain, speculated = results
     for request_id in requests:
         ours = speculated[request_id]
