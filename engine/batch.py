@@ -60,8 +60,9 @@ def pack(
     starts = np.fromiter((r.num_cached_tokens for r in batch), np.int64, seqs)
     query_lens = np.fromiter((r.num_scheduled_tokens for r in batch), np.int64, seqs)
     ends = starts + query_lens
-    drafts = np.fromiter((len(r.draft_token_ids) for r in batch), np.int64, seqs)
-    completes = ends == np.fromiter((r.num_tokens for r in batch), np.int64, seqs) + drafts
+    # A request's drafts are computed after all its tokens: past num_tokens.
+    drafts = ends - np.fromiter((r.num_tokens for r in batch), np.int64, seqs)
+    completes = drafts >= 0
     query_ends = np.cumsum(query_lens)
     query_starts = query_ends - query_lens
     num_tokens = int(query_ends[-1])
@@ -85,7 +86,7 @@ def pack(
         block_tables[token_seq_index, positions // block_size] * block_size + positions % block_size
     )
     logits_index = (query_ends - 1)[completes]
-    speculating = bool(drafts.any())
+    speculating = bool((drafts > 0).any())
     if speculating:  # a row verifying drafts samples after its last token and each draft
         num_logits = (1 + drafts)[completes]
         row_starts = np.cumsum(num_logits) - num_logits

@@ -330,17 +330,16 @@ class LLMEngine:
         prompt_logprobs = request.prompt_logprobs if first else None
         grammar = request.grammar
         for count, token in enumerate(tokens):
-            new_tokens = tokens[:count]
-            new_logprobs = None if logprobs is None or not count else logprobs[:count]
             if grammar is not None and not grammar.accept_token(token):
                 # The mask allowed only tokens the grammar accepts: a bug, not the user's doing.
                 logger.error("request %s: token %d breaks its grammar", request.request_id, token)
-                return self._finish(request, FinishReason.ABORT, new_tokens, new_logprobs)
+                return self._finish(request, FinishReason.ABORT, *_first(count, tokens, logprobs))
             if (
                 token in sampling.stop_token_ids
                 or (not sampling.ignore_eos and token in self.eos_token_ids)
                 or (grammar is not None and grammar.is_terminated())
             ):
+                new_tokens, new_logprobs = _first(count, tokens, logprobs)
                 return self._finish(
                     request, FinishReason.STOP, new_tokens, new_logprobs, prompt_logprobs
                 )
@@ -349,9 +348,9 @@ class LLMEngine:
                 len(request.output_token_ids) >= sampling.max_tokens
                 or request.num_tokens >= self.max_model_len
             ):
-                new_logprobs = None if logprobs is None else logprobs[: count + 1]
+                new_tokens, new_logprobs = _first(count + 1, tokens, logprobs)
                 return self._finish(
-                    request, FinishReason.LENGTH, tokens[: count + 1], new_logprobs, prompt_logprobs
+                    request, FinishReason.LENGTH, new_tokens, new_logprobs, prompt_logprobs
                 )
         return self._output(request, tokens, None, logprobs, prompt_logprobs)
 
@@ -390,6 +389,14 @@ class LLMEngine:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
+
+
+def _first(
+    count: int, tokens: list[int], logprobs: list[TokenLogprobs] | None
+) -> tuple[list[int], list[TokenLogprobs] | None]:
+    """The first ``count`` of a step's new tokens, and their log-probabilities (None for
+    none)."""
+    return tokens[:count], None if logprobs is None or not count else logprobs[:count]
 
 
 def _sampling_defaults(generation_config: str, checkpoint: Checkpoint) -> SamplingDefaults:

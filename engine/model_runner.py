@@ -90,25 +90,30 @@ class LaunchedStep:
         if self.copied is not None:
             self.copied.synchronize()
         token_ids, *rest = (t.tolist() for t in self.host_results)
-        if self.row_starts is None:
-            positions = [(row, row + 1) for row in range(len(self.rows))]
+        if self.row_starts is None:  # one position a row
+            spans = None
+            tokens = [[token] for token in token_ids]
         else:
             counts, *rest = rest
-            starts = zip(self.row_starts, counts, strict=True)
-            positions = [(start, start + n) for start, n in starts]
-        tokens = [token_ids[start:end] for start, end in positions]
+            spans = [(start, start + n) for start, n in zip(self.row_starts, counts, strict=True)]
+            tokens = [token_ids[start:end] for start, end in spans]
         logprobs = None
         if self.logprobs_asked is not None:
             values, ids, *rest = rest
-            logprobs = [
-                None
-                if k is None
-                else [
-                    TokenLogprobs(values[p][0], ids[p][1 : k + 1], values[p][1 : k + 1])
-                    for p in range(start, end)
+
+            def at(position: int, k: int) -> TokenLogprobs:
+                top = slice(1, k + 1)
+                return TokenLogprobs(values[position][0], ids[position][top], values[position][top])
+
+            if spans is None:
+                logprobs = [
+                    None if k is None else [at(row, k)] for row, k in enumerate(self.logprobs_asked)
                 ]
-                for k, (start, end) in zip(self.logprobs_asked, positions, strict=True)
-            ]
+            else:
+                logprobs = [
+                    None if k is None else [at(p, k) for p in range(start, end)]
+                    for k, (start, end) in zip(self.logprobs_asked, spans, strict=True)
+                ]
         prompt_logprobs = read_scored(self.scored, *rest) if self.scored else []
         return SampledTokens(self.rows, tokens, logprobs, prompt_logprobs)
 

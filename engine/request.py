@@ -117,7 +117,8 @@ class Request:
         A pending token (a decode's input, still on the device) reads as 0: the runner fills
         it in on the device."""
         start = self.num_cached_tokens
-        end = start + self.num_scheduled_tokens
-        known = self.token_ids_between(start, end)
-        num_pending = max(0, min(end, self.num_tokens) - max(start, self.num_known_tokens))
-        return known + [0] * num_pending + self.draft_token_ids[: max(0, end - self.num_tokens)]
+        known = self.token_ids_between(start, start + self.num_scheduled_tokens)
+        if not self.draft_token_ids:
+            return known + [0] * (self.num_scheduled_tokens - len(known))
+        # A request with drafts has no pending token: its last step was read to draft them.
+        return known + self.draft_token_ids

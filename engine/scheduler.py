@@ -56,11 +56,15 @@ class Scheduler:
             if request.num_tokens - request.num_cached_tokens > 1:
                 prefilling.append(request)
             elif budget:
-                if len(request.draft_token_ids) >= budget:  # its drafts wait for a later step
-                    request.draft_token_ids = []
-                request.num_scheduled_tokens = 1 + len(request.draft_token_ids)
+                num_tokens = 1
+                if request.draft_token_ids:
+                    if len(request.draft_token_ids) < budget:
+                        num_tokens += len(request.draft_token_ids)
+                    else:  # its drafts wait for a later step
+                        request.draft_token_ids = []
+                request.num_scheduled_tokens = num_tokens
                 batch.append(request)
-                budget -= request.num_scheduled_tokens
+                budget -= num_tokens
         for request in prefilling:
             if not budget:
                 break
