@@ -1,4 +1,8 @@
-"""``python -m engine --model M --address ipc://… | tcp://…``: load a model and serve it."""
+"""``python -m engine --model M --address ipc://… | tcp://…``: load a model and serve it.
+
+``python -m engine generate --model M --prompt "…"``: load it, answer one prompt (through the
+model's chat template, if it has one) and print the answer.
+"""
 
 from __future__ import annotations
 
@@ -18,12 +22,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s engine %(name)s: %(message)s",
+def parse_generate_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m engine generate", description="Answer one prompt and print the answer."
     )
+    parser.add_argument("--prompt", required=True, help="the prompt (a user message, in a chat)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most")
+    parser.add_argument(
+        "--temperature", type=float, default=None, help="0: greedy (default: the model's)"
+    )
+    parser.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="render the prompt as a user message through the chat template "
+        "(default: when the model has one)",
+    )
+    parser.add_argument("--log-level", default="warning", help="logging level")
+    add_arguments(parser, EngineConfig)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["generate"]:
+        generate(parse_generate_args(argv[1:]))
+        return
+    args = parse_args(argv)
+    _configure_logging(args.log_level)
     service_config = from_arguments(ServiceConfig, args)
     try:
         check_security(service_config)  # before minutes of loading weights
@@ -46,6 +72,33 @@ def main(argv: list[str] | None = None) -> None:
         save_steps(args.step_record, engine.step_shapes)
     logging.getLogger("engine").info("engine stopped")
     sys.exit(0)
+
+
+def generate(args: argparse.Namespace) -> None:
+    _configure_logging(args.log_level)
+    from engine.llm import LLM
+
+    config = from_arguments(EngineConfig, args)
+    llm = LLM(**vars(config))
+    sampling = llm.default_sampling_params()
+    sampling.max_tokens = args.max_tokens
+    if args.temperature is not None:
+        sampling.temperature = args.temperature
+    chat = args.chat if args.chat is not None else llm.chat_template is not None
+    if chat:
+        messages = [{"role": "user", "content": args.prompt}]
+        (output,) = llm.chat(messages, sampling, use_tqdm=False)
+    else:
+        (output,) = llm.generate(args.prompt, sampling, use_tqdm=False)
+    llm.close()
+    print(output.outputs[0].text)
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s engine %(name)s: %(message)s",
+    )
 
 
 if __name__ == "__main__":

@@ -34,10 +34,10 @@ class StepShape:
     num_tokens: int
     num_seqs: int
     max_blocks: int  # the block tables' width
-    num_logits: int  # R + C
+    num_logits: int  # R + D + C
     num_targets: int  # C
     max_query_len: int
-    num_rows: int  # R
+    num_rows: int  # R + D: the logits rows sampled (D: the drafts they verify)
 
     def split(self, packed: torch.Tensor) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
         """The input ids, attention metadata and logits index that ``packed`` holds; views."""
@@ -78,7 +78,8 @@ class StepInputs:
 
     input_ids: torch.Tensor  # [T] int64
     metadata: AttentionMetadata
-    # [R + C] int64: the packed tokens whose logits are sampled, then those of the C prompt
+    # [R + D + C] int64: the packed tokens whose logits are sampled (each row's last token
+    # and, with speculative decoding, its D drafts in all), then those of the C prompt
     # positions scored for prompt log-probabilities.
     logits_index: torch.Tensor
     # The R requests those are the last tokens of: every one whose tokens are all computed
@@ -90,6 +91,9 @@ class StepInputs:
     # All of the above in one int64 buffer, pending tokens filled in: what a tensor-parallel
     # engine broadcasts to its workers.
     packed: torch.Tensor
+    # Per row, how many drafts it verifies (its logits rows are 1 + that); None: no drafts.
+    # (Only rank 0 reads it, to sample: a worker needs only the packed buffer.)
+    num_drafts: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -111,7 +115,9 @@ def pack(
     starts = np.fromiter((r.num_cached_tokens for r in batch), np.int64, seqs)
     query_lens = np.fromiter((r.num_scheduled_tokens for r in batch), np.int64, seqs)
     ends = starts + query_lens
-    completes = ends == np.fromiter((r.num_tokens for r in batch), np.int64, seqs)
+    # A request's drafts are computed after all its tokens: past num_tokens.
+    drafts = ends - np.fromiter((r.num_tokens for r in batch), np.int64, seqs)
+    completes = drafts >= 0
     query_ends = np.cumsum(query_lens)
     query_starts = query_ends - query_lens
     num_tokens = int(query_ends[-1])
@@ -135,6 +141,12 @@ def pack(
         block_tables[token_seq_index, positions // block_size] * block_size + positions % block_size
     )
     logits_index = (query_ends - 1)[completes]
+    speculating = bool((drafts > 0).any())
+    if speculating:  # a row verifying drafts samples after its last token and each draft
+        num_logits = (1 + drafts)[completes]
+        row_starts = np.cumsum(num_logits) - num_logits
+        logits_index = np.repeat(logits_index - num_logits + 1 - row_starts, num_logits)
+        logits_index += np.arange(logits_index.size)
     chunks, scored_index, target_ids = scored_chunks(batch, starts, query_starts)
     # Decodes whose input is a pending token: where it goes in the packed batch, and where
     # it is in the last step's sampled tokens.
@@ -186,7 +198,8 @@ def pack(
         num_top = max(chunk.request.sampling.prompt_logprobs or 0 for chunk in chunks)
         target_ids_t = packed[shape.packed_size - shape.num_targets :]
         scored = ScoredPositions(chunks, target_ids_t, num_top)
-    return StepInputs(input_ids, metadata, logits_index_t, rows, scored, shape, packed)
+    num_drafts = drafts[completes].tolist() if speculating else None
+    return StepInputs(input_ids, metadata, logits_index_t, rows, scored, shape, packed, num_drafts)
 
 
 def sampling_tensors(

@@ -41,8 +41,9 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def missing_blocks(self, request: Request) -> int:
-        """Blocks ``request`` still needs to hold the K/V of all its tokens."""
-        return max(0, self.blocks_for(request.num_tokens) - len(request.block_ids))
+        """Blocks ``request`` still needs to hold the K/V of all its tokens and drafts."""
+        num_tokens = request.num_tokens + len(request.draft_token_ids)
+        return max(0, self.blocks_for(num_tokens) - len(request.block_ids))
 
     def can_grow(self, request: Request) -> bool:
         return self.missing_blocks(request) <= len(self._free)
@@ -91,6 +92,20 @@ class BlockManager:
                 self._key_of_block[block] = key
             request.parent_key = hash(key)
             request.num_keyed_blocks += 1
+
+    def roll_back(self, request: Request, num_rejected: int) -> None:
+        """Forget the K/V of a request's last ``num_rejected`` computed tokens (rejected
+        drafts) and free the blocks its tokens no longer reach: the next token, the only one
+        after its computed ones, is all it keeps room for. Those blocks are unkeyed and held
+        by it alone; they go to the front of the free queue, so that reusing them evicts no
+        cached prefix."""
+        request.num_cached_tokens -= num_rejected
+        keep = self.blocks_for(request.num_cached_tokens + 1)
+        for block in request.block_ids[keep:]:
+            self._ref_counts[block] -= 1
+            self._free[block] = None
+            self._free.move_to_end(block, last=False)
+        del request.block_ids[keep:]
 
     def release(self, request: Request) -> None:
         # Last blocks first into the free queue, so a prefix's first blocks, the likeliest

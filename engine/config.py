@@ -107,6 +107,33 @@ class EngineConfig:
         "the attention and layer-op implementations (default: triton on CUDA, torch on CPU)",
         choices=list(BACKENDS),
     )
+    speculative_method: str | None = option(
+        None,
+        "speculative decoding: ngram drafts tokens from the request's own prompt and output "
+        "(prompt lookup), verified in one forward pass (default: none)",
+        choices=["ngram"],
+    )
+    num_speculative_tokens: int = option(
+        4, "with --speculative-method: tokens drafted for each request a step"
+    )
+    speculative_disable_by_batch_size: int | None = option(
+        None,
+        "with --speculative-method: steps draft nothing (and overlap) while this many "
+        "requests or more run (default: always draft)",
+    )
+    prompt_lookup_max: int = option(
+        4, "ngram speculation: the longest n-gram looked up in the request's tokens"
+    )
+    prompt_lookup_min: int = option(
+        2, "ngram speculation: the shortest n-gram looked up in the request's tokens"
+    )
+
+    @property
+    def max_logits_rows(self) -> int:
+        """Positions a step computes logits for at most: each request's next token's, and
+        with speculative decoding those after its drafts."""
+        drafts = self.num_speculative_tokens if self.speculative_method else 0
+        return self.max_num_seqs * (1 + drafts)
 
 
 @dataclass

@@ -24,6 +24,7 @@ from engine.prompt_logprobs import take_scored
 from engine.request import Request, RequestStatus
 from engine.roofline import StepShape
 from engine.scheduler import Scheduler
+from engine.speculative.ngram import NgramProposer
 from engine.structured_output import CompilingRequests, GrammarCompiler, GrammarError
 from engine.tensor_parallel import WorkerGroup
 from engine.token_restrictions import breaks_restrictions, dead_end_message, may_dead_end
@@ -98,6 +99,12 @@ class LLMEngine:
         self.overlap_steps = (
             config.overlap_steps if config.overlap_steps is not None else self.device.type == "cuda"
         )
+        self.proposer: NgramProposer | None = None
+        if config.speculative_method == "ngram":
+            self.proposer = NgramProposer(
+                config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+            )
+        self.speculative_disable_by_batch_size = config.speculative_disable_by_batch_size
         self.in_flight: LaunchedStep | None = None  # launched, results not yet read
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.sampling_defaults = _sampling_defaults(config.generation_config, checkpoint)
@@ -112,6 +119,9 @@ class LLMEngine:
         self.errors: list[tuple[bytes, ErrorReply]] = []
         self.num_finished = 0
         self.num_generated_tokens = 0  # sampled, one per request per step
+        # Speculative decoding: drafts verified, and those accepted.
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         # Each step's shape, for a benchmark's roofline (engine/roofline.py): kept only when
         # one sets a list here.
         self.step_shapes: list[StepShape] | None = None
@@ -236,24 +246,58 @@ class LLMEngine:
         and packed. The outputs, each with its client."""
         if self.compiling:
             self._schedule_compiled()
+        outputs = []
+        if self._speculates():
+            # Proposing reads every token, the last one too: the step in flight first.
+            outputs = self.sync()
+            self._propose()
         batch = self.scheduler.schedule()
         if not batch:
-            return self.sync()
+            return outputs + self.sync()
         forwarded = self.runner.forward(batch)
         if self.step_shapes is not None:
             self.step_shapes.append(StepShape.of(batch, forwarded.logits.shape[0]))
-        outputs = []
         if self.in_flight is not None and self._samples_after_read(batch):
             # Read the pending tokens before sampling, while the device runs the forward pass.
-            outputs = self.sync()
+            outputs += self.sync()
         # Only when a request has a grammar: the unconstrained steps pay nothing for them.
         grammars = [r.grammar for r in forwarded.rows] if self.num_constrained else None
         launched = self.runner.sample(forwarded, grammars)
-        if not self.overlap_steps:
-            return self._read_results(launched)
+        if not self.overlap_steps or forwarded.num_drafts is not None:
+            # A step that verifies drafts is read at once: how many tokens each request has
+            # is known only then, and the next step drafts after them.
+            return outputs + self.sync() + self._read_results(launched)
         outputs += self.sync()
         self.in_flight = launched
         return outputs
+
+    def _speculates(self) -> bool:
+        """Whether this step drafts tokens: with a proposer, while fewer requests run than
+        --speculative-disable-by-batch-size (a large batch keeps the device busy already,
+        and its steps overlap)."""
+        limit = self.speculative_disable_by_batch_size
+        return self.proposer is not None and (limit is None or len(self.scheduler.running) < limit)
+
+    def _propose(self) -> None:
+        """Draft the tokens after each decoding request's last one, for the step to verify.
+        Not for requests whose logits a step shapes (penalties, bans, logit bias, min_p,
+        grammars): what those do at a draft's position depends on the drafts before it."""
+        proposer = self.proposer
+        assert proposer is not None
+        for request in self.scheduler.running:
+            request.draft_token_ids = []
+            if (
+                request.num_tokens - request.num_cached_tokens != 1
+                or request.shapes_logits
+                or request.grammar is not None
+            ):
+                continue
+            # Every token it emits must fit its max_tokens and the context.
+            room = min(
+                request.sampling.max_tokens - request.num_output_tokens,
+                self.max_model_len - request.num_tokens,
+            )
+            request.draft_token_ids = proposer.propose(request, room - 1)
 
     def _samples_after_read(self, batch: list[Request]) -> bool:
         """Whether sampling ``batch`` needs its pending tokens read first: a grammar advances
@@ -294,20 +338,32 @@ class LLMEngine:
                 take_scored(chunk.request, chunk.first_token, entries)
         logprobs = sampled.logprobs or [None] * len(sampled.requests)
         outputs = []
-        for request, token, token_logprobs in zip(
+        for request, tokens, token_logprobs in zip(
             sampled.requests, sampled.token_ids, logprobs, strict=True
         ):
             if request.status is not RequestStatus.FINISHED:
                 request.num_pending_tokens -= 1
-                self.num_generated_tokens += 1
-                output = self._append_token(request, token, token_logprobs)
+                self.num_generated_tokens += len(tokens)
+                if request.draft_token_ids:
+                    self._take_verified(request, len(tokens) - 1)
+                output = self._append_tokens(request, tokens, token_logprobs)
                 if output is not None:  # None: refused, its error is in self.errors
                     outputs.append((request.client, output))
         return outputs
 
-    def _append_token(
-        self, request: Request, token: int, logprobs: TokenLogprobs | None
+    def _take_verified(self, request: Request, num_accepted: int) -> None:
+        """Count a request's verified drafts and forget the K/V of those rejected."""
+        num_drafts = len(request.draft_token_ids)
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        self.block_manager.roll_back(request, num_drafts - num_accepted)
+        request.draft_token_ids = []
+
+    def _append_tokens(
+        self, request: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None
     ) -> RequestOutput | None:
+        """Append a step's new tokens to the request, up to the one that finishes it; its
+        output (None: refused, its error is in self.errors)."""
         sampling = request.sampling
         # The first token's output carries the prompt's log-probabilities, now all read.
         first = not request.output_token_ids
@@ -315,31 +371,41 @@ class LLMEngine:
             request.prompt_logprobs if first and sampling.prompt_logprobs is not None else None
         )
         grammar = request.grammar
-        if may_dead_end(request) and (
-            breaks_restrictions(request, token, self.eos_token_ids)
-            or (grammar is not None and not grammar.accept_token(token))
-        ):
-            return self._refuse_dead_end(request, token)
-        if (
-            token in sampling.stop_token_ids
-            or (not sampling.ignore_eos and token in self.eos_token_ids)
-            or (grammar is not None and grammar.is_terminated())
-        ):
-            output = self._finish(
-                request, FinishReason.STOP, [], None, prompt_logprobs, stop_token_id=token
-            )
-        else:
+        for count, token in enumerate(tokens):
+            # A request that may dead-end gets no drafts (it has a grammar or restricts its
+            # tokens, which shape its logits): this is its step's one token.
+            if may_dead_end(request) and (
+                breaks_restrictions(request, token, self.eos_token_ids)
+                or (grammar is not None and not grammar.accept_token(token))
+            ):
+                return self._refuse_dead_end(request, token)
+            if (
+                token in sampling.stop_token_ids
+                or (not sampling.ignore_eos and token in self.eos_token_ids)
+                or (grammar is not None and grammar.is_terminated())
+            ):
+                new_tokens, new_logprobs = _first(count, tokens, logprobs)
+                output = self._finish(
+                    request,
+                    FinishReason.STOP,
+                    new_tokens,
+                    new_logprobs,
+                    prompt_logprobs,
+                    stop_token_id=token,
+                )
+                break
             request.output_token_ids.append(token)
-            new_logprobs = None if logprobs is None else [logprobs]
             if (
                 len(request.output_token_ids) >= sampling.max_tokens
                 or request.num_tokens >= self.max_model_len
             ):
+                new_tokens, new_logprobs = _first(count + 1, tokens, logprobs)
                 output = self._finish(
-                    request, FinishReason.LENGTH, [token], new_logprobs, prompt_logprobs
+                    request, FinishReason.LENGTH, new_tokens, new_logprobs, prompt_logprobs
                 )
-            else:
-                output = self._output(request, [token], None, new_logprobs, prompt_logprobs)
+                break
+        else:
+            output = self._output(request, tokens, None, logprobs, prompt_logprobs)
         if first and request.first_scheduled_time is not None:
             output.queue_time = request.first_scheduled_time - request.arrival_time
         return output
@@ -398,6 +464,14 @@ class LLMEngine:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
+
+
+def _first(
+    count: int, tokens: list[int], logprobs: list[TokenLogprobs] | None
+) -> tuple[list[int], list[TokenLogprobs] | None]:
+    """The first ``count`` of a step's new tokens, and their log-probabilities (None for
+    none)."""
+    return tokens[:count], None if logprobs is None or not count else logprobs[:count]
 
 
 def _sampling_defaults(generation_config: str, checkpoint: Checkpoint) -> SamplingDefaults:

@@ -28,6 +28,11 @@ from engine.parallel import SINGLE, TensorParallel
 from engine.prompt_logprobs import ScoredChunk, ScoredPositions, read_scored
 from engine.request import Request
 from engine.sampler import prompt_token_logprobs, sample, token_logprobs
+from engine.speculative.rejection_sampler import (
+    VerifyLayout,
+    num_emitted_tokens,
+    position_sampling_tensors,
+)
 from engine.warm_up import warm_up
 from protocol import PromptTokenLogprobs, TokenLogprobs
 
@@ -43,13 +48,14 @@ logger = logging.getLogger(__name__)
 @dataclass
 class SampledTokens:
     """A step's result: the requests whose prompts are now computed (all of the batch but
-    those with only a chunk of their prompt done), each one's next token and, for those
-    that asked, its log-probabilities (None for the others; None for all if none asked);
-    and the prompt log-probabilities its chunks scored, per chunk."""
+    those with only a chunk of their prompt done), each one's new tokens (its next one; with
+    speculative decoding, its accepted drafts and one more) and, for those that asked, their
+    log-probabilities (None for the others; None for all if none asked); and the prompt
+    log-probabilities its chunks scored, per chunk."""
 
     requests: list[Request]
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs | None] | None
+    token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprobs] | None] | None
     prompt_logprobs: list[tuple[ScoredChunk, list[PromptTokenLogprobs]]]
 
 
@@ -60,8 +66,9 @@ class ForwardedStep:
 
     batch: list[Request]
     rows: list[Request]  # the requests whose tokens are all computed after it, in batch order
-    logits: torch.Tensor  # [len(rows) + C, V] float32
+    logits: torch.Tensor  # [len(rows) + D + C, V] float32
     scored: ScoredPositions | None  # the C prompt positions; None when none is scored
+    num_drafts: list[int] | None  # per row, the drafts it verifies (D in all); None: none
 
 
 @dataclass
@@ -71,27 +78,47 @@ class LaunchedStep:
 
     batch: list[Request]
     rows: list[Request]  # the sampled ones, in the order of the results
-    # Token ids [R]; with logprobs, their values and ids [R, 1 + k]; with scored prompt
-    # positions, their values and ranks-and-ids [C, 1 + k].
+    # Token ids [P], one per sampled position; when drafts were verified, how many of its
+    # positions' tokens each row emits [R]; with logprobs, the positions' values and ids
+    # [P, 1 + k]; with scored prompt positions, their values and ranks-and-ids [C, 1 + k].
     host_results: list[torch.Tensor]
     logprobs_asked: list[int | None] | None  # per row; None when no row asked
     scored: list[ScoredChunk]
     copied: torch.cuda.Event | None
+    # Each row's first position when drafts were verified; None: one position a row.
+    row_starts: list[int] | None = None
 
     def result(self) -> SampledTokens:
         """Wait for the results and read them: the step's one synchronization."""
         if self.copied is not None:
             self.copied.synchronize()
         token_ids, *rest = (t.tolist() for t in self.host_results)
+        if self.row_starts is None:  # one position a row
+            spans = None
+            tokens = [[token] for token in token_ids]
+        else:
+            counts, *rest = rest
+            spans = [(start, start + n) for start, n in zip(self.row_starts, counts, strict=True)]
+            tokens = [token_ids[start:end] for start, end in spans]
         logprobs = None
         if self.logprobs_asked is not None:
             values, ids, *rest = rest
-            logprobs = [
-                None if k is None else TokenLogprobs(row[0], row_ids[1 : k + 1], row[1 : k + 1])
-                for k, row, row_ids in zip(self.logprobs_asked, values, ids, strict=True)
-            ]
+
+            def at(position: int, k: int) -> TokenLogprobs:
+                top = slice(1, k + 1)
+                return TokenLogprobs(values[position][0], ids[position][top], values[position][top])
+
+            if spans is None:
+                logprobs = [
+                    None if k is None else [at(row, k)] for row, k in enumerate(self.logprobs_asked)
+                ]
+            else:
+                logprobs = [
+                    None if k is None else [at(p, k) for p in range(start, end)]
+                    for k, (start, end) in zip(self.logprobs_asked, spans, strict=True)
+                ]
         prompt_logprobs = read_scored(self.scored, *rest) if self.scored else []
-        return SampledTokens(self.rows, token_ids, logprobs, prompt_logprobs)
+        return SampledTokens(self.rows, tokens, logprobs, prompt_logprobs)
 
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -224,7 +251,7 @@ class ModelRunner:
         elif self.device.type == "cuda":
             # Leave room for the largest step's activations, measured by running one.
             step_tokens = min(config.max_num_batched_tokens, model_len)
-            activations = self._measure_activation_bytes(step_tokens, config.max_num_seqs)
+            activations = self._measure_activation_bytes(step_tokens, config.max_logits_rows)
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free  # our weights and anything else on the GPU
             budget = int(total * config.gpu_memory_utilization) - used - activations
@@ -326,7 +353,7 @@ class ModelRunner:
         for request in batch:
             request.num_cached_tokens += request.num_scheduled_tokens
         logits = self.run_model(inputs)
-        return ForwardedStep(batch, inputs.rows, logits, inputs.scored)
+        return ForwardedStep(batch, inputs.rows, logits, inputs.scored, inputs.num_drafts)
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         """The step's logits: a pure decode on CUDA by graph replay, else op by op. (What a
@@ -350,7 +377,13 @@ class ModelRunner:
         batch, rows, logits, scored = step.batch, step.rows, step.logits, step.scored
         results = [torch.empty(0, dtype=torch.int64, device=self.device)]
         logprobs_asked = None
-        if rows:  # else only prompt chunks: nothing to sample yet
+        row_starts = None
+        num_row_logits = len(rows) + sum(step.num_drafts or ())
+        if step.num_drafts is not None:
+            layout = VerifyLayout.of(rows, step.num_drafts, self.device)
+            row_starts = layout.row_starts
+            results, logprobs_asked = self._verify(rows, logits[:num_row_logits], grammars, layout)
+        elif rows:  # else only prompt chunks: nothing to sample yet
             row_logits = logits[: len(rows)]
             if grammars is not None:
                 assert self.grammar_bitmask is not None, "only rank 0 samples"
@@ -358,13 +391,13 @@ class ModelRunner:
             results, logprobs_asked = self._sample(rows, row_logits)
         if scored is not None:
             chosen, rank, top_logprobs, top_ids = prompt_token_logprobs(
-                logits[len(rows) :], scored.target_ids, scored.num_top
+                logits[num_row_logits:], scored.target_ids, scored.num_top
             )
             results.append(torch.cat([chosen.unsqueeze(1), top_logprobs], dim=1))
             results.append(torch.cat([rank.unsqueeze(1), top_ids], dim=1))
         host_results, copied = self._copy_to_host(results)
         chunks = [] if scored is None else scored.chunks
-        return LaunchedStep(batch, rows, host_results, logprobs_asked, chunks, copied)
+        return LaunchedStep(batch, rows, host_results, logprobs_asked, chunks, copied, row_starts)
 
     def _sample(
         self, rows: list[Request], logits: torch.Tensor
@@ -375,18 +408,70 @@ class ModelRunner:
             rows, self.model_config.vocab_size, self.device, self._last_sampled, self.eos_token_ids
         )
         next_tokens = sample(logits, params)
-        self._last_sampled = next_tokens
+        self._mark_pending(rows, next_tokens)
+        return self._with_logprobs(rows, logits, next_tokens, [next_tokens])
+
+    def _verify(
+        self,
+        rows: list[Request],
+        logits: torch.Tensor,
+        grammars: Sequence[xgr.GrammarMatcher | None] | None,
+        layout: VerifyLayout,
+    ) -> tuple[list[torch.Tensor], list[int | None] | None]:
+        """Sample a token at every position of a step whose rows verify drafts (a row with
+        none has one position), and how many each row emits
+        (``engine/speculative/rejection_sampler.py``); the last one is pending. Rows with
+        drafts have no grammar and shape no logits: the others are sampled as ``_sample``
+        samples them."""
+        tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=self.device)
+        plain = [r for r in rows if not r.draft_token_ids]
+        if plain:
+            plain_logits = logits[layout.plain_index]
+            if grammars is not None:
+                masks = [g for g, r in zip(grammars, rows, strict=True) if not r.draft_token_ids]
+                assert self.grammar_bitmask is not None, "only rank 0 samples"
+                self.grammar_bitmask.apply(plain_logits, masks)
+                logits[layout.plain_index] = plain_logits  # logprobs: the masked distribution's
+            params = sampling_tensors(
+                plain,
+                self.model_config.vocab_size,
+                self.device,
+                self._last_sampled,
+                self.eos_token_ids,
+            )
+            tokens[layout.plain_index] = sample(plain_logits, params)
+        drafted = [r for r in rows if r.draft_token_ids]
+        drafted_logits = logits[layout.drafted_index]
+        params = position_sampling_tensors(drafted, self.device)
+        tokens[layout.drafted_index] = sample(drafted_logits, params)
+        num_emitted = num_emitted_tokens(tokens, layout)
+        self._mark_pending(rows, tokens[layout.row_starts_index + num_emitted - 1])
+        return self._with_logprobs(rows, logits, tokens, [tokens, num_emitted])
+
+    def _mark_pending(self, rows: list[Request], last_tokens: torch.Tensor) -> None:
+        """Each row's newest token [R] is sampled, not yet read: the next step may take it."""
+        self._last_sampled = last_tokens
         for row, request in enumerate(rows):
             request.num_pending_tokens += 1
             request.pending_row = row
+
+    @staticmethod
+    def _with_logprobs(
+        rows: list[Request],
+        logits: torch.Tensor,
+        tokens: torch.Tensor,
+        results: list[torch.Tensor],
+    ) -> tuple[list[torch.Tensor], list[int | None] | None]:
+        """``results`` and, if any row asked, the log-probabilities' values and ids of the
+        sampled ``tokens`` [P] at their positions' ``logits``; what each row asked."""
         asked = [r.sampling.logprobs for r in rows]
         if all(k is None for k in asked):
-            return [next_tokens], None
+            return results, None
         num_top = max(k for k in asked if k is not None)
-        chosen, top_logprobs, top_ids = token_logprobs(logits, next_tokens, num_top)
+        chosen, top_logprobs, top_ids = token_logprobs(logits, tokens, num_top)
         values = torch.cat([chosen.unsqueeze(1), top_logprobs], dim=1)
-        ids = torch.cat([next_tokens.unsqueeze(1), top_ids], dim=1)
-        return [next_tokens, values, ids], asked
+        ids = torch.cat([tokens.unsqueeze(1), top_ids], dim=1)
+        return [*results, values, ids], asked
 
     def _copy_to_host(
         self, tensors: list[torch.Tensor]

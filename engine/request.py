@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from protocol import PromptTokenLogprobs, SamplingParams
@@ -40,6 +41,9 @@ class Request:
     # one's row in that step's sampled tokens, where the next step's input is taken from.
     num_pending_tokens: int = 0
     pending_row: int = -1
+    # Speculative decoding: tokens proposed to follow its last one, which the current step
+    # verifies (the step computes them after the last token); empty without speculation.
+    draft_token_ids: list[int] = field(default_factory=list)
     num_keyed_blocks: int = 0  # leading blocks keyed for prefix caching (BlockManager)
     parent_key: int = 0  # hash of the last keyed block's key
     status: RequestStatus = RequestStatus.WAITING
@@ -48,6 +52,8 @@ class Request:
     # With a repetition penalty: the prompt's tokens as a [V] bool mask on the device, made
     # once by the first step that needs it (engine/batch.py).
     prompt_token_mask: torch.Tensor | None = None
+    # Its prompt as an array, made once by the n-gram proposer (speculative decoding).
+    prompt_array: np.ndarray | None = None
     # Whether sampling does more than temperature, top-k and top-p for it (penalties, logit
     # bias, bans, allowed tokens, min_p): known at arrival, so that a step of requests that
     # do not checks one flag each (engine/batch.py).
@@ -117,8 +123,12 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
 
     def scheduled_token_ids(self) -> list[int]:
-        """The tokens the current step computes. A pending token (a decode's input, still on
-        the device) reads as 0: the runner fills it in on the device."""
+        """The tokens the current step computes: known ones, a pending one, then the drafts.
+        A pending token (a decode's input, still on the device) reads as 0: the runner fills
+        it in on the device."""
         start = self.num_cached_tokens
         known = self.token_ids_between(start, start + self.num_scheduled_tokens)
-        return known + [0] * (self.num_scheduled_tokens - len(known))
+        if not self.draft_token_ids:
+            return known + [0] * (self.num_scheduled_tokens - len(known))
+        # A request with drafts has no pending token: its last step was read to draft them.
+        return known + self.draft_token_ids

@@ -57,9 +57,15 @@ class Scheduler:
             if request.num_tokens - request.num_cached_tokens > 1:
                 prefilling.append(request)
             elif budget:
-                request.num_scheduled_tokens = 1
+                num_tokens = 1
+                if request.draft_token_ids:
+                    if len(request.draft_token_ids) < budget:
+                        num_tokens += len(request.draft_token_ids)
+                    else:  # its drafts wait for a later step
+                        request.draft_token_ids = []
+                request.num_scheduled_tokens = num_tokens
                 batch.append(request)
-                budget -= 1
+                budget -= num_tokens
         for request in prefilling:
             if not budget:
                 break
@@ -88,6 +94,8 @@ class Scheduler:
             if request.has_all_tokens:  # finishes when its last token is read: no block
                 kept.append(request)
                 continue
+            if request.draft_token_ids and not self.block_manager.can_grow(request):
+                request.draft_token_ids = []  # no one is preempted for a draft
             # Oldest first: the newest requests give their blocks up to the older ones.
             while not (fits := self.block_manager.can_grow(request)) and queue:
                 self._preempt(queue.pop())
@@ -118,6 +126,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.num_preemptions += 1
+        request.draft_token_ids = []
         self.block_manager.release(request)
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)

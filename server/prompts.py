@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol import StructuredOutput
-from server.chat_template import ChatTemplateError
+from protocol.chat_template import ChatTemplateError
 from server.choices import PreparedGeneration
 from server.errors import ApiError
 from server.openai_schemas import ChatCompletionRequest, ChatMessage, CompletionRequest

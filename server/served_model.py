@@ -11,7 +11,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from protocol import MAX_BAD_WORDS, MAX_BAD_WORDS_TOKENS, HandshakeReply, SamplingDefaults
-from server.chat_template import ChatTemplate, ChatTemplateError
+from protocol.chat_template import ChatTemplate, ChatTemplateError
 from server.errors import ApiError
 from server.fill_in_middle import FillInMiddle
 from server.reasoning import REASONING_PARSERS, reasoning_parser_for_template

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from server.chat_template import ChatTemplate
+from protocol.chat_template import ChatTemplate
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 CHATML_TOOLS = Path(__file__).parents[2] / "server" / "templates" / "chatml_tools.jinja"

@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerFast
 
 from engine.checkpoint.gguf_file import read_gguf
 from engine.checkpoint.resolve import default_model_path
-from server.chat_template import ChatTemplate, ChatTemplateError
+from protocol.chat_template import ChatTemplate, ChatTemplateError
 from server.tool_parsers import tool_parser_for_template
 from tests.server.renderings import (
     MISTRAL_NEMO,

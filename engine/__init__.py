@@ -1,0 +1,28 @@
+"""The engine: ``python -m engine`` serves a model; ``from engine import LLM, SamplingParams``
+generates offline (``engine/llm.py``).
+
+The offline API is imported on first use, so that importing any engine module (and starting
+``python -m engine``) does not load it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.llm import LLM, CompletionOutput, RequestOutput
+    from protocol import SamplingParams
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SamplingParams":
+        from protocol import SamplingParams
+
+        return SamplingParams
+    if name in __all__:
+        from engine import llm
+
+        return getattr(llm, name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -1,0 +1,218 @@
+"""The offline Python API: vLLM's ``LLM(...).generate(...)`` over an in-process engine.
+
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model="path/or/name", max_model_len=4096)
+    for output in llm.generate(["Hello"], SamplingParams(max_tokens=32)):
+        print(output.outputs[0].text)
+
+``LLM`` drives ``LLMEngine`` directly (no socket, no server): it tokenizes and detokenizes
+with the checkpoint's own tokenizer.json, renders chat messages with the model's chat template
+(``protocol/chat_template.py``, which servers render with too), submits every prompt at once
+and steps the engine until all are done, a progress bar counting the finished ones. The
+results have the shapes of vLLM's ``RequestOutput`` and ``CompletionOutput``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tokenizers import Tokenizer
+from tqdm import tqdm
+
+import protocol
+from engine.checkpoint.resolve import DEFAULT_MODEL
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, RequestRejected
+from protocol import PromptTokenLogprobs, SamplingParams, TokenLogprobs
+from protocol.chat_template import ChatTemplate
+
+_CLIENT = b"llm"  # the one client of the engine's requests
+
+# A token's log-probability and its top alternatives': token id -> log-probability.
+Logprobs = dict[int, float]
+
+
+@dataclass
+class CompletionOutput:
+    """One generated answer (vLLM's shape): its text, its token ids, why it ended and, when
+    ``SamplingParams.logprobs`` asked, each token's log-probabilities."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length" or "abort"
+    # Per token, with logprobs=k: the token's log-probability and the k likeliest tokens'.
+    logprobs: list[Logprobs] | None = None
+    cumulative_logprob: float | None = None  # the sum of the tokens' log-probabilities
+
+
+@dataclass
+class RequestOutput:
+    """The answers to one prompt (vLLM's shape). ``prompt`` is None for a prompt given as
+    token ids; ``prompt_logprobs``, when asked, has None for the first token, as vLLM's."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    prompt_logprobs: list[Logprobs | None] | None = None
+
+
+class LLM:
+    """A model loaded in this process, for generating offline.
+
+    ``options`` are ``EngineConfig``'s fields, the flags of ``python -m engine`` without
+    their dashes (``max_model_len=4096``, ``device="cpu"``, ``enforce_eager=True``, ...)."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, **options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **options))
+        info = self.engine.tokenizer
+        self.tokenizer = Tokenizer.from_str(info.tokenizer_json)
+        self.chat_template = (
+            None
+            if info.chat_template is None
+            else ChatTemplate(info.chat_template, info.bos_token, info.eos_token)
+        )
+        self._request_ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (``tensor_parallel_size`` > 1)."""
+        self.engine.close()
+
+    def default_sampling_params(self) -> SamplingParams:
+        """Greedy decoding but where the model's generation_config.json says otherwise (what
+        ``generate`` uses without ``sampling_params``, as vLLM's LLM does)."""
+        defaults = dataclasses.asdict(self.engine.sampling_defaults)
+        return SamplingParams(**{k: v for k, v in defaults.items() if v is not None})
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate after each prompt (a text, tokenized with the model's special tokens, or
+        token ids); one output per prompt, in order. ``sampling_params`` is one for all or
+        one per prompt. Raises ValueError for a prompt or parameters the engine refuses;
+        nothing is generated then."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        texts: list[str | None] = [p if isinstance(p, str) else None for p in prompts]
+        encoded = self.tokenizer.encode_batch([t for t in texts if t is not None])
+        encoded_ids = iter(encoding.ids for encoding in encoded)
+        token_ids = [
+            next(encoded_ids) if text is not None else list(prompt)  # type: ignore[arg-type]
+            for text, prompt in zip(texts, prompts, strict=True)
+        ]
+        return self._run(texts, token_ids, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of OpenAI-style messages) or several, each through
+        the model's chat template as the chat endpoint renders it; raises ValueError for a
+        model without one, or a conversation its template refuses."""
+        if self.chat_template is None:
+            raise ValueError("the model has no chat template: use generate()")
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        texts: list[str | None] = [
+            self.chat_template.render(
+                conversation,  # type: ignore[arg-type]
+                add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                template_kwargs=chat_template_kwargs,
+            )
+            for conversation in conversations
+        ]
+        # The rendered template holds the special tokens already (as apply_chat_template).
+        encoded = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        return self._run(texts, [e.ids for e in encoded], sampling_params, use_tqdm)
+
+    def _run(
+        self,
+        texts: list[str | None],
+        token_ids: list[list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = self.default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(token_ids)
+        if len(sampling_params) != len(token_ids):
+            raise ValueError(
+                f"{len(sampling_params)} sampling parameters for {len(token_ids)} prompts"
+            )
+        results: dict[str, RequestOutput] = {}
+        for text, prompt, sampling in zip(texts, token_ids, sampling_params, strict=True):
+            request_id = str(next(self._request_ids))
+            try:
+                self.engine.add_request(_CLIENT, request_id, prompt, sampling)
+            except RequestRejected as exc:
+                for added in results:
+                    self.engine.abort(_CLIENT, added)
+                raise ValueError(f"prompt {len(results)}: {exc.message}") from None
+            completion = CompletionOutput(
+                0, "", [], None, [] if sampling.logprobs is not None else None
+            )
+            results[request_id] = RequestOutput(request_id, text, prompt, [completion], False)
+        with tqdm(
+            total=len(results), desc="generating", unit="prompt", disable=not use_tqdm
+        ) as progress:
+            while self.engine.has_work:
+                for _, output in self.engine.step():
+                    if self._take(results[output.request_id], output):
+                        progress.update()
+                for _, error in self.engine.take_errors():
+                    for request_id, result in results.items():
+                        if not result.finished:
+                            self.engine.abort(_CLIENT, request_id)
+                    raise ValueError(error.message)
+        for result in results.values():
+            completion = result.outputs[0]
+            completion.text = self.tokenizer.decode(completion.token_ids)
+            if completion.logprobs is not None:
+                tokens = zip(completion.token_ids, completion.logprobs, strict=True)
+                completion.cumulative_logprob = sum(lp[t] for t, lp in tokens)
+        return list(results.values())
+
+    @staticmethod
+    def _take(result: RequestOutput, output: protocol.RequestOutput) -> bool:
+        """Add one step's output of a request to its result; whether the request finished."""
+        completion = result.outputs[0]
+        completion.token_ids += output.new_token_ids
+        if completion.logprobs is not None and output.logprobs:
+            completion.logprobs += [
+                _token_logprobs(token, lp)
+                for token, lp in zip(output.new_token_ids, output.logprobs, strict=True)
+            ]
+        if output.prompt_logprobs is not None:
+            scored = zip(result.prompt_token_ids[1:], output.prompt_logprobs, strict=True)
+            result.prompt_logprobs = [None, *(_token_logprobs(t, lp) for t, lp in scored)]
+        if output.finish_reason is None:
+            return False
+        completion.finish_reason = output.finish_reason
+        result.finished = True
+        return True
+
+
+def _token_logprobs(token: int, logprobs: TokenLogprobs | PromptTokenLogprobs) -> Logprobs:
+    """The token's log-probability, then its position's likeliest tokens' (vLLM's dict)."""
+    top = zip(logprobs.top_token_ids, logprobs.top_logprobs, strict=True)
+    return {token: logprobs.logprob, **dict(top)}

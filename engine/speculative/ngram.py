@@ -1,0 +1,67 @@
+"""Prompt-lookup (n-gram) drafts: the tokens that followed the last time the request's latest
+n tokens appeared in its own prompt and output.
+
+No second model: it pays off where the output copies its input (code edits, summaries and
+answers quoting a document, RAG). As vLLM's, it looks for the longest n-gram between
+``prompt_lookup_max`` and ``prompt_lookup_min`` tokens; among its occurrences it takes the
+latest, the likeliest to go on as the output does now.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.request import Request
+
+
+class NgramProposer:
+    def __init__(self, num_speculative_tokens: int, min_n: int, max_n: int) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(
+                f"prompt lookup needs 1 <= prompt_lookup_min ({min_n}) <= prompt_lookup_max "
+                f"({max_n})"
+            )
+        if num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
+        self.num_speculative_tokens = num_speculative_tokens
+        self.min_n = min_n
+        self.max_n = max_n
+
+    def propose(self, request: Request, max_drafts: int) -> list[int]:
+        """Up to ``min(num_speculative_tokens, max_drafts)`` tokens to follow the request's
+        tokens, all read by the host; none when its last n-gram appeared nowhere before."""
+        num_drafts = min(self.num_speculative_tokens, max_drafts)
+        if num_drafts < 1:
+            return []
+        tokens = _token_array(request)
+        return find_continuation(tokens, self.min_n, self.max_n, num_drafts).tolist()
+
+
+def find_continuation(tokens: np.ndarray, min_n: int, max_n: int, count: int) -> np.ndarray:
+    """Up to ``count`` tokens that followed the latest earlier occurrence of the longest
+    suffix of ``tokens`` (between ``max_n`` and ``min_n`` long) that occurred before."""
+    length = tokens.size
+    last = tokens[-1]
+    # Where an occurrence could end: at an earlier copy of the last token.
+    ends = np.flatnonzero(tokens[:-1] == last)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        candidates = ends[ends >= n - 1]
+        if candidates.size == 0:
+            continue
+        offsets = np.arange(n - 1, -1, -1)
+        windows = tokens[candidates[:, None] - offsets]
+        matched = candidates[(windows == tokens[length - n :]).all(axis=1)]
+        if matched.size:
+            start = matched[-1] + 1
+            return tokens[start : start + count]
+    return tokens[:0]
+
+
+def _token_array(request: Request) -> np.ndarray:
+    """The request's prompt and output as one array; the prompt's part is made once."""
+    prompt = request.prompt_array
+    if prompt is None:
+        prompt = request.prompt_array = np.asarray(request.prompt_token_ids, np.int64)
+    if not request.output_token_ids:
+        return prompt
+    return np.concatenate([prompt, np.asarray(request.output_token_ids, np.int64)])

@@ -1,0 +1,132 @@
+"""Verifying drafts: which of the tokens proposed after a request's last one it keeps.
+
+A verify step computes the target model's logits after the request's last token and after
+each of its k drafts d_1..d_k (one forward pass, k + 1 positions), and samples a token at
+every position j with the request's own sampler, as if j drafts had been accepted: the same
+processing, temperature, top-k/top-p and random numbers (those of output index
+``num_output_tokens + j``) as a step without speculation would use. Draft d_{j+1} is
+accepted while the token sampled at position j equals it; the tokens emitted are the
+sampled ones up to and including the first that differs from its draft (or the one after
+the last draft, when all are accepted): between 1 and k + 1 tokens.
+
+Why the output is exactly the target's: at each position the emitted token *is* a sample of
+the target's distribution p given the tokens before it, which are all target samples too. So
+greedy requests give exactly their greedy tokens, and a seeded request the very tokens it
+gives without speculation. Seen as rejection sampling with a deterministic proposer (q puts
+all its mass on d): d is accepted with probability p(d) = min(1, p(d) / q(d)), and when it
+is not, the token sampled is distributed as p conditioned on not being d, which is
+(p - q)+ normalized, the residual distribution the speculative sampling theorem asks for.
+The exponential race the sampler uses (argmax p_i / E_i) couples the two: a rejection's
+token is the race's winner among the others, so no second random number is drawn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+import torch
+
+from engine.request import Request
+from engine.sampler import SamplingTensors
+
+
+@dataclass
+class VerifyLayout:
+    """Where a verify step's sampled positions are: each row's last token and then its
+    drafts, rows one after the other (``ForwardedStep.logits``' first rows)."""
+
+    row_starts: list[int]  # [R] each row's first position
+    row_starts_index: torch.Tensor  # the same [R] int64, on the device
+    plain_index: torch.Tensor  # [R'] int64: the positions of the rows without drafts
+    drafted_index: torch.Tensor  # [P'] int64: all positions of the rows with drafts
+    # [P] int64: the draft each position's sampled token must equal to accept it; -1 at
+    # each row's last position, whose token is emitted whatever it is.
+    next_drafts: torch.Tensor
+    padded_index: torch.Tensor  # [P] int64: each position's place in an [R, W] matrix
+    width: int  # W: the most positions a row has
+
+    @staticmethod
+    def of(rows: list[Request], num_drafts: list[int], device: torch.device) -> VerifyLayout:
+        drafts = np.asarray(num_drafts, np.int64)
+        num_positions = drafts + 1
+        ends = np.cumsum(num_positions)
+        starts = ends - num_positions
+        total = int(ends[-1])
+        width = int(num_positions.max())
+        position_row = np.repeat(np.arange(len(rows)), num_positions)
+        column = np.arange(total) - starts[position_row]
+        next_drafts = np.full(total, -1, np.int64)
+        # The positions before a row's last are its drafts', in order.
+        next_drafts[column < num_positions[position_row] - 1] = np.fromiter(
+            chain.from_iterable(r.draft_token_ids for r in rows), np.int64, int(drafts.sum())
+        )
+        is_drafted = np.repeat(drafts > 0, num_positions)
+        host = np.concatenate(
+            [
+                starts,
+                starts[drafts == 0],
+                np.flatnonzero(is_drafted),
+                next_drafts,
+                position_row * width + column,
+            ]
+        )
+        host_t = torch.from_numpy(host)
+        if device.type == "cuda":
+            host_t = host_t.pin_memory()  # so that the copy is asynchronous
+        sizes = [len(rows), int((drafts == 0).sum()), int(is_drafted.sum()), total, total]
+        starts_t, plain_index, drafted_index, next_drafts_t, padded_index = host_t.to(
+            device, non_blocking=True
+        ).split(sizes)
+        return VerifyLayout(
+            starts.tolist(),
+            starts_t,
+            plain_index,
+            drafted_index,
+            next_drafts_t,
+            padded_index,
+            width,
+        )
+
+
+def position_sampling_tensors(rows: list[Request], device: torch.device) -> SamplingTensors | None:
+    """The sampling parameters of every position of ``rows``, which all have drafts: each
+    row's at its last token and each draft, position j sampling output index
+    ``num_output_tokens + j``. Rows with drafts shape no logits (no penalties, bans or
+    grammars: what those do at a position depends on the drafts before it), so temperature,
+    top-k, top-p and the seed are all there is; None when every row is greedy."""
+    if all(r.sampling.temperature == 0 for r in rows):
+        return None
+    counts = np.fromiter((1 + len(r.draft_token_ids) for r in rows), np.int64, len(rows))
+    floats = np.repeat(
+        np.array([(r.sampling.temperature, r.sampling.top_p) for r in rows], np.float32),
+        counts,
+        axis=0,
+    )
+    ints = np.repeat(
+        np.array([(r.sampling.top_k, r.seed, r.num_output_tokens) for r in rows], np.int64),
+        counts,
+        axis=0,
+    )
+    ints[:, 2] += np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    floats_t = torch.from_numpy(floats).to(device, non_blocking=True)
+    ints_t = torch.from_numpy(ints).to(device, non_blocking=True)
+    return SamplingTensors(
+        temperature=floats_t[:, 0],
+        top_p=floats_t[:, 1],
+        top_k=ints_t[:, 0],
+        seed=ints_t[:, 1],
+        step=ints_t[:, 2],
+        any_top_k_or_p=any(r.sampling.top_k > 0 or r.sampling.top_p < 1 for r in rows),
+    )
+
+
+def num_emitted_tokens(sampled: torch.Tensor, layout: VerifyLayout) -> torch.Tensor:
+    """[R] int64: how many of each row's sampled tokens [P] it emits: those whose drafts
+    match, up to the first that does not, and that one."""
+    num_rows = len(layout.row_starts)
+    matches = torch.zeros(num_rows * layout.width, dtype=torch.int64, device=sampled.device)
+    matches[layout.padded_index] = (sampled == layout.next_drafts).long()
+    accepted = matches.view(num_rows, layout.width).cumprod(dim=1).sum(dim=1)
+    return accepted + 1

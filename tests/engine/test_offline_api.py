@@ -1,0 +1,126 @@
+"""The offline API (``from engine import LLM, SamplingParams``) against transformers on the same
+random weights: token-id and text prompts, chat through the template, log-probabilities, the
+``python -m engine generate`` command."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from engine import LLM, SamplingParams
+from tests.random_checkpoint import VOCAB, random_prompts, save_tiny_llama, save_word_tokenizer
+from tests.reference import hf_greedy
+
+ROOT = Path(__file__).resolve().parents[2]
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def worded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, LlamaForCausalLM]:
+    """A tiny Llama whose tokenizer spells every id as a word, with a ChatML template."""
+    directory = tmp_path_factory.mktemp("worded")
+    model = save_tiny_llama(directory)
+    save_word_tokenizer(directory, VOCAB)
+    return directory, model
+
+
+@pytest.fixture(scope="module")
+def llm(worded: tuple[Path, LlamaForCausalLM]) -> LLM:
+    return LLM(model=str(worded[0]), device="cpu", max_num_seqs=4)
+
+
+def test_token_id_prompts_equal_transformers(
+    llm: LLM, worded: tuple[Path, LlamaForCausalLM]
+) -> None:
+    prompts = random_prompts(4)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.prompt is None and output.prompt_token_ids == prompt
+        (completion,) = output.outputs
+        assert completion.token_ids == hf_greedy(worded[1], prompt, 8)
+        assert completion.finish_reason == "length" and output.finished
+        assert completion.text == llm.tokenizer.decode(completion.token_ids)
+
+
+def test_text_prompt_is_tokenized_and_answer_detokenized(
+    llm: LLM, worded: tuple[Path, LlamaForCausalLM]
+) -> None:
+    (output,) = llm.generate("w5 w6 a b", GREEDY, use_tqdm=False)
+    ids = llm.tokenizer.encode("w5 w6 a b").ids
+    assert output.prompt == "w5 w6 a b" and output.prompt_token_ids == ids
+    assert output.outputs[0].token_ids == hf_greedy(worded[1], ids, 8)
+    # One word per id, joined by the decoder.
+    words = output.outputs[0].text.split()
+    assert [llm.tokenizer.token_to_id(w) for w in words] == output.outputs[0].token_ids
+
+
+def test_chat_renders_the_model_template(llm: LLM, worded: tuple[Path, LlamaForCausalLM]) -> None:
+    messages = [{"role": "user", "content": "w7 w8"}]
+    (output,) = llm.chat(messages, GREEDY, use_tqdm=False)
+    rendered = "<|im_start|>user\nw7 w8<|im_end|>\n<|im_start|>assistant\n"
+    assert output.prompt == rendered
+    ids = llm.tokenizer.encode(rendered, add_special_tokens=False).ids
+    assert output.prompt_token_ids == ids
+    assert output.outputs[0].token_ids == hf_greedy(worded[1], ids, 8)
+
+
+def test_logprobs_are_the_models(llm: LLM, worded: tuple[Path, LlamaForCausalLM]) -> None:
+    prompt = random_prompts(3)[2]
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    (output,) = llm.generate([prompt], sampling, use_tqdm=False)
+    completion = output.outputs[0]
+    with torch.no_grad():
+        logits = worded[1](torch.tensor([prompt + completion.token_ids])).logits[0]
+    expected = torch.log_softmax(logits.float(), dim=-1)
+    assert completion.logprobs is not None and len(completion.logprobs) == 4
+    for i, (token, logprobs) in enumerate(
+        zip(completion.token_ids, completion.logprobs, strict=True)
+    ):
+        position = len(prompt) - 1 + i
+        assert len(logprobs) in (2, 3) and token in logprobs
+        for candidate, value in logprobs.items():
+            assert value == pytest.approx(expected[position, candidate].item(), abs=1e-4)
+    total = sum(lp[t] for t, lp in zip(completion.token_ids, completion.logprobs, strict=True))
+    assert completion.cumulative_logprob == pytest.approx(total)
+    assert output.prompt_logprobs is not None and output.prompt_logprobs[0] is None
+    assert len(output.prompt_logprobs) == len(prompt)
+    for position, (token, logprobs) in enumerate(
+        zip(prompt[1:], output.prompt_logprobs[1:], strict=True)
+    ):
+        assert logprobs is not None
+        assert logprobs[token] == pytest.approx(expected[position, token].item(), abs=1e-4)
+
+
+def test_a_refused_prompt_raises_and_generates_nothing(llm: LLM) -> None:
+    too_long = SamplingParams(max_tokens=10_000)
+    with pytest.raises(ValueError, match="prompt 1"):
+        llm.generate([[5, 6], [7, 8]], [GREEDY, too_long], use_tqdm=False)
+    assert not llm.engine.has_work
+    (output,) = llm.generate([[5, 6]], GREEDY, use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 8
+
+
+def test_generate_command_prints_the_answer(
+    llm: LLM, worded: tuple[Path, LlamaForCausalLM]
+) -> None:
+    command = [sys.executable, "-m", "engine", "generate", "--model", str(worded[0])]
+    command += ["--device", "cpu", "--prompt", "w5 w6", "--max-tokens", "5", "--temperature", "0"]
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=300,
+        check=True,
+    )
+    # The model has a chat template: the prompt is a user message.
+    (expected,) = llm.chat([{"role": "user", "content": "w5 w6"}], SamplingParams(max_tokens=5))
+    assert result.stdout.strip() == expected.outputs[0].text.strip()
+    assert result.stdout.strip()

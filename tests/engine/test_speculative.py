@@ -1,0 +1,232 @@
+"""N-gram (prompt-lookup) speculative decoding on the CPU: greedy output equals transformers'
+token for token in every family, with drafts accepted and rejected; a mixed batch (sampled,
+seeded, penalties, log-probabilities, stops, chunked prefill, cached prefixes, preemption)
+gives what it gives without speculation; sampled output follows the target's distribution;
+verify steps reach tensor-parallel workers."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaForCausalLM as HFLlama
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.speculative.ngram import find_continuation
+from protocol import RequestOutput, SamplingParams
+from tests.engine.test_logprobs import generate
+from tests.engine.test_model_families import FAMILIES, saved_tiny_model
+from tests.random_checkpoint import random_prompts, save_tiny_llama
+from tests.reference import hf_greedy, run_engine
+
+REPETITIVE = [5, 6, 7, 8, 9] * 6 + [5, 6]
+
+
+def make_engine(directory: Path, speculative: bool = True, **overrides: Any) -> LLMEngine:
+    settings: dict[str, Any] = {"block_size": 4, "kv_cache_memory_gb": 0.01, **overrides}
+    if speculative:
+        settings = {"speculative_method": "ngram", "num_speculative_tokens": 3, **settings}
+    return LLMEngine(EngineConfig(model=str(directory), device="cpu", **settings))
+
+
+def assert_all_blocks_free(engine: LLMEngine) -> None:
+    assert not engine.requests
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_find_continuation_takes_the_longest_then_latest_ngram() -> None:
+    tokens = np.array([1, 2, 3, 9, 2, 3, 4, 7, 1, 2, 3], np.int64)
+    # "1 2 3" occurred once, followed by 9: the longest match wins over "2 3" -> 4.
+    assert find_continuation(tokens, 1, 3, 2).tolist() == [9, 2]
+    assert find_continuation(tokens, 1, 2, 2).tolist() == [4, 7]  # "2 3", latest first
+    assert find_continuation(tokens, 4, 5, 2).tolist() == []  # no 4-gram repeats
+    assert find_continuation(np.array([5], np.int64), 1, 3, 2).tolist() == []
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_greedy_equals_transformers_in_every_family(name: str, tmp_path: Path) -> None:
+    hf_model = saved_tiny_model(name, tmp_path)
+    # One-token n-grams: drafts are proposed at most steps, and most are rejected.
+    engine = make_engine(tmp_path, prompt_lookup_min=1)
+    prompts = [*random_prompts(6), REPETITIVE]
+    assert run_engine(engine, prompts, max_tokens=20) == [
+        hf_greedy(hf_model, p, 20) for p in prompts
+    ]
+    assert engine.num_draft_tokens > engine.num_accepted_tokens
+    assert_all_blocks_free(engine)
+
+
+@pytest.fixture(scope="module")
+def repeating(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, HFLlama]:
+    """A tiny Llama of transformers' default initialization, whose greedy output soon repeats
+    itself: prompt lookup's drafts are then accepted."""
+    directory = tmp_path_factory.mktemp("repeating")
+    return directory, save_tiny_llama(directory)
+
+
+def test_accepted_drafts_keep_greedy_output_and_roll_back_the_rest(
+    repeating: tuple[Path, HFLlama],
+) -> None:
+    directory, hf_model = repeating
+    engine = make_engine(directory, num_speculative_tokens=4)
+    prompts = [REPETITIVE, *random_prompts(3)]
+    expected = [hf_greedy(hf_model, p, 30) for p in prompts]
+    # One request stops at a token that speculation finds among its accepted drafts.
+    stop_at = expected[0][12]
+    requests = {
+        str(i): (p, SamplingParams(max_tokens=30, ignore_eos=True)) for i, p in enumerate(prompts)
+    }
+    requests["stop"] = (REPETITIVE, SamplingParams(max_tokens=30, stop_token_ids=[stop_at]))
+    for request_id, (prompt, sampling) in requests.items():
+        engine.add_request(b"t", request_id, prompt, sampling)
+    outputs: dict[str, list[RequestOutput]] = {request_id: [] for request_id in requests}
+    steps = 0
+    while engine.has_work:
+        for _, output in engine.step():
+            outputs[output.request_id].append(output)
+        steps += 1
+        for request in engine.scheduler.running:  # rejected drafts hold no K/V and no block
+            assert request.num_cached_tokens == request.num_tokens - 1
+            assert len(request.block_ids) <= engine.block_manager.blocks_for(request.num_tokens)
+    tokens = {i: [t for o in out for t in o.new_token_ids] for i, out in outputs.items()}
+    assert [tokens[str(i)] for i in range(len(prompts))] == expected
+    assert tokens["stop"] == expected[0][: expected[0].index(stop_at)]
+    assert outputs["stop"][-1].finish_reason == "stop"
+    assert engine.num_accepted_tokens > 0
+    assert steps < 30  # several tokens a step
+    assert_all_blocks_free(engine)
+
+
+def test_verify_steps_reach_tensor_parallel_workers(repeating: tuple[Path, HFLlama]) -> None:
+    """A verify step is a forward pass like any other: rank 0 sends it to its worker (two
+    ranks over gloo), whose collectives it would otherwise wait for, and greedy output still
+    equals transformers' with drafts accepted."""
+    directory, hf_model = repeating
+    engine = make_engine(directory, num_speculative_tokens=4, tensor_parallel_size=2)
+    try:
+        prompts = [REPETITIVE, *random_prompts(3)]
+        assert run_engine(engine, prompts, max_tokens=30) == [
+            hf_greedy(hf_model, p, 30) for p in prompts
+        ]
+        assert engine.num_accepted_tokens > 0
+        assert_all_blocks_free(engine)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"overlap_steps": False},
+        {"overlap_steps": True},
+        # Steps draft only once fewer than 3 requests run; the others overlap.
+        {"overlap_steps": True, "speculative_disable_by_batch_size": 3},
+    ],
+    ids=["one-step-at-a-time", "overlapped", "overlapped-large-batches-not-drafted"],
+)
+def test_mixed_batch_gives_what_it_gives_without_speculation(
+    tiny: tuple[Path, HFLlama], options: dict[str, Any]
+) -> None:
+    directory, _ = tiny
+    prompts = random_prompts(6)
+    shared = prompts[4][:40]
+    requests = {
+        "greedy": (REPETITIVE, SamplingParams(max_tokens=24, ignore_eos=True)),
+        "seeded": (
+            REPETITIVE,
+            SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.7, top_k=20, seed=3),
+        ),
+        "top-p": (prompts[1], SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=4)),
+        "logprobs": (REPETITIVE, SamplingParams(max_tokens=16, ignore_eos=True, logprobs=3)),
+        "penalized": (
+            REPETITIVE,
+            SamplingParams(max_tokens=16, ignore_eos=True, presence_penalty=1.0, seed=1),
+        ),
+        "long": (prompts[4] * 2, SamplingParams(max_tokens=12, ignore_eos=True)),  # chunked
+        "cached": (shared + REPETITIVE, SamplingParams(max_tokens=12, ignore_eos=True)),
+        "prompt-logprobs": (prompts[2], SamplingParams(max_tokens=8, prompt_logprobs=2)),
+    }
+    settings = dict(max_num_batched_tokens=24, max_num_seqs=8, prompt_lookup_min=1)
+    results = []
+    for speculative in (False, True):
+        engine = make_engine(directory, speculative, **settings, **(options if speculative else {}))
+        run_engine(engine, [[*shared, 3]], max_tokens=2)  # the prefix is cached now
+        results.append(generate(engine, requests))
+        assert engine.block_manager.num_hit_tokens > 0
+        assert_all_blocks_free(engine)
+    assert engine.num_accepted_tokens > 0
+    assert engine.in_flight is None
+    plain, speculated = results
+    for request_id in requests:
+        ours = speculated[request_id]
+        theirs = plain[request_id]
+        assert [t for o in ours for t in o.new_token_ids] == [
+            t for o in theirs for t in o.new_token_ids
+        ], request_id
+        assert ours[-1].finish_reason == theirs[-1].finish_reason
+    logprobs = [
+        [lp for o in out[key] for lp in o.logprobs or []]
+        for out, key in ((plain, "logprobs"), (speculated, "logprobs"))
+    ]
+    assert len(logprobs[0]) == len(logprobs[1]) == 16
+    for ours, theirs in zip(logprobs[1], logprobs[0], strict=True):
+        assert ours.top_token_ids == theirs.top_token_ids
+        assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+    prompt_logprobs = [out["prompt-logprobs"][0].prompt_logprobs for out in (plain, speculated)]
+    assert prompt_logprobs[0] is not None and prompt_logprobs[1] is not None
+    for ours, theirs in zip(prompt_logprobs[1], prompt_logprobs[0], strict=True):
+        assert (ours.rank, ours.top_token_ids) == (theirs.rank, theirs.top_token_ids)
+        assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+
+
+def test_preempted_requests_keep_exact_output(tiny: tuple[Path, HFLlama]) -> None:
+    directory, hf_model = tiny
+    engine = make_engine(directory, num_kv_blocks=40, max_model_len=160, prompt_lookup_min=1)
+    prompts = [*random_prompts(7), REPETITIVE]
+    assert run_engine(engine, prompts, max_tokens=24) == [
+        hf_greedy(hf_model, p, 24) for p in prompts
+    ]
+    assert engine.scheduler.num_preemptions > 0 and engine.num_draft_tokens > 0
+    assert_all_blocks_free(engine)
+
+
+def test_sampled_output_follows_the_target_distribution(tmp_path: Path) -> None:
+    """Many seeds of a tiny vocabulary: the first two tokens' joint frequencies against
+    transformers' probabilities (chi-squared), drafts accepted and rejected on the way."""
+    vocab = 6
+    hf_model = save_tiny_llama(
+        tmp_path, vocab_size=vocab, eos_token_id=vocab - 1, initializer_range=0.5
+    )
+    prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+    engine = make_engine(tmp_path, max_num_seqs=256, prompt_lookup_min=1, num_kv_blocks=4000)
+    num_samples = 3000
+    sampling = [
+        SamplingParams(max_tokens=3, ignore_eos=True, temperature=1.0, seed=s)
+        for s in range(num_samples)
+    ]
+    for seed, params in enumerate(sampling):
+        engine.add_request(b"t", str(seed), prompt, params)
+    tokens: dict[str, list[int]] = {str(s): [] for s in range(num_samples)}
+    while engine.has_work:
+        for _, output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+    assert engine.num_accepted_tokens > 0 and engine.num_draft_tokens > engine.num_accepted_tokens
+    counts = Counter(tuple(t[:2]) for t in tokens.values())
+    with torch.no_grad():
+        first = torch.softmax(hf_model(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
+        after = torch.tensor([[*prompt, x] for x in range(vocab)])
+        second = torch.softmax(hf_model(after).logits[:, -1].float(), dim=-1)
+    expected = (first.unsqueeze(1) * second).numpy() * num_samples  # [x1, x2]
+    observed = np.zeros((vocab, vocab))
+    for (x1, x2), count in counts.items():
+        observed[x1, x2] = count
+    kept = expected > 5  # chi-squared needs expected counts of at least 5
+    chi2 = (((observed - expected) ** 2) / expected)[kept].sum()
+    # The 99.9th percentile of chi-squared with 35 degrees of freedom is 66.6.
+    assert observed[~kept].sum() <= 5 * (~kept).sum() + 10
+    assert chi2 < 66.6, chi2
