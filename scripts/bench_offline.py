@@ -114,6 +114,28 @@ class Run:
         return self.tokens / self.seconds
 
 
+def json_schema_constraint(schema: str) -> StructuredOutput:
+    """--schema's constraint: a JSON schema file, or ``builtin`` for BUILTIN_SCHEMA."""
+    spec = BUILTIN_SCHEMA if schema == "builtin" else json.loads(Path(schema).read_text())
+    return StructuredOutput(StructuredOutputKind.JSON_SCHEMA, json.dumps(spec))
+
+
+def submit(
+    engine: LLMEngine,
+    requests: list[tuple[list[int], int]],
+    constrained: set[int],
+    constraint: StructuredOutput | None,
+    prefix: str = "",
+) -> None:
+    """Add every request (ignore_eos; those in ``constrained`` under ``constraint``), request
+    i's id ``prefix`` + i."""
+    for i, (prompt, output_len) in enumerate(requests):
+        sampling = SamplingParams(max_tokens=output_len, ignore_eos=True)
+        if i in constrained:
+            sampling.structured_output = constraint
+        engine.add_request(b"bench", f"{prefix}{i}", prompt, sampling)
+
+
 def bench_engine(
     engine: LLMEngine,
     requests: list[tuple[list[int], int]],
@@ -127,11 +149,7 @@ def bench_engine(
         torch.cuda.synchronize()
     engine.step_shapes = []
     started = time.perf_counter()
-    for i, (prompt, output_len) in enumerate(requests):
-        sampling = SamplingParams(max_tokens=output_len, ignore_eos=True)
-        if i in constrained:
-            sampling.structured_output = constraint
-        engine.add_request(b"bench", f"{run}-{i}", prompt, sampling)
+    submit(engine, requests, constrained, constraint, prefix=f"{run}-")
     generated = 0
     while engine.has_work:
         for _, output in engine.step():
@@ -243,12 +261,7 @@ def main() -> None:
     constrained = constrained_indices(args.num_requests, args.structured_fraction)
     constraint = None
     if constrained:
-        schema = (
-            BUILTIN_SCHEMA
-            if args.schema == "builtin"
-            else json.loads(Path(args.schema).read_text())
-        )
-        constraint = StructuredOutput(StructuredOutputKind.JSON_SCHEMA, json.dumps(schema))
+        constraint = json_schema_constraint(args.schema)
         vocabulary_s, schema_s = compile_times(engine, constraint)
         print(
             f"structured outputs: {len(constrained)} of {args.num_requests} requests; reading "

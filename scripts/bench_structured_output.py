@@ -16,7 +16,6 @@ and the range, and the host's time per step in the engine's phases
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -30,12 +29,18 @@ import xgrammar as xgr
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_offline import BUILTIN_SCHEMA, compile_times, constrained_indices, workload
+from bench_offline import (
+    compile_times,
+    constrained_indices,
+    json_schema_constraint,
+    submit,
+    workload,
+)
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.structured_output import GrammarBitmask
-from protocol import SamplingParams, StructuredOutput, StructuredOutputKind
+from protocol import StructuredOutput
 
 
 class PhaseTimer:
@@ -63,16 +68,14 @@ class PhaseTimer:
 def run(
     engine: LLMEngine,
     requests: list[tuple[list[int], int]],
-    constrained: dict[int, StructuredOutput],
+    constrained: set[int],
+    constraint: StructuredOutput,
 ) -> tuple[list[int], float, int]:
     """Every request at once; the tokens each generated, the seconds, the steps."""
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     started = time.perf_counter()
-    for i, (prompt, output_len) in enumerate(requests):
-        sampling = SamplingParams(max_tokens=output_len, ignore_eos=True)
-        sampling.structured_output = constrained.get(i)
-        engine.add_request(b"bench", str(i), prompt, sampling)
+    submit(engine, requests, constrained, constraint)
     generated = [0] * len(requests)
     steps = 0
     while engine.has_work:
@@ -85,16 +88,14 @@ def run(
 def fill_times(
     engine: LLMEngine,
     requests: list[tuple[list[int], int]],
-    constrained: dict[int, StructuredOutput],
+    constrained: set[int],
+    constraint: StructuredOutput,
     steps: int,
 ) -> tuple[int, dict[str, float]]:
     """Milliseconds to fill the masks of the live grammars after ``steps`` steps of a run, by
     the library's thread count, each fill after every grammar took one more token (the
     library answers a repeated fill from its cache): what one step pays, measured apart."""
-    for i, (prompt, output_len) in enumerate(requests):
-        sampling = SamplingParams(max_tokens=output_len, ignore_eos=True)
-        sampling.structured_output = constrained.get(i)
-        engine.add_request(b"bench", str(i), prompt, sampling)
+    submit(engine, requests, constrained, constraint)
     for _ in range(steps):
         engine.step()
     engine.sync()
@@ -145,14 +146,10 @@ def main() -> None:
             max_model_len=2 * args.max_len + 16,
         )
     )
-    schema = (
-        BUILTIN_SCHEMA if args.schema == "builtin" else json.loads(Path(args.schema).read_text())
-    )
-    constraint = StructuredOutput(StructuredOutputKind.JSON_SCHEMA, json.dumps(schema))
+    constraint = json_schema_constraint(args.schema)
     vocabulary_s, schema_s = compile_times(engine, constraint)
     requests = workload(args.num_requests, engine.vocab_size, args.min_len, args.max_len)
     indices = constrained_indices(args.num_requests, args.structured_fraction)
-    constrained = dict.fromkeys(indices, constraint)
 
     timer = PhaseTimer()
     timer.wrap(engine.scheduler, "schedule", "schedule")
@@ -165,17 +162,19 @@ def main() -> None:
     if engine.device.type == "cuda":
         timer.wrap(torch.cuda.Event, "synchronize", "event waits (all)")
 
-    run(engine, requests[:8], constrained)  # warm-up: first-use costs stay out of the timing
+    run(
+        engine, requests[:8], indices, constraint
+    )  # warm-up: first-use costs stay out of the timing
     timings: dict[str, list[float]] = {"constrained": [], "unconstrained": []}
     steps_seen: list[int] = []
     for _ in range(args.repeats):
         timer.run = "constrained"
-        generated, seconds, steps = run(engine, requests, constrained)
+        generated, seconds, steps = run(engine, requests, indices, constraint)
         steps_seen.append(steps)
         timings["constrained"].append(sum(generated) / seconds)
         replay = [(prompt, n) for (prompt, _), n in zip(requests, generated, strict=True) if n]
         timer.run = "unconstrained"
-        generated_again, seconds, _ = run(engine, replay, {})
+        generated_again, seconds, _ = run(engine, replay, set(), constraint)
         timer.run = None
         assert sum(generated_again) == sum(generated)
         timings["unconstrained"].append(sum(generated) / seconds)
@@ -197,7 +196,7 @@ def main() -> None:
     )
     print(f"cost of the grammars: {cost:.1%} of the unconstrained throughput")
     total_steps = sum(steps_seen)
-    rows, fills = fill_times(engine, requests, constrained, steps=300)
+    rows, fills = fill_times(engine, requests, indices, constraint, steps=300)
     print(
         f"filling {rows} live grammars' masks after 300 steps, ms: "
         + ", ".join(f"{name} {ms:.2f}" for name, ms in fills.items())
