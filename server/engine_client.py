@@ -1,7 +1,7 @@
 """The server's one connection to the engine: a ZeroMQ DEALER socket speaking the protocol.
 
 One background task receives every frame and routes each request's outputs to that
-request's queue, so any number of HTTP requests share the socket without locks. A
+request's mailbox, so any number of HTTP requests share the socket without locks. A
 second task watches the connection: on every (re)connection it performs the
 handshake (a restarted engine knows nothing of this server), and on disconnection
 it fails the requests in flight at once instead of letting them wait forever.
@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import zmq
@@ -39,6 +39,7 @@ from protocol import (
     decode_message,
 )
 from protocol.curve import make_curve_client
+from server.output_mailbox import OutputMailbox
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ class EngineClient:
         self._socket.setsockopt(zmq.LINGER, _LINGER_MS)
         self._socket.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
         self._socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
-        self._queues: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
+        self._mailboxes: dict[str, OutputMailbox] = {}
         self._stats_waiters: list[asyncio.Future[EngineStats | None]] = []
         self._handshake: asyncio.Future[HandshakeReply] | None = None
         self._ready = False  # handshaken with the engine at the other end right now
@@ -151,9 +152,16 @@ class EngineClient:
         self._context.term()
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        merge_outputs: bool = False,
+        observe: Callable[[RequestOutput], None] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Yields the request's outputs until the one with a finish reason.
+        """Yields the request's outputs until the one with a finish reason; with
+        ``merge_outputs``, those that arrived while the caller was busy come as one
+        (``server/output_mailbox.py``), and ``observe`` sees each as it arrives.
 
         Closing the iterator early (a client went away, a stop string was found)
         aborts the request in the engine, so its cache is freed at once. Raises
@@ -162,22 +170,22 @@ class EngineClient:
         """
         if not self._ready:
             raise EngineUnavailable(f"the engine at {self.address} is not connected")
-        if request_id in self._queues:
+        if request_id in self._mailboxes:
             raise ValueError(f"request id {request_id!r} is already in use")
-        queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
-        self._queues[request_id] = queue
+        mailbox = OutputMailbox(merge_outputs, observe)
+        self._mailboxes[request_id] = mailbox
         finished = False
         try:
             self._send(GenerateRequest(request_id, prompt_token_ids, sampling))
             while not finished:
-                item = await queue.get()
+                item = await mailbox.get()
                 if isinstance(item, Exception):
                     finished = True
                     raise item
                 finished = item.finish_reason is not None
                 yield item
         finally:
-            del self._queues[request_id]
+            del self._mailboxes[request_id]
             if not finished:
                 # No await here: this runs when the consumer is cancelled too.
                 self.abort(request_id)
@@ -228,10 +236,10 @@ class EngineClient:
     def _dispatch(self, message: Message) -> None:
         if isinstance(message, TokenOutputs):
             for output in message.outputs:
-                queue = self._queues.get(output.request_id)
+                mailbox = self._mailboxes.get(output.request_id)
                 # None: the request was aborted here while these tokens were on the way.
-                if queue is not None:
-                    queue.put_nowait(output)
+                if mailbox is not None:
+                    mailbox.put(output)
         elif isinstance(message, ErrorReply):
             self._on_error(message)
         elif isinstance(message, EngineStats):
@@ -252,9 +260,9 @@ class EngineClient:
             self._lose_engine(f"the engine dropped this server: {reply.message}")
             self._send(HandshakeRequest(PROTOCOL_VERSION, self._client_name))
             return
-        queue = self._queues.get(reply.request_id)
-        if queue is not None:
-            queue.put_nowait(EngineRequestError(reply.code, reply.message))
+        mailbox = self._mailboxes.get(reply.request_id)
+        if mailbox is not None:
+            mailbox.put(EngineRequestError(reply.code, reply.message))
             return
         if reply.request_id:
             logger.debug("error for finished request %s: %s", reply.request_id, reply.message)
@@ -317,8 +325,8 @@ class EngineClient:
         if self._ready:
             logger.error(reason)
         self._ready = False
-        for queue in self._queues.values():
-            queue.put_nowait(EngineUnavailable(reason))
+        for mailbox in self._mailboxes.values():
+            mailbox.put(EngineUnavailable(reason))
         for waiter in self._stats_waiters:
             if not waiter.done():
                 waiter.set_result(None)

@@ -23,7 +23,7 @@ import asyncio
 import dataclasses
 import itertools
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 
 from protocol import EngineStats, HandshakeReply, RequestOutput, SamplingParams
@@ -135,14 +135,21 @@ class EnginePool:
         await asyncio.gather(*(replica.client.close() for replica in self.replicas))
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        merge_outputs: bool = False,
+        observe: Callable[[RequestOutput], None] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """``EngineClient.generate`` on the replica chosen for the prompt. Raises
         ``EngineUnavailable`` (naming the replica) if none is connected or this one is lost."""
         replica = self._choose(prompt_token_ids)
         replica.in_flight += 1
         try:
-            outputs = replica.client.generate(request_id, prompt_token_ids, sampling)
+            outputs = replica.client.generate(
+                request_id, prompt_token_ids, sampling, merge_outputs, observe
+            )
             async with aclosing(outputs):
                 async for output in outputs:
                     yield output

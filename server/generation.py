@@ -78,9 +78,10 @@ async def generate_text(
     timer = client.metrics.request()
     finish_reason: str | None = None  # for the metrics: "error" if it stays None
     try:
-        async with aclosing(client.generate(request_id, prompt_ids, sampling)) as outputs:
+        # Without stop strings, outputs that wait while this handler is busy come merged.
+        outputs = client.generate(request_id, prompt_ids, sampling, not stop, timer.output)
+        async with aclosing(outputs) as outputs:
             async for output in outputs:
-                timer.output(output)
                 if output.prompt_logprobs is not None:
                     prompt_logprobs = output.prompt_logprobs
                 if output.logprobs:

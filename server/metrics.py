@@ -173,10 +173,12 @@ class ServerMetrics:
 class RequestTimer:
     """Observes one engine request's latencies as its outputs arrive."""
 
-    __slots__ = ("_last", "_metrics", "_start")
+    __slots__ = ("_inter_token_latency", "_last", "_metrics", "_start")
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self._metrics = metrics
+        # Its labelled child found once: an output arrives per token and step.
+        self._inter_token_latency = metrics.inter_token_latency.labels(metrics.model_name)
         self._start = time.monotonic()
         self._last: float | None = None
 
@@ -190,7 +192,7 @@ class RequestTimer:
         if self._last is None:
             metrics.time_to_first_token.labels(model).observe(now - self._start)
         else:
-            metrics.inter_token_latency.labels(model).observe(now - self._last)
+            self._inter_token_latency.observe(now - self._last)
         self._last = now
 
     def finish(self, reason: str) -> None:

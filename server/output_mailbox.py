@@ -1,0 +1,71 @@
+"""One request's engine outputs, on their way from the receive loop to the request's handler.
+
+The engine sends every request an output per step. A server that streams hundreds of
+requests can fall behind: each output costs it a detokenization, a JSON chunk and a
+socket write. When it does, the outputs waiting for a handler merge into one (vLLM's
+``RequestOutputCollector`` does the same), so a busy server does one chunk's work for
+several tokens instead of one per token and keeps up with the engine; a server that keeps
+up sees every output as it was sent.
+
+Merging is only asked for where it changes nothing but the chunking: a handler that looks
+for stop strings sees the tokens one step at a time, since where a stop string ends (and
+with ``min_tokens``, whether it counts) is judged per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+
+from protocol import RequestOutput
+
+
+class OutputMailbox:
+    def __init__(self, merge: bool, observe: Callable[[RequestOutput], None] | None = None) -> None:
+        """``observe`` sees each output as it arrives, merged or not (the latency metrics
+        measure the engine's steps, not this server's backlog)."""
+        self._merge = merge
+        self._observe = observe
+        self._items: deque[RequestOutput | Exception] = deque()
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        if isinstance(item, RequestOutput):
+            if self._observe is not None:
+                self._observe(item)
+            last = self._items[-1] if self._items else None
+            if self._merge and isinstance(last, RequestOutput):
+                self._items[-1] = merged(last, item)
+                return
+        self._items.append(item)
+        self._ready.set()
+
+    async def get(self) -> RequestOutput | Exception:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
+
+
+def merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two successive outputs of one request as the one the engine would have sent for both
+    steps together."""
+    logprobs = (
+        None
+        if first.logprobs is None and then.logprobs is None
+        else (first.logprobs or []) + (then.logprobs or [])
+    )
+    return RequestOutput(
+        request_id=first.request_id,
+        new_token_ids=first.new_token_ids + then.new_token_ids,
+        finish_reason=then.finish_reason,
+        num_prompt_tokens=then.num_prompt_tokens,
+        num_output_tokens=then.num_output_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=(
+            first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs
+        ),
+        stop_token_id=then.stop_token_id,
+        queue_time=first.queue_time if first.queue_time is not None else then.queue_time,
+    )
