@@ -2,6 +2,7 @@
 
     python scripts/bench_kernels.py [--head-dims 64 128 256] [--batches 1 8 64 256]
                                     [--contexts 256 1024 4096 16384] [--max-gib 24]
+                                    [--kv-cache-dtype auto|fp8]
 
 A decode step's attention must read every cached key and value of every sequence once; the
 kernel (``paged_decode_attention``, split-K as the engine runs it: the split count from
@@ -80,15 +81,21 @@ def copy_ms(num_bytes: int) -> float:
 
 
 def decode_case(
-    head_dim: int, context: int, batch: int, bandwidth: float, check: bool
+    head_dim: int,
+    context: int,
+    batch: int,
+    bandwidth: float,
+    check: bool,
+    kv_dtype: torch.dtype = DTYPE,
 ) -> tuple[int, float, float]:
-    """(splits, ms, share of copy bandwidth) of one decode step's attention."""
+    """(splits, ms, share of copy bandwidth) of one decode step's attention, over a cache of
+    ``kv_dtype`` (bf16, or float8 e4m3 as --kv-cache-dtype fp8 stores it)."""
     num_heads, num_kv_heads = HEADS[head_dim]
     blocks_per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq + 1
     shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-    key_cache = torch.randn(shape, device="cuda", dtype=DTYPE)
-    value_cache = torch.randn(shape, device="cuda", dtype=DTYPE)
+    key_cache = torch.randn(shape, device="cuda", dtype=DTYPE).to(kv_dtype)
+    value_cache = torch.randn(shape, device="cuda", dtype=DTYPE).to(kv_dtype)
     block_tables = (torch.randperm(num_blocks - 1, device="cuda") + 1)[
         : batch * blocks_per_seq
     ].view(batch, blocks_per_seq)
@@ -118,7 +125,7 @@ def decode_case(
         rounding = ((reference.to(DTYPE).float() - reference).norm() / reference.norm()).item()
         assert error < 2 * rounding, f"head_dim {head_dim} context {context}: error {error:.2e}"
     ms = time_ms(run)
-    kv_bytes = 2 * batch * context * num_kv_heads * head_dim * DTYPE.itemsize
+    kv_bytes = 2 * batch * context * num_kv_heads * head_dim * kv_dtype.itemsize
     return splits, ms, kv_bytes / (ms / 1e3) / bandwidth
 
 
@@ -160,13 +167,17 @@ def main() -> None:
     )
     parser.add_argument("--max-gib", type=float, default=24, help="largest cache to allocate")
     parser.add_argument("--target", type=float, default=0.85, help="share to reach")
+    parser.add_argument(
+        "--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="auto: bfloat16"
+    )
     args = parser.parse_args()
+    kv_dtype = DTYPE if args.kv_cache_dtype == "auto" else torch.float8_e4m3fn
     if not torch.cuda.is_available():
         parser.error("needs CUDA")
 
     rates = measure_rates(torch.device("cuda"))
     torch.cuda.empty_cache()
-    print(f"{torch.cuda.get_device_name()}: measured {rates.describe()}")
+    print(f"{torch.cuda.get_device_name()}: measured {rates.describe()}; K/V in {kv_dtype}")
     print(
         f"\n{'head_dim':>8} {'heads':>6} {'context':>8} {'batch':>6} {'splits':>6} "
         f"{'us':>9} {'GB/s':>7} {'of copy':>8} {'copy us':>8} {'of same':>8}"
@@ -176,11 +187,13 @@ def main() -> None:
         num_heads, num_kv_heads = HEADS[head_dim]
         for context in args.contexts:
             for batch in args.batches:
-                cache_bytes = 2 * batch * context * num_kv_heads * head_dim * DTYPE.itemsize
+                cache_bytes = 2 * batch * context * num_kv_heads * head_dim * kv_dtype.itemsize
                 if cache_bytes > args.max_gib * 1024**3:
                     continue
                 check = batch * context <= 64 * 1024  # the float32 reference loops in Python
-                splits, ms, share = decode_case(head_dim, context, batch, rates.bytes_per_s, check)
+                splits, ms, share = decode_case(
+                    head_dim, context, batch, rates.bytes_per_s, check, kv_dtype
+                )
                 # A copy moves each byte twice (read, write): half as many bytes to copy.
                 same_ms = copy_ms(cache_bytes // 2)
                 shares.append((share, head_dim, context, batch))

@@ -289,7 +289,7 @@ def summarize(results: list[Result], seconds: float, slo_ttft_s: float, slo_tpot
 
 
 def engine_prompt_tokens(url: str) -> tuple[int, int]:
-    """The engine's prompt tokens so far, and how many of them its prefix cache held."""
+    """The engine's prompt tokens so far: those computed, and those its prefix cache held."""
     stats = httpx.get(f"{url}/health", timeout=10).json()["engine"]
     return stats["num_prompt_tokens"], stats["num_cached_prompt_tokens"]
 
@@ -426,7 +426,6 @@ def main() -> None:
     cluster = Cluster(args) if args.model else None
     server_counts = args.servers if cluster else [len(args.url)]
     workload = random_workload if args.workload == "random" else chat_workload
-    sessions = workload(args, random.Random(args.seed))
     rows = []
     try:
         print_header()
@@ -436,6 +435,9 @@ def main() -> None:
             for value in args.concurrency or rates:
                 concurrency = value if args.concurrency else None
                 rate = None if args.concurrency else value
+                # Prompts of their own at each level: an engine that served a level's prompts
+                # would find them all in its prefix cache at the next.
+                sessions = workload(args, random.Random(args.seed + len(rows)))
                 before = engine_prompt_tokens(urls[0])
                 results, seconds = run_level(
                     urls, model, sessions, rate, concurrency, args.client_processes, args.seed
@@ -445,8 +447,9 @@ def main() -> None:
                     results, seconds, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3
                 )
                 after = engine_prompt_tokens(urls[0])
-                prompt, cached = (b - a for a, b in zip(before, after, strict=True))
-                summary["prefix_cache_hit"] = cached / prompt if prompt else 0.0
+                computed, cached = (b - a for a, b in zip(before, after, strict=True))
+                looked_up = computed + cached
+                summary["prefix_cache_hit"] = cached / looked_up if looked_up else 0.0
                 print_level(servers, level, summary)
                 rows.append({"servers": servers, "level": level, **summary})
     except Exception:

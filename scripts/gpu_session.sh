@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests and/or benchmarks, logs under $OUT (or /tmp).
 #
-#   scripts/gpu_session.sh tests|perf|perf-fp8|bench-1b|bench-8b|bench-qwen3|structured-1b|profile-1b|profile-8b|profile-qwen3 ...
+#   scripts/gpu_session.sh tests|perf|perf-fp8|serving|bench-1b|bench-8b|bench-qwen3|structured-1b|profile-1b|profile-8b|profile-qwen3|profile-qwen3-fp8 ...
 #   scripts/gpu_session.sh tp-check tp-8b tp-70b   # tensor parallelism, on 2 GPUs (TP=4/8: TP=N)
 #   scripts/gpu_session.sh bench-dp|bench-dp-smoke  # data parallelism
 #
@@ -82,6 +82,11 @@ for stage in "$@"; do
       m=$(checkpoint llama-3.2-1b)
       gpus=0,1; [ "$stage" = bench-dp-smoke ] && gpus=0,0
       timeout 540 python3 scripts/bench_data_parallel.py --model "$m" --gpus $gpus 2>&1 | tee "$out/$stage-1b.log" | grep -v '^INFO' | tail -8 ;;
+    serving)  # issue 14: the served path, 1B shape, all requests at once, 1 and 4 servers
+      m=$(checkpoint llama-3.2-1b)
+      timeout 400 python3 scripts/bench_serving.py --model "$m" --device cuda --servers 1 4 \
+        --rates inf --num-requests 256 --client-processes 4 --json "$out/serving-1b.json" \
+        --plot "$out/serving-1b.png" 2>&1 | tee "$out/serving-1b.log" | grep -v '^INFO' | tail -14 ;;
     bench-qwen3)
       m=$(checkpoint qwen3-0.6b)
       timeout 300 python3 scripts/bench_offline.py --model "$m" $(peer --peer-requests 128) 2>&1 | tee "$out/offline-qwen3.log" | tail -5 ;;
@@ -94,6 +99,9 @@ for stage in "$@"; do
     profile-qwen3)  # issue 14: Qwen3 0.6B at batch 256, context 840: attention and GEMMs' share
       m=$(checkpoint qwen3-0.6b)
       timeout 300 python3 scripts/profile_step.py --model "$m" --batch 256 --context 840 2>&1 | tee "$out/profile-qwen3.log" | grep -v USDT ;;
+    profile-qwen3-fp8)  # the same step over an fp8 KV cache
+      m=$(checkpoint qwen3-0.6b)
+      timeout 300 python3 scripts/profile_step.py --model "$m" --batch 256 --context 840 --kv-cache-dtype fp8 2>&1 | tee "$out/profile-qwen3-fp8.log" | grep -v USDT ;;
     profile-8b)
       m=$(checkpoint llama-3.1-8b)
       timeout 300 python3 scripts/profile_step.py --model "$m" 2>&1 | tee "$out/profile-8b.log" | grep -v USDT ;;

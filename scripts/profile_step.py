@@ -115,6 +115,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     args = parser.parse_args()
     batches = args.batch or [1, 256]
     engine = LLMEngine(
@@ -124,6 +125,7 @@ def main() -> None:
             max_num_seqs=max(batches),
             max_model_len=args.context + MAX_NEW_TOKENS,
             enforce_eager=args.enforce_eager,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
     )
     for batch in batches:
