@@ -200,6 +200,54 @@ def test_decode_attention(
     assert_rounding_close(out, attention_reference(q, batch, sliding_window))
 
 
+# (context_len, real query tokens): a verify step's sequences, each its last token and up to
+# four drafts, padded to five query tokens at the front; one context shorter than five.
+VERIFY_SEQUENCES = [(3, 2), (17, 5), (64, 1), (65, 3), (300, 5)]
+VERIFY_QUERY_LEN = 5
+
+
+@pytest.mark.parametrize(
+    ("heads", "num_splits", "sliding_window"),
+    [
+        (HEAD_SHAPES[0], 1, None),
+        (HEAD_SHAPES[1], 3, None),
+        (HEAD_SHAPES[2], 4, 40),
+        (HEAD_SHAPES[3], 1, 5),
+        (HEAD_SHAPES[4], 37, None),
+    ],
+)
+def test_decode_attention_of_several_queries(
+    heads: tuple[int, int, int], num_splits: int, sliding_window: int | None
+) -> None:
+    """The decode kernel with a verify step's padded queries: each sequence's real queries
+    (its last positions) attend causally as the prefill reference does; the padding queries
+    in front of them are finite and ignored."""
+    num_heads, num_kv_heads, head_dim = heads
+    context_lens, query_lens = (list(x) for x in zip(*VERIFY_SEQUENCES, strict=True))
+    batch = paged_batch(context_lens, query_lens, num_kv_heads, head_dim, fill=float("nan"))
+    width = VERIFY_QUERY_LEN
+    real = torch.cat(
+        [torch.arange(b * width + width - n, (b + 1) * width) for b, n in enumerate(query_lens)]
+    ).to(DEVICE)
+    q = randn(len(context_lens) * width, num_heads, head_dim)
+    out = torch.full_like(q, float("nan"))
+    m = batch.metadata
+    paged_decode_attention(
+        q,
+        batch.key_cache,
+        batch.value_cache,
+        m.block_tables,
+        m.context_lens,
+        head_dim**-0.5,
+        query_len=width,
+        sliding_window=sliding_window,
+        num_splits=num_splits,
+        out=out,
+    )
+    assert not out.isnan().any()
+    assert_rounding_close(out[real], attention_reference(q[real], batch, sliding_window))
+
+
 @pytest.mark.parametrize(
     ("heads", "sliding_window"),
     [
