@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,6 +33,7 @@ from engine.backends.triton import (
     silu_and_mul,
 )
 from engine.backends.triton.backend import TritonPagedAttention
+from engine.batch import pad_verify
 from tests.kernel_reference import paged_attention_reference
 
 CUDA = torch.cuda.is_available()
@@ -398,6 +400,66 @@ def test_triton_backend_matches_torch_backend(
     assert_rounding_close(batch.key_cache, expected_cache.key, ROTARY_UNITS)
     torch.testing.assert_close(batch.value_cache, expected_cache.value.to(DTYPE), atol=0, rtol=0)
     assert_rounding_close(out, expected, ROTARY_UNITS)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 6])
+def test_triton_backend_verify_step_in_the_uniform_layout(sliding_window: int | None) -> None:
+    """A verify step padded to VERIFY_QUERY_LEN tokens a sequence (engine.batch.pad_verify),
+    through TritonPagedAttention (the decode kernel of several queries), against the torch
+    backend on the same step packed: the real tokens' outputs and the cache agree, so the
+    padding writes nothing and changes nothing."""
+    num_heads, num_kv_heads, head_dim = 8, 2, 64
+    context_lens, query_lens = (list(x) for x in zip(*VERIFY_SEQUENCES, strict=True))
+    batch = paged_batch(context_lens, query_lens, num_kv_heads, head_dim, fill=0.0)
+    m = batch.metadata
+    width = VERIFY_QUERY_LEN
+    index, _, slot_mapping, positions = pad_verify(
+        width,
+        m.context_lens.cpu().numpy(),
+        m.query_lens.cpu().numpy(),
+        m.query_starts.cpu().numpy(),
+        np.zeros(sum(query_lens), np.int64),
+        m.slot_mapping.cpu().numpy(),
+    )
+    seqs = len(context_lens)
+    uniform = AttentionMetadata(
+        positions=torch.from_numpy(positions).to(DEVICE),
+        slot_mapping=torch.from_numpy(slot_mapping).to(DEVICE),
+        token_seq_index=torch.arange(seqs * width, device=DEVICE) // width,
+        block_tables=m.block_tables,
+        context_lens=m.context_lens,
+        query_lens=torch.full((seqs,), width, device=DEVICE),
+        query_starts=torch.arange(seqs, device=DEVICE) * width,
+        max_query_len=width,
+        uniform_queries=True,
+    )
+    real = torch.from_numpy(index).to(DEVICE)
+    q = randn(seqs * width, num_heads, head_dim)
+    k, v = randn(seqs * width, num_kv_heads, head_dim), randn(seqs * width, num_kv_heads, head_dim)
+    scale = head_dim**-0.5
+    rotary = make_rotary(head_dim, norms=True)
+
+    expected_cache = LayerKVCache(batch.key_cache.float(), batch.value_cache.float())
+    reference = TorchPagedAttention()
+    reference.prepare(m)
+    expected = reference.forward(
+        q[real].float(),
+        k[real].float(),
+        v[real].float(),
+        expected_cache,
+        m,
+        scale,
+        sliding_window,
+        rotary=float32_rotary(rotary),
+    )
+    cache = LayerKVCache(batch.key_cache, batch.value_cache)
+    triton_backend = TritonPagedAttention()
+    triton_backend.prepare(uniform)
+    out = triton_backend.forward(q, k, v, cache, uniform, scale, sliding_window, rotary=rotary)
+    assert not out.isnan().any()
+    assert_rounding_close(batch.key_cache, expected_cache.key, ROTARY_UNITS)
+    torch.testing.assert_close(batch.value_cache, expected_cache.value.to(DTYPE), atol=0, rtol=0)
+    assert_rounding_close(out[real], expected, ROTARY_UNITS)
 
 
 def test_decode_num_splits() -> None:
