@@ -88,6 +88,11 @@ class LaunchedStep:
     # Each row's first position when drafts were verified; None: one position a row.
     row_starts: list[int] | None = None
 
+    @property
+    def verifies_drafts(self) -> bool:
+        """Whether its rows emit 1 to 1 + k tokens each, known only once it is read."""
+        return self.row_starts is not None
+
     def result(self) -> SampledTokens:
         """Wait for the results and read them: the step's one synchronization."""
         if self.copied is not None:

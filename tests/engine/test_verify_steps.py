@@ -1,7 +1,9 @@
-"""A speculative verify step's uniform layout (``engine.batch.pad_verify``), what a verify CUDA
-graph replays: every sequence padded to 1 + k query tokens at its last positions, the
-padding in front writing no cache slot and never sampled. On the CPU: the layout against the
-packed one, the same logits from both through the model, and the engine taking it."""
+"""Speculative verify steps on the CPU. Their uniform layout (``engine.batch.pad_verify``),
+what a verify CUDA graph replays: every sequence padded to 1 + k query tokens at its last
+positions, the padding in front writing no cache slot and never sampled; checked against the
+packed layout, through the model (the same logits), and in the engine. And overlapped: a
+verify step is left in flight like any other, and the next step reads it before scheduling,
+drafting or not."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from transformers import LlamaForCausalLM as HFLlama
 from engine.batch import StepInputs, pack
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus
-from protocol import SamplingParams
+from protocol import RequestOutput, SamplingParams
 from tests.engine.test_speculative import REPETITIVE, assert_all_blocks_free, make_engine
 from tests.random_checkpoint import random_prompts
 from tests.reference import hf_greedy, run_engine
@@ -145,4 +147,33 @@ def test_engine_verifies_in_the_uniform_layout(tiny: tuple[Path, HFLlama]) -> No
     ]
     assert any(s.uniform_query_len == 4 for s in shapes)
     assert any(s.uniform_query_len == 0 and s.num_rows > s.num_seqs for s in shapes)
+    assert_all_blocks_free(engine)
+
+
+def test_verify_step_left_in_flight_is_read_before_a_step_without_drafts(
+    tiny: tuple[Path, HFLlama],
+) -> None:
+    """Overlapped steps: one request drafts alone, its verify step left in flight; a second
+    request arriving stops the drafting (--speculative-disable-by-batch-size 2), and the
+    step after must still read the verify step before it schedules. Both requests get
+    transformers' greedy tokens."""
+    directory, hf_model = tiny
+    engine = make_engine(
+        directory, prompt_lookup_min=1, overlap_steps=True, speculative_disable_by_batch_size=2
+    )
+    prompts = [REPETITIVE, random_prompts(1)[0]]
+    outputs: dict[str, list[RequestOutput]] = {"0": [], "1": []}
+    sampling = SamplingParams(max_tokens=24, ignore_eos=True)
+    engine.add_request(b"t", "0", prompts[0], sampling)
+    verified_in_flight = False
+    while engine.has_work:
+        for _, output in engine.step():
+            outputs[output.request_id].append(output)
+        in_flight = engine.in_flight
+        if in_flight is not None and in_flight.verifies_drafts and not verified_in_flight:
+            verified_in_flight = True
+            engine.add_request(b"t", "1", prompts[1], sampling)
+    assert verified_in_flight
+    tokens = [[t for o in outputs[i] for t in o.new_token_ids] for i in ("0", "1")]
+    assert tokens == [hf_greedy(hf_model, p, 24) for p in prompts]
     assert_all_blocks_free(engine)
