@@ -42,6 +42,7 @@ class StepGraphs:
         """Capture graphs of steps of ``query_len`` tokens a sequence, in ``pool`` (another
         ``StepGraphs``' ``pool``; None: a new one)."""
         started = time.perf_counter()
+        reserved = torch.cuda.memory_reserved(device)
         self.query_len = q = query_len
         self.batch_sizes = [b for b in CAPTURE_BATCH_SIZES if b <= max_batch]
         self.num_replays = 0  # how many steps ran as a replay (tests count them)
@@ -91,11 +92,15 @@ class StepGraphs:
                 self.graphs[size] = graph
         self.pool = pool
         torch.cuda.synchronize(device)
+        self.capture_seconds = time.perf_counter() - started
+        # What the graphs' pool (and buffers) took from the device, beyond what was reserved.
+        self.reserved_bytes = torch.cuda.memory_reserved(device) - reserved
         logger.info(
-            "captured CUDA graphs of %s for batch sizes %s in %.1f s",
+            "captured CUDA graphs of %s for batch sizes %s in %.1f s (%.2f GiB more reserved)",
             "decode steps" if q == 1 else f"verify steps ({q} tokens a sequence)",
             self.batch_sizes,
-            time.perf_counter() - started,
+            self.capture_seconds,
+            self.reserved_bytes / 1024**3,
         )
 
     def fits(self, batch_size: int) -> bool:
