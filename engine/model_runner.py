@@ -216,7 +216,12 @@ class ModelRunner:
         self.verify_graphs: StepGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             if self.attention.supports_cuda_graphs:
-                self._capture_graphs(config.max_num_seqs)
+                # Steps verify drafts only while fewer requests run than this limit.
+                limit = config.speculative_disable_by_batch_size
+                max_verify_batch = config.max_num_seqs if limit is None else limit - 1
+                self._capture_graphs(
+                    config.max_num_seqs, min(max_verify_batch, config.max_num_seqs)
+                )
             else:
                 logger.info(
                     "decode steps run eagerly: the %s backend cannot run in CUDA graphs",
@@ -336,17 +341,21 @@ class ModelRunner:
         return peak
 
     @torch.inference_mode()
-    def _capture_graphs(self, max_batch: int) -> None:
-        """Record the decode step, and with speculative decoding the verify step, as CUDA
-        graphs; the cache must be allocated. The verify graphs first: their steps are the
-        larger, and the decode graphs fit in the memory pool they made."""
+    def _capture_graphs(self, max_batch: int, max_verify_batch: int) -> None:
+        """Record the decode step, and with speculative decoding the verify step (of up to
+        ``max_verify_batch`` sequences), as CUDA graphs; the cache must be allocated. The
+        verify graphs first: their steps are the larger, and the decode graphs fit in the
+        memory pool they made. (Each graph keeps its logits in the pool: the verify graphs'
+        take 1 + k times the decode graphs' memory at the same batch sizes.)"""
         max_blocks = -(-self.max_model_len // self.block_size)
-        args = (self.model, self.attention, max_batch, max_blocks, self.device)
+        args = (self.model, self.attention)
         pool = None
-        if self.verify_query_len:
-            self.verify_graphs = StepGraphs(*args, query_len=self.verify_query_len)
+        if self.verify_query_len and max_verify_batch >= 1:
+            self.verify_graphs = StepGraphs(
+                *args, max_verify_batch, max_blocks, self.device, self.verify_query_len
+            )
             pool = self.verify_graphs.pool
-        self.decode_graphs = StepGraphs(*args, pool=pool)
+        self.decode_graphs = StepGraphs(*args, max_batch, max_blocks, self.device, pool=pool)
 
     def step_inputs(self, batch: list[Request]) -> StepInputs:
         """``batch``'s scheduled tokens as a forward pass's inputs; the requests are left as
