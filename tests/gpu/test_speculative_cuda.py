@@ -83,8 +83,10 @@ def test_verify_graph_equals_eager_verify(tmp_path: Path) -> None:
     graphs = engine.runner.verify_graphs
     assert graphs is not None and graphs.query_len == 5
     prompts = _prompts(5)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(b"gpu", f"verify{i}", prompt, SamplingParams(max_tokens=16))
+    seeded = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=1)
+    for i, prompt in enumerate(prompts):  # one sampled row: the verify sampler's longer path
+        sampling = seeded if i == 3 else SamplingParams(max_tokens=16)
+        engine.add_request(b"gpu", f"verify{i}", prompt, sampling)
     while any(not r.output_token_ids for r in engine.requests.values()):
         engine.step()
     engine.sync()  # no step left in flight
@@ -98,3 +100,17 @@ def test_verify_graph_equals_eager_verify(tmp_path: Path) -> None:
         graphed = graphs.run(inputs).clone()
     assert graphed.shape == eager.shape == (15, engine.vocab_size)
     torch.testing.assert_close(graphed, eager, rtol=1e-3, atol=1e-3)
+    # Launching the verify step (the graph, the sampler, the acceptance) never waits for the
+    # device; reading it is the step's one synchronization.
+    replays = graphs.num_replays
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        launched = engine.runner.sample(engine.runner.forward(batch), None)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert graphs.num_replays == replays + 1
+    tokens = launched.result().token_ids
+    assert all(1 <= len(t) <= 1 + d for d, t in enumerate(tokens))
+    for request in list(engine.requests.values()):
+        engine.abort(request.client, request.request_id)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
