@@ -376,30 +376,45 @@ def test_triton_backend_matches_torch_backend(
     num_tokens = sum(query_lens)
     q = randn(num_tokens, num_heads, head_dim)
     k, v = randn(num_tokens, num_kv_heads, head_dim), randn(num_tokens, num_kv_heads, head_dim)
-    scale = head_dim**-0.5
     rotary = make_rotary(head_dim, norms)
+    real = torch.arange(num_tokens, device=DEVICE)
+    assert_backends_agree(batch, m, (q, k, v), real, sliding_window, rotary)
 
+
+def assert_backends_agree(
+    batch: PagedBatch,
+    metadata: AttentionMetadata,
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    real: torch.Tensor,
+    sliding_window: int | None,
+    rotary: Rotary,
+) -> None:
+    """TritonPagedAttention over ``metadata`` against TorchPagedAttention in float32 over
+    ``batch``'s own (packed) metadata, whose tokens are ``qkv``'s rows ``real``: the outputs
+    at those rows and the caches agree."""
+    q, k, v = qkv
+    scale = q.shape[-1] ** -0.5
     expected_cache = LayerKVCache(batch.key_cache.float(), batch.value_cache.float())
     reference = TorchPagedAttention()
-    reference.prepare(m)
+    reference.prepare(batch.metadata)
     expected = reference.forward(
-        q.float(),
-        k.float(),
-        v.float(),
+        q[real].float(),
+        k[real].float(),
+        v[real].float(),
         expected_cache,
-        m,
+        batch.metadata,
         scale,
         sliding_window,
         rotary=float32_rotary(rotary),
     )
-
     cache = LayerKVCache(batch.key_cache, batch.value_cache)
     triton_backend = TritonPagedAttention()
-    triton_backend.prepare(m)
-    out = triton_backend.forward(q, k, v, cache, m, scale, sliding_window, rotary=rotary)
+    triton_backend.prepare(metadata)
+    out = triton_backend.forward(q, k, v, cache, metadata, scale, sliding_window, rotary=rotary)
+    assert not out.isnan().any()
     assert_rounding_close(batch.key_cache, expected_cache.key, ROTARY_UNITS)
     torch.testing.assert_close(batch.value_cache, expected_cache.value.to(DTYPE), atol=0, rtol=0)
-    assert_rounding_close(out, expected, ROTARY_UNITS)
+    assert_rounding_close(out[real], expected, ROTARY_UNITS)
 
 
 @pytest.mark.parametrize("sliding_window", [None, 6])
@@ -433,33 +448,11 @@ def test_triton_backend_verify_step_in_the_uniform_layout(sliding_window: int | 
         max_query_len=width,
         uniform_queries=True,
     )
-    real = torch.from_numpy(index).to(DEVICE)
     q = randn(seqs * width, num_heads, head_dim)
     k, v = randn(seqs * width, num_kv_heads, head_dim), randn(seqs * width, num_kv_heads, head_dim)
-    scale = head_dim**-0.5
     rotary = make_rotary(head_dim, norms=True)
-
-    expected_cache = LayerKVCache(batch.key_cache.float(), batch.value_cache.float())
-    reference = TorchPagedAttention()
-    reference.prepare(m)
-    expected = reference.forward(
-        q[real].float(),
-        k[real].float(),
-        v[real].float(),
-        expected_cache,
-        m,
-        scale,
-        sliding_window,
-        rotary=float32_rotary(rotary),
-    )
-    cache = LayerKVCache(batch.key_cache, batch.value_cache)
-    triton_backend = TritonPagedAttention()
-    triton_backend.prepare(uniform)
-    out = triton_backend.forward(q, k, v, cache, uniform, scale, sliding_window, rotary=rotary)
-    assert not out.isnan().any()
-    assert_rounding_close(batch.key_cache, expected_cache.key, ROTARY_UNITS)
-    torch.testing.assert_close(batch.value_cache, expected_cache.value.to(DTYPE), atol=0, rtol=0)
-    assert_rounding_close(out[real], expected, ROTARY_UNITS)
+    real = torch.from_numpy(index).to(DEVICE)
+    assert_backends_agree(batch, uniform, (q, k, v), real, sliding_window, rotary)
 
 
 def test_decode_num_splits() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -16,6 +17,19 @@ from protocol import SamplingParams
 from tests.engine.test_logprobs import generate
 from tests.gpu.test_cuda_engine import _prompts
 from tests.random_checkpoint import save_random_model
+
+
+def float32_engine(directory: Path, **options: Any) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=str(directory),
+            device="cuda",
+            dtype="float32",
+            max_model_len=2048,
+            kv_cache_memory_gb=2,
+            **options,
+        )
+    )
 
 
 def test_ngram_speculation_equals_plain_decoding_on_cuda(tmp_path: Path) -> None:
@@ -32,16 +46,7 @@ def test_ngram_speculation_equals_plain_decoding_on_cuda(tmp_path: Path) -> None
     }
     results = []
     for speculative in ({}, {"speculative_method": "ngram", "prompt_lookup_min": 1}):
-        engine = LLMEngine(
-            EngineConfig(
-                model=str(tmp_path),
-                device="cuda",
-                dtype="float32",
-                max_model_len=2048,
-                kv_cache_memory_gb=2,
-                **speculative,
-            )
-        )
+        engine = float32_engine(tmp_path, **speculative)
         assert engine.overlap_steps and engine.runner.decode_graphs is not None
         results.append(generate(engine, requests))
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
@@ -69,17 +74,7 @@ def test_verify_graph_equals_eager_verify(tmp_path: Path) -> None:
     """One verify step of five requests with 0 to 4 drafts (batch padded to the captured 8,
     rows padded to 5 tokens): its logits replayed from the verify graph and op by op."""
     save_random_model(tmp_path, "llama-3.2-1b", torch.bfloat16)
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(tmp_path),
-            device="cuda",
-            dtype="float32",
-            max_model_len=2048,
-            kv_cache_memory_gb=2,
-            speculative_method="ngram",
-            num_speculative_tokens=4,
-        )
-    )
+    engine = float32_engine(tmp_path, speculative_method="ngram", num_speculative_tokens=4)
     graphs = engine.runner.verify_graphs
     assert graphs is not None and graphs.query_len == 5
     prompts = _prompts(5)
