@@ -120,7 +120,8 @@ class StepGraphs:
         self.slot_mapping[:num_tokens].copy_(metadata.slot_mapping)
         self.context_lens[:count].copy_(metadata.context_lens)
         self.block_tables[:count, :width].copy_(metadata.block_tables)
-        self._pad(count, size)
+        if count < size:
+            self._pad(count, size)
         self.graphs[size].replay()
         self.num_replays += 1
         logits = self.logits[size]
