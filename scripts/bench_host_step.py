@@ -91,16 +91,19 @@ def time_verify_step(engine: LLMEngine, batch: int, context: int, steps: int) ->
         return logits
 
     runner.run_model = next_in_cycle  # type: ignore[method-assign]
-    engine.step()
-    engine.sync()
-    parts = {"propose": engine, "schedule": engine.scheduler, "pack inputs": runner}
-    methods = {"propose": "_propose", "schedule": "schedule", "pack inputs": "step_inputs"}
-    methods |= {"launch sampler": "sample", "read results": "_read_results"}
-    owners = parts | {"launch sampler": runner, "read results": engine}
-    seconds = dict.fromkeys([*methods, "whole step"], 0.0)
-    for name, method in methods.items():
-        seconds[name] = 0.0
-        original = getattr(owners[name], method)
+    engine.step()  # the prefills
+    engine.step()  # a verify step left in flight, as every timed step leaves one
+    # Each part: the object whose method it is, and the method, wrapped in a timer here.
+    parts: dict[str, tuple[object, str]] = {
+        "propose": (engine, "_propose"),
+        "schedule": (engine.scheduler, "schedule"),
+        "pack inputs": (runner, "step_inputs"),
+        "launch sampler": (runner, "sample"),
+        "read results": (engine, "_read_results"),
+    }
+    seconds = dict.fromkeys([*parts, "whole step"], 0.0)
+    for name, (owner, method) in parts.items():
+        original = getattr(owner, method)
 
         def timed(*args: object, _name: str = name, _original: Any = original) -> object:
             started = time.perf_counter()
@@ -108,19 +111,18 @@ def time_verify_step(engine: LLMEngine, batch: int, context: int, steps: int) ->
             seconds[_name] += time.perf_counter() - started
             return result
 
-        setattr(owners[name], method, timed)
+        setattr(owner, method, timed)
     drafts = engine.num_draft_tokens
-    for name in seconds:
-        seconds[name] = 0.0
     for _ in range(steps):
         started = time.perf_counter()
         engine.step()
         seconds["whole step"] += time.perf_counter() - started
-    assert engine.num_draft_tokens - drafts == steps * batch * k, "not every step verified K"
+    for owner, method in parts.values():
+        delattr(owner, method)
+    engine.sync()  # untimed: the last step's verify step
+    assert engine.num_draft_tokens - drafts == (steps + 1) * batch * k, "a step verified < K"
     for request in list(engine.requests.values()):
         engine.abort(request.client, request.request_id)
-    for name, method in methods.items():
-        delattr(owners[name], method)
     del runner.run_model
     return {name: value * 1e3 / steps for name, value in seconds.items()}
 
