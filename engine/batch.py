@@ -164,8 +164,8 @@ def pack(
     first_index = query_starts
     uniform_query_len = int(query_lens.max() == 1 and completes.all())
     # A verify step of decodes alone: every sequence computes its last token and drafts.
-    if speculating and verify_query_len and (query_lens == 1 + drafts).all():
-        assert not chunks and query_lens.max() <= verify_query_len
+    if speculating and verify_query_len and not chunks and (query_lens == 1 + drafts).all():
+        assert query_lens.max() <= verify_query_len
         token_index, token_ids, slot_mapping, positions = pad_verify(
             verify_query_len, ends, query_lens, query_starts, token_ids, slot_mapping
         )
