@@ -126,6 +126,13 @@ class LaunchedStep:
         return SampledTokens(self.rows, tokens, logprobs, prompt_logprobs)
 
 
+# The largest verify step captured as a CUDA graph (larger ones run eagerly). Each graph
+# keeps its own [batch * (1 + k), vocab] float32 logits in the graph pool, so the verify
+# ladder's sum over batch sizes costs 1 + k times the decode graphs' (Gemma 3's 262k vocab,
+# k = 4, the whole ladder up to 256: 6.6 GB; up to 64: 1 GB); and speculation pays at small
+# batches, where a large one keeps the device busy anyway (--speculative-disable-by-batch-size).
+MAX_VERIFY_GRAPH_BATCH = 64
+
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -218,7 +225,7 @@ class ModelRunner:
             if self.attention.supports_cuda_graphs:
                 # Steps verify drafts only while fewer requests run than this limit.
                 limit = config.speculative_disable_by_batch_size
-                max_verify_batch = config.max_num_seqs if limit is None else limit - 1
+                max_verify_batch = MAX_VERIFY_GRAPH_BATCH if limit is None else limit - 1
                 self._capture_graphs(
                     config.max_num_seqs, min(max_verify_batch, config.max_num_seqs)
                 )
