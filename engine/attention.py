@@ -45,6 +45,11 @@ class AttentionMetadata:
     query_lens: torch.Tensor  # [B] int64, new tokens of each sequence in this step
     query_starts: torch.Tensor  # [B] int64, index in the packed batch of each one's first
     max_query_len: int
+    # Every sequence has max_query_len new tokens, its context's last positions (row b's at
+    # b * max_query_len): a speculative verify step padded for a CUDA graph, whose rows
+    # with fewer drafts have padding tokens in front (no cache slot, position clamped at
+    # 0, their output ignored). A decode step (max_query_len 1) is uniform too.
+    uniform_queries: bool = False
 
 
 @dataclass

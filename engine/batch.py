@@ -38,6 +38,10 @@ class StepShape:
     num_targets: int  # C
     max_query_len: int
     num_rows: int  # R + D: the logits rows sampled (D: the drafts they verify)
+    # q when every sequence has q tokens, its last ones, and samples each real one: 1 for a
+    # decode step, 1 + k for a verify step in the uniform layout (``pad_verify``); such a
+    # step may replay a CUDA graph of q tokens a row. 0: any other step.
+    uniform_query_len: int = 0
 
     def split(self, packed: torch.Tensor) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
         """The input ids, attention metadata and logits index that ``packed`` holds; views."""
@@ -63,6 +67,7 @@ class StepShape:
             query_lens=query_lens,
             query_starts=query_starts,
             max_query_len=self.max_query_len,
+            uniform_queries=self.uniform_query_len > 0,
         )
         return input_ids, metadata, logits_index
 
@@ -100,17 +105,24 @@ class StepInputs:
         return self.shape.num_seqs
 
     @property
-    def is_decode(self) -> bool:
-        """Every sequence adds one token and samples the next: what a decode graph runs."""
-        return self.shape.max_query_len == 1 and self.shape.num_rows == self.shape.num_seqs
+    def uniform_query_len(self) -> int:
+        """See ``StepShape``: 1 for a decode step, 1 + k for a padded verify step, else 0."""
+        return self.shape.uniform_query_len
 
 
 def pack(
-    batch: list[Request], block_size: int, device: torch.device, last_sampled: torch.Tensor
+    batch: list[Request],
+    block_size: int,
+    device: torch.device,
+    last_sampled: torch.Tensor,
+    verify_query_len: int = 0,
 ) -> StepInputs:
     """The scheduled tokens of ``batch`` and its cache layout on ``device``. A decode whose
     input is a token the step in flight sampled (pending) takes it from ``last_sampled``,
-    that step's sampled ids, on the device."""
+    that step's sampled ids, on the device.
+
+    With ``verify_query_len`` (speculative decoding: 1 + k), a step whose every request
+    verifies drafts or decodes takes the uniform layout of ``pad_verify``."""
     seqs = len(batch)
     starts = np.fromiter((r.num_cached_tokens for r in batch), np.int64, seqs)
     query_lens = np.fromiter((r.num_scheduled_tokens for r in batch), np.int64, seqs)
@@ -148,6 +160,22 @@ def pack(
         logits_index = np.repeat(logits_index - num_logits + 1 - row_starts, num_logits)
         logits_index += np.arange(logits_index.size)
     chunks, scored_index, target_ids = scored_chunks(batch, starts, query_starts)
+    # Where each sequence's first token is in the packed batch (a pending token's place).
+    first_index = query_starts
+    uniform_query_len = int(query_lens.max() == 1 and completes.all())
+    # A verify step of decodes alone: every sequence computes its last token and drafts.
+    if speculating and verify_query_len and not chunks and (query_lens == 1 + drafts).all():
+        assert query_lens.max() <= verify_query_len
+        token_index, token_ids, slot_mapping, positions = pad_verify(
+            verify_query_len, ends, query_lens, query_starts, token_ids, slot_mapping
+        )
+        uniform_query_len = verify_query_len
+        logits_index = token_index  # every real token is sampled
+        first_index = token_index[query_starts]
+        num_tokens = token_ids.size
+        token_seq_index = np.repeat(np.arange(seqs), verify_query_len)
+        query_lens = np.full(seqs, verify_query_len)
+        query_starts = np.arange(seqs) * verify_query_len
     # Decodes whose input is a pending token: where it goes in the packed batch, and where
     # it is in the last step's sampled tokens.
     source_rows = np.fromiter(
@@ -167,7 +195,7 @@ def pack(
             logits_index,
             scored_index,
             target_ids,
-            query_starts[pending],
+            first_index[pending],
             source_rows[pending],
         ]
     )
@@ -185,6 +213,7 @@ def pack(
         num_targets=target_ids.size,
         max_query_len=int(query_lens.max()),
         num_rows=logits_index.size,
+        uniform_query_len=uniform_query_len,
     )
     packed, pending_index, pending_source = on_device.split(
         [shape.packed_size, num_pending, num_pending]
@@ -200,6 +229,31 @@ def pack(
         scored = ScoredPositions(chunks, target_ids_t, num_top)
     num_drafts = drafts[completes].tolist() if speculating else None
     return StepInputs(input_ids, metadata, logits_index_t, rows, scored, shape, packed, num_drafts)
+
+
+def pad_verify(
+    width: int,
+    ends: np.ndarray,
+    query_lens: np.ndarray,
+    query_starts: np.ndarray,
+    token_ids: np.ndarray,
+    slot_mapping: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A verify step's packed tokens (each sequence's last token and drafts, query_lens of
+    them, ending at position ``ends`` - 1) in the uniform layout: ``width`` (1 + k) tokens a
+    sequence, at its last positions, so that one CUDA graph serves every mix of draft
+    counts. The padding tokens come first, write no cache slot (-1), sit at the positions
+    before the real ones (at least 0) and are never sampled. Returns each packed token's
+    index in the new layout, and its token ids, cache slots and positions."""
+    seqs = ends.size
+    shift = np.arange(seqs) * width + width - query_lens - query_starts
+    token_index = np.arange(token_ids.size) + np.repeat(shift, query_lens)
+    padded_ids = np.zeros(seqs * width, np.int64)
+    padded_ids[token_index] = token_ids
+    padded_slots = np.full(seqs * width, -1, np.int64)
+    padded_slots[token_index] = slot_mapping
+    positions = np.maximum((ends - width)[:, None] + np.arange(width), 0).ravel()
+    return token_index, padded_ids, padded_slots, positions
 
 
 def sampling_tensors(

@@ -73,7 +73,7 @@ class EngineConfig:
         8192, "tokens one step computes at most; longer prompts are prefilled in chunks"
     )
     enforce_eager: bool = option(
-        False, "CUDA: no CUDA graphs for decode steps (faster start, slower decode)"
+        False, "CUDA: no CUDA graphs for decode and verify steps (faster start, slower decode)"
     )
     enable_prefix_caching: bool = option(
         True, "reuse the KV cache of prompts' common prefixes (default: on)"

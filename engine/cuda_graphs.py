@@ -1,11 +1,15 @@
-"""CUDA graphs of the decode step, captured at start-up at a ladder of batch sizes.
+"""CUDA graphs of uniform steps, captured at start-up at a ladder of batch sizes.
 
 A decode step of a small model is hundreds of short kernels; launching them one by one
 from Python costs more than running them. A graph replays the whole forward pass in
-one launch. Inputs live in static buffers that each step fills; a batch is padded up
-to the next captured size, its padding rows writing nowhere (slot -1) and reading one
-cached key. Each graph records the attention backend's ``prepare`` with the forward pass,
-all of them captured inside its ``graph_capture``.
+one launch. A uniform step has the same number of query tokens in every sequence: one for
+a decode step, 1 + k for a speculative verify step (each request's last token and its
+drafts, padded at the front to k drafts: ``engine.batch.pad_verify``), so one graph per
+batch size serves every mix of draft counts. Inputs live in static buffers that each step
+fills; a batch is padded up to the next captured size, its padding rows writing nowhere
+(slot -1) and reading one cached key. Each graph records the attention backend's
+``prepare`` with the forward pass, all of them captured inside its ``graph_capture``.
+The decode and verify graphs share one memory pool: steps run one at a time.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import time
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.batch import StepInputs
 from engine.models.causal_lm import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -23,7 +28,7 @@ logger = logging.getLogger(__name__)
 CAPTURE_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 
-class DecodeGraphs:
+class StepGraphs:
     def __init__(
         self,
         model: CausalLM,
@@ -31,40 +36,51 @@ class DecodeGraphs:
         max_batch: int,
         max_blocks: int,
         device: torch.device,
+        query_len: int = 1,
+        pool: tuple[int, int] | None = None,
     ) -> None:
+        """Capture graphs of steps of ``query_len`` tokens a sequence, in ``pool`` (another
+        ``StepGraphs``' ``pool``; None: a new one)."""
         started = time.perf_counter()
+        reserved = torch.cuda.memory_reserved(device)
+        self.query_len = q = query_len
         self.batch_sizes = [b for b in CAPTURE_BATCH_SIZES if b <= max_batch]
+        self.num_replays = 0  # how many steps ran as a replay (tests count them)
         largest = self.batch_sizes[-1]
 
         def buffer(*shape: int) -> torch.Tensor:
             return torch.zeros(*shape, dtype=torch.int64, device=device)
 
-        self.input_ids = buffer(largest)
-        self.positions = buffer(largest)
-        self.slot_mapping = buffer(largest)
+        self.input_ids = buffer(largest * q)
+        self.positions = buffer(largest * q)
+        self.slot_mapping = buffer(largest * q)
         self.context_lens = buffer(largest)
         self.block_tables = buffer(largest, max_blocks)
         # Read by every replay, so held here: a graph keeps addresses, not tensors alive.
-        self.steps = steps = torch.arange(largest, device=device)
-        self.ones = ones = torch.ones(largest, dtype=torch.int64, device=device)
+        self.tokens = tokens = torch.arange(largest * q, device=device)
+        self.seq_index = seq_index = tokens // q
+        self.query_starts = query_starts = tokens[:largest] * q
+        self.query_lens = query_lens = torch.full((largest,), q, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        pool = None
         with attention.graph_capture(largest):
             # Largest first, so the smaller graphs fit in the memory pool the largest made.
             for size in reversed(self.batch_sizes):
+                num_tokens = size * q
                 metadata = AttentionMetadata(
-                    positions=self.positions[:size],
-                    slot_mapping=self.slot_mapping[:size],
-                    token_seq_index=steps[:size],
+                    positions=self.positions[:num_tokens],
+                    slot_mapping=self.slot_mapping[:num_tokens],
+                    token_seq_index=seq_index[:num_tokens],
                     block_tables=self.block_tables[:size],
                     context_lens=self.context_lens[:size],
-                    query_lens=ones[:size],
-                    query_starts=steps[:size],
-                    max_query_len=1,
+                    query_lens=query_lens[:size],
+                    query_starts=query_starts[:size],
+                    max_query_len=q,
+                    uniform_queries=True,
                 )
                 self._pad(0, size)
-                args = (self.input_ids[:size], metadata, steps[:size])
+                # Logits at every token: the caller picks the real ones.
+                args = (self.input_ids[:num_tokens], metadata, tokens[:num_tokens])
                 # Warm-up: Triton compiles and autotunes outside the capture.
                 attention.prepare(metadata)
                 model(*args)
@@ -74,34 +90,50 @@ class DecodeGraphs:
                     self.logits[size] = model(*args)
                 pool = graph.pool()
                 self.graphs[size] = graph
+        self.pool = pool
         torch.cuda.synchronize(device)
+        self.capture_seconds = time.perf_counter() - started
+        # What the graphs' pool (and buffers) took from the device, beyond what was reserved.
+        self.reserved_bytes = torch.cuda.memory_reserved(device) - reserved
         logger.info(
-            "captured decode CUDA graphs for batch sizes %s in %.1f s",
+            "captured CUDA graphs of %s for batch sizes %s in %.1f s (%.2f GiB more reserved)",
+            "decode steps" if q == 1 else f"verify steps ({q} tokens a sequence)",
             self.batch_sizes,
-            time.perf_counter() - started,
+            self.capture_seconds,
+            self.reserved_bytes / 1024**3,
         )
 
     def fits(self, batch_size: int) -> bool:
         return batch_size <= self.batch_sizes[-1]
 
-    def run(self, input_ids: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """Logits of a decode step (one new token per sequence) by graph replay."""
-        count = input_ids.shape[0]
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits of a uniform step of ``query_len`` tokens a sequence, at its sampled
+        tokens (``inputs.logits_index``), by graph replay."""
+        metadata = inputs.metadata
+        count = metadata.context_lens.shape[0]
+        num_tokens = count * self.query_len
+        assert inputs.uniform_query_len == self.query_len and self.fits(count)
         size = next(b for b in self.batch_sizes if b >= count)
         width = metadata.block_tables.shape[1]
-        self.input_ids[:count].copy_(input_ids)
-        self.positions[:count].copy_(metadata.positions)
-        self.slot_mapping[:count].copy_(metadata.slot_mapping)
+        self.input_ids[:num_tokens].copy_(inputs.input_ids)
+        self.positions[:num_tokens].copy_(metadata.positions)
+        self.slot_mapping[:num_tokens].copy_(metadata.slot_mapping)
         self.context_lens[:count].copy_(metadata.context_lens)
         self.block_tables[:count, :width].copy_(metadata.block_tables)
-        self._pad(count, size)
+        if count < size:
+            self._pad(count, size)
         self.graphs[size].replay()
-        return self.logits[size][:count]
+        self.num_replays += 1
+        logits = self.logits[size]
+        if inputs.logits_index.shape[0] == num_tokens:  # every token sampled: a decode step
+            return logits[:num_tokens]
+        return logits[inputs.logits_index]
 
     def _pad(self, start: int, end: int) -> None:
         """Padding rows: write no cache slot, attend to one key of block 0."""
-        self.slot_mapping[start:end].fill_(-1)
+        q = self.query_len
+        self.slot_mapping[start * q : end * q].fill_(-1)
+        self.positions[start * q : end * q].zero_()
+        self.input_ids[start * q : end * q].zero_()
         self.context_lens[start:end].fill_(1)
-        self.positions[start:end].zero_()
-        self.input_ids[start:end].zero_()
         self.block_tables[start:end, 0].zero_()

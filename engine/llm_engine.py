@@ -247,9 +247,13 @@ class LLMEngine:
         if self.compiling:
             self._schedule_compiled()
         outputs = []
-        if self._speculates():
-            # Proposing reads every token, the last one too: the step in flight first.
+        speculates = self._speculates()
+        if speculates or (self.in_flight is not None and self.in_flight.verifies_drafts):
+            # Proposing reads every token, the last one too: the step in flight first. So
+            # does scheduling after a verify step: how many tokens each request has is known
+            # only once it is read.
             outputs = self.sync()
+        if speculates:
             self._propose()
         batch = self.scheduler.schedule()
         if not batch:
@@ -263,11 +267,11 @@ class LLMEngine:
         # Only when a request has a grammar: the unconstrained steps pay nothing for them.
         grammars = [r.grammar for r in forwarded.rows] if self.num_constrained else None
         launched = self.runner.sample(forwarded, grammars)
-        if not self.overlap_steps or forwarded.num_drafts is not None:
-            # A step that verifies drafts is read at once: how many tokens each request has
-            # is known only then, and the next step drafts after them.
+        if not self.overlap_steps:
             return outputs + self.sync() + self._read_results(launched)
         outputs += self.sync()
+        # A verify step too is left in flight: the caller's work until the next step (the
+        # service's sends and receives) overlaps it, and that step reads it first.
         self.in_flight = launched
         return outputs
 

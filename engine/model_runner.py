@@ -1,5 +1,5 @@
-"""Owns one device: the model on it, its KV cache and the decode CUDA graphs; turns each
-scheduled batch into next tokens.
+"""Owns one device: the model on it, its KV cache and the CUDA graphs of decode and verify
+steps; turns each scheduled batch into next tokens.
 
 Built from the engine's config and a checkpoint, it sizes everything device-bound itself
 (the memory left for the cache, the cache, the graphs) and reports the result: how many KV
@@ -22,7 +22,7 @@ from engine.attention import AttentionMetadata, LayerKVCache
 from engine.backends import create_backend, default_backend
 from engine.batch import StepInputs, pack, sampling_tensors
 from engine.checkpoint import Checkpoint
-from engine.cuda_graphs import DecodeGraphs
+from engine.cuda_graphs import StepGraphs
 from engine.models import build_model
 from engine.parallel import SINGLE, TensorParallel
 from engine.prompt_logprobs import ScoredChunk, ScoredPositions, read_scored
@@ -88,6 +88,11 @@ class LaunchedStep:
     # Each row's first position when drafts were verified; None: one position a row.
     row_starts: list[int] | None = None
 
+    @property
+    def verifies_drafts(self) -> bool:
+        """Whether its rows emit 1 to 1 + k tokens each, known only once it is read."""
+        return self.row_starts is not None
+
     def result(self) -> SampledTokens:
         """Wait for the results and read them: the step's one synchronization."""
         if self.copied is not None:
@@ -120,6 +125,13 @@ class LaunchedStep:
         prompt_logprobs = read_scored(self.scored, *rest) if self.scored else []
         return SampledTokens(self.rows, tokens, logprobs, prompt_logprobs)
 
+
+# The largest verify step captured as a CUDA graph (larger ones run eagerly). Each graph
+# keeps its own [batch * (1 + k), vocab] float32 logits in the graph pool, so the verify
+# ladder's sum over batch sizes costs 1 + k times the decode graphs' (Gemma 3's 262k vocab,
+# k = 4, the whole ladder up to 256: 6.6 GB; up to 64: 1 GB); and speculation pays at small
+# batches, where a large one keeps the device busy anyway (--speculative-disable-by-batch-size).
+MAX_VERIFY_GRAPH_BATCH = 64
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -203,10 +215,20 @@ class ModelRunner:
             )
         self.max_model_len = model_len
         self._allocate_kv_cache()
-        self.decode_graphs: DecodeGraphs | None = None
+        # With speculative decoding, a verify step of decodes alone has 1 + k tokens a
+        # sequence, padded (engine.batch.pad_verify): it may replay a graph too.
+        speculative = config.speculative_method is not None
+        self.verify_query_len = 1 + config.num_speculative_tokens if speculative else 0
+        self.decode_graphs: StepGraphs | None = None
+        self.verify_graphs: StepGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             if self.attention.supports_cuda_graphs:
-                self.decode_graphs = self._capture_decode_graphs(config.max_num_seqs)
+                # Steps verify drafts only while fewer requests run than this limit.
+                limit = config.speculative_disable_by_batch_size
+                max_verify_batch = MAX_VERIFY_GRAPH_BATCH if limit is None else limit - 1
+                self._capture_graphs(
+                    config.max_num_seqs, min(max_verify_batch, config.max_num_seqs)
+                )
             else:
                 logger.info(
                     "decode steps run eagerly: the %s backend cannot run in CUDA graphs",
@@ -326,15 +348,26 @@ class ModelRunner:
         return peak
 
     @torch.inference_mode()
-    def _capture_decode_graphs(self, max_batch: int) -> DecodeGraphs:
-        """Record the decode step as CUDA graphs; the cache must be allocated."""
+    def _capture_graphs(self, max_batch: int, max_verify_batch: int) -> None:
+        """Record the decode step, and with speculative decoding the verify step (of up to
+        ``max_verify_batch`` sequences), as CUDA graphs; the cache must be allocated. The
+        verify graphs first: their steps are the larger, and the decode graphs fit in the
+        memory pool they made. (Each graph keeps its logits in the pool: the verify graphs'
+        take 1 + k times the decode graphs' memory at the same batch sizes.)"""
         max_blocks = -(-self.max_model_len // self.block_size)
-        return DecodeGraphs(self.model, self.attention, max_batch, max_blocks, self.device)
+        args = (self.model, self.attention)
+        pool = None
+        if self.verify_query_len and max_verify_batch >= 1:
+            self.verify_graphs = StepGraphs(
+                *args, max_verify_batch, max_blocks, self.device, self.verify_query_len
+            )
+            pool = self.verify_graphs.pool
+        self.decode_graphs = StepGraphs(*args, max_batch, max_blocks, self.device, pool=pool)
 
     def step_inputs(self, batch: list[Request]) -> StepInputs:
         """``batch``'s scheduled tokens as a forward pass's inputs; the requests are left as
         they are."""
-        return pack(batch, self.block_size, self.device, self._last_sampled)
+        return pack(batch, self.block_size, self.device, self._last_sampled, self.verify_query_len)
 
     def forward_eager(self, inputs: StepInputs) -> torch.Tensor:
         """The logits of the step's sampled rows and scored prompt positions, the model run
@@ -356,11 +389,16 @@ class ModelRunner:
         return ForwardedStep(batch, inputs.rows, logits, inputs.scored, inputs.num_drafts)
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
-        """The step's logits: a pure decode on CUDA by graph replay, else op by op. (What a
-        tensor-parallel worker runs for each step it receives.)"""
-        graphs = self.decode_graphs
-        if graphs is not None and inputs.is_decode and graphs.fits(inputs.num_seqs):
-            return graphs.run(inputs.input_ids, inputs.metadata)
+        """The step's logits: a pure decode or a verify step of decodes alone on CUDA by
+        graph replay, else op by op. (What a tensor-parallel worker runs for each step it
+        receives.)"""
+        graphs = None
+        if inputs.uniform_query_len == 1:
+            graphs = self.decode_graphs
+        elif inputs.uniform_query_len:
+            graphs = self.verify_graphs
+        if graphs is not None and graphs.fits(inputs.num_seqs):
+            return graphs.run(inputs)
         return self.forward_eager(inputs)
 
     @torch.inference_mode()

@@ -14,7 +14,10 @@ steps reach all of them, and every sampling path:
   steps take them: a replayed CUDA graph (captured before, which compiled the decode
   kernels of each graph's batch size) or the eager decode;
 - where decode may run eagerly (no graphs, or batches beyond the largest one), eager decodes
-  of one sequence at the longest context (split-K) and of max_num_seqs at one token.
+  of one sequence at the longest context (split-K) and of max_num_seqs at one token; where
+  verify steps may (speculative decoding), the same two as verify steps (the decode
+  kernel's variant of 1 + k queries a sequence; the verify graphs' capture compiled it for
+  the graphs).
 
 The steps use fake requests whose every block is block 0: what they write there is finite
 and later overwritten by the requests that own those slots, and nothing reads a slot before
@@ -70,15 +73,29 @@ def warm_up(runner: ModelRunner, max_num_seqs: int) -> None:
         request.num_scheduled_tokens = 1
     runner.sample(runner.forward(batch), None).result()  # decode of the pending tokens
     num_steps = 2
-    graphs = runner.decode_graphs
+    decode_graphs, verify_graphs = runner.decode_graphs, runner.verify_graphs
+    eager_decodes = decode_graphs is None or not decode_graphs.fits(max_num_seqs)
+    num_drafts = max(runner.verify_query_len - 1, 0)
+    eager_verifies = num_drafts > 0 and (
+        verify_graphs is None or not verify_graphs.fits(max_num_seqs)
+    )
     # Under tensor parallelism the other ranks run each step rank 0 sends them, and these
-    # eager decodes are not sent: they are left to the first steps that need them.
-    if runner.send_step is None and (graphs is None or not graphs.fits(max_num_seqs)):
-        longest = _request(2, runner.max_model_len, _GREEDY, block_size, runner.max_model_len - 1)
+    # eager steps are not sent: they are left to the first steps that need them.
+    if runner.send_step is None and (eager_decodes or eager_verifies):
+        length = runner.max_model_len - num_drafts
+        longest = _request(2, length, _GREEDY, block_size, length - 1)
         widest = [_request(3 + i, 1, _GREEDY, block_size) for i in range(max_num_seqs)]
         for decode in ([longest], widest):
-            runner.forward_eager(runner.step_inputs(decode))
-        num_steps += 2
+            if eager_decodes:
+                runner.forward_eager(runner.step_inputs(decode))
+                num_steps += 1
+            if eager_verifies:
+                for request in decode:
+                    request.draft_token_ids = [1] * num_drafts
+                    request.num_scheduled_tokens = 1 + num_drafts
+                    request.block_ids = [0] * (-(-runner.max_model_len // block_size))
+                runner.forward_eager(runner.step_inputs(decode))
+                num_steps += 1
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     logger.info("warm-up: %d steps in %.2f s", num_steps, time.perf_counter() - started)

@@ -126,8 +126,11 @@ def main() -> None:
         "speculative_disable_by_batch_size": args.speculative_disable_by_batch_size,
     }
     runs: dict[str, list[Run]] = {name: [] for name in workloads}
+    start_seconds = []
+    verify_graphs = None
     for options in ({}, speculation):
         # Each engine takes half the GPU: the first one's memory may not all be back.
+        started = time.perf_counter()
         llm = LLM(
             model=args.model,
             max_model_len=args.max_model_len,
@@ -135,9 +138,12 @@ def main() -> None:
             gpu_memory_utilization=0.45,
             **options,
         )
+        start_seconds.append(time.perf_counter() - started)
         for name, conversations in workloads.items():
             runs[name].append(run_workload(llm, conversations, sampling))
             print(f"{'ngram' if options else 'plain'} {name}: {runs[name][-1].seconds:.2f} s")
+        if options:
+            verify_graphs = llm.engine.runner.verify_graphs
         del llm
         gc.collect()
         if torch.cuda.is_available():
@@ -163,6 +169,15 @@ def main() -> None:
             f"{name:20} {plain.num_tokens:7d} {plain_rate:12.1f} {ngram_rate:12.1f} "
             f"{ngram_rate / plain_rate:8.2f}x {acceptance:9.1%} "
             f"{ngram.num_accepted / ngram.num_tokens:12.1%}"
+        )
+    print(f"engine start: plain {start_seconds[0]:.1f} s, ngram {start_seconds[1]:.1f} s", end="")
+    if verify_graphs is None:
+        print("; verify steps ran eagerly (no verify CUDA graphs)")
+    else:
+        print(
+            f"; verify graphs captured in {verify_graphs.capture_seconds:.1f} s, "
+            f"{verify_graphs.reserved_bytes / 1024**3:.2f} GiB, replayed "
+            f"{verify_graphs.num_replays} times"
         )
     sys.exit(1 if failed else 0)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests and/or benchmarks, logs under $OUT (or /tmp).
 #
-#   scripts/gpu_session.sh tests|perf|perf-fp8|serving|bench-1b|bench-8b|bench-qwen3|structured-1b|profile-1b|profile-8b|profile-qwen3|profile-qwen3-fp8 ...
+#   scripts/gpu_session.sh tests|perf|perf-fp8|serving|spec|bench-1b|bench-8b|bench-qwen3|structured-1b|profile-1b|profile-8b|profile-qwen3|profile-qwen3-fp8 ...
 #   scripts/gpu_session.sh tp-check tp-8b tp-70b   # tensor parallelism, on 2 GPUs (TP=4/8: TP=N)
 #   scripts/gpu_session.sh bench-dp|bench-dp-smoke  # data parallelism
 #
@@ -11,6 +11,11 @@
 # decode-parity GPU tests; a summary last.
 #
 # bench-dp needs two GPUs (DP=2 against DP=1); bench-dp-smoke runs both replicas on GPU 0.
+#
+# spec (issue 12, a few minutes): n-gram speculation with verify CUDA graphs: the float32
+# GPU test (tokens equal to plain decoding's, verify graphs replayed, graph logits equal
+# eager ones), then bench_speculative.py (code edit and summary at batch 1, mixed at batch 32)
+# on SPEC_MODEL (default /tmp/smollm2.gguf, the SmolLM2-135M-Instruct GGUF); a table last.
 #
 # PEERS=0 leaves out transformers' runs (minutes of device time each); PYTEST_K filters tests.
 #
@@ -105,6 +110,20 @@ for stage in "$@"; do
     profile-8b)
       m=$(checkpoint llama-3.1-8b)
       timeout 300 python3 scripts/profile_step.py --model "$m" 2>&1 | tee "$out/profile-8b.log" | grep -v USDT ;;
+    spec)
+      timeout 300 python3 -m pytest -q -rs -s tests/gpu/test_speculative_cuda.py -p no:cacheprovider 2>&1 \
+        | tee "$out/spec-tests.log" | grep -E "replayed|n-gram drafts|passed|failed|Error" | tail -8
+      m=${SPEC_MODEL:-/tmp/smollm2.gguf}
+      if [ -f "$m" ]; then
+        timeout 420 python3 scripts/bench_speculative.py --model "$m" 2>&1 | tee "$out/spec-bench.log" \
+          | grep -vE "^INFO|Warning" | tail -12
+      else
+        echo "no model at $m: set SPEC_MODEL to a GGUF file" | tee "$out/spec-bench.log"
+      fi
+      echo "=== spec summary"
+      grep -hE "passed|failed" "$out/spec-tests.log" | tail -1
+      grep -hE -A4 "^workload" "$out/spec-bench.log"
+      grep -hE "MISMATCH|engine start|no model" "$out/spec-bench.log" ;;
     tp-check|tp-8b|tp-70b)  # each within one call's 10 minutes
       timeout 590 python3 scripts/bench_tensor_parallel.py --part "${stage#tp-}" \
         --tensor-parallel-size "${TP:-2}" 2>&1 | tee "$out/$stage.log" | tail -12 ;;

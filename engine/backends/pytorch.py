@@ -82,8 +82,10 @@ class TorchPagedAttention(AttentionBackend):
     def prepare(self, metadata: AttentionMetadata) -> None:
         """The query grid every layer of the step shares."""
         batch = metadata.block_tables.shape[0]
-        first_new_position = metadata.context_lens - metadata.query_lens
-        column = metadata.positions - first_new_position[metadata.token_seq_index]
+        # A sequence's tokens are packed in order from its query start. (Not its positions:
+        # a uniform layout's padding tokens share position 0.)
+        packed_index = torch.arange(metadata.positions.shape[0], device=metadata.positions.device)
+        column = packed_index - metadata.query_starts[metadata.token_seq_index]
         index = metadata.token_seq_index * metadata.max_query_len + column
         # Grid padding sits at position 0 so its row is never empty (an empty row gives NaN).
         positions = torch.zeros(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,6 +33,7 @@ from engine.backends.triton import (
     silu_and_mul,
 )
 from engine.backends.triton.backend import TritonPagedAttention
+from engine.batch import pad_verify
 from tests.kernel_reference import paged_attention_reference
 
 CUDA = torch.cuda.is_available()
@@ -200,6 +202,54 @@ def test_decode_attention(
     assert_rounding_close(out, attention_reference(q, batch, sliding_window))
 
 
+# (context_len, real query tokens): a verify step's sequences, each its last token and up to
+# four drafts, padded to five query tokens at the front; one context shorter than five.
+VERIFY_SEQUENCES = [(3, 2), (17, 5), (64, 1), (65, 3), (300, 5)]
+VERIFY_QUERY_LEN = 5
+
+
+@pytest.mark.parametrize(
+    ("heads", "num_splits", "sliding_window"),
+    [
+        (HEAD_SHAPES[0], 1, None),
+        (HEAD_SHAPES[1], 3, None),
+        (HEAD_SHAPES[2], 4, 40),
+        (HEAD_SHAPES[3], 1, 5),
+        (HEAD_SHAPES[4], 37, None),
+    ],
+)
+def test_decode_attention_of_several_queries(
+    heads: tuple[int, int, int], num_splits: int, sliding_window: int | None
+) -> None:
+    """The decode kernel with a verify step's padded queries: each sequence's real queries
+    (its last positions) attend causally as the prefill reference does; the padding queries
+    in front of them are finite and ignored."""
+    num_heads, num_kv_heads, head_dim = heads
+    context_lens, query_lens = (list(x) for x in zip(*VERIFY_SEQUENCES, strict=True))
+    batch = paged_batch(context_lens, query_lens, num_kv_heads, head_dim, fill=float("nan"))
+    width = VERIFY_QUERY_LEN
+    real = torch.cat(
+        [torch.arange(b * width + width - n, (b + 1) * width) for b, n in enumerate(query_lens)]
+    ).to(DEVICE)
+    q = randn(len(context_lens) * width, num_heads, head_dim)
+    out = torch.full_like(q, float("nan"))
+    m = batch.metadata
+    paged_decode_attention(
+        q,
+        batch.key_cache,
+        batch.value_cache,
+        m.block_tables,
+        m.context_lens,
+        head_dim**-0.5,
+        query_len=width,
+        sliding_window=sliding_window,
+        num_splits=num_splits,
+        out=out,
+    )
+    assert not out.isnan().any()
+    assert_rounding_close(out[real], attention_reference(q[real], batch, sliding_window))
+
+
 @pytest.mark.parametrize(
     ("heads", "sliding_window"),
     [
@@ -326,30 +376,83 @@ def test_triton_backend_matches_torch_backend(
     num_tokens = sum(query_lens)
     q = randn(num_tokens, num_heads, head_dim)
     k, v = randn(num_tokens, num_kv_heads, head_dim), randn(num_tokens, num_kv_heads, head_dim)
-    scale = head_dim**-0.5
     rotary = make_rotary(head_dim, norms)
+    real = torch.arange(num_tokens, device=DEVICE)
+    assert_backends_agree(batch, m, (q, k, v), real, sliding_window, rotary)
 
+
+def assert_backends_agree(
+    batch: PagedBatch,
+    metadata: AttentionMetadata,
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    real: torch.Tensor,
+    sliding_window: int | None,
+    rotary: Rotary,
+) -> None:
+    """TritonPagedAttention over ``metadata`` against TorchPagedAttention in float32 over
+    ``batch``'s own (packed) metadata, whose tokens are ``qkv``'s rows ``real``: the outputs
+    at those rows and the caches agree."""
+    q, k, v = qkv
+    scale = q.shape[-1] ** -0.5
     expected_cache = LayerKVCache(batch.key_cache.float(), batch.value_cache.float())
     reference = TorchPagedAttention()
-    reference.prepare(m)
+    reference.prepare(batch.metadata)
     expected = reference.forward(
-        q.float(),
-        k.float(),
-        v.float(),
+        q[real].float(),
+        k[real].float(),
+        v[real].float(),
         expected_cache,
-        m,
+        batch.metadata,
         scale,
         sliding_window,
         rotary=float32_rotary(rotary),
     )
-
     cache = LayerKVCache(batch.key_cache, batch.value_cache)
     triton_backend = TritonPagedAttention()
-    triton_backend.prepare(m)
-    out = triton_backend.forward(q, k, v, cache, m, scale, sliding_window, rotary=rotary)
+    triton_backend.prepare(metadata)
+    out = triton_backend.forward(q, k, v, cache, metadata, scale, sliding_window, rotary=rotary)
+    assert not out.isnan().any()
     assert_rounding_close(batch.key_cache, expected_cache.key, ROTARY_UNITS)
     torch.testing.assert_close(batch.value_cache, expected_cache.value.to(DTYPE), atol=0, rtol=0)
-    assert_rounding_close(out, expected, ROTARY_UNITS)
+    assert_rounding_close(out[real], expected, ROTARY_UNITS)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 6])
+def test_triton_backend_verify_step_in_the_uniform_layout(sliding_window: int | None) -> None:
+    """A verify step padded to VERIFY_QUERY_LEN tokens a sequence (engine.batch.pad_verify),
+    through TritonPagedAttention (the decode kernel of several queries), against the torch
+    backend on the same step packed: the real tokens' outputs and the cache agree, so the
+    padding writes nothing and changes nothing."""
+    num_heads, num_kv_heads, head_dim = 8, 2, 64
+    context_lens, query_lens = (list(x) for x in zip(*VERIFY_SEQUENCES, strict=True))
+    batch = paged_batch(context_lens, query_lens, num_kv_heads, head_dim, fill=0.0)
+    m = batch.metadata
+    width = VERIFY_QUERY_LEN
+    index, _, slot_mapping, positions = pad_verify(
+        width,
+        m.context_lens.cpu().numpy(),
+        m.query_lens.cpu().numpy(),
+        m.query_starts.cpu().numpy(),
+        np.zeros(sum(query_lens), np.int64),
+        m.slot_mapping.cpu().numpy(),
+    )
+    seqs = len(context_lens)
+    uniform = AttentionMetadata(
+        positions=torch.from_numpy(positions).to(DEVICE),
+        slot_mapping=torch.from_numpy(slot_mapping).to(DEVICE),
+        token_seq_index=torch.arange(seqs * width, device=DEVICE) // width,
+        block_tables=m.block_tables,
+        context_lens=m.context_lens,
+        query_lens=torch.full((seqs,), width, device=DEVICE),
+        query_starts=torch.arange(seqs, device=DEVICE) * width,
+        max_query_len=width,
+        uniform_queries=True,
+    )
+    q = randn(seqs * width, num_heads, head_dim)
+    k, v = randn(seqs * width, num_kv_heads, head_dim), randn(seqs * width, num_kv_heads, head_dim)
+    rotary = make_rotary(head_dim, norms=True)
+    real = torch.from_numpy(index).to(DEVICE)
+    assert_backends_agree(batch, uniform, (q, k, v), real, sliding_window, rotary)
 
 
 def test_decode_num_splits() -> None:

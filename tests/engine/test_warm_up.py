@@ -5,7 +5,9 @@ writes into block 0 and its sampled tokens change nothing a real request compute
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import pytest
 from transformers import LlamaForCausalLM
 
 from engine.config import EngineConfig
@@ -15,8 +17,13 @@ from tests.random_checkpoint import random_prompts
 from tests.reference import hf_greedy, run_engine
 
 
+@pytest.mark.parametrize(
+    "speculative",
+    [{}, {"speculative_method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}],
+    ids=["plain", "ngram"],  # with speculation it also runs verify steps
+)
 def test_greedy_generation_after_warm_up_matches_transformers(
-    tiny: tuple[Path, LlamaForCausalLM],
+    tiny: tuple[Path, LlamaForCausalLM], speculative: dict[str, Any]
 ) -> None:
     directory, hf_model = tiny
     engine = LLMEngine(
@@ -27,6 +34,7 @@ def test_greedy_generation_after_warm_up_matches_transformers(
             max_num_seqs=8,
             max_model_len=128,
             num_kv_blocks=64,
+            **speculative,
         )
     )
     warm_up(engine.runner, max_num_seqs=8)  # CUDA runs it at start-up; the CPU does not

@@ -151,7 +151,7 @@ def _graph_and_eager_decode(
     assert inputs.metadata.max_query_len == 1 and len(batch) == len(prompts)
     with torch.inference_mode():
         eager = engine.runner.forward_eager(inputs)
-        graphed = engine.runner.decode_graphs.run(inputs.input_ids, inputs.metadata).clone()
+        graphed = engine.runner.decode_graphs.run(inputs).clone()
     for i in range(len(prompts)):
         engine.abort(b"gpu", f"graph{i}")
     return graphed, eager

@@ -1,11 +1,13 @@
-"""N-gram speculation on CUDA (graphs for the plain decode steps, overlapped steps, the
-Triton kernels' multi-token queries for the verify steps), in float32 at the Llama-3.2-1B
-shape: the same tokens as without it, greedy and seeded."""
+"""N-gram speculation on CUDA (decode and verify steps replayed from CUDA graphs, overlapped
+steps, the Triton decode kernel with 1 + k queries a sequence for verify steps), in float32
+at the Llama-3.2-1B shape: the same tokens as without it, greedy and seeded, with the verify
+graphs replayed; a verify graph's logits equal the eager step's."""
 
 from __future__ import annotations
 
 import gc
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -15,6 +17,20 @@ from protocol import SamplingParams
 from tests.engine.test_logprobs import generate
 from tests.gpu.test_cuda_engine import _prompts
 from tests.random_checkpoint import save_random_model
+
+
+def float32_engine(directory: Path, **options: Any) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=str(directory),
+            device="cuda",
+            dtype="float32",
+            max_model_len=2048,
+            kv_cache_memory_gb=2,
+            max_num_seqs=16,  # graphs up to batch 16: a quicker start
+            **options,
+        )
+    )
 
 
 def test_ngram_speculation_equals_plain_decoding_on_cuda(tmp_path: Path) -> None:
@@ -31,20 +47,18 @@ def test_ngram_speculation_equals_plain_decoding_on_cuda(tmp_path: Path) -> None
     }
     results = []
     for speculative in ({}, {"speculative_method": "ngram", "prompt_lookup_min": 1}):
-        engine = LLMEngine(
-            EngineConfig(
-                model=str(tmp_path),
-                device="cuda",
-                dtype="float32",
-                max_model_len=2048,
-                kv_cache_memory_gb=2,
-                **speculative,
-            )
-        )
+        engine = float32_engine(tmp_path, **speculative)
         assert engine.overlap_steps and engine.runner.decode_graphs is not None
         results.append(generate(engine, requests))
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        assert engine.runner.decode_graphs.num_replays > 0
         drafts, accepted = engine.num_draft_tokens, engine.num_accepted_tokens
+        verify_graphs = engine.runner.verify_graphs
+        if speculative:  # verify steps ran as graphs
+            assert verify_graphs is not None and verify_graphs.num_replays > 0
+            print(f"\nverify steps replayed: {verify_graphs.num_replays}")
+        else:
+            assert verify_graphs is None
         del engine
         gc.collect()
         torch.cuda.empty_cache()
@@ -55,3 +69,44 @@ def test_ngram_speculation_equals_plain_decoding_on_cuda(tmp_path: Path) -> None
         ours = [t for o in speculated[request_id] for t in o.new_token_ids]
         theirs = [t for o in plain[request_id] for t in o.new_token_ids]
         assert ours == theirs, request_id
+
+
+def test_verify_graph_equals_eager_verify(tmp_path: Path) -> None:
+    """One verify step of five requests with 0 to 4 drafts (batch padded to the captured 8,
+    rows padded to 5 tokens): its logits replayed from the verify graph and op by op."""
+    save_random_model(tmp_path, "llama-3.2-1b", torch.bfloat16)
+    engine = float32_engine(tmp_path, speculative_method="ngram", num_speculative_tokens=4)
+    graphs = engine.runner.verify_graphs
+    assert graphs is not None and graphs.query_len == 5
+    prompts = _prompts(5)
+    seeded = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=1)
+    for i, prompt in enumerate(prompts):  # one sampled row: the verify sampler's longer path
+        sampling = seeded if i == 3 else SamplingParams(max_tokens=16)
+        engine.add_request(b"gpu", f"verify{i}", prompt, sampling)
+    while any(not r.output_token_ids for r in engine.requests.values()):
+        engine.step()
+    engine.sync()  # no step left in flight
+    for drafts, request in enumerate(engine.scheduler.running):
+        request.draft_token_ids = [7 + d for d in range(drafts)]
+    batch = engine.scheduler.schedule()
+    inputs = engine.runner.step_inputs(batch)
+    assert inputs.uniform_query_len == 5 and inputs.num_drafts == [0, 1, 2, 3, 4]
+    with torch.inference_mode():
+        eager = engine.runner.forward_eager(inputs)
+        graphed = graphs.run(inputs).clone()
+    assert graphed.shape == eager.shape == (15, engine.vocab_size)
+    torch.testing.assert_close(graphed, eager, rtol=1e-3, atol=1e-3)
+    # Launching the verify step (the graph, the sampler, the acceptance) never waits for the
+    # device; reading it is the step's one synchronization.
+    replays = graphs.num_replays
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        launched = engine.runner.sample(engine.runner.forward(batch), None)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert graphs.num_replays == replays + 1
+    tokens = launched.result().token_ids
+    assert all(1 <= len(t) <= 1 + d for d, t in enumerate(tokens))
+    for request in list(engine.requests.values()):
+        engine.abort(request.client, request.request_id)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

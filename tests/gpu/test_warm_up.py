@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -73,9 +74,16 @@ def varied_workload(engine: LLMEngine) -> float:
     return ttft
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True])
+NGRAM = {"speculative_method": "ngram", "prompt_lookup_min": 1}
+
+
+@pytest.mark.parametrize(
+    ("enforce_eager", "speculative"),
+    [(False, {}), (True, {}), (False, NGRAM), (True, NGRAM)],
+    ids=["graphs", "eager", "ngram-graphs", "ngram-eager"],  # verify steps: graphs or eager
+)
 def test_no_kernel_compiles_after_start_up(
-    enforce_eager: bool, shape_checkpoint: Callable[[str], Path]
+    enforce_eager: bool, speculative: dict[str, Any], shape_checkpoint: Callable[[str], Path]
 ) -> None:
     directory = shape_checkpoint("gemma3-1b")  # sliding and full layers: both variants
     started = time.perf_counter()
@@ -87,6 +95,7 @@ def test_no_kernel_compiles_after_start_up(
             max_num_batched_tokens=1024,
             kv_cache_memory_gb=4,
             enforce_eager=enforce_eager,
+            **speculative,
         )
     )
     start_s = time.perf_counter() - started
@@ -94,7 +103,8 @@ def test_no_kernel_compiles_after_start_up(
     ttft = varied_workload(engine)
     after_run = compiled_variants()
     print(
-        f"\nenforce_eager={enforce_eager}: start {start_s:.1f} s, first TTFT {ttft * 1e3:.1f} ms;"
+        f"\nenforce_eager={enforce_eager}, {speculative or 'no speculation'}: start "
+        f"{start_s:.1f} s, first TTFT {ttft * 1e3:.1f} ms; drafts {engine.num_draft_tokens};"
         f" variants {after_start}"
     )
     assert after_run == after_start

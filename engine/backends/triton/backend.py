@@ -2,8 +2,9 @@
 
 Before attending, one kernel applies the Q/K norms and RoPE and writes K and V into the
 cache (``rotary_store_kv``). Pure-decode steps (every sequence adds one token, as in a
-captured CUDA graph) then take the split-K decode kernel; steps with any prefill take the
-variable-length prefill kernel, which also serves the decodes in a mixed batch. The
+captured CUDA graph) and speculative verify steps in the uniform layout (every sequence
+adds 1 + k tokens, padded) then take the split-K decode kernel; steps with any prefill take
+the variable-length prefill kernel, which also serves the decodes in a mixed batch. The
 residual add with RMSNorm and SiLU-and-multiply are fused kernels, each one pass over its
 tensor.
 
@@ -46,7 +47,7 @@ class TritonPagedAttention(AttentionBackend):
         rotary_store_kv(
             q, k, v, cache.key, cache.value, metadata.slot_mapping, metadata.positions, rotary
         )
-        if metadata.max_query_len == 1:
+        if metadata.max_query_len == 1 or metadata.uniform_queries:
             return paged_decode_attention(
                 q,
                 cache.key,
@@ -54,6 +55,7 @@ class TritonPagedAttention(AttentionBackend):
                 metadata.block_tables,
                 metadata.context_lens,
                 scale,
+                query_len=metadata.max_query_len,
                 sliding_window=sliding_window,
             )
         return paged_prefill_attention(

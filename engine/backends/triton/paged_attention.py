@@ -5,9 +5,13 @@ share it (times the tile's query tokens) as the rows of one tile, so every K/V t
 gathers through the block table is loaded once per group and fed to ``tl.dot``. Softmax
 is online, in float32 and base 2 (scores are pre-multiplied by log2(e)).
 
-- ``paged_decode_attention``: one query token per sequence. The context is split into
-  ``num_splits`` parts computed by separate programs (flash-decoding), so a few sequences
-  with long contexts still fill the GPU; a second kernel merges the partial results.
+- ``paged_decode_attention``: a fixed number of query tokens per sequence (``query_len``),
+  its last positions: one for a decode step, 1 + k for a speculative verify step (the
+  sequence's last token and its k drafts, fewer drafts padded at the front), causal among
+  them. The context is split into ``num_splits`` parts computed by separate programs
+  (flash-decoding), so a few sequences with long contexts still fill the GPU; a second
+  kernel merges the partial results. Its launch grid depends on the batch and the block
+  tables' width alone, so CUDA graphs capture it for both kinds of step.
 - ``paged_prefill_attention``: the packed new tokens of sequences of any lengths whose
   earlier tokens are already cached (chunked prefill, prefix caching), causal; decodes are
   sequences of one new token, so one launch serves a mixed step.
@@ -150,6 +154,7 @@ def _decode_kernel(
     stride_ws_seq,
     stride_ws_head,
     stride_ws_split,
+    QUERY_LEN: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -158,10 +163,12 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    MASK_WINDOW: tl.constexpr,  # USE_WINDOW with several queries: each has its own window
     WRITE_PARTIAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Program (sequence, kv head, split): its part of the context, for the group's heads."""
+    """Program (sequence, kv head, split): its part of the context, for the group's heads
+    at each of the sequence's QUERY_LEN query tokens (rows seq * QUERY_LEN + token)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -169,22 +176,26 @@ def _decode_kernel(
 
     context_len = tl.load(context_lens_ptr + seq)
     first_key = 0
-    if USE_WINDOW:
-        first_key = tl.maximum(context_len - window, 0)
+    if USE_WINDOW:  # the first query's window
+        first_key = tl.maximum(context_len - QUERY_LEN + 1 - window, 0)
     # Every sequence divides its own (windowed) context evenly, in whole tiles.
     split_len = tl.cdiv(tl.cdiv(context_len - first_key, num_splits), BLOCK_N) * BLOCK_N
     key_start = first_key + split * split_len
     key_end = tl.minimum(key_start + split_len, context_len)
 
-    _, heads, valid = _group_rows(kv_head, 1, GROUP, GROUP_PAD, BLOCK_M)
+    token, heads, valid = _group_rows(kv_head, QUERY_LEN, GROUP, GROUP_PAD, BLOCK_M)
+    rows = seq * QUERY_LEN + token
     dims = tl.arange(0, BLOCK_D)
     mask = valid[:, None] & (dims < HEAD_DIM)[None, :]
     q = tl.load(
-        q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :],
+        q_ptr + rows[:, None] * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :],
         mask=mask,
         other=0.0,
     )
-    query_pos = tl.zeros([BLOCK_M], dtype=tl.int64) + context_len - 1
+    # The queries are the context's last positions. Padding queries (a verify step's rows
+    # with fewer drafts than others, at the front) ask again for earlier ones; never below
+    # 0, so that each sees a key and its (ignored) output stays finite.
+    query_pos = tl.maximum(context_len - QUERY_LEN + token.to(tl.int64), 0)
     acc, row_max, row_sum = _attend_keys(
         q,
         tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32),
@@ -205,12 +216,12 @@ def _decode_kernel(
         BLOCK_D,
         BLOCK_N,
         BLOCK_SIZE,
-        False,  # every row is at context_len - 1: first_key already applies the window
+        MASK_WINDOW,  # one query (a decode): first_key already applies its window
         DOT_PRECISION,
     )
     if WRITE_PARTIAL:
         # Unnormalized output, then the row's max and sum, for the merge kernel.
-        row_ptr = workspace_ptr + seq * stride_ws_seq + heads * stride_ws_head
+        row_ptr = workspace_ptr + rows * stride_ws_seq + heads * stride_ws_head
         row_ptr += split * stride_ws_split
         tl.store(row_ptr[:, None] + dims[None, :], acc, mask=mask)
         tl.store(row_ptr + HEAD_DIM, row_max, mask=valid)
@@ -218,7 +229,10 @@ def _decode_kernel(
     else:
         out = acc / row_sum[:, None]
         tl.store(
-            out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :],
+            out_ptr
+            + rows[:, None] * stride_out_seq
+            + heads[:, None] * stride_out_head
+            + dims[None, :],
             out.to(out_ptr.dtype.element_ty),
             mask=mask,
         )
@@ -238,8 +252,8 @@ def _decode_merge_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    """Program (sequence, query head): rescale every split's partial sums to a common max,
-    BLOCK_S splits at a time (one compiled variant for every split count)."""
+    """Program (query token, query head): rescale every split's partial sums to a common
+    max, BLOCK_S splits at a time (one compiled variant for every split count)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     dims = tl.arange(0, BLOCK_D)
@@ -385,11 +399,12 @@ def _num_sms(device: torch.device) -> int:
 
 
 def decode_workspace(
-    batch: int, num_heads: int, head_dim: int, num_splits: int, device: torch.device
+    num_tokens: int, num_heads: int, head_dim: int, num_splits: int, device: torch.device
 ) -> torch.Tensor:
-    """Float32 scratch for split decode: each split's unnormalized output, max and sum."""
+    """Float32 scratch for split decode: each query's split's unnormalized output, max and
+    sum."""
     return torch.empty(
-        batch, num_heads, num_splits, head_dim + 2, dtype=torch.float32, device=device
+        num_tokens, num_heads, num_splits, head_dim + 2, dtype=torch.float32, device=device
     )
 
 
@@ -419,24 +434,29 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     *,
+    query_len: int = 1,
     sliding_window: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of one new token per sequence to its cached context.
+    """Attention of ``query_len`` new tokens per sequence, its last ones, to its cached
+    context, causal among them.
 
-    q: [B, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
-    block_tables: [B, max_blocks] int; context_lens: [B] int, the new token included.
+    q: [B * query_len, num_heads, head_dim], sequence b's tokens at rows b * query_len
+    onwards, at positions context_lens[b] - query_len, ... (a position below 0 reads as 0:
+    padding); caches: [num_blocks, block_size, num_kv_heads, head_dim]; block_tables:
+    [B, max_blocks] int; context_lens: [B] int, the new tokens included.
     ``num_splits`` defaults to ``decode_num_splits`` with block_tables' capacity as the
     longest context (known without reading the lengths back from the GPU). For CUDA
     graphs, pass ``out`` and, when splitting, ``workspace`` (``decode_workspace``).
-    Returns out: [B, num_heads, head_dim] in q's dtype.
+    Returns out: [B * query_len, num_heads, head_dim] in q's dtype.
     """
     _check_cache(q, key_cache, value_cache)
-    batch, num_heads, head_dim = q.shape
+    num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    assert block_tables.shape[0] == context_lens.shape[0] == batch
+    batch = block_tables.shape[0]
+    assert context_lens.shape[0] == batch and num_tokens == batch * query_len
     if num_splits is None:
         max_context_len = block_tables.shape[1] * block_size
         num_splits = decode_num_splits(batch, num_kv_heads, max_context_len, _num_sms(q.device))
@@ -446,8 +466,8 @@ def paged_decode_attention(
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
     if num_splits > 1:
         if workspace is None:
-            workspace = decode_workspace(batch, num_heads, head_dim, num_splits, q.device)
-        assert workspace.shape == (batch, num_heads, num_splits, head_dim + 2)
+            workspace = decode_workspace(num_tokens, num_heads, head_dim, num_splits, q.device)
+        assert workspace.shape == (num_tokens, num_heads, num_splits, head_dim + 2)
         assert workspace.dtype == torch.float32 and workspace.is_contiguous()
         ws_strides = workspace.stride()[:3]
     else:
@@ -474,19 +494,21 @@ def paged_decode_attention(
         out.stride(0),
         out.stride(1),
         *ws_strides,
+        QUERY_LEN=query_len,
         GROUP=group,
         GROUP_PAD=group_pad,
-        BLOCK_M=max(group_pad, _MIN_DOT_ROWS),
+        BLOCK_M=max(triton.next_power_of_2(query_len * group_pad), _MIN_DOT_ROWS),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_N=_BLOCK_N,
         BLOCK_SIZE=block_size,
         USE_WINDOW=sliding_window is not None,
+        MASK_WINDOW=sliding_window is not None and query_len > 1,
         WRITE_PARTIAL=num_splits > 1,
         DOT_PRECISION=_dot_precision(q.dtype),
     )
     if num_splits > 1:
-        _decode_merge_kernel[(batch, num_heads)](
+        _decode_merge_kernel[(num_tokens, num_heads)](
             workspace,
             out,
             num_splits,
