@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -64,6 +65,7 @@ _STABLE_AFTER_S = 60.0  # a process that ran this long starts its backoff over
 _START_TIMEOUT_S = 900.0  # a server waits for the engine's handshake (weights loading)
 _STOP_MARGIN_S = 15.0  # past a drain timeout, before SIGKILL
 _HEALTH_POLL_S = 0.25
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 @dataclass
@@ -93,6 +95,15 @@ class Child:
             **({"address": self.address} if self.address else {}),
             **({"gpus": self.gpus} if self.gpus else {}),
         }
+
+
+def _die_with_supervisor() -> None:
+    """Run in a child before it starts: SIGTERM it when the supervisor dies, even by SIGKILL
+    (its own process group keeps it from the supervisor's group signals), so that no engine
+    or server outlives the supervisor holding a GPU or a port. Linux's prctl; elsewhere,
+    nothing."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class Supervisor:
@@ -155,7 +166,7 @@ class Supervisor:
         # the supervisor alone, which stops the servers (draining) before the engine.
         env = None if child.gpus is None else {**os.environ, "CUDA_VISIBLE_DEVICES": child.gpus}
         child.process = await asyncio.create_subprocess_exec(
-            *child.argv, cwd=ROOT, process_group=0, env=env
+            *child.argv, cwd=ROOT, process_group=0, env=env, preexec_fn=_die_with_supervisor
         )
         child.started_at = time.monotonic()
         logger.info("%s started (pid %d)", child.name, child.process.pid)
