@@ -200,6 +200,8 @@ class LLMEngine:
             num_cached_prompt_tokens=self.block_manager.num_hit_tokens,
             num_generated_tokens=self.num_generated_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
         )
 
     def add_request(
