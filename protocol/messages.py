@@ -11,6 +11,7 @@ docs/architecture.md walks through the life of a request in these terms.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -147,6 +148,13 @@ class SamplingParams:
     # None: none; k: each prompt token's log-probability given the ones before it (the
     # first has none) and the k likeliest tokens' at its position.
     prompt_logprobs: int | None = None
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of choice ``index`` of a request's n: a seeded request's choices
+        each take a seed of their own, in turn (seed, seed + 1, ...)."""
+        if self.seed is None:
+            return self
+        return dataclasses.replace(self, seed=(self.seed + index) % 2**63)
 
     def validate(self) -> str | None:
         """The reason these parameters are unusable, or None."""
