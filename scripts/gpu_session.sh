@@ -4,6 +4,12 @@
 #   scripts/gpu_session.sh tests|perf|perf-fp8|bench-1b|bench-8b|bench-qwen3|structured-1b|profile-1b|profile-8b|profile-qwen3 ...
 #   scripts/gpu_session.sh tp-check tp-8b tp-70b   # tensor parallelism, on 2 GPUs (TP=4/8: TP=N)
 #   scripts/gpu_session.sh bench-dp|bench-dp-smoke  # data parallelism
+#   SPEC_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh spec spec-f32  # speculative decoding
+#
+# spec (issue 12): scripts/bench_speculative.py on SPEC_MODEL (default /tmp/smollm2.gguf, the
+# SmolLM2-135M-Instruct GGUF): plain, n-gram, the target as its own draft model (the
+# mechanism's cost) and, with SPEC_DRAFT set, that draft; bf16, 256 tokens. spec-f32: the same
+# in float32 and 64 tokens, where greedy tokens must equal plain decoding's exactly.
 #
 # perf (issue 14, about 7 minutes on an H100): the kernels' tests on CUDA, decode attention's
 # share of copy bandwidth (scripts/bench_kernels.py), bench_offline at the 1B and Qwen3 0.6B
@@ -74,6 +80,13 @@ for stage in "$@"; do
       m=$(checkpoint llama-3.2-1b)
       timeout 300 python3 scripts/bench_offline.py --model "$m" $(peer --peer-requests 64) 2>&1 | tee "$out/offline-1b.log" | tail -5
       timeout 300 python3 scripts/bench_latency.py --model "$m" $(peer) 2>&1 | tee "$out/latency-1b.log" | tail -6 ;;
+    spec|spec-f32)
+      m=${SPEC_MODEL:-/tmp/smollm2.gguf}
+      flags=()
+      [ -n "${SPEC_DRAFT:-}" ] && flags+=(--speculative-model "$SPEC_DRAFT")
+      [ "$stage" = spec-f32 ] && flags+=(--dtype float32 --max-tokens 64)
+      timeout 540 python3 scripts/bench_speculative.py --model "$m" "${flags[@]}" 2>&1 \
+        | tee "$out/$stage.log" | grep -vE "^(plain|ngram|draft)" | tail -18 ;;
     bench-8b)
       m=$(checkpoint llama-3.1-8b)
       timeout 300 python3 scripts/bench_latency.py --model "$m" $(peer) 2>&1 | tee "$out/latency-8b.log" | tail -6
