@@ -7,13 +7,10 @@ tensor parallelism, is refused; requests whose drafts keep being rejected are pa
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-import torch
 from transformers import LlamaForCausalLM as HFLlama
 
 from engine.config import EngineConfig
@@ -23,7 +20,11 @@ from engine.speculative.pause import FIRST_PAUSE, DraftPause
 from protocol import SamplingParams
 from tests.engine.test_logprobs import generate
 from tests.engine.test_model_families import FAMILIES, saved_tiny_model
-from tests.engine.test_speculative import REPETITIVE, assert_all_blocks_free
+from tests.engine.test_speculative import (
+    REPETITIVE,
+    assert_all_blocks_free,
+    assert_follows_the_model,
+)
 from tests.random_checkpoint import random_prompts, save_tiny_llama, save_word_tokenizer
 from tests.reference import hf_greedy, run_engine
 
@@ -145,20 +146,7 @@ def test_sampled_output_follows_the_target_distribution(tmp_path: Path) -> None:
         for _, output in engine.step():
             tokens[output.request_id] += output.new_token_ids
     assert 0 < engine.num_accepted_tokens < engine.num_draft_tokens
-    counts = Counter(tuple(t[:2]) for t in tokens.values())
-    with torch.no_grad():
-        first = torch.softmax(hf_model(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
-        after = torch.tensor([[*prompt, x] for x in range(vocab)])
-        second = torch.softmax(hf_model(after).logits[:, -1].float(), dim=-1)
-    expected = (first.unsqueeze(1) * second).numpy() * num_samples  # [x1, x2]
-    observed = np.zeros((vocab, vocab))
-    for (x1, x2), count in counts.items():
-        observed[x1, x2] = count
-    kept = expected > 5  # chi-squared needs expected counts of at least 5
-    chi2 = (((observed - expected) ** 2) / expected)[kept].sum()
-    # The 99.9th percentile of chi-squared with 35 degrees of freedom is 66.6.
-    assert observed[~kept].sum() <= 5 * (~kept).sum() + 10
-    assert chi2 < 66.6, chi2
+    assert_follows_the_model(hf_model, prompt, vocab, list(tokens.values()))
 
 
 def test_a_draft_of_another_vocabulary_is_refused(

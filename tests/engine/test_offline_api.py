@@ -103,7 +103,9 @@ def test_n_completions_per_prompt(llm: LLM) -> None:
     """A seeded prompt's n completions are those of the seeds seed, seed + 1, ... (as the
     servers' n choices); greedy ones are all alike."""
     sampled = SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0, seed=7, n=3)
-    outputs = llm.generate([[5, 6, 7], [9]], [sampled, dataclasses.replace(GREEDY, n=2)])
+    outputs = llm.generate(
+        [[5, 6, 7], [9]], [sampled, dataclasses.replace(GREEDY, n=2)], use_tqdm=False
+    )
     assert [len(o.outputs) for o in outputs] == [3, 2]
     assert [c.index for c in outputs[0].outputs] == [0, 1, 2]
     assert outputs[0].finished and outputs[1].finished
