@@ -118,6 +118,8 @@ class LLMEngine:
         )
         if draft is not None:
             draft.bind(self.block_manager)
+            if self.device.type == "cuda":
+                draft.warm_up()
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )

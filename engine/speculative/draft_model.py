@@ -39,6 +39,7 @@ from engine.model_runner import (
 )
 from engine.parallel import SINGLE
 from engine.request import Request
+from protocol import SamplingParams
 
 
 class DraftVocabularyError(ValueError):
@@ -105,6 +106,18 @@ class DraftModelProposer:
             self.device,
         )
         self.block_manager = block_manager
+
+    def warm_up(self) -> None:
+        """Run each kind of draft pass once, a catch-up over a prompt and the decode passes,
+        so that no request waits for their kernels to compile or load. Its one fake request's
+        every block is block 0, as in ``engine/warm_up.py``: what it writes there is
+        overwritten before it is read (the draft reads only the tokens it cached itself)."""
+        assert self.block_manager is not None, "bind() first"
+        prompt_len = 37  # beyond a block, as the engine's warm-up
+        request = Request(b"", "draft-warm-up", [1] * prompt_len, SamplingParams(), seed=0)
+        positions = prompt_len + self.num_speculative_tokens
+        request.block_ids = [0] * self.block_manager.blocks_for(positions)
+        self._run([(request, 0, prompt_len)], [self.num_speculative_tokens])
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], max_drafts: list[int]) -> list[list[int]]:
