@@ -307,7 +307,9 @@ class LLMEngine:
     def _propose(self) -> None:
         """Draft the tokens after each decoding request's last one, for the step to verify.
         Not for requests whose logits a step shapes (penalties, bans, logit bias, min_p,
-        grammars): what those do at a draft's position depends on the drafts before it."""
+        grammars): what those do at a draft's position depends on the drafts before it; nor
+        for those whose drafts keep being rejected, while they are paused
+        (``engine/speculative/pause.py``). One proposer call for them all."""
         proposer = self.proposer
         assert proposer is not None
         drafting = []

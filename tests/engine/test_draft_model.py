@@ -128,6 +128,25 @@ def test_mixed_batch_gives_what_it_gives_without_speculation(
         assert ours[-1].finish_reason == theirs[-1].finish_reason
 
 
+def test_the_draft_catches_up_after_steps_without_drafts(
+    tiny: tuple[Path, HFLlama],
+) -> None:
+    """Steps draft nothing while 3 requests or more run; once the short ones finish, the
+    draft catches up on the tokens it missed in one pass and, being the target, still has
+    every draft accepted."""
+    directory, hf_model = tiny
+    prompts = random_prompts(4)
+    engine = make_engine(directory, directory, speculative_disable_by_batch_size=3)
+    sampling = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (6, 8, 30, 30)]
+    requests = {str(i): (p, s) for i, (p, s) in enumerate(zip(prompts, sampling, strict=True))}
+    outputs = generate(engine, requests)
+    for i, prompt in enumerate(prompts):
+        tokens = [t for o in outputs[str(i)] for t in o.new_token_ids]
+        assert tokens == hf_greedy(hf_model, prompt, sampling[i].max_tokens)
+    assert engine.num_draft_tokens > 0
+    assert engine.num_accepted_tokens == engine.num_draft_tokens
+
+
 def test_sampled_output_follows_the_target_distribution(tmp_path: Path) -> None:
     """Many seeds of a tiny vocabulary, another random model drafting: the first two
     tokens' joint frequencies against transformers' probabilities (chi-squared)."""
