@@ -37,6 +37,16 @@ _CLIENT = b"llm"  # the one client of the engine's requests
 # A token's log-probability and its top alternatives': token id -> log-probability.
 Logprobs = dict[int, float]
 
+# vLLM's speculative_config keys and the engine options they set.
+SPECULATIVE_CONFIG_KEYS = {
+    "method": "speculative_method",
+    "model": "speculative_model",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "prompt_lookup_max": "prompt_lookup_max",
+    "prompt_lookup_min": "prompt_lookup_min",
+    "disable_by_batch_size": "speculative_disable_by_batch_size",
+}
+
 
 @dataclass
 class SamplingParams(protocol.SamplingParams):
@@ -87,9 +97,25 @@ class LLM:
     """A model loaded in this process, for generating offline.
 
     ``options`` are ``EngineConfig``'s fields, the flags of ``python -m engine`` without
-    their dashes (``max_model_len=4096``, ``device="cpu"``, ``enforce_eager=True``, ...)."""
+    their dashes (``max_model_len=4096``, ``device="cpu"``, ``enforce_eager=True``, ...).
+    ``speculative_config`` is vLLM's: ``{"model": DRAFT, "num_speculative_tokens": k}``, or
+    ``{"method": "ngram", ...}``, its keys those of ``SPECULATIVE_CONFIG_KEYS``."""
 
-    def __init__(self, model: str = DEFAULT_MODEL, **options: Any) -> None:
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        *,
+        speculative_config: Mapping[str, Any] | None = None,
+        **options: Any,
+    ) -> None:
+        if speculative_config is not None:
+            unknown = set(speculative_config) - set(SPECULATIVE_CONFIG_KEYS)
+            if unknown:
+                raise ValueError(
+                    f"speculative_config: unknown keys {sorted(unknown)} (known: "
+                    f"{', '.join(SPECULATIVE_CONFIG_KEYS)})"
+                )
+            options |= {SPECULATIVE_CONFIG_KEYS[k]: v for k, v in speculative_config.items()}
         self.engine = LLMEngine(EngineConfig(model=model, **options))
         info = self.engine.tokenizer
         self.tokenizer = Tokenizer.from_str(info.tokenizer_json)

@@ -127,7 +127,12 @@ def test_stop_strings_end_the_text_as_the_servers_do(
     step, the same."""
     if speculative:
         directory = str(worded[0])
-        llm = LLM(model=directory, device="cpu", speculative_model=directory)
+        # vLLM's way to ask for a draft model.
+        config = {"model": directory, "num_speculative_tokens": 3}
+        llm = LLM(model=directory, device="cpu", speculative_config=config)
+        assert llm.engine.proposer is not None
+        with pytest.raises(ValueError, match="unknown keys \\['draft'\\]"):
+            LLM(model=directory, device="cpu", speculative_config={"draft": directory})
     long = SamplingParams(max_tokens=24, ignore_eos=True)
     (full,) = llm.generate([[5, 6, 7]], long, use_tqdm=False)
     text, token_ids = full.outputs[0].text, full.outputs[0].token_ids
