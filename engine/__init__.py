@@ -10,17 +10,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.llm import LLM, CompletionOutput, RequestOutput
-    from protocol import SamplingParams
+    from engine.llm import LLM, CompletionOutput, RequestOutput, SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "SamplingParams":
-        from protocol import SamplingParams
-
-        return SamplingParams
     if name in __all__:
         from engine import llm
 

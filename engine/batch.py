@@ -362,7 +362,7 @@ def _banned_tokens(
             tail = request.output_token_ids[-known:] if known else []
             recent[row, known - len(tail) : known] = tail
     pending_rows, sources = _pending(rows)
-    entry_rows, tokens, prefixes_t, recent_t, pending_t, sources_t = _to_device(
+    entry_rows, tokens, prefixes_t, recent_t, pending_t, sources_t = to_device(
         [
             np.fromiter((row for row, _, _ in entries), np.int64, len(entries)),
             np.fromiter((token for _, token, _ in entries), np.int64, len(entries)),
@@ -387,7 +387,7 @@ def _output_token_counts(
     lengths = [len(r.output_token_ids) for r in rows]
     total = sum(lengths)
     pending_rows, sources = _pending(rows)
-    known_rows, known_tokens, pending_t, sources_t = _to_device(
+    known_rows, known_tokens, pending_t, sources_t = to_device(
         [
             np.repeat(np.arange(len(rows)), lengths),
             np.fromiter(chain.from_iterable(r.output_token_ids for r in rows), np.int64, total),
@@ -415,7 +415,7 @@ def _prompt_token_masks(rows: list[Request], vocab_size: int, device: torch.devi
             masks.append(empty)
             continue
         if request.prompt_token_mask is None:
-            (prompt,) = _to_device([np.asarray(request.prompt_token_ids, np.int64)], device)
+            (prompt,) = to_device([np.asarray(request.prompt_token_ids, np.int64)], device)
             request.prompt_token_mask = empty.index_fill(0, prompt, True)
         masks.append(request.prompt_token_mask)
     return torch.stack(masks)
@@ -434,7 +434,7 @@ def _ragged_to_device(
     copy: each item's row, and the items."""
     lengths = [len(items) for items in lists]
     total = sum(lengths)
-    rows, items = _to_device(
+    rows, items = to_device(
         [
             np.repeat(np.arange(len(lists)), lengths),
             np.fromiter(chain.from_iterable(lists), np.int64, total),
@@ -444,7 +444,7 @@ def _ragged_to_device(
     return rows, items
 
 
-def _to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+def to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     """int64 arrays on the device, moved in one copy."""
     host = torch.from_numpy(np.concatenate(arrays).astype(np.int64, copy=False))
     return list(host.to(device, non_blocking=True).split([a.size for a in arrays]))

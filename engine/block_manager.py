@@ -55,6 +55,16 @@ class BlockManager:
             raise RuntimeError("grow() without can_grow(): the scheduler must check first")
         request.block_ids.extend(self._allocate() for _ in range(missing))
 
+    def reserve(self, request: Request, num_tokens: int) -> bool:
+        """Give ``request`` room for ``num_tokens`` tokens if the free blocks allow (a draft
+        model writes its drafts' K/V before the scheduler grows the request); whether it has
+        that room now."""
+        missing = self.blocks_for(num_tokens) - len(request.block_ids)
+        if missing > len(self._free):
+            return False
+        request.block_ids.extend(self._allocate() for _ in range(missing))
+        return True
+
     def admit(self, request: Request) -> bool:
         """Give a waiting request its cached prefix and blocks for the rest, or, if they do
         not fit in the free blocks, nothing and False. Its computation starts after the
@@ -116,6 +126,7 @@ class BlockManager:
                 self._free[block] = None
         request.block_ids = []
         request.num_cached_tokens = 0
+        request.num_draft_cached_tokens = 0  # a draft model's K/V were in these blocks too
         request.num_keyed_blocks = 0
         request.parent_key = _NO_PARENT
 

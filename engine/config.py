@@ -110,11 +110,24 @@ class EngineConfig:
     speculative_method: str | None = option(
         None,
         "speculative decoding: ngram drafts tokens from the request's own prompt and output "
-        "(prompt lookup), verified in one forward pass (default: none)",
-        choices=["ngram"],
+        "(prompt lookup), draft_model with --speculative-model; both verified in one forward "
+        "pass (default: draft_model with --speculative-model, else none)",
+        choices=["ngram", "draft_model"],
+    )
+    speculative_model: str | None = option(
+        None,
+        "speculative decoding with a draft model (as --model: a directory, hub name or .gguf) "
+        "of the target's tokenizer, run in the engine's process with its own KV cache "
+        "(tensor parallel size 1 only)",
     )
     num_speculative_tokens: int = option(
         4, "with --speculative-method: tokens drafted for each request a step"
+    )
+    speculative_pause_acceptance: float = option(
+        0.25,
+        "with --speculative-method: a request whose last 2 verify steps each accepted fewer "
+        "than this share of their drafts is not drafted for its next 4 steps, twice as many "
+        "each time again, up to 64 (0: never paused)",
     )
     speculative_disable_by_batch_size: int | None = option(
         None,
@@ -132,8 +145,16 @@ class EngineConfig:
     def max_logits_rows(self) -> int:
         """Positions a step computes logits for at most: each request's next token's, and
         with speculative decoding those after its drafts."""
-        drafts = self.num_speculative_tokens if self.speculative_method else 0
+        drafts = self.num_speculative_tokens if self.speculation else 0
         return self.max_num_seqs * (1 + drafts)
+
+    @property
+    def speculation(self) -> str | None:
+        """The speculative method: the one named, draft_model when only a draft model is
+        given; None: no speculation."""
+        if self.speculative_method is None and self.speculative_model is not None:
+            return "draft_model"
+        return self.speculative_method
 
 
 @dataclass

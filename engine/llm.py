@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenizers import Tokenizer
@@ -28,13 +28,42 @@ import protocol
 from engine.checkpoint.resolve import DEFAULT_MODEL
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, RequestRejected
-from protocol import PromptTokenLogprobs, SamplingParams, TokenLogprobs
+from protocol import PromptTokenLogprobs, TokenLogprobs
 from protocol.chat_template import ChatTemplate
+from protocol.detokenizer import IncrementalDetokenizer
 
 _CLIENT = b"llm"  # the one client of the engine's requests
 
 # A token's log-probability and its top alternatives': token id -> log-probability.
 Logprobs = dict[int, float]
+
+# vLLM's speculative_config keys and the engine options they set.
+SPECULATIVE_CONFIG_KEYS = {
+    "method": "speculative_method",
+    "model": "speculative_model",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "prompt_lookup_max": "prompt_lookup_max",
+    "prompt_lookup_min": "prompt_lookup_min",
+    "disable_by_batch_size": "speculative_disable_by_batch_size",
+}
+
+
+@dataclass
+class SamplingParams(protocol.SamplingParams):
+    """The engine's sampling parameters and, as vLLM's, what the offline API does with the
+    text: ``n`` completions of each prompt (a seeded request's take the seeds seed,
+    seed + 1, ...), and ``stop`` strings, which end a completion's text before them (after
+    them, with ``include_stop_str_in_output``) as the servers' do (``protocol/detokenizer.py``:
+    the same code)."""
+
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+
+    def engine_params(self, index: int) -> protocol.SamplingParams:
+        """The engine's parameters of completion ``index``: the wire fields only."""
+        wire = {f.name: getattr(self, f.name) for f in dataclasses.fields(protocol.SamplingParams)}
+        return protocol.SamplingParams(**wire).for_choice(index)
 
 
 @dataclass
@@ -68,9 +97,25 @@ class LLM:
     """A model loaded in this process, for generating offline.
 
     ``options`` are ``EngineConfig``'s fields, the flags of ``python -m engine`` without
-    their dashes (``max_model_len=4096``, ``device="cpu"``, ``enforce_eager=True``, ...)."""
+    their dashes (``max_model_len=4096``, ``device="cpu"``, ``enforce_eager=True``, ...).
+    ``speculative_config`` is vLLM's: ``{"model": DRAFT, "num_speculative_tokens": k}``, or
+    ``{"method": "ngram", ...}``, its keys those of ``SPECULATIVE_CONFIG_KEYS``."""
 
-    def __init__(self, model: str = DEFAULT_MODEL, **options: Any) -> None:
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        *,
+        speculative_config: Mapping[str, Any] | None = None,
+        **options: Any,
+    ) -> None:
+        if speculative_config is not None:
+            unknown = set(speculative_config) - set(SPECULATIVE_CONFIG_KEYS)
+            if unknown:
+                raise ValueError(
+                    f"speculative_config: unknown keys {sorted(unknown)} (known: "
+                    f"{', '.join(SPECULATIVE_CONFIG_KEYS)})"
+                )
+            options |= {SPECULATIVE_CONFIG_KEYS[k]: v for k, v in speculative_config.items()}
         self.engine = LLMEngine(EngineConfig(model=model, **options))
         info = self.engine.tokenizer
         self.tokenizer = Tokenizer.from_str(info.tokenizer_json)
@@ -159,57 +204,99 @@ class LLM:
             raise ValueError(
                 f"{len(sampling_params)} sampling parameters for {len(token_ids)} prompts"
             )
-        results: dict[str, RequestOutput] = {}
-        for text, prompt, sampling in zip(texts, token_ids, sampling_params, strict=True):
-            request_id = str(next(self._request_ids))
-            try:
-                self.engine.add_request(_CLIENT, request_id, prompt, sampling)
-            except RequestRejected as exc:
-                for added in results:
-                    self.engine.abort(_CLIENT, added)
-                raise ValueError(f"prompt {len(results)}: {exc.message}") from None
-            completion = CompletionOutput(
-                0, "", [], None, [] if sampling.logprobs is not None else None
+        results: list[RequestOutput] = []
+        choices: dict[str, _Choice] = {}
+        for text, prompt, params in zip(texts, token_ids, sampling_params, strict=True):
+            sampling = (
+                params if isinstance(params, SamplingParams) else SamplingParams(**vars(params))
             )
-            results[request_id] = RequestOutput(request_id, text, prompt, [completion], False)
+            if sampling.n < 1:
+                raise ValueError(f"prompt {len(results)}: n must be at least 1, not {sampling.n}")
+            result = RequestOutput(str(next(self._request_ids)), text, prompt, [], False)
+            for index in range(sampling.n):
+                request_id = f"{result.request_id}-{index}"
+                try:
+                    self.engine.add_request(
+                        _CLIENT, request_id, prompt, sampling.engine_params(index)
+                    )
+                except RequestRejected as exc:
+                    for added in choices:
+                        self.engine.abort(_CLIENT, added)
+                    raise ValueError(f"prompt {len(results)}: {exc.message}") from None
+                choices[request_id] = _Choice(self.tokenizer, result, index, prompt, sampling)
+            results.append(result)
         with tqdm(
             total=len(results), desc="generating", unit="prompt", disable=not use_tqdm
         ) as progress:
             while self.engine.has_work:
                 for _, output in self.engine.step():
-                    if self._take(results[output.request_id], output):
-                        progress.update()
+                    choice = choices[output.request_id]
+                    if choice.take(output):
+                        if not output.finish_reason:  # a stop string: the engine goes on
+                            self.engine.abort(_CLIENT, output.request_id)
+                        if all(c.finish_reason for c in choice.result.outputs):
+                            choice.result.finished = True
+                            progress.update()
                 for _, error in self.engine.take_errors():
-                    for request_id, result in results.items():
-                        if not result.finished:
+                    for request_id, choice in choices.items():
+                        if not choice.completion.finish_reason:
                             self.engine.abort(_CLIENT, request_id)
                     raise ValueError(error.message)
-        for result in results.values():
-            completion = result.outputs[0]
-            completion.text = self.tokenizer.decode(completion.token_ids)
-            if completion.logprobs is not None:
-                tokens = zip(completion.token_ids, completion.logprobs, strict=True)
-                completion.cumulative_logprob = sum(lp[t] for t, lp in tokens)
-        return list(results.values())
+        return results
 
-    @staticmethod
-    def _take(result: RequestOutput, output: protocol.RequestOutput) -> bool:
-        """Add one step's output of a request to its result; whether the request finished."""
-        completion = result.outputs[0]
-        completion.token_ids += output.new_token_ids
-        if completion.logprobs is not None and output.logprobs:
-            completion.logprobs += [
-                _token_logprobs(token, lp)
-                for token, lp in zip(output.new_token_ids, output.logprobs, strict=True)
-            ]
-        if output.prompt_logprobs is not None:
-            scored = zip(result.prompt_token_ids[1:], output.prompt_logprobs, strict=True)
-            result.prompt_logprobs = [None, *(_token_logprobs(t, lp) for t, lp in scored)]
+
+class _Choice:
+    """One completion as it is generated: its tokens, their log-probabilities, and its text
+    through the servers' incremental detokenizer and stop strings."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        result: RequestOutput,
+        index: int,
+        prompt: list[int],
+        sampling: SamplingParams,
+    ) -> None:
+        self.result = result
+        self.completion = CompletionOutput(
+            index, "", [], None, [] if sampling.logprobs is not None else None
+        )
+        result.outputs.append(self.completion)
+        self.include_stop = sampling.include_stop_str_in_output
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, prompt, sampling.stop, self.include_stop, min_tokens=sampling.min_tokens
+        )
+
+    def take(self, output: protocol.RequestOutput) -> bool:
+        """Add one step's output; whether the completion is over (its request finished, or a
+        stop string ended its text: the engine's request must then be aborted)."""
+        completion = self.completion
+        if output.prompt_logprobs is not None and self.completion.index == 0:
+            scored = zip(self.result.prompt_token_ids[1:], output.prompt_logprobs, strict=True)
+            self.result.prompt_logprobs = [None, *(_token_logprobs(t, lp) for t, lp in scored)]
+        # Token by token: a stop string ends the completion at the token that completes it.
+        for position, token in enumerate(output.new_token_ids):
+            completion.token_ids.append(token)
+            if completion.logprobs is not None and output.logprobs:
+                completion.logprobs.append(_token_logprobs(token, output.logprobs[position]))
+            completion.text += self.detokenizer.push([token])
+            if self.detokenizer.stopped:
+                self._finish("stop")
+                return True
         if output.finish_reason is None:
             return False
-        completion.finish_reason = output.finish_reason
-        result.finished = True
+        if self.include_stop and output.stop_token_id is not None:
+            completion.text += self.detokenizer.push([output.stop_token_id])
+        completion.text += self.detokenizer.finish()
+        self._finish(output.finish_reason)
         return True
+
+    def _finish(self, reason: str) -> None:
+        completion = self.completion
+        completion.finish_reason = reason
+        if completion.logprobs is not None:
+            tokens = zip(completion.token_ids, completion.logprobs, strict=True)
+            completion.cumulative_logprob = sum(lp[t] for t, lp in tokens)
 
 
 def _token_logprobs(token: int, logprobs: TokenLogprobs | PromptTokenLogprobs) -> Logprobs:

@@ -24,6 +24,8 @@ from engine.prompt_logprobs import take_scored
 from engine.request import Request, RequestStatus
 from engine.roofline import StepShape
 from engine.scheduler import Scheduler
+from engine.speculative import Proposer
+from engine.speculative.draft_model import DraftModelProposer
 from engine.speculative.ngram import NgramProposer
 from engine.structured_output import CompilingRequests, GrammarCompiler, GrammarError
 from engine.tensor_parallel import WorkerGroup
@@ -72,13 +74,35 @@ class LLMEngine:
         self.model_name = config.served_model_name or checkpoint.name
         self.tokenizer = checkpoint.tokenizer
         self.vocab_size = checkpoint.config.vocab_size
+        self.proposer: Proposer | None = None
+        draft: DraftModelProposer | None = None
+        method = config.speculation
+        if method == "ngram":
+            if config.speculative_model is not None:
+                raise ValueError("--speculative-model goes with --speculative-method draft_model")
+            self.proposer = NgramProposer(
+                config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+            )
+        elif method == "draft_model":
+            if config.speculative_model is None:
+                raise ValueError("--speculative-method draft_model needs --speculative-model")
+            # Loaded first: its weights count as used when the target sizes the two caches.
+            model_len = config.max_model_len or checkpoint.config.max_position_embeddings
+            draft = DraftModelProposer(
+                config, load_checkpoint(config.speculative_model), checkpoint, model_len
+            )
+            self.proposer = draft
         # Tensor parallelism: this process is rank 0 and drives the workers it starts here.
         self.workers = (
             WorkerGroup(config, checkpoint.config) if config.tensor_parallel_size > 1 else None
         )
         try:
             if self.workers is None:
-                self.runner = ModelRunner(config, checkpoint)
+                self.runner = ModelRunner(
+                    config,
+                    checkpoint,
+                    extra_kv_bytes_per_token=0 if draft is None else draft.kv_bytes_per_token,
+                )
             else:
                 send_step = self.workers.sender.send
                 self.runner = ModelRunner(config, checkpoint, self.workers.tp, send_step)
@@ -92,6 +116,10 @@ class LLMEngine:
             config.block_size,
             prefix_caching=config.enable_prefix_caching,
         )
+        if draft is not None:
+            draft.bind(self.block_manager)
+            if self.device.type == "cuda":
+                draft.warm_up()
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
@@ -99,12 +127,8 @@ class LLMEngine:
         self.overlap_steps = (
             config.overlap_steps if config.overlap_steps is not None else self.device.type == "cuda"
         )
-        self.proposer: NgramProposer | None = None
-        if config.speculative_method == "ngram":
-            self.proposer = NgramProposer(
-                config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
-            )
         self.speculative_disable_by_batch_size = config.speculative_disable_by_batch_size
+        self.speculative_pause_acceptance = config.speculative_pause_acceptance
         self.in_flight: LaunchedStep | None = None  # launched, results not yet read
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.sampling_defaults = _sampling_defaults(config.generation_config, checkpoint)
@@ -178,6 +202,8 @@ class LLMEngine:
             num_cached_prompt_tokens=self.block_manager.num_hit_tokens,
             num_generated_tokens=self.num_generated_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
         )
 
     def add_request(
@@ -285,23 +311,34 @@ class LLMEngine:
     def _propose(self) -> None:
         """Draft the tokens after each decoding request's last one, for the step to verify.
         Not for requests whose logits a step shapes (penalties, bans, logit bias, min_p,
-        grammars): what those do at a draft's position depends on the drafts before it."""
+        grammars): what those do at a draft's position depends on the drafts before it; nor
+        for those whose drafts keep being rejected, while they are paused
+        (``engine/speculative/pause.py``). One proposer call for them all."""
         proposer = self.proposer
         assert proposer is not None
+        drafting = []
         for request in self.scheduler.running:
             request.draft_token_ids = []
             if (
-                request.num_tokens - request.num_cached_tokens != 1
-                or request.shapes_logits
-                or request.grammar is not None
+                request.num_tokens - request.num_cached_tokens == 1
+                and not request.shapes_logits
+                and request.grammar is None
+                and request.draft_pause.may_draft()
             ):
-                continue
-            # Every token it emits must fit its max_tokens and the context.
-            room = min(
+                drafting.append(request)
+        if not drafting:
+            return
+        # Every token it emits must fit its max_tokens and the context.
+        max_drafts = [
+            min(
                 request.sampling.max_tokens - request.num_output_tokens,
                 self.max_model_len - request.num_tokens,
             )
-            request.draft_token_ids = proposer.propose(request, room - 1)
+            - 1
+            for request in drafting
+        ]
+        for request, drafts in zip(drafting, proposer.propose(drafting, max_drafts), strict=True):
+            request.draft_token_ids = drafts
 
     def _samples_after_read(self, batch: list[Request]) -> bool:
         """Whether sampling ``batch`` needs its pending tokens read first: a grammar advances
@@ -360,6 +397,7 @@ class LLMEngine:
         num_drafts = len(request.draft_token_ids)
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
+        request.draft_pause.record(num_drafts, num_accepted, self.speculative_pause_acceptance)
         self.block_manager.roll_back(request, num_drafts - num_accepted)
         request.draft_token_ids = []
 

@@ -18,12 +18,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.attention import AttentionMetadata, LayerKVCache
+from engine.attention import AttentionBackend, AttentionMetadata, LayerKVCache
 from engine.backends import create_backend, default_backend
 from engine.batch import StepInputs, pack, sampling_tensors
 from engine.checkpoint import Checkpoint
 from engine.cuda_graphs import StepGraphs
+from engine.model_config import ModelConfig
 from engine.models import build_model
+from engine.models.causal_lm import CausalLM
 from engine.parallel import SINGLE, TensorParallel
 from engine.prompt_logprobs import ScoredChunk, ScoredPositions, read_scored
 from engine.request import Request
@@ -155,6 +157,66 @@ def rank_device(device: str, tp: TensorParallel) -> torch.device:
     return torch.device(device)
 
 
+def load_model(
+    config: EngineConfig,
+    checkpoint: Checkpoint,
+    device: torch.device,
+    dtype: torch.dtype,
+    model_len: int,
+    tp: TensorParallel = SINGLE,
+) -> tuple[CausalLM, AttentionBackend, float]:
+    """The checkpoint's model (rank ``tp.rank``'s part) on ``device`` with the configured
+    backend, RoPE tables for ``model_len`` positions; the backend; the seconds it took."""
+    backend = config.attention_backend or default_backend(device)
+    attention, ops = create_backend(backend, device)
+    started = time.perf_counter()
+    model = build_model(checkpoint.config, attention, ops, model_len, device, dtype, tp)
+    if config.load_format == "dummy":
+        model.load_random_weights()
+    else:
+        model.load_weights(checkpoint.weight_slices())
+    load_seconds = time.perf_counter() - started
+    logger.info(
+        "loaded %s%s on %s (%s) in %.1f s",
+        checkpoint.name,
+        f" (rank {tp.rank} of {tp.size})" if tp.size > 1 else "",
+        device,
+        str(dtype).removeprefix("torch."),
+        load_seconds,
+    )
+    return model.eval(), attention, load_seconds
+
+
+def kv_bytes_per_token(config: ModelConfig, kv_dtype: torch.dtype, tp: TensorParallel) -> int:
+    """The bytes one token's K and V take in a rank's cache, over all layers."""
+    num_kv_heads = tp.kv_heads(config.num_key_value_heads)[1]
+    return 2 * config.num_hidden_layers * num_kv_heads * config.head_dim * kv_dtype.itemsize
+
+
+def allocate_kv_cache(
+    model: CausalLM,
+    num_blocks: int,
+    block_size: int,
+    kv_dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallel = SINGLE,
+) -> None:
+    """Give ``model`` a paged cache of ``num_blocks`` blocks (a rank's share of its heads)."""
+    c = model.config
+    num_kv_heads = tp.kv_heads(c.num_key_value_heads)[1]
+    shape = (num_blocks, block_size, num_kv_heads, c.head_dim)
+    # Zeroed, not empty: the reference attention reads whole blocks and masks what lies
+    # past a sequence's end, and a masked NaN from uninitialized memory still poisons it.
+    layers = [
+        LayerKVCache(
+            torch.zeros(shape, dtype=kv_dtype, device=device),
+            torch.zeros(shape, dtype=kv_dtype, device=device),
+        )
+        for _ in range(c.num_hidden_layers)
+    ]
+    model.bind_kv_cache(layers)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -162,6 +224,7 @@ class ModelRunner:
         checkpoint: Checkpoint,
         tp: TensorParallel = SINGLE,
         send_step: Callable[[StepInputs], None] | None = None,
+        extra_kv_bytes_per_token: int = 0,
     ) -> None:
         """Load the model (rank ``tp.rank``'s part of it), size and allocate the KV cache,
         capture the decode graphs. ``send_step``, on rank 0 of several, hands each step's
@@ -183,27 +246,10 @@ class ModelRunner:
         # RoPE tables cover this length, the cap below being known only once the model
         # is loaded and measured.
         model_len = config.max_model_len or checkpoint.config.max_position_embeddings
-        backend = config.attention_backend or default_backend(self.device)
-        self.attention, ops = create_backend(backend, self.device)
-        started = time.perf_counter()
-        model = build_model(
-            checkpoint.config, self.attention, ops, model_len, self.device, self.dtype, tp
+        self.model, self.attention, self.load_seconds = load_model(
+            config, checkpoint, self.device, self.dtype, model_len, tp
         )
-        if config.load_format == "dummy":
-            model.load_random_weights()
-        else:
-            model.load_weights(checkpoint.weight_slices())
-        self.model = model.eval()
-        self.load_seconds = time.perf_counter() - started
-        logger.info(
-            "loaded %s%s on %s (%s) in %.1f s",
-            checkpoint.name,
-            f" (rank {tp.rank} of {tp.size})" if tp.size > 1 else "",
-            self.device,
-            str(self.dtype).removeprefix("torch."),
-            self.load_seconds,
-        )
-
+        self.extra_kv_bytes_per_token = extra_kv_bytes_per_token
         self.num_kv_blocks = self._num_kv_blocks(config, model_len)
         capacity = self.num_kv_blocks * self.block_size
         if config.max_model_len is None:
@@ -214,10 +260,12 @@ class ModelRunner:
                 "give the cache more memory or lower max_model_len"
             )
         self.max_model_len = model_len
-        self._allocate_kv_cache()
+        allocate_kv_cache(
+            self.model, self.num_kv_blocks, self.block_size, self.kv_dtype, self.device, tp
+        )
         # With speculative decoding, a verify step of decodes alone has 1 + k tokens a
         # sequence, padded (engine.batch.pad_verify): it may replay a graph too.
-        speculative = config.speculative_method is not None
+        speculative = config.speculation is not None
         self.verify_query_len = 1 + config.num_speculative_tokens if speculative else 0
         self.decode_graphs: StepGraphs | None = None
         self.verify_graphs: StepGraphs | None = None
@@ -232,7 +280,7 @@ class ModelRunner:
             else:
                 logger.info(
                     "decode steps run eagerly: the %s backend cannot run in CUDA graphs",
-                    backend,
+                    config.attention_backend or default_backend(self.device),
                 )
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d",
@@ -263,11 +311,8 @@ class ModelRunner:
         return self.tp.min_over_ranks(self._kv_blocks_that_fit(config, model_len), self.device)
 
     def _kv_blocks_that_fit(self, config: EngineConfig, model_len: int) -> int:
-        c = self.model_config
-        kv_bytes_per_token = (
-            2 * c.num_hidden_layers * self.num_kv_heads * c.head_dim * self.kv_dtype.itemsize
-        )
-        per_block = kv_bytes_per_token * self.block_size
+        kv_bytes = kv_bytes_per_token(self.model_config, self.kv_dtype, self.tp)
+        per_block = (kv_bytes + self.extra_kv_bytes_per_token) * self.block_size
         if config.kv_cache_memory_gb is not None:
             budget = int(config.kv_cache_memory_gb * 1024**3)
         elif self.device.type == "cuda":
@@ -289,20 +334,6 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError(f"no memory left for the KV cache (budget {budget} bytes)")
         return num_blocks
-
-    def _allocate_kv_cache(self) -> None:
-        c = self.model_config
-        shape = (self.num_kv_blocks, self.block_size, self.num_kv_heads, c.head_dim)
-        # Zeroed, not empty: the reference attention reads whole blocks and masks what lies
-        # past a sequence's end, and a masked NaN from uninitialized memory still poisons it.
-        layers = [
-            LayerKVCache(
-                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-            )
-            for _ in range(c.num_hidden_layers)
-        ]
-        self.model.bind_kv_cache(layers)
 
     @torch.inference_mode()
     def _measure_activation_bytes(self, num_tokens: int, num_logits: int) -> int:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from engine.speculative.pause import DraftPause
 from protocol import PromptTokenLogprobs, SamplingParams
 
 if TYPE_CHECKING:
@@ -44,6 +45,11 @@ class Request:
     # Speculative decoding: tokens proposed to follow its last one, which the current step
     # verifies (the step computes them after the last token); empty without speculation.
     draft_token_ids: list[int] = field(default_factory=list)
+    # With a draft model: its first tokens whose K/V are in the draft's cache (which shares
+    # this request's blocks); never a draft, always tokens the request has.
+    num_draft_cached_tokens: int = 0
+    # When drafts for it keep being rejected, it is not drafted for a while.
+    draft_pause: DraftPause = field(default_factory=DraftPause)
     num_keyed_blocks: int = 0  # leading blocks keyed for prefix caching (BlockManager)
     parent_key: int = 0  # hash of the last keyed block's key
     status: RequestStatus = RequestStatus.WAITING

@@ -11,6 +11,7 @@ docs/architecture.md walks through the life of a request in these terms.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -28,7 +29,8 @@ from protocol.codec import Message
 # 5: SamplingDefaults.max_tokens (generation_config.json's max_new_tokens),
 #    RequestOutput.stop_token_id and .queue_time, ErrorCode.SHUTTING_DOWN (an engine draining
 #    on SIGTERM), EngineStats.num_connected_servers.
-PROTOCOL_VERSION = 5
+# 6: EngineStats.num_draft_tokens and .num_accepted_tokens (speculative decoding).
+PROTOCOL_VERSION = 6
 # The most alternatives a request may ask log-probabilities of, as OpenAI's top_logprobs.
 MAX_TOP_LOGPROBS = 20
 # The most token sequences a request's bad words may tokenize to, and their total tokens
@@ -146,6 +148,13 @@ class SamplingParams:
     # None: none; k: each prompt token's log-probability given the ones before it (the
     # first has none) and the k likeliest tokens' at its position.
     prompt_logprobs: int | None = None
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of choice ``index`` of a request's n: a seeded request's choices
+        each take a seed of their own, in turn (seed, seed + 1, ...)."""
+        if self.seed is None:
+            return self
+        return dataclasses.replace(self, seed=(self.seed + index) % 2**63)
 
     def validate(self) -> str | None:
         """The reason these parameters are unusable, or None."""
@@ -344,5 +353,8 @@ class EngineStats(Message):
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache
     num_generated_tokens: int = 0
     num_preemptions: int = 0
+    # Speculative decoding: draft tokens verified, and those of them accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     # Peers connected to the engine's socket now: the servers (the service's count).
     num_connected_servers: int = 0

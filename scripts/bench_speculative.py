@@ -1,16 +1,24 @@
-"""N-gram (prompt-lookup) speculative decoding against none, through the offline API.
+"""Speculative decoding (n-gram and draft model) against none, through the offline API.
 
     python scripts/bench_speculative.py --model FILE.gguf [--num-speculative-tokens 4]
                                         [--max-tokens 256] [--batch-size 32]
                                         [--speculative-disable-by-batch-size N]
+                                        [--speculative-model DRAFT] [--dtype float32]
 
 Two greedy chat prompts: a code edit (this file, to be rewritten whole with one change) and a
 summary (of docs/architecture.md's first part). For each, and for a batch of --batch-size
-requests alternating the two (each with its own change to make), the engine runs once
-without speculation and once with ``--speculative-method ngram``. Correctness first: the
-greedy tokens must be equal with and without speculation (the script exits 1 if not). Then
-the timings: output tokens per second (after a warm-up run), the drafts' acceptance rate and
-the share of the output that accepted drafts made; a table last.
+requests alternating the two (each with its own change to make), the engine runs without
+speculation, with ``--speculative-method ngram``, with the target as its own draft model
+(every draft accepted: what the draft-model mechanism costs, its best case at this k) and,
+with ``--speculative-model``, with that draft. Correctness first: the greedy tokens must be
+equal with and without speculation (the script exits 1 if not; in bfloat16 a verify pass
+rounds differently from a decode step, so near-ties may differ: ``--dtype float32`` checks
+exactly). Then the timings: output tokens per second (after a warm-up run), the drafts'
+acceptance rate, the share of the output that accepted drafts made, and "% of roofline":
+the least time the target's steps of the run can take (``engine/roofline.py``, rates
+measured first) over the time measured (a draft model's own steps are not in the bound);
+the plain run's roofline in tokens/s is the ceiling of decoding without speculation. A table
+last.
 
 The real models are GGUF files from PyPI (../shared/MODELS.md): SmolLM2-135M-Instruct is the
 default model (``~/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf`` once fetched),
@@ -32,6 +40,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.roofline import (  # noqa: E402
+    DeviceRates,
+    ModelCost,
+    StepShape,
+    measure_rates,
+    run_bound,
+    share_of_roofline,
+)
 
 CHANGES = [
     "rename the function `run_workload` to `measure_workload`",
@@ -61,6 +77,7 @@ class Run:
     seconds: float
     num_drafts: int
     num_accepted: int
+    steps: list[StepShape]
 
     @property
     def num_tokens(self) -> int:
@@ -74,16 +91,19 @@ def run_workload(
     llm.chat(conversations, sampling, use_tqdm=False)
     engine = llm.engine
     drafts, accepted = engine.num_draft_tokens, engine.num_accepted_tokens
+    engine.step_shapes = []
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     started = time.perf_counter()
     outputs = llm.chat(conversations, sampling, use_tqdm=False)
     seconds = time.perf_counter() - started
+    steps, engine.step_shapes = engine.step_shapes, None
     return Run(
         [o.outputs[0].token_ids for o in outputs],
         seconds,
         engine.num_draft_tokens - drafts,
         engine.num_accepted_tokens - accepted,
+        steps,
     )
 
 
@@ -98,6 +118,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument(
+        "--speculative-model",
+        help="also run with this draft model (of the target's tokenizer; default: only the "
+        "target as its own draft)",
+    )
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     parser.add_argument(
         "--speculative-disable-by-batch-size",
         type=int,
@@ -118,68 +144,105 @@ def main() -> None:
         ],
     }
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    speculation = {
-        "speculative_method": "ngram",
+    common = {
         "num_speculative_tokens": args.num_speculative_tokens,
-        "prompt_lookup_min": args.prompt_lookup_min,
-        "prompt_lookup_max": args.prompt_lookup_max,
         "speculative_disable_by_batch_size": args.speculative_disable_by_batch_size,
     }
-    runs: dict[str, list[Run]] = {name: [] for name in workloads}
-    start_seconds = []
-    verify_graphs = None
-    for options in ({}, speculation):
-        # Each engine takes half the GPU: the first one's memory may not all be back.
+    methods: dict[str, dict[str, object]] = {
+        "plain": {},
+        "ngram": {
+            "speculative_method": "ngram",
+            "prompt_lookup_min": args.prompt_lookup_min,
+            "prompt_lookup_max": args.prompt_lookup_max,
+            **common,
+        },
+        "draft=self": {"speculative_model": args.model, **common},
+    }
+    if args.speculative_model:
+        methods["draft"] = {"speculative_model": args.speculative_model, **common}
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(
+        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32
+    )
+    rates = measure_rates(device, dtype)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    runs: dict[str, dict[str, Run]] = {name: {} for name in workloads}
+    cost: ModelCost | None = None
+    starts: list[str] = []  # each engine's start, and its verify graphs'
+    for method, options in methods.items():
+        # Each engine takes under half the GPU: the last one's memory may not all be back.
         started = time.perf_counter()
         llm = LLM(
             model=args.model,
+            dtype=args.dtype,
             max_model_len=args.max_model_len,
             max_num_seqs=max(args.batch_size, 1),
             gpu_memory_utilization=0.45,
             **options,
         )
-        start_seconds.append(time.perf_counter() - started)
+        runner = llm.engine.runner
+        starts.append(f"{method} {time.perf_counter() - started:.1f} s")
+        if runner.verify_graphs is not None:
+            graphs = runner.verify_graphs
+            starts[-1] += (
+                f" (verify graphs captured in {graphs.capture_seconds:.1f} s, "
+                f"{graphs.reserved_bytes / 1024**3:.2f} GiB)"
+            )
+        cost = cost or ModelCost.of_model(runner.model, runner.kv_dtype)
         for name, conversations in workloads.items():
-            runs[name].append(run_workload(llm, conversations, sampling))
-            print(f"{'ngram' if options else 'plain'} {name}: {runs[name][-1].seconds:.2f} s")
-        if options:
-            verify_graphs = llm.engine.runner.verify_graphs
-        del llm
+            runs[name][method] = run_workload(llm, conversations, sampling)
+            print(f"{method} {name}: {runs[name][method].seconds:.2f} s", flush=True)
+        if runner.verify_graphs is not None:
+            starts[-1] += f", verify graphs replayed {runner.verify_graphs.num_replays} times"
+        del llm, runner
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    assert cost is not None
+    status = report(args, runs, cost, rates)
+    print("engine start: " + "; ".join(starts))
+    sys.exit(status)
 
-    failed = [name for name, (plain, ngram) in runs.items() if plain.tokens != ngram.tokens]
-    for name in failed:
-        print(f"MISMATCH: {name}: greedy tokens differ with speculation")
 
+def report(
+    args: argparse.Namespace, runs: dict[str, dict[str, Run]], cost: ModelCost, rates: DeviceRates
+) -> int:
+    """Print the mismatches, then the table; the exit status (1: a mismatch)."""
+    failed = [
+        (name, method)
+        for name, by_method in runs.items()
+        for method, run in by_method.items()
+        if run.tokens != by_method["plain"].tokens
+    ]
+    for name, method in failed:
+        print(f"MISMATCH: {name}, {method}: greedy tokens differ from plain decoding's")
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(
         f"\n{args.model}: greedy, {args.max_tokens} tokens at most, k = "
         f"{args.num_speculative_tokens}, n-grams {args.prompt_lookup_min}-"
-        f"{args.prompt_lookup_max}, {device}"
+        f"{args.prompt_lookup_max}, draft {args.speculative_model or '-'}, {device}, "
+        f"{rates.describe()}"
     )
-    header = f"{'workload':20} {'tokens':>7} {'plain tok/s':>12} {'ngram tok/s':>12}"
-    print(header + f" {'speed-up':>9} {'accepted':>9} {'from drafts':>12}")
-    for name, (plain, ngram) in runs.items():
+    print(
+        f"{'workload':20} {'method':11} {'tokens':>7} {'tok/s':>9} {'speed-up':>9} "
+        f"{'accepted':>9} {'from drafts':>12} {'% roofline':>11} {'plain ceiling':>14}"
+    )
+    for name, by_method in runs.items():
+        plain = by_method["plain"]
         plain_rate = plain.num_tokens / plain.seconds
-        ngram_rate = ngram.num_tokens / ngram.seconds
-        acceptance = ngram.num_accepted / ngram.num_drafts if ngram.num_drafts else 0.0
-        print(
-            f"{name:20} {plain.num_tokens:7d} {plain_rate:12.1f} {ngram_rate:12.1f} "
-            f"{ngram_rate / plain_rate:8.2f}x {acceptance:9.1%} "
-            f"{ngram.num_accepted / ngram.num_tokens:12.1%}"
-        )
-    print(f"engine start: plain {start_seconds[0]:.1f} s, ngram {start_seconds[1]:.1f} s", end="")
-    if verify_graphs is None:
-        print("; verify steps ran eagerly (no verify CUDA graphs)")
-    else:
-        print(
-            f"; verify graphs captured in {verify_graphs.capture_seconds:.1f} s, "
-            f"{verify_graphs.reserved_bytes / 1024**3:.2f} GiB, replayed "
-            f"{verify_graphs.num_replays} times"
-        )
-    sys.exit(1 if failed else 0)
+        ceiling = plain.num_tokens / run_bound(plain.steps, cost, rates)
+        for method, run in by_method.items():
+            rate = run.num_tokens / run.seconds
+            acceptance = run.num_accepted / run.num_drafts if run.num_drafts else 0.0
+            bound = run_bound(run.steps, cost, rates)
+            print(
+                f"{name:20} {method:11} {run.num_tokens:7d} {rate:9.1f} "
+                f"{rate / plain_rate:8.2f}x {acceptance:9.1%} "
+                f"{run.num_accepted / run.num_tokens:12.1%} "
+                f"{share_of_roofline(bound, run.seconds):>11} {ceiling:10.0f} t/s"
+            )
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -4,6 +4,15 @@
 #   scripts/gpu_session.sh tests|perf|perf-fp8|serving|spec|bench-1b|bench-8b|bench-qwen3|structured-1b|profile-1b|profile-8b|profile-qwen3|profile-qwen3-fp8 ...
 #   scripts/gpu_session.sh tp-check tp-8b tp-70b   # tensor parallelism, on 2 GPUs (TP=4/8: TP=N)
 #   scripts/gpu_session.sh bench-dp|bench-dp-smoke  # data parallelism
+#   SPEC_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh spec spec-f32  # speculative decoding
+#
+# spec (issue 12, a few minutes): the float32 GPU test (n-gram and draft-model tokens equal to
+# plain decoding's, verify graphs replayed, a verify graph's logits equal eager ones), then
+# scripts/bench_speculative.py on SPEC_MODEL (default /tmp/smollm2.gguf, the
+# SmolLM2-135M-Instruct GGUF): plain, n-gram, the target as its own draft model (the
+# mechanism's cost) and, with SPEC_DRAFT set, that draft; bf16, 256 tokens; SPEC_K sets k.
+# spec-f32: the benchmark alone in float32 and 64 tokens, where greedy tokens must equal plain
+# decoding's exactly.
 #
 # perf (issue 14, about 7 minutes on an H100): the kernels' tests on CUDA, decode attention's
 # share of copy bandwidth (scripts/bench_kernels.py), bench_offline at the 1B and Qwen3 0.6B
@@ -11,11 +20,6 @@
 # decode-parity GPU tests; a summary last.
 #
 # bench-dp needs two GPUs (DP=2 against DP=1); bench-dp-smoke runs both replicas on GPU 0.
-#
-# spec (issue 12, a few minutes): n-gram speculation with verify CUDA graphs: the float32
-# GPU test (tokens equal to plain decoding's, verify graphs replayed, graph logits equal
-# eager ones), then bench_speculative.py (code edit and summary at batch 1, mixed at batch 32)
-# on SPEC_MODEL (default /tmp/smollm2.gguf, the SmolLM2-135M-Instruct GGUF); a table last.
 #
 # PEERS=0 leaves out transformers' runs (minutes of device time each); PYTEST_K filters tests.
 #
@@ -79,6 +83,18 @@ for stage in "$@"; do
       m=$(checkpoint llama-3.2-1b)
       timeout 300 python3 scripts/bench_offline.py --model "$m" $(peer --peer-requests 64) 2>&1 | tee "$out/offline-1b.log" | tail -5
       timeout 300 python3 scripts/bench_latency.py --model "$m" $(peer) 2>&1 | tee "$out/latency-1b.log" | tail -6 ;;
+    spec|spec-f32)
+      if [ "$stage" = spec ]; then
+        timeout 300 python3 -m pytest -q -rs -s tests/gpu/test_speculative_cuda.py -p no:cacheprovider 2>&1 \
+          | tee "$out/spec-tests.log" | grep -E "replayed|drafts|passed|failed|Error" | tail -10
+      fi
+      m=${SPEC_MODEL:-/tmp/smollm2.gguf}
+      [ -f "$m" ] || { echo "no model at $m: set SPEC_MODEL to a GGUF file"; continue; }
+      flags=(--num-speculative-tokens "${SPEC_K:-4}")
+      [ -n "${SPEC_DRAFT:-}" ] && flags+=(--speculative-model "$SPEC_DRAFT")
+      [ "$stage" = spec-f32 ] && flags+=(--dtype float32 --max-tokens 64)
+      timeout 540 python3 scripts/bench_speculative.py --model "$m" "${flags[@]}" 2>&1 \
+        | tee "$out/$stage.log" | grep -vE "^(plain|ngram|draft)" | tail -18 ;;
     bench-8b)
       m=$(checkpoint llama-3.1-8b)
       timeout 300 python3 scripts/bench_latency.py --model "$m" $(peer) 2>&1 | tee "$out/latency-8b.log" | tail -6
@@ -110,20 +126,6 @@ for stage in "$@"; do
     profile-8b)
       m=$(checkpoint llama-3.1-8b)
       timeout 300 python3 scripts/profile_step.py --model "$m" 2>&1 | tee "$out/profile-8b.log" | grep -v USDT ;;
-    spec)
-      timeout 300 python3 -m pytest -q -rs -s tests/gpu/test_speculative_cuda.py -p no:cacheprovider 2>&1 \
-        | tee "$out/spec-tests.log" | grep -E "replayed|n-gram drafts|passed|failed|Error" | tail -8
-      m=${SPEC_MODEL:-/tmp/smollm2.gguf}
-      if [ -f "$m" ]; then
-        timeout 420 python3 scripts/bench_speculative.py --model "$m" 2>&1 | tee "$out/spec-bench.log" \
-          | grep -vE "^INFO|Warning" | tail -12
-      else
-        echo "no model at $m: set SPEC_MODEL to a GGUF file" | tee "$out/spec-bench.log"
-      fi
-      echo "=== spec summary"
-      grep -hE "passed|failed" "$out/spec-tests.log" | tail -1
-      grep -hE -A4 "^workload" "$out/spec-bench.log"
-      grep -hE "MISMATCH|engine start|no model" "$out/spec-bench.log" ;;
     tp-check|tp-8b|tp-70b)  # each within one call's 10 minutes
       timeout 590 python3 scripts/bench_tensor_parallel.py --part "${stage#tp-}" \
         --tensor-parallel-size "${TP:-2}" 2>&1 | tee "$out/$stage.log" | tail -12 ;;

@@ -50,10 +50,7 @@ class PreparedGeneration:
                 tokenizer,
                 f"{request_id}-{index}",
                 self.prompt_ids,
-                # A seeded request's choices each take a seed of their own, in turn.
-                self.sampling
-                if self.sampling.seed is None
-                else dataclasses.replace(self.sampling, seed=(self.sampling.seed + index) % 2**63),
+                self.sampling.for_choice(index),
                 self.stop,
                 self.include_stop_str_in_output,
                 self.hidden_token_ids,

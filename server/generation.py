@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from tokenizers import Tokenizer
 
 from protocol import ErrorCode, FinishReason, PromptTokenLogprobs, SamplingParams, TokenLogprobs
-from server.detokenizer import IncrementalDetokenizer
+from protocol.detokenizer import IncrementalDetokenizer
 from server.engine_client import EngineRequestError, EngineUnavailable
 from server.engine_pool import EnginePool
 from server.errors import ApiError

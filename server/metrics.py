@@ -71,6 +71,20 @@ ENGINE_METRICS = [
     ),
     ("tandem_generation_tokens", "counter", "Tokens generated.", "num_generated_tokens"),
     ("tandem_preemptions", "counter", "Requests preempted for cache.", "num_preemptions"),
+    # vLLM's spec_decode_num_draft_tokens and _num_accepted_tokens: their ratio is the
+    # acceptance rate.
+    (
+        "tandem_spec_decode_num_draft_tokens",
+        "counter",
+        "Draft tokens verified (speculative decoding).",
+        "num_draft_tokens",
+    ),
+    (
+        "tandem_spec_decode_num_accepted_tokens",
+        "counter",
+        "Draft tokens accepted (speculative decoding).",
+        "num_accepted_tokens",
+    ),
     ("tandem_kv_cache_blocks", "gauge", "KV cache blocks in all.", "num_total_blocks"),
     (
         "tandem_kv_cache_free_blocks",

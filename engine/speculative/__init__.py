@@ -1,2 +1,19 @@
 """Speculative decoding: proposers draft tokens that a request's next step verifies at once
-(``ngram.py``: prompt lookup), and the rule that accepts them (``rejection_sampler.py``)."""
+(``ngram.py``: prompt lookup; ``draft_model.py``: a smaller model of the same tokenizer),
+the rule that accepts them (``rejection_sampler.py``), and the pause of requests whose drafts
+keep being rejected (``pause.py``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:  # engine.request imports pause.py, in this package
+    from engine.request import Request
+
+
+class Proposer(Protocol):
+    def propose(self, requests: list[Request], max_drafts: list[int]) -> list[list[int]]:
+        """Draft tokens to follow each request's tokens (all read by the host), at most
+        ``max_drafts[i]`` for request i (and the proposer's own k): one list per request,
+        empty for none."""
+        ...

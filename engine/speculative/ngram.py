@@ -27,10 +27,16 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, request: Request, max_drafts: int) -> list[int]:
-        """Up to ``min(num_speculative_tokens, max_drafts)`` tokens to follow the request's
-        tokens, all read by the host; none when its last n-gram appeared nowhere before."""
-        num_drafts = min(self.num_speculative_tokens, max_drafts)
+    def propose(self, requests: list[Request], max_drafts: list[int]) -> list[list[int]]:
+        """Up to ``min(num_speculative_tokens, max_drafts[i])`` tokens to follow each
+        request's tokens, all read by the host; none where its last n-gram appeared nowhere
+        before. (A lookup in each request's own tokens: one at a time, on the host.)"""
+        return [
+            self._propose_one(request, min(self.num_speculative_tokens, limit))
+            for request, limit in zip(requests, max_drafts, strict=True)
+        ]
+
+    def _propose_one(self, request: Request, num_drafts: int) -> list[int]:
         if num_drafts < 1:
             return []
         tokens = _token_array(request)

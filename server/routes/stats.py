@@ -33,6 +33,8 @@ _SUMMED = (
     "num_cached_prompt_tokens",
     "num_generated_tokens",
     "num_preemptions",
+    "num_draft_tokens",
+    "num_accepted_tokens",
 )
 
 

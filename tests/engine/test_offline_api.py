@@ -4,6 +4,7 @@ random weights: token-id and text prompts, chat through the template, log-probab
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -45,7 +46,8 @@ def test_token_id_prompts_equal_transformers(
         (completion,) = output.outputs
         assert completion.token_ids == hf_greedy(worded[1], prompt, 8)
         assert completion.finish_reason == "length" and output.finished
-        assert completion.text == llm.tokenizer.decode(completion.token_ids)
+        # Decoded after the prompt, as the servers decode: the first word's space is kept.
+        assert completion.text == " " + llm.tokenizer.decode(completion.token_ids)
 
 
 def test_text_prompt_is_tokenized_and_answer_detokenized(
@@ -95,6 +97,61 @@ def test_logprobs_are_the_models(llm: LLM, worded: tuple[Path, LlamaForCausalLM]
     ):
         assert logprobs is not None
         assert logprobs[token] == pytest.approx(expected[position, token].item(), abs=1e-4)
+
+
+def test_n_completions_per_prompt(llm: LLM) -> None:
+    """A seeded prompt's n completions are those of the seeds seed, seed + 1, ... (as the
+    servers' n choices); greedy ones are all alike."""
+    sampled = SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0, seed=7, n=3)
+    outputs = llm.generate(
+        [[5, 6, 7], [9]], [sampled, dataclasses.replace(GREEDY, n=2)], use_tqdm=False
+    )
+    assert [len(o.outputs) for o in outputs] == [3, 2]
+    assert [c.index for c in outputs[0].outputs] == [0, 1, 2]
+    assert outputs[0].finished and outputs[1].finished
+    for index, completion in enumerate(outputs[0].outputs):
+        one = dataclasses.replace(sampled, n=1, seed=7 + index)
+        (alone,) = llm.generate([[5, 6, 7]], one, use_tqdm=False)
+        assert completion.token_ids == alone.outputs[0].token_ids
+        assert completion.text == alone.outputs[0].text
+    assert len({tuple(c.token_ids) for c in outputs[0].outputs}) > 1
+    assert outputs[1].outputs[0].token_ids == outputs[1].outputs[1].token_ids
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "draft-model"])
+def test_stop_strings_end_the_text_as_the_servers_do(
+    llm: LLM, worded: tuple[Path, LlamaForCausalLM], speculative: bool
+) -> None:
+    """The text ends before the first stop string (after it with include_stop_str_in_output)
+    and the tokens at the one that completes it; with drafts verified, several tokens a
+    step, the same."""
+    if speculative:
+        directory = str(worded[0])
+        # vLLM's way to ask for a draft model.
+        config = {"model": directory, "num_speculative_tokens": 3}
+        llm = LLM(model=directory, device="cpu", speculative_config=config)
+        assert llm.engine.proposer is not None
+        with pytest.raises(ValueError, match="unknown keys \\['draft'\\]"):
+            LLM(model=directory, device="cpu", speculative_config={"draft": directory})
+    long = SamplingParams(max_tokens=24, ignore_eos=True)
+    (full,) = llm.generate([[5, 6, 7]], long, use_tqdm=False)
+    text, token_ids = full.outputs[0].text, full.outputs[0].token_ids
+    stop = text.split()[6]
+    at = text.find(stop)
+    for include in (False, True):
+        sampling = dataclasses.replace(
+            long, stop=["never there", stop], include_stop_str_in_output=include
+        )
+        (output,) = llm.generate([[5, 6, 7]], sampling, use_tqdm=False)
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop"
+        assert completion.text == text[: at + len(stop) if include else at]
+        ids = completion.token_ids
+        assert ids == token_ids[: len(ids)]
+        assert stop in llm.tokenizer.decode(ids) and stop not in llm.tokenizer.decode(ids[:-1])
+    if speculative:
+        assert llm.engine.num_accepted_tokens > 0
+        assert not llm.engine.has_work  # the stopped request was aborted
 
 
 def test_a_refused_prompt_raises_and_generates_nothing(llm: LLM) -> None:

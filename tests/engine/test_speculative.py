@@ -216,7 +216,16 @@ def test_sampled_output_follows_the_target_distribution(tmp_path: Path) -> None:
         for _, output in engine.step():
             tokens[output.request_id] += output.new_token_ids
     assert engine.num_accepted_tokens > 0 and engine.num_draft_tokens > engine.num_accepted_tokens
-    counts = Counter(tuple(t[:2]) for t in tokens.values())
+    assert_follows_the_model(hf_model, prompt, vocab, list(tokens.values()))
+
+
+def assert_follows_the_model(
+    hf_model: HFLlama, prompt: list[int], vocab: int, samples: list[list[int]]
+) -> None:
+    """The samples' first two tokens' joint frequencies against transformers' probabilities
+    after ``prompt`` (chi-squared)."""
+    num_samples = len(samples)
+    counts = Counter(tuple(t[:2]) for t in samples)
     with torch.no_grad():
         first = torch.softmax(hf_model(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
         after = torch.tensor([[*prompt, x] for x in range(vocab)])

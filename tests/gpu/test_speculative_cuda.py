@@ -1,7 +1,8 @@
-"""N-gram speculation on CUDA (decode and verify steps replayed from CUDA graphs, overlapped
-steps, the Triton decode kernel with 1 + k queries a sequence for verify steps), in float32
-at the Llama-3.2-1B shape: the same tokens as without it, greedy and seeded, with the verify
-graphs replayed; a verify graph's logits equal the eager step's."""
+"""N-gram and draft-model speculation on CUDA (decode and verify steps replayed from CUDA
+graphs, overlapped steps, the Triton decode kernel with 1 + k queries a sequence for verify
+steps, the draft's passes), in float32 at the Llama-3.2-1B shape: the same tokens as without
+it, greedy and seeded, with the verify graphs replayed; the target as its own draft has
+(nearly) every draft accepted; a verify graph's logits equal the eager step's."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def float32_engine(directory: Path, **options: Any) -> LLMEngine:
     )
 
 
-def test_ngram_speculation_equals_plain_decoding_on_cuda(tmp_path: Path) -> None:
+def test_speculation_equals_plain_decoding_on_cuda(tmp_path: Path) -> None:
     save_random_model(tmp_path, "llama-3.2-1b", torch.bfloat16)
     prompts = _prompts(6)
     repetitive = prompts[0][:20] * 8
@@ -45,30 +46,40 @@ def test_ngram_speculation_equals_plain_decoding_on_cuda(tmp_path: Path) -> None
         "seeded": (repetitive, SamplingParams(max_tokens=48, temperature=0.8, seed=5)),
         "logprobs": (repetitive, SamplingParams(max_tokens=32, ignore_eos=True, logprobs=2)),
     }
-    results = []
-    for speculative in ({}, {"speculative_method": "ngram", "prompt_lookup_min": 1}):
+    methods = {
+        "plain": {},
+        "ngram": {"speculative_method": "ngram", "prompt_lookup_min": 1},
+        "draft=self": {"speculative_model": str(tmp_path)},
+    }
+    results = {}
+    counts = {}
+    for method, speculative in methods.items():
         engine = float32_engine(tmp_path, **speculative)
         assert engine.overlap_steps and engine.runner.decode_graphs is not None
-        results.append(generate(engine, requests))
+        results[method] = generate(engine, requests)
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
         assert engine.runner.decode_graphs.num_replays > 0
-        drafts, accepted = engine.num_draft_tokens, engine.num_accepted_tokens
         verify_graphs = engine.runner.verify_graphs
         if speculative:  # verify steps ran as graphs
             assert verify_graphs is not None and verify_graphs.num_replays > 0
-            print(f"\nverify steps replayed: {verify_graphs.num_replays}")
+            print(f"\n{method}: verify steps replayed {verify_graphs.num_replays} times")
         else:
             assert verify_graphs is None
+        counts[method] = (engine.num_draft_tokens, engine.num_accepted_tokens)
+        print(f"\n{method}: drafts {counts[method][0]}, accepted {counts[method][1]}")
         del engine
         gc.collect()
         torch.cuda.empty_cache()
-    print(f"\nn-gram drafts {drafts}, accepted {accepted}")
-    assert drafts > 0
-    plain, speculated = results
-    for request_id in requests:
-        ours = [t for o in speculated[request_id] for t in o.new_token_ids]
-        theirs = [t for o in plain[request_id] for t in o.new_token_ids]
-        assert ours == theirs, request_id
+    assert counts["ngram"][0] > 0
+    drafts, accepted = counts["draft=self"]
+    # The greedy requests accept all but near-ties (float32); the seeded one samples.
+    assert drafts > 0 and accepted >= 0.8 * drafts
+    plain = results["plain"]
+    for method in ("ngram", "draft=self"):
+        for request_id in requests:
+            ours = [t for o in results[method][request_id] for t in o.new_token_ids]
+            theirs = [t for o in plain[request_id] for t in o.new_token_ids]
+            assert ours == theirs, (method, request_id)
 
 
 def test_verify_graph_equals_eager_verify(tmp_path: Path) -> None:

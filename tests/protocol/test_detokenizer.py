@@ -8,7 +8,7 @@ import random
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from server.detokenizer import IncrementalDetokenizer
+from protocol.detokenizer import IncrementalDetokenizer
 
 CORPUS = [
     "Héllo wörld! Ça va très bien, merci. Naïve café crème brûlée.",

@@ -1,0 +1,246 @@
+"""Draft-model speculative decoding on the CPU: greedy output equals transformers' token for
+token in every family, with the target as its own draft (every draft accepted) and with
+another random model as the draft (almost none accepted); a mixed batch (seeded sampling,
+chunked prefill, cached prefixes, preemption) gives what it gives without speculation;
+sampled output follows the target's distribution; a draft of another vocabulary, or under
+tensor parallelism, is refused; requests whose drafts keep being rejected are paused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import LlamaForCausalLM as HFLlama
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.speculative.draft_model import DraftModelProposer, DraftVocabularyError
+from engine.speculative.pause import FIRST_PAUSE, DraftPause
+from protocol import SamplingParams
+from tests.engine.test_logprobs import generate
+from tests.engine.test_model_families import FAMILIES, saved_tiny_model
+from tests.engine.test_speculative import (
+    REPETITIVE,
+    assert_all_blocks_free,
+    assert_follows_the_model,
+)
+from tests.random_checkpoint import random_prompts, save_tiny_llama, save_word_tokenizer
+from tests.reference import hf_greedy, run_engine
+
+
+def make_engine(directory: Path, draft: Path | None, **overrides: Any) -> LLMEngine:
+    settings: dict[str, Any] = {"block_size": 4, "kv_cache_memory_gb": 0.01, **overrides}
+    if draft is not None:
+        settings = {"speculative_model": str(draft), "num_speculative_tokens": 3, **settings}
+    return LLMEngine(EngineConfig(model=str(directory), device="cpu", **settings))
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Llama of the tiny checkpoints' vocabulary, unlike every family's model."""
+    directory = tmp_path_factory.mktemp("other-draft")
+    save_tiny_llama(
+        directory,
+        num_hidden_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.3,
+    )
+    return directory
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_greedy_equals_transformers_in_every_family(
+    name: str, tmp_path: Path, other_draft: Path
+) -> None:
+    hf_model = saved_tiny_model(name, tmp_path)
+    prompts = [*random_prompts(6), REPETITIVE]
+    expected = [hf_greedy(hf_model, p, 20) for p in prompts]
+    # The target as its own draft: every draft is the target's greedy token.
+    engine = make_engine(tmp_path, tmp_path)
+    assert run_engine(engine, prompts, max_tokens=20) == expected
+    assert engine.num_draft_tokens > 0
+    assert engine.num_accepted_tokens == engine.num_draft_tokens
+    assert_all_blocks_free(engine)
+    # Another model's drafts: nearly all rejected, the output the same.
+    engine = make_engine(tmp_path, other_draft, speculative_pause_acceptance=0)
+    assert run_engine(engine, prompts, max_tokens=20) == expected
+    assert engine.num_draft_tokens > 100
+    assert engine.num_accepted_tokens < 0.1 * engine.num_draft_tokens
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("draft", ["itself", "other"])
+@pytest.mark.parametrize("overlap_steps", [False, True], ids=["one-step-at-a-time", "overlapped"])
+def test_mixed_batch_gives_what_it_gives_without_speculation(
+    tiny: tuple[Path, HFLlama], other_draft: Path, draft: str, overlap_steps: bool
+) -> None:
+    """Seeded and greedy requests, a prompt prefilled in chunks (and the draft's catch-up of
+    it too), one with a cached prefix, and too few blocks for all: some are preempted."""
+    directory, _ = tiny
+    prompts = random_prompts(6)
+    shared = prompts[4][:40]
+    requests = {
+        "greedy": (REPETITIVE, SamplingParams(max_tokens=24, ignore_eos=True)),
+        "seeded": (
+            REPETITIVE,
+            SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.7, top_k=20, seed=3),
+        ),
+        "top-p": (prompts[1], SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=4)),
+        "logprobs": (prompts[3], SamplingParams(max_tokens=16, ignore_eos=True, logprobs=3)),
+        "penalized": (
+            REPETITIVE,
+            SamplingParams(max_tokens=16, ignore_eos=True, presence_penalty=1.0, seed=1),
+        ),
+        "long": (prompts[4] * 2, SamplingParams(max_tokens=12, ignore_eos=True)),
+        "cached": (shared + REPETITIVE, SamplingParams(max_tokens=12, ignore_eos=True)),
+        "short": (prompts[0], SamplingParams(max_tokens=3, ignore_eos=True)),
+    }
+    settings = dict(max_num_batched_tokens=24, max_num_seqs=8, num_kv_blocks=40, max_model_len=160)
+    draft_directory = directory if draft == "itself" else other_draft
+    results = []
+    for speculative in (False, True):
+        engine = make_engine(
+            directory,
+            draft_directory if speculative else None,
+            overlap_steps=overlap_steps,
+            **settings,
+        )
+        if speculative:  # as on CUDA: what it writes in block 0 is never read
+            assert isinstance(engine.proposer, DraftModelProposer)
+            engine.proposer.warm_up()
+        run_engine(engine, [[*shared, 3]], max_tokens=2)  # the prefix is cached now
+        results.append(generate(engine, requests))
+        assert engine.block_manager.num_hit_tokens > 0
+        assert engine.scheduler.num_preemptions > 0
+        assert_all_blocks_free(engine)
+    assert engine.num_draft_tokens > 0
+    if draft == "itself":
+        assert engine.num_accepted_tokens > 0.5 * engine.num_draft_tokens
+    plain, speculated = results
+    for request_id in requests:
+        ours, theirs = speculated[request_id], plain[request_id]
+        assert [t for o in ours for t in o.new_token_ids] == [
+            t for o in theirs for t in o.new_token_ids
+        ], request_id
+        assert ours[-1].finish_reason == theirs[-1].finish_reason
+
+
+def test_the_draft_catches_up_after_steps_without_drafts(
+    tiny: tuple[Path, HFLlama],
+) -> None:
+    """Steps draft nothing while 3 requests or more run; once the short ones finish, the
+    draft catches up on the tokens it missed in one pass and, being the target, still has
+    every draft accepted."""
+    directory, hf_model = tiny
+    prompts = random_prompts(4)
+    engine = make_engine(directory, directory, speculative_disable_by_batch_size=3)
+    sampling = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (6, 8, 30, 30)]
+    requests = {str(i): (p, s) for i, (p, s) in enumerate(zip(prompts, sampling, strict=True))}
+    outputs = generate(engine, requests)
+    for i, prompt in enumerate(prompts):
+        tokens = [t for o in outputs[str(i)] for t in o.new_token_ids]
+        assert tokens == hf_greedy(hf_model, prompt, sampling[i].max_tokens)
+    assert engine.num_draft_tokens > 0
+    assert engine.num_accepted_tokens == engine.num_draft_tokens
+
+
+def test_sampled_output_follows_the_target_distribution(tmp_path: Path) -> None:
+    """Many seeds of a tiny vocabulary, another random model drafting: the first two
+    tokens' joint frequencies against transformers' probabilities (chi-squared)."""
+    vocab = 6
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    overrides = dict(vocab_size=vocab, eos_token_id=vocab - 1)
+    hf_model = save_tiny_llama(target, initializer_range=0.5, **overrides)
+    save_tiny_llama(draft, initializer_range=0.5, num_hidden_layers=1, **overrides)
+    prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+    engine = make_engine(
+        target, draft, max_num_seqs=256, num_kv_blocks=3000, speculative_pause_acceptance=0
+    )
+    num_samples = 2000
+    for seed in range(num_samples):
+        sampling = SamplingParams(max_tokens=3, ignore_eos=True, temperature=1.0, seed=seed)
+        engine.add_request(b"t", str(seed), prompt, sampling)
+    tokens: dict[str, list[int]] = {str(s): [] for s in range(num_samples)}
+    while engine.has_work:
+        for _, output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+    assert 0 < engine.num_accepted_tokens < engine.num_draft_tokens
+    assert_follows_the_model(hf_model, prompt, vocab, list(tokens.values()))
+
+
+def test_a_draft_of_another_vocabulary_is_refused(
+    tiny: tuple[Path, HFLlama], tmp_path: Path
+) -> None:
+    directory, _ = tiny
+    smaller = tmp_path / "smaller"
+    save_tiny_llama(smaller, vocab_size=128, eos_token_id=127)
+    with pytest.raises(DraftVocabularyError, match=r"vocabulary of 128 tokens .* 256"):
+        make_engine(directory, smaller)
+    worded = tmp_path / "worded"
+    save_tiny_llama(worded)
+    save_word_tokenizer(worded, 256)  # the same size, other tokens
+    with pytest.raises(DraftVocabularyError, match="tokenizer differs"):
+        make_engine(directory, worded)
+
+
+def test_a_draft_under_tensor_parallelism_is_refused(tiny: tuple[Path, HFLlama]) -> None:
+    directory, _ = tiny
+    with pytest.raises(ValueError, match="--tensor-parallel-size 1"):
+        make_engine(directory, directory, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="needs --speculative-model"):
+        make_engine(directory, None, speculative_method="draft_model")
+
+
+def test_requests_whose_drafts_are_rejected_are_paused(
+    tiny: tuple[Path, HFLlama], other_draft: Path
+) -> None:
+    """With another model drafting, pausing cuts the drafts several times over; the output
+    is the same; a good draft (the target itself) is never paused."""
+    directory, hf_model = tiny
+    prompts = random_prompts(4)
+    expected = [hf_greedy(hf_model, p, 32) for p in prompts]
+    drafted = {}
+    for threshold in (0.0, 0.25):
+        engine = make_engine(directory, other_draft, speculative_pause_acceptance=threshold)
+        tokens, paused = run_watching_pauses(engine, prompts, 32)
+        assert tokens == expected
+        assert paused == (threshold > 0)
+        drafted[threshold] = engine.num_draft_tokens
+    assert drafted[0.25] < drafted[0.0] / 3
+    engine = make_engine(directory, directory, speculative_pause_acceptance=0.25)
+    assert run_watching_pauses(engine, prompts, 32) == (expected, False)
+    assert engine.num_accepted_tokens == engine.num_draft_tokens > 0
+
+
+def run_watching_pauses(
+    engine: LLMEngine, prompts: list[list[int]], max_tokens: int
+) -> tuple[list[list[int]], bool]:
+    """``run_engine``'s tokens, and whether any request was paused."""
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(b"test", str(i), prompt, sampling)
+    requests = list(engine.requests.values())
+    outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_work:
+        for _, output in engine.step():
+            outputs[output.request_id].extend(output.new_token_ids)
+    paused = any(r.draft_pause.next_pause > FIRST_PAUSE for r in requests)
+    return [outputs[str(i)] for i in range(len(prompts))], paused
+
+
+def test_pause_backs_off_and_resets() -> None:
+    pause = DraftPause()
+    pause.record(4, 0, 0.25)
+    assert pause.may_draft()  # one poor step is not enough
+    pause.record(4, 0, 0.25)
+    assert [pause.may_draft() for _ in range(5)] == [False] * 4 + [True]
+    pause.record(4, 0, 0.25)
+    pause.record(4, 0, 0.25)
+    assert [pause.may_draft() for _ in range(9)] == [False] * 8 + [True]  # twice as long
+    pause.record(4, 1, 0.25)  # a good step: the next pause is short again
+    pause.record(4, 0, 0.25)
+    pause.record(4, 0, 0.25)
+    assert [pause.may_draft() for _ in range(5)] == [False] * 4 + [True]
