@@ -129,10 +129,11 @@ class EngineConfig:
         "than this share of their drafts is not drafted for its next 4 steps, twice as many "
         "each time again, up to 64 (0: never paused)",
     )
-    speculative_disable_by_batch_size: int | None = option(
-        None,
+    speculative_disable_by_batch_size: int = option(
+        32,
         "with --speculative-method: steps draft nothing (and overlap) while this many "
-        "requests or more run (default: always draft)",
+        "requests or more run: on an H200, n-gram speculation made batch 1 1.7x as fast and "
+        "batch 32 0.9x (0: always draft)",
     )
     prompt_lookup_max: int = option(
         4, "ngram speculation: the longest n-gram looked up in the request's tokens"

@@ -303,10 +303,10 @@ class LLMEngine:
 
     def _speculates(self) -> bool:
         """Whether this step drafts tokens: with a proposer, while fewer requests run than
-        --speculative-disable-by-batch-size (a large batch keeps the device busy already,
-        and its steps overlap)."""
+        --speculative-disable-by-batch-size, 0 for no limit (a large batch keeps the device
+        busy already, and its steps overlap)."""
         limit = self.speculative_disable_by_batch_size
-        return self.proposer is not None and (limit is None or len(self.scheduler.running) < limit)
+        return self.proposer is not None and (not limit or len(self.scheduler.running) < limit)
 
     def _propose(self) -> None:
         """Draft the tokens after each decoding request's last one, for the step to verify.

@@ -273,7 +273,7 @@ class ModelRunner:
             if self.attention.supports_cuda_graphs:
                 # Steps verify drafts only while fewer requests run than this limit.
                 limit = config.speculative_disable_by_batch_size
-                max_verify_batch = MAX_VERIFY_GRAPH_BATCH if limit is None else limit - 1
+                max_verify_batch = limit - 1 if limit else MAX_VERIFY_GRAPH_BATCH
                 self._capture_graphs(
                     config.max_num_seqs, min(max_verify_batch, config.max_num_seqs)
                 )

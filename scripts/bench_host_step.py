@@ -159,6 +159,7 @@ def main() -> None:
             kv_cache_memory_gb=1,
             speculative_method="ngram" if k else None,
             num_speculative_tokens=max(k, 1),
+            speculative_disable_by_batch_size=0,  # verify steps at every batch timed
             overlap_steps=True,  # as on CUDA
         )
     )

@@ -127,8 +127,9 @@ def main() -> None:
     parser.add_argument(
         "--speculative-disable-by-batch-size",
         type=int,
-        default=None,
-        help="the engine option: no drafts while this many requests run (default: none)",
+        default=0,
+        help="the engine option: no drafts while this many requests run (default 0: the "
+        "mechanism measured at every batch, the engine's own default aside)",
     )
     args = parser.parse_args()
 
