@@ -24,6 +24,7 @@ from tests.engine.test_speculative import (
     REPETITIVE,
     assert_all_blocks_free,
     assert_follows_the_model,
+    mixed_requests,
 )
 from tests.random_checkpoint import random_prompts, save_tiny_llama, save_word_tokenizer
 from tests.reference import hf_greedy, run_engine
@@ -83,19 +84,7 @@ def test_mixed_batch_gives_what_it_gives_without_speculation(
     prompts = random_prompts(6)
     shared = prompts[4][:40]
     requests = {
-        "greedy": (REPETITIVE, SamplingParams(max_tokens=24, ignore_eos=True)),
-        "seeded": (
-            REPETITIVE,
-            SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.7, top_k=20, seed=3),
-        ),
-        "top-p": (prompts[1], SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=4)),
-        "logprobs": (prompts[3], SamplingParams(max_tokens=16, ignore_eos=True, logprobs=3)),
-        "penalized": (
-            REPETITIVE,
-            SamplingParams(max_tokens=16, ignore_eos=True, presence_penalty=1.0, seed=1),
-        ),
-        "long": (prompts[4] * 2, SamplingParams(max_tokens=12, ignore_eos=True)),
-        "cached": (shared + REPETITIVE, SamplingParams(max_tokens=12, ignore_eos=True)),
+        **mixed_requests(prompts, shared, prompts[3]),
         "short": (prompts[0], SamplingParams(max_tokens=3, ignore_eos=True)),
     }
     settings = dict(max_num_batched_tokens=24, max_num_seqs=8, num_kv_blocks=40, max_model_len=160)

@@ -119,6 +119,29 @@ def test_verify_steps_reach_tensor_parallel_workers(repeating: tuple[Path, HFLla
         engine.close()
 
 
+def mixed_requests(
+    prompts: list[list[int]], shared: list[int], logprobs_prompt: list[int]
+) -> dict[str, tuple[list[int], SamplingParams]]:
+    """A batch of what speculation must leave as it is: greedy and seeded requests, top-p,
+    logprobs, a penalty (not drafted for), a prompt long enough to prefill in chunks, and one
+    whose prefix ``shared`` is cached."""
+    return {
+        "greedy": (REPETITIVE, SamplingParams(max_tokens=24, ignore_eos=True)),
+        "seeded": (
+            REPETITIVE,
+            SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.7, top_k=20, seed=3),
+        ),
+        "top-p": (prompts[1], SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=4)),
+        "logprobs": (logprobs_prompt, SamplingParams(max_tokens=16, ignore_eos=True, logprobs=3)),
+        "penalized": (
+            REPETITIVE,
+            SamplingParams(max_tokens=16, ignore_eos=True, presence_penalty=1.0, seed=1),
+        ),
+        "long": (prompts[4] * 2, SamplingParams(max_tokens=12, ignore_eos=True)),  # chunked
+        "cached": (shared + REPETITIVE, SamplingParams(max_tokens=12, ignore_eos=True)),
+    }
+
+
 @pytest.mark.parametrize(
     "options",
     [
@@ -136,19 +159,7 @@ def test_mixed_batch_gives_what_it_gives_without_speculation(
     prompts = random_prompts(6)
     shared = prompts[4][:40]
     requests = {
-        "greedy": (REPETITIVE, SamplingParams(max_tokens=24, ignore_eos=True)),
-        "seeded": (
-            REPETITIVE,
-            SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.7, top_k=20, seed=3),
-        ),
-        "top-p": (prompts[1], SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=4)),
-        "logprobs": (REPETITIVE, SamplingParams(max_tokens=16, ignore_eos=True, logprobs=3)),
-        "penalized": (
-            REPETITIVE,
-            SamplingParams(max_tokens=16, ignore_eos=True, presence_penalty=1.0, seed=1),
-        ),
-        "long": (prompts[4] * 2, SamplingParams(max_tokens=12, ignore_eos=True)),  # chunked
-        "cached": (shared + REPETITIVE, SamplingParams(max_tokens=12, ignore_eos=True)),
+        **mixed_requests(prompts, shared, REPETITIVE),
         "prompt-logprobs": (prompts[2], SamplingParams(max_tokens=8, prompt_logprobs=2)),
     }
     settings = dict(max_num_batched_tokens=24, max_num_seqs=8, prompt_lookup_min=1)
