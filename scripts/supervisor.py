@@ -133,6 +133,7 @@ class Supervisor:
             return 1
         failed.cancel()
         self.started = True
+        logger.info("started: from now on, a process that exits is started again")
         await asyncio.gather(*tasks)
         return 0
 

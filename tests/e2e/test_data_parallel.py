@@ -255,6 +255,12 @@ def test_start_distributed_starts_replicas_and_restarts_a_dead_one(
     assert addresses == [f"ipc://{tmp_path}/engine-0", f"ipc://{tmp_path}/engine-1"]
     pids = [replica["engine"]["engine_pid"] for replica in health["replicas"]]
     assert [visible_devices(pid) for pid in pids] == ["7", "6"]
+    # A replica lost before the supervisor's own health poll has seen the server is a failed
+    # start-up, which stops the deployment: kill it once the supervisor says it started.
+    deadline = time.monotonic() + 60
+    while "supervisor: started" not in log.read_text():
+        assert time.monotonic() < deadline, tail(log)
+        time.sleep(0.1)
 
     os.kill(pids[1], signal.SIGKILL)
     deadline = time.monotonic() + 120

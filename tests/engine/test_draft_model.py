@@ -146,7 +146,12 @@ def test_sampled_output_follows_the_target_distribution(tmp_path: Path) -> None:
     save_tiny_llama(draft, initializer_range=0.5, num_hidden_layers=1, **overrides)
     prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
     engine = make_engine(
-        target, draft, max_num_seqs=256, num_kv_blocks=3000, speculative_pause_acceptance=0
+        target,
+        draft,
+        max_num_seqs=256,
+        num_kv_blocks=3000,
+        speculative_pause_acceptance=0,
+        speculative_disable_by_batch_size=0,  # hundreds of requests at once: drafted for all
     )
     num_samples = 2000
     for seed in range(num_samples):

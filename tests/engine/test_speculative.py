@@ -214,7 +214,13 @@ def test_sampled_output_follows_the_target_distribution(tmp_path: Path) -> None:
         tmp_path, vocab_size=vocab, eos_token_id=vocab - 1, initializer_range=0.5
     )
     prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
-    engine = make_engine(tmp_path, max_num_seqs=256, prompt_lookup_min=1, num_kv_blocks=4000)
+    engine = make_engine(  # hundreds of requests at once: drafted for all the same
+        tmp_path,
+        max_num_seqs=256,
+        prompt_lookup_min=1,
+        num_kv_blocks=4000,
+        speculative_disable_by_batch_size=0,
+    )
     num_samples = 3000
     sampling = [
         SamplingParams(max_tokens=3, ignore_eos=True, temperature=1.0, seed=s)
