@@ -53,6 +53,14 @@ class EngineConfig:
         "and half the bytes for decode attention to read)",
         choices=["auto", "fp8"],
     )
+    quantization: str | None = option(
+        None,
+        "the linear layers' weights, quantized at load with one scale per output channel: fp8 "
+        "(float8 e4m3, compute capability >= 8.9; activations quantized per token) or int8 "
+        "(weight-only, any GPU or the CPU). Default: as the checkpoint stores them (a "
+        "pre-quantized FP8 checkpoint loads as fp8)",
+        choices=["fp8", "int8"],
+    )
     max_model_len: int | None = option(
         None, "context length (default: the model's, capped by what the KV cache holds)"
     )

@@ -10,6 +10,7 @@ to the others (``send_step``) and samples; a worker's runs only the forward pass
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.models import build_model
 from engine.parallel import SINGLE, TensorParallel
 from engine.prompt_logprobs import ScoredChunk, ScoredPositions, read_scored
+from engine.quantization import resolve_quantization
 from engine.request import Request
 from engine.sampler import prompt_token_logprobs, sample, token_logprobs
 from engine.speculative.rejection_sampler import (
@@ -163,7 +165,10 @@ class ModelRunner:
         self.device = rank_device(config.device, tp)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        self.model_config = checkpoint.config
+        quantization = resolve_quantization(
+            config.quantization, checkpoint.config.quantization, self.device
+        )
+        self.model_config = dataclasses.replace(checkpoint.config, quantization=quantization)
         self.num_kv_heads = tp.kv_heads(checkpoint.config.num_key_value_heads)[1]
         # Not to be sampled before a request's min_tokens, with its stop tokens.
         self.eos_token_ids = list(checkpoint.tokenizer.eos_token_ids)
@@ -175,7 +180,7 @@ class ModelRunner:
         self.attention, ops = create_backend(backend, self.device)
         started = time.perf_counter()
         model = build_model(
-            checkpoint.config, self.attention, ops, model_len, self.device, self.dtype, tp
+            self.model_config, self.attention, ops, model_len, self.device, self.dtype, tp
         )
         if config.load_format == "dummy":
             model.load_random_weights()
@@ -184,11 +189,12 @@ class ModelRunner:
         self.model = model.eval()
         self.load_seconds = time.perf_counter() - started
         logger.info(
-            "loaded %s%s on %s (%s) in %.1f s",
+            "loaded %s%s on %s (%s%s) in %.1f s",
             checkpoint.name,
             f" (rank {tp.rank} of {tp.size})" if tp.size > 1 else "",
             self.device,
             str(self.dtype).removeprefix("torch."),
+            "" if quantization is None else f", {quantization.method} linear layers",
             self.load_seconds,
         )
 
