@@ -66,7 +66,7 @@ class SafetensorsSlices:
 
     def read(self, dim: int = 0, start: int = 0, length: int | None = None) -> torch.Tensor:
         if length is None:
-            return self.stored[:]
+            return self.stored[...]  # 0-dim ones too (an FP8 checkpoint's per-tensor scales)
         index = (slice(None),) * dim + (slice(start, start + length),)
         return self.stored[index]
 
