@@ -4,7 +4,7 @@
                                          [--methods bf16,int8,fp8] [--device cpu|cuda]
                                          [--prompts 16] [--tokens 64]
     python scripts/bench_quantization.py --kernels          # CUDA: the GEMM paths, 8B shapes
-    python scripts/bench_quantization.py --speed-model DIR  # CUDA: decode speed only
+    python scripts/bench_quantization.py --speed-model DIR [--load-format dummy]  # CUDA: speed
 
 Accuracy, on the real GGUF models of shared/MODELS.md (dequantized to bfloat16 as they load,
 then quantized by the engine): for each method,
@@ -216,7 +216,7 @@ def speed_only(args: argparse.Namespace) -> list[str]:
         "| --- | --- | ---: | ---: |",
     ]
     for method in args.methods.split(","):
-        engine = engine_for(args.speed_model, method, "cuda")
+        engine = engine_for(args.speed_model, method, "cuda", load_format=args.load_format)
         measured = decode_speed(engine, engine.vocab_size)
         rows.append(
             f"| {Path(args.speed_model).name} | {method} | {measured.tpot_ms:.3f} | "
@@ -312,6 +312,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--kernels", action="store_true", help="CUDA: time the GEMM paths")
     parser.add_argument("--speed-model", help="CUDA: decode speed of this checkpoint only")
+    parser.add_argument(
+        "--load-format", default="auto", choices=["auto", "dummy"], help="with --speed-model"
+    )
     args = parser.parse_args()
     print(
         f"torch {torch.__version__}, device {args.device}"

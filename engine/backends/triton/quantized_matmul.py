@@ -6,9 +6,9 @@ e4m3 value is a bfloat16); the per-output-channel scales multiply the float32 ac
 once at the end. At small batch a GEMM is bound by reading the weight, so this halves the
 bytes of a bf16 GEMM.
 
-Tiles are autotuned per weight shape and per bucket of the row count (decode batches, small
-and large prefills), the tuning runs at warm-up and before each CUDA graph's capture, so a
-captured step only launches.
+Tiles are autotuned per weight shape and per bucket of the row count (``_rows_bucket``); the
+tuning runs at start-up, before each CUDA graph's capture and in the warm-up's steps, so a
+captured step only launches and no request waits for it.
 """
 
 from __future__ import annotations
@@ -88,8 +88,9 @@ def _weight_only_matmul_kernel(
 
 
 def _rows_bucket(rows: int) -> int:
-    """Decode batch sizes to 16, then powers of two up to 512, then one bucket."""
-    return 16 if rows <= 16 else min(triton.next_power_of_2(rows), 512)
+    """Up to 16 rows, 32, 64, then one bucket for more: few enough that the engine's start
+    (the decode graphs' batch sizes, the warm-up's prefill of 74 tokens) tunes them all."""
+    return 16 if rows <= 16 else min(triton.next_power_of_2(rows), 128)
 
 
 def weight_only_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
