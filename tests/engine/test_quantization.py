@@ -345,3 +345,41 @@ def test_weight_only_matmul_on_the_cpu_matches_the_dequantized_weight() -> None:
         torch.testing.assert_close(
             weight_only_matmul(x, codes, scale), x @ (codes.float() * scale[:, None]).T
         )
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_tensor_parallel_ranks_quantize_their_own_slices(
+    tiny_llama: tuple[Path, PreTrainedModel], quantization: str
+) -> None:
+    """At TP=2 (gloo, a worker process) each rank quantizes its slice: rank 0's column-parallel
+    rows are the whole model's first rows, quantized alike; its row-parallel scales are those of
+    its own half of the input columns. Generation stays close to transformers'."""
+    directory, hf_model = tiny_llama
+    config = EngineConfig(
+        model=str(directory),
+        device="cpu",
+        block_size=4,
+        kv_cache_memory_gb=0.01,
+        tensor_parallel_size=2,
+        quantization=quantization,
+    )
+    engine = LLMEngine(config)
+    try:
+        dtype = {"int8": torch.int8, "fp8": FP8}[quantization]
+        layer = engine.runner.model.layers[0]
+        hf_layer = hf_model.model.layers[0]
+        codes, scale = quantize_per_channel(hf_layer.mlp.gate_proj.weight, dtype)
+        half = codes.shape[0] // 2
+        gate_rows = layer.mlp.gate_up_proj
+        assert torch.equal(gate_rows.weight[:half].float(), codes[:half].float())
+        assert torch.equal(gate_rows.weight_scale[:half], scale[:half])
+        down = hf_layer.mlp.down_proj.weight
+        columns = down[:, : down.shape[1] // 2]
+        own_codes, own_scale = quantize_per_channel(columns, dtype)
+        assert torch.equal(layer.mlp.down_proj.weight.float(), own_codes.float())
+        assert torch.equal(layer.mlp.down_proj.weight_scale, own_scale)
+        prompts = random_prompts(8)
+        agreement = stepwise_agreement(hf_model, prompts, run_engine(engine, prompts, 16))
+        assert agreement >= AGREEMENT[quantization]
+    finally:
+        engine.close()
