@@ -38,16 +38,16 @@ class Rows:
     total: int
 
 
-def load_slice(
-    target: torch.Tensor,
+def read_slice(
     source: TensorSlices,
+    shape: Sequence[int],
     hf_name: str,
     dim: int = 0,
     rows: Rows | None = None,
-) -> None:
-    """Copy ``rows`` of ``source``'s dimension ``dim`` (all of it if None) into ``target``,
-    failing by name if the checkpoint tensor's shape is not the model's."""
-    expected = list(target.shape)
+) -> torch.Tensor:
+    """``rows`` of ``source``'s dimension ``dim`` (all of it if None), for a model tensor of
+    ``shape``, failing by name if the checkpoint tensor's shape is not the model's."""
+    expected = list(shape)
     if rows is not None:
         expected[dim] = rows.total
     if tuple(source.shape) != tuple(expected):
@@ -55,9 +55,19 @@ def load_slice(
             f"{hf_name}: checkpoint shape {tuple(source.shape)}, model expects {tuple(expected)}"
         )
     if rows is None:
-        target.copy_(source.read())
-    else:
-        target.copy_(source.read(dim, rows.start, rows.length))
+        return source.read()
+    return source.read(dim, rows.start, rows.length)
+
+
+def load_slice(
+    target: torch.Tensor,
+    source: TensorSlices,
+    hf_name: str,
+    dim: int = 0,
+    rows: Rows | None = None,
+) -> None:
+    """Copy ``rows`` of ``source``'s dimension ``dim`` (all of it if None) into ``target``."""
+    target.copy_(read_slice(source, target.shape, hf_name, dim, rows))
 
 
 class ParallelLinear(nn.Module):
@@ -85,15 +95,8 @@ class ParallelLinear(nn.Module):
             scale = source.read(0, rows.start, rows.length) if per_channel else source.read()
             self.method.load_scale(self, target, scale)
             return
-        expected = list(self.weight.shape)
-        expected[0] = weight_rows
-        expected[dim] = rows.total
-        if tuple(source.shape) != tuple(expected):
-            raise ValueError(
-                f"{hf_name}: checkpoint shape {tuple(source.shape)}, "
-                f"model expects {tuple(expected)}"
-            )
-        self.method.load_weight(self, target, source.read(dim, rows.start, rows.length))
+        shape = (weight_rows, self.weight.shape[1])
+        self.method.load_weight(self, target, read_slice(source, shape, hf_name, dim, rows))
 
     def load_random(self, generator: torch.Generator, std: float) -> None:
         """Weights drawn from N(0, std), in float32 and then stored the method's way."""
