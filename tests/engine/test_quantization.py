@@ -37,7 +37,7 @@ from engine.quantization import (
 )
 from tests.engine.test_model_families import saved_tiny_model
 from tests.random_checkpoint import random_prompts
-from tests.reference import run_engine
+from tests.reference import run_engine, stepwise_agreement
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -124,21 +124,6 @@ def test_per_token_activation_codes_reconstruct_within_fp8s_rounding() -> None:
     assert codes.dtype == FP8 and scale.shape == (5, 1)
     error = (codes.float() * scale - x).abs()
     assert (error <= weight_error_bound(x, FP8) + 1e-30).all()
-
-
-def stepwise_agreement(
-    hf_model: PreTrainedModel, prompts: list[list[int]], ours: list[list[int]]
-) -> float:
-    """The share of our tokens that are transformers' greedy choice after the same tokens:
-    once a token differs the continuations differ, so whole generations say little."""
-    agree = total = 0
-    for prompt, tokens in zip(prompts, ours, strict=True):
-        with torch.no_grad():
-            logits = hf_model(torch.tensor([prompt + tokens])).logits[0]
-        choices = logits[len(prompt) - 1 : -1].argmax(-1)
-        agree += int((choices == torch.tensor(tokens)).sum())
-        total += len(tokens)
-    return agree / total
 
 
 def cpu_engine(directory: Path, quantization: str | None) -> LLMEngine:
