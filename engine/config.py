@@ -18,6 +18,7 @@ import torch
 
 from engine.backends import BACKENDS
 from engine.checkpoint.resolve import DEFAULT_MODEL
+from engine.quantization import QUANTIZATION_METHODS
 
 
 def option(default: Any, help: str, **argparse_kwargs: Any) -> Any:
@@ -59,7 +60,7 @@ class EngineConfig:
         "(float8 e4m3, compute capability >= 8.9; activations quantized per token) or int8 "
         "(weight-only, any GPU or the CPU). Default: as the checkpoint stores them (a "
         "pre-quantized FP8 checkpoint loads as fp8)",
-        choices=["fp8", "int8"],
+        choices=list(QUANTIZATION_METHODS),
     )
     max_model_len: int | None = option(
         None, "context length (default: the model's, capped by what the KV cache holds)"
