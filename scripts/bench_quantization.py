@@ -7,7 +7,8 @@
     python scripts/bench_quantization.py --speed-model DIR [--load-format dummy]  # CUDA: speed
 
 Accuracy, on the real GGUF models of shared/MODELS.md (dequantized to bfloat16 as they load,
-then quantized by the engine): for each method,
+then quantized by the engine): for each method (the first is the reference; float32, the
+unquantized model in float32, shows how far bf16's own rounding moves greedy tokens),
 - greedy agreement with bf16: the same 16 text prompts, 64 tokens each (EOS ignored); the
   share of tokens identical to bf16's up to the first that differs (averaged over prompts),
   and the share identical position by position overall;
@@ -94,12 +95,15 @@ def model_path(name: str) -> str | None:
 
 
 def engine_for(model: str, method: str, device: str, **options: object) -> LLMEngine:
+    """``method``: bf16, float32 (unquantized: the rounding noise floor against bf16), or a
+    --quantization of bf16."""
+    unquantized = method in ("bf16", "float32")
     return LLMEngine(
         EngineConfig(
             model=model,
             device=device,
-            dtype="bfloat16",
-            quantization=None if method == "bf16" else method,
+            dtype="float32" if method == "float32" else "bfloat16",
+            quantization=None if unquantized else method,
             kv_cache_memory_gb=0.5 if device == "cpu" else None,
             max_num_seqs=64,
             max_model_len=4096,
