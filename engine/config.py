@@ -18,6 +18,7 @@ import torch
 
 from engine.backends import BACKENDS
 from engine.checkpoint.resolve import DEFAULT_MODEL
+from engine.quantization import QUANTIZATION_METHODS
 
 
 def option(default: Any, help: str, **argparse_kwargs: Any) -> Any:
@@ -52,6 +53,14 @@ class EngineConfig:
         "vLLM stores it without calibrated scales: half bf16's bytes, so twice the tokens "
         "and half the bytes for decode attention to read)",
         choices=["auto", "fp8"],
+    )
+    quantization: str | None = option(
+        None,
+        "the linear layers' weights, quantized at load with one scale per output channel: fp8 "
+        "(float8 e4m3, compute capability >= 8.9; activations quantized per token) or int8 "
+        "(weight-only, any GPU or the CPU). Default: as the checkpoint stores them (a "
+        "pre-quantized FP8 checkpoint loads as fp8)",
+        choices=list(QUANTIZATION_METHODS),
     )
     max_model_len: int | None = option(
         None, "context length (default: the model's, capped by what the KV cache holds)"

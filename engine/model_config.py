@@ -18,6 +18,18 @@ class RopeScaling:
     original_max_position_embeddings: int
 
 
+@dataclass(frozen=True)
+class Quantization:
+    """How the linear layers' weights (QKV, O, gate/up, down) are stored: ``method`` "fp8"
+    (float8 e4m3) or "int8", one float32 scale per output channel.
+
+    ``checkpoint_scales``: the checkpoint holds the quantized weights and their scales (a
+    pre-quantized checkpoint); otherwise its float weights are quantized as they load."""
+
+    method: str
+    checkpoint_scales: bool = False
+
+
 @dataclass
 class ModelConfig:
     """A decoder-only transformer's shape, in Hugging Face's terms, as every family has it.
@@ -45,6 +57,7 @@ class ModelConfig:
     layer_types: list[str] | None = None
     sliding_window: int | None = None  # tokens a sliding layer sees, its own included
     rope_local_theta: float | None = None  # RoPE base of sliding layers; None: the full layers'
+    quantization: Quantization | None = None  # None: the linear layers in the model's dtype
 
 
 @dataclass

@@ -10,6 +10,7 @@ to the others (``send_step``) and samples; a worker's runs only the forward pass
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +29,7 @@ from engine.models import build_model
 from engine.models.causal_lm import CausalLM
 from engine.parallel import SINGLE, TensorParallel
 from engine.prompt_logprobs import ScoredChunk, ScoredPositions, read_scored
+from engine.quantization import resolve_quantization
 from engine.request import Request
 from engine.sampler import prompt_token_logprobs, sample, token_logprobs
 from engine.speculative.rejection_sampler import (
@@ -157,8 +159,18 @@ def rank_device(device: str, tp: TensorParallel) -> torch.device:
     return torch.device(device)
 
 
+def quantized_config(
+    config: EngineConfig, checkpoint: Checkpoint, device: torch.device
+) -> ModelConfig:
+    """The checkpoint's model config with the quantization its linear layers will have:
+    --quantization's, or the checkpoint's own (pre-quantized)."""
+    quantization = resolve_quantization(config.quantization, checkpoint.config.quantization, device)
+    return dataclasses.replace(checkpoint.config, quantization=quantization)
+
+
 def load_model(
     config: EngineConfig,
+    model_config: ModelConfig,
     checkpoint: Checkpoint,
     device: torch.device,
     dtype: torch.dtype,
@@ -166,22 +178,25 @@ def load_model(
     tp: TensorParallel = SINGLE,
 ) -> tuple[CausalLM, AttentionBackend, float]:
     """The checkpoint's model (rank ``tp.rank``'s part) on ``device`` with the configured
-    backend, RoPE tables for ``model_len`` positions; the backend; the seconds it took."""
+    backend, as ``model_config`` describes it (the checkpoint's, with the quantization
+    resolved), RoPE tables for ``model_len`` positions; the backend; the seconds it took."""
     backend = config.attention_backend or default_backend(device)
     attention, ops = create_backend(backend, device)
     started = time.perf_counter()
-    model = build_model(checkpoint.config, attention, ops, model_len, device, dtype, tp)
+    model = build_model(model_config, attention, ops, model_len, device, dtype, tp)
     if config.load_format == "dummy":
         model.load_random_weights()
     else:
         model.load_weights(checkpoint.weight_slices())
     load_seconds = time.perf_counter() - started
+    quantization = model_config.quantization
     logger.info(
-        "loaded %s%s on %s (%s) in %.1f s",
+        "loaded %s%s on %s (%s%s) in %.1f s",
         checkpoint.name,
         f" (rank {tp.rank} of {tp.size})" if tp.size > 1 else "",
         device,
         str(dtype).removeprefix("torch."),
+        "" if quantization is None else f", {quantization.method} linear layers",
         load_seconds,
     )
     return model.eval(), attention, load_seconds
@@ -238,7 +253,7 @@ class ModelRunner:
         self.device = rank_device(config.device, tp)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        self.model_config = checkpoint.config
+        self.model_config = quantized_config(config, checkpoint, self.device)
         self.num_kv_heads = tp.kv_heads(checkpoint.config.num_key_value_heads)[1]
         # Not to be sampled before a request's min_tokens, with its stop tokens.
         self.eos_token_ids = list(checkpoint.tokenizer.eos_token_ids)
@@ -247,7 +262,7 @@ class ModelRunner:
         # is loaded and measured.
         model_len = config.max_model_len or checkpoint.config.max_position_embeddings
         self.model, self.attention, self.load_seconds = load_model(
-            config, checkpoint, self.device, self.dtype, model_len, tp
+            config, self.model_config, checkpoint, self.device, self.dtype, model_len, tp
         )
         self.extra_kv_bytes_per_token = extra_kv_bytes_per_token
         self.num_kv_blocks = self._num_kv_blocks(config, model_len)

@@ -3,6 +3,7 @@
     python scripts/bench_latency.py [--model M] [--device cpu|cuda] [--prompt-len 128]
                                     [--output-len 256] [--peer] [--enforce-eager]
                                     [--tensor-parallel-size N] [--load-format dummy]
+                                    [--kv-cache-dtype fp8] [--quantization fp8|int8]
                                     [--json-out FILE]
 
 Measures, for one `python -m engine` process: start time (process start to the
@@ -24,6 +25,7 @@ run's figures to FILE too (scripts/bench_tensor_parallel.py reads them).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -103,6 +105,7 @@ def bench_engine(args: argparse.Namespace) -> tuple[float, list[Latency], list[S
         *(["--enforce-eager"] if args.enforce_eager else []),
         "--kv-cache-dtype",
         args.kv_cache_dtype,
+        *(["--quantization", args.quantization] if args.quantization else []),
     ]
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
@@ -223,13 +226,20 @@ def bench_transformers(args: argparse.Namespace) -> tuple[float, Latency]:
     return load_s, Latency(ttft, (total - ttft) / (args.output_len - 1))
 
 
-def model_cost(model: str, dtype: torch.dtype, kv_dtype: torch.dtype) -> ModelCost:
-    """The cost of the model the engine loads, built on the meta device: no weights read."""
+def model_cost(
+    model: str, dtype: torch.dtype, kv_dtype: torch.dtype, quantization: str | None
+) -> ModelCost:
+    """The cost of the model the engine loads, built on the meta device: no weights read
+    (quantized linear layers: one byte a weight)."""
     from engine.backends import create_backend
     from engine.models import build_model, load_checkpoint
+    from engine.quantization import resolve_quantization
 
     config = load_checkpoint(model).config
     meta = torch.device("meta")
+    config = dataclasses.replace(
+        config, quantization=resolve_quantization(quantization, config.quantization, meta)
+    )
     return ModelCost.of_model(
         build_model(config, *create_backend("torch", meta), 1, meta, dtype), kv_dtype
     )
@@ -259,6 +269,7 @@ def main() -> None:
     parser.add_argument("--peer", action="store_true", help="also time transformers")
     parser.add_argument("--enforce-eager", action="store_true", help="engine without CUDA graphs")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    parser.add_argument("--quantization", choices=["fp8", "int8"], help="the engine's")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (engine's)")
     parser.add_argument(
         "--load-format", default="auto", choices=["auto", "dummy"], help="the engine's"
@@ -274,7 +285,9 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the engine process sizes its cache from what is free
     start_s, runs, steps = bench_engine(args)
-    cost = model_cost(args.model, dtype, resolve_kv_cache_dtype(args.kv_cache_dtype, dtype))
+    cost = model_cost(
+        args.model, dtype, resolve_kv_cache_dtype(args.kv_cache_dtype, dtype), args.quantization
+    )
     gpus = args.tensor_parallel_size
     bounds = [
         Latency(bound.ttft_s / gpus, bound.tpot_s / gpus)

@@ -4,6 +4,7 @@
                                    [--peer-requests N] [--enforce-eager]
                                    [--structured-fraction F [--schema FILE|builtin]]
                                    [--tensor-parallel-size N] [--load-format dummy]
+                                   [--kv-cache-dtype fp8] [--quantization fp8|int8]
                                    [--json-out FILE]
 
 256 requests with input and output lengths uniform in [100, 1024] (random token
@@ -220,6 +221,7 @@ def main() -> None:
     )
     parser.add_argument("--enforce-eager", action="store_true", help="engine without CUDA graphs")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    parser.add_argument("--quantization", choices=["fp8", "int8"], help="the engine's")
     parser.add_argument(
         "--structured-fraction",
         type=float,
@@ -253,6 +255,7 @@ def main() -> None:
             tensor_parallel_size=args.tensor_parallel_size,
             load_format=args.load_format,
             kv_cache_dtype=args.kv_cache_dtype,
+            quantization=args.quantization,
         )
     )
     start_s = time.perf_counter() - started

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests and/or benchmarks, logs under $OUT (or /tmp).
 #
-#   scripts/gpu_session.sh tests|perf|perf-fp8|serving|spec|bench-1b|bench-8b|bench-qwen3|structured-1b|profile-1b|profile-8b|profile-qwen3|profile-qwen3-fp8 ...
+#   scripts/gpu_session.sh tests|perf|perf-fp8|quant|quant-speed|serving|spec|bench-1b|bench-8b|bench-qwen3|structured-1b|profile-1b|profile-8b|profile-qwen3|profile-qwen3-fp8 ...
 #   scripts/gpu_session.sh tp-check tp-8b tp-70b   # tensor parallelism, on 2 GPUs (TP=4/8: TP=N)
 #   scripts/gpu_session.sh bench-dp|bench-dp-smoke  # data parallelism
 #   SPEC_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh spec spec-f32  # speculative decoding
@@ -79,6 +79,29 @@ for stage in "$@"; do
       timeout 150 python3 scripts/bench_offline.py --model "$m" --kv-cache-dtype fp8 2>&1 | tee "$out/offline-qwen3-fp8.log" | tail -7
       m=$(checkpoint llama-3.2-1b)
       timeout 90 python3 scripts/bench_latency.py --model "$m" --kv-cache-dtype fp8 2>&1 | tee "$out/latency-1b-fp8.log" | tail -6 ;;
+    quant)  # issue 14 item 4: quantization tests on CUDA, the GEMM paths at 8B shapes, 8B batch-1 TPOT bf16/fp8/int8
+      python3 -m pytest -q -rs tests/engine/test_quantization.py -p no:cacheprovider 2>&1 \
+        | tee "$out/quant-tests.log" | tail -4
+      timeout 240 python3 scripts/bench_quantization.py --kernels 2>&1 | tee "$out/quant-kernels.log" | tail -40
+      m=/tmp/cfg-llama-3.1-8b  # random weights made on the GPU (--load-format dummy): no 16 GB to write
+      [ -f "$m/config.json" ] || python3 scripts/make_random_checkpoint.py --shape llama-3.1-8b --config-only --out "$m"
+      for q in "" fp8 int8; do
+        timeout 120 python3 scripts/bench_latency.py --model "$m" --load-format dummy ${q:+--quantization $q} 2>&1 \
+          | tee "$out/latency-8b${q:+-$q}.log" | grep -hE "^tandem, |^roofline"
+      done
+      echo "=== quant summary"
+      grep -hE "passed|failed" "$out/quant-tests.log" | tail -1
+      grep -hE "^the rule" "$out/quant-kernels.log"
+      for q in "" -fp8 -int8; do echo "latency-8b$q:"; grep -hE "^tandem, " "$out/latency-8b$q.log"; done ;;
+    quant-speed)  # decode speed bf16/int8/fp8 at 1B and 8B (batch-1 TPOT, batch-64 step); 1B offline fp8
+      for shape in llama-3.2-1b llama-3.1-8b; do
+        m=/tmp/cfg-$shape
+        [ -f "$m/config.json" ] || python3 scripts/make_random_checkpoint.py --shape $shape --config-only --out "$m"
+        timeout 240 python3 scripts/bench_quantization.py --speed-model "$m" --load-format dummy 2>&1 \
+          | tee "$out/quant-speed-$shape.log" | grep -E "^\|"
+      done
+      timeout 150 python3 scripts/bench_offline.py --model /tmp/cfg-llama-3.2-1b --load-format dummy --quantization fp8 2>&1 \
+        | tee "$out/offline-1b-fp8.log" | tail -5 ;;
     bench-1b)
       m=$(checkpoint llama-3.2-1b)
       timeout 300 python3 scripts/bench_offline.py --model "$m" $(peer --peer-requests 64) 2>&1 | tee "$out/offline-1b.log" | tail -5

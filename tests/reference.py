@@ -31,3 +31,18 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> 
         for _, output in engine.step():
             outputs[output.request_id].extend(output.new_token_ids)
     return [outputs[str(i)] for i in range(len(prompts))]
+
+
+def stepwise_agreement(
+    hf_model: PreTrainedModel, prompts: list[list[int]], ours: list[list[int]]
+) -> float:
+    """The share of our tokens that are transformers' greedy choice after the same tokens:
+    once a token differs the continuations differ, so whole generations say little."""
+    agree = total = 0
+    for prompt, tokens in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([prompt + tokens])).logits[0]
+        choices = logits[len(prompt) - 1 : -1].argmax(-1)
+        agree += int((choices == torch.tensor(tokens)).sum())
+        total += len(tokens)
+    return agree / total

@@ -19,7 +19,13 @@ from tokenizers import Tokenizer
 from engine.checkpoint.checkpoint import SliceStream
 from engine.checkpoint.eos import eos_token_ids
 from engine.checkpoint.generation_config import read_sampling_defaults
-from engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION, RopeScaling, TokenizerInfo
+from engine.model_config import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    Quantization,
+    RopeScaling,
+    TokenizerInfo,
+)
 from protocol import SamplingDefaults
 
 
@@ -60,7 +66,7 @@ class SafetensorsSlices:
 
     def read(self, dim: int = 0, start: int = 0, length: int | None = None) -> torch.Tensor:
         if length is None:
-            return self.stored[:]
+            return self.stored[...]  # 0-dim ones too (an FP8 checkpoint's per-tensor scales)
         index = (slice(None),) * dim + (slice(start, start + length),)
         return self.stored[index]
 
@@ -105,8 +111,46 @@ def hf_config_fields(
         "rms_norm_eps": float(config["rms_norm_eps"]),
         "tie_word_embeddings": config.get("tie_word_embeddings", False),
         "hidden_act": config.get("hidden_act", "silu"),
+        "quantization": hf_quantization(config, path),
         **_rope_fields(config, path, default_rope_theta, default_local_rope_theta),
     }
+
+
+def hf_quantization(config: Mapping[str, Any], path: Path) -> Quantization | None:
+    """The stored format of a pre-quantized checkpoint, from config.json's
+    ``quantization_config``, where it is one we load as vLLM does: ``quant_method`` "fp8",
+    float8 e4m3 ``*.weight`` with a per-tensor or per-channel ``*.weight_scale`` each.
+
+    Activations are quantized per token as they come, whatever ``activation_scheme`` says (a
+    static scheme's ``*.input_scale`` are not read). Anything else is refused by name."""
+    quantization = config.get("quantization_config")
+    if quantization is None:
+        return None
+    method = quantization.get("quant_method")
+    if method != "fp8":
+        raise ValueError(
+            f"{path}: quantization_config's quant_method {method!r} is not supported; "
+            "pre-quantized checkpoints load only as 'fp8' (float weights can be quantized "
+            "at load with --quantization fp8 or int8)"
+        )
+    if quantization.get("weight_block_size") is not None:
+        raise ValueError(
+            f"{path}: block-wise FP8 (weight_block_size "
+            f"{quantization['weight_block_size']}) is not supported, only per-tensor or "
+            "per-channel weight scales"
+        )
+    if quantization.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"{path}: FP8 format {quantization['fmt']!r}: only e4m3 is supported")
+    # Layers left in the model's dtype: the LM head is (it always is here); any other would
+    # need a second kind of linear layer.
+    ignored = quantization.get("ignored_layers") or quantization.get("modules_to_not_convert")
+    kept = [name for name in ignored or [] if not name.endswith("lm_head")]
+    if kept:
+        raise ValueError(
+            f"{path}: FP8 checkpoints whose linear layers are partly unquantized "
+            f"(ignored_layers {kept[:3]}) are not supported"
+        )
+    return Quantization("fp8", checkpoint_scales=True)
 
 
 def check_layer_types(layer_types: list[str] | None, num_layers: int, path: Path) -> None:

@@ -19,10 +19,12 @@ from engine.models.layers import Attention, DecoderLayer, RMSNorm, RotaryEmbeddi
 from engine.models.parallel_layers import (
     ColumnParallelLinear,
     ParallelLayer,
+    ParallelLinear,
     VocabParallelEmbedding,
     load_slice,
 )
 from engine.parallel import TensorParallel
+from engine.quantization import UNREAD_SCALES
 
 # Hugging Face names of the separate projections, and where they go in our fused ones.
 _FUSED_WEIGHTS = {
@@ -145,6 +147,8 @@ class CausalLM(nn.Module):
             name = hf_name.removeprefix("model.")
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # some tied checkpoints store the head anyway
+            if name.endswith(UNREAD_SCALES):
+                continue
             name, part = _fused_name(name)
             if name not in params:
                 raise ValueError(f"checkpoint has a tensor the model does not: {hf_name}")
@@ -170,7 +174,13 @@ class CausalLM(nn.Module):
         """Random weights instead of a checkpoint's (``--load-format dummy``, vLLM's): the
         shape's speed without its files. Matrices N(0, 0.02), vectors (norms, biases) ones."""
         generator = torch.Generator(self.embed_tokens.weight.device).manual_seed(seed)
+        linears = [module for module in self.modules() if isinstance(module, ParallelLinear)]
+        for linear in linears:  # stored their own way (quantized, say)
+            linear.load_random(generator, 0.02)
+        done = {id(linear.weight) for linear in linears}
         for param in self.parameters():
+            if id(param) in done:
+                continue
             if param.dim() > 1:
                 param.normal_(0.0, 0.02, generator=generator)
             else:

@@ -22,6 +22,7 @@ from engine.layer_ops import LayerOps
 from engine.model_config import ModelConfig, RopeScaling
 from engine.models.parallel_layers import ColumnParallelLinear, RowParallelLinear, Rows
 from engine.parallel import TensorParallel
+from engine.quantization import linear_method
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -148,10 +149,11 @@ class Attention(nn.Module):
         kv_rows = Rows(
             self.first_kv_head * head_dim, self.kv_size, config.num_key_value_heads * head_dim
         )
+        method = linear_method(config.quantization)
         self.qkv_proj = ColumnParallelLinear(
-            config.hidden_size, [q_rows, kv_rows, kv_rows], bias=self.qkv_bias
+            config.hidden_size, [q_rows, kv_rows, kv_rows], self.qkv_bias, method
         )
-        self.o_proj = RowParallelLinear(q_rows, config.hidden_size, tp)
+        self.o_proj = RowParallelLinear(q_rows, config.hidden_size, tp, method)
         self.scale = self.head_dim**-0.5
         self.sliding_window = sliding_window
         self.backend = backend
@@ -236,8 +238,9 @@ class MLP(nn.Module):
         self.ops = ops
         start, length = tp.split(config.intermediate_size, "intermediate_size")
         rows = Rows(start, length, config.intermediate_size)
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [rows, rows], bias=False)
-        self.down_proj = RowParallelLinear(rows, config.hidden_size, tp)
+        method = linear_method(config.quantization)
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [rows, rows], False, method)
+        self.down_proj = RowParallelLinear(rows, config.hidden_size, tp, method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

@@ -24,6 +24,9 @@ from torch import nn
 
 from engine.checkpoint.checkpoint import TensorSlices
 from engine.parallel import TensorParallel
+from engine.quantization import LinearMethod
+
+UNQUANTIZED = LinearMethod()
 
 
 @dataclass(frozen=True)
@@ -35,16 +38,16 @@ class Rows:
     total: int
 
 
-def load_slice(
-    target: torch.Tensor,
+def read_slice(
     source: TensorSlices,
+    shape: Sequence[int],
     hf_name: str,
     dim: int = 0,
     rows: Rows | None = None,
-) -> None:
-    """Copy ``rows`` of ``source``'s dimension ``dim`` (all of it if None) into ``target``,
-    failing by name if the checkpoint tensor's shape is not the model's."""
-    expected = list(target.shape)
+) -> torch.Tensor:
+    """``rows`` of ``source``'s dimension ``dim`` (all of it if None), for a model tensor of
+    ``shape``, failing by name if the checkpoint tensor's shape is not the model's."""
+    expected = list(shape)
     if rows is not None:
         expected[dim] = rows.total
     if tuple(source.shape) != tuple(expected):
@@ -52,47 +55,105 @@ def load_slice(
             f"{hf_name}: checkpoint shape {tuple(source.shape)}, model expects {tuple(expected)}"
         )
     if rows is None:
-        target.copy_(source.read())
-    else:
-        target.copy_(source.read(dim, rows.start, rows.length))
+        return source.read()
+    return source.read(dim, rows.start, rows.length)
 
 
-class ColumnParallelLinear(nn.Module):
+def load_slice(
+    target: torch.Tensor,
+    source: TensorSlices,
+    hf_name: str,
+    dim: int = 0,
+    rows: Rows | None = None,
+) -> None:
+    """Copy ``rows`` of ``source``'s dimension ``dim`` (all of it if None) into ``target``."""
+    target.copy_(read_slice(source, target.shape, hf_name, dim, rows))
+
+
+class ParallelLinear(nn.Module):
+    """A linear layer whose weight its ``LinearMethod`` owns: stored in the model's dtype or
+    quantized (``engine.quantization``), loaded and multiplied the method's way."""
+
+    def __init__(self, output_size: int, input_size: int, method: LinearMethod) -> None:
+        super().__init__()
+        self.method = method
+        method.create_weights(self, output_size, input_size)
+
+    def multiply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.method.apply(self, x, bias)
+
+    def load_weight_rows(
+        self, param: str, offset: int, source: TensorSlices, hf_name: str, dim: int, rows: Rows
+    ) -> None:
+        """Load this rank's ``rows`` of the checkpoint's weight or weight scale ``source``
+        (its dimension ``dim``) into the output rows from ``offset`` on."""
+        weight_rows = self.weight.shape[0] if dim == 1 else rows.length
+        target = slice(offset, offset + weight_rows)
+        if param == "weight_scale":
+            # Per-channel scales follow the output rows; a per-tensor scale is one value.
+            per_channel = dim == 0 and len(source.shape) > 0 and source.shape[0] == rows.total
+            scale = source.read(0, rows.start, rows.length) if per_channel else source.read()
+            self.method.load_scale(self, target, scale)
+            return
+        shape = (weight_rows, self.weight.shape[1])
+        self.method.load_weight(self, target, read_slice(source, shape, hf_name, dim, rows))
+
+    def load_random(self, generator: torch.Generator, std: float) -> None:
+        """Weights drawn from N(0, std), in float32 and then stored the method's way."""
+        weight = torch.empty(self.weight.shape, dtype=torch.float32, device=self.weight.device)
+        weight.normal_(0.0, std, generator=generator)
+        self.method.load_weight(self, slice(None), weight)
+
+
+class ColumnParallelLinear(ParallelLinear):
     """This rank's output features of one or more checkpoint tensors fused into one matrix
     (``parts``: each one's rows, in order). No communication."""
 
-    def __init__(self, input_size: int, parts: Sequence[Rows], bias: bool) -> None:
-        super().__init__()
+    def __init__(
+        self,
+        input_size: int,
+        parts: Sequence[Rows],
+        bias: bool,
+        method: LinearMethod = UNQUANTIZED,
+    ) -> None:
+        output_size = sum(part.length for part in parts)
+        super().__init__(output_size, input_size, method)
         self.parts = tuple(parts)
-        output_size = sum(part.length for part in self.parts)
-        self.weight = nn.Parameter(torch.empty(output_size, input_size))
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.multiply(x, self.bias)
 
     def load(self, param: str, part: int, source: TensorSlices, hf_name: str) -> None:
         rows = self.parts[part]
         offset = sum(p.length for p in self.parts[:part])
-        target = getattr(self, param).narrow(0, offset, rows.length)
-        load_slice(target, source, hf_name, 0, rows)
+        if param == "bias":
+            load_slice(self.bias.narrow(0, offset, rows.length), source, hf_name, 0, rows)
+        else:
+            self.load_weight_rows(param, offset, source, hf_name, 0, rows)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(ParallelLinear):
     """This rank's input features (``columns`` of the checkpoint's weight); the output is
-    the sum over the ranks. No bias: none of the families has one here."""
+    the sum over the ranks. No bias: none of the families has one here. Quantized, each
+    rank's scales are those of its own columns."""
 
-    def __init__(self, columns: Rows, output_size: int, tp: TensorParallel) -> None:
-        super().__init__()
+    def __init__(
+        self,
+        columns: Rows,
+        output_size: int,
+        tp: TensorParallel,
+        method: LinearMethod = UNQUANTIZED,
+    ) -> None:
+        super().__init__(output_size, columns.length, method)
         self.columns = columns
         self.tp = tp
-        self.weight = nn.Parameter(torch.empty(output_size, columns.length))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight))
+        return self.tp.all_reduce(self.multiply(x))
 
     def load(self, param: str, part: int, source: TensorSlices, hf_name: str) -> None:
-        load_slice(self.weight, source, hf_name, 1, self.columns)
+        self.load_weight_rows(param, 0, source, hf_name, 1, self.columns)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -129,4 +190,4 @@ class VocabParallelEmbedding(nn.Module):
         load_slice(self.weight[: self.rows.length], source, hf_name, 0, self.rows)
 
 
-ParallelLayer = ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding
+ParallelLayer = ParallelLinear | VocabParallelEmbedding

@@ -34,6 +34,7 @@ from engine.model_runner import (
     allocate_kv_cache,
     kv_bytes_per_token,
     load_model,
+    quantized_config,
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
@@ -91,7 +92,12 @@ class DraftModelProposer:
         dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
         self.model, self.attention, _ = load_model(
-            config, checkpoint, self.device, dtype, max_model_len
+            config,
+            quantized_config(config, checkpoint, self.device),
+            checkpoint,
+            self.device,
+            dtype,
+            max_model_len,
         )
         self.kv_bytes_per_token = kv_bytes_per_token(checkpoint.config, self.kv_dtype, SINGLE)
         self.block_manager: BlockManager | None = None

@@ -1,0 +1,232 @@
+"""Quantized linear layers: how a weight is stored, loaded and multiplied.
+
+The linear layers of ``engine.models.parallel_layers`` (QKV, O, gate/up, down) hold a
+``LinearMethod`` and call it for everything about their weight; they never ask which one
+it is. Embeddings, norms and the LM head stay in the model's dtype.
+
+- ``LinearMethod``: the weight in the model's dtype, ``F.linear``.
+- ``Fp8Linear`` (``--quantization fp8``, compute capability >= 8.9, or the CPU): float8 e4m3
+  weights with one float32 scale per output channel. A step of more than
+  ``WEIGHT_ONLY_MAX_TOKENS`` tokens quantizes its activations per token, dynamically, and
+  multiplies in FP8 through ``torch._scaled_mm`` (rowwise scales); smaller ones, decode at
+  small batch, read the FP8 weight into a GEMM that dequantizes it as it goes (weight-only).
+- ``Int8Linear`` (``--quantization int8``): int8 weights, one scale per output channel,
+  activations in the model's dtype (W8A16), dequantized inside the GEMM.
+
+Why ``WEIGHT_ONLY_MAX_TOKENS = 16``: at a few tokens a GEMM is bound by the weight's bytes,
+which both paths read once at one byte an element, so the weight-only path wins by skipping
+the activation's quantization (three small kernels a layer) and the FP8 GEMM's poor tiling of
+a handful of rows; 16 rows are one tile of the tensor cores' smallest shape, past which the
+FP8 GEMM's compute rate starts to count. ``scripts/bench_quantization.py --kernels``
+measures both paths at each size so the rule can be checked on a GPU.
+
+Weights are quantized as they load, each rank's slice of each checkpoint tensor on its
+own (so a row-parallel layer's scales are those of its own input columns, and the fused
+projections' parts are quantized row by row), with nothing allocated during a step but
+what a CUDA graph's pool holds. A pre-quantized FP8 checkpoint (``Quantization.
+checkpoint_scales``) loads its FP8 weights as they are and its scales, per tensor or per
+channel, into per-channel scales: a part's per-tensor scale repeated over its rows, exact.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model_config import Quantization
+
+QUANTIZATION_METHODS = ("fp8", "int8")
+WEIGHT_ONLY_MAX_TOKENS = 16
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+INT8_MAX = 127
+# Scales of FP8 checkpoints that nothing here reads: static activation scales (activations
+# are quantized per token) and the KV cache's (stored unscaled, --kv-cache-dtype).
+UNREAD_SCALES = (".input_scale", ".k_scale", ".v_scale", ".kv_scale")
+_MIN_SCALE = 1e-12  # an all-zero row's scale: its codes are all zero whatever it is
+
+
+def resolve_quantization(
+    requested: str | None, stored: Quantization | None, device: torch.device
+) -> Quantization | None:
+    """The model's quantization: the ``--quantization`` asked for (None: the checkpoint's),
+    checked against what the checkpoint stores and what the device can run."""
+    if requested is not None and requested not in QUANTIZATION_METHODS:
+        raise ValueError(
+            f"unknown quantization {requested!r}, not one of {', '.join(QUANTIZATION_METHODS)}"
+        )
+    if stored is not None and requested not in (None, stored.method):
+        raise ValueError(
+            f"the checkpoint is quantized to {stored.method}; it cannot load as {requested}"
+        )
+    quantization = stored or (None if requested is None else Quantization(requested))
+    if quantization is not None and quantization.method == "fp8":
+        require_fp8(device)
+    return quantization
+
+
+def require_fp8(device: torch.device) -> None:
+    """FP8 GEMMs need an Ada or Hopper GPU (compute capability 8.9) or later; the CPU runs
+    them too (slowly, for tests)."""
+    if device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise ValueError(
+            f"--quantization fp8 needs a GPU of compute capability 8.9 or later (Ada, "
+            f"Hopper); this one is {major}.{minor}: use --quantization int8"
+        )
+
+
+def linear_method(quantization: Quantization | None) -> LinearMethod:
+    """The method of every quantized linear layer of a model so quantized."""
+    if quantization is None:
+        return LinearMethod()
+    if quantization.method == "fp8":
+        return Fp8Linear(quantization.checkpoint_scales)
+    return Int8Linear()
+
+
+def quantize_per_channel(
+    weight: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` [N, K] as ``dtype`` (float8 e4m3 or int8) codes and one float32 scale per
+    row: ``weight ≈ codes * scale[:, None]``, each row's largest magnitude mapped to the
+    format's largest value (int8's rounded to nearest)."""
+    weight = weight.float()
+    largest = FP8_MAX if dtype == FP8 else INT8_MAX
+    scale = weight.abs().amax(dim=1).clamp(min=_MIN_SCALE) / largest
+    scaled = weight / scale[:, None]
+    if dtype == torch.int8:
+        scaled = scaled.round()
+    return scaled.clamp(-largest, largest).to(dtype), scale
+
+
+def quantize_per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations ``x`` [T, K] as float8 e4m3 with one float32 scale per token [T, 1]."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=_MIN_SCALE) / FP8_MAX
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+class LinearMethod:
+    """A linear layer's weight in the model's dtype: ``F.linear``."""
+
+    def create_weights(self, layer: nn.Module, output_size: int, input_size: int) -> None:
+        """Register the layer's ``weight`` (and whatever goes with it), not yet filled."""
+        layer.weight = nn.Parameter(torch.empty(output_size, input_size))
+
+    def load_weight(self, layer: nn.Module, rows: slice, weight: torch.Tensor) -> None:
+        """Fill the layer's output rows ``rows`` from this rank's part of a checkpoint
+        tensor (on the CPU, as stored)."""
+        layer.weight[rows].copy_(weight)
+
+    def load_scale(self, layer: nn.Module, rows: slice, scale: torch.Tensor) -> None:
+        raise ValueError("the checkpoint has weight scales, but its weights are not quantized")
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The layer's output for ``x`` [T, K], ``bias`` added if not None."""
+        return F.linear(x, layer.weight, bias)
+
+
+class QuantizedLinear(LinearMethod):
+    """Codes of ``dtype`` [N, K] and float32 scales [N], one per output channel."""
+
+    dtype: torch.dtype
+
+    def __init__(self, checkpoint_scales: bool = False) -> None:
+        self.checkpoint_scales = checkpoint_scales
+
+    def create_weights(self, layer: nn.Module, output_size: int, input_size: int) -> None:
+        codes = torch.empty(output_size, input_size, dtype=self.dtype)
+        layer.weight = nn.Parameter(codes, requires_grad=False)
+        scale = torch.empty(output_size, dtype=torch.float32)
+        if self.checkpoint_scales:
+            # A parameter, so that a checkpoint without it fails to load by name.
+            layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+        else:
+            layer.register_buffer("weight_scale", scale)
+
+    def load_weight(self, layer: nn.Module, rows: slice, weight: torch.Tensor) -> None:
+        if self.checkpoint_scales:
+            if weight.dtype != self.dtype:
+                raise ValueError(
+                    f"a {self.dtype} checkpoint's weight is {weight.dtype}: its layers must "
+                    "all be quantized"
+                )
+            layer.weight[rows].copy_(weight)
+            return
+        # On the device: quantizing an 8B model's weights on the host would take minutes.
+        codes, scale = quantize_per_channel(weight.to(layer.weight.device), self.dtype)
+        layer.weight[rows].copy_(codes)
+        layer.weight_scale[rows].copy_(scale)
+
+    def load_scale(self, layer: nn.Module, rows: slice, scale: torch.Tensor) -> None:
+        target = layer.weight_scale[rows]
+        if scale.numel() not in (1, target.numel()):
+            raise ValueError(
+                f"weight_scale of {scale.numel()} values for {target.numel()} output channels: "
+                "only per-tensor or per-channel scales are supported"
+            )
+        target.copy_(scale.float().reshape(-1).expand(target.numel()))
+
+    def weight_only(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return with_bias(weight_only_matmul(x, layer.weight, layer.weight_scale), bias)
+
+
+class Int8Linear(QuantizedLinear):
+    """W8A16: int8 weights, activations in the model's dtype, dequantized inside the GEMM."""
+
+    dtype = torch.int8
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.weight_only(layer, x, bias)
+
+
+class Fp8Linear(QuantizedLinear):
+    """W8A8 FP8 past ``WEIGHT_ONLY_MAX_TOKENS`` tokens, weight-only at or below it."""
+
+    dtype = FP8
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        output_size, input_size = layer.weight.shape
+        # _scaled_mm takes dimensions that are multiples of 16 (cuBLASLt's FP8 layouts).
+        if x.shape[0] <= WEIGHT_ONLY_MAX_TOKENS or (output_size | input_size) % 16:
+            return self.weight_only(layer, x, bias)
+        codes, scale = quantize_per_token_fp8(x)
+        # The bias is added after: _scaled_mm takes none with rowwise scales.
+        product = torch._scaled_mm(
+            codes,
+            layer.weight.t(),  # column-major, as _scaled_mm takes its second operand
+            scale_a=scale,
+            scale_b=layer.weight_scale.view(1, -1),
+            out_dtype=x.dtype,
+        )
+        return with_bias(product, bias)
+
+
+def with_bias(product: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return product if bias is None else product.add_(bias)
+
+
+def weight_only_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x @ (codes * scale[:, None]).T`` without the dequantized weight: the Triton kernel
+    on CUDA; on the CPU, PyTorch's int8 weight-only GEMM or, for FP8, the codes widened
+    (exactly) to ``x``'s dtype and the scales applied to the product."""
+    if x.is_cuda:
+        return _triton_weight_only_matmul()(x, codes, scale)
+    if codes.dtype == torch.int8:
+        return torch._weight_int8pack_mm(x, codes, scale.to(x.dtype))
+    return F.linear(x, codes.to(x.dtype)) * scale.to(x.dtype)
+
+
+@functools.cache
+def _triton_weight_only_matmul():  # noqa: ANN202 -- the kernel's entry point
+    # Imported on first use: defining Triton kernels fixes whether they run interpreted.
+    from engine.backends.triton.quantized_matmul import weight_only_matmul
+
+    return weight_only_matmul

@@ -1,0 +1,337 @@
+"""What --quantization costs in accuracy and buys in speed: bf16 against int8 and fp8.
+
+    python scripts/bench_quantization.py [--models smollm2,gemma3-270m,qwen2.5-coder-0.5b]
+                                         [--methods bf16,int8,fp8] [--device cpu|cuda]
+                                         [--prompts 16] [--tokens 64]
+    python scripts/bench_quantization.py --kernels          # CUDA: the GEMM paths, 8B shapes
+    python scripts/bench_quantization.py --speed-model DIR [--load-format dummy]  # CUDA: speed
+
+Accuracy, on the real GGUF models of shared/MODELS.md (dequantized to bfloat16 as they load,
+then quantized by the engine): for each method (the first is the reference; float32, the
+unquantized model in float32, shows how far bf16's own rounding moves greedy tokens),
+- greedy agreement with bf16: the same 16 text prompts, 64 tokens each (EOS ignored); the
+  share of tokens identical to bf16's up to the first that differs (averaged over prompts),
+  and the share identical position by position overall;
+- perplexity of a fixed English text (scripts/data/perplexity.txt) from its prompt
+  log-probabilities, scored in one prefill.
+Models not fetched yet (scripts/fetch_test_gguf.py) are skipped with a line saying so.
+
+Speed, on CUDA, for each method: batch-1 time per output token (128-token prompt, 128 tokens)
+and one decode step at batch 64 (through the engine's CUDA graphs), as medians.
+
+--kernels (CUDA) times the linear layers' GEMMs at the Llama-3.1-8B shapes for 1 to 256 rows:
+bf16 F.linear, the int8 and fp8 weight-only Triton kernel and fp8 W8A8 (per-token activation
+quantization and torch._scaled_mm), each first checked against the float product, and says
+at which row counts weight-only beats W8A8: ``WEIGHT_ONLY_MAX_TOKENS`` (16) should sit at the
+crossover.
+
+Every figure is printed as a table last; nothing is compared across machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from engine.checkpoint.resolve import DEFAULT_MODEL  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.quantization import (  # noqa: E402
+    FP8,
+    WEIGHT_ONLY_MAX_TOKENS,
+    quantize_per_channel,
+    quantize_per_token_fp8,
+)
+from protocol import SamplingParams  # noqa: E402
+from scripts.fetch_test_gguf import TEST_MODELS  # noqa: E402
+
+PERPLEXITY_TEXT = REPO_ROOT / "scripts" / "data" / "perplexity.txt"
+PROMPTS = [
+    "The capital of France is",
+    "Here is a short story about a lighthouse keeper:",
+    "def fibonacci(n):",
+    "The three laws of thermodynamics are",
+    "Once upon a time, in a small village,",
+    "To make a cup of tea, first",
+    "The main difference between TCP and UDP is",
+    "Photosynthesis is the process by which",
+    "import numpy as np\n\n# Compute the mean of each row\n",
+    "The French Revolution began in",
+    "A good way to learn a new language is",
+    "SELECT name, COUNT(*) FROM orders",
+    "The theory of relativity says that",
+    "Dear hiring manager, I am writing to",
+    "The largest planet in the solar system is",
+    "Water boils at 100 degrees Celsius because",
+]
+# 8B's linear layers: (name, output features, input features).
+LLAMA_8B_LINEARS = [
+    ("qkv", 6144, 4096),
+    ("o", 4096, 4096),
+    ("gate_up", 28672, 4096),
+    ("down", 4096, 14336),
+]
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def model_path(name: str) -> str | None:
+    """The GGUF to load for ``name``; None if it is not fetched yet."""
+    if name == "smollm2":
+        return DEFAULT_MODEL  # the engine fetches it itself
+    path = TEST_MODELS[name].path
+    return str(path) if path.exists() else None
+
+
+def engine_for(model: str, method: str, device: str, **options: object) -> LLMEngine:
+    """``method``: bf16, float32 (unquantized: the rounding noise floor against bf16), or a
+    --quantization of bf16."""
+    unquantized = method in ("bf16", "float32")
+    return LLMEngine(
+        EngineConfig(
+            model=model,
+            device=device,
+            dtype="float32" if method == "float32" else "bfloat16",
+            quantization=None if unquantized else method,
+            kv_cache_memory_gb=0.5 if device == "cpu" else None,
+            max_num_seqs=64,
+            max_model_len=4096,
+            **options,  # type: ignore[arg-type]
+        )
+    )
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], sampling: SamplingParams) -> dict:
+    """Each request's outputs, all added at once and stepped to the end."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(b"bench", str(i), prompt, sampling)
+    outputs: dict[str, list] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_work:
+        for _, output in engine.step():
+            outputs[output.request_id].append(output)
+    return outputs
+
+
+def greedy_tokens(engine: LLMEngine, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    outputs = run(engine, prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
+    return [[t for o in outputs[str(i)] for t in o.new_token_ids] for i in range(len(prompts))]
+
+
+def perplexity(engine: LLMEngine, text_ids: list[int]) -> float:
+    sampling = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    (first, *_) = run(engine, [text_ids], sampling)["0"]
+    logprobs = [entry.logprob for entry in first.prompt_logprobs]
+    return float(torch.tensor(logprobs).mean().neg().exp())
+
+
+def agreement(ours: list[list[int]], reference: list[list[int]]) -> tuple[float, float]:
+    """(identical up to the first difference, identical position by position), as shares."""
+    prefix, same, total = [], 0, 0
+    for a, b in zip(ours, reference, strict=True):
+        first_difference = next(
+            (i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(b)
+        )
+        prefix.append(first_difference / len(b))
+        same += sum(x == y for x, y in zip(a, b, strict=True))
+        total += len(b)
+    return statistics.mean(prefix), same / total
+
+
+@dataclass
+class Speed:
+    tpot_ms: float
+    batch64_step_ms: float
+
+
+def decode_speed(engine: LLMEngine, vocab_size: int) -> Speed:
+    """Median batch-1 time per output token, and a batch-64 decode step's."""
+    generator = torch.Generator().manual_seed(0)
+
+    def prompts(count: int) -> list[list[int]]:
+        return torch.randint(0, vocab_size, (count, 128), generator=generator).tolist()
+
+    def timed_steps(count: int, tokens: int) -> list[float]:
+        sampling = SamplingParams(max_tokens=tokens, ignore_eos=True)
+        for i, prompt in enumerate(prompts(count)):
+            engine.add_request(b"bench", f"speed-{time.monotonic_ns()}-{i}", prompt, sampling)
+        gaps, last = [], None
+        while engine.has_work:
+            engine.step()
+            torch.cuda.synchronize()
+            now = time.perf_counter()
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+        return gaps[2:-2]  # past the prefill, before the drain
+
+    timed_steps(1, 16)  # warm
+    tpot = statistics.median(timed_steps(1, 128)) * 1e3
+    step = statistics.median(timed_steps(64, 64)) * 1e3
+    return Speed(tpot, step)
+
+
+def accuracy(args: argparse.Namespace) -> list[str]:
+    rows = [
+        "| model | method | greedy: identical to first difference | identical overall | "
+        "perplexity | batch-1 TPOT (ms) | batch-64 step (ms) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    text = PERPLEXITY_TEXT.read_text()
+    for name in args.models.split(","):
+        model = model_path(name)
+        if model is None:
+            print(f"{name}: not fetched (python scripts/fetch_test_gguf.py {name}); skipped")
+            continue
+        reference: list[list[int]] | None = None
+        for method in args.methods.split(","):
+            started = time.perf_counter()
+            engine = engine_for(model, method, args.device)
+            tokenizer = Tokenizer.from_str(engine.tokenizer.tokenizer_json)
+            prompts = [tokenizer.encode(p).ids for p in PROMPTS[: args.prompts]]
+            tokens = greedy_tokens(engine, prompts, args.tokens)
+            reference = reference or tokens
+            text_ids = tokenizer.encode(text).ids[:2048]
+            ppl = perplexity(engine, text_ids)
+            prefix, overall = agreement(tokens, reference)
+            speed = "| – | –"
+            if args.device == "cuda":
+                measured = decode_speed(engine, tokenizer.get_vocab_size())
+                speed = f"| {measured.tpot_ms:.3f} | {measured.batch64_step_ms:.3f}"
+            rows.append(f"| {name} | {method} | {prefix:.3f} | {overall:.3f} | {ppl:.3f} {speed} |")
+            print(rows[-1], f"({time.perf_counter() - started:.0f} s)", flush=True)
+            engine.close()
+    return rows
+
+
+def speed_only(args: argparse.Namespace) -> list[str]:
+    rows = [
+        "| model | method | batch-1 TPOT (ms) | batch-64 step (ms) |",
+        "| --- | --- | ---: | ---: |",
+    ]
+    for method in args.methods.split(","):
+        engine = engine_for(args.speed_model, method, "cuda", load_format=args.load_format)
+        measured = decode_speed(engine, engine.vocab_size)
+        rows.append(
+            f"| {Path(args.speed_model).name} | {method} | {measured.tpot_ms:.3f} | "
+            f"{measured.batch64_step_ms:.3f} |"
+        )
+        print(rows[-1], flush=True)
+        engine.close()
+    return rows
+
+
+def cuda_ms(fn: Callable[[], object], repeats: int = 50) -> float:
+    """Median milliseconds of ``fn()`` on the GPU, by CUDA events, after a warm-up."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def gemm_paths(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """The ways to multiply by ``weight`` [N, K]: bf16, the weight-only kernel over int8 and
+    fp8 codes, and fp8 W8A8 (the activation quantized per token, then torch._scaled_mm)."""
+    from engine.backends.triton.quantized_matmul import weight_only_matmul
+
+    bf16_weight = weight.bfloat16()
+    int8_codes, int8_scale = quantize_per_channel(weight, torch.int8)
+    fp8_codes, fp8_scale = quantize_per_channel(weight, FP8)
+
+    def w8a8(x: torch.Tensor) -> torch.Tensor:
+        codes, scale = quantize_per_token_fp8(x)
+        return torch._scaled_mm(
+            codes, fp8_codes.t(), scale_a=scale, scale_b=fp8_scale.view(1, -1), out_dtype=x.dtype
+        )
+
+    return {
+        "bf16": lambda x: F.linear(x, bf16_weight),
+        "int8": lambda x: weight_only_matmul(x, int8_codes, int8_scale),
+        "fp8-wo": lambda x: weight_only_matmul(x, fp8_codes, fp8_scale),
+        "fp8-w8a8": w8a8,
+    }
+
+
+def kernels() -> list[str]:
+    device = torch.device("cuda")
+    rows = [
+        "| layer | rows | bf16 (us) | int8 weight-only (us) | fp8 weight-only (us) | "
+        "fp8 W8A8 (us) | faster fp8 path | rule says |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+    ]
+    disagreements = 0
+    for name, output_size, input_size in LLAMA_8B_LINEARS:
+        weight = torch.randn(output_size, input_size, device=device) * 0.02
+        paths = gemm_paths(weight)
+        for count in ROWS:
+            x = torch.randn(count, input_size, device=device).bfloat16()
+            reference = x.float() @ weight.T
+            largest = reference.abs().max()
+            us = {}
+            for path, multiply in paths.items():  # correctness first: a few % of the largest
+                error = (multiply(x).float() - reference).abs().max() / largest
+                assert error < 0.08, f"{name} rows {count} {path}: error {error:.3f} of the largest"
+                us[path] = cuda_ms(lambda multiply=multiply: multiply(x)) * 1e3  # noqa: B023
+            faster = "weight-only" if us["fp8-wo"] <= us["fp8-w8a8"] else "W8A8"
+            rule = "weight-only" if count <= WEIGHT_ONLY_MAX_TOKENS else "W8A8"
+            disagreements += faster != rule
+            rows.append(
+                f"| {name} {output_size}x{input_size} | {count} | {us['bf16']:.1f} | "
+                f"{us['int8']:.1f} | {us['fp8-wo']:.1f} | {us['fp8-w8a8']:.1f} | "
+                f"{faster} | {rule} |"
+            )
+            print(rows[-1], flush=True)
+    rows.append(
+        f"\nthe rule (rows <= {WEIGHT_ONLY_MAX_TOKENS}: weight-only) picks the slower "
+        f"fp8 path in {disagreements} of {len(rows) - 2} cases"
+    )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", default="smollm2,gemma3-270m,qwen2.5-coder-0.5b")
+    parser.add_argument("--methods", default="bf16,int8,fp8")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--kernels", action="store_true", help="CUDA: time the GEMM paths")
+    parser.add_argument("--speed-model", help="CUDA: decode speed of this checkpoint only")
+    parser.add_argument(
+        "--load-format", default="auto", choices=["auto", "dummy"], help="with --speed-model"
+    )
+    args = parser.parse_args()
+    print(
+        f"torch {torch.__version__}, device {args.device}"
+        + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")
+    )
+    if args.kernels:
+        table = kernels()
+    elif args.speed_model:
+        table = speed_only(args)
+    else:
+        table = accuracy(args)
+    print("\n" + "\n".join(table))
+
+
+if __name__ == "__main__":
+    main()
