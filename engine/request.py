@@ -58,8 +58,10 @@ class Request:
     # With a repetition penalty: the prompt's tokens as a [V] bool mask on the device, made
     # once by the first step that needs it (engine/batch.py).
     prompt_token_mask: torch.Tensor | None = None
-    # Its prompt as an array, made once by the n-gram proposer (speculative decoding).
-    prompt_array: np.ndarray | None = None
+    # Its prompt and output as one array, token_array[:num_arrayed_tokens], which the n-gram
+    # proposer (speculative decoding) extends as the output grows.
+    token_array: np.ndarray | None = None
+    num_arrayed_tokens: int = 0
     # Whether sampling does more than temperature, top-k and top-p for it (penalties, logit
     # bias, bans, allowed tokens, min_p): known at arrival, so that a step of requests that
     # do not checks one flag each (engine/batch.py).

@@ -64,10 +64,22 @@ def find_continuation(tokens: np.ndarray, min_n: int, max_n: int, count: int) ->
 
 
 def _token_array(request: Request) -> np.ndarray:
-    """The request's prompt and output as one array; the prompt's part is made once."""
-    prompt = request.prompt_array
-    if prompt is None:
-        prompt = request.prompt_array = np.asarray(request.prompt_token_ids, np.int64)
-    if not request.output_token_ids:
-        return prompt
-    return np.concatenate([prompt, np.asarray(request.output_token_ids, np.int64)])
+    """The request's prompt and output as one array. The array is kept with the request and
+    extended by the tokens it gained since the last step: copying the whole output into a
+    new array every step cost more than the lookup."""
+    prompt_len = len(request.prompt_token_ids)
+    total = prompt_len + len(request.output_token_ids)
+    array = request.token_array
+    if array is None or array.size < total:
+        grown = np.empty(max(2 * total, 256), np.int64)
+        if array is None:
+            grown[:prompt_len] = request.prompt_token_ids
+            request.num_arrayed_tokens = prompt_len
+        else:
+            grown[: request.num_arrayed_tokens] = array[: request.num_arrayed_tokens]
+        array = request.token_array = grown
+    done = request.num_arrayed_tokens
+    if done < total:
+        array[done:total] = request.output_token_ids[done - prompt_len :]
+        request.num_arrayed_tokens = total
+    return array[:total]
