@@ -14,6 +14,8 @@ import httpx
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 600  # the first run downloads the default model
+# Engine flags for a small KV cache: quick to allocate for tests that need few tokens.
+SMALL_KV_CACHE = ("--kv-cache-memory-gb", "0.05")
 
 
 def free_port(count: int = 1) -> int:

@@ -26,6 +26,7 @@ from protocol import (
 from protocol.curve import load_public_key, make_curve_client
 from tests.processes import (
     REPO_ROOT,
+    SMALL_KV_CACHE,
     free_port,
     spawn,
     start_engine,
@@ -35,8 +36,6 @@ from tests.processes import (
     wait_healthy,
 )
 from tests.random_checkpoint import save_tiny_word_model
-
-_SMALL_CACHE = ("--kv-cache-memory-gb", "0.05")
 
 
 def make_keys(directory: Path, *servers: str) -> None:
@@ -112,7 +111,7 @@ def test_only_authorized_servers_reach_the_engine_and_nobody_reads_the_wire(
         "--model", str(tmp_path / "model"),
         "--curve-secret-key", str(keys / "engine.key_secret"),
         "--curve-authorized-keys", str(keys / "authorized"),
-        *_SMALL_CACHE,
+        *SMALL_KV_CACHE,
     )  # fmt: skip
     subprocess_cleanup.append(engine)
     relay = Relay(engine_port)  # the authorized server's traffic passes through it
@@ -216,7 +215,7 @@ def test_data_parallel_replicas_share_one_engine_key_pair(
             "--data-parallel-size", "2", "--engine-address", f"tcp://127.0.0.1:{engine_port}",
             "--server-args", server_keys,
             "--", "--curve-secret-key", str(keys / "engine.key_secret"),
-            "--curve-authorized-keys", str(keys / "authorized"), *_SMALL_CACHE,
+            "--curve-authorized-keys", str(keys / "authorized"), *SMALL_KV_CACHE,
         ],
         log,
     )  # fmt: skip

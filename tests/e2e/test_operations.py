@@ -33,6 +33,7 @@ from protocol import (
 )
 from tests.processes import (
     REPO_ROOT,
+    SMALL_KV_CACHE,
     free_port,
     spawn,
     start_engine,
@@ -55,7 +56,6 @@ from tests.streams import Balancer
 CONCURRENT_STREAMS = 64
 STREAM_TOKENS = 24
 PROMPTS = [f"w{a} w{a + 1} w{a + 7}" for a in range(2, 130, 16)]
-_SMALL_CACHE = ("--kv-cache-memory-gb", "0.05")
 
 
 @dataclass
@@ -95,7 +95,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             "--servers", "2", "--port", str(port), "--device", "cpu",
             "--model", str(workdir / "model"), "--engine-address", address,
             "--control", str(control), "--drain-timeout", "30",
-            "--", *_SMALL_CACHE,
+            "--", *SMALL_KV_CACHE,
         ],
         log_path,
     )  # fmt: skip
@@ -247,7 +247,7 @@ def test_a_stopped_engine_ends_its_requests_with_a_finish_reason(
     save_tiny_llama(model, max_position_embeddings=8192)
     save_word_tokenizer(model, VOCAB)
     engine = start_engine(
-        address, log, "--model", str(model), "--drain-timeout", "3", *_SMALL_CACHE
+        address, log, "--model", str(model), "--drain-timeout", "3", *SMALL_KV_CACHE
     )
     subprocess_cleanup.append(engine)
     context = zmq.Context()

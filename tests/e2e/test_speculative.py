@@ -11,7 +11,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.processes import free_port, start_engine, start_server
+from tests.processes import SMALL_KV_CACHE, free_port, start_engine, start_server
 from tests.random_checkpoint import save_tiny_word_model
 
 
@@ -32,9 +32,7 @@ def test_draft_model_serves_and_its_acceptance_is_in_the_metrics(
     address = f"ipc://{tmp_path}/engine.sock"
     log_path = tmp_path / "log.txt"
     engine_args = ["--model", str(model), "--speculative-model", str(model)]
-    subprocess_cleanup.append(
-        start_engine(address, log_path, *engine_args, "--kv-cache-memory-gb", "0.05")
-    )
+    subprocess_cleanup.append(start_engine(address, log_path, *engine_args, *SMALL_KV_CACHE))
     port = free_port()
     subprocess_cleanup.append(start_server(address, port, log_path))
     url = f"http://127.0.0.1:{port}"
