@@ -230,13 +230,11 @@ def _dataclass_checker(cls: type) -> _Checker:
         (
             field.name,
             field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING,
-            hints[field.name],
+            _checker(hints[field.name]),
         )
         for field in dataclasses.fields(cls)
     ]
     names = {name for name, _, _ in fields}
-    # Bound lazily: a dataclass may hold a field of its own type.
-    checkers: dict[str, _Checker] = {}
 
     def check_dataclass(body: Any) -> Any:
         if type(body) is not dict:
@@ -244,9 +242,8 @@ def _dataclass_checker(cls: type) -> _Checker:
         if not body.keys() <= names:
             raise _Mismatch(f"unknown fields {sorted(body.keys() - names)}")
         values = {}
-        for name, required, hint in fields:
+        for name, required, check in fields:
             if name in body:
-                check = checkers.get(name) or checkers.setdefault(name, _checker(hint))
                 try:
                     values[name] = check(body[name])
                 except _Mismatch as mismatch:
