@@ -129,6 +129,14 @@ class StepGraphs:
             return logits[:num_tokens]
         return logits[inputs.logits_index]
 
+    def release(self) -> None:
+        """Free the graphs. A graph that captured NCCL collectives must be gone before its
+        process group closes: NCCL's teardown waits for it forever (pytorch#115388)."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.logits.clear()
+
     def _pad(self, start: int, end: int) -> None:
         """Padding rows: write no cache slot, attend to one key of block 0."""
         q = self.query_len

@@ -153,6 +153,7 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (the engine serves no more)."""
         if self.workers is not None:
+            self.runner.release_graphs()  # each rank's, before the group closes
             self.workers.close()
             self.workers = None
 

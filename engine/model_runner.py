@@ -410,6 +410,16 @@ class ModelRunner:
             pool = self.verify_graphs.pool
         self.decode_graphs = StepGraphs(*args, max_batch, max_blocks, self.device, pool=pool)
 
+    def release_graphs(self) -> None:
+        """Free the CUDA graphs (the runner steps eagerly after this): before a
+        tensor-parallel group closes, which cannot while graphs of its collectives live."""
+        if self.decode_graphs is not None:
+            torch.cuda.synchronize(self.device)  # no step in flight replays one
+        for graphs in (self.decode_graphs, self.verify_graphs):
+            if graphs is not None:
+                graphs.release()
+        self.decode_graphs = self.verify_graphs = None
+
     def step_inputs(self, batch: list[Request]) -> StepInputs:
         """``batch``'s scheduled tokens as a forward pass's inputs; the requests are left as
         they are."""

@@ -54,8 +54,8 @@ def greedy_tokens(model: str, tensor_parallel_size: int, out: Path) -> None:
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, engine.vocab_size, (PROMPTS, PROMPT_LEN), generator=generator)
     tokens = run_engine(engine, prompts.tolist(), OUTPUT_LEN)
-    engine.close()
     out.write_text(json.dumps(tokens))
+    engine.close()
 
 
 def run_child(args: list[str]) -> None:

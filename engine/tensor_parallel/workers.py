@@ -40,6 +40,7 @@ NO_MULTICAST = {
     "NVSHMEM_DISABLE_NVLS": "1",
 }
 _HOST = "127.0.0.1"  # the ranks' rendezvous (a TCPStore of rank 0's): one machine
+_CLOSE_SECONDS = 10  # how long closing waits for each worker, and for the group
 
 
 class WorkerGroup:
@@ -86,17 +87,26 @@ class WorkerGroup:
         )
 
     def close(self) -> None:
-        """Stop the workers (each finishes the step it runs) and leave the process group."""
+        """Stop the workers (each finishes the step it runs) and leave the process group
+        with them. NCCL tears a communicator down on all ranks together: a rank that leaves
+        after the others have gone waits for them forever (the engine hung at exit on two
+        H200s), so rank 0 leaves while the workers do, and stops waiting after a while in
+        case one of them is gone."""
         if self._closing:
             return
         self._closing = True
         atexit.unregister(self.close)
         self.sender.stop()
+        leaving = threading.Thread(target=dist.destroy_process_group, name="leave group")
+        leaving.daemon = True
+        leaving.start()
         for process in self.processes:
-            process.join(timeout=10)
+            process.join(timeout=_CLOSE_SECONDS)
             if process.is_alive():
                 process.kill()
-        dist.destroy_process_group()
+        leaving.join(timeout=_CLOSE_SECONDS)
+        if leaving.is_alive():
+            logger.warning("the process group did not close in %d s: left open", _CLOSE_SECONDS)
 
     def _watch(self) -> None:
         by_sentinel = {process.sentinel: process for process in self.processes}
@@ -155,4 +165,5 @@ def worker_main(
     with torch.inference_mode():
         while (inputs := receiver.receive()) is not None:
             runner.run_model(inputs)
+    runner.release_graphs()  # before the group closes, as rank 0 does
     dist.destroy_process_group()
