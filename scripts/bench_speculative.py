@@ -1,24 +1,26 @@
 """Speculative decoding (n-gram and draft model) against none, through the offline API.
 
     python scripts/bench_speculative.py --model FILE.gguf [--num-speculative-tokens 4]
+                                        [--ngram 4:4 --ngram 8:8]
                                         [--max-tokens 256] [--batch-size 32]
                                         [--speculative-disable-by-batch-size N]
                                         [--speculative-model DRAFT] [--dtype float32]
 
-Two greedy chat prompts: a code edit (this file, to be rewritten whole with one change) and a
-summary (of docs/architecture.md's first part). For each, and for a batch of --batch-size
+Two greedy chat prompts: a code edit (this file, to be rewritten whole with one change) and
+a summary (of docs/architecture.md's first part). For each, and for a batch of --batch-size
 requests alternating the two (each with its own change to make), the engine runs without
-speculation, with ``--speculative-method ngram``, with the target as its own draft model
-(every draft accepted: what the draft-model mechanism costs, its best case at this k) and,
-with ``--speculative-model``, with that draft. Correctness first: the greedy tokens must be
-equal with and without speculation (the script exits 1 if not; in bfloat16 a verify pass
-rounds differently from a decode step, so near-ties may differ: ``--dtype float32`` checks
-exactly). Then the timings: output tokens per second (after a warm-up run), the drafts'
-acceptance rate, the share of the output that accepted drafts made, and "% of roofline":
-the least time the target's steps of the run can take (``engine/roofline.py``, rates
-measured first) over the time measured (a draft model's own steps are not in the bound);
-the plain run's roofline in tokens/s is the ceiling of decoding without speculation. A table
-last.
+speculation, with ``--speculative-method ngram`` (once per ``--ngram K:MAX_N``: k drafted
+tokens and the longest n-gram looked up; default k and --prompt-lookup-max), with the target
+as its own draft model (every draft accepted: what the draft-model mechanism costs, its best
+case at this k) and, with ``--speculative-model``, with that draft. Correctness first: the
+greedy tokens must be equal with and without speculation (the script exits 1 if not; in
+bfloat16 a verify pass rounds differently from a decode step, so near-ties may differ:
+``--dtype float32`` checks exactly). Then the timings: output tokens per second (after a
+warm-up run), the drafts' acceptance rate, the share of the output that accepted drafts
+made, and "% of roofline": the least time the target's steps of the run can take
+(``engine/roofline.py``, rates measured first) over the time measured (a draft model's own
+steps are not in the bound); the plain run's roofline in tokens/s is the ceiling of decoding
+without speculation. A table last.
 
 The real models are GGUF files from PyPI (../shared/MODELS.md): SmolLM2-135M-Instruct is the
 default model (``~/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf`` once fetched),
@@ -115,6 +117,13 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
+    parser.add_argument(
+        "--ngram",
+        action="append",
+        metavar="K:MAX_N",
+        help="an n-gram run with k drafts and n-grams of --prompt-lookup-min to MAX_N tokens "
+        "(repeatable; default: --num-speculative-tokens and --prompt-lookup-max)",
+    )
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=8192)
@@ -149,16 +158,19 @@ def main() -> None:
         "num_speculative_tokens": args.num_speculative_tokens,
         "speculative_disable_by_batch_size": args.speculative_disable_by_batch_size,
     }
-    methods: dict[str, dict[str, object]] = {
-        "plain": {},
-        "ngram": {
+    ngram_variants = args.ngram or [f"{args.num_speculative_tokens}:{args.prompt_lookup_max}"]
+    methods: dict[str, dict[str, object]] = {"plain": {}}
+    for variant in ngram_variants:
+        k, max_n = (int(part) for part in variant.split(":"))
+        name = "ngram" if len(ngram_variants) == 1 else f"ngram {k}:{max_n}"
+        methods[name] = {
             "speculative_method": "ngram",
             "prompt_lookup_min": args.prompt_lookup_min,
-            "prompt_lookup_max": args.prompt_lookup_max,
+            "prompt_lookup_max": max_n,
             **common,
-        },
-        "draft=self": {"speculative_model": args.model, **common},
-    }
+            "num_speculative_tokens": k,
+        }
+    methods["draft=self"] = {"speculative_model": args.model, **common}
     if args.speculative_model:
         methods["draft"] = {"speculative_model": args.speculative_model, **common}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -221,8 +233,9 @@ def report(
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(
         f"\n{args.model}: greedy, {args.max_tokens} tokens at most, k = "
-        f"{args.num_speculative_tokens}, n-grams {args.prompt_lookup_min}-"
-        f"{args.prompt_lookup_max}, draft {args.speculative_model or '-'}, {device}, "
+        f"{args.num_speculative_tokens} (n-gram runs: {' '.join(args.ngram or ['as k'])}), "
+        f"n-grams {args.prompt_lookup_min}-{args.prompt_lookup_max}, "
+        f"draft {args.speculative_model or '-'}, {device}, "
         f"{rates.describe()}"
     )
     print(

@@ -10,7 +10,8 @@
 # plain decoding's, verify graphs replayed, a verify graph's logits equal eager ones), then
 # scripts/bench_speculative.py on SPEC_MODEL (default /tmp/smollm2.gguf, the
 # SmolLM2-135M-Instruct GGUF): plain, n-gram, the target as its own draft model (the
-# mechanism's cost) and, with SPEC_DRAFT set, that draft; bf16, 256 tokens; SPEC_K sets k.
+# mechanism's cost) and, with SPEC_DRAFT set, that draft; bf16, 256 tokens; SPEC_K sets k;
+# SPEC_NGRAM="4:4 8:8" runs n-gram once per k:longest-n-gram.
 # spec-f32: the benchmark alone in float32 and 64 tokens, where greedy tokens must equal plain
 # decoding's exactly.
 #
@@ -114,6 +115,7 @@ for stage in "$@"; do
       m=${SPEC_MODEL:-/tmp/smollm2.gguf}
       [ -f "$m" ] || { echo "no model at $m: set SPEC_MODEL to a GGUF file"; continue; }
       flags=(--num-speculative-tokens "${SPEC_K:-4}")
+      for variant in ${SPEC_NGRAM:-}; do flags+=(--ngram "$variant"); done  # e.g. "4:4 8:8"
       [ -n "${SPEC_DRAFT:-}" ] && flags+=(--speculative-model "$SPEC_DRAFT")
       [ "$stage" = spec-f32 ] && flags+=(--dtype float32 --max-tokens 64)
       timeout 540 python3 scripts/bench_speculative.py --model "$m" "${flags[@]}" 2>&1 \
