@@ -109,13 +109,20 @@ class StepGraphs:
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """Logits of a uniform step of ``query_len`` tokens a sequence, at its sampled
         tokens (``inputs.logits_index``), by graph replay."""
-        metadata = inputs.metadata
+        assert inputs.uniform_query_len == self.query_len
+        return self.replay(inputs.input_ids, inputs.metadata, inputs.logits_index)
+
+    def replay(
+        self, input_ids: torch.Tensor, metadata: AttentionMetadata, logits_index: torch.Tensor
+    ) -> torch.Tensor:
+        """``run`` for a pass given by its parts (a draft model's passes build no
+        ``StepInputs``): ``query_len`` tokens a sequence, logits at ``logits_index``."""
         count = metadata.context_lens.shape[0]
         num_tokens = count * self.query_len
-        assert inputs.uniform_query_len == self.query_len and self.fits(count)
+        assert self.fits(count)
         size = next(b for b in self.batch_sizes if b >= count)
         width = metadata.block_tables.shape[1]
-        self.input_ids[:num_tokens].copy_(inputs.input_ids)
+        self.input_ids[:num_tokens].copy_(input_ids)
         self.positions[:num_tokens].copy_(metadata.positions)
         self.slot_mapping[:num_tokens].copy_(metadata.slot_mapping)
         self.context_lens[:count].copy_(metadata.context_lens)
@@ -125,9 +132,9 @@ class StepGraphs:
         self.graphs[size].replay()
         self.num_replays += 1
         logits = self.logits[size]
-        if inputs.logits_index.shape[0] == num_tokens:  # every token sampled: a decode step
+        if logits_index.shape[0] == num_tokens:  # every token sampled: a decode step
             return logits[:num_tokens]
-        return logits[inputs.logits_index]
+        return logits[logits_index]
 
     def release(self) -> None:
         """Free the graphs. A graph that captured NCCL collectives must be gone before its

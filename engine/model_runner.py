@@ -137,6 +137,14 @@ class LaunchedStep:
 # batches, where a large one keeps the device busy anyway (--speculative-disable-by-batch-size).
 MAX_VERIFY_GRAPH_BATCH = 64
 
+
+def max_speculative_batch(config: EngineConfig) -> int:
+    """The most requests a step drafts for, as far as CUDA graphs go: steps verify drafts
+    only while fewer requests run than --speculative-disable-by-batch-size."""
+    limit = config.speculative_disable_by_batch_size
+    return min(limit - 1 if limit else MAX_VERIFY_GRAPH_BATCH, config.max_num_seqs)
+
+
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -286,12 +294,7 @@ class ModelRunner:
         self.verify_graphs: StepGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             if self.attention.supports_cuda_graphs:
-                # Steps verify drafts only while fewer requests run than this limit.
-                limit = config.speculative_disable_by_batch_size
-                max_verify_batch = limit - 1 if limit else MAX_VERIFY_GRAPH_BATCH
-                self._capture_graphs(
-                    config.max_num_seqs, min(max_verify_batch, config.max_num_seqs)
-                )
+                self._capture_graphs(config.max_num_seqs, max_speculative_batch(config))
             else:
                 logger.info(
                     "decode steps run eagerly: the %s backend cannot run in CUDA graphs",

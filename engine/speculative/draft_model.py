@@ -17,6 +17,13 @@ after them; a request's whole prompt the first time, chunked by the step's token
 whose last logits give the first draft, then k - 1 one-token decode steps, each taking the
 last step's argmax on the device. The attention metadata of all k passes is packed on the
 host in numpy and moved in one copy; the drafts come back in one copy at the end.
+
+On CUDA the passes replay CUDA graphs (``engine/cuda_graphs.py``), captured at start-up
+up to the batch the target's verify graphs reach: a draft of 30 layers launched op by op
+took longer than the target's whole step. The decode passes are uniform (one token a row).
+The catch-up is made uniform too: after a verify step a row lacks 1 to k + 1 tokens, so it
+starts k + 1 tokens before its end, recomputing the K/V of tokens its cache holds (the
+same values written again); a batch with a longer catch-up (a prompt) runs op by op.
 """
 
 from __future__ import annotations
@@ -30,10 +37,12 @@ from engine.batch import to_device
 from engine.block_manager import BlockManager
 from engine.checkpoint import Checkpoint
 from engine.config import EngineConfig
+from engine.cuda_graphs import StepGraphs
 from engine.model_runner import (
     allocate_kv_cache,
     kv_bytes_per_token,
     load_model,
+    max_speculative_batch,
     quantized_config,
     resolve_dtype,
     resolve_kv_cache_dtype,
@@ -101,6 +110,16 @@ class DraftModelProposer:
         )
         self.kv_bytes_per_token = kv_bytes_per_token(checkpoint.config, self.kv_dtype, SINGLE)
         self.block_manager: BlockManager | None = None
+        self.max_model_len = max_model_len
+        self.graphed = (
+            self.device.type == "cuda"
+            and not config.enforce_eager
+            and self.attention.supports_cuda_graphs
+        )
+        self.max_graph_batch = max_speculative_batch(config)
+        # Captured by warm_up: the catch-up (1 + k tokens a row) and decode passes' graphs.
+        self.catch_up_graphs: StepGraphs | None = None
+        self.decode_graphs: StepGraphs | None = None
 
     def bind(self, block_manager: BlockManager) -> None:
         """Allocate the draft's cache: as many blocks as ``block_manager`` hands out."""
@@ -124,6 +143,18 @@ class DraftModelProposer:
         positions = prompt_len + self.num_speculative_tokens
         request.block_ids = [0] * self.block_manager.blocks_for(positions)
         self._run([(request, 0, prompt_len)], [self.num_speculative_tokens])
+        if self.graphed and self.max_graph_batch >= 1:
+            self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        """The passes' graphs, in one memory pool of their own (the target's graphs' logits
+        are still being read when the draft runs next)."""
+        assert self.block_manager is not None
+        max_blocks = -(-self.max_model_len // self.block_manager.block_size)
+        args = (self.model, self.attention, self.max_graph_batch, max_blocks, self.device)
+        self.catch_up_graphs = StepGraphs(*args, query_len=1 + self.num_speculative_tokens)
+        if self.num_speculative_tokens > 1:
+            self.decode_graphs = StepGraphs(*args, pool=self.catch_up_graphs.pool)
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], max_drafts: list[int]) -> list[list[int]]:
@@ -166,6 +197,17 @@ class DraftModelProposer:
         num_drafts = np.asarray(counts, np.int64)
         drafting = num_drafts > 0
         width = max(int(num_drafts.max()), 1)
+        # After verify steps, every row's catch-up fits the graph's 1 + k tokens.
+        catch_up_len = 1 + self.num_speculative_tokens
+        catch_up_graphs = self.catch_up_graphs
+        if catch_up_graphs is not None and not (
+            catch_up_graphs.fits(len(rows))
+            and (ends - starts <= catch_up_len).all()
+            and (ends >= catch_up_len).all()
+        ):
+            catch_up_graphs = None
+        if catch_up_graphs is not None:
+            starts = ends - catch_up_len
         max_blocks = max(len(request.block_ids) for request, _, _ in rows)
         tables = np.zeros((len(rows), max_blocks), np.int64)
         for index, (request, _, _) in enumerate(rows):
@@ -178,7 +220,12 @@ class DraftModelProposer:
         seq_index = np.repeat(np.arange(len(rows)), query_lens)
         positions = np.arange(num_tokens) - np.repeat(query_starts - starts, query_lens)
         token_ids = np.concatenate(
-            [np.asarray(r.token_ids_between(s, e), np.int64) for r, s, e in rows]
+            [
+                np.asarray(request.token_ids_between(start, end), np.int64)
+                for (request, _, _), start, end in zip(
+                    rows, starts.tolist(), ends.tolist(), strict=True
+                )
+            ]
         )
         slots = _slots(tables, seq_index, positions, block_size)
         logits_index = (query_ends - 1)[drafting]
@@ -192,6 +239,7 @@ class DraftModelProposer:
             query_starts,
             tables.ravel(),
             logits_index,
+            np.flatnonzero(drafting),
         ]
         # The decode passes: the drafting rows, draft j at position end - 1 + j. A row with
         # fewer drafts (room, blocks) idles past them: it computes its last token's position
@@ -218,7 +266,8 @@ class DraftModelProposer:
             query_starts_t,
             tables_t,
             logits_index_t,
-        ) = device_parts[:9]
+            drafting_t,
+        ) = device_parts[:10]
         tables_t = tables_t.view(len(rows), max_blocks)
         metadata = AttentionMetadata(
             positions=positions_t,
@@ -229,15 +278,19 @@ class DraftModelProposer:
             query_lens=query_lens_t,
             query_starts=query_starts_t,
             max_query_len=int(query_lens.max()),
+            uniform_queries=catch_up_graphs is not None,
         )
         draft_tokens = torch.empty(num_decoding, width, dtype=torch.int64, device=self.device)
-        draft_tokens[:, 0] = self._greedy(token_ids_t, metadata, logits_index_t)
-        drafting_t = torch.from_numpy(np.flatnonzero(drafting)).to(self.device)
+        draft_tokens[:, 0] = self._greedy(token_ids_t, metadata, logits_index_t, catch_up_graphs)
+        decode_graphs = self.decode_graphs
+        if decode_graphs is not None and not decode_graphs.fits(num_decoding):
+            decode_graphs = None
         decode_tables_t = tables_t[drafting_t]
         ones = torch.ones(num_decoding, dtype=torch.int64, device=self.device)
         decode_rows_t = torch.arange(num_decoding, device=self.device)
         for j in range(1, width):
-            decode_positions_t, decode_slots_t, context_lens_t = device_parts[6 + 3 * j : 9 + 3 * j]
+            decode_parts = device_parts[7 + 3 * j : 10 + 3 * j]
+            decode_positions_t, decode_slots_t, context_lens_t = decode_parts
             metadata = AttentionMetadata(
                 positions=decode_positions_t,
                 slot_mapping=decode_slots_t,
@@ -247,15 +300,25 @@ class DraftModelProposer:
                 query_lens=ones,
                 query_starts=decode_rows_t,
                 max_query_len=1,
+                uniform_queries=True,
             )
-            draft_tokens[:, j] = self._greedy(draft_tokens[:, j - 1], metadata, decode_rows_t)
+            draft_tokens[:, j] = self._greedy(
+                draft_tokens[:, j - 1], metadata, decode_rows_t, decode_graphs
+            )
         tokens = iter(draft_tokens.tolist())  # the one synchronization
         return [next(tokens)[:count] if count else [] for count in counts]
 
     def _greedy(
-        self, input_ids: torch.Tensor, metadata: AttentionMetadata, logits_index: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        metadata: AttentionMetadata,
+        logits_index: torch.Tensor,
+        graphs: StepGraphs | None,
     ) -> torch.Tensor:
-        """The draft's likeliest next token after each of ``logits_index``'s positions."""
+        """The draft's likeliest next token after each of ``logits_index``'s positions, by
+        replaying ``graphs`` (None: op by op)."""
+        if graphs is not None:
+            return graphs.replay(input_ids, metadata, logits_index).argmax(dim=-1)
         self.attention.prepare(metadata)
         return self.model(input_ids, metadata, logits_index).argmax(dim=-1)
 

@@ -2,7 +2,8 @@
 graphs, overlapped steps, the Triton decode kernel with 1 + k queries a sequence for verify
 steps, the draft's passes), in float32 at the Llama-3.2-1B shape: the same tokens as without
 it, greedy and seeded, with the verify graphs replayed; the target as its own draft has
-(nearly) every draft accepted; a verify graph's logits equal the eager step's."""
+(nearly) every draft accepted, an unrelated random draft nearly none, both with the draft's
+passes replayed from its own graphs; a verify graph's logits equal the eager step's."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from engine.llm_engine import LLMEngine
 from protocol import SamplingParams
 from tests.engine.test_logprobs import generate
 from tests.gpu.test_cuda_engine import _prompts
-from tests.random_checkpoint import save_random_model
+from tests.random_checkpoint import save_random_model, save_tiny_llama, save_word_tokenizer
 
 
 def float32_engine(directory: Path, **options: Any) -> LLMEngine:
@@ -36,6 +37,10 @@ def float32_engine(directory: Path, **options: Any) -> LLMEngine:
 
 def test_speculation_equals_plain_decoding_on_cuda(tmp_path: Path) -> None:
     save_random_model(tmp_path, "llama-3.2-1b", torch.bfloat16)
+    other = tmp_path / "other-draft"  # a small random model of the same vocabulary
+    vocab_size = 128256
+    save_tiny_llama(other, vocab_size=vocab_size, eos_token_id=None, max_position_embeddings=2048)
+    save_word_tokenizer(other, vocab_size)
     prompts = _prompts(6)
     repetitive = prompts[0][:20] * 8
     requests = {
@@ -50,6 +55,7 @@ def test_speculation_equals_plain_decoding_on_cuda(tmp_path: Path) -> None:
         "plain": {},
         "ngram": {"speculative_method": "ngram", "prompt_lookup_min": 1},
         "draft=self": {"speculative_model": str(tmp_path)},
+        "draft=other": {"speculative_model": str(other), "speculative_pause_acceptance": 0},
     }
     results = {}
     counts = {}
@@ -65,6 +71,13 @@ def test_speculation_equals_plain_decoding_on_cuda(tmp_path: Path) -> None:
             print(f"\n{method}: verify steps replayed {verify_graphs.num_replays} times")
         else:
             assert verify_graphs is None
+        draft = (
+            getattr(engine.proposer, "catch_up_graphs", None),
+            getattr(engine.proposer, "decode_graphs", None),
+        )
+        if "speculative_model" in speculative:  # the draft's passes ran as graphs
+            assert all(graphs is not None and graphs.num_replays > 0 for graphs in draft)
+            print(f"{method}: draft graphs replayed {[g.num_replays for g in draft]} times")
         counts[method] = (engine.num_draft_tokens, engine.num_accepted_tokens)
         print(f"\n{method}: drafts {counts[method][0]}, accepted {counts[method][1]}")
         del engine
@@ -74,8 +87,10 @@ def test_speculation_equals_plain_decoding_on_cuda(tmp_path: Path) -> None:
     drafts, accepted = counts["draft=self"]
     # The greedy requests accept all but near-ties (float32); the seeded one samples.
     assert drafts > 0 and accepted >= 0.8 * drafts
+    drafts, accepted = counts["draft=other"]
+    assert drafts > 0 and accepted < 0.2 * drafts
     plain = results["plain"]
-    for method in ("ngram", "draft=self"):
+    for method in ("ngram", "draft=self", "draft=other"):
         for request_id in requests:
             ours = [t for o in results[method][request_id] for t in o.new_token_ids]
             theirs = [t for o in plain[request_id] for t in o.new_token_ids]
