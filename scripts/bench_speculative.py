@@ -6,21 +6,23 @@
                                         [--speculative-disable-by-batch-size N]
                                         [--speculative-model DRAFT] [--dtype float32]
 
-Two greedy chat prompts: a code edit (this file, to be rewritten whole with one change) and
-a summary (of docs/architecture.md's first part). For each, and for a batch of --batch-size
-requests alternating the two (each with its own change to make), the engine runs without
-speculation, with ``--speculative-method ngram`` (once per ``--ngram K:MAX_N``: k drafted
-tokens and the longest n-gram looked up; default k and --prompt-lookup-max), with the target
-as its own draft model (every draft accepted: what the draft-model mechanism costs, its best
-case at this k) and, with ``--speculative-model``, with that draft. Correctness first: the
-greedy tokens must be equal with and without speculation (the script exits 1 if not; in
-bfloat16 a verify pass rounds differently from a decode step, so near-ties may differ:
-``--dtype float32`` checks exactly). Then the timings: output tokens per second (after a
-warm-up run), the drafts' acceptance rate, the share of the output that accepted drafts
-made, and "% of roofline": the least time the target's steps of the run can take
-(``engine/roofline.py``, rates measured first) over the time measured (a draft model's own
-steps are not in the bound); the plain run's roofline in tokens/s is the ceiling of decoding
-without speculation. A table last.
+Two greedy chat prompts: a code edit (scripts/data/code_edit.py, a 70-line module, to be
+rewritten whole with one change) and a summary (of docs/architecture.md's first part). For
+each, and for a batch of --batch-size requests alternating the two (each with its own change
+to make), the engine runs without speculation, with ``--speculative-method ngram`` (once per
+``--ngram K:MAX_N``: k drafted tokens and the longest n-gram looked up; default k and
+--prompt-lookup-max), with the target as its own draft model (every draft accepted: what the
+draft-model mechanism costs, its best case at this k) and, with ``--speculative-model``,
+with that draft. Correctness first: the greedy tokens must be equal with and without
+speculation (the script exits 1 if not; in bfloat16 a verify pass rounds differently from a
+decode step, so near-ties may differ: ``--dtype float32`` checks exactly). Then the timings:
+output tokens per second (after a warm-up run), the drafts' acceptance rate, the share of
+the output that accepted drafts made, and "% of roofline": the least time the target's steps
+of the run can take (``engine/roofline.py``, rates measured first) over the time measured (a
+draft model's own steps are not in the bound); the plain run's roofline in tokens/s is the
+ceiling of decoding without speculation. A table last. (The code edit was this script's own
+source until it changed with every edit of the script: SmolLM2-135M then stopped after 39
+tokens instead of rewriting it.)
 
 The real models are GGUF files from PyPI (../shared/MODELS.md): SmolLM2-135M-Instruct is the
 default model (``~/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf`` once fetched),
@@ -52,15 +54,15 @@ from engine.roofline import (  # noqa: E402
 )
 
 CHANGES = [
-    "rename the function `run_workload` to `measure_workload`",
-    "rename the class `Run` to `Measurement`",
-    "rename the variable `parser` to `arguments_parser` everywhere",
-    "change the default of --max-tokens from 256 to 512",
+    "rename the method `try_take` to `take`",
+    "rename the class `RateLimiter` to `ClientRateLimiter`",
+    "rename the attribute `updated` to `last_refill`",
+    "change the default `count` of `wait_time` from 1.0 to 2.0",
 ]
 
 
 def code_edit_prompt(change: str) -> str:
-    source = Path(__file__).read_text()
+    source = (ROOT / "scripts" / "data" / "code_edit.py").read_text()
     return (
         f"Here is a Python file:\n\n```python\n{source}```\n\nRewrite this file with one "
         f"change: {change}. Answer with the whole file in a Python code block, every other "

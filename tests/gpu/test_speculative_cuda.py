@@ -39,7 +39,14 @@ def test_speculation_equals_plain_decoding_on_cuda(tmp_path: Path) -> None:
     save_random_model(tmp_path, "llama-3.2-1b", torch.bfloat16)
     other = tmp_path / "other-draft"  # a small random model of the same vocabulary
     vocab_size = 128256
-    save_tiny_llama(other, vocab_size=vocab_size, eos_token_id=None, max_position_embeddings=2048)
+    save_tiny_llama(  # heads of 16 dimensions: the Triton kernels' smallest
+        other,
+        vocab_size=vocab_size,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        eos_token_id=None,
+        max_position_embeddings=2048,
+    )
     save_word_tokenizer(other, vocab_size)
     prompts = _prompts(6)
     repetitive = prompts[0][:20] * 8
