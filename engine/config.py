@@ -141,8 +141,8 @@ class EngineConfig:
     speculative_disable_by_batch_size: int = option(
         32,
         "with --speculative-method: steps draft nothing (and overlap) while this many "
-        "requests or more run: on an H200, n-gram speculation made batch 1 1.7x as fast and "
-        "batch 32 0.9x (0: always draft)",
+        "requests or more run, where the device is busy anyway and a draft model's passes "
+        "cost most (0: always draft)",
     )
     prompt_lookup_max: int = option(
         4, "ngram speculation: the longest n-gram looked up in the request's tokens"
