@@ -3,7 +3,7 @@
     python scripts/bench_quantization.py [--models smollm2,gemma3-270m,qwen2.5-coder-0.5b]
                                          [--methods bf16,int8,fp8] [--device cpu|cuda]
                                          [--prompts 16] [--tokens 64]
-    python scripts/bench_quantization.py --kernels          # CUDA: the GEMM paths, 8B shapes
+    python scripts/bench_quantization.py --kernels [--rows 1 16]  # CUDA: the GEMM paths, 8B shapes
     python scripts/bench_quantization.py --speed-model DIR [--load-format dummy]  # CUDA: speed
 
 Accuracy, on the real GGUF models of shared/MODELS.md (dequantized to bfloat16 as they load,
@@ -23,7 +23,9 @@ and one decode step at batch 64 (through the engine's CUDA graphs), as medians.
 bf16 F.linear, the int8 and fp8 weight-only Triton kernel and fp8 W8A8 (per-token activation
 quantization and torch._scaled_mm), each first checked against the float product, and says
 at which row counts weight-only beats W8A8: ``WEIGHT_ONLY_MAX_TOKENS`` (16) should sit at the
-crossover.
+crossover. Each GEMM is timed as a step runs it: replayed from a CUDA graph (no launch
+timed), with the L2 cache evicted before each call; with the weight-only kernel's share of
+the copy bandwidth its bytes would take (``GB/s``, the weight's bytes over the time).
 
 Every figure is printed as a table last; nothing is compared across machines.
 """
@@ -231,19 +233,33 @@ def speed_only(args: argparse.Namespace) -> list[str]:
     return rows
 
 
-def cuda_ms(fn: Callable[[], object], repeats: int = 50) -> float:
-    """Median milliseconds of ``fn()`` on the GPU, by CUDA events, after a warm-up."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def graphed_us(fn: Callable[[], object], repeats: int = 20) -> float:
+    """Microseconds of one ``fn()`` on the GPU: ``repeats`` calls, each after a 256 MB write
+    that evicts the L2 cache (as the other layers of a step do), replayed from one CUDA graph
+    (so no launch is timed: a step replays them too), less the writes alone; median of 5."""
+    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+
+    def replay_ms(with_fn: bool) -> float:
+        fn()  # compiled and tuned outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(repeats):
+                flush.zero_()
+                if with_fn:
+                    fn()
+        graph.replay()
+        times = []
+        for _ in range(5):
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    return (replay_ms(True) - replay_ms(False)) / repeats * 1e3
 
 
 def gemm_paths(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
@@ -269,18 +285,18 @@ def gemm_paths(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch
     }
 
 
-def kernels() -> list[str]:
+def kernels(row_counts: tuple[int, ...]) -> list[str]:
     device = torch.device("cuda")
     rows = [
         "| layer | rows | bf16 (us) | int8 weight-only (us) | fp8 weight-only (us) | "
-        "fp8 W8A8 (us) | faster fp8 path | rule says |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+        "fp8 W8A8 (us) | fp8 weight-only GB/s | faster fp8 path | rule says |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     disagreements = 0
     for name, output_size, input_size in LLAMA_8B_LINEARS:
         weight = torch.randn(output_size, input_size, device=device) * 0.02
         paths = gemm_paths(weight)
-        for count in ROWS:
+        for count in row_counts:
             x = torch.randn(count, input_size, device=device).bfloat16()
             reference = x.float() @ weight.T
             largest = reference.abs().max()
@@ -288,14 +304,14 @@ def kernels() -> list[str]:
             for path, multiply in paths.items():  # correctness first: a few % of the largest
                 error = (multiply(x).float() - reference).abs().max() / largest
                 assert error < 0.08, f"{name} rows {count} {path}: error {error:.3f} of the largest"
-                us[path] = cuda_ms(lambda multiply=multiply: multiply(x)) * 1e3  # noqa: B023
+                us[path] = graphed_us(lambda multiply=multiply: multiply(x))  # noqa: B023
             faster = "weight-only" if us["fp8-wo"] <= us["fp8-w8a8"] else "W8A8"
             rule = "weight-only" if count <= WEIGHT_ONLY_MAX_TOKENS else "W8A8"
             disagreements += faster != rule
             rows.append(
                 f"| {name} {output_size}x{input_size} | {count} | {us['bf16']:.1f} | "
                 f"{us['int8']:.1f} | {us['fp8-wo']:.1f} | {us['fp8-w8a8']:.1f} | "
-                f"{faster} | {rule} |"
+                f"{output_size * input_size / us['fp8-wo'] / 1e3:.0f} | {faster} | {rule} |"
             )
             print(rows[-1], flush=True)
     rows.append(
@@ -315,6 +331,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--kernels", action="store_true", help="CUDA: time the GEMM paths")
+    parser.add_argument(
+        "--rows", type=int, nargs="+", default=list(ROWS), help="--kernels: the row counts"
+    )
     parser.add_argument("--speed-model", help="CUDA: decode speed of this checkpoint only")
     parser.add_argument(
         "--load-format", default="auto", choices=["auto", "dummy"], help="with --speed-model"
@@ -325,7 +344,7 @@ def main() -> None:
         + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")
     )
     if args.kernels:
-        table = kernels()
+        table = kernels(tuple(args.rows))
     elif args.speed_model:
         table = speed_only(args)
     else:

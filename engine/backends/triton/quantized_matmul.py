@@ -6,47 +6,89 @@ e4m3 value is a bfloat16); the per-output-channel scales multiply the float32 ac
 once at the end. At small batch a GEMM is bound by reading the weight, so this halves the
 bytes of a bf16 GEMM.
 
-Tiles are autotuned per weight shape and per bucket of the row count (``_rows_bucket``); the
-tuning runs at start-up, before each CUDA graph's capture and in the warm-up's steps, so a
-captured step only launches and no request waits for it.
+At a few rows, one program per block of output channels is too few programs to keep the
+memory system busy (an 8B model's down projection: 128 programs of 14,336 weights a
+channel on 132 SMs), so the depth K is split too (``SPLIT_K``): each program writes its
+partial sums to a float32 workspace and counts itself in, and the last of a tile's
+programs adds them up, scales and stores the output, then resets the tile's counter for the
+next call. No second kernel, no zeroed buffer per call.
+
+Tiles and splits are autotuned per weight shape and per bucket of the row count
+(``_rows_bucket``), timing each candidate replayed from a CUDA graph: launched one by one
+from Python, a 30-microsecond kernel is timed as its launch. The tuning runs at start-up,
+before each CUDA graph's capture and in the warm-up's steps, so a captured step only
+launches and no request waits for it.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Splitting K pays only where the rows are few: the workspace is SPLIT_K x rows x N floats.
+_MAX_SPLIT_ROWS = 16
+_MAX_SPLIT_K = 8
 
 
 def _configs() -> list[triton.Config]:
-    if _INTERPRETED:  # one small tile: the interpreter runs every config it tunes
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32})]
-    small = [  # few rows: many narrow column blocks to spread the weight over the SMs
-        triton.Config({"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": k}, num_warps=4, num_stages=s)
-        for n, k, s in ((32, 256, 4), (64, 128, 4), (64, 256, 3), (128, 128, 3))
+    if _INTERPRETED:  # one small tile, split: the interpreter runs every config it tunes
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 2})]
+    small = [  # few rows: narrow column blocks and split depths, to spread the weight
+        triton.Config(
+            {"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": split},
+            num_warps=w,
+            num_stages=s,
+        )
+        for n, k, w, s in (
+            (16, 256, 4, 4),
+            (32, 256, 4, 4),
+            (64, 128, 4, 4),
+            (64, 256, 4, 3),
+            (128, 128, 4, 3),
+            (32, 512, 8, 3),
+        )
+        for split in (1, 2, 4, 8)
     ]
     large = [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": 64}, num_warps=w, num_stages=s)
+        triton.Config(
+            {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": 64, "SPLIT_K": 1}, num_warps=w, num_stages=s
+        )
         for m, n, w, s in ((64, 128, 4, 4), (128, 128, 8, 3), (128, 256, 8, 3), (64, 64, 4, 4))
     ]
     return small + large
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
-    """No tile taller than the rows' bucket: a decode step tries only the small tiles."""
+    """No tile taller than the rows' bucket (a decode step tries only the small tiles), and
+    no split K beyond a few rows."""
     rows = named_args["M_BUCKET"]
-    fitting = [c for c in configs if c.kwargs["BLOCK_M"] <= max(rows, 16)]
+    fitting = [
+        c
+        for c in configs
+        if c.kwargs["BLOCK_M"] <= max(rows, 16)
+        and (c.kwargs["SPLIT_K"] == 1 or rows <= _MAX_SPLIT_ROWS)
+    ]
     return fitting or configs[:1]
+
+
+def _time_replayed(kernel_call: Callable[[], object], quantiles: list[float]) -> list[float]:
+    """A candidate's time replayed from a CUDA graph, over 10 ms of replays (Triton's default
+    with graphs, 100 ms, made an 8B engine's start take 88 s: about 230 candidates over its
+    layer shapes and row buckets)."""
+    return triton.testing.do_bench_cudagraph(kernel_call, rep=10, quantiles=quantiles)
 
 
 @triton.autotune(
     configs=_configs(),
     key=["N", "K", "M_BUCKET"],
     prune_configs_by={"early_config_prune": _prune},
+    do_bench=_time_replayed,
 )
 @triton.jit
 def _weight_only_matmul_kernel(
@@ -54,6 +96,8 @@ def _weight_only_matmul_kernel(
     codes_ptr,
     scale_ptr,
     out_ptr,
+    partial_ptr,  # [SPLIT_K, M, N] float32: each split's sums (unused without a split)
+    counter_ptr,  # [tiles] int32, zero between calls: how many splits of a tile are done
     M,
     N,
     K,
@@ -64,33 +108,76 @@ def _weight_only_matmul_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
-    """Program per (BLOCK_M rows, BLOCK_N output channels); float32 accumulator."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
+    """Program per (BLOCK_M rows, BLOCK_N output channels, split of K); float32 sums."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < M
     col_mask = cols < N
-    x_ptrs = x_ptr + rows[:, None] * stride_x + ks[None, :]
-    codes_ptrs = codes_ptr + cols[None, :] * stride_codes + ks[:, None]  # [BLOCK_K, BLOCK_N]
+    # This split's tiles of K: an even share, in whole tiles.
+    num_tiles = tl.cdiv(K, BLOCK_K)
+    tiles_per_split = tl.cdiv(num_tiles, SPLIT_K)
+    first_tile = split * tiles_per_split
+    last_tile = tl.minimum(first_tile + tiles_per_split, num_tiles)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_mask = ks < K - k * BLOCK_K
-        x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        codes = tl.load(codes_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+    for tile in range(first_tile, last_tile):
+        ks = tile * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_x + ks[None, :],
+            mask=row_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        codes = tl.load(  # [BLOCK_K, BLOCK_N]: each channel's codes are contiguous in K
+            codes_ptr + cols[None, :] * stride_codes + ks[:, None],
+            mask=k_mask[:, None] & col_mask[None, :],
+            other=0.0,
+        )
         acc = tl.dot(x, codes.to(x.dtype), acc)
-        x_ptrs += BLOCK_K
-        codes_ptrs += BLOCK_K
     scale = tl.load(scale_ptr + cols, mask=col_mask, other=0.0)
-    out = acc * scale[None, :]
+    out_mask = row_mask[:, None] & col_mask[None, :]
     out_ptrs = out_ptr + rows[:, None] * stride_out + cols[None, :]
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, (acc * scale[None, :]).to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        partial_ptrs = partial_ptr + rows[:, None] * N + cols[None, :]
+        tl.store(partial_ptrs + split * M * N, acc, mask=out_mask)
+        # Every thread's partial sums are written before the tile counts this split in (a
+        # release), and the last split reads the others' after it (an acquire).
+        tl.debug_barrier()
+        counter = counter_ptr + pid_m * tl.num_programs(1) + pid_n
+        done_before = tl.atomic_add(counter, 1, sem="acq_rel")
+        if done_before == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for other in range(SPLIT_K):
+                total += tl.load(
+                    partial_ptrs + other * M * N, mask=out_mask, other=0.0, cache_modifier=".cg"
+                )
+            tl.store(out_ptrs, (total * scale[None, :]).to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(counter, 0)  # zero again for the next call
 
 
 def _rows_bucket(rows: int) -> int:
     """Up to 16 rows, 32, 64, then one bucket for more: few enough that the engine's start
     (the decode graphs' batch sizes, the warm-up's prefill of 74 tokens) tunes them all."""
     return 16 if rows <= 16 else min(triton.next_power_of_2(rows), 128)
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The split tiles' counters, zero between calls, one buffer per device for every GEMM
+    (they run one at a time on the device's stream). Grown only by a larger shape than any
+    seen, which the start-up's tuning sees first, before any graph is captured."""
+    counters = _counters.get(device)
+    if counters is None or counters.numel() < tiles:
+        counters = _counters[device] = torch.zeros(tiles, dtype=torch.int32, device=device)
+    return counters
 
 
 def weight_only_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -101,15 +188,25 @@ def weight_only_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor
     assert codes.shape[1] == depth and scale.shape == (channels,)
     assert x.stride(1) == 1 and codes.stride(1) == 1 and scale.dtype == torch.float32
     out = x.new_empty(rows, channels)
+    splits = _INTERPRETED or rows <= _MAX_SPLIT_ROWS
+    partial = x.new_empty(_MAX_SPLIT_K * rows * channels if splits else 1, dtype=torch.float32)
+    # One counter per (row block, 16 channels): enough for any split config's tiles.
+    counters = _tile_counters(x.device, triton.cdiv(rows, 16) * triton.cdiv(channels, 16))
 
-    def grid(meta: dict) -> tuple[int, int]:
-        return triton.cdiv(rows, meta["BLOCK_M"]), triton.cdiv(channels, meta["BLOCK_N"])
+    def grid(meta: dict) -> tuple[int, int, int]:
+        return (
+            triton.cdiv(rows, meta["BLOCK_M"]),
+            triton.cdiv(channels, meta["BLOCK_N"]),
+            meta["SPLIT_K"],
+        )
 
     _weight_only_matmul_kernel[grid](
         x,
         codes,
         scale,
         out,
+        partial,
+        counters,
         rows,
         channels,
         depth,
