@@ -80,8 +80,13 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> 
 def _time_replayed(kernel_call: Callable[[], object], quantiles: list[float]) -> list[float]:
     """A candidate's time replayed from a CUDA graph, over 10 ms of replays (Triton's default
     with graphs, 100 ms, made an 8B engine's start take 88 s: about 230 candidates over its
-    layer shapes and row buckets)."""
-    return triton.testing.do_bench_cudagraph(kernel_call, rep=10, quantiles=quantiles)
+    layer shapes and row buckets). Triton times it on a stream of its own: the device is
+    drained first and after, so that no GEMM of the step being tuned, still running on the
+    engine's stream, shares the tile counters with it at the same time."""
+    torch.cuda.synchronize()
+    timings = triton.testing.do_bench_cudagraph(kernel_call, rep=10, quantiles=quantiles)
+    torch.cuda.synchronize()
+    return timings
 
 
 @triton.autotune(
