@@ -31,6 +31,11 @@ class BlockManager:
         self._key_of_block: dict[int, Hashable] = {}
         self._block_of_key: dict[Hashable, int] = {}
         self.num_hit_tokens = 0  # prompt tokens found in the cache instead of computed
+        # Whether a draft model's cache holds each block's K/V (engine/speculative/
+        # draft_model.py): set once the draft has computed all of a block's tokens, cleared
+        # when the block is handed out for other tokens. A request that takes a cached
+        # prefix takes the draft's K/V of it too, where the request that computed it drafted.
+        self._draft_filled = [False] * num_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -117,6 +122,23 @@ class BlockManager:
             self._free.move_to_end(block, last=False)
         del request.block_ids[keep:]
 
+    def draft_filled_tokens(self, request: Request) -> int:
+        """How many of ``request``'s first tokens the draft's cache holds already: those of
+        its leading blocks the draft filled (a cached prefix), short of its last token,
+        whose logits the draft needs."""
+        filled = 0
+        for block in request.block_ids:
+            if not self._draft_filled[block]:
+                break
+            filled += 1
+        return min(filled * self.block_size, request.num_tokens - 1)
+
+    def mark_draft_filled(self, request: Request, start: int, end: int) -> None:
+        """The draft computed ``request``'s tokens [``start``, ``end``): the blocks that
+        are whole by ``end`` hold its K/V."""
+        for index in range(start // self.block_size, end // self.block_size):
+            self._draft_filled[request.block_ids[index]] = True
+
     def release(self, request: Request) -> None:
         # Last blocks first into the free queue, so a prefix's first blocks, the likeliest
         # to be shared, are the last to be reused.
@@ -136,6 +158,7 @@ class BlockManager:
         if key is not None:
             del self._block_of_key[key]  # its contents are about to be overwritten
         self._ref_counts[block] = 1
+        self._draft_filled[block] = False
         return block
 
     def _key(self, parent_key: int, request: Request, index: int) -> Hashable:

@@ -170,9 +170,10 @@ class DraftModelProposer:
         budget = self.max_num_batched_tokens
         for request, limit in zip(requests, max_drafts, strict=True):
             count = min(self.num_speculative_tokens, limit)
-            start = request.num_draft_cached_tokens
             if count < 1 or not budget or not manager.reserve(request, request.num_tokens):
                 continue
+            # A request new to the draft may hold a cached prefix the draft computed before.
+            start = request.num_draft_cached_tokens or manager.draft_filled_tokens(request)
             end = min(request.num_tokens, start + budget)
             budget -= end - start
             if end < request.num_tokens:
@@ -184,8 +185,10 @@ class DraftModelProposer:
         drafts: dict[int, list[int]] = {}
         if rows:
             for row, tokens in zip(rows, self._run(rows, counts), strict=True):
-                drafts[id(row[0])] = tokens
-                row[0].num_draft_cached_tokens = row[2]
+                request, start, end = row
+                drafts[id(request)] = tokens
+                request.num_draft_cached_tokens = end
+                manager.mark_draft_filled(request, start, end)
         return [drafts.get(id(request), []) for request in requests]
 
     def _run(self, rows: list[tuple[Request, int, int]], counts: list[int]) -> list[list[int]]:

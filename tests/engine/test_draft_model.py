@@ -136,6 +136,53 @@ def test_the_draft_catches_up_after_steps_without_drafts(
     assert engine.num_accepted_tokens == engine.num_draft_tokens
 
 
+def test_a_cached_prefix_brings_the_drafts_cache_with_it(
+    tiny: tuple[Path, HFLlama], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request whose prompt starts with a prefix that an earlier, drafted request computed
+    takes the draft's K/V of it with the target's: the draft computes only the rest, and,
+    being the target, still has every draft accepted (its K/V of the prefix are right). One
+    whose prefix was cached while nothing drafted (penalties) has the draft compute it all,
+    though its blocks (22 in all, so they are reused) held the draft's K/V of other tokens."""
+    directory, hf_model = tiny
+    engine = make_engine(directory, directory, num_kv_blocks=22, max_model_len=88)
+    proposer = engine.proposer
+    assert isinstance(proposer, DraftModelProposer)
+    computed: list[int] = []  # each pass's catch-up lengths
+    run = proposer._run
+
+    def counting_run(rows: list, counts: list[int]) -> list[list[int]]:
+        computed.extend(end - start for _, start, end in rows)
+        return run(rows, counts)
+
+    monkeypatch.setattr(proposer, "_run", counting_run)
+    prefix = random_prompts(5)[4]  # 64 tokens: 16 blocks of 4
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+    first = [*prefix, 7]
+    assert run_engine(engine, [first], max_tokens=12) == [hf_greedy(hf_model, first, 12)]
+    # Drafting starts after the prompt's step: the prompt and its first token.
+    assert computed[0] == 66  # the first request: all of it
+    computed.clear()
+    drafts_before = engine.num_draft_tokens
+    outputs = generate(engine, {"again": ([*prefix, 9, 3], greedy)})
+    assert [t for o in outputs["again"] for t in o.new_token_ids] == hf_greedy(
+        hf_model, [*prefix, 9, 3], 12
+    )
+    assert computed[0] == 67 - 64  # the prefix's 64 tokens were in the draft's cache
+    assert engine.num_draft_tokens > drafts_before
+    assert engine.num_accepted_tokens == engine.num_draft_tokens
+    # A prefix computed without drafting (penalties: no drafts) is not the draft's to reuse.
+    other = random_prompts(8, seed=2)[6]  # 40 tokens
+    penalized = SamplingParams(max_tokens=4, ignore_eos=True, repetition_penalty=1.2)
+    generate(engine, {"penalized": ([*other, 5], penalized)})
+    computed.clear()
+    generate(engine, {"after": ([*other, 6], greedy)})
+    assert engine.block_manager.num_hit_tokens >= 64 + 40
+    assert computed[0] == 42
+    assert engine.num_accepted_tokens == engine.num_draft_tokens
+    assert_all_blocks_free(engine)
+
+
 def test_sampled_output_follows_the_target_distribution(tmp_path: Path) -> None:
     """Many seeds of a tiny vocabulary, another random model drafting: the first two
     tokens' joint frequencies against transformers' probabilities (chi-squared)."""
