@@ -9,14 +9,17 @@ engine sizes the memory for the two caches together). A request's
 ``num_draft_cached_tokens`` says how many of its first tokens the draft's cache holds:
 only tokens the request has, never drafts, so rejected drafts need no roll-back here (their
 slots are written again before anything reads them), and a preemption, which frees the
-blocks, starts it over at 0 (``BlockManager.release``).
+blocks, starts it over at 0 (``BlockManager.release``). A block the draft has filled stays
+marked so in the block manager until it is handed out for other tokens, so a request that
+takes a cached prefix starts the draft after the part of it the draft holds.
 
 Proposing for a batch is k forward passes of the draft over every drafting request at once:
 one over the tokens its cache lacks (after a verify step, the accepted drafts and the token
-after them; a request's whole prompt the first time, chunked by the step's token budget),
-whose last logits give the first draft, then k - 1 one-token decode steps, each taking the
-last step's argmax on the device. The attention metadata of all k passes is packed on the
-host in numpy and moved in one copy; the drafts come back in one copy at the end.
+after them; a request's prompt the first time, past what a cached prefix brings, chunked by
+the step's token budget), whose last logits give the first draft, then k - 1 one-token
+decode steps, each taking the last step's argmax on the device. The attention metadata of
+all k passes is packed on the host in numpy and moved in one copy; the drafts come back in
+one copy at the end.
 
 On CUDA the passes replay CUDA graphs (``engine/cuda_graphs.py``), captured at start-up
 up to the batch the target's verify graphs reach: a draft of 30 layers launched op by op
