@@ -88,10 +88,10 @@ class WorkerGroup:
 
     def close(self) -> None:
         """Stop the workers (each finishes the step it runs) and leave the process group
-        with them. NCCL tears a communicator down on all ranks together: a rank that leaves
-        after the others have gone waits for them forever (the engine hung at exit on two
-        H200s), so rank 0 leaves while the workers do, and stops waiting after a while in
-        case one of them is gone."""
+        with them. Every rank has freed its CUDA graphs first (``LLMEngine.close``,
+        ``worker_main``): with them alive the teardown never returned on two H200s. Rank 0
+        leaves while the workers do, since some NCCL versions tear a communicator down on
+        all ranks together, and stops waiting after a while in case one of them is gone."""
         if self._closing:
             return
         self._closing = True

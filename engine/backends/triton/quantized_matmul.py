@@ -193,10 +193,12 @@ def weight_only_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor
     assert codes.shape[1] == depth and scale.shape == (channels,)
     assert x.stride(1) == 1 and codes.stride(1) == 1 and scale.dtype == torch.float32
     out = x.new_empty(rows, channels)
+    # Only a few rows may split (``_prune``); more get a placeholder workspace and counter.
     splits = _INTERPRETED or rows <= _MAX_SPLIT_ROWS
     partial = x.new_empty(_MAX_SPLIT_K * rows * channels if splits else 1, dtype=torch.float32)
     # One counter per (row block, 16 channels): enough for any split config's tiles.
-    counters = _tile_counters(x.device, triton.cdiv(rows, 16) * triton.cdiv(channels, 16))
+    tiles = triton.cdiv(rows, 16) * triton.cdiv(channels, 16) if splits else 1
+    counters = _tile_counters(x.device, tiles)
 
     def grid(meta: dict) -> tuple[int, int, int]:
         return (
