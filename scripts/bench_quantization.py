@@ -79,12 +79,10 @@ PROMPTS = [
     "Water boils at 100 degrees Celsius because",
 ]
 # 8B's linear layers: (name, output features, input features).
-LLAMA_8B_LINEARS = [
-    ("qkv", 6144, 4096),
-    ("o", 4096, 4096),
-    ("gate_up", 28672, 4096),
-    ("down", 4096, 14336),
-]
+LINEARS = {  # (name, output size, input size) of each linear layer of a decoder layer
+    "8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)],
+    "1b": [("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192)],
+}
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -263,13 +261,15 @@ def graphed_us(fn: Callable[[], object], repeats: int = 20) -> float:
 
 
 def gemm_paths(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """The ways to multiply by ``weight`` [N, K]: bf16, the weight-only kernel over int8 and
-    fp8 codes, and fp8 W8A8 (the activation quantized per token, then torch._scaled_mm)."""
+    """The ways to multiply by ``weight`` [N, K]: bf16 (cuBLAS, and the weight-only kernel
+    over the bf16 weight as its codes), the weight-only kernel over int8 and fp8 codes, and
+    fp8 W8A8 (the activation quantized per token, then torch._scaled_mm)."""
     from engine.backends.triton.quantized_matmul import weight_only_matmul
 
     bf16_weight = weight.bfloat16()
     int8_codes, int8_scale = quantize_per_channel(weight, torch.int8)
     fp8_codes, fp8_scale = quantize_per_channel(weight, FP8)
+    ones = torch.ones(weight.shape[0], device=weight.device)
 
     def w8a8(x: torch.Tensor) -> torch.Tensor:
         codes, scale = quantize_per_token_fp8(x)
@@ -279,21 +279,24 @@ def gemm_paths(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch
 
     return {
         "bf16": lambda x: F.linear(x, bf16_weight),
+        "bf16-triton": lambda x: weight_only_matmul(x, bf16_weight, ones),
         "int8": lambda x: weight_only_matmul(x, int8_codes, int8_scale),
         "fp8-wo": lambda x: weight_only_matmul(x, fp8_codes, fp8_scale),
         "fp8-w8a8": w8a8,
     }
 
 
-def kernels(row_counts: tuple[int, ...]) -> list[str]:
+def kernels(row_counts: tuple[int, ...], shapes: list[str]) -> list[str]:
     device = torch.device("cuda")
     rows = [
-        "| layer | rows | bf16 (us) | int8 weight-only (us) | fp8 weight-only (us) | "
-        "fp8 W8A8 (us) | fp8 weight-only GB/s | faster fp8 path | rule says |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+        "| layer | rows | bf16 (us) | bf16 Triton (us) | int8 weight-only (us) | "
+        "fp8 weight-only (us) | fp8 W8A8 (us) | bf16 GB/s | fp8 weight-only GB/s | "
+        "faster fp8 path | rule says |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     disagreements = 0
-    for name, output_size, input_size in LLAMA_8B_LINEARS:
+    linears = [(f"{shape} {name}", n, k) for shape in shapes for name, n, k in LINEARS[shape]]
+    for name, output_size, input_size in linears:
         weight = torch.randn(output_size, input_size, device=device) * 0.02
         paths = gemm_paths(weight)
         for count in row_counts:
@@ -308,10 +311,13 @@ def kernels(row_counts: tuple[int, ...]) -> list[str]:
             faster = "weight-only" if us["fp8-wo"] <= us["fp8-w8a8"] else "W8A8"
             rule = "weight-only" if count <= WEIGHT_ONLY_MAX_TOKENS else "W8A8"
             disagreements += faster != rule
+            elements = output_size * input_size
+            bf16_us = min(us["bf16"], us["bf16-triton"])
             rows.append(
                 f"| {name} {output_size}x{input_size} | {count} | {us['bf16']:.1f} | "
-                f"{us['int8']:.1f} | {us['fp8-wo']:.1f} | {us['fp8-w8a8']:.1f} | "
-                f"{output_size * input_size / us['fp8-wo'] / 1e3:.0f} | {faster} | {rule} |"
+                f"{us['bf16-triton']:.1f} | {us['int8']:.1f} | {us['fp8-wo']:.1f} | "
+                f"{us['fp8-w8a8']:.1f} | {2 * elements / bf16_us / 1e3:.0f} | "
+                f"{elements / us['fp8-wo'] / 1e3:.0f} | {faster} | {rule} |"
             )
             print(rows[-1], flush=True)
     rows.append(
@@ -334,6 +340,9 @@ def main() -> None:
     parser.add_argument(
         "--rows", type=int, nargs="+", default=list(ROWS), help="--kernels: the row counts"
     )
+    parser.add_argument(
+        "--shapes", nargs="+", default=["8b"], choices=sorted(LINEARS), help="--kernels: layers"
+    )
     parser.add_argument("--speed-model", help="CUDA: decode speed of this checkpoint only")
     parser.add_argument(
         "--load-format", default="auto", choices=["auto", "dummy"], help="with --speed-model"
@@ -344,7 +353,7 @@ def main() -> None:
         + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")
     )
     if args.kernels:
-        table = kernels(tuple(args.rows))
+        table = kernels(tuple(args.rows), args.shapes)
     elif args.speed_model:
         table = speed_only(args)
     else:

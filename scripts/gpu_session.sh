@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests and/or benchmarks, logs under $OUT (or /tmp).
 #
-#   scripts/gpu_session.sh tests|perf|perf-fp8|quant|quant-speed|serving|spec|bench-1b|bench-8b|bench-qwen3|structured-1b|profile-1b|profile-8b|profile-qwen3|profile-qwen3-fp8 ...
+#   scripts/gpu_session.sh tests|perf|perf-fp8|fp8-widen|quant|quant-speed|serving|spec|bench-1b|bench-8b|bench-qwen3|structured-1b|profile-1b|profile-8b|profile-qwen3|profile-qwen3-fp8 ...
 #   scripts/gpu_session.sh tp-check tp-8b tp-70b   # tensor parallelism, on 2 GPUs (TP=4/8: TP=N)
 #   scripts/gpu_session.sh bench-dp|bench-dp-smoke  # data parallelism
 #   SPEC_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh spec spec-f32  # speculative decoding
@@ -94,6 +94,27 @@ for stage in "$@"; do
       grep -hE "passed|failed" "$out/quant-tests.log" | tail -1
       grep -hE "^the rule" "$out/quant-kernels.log"
       for q in "" -fp8 -int8; do echo "latency-8b$q:"; grep -hE "^tandem, " "$out/latency-8b$q.log"; done ;;
+    fp8-widen)  # fp8 widened by placing bits (fp8_widen.py): the kernels' tests on CUDA, decode
+      # attention over fp8 and bf16 caches, 8B fp8 batch 1 (and its start), 1B batch 1 and
+      # Qwen3 offline over fp8 and bf16 caches
+      python3 -m pytest -q -rs tests/engine/test_kernels.py -p no:cacheprovider 2>&1 \
+        | tee "$out/kernel-tests.log" | tail -3
+      for kv in auto fp8; do
+        timeout 150 python3 scripts/bench_kernels.py --head-dims 64 128 256 --batches 1 64 256 \
+          --contexts 1024 4096 --kv-cache-dtype $kv 2>&1 | tee "$out/attention-$kv.log" | grep -E "^ " | tail -20
+      done
+      m=/tmp/cfg-llama-3.1-8b
+      [ -f "$m/config.json" ] || python3 scripts/make_random_checkpoint.py --shape llama-3.1-8b --config-only --out "$m"
+      timeout 200 python3 scripts/bench_latency.py --model "$m" --load-format dummy --quantization fp8 2>&1 \
+        | tee "$out/latency-8b-fp8.log" | grep -hE "^tandem, |^roofline"
+      m=$(checkpoint llama-3.2-1b)
+      for kv in fp8 auto; do
+        timeout 120 python3 scripts/bench_latency.py --model "$m" --kv-cache-dtype $kv 2>&1 | tee "$out/latency-1b-$kv.log" | grep -hE "^tandem, "
+      done
+      m=$(checkpoint qwen3-0.6b)
+      for kv in fp8 auto; do
+        timeout 150 python3 scripts/bench_offline.py --model "$m" --kv-cache-dtype $kv 2>&1 | tee "$out/offline-qwen3-$kv.log" | tail -3
+      done ;;
     quant-speed)  # decode speed bf16/int8/fp8 at 1B and 8B (batch-1 TPOT, batch-64 step); 1B offline fp8
       for shape in llama-3.2-1b llama-3.1-8b; do
         m=/tmp/cfg-$shape

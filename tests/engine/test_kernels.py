@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from engine.attention import AttentionMetadata, LayerKVCache, Rotary
 from engine.backends.pytorch import TorchLayerOps, TorchPagedAttention, apply_rotary
@@ -33,6 +35,7 @@ from engine.backends.triton import (
     silu_and_mul,
 )
 from engine.backends.triton.backend import TritonPagedAttention
+from engine.backends.triton.fp8_widen import widen, widen_factor
 from engine.batch import pad_verify
 from tests.kernel_reference import paged_attention_reference
 
@@ -307,6 +310,28 @@ def test_attention_reads_an_fp8_cache(decode: bool) -> None:
             *args, m.query_lens, m.query_starts, m.max_query_len, head_dim**-0.5
         )
     assert_rounding_close(out, attention_reference(q, batch, None))
+
+
+@triton.jit
+def _widen_kernel(codes_ptr, out_ptr, BLOCK: tl.constexpr) -> None:  # noqa: ANN001 (pointers)
+    offsets = tl.arange(0, BLOCK)
+    codes = tl.load(codes_ptr + offsets)
+    values = widen(codes, out_ptr.dtype.element_ty)
+    factor = widen_factor(codes_ptr.dtype.element_ty, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offsets, (values.to(tl.float32) * factor).to(out_ptr.dtype.element_ty))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_widening_by_bits_is_exact(dtype: torch.dtype) -> None:
+    """Every e4m3 code but NaN, subnormals and both zeros included, widens to its own value
+    (on CUDA by placing bits, ``fp8_widen``; the interpreter converts)."""
+    bits = torch.arange(256, dtype=torch.uint8, device=DEVICE)
+    bits[[0x7F, 0xFF]] = 0x3F  # the two NaN codes: 1.875 instead (256, a power of two)
+    codes = bits.view(FP8)
+    out = torch.empty(256, dtype=dtype, device=DEVICE)
+    _widen_kernel[(1,)](codes, out, BLOCK=256)
+    expected = codes.float().to(dtype)
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
 
 
 @pytest.mark.skipif(

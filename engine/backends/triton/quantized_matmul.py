@@ -2,9 +2,9 @@
 
 The weight stays one byte an element in memory (int8 or float8 e4m3 codes, [N, K]) and is
 widened to the activation's dtype tile by tile inside the kernel, exactly (every int8 and
-e4m3 value is a bfloat16); the per-output-channel scales multiply the float32 accumulator
-once at the end. At small batch a GEMM is bound by reading the weight, so this halves the
-bytes of a bf16 GEMM.
+e4m3 value is a bfloat16; e4m3 by placing bits, ``fp8_widen``); the per-output-channel
+scales multiply the float32 accumulator once at the end. At small batch a GEMM is bound by
+reading the weight, so this halves the bytes of a bf16 GEMM.
 
 At a few rows, one program per block of output channels is too few programs to keep the
 memory system busy (an 8B model's down projection: 128 programs of 14,336 weights a
@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 import triton.testing
+
+from engine.backends.triton.fp8_widen import widen, widen_factor
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Splitting K pays only where the rows are few: the workspace is SPLIT_K x rows x N floats.
@@ -142,8 +144,10 @@ def _weight_only_matmul_kernel(
             mask=k_mask[:, None] & col_mask[None, :],
             other=0.0,
         )
-        acc = tl.dot(x, codes.to(x.dtype), acc)
+        acc = tl.dot(x, widen(codes, x.dtype), acc)
+    # The codes' widening left them divided by a power of two (fp8: 2**120 into bfloat16).
     scale = tl.load(scale_ptr + cols, mask=col_mask, other=0.0)
+    scale *= widen_factor(codes_ptr.dtype.element_ty, x_ptr.dtype.element_ty)
     out_mask = row_mask[:, None] & col_mask[None, :]
     out_ptrs = out_ptr + rows[:, None] * stride_out + cols[None, :]
     if SPLIT_K == 1:
