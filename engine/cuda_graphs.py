@@ -90,6 +90,8 @@ class StepGraphs:
                     self.logits[size] = model(*args)
                 pool = graph.pool()
                 self.graphs[size] = graph
+            for graph in self.graphs.values():  # a graph's first replay uploads it: not a step's
+                graph.replay()
         self.pool = pool
         torch.cuda.synchronize(device)
         self.capture_seconds = time.perf_counter() - started

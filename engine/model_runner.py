@@ -28,6 +28,7 @@ from engine.model_config import ModelConfig
 from engine.models import build_model
 from engine.models.causal_lm import CausalLM
 from engine.parallel import SINGLE, TensorParallel
+from engine.prompt_graphs import PromptGraphs
 from engine.prompt_logprobs import ScoredChunk, ScoredPositions, read_scored
 from engine.quantization import resolve_quantization
 from engine.request import Request
@@ -292,9 +293,14 @@ class ModelRunner:
         self.verify_query_len = 1 + config.num_speculative_tokens if speculative else 0
         self.decode_graphs: StepGraphs | None = None
         self.verify_graphs: StepGraphs | None = None
+        self.prompt_graphs: PromptGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             if self.attention.supports_cuda_graphs:
-                self._capture_graphs(config.max_num_seqs, max_speculative_batch(config))
+                self._capture_graphs(
+                    config.max_num_seqs,
+                    max_speculative_batch(config),
+                    config.max_num_batched_tokens,
+                )
             else:
                 logger.info(
                     "decode steps run eagerly: the %s backend cannot run in CUDA graphs",
@@ -397,12 +403,13 @@ class ModelRunner:
         return peak
 
     @torch.inference_mode()
-    def _capture_graphs(self, max_batch: int, max_verify_batch: int) -> None:
-        """Record the decode step, and with speculative decoding the verify step (of up to
-        ``max_verify_batch`` sequences), as CUDA graphs; the cache must be allocated. The
-        verify graphs first: their steps are the larger, and the decode graphs fit in the
-        memory pool they made. (Each graph keeps its logits in the pool: the verify graphs'
-        take 1 + k times the decode graphs' memory at the same batch sizes.)"""
+    def _capture_graphs(self, max_batch: int, max_verify_batch: int, max_step_tokens: int) -> None:
+        """Record the decode step, with speculative decoding the verify step (of up to
+        ``max_verify_batch`` sequences), and one sequence's prompt steps, as CUDA graphs;
+        the cache must be allocated. The verify graphs first: their steps are the larger,
+        and the decode graphs fit in the memory pool they made. (Each graph keeps its
+        logits in the pool: the verify graphs' take 1 + k times the decode graphs' memory
+        at the same batch sizes.)"""
         max_blocks = -(-self.max_model_len // self.block_size)
         args = (self.model, self.attention)
         pool = None
@@ -412,16 +419,19 @@ class ModelRunner:
             )
             pool = self.verify_graphs.pool
         self.decode_graphs = StepGraphs(*args, max_batch, max_blocks, self.device, pool=pool)
+        self.prompt_graphs = PromptGraphs(
+            *args, max_step_tokens, max_blocks, self.device, self.decode_graphs.pool
+        )
 
     def release_graphs(self) -> None:
         """Free the CUDA graphs (the runner steps eagerly after this): before a
         tensor-parallel group closes, which cannot while graphs of its collectives live."""
         if self.decode_graphs is not None:
             torch.cuda.synchronize(self.device)  # no step in flight replays one
-        for graphs in (self.decode_graphs, self.verify_graphs):
+        for graphs in (self.decode_graphs, self.verify_graphs, self.prompt_graphs):
             if graphs is not None:
                 graphs.release()
-        self.decode_graphs = self.verify_graphs = None
+        self.decode_graphs = self.verify_graphs = self.prompt_graphs = None
 
     def step_inputs(self, batch: list[Request]) -> StepInputs:
         """``batch``'s scheduled tokens as a forward pass's inputs; the requests are left as
@@ -448,9 +458,9 @@ class ModelRunner:
         return ForwardedStep(batch, inputs.rows, logits, inputs.scored, inputs.num_drafts)
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
-        """The step's logits: a pure decode or a verify step of decodes alone on CUDA by
-        graph replay, else op by op. (What a tensor-parallel worker runs for each step it
-        receives.)"""
+        """The step's logits: a pure decode, a verify step of decodes alone, or one short
+        prompt step on CUDA by graph replay, else op by op. (What a tensor-parallel worker
+        runs for each step it receives.)"""
         graphs = None
         if inputs.uniform_query_len == 1:
             graphs = self.decode_graphs
@@ -458,6 +468,8 @@ class ModelRunner:
             graphs = self.verify_graphs
         if graphs is not None and graphs.fits(inputs.num_seqs):
             return graphs.run(inputs)
+        if self.prompt_graphs is not None and self.prompt_graphs.fits(inputs.shape):
+            return self.prompt_graphs.run(inputs)
         return self.forward_eager(inputs)
 
     @torch.inference_mode()

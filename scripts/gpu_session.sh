@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests and/or benchmarks, logs under $OUT (or /tmp).
 #
-#   scripts/gpu_session.sh tests|perf|perf-fp8|fp8-widen|quant|quant-speed|serving|spec|bench-1b|bench-8b|bench-qwen3|structured-1b|profile-1b|profile-8b|profile-qwen3|profile-qwen3-fp8 ...
+#   scripts/gpu_session.sh tests|perf|perf-fp8|fp8-widen|quant|quant-speed|serving|spec|bench-1b|bench-8b|bench-qwen3|structured-1b|profile-1b|profile-8b|profile-8b-fp8|profile-ttft|profile-qwen3|profile-qwen3-fp8 ...
 #   scripts/gpu_session.sh tp-check tp-8b tp-70b   # tensor parallelism, on 2 GPUs (TP=4/8: TP=N)
 #   scripts/gpu_session.sh bench-dp|bench-dp-smoke  # data parallelism
 #   SPEC_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh spec spec-f32  # speculative decoding
@@ -169,6 +169,13 @@ for stage in "$@"; do
     profile-qwen3-fp8)  # the same step over an fp8 KV cache
       m=$(checkpoint qwen3-0.6b)
       timeout 300 python3 scripts/profile_step.py --model "$m" --batch 256 --context 840 --kv-cache-dtype fp8 2>&1 | tee "$out/profile-qwen3-fp8.log" | grep -v USDT ;;
+    profile-ttft)  # issue 14: where a 128-token prompt's time to first token goes (1B shape)
+      m=$(checkpoint llama-3.2-1b)
+      timeout 300 python3 scripts/profile_step.py --model "$m" --prefill --context 128 --top 16 2>&1 | tee "$out/profile-ttft-1b.log" | grep -v USDT ;;
+    profile-8b-fp8)  # the 8B fp8 batch-1 decode step
+      m=/tmp/cfg-llama-3.1-8b
+      [ -f "$m/config.json" ] || python3 scripts/make_random_checkpoint.py --shape llama-3.1-8b --config-only --out "$m"
+      timeout 300 python3 scripts/profile_step.py --model "$m" --load-format dummy --quantization fp8 --batch 1 --top 16 2>&1 | tee "$out/profile-8b-fp8.log" | grep -v USDT ;;
     profile-8b)
       m=$(checkpoint llama-3.1-8b)
       timeout 300 python3 scripts/profile_step.py --model "$m" 2>&1 | tee "$out/profile-8b.log" | grep -v USDT ;;

@@ -1,6 +1,7 @@
 """Where a decode step's time goes: wall time, device kernel time, and the host's share.
 
     python scripts/profile_step.py --model DIR [--batch 1 --batch 256] [--context 512]
+                                   [--prefill] [--quantization fp8] [--load-format dummy]
 
 For each batch size, BATCH requests of CONTEXT random prompt tokens are prefilled, then
 decode steps run through the engine as in serving (scheduler, input packing, CUDA-graph
@@ -9,6 +10,9 @@ device's kernel time (from torch.profiler, over as many more steps), the differe
 (host work and launch gaps the GPU waits through), the kernels that take the most
 device time, and the host functions that take the most time under cProfile. On CPU only
 host times exist.
+
+--prefill profiles time to first token instead: one request of CONTEXT new random tokens
+at a time, from its admission to its first token, as many times.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -70,11 +75,61 @@ def profile_batch(engine: LLMEngine, batch: int, context: int, steps: int, top: 
             engine.step()
     for request in list(engine.requests.values()):
         engine.abort(request.client, request.request_id)
+    print(f"\nbatch {batch}, context {context}: {wall_ms:.3f} ms per decode step (wall)")
+    report(profiler, host_profile, wall_ms, steps, top, cuda)
 
+
+def first_token(engine: LLMEngine, prompt: list[int], name: str) -> None:
+    """One request from admission to its first token (then aborted)."""
+    engine.add_request(b"profile", name, prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+    while not engine.requests[(b"profile", name)].output_token_ids:
+        engine.step()
+    engine.abort(b"profile", name)
+    engine.sync()
+
+
+def profile_prefill(engine: LLMEngine, context: int, repeats: int, top: int) -> None:
+    """Time to first token of a CONTEXT-token prompt, nothing cached (random tokens)."""
+    generator = torch.Generator().manual_seed(1)
+    prompts = [
+        torch.randint(0, engine.vocab_size, (context,), generator=generator).tolist()
+        for _ in range(4 * repeats + 1)
+    ]
+    first_token(engine, prompts.pop(), "warm-up")
+    timings = []
+    for i in range(repeats):
+        started = time.perf_counter()
+        first_token(engine, prompts.pop(), f"timed-{i}")
+        timings.append((time.perf_counter() - started) * 1e3)
+    cuda = engine.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as profiler:
+        for i in range(repeats):
+            first_token(engine, prompts.pop(), f"profiled-{i}")
+    host_profile = cProfile.Profile()
+    with host_profile:
+        for i in range(repeats):
+            first_token(engine, prompts.pop(), f"cprofiled-{i}")
+    wall_ms = statistics.median(timings)
+    print(
+        f"\nprefill of {context} tokens to the first token: {wall_ms:.3f} ms (wall, median of "
+        f"{repeats}; {min(timings):.3f}-{max(timings):.3f})"
+    )
+    report(profiler, host_profile, wall_ms, repeats, top, cuda)
+
+
+def report(
+    profiler: profile,
+    host_profile: cProfile.Profile,
+    wall_ms: float,
+    steps: int,
+    top: int,
+    cuda: bool,
+) -> None:
+    """Per step: kernel time against the wall time, the top kernels, the top host functions."""
     events = profiler.key_averages()
     if cuda:  # the kernels themselves: the ops that launched them would count them again
         events = [e for e in events if e.device_type == DeviceType.CUDA]
-    print(f"\nbatch {batch}, context {context}: {wall_ms:.3f} ms per decode step (wall)")
     if cuda:
         kernel_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps
         print(
@@ -116,6 +171,9 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    parser.add_argument("--quantization", choices=["fp8", "int8"], help="the engine's")
+    parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
+    parser.add_argument("--prefill", action="store_true", help="time to first token instead")
     args = parser.parse_args()
     batches = args.batch or [1, 256]
     engine = LLMEngine(
@@ -126,8 +184,13 @@ def main() -> None:
             max_model_len=args.context + MAX_NEW_TOKENS,
             enforce_eager=args.enforce_eager,
             kv_cache_dtype=args.kv_cache_dtype,
+            quantization=args.quantization,
+            load_format=args.load_format,
         )
     )
+    if args.prefill:
+        profile_prefill(engine, args.context, args.steps, args.top)
+        return
     for batch in batches:
         profile_batch(engine, batch, args.context, args.steps, args.top)
 

@@ -162,6 +162,43 @@ def test_graph_decode_equals_eager_decode(engine_fp32: LLMEngine) -> None:
     torch.testing.assert_close(graphed, eager, rtol=1e-3, atol=1e-3)
 
 
+def _graph_and_eager_prompt(engine: LLMEngine, prompt: list[int]) -> tuple[torch.Tensor, ...]:
+    """Logits of ``prompt``'s step alone (after whatever prefix the cache holds): replayed
+    from a prompt graph (tokens padded to a captured length), and op by op."""
+    assert engine.runner.prompt_graphs is not None
+    engine.sync()
+    engine.add_request(b"gpu", "prompt", prompt, SamplingParams(max_tokens=4))
+    batch = engine.scheduler.schedule()
+    inputs = engine.runner.step_inputs(batch)
+    assert len(batch) == 1 and engine.runner.prompt_graphs.fits(inputs.shape)
+    with torch.inference_mode():
+        eager = engine.runner.forward_eager(inputs).clone()
+        replays = engine.runner.prompt_graphs.num_replays
+        graphed = engine.runner.prompt_graphs.run(inputs).clone()
+        assert engine.runner.prompt_graphs.num_replays == replays + 1
+    engine.abort(b"gpu", "prompt")
+    return graphed, eager, inputs.metadata.context_lens, inputs.metadata.query_lens
+
+
+def test_prompt_graph_equals_eager_prompt(engine_fp32: LLMEngine) -> None:
+    """One sequence's prompt step replayed from a graph of 16-512 tokens gives the eager
+    step's logits: whole prompts of several lengths (padded 1-467 tokens), and the new
+    tokens after a cached prefix (context longer than the step). Each prompt alone then
+    generates what it does in a batch, whose steps run op by op (the test above)."""
+    engine = engine_fp32
+    prompts = [*_prompts(4), [7] * 16, [9] * 45]
+    for prompt in prompts:
+        graphed, eager, context_lens, query_lens = _graph_and_eager_prompt(engine, prompt)
+        assert graphed.shape == eager.shape == (1, engine.vocab_size)
+        torch.testing.assert_close(graphed, eager, rtol=1e-3, atol=1e-3)
+        assert context_lens.tolist() == query_lens.tolist() == [len(prompt)]
+    prefix = list(range(100, 164))
+    run_engine(engine, [prefix], max_tokens=2)  # leaves its full blocks in the prefix cache
+    graphed, eager, context_lens, query_lens = _graph_and_eager_prompt(engine, prefix + [5] * 20)
+    torch.testing.assert_close(graphed, eager, rtol=1e-3, atol=1e-3)
+    assert context_lens.item() == 84 and query_lens.item() < 84  # after the cached prefix
+
+
 def test_sampling_parameters_batched_and_overlapped_equal_one_at_a_time(
     engine_fp32: LLMEngine, llama_1b: Path
 ) -> None:

@@ -61,6 +61,10 @@ _STEP_ARGUMENTS = [
 # Scores below any real one: a row whose keys are all masked keeps a finite max, so its
 # rescaling factors stay exp2(0) = 1 instead of exp2(-inf - -inf) = NaN.
 _NO_SCORE = tl.constexpr(-1.0e30)
+# The split workspace's strides follow the step's split count (a head's row is
+# num_splits * (head_dim + 2) floats), and so does their divisibility by 16: specialized, a
+# split count the warm-up did not use would compile another variant mid-run.
+_WORKSPACE_STRIDES = ["stride_ws_seq", "stride_ws_head"]
 
 
 @triton.jit
@@ -141,8 +145,13 @@ def _attend_keys(
 
 
 @triton.jit(
-    do_not_specialize=["stride_table"],
-    do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr", "stride_table"],
+    do_not_specialize=["stride_table", *_WORKSPACE_STRIDES],
+    do_not_specialize_on_alignment=[
+        "block_tables_ptr",
+        "context_lens_ptr",
+        "stride_table",
+        *_WORKSPACE_STRIDES,
+    ],
 )
 def _decode_kernel(
     q_ptr,
@@ -248,7 +257,10 @@ def _decode_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["num_splits"])
+@triton.jit(
+    do_not_specialize=["num_splits", *_WORKSPACE_STRIDES],
+    do_not_specialize_on_alignment=["num_splits", *_WORKSPACE_STRIDES],
+)
 def _decode_merge_kernel(
     workspace_ptr,
     out_ptr,
