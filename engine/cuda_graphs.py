@@ -28,6 +28,32 @@ logger = logging.getLogger(__name__)
 CAPTURE_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 
+def capture_forward(
+    model: CausalLM,
+    attention: AttentionBackend,
+    args: tuple[torch.Tensor, AttentionMetadata, torch.Tensor],
+    pool: tuple[int, int] | None,
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A graph of the backend's ``prepare`` and the model's forward pass over ``args``, in
+    ``pool`` (None: a new one), and the logits it leaves. Run once first: Triton compiles
+    and autotunes outside the capture."""
+    metadata = args[1]
+    attention.prepare(metadata)
+    model(*args)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        attention.prepare(metadata)
+        logits = model(*args)
+    return graph, logits
+
+
+def replay_once(graphs: dict[int, torch.cuda.CUDAGraph]) -> None:
+    """Replay each graph (over its capture's padding, which writes nothing): the first
+    replay uploads a graph to the device, which a request should not wait for."""
+    for graph in graphs.values():
+        graph.replay()
+
+
 class StepGraphs:
     def __init__(
         self,
@@ -81,17 +107,10 @@ class StepGraphs:
                 self._pad(0, size)
                 # Logits at every token: the caller picks the real ones.
                 args = (self.input_ids[:num_tokens], metadata, tokens[:num_tokens])
-                # Warm-up: Triton compiles and autotunes outside the capture.
-                attention.prepare(metadata)
-                model(*args)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    attention.prepare(metadata)
-                    self.logits[size] = model(*args)
+                graph, self.logits[size] = capture_forward(model, attention, args, pool)
                 pool = graph.pool()
                 self.graphs[size] = graph
-            for graph in self.graphs.values():  # a graph's first replay uploads it: not a step's
-                graph.replay()
+            replay_once(self.graphs)
         self.pool = pool
         torch.cuda.synchronize(device)
         self.capture_seconds = time.perf_counter() - started

@@ -26,6 +26,7 @@ import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.batch import StepInputs, StepShape
+from engine.cuda_graphs import capture_forward, replay_once
 from engine.models.causal_lm import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -81,16 +82,10 @@ class PromptGraphs:
                 self.context_lens.fill_(length)
                 self.query_lens.fill_(length)
                 args = (self.input_ids[:length], metadata, self.logits_index)
-                attention.prepare(metadata)  # warm-up: Triton compiles outside the capture
-                model(*args)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    attention.prepare(metadata)
-                    self.logits[length] = model(*args)
+                graph, self.logits[length] = capture_forward(model, attention, args, pool)
                 pool = graph.pool()
                 self.graphs[length] = graph
-            for graph in self.graphs.values():  # a graph's first replay uploads it: not a request's
-                graph.replay()
+            replay_once(self.graphs)
         torch.cuda.synchronize(device)
         logger.info(
             "captured CUDA graphs of one sequence's prompt steps of %s tokens in %.1f s",

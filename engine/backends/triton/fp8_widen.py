@@ -61,21 +61,12 @@ def widen(values, dtype: tl.constexpr, TRANSPOSED: tl.constexpr = False):
     through shared memory instead."""
     if _INTERPRETED or values.dtype != tl.float8e4nv:
         return values.to(dtype)
-    elif dtype == tl.bfloat16:
+    elif dtype == tl.bfloat16 or dtype == tl.float16:
         return tl.inline_asm_elementwise(
-            _TO_BF16_ASM,
+            _TO_BF16_ASM if dtype == tl.bfloat16 else _TO_FP16_ASM,
             "=r,=r,r",
             [values.to(tl.uint8, bitcast=True)],
-            dtype=tl.bfloat16,
-            is_pure=not TRANSPOSED,
-            pack=4,
-        )
-    elif dtype == tl.float16:
-        return tl.inline_asm_elementwise(
-            _TO_FP16_ASM,
-            "=r,=r,r",
-            [values.to(tl.uint8, bitcast=True)],
-            dtype=tl.float16,
+            dtype=tl.bfloat16 if dtype == tl.bfloat16 else tl.float16,
             is_pure=not TRANSPOSED,
             pack=4,
         )
