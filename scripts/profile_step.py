@@ -93,7 +93,7 @@ def profile_prefill(engine: LLMEngine, context: int, repeats: int, top: int) -> 
     generator = torch.Generator().manual_seed(1)
     prompts = [
         torch.randint(0, engine.vocab_size, (context,), generator=generator).tolist()
-        for _ in range(4 * repeats + 1)
+        for _ in range(3 * repeats + 1)  # a warm-up, then timed, profiled, cProfiled
     ]
     first_token(engine, prompts.pop(), "warm-up")
     timings = []

@@ -182,9 +182,10 @@ def _graph_and_eager_prompt(engine: LLMEngine, prompt: list[int]) -> tuple[torch
 
 def test_prompt_graph_equals_eager_prompt(engine_fp32: LLMEngine) -> None:
     """One sequence's prompt step replayed from a graph of 16-512 tokens gives the eager
-    step's logits: whole prompts of several lengths (padded 1-467 tokens), and the new
-    tokens after a cached prefix (context longer than the step). Each prompt alone then
-    generates what it does in a batch, whose steps run op by op (the test above)."""
+    step's logits: whole prompts of several lengths (one exactly a captured length, the
+    others padded), and the new tokens after a cached prefix (context longer than the
+    step). Each prompt alone then generates what it does in a batch, whose steps run op by
+    op (the test above)."""
     engine = engine_fp32
     prompts = [*_prompts(4), [7] * 16, [9] * 45]
     for prompt in prompts:
