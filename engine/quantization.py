@@ -4,7 +4,8 @@ The linear layers of ``engine.models.parallel_layers`` (QKV, O, gate/up, down) h
 ``LinearMethod`` and call it for everything about their weight; they never ask which one
 it is. Embeddings, norms and the LM head stay in the model's dtype.
 
-- ``LinearMethod``: the weight in the model's dtype, ``F.linear``.
+- ``LinearMethod``: the weight in the model's dtype, ``F.linear`` (``linear``: one row on
+  CUDA takes ``engine.backends.triton.one_row_matmul``).
 - ``Fp8Linear`` (``--quantization fp8``, compute capability >= 8.9, or the CPU): float8 e4m3
   weights with one float32 scale per output channel. A step of more than
   ``WEIGHT_ONLY_MAX_TOKENS`` tokens quantizes its activations per token, dynamically, and
@@ -31,6 +32,7 @@ channel, into per-channel scales: a part's per-tensor scale repeated over its ro
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +48,7 @@ INT8_MAX = 127
 # Scales of FP8 checkpoints that nothing here reads: static activation scales (activations
 # are quantized per token) and the KV cache's (stored unscaled, --kv-cache-dtype).
 UNREAD_SCALES = (".input_scale", ".k_scale", ".v_scale", ".kv_scale")
+Activation = Callable[[torch.Tensor], torch.Tensor]
 _MIN_SCALE = 1e-12  # an all-zero row's scale: its codes are all zero whatever it is
 
 
@@ -128,7 +131,16 @@ class LinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The layer's output for ``x`` [T, K], ``bias`` added if not None."""
-        return F.linear(x, layer.weight, bias)
+        return linear(x, layer.weight, bias)
+
+    def apply_silu_gated(
+        self, layer: nn.Module, gate_up: torch.Tensor, silu_and_mul: Activation
+    ) -> torch.Tensor:
+        """The layer's output for silu(gate) * up of ``gate_up`` [T, 2K] (a gated MLP's down
+        projection); one row on CUDA applies the activation inside the product."""
+        if _one_cuda_row(gate_up):
+            return _triton_one_row_matmul()(gate_up, layer.weight, gated=True)
+        return self.apply(layer, silu_and_mul(gate_up), None)
 
 
 class QuantizedLinear(LinearMethod):
@@ -177,6 +189,14 @@ class QuantizedLinear(LinearMethod):
     ) -> torch.Tensor:
         return with_bias(weight_only_matmul(x, layer.weight, layer.weight_scale), bias)
 
+    def apply_silu_gated(
+        self, layer: nn.Module, gate_up: torch.Tensor, silu_and_mul: Activation
+    ) -> torch.Tensor:
+        if _one_cuda_row(gate_up):
+            matmul = _triton_weight_only_matmul()
+            return matmul(gate_up, layer.weight, layer.weight_scale, gated=True)
+        return self.apply(layer, silu_and_mul(gate_up), None)
+
 
 class Int8Linear(QuantizedLinear):
     """W8A16: int8 weights, activations in the model's dtype, dequantized inside the GEMM."""
@@ -209,6 +229,18 @@ class Fp8Linear(QuantizedLinear):
         return with_bias(product, bias)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` over a weight in x's dtype; on CUDA, one row (a batch-1 decode step, a
+    prompt's LM head) takes the one-row kernel, which reads the weight faster than cuBLAS."""
+    if _one_cuda_row(x):
+        return with_bias(_triton_one_row_matmul()(x, weight), bias)
+    return F.linear(x, weight, bias)
+
+
+def _one_cuda_row(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+
+
 def with_bias(product: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return product if bias is None else product.add_(bias)
 
@@ -230,3 +262,10 @@ def _triton_weight_only_matmul():  # noqa: ANN202 -- the kernel's entry point
     from engine.backends.triton.quantized_matmul import weight_only_matmul
 
     return weight_only_matmul
+
+
+@functools.cache
+def _triton_one_row_matmul():  # noqa: ANN202 -- the kernel's entry point
+    from engine.backends.triton.one_row_matmul import one_row_matmul
+
+    return one_row_matmul

@@ -245,7 +245,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.act is F.silu:
-            return self.down_proj(self.ops.silu_and_mul(gate_up))
+            return self.down_proj.forward_silu_gated(gate_up, self.ops.silu_and_mul)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 

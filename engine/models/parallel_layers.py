@@ -24,7 +24,7 @@ from torch import nn
 
 from engine.checkpoint.checkpoint import TensorSlices
 from engine.parallel import TensorParallel
-from engine.quantization import LinearMethod
+from engine.quantization import Activation, LinearMethod, linear
 
 UNQUANTIZED = LinearMethod()
 
@@ -152,6 +152,11 @@ class RowParallelLinear(ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.multiply(x))
 
+    def forward_silu_gated(self, gate_up: torch.Tensor, silu_and_mul: Activation) -> torch.Tensor:
+        """forward(silu_and_mul(gate_up)), the activation fused into the product where the
+        method can (``LinearMethod.apply_silu_gated``)."""
+        return self.tp.all_reduce(self.method.apply_silu_gated(self, gate_up, silu_and_mul))
+
     def load(self, param: str, part: int, source: TensorSlices, hf_name: str) -> None:
         self.load_weight_rows(param, 0, source, hf_name, 1, self.columns)
 
@@ -180,7 +185,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head's logits of ``hidden`` over the whole vocabulary, on every rank."""
-        logits = self.tp.all_gather(F.linear(hidden, self.weight))
+        logits = self.tp.all_gather(linear(hidden, self.weight))
         if logits.shape[-1] == self.vocab_size:
             return logits
         return logits[:, : self.vocab_size].contiguous()

@@ -36,6 +36,7 @@ from engine.backends.triton import (
 )
 from engine.backends.triton.backend import TritonPagedAttention
 from engine.backends.triton.fp8_widen import widen, widen_factor
+from engine.backends.triton.one_row_matmul import one_row_matmul
 from engine.batch import pad_verify
 from tests.kernel_reference import paged_attention_reference
 
@@ -611,3 +612,16 @@ def test_silu_and_mul() -> None:
     out = torch.full((num_rows, intermediate), float("nan"), dtype=DTYPE, device=DEVICE)
     assert silu_and_mul(x, out=out) is out
     assert_rounding_close(out, REFERENCE_OPS.silu_and_mul(x.float()))
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_one_row_matmul(gated: bool) -> None:
+    # Sizes off every tile: the last block of channels and the last chunk of K are partial.
+    channels, depth = 37, 300
+    x = randn(1, 2 * depth if gated else depth)
+    weight = randn(channels, depth)
+    got = one_row_matmul(x, weight, gated=gated)
+    assert got.shape == (1, channels) and got.dtype == DTYPE
+    # The gated input is silu(gate) * up rounded to DTYPE, as silu_and_mul stores it.
+    inputs = silu_and_mul(x) if gated else x
+    assert_rounding_close(got, inputs.float() @ weight.float().T)

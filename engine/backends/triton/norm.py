@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.backends.triton.dependent_launch import let_next_kernel_start
+
 
 @triton.jit
 def _add_rms_norm_kernel(
@@ -24,6 +26,7 @@ def _add_rms_norm_kernel(
     BLOCK: tl.constexpr,
 ):
     """Program per row; the whole row stays in registers between the add and the norm."""
+    let_next_kernel_start()  # a projection of one row, or the LM head (dependent_launch.py)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden_size

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.backends.triton.dependent_launch import let_next_kernel_start
 from engine.backends.triton.fp8_widen import widen, widen_factor
 
 # Rows of a prefill tile (query tokens x padded query heads of a group) and keys per tile.
@@ -188,6 +189,7 @@ def _decode_kernel(
 ):
     """Program (sequence, kv head, split): its part of the context, for the group's heads
     at each of the sequence's QUERY_LEN query tokens (rows seq * QUERY_LEN + token)."""
+    let_next_kernel_start()  # the output projection, one row (dependent_launch.py)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -276,6 +278,7 @@ def _decode_merge_kernel(
 ):
     """Program (query token, query head): rescale every split's partial sums to a common
     max, BLOCK_S splits at a time (one compiled variant for every split count)."""
+    let_next_kernel_start()  # the output projection, one row (dependent_launch.py)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     dims = tl.arange(0, BLOCK_D)

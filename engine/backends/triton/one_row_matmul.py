@@ -1,0 +1,132 @@
+"""One row times a weight matrix, ``x @ weight.T`` for x [1, K]: a batch-1 decode step's
+linear layers and LM head, and a prompt's LM head.
+
+One row reads each weight once and does two FLOPs per weight, so the product is bound by
+the weight's bytes and by how early each read starts, not by arithmetic. Tensor cores need
+16 rows and a trip through shared memory; here each program reads BLOCK_N whole weight rows
+in BLOCK_K-wide chunks straight into registers (wide loads, several in flight a thread),
+multiplies in float32 on the CUDA cores and reduces once at the end: no shared memory, no
+split of K, no second pass. On an H200 it beats cuBLAS at one row on every Llama linear
+layer measured (3-20%) and the tiled weight-only kernel on fp8 and int8 layers whose output
+is not much wider than their input (the projections; `quantized_matmul` chooses per shape).
+
+The weight may be bfloat16/float16 (the model's dtype), or int8 / float8 e4m3 codes with one
+float32 scale per output channel, widened in registers (``fp8_widen``) and scaled once.
+
+``gated``: x is a gated MLP's gate and up halves [1, 2K], and the input is silu(gate) * up,
+computed while it is read (rounded to x's dtype, as ``silu_and_mul`` stores it): the down
+projection without the activation's own kernel.
+
+Launched dependent (``dependent_launch``): it waits for the kernel before it first thing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+import triton.testing
+
+from engine.backends.triton.dependent_launch import (
+    launch_options,
+    let_next_kernel_start,
+    wait_for_previous_kernel,
+)
+from engine.backends.triton.fp8_widen import widen, widen_factor
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _configs() -> list[triton.Config]:
+    """(BLOCK_N, bytes a row a chunk, warps): the best of a sweep over 9 Llama shapes at 8B
+    and 1B, bf16 and fp8, and their neighbours (`docs/benchmarks.md`)."""
+    if _INTERPRETED:
+        return [triton.Config({"BLOCK_N": 4, "BLOCK_BYTES": 64})]
+    return [
+        triton.Config({"BLOCK_N": n, "BLOCK_BYTES": b}, num_warps=w, num_stages=1)
+        for n, b, w in ((4, 2048, 4), (4, 2048, 8), (8, 1024, 4), (8, 2048, 8), (16, 512, 8))
+    ]
+
+
+def _time_flushed(kernel_call: object, quantiles: list[float]) -> list[float]:
+    """Each candidate timed after the L2 cache is cleared, as a step's other layers leave it
+    (Triton's default, shortened: a few milliseconds a candidate at start-up)."""
+    return triton.testing.do_bench(kernel_call, warmup=2, rep=6, quantiles=quantiles)
+
+
+@triton.autotune(configs=_configs(), key=["N", "K", "GATED"], do_bench=_time_flushed)
+@triton.jit
+def _one_row_kernel(
+    x_ptr,
+    weight_ptr,
+    scale_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_weight,
+    HAS_SCALE: tl.constexpr,
+    GATED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_BYTES: tl.constexpr,
+):
+    """Program per BLOCK_N output channels; float32 sums."""
+    BLOCK_K: tl.constexpr = BLOCK_BYTES // weight_ptr.dtype.element_ty.primitive_bitwidth * 8
+    wait_for_previous_kernel()
+    let_next_kernel_start()  # the down projection after gate/up
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    weight_rows = weight_ptr + cols[:, None] * stride_weight
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        ks = start + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        weight = tl.load(
+            weight_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0
+        )
+        x = tl.load(x_ptr + ks, mask=k_mask, other=0.0)
+        if GATED:
+            gate = x.to(tl.float32)
+            up = tl.load(x_ptr + K + ks, mask=k_mask, other=0.0).to(tl.float32)
+            x = (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty)
+        acc += widen(weight, x.dtype).to(tl.float32) * x.to(tl.float32)[None, :]
+    out = tl.sum(acc, axis=1)
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr + cols, mask=col_mask, other=0.0)
+        # The codes' widening left them divided by a power of two (fp8: 2**120 into bfloat16).
+        out *= scale * widen_factor(weight_ptr.dtype.element_ty, x_ptr.dtype.element_ty)
+    tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+def one_row_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    *,
+    gated: bool = False,
+) -> torch.Tensor:
+    """x [1, K] (or [1, 2K] gate and up halves, ``gated``) and weight [N, K] in x's dtype,
+    or int8 / float8 e4m3 codes with float32 ``scale`` [N] -> [1, N] in x's dtype."""
+    channels, depth = weight.shape
+    assert x.shape == (1, 2 * depth if gated else depth) and x.stride(-1) == 1
+    assert weight.stride(1) == 1
+    assert (scale is None) == (weight.dtype == x.dtype), "codes need their scales"
+    out = x.new_empty(1, channels)
+
+    def grid(meta: dict) -> tuple[int]:
+        return (triton.cdiv(channels, meta["BLOCK_N"]),)
+
+    _one_row_kernel[grid](
+        x,
+        weight,
+        weight if scale is None else scale,  # unread without a scale
+        out,
+        channels,
+        depth,
+        weight.stride(0),
+        HAS_SCALE=scale is not None,
+        GATED=gated,
+        **launch_options(x.device),
+    )
+    return out
