@@ -10,8 +10,10 @@ Measures, for one `python -m engine` process: start time (process start to the
 handshake reply, i.e. weights loaded and serving), time to first token, and time
 per output token for one request of random token ids (seeds 0, 1, …: a new prompt each
 run, so no run finds another's prefix cached; ignore_eos), --runs times one after the
-other: the first run and the median are printed. With --peer, Hugging Face transformers'
-own generate() runs on the same weights and device in the same run, for comparison.
+other: the first run, the median and the range of each figure over the runs (least to
+greatest; a figure alike in every run printed once) are printed. With --peer, Hugging Face
+transformers' own generate() runs on the same weights and device in the same run, for
+comparison.
 
 The roofline (engine/roofline.py): the device's copy bandwidth and GEMM rate are measured
 before the engine starts; the engine writes the shape of every step it ran
@@ -19,7 +21,9 @@ before the engine starts; the engine writes the shape of every step it ran
 steps can take (per step the larger of bytes over bandwidth and FLOPs over GEMM rate). At
 --tensor-parallel-size N the bound is that of N GPUs, each reading and computing its share
 in parallel (the collectives between them are not counted). --json-out writes the median
-run's figures to FILE too (scripts/bench_tensor_parallel.py reads them).
+run's figures to FILE too, and their least and greatest over the runs (ttft_ms_min,
+ttft_ms_max, tpot_ms_min, tpot_ms_max, floor_share_min, floor_share_max;
+scripts/bench_tensor_parallel.py reads them).
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ from protocol import (  # noqa: E402
     TokenOutputs,
     decode_message,
 )
+from scripts.bench_offline import extremes, spread  # noqa: E402
 
 
 def random_prompt(vocab_size: int, length: int, seed: int = 0) -> list[int]:
@@ -274,7 +279,9 @@ def main() -> None:
     parser.add_argument(
         "--load-format", default="auto", choices=["auto", "dummy"], help="the engine's"
     )
-    parser.add_argument("--json-out", type=Path, help="also write the median's figures here")
+    parser.add_argument(
+        "--json-out", type=Path, help="also write the median's figures and their range here"
+    )
     args = parser.parse_args()
 
     if args.shared_prefix_len and args.runs < 2:
@@ -301,39 +308,52 @@ def main() -> None:
             statistics.median(v.tpot_s for v in values),
         )
 
-    rows = [
-        ("tandem, first run", start_s, runs[0], bounds[0]),
-        (f"tandem, median of {len(runs)}", start_s, median(runs), median(bounds)),
+    # Each row's runs and their rooflines: its figures are the spread of those (one run: its own).
+    rows: list[tuple[str, float, list[Latency], list[Latency] | None]] = [
+        ("tandem, first run", start_s, runs[:1], bounds[:1]),
+        (f"tandem, median of {len(runs)}", start_s, [median(runs)], [median(bounds)]),
+        (f"tandem, range of {len(runs)}", start_s, runs, bounds),
     ]
     if args.peer:
-        rows.append(("transformers generate", *bench_transformers(args), None))
+        load_s, peer = bench_transformers(args)
+        rows.append(("transformers generate", load_s, [peer], None))
     if args.shared_prefix_len:
-        cached = statistics.median(r.ttft_s for r in runs[1:])
+        cached = [r.ttft_s * 1e3 for r in runs[1:]]
         print(
             f"\nshared prefix of {args.shared_prefix_len} tokens + {args.prompt_len} new: "
             f"tandem TTFT {runs[0].ttft_s * 1e3:.1f} ms cold, "
-            f"{cached * 1e3:.1f} ms with the prefix cached (median of {args.runs - 1})"
+            f"{statistics.median(cached):.1f} ms with the prefix cached (median of "
+            f"{args.runs - 1}, range {spread(cached, '.1f')})"
         )
     print(
         f"\nmodel {args.model}, device {args.device}, tensor parallel {gpus}, prompt "
         f"{args.prompt_len} tokens, {args.output_len} new tokens; measured {rates.describe()}"
     )
     print(
-        f"{'':28} {'start (s)':>10} {'TTFT (ms)':>10} {'TPOT (ms)':>10} {'tok/s':>8}"
+        f"{'':28} {'start (s)':>10} {'TTFT (ms)':>13} {'TPOT (ms)':>13} {'tok/s':>13}"
         f" {'TTFT roofline':>14} {'TPOT roofline':>14}"
     )
-    for name, start, r, bound in rows:
+    for name, start, rs, bs in rows:
         line = (
-            f"{name:28} {start:10.2f} {r.ttft_s * 1e3:10.2f} {r.tpot_s * 1e3:10.3f} "
-            f"{r.tokens_per_s:8.1f}"
+            f"{name:28} {start:10.2f} {spread([r.ttft_s * 1e3 for r in rs], '.2f'):>13} "
+            f"{spread([r.tpot_s * 1e3 for r in rs], '.3f'):>13} "
+            f"{spread([r.tokens_per_s for r in rs], '.1f'):>13}"
         )
-        if bound is not None:
-            line += f" {bound.ttft_s / r.ttft_s:14.0%} {bound.tpot_s / r.tpot_s:14.0%}"
+        if bs is not None:
+            pairs = list(zip(rs, bs, strict=True))
+            line += (
+                f" {spread([b.ttft_s / r.ttft_s for r, b in pairs], '.0%'):>14}"
+                f" {spread([b.tpot_s / r.tpot_s for r, b in pairs], '.0%'):>14}"
+            )
         print(line)
     least, ours = median(bounds), median(runs)
     if args.json_out is not None:
         figures = {"start_s": start_s, "ttft_ms": ours.ttft_s * 1e3, "tpot_ms": ours.tpot_s * 1e3}
         figures |= {"floor_ms": least.tpot_s * 1e3, "floor_share": least.tpot_s / ours.tpot_s}
+        figures |= extremes("ttft_ms", [r.ttft_s * 1e3 for r in runs])
+        figures |= extremes("tpot_ms", [r.tpot_s * 1e3 for r in runs])
+        shares = [b.tpot_s / r.tpot_s for r, b in zip(runs, bounds, strict=True)]
+        figures |= extremes("floor_share", shares)
         args.json_out.write_text(json.dumps(figures))
     print(
         f"roofline: TTFT {least.ttft_s * 1e3:.2f} ms, TPOT {least.tpot_s * 1e3:.3f} ms "

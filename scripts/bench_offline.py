@@ -12,7 +12,8 @@ ids; the lengths from seed 0, each run's prompts from a seed of its own, so that
 finds another's prompts in the prefix cache), ignore_eos, all submitted at once to an
 in-process engine, --runs times in one process, with no warm-up of its own: the first run
 shows what a fresh engine's first users get. Prints each run's output tokens, seconds and
-output tokens per second, the first run and the median.
+output tokens per second, then a table of the first run, the median run and the range (least
+to greatest over the runs, a figure alike in every run printed once) of each figure.
 
 The roofline (engine/roofline.py): the copy bandwidth and bf16 GEMM rate are measured on
 the device before the engine starts; the engine records the shape of every step it runs;
@@ -35,8 +36,9 @@ complete, ignore_eos or not; with random weights few complete, and most run to t
 length, masked at every step.
 
 --json-out writes the engine's figures to FILE too: its start-up (the in-process
-engine's construction: load, cache sizing, graphs), load time, the median run's figures and
-the first run's speed.
+engine's construction: load, cache sizing, graphs), load time, the median run's figures, their
+least and greatest over the runs (seconds_min, seconds_max, tok_s_min, tok_s_max,
+roofline_share_min, roofline_share_max) and the first run's speed.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,6 +116,18 @@ class Run:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds
+
+
+def spread(values: Sequence[float], spec: str) -> str:
+    """The least and greatest of ``values`` formatted by ``spec`` ("1298.4-1585.6"), or one
+    figure where both print alike."""
+    low, high = f"{min(values):{spec}}", f"{max(values):{spec}}"
+    return low if low == high else f"{low}-{high}"
+
+
+def extremes(key: str, values: Sequence[float]) -> dict[str, float]:
+    """``key``_min and ``key``_max: the least and greatest of ``values``, for --json-out."""
+    return {f"{key}_min": min(values), f"{key}_max": max(values)}
 
 
 def json_schema_constraint(schema: str) -> StructuredOutput:
@@ -284,10 +299,13 @@ def main() -> None:
             f"roofline {r.bound_s:.2f} s ({r.bound_s / r.seconds:.0%})"
         )
     median = sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
-    if args.json_out is not None:  # the median run's, and the first's speed
+    if args.json_out is not None:  # the median run's, their range, and the first's speed
         figures = {"start_s": start_s, "load_s": engine.runner.load_seconds}
         figures |= {"output_tokens": median.tokens, "seconds": median.seconds}
         figures |= {"tok_s": median.tokens_per_s, "roofline_share": median.bound_s / median.seconds}
+        figures |= extremes("seconds", [r.seconds for r in runs])
+        figures |= extremes("tok_s", [r.tokens_per_s for r in runs])
+        figures |= extremes("roofline_share", [r.bound_s / r.seconds for r in runs])
         figures |= {"first_tok_s": runs[0].tokens_per_s}
         args.json_out.write_text(json.dumps(figures))
     engine.close()
@@ -305,16 +323,22 @@ def main() -> None:
         f"tensor parallel {args.tensor_parallel_size}; engine start {start_s:.1f} s; "
         f"measured {rates.describe()}"
     )
-    print(f"{'':28} {'output tokens':>14} {'seconds':>9} {'tok/s':>10} {'% of roofline':>14}")
-    rows = [("tandem, first run", runs[0]), (f"tandem, median of {len(runs)}", median)]
-    for name, r in rows:
+    print(f"{'':28} {'output tokens':>14} {'seconds':>11} {'tok/s':>15} {'% of roofline':>14}")
+    rows = [
+        ("tandem, first run", runs[:1]),
+        (f"tandem, median of {len(runs)}", [median]),
+        (f"tandem, range of {len(runs)}", runs),
+    ]
+    for name, rs in rows:
         print(
-            f"{name:28} {r.tokens:14d} {r.seconds:9.2f} {r.tokens_per_s:10.1f} "
-            f"{r.bound_s / r.seconds:14.0%}"
+            f"{name:28} {spread([r.tokens for r in rs], 'd'):>14} "
+            f"{spread([r.seconds for r in rs], '.2f'):>11} "
+            f"{spread([r.tokens_per_s for r in rs], '.1f'):>15} "
+            f"{spread([r.bound_s / r.seconds for r in rs], '.0%'):>14}"
         )
     if peer is not None:
         tokens, seconds = peer
-        print(f"{'transformers generate':28} {tokens:14d} {seconds:9.2f} {tokens / seconds:10.1f}")
+        print(f"{'transformers generate':28} {tokens:14d} {seconds:11.2f} {tokens / seconds:15.1f}")
 
 
 if __name__ == "__main__":

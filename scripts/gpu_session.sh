@@ -61,10 +61,10 @@ for stage in "$@"; do
         | tee "$out/perf-kernel-tests.log" | tail -4
       timeout 150 python3 scripts/bench_kernels.py 2>&1 | tee "$out/bench-kernels.log"
       m=$(checkpoint llama-3.2-1b)
-      timeout 150 python3 scripts/bench_offline.py --model "$m" 2>&1 | tee "$out/offline-1b.log" | tail -7
-      timeout 90 python3 scripts/bench_latency.py --model "$m" 2>&1 | tee "$out/latency-1b.log" | tail -6
+      timeout 150 python3 scripts/bench_offline.py --model "$m" 2>&1 | tee "$out/offline-1b.log" | tail -8
+      timeout 90 python3 scripts/bench_latency.py --model "$m" 2>&1 | tee "$out/latency-1b.log" | tail -7
       m=$(checkpoint qwen3-0.6b)
-      timeout 150 python3 scripts/bench_offline.py --model "$m" 2>&1 | tee "$out/offline-qwen3.log" | tail -7
+      timeout 150 python3 scripts/bench_offline.py --model "$m" 2>&1 | tee "$out/offline-qwen3.log" | tail -8
       timeout 200 python3 -m pytest -q -rs -s tests/gpu/test_warm_up.py tests/gpu/test_decode_parity.py \
         -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$out/perf-gpu-tests.log" \
         | grep -E "enforce_eager=|worst logprob|passed|failed|Error" | tail -12
@@ -77,9 +77,9 @@ for stage in "$@"; do
       echo "latency-1b:"; grep -hE "^tandem, |^roofline" "$out/latency-1b.log" ;;
     perf-fp8)  # --kv-cache-dtype fp8: Qwen3 0.6B offline and 1B batch-1 latency, rooflines
       m=$(checkpoint qwen3-0.6b)
-      timeout 150 python3 scripts/bench_offline.py --model "$m" --kv-cache-dtype fp8 2>&1 | tee "$out/offline-qwen3-fp8.log" | tail -7
+      timeout 150 python3 scripts/bench_offline.py --model "$m" --kv-cache-dtype fp8 2>&1 | tee "$out/offline-qwen3-fp8.log" | tail -8
       m=$(checkpoint llama-3.2-1b)
-      timeout 90 python3 scripts/bench_latency.py --model "$m" --kv-cache-dtype fp8 2>&1 | tee "$out/latency-1b-fp8.log" | tail -6 ;;
+      timeout 90 python3 scripts/bench_latency.py --model "$m" --kv-cache-dtype fp8 2>&1 | tee "$out/latency-1b-fp8.log" | tail -7 ;;
     quant)  # issue 14 item 4: quantization tests on CUDA, the GEMM paths at 8B shapes, 8B batch-1 TPOT bf16/fp8/int8
       python3 -m pytest -q -rs tests/engine/test_quantization.py -p no:cacheprovider 2>&1 \
         | tee "$out/quant-tests.log" | tail -4
@@ -113,7 +113,7 @@ for stage in "$@"; do
       done
       m=$(checkpoint qwen3-0.6b)
       for kv in fp8 auto; do
-        timeout 150 python3 scripts/bench_offline.py --model "$m" --kv-cache-dtype $kv 2>&1 | tee "$out/offline-qwen3-$kv.log" | tail -3
+        timeout 150 python3 scripts/bench_offline.py --model "$m" --kv-cache-dtype $kv 2>&1 | tee "$out/offline-qwen3-$kv.log" | tail -4
       done ;;
     quant-speed)  # decode speed bf16/int8/fp8 at 1B and 8B (batch-1 TPOT, batch-64 step); 1B offline fp8
       for shape in llama-3.2-1b llama-3.1-8b; do
@@ -123,11 +123,11 @@ for stage in "$@"; do
           | tee "$out/quant-speed-$shape.log" | grep -E "^\|"
       done
       timeout 150 python3 scripts/bench_offline.py --model /tmp/cfg-llama-3.2-1b --load-format dummy --quantization fp8 2>&1 \
-        | tee "$out/offline-1b-fp8.log" | tail -5 ;;
+        | tee "$out/offline-1b-fp8.log" | tail -6 ;;
     bench-1b)
       m=$(checkpoint llama-3.2-1b)
-      timeout 300 python3 scripts/bench_offline.py --model "$m" $(peer --peer-requests 64) 2>&1 | tee "$out/offline-1b.log" | tail -5
-      timeout 300 python3 scripts/bench_latency.py --model "$m" $(peer) 2>&1 | tee "$out/latency-1b.log" | tail -6 ;;
+      timeout 300 python3 scripts/bench_offline.py --model "$m" $(peer --peer-requests 64) 2>&1 | tee "$out/offline-1b.log" | tail -6
+      timeout 300 python3 scripts/bench_latency.py --model "$m" $(peer) 2>&1 | tee "$out/latency-1b.log" | tail -7 ;;
     spec|spec-f32)
       if [ "$stage" = spec ]; then
         timeout 300 python3 -m pytest -q -rs -s tests/gpu/test_speculative_cuda.py -p no:cacheprovider 2>&1 \
@@ -143,8 +143,8 @@ for stage in "$@"; do
         | tee "$out/$stage.log" | grep -vE "^(plain|ngram|draft)" | tail -18 ;;
     bench-8b)
       m=$(checkpoint llama-3.1-8b)
-      timeout 300 python3 scripts/bench_latency.py --model "$m" $(peer) 2>&1 | tee "$out/latency-8b.log" | tail -6
-      timeout 300 python3 scripts/bench_offline.py --model "$m" $(peer --peer-requests 64) 2>&1 | tee "$out/offline-8b.log" | tail -5 ;;
+      timeout 300 python3 scripts/bench_latency.py --model "$m" $(peer) 2>&1 | tee "$out/latency-8b.log" | tail -7
+      timeout 300 python3 scripts/bench_offline.py --model "$m" $(peer --peer-requests 64) 2>&1 | tee "$out/offline-8b.log" | tail -6 ;;
     bench-dp|bench-dp-smoke)
       m=$(checkpoint llama-3.2-1b)
       gpus=0,1; [ "$stage" = bench-dp-smoke ] && gpus=0,0
@@ -156,7 +156,7 @@ for stage in "$@"; do
         --plot "$out/serving-1b.png" 2>&1 | tee "$out/serving-1b.log" | grep -v '^INFO' | tail -14 ;;
     bench-qwen3)
       m=$(checkpoint qwen3-0.6b)
-      timeout 300 python3 scripts/bench_offline.py --model "$m" $(peer --peer-requests 128) 2>&1 | tee "$out/offline-qwen3.log" | tail -5 ;;
+      timeout 300 python3 scripts/bench_offline.py --model "$m" $(peer --peer-requests 128) 2>&1 | tee "$out/offline-qwen3.log" | tail -6 ;;
     structured-1b)
       m=$(checkpoint llama-3.2-1b)
       timeout 420 python3 scripts/bench_structured_output.py --model "$m" 2>&1 | tee "$out/structured-1b.log" | grep -v Warning | tail -12 ;;
