@@ -34,6 +34,7 @@ from engine.backends.triton import (
     rotary_store_kv,
     silu_and_mul,
 )
+from engine.backends.triton.argmax import argmax_rows
 from engine.backends.triton.backend import TritonPagedAttention
 from engine.backends.triton.fp8_widen import widen, widen_factor
 from engine.backends.triton.one_row_matmul import one_row_matmul
@@ -625,3 +626,18 @@ def test_one_row_matmul(gated: bool) -> None:
     # The gated input is silu(gate) * up rounded to DTYPE, as silu_and_mul stores it.
     inputs = silu_and_mul(x) if gated else x
     assert_rounding_close(got, inputs.float() @ weight.float().T)
+
+
+def test_argmax_rows() -> None:
+    # Three chunks of 4096, the last partial; rows whose best is in each, a tie across
+    # chunks (the first wins, as torch's), and a row of -inf (token 0, as torch's).
+    logits = torch.randn(5, 9000, device=DEVICE)
+    logits[0, 8999] = 10.0
+    logits[1, 4096] = 10.0
+    logits[2, [7, 5000]] = 10.0
+    logits[3] = -float("inf")
+    logits[4, :] = 0.5
+    expected = logits.argmax(dim=-1)
+    assert expected.tolist()[:4] == [8999, 4096, 7, 0]
+    assert torch.equal(argmax_rows(logits), expected)
+    assert torch.equal(argmax_rows(logits.t().contiguous().t()), expected)  # column stride

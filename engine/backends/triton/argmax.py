@@ -1,0 +1,61 @@
+"""The index of each row's largest logit, in two passes.
+
+PyTorch reduces a row of logits in one thread block: a batch-1 step's argmax over a
+128k-token vocabulary took 27.5 us on an H200, more than any of its layers' kernels but the
+GEMVs. Here the first pass spreads each row over ``BLOCK``-wide chunks, one program each,
+and the second picks each row's winner among its chunks'. Ties go to the lowest index, as
+``torch.argmax`` breaks them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK = 4096
+
+
+@triton.jit
+def _chunk_argmax_kernel(
+    logits_ptr, values_ptr, indices_ptr, vocab_size, stride_row, stride_col, BLOCK: tl.constexpr
+):
+    """Program per (row, chunk): the chunk's largest logit and its index."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    row_ptr = logits_ptr + row * stride_row
+    logits = tl.load(row_ptr + cols * stride_col, mask=cols < vocab_size, other=-float("inf"))
+    best = tl.argmax(logits, 0, tie_break_left=True)
+    slot = row * tl.num_programs(1) + chunk
+    tl.store(values_ptr + slot, tl.max(logits, 0))
+    tl.store(indices_ptr + slot, chunk * BLOCK + best)
+
+
+@triton.jit
+def _row_argmax_kernel(values_ptr, indices_ptr, out_ptr, num_chunks, BLOCK_CHUNKS: tl.constexpr):
+    """Program per row: the first chunk holding the row's largest logit gives the index."""
+    row = tl.program_id(0)
+    chunks = tl.arange(0, BLOCK_CHUNKS)
+    mask = chunks < num_chunks
+    values = tl.load(values_ptr + row * num_chunks + chunks, mask=mask, other=-float("inf"))
+    best = tl.argmax(values, 0, tie_break_left=True)
+    index = tl.load(indices_ptr + row * num_chunks + best)
+    tl.store(out_ptr + row, index.to(tl.int64))
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of float32 logits [B, V]: token ids [B], int64. A row of
+    -inf only gives 0, as torch's does (NaN logits are not ordered: none reach here)."""
+    num_rows, vocab_size = logits.shape
+    num_chunks = triton.cdiv(vocab_size, _BLOCK)
+    values = logits.new_empty(num_rows, num_chunks)
+    indices = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=logits.device)
+    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    _chunk_argmax_kernel[(num_rows, num_chunks)](
+        logits, values, indices, vocab_size, *logits.stride(), BLOCK=_BLOCK
+    )
+    _row_argmax_kernel[(num_rows,)](
+        values, indices, out, num_chunks, BLOCK_CHUNKS=triton.next_power_of_2(num_chunks)
+    )
+    return out
