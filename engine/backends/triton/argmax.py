@@ -13,6 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.backends.triton.dependent_launch import (
+    launch_options,
+    let_next_kernel_start,
+    wait_for_previous_kernel,
+)
+
 _BLOCK = 4096
 
 
@@ -21,6 +27,8 @@ def _chunk_argmax_kernel(
     logits_ptr, values_ptr, indices_ptr, vocab_size, stride_row, stride_col, BLOCK: tl.constexpr
 ):
     """Program per (row, chunk): the chunk's largest logit and its index."""
+    wait_for_previous_kernel()  # launched dependent (dependent_launch.py)
+    let_next_kernel_start()
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -35,6 +43,8 @@ def _chunk_argmax_kernel(
 @triton.jit
 def _row_argmax_kernel(values_ptr, indices_ptr, out_ptr, num_chunks, BLOCK_CHUNKS: tl.constexpr):
     """Program per row: the first chunk holding the row's largest logit gives the index."""
+    wait_for_previous_kernel()  # launched dependent (dependent_launch.py)
+    let_next_kernel_start()
     row = tl.program_id(0)
     chunks = tl.arange(0, BLOCK_CHUNKS)
     mask = chunks < num_chunks
@@ -53,9 +63,20 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     indices = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=logits.device)
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     _chunk_argmax_kernel[(num_rows, num_chunks)](
-        logits, values, indices, vocab_size, *logits.stride(), BLOCK=_BLOCK
+        logits,
+        values,
+        indices,
+        vocab_size,
+        *logits.stride(),
+        BLOCK=_BLOCK,
+        **launch_options(logits.device),
     )
     _row_argmax_kernel[(num_rows,)](
-        values, indices, out, num_chunks, BLOCK_CHUNKS=triton.next_power_of_2(num_chunks)
+        values,
+        indices,
+        out,
+        num_chunks,
+        BLOCK_CHUNKS=triton.next_power_of_2(num_chunks),
+        **launch_options(logits.device),
     )
     return out

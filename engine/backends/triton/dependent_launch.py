@@ -11,9 +11,11 @@ finished and its writes are visible. So only the launch overlaps, never the data
 The rule that keeps this correct: a kernel launched with ``launch_options()`` waits before
 its first load or store. Kernels launched without it (PyTorch's, cuBLAS') start after their
 predecessor finishes, as always; calling ``let_next_kernel_start`` is harmless anywhere.
+The decode step's own kernels (RMSNorm, the Q/K rotary and K/V store, decode attention and
+its merge, the one-row GEMV, the argmax) all wait and let go first thing.
 
 The interpreter (the CPU tests) and GPUs before Hopper launch as usual, and both calls do
-nothing there.
+nothing there. ``TANDEM_PDL=0`` launches every kernel plainly (to measure what this gains).
 """
 
 from __future__ import annotations

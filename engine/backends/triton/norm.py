@@ -6,7 +6,11 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.backends.triton.dependent_launch import let_next_kernel_start
+from engine.backends.triton.dependent_launch import (
+    launch_options,
+    let_next_kernel_start,
+    wait_for_previous_kernel,
+)
 
 
 @triton.jit
@@ -26,7 +30,8 @@ def _add_rms_norm_kernel(
     BLOCK: tl.constexpr,
 ):
     """Program per row; the whole row stays in registers between the add and the norm."""
-    let_next_kernel_start()  # a projection of one row, or the LM head (dependent_launch.py)
+    wait_for_previous_kernel()  # launched dependent (dependent_launch.py)
+    let_next_kernel_start()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden_size
@@ -90,5 +95,6 @@ def add_rms_norm(
         HAS_RESIDUAL=has_residual,
         BLOCK=block,
         num_warps=min(max(block // 256, 1), 16),
+        **launch_options(x.device),
     )
     return out, residual_out

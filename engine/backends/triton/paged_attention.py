@@ -28,7 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.backends.triton.dependent_launch import let_next_kernel_start
+from engine.backends.triton.dependent_launch import (
+    launch_options,
+    let_next_kernel_start,
+    wait_for_previous_kernel,
+)
 from engine.backends.triton.fp8_widen import widen, widen_factor
 
 # Rows of a prefill tile (query tokens x padded query heads of a group) and keys per tile.
@@ -189,7 +193,8 @@ def _decode_kernel(
 ):
     """Program (sequence, kv head, split): its part of the context, for the group's heads
     at each of the sequence's QUERY_LEN query tokens (rows seq * QUERY_LEN + token)."""
-    let_next_kernel_start()  # the output projection, one row (dependent_launch.py)
+    wait_for_previous_kernel()  # launched dependent (dependent_launch.py)
+    let_next_kernel_start()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -278,7 +283,8 @@ def _decode_merge_kernel(
 ):
     """Program (query token, query head): rescale every split's partial sums to a common
     max, BLOCK_S splits at a time (one compiled variant for every split count)."""
-    let_next_kernel_start()  # the output projection, one row (dependent_launch.py)
+    wait_for_previous_kernel()  # launched dependent (dependent_launch.py)
+    let_next_kernel_start()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     dims = tl.arange(0, BLOCK_D)
@@ -531,6 +537,7 @@ def paged_decode_attention(
         MASK_WINDOW=sliding_window is not None and query_len > 1,
         WRITE_PARTIAL=num_splits > 1,
         DOT_PRECISION=_dot_precision(q.dtype),
+        **launch_options(q.device),
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_tokens, num_heads)](
@@ -543,6 +550,7 @@ def paged_decode_attention(
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_S=_MERGE_BLOCK_S,
+            **launch_options(q.device),
         )
     return out
 

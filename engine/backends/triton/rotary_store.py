@@ -9,6 +9,11 @@ import triton
 import triton.language as tl
 
 from engine.attention import Rotary
+from engine.backends.triton.dependent_launch import (
+    launch_options,
+    let_next_kernel_start,
+    wait_for_previous_kernel,
+)
 
 
 @triton.jit
@@ -78,6 +83,8 @@ def _rotary_store_kernel(
 ):
     """Program per token: Q's heads rotated in place, then K's rotated and K and V stored
     at the token's slot (none for a negative slot: a CUDA graph's padding row)."""
+    wait_for_previous_kernel()  # launched dependent (dependent_launch.py)
+    let_next_kernel_start()
     token = tl.program_id(0)
     dtype = q_ptr.dtype.element_ty
     dims = tl.arange(0, BLOCK_HALF)
@@ -223,4 +230,5 @@ def rotary_store_kv(
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         ROTATE=rotary is not None,
         NORM=rotary is not None and rotary.q_norm is not None,
+        **launch_options(q.device),
     )
