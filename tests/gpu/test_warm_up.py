@@ -14,8 +14,11 @@ import torch
 import triton
 
 import engine.backends.triton.activation
+import engine.backends.triton.argmax
 import engine.backends.triton.norm
+import engine.backends.triton.one_row_matmul
 import engine.backends.triton.paged_attention
+import engine.backends.triton.quantized_matmul
 import engine.backends.triton.rotary_store
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -23,25 +26,29 @@ from protocol import SamplingParams
 
 KERNEL_MODULES = [
     engine.backends.triton.activation,
+    engine.backends.triton.argmax,
     engine.backends.triton.norm,
+    engine.backends.triton.one_row_matmul,
     engine.backends.triton.paged_attention,
+    engine.backends.triton.quantized_matmul,
     engine.backends.triton.rotary_store,
 ]
 
 
 def compiled_variants() -> dict[str, set[str]]:
     """The variants (specialization keys) of each of our Triton kernels this process has
-    compiled."""
-    kernels = {
-        name: value
-        for module in KERNEL_MODULES
-        for name, value in vars(module).items()
-        if isinstance(value, triton.runtime.JITFunction)
-    }
-    return {
-        name: {str(key) for caches in kernel.device_caches.values() for key in caches[0]}
-        for name, kernel in kernels.items()
-    }
+    compiled, and the shapes each autotuned one has tuned for (a tuning mid-run would time
+    candidates in the middle of a step)."""
+    variants: dict[str, set[str]] = {}
+    for module in KERNEL_MODULES:
+        for name, value in vars(module).items():
+            if isinstance(value, triton.runtime.Autotuner):
+                variants[f"{name} tuned"] = {str(key) for key in value.cache}
+                value = value.fn
+            if isinstance(value, triton.runtime.JITFunction):
+                caches = value.device_caches.values()
+                variants[name] = {str(key) for cache in caches for key in cache[0]}
+    return variants
 
 
 def varied_workload(engine: LLMEngine) -> float:
