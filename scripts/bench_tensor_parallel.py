@@ -7,7 +7,8 @@
 
 check: small real-shaped random checkpoints (Qwen2.5-0.5B: biases, 2 KV heads; Llama-3.2-1B:
 tied head), saved as safetensors and loaded from them, each rank reading its slices; 16
-prompts' greedy generations (32 tokens, decode graphs on) at TP=1 and TP=2 must be equal,
+prompts' greedy generations (32 tokens, decode graphs on), then the first prompt's alone (a
+batch of one: the one-row kernel), at TP=1 and TP=2 must be equal,
 in float32 so that rounding does not decide near-ties of random weights. Fails loudly.
 
 8b / 70b: random bf16 weights of the shape made on the GPUs (--load-format dummy: no 16 or
@@ -54,6 +55,8 @@ def greedy_tokens(model: str, tensor_parallel_size: int, out: Path) -> None:
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, engine.vocab_size, (PROMPTS, PROMPT_LEN), generator=generator)
     tokens = run_engine(engine, prompts.tolist(), OUTPUT_LEN)
+    # And the first prompt alone: a batch of one takes the one-row kernel on every rank.
+    tokens += run_engine(engine, prompts[:1].tolist(), OUTPUT_LEN)
     out.write_text(json.dumps(tokens))
     engine.close()
 
@@ -85,7 +88,8 @@ def check(workdir: Path) -> list[tuple[str, str]]:
         ]
         verdict = "equal" if not diverged else f"DIFFER (request, first token): {diverged}"
         print(f"{shape}: TP=2 greedy tokens vs TP=1: {verdict}", flush=True)
-        rows.append((shape, f"{PROMPTS} x {OUTPUT_LEN} greedy tokens at TP=2 vs TP=1: {verdict}"))
+        compared = f"{PROMPTS} + 1 x {OUTPUT_LEN} greedy tokens at TP=2 vs TP=1"
+        rows.append((shape, f"{compared}: {verdict}"))
         if diverged:
             raise SystemExit(f"{shape}: tensor parallelism changed the greedy tokens")
     return rows
