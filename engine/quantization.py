@@ -238,7 +238,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _one_cuda_row(x: torch.Tensor) -> bool:
-    return x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+    return x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
 
 
 def with_bias(product: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
