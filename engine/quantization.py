@@ -139,8 +139,12 @@ class LinearMethod:
         """The layer's output for silu(gate) * up of ``gate_up`` [T, 2K] (a gated MLP's down
         projection); one row on CUDA applies the activation inside the product."""
         if _one_cuda_row(gate_up):
-            return _triton_one_row_matmul()(gate_up, layer.weight, gated=True)
+            return self.one_row_silu_gated(layer, gate_up)
         return self.apply(layer, silu_and_mul(gate_up), None)
+
+    def one_row_silu_gated(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+        """``apply_silu_gated`` of one row on CUDA, the activation applied as it is read."""
+        return _triton_one_row_matmul()(gate_up, layer.weight, gated=True)
 
 
 class QuantizedLinear(LinearMethod):
@@ -189,13 +193,9 @@ class QuantizedLinear(LinearMethod):
     ) -> torch.Tensor:
         return with_bias(weight_only_matmul(x, layer.weight, layer.weight_scale), bias)
 
-    def apply_silu_gated(
-        self, layer: nn.Module, gate_up: torch.Tensor, silu_and_mul: Activation
-    ) -> torch.Tensor:
-        if _one_cuda_row(gate_up):
-            matmul = _triton_weight_only_matmul()
-            return matmul(gate_up, layer.weight, layer.weight_scale, gated=True)
-        return self.apply(layer, silu_and_mul(gate_up), None)
+    def one_row_silu_gated(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+        matmul = _triton_weight_only_matmul()
+        return matmul(gate_up, layer.weight, layer.weight_scale, gated=True)
 
 
 class Int8Linear(QuantizedLinear):

@@ -30,6 +30,7 @@ import triton.language as tl
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 if not _INTERPRETED:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+_ENABLED = not _INTERPRETED and os.environ.get("TANDEM_PDL") != "0"
 
 
 @triton.jit
@@ -46,14 +47,15 @@ def wait_for_previous_kernel():
         gdc_wait()
 
 
-@functools.cache
-def _supported(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
-
-
 def launch_options(device: torch.device) -> dict[str, bool]:
-    """A launch's keyword arguments that make it dependent, where the device can."""
-    if _INTERPRETED or device.type != "cuda" or os.environ.get("TANDEM_PDL") == "0":
+    """A launch's keyword arguments that make it dependent, where the device can (not to
+    be modified: one dict per device)."""
+    if not _ENABLED or device.type != "cuda":
         return {}
-    index = torch.cuda.current_device() if device.index is None else device.index
-    return {"launch_pdl": True} if _supported(index) else {}
+    return _cuda_options(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _cuda_options(device_index: int) -> dict[str, bool]:
+    supported = torch.cuda.get_device_capability(device_index) >= (9, 0)
+    return {"launch_pdl": True} if supported else {}

@@ -7,7 +7,7 @@ the weight's bytes and by how early each read starts, not by arithmetic. Tensor 
 in BLOCK_K-wide chunks straight into registers (wide loads, several in flight a thread),
 multiplies in float32 on the CUDA cores and reduces once at the end: no shared memory, no
 split of K, no second pass. On an H200 it beats cuBLAS at one row on every Llama linear
-layer measured (3-20%) and the tiled weight-only kernel on fp8 and int8 layers whose output
+layer measured (1-20%) and the tiled weight-only kernel on fp8 and int8 layers whose output
 is not much wider than their input (the projections; `quantized_matmul` chooses per shape).
 
 The weight may be bfloat16/float16 (the model's dtype), or int8 / float8 e4m3 codes with one
