@@ -3,7 +3,8 @@
     python scripts/bench_serving.py --model M [--device cuda] --servers 1 4 [--engine-args "..."]
     python scripts/bench_serving.py --url http://127.0.0.1:8000 [--url ...]
         [--workload random|chat] [--rates 4 16 64 inf | --concurrency 1 16 64]
-        [--num-requests 256] [--slo-ttft-ms 500] [--slo-tpot-ms 50] [--plot FILE.png]
+        [--num-requests 256] [--runs 1] [--client-processes 8]
+        [--slo-ttft-ms 500] [--slo-tpot-ms 50] [--json FILE] [--plot FILE.png]
 
 It starts an engine and N servers itself (for each N of --servers, against the same engine)
 or takes the URLs of running servers; requests go to the servers in turn.
@@ -23,10 +24,26 @@ at once), or --concurrency C: C requests (conversations) in flight at all times.
 Each level reports TTFT, TPOT (a request's time after its first token over its other
 tokens), ITL (the gaps between streamed chunks) and end-to-end latency at p50/p90/p99,
 output tokens per second, and goodput: the requests meeting the SLO (TTFT and TPOT) a
-second, and their output tokens a second. Requests are sent by --client-processes
-processes, so that the client's own parsing is not what is measured. --json writes every
-level's figures; --plot draws TTFT and TPOT against output tokens per second, one line per
-server count (with matplotlib, when it is installed: the script says when it is not).
+second, and their output tokens a second.
+
+--runs N runs each level N times: the same lengths and arrival times, prompts of each run's
+own (every level and every run draws from a seed of its own, so that no run finds an earlier
+one's prompts in the prefix cache). Each run prints its row; with N > 1 a "median of N" row
+follows (each column's median over the runs) and a "range of N" row (the least and greatest
+output tokens per second), as scripts/bench_offline.py prints them.
+
+Requests are sent by --client-processes processes (default 8), so that the client is not
+what is measured. It is not cheap: a streamed chunk cost a client process some 70-90 us of
+CPU on a 2-core test machine (httpx's HTTP/1.1 stack and the event loop; cutting the chunk
+into lines and its JSON some 3.5 us of it). With 4 processes the client was the cap: on an
+H100, 1B shape, 4 servers, 256 requests at once, 4 measured 28.9k output tok/s and 8
+measured 31.4k, against 32.3k in-process (scripts/bench_offline.py).
+
+--json writes every run's figures ("levels") and each level's medians over its runs
+("medians": each figure's median, errors summed over the runs, and output_tok_s_median,
+output_tok_s_min, output_tok_s_max); --plot draws the medians' TTFT and TPOT against output
+tokens per second, one line per server count (with matplotlib, when it is installed: the
+script says when it is not).
 """
 
 from __future__ import annotations
@@ -42,6 +59,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,20 +103,27 @@ class Result:
         return (self.e2e_s - self.ttft_s) / max(self.output_tokens - 1, 1)
 
 
-def random_workload(args: argparse.Namespace, rng: random.Random) -> list[Session]:
+def random_workload(
+    args: argparse.Namespace, lengths: random.Random, ids: random.Random
+) -> list[Session]:
+    """Requests of input and output lengths drawn from ``lengths``, prompts from ``ids``."""
     sessions = []
     for _ in range(args.num_requests):
-        input_len = rng.randint(args.min_len, args.max_len)
-        output_len = rng.randint(args.min_len, args.max_len)
-        prompt = [rng.randrange(args.min_token_id, args.max_token_id) for _ in range(input_len)]
+        input_len = lengths.randint(args.min_len, args.max_len)
+        output_len = lengths.randint(args.min_len, args.max_len)
+        prompt = [ids.randrange(args.min_token_id, args.max_token_id) for _ in range(input_len)]
         sessions.append(Session([Turn(output_len, prompt=prompt)]))
     return sessions
 
 
-def chat_workload(args: argparse.Namespace, rng: random.Random) -> list[Session]:
+def chat_workload(
+    args: argparse.Namespace, lengths: random.Random, ids: random.Random
+) -> list[Session]:
+    """Conversations of the lengths the flags give (``lengths`` is unused), words from ``ids``."""
+
     def words(count: int) -> str:
         return " ".join(
-            f"w{rng.randrange(args.min_token_id, args.max_token_id)}" for _ in range(count)
+            f"w{ids.randrange(args.min_token_id, args.max_token_id)}" for _ in range(count)
         )
 
     system = words(args.system_words)
@@ -307,6 +332,29 @@ def print_level(servers: int, level: str, s: dict) -> None:
     )
 
 
+def print_range(servers: int, runs: list[dict], spread: Callable) -> None:
+    """The "range of N" row: the least and greatest output tokens per second of ``runs``."""
+    values = [r["output_tok_s"] for r in runs]
+    print(f"{servers:7d} {f'range of {len(runs)}':>11} {spread(values, '.0f'):>9}")
+
+
+def median_row(runs: list[dict], extremes: Callable) -> dict:
+    """A level's figures over its ``runs``: each figure's median (of each percentile), the
+    errors summed, the first error, and output_tok_s_median, _min and _max."""
+    row: dict = {"servers": runs[0]["servers"], "level": runs[0]["level"], "runs": len(runs)}
+    for key, value in runs[0].items():
+        if key in row or key in ("run", "errors", "first_error"):
+            continue
+        if isinstance(value, dict):
+            row[key] = {p: statistics.median(r[key][p] for r in runs) for p in value}
+        else:
+            row[key] = statistics.median(r[key] for r in runs)
+    row["errors"] = sum(r["errors"] for r in runs)
+    row["first_error"] = next((r["first_error"] for r in runs if r["first_error"]), None)
+    row["output_tok_s_median"] = row["output_tok_s"]
+    return row | extremes("output_tok_s", [r["output_tok_s"] for r in runs])
+
+
 def print_header() -> None:
     trio = f"{'p50':>8} {'p90':>8} {'p99':>8}"
     print(
@@ -414,19 +462,34 @@ def main() -> None:
     levels.add_argument("--concurrency", type=int, nargs="+", help="requests in flight")
     parser.add_argument("--slo-ttft-ms", type=float, default=500)
     parser.add_argument("--slo-tpot-ms", type=float, default=50)
-    parser.add_argument("--client-processes", type=int, default=4)
+    parser.add_argument("--runs", type=int, default=1, help="runs of each level (default 1)")
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=8,
+        help="processes sending the requests (default 8: with 4 the client's own work capped "
+        "the measurement, 28.9k against 31.4k output tok/s with 8, H100, 1B shape, 4 servers, "
+        "256 requests at once; in-process 32.3k)",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, help="write every level's figures here")
+    parser.add_argument("--json", type=Path, help="write every run's figures here")
     parser.add_argument("--plot", type=Path, help="write a PNG of latency against throughput")
     args = parser.parse_args()
     if bool(args.url) == bool(args.model):
         parser.error("give --url (running servers) or --model (start them here), not both")
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+    # Here, not at the top: every client process imports this module, and bench_offline
+    # imports torch and the engine (seconds).
+    from scripts.bench_offline import extremes, spread
+
     rates = args.rates if args.rates or args.concurrency else [math.inf]
 
     cluster = Cluster(args) if args.model else None
     server_counts = args.servers if cluster else [len(args.url)]
     workload = random_workload if args.workload == "random" else chat_workload
-    rows = []
+    rows = []  # every run's
+    medians = []  # every level's, over its runs
     try:
         print_header()
         for servers in server_counts:
@@ -435,23 +498,35 @@ def main() -> None:
             for value in args.concurrency or rates:
                 concurrency = value if args.concurrency else None
                 rate = None if args.concurrency else value
-                # Prompts of their own at each level: an engine that served a level's prompts
-                # would find them all in its prefix cache at the next.
-                sessions = workload(args, random.Random(args.seed + len(rows)))
-                before = engine_prompt_tokens(urls[0])
-                results, seconds = run_level(
-                    urls, model, sessions, rate, concurrency, args.client_processes, args.seed
-                )
                 level = f"conc {value}" if args.concurrency else f"rate {value:g}/s"
-                summary = summarize(
-                    results, seconds, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3
-                )
-                after = engine_prompt_tokens(urls[0])
-                computed, cached = (b - a for a, b in zip(before, after, strict=True))
-                looked_up = computed + cached
-                summary["prefix_cache_hit"] = cached / looked_up if looked_up else 0.0
-                print_level(servers, level, summary)
-                rows.append({"servers": servers, "level": level, **summary})
+                runs = []
+                for run in range(args.runs):
+                    # A level's lengths, the same in each of its runs, and prompts of each
+                    # run's own: an engine that served a run's prompts would find them all in
+                    # its prefix cache at the next. The seeds are strings, each level's and
+                    # each run's unlike any other's, under any --seed.
+                    key = f"seed {args.seed}, level {len(medians)}"
+                    lengths = random.Random(key)
+                    ids = random.Random(f"{key}, run {run}")
+                    sessions = workload(args, lengths, ids)
+                    before = engine_prompt_tokens(urls[0])
+                    results, seconds = run_level(
+                        urls, model, sessions, rate, concurrency, args.client_processes, args.seed
+                    )
+                    summary = summarize(
+                        results, seconds, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3
+                    )
+                    after = engine_prompt_tokens(urls[0])
+                    computed, cached = (b - a for a, b in zip(before, after, strict=True))
+                    looked_up = computed + cached
+                    summary["prefix_cache_hit"] = cached / looked_up if looked_up else 0.0
+                    print_level(servers, level, summary)
+                    runs.append({"servers": servers, "level": level, "run": run + 1, **summary})
+                rows += runs
+                medians.append(median_row(runs, extremes))
+                if args.runs > 1:
+                    print_level(servers, f"median of {args.runs}", medians[-1])
+                    print_range(servers, runs, spread)
     except Exception:
         if cluster:
             print(tail(cluster.log))
@@ -466,11 +541,16 @@ def main() -> None:
     if args.json:
         args.json.write_text(
             json.dumps(
-                {"args": {k: str(v) for k, v in vars(args).items()}, "levels": rows}, indent=1
+                {
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "levels": rows,
+                    "medians": medians,
+                },
+                indent=1,
             )
         )
     if args.plot:
-        plot(args.plot, rows)
+        plot(args.plot, medians)  # a run's own figures where there is one run
 
 
 if __name__ == "__main__":
