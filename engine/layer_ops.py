@@ -16,6 +16,10 @@ import torch
 
 
 class LayerOps(Protocol):
+    # Whether RMSNorm leaves a norm of one row to the linear layer that reads it next
+    # (``engine.deferred_norm``): the ops' kernels must include that layer's.
+    defers_one_row_norms: bool
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """rmsnorm(x) * weight, normalized in float32 over the last dimension."""
         ...

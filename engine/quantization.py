@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.deferred_norm import DeferredNorm, LinearInput
 from engine.model_config import Quantization
 
 QUANTIZATION_METHODS = ("fp8", "int8")
@@ -129,8 +130,9 @@ class LinearMethod:
     def load_scale(self, layer: nn.Module, rows: slice, scale: torch.Tensor) -> None:
         raise ValueError("the checkpoint has weight scales, but its weights are not quantized")
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """The layer's output for ``x`` [T, K], ``bias`` added if not None."""
+    def apply(self, layer: nn.Module, x: LinearInput, bias: torch.Tensor | None) -> torch.Tensor:
+        """The layer's output for ``x`` [T, K] (or a deferred norm of one row), ``bias``
+        added if not None."""
         return linear(x, layer.weight, bias)
 
     def apply_silu_gated(
@@ -138,7 +140,7 @@ class LinearMethod:
     ) -> torch.Tensor:
         """The layer's output for silu(gate) * up of ``gate_up`` [T, 2K] (a gated MLP's down
         projection); one row on CUDA applies the activation inside the product."""
-        if _one_cuda_row(gate_up):
+        if takes_one_row_kernel(gate_up):
             return self.one_row_silu_gated(layer, gate_up)
         return self.apply(layer, silu_and_mul(gate_up), None)
 
@@ -189,7 +191,7 @@ class QuantizedLinear(LinearMethod):
         target.copy_(scale.float().reshape(-1).expand(target.numel()))
 
     def weight_only(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+        self, layer: nn.Module, x: LinearInput, bias: torch.Tensor | None
     ) -> torch.Tensor:
         return with_bias(weight_only_matmul(x, layer.weight, layer.weight_scale), bias)
 
@@ -203,7 +205,7 @@ class Int8Linear(QuantizedLinear):
 
     dtype = torch.int8
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: LinearInput, bias: torch.Tensor | None) -> torch.Tensor:
         return self.weight_only(layer, x, bias)
 
 
@@ -212,10 +214,14 @@ class Fp8Linear(QuantizedLinear):
 
     dtype = FP8
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: LinearInput, bias: torch.Tensor | None) -> torch.Tensor:
         output_size, input_size = layer.weight.shape
         # _scaled_mm takes dimensions that are multiples of 16 (cuBLASLt's FP8 layouts).
-        if x.shape[0] <= WEIGHT_ONLY_MAX_TOKENS or (output_size | input_size) % 16:
+        if (
+            isinstance(x, DeferredNorm)  # one row
+            or x.shape[0] <= WEIGHT_ONLY_MAX_TOKENS
+            or (output_size | input_size) % 16
+        ):
             return self.weight_only(layer, x, bias)
         codes, scale = quantize_per_token_fp8(x)
         # The bias is added after: _scaled_mm takes none with rowwise scales.
@@ -229,15 +235,18 @@ class Fp8Linear(QuantizedLinear):
         return with_bias(product, bias)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: LinearInput, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` over a weight in x's dtype; on CUDA, one row (a batch-1 decode step, a
-    prompt's LM head) takes the one-row kernel, which reads the weight faster than cuBLAS."""
-    if _one_cuda_row(x):
+    prompt's LM head) takes the one-row kernel, which reads the weight faster than cuBLAS
+    (and computes a deferred norm of the row as it reads it)."""
+    if isinstance(x, DeferredNorm) or takes_one_row_kernel(x):
         return with_bias(_triton_one_row_matmul()(x, weight), bias)
     return F.linear(x, weight, bias)
 
 
-def _one_cuda_row(x: torch.Tensor) -> bool:
+def takes_one_row_kernel(x: torch.Tensor) -> bool:
+    """Whether ``x`` is one row that ``linear`` multiplies with the one-row kernel (and so a
+    row whose norm can be left to that kernel, ``DeferredNorm``): one contiguous CUDA row."""
     return x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
 
 
@@ -245,11 +254,12 @@ def with_bias(product: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return product if bias is None else product.add_(bias)
 
 
-def weight_only_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def weight_only_matmul(x: LinearInput, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x @ (codes * scale[:, None]).T`` without the dequantized weight: the Triton kernel
-    on CUDA; on the CPU, PyTorch's int8 weight-only GEMM or, for FP8, the codes widened
-    (exactly) to ``x``'s dtype and the scales applied to the product."""
-    if x.is_cuda:
+    on CUDA (the only place a deferred norm comes from); on the CPU, PyTorch's int8
+    weight-only GEMM or, for FP8, the codes widened (exactly) to ``x``'s dtype and the
+    scales applied to the product."""
+    if isinstance(x, DeferredNorm) or x.is_cuda:
         return _triton_weight_only_matmul()(x, codes, scale)
     if codes.dtype == torch.int8:
         return torch._weight_int8pack_mm(x, codes, scale.to(x.dtype))

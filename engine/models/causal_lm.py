@@ -13,6 +13,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata, LayerKVCache
 from engine.checkpoint.checkpoint import TensorSlices
+from engine.deferred_norm import LinearInput
 from engine.layer_ops import LayerOps
 from engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from engine.models.layers import Attention, DecoderLayer, RMSNorm, RotaryEmbedding
@@ -121,13 +122,16 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             x, residual = layer(x, residual, metadata)
         assert residual is not None
-        x, _ = self.norm.add_and_norm(x[logits_index], residual[logits_index])
-        return self.compute_logits(x)
+        if x.shape[0] != 1 or logits_index.shape[0] != 1:
+            # (One token whose logits are wanted, a batch-1 step's: it is the row already.)
+            x, residual = x[logits_index], residual[logits_index]
+        hidden, _ = self.norm.add_and_norm(x, residual)
+        return self.compute_logits(hidden)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: LinearInput) -> torch.Tensor:
         """float32 logits of the final norm's output."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return head.logits(hidden).float()

@@ -20,6 +20,7 @@ from torch import nn
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.checkpoint.gguf_checkpoint import GGUFMetadata, decimal
 from engine.checkpoint.hf_checkpoint import hf_config_fields
+from engine.deferred_norm import LinearInput
 from engine.layer_ops import LayerOps
 from engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from engine.models.causal_lm import CausalLM
@@ -126,7 +127,7 @@ class Gemma3ForCausalLM(CausalLM):
         # tensor: no copy to the device.
         return x * torch.tensor(self.embed_scale, dtype=x.dtype)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: LinearInput) -> torch.Tensor:
         logits = super().compute_logits(hidden)
         cap = self.final_logit_softcapping
         if cap is None:

@@ -18,11 +18,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata, LayerKVCache, Rotary
+from engine.deferred_norm import DeferredNorm, LinearInput
 from engine.layer_ops import LayerOps
 from engine.model_config import ModelConfig, RopeScaling
 from engine.models.parallel_layers import ColumnParallelLinear, RowParallelLinear, Rows
 from engine.parallel import TensorParallel
-from engine.quantization import linear_method
+from engine.quantization import linear_method, takes_one_row_kernel
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -44,9 +45,13 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[LinearInput, torch.Tensor]:
         """Add ``x`` to the residual stream (None: ``x`` starts it); the stream normalized,
-        and the stream."""
+        and the stream. One row the next linear layer reads with the one-row kernel gets
+        its norm there (``DeferredNorm``), where the ops defer them."""
+        if self.ops.defers_one_row_norms and takes_one_row_kernel(x):
+            deferred = DeferredNorm(x, residual, self.weight, self.eps)
+            return deferred, deferred.stream
         if residual is None:
             return self(x), x
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
@@ -60,7 +65,7 @@ class RoundOnceRMSNorm(RMSNorm):
 
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[LinearInput, torch.Tensor]:
         stream = x if residual is None else x + residual
         return self(stream), stream
 
@@ -161,7 +166,7 @@ class Attention(nn.Module):
         self.rotary_embedding = rotary
         self.cache: LayerKVCache | None = None  # bound once the engine allocates the cache
 
-    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project_qkv(self, x: LinearInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, heads, head_dim], k and v [T, kv_heads, head_dim] of ``x`` [T, hidden]."""
         q, k, v = self.split_qkv(self.qkv_proj(x))
         return self.split_heads(q, k, v)
@@ -183,7 +188,7 @@ class Attention(nn.Module):
         """RoPE, as the backend applies it to the projected q and k."""
         return Rotary(self.rotary_embedding.cos, self.rotary_embedding.sin)
 
-    def forward(self, x: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: LinearInput, metadata: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.project_qkv(x)
         assert self.cache is not None, "the KV cache must be bound before the first forward"
         out = self.backend.forward(
@@ -242,7 +247,7 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [rows, rows], False, method)
         self.down_proj = RowParallelLinear(rows, config.hidden_size, tp, method)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: LinearInput) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.act is F.silu:
             return self.down_proj.forward_silu_gated(gate_up, self.ops.silu_and_mul)

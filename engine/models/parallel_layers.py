@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.checkpoint.checkpoint import TensorSlices
+from engine.deferred_norm import LinearInput
 from engine.parallel import TensorParallel
 from engine.quantization import Activation, LinearMethod, linear
 
@@ -79,7 +80,7 @@ class ParallelLinear(nn.Module):
         self.method = method
         method.create_weights(self, output_size, input_size)
 
-    def multiply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def multiply(self, x: LinearInput, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self.method.apply(self, x, bias)
 
     def load_weight_rows(
@@ -121,7 +122,7 @@ class ColumnParallelLinear(ParallelLinear):
         self.parts = tuple(parts)
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: LinearInput) -> torch.Tensor:
         return self.multiply(x, self.bias)
 
     def load(self, param: str, part: int, source: TensorSlices, hf_name: str) -> None:
@@ -183,7 +184,7 @@ class VocabParallelEmbedding(nn.Module):
         x = F.embedding(local.masked_fill(outside, 0), self.weight)
         return self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: LinearInput) -> torch.Tensor:
         """The LM head's logits of ``hidden`` over the whole vocabulary, on every rank."""
         logits = self.tp.all_gather(linear(hidden, self.weight))
         if logits.shape[-1] == self.vocab_size:

@@ -39,6 +39,7 @@ from engine.backends.triton.backend import TritonPagedAttention
 from engine.backends.triton.fp8_widen import widen, widen_factor
 from engine.backends.triton.one_row_matmul import one_row_matmul
 from engine.batch import pad_verify
+from engine.deferred_norm import DeferredNorm
 from tests.kernel_reference import paged_attention_reference
 
 CUDA = torch.cuda.is_available()
@@ -626,6 +627,27 @@ def test_one_row_matmul(gated: bool) -> None:
     # The gated input is silu(gate) * up rounded to DTYPE, as silu_and_mul stores it.
     inputs = silu_and_mul(x) if gated else x
     assert_rounding_close(got, inputs.float() @ weight.float().T)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_one_row_matmul_computes_a_deferred_norm(with_residual: bool) -> None:
+    # rms_norm(x + residual) * norm_weight, then the product: the norm's kernel folded into
+    # the one-row kernel; the first program writes the stream x + residual, in DTYPE.
+    channels, depth, eps = 37, 300, 1e-5
+    x = randn(1, depth)
+    residual = randn(1, depth) if with_residual else None
+    norm_weight = (1.0 + 0.5 * torch.randn(depth, device=DEVICE)).to(DTYPE)
+    weight = randn(channels, depth)
+    deferred = DeferredNorm(x, residual, norm_weight, eps)
+    got = one_row_matmul(deferred, weight)
+    stream = x if residual is None else x + residual
+    assert torch.equal(deferred.stream, stream)
+    normalized = REFERENCE_OPS.rms_norm(stream.float(), norm_weight.float(), eps)
+    assert_rounding_close(got, normalized @ weight.float().T)
+    # The norm's own kernel, for a reader that cannot fold it, writes the same stream.
+    unfolded = DeferredNorm(x, residual, norm_weight, eps)
+    assert_rounding_close(unfolded.normalized(), normalized)
+    assert torch.equal(unfolded.stream, stream)
 
 
 def test_argmax_rows() -> None:

@@ -17,6 +17,12 @@ float32 scale per output channel, widened in registers (``fp8_widen``) and scale
 computed while it is read (rounded to x's dtype, as ``silu_and_mul`` stores it): the down
 projection without the activation's own kernel.
 
+A ``DeferredNorm`` for x: the input is rms_norm(x + residual) * norm weight. Each program
+reads the whole row anyway: it adds the residual as it reads (in x's dtype, as the norm's
+kernel does), sums the squares, multiplies by the norm's weight in float32 and scales its
+sums by 1/rms at the end; the first program writes the stream (x + residual). The norm's
+own kernel and launch are gone; the normalized row is never rounded to x's dtype.
+
 Launched dependent (``dependent_launch``): it waits for the kernel before it first thing.
 """
 
@@ -35,6 +41,7 @@ from engine.backends.triton.dependent_launch import (
     wait_for_previous_kernel,
 )
 from engine.backends.triton.fp8_widen import widen, widen_factor
+from engine.deferred_norm import DeferredNorm
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -63,11 +70,17 @@ def _one_row_kernel(
     weight_ptr,
     scale_ptr,
     out_ptr,
+    residual_ptr,
+    norm_weight_ptr,
+    stream_ptr,
     N,
     K,
     stride_weight,
+    eps,
     HAS_SCALE: tl.constexpr,
     GATED: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_BYTES: tl.constexpr,
 ):
@@ -79,6 +92,8 @@ def _one_row_kernel(
     col_mask = cols < N
     weight_rows = weight_ptr + cols[:, None] * stride_weight
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    stream_end = tl.where(tl.program_id(0) == 0, K, 0)
     for start in range(0, K, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
         k_mask = ks < K
@@ -90,8 +105,19 @@ def _one_row_kernel(
             gate = x.to(tl.float32)
             up = tl.load(x_ptr + K + ks, mask=k_mask, other=0.0).to(tl.float32)
             x = (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty)
-        acc += widen(weight, x.dtype).to(tl.float32) * x.to(tl.float32)[None, :]
+        x32 = x.to(tl.float32)
+        if NORM:
+            if HAS_RESIDUAL:
+                x += tl.load(residual_ptr + ks, mask=k_mask, other=0.0)
+                # The first program writes it; a mask, not a branch, so loads stay in flight.
+                tl.store(stream_ptr + ks, x, mask=ks < stream_end)
+                x32 = x.to(tl.float32)
+            squares += x32 * x32
+            x32 *= tl.load(norm_weight_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+        acc += widen(weight, x.dtype).to(tl.float32) * x32[None, :]
     out = tl.sum(acc, axis=1)
+    if NORM:
+        out *= tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
     if HAS_SCALE:
         scale = tl.load(scale_ptr + cols, mask=col_mask, other=0.0)
         # The codes' widening left them divided by a power of two (fp8: 2**120 into bfloat16).
@@ -100,14 +126,20 @@ def _one_row_kernel(
 
 
 def one_row_matmul(
-    x: torch.Tensor,
+    x: torch.Tensor | DeferredNorm,
     weight: torch.Tensor,
     scale: torch.Tensor | None = None,
     *,
     gated: bool = False,
 ) -> torch.Tensor:
-    """x [1, K] (or [1, 2K] gate and up halves, ``gated``) and weight [N, K] in x's dtype,
-    or int8 / float8 e4m3 codes with float32 ``scale`` [N] -> [1, N] in x's dtype."""
+    """x [1, K] (or [1, 2K] gate and up halves, ``gated``; or a deferred norm of a row [1, K])
+    and weight [N, K] in x's dtype, or int8 / float8 e4m3 codes with float32 ``scale`` [N]
+    -> [1, N] in x's dtype."""
+    norm = x if isinstance(x, DeferredNorm) else None
+    if norm is not None:
+        assert not gated
+        x = norm.x
+        assert norm.weight.shape == x.shape[1:] and norm.stream.shape == x.shape
     channels, depth = weight.shape
     assert x.shape == (1, 2 * depth if gated else depth) and x.stride(-1) == 1
     assert weight.stride(1) == 1
@@ -122,11 +154,18 @@ def one_row_matmul(
         weight,
         weight if scale is None else scale,  # unread without a scale
         out,
+        # Unread without a norm, or without a residual:
+        x if norm is None or norm.residual is None else norm.residual,
+        x if norm is None else norm.weight,
+        x if norm is None else norm.stream,
         channels,
         depth,
         weight.stride(0),
+        0.0 if norm is None else norm.eps,
         HAS_SCALE=scale is not None,
         GATED=gated,
+        NORM=norm is not None,
+        HAS_RESIDUAL=norm is not None and norm.residual is not None,
         **launch_options(x.device),
     )
     return out
