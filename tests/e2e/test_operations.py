@@ -197,14 +197,15 @@ def test_a_draining_server_finishes_its_streams_and_takes_nothing_new(
     log = tmp_path / "server.log"
     server = start_server(deployment.engine_address, port, log, "--drain-timeout", "60")
     url = f"http://127.0.0.1:{port}"
-    body = {**_body(PROMPTS[0]), "max_tokens": 160, "stream": True}
+    # Long enough to outlast the checks below: 160 tokens took 0.24 s on a CPU, and the
+    # server, drained, had exited by the time a fixed 0.3 s wait ended.
+    body = {**_body(PROMPTS[0]), "max_tokens": 480, "stream": True}
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as stream:
             lines = stream.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
             server.send_signal(signal.SIGTERM)
-            time.sleep(0.3)  # the signal is handled between two ticks of the event loop
-            health = httpx.get(f"{url}/health", timeout=10)
+            health = _health_once_draining(url)
             assert health.status_code == 503 and health.json()["status"] == "draining"
             refused = httpx.post(f"{url}/v1/completions", json=_body(PROMPTS[0]), timeout=10)
             assert refused.status_code == 503
@@ -216,6 +217,17 @@ def test_a_draining_server_finishes_its_streams_and_takes_nothing_new(
         assert server.wait(timeout=60) == 0, tail(log)
     finally:
         stop(server)
+
+
+def _health_once_draining(url: str) -> httpx.Response:
+    """/health once the server answers that it drains (it handles the signal between two
+    ticks of its event loop), or its last answer after 5 s."""
+    deadline = time.monotonic() + 5
+    while True:
+        health = httpx.get(f"{url}/health", timeout=10)
+        if health.status_code == 503 or time.monotonic() > deadline:
+            return health
+        time.sleep(0.01)
 
 
 def test_an_oversized_body_gets_413_unread(deployment: Deployment) -> None:
