@@ -14,8 +14,8 @@ three vectors (x, residual, norm weight), read again by every program, weigh mor
 it, and an 8B fp8 step measured slower folded than not.
 
 Measured on an H100 against the commit before (medians of 3, A/B in one call each): the 1B
-shape's batch-1 step 1.227 -> 1.215, 1.222 -> 1.183 and 1.342 -> 1.288 ms (1-4%); the 8B
-shape's 5.684 -> 5.703 ms (no change).
+shape's batch-1 step 1.227 -> 1.215, 1.222 -> 1.183 and 1.342 -> 1.288 ms (1-4% faster); the
+8B shape's 5.684 -> 5.703 ms (0.3% slower).
 
 The sum x + residual is the residual stream the layer's next norm adds to: ``stream``,
 written by whichever kernel computes the norm. It is a buffer of its own, not the residual

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.deferred_norm import DeferredNorm, LinearInput
+from engine.deferred_norm import DeferredNorm, LinearInput, dense
 from engine.model_config import Quantization
 
 QUANTIZATION_METHODS = ("fp8", "int8")
@@ -150,7 +150,11 @@ class LinearMethod:
 
 
 class QuantizedLinear(LinearMethod):
-    """Codes of ``dtype`` [N, K] and float32 scales [N], one per output channel."""
+    """Codes of ``dtype`` [N, K] and float32 scales [N], one per output channel.
+
+    A deferred norm of one row (``engine.deferred_norm``) is computed by the norm's kernel
+    before the product: folded into the fp8 one-row kernel it made an 8B model's batch-1
+    step slower (3.86 -> 3.98 ms on an H100; docs/benchmarks.md)."""
 
     dtype: torch.dtype
 
@@ -191,7 +195,7 @@ class QuantizedLinear(LinearMethod):
         target.copy_(scale.float().reshape(-1).expand(target.numel()))
 
     def weight_only(
-        self, layer: nn.Module, x: LinearInput, bias: torch.Tensor | None
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         return with_bias(weight_only_matmul(x, layer.weight, layer.weight_scale), bias)
 
@@ -206,7 +210,8 @@ class Int8Linear(QuantizedLinear):
     dtype = torch.int8
 
     def apply(self, layer: nn.Module, x: LinearInput, bias: torch.Tensor | None) -> torch.Tensor:
-        return self.weight_only(layer, x, bias)
+        # A deferred norm is computed first, by the norm's kernel (QuantizedLinear).
+        return self.weight_only(layer, dense(x), bias)
 
 
 class Fp8Linear(QuantizedLinear):
@@ -215,13 +220,10 @@ class Fp8Linear(QuantizedLinear):
     dtype = FP8
 
     def apply(self, layer: nn.Module, x: LinearInput, bias: torch.Tensor | None) -> torch.Tensor:
+        x = dense(x)  # a deferred norm computed first, by the norm's kernel (QuantizedLinear)
         output_size, input_size = layer.weight.shape
         # _scaled_mm takes dimensions that are multiples of 16 (cuBLASLt's FP8 layouts).
-        if (
-            isinstance(x, DeferredNorm)  # one row
-            or x.shape[0] <= WEIGHT_ONLY_MAX_TOKENS
-            or (output_size | input_size) % 16
-        ):
+        if x.shape[0] <= WEIGHT_ONLY_MAX_TOKENS or (output_size | input_size) % 16:
             return self.weight_only(layer, x, bias)
         codes, scale = quantize_per_token_fp8(x)
         # The bias is added after: _scaled_mm takes none with rowwise scales.
@@ -254,12 +256,11 @@ def with_bias(product: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return product if bias is None else product.add_(bias)
 
 
-def weight_only_matmul(x: LinearInput, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def weight_only_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x @ (codes * scale[:, None]).T`` without the dequantized weight: the Triton kernel
-    on CUDA (the only place a deferred norm comes from); on the CPU, PyTorch's int8
-    weight-only GEMM or, for FP8, the codes widened (exactly) to ``x``'s dtype and the
-    scales applied to the product."""
-    if isinstance(x, DeferredNorm) or x.is_cuda:
+    on CUDA; on the CPU, PyTorch's int8 weight-only GEMM or, for FP8, the codes widened
+    (exactly) to ``x``'s dtype and the scales applied to the product."""
+    if x.is_cuda:
         return _triton_weight_only_matmul()(x, codes, scale)
     if codes.dtype == torch.int8:
         return torch._weight_int8pack_mm(x, codes, scale.to(x.dtype))

@@ -33,7 +33,6 @@ import triton.testing
 from engine.backends.triton.activation import silu_and_mul
 from engine.backends.triton.fp8_widen import widen, widen_factor
 from engine.backends.triton.one_row_matmul import one_row_matmul
-from engine.deferred_norm import LinearInput, dense
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Splitting K pays only where the rows are few: the workspace is SPLIT_K x rows x N floats.
@@ -193,14 +192,11 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 def weight_only_matmul(
-    x: LinearInput, codes: torch.Tensor, scale: torch.Tensor, *, gated: bool = False
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, *, gated: bool = False
 ) -> torch.Tensor:
-    """x [M, K] (bfloat16, float16 or float32; or a deferred norm of one row), codes [N, K]
-    int8 or float8 e4m3, scale [N] float32 -> [M, N] in x's dtype. ``gated``: x [M, 2K] is a
-    gated MLP's gate and up halves, and the input silu(gate) * up."""
-    # A deferred norm is computed first, by the norm's kernel: folded into the one-row kernel
-    # it made an 8B model's fp8 step slower (3.86 -> 3.98 ms, H100; docs/benchmarks.md).
-    x = dense(x)
+    """x [M, K] (bfloat16, float16 or float32), codes [N, K] int8 or float8 e4m3, scale [N]
+    float32 -> [M, N] in x's dtype. ``gated``: x [M, 2K] is a gated MLP's gate and up
+    halves, and the input silu(gate) * up."""
     depth = codes.shape[1]
     if x.shape[0] == 1 and _one_row_kernel_is_faster(x[:, :depth], codes, scale):
         return one_row_matmul(x, codes, scale, gated=gated)
