@@ -27,6 +27,7 @@ from protocol import (
     GenerateRequest,
     HandshakeReply,
     HandshakeRequest,
+    Message,
     SamplingParams,
     TokenOutputs,
     decode_message,
@@ -273,22 +274,31 @@ def test_a_stopped_engine_ends_its_requests_with_a_finish_reason(
         for request_id, max_tokens in (("short", 8), ("long", 6000)):
             sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
             peer.send(GenerateRequest(request_id, [5, 6, 7], sampling).encode())
-        while not peer.poll(10_000) or not isinstance(decode_message(peer.recv()), TokenOutputs):
-            pass  # both are running once the first tokens arrive
-        engine.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
-        peer.send(GenerateRequest("late", [5, 6, 7], SamplingParams()).encode())
-        finished, refused = {}, []
-        while peer.poll(10_000):
-            message = decode_message(peer.recv())
+        # Stop only once both have produced a token: the engine may read the second request
+        # a step after the first, and a request read after the signal is refused instead.
+        running: set[str] = set()
+        finished: dict[str, str] = {}
+        refused: list[tuple[str, str]] = []
+
+        def record(message: Message) -> None:
             if isinstance(message, ErrorReply):
                 refused.append((message.request_id, message.code))
             elif isinstance(message, TokenOutputs):
                 for output in message.outputs:
+                    running.add(output.request_id)
                     if output.finish_reason is not None:
                         finished[output.request_id] = output.finish_reason
+
+        while running != {"short", "long"}:
+            assert peer.poll(60_000), tail(log)
+            record(decode_message(peer.recv()))
+        engine.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        peer.send(GenerateRequest("late", [5, 6, 7], SamplingParams()).encode())
+        while peer.poll(10_000):
+            record(decode_message(peer.recv()))
         # The short one finished while draining; the long one was cut at --drain-timeout.
-        assert finished == {"short": "length", "long": "abort"}
+        assert finished == {"short": "length", "long": "abort"}, (refused, tail(log))
         assert refused == [("late", "shutting_down")]
         assert engine.wait(timeout=30) == 0, tail(log)
         assert "aborted 1 requests still running at shutdown" in log.read_text()
