@@ -32,12 +32,14 @@ one's prompts in the prefix cache). Each run prints its row; with N > 1 a "media
 follows (each column's median over the runs) and a "range of N" row (the least and greatest
 output tokens per second), as scripts/bench_offline.py prints them.
 
-Requests are sent by --client-processes processes (default 8), so that the client is not
-what is measured. It is not cheap: a streamed chunk cost a client process some 70-90 us of
-CPU on a 2-core test machine (httpx's HTTP/1.1 stack and the event loop; cutting the chunk
-into lines and its JSON some 3.5 us of it). With 4 processes the client was the cap: on an
-H100, 1B shape, 4 servers, 256 requests at once, 4 measured 28.9k output tok/s and 8
-measured 31.4k, against 32.3k in-process (scripts/bench_offline.py).
+Requests are sent by --client-processes processes (default 8) with aiohttp, so that the
+client is not what is measured. Each row reports the client's own cost: its CPU per
+streamed chunk ("client us/chunk") and its busiest process's CPU over its wall time
+("client busy"); near 100%, the client, not the servers, sets the figures: add processes.
+aiohttp parses HTTP in C: on the 2-core development machine a chunk cost a client process
+20 us, against 75 us with httpx, which this script used before (its HTTP/1.1 stack and
+the event loop). With httpx the client was the cap on an H100 (1B shape, 4 servers, 256
+requests at once): 28.9k output tok/s with 4 processes, 31.4k with 8, 32.3k in-process.
 
 --json writes every run's figures ("levels") and each level's medians over its runs
 ("medians": each figure's median, errors summed over the runs, and output_tok_s_median,
@@ -53,6 +55,7 @@ import asyncio
 import json
 import math
 import multiprocessing
+import os
 import random
 import shlex
 import statistics
@@ -63,6 +66,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -141,7 +145,7 @@ def chat_workload(
 
 
 async def _stream(
-    client: httpx.AsyncClient, url: str, body: dict, history: list[dict] | None
+    client: aiohttp.ClientSession, url: str, body: dict, history: list[dict] | None
 ) -> Result:
     """Send one streamed request; time its chunks. A chat answer joins ``history``."""
     path = "/v1/completions" if history is None else "/v1/chat/completions"
@@ -150,12 +154,12 @@ async def _stream(
     sent = time.perf_counter()
     last = None
     try:
-        async with client.stream("POST", url + path, json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+        async with client.post(url + path, json=body) as response:
+            if response.status != 200:
+                result.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for line in response.content:  # one SSE line at a time, with its newline
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                     continue
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
@@ -174,7 +178,7 @@ async def _stream(
                     result.itls_s.append(now - last)
                 last = now
                 text.append(piece)
-    except httpx.HTTPError as exc:
+    except (aiohttp.ClientError, ValueError) as exc:  # ValueError: a line over 128 KiB
         result.error = f"{type(exc).__name__}: {exc}"
         return result
     result.e2e_s = time.perf_counter() - sent
@@ -185,7 +189,7 @@ async def _stream(
 
 
 async def _run_session(
-    client: httpx.AsyncClient, url: str, model: str, session: Session
+    client: aiohttp.ClientSession, url: str, model: str, session: Session
 ) -> list[Result]:
     results = []
     history = None
@@ -211,13 +215,26 @@ async def _run_session(
     return results
 
 
+@dataclass
+class ClientShare:
+    """What one client process got, and what it cost: its CPU seconds over its wall seconds
+    from the level's start to its last answer."""
+
+    results: list[Result]
+    cpu_s: float
+    wall_s: float
+
+
 async def _client(
     jobs: list[tuple[float, str, Session]], model: str, start_at: float, concurrency: int | None
-) -> list[Result]:
+) -> ClientShare:
     """Run this process's sessions: each at its arrival time, or ``concurrency`` at a time."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+    # No cap on connections (limit=0) and no timeout: every session runs at its arrival.
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
         await asyncio.sleep(max(0.0, start_at - time.time()))
+        cpu_start, wall_start = time.process_time(), time.perf_counter()
         if concurrency is None:
 
             async def arrive(offset: float, url: str, session: Session) -> list[Result]:
@@ -238,10 +255,11 @@ async def _client(
             done = [
                 s for w in await asyncio.gather(*(worker() for _ in range(concurrency))) for s in w
             ]
-    return [r for session in done for r in session]
+        cpu_s, wall_s = time.process_time() - cpu_start, time.perf_counter() - wall_start
+    return ClientShare([r for session in done for r in session], cpu_s, wall_s)
 
 
-def _client_process(args: tuple) -> list[Result]:
+def _client_process(args: tuple) -> ClientShare:
     return asyncio.run(_client(*args))
 
 
@@ -253,9 +271,9 @@ def run_level(
     concurrency: int | None,
     processes: int,
     seed: int,
-) -> tuple[list[Result], float]:
-    """Every session, by Poisson arrivals at ``rate`` or ``concurrency`` at a time; the
-    results and the seconds from the first arrival to the last answer."""
+) -> tuple[list[ClientShare], float]:
+    """Every session, by Poisson arrivals at ``rate`` or ``concurrency`` at a time; each
+    client process's share and the seconds from the first arrival to the last answer."""
     rng = random.Random(seed)
     offset = 0.0
     jobs = []
@@ -275,9 +293,9 @@ def run_level(
         for p in range(processes)
     ]
     with multiprocessing.get_context("spawn").Pool(processes) as pool:
-        results = [r for part in pool.map(_client_process, shares) for r in part]
-    finished = [r.finished_at for r in results if r.error is None]
-    return results, (max(finished) if finished else time.time()) - start_at
+        clients = pool.map(_client_process, shares)
+    finished = [r.finished_at for c in clients for r in c.results if r.error is None]
+    return clients, (max(finished) if finished else time.time()) - start_at
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -291,8 +309,12 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {"p50": statistics.median(ordered), "p90": at(0.9), "p99": at(0.99)}
 
 
-def summarize(results: list[Result], seconds: float, slo_ttft_s: float, slo_tpot_s: float) -> dict:
+def summarize(
+    clients: list[ClientShare], seconds: float, slo_ttft_s: float, slo_tpot_s: float
+) -> dict:
+    results = [r for c in clients for r in c.results]
     good = [r for r in results if r.error is None]
+    chunks = sum(len(r.itls_s) + 1 for r in good)
     meeting = [r for r in good if r.ttft_s <= slo_ttft_s and r.tpot_s <= slo_tpot_s]
     output_tokens = sum(r.output_tokens for r in good)
     return {
@@ -302,6 +324,7 @@ def summarize(results: list[Result], seconds: float, slo_ttft_s: float, slo_tpot
         "seconds": seconds,
         "prompt_tokens": sum(r.prompt_tokens for r in good),
         "output_tokens": output_tokens,
+        "chunks": chunks,
         "output_tok_s": output_tokens / seconds,
         "request_s": len(good) / seconds,
         "goodput_request_s": len(meeting) / seconds,
@@ -310,6 +333,32 @@ def summarize(results: list[Result], seconds: float, slo_ttft_s: float, slo_tpot
         "tpot_ms": {k: v * 1e3 for k, v in percentiles([r.tpot_s for r in good]).items()},
         "itl_ms": {k: v * 1e3 for k, v in percentiles([g for r in good for g in r.itls_s]).items()},
         "e2e_ms": {k: v * 1e3 for k, v in percentiles([r.e2e_s for r in good]).items()},
+        # The client's own cost: when its busiest process nears 100%, the client, not the
+        # servers, sets the figures (add --client-processes).
+        "client_us_per_chunk": sum(c.cpu_s for c in clients) / max(chunks, 1) * 1e6,
+        "client_busy": max((c.cpu_s / c.wall_s for c in clients if c.wall_s > 0), default=0.0),
+    }
+
+
+def cpu_seconds(pids: list[int]) -> list[float]:
+    """Each process's user and system CPU seconds so far (Linux: /proc/PID/stat)."""
+    seconds = []
+    for pid in pids:
+        # Fields after the parenthesized command name: utime and stime are the 12th and 13th.
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        seconds.append((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+    return seconds
+
+
+def server_cost(before: list[float], after: list[float], seconds: float, chunks: int) -> dict:
+    """The servers' CPU per streamed chunk, and the busiest one's CPU over the level's time
+    (near 100%: the servers set the figures). NaN for servers this script did not start."""
+    if not before:
+        return {"server_us_per_chunk": math.nan, "server_busy": math.nan}
+    used = [b - a for a, b in zip(before, after, strict=True)]
+    return {
+        "server_us_per_chunk": sum(used) / max(chunks, 1) * 1e6,
+        "server_busy": max(used) / seconds,
     }
 
 
@@ -328,7 +377,9 @@ def print_level(servers: int, level: str, s: dict) -> None:
     print(
         f"{servers:7d} {level:>11} {s['output_tok_s']:9.0f} {s['goodput_tok_s']:9.0f} "
         f"{s['goodput_request_s']:7.2f} {trio('ttft_ms')} {trio('tpot_ms')} {trio('itl_ms')} "
-        f"{trio('e2e_ms')} {s['prefix_cache_hit']:7.0%}{errors}"
+        f"{trio('e2e_ms')} {s['prefix_cache_hit']:7.0%} {s['client_busy']:7.0%} "
+        f"{s['client_us_per_chunk']:7.1f} {s['server_busy']:7.0%} "
+        f"{s['server_us_per_chunk']:7.1f}{errors}"
     )
 
 
@@ -359,12 +410,13 @@ def print_header() -> None:
     trio = f"{'p50':>8} {'p90':>8} {'p99':>8}"
     print(
         f"\n{'':7} {'':>11} {'output':>9} {'goodput':>9} {'goodput':>7} "
-        f"{'TTFT (ms)':^26} {'TPOT (ms)':^26} {'ITL (ms)':^26} {'E2E (ms)':^26} {'prefix':>7}"
+        f"{'TTFT (ms)':^26} {'TPOT (ms)':^26} {'ITL (ms)':^26} {'E2E (ms)':^26} {'prefix':>7} "
+        f"{'client':>7} {'client':>7} {'server':>7} {'server':>7}"
     )
     print(
         f"{'servers':>7} {'level':>11} {'tok/s':>9} {'tok/s':>9} {'req/s':>7} "
         + (trio + " ") * 4
-        + f"{'cached':>7}"
+        + f"{'cached':>7} {'busy':>7} {'us/chunk':>7} {'busy':>7} {'us/chunk':>7}"
     )
 
 
@@ -467,9 +519,8 @@ def main() -> None:
         "--client-processes",
         type=int,
         default=8,
-        help="processes sending the requests (default 8: with 4 the client's own work capped "
-        "the measurement, 28.9k against 31.4k output tok/s with 8, H100, 1B shape, 4 servers, "
-        "256 requests at once; in-process 32.3k)",
+        help="processes sending the requests (default 8); the 'client busy' column says "
+        "when they are too few",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write every run's figures here")
@@ -494,6 +545,7 @@ def main() -> None:
         print_header()
         for servers in server_counts:
             urls = cluster.start_servers(servers) if cluster else args.url
+            server_pids = [server.pid for server in cluster.servers] if cluster else []
             model = httpx.get(f"{urls[0]}/v1/models", timeout=10).json()["data"][0]["id"]
             for value in args.concurrency or rates:
                 concurrency = value if args.concurrency else None
@@ -510,11 +562,15 @@ def main() -> None:
                     ids = random.Random(f"{key}, run {run}")
                     sessions = workload(args, lengths, ids)
                     before = engine_prompt_tokens(urls[0])
-                    results, seconds = run_level(
+                    servers_cpu = cpu_seconds(server_pids)
+                    clients, seconds = run_level(
                         urls, model, sessions, rate, concurrency, args.client_processes, args.seed
                     )
                     summary = summarize(
-                        results, seconds, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3
+                        clients, seconds, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3
+                    )
+                    summary |= server_cost(
+                        servers_cpu, cpu_seconds(server_pids), seconds, summary["chunks"]
                     )
                     after = engine_prompt_tokens(urls[0])
                     computed, cached = (b - a for a, b in zip(before, after, strict=True))

@@ -25,8 +25,10 @@
 # PEERS=0 leaves out transformers' runs (minutes of device time each); PYTEST_K filters tests.
 #
 # Expects the wheels the GPU image lacks in .whl/: shared/tools/device-wheels.sh xgrammar
-# apache-tvm-ffi httpx2 httpcore2 truststore h11 idna anyio prometheus-client (the engine imports
-# xgrammar; a server, prometheus-client; the openai client of the tests needs httpx2).
+# apache-tvm-ffi httpx2 httpcore2 truststore h11 idna anyio prometheus-client aiohttp
+# aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl (the engine imports
+# xgrammar; a server, prometheus-client; the openai client of the tests needs httpx2;
+# bench_serving's client, aiohttp).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/tandem-gpu}
