@@ -151,11 +151,15 @@ for stage in "$@"; do
       m=$(checkpoint llama-3.2-1b)
       gpus=0,1; [ "$stage" = bench-dp-smoke ] && gpus=0,0
       timeout 540 python3 scripts/bench_data_parallel.py --model "$m" --gpus $gpus 2>&1 | tee "$out/$stage-1b.log" | grep -v '^INFO' | tail -8 ;;
-    serving)  # issue 14: the served path, 1B shape, all requests at once, 1 and 4 servers
+    serving)  # issue 14: the served path (1 and 4 servers) against in-process, 1B shape,
+      # the same 256 requests at once, medians of 3; the client and server CPU columns say
+      # whether either side set the served figure.
       m=$(checkpoint llama-3.2-1b)
-      timeout 400 python3 scripts/bench_serving.py --model "$m" --device cuda --servers 1 4 \
-        --rates inf --num-requests 256 --client-processes 4 --json "$out/serving-1b.json" \
-        --plot "$out/serving-1b.png" 2>&1 | tee "$out/serving-1b.log" | grep -v '^INFO' | tail -14 ;;
+      timeout 240 python3 scripts/bench_offline.py --model "$m" --runs 3 2>&1 \
+        | tee "$out/serving-inprocess-1b.log" | tail -5
+      timeout 520 python3 scripts/bench_serving.py --model "$m" --device cuda --servers 1 4 \
+        --rates inf --num-requests 256 --runs 3 --json "$out/serving-1b.json" \
+        --plot "$out/serving-1b.png" 2>&1 | tee "$out/serving-1b.log" | grep -v '^INFO' | tail -16 ;;
     bench-qwen3)
       m=$(checkpoint qwen3-0.6b)
       timeout 300 python3 scripts/bench_offline.py --model "$m" $(peer --peer-requests 128) 2>&1 | tee "$out/offline-qwen3.log" | tail -6 ;;
