@@ -19,7 +19,7 @@ from server.choices import ChoiceDeltas, taken
 from server.errors import ApiError, internal_error
 from server.generation import TextDelta
 from server.logprobs import RenderLogprobs, logprobs_of
-from server.sse import DONE, EventStreamResponse, event
+from server.sse import DONE, EventStreamResponse, event, to_json
 from server.tool_calling import ChatParsing
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,14 @@ class Chunks:
         self._continuous_usage = continuous_usage
         self._renderers = renderers
         self._prompt_tokens = prompt_tokens or [answer.prompt_tokens] * len(renderers)
+        # A chunk goes out per token or so: what every chunk of a choice starts with (the
+        # answer's header, then the choice's index) is encoded once, here.
+        header = to_json(answer.header()).removesuffix("}")
+        self._chunk_starts = [
+            f'data: {header},"choices":[{{"index":{index},' for index in range(len(renderers))
+        ]
+        # As OpenAI does: only the usage chunk has usage, null in the others.
+        self._no_usage = ',"usage":null' if include_usage else ""
 
     def start(self) -> list[str]:
         return []
@@ -94,31 +102,36 @@ class Chunks:
     def end(self) -> list[str]:
         return [DONE]
 
-    def _content(self, text: str | None) -> dict[str, Any]:
-        """A choice's body holding ``text``, or the finish chunk's (None)."""
+    def _content(self, text: str | None) -> str:
+        """A choice's body holding ``text``, or the finish chunk's (None), as JSON members."""
         raise NotImplementedError
 
     def _chunk(
         self,
         index: int,
-        body: dict[str, Any],
+        body: str,
         completion_tokens: int,
         finish_reason: str | None = None,
         logprobs: Any = None,
     ) -> str:
-        """A chunk of choice ``index``, which has generated ``completion_tokens`` so far."""
-        choice = {"index": index, **body, "logprobs": logprobs, "finish_reason": finish_reason}
-        data: dict[str, Any] = {**self.answer.header(), "choices": [choice]}
+        """A chunk of choice ``index``, which has generated ``completion_tokens`` so far;
+        ``body`` holds its body's JSON members. The JSON is that of the whole chunk's dict,
+        written in parts so that only what varies is encoded."""
         if self._continuous_usage:
             prompt_tokens = self._prompt_tokens[index]
-            data["usage"] = {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            }
-        elif self._include_usage:
-            data["usage"] = None  # as OpenAI does: only the usage chunk has usage
-        return event(data)
+            total_tokens = prompt_tokens + completion_tokens
+            usage = (
+                f',"usage":{{"prompt_tokens":{prompt_tokens},'
+                f'"completion_tokens":{completion_tokens},"total_tokens":{total_tokens}}}'
+            )
+        else:
+            usage = self._no_usage
+        return (
+            f"{self._chunk_starts[index]}{body},"
+            f'"logprobs":{"null" if logprobs is None else to_json(logprobs)},'
+            f'"finish_reason":{"null" if finish_reason is None else to_json(finish_reason)}'
+            f"}}]{usage}}}\n\n"
+        )
 
 
 class ChatChunks(Chunks):
@@ -146,7 +159,7 @@ class ChatChunks(Chunks):
 
     def start(self) -> list[str]:
         choices = range(len(self._renderers))
-        role = {"delta": {"role": self._role, "content": ""}}
+        role = f'"delta":{to_json({"role": self._role, "content": ""})}'
         events = [self._chunk(index, role, 0) for index in choices]
         if self._echo:
             events += [self._chunk(index, self._content(self._echo), 0) for index in choices]
@@ -164,26 +177,27 @@ class ChatChunks(Chunks):
         tokens = delta.completion_tokens
         if not split.is_empty() or delta.token_ids:
             logprobs = logprobs_of(self._renderers[index], delta)
-            body = {"delta": _chat_delta(split)}
-            events.append(self._chunk(index, body, tokens, logprobs=logprobs))
+            events.append(self._chunk(index, _chat_delta(split), tokens, logprobs=logprobs))
         if delta.finish_reason is not None:
             reason = self._parsing.finish_reason(delta.finish_reason, parser.called_tools)
             events.append(self._chunk(index, self._content(None), tokens, reason))
         return events
 
-    def _content(self, text: str | None) -> dict[str, Any]:
-        return {"delta": {} if text is None else {"content": text}}
+    def _content(self, text: str | None) -> str:
+        return '"delta":{}' if text is None else f'"delta":{{"content":{to_json(text)}}}'
 
 
-def _chat_delta(split: ChatDelta) -> dict[str, Any]:
-    delta: dict[str, Any] = {}
+def _chat_delta(split: ChatDelta) -> str:
+    """The delta's JSON member: its non-empty parts (encoded one by one, since a string
+    encodes several times faster than a dict)."""
+    members = []
     if split.reasoning_content:
-        delta["reasoning_content"] = split.reasoning_content
+        members.append(f'"reasoning_content":{to_json(split.reasoning_content)}')
     if split.content:
-        delta["content"] = split.content
+        members.append(f'"content":{to_json(split.content)}')
     if split.tool_calls:
-        delta["tool_calls"] = [call.to_openai() for call in split.tool_calls]
-    return delta
+        members.append(f'"tool_calls":{to_json([call.to_openai() for call in split.tool_calls])}')
+    return f'"delta":{{{",".join(members)}}}'
 
 
 class CompletionChunks(Chunks):
@@ -215,8 +229,8 @@ class CompletionChunks(Chunks):
         echoes = enumerate(self._echoes)
         return [self._chunk(index, self._content(text), 0) for index, text in echoes]
 
-    def _content(self, text: str | None) -> dict[str, Any]:
-        return {"text": text or ""}
+    def _content(self, text: str | None) -> str:
+        return f'"text":{to_json(text or "")}'
 
 
 async def merged(choices: list[ChoiceDeltas]) -> AsyncGenerator[tuple[int, TextDelta], None]:
