@@ -37,8 +37,8 @@ client is not what is measured. Each row reports the client's own cost: its CPU 
 streamed chunk ("client us/chunk") and its busiest process's CPU over its wall time
 ("client busy"); near 100%, the client, not the servers, sets the figures: add processes.
 aiohttp parses HTTP in C: on the 2-core development machine a chunk cost a client process
-20 us, against 75 us with httpx, which this script used before (its HTTP/1.1 stack and
-the event loop). With httpx the client was the cap on an H100 (1B shape, 4 servers, 256
+19-24 us, against 58-77 us with httpx, which this script used before (its HTTP/1.1 stack
+and the event loop). With httpx the client was the cap on an H100 (1B shape, 4 servers, 256
 requests at once): 28.9k output tok/s with 4 processes, 31.4k with 8, 32.3k in-process.
 
 --json writes every run's figures ("levels") and each level's medians over its runs
