@@ -47,6 +47,7 @@ class DeferredNorm:
 
     def normalized(self) -> torch.Tensor:
         """The normalized row, by the norm's own kernel, which also writes ``stream``."""
+        # Imported here: only the Triton ops defer norms, and Triton is not everywhere.
         from engine.backends.triton.norm import add_rms_norm
 
         residual_out = None if self.residual is None else self.stream

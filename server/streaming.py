@@ -119,11 +119,12 @@ class Chunks:
         written in parts so that only what varies is encoded."""
         if self._continuous_usage:
             prompt_tokens = self._prompt_tokens[index]
-            total_tokens = prompt_tokens + completion_tokens
-            usage = (
-                f',"usage":{{"prompt_tokens":{prompt_tokens},'
-                f'"completion_tokens":{completion_tokens},"total_tokens":{total_tokens}}}'
-            )
+            usage_of_choice = {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            }
+            usage = f',"usage":{to_json(usage_of_choice)}'
         else:
             usage = self._no_usage
         return (
