@@ -35,15 +35,23 @@ scripts/make_random_checkpoint.py's do. A constrained request stops where its JS
 complete, ignore_eos or not; with random weights few complete, and most run to their
 length, masked at every step.
 
+Last, where the median run's time went: its steps by kind (those that prefill, with the
+decodes beside them; decodes alone by batch size), each kind's time, roofline, share and the
+seconds lost to the bound. A step's time is the wall time from the previous step's results
+being read to its own: with overlapped steps, the device's time for it while the device is
+the bottleneck, the host's when the host is.
+
 --json-out writes the engine's figures to FILE too: its start-up (the in-process
 engine's construction: load, cache sizing, graphs), load time, the median run's figures, their
 least and greatest over the runs (seconds_min, seconds_max, tok_s_min, tok_s_max,
-roofline_share_min, roofline_share_max) and the first run's speed.
+roofline_share_min, roofline_share_max), the first run's speed and the median run's steps by
+kind ("steps": kind -> steps, seconds, bound_s).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -57,7 +65,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.roofline import DeviceRates, ModelCost, measure_rates, run_bound
+from engine.roofline import (
+    DeviceRates,
+    ModelCost,
+    StepShape,
+    measure_rates,
+    run_bound,
+    step_bound,
+)
 from protocol import SamplingParams, StructuredOutput, StructuredOutputKind
 
 BUILTIN_SCHEMA = {
@@ -112,6 +127,11 @@ class Run:
     tokens: int
     seconds: float
     bound_s: float  # the roofline: the least time the steps it ran can take
+    steps: list[StepShape]
+    # Each step's share of the wall time: from the previous step's results being read to its
+    # own. With overlapped steps that is the device's time for it while the device is the
+    # bottleneck, and the host's for its call when the host is.
+    step_seconds: list[float]
 
     @property
     def tokens_per_s(self) -> float:
@@ -167,12 +187,68 @@ def bench_engine(
     started = time.perf_counter()
     submit(engine, requests, constrained, constraint, prefix=f"{run}-")
     generated = 0
+    read_at = [started]  # when each step's results were read, after the run's start
     while engine.has_work:
         for _, output in engine.step():
             generated += len(output.new_token_ids)
+        num_read = len(engine.step_shapes) - (engine.in_flight is not None)
+        read_at += [time.perf_counter()] * (num_read + 1 - len(read_at))
     seconds = time.perf_counter() - started
     steps, engine.step_shapes = engine.step_shapes, None
-    return Run(generated, seconds, run_bound(steps, cost, rates))
+    step_seconds = [b - a for a, b in itertools.pairwise(read_at)]
+    return Run(generated, seconds, run_bound(steps, cost, rates), steps, step_seconds)
+
+
+# Decode steps are grouped by their batch: at most this many sequences.
+BATCH_BUCKETS = (1, 16, 64, 128, 256)
+
+
+def step_kind(step: StepShape) -> str:
+    """A step's row in the breakdown: "prefill" when any sequence computes more than one
+    token (a prompt's chunk, with the decodes beside it), else its decode batch's bucket."""
+    if not step.is_decode:
+        return "prefill (and decodes)"
+    batch = len(step.query_lens)
+    low = 1
+    for high in BATCH_BUCKETS:
+        if batch <= high:
+            return f"decode, batch {low}-{high}" if low < high else f"decode, batch {high}"
+        low = high + 1
+    return f"decode, batch > {BATCH_BUCKETS[-1]}"
+
+
+@dataclass
+class StepKindTotals:
+    steps: int
+    seconds: float
+    bound_s: float
+
+
+def step_breakdown(run: Run, cost: ModelCost, rates: DeviceRates) -> dict[str, StepKindTotals]:
+    """The run's steps by kind (``step_kind``): how many, their time and their roofline;
+    prefill first, then decodes by batch."""
+    kinds: dict[str, StepKindTotals] = {}
+    for step, seconds in zip(run.steps, run.step_seconds, strict=True):
+        totals = kinds.setdefault(step_kind(step), StepKindTotals(0, 0.0, 0.0))
+        totals.steps += 1
+        totals.seconds += seconds
+        totals.bound_s += step_bound(step, cost, rates)
+    order = sorted(kinds, key=lambda k: (not k.startswith("prefill"), len(k), k))
+    return {kind: kinds[kind] for kind in order}
+
+
+def print_step_breakdown(breakdown: dict[str, StepKindTotals]) -> None:
+    """Where the run's time went against its roofline: which kinds of step lose the most."""
+    print(
+        f"\n{'steps of the median run':28} {'steps':>6} {'seconds':>8} {'roofline s':>11} "
+        f"{'% of roofline':>14} {'ms a step':>10} {'lost s':>7}"
+    )
+    for kind, t in breakdown.items():
+        print(
+            f"{kind:28} {t.steps:6d} {t.seconds:8.3f} {t.bound_s:11.3f} "
+            f"{t.bound_s / t.seconds:14.0%} {1e3 * t.seconds / t.steps:10.3f} "
+            f"{t.seconds - t.bound_s:7.3f}"
+        )
 
 
 def warm_up_grammar(engine: LLMEngine, prompt: list[int], constraint: StructuredOutput) -> None:
@@ -299,6 +375,7 @@ def main() -> None:
             f"roofline {r.bound_s:.2f} s ({r.bound_s / r.seconds:.0%})"
         )
     median = sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
+    breakdown = step_breakdown(median, cost, rates)
     if args.json_out is not None:  # the median run's, their range, and the first's speed
         figures = {"start_s": start_s, "load_s": engine.runner.load_seconds}
         figures |= {"output_tokens": median.tokens, "seconds": median.seconds}
@@ -307,6 +384,7 @@ def main() -> None:
         figures |= extremes("tok_s", [r.tokens_per_s for r in runs])
         figures |= extremes("roofline_share", [r.bound_s / r.seconds for r in runs])
         figures |= {"first_tok_s": runs[0].tokens_per_s}
+        figures |= {"steps": {kind: vars(t) for kind, t in breakdown.items()}}
         args.json_out.write_text(json.dumps(figures))
     engine.close()
     peer = None
@@ -339,6 +417,7 @@ def main() -> None:
     if peer is not None:
         tokens, seconds = peer
         print(f"{'transformers generate':28} {tokens:14d} {seconds:11.2f} {tokens / seconds:15.1f}")
+    print_step_breakdown(breakdown)
 
 
 if __name__ == "__main__":

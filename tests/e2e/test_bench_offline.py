@@ -1,0 +1,42 @@
+"""scripts/bench_offline.py on a tiny model (CPU): every requested token generated, and the
+median run's steps by kind add up to the run: its time and its roofline."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.processes import REPO_ROOT
+from tests.random_checkpoint import save_tiny_llama
+
+
+def test_steps_by_kind_add_up_to_the_run(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    save_tiny_llama(model, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    out = tmp_path / "figures.json"
+    command = [sys.executable, "scripts/bench_offline.py", "--model", str(model)]
+    command += ["--device", "cpu", "--num-requests", "20", "--min-len", "10", "--max-len", "40"]
+    command += ["--max-num-seqs", "16", "--runs", "2", "--json-out", str(out)]
+    completed = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    print(completed.stdout)
+    figures = json.loads(out.read_text())
+    assert 20 * 10 <= figures["output_tokens"] <= 20 * 40  # ignore_eos: every length in full
+    steps = figures["steps"]
+    kinds = list(steps)
+    # 20 prompts prefill first; 16 sequences at most decode at once, then fewer as they end.
+    assert kinds[0] == "prefill (and decodes)"
+    assert set(kinds[1:]) <= {"decode, batch 1", "decode, batch 2-16"}
+    assert "decode, batch 2-16" in kinds
+    seconds = sum(kind["seconds"] for kind in steps.values())
+    bound = sum(kind["bound_s"] for kind in steps.values())
+    # Each step's time runs from the previous step's read to its own: together, the run less
+    # the submission before the first step and the last read's bookkeeping.
+    assert 0.8 * figures["seconds"] < seconds <= figures["seconds"]
+    assert bound == pytest.approx(figures["roofline_share"] * figures["seconds"], rel=1e-9)
+    for kind in steps.values():
+        assert kind["steps"] > 0 and kind["seconds"] > 0 and kind["bound_s"] > 0
