@@ -457,6 +457,38 @@ def _window(sliding_window: int | None) -> int:
     return sliding_window or 0
 
 
+def decode_constants(
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    query_len: int,
+    sliding_window: int | None,
+    num_splits: int,
+) -> dict[str, int | bool | str]:
+    """The decode kernel's compile-time arguments for a step of this shape: what picks its
+    compiled variant (also for ``scripts/kernel_resources.py``, which compiles it without a
+    GPU)."""
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    return {
+        "QUERY_LEN": query_len,
+        "GROUP": group,
+        "GROUP_PAD": group_pad,
+        "BLOCK_M": max(triton.next_power_of_2(query_len * group_pad), _MIN_DOT_ROWS),
+        "HEAD_DIM": head_dim,
+        "BLOCK_D": triton.next_power_of_2(head_dim),
+        "BLOCK_N": _FP8_DECODE_BLOCK_N if kv_dtype.itemsize == 1 else _BLOCK_N,
+        "BLOCK_SIZE": block_size,
+        "USE_WINDOW": sliding_window is not None,
+        "MASK_WINDOW": sliding_window is not None and query_len > 1,
+        "WRITE_PARTIAL": num_splits > 1,
+        "DOT_PRECISION": _dot_precision(dtype),
+    }
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -504,8 +536,6 @@ def paged_decode_attention(
     else:
         workspace, ws_strides = out, (0, 0, 0)  # unused: the kernel writes out directly
 
-    group = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
     block_d = triton.next_power_of_2(head_dim)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q,
@@ -525,18 +555,17 @@ def paged_decode_attention(
         out.stride(0),
         out.stride(1),
         *ws_strides,
-        QUERY_LEN=query_len,
-        GROUP=group,
-        GROUP_PAD=group_pad,
-        BLOCK_M=max(triton.next_power_of_2(query_len * group_pad), _MIN_DOT_ROWS),
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_N=_FP8_DECODE_BLOCK_N if key_cache.dtype.itemsize == 1 else _BLOCK_N,
-        BLOCK_SIZE=block_size,
-        USE_WINDOW=sliding_window is not None,
-        MASK_WINDOW=sliding_window is not None and query_len > 1,
-        WRITE_PARTIAL=num_splits > 1,
-        DOT_PRECISION=_dot_precision(q.dtype),
+        **decode_constants(
+            q.dtype,
+            key_cache.dtype,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            query_len,
+            sliding_window,
+            num_splits,
+        ),
         **launch_options(q.device),
     )
     if num_splits > 1:

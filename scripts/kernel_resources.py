@@ -1,0 +1,224 @@
+"""The decode attention kernel's registers, shared memory and instructions on Hopper, from
+any machine: it is compiled for sm_90 here (Triton's own ptxas and cuobjdump), no GPU needed.
+
+    python scripts/kernel_resources.py [--heads 16 8] [--head-dim 128] [--kv-cache-dtype fp8]
+                                       [--split] [--query-len 1] [--sliding-window W]
+                                       [--block-n N] [--num-warps 4] [--num-stages 3]
+
+A kernel reading K/V at copy bandwidth needs enough bytes in flight on every SM, so it needs
+enough resident programs: the registers a thread takes and the shared memory a program takes
+bound how many fit on an SM. Printed for the variant a decode step of that shape compiles
+(``decode_constants``, with the engine's strides and specializations) or with --block-n,
+--num-warps and --num-stages changed: registers and local memory (spills), shared memory, the
+programs an SM holds by each limit, and the SASS instruction mix. A candidate that needs more
+registers or shared memory than the kernel it replaces shows here before any device time is
+spent on it: a keys-contiguous fp8 value layout tried on an H200 took 218-254 registers (one
+program an SM; the kernel then: 193) and ran slower.
+
+Compiled by the Triton installed here, which may not be the GPU machine's (3.6 there: the
+fp8 kernel takes 193 registers under it, 168 under 3.9): put a wheel of the machine's version
+first on PYTHONPATH to compare like with like.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# Compiled, not interpreted: under TRITON_INTERPRET (the CPU tests') a kernel is a Python
+# function, with no code to inspect. Before Triton or the kernels are imported.
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.backends.triton.paged_attention import _decode_kernel, decode_constants
+
+# An H100's or H200's SM: 64K 32-bit registers, 228 KB of shared memory (1 KB of it reserved
+# a program), 64 resident warps.
+REGISTERS_PER_SM = 65536
+SHARED_BYTES_PER_SM = 228 * 1024
+RESERVED_SHARED_PER_PROGRAM = 1024
+WARPS_PER_SM = 64
+_TRITON_TYPES = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4nv"}
+
+
+def engine_arguments(
+    num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None
+) -> dict[str, int]:
+    """The decode kernel's integer arguments as the engine passes them: q a view of the fused
+    QKV projection's output, caches [blocks, block_size, kv_heads, head_dim]."""
+    return {
+        "window": sliding_window or 0,
+        "stride_q_seq": (num_heads + 2 * num_kv_heads) * head_dim,
+        "stride_q_head": head_dim,
+        "stride_table": 0,  # not specialized
+        "stride_cache_slot": num_kv_heads * head_dim,
+        "stride_cache_head": head_dim,
+        "stride_out_seq": num_heads * head_dim,
+        "stride_out_head": head_dim,
+        "stride_ws_seq": 0,  # not specialized
+        "stride_ws_head": 0,  # not specialized
+        "stride_ws_split": head_dim + 2,
+    }
+
+
+def compile_decode_kernel(
+    constants: dict[str, int | bool | str],
+    integers: dict[str, int],
+    kv_dtype: torch.dtype,
+    num_warps: int,
+    num_stages: int,
+) -> triton.compiler.CompiledKernel:
+    """The decode kernel compiled for sm_90, specialized as Triton specializes a launch:
+    integers equal to 1 become constants, multiples of 16 and pointers are marked divisible
+    by 16, except the arguments the kernel exempts."""
+    names = _decode_kernel.arg_names
+    exempt = set(_decode_kernel.do_not_specialize)
+    exempt_alignment = set(_decode_kernel.do_not_specialize_on_alignment)
+    pointers = {
+        "q_ptr": "*bf16",
+        "out_ptr": "*bf16",
+        "key_cache_ptr": f"*{_TRITON_TYPES[kv_dtype]}",
+        "value_cache_ptr": f"*{_TRITON_TYPES[kv_dtype]}",
+        "block_tables_ptr": "*i64",
+        "context_lens_ptr": "*i64",
+        "workspace_ptr": "*fp32",
+    }
+    fixed = dict(constants)
+    signature: dict[str, str] = {}
+    divisible: list[int] = []
+    for index, name in enumerate(names):
+        if name in pointers:
+            signature[name] = pointers[name]
+            if name not in exempt_alignment:
+                divisible.append(index)
+        elif name == "scale_log2":
+            signature[name] = "fp32"
+        elif name in integers:
+            value = integers[name]
+            if name not in exempt and value == 1:
+                fixed[name] = 1
+                signature[name] = "constexpr"
+                continue
+            signature[name] = "i32"
+            if name not in exempt | exempt_alignment and value % 16 == 0 and value:
+                divisible.append(index)
+        else:
+            signature[name] = "constexpr"
+    source = ASTSource(
+        fn=_decode_kernel,
+        signature=signature,
+        constexprs={(names.index(name),): value for name, value in fixed.items()},
+        attrs={(index,): [["tt.divisibility", 16]] for index in divisible},
+    )
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def resources(kernel: triton.compiler.CompiledKernel) -> tuple[int, int, str]:
+    """(registers a thread, local memory bytes a thread: spills, SASS) of a compiled kernel,
+    read from its cubin by Triton's own cuobjdump."""
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as directory:
+        cubin = Path(directory, "kernel.cubin")
+        cubin.write_bytes(kernel.asm["cubin"])
+
+        def dump(flag: str) -> str:
+            command = [str(cuobjdump), flag, str(cubin)]
+            return subprocess.run(command, capture_output=True, text=True, check=True).stdout
+
+        usage, sass = dump("-res-usage"), dump("-sass")
+    registers = re.search(r"REG:(\d+)", usage)
+    local = re.search(r"LOCAL:(\d+)", usage)
+    assert registers is not None and local is not None, usage
+    return int(registers.group(1)), int(local.group(1)), sass
+
+
+def instruction_mix(sass: str) -> collections.Counter[str]:
+    """SASS opcodes (without modifiers) and how often each appears in the code."""
+    opcodes: collections.Counter[str] = collections.Counter()
+    for line in sass.splitlines():
+        match = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if match:
+            opcodes[match.group(1)] += 1
+    return opcodes
+
+
+def programs_per_sm(registers: int, shared_bytes: int, num_warps: int) -> dict[str, int]:
+    """Resident programs an SM holds by each limit (registers are allocated 8 a thread at a
+    time)."""
+    per_warp = -(-registers // 8) * 8 * 32
+    return {
+        "registers": REGISTERS_PER_SM // (per_warp * num_warps),
+        "shared memory": SHARED_BYTES_PER_SM // (shared_bytes + RESERVED_SHARED_PER_PROGRAM),
+        "warps": WARPS_PER_SM // num_warps,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--heads", type=int, nargs=2, default=[16, 8], help="query, KV")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    parser.add_argument("--split", action="store_true", help="the split-K variant")
+    parser.add_argument("--query-len", type=int, default=1, help="1 + k: a verify step")
+    parser.add_argument("--sliding-window", type=int)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-n", type=int, help="keys a tile (default: the engine's)")
+    parser.add_argument("--num-warps", type=int, default=4)
+    parser.add_argument("--num-stages", type=int, default=3)
+    args = parser.parse_args()
+    num_heads, num_kv_heads = args.heads
+    kv_dtype = torch.bfloat16 if args.kv_cache_dtype == "auto" else torch.float8_e4m3fn
+    constants = decode_constants(
+        torch.bfloat16,
+        kv_dtype,
+        num_heads,
+        num_kv_heads,
+        args.head_dim,
+        args.block_size,
+        args.query_len,
+        args.sliding_window,
+        2 if args.split else 1,
+    )
+    if args.block_n is not None:
+        constants["BLOCK_N"] = args.block_n
+    integers = engine_arguments(num_heads, num_kv_heads, args.head_dim, args.sliding_window)
+    kernel = compile_decode_kernel(constants, integers, kv_dtype, args.num_warps, args.num_stages)
+    registers, spills, sass = resources(kernel)
+    shared = kernel.metadata.shared
+    print(
+        f"decode kernel, sm_90, Triton {triton.__version__}: heads {num_heads}/{num_kv_heads}, "
+        f"head_dim {args.head_dim}, K/V {kv_dtype}, BLOCK_N {constants['BLOCK_N']}, "
+        f"{args.num_warps} warps, {args.num_stages} stages"
+        f"{', split' if args.split else ''}"
+    )
+    print(
+        f"registers a thread {registers}, local (spilled) bytes {spills}, shared memory {shared} B"
+    )
+    limits = programs_per_sm(registers, shared, args.num_warps)
+    print(
+        "programs an SM holds: "
+        + ", ".join(f"{count} by {limit}" for limit, count in limits.items())
+        + f" -> {min(limits.values())}"
+    )
+    mix = instruction_mix(sass)
+    top = ", ".join(f"{opcode} {count}" for opcode, count in mix.most_common(14))
+    print(f"SASS instructions {sum(mix.values())}: {top}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""scripts/kernel_resources.py compiles the decode kernel for sm_90 on this CPU machine and
+reads its registers, shared memory and SASS: an fp8 cache's variant (128-key tiles, values
+widened in registers) takes more registers and shared memory than bf16's."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from tests.processes import REPO_ROOT
+
+
+def kernel_resources(*args: str) -> tuple[int, int, int, int]:
+    """(registers, local bytes, shared bytes, SASS instructions) the script prints."""
+    command = [sys.executable, "scripts/kernel_resources.py", *args]
+    completed = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    out = completed.stdout
+    print(out)
+    registers, local, shared = map(
+        int,
+        re.search(
+            r"registers a thread (\d+), local \(spilled\) bytes (\d+), shared memory (\d+) B", out
+        ).groups(),
+    )
+    instructions = int(re.search(r"SASS instructions (\d+):", out).group(1))
+    assert re.search(r"programs an SM holds: \d+ by registers, \d+ by shared memory", out)
+    return registers, local, shared, instructions
+
+
+def test_fp8_variant_needs_more_registers_and_shared_memory_than_bf16() -> None:
+    bf16 = kernel_resources("--kv-cache-dtype", "auto")
+    fp8 = kernel_resources("--kv-cache-dtype", "fp8")
+    assert 0 < bf16[0] < fp8[0] <= 255 and bf16[1] == fp8[1] == 0
+    assert 0 < bf16[2] < fp8[2] and 0 < bf16[3] < fp8[3]
+    # Half the keys a tile: fewer registers than the engine's 128.
+    assert kernel_resources("--kv-cache-dtype", "fp8", "--block-n", "64")[0] < fp8[0]
