@@ -2,7 +2,14 @@
 
 import torch
 
-from engine.sampler import Penalties, SamplingTensors, apply_penalties, sample, uniform_noise
+from engine.sampler import (
+    Penalties,
+    SamplingTensors,
+    apply_penalties,
+    sample,
+    uniform_noise,
+    unit_interval,
+)
 
 
 def _params(rows: list[tuple[float, float, int, int, int]], cut: bool = True) -> SamplingTensors:
@@ -45,6 +52,20 @@ def test_noise_depends_on_seed_and_step_and_is_uniform() -> None:
     assert noise.min() > 0 and noise.max() < 1
     assert abs(noise.mean().item() - 0.5) < 0.01
     assert torch.equal(noise, uniform_noise(seed, step, 100_000))
+
+
+def test_noise_stays_inside_the_unit_interval_at_its_extreme_hashes() -> None:
+    """The smallest and largest 32-bit hashes map strictly inside (0, 1) in float32, so every
+    exponential race is positive: a race of 0 made a forbidden token's 0 / 0 a NaN, which
+    argmax picked (a structured output's grammar broken about once in 340 rows)."""
+    bits = torch.tensor([0, 1, (1 << 31) - 1, (1 << 32) - 2, (1 << 32) - 1])
+    noise = unit_interval(bits)
+    assert noise.dtype == torch.float32
+    assert (noise > 0).all() and (noise < 1).all()
+    race = -noise.log()
+    assert (race > 0).all()
+    probs = torch.tensor([0.0, 0.7, 0.3, 0.0, 0.0])  # the last tokens forbidden
+    assert (probs / race).argmax().item() in (1, 2)
 
 
 def test_sampling_follows_the_distribution() -> None:
