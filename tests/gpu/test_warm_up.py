@@ -5,7 +5,7 @@ request is as fast as the later ones."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,19 +35,28 @@ KERNEL_MODULES = [
 ]
 
 
+def our_kernels() -> Iterator[
+    tuple[str, triton.runtime.Autotuner | None, triton.runtime.JITFunction]
+]:
+    """Each of our Triton kernels by name, with its autotuner where it has one."""
+    for module in KERNEL_MODULES:
+        for name, value in vars(module).items():
+            tuner = value if isinstance(value, triton.runtime.Autotuner) else None
+            kernel = value.fn if tuner is not None else value
+            if isinstance(kernel, triton.runtime.JITFunction):
+                yield name, tuner, kernel
+
+
 def compiled_variants() -> dict[str, set[str]]:
     """The variants (specialization keys) of each of our Triton kernels this process has
     compiled, and the shapes each autotuned one has tuned for (a tuning mid-run would time
     candidates in the middle of a step)."""
     variants: dict[str, set[str]] = {}
-    for module in KERNEL_MODULES:
-        for name, value in vars(module).items():
-            if isinstance(value, triton.runtime.Autotuner):
-                variants[f"{name} tuned"] = {str(key) for key in value.cache}
-                value = value.fn
-            if isinstance(value, triton.runtime.JITFunction):
-                caches = value.device_caches.values()
-                variants[name] = {str(key) for cache in caches for key in cache[0]}
+    for name, tuner, kernel in our_kernels():
+        if tuner is not None:
+            variants[f"{name} tuned"] = {str(key) for key in tuner.cache}
+        caches = kernel.device_caches.values()
+        variants[name] = {str(key) for cache in caches for key in cache[0]}
     return variants
 
 
@@ -55,13 +64,10 @@ def forget_compiled_variants() -> None:
     """Drop what this process has compiled and tuned of our kernels (Triton's disk cache
     stays), so that a test sees only what its own engine's start-up compiles: kernels an
     earlier test's run compiled would otherwise hide a variant this start-up misses."""
-    for module in KERNEL_MODULES:
-        for value in vars(module).values():
-            if isinstance(value, triton.runtime.Autotuner):
-                value.cache.clear()
-                value = value.fn
-            if isinstance(value, triton.runtime.JITFunction):
-                value.device_caches.clear()
+    for _, tuner, kernel in our_kernels():
+        if tuner is not None:
+            tuner.cache.clear()
+        kernel.device_caches.clear()
 
 
 def varied_workload(engine: LLMEngine) -> float:

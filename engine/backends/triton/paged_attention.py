@@ -536,7 +536,17 @@ def paged_decode_attention(
     else:
         workspace, ws_strides = out, (0, 0, 0)  # unused: the kernel writes out directly
 
-    block_d = triton.next_power_of_2(head_dim)
+    constants = decode_constants(
+        q.dtype,
+        key_cache.dtype,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        query_len,
+        sliding_window,
+        num_splits,
+    )
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q,
         key_cache,
@@ -555,17 +565,7 @@ def paged_decode_attention(
         out.stride(0),
         out.stride(1),
         *ws_strides,
-        **decode_constants(
-            q.dtype,
-            key_cache.dtype,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            block_size,
-            query_len,
-            sliding_window,
-            num_splits,
-        ),
+        **constants,
         **launch_options(q.device),
     )
     if num_splits > 1:
@@ -577,7 +577,7 @@ def paged_decode_attention(
             out.stride(0),
             out.stride(1),
             HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
+            BLOCK_D=constants["BLOCK_D"],
             BLOCK_S=_MERGE_BLOCK_S,
             **launch_options(q.device),
         )
