@@ -50,6 +50,9 @@ class AttentionMetadata:
     # with fewer drafts have padding tokens in front (no cache slot, position clamped at
     # 0, their output ignored). A decode step (max_query_len 1) is uniform too.
     uniform_queries: bool = False
+    # In a step that is not uniform, how many sequences at the front have one new token
+    # each: decodes beside a prompt's chunk, which a backend may attend to as a decode step.
+    num_leading_decodes: int = 0
 
 
 @dataclass

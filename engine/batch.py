@@ -42,6 +42,9 @@ class StepShape:
     # decode step, 1 + k for a verify step in the uniform layout (``pad_verify``); such a
     # step may replay a CUDA graph of q tokens a row. 0: any other step.
     uniform_query_len: int = 0
+    # In any other step, how many sequences at the batch's front compute one token each
+    # (the scheduler puts decodes first): their attention is a decode's.
+    num_leading_decodes: int = 0
 
     def split(self, packed: torch.Tensor) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
         """The input ids, attention metadata and logits index that ``packed`` holds; views."""
@@ -68,6 +71,7 @@ class StepShape:
             query_starts=query_starts,
             max_query_len=self.max_query_len,
             uniform_queries=self.uniform_query_len > 0,
+            num_leading_decodes=self.num_leading_decodes,
         )
         return input_ids, metadata, logits_index
 
@@ -214,6 +218,7 @@ def pack(
         max_query_len=int(query_lens.max()),
         num_rows=logits_index.size,
         uniform_query_len=uniform_query_len,
+        num_leading_decodes=0 if uniform_query_len else _leading_ones(query_lens),
     )
     packed, pending_index, pending_source = on_device.split(
         [shape.packed_size, num_pending, num_pending]
@@ -229,6 +234,12 @@ def pack(
         scored = ScoredPositions(chunks, target_ids_t, num_top)
     num_drafts = drafts[completes].tolist() if speculating else None
     return StepInputs(input_ids, metadata, logits_index_t, rows, scored, shape, packed, num_drafts)
+
+
+def _leading_ones(query_lens: np.ndarray) -> int:
+    """How many sequences at the front compute one token each."""
+    others = np.flatnonzero(query_lens != 1)
+    return int(others[0]) if others.size else query_lens.size
 
 
 def pad_verify(

@@ -383,24 +383,40 @@ def float32_rotary(rotary: Rotary) -> Rotary:
 ROTARY_UNITS = 3.0
 
 
+# Decodes at the front of a mixed step, as the scheduler orders them: (context_len, 1).
+LEADING_DECODES = [(5, 1), (17, 1), (200, 1)]
+
+
 @pytest.mark.parametrize(
-    ("decode", "sliding_window", "norms"),
-    [(True, None, True), (False, None, False), (False, 20, True)],
+    ("step", "sliding_window", "norms"),
+    [
+        ("decode", None, True),
+        ("prefill", None, False),
+        ("prefill", 20, True),
+        ("decodes-then-prefill", None, True),
+        ("decodes-then-prefill", 20, False),
+    ],
 )
 def test_triton_backend_matches_torch_backend(
-    decode: bool, sliding_window: int | None, norms: bool
+    step: str, sliding_window: int | None, norms: bool
 ) -> None:
     """TritonPagedAttention.forward against TorchPagedAttention.forward in float32 on one
     step, the Q/K norms, RoPE and cache writes included: a pure decode step (the decode
-    kernel) or a mixed one (the prefill kernel)."""
+    kernel), a step of prompts' chunks (the prefill kernel), or decodes in front of them
+    (the decode kernel for those, ``num_leading_decodes``; the prefill kernel for the rest,
+    a one-token chunk among them)."""
     num_heads, num_kv_heads, head_dim = 8, 2, 64
-    if decode:
+    if step == "decode":
         context_lens, query_lens = [5, 16, 17, 200], [1, 1, 1, 1]
     else:
-        context_lens, query_lens = (list(x) for x in zip(*PREFILL_SEQUENCES, strict=True))
+        leading = LEADING_DECODES if step == "decodes-then-prefill" else []
+        sequences = leading + PREFILL_SEQUENCES
+        context_lens, query_lens = (list(x) for x in zip(*sequences, strict=True))
     # Zero-filled like the engine's cache: the backend reads whole blocks.
     batch = paged_batch(context_lens, query_lens, num_kv_heads, head_dim, fill=0.0)
     m = batch.metadata
+    if step == "decodes-then-prefill":
+        m.num_leading_decodes = len(LEADING_DECODES)
     num_tokens = sum(query_lens)
     q = randn(num_tokens, num_heads, head_dim)
     k, v = randn(num_tokens, num_kv_heads, head_dim), randn(num_tokens, num_kv_heads, head_dim)

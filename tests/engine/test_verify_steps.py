@@ -102,6 +102,23 @@ def test_steps_with_prefills_or_without_drafts_stay_packed() -> None:
     assert inputs.uniform_query_len == 1 and inputs.metadata.max_query_len == 1
 
 
+def test_a_mixed_steps_leading_decodes_are_counted() -> None:
+    """The decodes in front of a prompt's chunk: the attention backend's decode-kernel rows
+    (``num_leading_decodes``). A one-token sequence after the chunk is not among them, and
+    a step of decodes alone or in the uniform layout has none."""
+    batch = verify_batch()
+    for request in batch:
+        request.num_scheduled_tokens = 1
+        request.draft_token_ids = []
+    batch[2].num_cached_tokens = 2  # a prefill chunk of four prompt tokens
+    batch[2].num_scheduled_tokens = 4
+    inputs = pack(batch, BLOCK_SIZE, torch.device("cpu"), torch.empty(0))
+    assert inputs.metadata.num_leading_decodes == inputs.shape.num_leading_decodes == 2
+    assert inputs.metadata.query_lens.tolist() == [1, 1, 4, 1]
+    packed, uniform = both_layouts(verify_batch())  # verify steps: 4 tokens first
+    assert packed.metadata.num_leading_decodes == uniform.metadata.num_leading_decodes == 0
+
+
 @pytest.fixture(scope="module")
 def runner(tiny: tuple[Path, HFLlama]) -> ModelRunner:
     directory, _ = tiny

@@ -4,7 +4,8 @@ Before attending, one kernel applies the Q/K norms and RoPE and writes K and V i
 cache (``rotary_store_kv``). Pure-decode steps (every sequence adds one token, as in a
 captured CUDA graph) and speculative verify steps in the uniform layout (every sequence
 adds 1 + k tokens, padded) then take the split-K decode kernel; steps with any prefill take
-the variable-length prefill kernel, which also serves the decodes in a mixed batch. The
+the variable-length prefill kernel, all but the decodes at the batch's front
+(``AttentionMetadata.num_leading_decodes``), which take the decode kernel. The
 residual add with RMSNorm and SiLU-and-multiply are fused kernels, each one pass over its
 tensor.
 
@@ -58,17 +59,35 @@ class TritonPagedAttention(AttentionBackend):
                 query_len=metadata.max_query_len,
                 sliding_window=sliding_window,
             )
+        # A mixed step's decodes (at the batch's front) as a decode step: split over their
+        # contexts, a program per sequence and KV head. Through the prefill kernel each would
+        # be one program over its whole context, for one real query row of its tile.
+        decodes = metadata.num_leading_decodes
+        out = torch.empty_like(q)
+        if decodes:
+            paged_decode_attention(
+                q[:decodes],
+                cache.key,
+                cache.value,
+                metadata.block_tables[:decodes],
+                metadata.context_lens[:decodes],
+                scale,
+                sliding_window=sliding_window,
+                out=out[:decodes],
+            )
+        # The other sequences' rows stay where query_starts says in the packed q and out.
         return paged_prefill_attention(
             q,
             cache.key,
             cache.value,
-            metadata.block_tables,
-            metadata.context_lens,
-            metadata.query_lens,
-            metadata.query_starts,
+            metadata.block_tables[decodes:],
+            metadata.context_lens[decodes:],
+            metadata.query_lens[decodes:],
+            metadata.query_starts[decodes:],
             metadata.max_query_len,
             scale,
             sliding_window=sliding_window,
+            out=out,
         )
 
 
