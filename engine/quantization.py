@@ -246,6 +246,18 @@ def linear(x: LinearInput, weight: torch.Tensor, bias: torch.Tensor | None = Non
     return F.linear(x, weight, bias)
 
 
+def linear_float32(x: LinearInput, weight: torch.Tensor) -> torch.Tensor:
+    """``linear`` without a bias, its product written as float32 (the LM head's logits, which
+    sampling reads in float32). On CUDA the GEMM's epilogue writes float32 itself: a
+    separate conversion of a batch's [B, vocab] logits cost 0.1 ms of a 2.9 ms decode step
+    at batch 256 (1B shape, H200)."""
+    if isinstance(x, DeferredNorm) or takes_one_row_kernel(x):
+        return _triton_one_row_matmul()(x, weight, out_dtype=torch.float32)
+    if x.is_cuda and x.dtype != torch.float32:
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    return F.linear(x, weight).float()
+
+
 def takes_one_row_kernel(x: torch.Tensor) -> bool:
     """Whether ``x`` is one row that ``linear`` multiplies with the one-row kernel (and so a
     row whose norm can be left to that kernel, ``DeferredNorm``): one contiguous CUDA row."""

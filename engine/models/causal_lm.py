@@ -134,7 +134,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: LinearInput) -> torch.Tensor:
         """float32 logits of the final norm's output."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return head.logits(hidden).float()
+        return head.logits(hidden)
 
     def bind_kv_cache(self, caches: list[LayerKVCache]) -> None:
         for layer, cache in zip(self.layers, caches, strict=True):

@@ -25,7 +25,7 @@ from torch import nn
 from engine.checkpoint.checkpoint import TensorSlices
 from engine.deferred_norm import LinearInput
 from engine.parallel import TensorParallel
-from engine.quantization import Activation, LinearMethod, linear
+from engine.quantization import Activation, LinearMethod, linear, linear_float32
 
 UNQUANTIZED = LinearMethod()
 
@@ -185,11 +185,13 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
 
     def logits(self, hidden: LinearInput) -> torch.Tensor:
-        """The LM head's logits of ``hidden`` over the whole vocabulary, on every rank."""
+        """The LM head's float32 logits of ``hidden`` over the whole vocabulary, on every rank."""
+        if self.tp.size == 1:  # one rank holds the whole vocabulary, unpadded
+            return linear_float32(hidden, self.weight)
+        # Gathered in the model's dtype (half the bytes between ranks), then the last rank's
+        # padding dropped.
         logits = self.tp.all_gather(linear(hidden, self.weight))
-        if logits.shape[-1] == self.vocab_size:
-            return logits
-        return logits[:, : self.vocab_size].contiguous()
+        return logits[:, : self.vocab_size].float().contiguous()
 
     def load(self, param: str, part: int, source: TensorSlices, hf_name: str) -> None:
         self.weight[self.rows.length :].zero_()  # the padding rows: never an id's, logits 0

@@ -40,6 +40,7 @@ from engine.backends.triton.fp8_widen import widen, widen_factor
 from engine.backends.triton.one_row_matmul import one_row_matmul
 from engine.batch import pad_verify
 from engine.deferred_norm import DeferredNorm
+from engine.quantization import linear_float32
 from tests.kernel_reference import paged_attention_reference
 
 CUDA = torch.cuda.is_available()
@@ -643,6 +644,21 @@ def test_one_row_matmul(gated: bool) -> None:
     # The gated input is silu(gate) * up rounded to DTYPE, as silu_and_mul stores it.
     inputs = silu_and_mul(x) if gated else x
     assert_rounding_close(got, inputs.float() @ weight.float().T)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_linear_float32_is_not_rounded_to_the_inputs_dtype(rows: int) -> None:
+    # The LM head's logits: bf16 inputs, the product accumulated and stored in float32 (one
+    # row by the one-row kernel, more by cuBLAS's float32 epilogue), not rounded to bf16.
+    if rows > 1 and not CUDA:
+        pytest.skip("on the CPU a bf16 product is rounded first (CPU models run float32)")
+    x = torch.randn(rows, 300, device=DEVICE).to(torch.bfloat16)
+    weight = (4.0 * torch.randn(37, 300, device=DEVICE)).to(torch.bfloat16)
+    got = linear_float32(x, weight) if CUDA else one_row_matmul(x, weight, out_dtype=torch.float32)
+    assert got.dtype == torch.float32 and got.shape == (rows, 37)
+    expected = x.double() @ weight.double().T
+    # Values about 70: bf16 would be off by up to 0.25; float32 sums by about 1e-4.
+    torch.testing.assert_close(got.double(), expected, atol=2e-3, rtol=0)
 
 
 @pytest.mark.parametrize("with_residual", [False, True])

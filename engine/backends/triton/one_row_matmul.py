@@ -131,10 +131,11 @@ def one_row_matmul(
     scale: torch.Tensor | None = None,
     *,
     gated: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x [1, K] (or [1, 2K] gate and up halves, ``gated``; or a deferred norm of a row [1, K])
     and weight [N, K] in x's dtype, or int8 / float8 e4m3 codes with float32 ``scale`` [N]
-    -> [1, N] in x's dtype."""
+    -> [1, N] in ``out_dtype`` (default: x's dtype)."""
     norm = x if isinstance(x, DeferredNorm) else None
     if norm is not None:
         assert not gated
@@ -144,7 +145,7 @@ def one_row_matmul(
     assert x.shape == (1, 2 * depth if gated else depth) and x.stride(-1) == 1
     assert weight.stride(1) == 1
     assert (scale is None) == (weight.dtype == x.dtype), "codes need their scales"
-    out = x.new_empty(1, channels)
+    out = x.new_empty(1, channels, dtype=out_dtype or x.dtype)
 
     def grid(meta: dict) -> tuple[int]:
         return (triton.cdiv(channels, meta["BLOCK_N"]),)
