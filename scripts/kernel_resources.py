@@ -3,7 +3,7 @@ any machine: it is compiled for sm_90 here (Triton's own ptxas and cuobjdump), n
 
     python scripts/kernel_resources.py [--heads 16 8] [--head-dim 128] [--kv-cache-dtype fp8]
                                        [--split] [--query-len 1] [--sliding-window W]
-                                       [--block-n N] [--num-warps 4] [--num-stages 3]
+                                       [--block-n N] [--num-warps W] [--num-stages 3]
 
 A kernel reading K/V at copy bandwidth needs enough bytes in flight on every SM, so it needs
 enough resident programs: the registers a thread takes and the shared memory a program takes
@@ -42,7 +42,11 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.backends.triton.paged_attention import _decode_kernel, decode_constants
+from engine.backends.triton.paged_attention import (
+    _decode_kernel,
+    decode_constants,
+    decode_num_warps,
+)
 
 # An H100's or H200's SM: 64K 32-bit registers, 228 KB of shared memory (1 KB of it reserved
 # a program), 64 resident warps.
@@ -178,7 +182,7 @@ def main() -> None:
     parser.add_argument("--sliding-window", type=int)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--block-n", type=int, help="keys a tile (default: the engine's)")
-    parser.add_argument("--num-warps", type=int, default=4)
+    parser.add_argument("--num-warps", type=int, help="default: the engine's")
     parser.add_argument("--num-stages", type=int, default=3)
     args = parser.parse_args()
     num_heads, num_kv_heads = args.heads
@@ -196,6 +200,8 @@ def main() -> None:
     )
     if args.block_n is not None:
         constants["BLOCK_N"] = args.block_n
+    if args.num_warps is None:
+        args.num_warps = decode_num_warps(args.head_dim, kv_dtype)
     integers = engine_arguments(num_heads, num_kv_heads, args.head_dim, args.sliding_window)
     kernel = compile_decode_kernel(constants, integers, kv_dtype, args.num_warps, args.num_stages)
     registers, spills, sass = resources(kernel)
