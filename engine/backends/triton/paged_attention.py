@@ -53,6 +53,7 @@ _DECODE_PROGRAMS_PER_SM = 4
 _MIN_SPLIT_TOKENS = 128
 _MAX_SPLITS = 256
 _MERGE_BLOCK_S = 16  # splits the merge kernel reads at a time
+_MAX_GRID_Y = 65535  # CUDA's limit on a grid's second and third axes
 # Arguments that change from step to step in eager steps (views of the step's one packed
 # input buffer, block tables of any width): Triton would otherwise compile a variant per
 # alignment and divisibility it sees, mid-run. Their values need no specialization.
@@ -528,6 +529,7 @@ def paged_decode_attention(
     _, block_size, num_kv_heads, _ = key_cache.shape
     batch = block_tables.shape[0]
     assert context_lens.shape[0] == batch and num_tokens == batch * query_len
+    assert batch <= _MAX_GRID_Y, "the sequences are the grid's second axis"
     if num_splits is None:
         max_context_len = block_tables.shape[1] * block_size
         num_splits = decode_num_splits(batch, num_kv_heads, max_context_len, _num_sms(q.device))
