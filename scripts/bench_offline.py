@@ -37,15 +37,18 @@ length, masked at every step.
 
 Last, where the median run's time went: its steps by kind (those that prefill, with the
 decodes beside them; decodes alone by batch size), each kind's time, roofline, share and the
-seconds lost to the bound. A step's time is the wall time from the previous step's results
-being read to its own: with overlapped steps, the device's time for it while the device is
-the bottleneck, the host's when the host is.
+seconds lost to the bound, and the first run's seconds in each kind (every run has the same
+lengths, so the same steps): where a fresh engine's first run pays for what the warm-up left.
+A step's time is the wall time from the previous step's results being read to its own: with
+overlapped steps, the device's time for it while the device is the bottleneck, the host's
+when the host is.
 
 --json-out writes the engine's figures to FILE too: its start-up (the in-process
 engine's construction: load, cache sizing, graphs), load time, the median run's figures, their
 least and greatest over the runs (seconds_min, seconds_max, tok_s_min, tok_s_max,
-roofline_share_min, roofline_share_max), the first run's speed and the median run's steps by
-kind ("steps": kind -> steps, seconds, bound_s).
+roofline_share_min, roofline_share_max), the first run's speed and time (first_tok_s,
+first_seconds), and the median and first runs' steps by kind ("steps", "first_steps": kind ->
+steps, seconds, bound_s).
 """
 
 from __future__ import annotations
@@ -237,17 +240,22 @@ def step_breakdown(run: Run, cost: ModelCost, rates: DeviceRates) -> dict[str, S
     return {kind: kinds[kind] for kind in order}
 
 
-def print_step_breakdown(breakdown: dict[str, StepKindTotals]) -> None:
-    """Where the run's time went against its roofline: which kinds of step lose the most."""
+def print_step_breakdown(
+    breakdown: dict[str, StepKindTotals], first: dict[str, StepKindTotals]
+) -> None:
+    """Where the median run's time went against its roofline (which kinds of step lose the
+    most), and the first run's time in each kind: where a fresh engine's first run is slower
+    (what the warm-up left to it)."""
     print(
         f"\n{'steps of the median run':28} {'steps':>6} {'seconds':>8} {'roofline s':>11} "
-        f"{'% of roofline':>14} {'ms a step':>10} {'lost s':>7}"
+        f"{'% of roofline':>14} {'ms a step':>10} {'lost s':>7} {'first run s':>12}"
     )
     for kind, t in breakdown.items():
+        first_s = f"{first[kind].seconds:12.3f}" if kind in first else f"{'-':>12}"
         print(
             f"{kind:28} {t.steps:6d} {t.seconds:8.3f} {t.bound_s:11.3f} "
             f"{t.bound_s / t.seconds:14.0%} {1e3 * t.seconds / t.steps:10.3f} "
-            f"{t.seconds - t.bound_s:7.3f}"
+            f"{t.seconds - t.bound_s:7.3f} {first_s}"
         )
 
 
@@ -376,6 +384,7 @@ def main() -> None:
         )
     median = sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
     breakdown = step_breakdown(median, cost, rates)
+    first_breakdown = step_breakdown(runs[0], cost, rates)
     if args.json_out is not None:  # the median run's, their range, and the first's speed
         figures = {"start_s": start_s, "load_s": engine.runner.load_seconds}
         figures |= {"output_tokens": median.tokens, "seconds": median.seconds}
@@ -383,8 +392,9 @@ def main() -> None:
         figures |= extremes("seconds", [r.seconds for r in runs])
         figures |= extremes("tok_s", [r.tokens_per_s for r in runs])
         figures |= extremes("roofline_share", [r.bound_s / r.seconds for r in runs])
-        figures |= {"first_tok_s": runs[0].tokens_per_s}
+        figures |= {"first_tok_s": runs[0].tokens_per_s, "first_seconds": runs[0].seconds}
         figures |= {"steps": {kind: vars(t) for kind, t in breakdown.items()}}
+        figures |= {"first_steps": {kind: vars(t) for kind, t in first_breakdown.items()}}
         args.json_out.write_text(json.dumps(figures))
     engine.close()
     peer = None
@@ -417,7 +427,7 @@ def main() -> None:
     if peer is not None:
         tokens, seconds = peer
         print(f"{'transformers generate':28} {tokens:14d} {seconds:11.2f} {tokens / seconds:15.1f}")
-    print_step_breakdown(breakdown)
+    print_step_breakdown(breakdown, first_breakdown)
 
 
 if __name__ == "__main__":

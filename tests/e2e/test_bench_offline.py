@@ -1,5 +1,6 @@
 """scripts/bench_offline.py on a tiny model (CPU): every requested token generated, and the
-median run's steps by kind add up to the run: its time and its roofline."""
+median run's steps by kind add up to the run (its time and its roofline), as the first run's
+add up to the first run."""
 
 from __future__ import annotations
 
@@ -40,3 +41,11 @@ def test_steps_by_kind_add_up_to_the_run(tmp_path: Path) -> None:
     assert bound == pytest.approx(figures["roofline_share"] * figures["seconds"], rel=1e-9)
     for kind in steps.values():
         assert kind["steps"] > 0 and kind["seconds"] > 0 and kind["bound_s"] > 0
+    # The first run's steps, by the same kinds (the same lengths), add up to the first run.
+    first = figures["first_steps"]
+    assert set(first) == set(steps)
+    first_seconds = sum(kind["seconds"] for kind in first.values())
+    assert 0.8 * figures["first_seconds"] < first_seconds <= figures["first_seconds"]
+    assert figures["first_tok_s"] == pytest.approx(
+        figures["output_tokens"] / figures["first_seconds"], rel=1e-9
+    )
