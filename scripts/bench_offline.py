@@ -385,7 +385,7 @@ def main() -> None:
     median = sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
     breakdown = step_breakdown(median, cost, rates)
     first_breakdown = step_breakdown(runs[0], cost, rates)
-    if args.json_out is not None:  # the median run's, their range, and the first's speed
+    if args.json_out is not None:  # the median run's, their range, the first's, both by kind
         figures = {"start_s": start_s, "load_s": engine.runner.load_seconds}
         figures |= {"output_tokens": median.tokens, "seconds": median.seconds}
         figures |= {"tok_s": median.tokens_per_s, "roofline_share": median.bound_s / median.seconds}
