@@ -46,6 +46,10 @@ def test_steps_by_kind_add_up_to_the_run(tmp_path: Path) -> None:
     assert set(first) == set(steps)
     first_seconds = sum(kind["seconds"] for kind in first.values())
     assert 0.8 * figures["first_seconds"] < first_seconds <= figures["first_seconds"]
+    # Where the first run and the median differ clearly (the first pays first-use costs),
+    # the first run's table is the first run's, not the median's again.
+    if abs(figures["first_seconds"] - figures["seconds"]) > 0.1 * figures["seconds"]:
+        assert abs(first_seconds - figures["first_seconds"]) < abs(first_seconds - seconds)
     assert figures["first_tok_s"] == pytest.approx(
         figures["output_tokens"] / figures["first_seconds"], rel=1e-9
     )
