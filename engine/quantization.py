@@ -8,7 +8,8 @@ it is. Embeddings, norms and the LM head stay in the model's dtype.
   CUDA takes ``engine.backends.triton.one_row_matmul``).
 - ``Fp8Linear`` (``--quantization fp8``, compute capability >= 8.9, or the CPU): float8 e4m3
   weights with one float32 scale per output channel. A step of more than
-  ``WEIGHT_ONLY_MAX_TOKENS`` tokens quantizes its activations per token, dynamically, and
+  ``WEIGHT_ONLY_MAX_TOKENS`` tokens quantizes its activations per token, dynamically (on CUDA
+  in one kernel, ``engine.backends.triton.fp8_quantize``, with a gated MLP's activation), and
   multiplies in FP8 through ``torch._scaled_mm`` (rowwise scales); smaller ones, decode at
   small batch, read the FP8 weight into a GEMM that dequantizes it as it goes (weight-only).
 - ``Int8Linear`` (``--quantization int8``): int8 weights, one scale per output channel,
@@ -221,20 +222,49 @@ class Fp8Linear(QuantizedLinear):
 
     def apply(self, layer: nn.Module, x: LinearInput, bias: torch.Tensor | None) -> torch.Tensor:
         x = dense(x)  # a deferred norm computed first, by the norm's kernel (QuantizedLinear)
-        output_size, input_size = layer.weight.shape
-        # _scaled_mm takes dimensions that are multiples of 16 (cuBLASLt's FP8 layouts).
-        if x.shape[0] <= WEIGHT_ONLY_MAX_TOKENS or (output_size | input_size) % 16:
+        if not takes_w8a8(layer, x.shape[0]):
             return self.weight_only(layer, x, bias)
-        codes, scale = quantize_per_token_fp8(x)
-        # The bias is added after: _scaled_mm takes none with rowwise scales.
-        product = torch._scaled_mm(
-            codes,
-            layer.weight.t(),  # column-major, as _scaled_mm takes its second operand
-            scale_a=scale,
-            scale_b=layer.weight_scale.view(1, -1),
-            out_dtype=x.dtype,
-        )
-        return with_bias(product, bias)
+        codes, scale = quantize_activation_fp8(x)
+        return with_bias(w8a8_matmul(layer, codes, scale, x.dtype), bias)
+
+    def apply_silu_gated(
+        self, layer: nn.Module, gate_up: torch.Tensor, silu_and_mul: Activation
+    ) -> torch.Tensor:
+        # On CUDA the activation is computed by the kernel that quantizes it.
+        if not (gate_up.is_cuda and takes_w8a8(layer, gate_up.shape[0])):
+            return super().apply_silu_gated(layer, gate_up, silu_and_mul)
+        codes, scale = _triton_quantize_rows_fp8()(gate_up, gated=True)
+        return w8a8_matmul(layer, codes, scale, gate_up.dtype)
+
+
+def takes_w8a8(layer: nn.Module, num_tokens: int) -> bool:
+    """Whether an FP8 layer multiplies ``num_tokens`` rows in FP8 (W8A8) rather than
+    weight-only. _scaled_mm takes dimensions that are multiples of 16 (cuBLASLt's FP8
+    layouts)."""
+    output_size, input_size = layer.weight.shape
+    return num_tokens > WEIGHT_ONLY_MAX_TOKENS and (output_size | input_size) % 16 == 0
+
+
+def quantize_activation_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_per_token_fp8``; on CUDA in one kernel instead of PyTorch's eight."""
+    if x.is_cuda:
+        return _triton_quantize_rows_fp8()(x)
+    return quantize_per_token_fp8(x)
+
+
+def w8a8_matmul(
+    layer: nn.Module, codes: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """Per-token FP8 activations [T, K] (codes, scales [T, 1]) times the layer's FP8 weight,
+    rowwise scales on both sides. A bias is added after: _scaled_mm takes none with rowwise
+    scales."""
+    return torch._scaled_mm(
+        codes,
+        layer.weight.t(),  # column-major, as _scaled_mm takes its second operand
+        scale_a=scale,
+        scale_b=layer.weight_scale.view(1, -1),
+        out_dtype=out_dtype,
+    )
 
 
 def linear(x: LinearInput, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -285,6 +315,13 @@ def _triton_weight_only_matmul():  # noqa: ANN202 -- the kernel's entry point
     from engine.backends.triton.quantized_matmul import weight_only_matmul
 
     return weight_only_matmul
+
+
+@functools.cache
+def _triton_quantize_rows_fp8():  # noqa: ANN202 -- the kernel's entry point
+    from engine.backends.triton.fp8_quantize import quantize_rows_fp8
+
+    return quantize_rows_fp8
 
 
 @functools.cache

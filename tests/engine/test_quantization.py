@@ -126,6 +126,30 @@ def test_per_token_activation_codes_reconstruct_within_fp8s_rounding() -> None:
     assert (error <= weight_error_bound(x, FP8) + 1e-30).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_activation_kernel_quantizes_as_pytorch_bit_for_bit(
+    dtype: torch.dtype, gated: bool
+) -> None:
+    """The one-kernel quantization of the W8A8 path makes PyTorch's codes and scales exactly,
+    over rows of many magnitudes (an all-zero one, subnormal codes) and a width that is not a
+    multiple of its chunk; gated, of silu(gate) * up as the activation's kernel rounds it."""
+    from engine.backends.triton.activation import silu_and_mul
+    from engine.backends.triton.fp8_quantize import quantize_rows_fp8
+
+    torch.manual_seed(2)
+    magnitudes = torch.tensor([1.0, 1e-3, 10.0, 0.0, 300.0, 1.0], device=DEVICE)[:, None]
+    width = 2 * 1100 if gated else 1500
+    x = (torch.randn(6, width, device=DEVICE) * magnitudes).to(dtype)
+    x[5, :40] = 1e-4  # subnormal codes beside the row's largest value
+    codes, scale = quantize_rows_fp8(x, gated=gated)
+    expected_codes, expected_scale = quantize_per_token_fp8(silu_and_mul(x) if gated else x)
+    assert codes.dtype == FP8 and scale.shape == (6, 1)
+    assert torch.equal(scale, expected_scale)
+    assert torch.equal(codes.view(torch.uint8), expected_codes.view(torch.uint8))
+    assert (codes.float() != 0).any(dim=1).tolist() == [True, True, True, False, True, True]
+
+
 def cpu_engine(directory: Path, quantization: str | None) -> LLMEngine:
     config = EngineConfig(
         model=str(directory),
