@@ -9,7 +9,9 @@ do its arithmetic; it takes no less than the larger of the two:
   the K/V it writes;
 - FLOPs over the measured dense bf16 GEMM rate: two a weight a token in the layers' matrix
   products, two a head weight a logits row, and four a (query, key) pair a head a
-  dimension in attention (QK^T and PV), causal and within a layer's sliding window.
+  dimension in attention (QK^T and PV), causal and within a layer's sliding window. The
+  products of FP8 weights (``--quantization fp8``, multiplied in FP8 past a few tokens) count
+  at the measured FP8 GEMM rate, about twice as fast on Hopper.
 
 A step's new tokens attend to K/V they wrote themselves, which a fused kernel need not read
 back: only the keys cached before the step count as read. Activations count for nothing, so
@@ -27,6 +29,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -90,6 +93,7 @@ class ModelCost:
     kv_bytes_per_token: int  # one token's K and V in one layer
     attention_flops_per_pair: int  # 4 * num_heads * head_dim: a (query, key) pair in one layer
     windows: tuple[int | None, ...]  # each layer's sliding window; None: full attention
+    fp8_matmul_params: int = 0  # of layer_matmul_params, those stored as FP8
 
     @classmethod
     def of_model(cls, model: nn.Module, kv_dtype: torch.dtype) -> ModelCost:
@@ -107,6 +111,9 @@ class ModelCost:
             head_weight_bytes=head.numel() * head.element_size(),
             embedding_row_bytes=embedding.shape[1] * embedding.element_size(),
             layer_matmul_params=sum(p.numel() for p in layer_params if p.dim() == 2),
+            fp8_matmul_params=sum(
+                p.numel() for p in layer_params if p.dim() == 2 and p.dtype == torch.float8_e4m3fn
+            ),
             head_params=head.numel(),
             kv_bytes_per_token=2 * attention.num_kv_heads * attention.head_dim * kv_dtype.itemsize,
             attention_flops_per_pair=4 * attention.num_heads * attention.head_dim,
@@ -122,8 +129,16 @@ def _visible_keys_below(n: np.ndarray, window: int | None) -> np.ndarray:
     return np.where(n <= w, n * (n + 1) // 2, w * (w + 1) // 2 + (n - w) * w)
 
 
-def step_traffic(step: StepShape, cost: ModelCost) -> tuple[int, int]:
-    """(bytes, FLOPs) the step cannot do without."""
+class StepTraffic(NamedTuple):
+    """What a step cannot do without."""
+
+    num_bytes: int
+    flops: int  # at the bf16 GEMM rate
+    fp8_flops: int  # the FP8 weights' products, at the FP8 rate
+
+
+def step_traffic(step: StepShape, cost: ModelCost) -> StepTraffic:
+    """The bytes and FLOPs the step cannot do without."""
     tokens = step.num_tokens
     cached = step.context_lens - step.query_lens
     kv_read_tokens = 0
@@ -145,28 +160,37 @@ def step_traffic(step: StepShape, cost: ModelCost) -> tuple[int, int]:
     )
     kv_bytes = (kv_read_tokens + kv_written_tokens) * cost.kv_bytes_per_token
     flops = (
-        2 * cost.layer_matmul_params * tokens
+        2 * (cost.layer_matmul_params - cost.fp8_matmul_params) * tokens
         + 2 * cost.head_params * step.num_logits
         + cost.attention_flops_per_pair * attention_pairs
     )
-    return weight_bytes + kv_bytes, flops
+    return StepTraffic(weight_bytes + kv_bytes, flops, 2 * cost.fp8_matmul_params * tokens)
 
 
 @dataclass(frozen=True)
 class DeviceRates:
-    """What the device sustains, measured: copy bandwidth and dense GEMM rate."""
+    """What the device sustains, measured: copy bandwidth and dense GEMM rates."""
 
     bytes_per_s: float
     flops_per_s: float
+    # FP8 products (rowwise scales, as the engine's W8A8 layers); None where none were
+    # measured (the CPU, GPUs before Ada): FP8 layers then count at flops_per_s.
+    fp8_flops_per_s: float | None = None
 
     def describe(self) -> str:
-        return f"copy {self.bytes_per_s / 1e9:.0f} GB/s, GEMM {self.flops_per_s / 1e12:.1f} TFLOP/s"
+        gemm = f"GEMM {self.flops_per_s / 1e12:.1f}"
+        if self.fp8_flops_per_s is not None:
+            gemm += f", FP8 {self.fp8_flops_per_s / 1e12:.1f}"
+        return f"copy {self.bytes_per_s / 1e9:.0f} GB/s, {gemm} TFLOP/s"
 
 
 def step_bound(step: StepShape, cost: ModelCost, rates: DeviceRates) -> float:
     """Seconds the step takes at least."""
-    num_bytes, flops = step_traffic(step, cost)
-    return max(num_bytes / rates.bytes_per_s, flops / rates.flops_per_s)
+    traffic = step_traffic(step, cost)
+    arithmetic = traffic.flops / rates.flops_per_s + traffic.fp8_flops / (
+        rates.fp8_flops_per_s or rates.flops_per_s
+    )
+    return max(traffic.num_bytes / rates.bytes_per_s, arithmetic)
 
 
 def run_bound(steps: Iterable[StepShape], cost: ModelCost, rates: DeviceRates) -> float:
@@ -198,9 +222,9 @@ def _best_seconds(run: Callable[[], None], device: torch.device, repeats: int) -
 
 def measure_rates(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> DeviceRates:
     """Copy bandwidth (a device-to-device copy reads and writes every byte) and the rate of
-    a large square matrix product in ``dtype``, each the best of a few timings. On CUDA,
-    1 GiB copies and 8192-wide products; smaller on the CPU, where they only make the
-    benchmarks' arithmetic testable."""
+    a large square matrix product in ``dtype`` (and in FP8 where the GPU has FP8 products),
+    each the best of a few timings. On CUDA, 1 GiB copies and 8192-wide products; smaller on
+    the CPU, where they only make the benchmarks' arithmetic testable."""
     cuda = device.type == "cuda"
     elements = (1 << 29) if cuda else (1 << 22)
     source = torch.empty(elements, dtype=dtype, device=device)
@@ -222,4 +246,19 @@ def measure_rates(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> 
             torch.mm(a, b)
 
     gemm_s = _best_seconds(gemm, device, 3) / products
-    return DeviceRates(2 * source.nbytes / copy_s, 2 * n**3 / gemm_s)
+    fp8_s = None
+    if cuda and torch.cuda.get_device_capability(device) >= (8, 9):
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # b8 column-major
+        ones_a = torch.ones(n, 1, device=device)
+        ones_b = torch.ones(1, n, device=device)
+
+        def fp8_gemm() -> None:
+            for _ in range(products):
+                torch._scaled_mm(a8, b8, scale_a=ones_a, scale_b=ones_b, out_dtype=dtype)
+
+        fp8_s = _best_seconds(fp8_gemm, device, 3) / products
+    return DeviceRates(
+        2 * source.nbytes / copy_s,
+        2 * n**3 / gemm_s,
+        None if fp8_s is None else 2 * n**3 / fp8_s,
+    )

@@ -15,10 +15,11 @@ shows what a fresh engine's first users get. Prints each run's output tokens, se
 output tokens per second, then a table of the first run, the median run and the range (least
 to greatest over the runs, a figure alike in every run printed once) of each figure.
 
-The roofline (engine/roofline.py): the copy bandwidth and bf16 GEMM rate are measured on
-the device before the engine starts; the engine records the shape of every step it runs;
-each step's bound is the larger of its bytes (weights, K/V read and written) over the
-bandwidth and its FLOPs over the GEMM rate; a run's is the sum over its steps, printed as
+The roofline (engine/roofline.py): the copy bandwidth and bf16 GEMM rate (and FP8's, on
+GPUs with FP8 products) are measured on the device before the engine starts; the engine
+records the shape of every step it runs; each step's bound is the larger of its bytes
+(weights, K/V read and written) over the bandwidth and its FLOPs over the GEMM rate (FP8
+weights' over the FP8 rate); a run's is the sum over its steps, printed as
 the run's time against it ("% of roofline").
 
 With --peer, Hugging Face transformers' own batched generate() runs on the same weights

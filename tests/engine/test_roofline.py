@@ -3,6 +3,7 @@ records against the schedule it ran."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ from transformers import LlamaForCausalLM
 from engine.backends import create_backend
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.model_config import Quantization
 from engine.models import build_model, load_checkpoint
 from engine.roofline import (
     DeviceRates,
@@ -46,7 +48,7 @@ def shape(query_lens: list[int], context_lens: list[int], num_logits: int) -> St
 
 def test_decode_step_reads_the_weights_and_every_cached_key() -> None:
     step = shape([1, 1], [10, 3], num_logits=2)
-    num_bytes, flops = step_traffic(step, COST)
+    num_bytes, flops, _ = step_traffic(step, COST)
     kv_read, kv_written = 9 + 2, 2  # the new keys are written, never read back
     assert num_bytes == 1000 + 500 + 2 * 10 + (kv_read + kv_written) * 32
     # Each query sees its whole context, itself included.
@@ -56,7 +58,7 @@ def test_decode_step_reads_the_weights_and_every_cached_key() -> None:
 def test_prefill_chunk_is_causal_and_skips_the_head_without_logits() -> None:
     # A chunk of 4 tokens after 6 cached ones: its queries see 7, 8, 9 and 10 keys.
     step = shape([4], [10], num_logits=0)
-    num_bytes, flops = step_traffic(step, COST)
+    num_bytes, flops, _ = step_traffic(step, COST)
     assert num_bytes == 1000 + 4 * 10 + (6 + 4) * 32
     assert flops == 2 * 300 * 4 + 128 * (7 + 8 + 9 + 10)
 
@@ -65,11 +67,11 @@ def test_sliding_window_caps_keys_read_and_attended() -> None:
     windowed = ModelCost(**{**COST.__dict__, "windows": (None, 4)})
     # Decode at context 10: the full layer reads 9 cached keys and sees 10; the windowed
     # one reads the 3 before the new token and sees 4.
-    num_bytes, flops = step_traffic(shape([1], [10], 1), windowed)
+    num_bytes, flops, _ = step_traffic(shape([1], [10], 1), windowed)
     assert num_bytes == 1000 + 500 + 10 + (9 + 3 + 2) * 32
     assert flops == 2 * 300 + 2 * 250 + 128 * (10 + 4)
     # A prefill of 6 from nothing: the windowed layer's queries see 1, 2, 3, 4, 4, 4 keys.
-    _, flops = step_traffic(shape([6], [6], 1), windowed)
+    _, flops, _ = step_traffic(shape([6], [6], 1), windowed)
     assert flops == 2 * 300 * 6 + 2 * 250 + 128 * (21 + 18)
 
 
@@ -77,13 +79,30 @@ def test_bound_is_the_larger_term_summed_over_steps() -> None:
     decode, prefill = shape([1], [10], 1), shape([8], [8], 1)
     rates = DeviceRates(bytes_per_s=1000.0, flops_per_s=5e3)
     for step in (decode, prefill):
-        num_bytes, flops = step_traffic(step, COST)
+        num_bytes, flops, _ = step_traffic(step, COST)
         assert step_bound(step, COST, rates) == max(num_bytes / 1000.0, flops / 5e3)
     # The decode step is bound by bytes, the prefill by FLOPs at these rates.
     assert step_traffic(decode, COST)[0] / 1000.0 > step_traffic(decode, COST)[1] / 5e3
     assert step_traffic(prefill, COST)[1] / 5e3 > step_traffic(prefill, COST)[0] / 1000.0
     assert run_bound([decode, prefill, decode], COST, rates) == pytest.approx(
         2 * step_bound(decode, COST, rates) + step_bound(prefill, COST, rates)
+    )
+
+
+def test_fp8_layers_products_count_at_the_fp8_rate() -> None:
+    # Two thirds of the layers' matrices in FP8, multiplied twice as fast as bf16.
+    fp8 = ModelCost(**{**COST.__dict__, "fp8_matmul_params": 200})
+    prefill = shape([8], [8], 1)
+    num_bytes, flops, fp8_flops = step_traffic(prefill, fp8)
+    assert fp8_flops == 2 * 200 * 8
+    assert flops + fp8_flops == step_traffic(prefill, COST).flops
+    rates = DeviceRates(bytes_per_s=1000.0, flops_per_s=5e3, fp8_flops_per_s=1e4)
+    assert step_bound(prefill, fp8, rates) == max(num_bytes / 1000.0, flops / 5e3 + fp8_flops / 1e4)
+    assert step_bound(prefill, fp8, rates) < step_bound(prefill, COST, rates)
+    # With no FP8 rate measured they count at the bf16 rate: the bound is unchanged.
+    bf16_only = DeviceRates(bytes_per_s=1000.0, flops_per_s=5e3)
+    assert step_bound(prefill, fp8, bf16_only) == pytest.approx(
+        step_bound(prefill, COST, bf16_only)
     )
 
 
@@ -104,6 +123,13 @@ def test_model_cost_of_a_tiny_llama(tiny: tuple[Path, LlamaForCausalLM]) -> None
     assert cost.kv_bytes_per_token == 2 * kv * 2
     assert cost.attention_flops_per_pair == 4 * q
     assert cost.windows == (None, None, None)
+    assert cost.fp8_matmul_params == 0
+    quantized = replace(config, quantization=Quantization("fp8"))
+    model = build_model(quantized, *create_backend("torch", meta), 16, meta, torch.bfloat16)
+    fp8_cost = ModelCost.of_model(model, torch.bfloat16)
+    assert fp8_cost.fp8_matmul_params == fp8_cost.layer_matmul_params == layers * matmuls
+    # A byte a matrix element (the per-channel scales are buffers, a thousandth of it, left out).
+    assert fp8_cost.layer_weight_bytes == cost.layer_weight_bytes - layers * matmuls
 
 
 def test_engine_records_the_steps_it_ran(
