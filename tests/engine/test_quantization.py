@@ -128,20 +128,22 @@ def test_per_token_activation_codes_reconstruct_within_fp8s_rounding() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize("width", [1500, 16500], ids=["one-pass", "chunked"])
 def test_activation_kernel_quantizes_as_pytorch_bit_for_bit(
-    dtype: torch.dtype, gated: bool
+    dtype: torch.dtype, gated: bool, width: int
 ) -> None:
     """The one-kernel quantization of the W8A8 path makes PyTorch's codes and scales exactly,
-    over rows of many magnitudes (an all-zero one, subnormal codes) and a width that is not a
-    multiple of its chunk; gated, of silu(gate) * up as the activation's kernel rounds it."""
+    over rows of many magnitudes (an all-zero one, subnormal codes), held in registers whole or
+    (wider than 16,384) read twice in chunks, neither a multiple of its chunk; gated, of
+    silu(gate) * up as the activation's kernel rounds it."""
     from engine.backends.triton.activation import silu_and_mul
     from engine.backends.triton.fp8_quantize import quantize_rows_fp8
 
     torch.manual_seed(2)
     magnitudes = torch.tensor([1.0, 1e-3, 10.0, 0.0, 300.0, 1.0], device=DEVICE)[:, None]
-    width = 2 * 1100 if gated else 1500
-    x = (torch.randn(6, width, device=DEVICE) * magnitudes).to(dtype)
+    x = (torch.randn(6, 2 * width if gated else width, device=DEVICE) * magnitudes).to(dtype)
     x[5, :40] = 1e-4  # subnormal codes beside the row's largest value
+    x[2, width - 1] = x[2, -1] = 50.0  # a row's largest in its last chunk (gated: gate and up)
     codes, scale = quantize_rows_fp8(x, gated=gated)
     expected_codes, expected_scale = quantize_per_token_fp8(silu_and_mul(x) if gated else x)
     assert codes.dtype == FP8 and scale.shape == (6, 1)

@@ -5,8 +5,9 @@ In PyTorch ops the quantization is eight kernels a linear layer (abs, amax, the 
 copies, the divisions, the clamps, the cast), each reading or writing the whole [T, K]
 activation. At 256 tokens of a 1B model those small kernels made a decode step with FP8
 weights 4.7 ms against bf16's 3.1 ms on an H200. Here a program takes a token: it reads the
-row once for its largest magnitude, then again (from cache) to divide and round, and writes
-the codes and the scale.
+row into registers, takes its largest magnitude, divides and rounds, and writes the codes and
+the scale. A row wider than ``_MAX_BLOCK`` is read twice, in chunks: once for the largest
+magnitude, then again (from cache) to divide and round.
 
 ``gated``: the row is a gated MLP's gate and up halves [2K], and the activation quantized is
 silu(gate) * up, rounded to the row's dtype as ``silu_and_mul`` stores it: the down
@@ -34,7 +35,7 @@ FP8 = torch.float8_e4m3fn
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 _FP8_MAX = tl.constexpr(448.0)
 _MIN_SCALE = tl.constexpr(1e-12)  # an all-zero row's: its codes are zero whatever it is
-_BLOCK = 1024
+_MAX_BLOCK = 16384  # a row's values a program holds at once (16 warps: 32 a thread)
 
 
 @triton.jit
@@ -69,6 +70,14 @@ def _on_e4m3_grid(x):
 
 
 @triton.jit
+def _store_codes(values, scale, codes_ptr, cols, mask):
+    scaled = tl.minimum(tl.maximum(values / scale, -_FP8_MAX), _FP8_MAX)
+    if _INTERPRETED:
+        scaled = _on_e4m3_grid(scaled)
+    tl.store(codes_ptr + cols, scaled.to(tl.float8e4nv), mask=mask)
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x_ptr,
     codes_ptr,
@@ -78,28 +87,34 @@ def _quantize_rows_kernel(
     stride_codes,
     GATED: tl.constexpr,
     BLOCK: tl.constexpr,
+    ONE_PASS: tl.constexpr,  # BLOCK covers the row
 ):
     """Program per token: its largest magnitude, then its codes."""
     wait_for_previous_kernel()  # launched dependent (dependent_launch.py)
     let_next_kernel_start()
     row = tl.program_id(0)
     row_start = row.to(tl.int64) * stride_x
-    largest = tl.zeros((BLOCK,), dtype=tl.float32)
-    for start in range(0, K, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
+    row_codes_ptr = codes_ptr + row.to(tl.int64) * stride_codes
+    if ONE_PASS:
+        cols = tl.arange(0, BLOCK)
         mask = cols < K
-        largest = tl.maximum(largest, tl.abs(_row_chunk(x_ptr, row_start, cols, mask, K, GATED)))
-    scale = tl.maximum(tl.max(largest, 0), _MIN_SCALE) / _FP8_MAX
-    tl.store(scale_ptr + row, scale)
-    for start in range(0, K, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < K
-        scaled = _row_chunk(x_ptr, row_start, cols, mask, K, GATED) / scale
-        scaled = tl.minimum(tl.maximum(scaled, -_FP8_MAX), _FP8_MAX)
-        if _INTERPRETED:
-            scaled = _on_e4m3_grid(scaled)
-        codes = scaled.to(tl.float8e4nv)
-        tl.store(codes_ptr + row.to(tl.int64) * stride_codes + cols, codes, mask=mask)
+        values = _row_chunk(x_ptr, row_start, cols, mask, K, GATED)
+        scale = tl.maximum(tl.max(tl.abs(values), 0), _MIN_SCALE) / _FP8_MAX
+        tl.store(scale_ptr + row, scale)
+        _store_codes(values, scale, row_codes_ptr, cols, mask)
+    else:
+        largest = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, K, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            values = _row_chunk(x_ptr, row_start, cols, cols < K, K, GATED)
+            largest = tl.maximum(largest, tl.abs(values))
+        scale = tl.maximum(tl.max(largest, 0), _MIN_SCALE) / _FP8_MAX
+        tl.store(scale_ptr + row, scale)
+        for start in range(0, K, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < K
+            values = _row_chunk(x_ptr, row_start, cols, mask, K, GATED)
+            _store_codes(values, scale, row_codes_ptr, cols, mask)
 
 
 def quantize_rows_fp8(x: torch.Tensor, *, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,6 +125,7 @@ def quantize_rows_fp8(x: torch.Tensor, *, gated: bool = False) -> tuple[torch.Te
     depth = width // 2 if gated else width
     codes = torch.empty(num_rows, depth, dtype=FP8, device=x.device)
     scale = torch.empty(num_rows, 1, dtype=torch.float32, device=x.device)
+    block = min(triton.next_power_of_2(depth), _MAX_BLOCK)
     _quantize_rows_kernel[(num_rows,)](
         x,
         codes,
@@ -118,7 +134,9 @@ def quantize_rows_fp8(x: torch.Tensor, *, gated: bool = False) -> tuple[torch.Te
         x.stride(0),
         codes.stride(0),
         GATED=gated,
-        BLOCK=min(_BLOCK, triton.next_power_of_2(depth)),
+        BLOCK=block,
+        ONE_PASS=block >= depth,
+        num_warps=min(max(block // 1024, 4), 16),
         **launch_options(x.device),
     )
     return codes, scale
