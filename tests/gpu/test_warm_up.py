@@ -15,6 +15,7 @@ import triton
 
 import engine.backends.triton.activation
 import engine.backends.triton.argmax
+import engine.backends.triton.fp8_quantize
 import engine.backends.triton.norm
 import engine.backends.triton.one_row_matmul
 import engine.backends.triton.paged_attention
@@ -27,6 +28,7 @@ from protocol import SamplingParams
 KERNEL_MODULES = [
     engine.backends.triton.activation,
     engine.backends.triton.argmax,
+    engine.backends.triton.fp8_quantize,
     engine.backends.triton.norm,
     engine.backends.triton.one_row_matmul,
     engine.backends.triton.paged_attention,
@@ -102,15 +104,17 @@ def varied_workload(engine: LLMEngine) -> float:
 
 
 NGRAM = {"speculative_method": "ngram", "prompt_lookup_min": 1}
+FP8 = {"quantization": "fp8"}  # weight-only GEMMs tuned per row count; W8A8 past 16 rows
 
 
 @pytest.mark.parametrize(
-    ("enforce_eager", "speculative"),
-    [(False, {}), (True, {}), (False, NGRAM), (True, NGRAM)],
-    ids=["graphs", "eager", "ngram-graphs", "ngram-eager"],  # verify steps: graphs or eager
+    ("enforce_eager", "options"),
+    [(False, {}), (True, {}), (False, NGRAM), (True, NGRAM), (False, FP8)],
+    # ngram: speculative verify steps, in graphs or eager
+    ids=["graphs", "eager", "ngram-graphs", "ngram-eager", "fp8-graphs"],
 )
 def test_no_kernel_compiles_after_start_up(
-    enforce_eager: bool, speculative: dict[str, Any], shape_checkpoint: Callable[[str], Path]
+    enforce_eager: bool, options: dict[str, Any], shape_checkpoint: Callable[[str], Path]
 ) -> None:
     directory = shape_checkpoint("gemma3-1b")  # sliding and full layers: both variants
     forget_compiled_variants()
@@ -123,7 +127,7 @@ def test_no_kernel_compiles_after_start_up(
             max_num_batched_tokens=1024,
             kv_cache_memory_gb=4,
             enforce_eager=enforce_eager,
-            **speculative,
+            **options,
         )
     )
     start_s = time.perf_counter() - started
@@ -131,7 +135,7 @@ def test_no_kernel_compiles_after_start_up(
     ttft = varied_workload(engine)
     after_run = compiled_variants()
     print(
-        f"\nenforce_eager={enforce_eager}, {speculative or 'no speculation'}: start "
+        f"\nenforce_eager={enforce_eager}, {options or 'no options'}: start "
         f"{start_s:.1f} s, first TTFT {ttft * 1e3:.1f} ms; drafts {engine.num_draft_tokens};"
         f" variants { {name: len(keys) for name, keys in after_start.items()} }"
     )
