@@ -30,6 +30,7 @@ from engine.speculative.ngram import NgramProposer
 from engine.structured_output import CompilingRequests, GrammarCompiler, GrammarError
 from engine.tensor_parallel import WorkerGroup
 from engine.token_restrictions import breaks_restrictions, dead_end_message, may_dead_end
+from engine.warm_up import freeze_start_up_objects
 from protocol import (
     PROTOCOL_VERSION,
     EngineStats,
@@ -149,6 +150,7 @@ class LLMEngine:
         # Each step's shape, for a benchmark's roofline (engine/roofline.py): kept only when
         # one sets a list here.
         self.step_shapes: list[StepShape] | None = None
+        freeze_start_up_objects()
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (the engine serves no more)."""

@@ -29,6 +29,7 @@ from engine.model_runner import ModelRunner
 from engine.models import load_checkpoint
 from engine.parallel import TensorParallel
 from engine.tensor_parallel.step_channel import StepReceiver, StepSender
+from engine.warm_up import freeze_start_up_objects
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +163,7 @@ def worker_main(
     _join_process_group(config, store, rank)
     runner = ModelRunner(config, load_checkpoint(config.model), TensorParallel(rank, size))
     receiver = StepReceiver(pipe, runner.device)
+    freeze_start_up_objects()  # a collection's stall here would stall every rank's step
     with torch.inference_mode():
         while (inputs := receiver.receive()) is not None:
             runner.run_model(inputs)
