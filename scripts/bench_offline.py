@@ -40,6 +40,7 @@ Last, where the median run's time went: its steps by kind (those that prefill, w
 decodes beside them; decodes alone by batch size), each kind's time, roofline, share and the
 seconds lost to the bound, and the first run's seconds in each kind (every run has the same
 lengths, so the same steps): where a fresh engine's first run pays for what the warm-up left.
+Each kind's slowest step, in the median run and in the first, shows a one-off stall.
 A step's time is the wall time from the previous step's results being read to its own: with
 overlapped steps, the device's time for it while the device is the bottleneck, the host's
 when the host is.
@@ -49,7 +50,7 @@ engine's construction: load, cache sizing, graphs), load time, the median run's 
 least and greatest over the runs (seconds_min, seconds_max, tok_s_min, tok_s_max,
 roofline_share_min, roofline_share_max), the first run's speed and time (first_tok_s,
 first_seconds), and the median and first runs' steps by kind ("steps", "first_steps": kind ->
-steps, seconds, bound_s).
+steps, seconds, bound_s, slowest_s).
 """
 
 from __future__ import annotations
@@ -226,6 +227,7 @@ class StepKindTotals:
     steps: int
     seconds: float
     bound_s: float
+    slowest_s: float  # the kind's longest step: a stall (a compile, a collection) stands out
 
 
 def step_breakdown(run: Run, cost: ModelCost, rates: DeviceRates) -> dict[str, StepKindTotals]:
@@ -233,10 +235,11 @@ def step_breakdown(run: Run, cost: ModelCost, rates: DeviceRates) -> dict[str, S
     prefill first, then decodes by batch."""
     kinds: dict[str, StepKindTotals] = {}
     for step, seconds in zip(run.steps, run.step_seconds, strict=True):
-        totals = kinds.setdefault(step_kind(step), StepKindTotals(0, 0.0, 0.0))
+        totals = kinds.setdefault(step_kind(step), StepKindTotals(0, 0.0, 0.0, 0.0))
         totals.steps += 1
         totals.seconds += seconds
         totals.bound_s += step_bound(step, cost, rates)
+        totals.slowest_s = max(totals.slowest_s, seconds)
     order = sorted(kinds, key=lambda k: (not k.startswith("prefill"), len(k), k))
     return {kind: kinds[kind] for kind in order}
 
@@ -246,17 +249,23 @@ def print_step_breakdown(
 ) -> None:
     """Where the median run's time went against its roofline (which kinds of step lose the
     most), and the first run's time in each kind: where a fresh engine's first run is slower
-    (what the warm-up left to it)."""
+    (what the warm-up left to it). The slowest step of a kind, in both runs, shows a one-off
+    stall: a fresh engine's first full garbage collection was one prompt step of 150 ms
+    among steps of 15-40 (docs/benchmarks.md)."""
     print(
         f"\n{'steps of the median run':28} {'steps':>6} {'seconds':>8} {'roofline s':>11} "
-        f"{'% of roofline':>14} {'ms a step':>10} {'lost s':>7} {'first run s':>12}"
+        f"{'% of roofline':>14} {'ms a step':>10} {'slowest ms':>11} {'lost s':>7} "
+        f"{'first run s':>12} {'its slowest ms':>15}"
     )
     for kind, t in breakdown.items():
-        first_s = f"{first[kind].seconds:12.3f}" if kind in first else f"{'-':>12}"
+        if kind in first:
+            first_s = f"{first[kind].seconds:12.3f} {1e3 * first[kind].slowest_s:15.3f}"
+        else:
+            first_s = f"{'-':>12} {'-':>15}"
         print(
             f"{kind:28} {t.steps:6d} {t.seconds:8.3f} {t.bound_s:11.3f} "
             f"{t.bound_s / t.seconds:14.0%} {1e3 * t.seconds / t.steps:10.3f} "
-            f"{t.seconds - t.bound_s:7.3f} {first_s}"
+            f"{1e3 * t.slowest_s:11.3f} {t.seconds - t.bound_s:7.3f} {first_s}"
         )
 
 

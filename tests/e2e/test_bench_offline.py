@@ -1,6 +1,6 @@
 """scripts/bench_offline.py on a tiny model (CPU): every requested token generated, and the
 median run's steps by kind add up to the run (its time and its roofline), as the first run's
-add up to the first run."""
+add up to the first run; each kind's slowest step is one of its steps."""
 
 from __future__ import annotations
 
@@ -39,8 +39,11 @@ def test_steps_by_kind_add_up_to_the_run(tmp_path: Path) -> None:
     # the submission before the first step and the last read's bookkeeping.
     assert 0.8 * figures["seconds"] < seconds <= figures["seconds"]
     assert bound == pytest.approx(figures["roofline_share"] * figures["seconds"], rel=1e-9)
-    for kind in steps.values():
+    for kind in [*steps.values(), *figures["first_steps"].values()]:
         assert kind["steps"] > 0 and kind["seconds"] > 0 and kind["bound_s"] > 0
+        # The slowest step is one of the kind's: at least their mean, at most their sum.
+        assert kind["seconds"] / kind["steps"] <= kind["slowest_s"] <= kind["seconds"]
+        assert kind["steps"] == 1 or kind["slowest_s"] < kind["seconds"]
     # The first run's steps, by the same kinds (the same lengths), add up to the first run.
     first = figures["first_steps"]
     assert set(first) == set(steps)
