@@ -51,7 +51,7 @@ INT8_MAX = 127
 # are quantized per token) and the KV cache's (stored unscaled, --kv-cache-dtype).
 UNREAD_SCALES = (".input_scale", ".k_scale", ".v_scale", ".kv_scale")
 Activation = Callable[[torch.Tensor], torch.Tensor]
-_MIN_SCALE = 1e-12  # an all-zero row's scale: its codes are all zero whatever it is
+MIN_SCALE = 1e-12  # an all-zero row's scale: its codes are all zero whatever it is
 
 
 def resolve_quantization(
@@ -103,7 +103,7 @@ def quantize_per_channel(
     format's largest value (int8's rounded to nearest)."""
     weight = weight.float()
     largest = FP8_MAX if dtype == FP8 else INT8_MAX
-    scale = weight.abs().amax(dim=1).clamp(min=_MIN_SCALE) / largest
+    scale = weight.abs().amax(dim=1).clamp(min=MIN_SCALE) / largest
     scaled = weight / scale[:, None]
     if dtype == torch.int8:
         scaled = scaled.round()
@@ -112,7 +112,7 @@ def quantize_per_channel(
 
 def quantize_per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations ``x`` [T, K] as float8 e4m3 with one float32 scale per token [T, 1]."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=_MIN_SCALE) / FP8_MAX
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=MIN_SCALE) / FP8_MAX
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 

@@ -30,11 +30,12 @@ from engine.backends.triton.dependent_launch import (
     let_next_kernel_start,
     wait_for_previous_kernel,
 )
+from engine.quantization import FP8, FP8_MAX, MIN_SCALE
 
-FP8 = torch.float8_e4m3fn
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
-_FP8_MAX = tl.constexpr(448.0)
-_MIN_SCALE = tl.constexpr(1e-12)  # an all-zero row's: its codes are zero whatever it is
+# quantize_per_token_fp8's, so that the codes and scales are the same
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_MIN_SCALE = tl.constexpr(MIN_SCALE)
 _MAX_BLOCK = 16384  # a row's values a program holds at once (16 warps: 32 a thread)
 
 
@@ -70,6 +71,14 @@ def _on_e4m3_grid(x):
 
 
 @triton.jit
+def _store_scale(largest, scale_ptr, row):
+    """The row's scale, from the largest magnitudes seen (any shape), stored and returned."""
+    scale = tl.maximum(tl.max(largest, 0), _MIN_SCALE) / _FP8_MAX
+    tl.store(scale_ptr + row, scale)
+    return scale
+
+
+@triton.jit
 def _store_codes(values, scale, codes_ptr, cols, mask):
     scaled = tl.minimum(tl.maximum(values / scale, -_FP8_MAX), _FP8_MAX)
     if _INTERPRETED:
@@ -99,8 +108,7 @@ def _quantize_rows_kernel(
         cols = tl.arange(0, BLOCK)
         mask = cols < K
         values = _row_chunk(x_ptr, row_start, cols, mask, K, GATED)
-        scale = tl.maximum(tl.max(tl.abs(values), 0), _MIN_SCALE) / _FP8_MAX
-        tl.store(scale_ptr + row, scale)
+        scale = _store_scale(tl.abs(values), scale_ptr, row)
         _store_codes(values, scale, row_codes_ptr, cols, mask)
     else:
         largest = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -108,8 +116,7 @@ def _quantize_rows_kernel(
             cols = start + tl.arange(0, BLOCK)
             values = _row_chunk(x_ptr, row_start, cols, cols < K, K, GATED)
             largest = tl.maximum(largest, tl.abs(values))
-        scale = tl.maximum(tl.max(largest, 0), _MIN_SCALE) / _FP8_MAX
-        tl.store(scale_ptr + row, scale)
+        scale = _store_scale(largest, scale_ptr, row)
         for start in range(0, K, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < K
