@@ -36,6 +36,7 @@ from engine.backends.triton import (
 )
 from engine.backends.triton.argmax import argmax_rows
 from engine.backends.triton.backend import TritonPagedAttention
+from engine.backends.triton.fp8_decode import uses_fp8_decode_kernel
 from engine.backends.triton.fp8_widen import widen, widen_factor
 from engine.backends.triton.one_row_matmul import one_row_matmul
 from engine.batch import pad_verify
@@ -314,6 +315,33 @@ def test_attention_reads_an_fp8_cache(decode: bool) -> None:
             *args, m.query_lens, m.query_starts, m.max_query_len, head_dim**-0.5
         )
     assert_rounding_close(out, attention_reference(q, batch, None))
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "num_splits", "sliding_window"),
+    [(16, 8, 128, 1, None), (16, 4, 64, 3, None), (7, 1, 64, 2, 40)],
+    ids=["qwen3-heads-one-split", "head-dim-64-three-splits", "odd-group-window"],
+)
+def test_fp8_decode_kernel(
+    num_heads: int, num_kv_heads: int, head_dim: int, num_splits: int, sliding_window: int | None
+) -> None:
+    """One query a sequence over an fp8 cache: on GPUs that convert e4m3 (compute capability
+    8.9 and up) the Gluon kernel (fp8_decode.py; elsewhere the Triton kernel), held to the
+    float32 reference at tile edges (32 keys), with and without splits and a window."""
+    lens = DECODE_CONTEXT_LENS
+    batch = paged_batch(lens, [1] * len(lens), num_kv_heads, head_dim, fill=float("nan"))
+    batch.key_cache, batch.value_cache = batch.key_cache.to(FP8), batch.value_cache.to(FP8)
+    q = randn(len(lens), num_heads, head_dim)
+    expected_kernel = CUDA and torch.cuda.get_device_capability() >= (8, 9)
+    assert uses_fp8_decode_kernel(q, batch.key_cache, query_len=1) == expected_kernel
+    m = batch.metadata
+    out = paged_decode_attention(
+        *(q, batch.key_cache, batch.value_cache, m.block_tables, m.context_lens),
+        head_dim**-0.5,
+        sliding_window=sliding_window,
+        num_splits=num_splits,
+    )
+    assert_rounding_close(out, attention_reference(q, batch, sliding_window))
 
 
 @triton.jit

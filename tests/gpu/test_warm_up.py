@@ -15,6 +15,7 @@ import triton
 
 import engine.backends.triton.activation
 import engine.backends.triton.argmax
+import engine.backends.triton.fp8_decode
 import engine.backends.triton.fp8_quantize
 import engine.backends.triton.norm
 import engine.backends.triton.one_row_matmul
@@ -28,6 +29,7 @@ from protocol import SamplingParams
 KERNEL_MODULES = [
     engine.backends.triton.activation,
     engine.backends.triton.argmax,
+    engine.backends.triton.fp8_decode,
     engine.backends.triton.fp8_quantize,
     engine.backends.triton.norm,
     engine.backends.triton.one_row_matmul,
@@ -105,18 +107,23 @@ def varied_workload(engine: LLMEngine) -> float:
 
 NGRAM = {"speculative_method": "ngram", "prompt_lookup_min": 1}
 FP8 = {"quantization": "fp8"}  # weight-only GEMMs tuned per row count; W8A8 past 16 rows
+# Decode attention over an fp8 cache takes the Gluon kernel at head_dim 128 (Qwen3's), not
+# at Gemma 3's 256.
+FP8_KV = {"kv_cache_dtype": "fp8", "shape": "qwen3-0.6b"}
 
 
 @pytest.mark.parametrize(
     ("enforce_eager", "options"),
-    [(False, {}), (True, {}), (False, NGRAM), (True, NGRAM), (False, FP8)],
+    [(False, {}), (True, {}), (False, NGRAM), (True, NGRAM), (False, FP8), (False, FP8_KV)],
     # ngram: speculative verify steps, in graphs or eager
-    ids=["graphs", "eager", "ngram-graphs", "ngram-eager", "fp8-graphs"],
+    ids=["graphs", "eager", "ngram-graphs", "ngram-eager", "fp8-graphs", "fp8-kv-graphs"],
 )
 def test_no_kernel_compiles_after_start_up(
     enforce_eager: bool, options: dict[str, Any], shape_checkpoint: Callable[[str], Path]
 ) -> None:
-    directory = shape_checkpoint("gemma3-1b")  # sliding and full layers: both variants
+    options = dict(options)
+    # gemma3-1b by default: sliding and full layers, both variants
+    directory = shape_checkpoint(options.pop("shape", "gemma3-1b"))
     forget_compiled_variants()
     started = time.perf_counter()
     engine = LLMEngine(

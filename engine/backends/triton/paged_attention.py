@@ -33,6 +33,11 @@ from engine.backends.triton.dependent_launch import (
     let_next_kernel_start,
     wait_for_previous_kernel,
 )
+from engine.backends.triton.fp8_decode import (
+    fp8_decode_num_splits,
+    fp8_paged_decode,
+    uses_fp8_decode_kernel,
+)
 from engine.backends.triton.fp8_widen import widen, widen_factor
 
 # Rows of a prefill tile (query tokens x padded query heads of a group) and keys per tile.
@@ -520,8 +525,9 @@ def paged_decode_attention(
     padding); caches: [num_blocks, block_size, num_kv_heads, head_dim]; block_tables:
     [B, max_blocks] int; context_lens: [B] int, the new tokens included.
     ``num_splits`` defaults to ``decode_num_splits`` with block_tables' capacity as the
-    longest context (known without reading the lengths back from the GPU). For CUDA
-    graphs, pass ``out`` and, when splitting, ``workspace`` (``decode_workspace``).
+    longest context (known without reading the lengths back from the GPU; over an fp8
+    cache on the GPU, ``fp8_decode_num_splits``). For CUDA graphs, pass ``out`` and, when
+    splitting, ``workspace`` (``decode_workspace``).
     Returns out: [B * query_len, num_heads, head_dim] in q's dtype.
     """
     _check_cache(q, key_cache, value_cache)
@@ -530,9 +536,12 @@ def paged_decode_attention(
     batch = block_tables.shape[0]
     assert context_lens.shape[0] == batch and num_tokens == batch * query_len
     assert batch <= _MAX_GRID_Y, "the sequences are the grid's second axis"
+    # One query a sequence over an fp8 cache: the Gluon kernel (fp8_decode.py), where it runs.
+    fp8_kernel = uses_fp8_decode_kernel(q, key_cache, query_len)
     if num_splits is None:
         max_context_len = block_tables.shape[1] * block_size
-        num_splits = decode_num_splits(batch, num_kv_heads, max_context_len, _num_sms(q.device))
+        split_rule = fp8_decode_num_splits if fp8_kernel else decode_num_splits
+        num_splits = split_rule(batch, num_kv_heads, max_context_len, _num_sms(q.device))
     assert 1 <= num_splits <= _MAX_SPLITS
     if out is None:
         out = torch.empty_like(q)
@@ -546,6 +555,69 @@ def paged_decode_attention(
     else:
         workspace, ws_strides = out, (0, 0, 0)  # unused: the kernel writes out directly
 
+    if fp8_kernel:
+        fp8_paged_decode(
+            q,
+            key_cache,
+            value_cache,
+            block_tables,
+            context_lens,
+            scale,
+            _window(sliding_window),
+            out,
+            workspace,
+            ws_strides,
+            num_splits,
+        )
+    else:
+        _launch_decode_kernel(
+            q,
+            key_cache,
+            value_cache,
+            block_tables,
+            context_lens,
+            scale,
+            query_len,
+            sliding_window,
+            out,
+            workspace,
+            ws_strides,
+            num_splits,
+        )
+    if num_splits > 1:
+        _decode_merge_kernel[(num_tokens, num_heads)](
+            workspace,
+            out,
+            num_splits,
+            *ws_strides,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_D=triton.next_power_of_2(head_dim),
+            BLOCK_S=_MERGE_BLOCK_S,
+            **launch_options(q.device),
+        )
+    return out
+
+
+def _launch_decode_kernel(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    query_len: int,
+    sliding_window: int | None,
+    out: torch.Tensor,
+    workspace: torch.Tensor,
+    ws_strides: tuple[int, ...],
+    num_splits: int,
+) -> None:
+    """``_decode_kernel``'s launch, into ``out`` or (split) ``workspace``."""
+    num_heads, head_dim = q.shape[1:]
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    batch = block_tables.shape[0]
     constants = decode_constants(
         q.dtype,
         key_cache.dtype,
@@ -583,20 +655,6 @@ def paged_decode_attention(
         num_warps=decode_num_warps(head_dim, key_cache.dtype),
         **launch_options(q.device),
     )
-    if num_splits > 1:
-        _decode_merge_kernel[(num_tokens, num_heads)](
-            workspace,
-            out,
-            num_splits,
-            *ws_strides,
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=head_dim,
-            BLOCK_D=constants["BLOCK_D"],
-            BLOCK_S=_MERGE_BLOCK_S,
-            **launch_options(q.device),
-        )
-    return out
 
 
 def paged_prefill_attention(

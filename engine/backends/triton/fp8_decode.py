@@ -1,0 +1,400 @@
+"""Decode attention over a float8 (e4m3) KV cache, written in Gluon (Triton's layout-explicit
+dialect) for GPUs that convert e4m3 in hardware (compute capability 8.9 and up).
+
+Why not the Triton kernel (``paged_attention.py``): an fp8 value tile feeds PV's product
+across its contiguous dimension, and Hopper's tensor cores cannot take 8-bit values that
+way (``fp8_widen.py``). Triton widens each V tile in registers and passes it through shared
+memory a second time; on an H200 that read an fp8 cache at 51-59% of copy bandwidth, barely
+faster than bf16 at twice the bytes. Here the layouts are ours to choose:
+
+- One warp a program (kv head, sequence, split); K and V tiles of ``_BLOCK_N`` keys come in by
+  ``cp.async`` into swizzled shared memory, ``_STAGES`` tiles in flight.
+- QK on the tensor cores in float16: K is loaded straight into the MMA operand's registers
+  and widened by the hardware conversion (exact: every e4m3 value is a float16).
+- PV in float16 with V's bytes transposed in registers: a thread reads one 32-bit word (4
+  columns) of an even and of an odd key, and one ``prmt`` pairs their bytes column by column,
+  which the conversion widens into exactly the (key, key + 1) pairs the MMA operand holds. The
+  MMA's columns are thereby V's columns permuted (output column ``i * D/4 + w`` is V's
+  ``4w + i``); the output is written back through the inverse.
+- Scores, softmax and the accumulator stay in float32, as in the Triton kernel; P enters PV
+  in float16 (the Triton kernel: bfloat16).
+
+It writes what the Triton decode kernel writes (the output, or a split's unnormalized output
+with its max and sum for ``_decode_merge_kernel``), for one query token a sequence, head
+dims 64 and 128 and up to 16 query heads a KV head; anything else takes the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+# Keys a tile, by head_dim: 8 KB of K and V either way.
+_BLOCK_N = {64: 64, 128: 32}
+_STAGES = 3  # tiles in flight
+_MAX_GROUP = 16  # the MMA's rows: query heads of one KV head
+_NUM_WARPS = 1
+# Split until about this many one-warp programs run on each SM, in parts of at least two
+# tiles. On an H200 (head_dim 64 and 128, batch 1-256, contexts 512-4096): within 5% of the
+# best of 6-16 programs an SM in 13 of 15 cases.
+_PROGRAMS_PER_SM = 8
+_MIN_SPLIT_TOKENS = 64  # two tiles of 32 keys, one of 64
+_MAX_SPLITS = 256
+_NO_SCORE = gl.constexpr(-1.0e30)
+
+# Word $8 (an even key's 4 codes, columns c0..c3) and word $9 (the odd key's) -> for each
+# column, (even, odd) as two float16: prmt interleaves the bytes, cvt widens pairs.
+_PAIR_COLUMNS_ASM = gl.constexpr("""
+{
+.reg .b32 t0, t1, h0, h1, h2, h3;
+.reg .b16 a0, a1, a2, a3;
+prmt.b32 t0, $8, $9, 0x5140;
+prmt.b32 t1, $8, $9, 0x7362;
+mov.b32 {a0, a1}, t0;
+mov.b32 {a2, a3}, t1;
+cvt.rn.f16x2.e4m3x2 h0, a0;
+cvt.rn.f16x2.e4m3x2 h1, a1;
+cvt.rn.f16x2.e4m3x2 h2, a2;
+cvt.rn.f16x2.e4m3x2 h3, a3;
+mov.b32 {$0, $1}, h0;
+mov.b32 {$2, $3}, h1;
+mov.b32 {$4, $5}, h2;
+mov.b32 {$6, $7}, h3;
+}
+""")
+
+
+@gluon.constexpr_function
+def _copy_layout(head_dim):
+    """A [keys, head_dim] byte tile as cp.async moves it: 16 bytes a thread."""
+    chunks = head_dim // 16
+    return gl.BlockedLayout([1, 16], [32 // chunks, chunks], [1, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _tile_layout(head_dim, vec):
+    """Shared memory of a tile: 16-byte chunks swizzled by key, so that the MMA operand's
+    loads (K: 8 keys at once; V: 4 key pairs) hit distinct banks."""
+    return gl.SwizzledSharedLayout(vec, 1, min(head_dim // 16, 8), [1, 0])
+
+
+@gluon.constexpr_function
+def _value_words_layout(block_n, words):
+    """V's tile as [keys, 4-byte words]: lane 4g + t holds keys 2t and 2t + 1 (then +8,
+    +16, ...) of word columns g (+8, +16, ...), the key's parity in the first register: what
+    PV's B operand (k_width 2) needs, once each word pair is split by column."""
+    registers = [[1, 0]]
+    registers += [[1 << bit, 0] for bit in range(3, block_n.bit_length() - 1)]
+    registers += [[0, 1 << bit] for bit in range(3, words.bit_length() - 1)]
+    lanes = [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]]
+    return gl.DistributedLinearLayout(registers, lanes, [], [], [block_n, words])
+
+
+@gluon.jit
+def _tile_blocks(
+    block_table_ptr,
+    tile_start,
+    key_end,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BLOCK_SIZE: gl.constexpr,
+):
+    """The cache block of each key of the tile at tile_start (0 past key_end)."""
+    copy: gl.constexpr = _copy_layout(HEAD_DIM)
+    keys = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy))
+    return gl.load(block_table_ptr + keys // BLOCK_SIZE, mask=keys < key_end, other=0)
+
+
+@gluon.jit
+def _load_tile(
+    key_buffer,
+    value_buffer,
+    key_cache_ptr,
+    value_cache_ptr,
+    blocks,
+    kv_head,
+    tile_start,
+    key_end,
+    stride_cache_slot,
+    stride_cache_head,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BLOCK_SIZE: gl.constexpr,
+):
+    """Start copying keys [tile_start, tile_start + BLOCK_N), in cache ``blocks``
+    (``_tile_blocks``), into the buffers; keys at or past key_end are filled with zeros."""
+    copy: gl.constexpr = _copy_layout(HEAD_DIM)
+    keys = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy))
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, copy))
+    key_mask = keys < key_end
+    slots = blocks * BLOCK_SIZE + keys % BLOCK_SIZE
+    offsets = slots[:, None] * stride_cache_slot + kv_head * stride_cache_head + dims[None, :]
+    async_copy.async_copy_global_to_shared(
+        key_buffer, key_cache_ptr + offsets, mask=key_mask[:, None]
+    )
+    async_copy.async_copy_global_to_shared(
+        value_buffer, value_cache_ptr + offsets, mask=key_mask[:, None]
+    )
+
+
+@gluon.jit
+def _value_operand(
+    value_buffer, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, OPERAND: gl.constexpr
+):
+    """A V tile as PV's B operand in float16, its columns permuted (module docstring)."""
+    words: gl.constexpr = HEAD_DIM // 4
+    tile = value_buffer._reinterpret(gl.int32, [BLOCK_N, words], _tile_layout(HEAD_DIM, 4))
+    tile = tile.load(_value_words_layout(BLOCK_N, words))
+    even, odd = gl.split(gl.permute(gl.reshape(tile, [BLOCK_N // 2, 2, words]), (0, 2, 1)))
+    e0, o0, e1, o1, e2, o2, e3, o3 = gl.inline_asm_elementwise(
+        _PAIR_COLUMNS_ASM,
+        "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
+        [even, odd],
+        dtype=(gl.float16,) * 8,
+        is_pure=True,
+        pack=1,
+    )
+    # [key pair, word, parity, column bit 0, column bit 1] -> [key, column i * words + word]
+    pairs = gl.join(
+        gl.join(gl.join(e0, o0), gl.join(e1, o1)), gl.join(gl.join(e2, o2), gl.join(e3, o3))
+    )
+    pairs = gl.permute(pairs, (0, 2, 4, 3, 1))
+    return gl.convert_layout(gl.reshape(pairs, [BLOCK_N, HEAD_DIM]), OPERAND)
+
+
+@gluon.jit(
+    do_not_specialize=["stride_table", "stride_ws_seq", "stride_ws_head"],
+    do_not_specialize_on_alignment=[
+        "block_tables_ptr",
+        "context_lens_ptr",
+        "stride_table",
+        "stride_ws_seq",
+        "stride_ws_head",
+    ],
+)
+def _fp8_decode_kernel(
+    q_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    out_ptr,
+    workspace_ptr,
+    window,
+    scale_log2,
+    stride_q_seq,
+    stride_q_head,
+    stride_table,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_out_seq,
+    stride_out_head,
+    stride_ws_seq,
+    stride_ws_head,
+    stride_ws_split,
+    GROUP: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BLOCK_SIZE: gl.constexpr,
+    STAGES: gl.constexpr,
+    USE_WINDOW: gl.constexpr,
+    WRITE_PARTIAL: gl.constexpr,
+):
+    """Program (kv head, sequence, split): the group's query heads (rows of a 16-row tile)
+    over its part of the context, as ``_decode_kernel`` with one query token."""
+    kv_head = gl.program_id(0)
+    seq = gl.program_id(1)
+    split = gl.program_id(2)
+    num_splits = gl.num_programs(2)
+
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]
+    )
+    # QK reads 4 head dims a register (one 32-bit load of codes), PV 2 keys a register.
+    q_operand: gl.constexpr = gl.DotOperandLayout(0, mma, 4)
+    k_operand: gl.constexpr = gl.DotOperandLayout(1, mma, 4)
+    p_operand: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
+    v_operand: gl.constexpr = gl.DotOperandLayout(1, mma, 2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma)
+    column_layout: gl.constexpr = gl.SliceLayout(0, mma)
+
+    context_len = gl.load(context_lens_ptr + seq).to(gl.int32)
+    first_key = 0
+    if USE_WINDOW:
+        first_key = gl.maximum(context_len - window, 0)
+    # Every sequence divides its own (windowed) context evenly, in whole tiles.
+    split_len = gl.cdiv(gl.cdiv(context_len - first_key, num_splits), BLOCK_N) * BLOCK_N
+    key_start = first_key + split * split_len
+    key_end = gl.minimum(key_start + split_len, context_len)
+    num_tiles = gl.cdiv(gl.maximum(key_end - key_start, 0), BLOCK_N)
+
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
+    q_rows = gl.arange(0, 16, layout=gl.SliceLayout(1, q_layout))
+    q_dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
+    q_heads = kv_head * GROUP + q_rows
+    q = gl.load(
+        q_ptr + seq * stride_q_seq + q_heads[:, None] * stride_q_head + q_dims[None, :],
+        mask=(q_rows < GROUP)[:, None],
+        other=0.0,
+    )
+    q = gl.convert_layout(q.to(gl.float16), q_operand)
+
+    tile_layout: gl.constexpr = _tile_layout(HEAD_DIM, 16)
+    key_tiles = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], tile_layout)
+    value_tiles = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], tile_layout)
+    block_table_ptr = block_tables_ptr + seq * stride_table
+    for first in gl.static_range(STAGES - 1):
+        tile_start = key_start + first * BLOCK_N
+        _load_tile(
+            key_tiles.index(first),
+            value_tiles.index(first),
+            key_cache_ptr,
+            value_cache_ptr,
+            _tile_blocks(block_table_ptr, tile_start, key_end, HEAD_DIM, BLOCK_N, BLOCK_SIZE),
+            kv_head,
+            tile_start,
+            key_end,
+            stride_cache_slot,
+            stride_cache_head,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_SIZE,
+        )
+        async_copy.commit_group()
+
+    acc = gl.zeros([16, HEAD_DIM], gl.float32, layout=mma)
+    row_max = gl.full([16], _NO_SCORE, gl.float32, layout=row_layout)
+    row_sum = gl.zeros([16], gl.float32, layout=row_layout)
+    # A program is one warp working through its keys a tile at a time, so its time is the
+    # chain of each tile's latencies: the block numbers a copy needs are read a tile early.
+    ahead_start = key_start + (STAGES - 1) * BLOCK_N
+    blocks = _tile_blocks(block_table_ptr, ahead_start, key_end, HEAD_DIM, BLOCK_N, BLOCK_SIZE)
+    for tile in range(num_tiles):
+        ahead = tile + STAGES - 1  # its buffer was read in the previous iteration
+        _load_tile(
+            key_tiles.index(ahead % STAGES),
+            value_tiles.index(ahead % STAGES),
+            key_cache_ptr,
+            value_cache_ptr,
+            blocks,
+            kv_head,
+            ahead_start,
+            key_end,
+            stride_cache_slot,
+            stride_cache_head,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_SIZE,
+        )
+        async_copy.commit_group()
+        ahead_start += BLOCK_N
+        blocks = _tile_blocks(block_table_ptr, ahead_start, key_end, HEAD_DIM, BLOCK_N, BLOCK_SIZE)
+        async_copy.wait_group(STAGES - 1)  # this tile's copies (each thread's own) are done
+        gl.thread_barrier()  # and every thread's
+        stage = tile % STAGES
+        k = key_tiles.index(stage).permute((1, 0)).load(k_operand).to(gl.float16)
+        scores = mma_v2(q, k, gl.zeros([16, BLOCK_N], gl.float32, layout=mma)) * scale_log2
+        keys = key_start + tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=column_layout)
+        scores = gl.where((keys < key_end)[None, :], scores, float("-inf"))
+        new_max = gl.maximum(row_max, gl.max(scores, 1))
+        rescale = gl.exp2(row_max - new_max)
+        p = gl.exp2(scores - new_max[:, None])
+        row_sum = row_sum * rescale + gl.sum(p, 1)
+        v = _value_operand(value_tiles.index(stage), BLOCK_N, HEAD_DIM, v_operand)
+        p = gl.convert_layout(p.to(gl.float16), p_operand)
+        acc = mma_v2(p, v, acc * rescale[:, None])
+        row_max = new_max
+        gl.thread_barrier()  # before the next iteration's copy overwrites a buffer
+    async_copy.wait_group(0)
+
+    rows = gl.arange(0, 16, layout=row_layout)
+    columns = gl.arange(0, HEAD_DIM, layout=column_layout)
+    words: gl.constexpr = HEAD_DIM // 4
+    dims = 4 * (columns % words) + columns // words  # the MMA's column -> V's
+    heads = kv_head * GROUP + rows
+    valid = rows < GROUP
+    if WRITE_PARTIAL:
+        # Unnormalized output, then the row's max and sum, for the merge kernel.
+        row_ptr = workspace_ptr + seq * stride_ws_seq + heads * stride_ws_head
+        row_ptr += split * stride_ws_split
+        gl.store(row_ptr[:, None] + dims[None, :], acc, mask=valid[:, None])
+        gl.store(row_ptr + HEAD_DIM, row_max, mask=valid)
+        gl.store(row_ptr + HEAD_DIM + 1, row_sum, mask=valid)
+    else:
+        out = acc / row_sum[:, None]
+        gl.store(
+            out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=valid[:, None],
+        )
+
+
+@functools.cache
+def _converts_fp8(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
+def uses_fp8_decode_kernel(q: torch.Tensor, key_cache: torch.Tensor, query_len: int) -> bool:
+    """Whether ``paged_decode_attention`` takes this kernel for these arguments."""
+    if q.device.type != "cuda" or key_cache.dtype != torch.float8_e4m3fn or query_len != 1:
+        return False
+    index = torch.cuda.current_device() if q.device.index is None else q.device.index
+    group = q.shape[1] // key_cache.shape[2]
+    return _converts_fp8(index) and q.shape[-1] in _BLOCK_N and group <= _MAX_GROUP
+
+
+def fp8_decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
+    """``decode_num_splits`` for this kernel's one-warp programs."""
+    wanted = _PROGRAMS_PER_SM * num_sms // (batch * num_kv_heads)
+    return max(1, min(wanted, max_context_len // _MIN_SPLIT_TOKENS, _MAX_SPLITS))
+
+
+def fp8_paged_decode(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    window: int,
+    out: torch.Tensor,
+    workspace: torch.Tensor,
+    ws_strides: tuple[int, int, int],
+    num_splits: int,
+) -> None:
+    """Launch the kernel as ``paged_decode_attention`` launches ``_decode_kernel``: into
+    ``out``, or with more than one split into ``workspace`` for the merge kernel."""
+    num_heads, head_dim = q.shape[1:]
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    _fp8_decode_kernel[(num_kv_heads, block_tables.shape[0], num_splits)](
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lens,
+        out,
+        workspace,
+        window,
+        scale * math.log2(math.e),
+        q.stride(0),
+        q.stride(1),
+        block_tables.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        *ws_strides,
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_N=_BLOCK_N[head_dim],
+        BLOCK_SIZE=block_size,
+        STAGES=_STAGES,
+        USE_WINDOW=window > 0,
+        WRITE_PARTIAL=num_splits > 1,
+        num_warps=_NUM_WARPS,
+    )
