@@ -319,15 +319,16 @@ def test_attention_reads_an_fp8_cache(decode: bool) -> None:
 
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "num_splits", "sliding_window"),
-    [(16, 8, 128, 1, None), (16, 4, 64, 3, None), (7, 1, 64, 2, 40)],
-    ids=["qwen3-heads-one-split", "head-dim-64-three-splits", "odd-group-window"],
+    [(16, 8, 128, 1, None), (16, 4, 64, 3, None), (32, 4, 64, 1, 40), (7, 1, 64, 2, 40)],
+    # At head_dim 64 two KV heads share a program where their query heads fit 16 rows.
+    ids=["qwen3-heads", "two-kv-heads-a-program", "sixteen-rows-window", "odd-group-window"],
 )
 def test_fp8_decode_kernel(
     num_heads: int, num_kv_heads: int, head_dim: int, num_splits: int, sliding_window: int | None
 ) -> None:
     """One query a sequence over an fp8 cache: on GPUs that convert e4m3 (compute capability
     8.9 and up) the Gluon kernel (fp8_decode.py; elsewhere the Triton kernel), held to the
-    float32 reference at tile edges (32 keys), with and without splits and a window."""
+    float32 reference at tile edges (32 and 64 keys), with and without splits and a window."""
     lens = DECODE_CONTEXT_LENS
     batch = paged_batch(lens, [1] * len(lens), num_kv_heads, head_dim, fill=float("nan"))
     batch.key_cache, batch.value_cache = batch.key_cache.to(FP8), batch.value_cache.to(FP8)

@@ -34,13 +34,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-# Keys a tile, by head_dim: 8 KB of K and V either way.
+# Keys a tile, by the tile's width (KV heads a program x head_dim): 8 KB of K and V either way.
 _BLOCK_N = {64: 64, 128: 32}
 _STAGES = 3  # tiles in flight
-_MAX_GROUP = 16  # the MMA's rows: query heads of one KV head
+_MAX_GROUP = 16  # the MMA's rows: a program's query heads
 _NUM_WARPS = 1
-# Split until about this many one-warp programs run on each SM, in parts of at least two
-# tiles. On an H200 (head_dim 64 and 128, batch 1-256, contexts 512-4096): within 5% of the
+# Split until about this many one-warp programs run on each SM (counted a KV head each), in
+# parts of at least two tiles. On an H200 (head_dim 64 and 128, batch 1-256, contexts 512-4096): within 5% of the
 # best of 6-16 programs an SM in 13 of 15 cases.
 _PROGRAMS_PER_SM = 8
 _MIN_SPLIT_TOKENS = 64  # two tiles of 32 keys, one of 64
@@ -100,12 +100,12 @@ def _tile_blocks(
     block_table_ptr,
     tile_start,
     key_end,
-    HEAD_DIM: gl.constexpr,
+    TILE_D: gl.constexpr,
     BLOCK_N: gl.constexpr,
     BLOCK_SIZE: gl.constexpr,
 ):
     """The cache block of each key of the tile at tile_start (0 past key_end)."""
-    copy: gl.constexpr = _copy_layout(HEAD_DIM)
+    copy: gl.constexpr = _copy_layout(TILE_D)
     keys = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy))
     return gl.load(block_table_ptr + keys // BLOCK_SIZE, mask=keys < key_end, other=0)
 
@@ -122,15 +122,15 @@ def _load_tile(
     key_end,
     stride_cache_slot,
     stride_cache_head,
-    HEAD_DIM: gl.constexpr,
+    TILE_D: gl.constexpr,
     BLOCK_N: gl.constexpr,
     BLOCK_SIZE: gl.constexpr,
 ):
     """Start copying keys [tile_start, tile_start + BLOCK_N), in cache ``blocks``
     (``_tile_blocks``), into the buffers; keys at or past key_end are filled with zeros."""
-    copy: gl.constexpr = _copy_layout(HEAD_DIM)
+    copy: gl.constexpr = _copy_layout(TILE_D)
     keys = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy))
-    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, copy))
+    dims = gl.arange(0, TILE_D, layout=gl.SliceLayout(0, copy))
     key_mask = keys < key_end
     slots = blocks * BLOCK_SIZE + keys % BLOCK_SIZE
     offsets = slots[:, None] * stride_cache_slot + kv_head * stride_cache_head + dims[None, :]
@@ -144,11 +144,11 @@ def _load_tile(
 
 @gluon.jit
 def _value_operand(
-    value_buffer, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, OPERAND: gl.constexpr
+    value_buffer, BLOCK_N: gl.constexpr, TILE_D: gl.constexpr, OPERAND: gl.constexpr
 ):
     """A V tile as PV's B operand in float16, its columns permuted (module docstring)."""
-    words: gl.constexpr = HEAD_DIM // 4
-    tile = value_buffer._reinterpret(gl.int32, [BLOCK_N, words], _tile_layout(HEAD_DIM, 4))
+    words: gl.constexpr = TILE_D // 4
+    tile = value_buffer._reinterpret(gl.int32, [BLOCK_N, words], _tile_layout(TILE_D, 4))
     tile = tile.load(_value_words_layout(BLOCK_N, words))
     even, odd = gl.split(gl.permute(gl.reshape(tile, [BLOCK_N // 2, 2, words]), (0, 2, 1)))
     e0, o0, e1, o1, e2, o2, e3, o3 = gl.inline_asm_elementwise(
@@ -164,7 +164,7 @@ def _value_operand(
         gl.join(gl.join(e0, o0), gl.join(e1, o1)), gl.join(gl.join(e2, o2), gl.join(e3, o3))
     )
     pairs = gl.permute(pairs, (0, 2, 4, 3, 1))
-    return gl.convert_layout(gl.reshape(pairs, [BLOCK_N, HEAD_DIM]), OPERAND)
+    return gl.convert_layout(gl.reshape(pairs, [BLOCK_N, TILE_D]), OPERAND)
 
 
 @gluon.jit(
@@ -199,15 +199,19 @@ def _fp8_decode_kernel(
     stride_ws_split,
     GROUP: gl.constexpr,
     HEAD_DIM: gl.constexpr,
+    HEADS: gl.constexpr,
     BLOCK_N: gl.constexpr,
     BLOCK_SIZE: gl.constexpr,
     STAGES: gl.constexpr,
     USE_WINDOW: gl.constexpr,
     WRITE_PARTIAL: gl.constexpr,
 ):
-    """Program (kv head, sequence, split): the group's query heads (rows of a 16-row tile)
-    over its part of the context, as ``_decode_kernel`` with one query token."""
-    kv_head = gl.program_id(0)
+    """Program (HEADS KV heads, sequence, split): their query heads (rows of a 16-row tile)
+    over its part of the context, as ``_decode_kernel`` with one query token. With HEADS 2
+    (``_kv_heads_per_program``) the caches come as [.., KV heads / 2, 2 * HEAD_DIM]: a query
+    row holds its head's dims in its own half of the tile and zeros in the other, so QK sees
+    only its head's keys, and each row keeps the half of PV that is its head's values."""
+    kv_head = gl.program_id(0)  # of HEADS KV heads
     seq = gl.program_id(1)
     split = gl.program_id(2)
     num_splits = gl.num_programs(2)
@@ -233,20 +237,22 @@ def _fp8_decode_kernel(
     key_end = gl.minimum(key_start + split_len, context_len)
     num_tiles = gl.cdiv(gl.maximum(key_end - key_start, 0), BLOCK_N)
 
+    TILE_D: gl.constexpr = HEADS * HEAD_DIM
     q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
     q_rows = gl.arange(0, 16, layout=gl.SliceLayout(1, q_layout))
-    q_dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
-    q_heads = kv_head * GROUP + q_rows
+    q_columns = gl.arange(0, TILE_D, layout=gl.SliceLayout(0, q_layout))
+    q_heads = kv_head * HEADS * GROUP + q_rows
+    q_dims = q_columns[None, :] - (q_rows // GROUP * HEAD_DIM)[:, None]  # its head's half
     q = gl.load(
-        q_ptr + seq * stride_q_seq + q_heads[:, None] * stride_q_head + q_dims[None, :],
-        mask=(q_rows < GROUP)[:, None],
+        q_ptr + seq * stride_q_seq + q_heads[:, None] * stride_q_head + q_dims,
+        mask=(q_rows < HEADS * GROUP)[:, None] & (q_dims >= 0) & (q_dims < HEAD_DIM),
         other=0.0,
     )
     q = gl.convert_layout(q.to(gl.float16), q_operand)
 
-    tile_layout: gl.constexpr = _tile_layout(HEAD_DIM, 16)
-    key_tiles = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], tile_layout)
-    value_tiles = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], tile_layout)
+    tile_layout: gl.constexpr = _tile_layout(TILE_D, 16)
+    key_tiles = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, TILE_D], tile_layout)
+    value_tiles = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, TILE_D], tile_layout)
     block_table_ptr = block_tables_ptr + seq * stride_table
     for first in gl.static_range(STAGES - 1):
         tile_start = key_start + first * BLOCK_N
@@ -255,25 +261,25 @@ def _fp8_decode_kernel(
             value_tiles.index(first),
             key_cache_ptr,
             value_cache_ptr,
-            _tile_blocks(block_table_ptr, tile_start, key_end, HEAD_DIM, BLOCK_N, BLOCK_SIZE),
+            _tile_blocks(block_table_ptr, tile_start, key_end, TILE_D, BLOCK_N, BLOCK_SIZE),
             kv_head,
             tile_start,
             key_end,
             stride_cache_slot,
             stride_cache_head,
-            HEAD_DIM,
+            TILE_D,
             BLOCK_N,
             BLOCK_SIZE,
         )
         async_copy.commit_group()
 
-    acc = gl.zeros([16, HEAD_DIM], gl.float32, layout=mma)
+    acc = gl.zeros([16, TILE_D], gl.float32, layout=mma)
     row_max = gl.full([16], _NO_SCORE, gl.float32, layout=row_layout)
     row_sum = gl.zeros([16], gl.float32, layout=row_layout)
     # A program is one warp working through its keys a tile at a time, so its time is the
     # chain of each tile's latencies: the block numbers a copy needs are read a tile early.
     ahead_start = key_start + (STAGES - 1) * BLOCK_N
-    blocks = _tile_blocks(block_table_ptr, ahead_start, key_end, HEAD_DIM, BLOCK_N, BLOCK_SIZE)
+    blocks = _tile_blocks(block_table_ptr, ahead_start, key_end, TILE_D, BLOCK_N, BLOCK_SIZE)
     for tile in range(num_tiles):
         ahead = tile + STAGES - 1  # its buffer was read in the previous iteration
         _load_tile(
@@ -287,13 +293,13 @@ def _fp8_decode_kernel(
             key_end,
             stride_cache_slot,
             stride_cache_head,
-            HEAD_DIM,
+            TILE_D,
             BLOCK_N,
             BLOCK_SIZE,
         )
         async_copy.commit_group()
         ahead_start += BLOCK_N
-        blocks = _tile_blocks(block_table_ptr, ahead_start, key_end, HEAD_DIM, BLOCK_N, BLOCK_SIZE)
+        blocks = _tile_blocks(block_table_ptr, ahead_start, key_end, TILE_D, BLOCK_N, BLOCK_SIZE)
         async_copy.wait_group(STAGES - 1)  # this tile's copies (each thread's own) are done
         gl.thread_barrier()  # and every thread's
         stage = tile % STAGES
@@ -305,7 +311,7 @@ def _fp8_decode_kernel(
         rescale = gl.exp2(row_max - new_max)
         p = gl.exp2(scores - new_max[:, None])
         row_sum = row_sum * rescale + gl.sum(p, 1)
-        v = _value_operand(value_tiles.index(stage), BLOCK_N, HEAD_DIM, v_operand)
+        v = _value_operand(value_tiles.index(stage), BLOCK_N, TILE_D, v_operand)
         p = gl.convert_layout(p.to(gl.float16), p_operand)
         acc = mma_v2(p, v, acc * rescale[:, None])
         row_max = new_max
@@ -313,24 +319,27 @@ def _fp8_decode_kernel(
     async_copy.wait_group(0)
 
     rows = gl.arange(0, 16, layout=row_layout)
-    columns = gl.arange(0, HEAD_DIM, layout=column_layout)
-    words: gl.constexpr = HEAD_DIM // 4
-    dims = 4 * (columns % words) + columns // words  # the MMA's column -> V's
-    heads = kv_head * GROUP + rows
-    valid = rows < GROUP
+    columns = gl.arange(0, TILE_D, layout=column_layout)
+    words: gl.constexpr = TILE_D // 4
+    # The MMA's column -> the tile's (V's permutation) -> the dim of the row's own head.
+    tile_columns = 4 * (columns % words) + columns // words
+    dims = tile_columns[None, :] - (rows // GROUP * HEAD_DIM)[:, None]
+    heads = kv_head * HEADS * GROUP + rows
+    valid = rows < HEADS * GROUP
+    mask = valid[:, None] & (dims >= 0) & (dims < HEAD_DIM)
     if WRITE_PARTIAL:
         # Unnormalized output, then the row's max and sum, for the merge kernel.
         row_ptr = workspace_ptr + seq * stride_ws_seq + heads * stride_ws_head
         row_ptr += split * stride_ws_split
-        gl.store(row_ptr[:, None] + dims[None, :], acc, mask=valid[:, None])
+        gl.store(row_ptr[:, None] + dims, acc, mask=mask)
         gl.store(row_ptr + HEAD_DIM, row_max, mask=valid)
         gl.store(row_ptr + HEAD_DIM + 1, row_sum, mask=valid)
     else:
         out = acc / row_sum[:, None]
         gl.store(
-            out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :],
+            out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + dims,
             out.to(out_ptr.dtype.element_ty),
-            mask=valid[:, None],
+            mask=mask,
         )
 
 
@@ -346,6 +355,15 @@ def uses_fp8_decode_kernel(q: torch.Tensor, key_cache: torch.Tensor, query_len: 
     index = torch.cuda.current_device() if q.device.index is None else q.device.index
     group = q.shape[1] // key_cache.shape[2]
     return _converts_fp8(index) and q.shape[-1] in _BLOCK_N and group <= _MAX_GROUP
+
+
+def _kv_heads_per_program(head_dim: int, num_kv_heads: int, group: int) -> int:
+    """Two KV heads a program at head_dim 64, where their query heads fit the tile's 16 rows:
+    adjacent in the cache, their keys are one 128-byte read instead of two of 64 bytes. On an
+    H200 this kernel read 64-byte rows at 53-68% of copy bandwidth whatever its tiles, stages,
+    splits or swizzle, and 128-byte ones at 83-90%."""
+    pair = head_dim * 2 in _BLOCK_N and num_kv_heads % 2 == 0 and 2 * group <= _MAX_GROUP
+    return 2 if pair else 1
 
 
 def fp8_decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
@@ -370,8 +388,12 @@ def fp8_paged_decode(
     """Launch the kernel as ``paged_decode_attention`` launches ``_decode_kernel``: into
     ``out``, or with more than one split into ``workspace`` for the merge kernel."""
     num_heads, head_dim = q.shape[1:]
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    _fp8_decode_kernel[(num_kv_heads, block_tables.shape[0], num_splits)](
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    heads = _kv_heads_per_program(head_dim, num_kv_heads, group)
+    shape = (num_blocks, block_size, num_kv_heads // heads, heads * head_dim)
+    key_cache, value_cache = key_cache.view(shape), value_cache.view(shape)
+    _fp8_decode_kernel[(num_kv_heads // heads, block_tables.shape[0], num_splits)](
         q,
         key_cache,
         value_cache,
@@ -389,9 +411,10 @@ def fp8_paged_decode(
         out.stride(0),
         out.stride(1),
         *ws_strides,
-        GROUP=num_heads // num_kv_heads,
+        GROUP=group,
         HEAD_DIM=head_dim,
-        BLOCK_N=_BLOCK_N[head_dim],
+        HEADS=heads,
+        BLOCK_N=_BLOCK_N[heads * head_dim],
         BLOCK_SIZE=block_size,
         STAGES=_STAGES,
         USE_WINDOW=window > 0,
