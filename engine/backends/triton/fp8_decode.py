@@ -40,8 +40,8 @@ _STAGES = 3  # tiles in flight
 _MAX_GROUP = 16  # the MMA's rows: a program's query heads
 _NUM_WARPS = 1
 # Split until about this many one-warp programs run on each SM (counted a KV head each), in
-# parts of at least two tiles. On an H200 (head_dim 64 and 128, batch 1-256, contexts 512-4096): within 5% of the
-# best of 6-16 programs an SM in 13 of 15 cases.
+# parts of at least two tiles. On an H200 (head_dim 64 and 128, batch 1-256, contexts
+# 512-4096): within 5% of the best of 6-16 programs an SM in 13 of 15 cases.
 _PROGRAMS_PER_SM = 8
 _MIN_SPLIT_TOKENS = 64  # two tiles of 32 keys, one of 64
 _MAX_SPLITS = 256
