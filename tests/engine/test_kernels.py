@@ -354,10 +354,11 @@ def _widen_kernel(codes_ptr, out_ptr, BLOCK: tl.constexpr) -> None:  # noqa: ANN
     tl.store(out_ptr + offsets, (values.to(tl.float32) * factor).to(out_ptr.dtype.element_ty))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fp8_widening_by_bits_is_exact(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_widening_is_exact(dtype: torch.dtype) -> None:
     """Every e4m3 code but NaN, subnormals and both zeros included, widens to its own value
-    (on CUDA by placing bits, ``fp8_widen``; the interpreter converts)."""
+    (on CUDA by placing bits, or to float32 by the hardware's conversion, ``fp8_widen``; the
+    interpreter converts)."""
     bits = torch.arange(256, dtype=torch.uint8, device=DEVICE)
     bits[[0x7F, 0xFF]] = 0x3F  # the two NaN codes: 1.875 instead (256, a power of two)
     codes = bits.view(FP8)

@@ -40,7 +40,7 @@ from engine.backends.triton.dependent_launch import (
     let_next_kernel_start,
     wait_for_previous_kernel,
 )
-from engine.backends.triton.fp8_widen import widen, widen_factor
+from engine.backends.triton.fp8_widen import widen
 from engine.deferred_norm import DeferredNorm
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -114,14 +114,13 @@ def _one_row_kernel(
                 x32 = x.to(tl.float32)
             squares += x32 * x32
             x32 *= tl.load(norm_weight_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-        acc += widen(weight, x.dtype).to(tl.float32) * x32[None, :]
+        acc += widen(weight, tl.float32) * x32[None, :]
     out = tl.sum(acc, axis=1)
     if NORM:
         out *= tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
     if HAS_SCALE:
         scale = tl.load(scale_ptr + cols, mask=col_mask, other=0.0)
-        # The codes' widening left them divided by a power of two (fp8: 2**120 into bfloat16).
-        out *= scale * widen_factor(weight_ptr.dtype.element_ty, x_ptr.dtype.element_ty)
+        out *= scale  # widened to float32 exactly (fp8_widen)
     tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
