@@ -4,6 +4,11 @@ any machine: it is compiled for sm_90 here (Triton's own ptxas and cuobjdump), n
     python scripts/kernel_resources.py [--heads 16 8] [--head-dim 128] [--kv-cache-dtype fp8]
                                        [--split] [--query-len 1] [--sliding-window W]
                                        [--block-n N] [--num-warps W] [--num-stages 3]
+    python scripts/kernel_resources.py --gluon --kv-cache-dtype fp8 [--heads 32 8]
+                                       [--head-dim 64] [--split]
+
+(--gluon: the kernel the engine runs over an fp8 cache on sm_89+, ``fp8_decode.py``, with the
+engine's constants.)
 
 A kernel reading K/V at copy bandwidth needs enough bytes in flight on every SM, so it needs
 enough resident programs: the registers a thread takes and the shared memory a program takes
@@ -39,9 +44,15 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from engine.backends.triton.fp8_decode import (
+    FP8_DECODE_NUM_WARPS,
+    _fp8_decode_kernel,
+    fp8_decode_constants,
+)
 from engine.backends.triton.paged_attention import (
     _decode_kernel,
     decode_constants,
@@ -83,13 +94,14 @@ def compile_decode_kernel(
     kv_dtype: torch.dtype,
     num_warps: int,
     num_stages: int,
+    kernel: triton.runtime.JITFunction = _decode_kernel,
 ) -> triton.compiler.CompiledKernel:
-    """The decode kernel compiled for sm_90, specialized as Triton specializes a launch:
-    integers equal to 1 become constants, multiples of 16 and pointers are marked divisible
-    by 16, except the arguments the kernel exempts."""
-    names = _decode_kernel.arg_names
-    exempt = set(_decode_kernel.do_not_specialize)
-    exempt_alignment = set(_decode_kernel.do_not_specialize_on_alignment)
+    """A decode kernel (the Triton one, or the Gluon fp8 one) compiled for sm_90, specialized
+    as Triton specializes a launch: integers equal to 1 become constants, multiples of 16 and
+    pointers are marked divisible by 16, except the arguments the kernel exempts."""
+    names = kernel.arg_names
+    exempt = set(kernel.do_not_specialize)
+    exempt_alignment = set(kernel.do_not_specialize_on_alignment)
     pointers = {
         "q_ptr": "*bf16",
         "out_ptr": "*bf16",
@@ -120,8 +132,9 @@ def compile_decode_kernel(
                 divisible.append(index)
         else:
             signature[name] = "constexpr"
-    source = ASTSource(
-        fn=_decode_kernel,
+    source_type = GluonASTSource if kernel.is_gluon() else ASTSource
+    source = source_type(
+        fn=kernel,
         signature=signature,
         constexprs={(names.index(name),): value for name, value in fixed.items()},
         attrs={(index,): [["tt.divisibility", 16]] for index in divisible},
@@ -184,9 +197,17 @@ def main() -> None:
     parser.add_argument("--block-n", type=int, help="keys a tile (default: the engine's)")
     parser.add_argument("--num-warps", type=int, help="default: the engine's")
     parser.add_argument("--num-stages", type=int, default=3)
+    parser.add_argument(
+        "--gluon",
+        action="store_true",
+        help="the Gluon kernel the engine runs over an fp8 cache on sm_89+ (fp8_decode.py)",
+    )
     args = parser.parse_args()
     num_heads, num_kv_heads = args.heads
     kv_dtype = torch.bfloat16 if args.kv_cache_dtype == "auto" else torch.float8_e4m3fn
+    if args.gluon:
+        gluon_resources(args, num_heads, num_kv_heads)
+        return
     constants = decode_constants(
         torch.bfloat16,
         kv_dtype,
@@ -204,18 +225,45 @@ def main() -> None:
         args.num_warps = decode_num_warps(args.head_dim, kv_dtype)
     integers = engine_arguments(num_heads, num_kv_heads, args.head_dim, args.sliding_window)
     kernel = compile_decode_kernel(constants, integers, kv_dtype, args.num_warps, args.num_stages)
-    registers, spills, sass = resources(kernel)
-    shared = kernel.metadata.shared
     print(
         f"decode kernel, sm_90, Triton {triton.__version__}: heads {num_heads}/{num_kv_heads}, "
         f"head_dim {args.head_dim}, K/V {kv_dtype}, BLOCK_N {constants['BLOCK_N']}, "
         f"{args.num_warps} warps, {args.num_stages} stages"
         f"{', split' if args.split else ''}"
     )
+    report(kernel, args.num_warps)
+
+
+def gluon_resources(args: argparse.Namespace, num_heads: int, num_kv_heads: int) -> None:
+    """The fp8 Gluon kernel for one query a sequence, with the engine's constants; with two
+    KV heads a program it reads the caches as [.., KV heads / 2, 2 * head_dim]."""
+    assert args.kv_cache_dtype == "fp8" and args.query_len == 1, "fp8, one query a sequence"
+    window = args.sliding_window or 0
+    constants = fp8_decode_constants(
+        num_heads, num_kv_heads, args.head_dim, args.block_size, window, 2 if args.split else 1
+    )
+    integers = engine_arguments(num_heads, num_kv_heads, args.head_dim, args.sliding_window)
+    integers["stride_cache_head"] *= constants["HEADS"]
+    warps = FP8_DECODE_NUM_WARPS
+    kernel = compile_decode_kernel(
+        constants, integers, torch.float8_e4m3fn, warps, 1, _fp8_decode_kernel
+    )
+    print(
+        f"fp8 decode kernel (Gluon), sm_90, Triton {triton.__version__}: heads "
+        f"{num_heads}/{num_kv_heads}, head_dim {args.head_dim}, {constants['HEADS']} KV heads "
+        f"a program, BLOCK_N {constants['BLOCK_N']}, {warps} warp, {constants['STAGES']} "
+        f"tiles in flight{', split' if args.split else ''}"
+    )
+    report(kernel, warps)
+
+
+def report(kernel: triton.compiler.CompiledKernel, num_warps: int) -> None:
+    registers, spills, sass = resources(kernel)
+    shared = kernel.metadata.shared
     print(
         f"registers a thread {registers}, local (spilled) bytes {spills}, shared memory {shared} B"
     )
-    limits = programs_per_sm(registers, shared, args.num_warps)
+    limits = programs_per_sm(registers, shared, num_warps)
     print(
         "programs an SM holds: "
         + ", ".join(f"{count} by {limit}" for limit, count in limits.items())

@@ -1,5 +1,5 @@
 """scripts/kernel_resources.py compiles the decode kernel for sm_90 on this CPU machine and
-reads its registers, shared memory and SASS: an fp8 cache's variant (128-key tiles, values
+reads its registers, shared memory and SASS: the Triton kernel's fp8 variant (128-key tiles, values
 widened in registers) takes more registers and shared memory than bf16's."""
 
 from __future__ import annotations
@@ -36,3 +36,13 @@ def test_fp8_variant_needs_more_registers_and_shared_memory_than_bf16() -> None:
     assert 0 < bf16[2] < fp8[2] and 0 < bf16[3] < fp8[3]
     # Half the keys a tile: fewer registers than the engine's 128.
     assert kernel_resources("--kv-cache-dtype", "fp8", "--block-n", "64")[0] < fp8[0]
+
+
+def test_gluon_fp8_kernel_holds_only_its_tiles_in_shared_memory() -> None:
+    """The fp8 Gluon kernel (one warp, V transposed in registers): three tiles of K and V in
+    shared memory and nothing else, no spills; at head_dim 64, two KV heads a program."""
+    for heads, head_dim in (("16", "8"), "128"), (("32", "8"), "64"):
+        arguments = ("--gluon", "--kv-cache-dtype", "fp8", "--heads", *heads)
+        registers, local, shared, _ = kernel_resources(*arguments, "--head-dim", head_dim)
+        assert 0 < registers <= 255 and local == 0
+        assert shared == 3 * 2 * 32 * 128  # tiles of 32 keys, 128 bytes a key (one or two heads)

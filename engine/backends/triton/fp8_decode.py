@@ -34,11 +34,23 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+# Gluon's API moves between Triton releases; the GPU machines run 3.6, CI's CPUs 3.9.
+_thread_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+_PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+if hasattr(async_copy, "async_load"):  # the name since Triton 3.7
+    from triton.experimental.gluon.language.nvidia.ampere.async_copy import (
+        async_load as _copy_to_shared,
+    )
+else:
+    from triton.experimental.gluon.language.nvidia.ampere.async_copy import (
+        async_copy_global_to_shared as _copy_to_shared,
+    )
+
 # Keys a tile, by the tile's width (KV heads a program x head_dim): 8 KB of K and V either way.
 _BLOCK_N = {64: 64, 128: 32}
 _STAGES = 3  # tiles in flight
 _MAX_GROUP = 16  # the MMA's rows: a program's query heads
-_NUM_WARPS = 1
+FP8_DECODE_NUM_WARPS = 1
 # Split until about this many one-warp programs run on each SM (counted a KV head each), in
 # parts of at least two tiles. On an H200 (head_dim 64 and 128, batch 1-256, contexts
 # 512-4096): within 5% of the best of 6-16 programs an SM in 13 of 15 cases.
@@ -134,12 +146,8 @@ def _load_tile(
     key_mask = keys < key_end
     slots = blocks * BLOCK_SIZE + keys % BLOCK_SIZE
     offsets = slots[:, None] * stride_cache_slot + kv_head * stride_cache_head + dims[None, :]
-    async_copy.async_copy_global_to_shared(
-        key_buffer, key_cache_ptr + offsets, mask=key_mask[:, None]
-    )
-    async_copy.async_copy_global_to_shared(
-        value_buffer, value_cache_ptr + offsets, mask=key_mask[:, None]
-    )
+    _copy_to_shared(key_buffer, key_cache_ptr + offsets, mask=key_mask[:, None])
+    _copy_to_shared(value_buffer, value_cache_ptr + offsets, mask=key_mask[:, None])
 
 
 @gluon.jit
@@ -148,7 +156,11 @@ def _value_operand(
 ):
     """A V tile as PV's B operand in float16, its columns permuted (module docstring)."""
     words: gl.constexpr = TILE_D // 4
-    tile = value_buffer._reinterpret(gl.int32, [BLOCK_N, words], _tile_layout(TILE_D, 4))
+    word_layout: gl.constexpr = _tile_layout(TILE_D, 4)
+    if _PUBLIC_REINTERPRET:
+        tile = value_buffer.reinterpret(gl.int32, [BLOCK_N, words], word_layout)
+    else:
+        tile = value_buffer._reinterpret(gl.int32, [BLOCK_N, words], word_layout)
     tile = tile.load(_value_words_layout(BLOCK_N, words))
     even, odd = gl.split(gl.permute(gl.reshape(tile, [BLOCK_N // 2, 2, words]), (0, 2, 1)))
     e0, o0, e1, o1, e2, o2, e3, o3 = gl.inline_asm_elementwise(
@@ -301,7 +313,7 @@ def _fp8_decode_kernel(
         ahead_start += BLOCK_N
         blocks = _tile_blocks(block_table_ptr, ahead_start, key_end, TILE_D, BLOCK_N, BLOCK_SIZE)
         async_copy.wait_group(STAGES - 1)  # this tile's copies (each thread's own) are done
-        gl.thread_barrier()  # and every thread's
+        _thread_barrier()  # and every thread's
         stage = tile % STAGES
         k = key_tiles.index(stage).permute((1, 0)).load(k_operand).to(gl.float16)
         scores = mma_v2(q, k, gl.zeros([16, BLOCK_N], gl.float32, layout=mma)) * scale_log2
@@ -315,7 +327,7 @@ def _fp8_decode_kernel(
         p = gl.convert_layout(p.to(gl.float16), p_operand)
         acc = mma_v2(p, v, acc * rescale[:, None])
         row_max = new_max
-        gl.thread_barrier()  # before the next iteration's copy overwrites a buffer
+        _thread_barrier()  # before the next iteration's copy overwrites a buffer
     async_copy.wait_group(0)
 
     rows = gl.arange(0, 16, layout=row_layout)
@@ -372,6 +384,25 @@ def fp8_decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int, n
     return max(1, min(wanted, max_context_len // _MIN_SPLIT_TOKENS, _MAX_SPLITS))
 
 
+def fp8_decode_constants(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, window: int, num_splits: int
+) -> dict[str, int | bool]:
+    """The kernel's compile-time arguments for a step of this shape (also for
+    ``scripts/kernel_resources.py --gluon``, which compiles it without a GPU)."""
+    group = num_heads // num_kv_heads
+    heads = _kv_heads_per_program(head_dim, num_kv_heads, group)
+    return {
+        "GROUP": group,
+        "HEAD_DIM": head_dim,
+        "HEADS": heads,
+        "BLOCK_N": _BLOCK_N[heads * head_dim],
+        "BLOCK_SIZE": block_size,
+        "STAGES": _STAGES,
+        "USE_WINDOW": window > 0,
+        "WRITE_PARTIAL": num_splits > 1,
+    }
+
+
 def fp8_paged_decode(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -389,8 +420,10 @@ def fp8_paged_decode(
     ``out``, or with more than one split into ``workspace`` for the merge kernel."""
     num_heads, head_dim = q.shape[1:]
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
-    group = num_heads // num_kv_heads
-    heads = _kv_heads_per_program(head_dim, num_kv_heads, group)
+    constants = fp8_decode_constants(
+        num_heads, num_kv_heads, head_dim, block_size, window, num_splits
+    )
+    heads = constants["HEADS"]
     shape = (num_blocks, block_size, num_kv_heads // heads, heads * head_dim)
     key_cache, value_cache = key_cache.view(shape), value_cache.view(shape)
     _fp8_decode_kernel[(num_kv_heads // heads, block_tables.shape[0], num_splits)](
@@ -411,13 +444,6 @@ def fp8_paged_decode(
         out.stride(0),
         out.stride(1),
         *ws_strides,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        HEADS=heads,
-        BLOCK_N=_BLOCK_N[heads * head_dim],
-        BLOCK_SIZE=block_size,
-        STAGES=_STAGES,
-        USE_WINDOW=window > 0,
-        WRITE_PARTIAL=num_splits > 1,
-        num_warps=_NUM_WARPS,
+        **constants,
+        num_warps=FP8_DECODE_NUM_WARPS,
     )
