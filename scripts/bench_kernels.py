@@ -32,12 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.attention import Rotary
 from engine.backends.triton import (
-    decode_num_splits,
     paged_decode_attention,
     rotary_store_kv,
 )
-from engine.backends.triton.fp8_decode import fp8_decode_num_splits, uses_fp8_decode_kernel
-from engine.backends.triton.paged_attention import _num_sms
+from engine.backends.triton.paged_attention import default_decode_splits
 from engine.roofline import measure_rates
 from tests.kernel_reference import paged_attention_reference
 
@@ -104,11 +102,7 @@ def decode_case(
     q = torch.randn(batch, num_heads, head_dim, device="cuda", dtype=DTYPE)
     out = torch.empty_like(q)
     scale = head_dim**-0.5
-    # The split count paged_decode_attention picks: an fp8 cache may take the Gluon kernel.
-    split_rule = (
-        fp8_decode_num_splits if uses_fp8_decode_kernel(q, key_cache, 1) else decode_num_splits
-    )
-    splits = split_rule(batch, num_kv_heads, blocks_per_seq * BLOCK_SIZE, _num_sms(q.device))
+    splits = default_decode_splits(q, key_cache, block_tables, query_len=1)  # as run() takes
 
     def run() -> None:
         paged_decode_attention(

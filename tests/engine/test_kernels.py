@@ -36,7 +36,11 @@ from engine.backends.triton import (
 )
 from engine.backends.triton.argmax import argmax_rows
 from engine.backends.triton.backend import TritonPagedAttention
-from engine.backends.triton.fp8_decode import uses_fp8_decode_kernel
+from engine.backends.triton.fp8_decode import (
+    FP8_DECODE_MIN_SPLIT_TOKENS,
+    FP8_DECODE_PROGRAMS_PER_SM,
+    uses_fp8_decode_kernel,
+)
 from engine.backends.triton.fp8_widen import widen, widen_factor
 from engine.backends.triton.one_row_matmul import one_row_matmul
 from engine.batch import pad_verify
@@ -540,6 +544,15 @@ def test_decode_num_splits() -> None:
     # Enough programs already, or contexts too short to split.
     assert decode_num_splits(batch=64, num_kv_heads=8, max_context_len=8192, num_sms=132) == 1
     assert decode_num_splits(batch=1, num_kv_heads=8, max_context_len=200, num_sms=132) == 1
+    # fp8_decode.py's one-warp programs: 8 an SM, parts of >= 64 keys (on an H200, batch 1 at
+    # 4k keys ran 64 splits).
+    fp8_rule = {
+        "programs_per_sm": FP8_DECODE_PROGRAMS_PER_SM,
+        "min_split_tokens": FP8_DECODE_MIN_SPLIT_TOKENS,
+    }
+    assert decode_num_splits(1, 8, 4096, 132, **fp8_rule) == 64
+    assert decode_num_splits(64, 8, 4096, 132, **fp8_rule) == 2
+    assert decode_num_splits(256, 8, 4096, 132, **fp8_rule) == 1
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need CUDA")

@@ -51,12 +51,12 @@ _BLOCK_N = {64: 64, 128: 32}
 _STAGES = 3  # tiles in flight
 _MAX_GROUP = 16  # the MMA's rows: a program's query heads
 FP8_DECODE_NUM_WARPS = 1
-# Split until about this many one-warp programs run on each SM (counted a KV head each), in
-# parts of at least two tiles. On an H200 (head_dim 64 and 128, batch 1-256, contexts
-# 512-4096): within 5% of the best of 6-16 programs an SM in 13 of 15 cases.
-_PROGRAMS_PER_SM = 8
-_MIN_SPLIT_TOKENS = 64  # two tiles of 32 keys, one of 64
-_MAX_SPLITS = 256
+# decode_num_splits' parameters for this kernel: split until about this many one-warp
+# programs run on each SM (counted a KV head each), in parts of at least two tiles. On an H200
+# (head_dim 64 and 128, batch 1-256, contexts 512-4096): within 5% of the best of 6-16
+# programs an SM in 13 of 15 cases.
+FP8_DECODE_PROGRAMS_PER_SM = 8
+FP8_DECODE_MIN_SPLIT_TOKENS = 64  # two tiles of 32 keys, one of 64
 _NO_SCORE = gl.constexpr(-1.0e30)
 
 # Word $8 (an even key's 4 codes, columns c0..c3) and word $9 (the odd key's) -> for each
@@ -376,12 +376,6 @@ def _kv_heads_per_program(head_dim: int, num_kv_heads: int, group: int) -> int:
     splits or swizzle, and 128-byte ones at 83-90%."""
     pair = head_dim * 2 in _BLOCK_N and num_kv_heads % 2 == 0 and 2 * group <= _MAX_GROUP
     return 2 if pair else 1
-
-
-def fp8_decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
-    """``decode_num_splits`` for this kernel's one-warp programs."""
-    wanted = _PROGRAMS_PER_SM * num_sms // (batch * num_kv_heads)
-    return max(1, min(wanted, max_context_len // _MIN_SPLIT_TOKENS, _MAX_SPLITS))
 
 
 def fp8_decode_constants(

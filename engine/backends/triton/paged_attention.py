@@ -34,7 +34,8 @@ from engine.backends.triton.dependent_launch import (
     wait_for_previous_kernel,
 )
 from engine.backends.triton.fp8_decode import (
-    fp8_decode_num_splits,
+    FP8_DECODE_MIN_SPLIT_TOKENS,
+    FP8_DECODE_PROGRAMS_PER_SM,
     fp8_paged_decode,
     uses_fp8_decode_kernel,
 )
@@ -417,15 +418,42 @@ def _prefill_kernel(
     tl.store(out_ptr + out_offsets + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
+def decode_num_splits(
+    batch: int,
+    num_kv_heads: int,
+    max_context_len: int,
+    num_sms: int,
+    *,
+    programs_per_sm: int = _DECODE_PROGRAMS_PER_SM,
+    min_split_tokens: int = _MIN_SPLIT_TOKENS,
+) -> int:
     """How many parts to split each sequence's context into for one decode step.
 
     Without splitting there are ``batch * num_kv_heads`` programs; split until there are
-    about _DECODE_PROGRAMS_PER_SM per SM, keeping parts at least _MIN_SPLIT_TOKENS long.
+    about ``programs_per_sm`` per SM, keeping parts at least ``min_split_tokens`` long
+    (defaults: the Triton kernel's; fp8_decode.py's kernel has its own).
     """
     programs = batch * num_kv_heads
-    wanted = _DECODE_PROGRAMS_PER_SM * num_sms // programs
-    return max(1, min(wanted, max_context_len // _MIN_SPLIT_TOKENS, _MAX_SPLITS))
+    wanted = programs_per_sm * num_sms // programs
+    return max(1, min(wanted, max_context_len // min_split_tokens, _MAX_SPLITS))
+
+
+def default_decode_splits(
+    q: torch.Tensor, key_cache: torch.Tensor, block_tables: torch.Tensor, query_len: int
+) -> int:
+    """The split count ``paged_decode_attention`` takes when given none: ``decode_num_splits``
+    for the kernel these arguments run, block_tables' capacity as the longest context (known
+    without reading the lengths back from the GPU)."""
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    batch, max_blocks = block_tables.shape
+    rule: dict[str, int] = {}
+    if uses_fp8_decode_kernel(q, key_cache, query_len):
+        rule = {
+            "programs_per_sm": FP8_DECODE_PROGRAMS_PER_SM,
+            "min_split_tokens": FP8_DECODE_MIN_SPLIT_TOKENS,
+        }
+    max_context_len = max_blocks * block_size
+    return decode_num_splits(batch, num_kv_heads, max_context_len, _num_sms(q.device), **rule)
 
 
 @functools.cache
@@ -524,24 +552,17 @@ def paged_decode_attention(
     onwards, at positions context_lens[b] - query_len, ... (a position below 0 reads as 0:
     padding); caches: [num_blocks, block_size, num_kv_heads, head_dim]; block_tables:
     [B, max_blocks] int; context_lens: [B] int, the new tokens included.
-    ``num_splits`` defaults to ``decode_num_splits`` with block_tables' capacity as the
-    longest context (known without reading the lengths back from the GPU; over an fp8
-    cache on the GPU, ``fp8_decode_num_splits``). For CUDA graphs, pass ``out`` and, when
-    splitting, ``workspace`` (``decode_workspace``).
+    ``num_splits`` defaults to ``default_decode_splits``. For CUDA graphs, pass ``out``
+    and, when splitting, ``workspace`` (``decode_workspace``).
     Returns out: [B * query_len, num_heads, head_dim] in q's dtype.
     """
     _check_cache(q, key_cache, value_cache)
     num_tokens, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
     batch = block_tables.shape[0]
     assert context_lens.shape[0] == batch and num_tokens == batch * query_len
     assert batch <= _MAX_GRID_Y, "the sequences are the grid's second axis"
-    # One query a sequence over an fp8 cache: the Gluon kernel (fp8_decode.py), where it runs.
-    fp8_kernel = uses_fp8_decode_kernel(q, key_cache, query_len)
     if num_splits is None:
-        max_context_len = block_tables.shape[1] * block_size
-        split_rule = fp8_decode_num_splits if fp8_kernel else decode_num_splits
-        num_splits = split_rule(batch, num_kv_heads, max_context_len, _num_sms(q.device))
+        num_splits = default_decode_splits(q, key_cache, block_tables, query_len)
     assert 1 <= num_splits <= _MAX_SPLITS
     if out is None:
         out = torch.empty_like(q)
@@ -555,7 +576,8 @@ def paged_decode_attention(
     else:
         workspace, ws_strides = out, (0, 0, 0)  # unused: the kernel writes out directly
 
-    if fp8_kernel:
+    # One query a sequence over an fp8 cache: the Gluon kernel (fp8_decode.py), where it runs.
+    if uses_fp8_decode_kernel(q, key_cache, query_len):
         fp8_paged_decode(
             q,
             key_cache,
