@@ -4,12 +4,14 @@ share of a dimension is its own, and the two collectives the layers call.
 The ranks form torch.distributed's default process group (NCCL on CUDA, gloo on the CPU),
 which ``engine.tensor_parallel`` starts; with one rank nothing here communicates. The
 collectives are torch.distributed's own, which a CUDA graph captures (NCCL), so the decode
-graphs keep working across GPUs.
+graphs keep working across GPUs; on CUDA, small all-reduces take one kernel over symmetric
+memory instead (``engine.tensor_parallel.symmetric_all_reduce``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -17,11 +19,16 @@ import torch.distributed as dist
 # torch 2.13 renamed all_gather_into_tensor (and deprecated the old name); older ones lack it.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
+if TYPE_CHECKING:
+    from engine.tensor_parallel.symmetric_all_reduce import SymmetricAllReduce
+
 
 @dataclass(frozen=True)
 class TensorParallel:
     rank: int = 0
     size: int = 1
+    # Small all-reduces' one-kernel path, where the ranks share symmetric memory.
+    symmetric_all_reduce: SymmetricAllReduce | None = field(default=None, compare=False)
 
     def split(self, total: int, what: str) -> tuple[int, int]:
         """This rank's equal share of ``total`` (the start and the length); ``what`` names
@@ -56,9 +63,13 @@ class TensorParallel:
         return int(least.item())
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's ``x``, in place (a row-parallel layer's partial products)."""
-        if self.size > 1:
-            dist.all_reduce(x)
+        """The sum of every rank's ``x`` (a row-parallel layer's partial products): a new
+        tensor through symmetric memory where it takes ``x``, else ``x`` summed in place."""
+        if self.size == 1:
+            return x
+        if self.symmetric_all_reduce is not None and self.symmetric_all_reduce.accepts(x):
+            return self.symmetric_all_reduce(x)
+        dist.all_reduce(x)
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:

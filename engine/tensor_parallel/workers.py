@@ -25,10 +25,11 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, rank_device, resolve_dtype
 from engine.models import load_checkpoint
 from engine.parallel import TensorParallel
 from engine.tensor_parallel.step_channel import StepReceiver, StepSender
+from engine.tensor_parallel.symmetric_all_reduce import with_symmetric_all_reduce
 from engine.warm_up import freeze_start_up_objects
 
 logger = logging.getLogger(__name__)
@@ -77,8 +78,7 @@ class WorkerGroup:
             pipes.append(writer)
         self._closing = False
         threading.Thread(target=self._watch, name="tensor-parallel watch", daemon=True).start()
-        _join_process_group(config, store, 0)
-        self.tp = TensorParallel(0, size)
+        self.tp = _join_process_group(config, store, 0)
         self.sender = StepSender(pipes)
         # An engine that exits without closing (an exception) still stops its workers: this
         # runs before multiprocessing's own exit handler, which would wait for them forever.
@@ -135,11 +135,17 @@ def check_splits(config: ModelConfig, size: int) -> None:
     tp.split(config.intermediate_size, "intermediate_size")
 
 
-def _join_process_group(config: EngineConfig, store: dist.Store, rank: int) -> None:
+def _join_process_group(config: EngineConfig, store: dist.Store, rank: int) -> TensorParallel:
+    """Join the ranks' group; this rank's ``TensorParallel``, with symmetric memory for small
+    all-reduces where the GPUs share it."""
     backend = "nccl" if config.device == "cuda" else "gloo"
     if config.device == "cuda":
         torch.cuda.set_device(rank)  # NCCL's communicator binds the current device
-    dist.init_process_group(backend, store=store, rank=rank, world_size=config.tensor_parallel_size)
+    size = config.tensor_parallel_size
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size)
+    tp = TensorParallel(rank, size)
+    device = rank_device(config.device, tp)
+    return with_symmetric_all_reduce(tp, device, resolve_dtype(config.dtype, device))
 
 
 def worker_main(
@@ -160,8 +166,8 @@ def worker_main(
         # The ranks share the machine's cores instead of each taking all of them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     store = dist.TCPStore(_HOST, store_port, size, is_master=False)
-    _join_process_group(config, store, rank)
-    runner = ModelRunner(config, load_checkpoint(config.model), TensorParallel(rank, size))
+    tp = _join_process_group(config, store, rank)
+    runner = ModelRunner(config, load_checkpoint(config.model), tp)
     receiver = StepReceiver(pipe, runner.device)
     freeze_start_up_objects()  # a collection's stall here would stall every rank's step
     with torch.inference_mode():

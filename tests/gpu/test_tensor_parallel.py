@@ -1,6 +1,7 @@
-"""Tensor parallelism over NCCL on two GPUs: the tiny families' greedy tokens, with the decode
-steps in CUDA graphs (their all-reduces captured), equal transformers' in float32; and the
-engine runs the decode steps of a TP=2 model in graphs. Skipped on fewer than two GPUs."""
+"""Tensor parallelism over NCCL on two or four GPUs: the tiny families' greedy tokens, with the
+decode steps in CUDA graphs (their all-reduces captured), equal transformers' in float32; the
+small all-reduces go through symmetric memory (one kernel), the rest through NCCL. Skipped on
+fewer GPUs than a case's ranks."""
 
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ from tests.reference import hf_greedy, run_engine
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 
 
-@pytest.mark.parametrize("case", [c for c, (_, size, _) in CASES.items() if size == 2])
+@pytest.mark.parametrize("case", list(CASES))
 def test_greedy_tokens_equal_transformers_with_graphs(case: str, tmp_path: Path) -> None:
     name, size, changes = CASES[case]
+    if torch.cuda.device_count() < size:
+        pytest.skip(f"needs {size} GPUs")
     hf_model = saved_tiny_model(name, tmp_path, **changes)
     engine = LLMEngine(
         EngineConfig(
@@ -35,6 +38,7 @@ def test_greedy_tokens_equal_transformers_with_graphs(case: str, tmp_path: Path)
     )
     try:
         assert engine.runner.decode_graphs is not None  # decode steps replay graphs
+        assert engine.runner.tp.symmetric_all_reduce is not None  # not NCCL alone
         prompts = random_prompts(8)
         ours = run_engine(engine, prompts, max_tokens=24)
     finally:

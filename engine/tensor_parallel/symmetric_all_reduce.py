@@ -1,0 +1,93 @@
+"""Small all-reduces in one kernel, through PyTorch's symmetric memory: the decode step's
+row-parallel outputs.
+
+Why: a decode step makes two all-reduces a layer (160 on the 70B shape), each of a few KiB
+at batch 1. At that size NCCL's ring costs its latency, not its bytes: on four H200s the
+70B's batch-1 TPOT was 14.97 ms against a bandwidth floor of 8.19 ms. PyTorch's symmetric
+memory (``torch.distributed._symmetric_memory``) maps every rank's buffer into every other
+rank's address space over CUDA peer-to-peer, and ``one_shot_all_reduce_copy`` is one kernel
+that copies the local input into this rank's buffer, meets the peers at a barrier of signal
+pads, and sums the ranks' copies in rank order: no proxy thread, no ring of steps, the same
+bits on every rank, and capturable in a CUDA graph. Larger tensors (prompt steps, big
+batches) keep NCCL, whose ring moves 2(W-1)/W of the bytes where one shot reads W-1 times
+them.
+
+Only peer-to-peer loads: NVLink multicast stays off (``TORCH_SYMM_MEM_DISABLE_MULTICAST``,
+set by ``workers.NO_MULTICAST``), as the GPU machines require.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+import torch.distributed as dist
+
+from engine.parallel import TensorParallel
+
+logger = logging.getLogger(__name__)
+
+# Up to this many bytes one shot beats NCCL's ring on NVLink (docs/benchmarks.md measures
+# both from 8 KiB to 4 MiB); each rank's buffer holds that much.
+ONE_SHOT_MAX_BYTES = 512 * 1024
+
+
+class SymmetricAllReduce:
+    """This rank's symmetric buffer and the group it is mapped into."""
+
+    def __init__(self, buffer: torch.Tensor, group_name: str) -> None:
+        self.buffer = buffer
+        self.group_name = group_name
+
+    def accepts(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` goes through one shot: the buffer's dtype, small enough, dense, in
+        whole 16-byte vectors (the kernel's loads). Every rank decides alike, since every
+        rank reduces tensors of the same shape."""
+        return (
+            x.dtype == self.buffer.dtype
+            and x.numel() <= self.buffer.numel()
+            and x.numel() % (16 // x.element_size()) == 0
+            and x.is_contiguous()
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's ``x``, as a new tensor."""
+        summed = torch.ops.symm_mem.one_shot_all_reduce_copy(
+            self.buffer[: x.numel()], x.view(-1), "sum", self.group_name
+        )
+        return summed.view(x.shape)
+
+
+def with_symmetric_all_reduce(
+    tp: TensorParallel,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_bytes: int = ONE_SHOT_MAX_BYTES,
+) -> TensorParallel:
+    """``tp`` whose all-reduces of ``dtype`` up to ``max_bytes`` go through symmetric memory,
+    where every rank could map its buffer (CUDA, several ranks); else ``tp`` unchanged (NCCL
+    or gloo for every all-reduce). Collective: every rank calls it, and all of them take the
+    same path."""
+    if tp.size == 1 or device.type != "cuda":
+        return tp
+    reducer = None
+    try:
+        import torch.distributed._symmetric_memory as symmetric_memory
+
+        group_name = dist.group.WORLD.group_name
+        if symmetric_memory.get_backend(device) is None:
+            symmetric_memory.set_backend("CUDA")  # peer-to-peer mappings, not NVSHMEM's heap
+        symmetric_memory.enable_symm_mem_for_group(group_name)  # once per group; idempotent
+        buffer = symmetric_memory.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
+        symmetric_memory.rendezvous(buffer, group_name)
+        reducer = SymmetricAllReduce(buffer, group_name)
+    except (RuntimeError, ImportError, AttributeError) as error:
+        logger.warning("symmetric memory unavailable (%s): every all-reduce through NCCL", error)
+    # One rank without it would wait at NCCL while the others wait at the signal pads.
+    everyone = torch.tensor([reducer is not None], dtype=torch.int32, device=device)
+    dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
+    if not everyone.item():
+        return tp
+    logger.info("all-reduces up to %d KiB through symmetric memory", max_bytes // 1024)
+    return dataclasses.replace(tp, symmetric_all_reduce=reducer)
