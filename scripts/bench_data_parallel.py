@@ -1,20 +1,29 @@
-"""Data-parallel throughput: M engine replicas behind the server's pool against one engine.
+"""Data-parallel throughput: M engine replicas behind the server's pool against one engine,
+or any layouts of replicas and tensor-parallel GPUs against each other.
 
     python scripts/bench_data_parallel.py --model DIR [--data-parallel-size 2] [--gpus 0,1]
+                                         [--layouts 1x1,4x1,1x4]
                                          [--num-requests 1024] [--kv-cache-memory-gb G]
                                          [--min-len 100] [--max-len 1024] [--clients 4]
                                          [-- ENGINE_ARGS...]
 
-Runs DP=1 (one `python -m engine` on the first GPU of --gpus), then DP=M (replica r on GPU r of
---gpus, M real engine processes), each fed through `server/engine_pool.py`'s `EnginePool`, the
-balancer every HTTP server uses, without the HTTP and text work, from --clients processes (as
-from that many servers: one Python process would bound the tokens per second received). For
-each it checks first that every replica generates the same greedy tokens for a few probe
-prompts, one at a time; then it times the offline workload of scripts/bench_offline.py (random
-token ids, input and output lengths uniform in [--min-len, --max-len], ignore_eos), all
+A layout RxT is R engine replicas (real `python -m engine` processes) of T GPUs each
+(--tensor-parallel-size T); replica r takes GPUs r*T .. r*T+T-1 of --gpus. The default layouts
+are 1x1 and Mx1 (M = --data-parallel-size): DP=1, then DP=M. Four GPUs, data against tensor
+parallelism: --layouts 1x1,4x1,1x4 --gpus 0,1,2,3. Each layout is fed through
+`server/engine_pool.py`'s `EnginePool`, the balancer every HTTP server uses, without the HTTP
+and text work, from --clients processes (as from that many servers: one Python process would
+bound the tokens per second received). For each it checks first that every replica generates
+the same greedy tokens for a few probe prompts, one at a time, and that layouts of one
+tensor-parallel size agree; then it times the offline workload of scripts/bench_offline.py
+(random token ids, input and output lengths uniform in [--min-len, --max-len], ignore_eos), all
 submitted at once, and checks that every request got all its tokens and that each replica took
 its share. It prints the time to ready (process start to every handshake), output tokens per
-second, and DP=M over DP=1 (the target on two GPUs: at least 1.8x).
+second, and each layout against the first: its speed-up and its scaling efficiency (speed-up
+over the ratio of GPUs; the target for data parallelism: at least 90%, 1.8x on two GPUs).
+Layouts of different tensor-parallel sizes may differ in greedy tokens: bf16 sums in another
+order can flip near-ties (tensor parallelism's own check is float32, in
+scripts/bench_tensor_parallel.py).
 
 The default workload keeps each replica's batch full (4 x --max-num-seqs requests): with fewer
 requests than one engine's batch holds, replicas only split the same batch.
@@ -53,13 +62,14 @@ PROBE_TOKENS = 32
 NUM_PROBES = 4
 SHARED_GPU_KV_CACHE_GB = 16.0
 READY_TIMEOUT_S = 900.0
-TARGET_SPEEDUP = 1.8
+TARGET_EFFICIENCY = 0.9  # data parallelism's: 1.8x on two GPUs
 
 
 @dataclass
 class Run:
     replicas: int
     gpus: list[str]  # each replica's CUDA_VISIBLE_DEVICES ("" on the CPU)
+    tensor_parallel_size: int = 1
     ready_s: float = 0.0
     output_tokens: int = 0
     seconds: float = 0.0
@@ -71,17 +81,35 @@ class Run:
         return self.output_tokens / self.seconds
 
     @property
+    def gpu_list(self) -> list[str]:
+        return [gpu for group in self.gpus for gpu in group.split(",") if gpu]
+
+    @property
+    def devices(self) -> int:
+        """The GPUs it takes (counted with repeats), or its replicas on the CPU."""
+        return len(self.gpu_list) or self.replicas
+
+    def efficiency(self, baseline: Run) -> float:
+        """Its speed-up over ``baseline`` divided by the ratio of their devices."""
+        return self.tokens_per_s * baseline.devices / (baseline.tokens_per_s * self.devices)
+
+    @property
     def shares_a_gpu(self) -> bool:
-        return bool(self.gpus[0]) and len(set(self.gpus)) < len(self.gpus)
+        return len(set(self.gpu_list)) < len(self.gpu_list)
+
+    @property
+    def name(self) -> str:
+        return f"DP={self.replicas} TP={self.tensor_parallel_size}"
 
 
-def engine_command(args: argparse.Namespace, address: str, shared_gpu: bool) -> list[str]:
+def engine_command(args: argparse.Namespace, address: str, run: Run) -> list[str]:
     command = [sys.executable, "-m", "engine", "--address", address, "--model", args.model]
     command += ["--device", args.device, "--log-level", "warning"]
+    command += ["--tensor-parallel-size", str(run.tensor_parallel_size)]
     command += ["--max-num-seqs", str(args.max_num_seqs)]
     command += ["--max-model-len", str(2 * args.max_len + 16)]  # as bench_offline's
     kv_cache_gb = args.kv_cache_memory_gb
-    if kv_cache_gb is None and shared_gpu:
+    if kv_cache_gb is None and run.shares_a_gpu:
         kv_cache_gb = SHARED_GPU_KV_CACHE_GB
     if kv_cache_gb is not None:
         command += ["--kv-cache-memory-gb", str(kv_cache_gb)]
@@ -95,7 +123,7 @@ async def run_replicas(args: argparse.Namespace, run: Run) -> None:
     started = time.perf_counter()
     for address, gpus in zip(addresses, run.gpus, strict=True):
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus) if gpus else None
-        command = engine_command(args, address, run.shares_a_gpu)
+        command = engine_command(args, address, run)
         processes.append(subprocess.Popen(command, cwd=REPO_ROOT, env=env))
     pool = EnginePool(addresses, "bench_data_parallel")
     try:
@@ -267,7 +295,12 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--data-parallel-size", type=int, default=2)
-    parser.add_argument("--gpus", default="0,1", help="one GPU per replica; repeat one to share it")
+    parser.add_argument(
+        "--gpus", default="0,1", help="GPUs, taken in order by replicas; repeat one to share it"
+    )
+    parser.add_argument(
+        "--layouts", help="comma-separated RxT: R replicas of T GPUs each (default 1x1,Mx1)"
+    )
     parser.add_argument("--num-requests", type=int, help="default: 4 x --max-num-seqs")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--min-len", type=int, default=100)
@@ -282,45 +315,78 @@ def main() -> None:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     args.engine_args = [a for a in args.engine_args if a != "--"]
     args.num_requests = args.num_requests or 4 * args.max_num_seqs
-    gpus = args.gpus.split(",") if args.device == "cuda" else [""] * args.data_parallel_size
-    if len(gpus) < args.data_parallel_size:
-        parser.error(f"--gpus lists {len(gpus)} GPUs for {args.data_parallel_size} replicas")
-
-    runs = [Run(1, gpus[:1]), Run(args.data_parallel_size, gpus[: args.data_parallel_size])]
+    layouts = args.layouts or f"1x1,{args.data_parallel_size}x1"
+    try:
+        runs = [layout_run(layout, args.gpus, args.device) for layout in layouts.split(",")]
+    except ValueError as error:
+        parser.error(str(error))
     for run in runs:
-        print(f"=== DP={run.replicas} on GPUs {run.gpus}", flush=True)
+        print(f"=== {run.name} on GPUs {run.gpus}", flush=True)
         asyncio.run(run_replicas(args, run))
         print(f"ready in {run.ready_s:.1f} s; {run.tokens_per_s:.1f} output tok/s", flush=True)
 
-    single, parallel = runs
-    if parallel.probes != single.probes:
-        raise SystemExit("FAIL: DP=1 and DP=M generate different greedy tokens for the probes")
-    fair = args.num_requests / parallel.replicas
-    unbalanced = [n for n in parallel.requests_per_replica if abs(n - fair) > 0.1 * fair]
-    if unbalanced:
-        raise SystemExit(f"FAIL: requests per replica {parallel.requests_per_replica}")
+    check_runs(runs, args.num_requests)
     print(
         f"\n{args.model}: {args.num_requests} requests, lengths uniform in "
         f"[{args.min_len}, {args.max_len}], ignore_eos, max_num_seqs {args.max_num_seqs}"
     )
+    first = runs[0]
     print(
-        f"{'':6} {'GPUs':12} {'ready s':>8} {'requests/replica':>18} {'tokens':>9} "
-        f"{'seconds':>8} {'tok/s':>9}"
+        f"{'':11} {'GPUs':12} {'ready s':>8} {'requests/replica':>18} {'tokens':>9} "
+        f"{'seconds':>8} {'tok/s':>9} {'vs first':>9} {'efficiency':>10}"
     )
     for run in runs:
+        speedup = run.tokens_per_s / first.tokens_per_s
         print(
-            f"DP={run.replicas:<3} {','.join(run.gpus) if run.gpus[0] else 'cpu':12} "
+            f"{run.name:11} {'/'.join(run.gpus) if run.gpu_list else 'cpu':12} "
             f"{run.ready_s:8.1f} "
             f"{'/'.join(map(str, run.requests_per_replica)):>18} {run.output_tokens:9d} "
-            f"{run.seconds:8.2f} {run.tokens_per_s:9.1f}"
+            f"{run.seconds:8.2f} {run.tokens_per_s:9.1f} {speedup:8.2f}x "
+            f"{run.efficiency(first):10.0%}"
         )
-    speedup = parallel.tokens_per_s / single.tokens_per_s
-    if parallel.shares_a_gpu or args.device == "cpu":
-        print(f"DP={parallel.replicas} / DP=1: {speedup:.2f}x (smoke: replicas share a device)")
-    else:
-        verdict = "met" if speedup >= TARGET_SPEEDUP else "NOT met"
-        target = f"target >= {TARGET_SPEEDUP}x: {verdict}"
-        print(f"DP={parallel.replicas} / DP=1: {speedup:.2f}x ({target})")
+    for run in runs[1:]:
+        if run.shares_a_gpu or args.device == "cpu":
+            print(f"{run.name}: smoke (replicas share a device), no target")
+        elif run.tensor_parallel_size == first.tensor_parallel_size:
+            efficiency = run.efficiency(first)
+            verdict = "met" if efficiency >= TARGET_EFFICIENCY else "NOT met"
+            print(
+                f"{run.name} / {first.name}: {efficiency:.0%} of linear scaling "
+                f"(target >= {TARGET_EFFICIENCY:.0%}: {verdict})"
+            )
+
+
+def layout_run(layout: str, gpus: str, device: str) -> Run:
+    """The run of ``layout`` ("RxT": R replicas of T GPUs each) on the GPUs of ``gpus`` in
+    order; on the CPU, R replicas without GPUs."""
+    replicas, _, size = layout.partition("x")
+    if not (replicas.isdigit() and size.isdigit() and int(replicas) > 0 and int(size) > 0):
+        raise ValueError(f"layout {layout!r}: expected RxT, e.g. 4x1 or 1x4")
+    replicas, size = int(replicas), int(size)
+    if device != "cuda":
+        return Run(replicas, [""] * replicas, size)
+    listed = gpus.split(",")
+    if len(listed) < replicas * size:
+        raise ValueError(
+            f"--gpus lists {len(listed)} GPUs; layout {layout} needs {replicas * size}"
+        )
+    groups = [",".join(listed[r * size : (r + 1) * size]) for r in range(replicas)]
+    return Run(replicas, groups, size)
+
+
+def check_runs(runs: list[Run], num_requests: int) -> None:
+    """Fails unless layouts of one tensor-parallel size generated the same probe tokens and
+    every replica took about its share of the requests."""
+    for run in runs[1:]:
+        same_size = [r for r in runs if r.tensor_parallel_size == run.tensor_parallel_size]
+        if run.probes != same_size[0].probes:
+            raise SystemExit(
+                f"FAIL: {run.name} and {same_size[0].name} generate different greedy tokens"
+            )
+    for run in runs:
+        fair = num_requests / run.replicas
+        if any(abs(n - fair) > 0.1 * fair for n in run.requests_per_replica):
+            raise SystemExit(f"FAIL: {run.name}'s requests per replica {run.requests_per_replica}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 #
 #   scripts/gpu_session.sh tests|perf|perf-fp8|fp8-widen|quant|quant-speed|serving|spec|bench-1b|bench-8b|bench-qwen3|structured-1b|profile-1b|profile-8b|profile-8b-fp8|profile-ttft|profile-qwen3|profile-qwen3-fp8 ...
 #   scripts/gpu_session.sh tp-check tp-8b tp-70b   # tensor parallelism, on 2 GPUs (TP=4/8: TP=N)
-#   scripts/gpu_session.sh bench-dp|bench-dp-smoke  # data parallelism
+#   scripts/gpu_session.sh bench-dp|bench-dp-smoke|layouts-8b  # data parallelism (layouts-8b: 4 GPUs)
 #   SPEC_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh spec spec-f32  # speculative decoding
 #
 # spec (issue 12, a few minutes): the float32 GPU test (n-gram and draft-model tokens equal to
@@ -21,6 +21,8 @@
 # decode-parity GPU tests; a summary last.
 #
 # bench-dp needs two GPUs (DP=2 against DP=1); bench-dp-smoke runs both replicas on GPU 0.
+# layouts-8b needs four (issue 13): the 8B shape's 1,024 requests on DP=1, DP=4, DP=2 x TP=2
+# and TP=4 (LAYOUTS overrides), each layout's engines fed as the servers feed them.
 #
 # PEERS=0 leaves out transformers' runs (minutes of device time each); PYTEST_K filters tests.
 #
@@ -151,6 +153,12 @@ for stage in "$@"; do
       m=$(checkpoint llama-3.2-1b)
       gpus=0,1; [ "$stage" = bench-dp-smoke ] && gpus=0,0
       timeout 540 python3 scripts/bench_data_parallel.py --model "$m" --gpus $gpus 2>&1 | tee "$out/$stage-1b.log" | grep -v '^INFO' | tail -8 ;;
+    layouts-8b)
+      m=/tmp/cfg-llama-3.1-8b
+      [ -f $m/config.json ] || python3 scripts/make_random_checkpoint.py --shape llama-3.1-8b --config-only --out $m >&2
+      timeout 590 python3 scripts/bench_data_parallel.py --model $m --gpus 0,1,2,3 \
+        --layouts "${LAYOUTS:-1x1,4x1,2x2,1x4}" -- --load-format dummy 2>&1 \
+        | tee "$out/$stage.log" | grep -v '^INFO' | tail -10 ;;
     serving)  # issue 14: the served path (1 and 4 servers) against in-process, 1B shape,
       # the same 256 requests at once, medians of 3; the client and server CPU columns say
       # whether either side set the served figure.
