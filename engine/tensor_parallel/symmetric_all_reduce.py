@@ -78,7 +78,6 @@ def with_symmetric_all_reduce(
         group_name = dist.group.WORLD.group_name
         if symmetric_memory.get_backend(device) is None:
             symmetric_memory.set_backend("CUDA")  # peer-to-peer mappings, not NVSHMEM's heap
-        symmetric_memory.enable_symm_mem_for_group(group_name)  # once per group; idempotent
         buffer = symmetric_memory.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
         symmetric_memory.rendezvous(buffer, group_name)
         reducer = SymmetricAllReduce(buffer, group_name)
