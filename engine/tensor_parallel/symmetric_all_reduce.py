@@ -28,8 +28,9 @@ from engine.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
-# Up to this many bytes one shot beats NCCL's ring on NVLink (docs/benchmarks.md measures
-# both from 8 KiB to 4 MiB); each rank's buffer holds that much.
+# Each rank's buffer, and the largest all-reduce it takes: a decode step's at up to 64 rows
+# of an 8192-wide model. On two and four H200s one shot beat NCCL's ring up to 2 MiB and was
+# even at 4 MiB (docs/benchmarks.md); larger thresholds wait for offline runs to show a gain.
 ONE_SHOT_MAX_BYTES = 512 * 1024
 
 
