@@ -53,6 +53,11 @@ checkpoint() {  # shape -> directory, made once per machine
   [ -f "$dir/config.json" ] || python3 scripts/make_random_checkpoint.py --shape "$1" --out "$dir" >&2
   echo "$dir"
 }
+config_only() {  # shape -> its config and tokenizer, no weights (--load-format dummy: no GBs to write)
+  local dir=/tmp/cfg-$1
+  [ -f "$dir/config.json" ] || python3 scripts/make_random_checkpoint.py --shape "$1" --config-only --out "$dir" >&2
+  echo "$dir"
+}
 
 for stage in "$@"; do
   echo "=== $stage $(date -u +%FT%TZ)"
@@ -88,8 +93,7 @@ for stage in "$@"; do
       python3 -m pytest -q -rs tests/engine/test_quantization.py -p no:cacheprovider 2>&1 \
         | tee "$out/quant-tests.log" | tail -4
       timeout 240 python3 scripts/bench_quantization.py --kernels 2>&1 | tee "$out/quant-kernels.log" | tail -40
-      m=/tmp/cfg-llama-3.1-8b  # random weights made on the GPU (--load-format dummy): no 16 GB to write
-      [ -f "$m/config.json" ] || python3 scripts/make_random_checkpoint.py --shape llama-3.1-8b --config-only --out "$m"
+      m=$(config_only llama-3.1-8b)
       for q in "" fp8 int8; do
         timeout 120 python3 scripts/bench_latency.py --model "$m" --load-format dummy ${q:+--quantization $q} 2>&1 \
           | tee "$out/latency-8b${q:+-$q}.log" | grep -hE "^tandem, |^roofline"
@@ -107,8 +111,7 @@ for stage in "$@"; do
         timeout 150 python3 scripts/bench_kernels.py --head-dims 64 128 256 --batches 1 64 256 \
           --contexts 1024 4096 --kv-cache-dtype $kv 2>&1 | tee "$out/attention-$kv.log" | grep -E "^ " | tail -20
       done
-      m=/tmp/cfg-llama-3.1-8b
-      [ -f "$m/config.json" ] || python3 scripts/make_random_checkpoint.py --shape llama-3.1-8b --config-only --out "$m"
+      m=$(config_only llama-3.1-8b)
       timeout 200 python3 scripts/bench_latency.py --model "$m" --load-format dummy --quantization fp8 2>&1 \
         | tee "$out/latency-8b-fp8.log" | grep -hE "^tandem, |^roofline"
       m=$(checkpoint llama-3.2-1b)
@@ -121,12 +124,11 @@ for stage in "$@"; do
       done ;;
     quant-speed)  # decode speed bf16/int8/fp8 at 1B and 8B (batch-1 TPOT, batch-64 step); 1B offline fp8
       for shape in llama-3.2-1b llama-3.1-8b; do
-        m=/tmp/cfg-$shape
-        [ -f "$m/config.json" ] || python3 scripts/make_random_checkpoint.py --shape $shape --config-only --out "$m"
+        m=$(config_only $shape)
         timeout 240 python3 scripts/bench_quantization.py --speed-model "$m" --load-format dummy 2>&1 \
           | tee "$out/quant-speed-$shape.log" | grep -E "^\|"
       done
-      timeout 150 python3 scripts/bench_offline.py --model /tmp/cfg-llama-3.2-1b --load-format dummy --quantization fp8 2>&1 \
+      timeout 150 python3 scripts/bench_offline.py --model "$(config_only llama-3.2-1b)" --load-format dummy --quantization fp8 2>&1 \
         | tee "$out/offline-1b-fp8.log" | tail -6 ;;
     bench-1b)
       m=$(checkpoint llama-3.2-1b)
@@ -154,9 +156,8 @@ for stage in "$@"; do
       gpus=0,1; [ "$stage" = bench-dp-smoke ] && gpus=0,0
       timeout 540 python3 scripts/bench_data_parallel.py --model "$m" --gpus $gpus 2>&1 | tee "$out/$stage-1b.log" | grep -v '^INFO' | tail -8 ;;
     layouts-8b)
-      m=/tmp/cfg-llama-3.1-8b
-      [ -f $m/config.json ] || python3 scripts/make_random_checkpoint.py --shape llama-3.1-8b --config-only --out $m >&2
-      timeout 590 python3 scripts/bench_data_parallel.py --model $m --gpus 0,1,2,3 \
+      m=$(config_only llama-3.1-8b)
+      timeout 590 python3 scripts/bench_data_parallel.py --model "$m" --gpus 0,1,2,3 \
         --layouts "${LAYOUTS:-1x1,4x1,2x2,1x4}" -- --load-format dummy 2>&1 \
         | tee "$out/$stage.log" | grep -v '^INFO' | tail -10 ;;
     serving)  # issue 14: the served path (1 and 4 servers) against in-process, 1B shape,
@@ -187,8 +188,7 @@ for stage in "$@"; do
       m=$(checkpoint llama-3.2-1b)
       timeout 300 python3 scripts/profile_step.py --model "$m" --prefill --context 128 --top 16 2>&1 | tee "$out/profile-ttft-1b.log" | grep -v USDT ;;
     profile-8b-fp8)  # the 8B fp8 batch-1 decode step
-      m=/tmp/cfg-llama-3.1-8b
-      [ -f "$m/config.json" ] || python3 scripts/make_random_checkpoint.py --shape llama-3.1-8b --config-only --out "$m"
+      m=$(config_only llama-3.1-8b)
       timeout 300 python3 scripts/profile_step.py --model "$m" --load-format dummy --quantization fp8 --batch 1 --top 16 2>&1 | tee "$out/profile-8b-fp8.log" | grep -v USDT ;;
     profile-8b)
       m=$(checkpoint llama-3.1-8b)

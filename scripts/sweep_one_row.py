@@ -54,18 +54,28 @@ def layers(shape: str, tensor_parallel: int) -> list[tuple[str, int, int, bool]]
     ]
 
 
+def layer_inputs(
+    channels: int, depth: int, gated: bool, weights: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A random row (gate and up halves when ``gated``), weight and its scales (fp8 codes)."""
+    x = torch.randn(1, 2 * depth if gated else depth, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(channels, depth, device="cuda", dtype=torch.bfloat16)
+    if weights == "fp8":
+        return x, weight.to(torch.float8_e4m3fn), torch.ones(channels, device="cuda")
+    return x, weight, None
+
+
 def time_config(
-    config: triton.Config, channels: int, depth: int, gated: bool, weights: str, repeats: int
+    config: triton.Config,
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    gated: bool,
+    repeats: int,
 ) -> float:
-    """Median µs of one_row_matmul on random data with only ``config`` to choose from."""
+    """Median µs of one_row_matmul on ``inputs`` with only ``config`` to choose from."""
     kernel = one_row._one_row_kernel
     kernel.configs = [config]
     kernel.cache.clear()
-    x = torch.randn(1, 2 * depth if gated else depth, device="cuda", dtype=torch.bfloat16)
-    weight = torch.randn(channels, depth, device="cuda", dtype=torch.bfloat16)
-    scale = None
-    if weights == "fp8":
-        weight, scale = weight.to(torch.float8_e4m3fn), torch.ones(channels, device="cuda")
+    x, weight, scale = inputs
 
     def run() -> None:
         one_row.one_row_matmul(x, weight, scale, gated=gated)
@@ -98,10 +108,8 @@ def main() -> None:
                 for name, channels, depth, gated in layers(shape, size):
                     if weights != "bf16" and name == "lm_head":
                         continue  # the LM head stays in the model's dtype
-                    times = [
-                        time_config(c, channels, depth, gated, weights, args.repeats)
-                        for c in configs
-                    ]
+                    inputs = layer_inputs(channels, depth, gated, weights)
+                    times = [time_config(c, inputs, gated, args.repeats) for c in configs]
                     ranked = sorted(range(len(times)), key=times.__getitem__)
                     margin = times[ranked[1]] / times[ranked[0]] - 1
                     totals = [t + u for t, u in zip(totals, times, strict=True)]
