@@ -36,7 +36,7 @@ def capture_forward(
 ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """A graph of the backend's ``prepare`` and the model's forward pass over ``args``, in
     ``pool`` (None: a new one), and the logits it leaves. Run once first: Triton compiles
-    and autotunes outside the capture."""
+    outside the capture."""
     metadata = args[1]
     attention.prepare(metadata)
     model(*args)

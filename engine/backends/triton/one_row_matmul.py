@@ -7,8 +7,8 @@ the weight's bytes and by how early each read starts, not by arithmetic. Tensor 
 in BLOCK_K-wide chunks straight into registers (wide loads, several in flight a thread),
 multiplies in float32 on the CUDA cores and reduces once at the end: no shared memory, no
 split of K, no second pass. On an H200 it beats cuBLAS at one row on every Llama linear
-layer measured (1-20%) and the tiled weight-only kernel on fp8 and int8 layers whose output
-is not much wider than their input (the projections; `quantized_matmul` chooses per shape).
+layer measured (1-20%), and the tiled weight-only kernel on fp8 layers, or ties it (an 8B
+model's gate/up and down; `docs/benchmarks.md`).
 
 The weight may be bfloat16/float16 (the model's dtype), or int8 / float8 e4m3 codes with one
 float32 scale per output channel, widened in registers (``fp8_widen``) and scaled once.
@@ -29,11 +29,11 @@ Launched dependent (``dependent_launch``): it waits for the kernel before it fir
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
-import triton.testing
 
 from engine.backends.triton.dependent_launch import (
     launch_options,
@@ -46,24 +46,50 @@ from engine.deferred_norm import DeferredNorm
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _configs() -> list[triton.Config]:
-    """(BLOCK_N, bytes a row a chunk, warps): the best of a sweep over 9 Llama shapes at 8B
-    and 1B, bf16 and fp8, and their neighbours (`docs/benchmarks.md`)."""
+@dataclass(frozen=True)
+class OneRowConfig:
+    """How the one-row kernel divides a weight: ``rows`` output channels a program (BLOCK_N),
+    read ``chunk_bytes`` of each row at a time (BLOCK_BYTES), by ``warps`` warps."""
+
+    rows: int
+    chunk_bytes: int
+    warps: int
+
+
+def one_row_config(
+    channels: int, depth: int, weight_dtype: torch.dtype, normed: bool
+) -> OneRowConfig:
+    """The configuration for a weight [channels, depth] (``normed``: the row is a deferred
+    norm's, which every program reads and normalizes whole), chosen by shape, never timed.
+
+    Configurations sum a row in different orders, and a timer at start-up (Triton's
+    autotuner, before) picked differently in different processes: replicas of one model then
+    gave different greedy tokens where two logits nearly tied (`docs/benchmarks.md`,
+    thirteenth session). A rule gives every process the same sums. It is fitted to
+    ``scripts/sweep_matmul_configs.py`` on an H200: each layer of the default models and
+    their TP shards alone, and whole models' chains of one-row products in one CUDA graph.
+
+    - fp8 / int8 codes (their norm runs as its own kernel): 16 channels a program in 512-byte
+      chunks over wide outputs (QKV, gate/up), 8 channels in 1 KiB chunks otherwise.
+    - A deferred norm's row: 4 channels a program, since each program re-reads the row, the
+      residual and the norm's weight (2 channels a program cost a 1B model's LM head a third
+      more reads than its weight); rows of at most 2 KiB in chunks of half a row, or 8
+      channels in 512-byte chunks over wide outputs.
+    - Other bf16 rows: 4 channels a program in 4 KiB chunks by 8 warps (o, down), or 2 in
+      2 KiB chunks over wide outputs (an LM head without a deferred norm).
+    """
     if _INTERPRETED:
-        return [triton.Config({"BLOCK_N": 4, "BLOCK_BYTES": 64})]
-    return [
-        triton.Config({"BLOCK_N": n, "BLOCK_BYTES": b}, num_warps=w, num_stages=1)
-        for n, b, w in ((4, 2048, 4), (4, 2048, 8), (8, 1024, 4), (8, 2048, 8), (16, 512, 8))
-    ]
+        return OneRowConfig(rows=4, chunk_bytes=64, warps=4)
+    wide = channels >= 6144
+    if weight_dtype.itemsize == 1:
+        return OneRowConfig(16, 512, 8) if wide else OneRowConfig(8, 1024, 4)
+    if not normed:
+        return OneRowConfig(2, 2048, 4) if wide else OneRowConfig(4, 4096, 8)
+    if depth * weight_dtype.itemsize > 2048:
+        return OneRowConfig(4, 2048, 4)
+    return OneRowConfig(8, 512, 4) if wide else OneRowConfig(4, 1024, 4)
 
 
-def _time_flushed(kernel_call: object, quantiles: list[float]) -> list[float]:
-    """Each candidate timed after the L2 cache is cleared, as a step's other layers leave it
-    (Triton's default, shortened: a few milliseconds a candidate at start-up)."""
-    return triton.testing.do_bench(kernel_call, warmup=2, rep=6, quantiles=quantiles)
-
-
-@triton.autotune(configs=_configs(), key=["N", "K", "GATED"], do_bench=_time_flushed)
 @triton.jit
 def _one_row_kernel(
     x_ptr,
@@ -131,10 +157,12 @@ def one_row_matmul(
     *,
     gated: bool = False,
     out_dtype: torch.dtype | None = None,
+    config: OneRowConfig | None = None,
 ) -> torch.Tensor:
     """x [1, K] (or [1, 2K] gate and up halves, ``gated``; or a deferred norm of a row [1, K])
     and weight [N, K] in x's dtype, or int8 / float8 e4m3 codes with float32 ``scale`` [N]
-    -> [1, N] in ``out_dtype`` (default: x's dtype)."""
+    -> [1, N] in ``out_dtype`` (default: x's dtype). ``config``: ``one_row_config``'s unless
+    given (the sweep's candidates)."""
     norm = x if isinstance(x, DeferredNorm) else None
     if norm is not None:
         assert not gated
@@ -145,11 +173,8 @@ def one_row_matmul(
     assert weight.stride(1) == 1
     assert (scale is None) == (weight.dtype == x.dtype), "codes need their scales"
     out = x.new_empty(1, channels, dtype=out_dtype or x.dtype)
-
-    def grid(meta: dict) -> tuple[int]:
-        return (triton.cdiv(channels, meta["BLOCK_N"]),)
-
-    _one_row_kernel[grid](
+    config = config or one_row_config(channels, depth, weight.dtype, normed=norm is not None)
+    _one_row_kernel[(triton.cdiv(channels, config.rows),)](
         x,
         weight,
         weight if scale is None else scale,  # unread without a scale
@@ -166,6 +191,10 @@ def one_row_matmul(
         GATED=gated,
         NORM=norm is not None,
         HAS_RESIDUAL=norm is not None and norm.residual is not None,
+        BLOCK_N=config.rows,
+        BLOCK_BYTES=config.chunk_bytes,
+        num_warps=config.warps,
+        num_stages=1,
         **launch_options(x.device),
     )
     return out

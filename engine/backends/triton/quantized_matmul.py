@@ -13,22 +13,19 @@ partial sums to a float32 workspace and counts itself in, and the last of a tile
 programs adds them up, scales and stores the output, then resets the tile's counter for the
 next call. No second kernel, no zeroed buffer per call.
 
-Tiles and splits are autotuned per weight shape and per bucket of the row count
-(``_rows_bucket``), timing each candidate replayed from a CUDA graph: launched one by one
-from Python, a 30-microsecond kernel is timed as its launch. The tuning runs at start-up,
-before each CUDA graph's capture and in the warm-up's steps, so a captured step only
-launches and no request waits for it.
+Tiles and splits are chosen by a rule over the row count and the weight's shape
+(``tiled_config``), not timed at start-up, so that every process sums in the same order.
 """
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
-import triton.testing
 
 from engine.backends.triton.activation import silu_and_mul
 from engine.backends.triton.fp8_widen import widen, widen_factor
@@ -40,65 +37,53 @@ _MAX_SPLIT_ROWS = 16
 _MAX_SPLIT_K = 8
 
 
-def _configs() -> list[triton.Config]:
-    if _INTERPRETED:  # one small tile, split: the interpreter runs every config it tunes
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 2})]
-    small = [  # few rows: narrow column blocks and split depths, to spread the weight
-        triton.Config(
-            {"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": split},
-            num_warps=w,
-            num_stages=s,
-        )
-        for n, k, w, s in (
-            (16, 256, 4, 4),
-            (32, 256, 4, 4),
-            (64, 128, 4, 4),
-            (64, 256, 4, 3),
-            (128, 128, 4, 3),
-            (32, 512, 8, 3),
-        )
-        for split in (1, 2, 4, 8)
-    ]
-    large = [
-        triton.Config(
-            {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": 64, "SPLIT_K": 1}, num_warps=w, num_stages=s
-        )
-        for m, n, w, s in ((64, 128, 4, 4), (128, 128, 8, 3), (128, 256, 8, 3), (64, 64, 4, 4))
-    ]
-    return small + large
+@dataclass(frozen=True)
+class TiledConfig:
+    """A program's tile of the output (``block_m`` rows, ``block_n`` channels), its steps
+    through K (``block_k``), the splits of K, and the launch's warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    warps: int
+    stages: int
 
 
-def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
-    """No tile taller than the rows' bucket (a decode step tries only the small tiles), and
-    no split K beyond a few rows."""
-    rows = named_args["M_BUCKET"]
-    fitting = [
-        c
-        for c in configs
-        if c.kwargs["BLOCK_M"] <= max(rows, 16)
-        and (c.kwargs["SPLIT_K"] == 1 or rows <= _MAX_SPLIT_ROWS)
-    ]
-    return fitting or configs[:1]
+def tiled_config(rows: int, channels: int, depth: int, processors: int) -> TiledConfig:
+    """The tiled kernel's configuration for ``rows`` x [channels, depth] on a GPU of
+    ``processors`` SMs, chosen by shape, never timed: splits of K sum in different orders, and
+    a start-up timer picked differently in different processes (``one_row_config`` says why
+    that matters). Fitted to a sweep on an H200 (``scripts/sweep_matmul_configs.py``: the
+    default models' layers and their TP=2 shards, at 4 and 16 rows in fp8 and 32, 64 and 256
+    in int8).
+
+    - Up to 16 rows (decode steps): 32 channels by 256 of K a tile, K split in two, four or
+      eight where the tiles alone would leave SMs idle and each split keeps at least 2048 of
+      K (an 8B model's o and down projections).
+    - Up to 64 rows: 16-row tiles still, no split.
+    - More: 64 x 64 tiles, or 128 x 128 where the output is large (every SM gets several).
+    """
+    if _INTERPRETED:  # one small tile, split: every mask and the split's last-program sum
+        return TiledConfig(16, 32, 32, 2, 4, 1)
+    if rows <= _MAX_SPLIT_ROWS:
+        split_k = 1
+        while (
+            split_k < _MAX_SPLIT_K
+            and triton.cdiv(channels, 32) * split_k < processors
+            and depth >= 2 * split_k * 2048
+        ):
+            split_k *= 2
+        return TiledConfig(16, 32, 256, split_k, 4, 4)
+    if rows <= 32:
+        return TiledConfig(16, 32, 256, 1, 4, 4)
+    if rows <= 64:
+        return TiledConfig(16, 64, 256, 1, 4, 3)
+    if rows * channels >= 256 * 8192:
+        return TiledConfig(128, 128, 64, 1, 8, 3)
+    return TiledConfig(64, 64, 64, 1, 4, 4)
 
 
-def _time_replayed(kernel_call: Callable[[], object], quantiles: list[float]) -> list[float]:
-    """A candidate's time replayed from a CUDA graph, over 10 ms of replays (Triton's default
-    with graphs, 100 ms, made an 8B engine's start take 88 s: about 230 candidates over its
-    layer shapes and row buckets). Triton times it on a stream of its own: the device is
-    drained first and after, so that no GEMM of the step being tuned, still running on the
-    engine's stream, shares the tile counters with it at the same time."""
-    torch.cuda.synchronize()
-    timings = triton.testing.do_bench_cudagraph(kernel_call, rep=10, quantiles=quantiles)
-    torch.cuda.synchronize()
-    return timings
-
-
-@triton.autotune(
-    configs=_configs(),
-    key=["N", "K", "M_BUCKET"],
-    prune_configs_by={"early_config_prune": _prune},
-    do_bench=_time_replayed,
-)
 @triton.jit
 def _weight_only_matmul_kernel(
     x_ptr,
@@ -110,7 +95,6 @@ def _weight_only_matmul_kernel(
     M,
     N,
     K,
-    M_BUCKET,  # the autotuning key for the row count
     stride_x,
     stride_codes,
     stride_out,
@@ -172,19 +156,13 @@ def _weight_only_matmul_kernel(
             tl.atomic_xchg(counter, 0)  # zero again for the next call
 
 
-def _rows_bucket(rows: int) -> int:
-    """Up to 16 rows, 32, 64, then one bucket for more: few enough that the engine's start
-    (the decode graphs' batch sizes, the warm-up's prefill of 74 tokens) tunes them all."""
-    return 16 if rows <= 16 else min(triton.next_power_of_2(rows), 128)
-
-
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
 def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """The split tiles' counters, zero between calls, one buffer per device for every GEMM
     (they run one at a time on the device's stream). Grown only by a larger shape than any
-    seen, which the start-up's tuning sees first, before any graph is captured."""
+    seen, which the warm-up's steps see first, before any graph is captured."""
     counters = _counters.get(device)
     if counters is None or counters.numel() < tiles:
         counters = _counters[device] = torch.zeros(tiles, dtype=torch.int32, device=device)
@@ -196,53 +174,37 @@ def weight_only_matmul(
 ) -> torch.Tensor:
     """x [M, K] (bfloat16, float16 or float32), codes [N, K] int8 or float8 e4m3, scale [N]
     float32 -> [M, N] in x's dtype. ``gated``: x [M, 2K] is a gated MLP's gate and up
-    halves, and the input silu(gate) * up."""
-    depth = codes.shape[1]
-    if x.shape[0] == 1 and _one_row_kernel_is_faster(x[:, :depth], codes, scale):
+    halves, and the input silu(gate) * up. One row takes the one-row kernel, as fast as the
+    tiled kernel or faster on every layer swept."""
+    if x.shape[0] == 1:
         return one_row_matmul(x, codes, scale, gated=gated)
-    return _tiled_matmul(silu_and_mul(x) if gated else x, codes, scale)
+    return tiled_matmul(silu_and_mul(x) if gated else x, codes, scale)
 
 
-# Per (weight shape, codes' dtype, x's dtype): whether one row reads faster through
-# one_row_matmul than through the tiled kernel.
-_one_row_faster: dict[tuple, bool] = {}
-
-
-def _one_row_kernel_is_faster(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> bool:
-    """Measured once per weight shape, at the first call (start-up's tuning), each kernel
-    after an L2 flush: the one-row kernel wins on the projections and loses to the tiled
-    kernel's wide column blocks on an 8B model's gate/up (40 against 43 us in fp8)."""
-    key = (tuple(codes.shape), codes.dtype, x.dtype)
-    faster = _one_row_faster.get(key)
-    if faster is None:
-        if _INTERPRETED or torch.cuda.is_current_stream_capturing():
-            return True  # the interpreter tests both; a capture cannot time (tuned before)
-        one_row = triton.testing.do_bench(lambda: one_row_matmul(x, codes, scale), rep=10)
-        tiled = triton.testing.do_bench(lambda: _tiled_matmul(x, codes, scale), rep=10)
-        faster = _one_row_faster[key] = one_row <= tiled
-    return faster
-
-
-def _tiled_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def tiled_matmul(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    config: TiledConfig | None = None,
+) -> torch.Tensor:
+    """``weight_only_matmul`` through the tiled kernel, with ``tiled_config``'s configuration
+    unless given (the sweep's candidates)."""
     rows, depth = x.shape
     channels = codes.shape[0]
     assert codes.shape[1] == depth and scale.shape == (channels,)
     assert x.stride(1) == 1 and codes.stride(1) == 1 and scale.dtype == torch.float32
     out = x.new_empty(rows, channels)
-    # Only a few rows may split (``_prune``); more get a placeholder workspace and counter.
-    splits = _INTERPRETED or rows <= _MAX_SPLIT_ROWS
-    partial = x.new_empty(_MAX_SPLIT_K * rows * channels if splits else 1, dtype=torch.float32)
-    # One counter per (row block, 16 channels): enough for any split config's tiles.
+    config = config or tiled_config(rows, channels, depth, _processors(x.device))
+    splits = config.split_k > 1
+    # A split writes its partial sums to a workspace and counts itself in on its tile's
+    # counter; without splits both are placeholders.
+    partial = x.new_empty(config.split_k * rows * channels if splits else 1, dtype=torch.float32)
+    # One counter per (16 rows, 16 channels): enough for any split configuration's tiles,
+    # so the first call at a shape (the warm-up's, before any graph's capture) sizes it.
     tiles = triton.cdiv(rows, 16) * triton.cdiv(channels, 16) if splits else 1
     counters = _tile_counters(x.device, tiles)
-
-    def grid(meta: dict) -> tuple[int, int, int]:
-        return (
-            triton.cdiv(rows, meta["BLOCK_M"]),
-            triton.cdiv(channels, meta["BLOCK_N"]),
-            meta["SPLIT_K"],
-        )
-
+    columns = triton.cdiv(channels, config.block_n)
+    grid = (triton.cdiv(rows, config.block_m), columns, config.split_k)
     _weight_only_matmul_kernel[grid](
         x,
         codes,
@@ -253,9 +215,23 @@ def _tiled_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> 
         rows,
         channels,
         depth,
-        _rows_bucket(rows),
         x.stride(0),
         codes.stride(0),
         out.stride(0),
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        SPLIT_K=config.split_k,
+        num_warps=config.warps,
+        num_stages=config.stages,
     )
     return out
+
+
+@functools.cache
+def _processors(device: torch.device) -> int:
+    """The device's SM count (the split rule's target); the CPU's interpreter splits anyway."""
+    if device.type != "cuda":
+        return 1
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return torch.cuda.get_device_properties(index).multi_processor_count
