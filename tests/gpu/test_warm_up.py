@@ -39,38 +39,31 @@ KERNEL_MODULES = [
 ]
 
 
-def our_kernels() -> Iterator[
-    tuple[str, triton.runtime.Autotuner | None, triton.runtime.JITFunction]
-]:
-    """Each of our Triton kernels by name, with its autotuner where it has one."""
+def our_kernels() -> Iterator[tuple[str, triton.runtime.JITFunction]]:
+    """Each of our Triton kernels, by name. None is autotuned: their configurations are
+    chosen by shape (a timing mid-run would stall a step, and timings differ by process)."""
     for module in KERNEL_MODULES:
         for name, value in vars(module).items():
-            tuner = value if isinstance(value, triton.runtime.Autotuner) else None
-            kernel = value.fn if tuner is not None else value
-            if isinstance(kernel, triton.runtime.JITFunction):
-                yield name, tuner, kernel
+            assert not isinstance(value, triton.runtime.Autotuner), name
+            if isinstance(value, triton.runtime.JITFunction):
+                yield name, value
 
 
 def compiled_variants() -> dict[str, set[str]]:
     """The variants (specialization keys) of each of our Triton kernels this process has
-    compiled, and the shapes each autotuned one has tuned for (a tuning mid-run would time
-    candidates in the middle of a step)."""
+    compiled."""
     variants: dict[str, set[str]] = {}
-    for name, tuner, kernel in our_kernels():
-        if tuner is not None:
-            variants[f"{name} tuned"] = {str(key) for key in tuner.cache}
+    for name, kernel in our_kernels():
         caches = kernel.device_caches.values()
         variants[name] = {str(key) for cache in caches for key in cache[0]}
     return variants
 
 
 def forget_compiled_variants() -> None:
-    """Drop what this process has compiled and tuned of our kernels (Triton's disk cache
-    stays), so that a test sees only what its own engine's start-up compiles: kernels an
-    earlier test's run compiled would otherwise hide a variant this start-up misses."""
-    for _, tuner, kernel in our_kernels():
-        if tuner is not None:
-            tuner.cache.clear()
+    """Drop what this process has compiled of our kernels (Triton's disk cache stays), so
+    that a test sees only what its own engine's start-up compiles: kernels an earlier test's
+    run compiled would otherwise hide a variant this start-up misses."""
+    for _, kernel in our_kernels():
         kernel.device_caches.clear()
 
 
@@ -106,7 +99,7 @@ def varied_workload(engine: LLMEngine) -> float:
 
 
 NGRAM = {"speculative_method": "ngram", "prompt_lookup_min": 1}
-FP8 = {"quantization": "fp8"}  # weight-only GEMMs tuned per row count; W8A8 past 16 rows
+FP8 = {"quantization": "fp8"}  # weight-only GEMMs up to 16 rows (split K), W8A8 past them
 # Decode attention over an fp8 cache takes the Gluon kernel at head_dim 128 (Qwen3's), not
 # at Gemma 3's 256.
 FP8_KV = {"kv_cache_dtype": "fp8", "shape": "qwen3-0.6b"}

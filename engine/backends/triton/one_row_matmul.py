@@ -71,21 +71,26 @@ def one_row_config(
 
     - fp8 / int8 codes (their norm runs as its own kernel): 16 channels a program in 512-byte
       chunks over wide outputs (QKV, gate/up), 8 channels in 1 KiB chunks otherwise.
-    - A deferred norm's row: 4 channels a program, since each program re-reads the row, the
-      residual and the norm's weight (2 channels a program cost a 1B model's LM head a third
-      more reads than its weight); rows of at most 2 KiB in chunks of half a row, or 8
-      channels in 512-byte chunks over wide outputs.
-    - Other bf16 rows: 4 channels a program in 4 KiB chunks by 8 warps (o, down), or 2 in
-      2 KiB chunks over wide outputs (an LM head without a deferred norm).
+    - A deferred norm's row: 4 channels a program in 2 KiB chunks, since each program reads
+      the row, the residual and the norm's weight whole (at 2 channels a program a 1B
+      model's LM head reads 1.5 times its weight's bytes in them, from L2); rows of at most
+      2 KiB in chunks of half a row, or 8 channels in 512-byte chunks over wide outputs.
+    - Other bf16 rows: 4 channels a program in 4 KiB chunks (2 KiB where 4 do not divide the
+      row) by 8 warps (o, down), or 2 in 2 KiB chunks over wide outputs (an LM head without a
+      deferred norm).
     """
     if _INTERPRETED:
         return OneRowConfig(rows=4, chunk_bytes=64, warps=4)
     wide = channels >= 6144
     if weight_dtype.itemsize == 1:
         return OneRowConfig(16, 512, 8) if wide else OneRowConfig(8, 1024, 4)
+    row_bytes = depth * weight_dtype.itemsize
     if not normed:
-        return OneRowConfig(2, 2048, 4) if wide else OneRowConfig(4, 4096, 8)
-    if depth * weight_dtype.itemsize > 2048:
+        if wide:
+            return OneRowConfig(2, 2048, 4)
+        # A last chunk half masked costs a full one (Qwen3-0.6B's down projection, 6 KiB rows).
+        return OneRowConfig(4, 4096 if row_bytes % 4096 == 0 else 2048, 8)
+    if row_bytes > 2048:
         return OneRowConfig(4, 2048, 4)
     return OneRowConfig(8, 512, 4) if wide else OneRowConfig(4, 1024, 4)
 
