@@ -7,8 +7,9 @@ For each batch size, BATCH requests of CONTEXT random prompt tokens are prefille
 decode steps run through the engine as in serving (scheduler, input packing, CUDA-graph
 replay, sampling, the one read-back). Prints, per step: the wall time (unprofiled), the
 device's kernel time (from torch.profiler, over as many more steps), the difference
-(host work and launch gaps the GPU waits through), the kernels that take the most
-device time, and the host functions that take the most time under cProfile. On CPU only
+(host work and launch gaps the GPU waits through), where the device sits idle (its gaps
+between kernels, by the kernel after each), the kernels that take the most device time, and
+the host functions that take the most time under cProfile. On CPU only
 host times exist.
 
 --prefill profiles time to first token instead: one request of CONTEXT new random tokens
@@ -139,6 +140,8 @@ def report(
         key = "self_device_time_total"
     else:
         key = "self_cpu_time_total"
+    if cuda:
+        print_idle_gaps(profiler, steps, top)
     print(f"  {'ms per step':>11}  {'calls':>6}  name")
     for event in sorted(events, key=lambda e: getattr(e, key), reverse=True)[:top]:
         print(
@@ -146,6 +149,37 @@ def report(
             f"{event.key[:90]}"
         )
     print_host_functions(host_profile, steps, top)
+
+
+def idle_before(kernels: list[tuple[str, float, float]]) -> dict[str, float]:
+    """The device's idle time (no kernel running) before each kernel, summed by the kernel's
+    name: ``kernels`` are (name, start, end), in any order. A kernel that starts while another
+    still runs (dependent launches, other streams) waits for nothing."""
+    idle: dict[str, float] = {}
+    busy_until: float | None = None
+    for name, start, end in sorted(kernels, key=lambda kernel: kernel[1]):
+        if busy_until is not None and start > busy_until:
+            idle[name] = idle.get(name, 0.0) + start - busy_until
+        busy_until = end if busy_until is None else max(busy_until, end)
+    return idle
+
+
+def print_idle_gaps(profiler: profile, steps: int, top: int) -> None:
+    """Where the device waits: its idle time per step, by the kernel that ends each wait (the
+    first kernel of a step after the host's work, a kernel launched without dependence after
+    the one before it drained)."""
+    kernels = [
+        (event.name, event.time_range.start, event.time_range.end)
+        for event in profiler.events()
+        if event.device_type == DeviceType.CUDA
+    ]
+    idle = idle_before(kernels)
+    print(
+        f"  the device idle between kernels {sum(idle.values()) / 1e3 / steps:.3f} ms per "
+        "step; by the kernel after the wait:"
+    )
+    for name, idle_us in sorted(idle.items(), key=lambda item: item[1], reverse=True)[:top]:
+        print(f"  {idle_us / 1e3 / steps:11.4f}          {name[:90]}")
 
 
 def print_host_functions(host_profile: cProfile.Profile, steps: int, top: int) -> None:
