@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests and/or benchmarks, logs under $OUT (or /tmp).
 #
-#   scripts/gpu_session.sh tests|perf|perf-fp8|fp8-widen|quant|quant-speed|serving|spec|bench-1b|bench-8b|bench-qwen3|structured-1b|profile-1b|profile-8b|profile-8b-fp8|profile-ttft|profile-qwen3|profile-qwen3-fp8 ...
+#   scripts/gpu_session.sh tests|perf|perf-fp8|fp8-widen|quant|quant-speed|matmul-rules|serving|spec|bench-1b|bench-8b|bench-qwen3|structured-1b|profile-1b|profile-8b|profile-8b-fp8|profile-ttft|profile-qwen3|profile-qwen3-fp8 ...
 #   scripts/gpu_session.sh tp-check tp-8b tp-70b   # tensor parallelism, on 2 GPUs (TP=4/8: TP=N)
 #   scripts/gpu_session.sh bench-dp|bench-dp-smoke|layouts-8b  # data parallelism (layouts-8b: 4 GPUs)
 #   SPEC_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh spec spec-f32  # speculative decoding
@@ -175,6 +175,9 @@ for stage in "$@"; do
     structured-1b)
       m=$(checkpoint llama-3.2-1b)
       timeout 420 python3 scripts/bench_structured_output.py --model "$m" 2>&1 | tee "$out/structured-1b.log" | grep -v Warning | tail -12 ;;
+    matmul-rules)  # the matmul kernels' configurations against their rules (about 5 minutes)
+      timeout 540 python3 scripts/sweep_matmul_configs.py --json "$out/matmul-rules.json" 2>&1 \
+        | tee "$out/matmul-rules.log" | grep -E "^(chain|one-row|tiled) .*rows +[0-9]+: rule|^chain" ;;
     profile-1b)
       m=$(checkpoint llama-3.2-1b)
       timeout 300 python3 scripts/profile_step.py --model "$m" 2>&1 | tee "$out/profile-1b.log" | grep -v USDT ;;
