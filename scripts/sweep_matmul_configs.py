@@ -45,6 +45,7 @@ import triton.testing
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from engine.backends.triton.device import sm_count  # noqa: E402
 from engine.backends.triton.one_row_matmul import (  # noqa: E402
     OneRowConfig,
     one_row_config,
@@ -76,8 +77,6 @@ ONE_ROW_CANDIDATES = [
         (16, 512, 8),
     )
 ]
-# The layers a bf16 model's deferred norm reaches at one row (engine/models/layers.py).
-NORMED = ("qkv", "gate_up", "lm_head")
 SPLIT_ROWS = (1, 4, 16)  # fp8 weight-only: a decode step of up to 16 sequences
 MANY_ROWS = (32, 64, 256)  # int8 weight-only: every step
 Layer = tuple[str, int, int, bool]
@@ -123,6 +122,13 @@ def layers(shape: str, tensor_parallel: int) -> list[Layer]:
     ]
 
 
+def takes_deferred_norm(name: str, weight_dtype: torch.dtype) -> bool:
+    """Whether the engine hands layer ``name`` a deferred norm at one row
+    (engine/models/layers.py): the LM head, and in bf16 the QKV and gate/up too (fp8 and int8
+    projections take their norm from its own kernel)."""
+    return name == "lm_head" or (name in ("qkv", "gate_up") and weight_dtype.itemsize > 1)
+
+
 def weight(channels: int, depth: int, dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A random weight in ``dtype`` (bf16, or fp8 / int8 codes with unit scales)."""
     values = torch.randn(channels, depth, device="cuda", dtype=torch.bfloat16)
@@ -165,7 +171,7 @@ def sweep_one_row(shape_layers: list[tuple[str, Layer]], repeats: int) -> list[d
             codes, scale = weight(channels, depth, dtype)
             x = torch.randn(1, 2 * depth if gated else depth, device="cuda", dtype=torch.bfloat16)
             out_dtype = torch.float32 if name == "lm_head" else None
-            normed = dtype == "bf16" and name in NORMED
+            normed = takes_deferred_norm(name, codes.dtype)
             if normed:
                 row = functools.partial(DeferredNorm, x, torch.randn_like(x), x[0], 1e-5)
                 run = functools.partial(run_normed, row, codes, out_dtype)
@@ -197,7 +203,7 @@ def sweep_one_row(shape_layers: list[tuple[str, Layer]], repeats: int) -> list[d
 
 def sweep_tiled(shape_layers: list[tuple[str, Layer]], repeats: int) -> list[dict]:
     records = []
-    processors = torch.cuda.get_device_properties(0).multi_processor_count
+    processors = sm_count(torch.device("cuda"))
     for dtype, row_counts in (("fp8", SPLIT_ROWS), ("int8", MANY_ROWS)):
         for where, (name, channels, depth, _gated) in shape_layers:
             if name == "lm_head":
@@ -231,7 +237,6 @@ def sweep_tiled(shape_layers: list[tuple[str, Layer]], repeats: int) -> list[dic
     return records
 
 
-CHAIN_LAYERS = ("qkv", "o", "gate_up", "down", "lm_head")
 Policy = dict[str, OneRowConfig]
 
 
@@ -260,14 +265,17 @@ class OneRowChain:
     def weight_dtype(self, name: str) -> torch.dtype:
         return self.lm_head.dtype if name == "lm_head" else self.weights[0][name][0].dtype
 
-    def normed(self, name: str) -> bool:
-        """Whether the engine hands the layer a deferred norm: in bf16 the QKV, gate/up and LM
-        head; in fp8 the LM head alone (the projections' norms run as their own kernel)."""
-        return name == "lm_head" or (name in NORMED and self.weight_dtype(name).itemsize > 1)
+    def rule(self) -> Policy:
+        """The configurations the engine's rule gives these layers."""
+        policy = {}
+        for name, (n, k, _) in self.layers.items():
+            dtype = self.weight_dtype(name)
+            policy[name] = one_row_config(n, k, dtype, takes_deferred_norm(name, dtype))
+        return policy
 
     def input_row(self, name: str, x: torch.Tensor, residual: torch.Tensor | None) -> tuple:
         """The row layer ``name`` reads, and the residual stream after it."""
-        if not self.normed(name):
+        if not takes_deferred_norm(name, self.weight_dtype(name)):
             return x, x if residual is None else residual
         row = DeferredNorm(x, residual, self.norm_weight, 1e-5)
         return row, row.stream
@@ -311,13 +319,10 @@ def sweep_chains(shapes: list[str], repeats: int) -> list[dict]:
     for shape in shapes:
         for dtype in ("bf16", "fp8"):
             chain = OneRowChain(shape, dtype)
-            rule = {
-                name: one_row_config(n, k, chain.weight_dtype(name), chain.normed(name))
-                for name, (n, k, _) in chain.layers.items()
-            }
+            rule = chain.rule()
             rule_us = chain.time_us(rule, repeats)
             best, best_us = dict(rule), rule_us
-            for name in CHAIN_LAYERS:
+            for name in chain.layers:
                 for candidate in ONE_ROW_CANDIDATES:
                     trial = best | {name: candidate}
                     trial_us = chain.time_us(trial, repeats)

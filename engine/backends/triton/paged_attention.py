@@ -21,7 +21,6 @@ The new tokens' K and V must be in the cache (``rotary_store_kv``) before either
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -33,6 +32,7 @@ from engine.backends.triton.dependent_launch import (
     let_next_kernel_start,
     wait_for_previous_kernel,
 )
+from engine.backends.triton.device import sm_count
 from engine.backends.triton.fp8_decode import (
     FP8_DECODE_MIN_SPLIT_TOKENS,
     FP8_DECODE_PROGRAMS_PER_SM,
@@ -453,14 +453,7 @@ def default_decode_splits(
             "min_split_tokens": FP8_DECODE_MIN_SPLIT_TOKENS,
         }
     max_context_len = max_blocks * block_size
-    return decode_num_splits(batch, num_kv_heads, max_context_len, _num_sms(q.device), **rule)
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # the interpreter runs one program at a time: splitting gains nothing
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return decode_num_splits(batch, num_kv_heads, max_context_len, sm_count(q.device), **rule)
 
 
 def decode_workspace(

@@ -19,7 +19,6 @@ Tiles and splits are chosen by a rule over the row count and the weight's shape
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -28,6 +27,7 @@ import triton
 import triton.language as tl
 
 from engine.backends.triton.activation import silu_and_mul
+from engine.backends.triton.device import sm_count
 from engine.backends.triton.fp8_widen import widen, widen_factor
 from engine.backends.triton.one_row_matmul import one_row_matmul
 
@@ -67,14 +67,14 @@ def tiled_config(rows: int, channels: int, depth: int, processors: int) -> Tiled
     if _INTERPRETED:  # one small tile, split: every mask and the split's last-program sum
         return TiledConfig(16, 32, 32, 2, 4, 1)
     if rows <= _MAX_SPLIT_ROWS:
-        split_k = 1
+        block_n, split_k = 32, 1
         while (
             split_k < _MAX_SPLIT_K
-            and triton.cdiv(channels, 32) * split_k < processors
+            and triton.cdiv(channels, block_n) * split_k < processors
             and depth >= 2 * split_k * 2048
         ):
             split_k *= 2
-        return TiledConfig(16, 32, 256, split_k, 4, 4)
+        return TiledConfig(16, block_n, 256, split_k, 4, 4)
     if rows <= 32:
         return TiledConfig(16, 32, 256, 1, 4, 4)
     if rows <= 64:
@@ -194,7 +194,7 @@ def tiled_matmul(
     assert codes.shape[1] == depth and scale.shape == (channels,)
     assert x.stride(1) == 1 and codes.stride(1) == 1 and scale.dtype == torch.float32
     out = x.new_empty(rows, channels)
-    config = config or tiled_config(rows, channels, depth, _processors(x.device))
+    config = config or tiled_config(rows, channels, depth, sm_count(x.device))
     splits = config.split_k > 1
     # A split writes its partial sums to a workspace and counts itself in on its tile's
     # counter; without splits both are placeholders.
@@ -226,12 +226,3 @@ def tiled_matmul(
         num_stages=config.stages,
     )
     return out
-
-
-@functools.cache
-def _processors(device: torch.device) -> int:
-    """The device's SM count (the split rule's target); the CPU's interpreter splits anyway."""
-    if device.type != "cuda":
-        return 1
-    index = torch.cuda.current_device() if device.index is None else device.index
-    return torch.cuda.get_device_properties(index).multi_processor_count
