@@ -176,12 +176,17 @@ def _answered(address: str, configure: Callable[[zmq.Socket], None]) -> bool:
     try:
         peer = context.socket(zmq.DEALER)
         peer.linger = 0
+        # A refused handshake can drop the connection's queue between two sends; a send
+        # with no connection to queue on would then wait forever (CI hung here once).
+        peer.sndtimeo = 3000
         configure(peer)
         peer.connect(address)
         peer.send(HandshakeRequest(PROTOCOL_VERSION, "intruder").encode())
         peer.send(StatsRequest().encode())
         peer.send(GenerateRequest("x", [5, 6, 7], SamplingParams(max_tokens=4)).encode())
         return bool(peer.poll(3000))
+    except zmq.Again:  # nowhere to send: nothing reached the engine, so nothing answered
+        return False
     finally:
         context.destroy(linger=0)
 
