@@ -473,7 +473,11 @@ def assert_backends_agree(
     at those rows and the caches agree."""
     q, k, v = qkv
     scale = q.shape[-1] ** -0.5
-    expected_cache = LayerKVCache(batch.key_cache.float(), batch.value_cache.float())
+    # Copies, also where DTYPE is float32 (on the CPU): the reference writes into them.
+    expected_cache = LayerKVCache(
+        batch.key_cache.to(torch.float32, copy=True),
+        batch.value_cache.to(torch.float32, copy=True),
+    )
     reference = TorchPagedAttention()
     reference.prepare(batch.metadata)
     expected = reference.forward(
