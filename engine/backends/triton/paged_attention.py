@@ -58,7 +58,9 @@ _MIN_DOT_ROWS = 16
 _DECODE_PROGRAMS_PER_SM = 4
 _MIN_SPLIT_TOKENS = 128
 _MAX_SPLITS = 256
-_MERGE_BLOCK_S = 16  # splits the merge kernel reads at a time
+# Splits the merge kernel reads at a time: a batch-1 step's 66 (8 KV heads, 132 SMs) in two
+# chunks; at 16 they took five, each waiting on the one before.
+_MERGE_BLOCK_S = 64
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second and third axes
 # Arguments that change from step to step in eager steps (views of the step's one packed
 # input buffer, block tables of any width): Triton would otherwise compile a variant per
@@ -288,8 +290,10 @@ def _decode_merge_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    """Program (query token, query head): rescale every split's partial sums to a common
-    max, BLOCK_S splits at a time (one compiled variant for every split count)."""
+    """Program (query token, query head): every split's partial sums rescaled to a common
+    max, in one pass of BLOCK_S splits at a time (one compiled variant for every split
+    count): each chunk's max, sum and partial sums are loaded together, and the state so far
+    is rescaled to the new max, so the loads of a chunk wait on nothing before them."""
     wait_for_previous_kernel()  # launched dependent (dependent_launch.py)
     let_next_kernel_start()
     seq = tl.program_id(0)
@@ -297,18 +301,8 @@ def _decode_merge_kernel(
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
     row_ptr = workspace_ptr + seq * stride_ws_seq + head * stride_ws_head
-    # The largest of the splits' maxima first. An empty split holds max _NO_SCORE and sum
-    # 0, so its weight below is 0.
-    top = tl.full([BLOCK_S], _NO_SCORE, dtype=tl.float32)
-    for first in range(0, num_splits, BLOCK_S):
-        splits = first + tl.arange(0, BLOCK_S)
-        row_max = tl.load(
-            row_ptr + splits * stride_ws_split + HEAD_DIM,
-            mask=splits < num_splits,
-            other=_NO_SCORE,
-        )
-        top = tl.maximum(top, row_max)
-    top_max = tl.max(top, 0)
+    # An empty split holds max _NO_SCORE and sum 0: its weight is 0 once any split is not.
+    top_max = _NO_SCORE
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     total = tl.zeros([BLOCK_S], dtype=tl.float32)
     for first in range(0, num_splits, BLOCK_S):
@@ -322,9 +316,12 @@ def _decode_merge_kernel(
             mask=split_mask[:, None] & dim_mask[None, :],
             other=0.0,
         )
-        weight = tl.exp2(row_max - top_max)
-        acc += tl.sum(partial * weight[:, None], 0)
-        total += row_sum * weight
+        new_max = tl.maximum(top_max, tl.max(row_max, 0))
+        rescale = tl.exp2(top_max - new_max)
+        weight = tl.exp2(row_max - new_max)
+        acc = acc * rescale + tl.sum(partial * weight[:, None], 0)
+        total = total * rescale + row_sum * weight
+        top_max = new_max
     out = acc / tl.sum(total, 0)
     tl.store(
         out_ptr + seq * stride_out_seq + head * stride_out_head + dims,
