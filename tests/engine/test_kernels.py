@@ -43,6 +43,7 @@ from engine.backends.triton.fp8_decode import (
 )
 from engine.backends.triton.fp8_widen import widen, widen_factor
 from engine.backends.triton.one_row_matmul import one_row_matmul
+from engine.backends.triton.paged_attention import merge_splits
 from engine.batch import pad_verify
 from engine.deferred_norm import DeferredNorm
 from engine.quantization import linear_float32
@@ -212,6 +213,26 @@ def test_decode_attention(
         out=out,
     )
     assert_rounding_close(out, attention_reference(q, batch, sliding_window))
+
+
+def test_decode_merge_rescales_across_chunks() -> None:
+    """The split merge reads 64 splits at a time and rescales what it has summed to each
+    chunk's larger max: 70 splits' partial results, the largest maxima in the second chunk
+    and some splits empty (max _NO_SCORE, sum 0, weighing nothing), against their
+    softmax-weighted sum in float32."""
+    tokens, heads, splits, head_dim = 3, 4, 70, 64
+    workspace = torch.randn(tokens, heads, splits, head_dim + 2, device=DEVICE)
+    maxima = torch.randn(tokens, heads, splits, device=DEVICE) * 4
+    maxima[..., 64:] += 16
+    sums = torch.rand(tokens, heads, splits, device=DEVICE) + 0.5
+    maxima[..., 10:20], sums[..., 10:20] = -1.0e30, 0.0
+    workspace[..., head_dim], workspace[..., head_dim + 1] = maxima, sums
+    out = torch.full((tokens, heads, head_dim), float("nan"), dtype=DTYPE, device=DEVICE)
+
+    merge_splits(workspace, out)
+    weights = torch.exp2(maxima - maxima.amax(-1, keepdim=True))
+    expected = (workspace[..., :head_dim] * weights[..., None]).sum(2)
+    assert_rounding_close(out, expected / (sums * weights).sum(-1)[..., None])
 
 
 # (context_len, real query tokens): a verify step's sequences, each its last token and up to

@@ -597,19 +597,29 @@ def paged_decode_attention(
             num_splits,
         )
     if num_splits > 1:
-        _decode_merge_kernel[(num_tokens, num_heads)](
-            workspace,
-            out,
-            num_splits,
-            *ws_strides,
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=head_dim,
-            BLOCK_D=triton.next_power_of_2(head_dim),
-            BLOCK_S=_MERGE_BLOCK_S,
-            **launch_options(q.device),
-        )
+        merge_splits(workspace, out)
     return out
+
+
+def merge_splits(workspace: torch.Tensor, out: torch.Tensor) -> None:
+    """Split decode's second kernel: each query head's splits in ``workspace`` (float32
+    [tokens, heads, splits, head_dim + 2]: unnormalized output, max, sum; see
+    ``decode_workspace``) weighed to a common max into ``out`` [tokens, heads, head_dim]."""
+    num_tokens, num_heads, num_splits, row = workspace.shape
+    head_dim = row - 2
+    assert out.shape == (num_tokens, num_heads, head_dim) and out.stride(-1) == 1
+    _decode_merge_kernel[(num_tokens, num_heads)](
+        workspace,
+        out,
+        num_splits,
+        *workspace.stride()[:3],
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_S=_MERGE_BLOCK_S,
+        **launch_options(out.device),
+    )
 
 
 def _launch_decode_kernel(
