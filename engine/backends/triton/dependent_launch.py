@@ -5,14 +5,18 @@ In a batch-1 decode step of a small model, a CUDA graph replays about 190 kernel
 microseconds each, and between two of them the device drains one grid before it starts the
 next. A kernel launched with ``launch_pdl`` may be scheduled as soon as every program of the
 kernel before it has called ``let_next_kernel_start``; it then calls
-``wait_for_previous_kernel`` before it touches memory, which returns once that kernel has
-finished and its writes are visible. So only the launch overlaps, never the data.
+``wait_for_previous_kernel`` before it touches that kernel's results, which returns once
+that kernel has finished and its writes are visible. So the launch overlaps, and reads of
+what no kernel writes, never the data passed between kernels.
 
 The rule that keeps this correct: a kernel launched with ``launch_options()`` waits before
-its first load or store. Kernels launched without it (PyTorch's, cuBLAS') start after their
-predecessor finishes, as always; calling ``let_next_kernel_start`` is harmless anywhere.
-The decode step's own kernels (RMSNorm, the Q/K rotary and K/V store, decode attention and
-its merge, the one-row GEMV, the argmax) all wait and let go first thing.
+its first store and before its first load of anything a kernel before it may write. A
+weight, which no kernel of a forward pass writes, may be read before: the one-row GEMV
+reads its first chunk of the weight, then waits. Kernels launched without it (PyTorch's,
+cuBLAS') start after their predecessor finishes, as always; calling
+``let_next_kernel_start`` is harmless anywhere. The decode step's other kernels (RMSNorm,
+the Q/K rotary and K/V store, decode attention and its merge, the argmax) all wait and let
+go first thing.
 
 The interpreter (the CPU tests) and GPUs before Hopper launch as usual, and both calls do
 nothing there. ``TANDEM_PDL=0`` launches every kernel plainly (to measure what this gains).
