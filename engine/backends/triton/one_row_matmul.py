@@ -177,6 +177,9 @@ def _one_row_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     stream_end = tl.where(tl.program_id(0) == 0, K, 0)
+    # The first chunk's sums peeled from the loop on purpose: folded into it (behind a
+    # branch, or with each iteration loading the next chunk) the kernel took 95-120
+    # registers instead of 80 and a 1B step was 8-10% slower (docs/benchmarks.md).
     acc, squares = _accumulate(
         acc,
         squares,
