@@ -7,6 +7,7 @@ bookkeeping of launching them.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from itertools import chain, compress, repeat
 
@@ -225,7 +226,7 @@ def pack(
     )
     input_ids, metadata, logits_index_t = shape.split(packed)
     if num_pending:
-        input_ids.index_copy_(0, pending_index, last_sampled[pending_source])
+        fill_pending_tokens(input_ids, pending_index, pending_source, last_sampled)
     rows = batch if completes.all() else list(compress(batch, completes.tolist()))
     scored = None
     if chunks:
@@ -234,6 +235,26 @@ def pack(
         scored = ScoredPositions(chunks, target_ids_t, num_top)
     num_drafts = drafts[completes].tolist() if speculating else None
     return StepInputs(input_ids, metadata, logits_index_t, rows, scored, shape, packed, num_drafts)
+
+
+def fill_pending_tokens(
+    input_ids: torch.Tensor, index: torch.Tensor, source: torch.Tensor, last_sampled: torch.Tensor
+) -> None:
+    """``input_ids[index] = last_sampled[source]``: a step's pending tokens put in place. On
+    CUDA in one kernel where PyTorch launches two, a gather and an ``index_copy_``
+    (``engine.backends.triton.pending_tokens``)."""
+    if input_ids.is_cuda:
+        _triton_fill_pending_tokens()(input_ids, index, source, last_sampled)
+    else:
+        input_ids.index_copy_(0, index, last_sampled[source])
+
+
+@functools.cache
+def _triton_fill_pending_tokens():  # noqa: ANN202 -- the kernel's entry point
+    # Imported on first use: defining Triton kernels fixes whether they run interpreted.
+    from engine.backends.triton.pending_tokens import fill_pending_tokens
+
+    return fill_pending_tokens
 
 
 def _leading_ones(query_lens: np.ndarray) -> int:

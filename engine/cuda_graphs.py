@@ -6,14 +6,17 @@ one launch. A uniform step has the same number of query tokens in every sequence
 a decode step, 1 + k for a speculative verify step (each request's last token and its
 drafts, padded at the front to k drafts: ``engine.batch.pad_verify``), so one graph per
 batch size serves every mix of draft counts. Inputs live in static buffers that each step
-fills; a batch is padded up to the next captured size, its padding rows writing nowhere
-(slot -1) and reading one cached key. Each graph records the attention backend's
-``prepare`` with the forward pass, all of them captured inside its ``graph_capture``.
-The decode and verify graphs share one memory pool: steps run one at a time.
+fills, in one kernel (``engine.backends.triton.graph_inputs``: between two graphs each
+launch leaves the device a gap); a batch is padded up to the next captured size, its
+padding rows writing nowhere (slot -1) and reading one cached key. Each graph records the
+attention backend's ``prepare`` with the forward pass, all of them captured inside its
+``graph_capture``. The decode and verify graphs share one memory pool: steps run one at a
+time.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -54,6 +57,15 @@ def replay_once(graphs: dict[int, torch.cuda.CUDAGraph]) -> None:
         graph.replay()
 
 
+@functools.cache
+def _fill_graph_inputs():  # noqa: ANN202 -- the kernel's entry point
+    # Imported on first use: defining Triton kernels fixes whether they run interpreted, and
+    # Triton is not everywhere this module is imported.
+    from engine.backends.triton.graph_inputs import fill_graph_inputs
+
+    return fill_graph_inputs
+
+
 class StepGraphs:
     def __init__(
         self,
@@ -82,6 +94,14 @@ class StepGraphs:
         self.slot_mapping = buffer(largest * q)
         self.context_lens = buffer(largest)
         self.block_tables = buffer(largest, max_blocks)
+        # What each replay fills, in ``fill_graph_inputs``' order.
+        self.buffers = (
+            self.input_ids,
+            self.positions,
+            self.slot_mapping,
+            self.context_lens,
+            self.block_tables,
+        )
         # Read by every replay, so held here: a graph keeps addresses, not tensors alive.
         self.tokens = tokens = torch.arange(largest * q, device=device)
         self.seq_index = seq_index = tokens // q
@@ -104,7 +124,9 @@ class StepGraphs:
                     max_query_len=q,
                     uniform_queries=True,
                 )
-                self._pad(0, size)
+                # Every row padding: the capture writes nothing, and compiles the one
+                # variant of the kernel that every replay launches.
+                _fill_graph_inputs()(self.buffers, size, q)
                 # Logits at every token: the caller picks the real ones.
                 args = (self.input_ids[:num_tokens], metadata, tokens[:num_tokens])
                 graph, self.logits[size] = capture_forward(model, attention, args, pool)
@@ -142,14 +164,14 @@ class StepGraphs:
         num_tokens = count * self.query_len
         assert self.fits(count)
         size = next(b for b in self.batch_sizes if b >= count)
-        width = metadata.block_tables.shape[1]
-        self.input_ids[:num_tokens].copy_(input_ids)
-        self.positions[:num_tokens].copy_(metadata.positions)
-        self.slot_mapping[:num_tokens].copy_(metadata.slot_mapping)
-        self.context_lens[:count].copy_(metadata.context_lens)
-        self.block_tables[:count, :width].copy_(metadata.block_tables)
-        if count < size:
-            self._pad(count, size)
+        step = (
+            input_ids,
+            metadata.positions,
+            metadata.slot_mapping,
+            metadata.context_lens,
+            metadata.block_tables,
+        )
+        _fill_graph_inputs()(self.buffers, size, self.query_len, step)
         self.graphs[size].replay()
         self.num_replays += 1
         logits = self.logits[size]
@@ -164,12 +186,3 @@ class StepGraphs:
             graph.reset()
         self.graphs.clear()
         self.logits.clear()
-
-    def _pad(self, start: int, end: int) -> None:
-        """Padding rows: write no cache slot, attend to one key of block 0."""
-        q = self.query_len
-        self.slot_mapping[start * q : end * q].fill_(-1)
-        self.positions[start * q : end * q].zero_()
-        self.input_ids[start * q : end * q].zero_()
-        self.context_lens[start:end].fill_(1)
-        self.block_tables[start:end, 0].zero_()

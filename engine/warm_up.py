@@ -12,8 +12,9 @@ steps reach all of them, and every sampling path:
   top-p and log-probabilities (the prefill kernel serves mixed steps and every chunk size:
   nothing in its variants depends on them);
 - a decode step of the two, its inputs the pending tokens on the device, as overlapped
-  steps take them: a replayed CUDA graph (captured before, which compiled the decode
-  kernels of each graph's batch size) or the eager decode;
+  steps take them (filled in by a kernel of their own, ``pending_tokens``): a replayed CUDA
+  graph (captured before, which compiled the decode kernels of each graph's batch size and
+  the kernel that fills a graph's inputs, ``graph_inputs``) or the eager decode;
 - where decode may run eagerly (no graphs, or batches beyond the largest one), eager decodes
   of one sequence at the longest context (split-K) and of max_num_seqs at one token; where
   verify steps may (speculative decoding), the same two as verify steps (the decode
