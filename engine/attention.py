@@ -1,9 +1,11 @@
 """Attention over the paged KV cache: the interface every backend implements.
 
 The model calls ``backend.forward(q, k, v, layer_cache, metadata, scale, sliding_window,
-rotary=...)`` and nothing else (the backend applies the Q/K norms and RoPE, ``Rotary``, so
-that one kernel can do them with the cache write), so backends (``engine.backends``: the
-PyTorch reference, the Triton kernels) replace each other without touching the model.
+rotary=...)`` (the backend applies the Q/K norms and RoPE, ``Rotary``, so that one kernel
+can do them with the cache write), so backends (``engine.backends``: the PyTorch reference,
+the Triton kernels) replace each other without touching the model. Where nothing comes
+between the QKV projection and RoPE, it first offers the backend the projection itself
+(``project_and_attend``): a backend may then project, rotate and store in one kernel.
 The batch is packed: the new tokens of every sequence in one [T, ...] tensor, prefills and
 decodes mixed.
 
@@ -18,9 +20,13 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.deferred_norm import LinearInput
+    from engine.models.parallel_layers import ColumnParallelLinear
 
 
 @dataclass
@@ -111,3 +117,18 @@ class AttentionBackend(ABC):
         attends only to the keys at positions p - sliding_window + 1 to p. The reference masks
         the older ones; a kernel should skip the cache blocks that lie wholly before the window.
         """
+
+    def project_and_attend(
+        self,
+        x: LinearInput,  # [T, hidden], or a deferred norm of one row
+        qkv_proj: ColumnParallelLinear,  # the fused Q/K/V projection, q's rows first
+        cache: LayerKVCache,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+        rotary: Rotary,
+    ) -> torch.Tensor | None:  # [T, num_heads, head_dim]
+        """``forward`` of the projection's q, k and v, where the backend computes them itself
+        with RoPE and the cache write in fewer kernels; None where it does not (the caller
+        then projects and calls ``forward``)."""
+        return None

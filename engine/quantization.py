@@ -149,6 +149,15 @@ class LinearMethod:
         """``apply_silu_gated`` of one row on CUDA, the activation applied as it is read."""
         return _triton_one_row_matmul()(gate_up, layer.weight, gated=True)
 
+    def one_row_operands(
+        self, layer: nn.Module, x: LinearInput
+    ) -> tuple[LinearInput, torch.Tensor, torch.Tensor | None]:
+        """What the one-row kernel multiplies for ``apply`` of one row ``x`` on CUDA: the row
+        (a deferred norm where this method leaves it to the kernel), the weight and its
+        float32 scales (None: the weight is in x's dtype). For kernels that do more with the
+        product (``engine.backends.triton.one_row_qkv``)."""
+        return x, layer.weight, None
+
 
 class QuantizedLinear(LinearMethod):
     """Codes of ``dtype`` [N, K] and float32 scales [N], one per output channel.
@@ -203,6 +212,11 @@ class QuantizedLinear(LinearMethod):
     def one_row_silu_gated(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
         matmul = _triton_weight_only_matmul()
         return matmul(gate_up, layer.weight, layer.weight_scale, gated=True)
+
+    def one_row_operands(
+        self, layer: nn.Module, x: LinearInput
+    ) -> tuple[LinearInput, torch.Tensor, torch.Tensor | None]:
+        return dense(x), layer.weight, layer.weight_scale  # the norm by its own kernel
 
 
 class Int8Linear(QuantizedLinear):

@@ -189,18 +189,20 @@ class Attention(nn.Module):
         return Rotary(self.rotary_embedding.cos, self.rotary_embedding.sin)
 
     def forward(self, x: LinearInput, metadata: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.project_qkv(x)
         assert self.cache is not None, "the KV cache must be bound before the first forward"
-        out = self.backend.forward(
-            q,
-            k,
-            v,
-            self.cache,
-            metadata,
-            self.scale,
-            self.sliding_window,
-            rotary=self.rotary(),
-        )
+        rotary = self.rotary()
+        out = None
+        # A subclass's own project_qkv puts a step between the projection and RoPE: then the
+        # backend may not do the projection itself.
+        if type(self).project_qkv is Attention.project_qkv:
+            out = self.backend.project_and_attend(
+                x, self.qkv_proj, self.cache, metadata, self.scale, self.sliding_window, rotary
+            )
+        if out is None:
+            q, k, v = self.project_qkv(x)
+            out = self.backend.forward(
+                q, k, v, self.cache, metadata, self.scale, self.sliding_window, rotary=rotary
+            )
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

@@ -1,6 +1,7 @@
 """Decode, not only prefill, against transformers at real shapes in float32: 64 greedy steps
-of a batch (decode CUDA graphs, overlapped steps, split-K at a long context), each step's
-log-probabilities against transformers' on the same tokens."""
+of a batch (decode CUDA graphs, overlapped steps, split-K at a long context), then of one
+request alone (batch 1: one-row kernels, and for Llama the QKV projection's fused RoPE and
+cache write), each step's log-probabilities against transformers' on the same tokens."""
 
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ def test_greedy_decode_matches_transformers_in_float32(
     }
     sampling = SamplingParams(max_tokens=STEPS, ignore_eos=True, logprobs=TOP)
     outputs = generate(engine, {name: (prompt, sampling) for name, prompt in prompts.items()})
+    prompts["700 alone"] = prompts["700"]
+    outputs.update(generate(engine, {"700 alone": (prompts["700"], sampling)}))
     worst = 0.0
     for name, prompt in prompts.items():
         tokens = [t for output in outputs[name] for t in output.new_token_ids]

@@ -17,9 +17,12 @@ import engine.backends.triton.activation
 import engine.backends.triton.argmax
 import engine.backends.triton.fp8_decode
 import engine.backends.triton.fp8_quantize
+import engine.backends.triton.graph_inputs
 import engine.backends.triton.norm
 import engine.backends.triton.one_row_matmul
+import engine.backends.triton.one_row_qkv
 import engine.backends.triton.paged_attention
+import engine.backends.triton.pending_tokens
 import engine.backends.triton.quantized_matmul
 import engine.backends.triton.rotary_store
 from engine.config import EngineConfig
@@ -31,9 +34,12 @@ KERNEL_MODULES = [
     engine.backends.triton.argmax,
     engine.backends.triton.fp8_decode,
     engine.backends.triton.fp8_quantize,
+    engine.backends.triton.graph_inputs,
     engine.backends.triton.norm,
     engine.backends.triton.one_row_matmul,
+    engine.backends.triton.one_row_qkv,
     engine.backends.triton.paged_attention,
+    engine.backends.triton.pending_tokens,
     engine.backends.triton.quantized_matmul,
     engine.backends.triton.rotary_store,
 ]
@@ -103,13 +109,33 @@ FP8 = {"quantization": "fp8"}  # weight-only GEMMs up to 16 rows (split K), W8A8
 # Decode attention over an fp8 cache takes the Gluon kernel at head_dim 128 (Qwen3's), not
 # at Gemma 3's 256.
 FP8_KV = {"kv_cache_dtype": "fp8", "shape": "qwen3-0.6b"}
+# A Llama's batch-1 steps project, rotate and store in one kernel (one_row_qkv); Gemma's not.
+LLAMA = {"shape": "llama-3.2-1b"}
 
 
 @pytest.mark.parametrize(
     ("enforce_eager", "options"),
-    [(False, {}), (True, {}), (False, NGRAM), (True, NGRAM), (False, FP8), (False, FP8_KV)],
+    [
+        (False, {}),
+        (True, {}),
+        (False, NGRAM),
+        (True, NGRAM),
+        (False, FP8),
+        (False, FP8_KV),
+        (False, LLAMA),
+        (True, LLAMA),
+    ],
     # ngram: speculative verify steps, in graphs or eager
-    ids=["graphs", "eager", "ngram-graphs", "ngram-eager", "fp8-graphs", "fp8-kv-graphs"],
+    ids=[
+        "graphs",
+        "eager",
+        "ngram-graphs",
+        "ngram-eager",
+        "fp8-graphs",
+        "fp8-kv-graphs",
+        "llama-graphs",
+        "llama-eager",
+    ],
 )
 def test_no_kernel_compiles_after_start_up(
     enforce_eager: bool, options: dict[str, Any], shape_checkpoint: Callable[[str], Path]

@@ -11,6 +11,7 @@ these kernels on CPU tensors, slowly. Importing this package sets nothing.
 
 from engine.backends.triton.activation import silu_and_mul
 from engine.backends.triton.norm import add_rms_norm
+from engine.backends.triton.one_row_qkv import one_row_qkv_rotary_store
 from engine.backends.triton.paged_attention import (
     decode_num_splits,
     decode_workspace,
@@ -23,6 +24,7 @@ __all__ = [
     "add_rms_norm",
     "decode_num_splits",
     "decode_workspace",
+    "one_row_qkv_rotary_store",
     "paged_decode_attention",
     "paged_prefill_attention",
     "rotary_store_kv",

@@ -1,9 +1,11 @@
 """The CUDA backend: Triton kernels behind the AttentionBackend and LayerOps interfaces.
 
 Before attending, one kernel applies the Q/K norms and RoPE and writes K and V into the
-cache (``rotary_store_kv``). Pure-decode steps (every sequence adds one token, as in a
-captured CUDA graph) and speculative verify steps in the uniform layout (every sequence
-adds 1 + k tokens, padded) then take the split-K decode kernel; steps with any prefill take
+cache (``rotary_store_kv``); at one row without Q/K norms (a batch-1 decode step of a Llama),
+the QKV projection's one-row kernel does that in its epilogue (``one_row_qkv``).
+Pure-decode steps (every sequence adds one token, as in a captured CUDA graph) and
+speculative verify steps in the uniform layout (every sequence adds 1 + k tokens, padded)
+then take the split-K decode kernel; steps with any prefill take
 the variable-length prefill kernel, all but the decodes at the batch's front
 (``AttentionMetadata.num_leading_decodes``), which take the decode kernel. The
 residual add with RMSNorm and SiLU-and-multiply are fused kernels, each one pass over its
@@ -16,17 +18,25 @@ and a decode step runs as a CUDA graph whose launches were fixed at capture.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata, LayerKVCache, Rotary
 from engine.backends.pytorch import TorchLayerOps
 from engine.backends.triton import (
     add_rms_norm,
+    one_row_qkv_rotary_store,
     paged_decode_attention,
     paged_prefill_attention,
     rotary_store_kv,
     silu_and_mul,
 )
+from engine.deferred_norm import DeferredNorm, LinearInput
+from engine.quantization import takes_one_row_kernel
+
+if TYPE_CHECKING:
+    from engine.models.parallel_layers import ColumnParallelLinear
 
 
 class TritonPagedAttention(AttentionBackend):
@@ -48,6 +58,47 @@ class TritonPagedAttention(AttentionBackend):
         rotary_store_kv(
             q, k, v, cache.key, cache.value, metadata.slot_mapping, metadata.positions, rotary
         )
+        return self._attend(q, cache, metadata, scale, sliding_window)
+
+    def project_and_attend(
+        self,
+        x: LinearInput,
+        qkv_proj: ColumnParallelLinear,
+        cache: LayerKVCache,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+        rotary: Rotary,
+    ) -> torch.Tensor | None:
+        # One row (a batch-1 decode step): the one-row kernel projects, rotates and stores.
+        # Per-head Q/K norms need a whole head's sums, which its programs do not share.
+        one_row = isinstance(x, DeferredNorm) or takes_one_row_kernel(x)
+        if not one_row or rotary.q_norm is not None:
+            return None
+        row, weight, weight_scale = qkv_proj.method.one_row_operands(qkv_proj, x)
+        q = one_row_qkv_rotary_store(
+            row,
+            weight,
+            weight_scale,
+            qkv_proj.bias,
+            cache.key,
+            cache.value,
+            metadata.slot_mapping,
+            metadata.positions,
+            rotary.cos,
+            rotary.sin,
+        )
+        return self._attend(q, cache, metadata, scale, sliding_window)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        cache: LayerKVCache,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """Attention of q, rotated, to the cache, which holds the new tokens' K and V."""
         if metadata.max_query_len == 1 or metadata.uniform_queries:
             return paged_decode_attention(
                 q,

@@ -141,15 +141,28 @@ def _accumulate(
 
 
 @triton.jit
-def _one_row_kernel(
+def first_weight_chunk(cols, col_mask, weight_ptr, K, stride_weight, BLOCK_BYTES: tl.constexpr):
+    """The weight rows ``cols``' first chunk, for ``row_sums``: to be read before waiting for
+    the kernel before. No kernel of a forward pass writes a weight, and the read overlaps
+    that kernel's last programs (or, after attention, the attention kernels), instead of
+    starting once it is done."""
+    BLOCK_K: tl.constexpr = BLOCK_BYTES // weight_ptr.dtype.element_ty.primitive_bitwidth * 8
+    ks = tl.arange(0, BLOCK_K)
+    mask = col_mask[:, None] & (ks < K)[None, :]
+    return tl.load(weight_ptr + cols[:, None] * stride_weight + ks[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def row_sums(
+    weight,
+    cols,
+    col_mask,
     x_ptr,
     weight_ptr,
     scale_ptr,
-    out_ptr,
     residual_ptr,
     norm_weight_ptr,
     stream_ptr,
-    N,
     K,
     stride_weight,
     eps,
@@ -157,24 +170,17 @@ def _one_row_kernel(
     GATED: tl.constexpr,
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
-    BLOCK_N: tl.constexpr,
     BLOCK_BYTES: tl.constexpr,
 ):
-    """Program per BLOCK_N output channels; float32 sums."""
+    """The products of x (as the flags say: gated, a deferred norm's) with the weight rows
+    ``cols`` [BLOCK_N] (``col_mask``: the real ones), float32, scaled: a one-row kernel's
+    program body, whatever it stores. ``weight`` is their first chunk
+    (``first_weight_chunk``); waits for the kernel before (dependent launch) first."""
     BLOCK_K: tl.constexpr = BLOCK_BYTES // weight_ptr.dtype.element_ty.primitive_bitwidth * 8
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
     weight_rows = weight_ptr + cols[:, None] * stride_weight
-    first_ks = tl.arange(0, BLOCK_K)
-    # The weight's first chunk is read before waiting for the kernel before: no kernel of a
-    # forward pass writes a weight, and the read overlaps that kernel's last programs (or,
-    # after attention, the attention kernels), instead of starting once it is done.
-    weight = tl.load(
-        weight_rows + first_ks[None, :], mask=col_mask[:, None] & (first_ks < K)[None, :], other=0.0
-    )
     wait_for_previous_kernel()
     let_next_kernel_start()  # the down projection after gate/up
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc = tl.zeros((cols.shape[0], BLOCK_K), dtype=tl.float32)
     squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     stream_end = tl.where(tl.program_id(0) == 0, K, 0)
     # The first chunk's sums peeled from the loop on purpose: folded into it (behind a
@@ -223,7 +229,105 @@ def _one_row_kernel(
     if HAS_SCALE:
         scale = tl.load(scale_ptr + cols, mask=col_mask, other=0.0)
         out *= scale  # widened to float32 exactly (fp8_widen)
+    return out
+
+
+@triton.jit
+def _one_row_kernel(
+    x_ptr,
+    weight_ptr,
+    scale_ptr,
+    residual_ptr,
+    norm_weight_ptr,
+    stream_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_weight,
+    eps,
+    HAS_SCALE: tl.constexpr,
+    GATED: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_BYTES: tl.constexpr,
+):
+    """Program per BLOCK_N output channels; float32 sums."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    weight = first_weight_chunk(cols, col_mask, weight_ptr, K, stride_weight, BLOCK_BYTES)
+    out = row_sums(
+        weight,
+        cols,
+        col_mask,
+        x_ptr,
+        weight_ptr,
+        scale_ptr,
+        residual_ptr,
+        norm_weight_ptr,
+        stream_ptr,
+        K,
+        stride_weight,
+        eps,
+        HAS_SCALE,
+        GATED,
+        NORM,
+        HAS_RESIDUAL,
+        BLOCK_BYTES,
+    )
     tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+@dataclass(frozen=True)
+class RowOperands:
+    """What ``row_sums`` reads, as a kernel's first arguments (``pointers``, then
+    ``flags``' constants): the row x, the weight, its scales, and a deferred norm's
+    residual, weight and stream (x where unread)."""
+
+    pointers: tuple[torch.Tensor, ...]
+    eps: float
+    flags: dict[str, bool]
+    normed: bool  # a deferred norm's row, which every program normalizes whole
+
+    @property
+    def x(self) -> torch.Tensor:
+        return self.pointers[0]
+
+
+def row_operands(
+    x: torch.Tensor | DeferredNorm,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None,
+    gated: bool = False,
+) -> RowOperands:
+    """x [1, K] (or [1, 2K] gate and up halves, ``gated``; or a deferred norm of a row [1, K])
+    and weight [N, K] in x's dtype, or int8 / float8 e4m3 codes with float32 ``scale`` [N],
+    checked, as ``row_sums`` takes them."""
+    norm = x if isinstance(x, DeferredNorm) else None
+    if norm is not None:
+        assert not gated
+        x = norm.x
+        assert norm.weight.shape == x.shape[1:] and norm.stream.shape == x.shape
+    depth = weight.shape[1]
+    assert x.shape == (1, 2 * depth if gated else depth) and x.stride(-1) == 1
+    assert weight.stride(1) == 1
+    assert (scale is None) == (weight.dtype == x.dtype), "codes need their scales"
+    pointers = (
+        x,
+        weight,
+        weight if scale is None else scale,  # unread without a scale
+        # Unread without a norm, or without a residual:
+        x if norm is None or norm.residual is None else norm.residual,
+        x if norm is None else norm.weight,
+        x if norm is None else norm.stream,
+    )
+    flags = {
+        "HAS_SCALE": scale is not None,
+        "GATED": gated,
+        "NORM": norm is not None,
+        "HAS_RESIDUAL": norm is not None and norm.residual is not None,
+    }
+    return RowOperands(pointers, 0.0 if norm is None else norm.eps, flags, norm is not None)
 
 
 def one_row_matmul(
@@ -239,38 +343,22 @@ def one_row_matmul(
     and weight [N, K] in x's dtype, or int8 / float8 e4m3 codes with float32 ``scale`` [N]
     -> [1, N] in ``out_dtype`` (default: x's dtype). ``config``: ``one_row_config``'s unless
     given (the sweep's candidates)."""
-    norm = x if isinstance(x, DeferredNorm) else None
-    if norm is not None:
-        assert not gated
-        x = norm.x
-        assert norm.weight.shape == x.shape[1:] and norm.stream.shape == x.shape
+    operands = row_operands(x, weight, scale, gated)
     channels, depth = weight.shape
-    assert x.shape == (1, 2 * depth if gated else depth) and x.stride(-1) == 1
-    assert weight.stride(1) == 1
-    assert (scale is None) == (weight.dtype == x.dtype), "codes need their scales"
-    out = x.new_empty(1, channels, dtype=out_dtype or x.dtype)
-    config = config or one_row_config(channels, depth, weight.dtype, normed=norm is not None)
+    out = operands.x.new_empty(1, channels, dtype=out_dtype or operands.x.dtype)
+    config = config or one_row_config(channels, depth, weight.dtype, operands.normed)
     _one_row_kernel[(triton.cdiv(channels, config.rows),)](
-        x,
-        weight,
-        weight if scale is None else scale,  # unread without a scale
+        *operands.pointers,
         out,
-        # Unread without a norm, or without a residual:
-        x if norm is None or norm.residual is None else norm.residual,
-        x if norm is None else norm.weight,
-        x if norm is None else norm.stream,
         channels,
         depth,
         weight.stride(0),
-        0.0 if norm is None else norm.eps,
-        HAS_SCALE=scale is not None,
-        GATED=gated,
-        NORM=norm is not None,
-        HAS_RESIDUAL=norm is not None and norm.residual is not None,
+        operands.eps,
+        **operands.flags,
         BLOCK_N=config.rows,
         BLOCK_BYTES=config.chunk_bytes,
         num_warps=config.warps,
         num_stages=1,
-        **launch_options(x.device),
+        **launch_options(out.device),
     )
     return out

@@ -1,0 +1,116 @@
+"""The one-row QKV projection with RoPE and the cache write in its epilogue
+(``one_row_qkv_rotary_store``) against the kernels it replaces at batch 1: the one-row
+product, the bias added as ``with_bias`` adds it, then ``rotary_store_kv``. Equal to the
+bit, on CUDA (bfloat16) and in the interpreter (float32), so a batch-1 step computes what it
+computed before the fusion; the kernels it replaces are held to float32 references in
+tests/engine/test_kernels.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.backends.triton import one_row_qkv_rotary_store, rotary_store_kv
+from engine.backends.triton.one_row_matmul import one_row_matmul
+from engine.deferred_norm import DeferredNorm, LinearInput
+from engine.quantization import quantize_per_channel, with_bias
+from tests.engine.test_kernels import BLOCK_SIZE, DEVICE, DTYPE, FP8, make_rotary, randn
+
+
+def unfused(
+    x: LinearInput,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    caches: tuple[torch.Tensor, torch.Tensor],
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+) -> torch.Tensor:
+    """q as the two kernels leave it: the projection, rotated in place."""
+    _, _, num_kv_heads, head_dim = caches[0].shape
+    qkv = with_bias(one_row_matmul(x, weight, scale), bias)
+    q, k, v = qkv.split([num_heads * head_dim, *[num_kv_heads * head_dim] * 2], dim=-1)
+    q = q.view(1, num_heads, head_dim)
+    k, v = (t.view(1, num_kv_heads, head_dim) for t in (k, v))
+    rotary = make_rotary(head_dim, norms=False)
+    rotary.cos, rotary.sin = cos, sin
+    rotary_store_kv(q, k, v, *caches, slot_mapping, positions, rotary)
+    return q
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "input_kind", "bias", "cache_dtype", "slot"),
+    [
+        (4, 2, 64, "deferred norm", False, None, 21),
+        (4, 2, 64, "row", True, None, 3),
+        (6, 2, 32, "deferred norm, no residual", True, FP8, 30),
+        (4, 4, 16, "fp8 weight", False, None, 17),
+        (4, 2, 64, "fp8 weight", True, FP8, 0),
+        (4, 2, 64, "deferred norm", False, None, -1),  # a CUDA graph's padding row
+    ],
+)
+def test_one_row_qkv_rotary_store(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    input_kind: str,
+    bias: bool,
+    cache_dtype: torch.dtype | None,
+    slot: int,
+) -> None:
+    depth, num_blocks, max_positions = 300, 2, 50  # K off every chunk: the last is partial
+    channels = (num_heads + 2 * num_kv_heads) * head_dim
+    x = randn(1, depth)
+    weight, scale = randn(channels, depth), None
+    if input_kind == "fp8 weight":
+        weight, scale = quantize_per_channel(weight.float(), FP8)
+    row: LinearInput = x
+    streams = []
+    if input_kind.startswith("deferred norm"):
+        residual = None if "no residual" in input_kind else randn(1, depth)
+        norm_weight = (1.0 + 0.5 * torch.randn(depth, device=DEVICE)).to(DTYPE)
+        row = DeferredNorm(x, residual, norm_weight, 1e-5)
+        twin = DeferredNorm(x, residual, norm_weight, 1e-5)  # the unfused kernels' own
+        streams = [row.stream, twin.stream]
+    bias_t = randn(channels) if bias else None
+    rotary = make_rotary(head_dim, norms=False, max_positions=max_positions)
+    positions = torch.tensor([37], device=DEVICE)
+    slot_mapping = torch.tensor([slot], device=DEVICE)
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    dtype = cache_dtype or DTYPE
+
+    def caches() -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(torch.full(shape, float("nan"), device=DEVICE).to(dtype) for _ in range(2))
+
+    fused_caches, unfused_caches = caches(), caches()
+    got = one_row_qkv_rotary_store(
+        row, weight, scale, bias_t, *fused_caches, slot_mapping, positions, rotary.cos, rotary.sin
+    )
+    expected = unfused(
+        twin if streams else x,
+        weight,
+        scale,
+        bias_t,
+        unfused_caches,
+        slot_mapping,
+        positions,
+        rotary.cos,
+        rotary.sin,
+        num_heads,
+    )
+    assert got.shape == (1, num_heads, head_dim) and got.dtype == DTYPE
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    for fused_cache, unfused_cache in zip(fused_caches, unfused_caches, strict=True):
+        # Exact, and the slots nobody wrote still NaN in both (all of them for slot -1).
+        torch.testing.assert_close(
+            fused_cache.float(), unfused_cache.float(), atol=0, rtol=0, equal_nan=True
+        )
+        assert fused_cache.float().flatten(0, 1).isnan().all(-1).all(-1).sum() == (
+            num_blocks * BLOCK_SIZE - (slot >= 0)
+        )
+    if streams:
+        torch.testing.assert_close(streams[0], streams[1], atol=0, rtol=0)
