@@ -10,9 +10,12 @@ that kernel has finished and its writes are visible. So the launch overlaps, and
 what no kernel writes, never the data passed between kernels.
 
 The rule that keeps this correct: a kernel launched with ``launch_options()`` waits before
-its first store and before its first load of anything a kernel before it may write. A
-weight, which no kernel of a forward pass writes, may be read before: the one-row GEMV
-reads its first chunk of the weight, then waits. Kernels launched without it (PyTorch's,
+its first store and before its first load of anything a kernel before it may write. What no
+kernel of a forward pass writes may be read before: a weight, the RoPE tables, and the
+step's inputs (positions, cache slots, context lengths), which are written before the
+forward pass's first kernel starts. The one-row GEMV reads its first chunk of the weight,
+then waits; the fused QKV kernel reads its position, slot and angles too, and decode
+attention its context length. Kernels launched without it (PyTorch's,
 cuBLAS') start after their predecessor finishes, as always; calling
 ``let_next_kernel_start`` is harmless anywhere. The decode step's other kernels (RMSNorm,
 the Q/K rotary and K/V store, decode attention and its merge, the argmax) all wait and let

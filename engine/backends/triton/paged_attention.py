@@ -202,14 +202,14 @@ def _decode_kernel(
 ):
     """Program (kv head, sequence, split): its part of the context, for the group's heads
     at each of the sequence's QUERY_LEN query tokens (rows seq * QUERY_LEN + token)."""
-    wait_for_previous_kernel()  # launched dependent (dependent_launch.py)
-    let_next_kernel_start()
     kv_head = tl.program_id(0)  # fastest: a sequence's KV heads run side by side
     seq = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
-
+    # A step input, written before the forward pass: read before the wait.
     context_len = tl.load(context_lens_ptr + seq)
+    wait_for_previous_kernel()  # launched dependent (dependent_launch.py)
+    let_next_kernel_start()
     first_key = 0
     if USE_WINDOW:  # the first query's window
         first_key = tl.maximum(context_len - QUERY_LEN + 1 - window, 0)
