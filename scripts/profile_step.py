@@ -1,11 +1,14 @@
 """Where a decode step's time goes: wall time, device kernel time, and the host's share.
 
     python scripts/profile_step.py --model DIR [--batch 1 --batch 256] [--context 512]
-                                   [--prefill] [--quantization fp8] [--load-format dummy]
+                                   [--steps 20] [--rounds 1] [--prefill]
+                                   [--quantization fp8] [--load-format dummy]
 
 For each batch size, BATCH requests of CONTEXT random prompt tokens are prefilled, then
 decode steps run through the engine as in serving (scheduler, input packing, CUDA-graph
-replay, sampling, the one read-back). Prints, per step: the wall time (unprofiled), the
+replay, sampling, the one read-back). Prints, per step: the wall time (unprofiled; with
+--rounds R, the median of R rounds of STEPS steps and their range, the device synchronized
+around each round: a batch-1 step's time to compare two trees by), the
 device's kernel time (from torch.profiler, over as many more steps), the difference
 (host work and launch gaps the GPU waits through), where the device sits idle (its gaps
 between kernels, by the kernel after each), the kernels that take the most device time, and
@@ -54,7 +57,9 @@ def start_requests(engine: LLMEngine, batch: int, context: int) -> None:
     engine.sync()  # no step left in flight
 
 
-def profile_batch(engine: LLMEngine, batch: int, context: int, steps: int, top: int) -> None:
+def profile_batch(
+    engine: LLMEngine, batch: int, context: int, steps: int, rounds: int, top: int
+) -> None:
     start_requests(engine, batch, context)
     for _ in range(steps):  # warm-up decodes: the first few after the prefills run slow
         engine.step()
@@ -63,10 +68,17 @@ def profile_batch(engine: LLMEngine, batch: int, context: int, steps: int, top: 
     if cuda:
         activities.append(ProfilerActivity.CUDA)
     # Wall time unprofiled: the profiler's own bookkeeping slows the host side.
-    started = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    wall_ms = (time.perf_counter() - started) * 1e3 / steps
+    round_ms = []
+    for _ in range(rounds):
+        if cuda:
+            torch.cuda.synchronize(engine.device)
+        started = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        if cuda:
+            torch.cuda.synchronize(engine.device)
+        round_ms.append((time.perf_counter() - started) * 1e3 / steps)
+    wall_ms = statistics.median(round_ms)
     with profile(activities=activities) as profiler:
         for _ in range(steps):
             engine.step()
@@ -76,7 +88,11 @@ def profile_batch(engine: LLMEngine, batch: int, context: int, steps: int, top: 
             engine.step()
     for request in list(engine.requests.values()):
         engine.abort(request.client, request.request_id)
-    print(f"\nbatch {batch}, context {context}: {wall_ms:.3f} ms per decode step (wall)")
+    spread = f", median of {rounds} rounds: {min(round_ms):.4f}-{max(round_ms):.4f}"
+    print(
+        f"\nbatch {batch}, context {context}: {wall_ms:.4f} ms per decode step "
+        f"(wall{spread if rounds > 1 else ''})"
+    )
     report(profiler, host_profile, wall_ms, steps, top, cuda)
 
 
@@ -202,6 +218,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, action="append", help="repeatable (default 1, 256)")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=1, help="timed rounds of STEPS steps")
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
@@ -226,7 +243,7 @@ def main() -> None:
         profile_prefill(engine, args.context, args.steps, args.top)
         return
     for batch in batches:
-        profile_batch(engine, batch, args.context, args.steps, args.top)
+        profile_batch(engine, batch, args.context, args.steps, args.rounds, args.top)
 
 
 if __name__ == "__main__":
