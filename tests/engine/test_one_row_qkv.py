@@ -2,8 +2,9 @@
 (``one_row_qkv_rotary_store``) against the kernels it replaces at batch 1: the one-row
 product, the bias added as ``with_bias`` adds it, then ``rotary_store_kv``. Equal to the
 bit, on CUDA (bfloat16) and in the interpreter (float32), so a batch-1 step computes what it
-computed before the fusion; the kernels it replaces are held to float32 references in
-tests/engine/test_kernels.py.
+computed before the fusion (but for a head whose half is not a multiple of the rule's
+channel pairs, whose sums may take another layout on CUDA); the kernels it replaces are
+held to float32 references in tests/engine/test_kernels.py.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from engine.backends.triton import one_row_qkv_rotary_store, rotary_store_kv
 from engine.backends.triton.one_row_matmul import one_row_matmul
 from engine.deferred_norm import DeferredNorm, LinearInput
 from engine.quantization import quantize_per_channel, with_bias
-from tests.engine.test_kernels import BLOCK_SIZE, DEVICE, DTYPE, FP8, make_rotary, randn
+from tests.engine.test_kernels import BLOCK_SIZE, CUDA, DEVICE, DTYPE, FP8, make_rotary, randn
 
 
 def unfused(
@@ -49,6 +50,9 @@ def unfused(
         (4, 2, 64, "row", True, None, 3),
         (6, 2, 32, "deferred norm, no residual", True, FP8, 30),
         (4, 4, 16, "fp8 weight", False, None, 17),
+        # Half a head (3) not a multiple of the rule's channel pairs: fewer channels a program
+        # than the unfused kernel's, which on CUDA may sum in another layout.
+        (3, 1, 6, "row", False, None, 5),
         (4, 2, 64, "fp8 weight", True, FP8, 0),
         (4, 2, 64, "deferred norm", False, None, -1),  # a CUDA graph's padding row
     ],
@@ -103,11 +107,14 @@ def test_one_row_qkv_rotary_store(
         num_heads,
     )
     assert got.shape == (1, num_heads, head_dim) and got.dtype == DTYPE
-    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    # Exact; within a rounding where the fused kernel takes fewer channels a program on CUDA.
+    exact = not CUDA or head_dim % 4 == 0
+    tolerance = {"atol": 0, "rtol": 0} if exact else {}
+    torch.testing.assert_close(got, expected, **tolerance)
     for fused_cache, unfused_cache in zip(fused_caches, unfused_caches, strict=True):
-        # Exact, and the slots nobody wrote still NaN in both (all of them for slot -1).
+        # The slots nobody wrote still NaN in both (all of them for slot -1).
         torch.testing.assert_close(
-            fused_cache.float(), unfused_cache.float(), atol=0, rtol=0, equal_nan=True
+            fused_cache.float(), unfused_cache.float(), **tolerance, equal_nan=True
         )
         assert fused_cache.float().flatten(0, 1).isnan().all(-1).all(-1).sum() == (
             num_blocks * BLOCK_SIZE - (slot >= 0)

@@ -23,6 +23,8 @@ OLMo 2's); the caller asks (``TritonPagedAttention.project_and_attend``).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -181,8 +183,10 @@ def one_row_qkv_rotary_store(
     assert bias is None or bias.shape == (channels,)
     operands = row_operands(x, weight, scale)
     config = one_row_config(channels, depth, weight.dtype, operands.normed)
-    pairs = max(config.rows // 2, 1)
-    assert head_dim % 2 == 0 and head_dim // 2 % pairs == 0
+    assert head_dim % 2 == 0
+    # The rule's channels a program, in pairs of one head: fewer where half a head is not a
+    # multiple of them (a power of two, as the rule's are).
+    pairs = math.gcd(max(config.rows // 2, 1), head_dim // 2)
     q = operands.x.new_empty(1, num_heads, head_dim)
     _one_row_qkv_kernel[(channels // (2 * pairs),)](
         *operands.pointers,
