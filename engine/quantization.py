@@ -285,7 +285,7 @@ def linear(x: LinearInput, weight: torch.Tensor, bias: torch.Tensor | None = Non
     """``F.linear`` over a weight in x's dtype; on CUDA, one row (a batch-1 decode step, a
     prompt's LM head) takes the one-row kernel, which reads the weight faster than cuBLAS
     (and computes a deferred norm of the row as it reads it)."""
-    if isinstance(x, DeferredNorm) or takes_one_row_kernel(x):
+    if takes_one_row_kernel(x):
         return with_bias(_triton_one_row_matmul()(x, weight), bias)
     return F.linear(x, weight, bias)
 
@@ -295,16 +295,19 @@ def linear_float32(x: LinearInput, weight: torch.Tensor) -> torch.Tensor:
     sampling reads in float32). On CUDA the GEMM's epilogue writes float32 itself: a
     separate conversion of a batch's [B, vocab] logits cost 0.1 ms of a 2.9 ms decode step
     at batch 256 (1B shape, H200)."""
-    if isinstance(x, DeferredNorm) or takes_one_row_kernel(x):
+    if takes_one_row_kernel(x):
         return _triton_one_row_matmul()(x, weight, out_dtype=torch.float32)
     if x.is_cuda and x.dtype != torch.float32:
         return torch.mm(x, weight.t(), out_dtype=torch.float32)
     return F.linear(x, weight).float()
 
 
-def takes_one_row_kernel(x: torch.Tensor) -> bool:
+def takes_one_row_kernel(x: LinearInput) -> bool:
     """Whether ``x`` is one row that ``linear`` multiplies with the one-row kernel (and so a
-    row whose norm can be left to that kernel, ``DeferredNorm``): one contiguous CUDA row."""
+    row whose norm can be left to that kernel, ``DeferredNorm``): one contiguous CUDA row,
+    or a deferred norm, which is only ever made of one."""
+    if isinstance(x, DeferredNorm):
+        return True
     return x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
 
 

@@ -32,7 +32,7 @@ from engine.backends.triton import (
     rotary_store_kv,
     silu_and_mul,
 )
-from engine.deferred_norm import DeferredNorm, LinearInput
+from engine.deferred_norm import LinearInput
 from engine.quantization import takes_one_row_kernel
 
 if TYPE_CHECKING:
@@ -72,8 +72,7 @@ class TritonPagedAttention(AttentionBackend):
     ) -> torch.Tensor | None:
         # One row (a batch-1 decode step): the one-row kernel projects, rotates and stores.
         # Per-head Q/K norms need a whole head's sums, which its programs do not share.
-        one_row = isinstance(x, DeferredNorm) or takes_one_row_kernel(x)
-        if not one_row or rotary.q_norm is not None:
+        if not takes_one_row_kernel(x) or rotary.q_norm is not None:
             return None
         row, weight, weight_scale = qkv_proj.method.one_row_operands(qkv_proj, x)
         q = one_row_qkv_rotary_store(

@@ -36,6 +36,7 @@ from engine.backends.triton.one_row_matmul import (
     row_operands,
     row_sums,
 )
+from engine.backends.triton.rotary_store import norm_and_rotate
 from engine.deferred_norm import LinearInput
 
 # Registers a thread, at most: those of the one-row kernel it extends, so that the epilogue
@@ -133,9 +134,20 @@ def _one_row_qkv_kernel(
         out = (out.to(tl.float32) + tl.load(bias_ptr + cols).to(tl.float32)).to(dtype)
     first, second = tl.split(tl.reshape(out.to(tl.float32), (PAIRS, 2)))
     if head < num_heads + num_kv_heads:  # q or k: rotate-half RoPE, as rotary_store_kv does
-        rotated_first = first * cos_first - second * sin_first
-        second = second * cos_second + first * sin_second
-        first = rotated_first
+        first, second = norm_and_rotate(
+            first,
+            second,
+            cos_first,
+            sin_first,
+            cos_second,
+            sin_second,
+            cos_ptr,  # no norm: unread
+            0.0,
+            dims,
+            dims < HALF,
+            HALF,
+            False,
+        )
     if head < num_heads:
         _store_pair(q_ptr + head * HEAD_DIM, dims, first.to(dtype), second.to(dtype), HALF)
     else:

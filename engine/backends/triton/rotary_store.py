@@ -17,7 +17,7 @@ from engine.backends.triton.dependent_launch import (
 
 
 @triton.jit
-def _norm_and_rotate(
+def norm_and_rotate(
     first,
     second,
     cos_first,
@@ -104,7 +104,7 @@ def _rotary_store_kernel(
         heads = tl.arange(0, BLOCK_H)[:, None]
         mask = (heads < num_heads) & dim_mask[None, :]
         q_first_ptr = q_ptr + token * stride_q_token + heads * stride_q_head + dims[None, :]
-        q_first, q_second = _norm_and_rotate(
+        q_first, q_second = norm_and_rotate(
             tl.load(q_first_ptr, mask=mask, other=0.0).to(tl.float32),
             tl.load(q_first_ptr + HALF, mask=mask, other=0.0).to(tl.float32),
             cos_first,
@@ -131,7 +131,7 @@ def _rotary_store_kernel(
     k_first = tl.load(k_first_ptr, mask=kv_mask, other=0.0)
     k_second = tl.load(k_first_ptr + HALF, mask=kv_mask, other=0.0)
     if ROTATE:
-        k_first, k_second = _norm_and_rotate(
+        k_first, k_second = norm_and_rotate(
             k_first.to(tl.float32),
             k_second.to(tl.float32),
             cos_first,
