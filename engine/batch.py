@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from itertools import chain, compress, repeat
+from itertools import chain, compress
 
 import numpy as np
 import torch
@@ -138,24 +138,27 @@ def pack(
     query_ends = np.cumsum(query_lens)
     query_starts = query_ends - query_lens
     num_tokens = int(query_ends[-1])
-    token_ids = np.fromiter(
-        chain.from_iterable(r.scheduled_token_ids() for r in batch),
-        np.int64,
-        num_tokens,
+    # Decodes whose input is a pending token: where it is in the last step's sampled tokens.
+    source_rows = np.fromiter(
+        (r.pending_row if r.num_pending_tokens else -1 for r in batch), np.int64, seqs
     )
+    pending = source_rows >= 0
+    if num_tokens == seqs and pending.all():
+        # Overlapped decode steps: every input is a token still on the device, filled in
+        # there; none to read from the requests.
+        token_ids = np.zeros(seqs, np.int64)
+    else:
+        token_ids = np.fromiter(
+            chain.from_iterable(r.scheduled_token_ids() for r in batch),
+            np.int64,
+            num_tokens,
+        )
     token_seq_index = np.repeat(np.arange(seqs), query_lens)
     # Each token's position: its index in the packed batch, shifted by its sequence's offset.
     positions = np.arange(num_tokens) - np.repeat(query_starts - starts, query_lens)
-    max_blocks = max(len(r.block_ids) for r in batch)
-    block_tables = np.fromiter(
-        chain.from_iterable(
-            chain(r.block_ids, repeat(0, max_blocks - len(r.block_ids))) for r in batch
-        ),
-        np.int64,
-        seqs * max_blocks,
-    ).reshape(seqs, max_blocks)
-    slot_mapping = (
-        block_tables[token_seq_index, positions // block_size] * block_size + positions % block_size
+    tables = block_tables(batch)
+    slot_mapping = tables[token_seq_index, positions // block_size] * block_size + (
+        positions % block_size
     )
     logits_index = (query_ends - 1)[completes]
     speculating = bool((drafts > 0).any())
@@ -181,12 +184,6 @@ def pack(
         token_seq_index = np.repeat(np.arange(seqs), verify_query_len)
         query_lens = np.full(seqs, verify_query_len)
         query_starts = np.arange(seqs) * verify_query_len
-    # Decodes whose input is a pending token: where it goes in the packed batch, and where
-    # it is in the last step's sampled tokens.
-    source_rows = np.fromiter(
-        (r.pending_row if r.num_pending_tokens else -1 for r in batch), np.int64, seqs
-    )
-    pending = source_rows >= 0
     host = np.concatenate(
         [
             token_ids,
@@ -196,7 +193,7 @@ def pack(
             ends,
             query_lens,
             query_starts,
-            block_tables.ravel(),
+            tables.ravel(),
             logits_index,
             scored_index,
             target_ids,
@@ -213,7 +210,7 @@ def pack(
     shape = StepShape(
         num_tokens=num_tokens,
         num_seqs=seqs,
-        max_blocks=max_blocks,
+        max_blocks=tables.shape[1],
         num_logits=logits_index.size + scored_index.size,
         num_targets=target_ids.size,
         max_query_len=int(query_lens.max()),
@@ -235,6 +232,20 @@ def pack(
         scored = ScoredPositions(chunks, target_ids_t, num_top)
     num_drafts = drafts[completes].tolist() if speculating else None
     return StepInputs(input_ids, metadata, logits_index_t, rows, scored, shape, packed, num_drafts)
+
+
+def block_tables(batch: list[Request]) -> np.ndarray:
+    """[seqs, max blocks] int64: each request's block ids, padded with block 0. Their arrays'
+    buffers are joined in one copy: converting the ids one by one took most of a large
+    decode batch's packing."""
+    lengths = np.fromiter((len(r.block_ids) for r in batch), np.int64, len(batch))
+    ids = np.frombuffer(b"".join(r.block_ids for r in batch), np.int64)
+    width = int(lengths.max())
+    if ids.size == len(batch) * width:
+        return ids.reshape(len(batch), width)
+    tables = np.zeros((len(batch), width), np.int64)
+    tables[np.arange(width) < lengths[:, None]] = ids
+    return tables
 
 
 def fill_pending_tokens(

@@ -10,6 +10,7 @@ found again until its blocks are handed to someone else.
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Hashable
 
@@ -48,17 +49,21 @@ class BlockManager:
     def missing_blocks(self, request: Request) -> int:
         """Blocks ``request`` still needs to hold the K/V of all its tokens and drafts."""
         num_tokens = request.num_tokens + len(request.draft_token_ids)
-        return max(0, self.blocks_for(num_tokens) - len(request.block_ids))
+        missing = -(-num_tokens // self.block_size) - len(request.block_ids)
+        return missing if missing > 0 else 0
 
     def can_grow(self, request: Request) -> bool:
         return self.missing_blocks(request) <= len(self._free)
 
-    def grow(self, request: Request) -> None:
-        """Give ``request`` enough blocks for every token it has now."""
+    def try_grow(self, request: Request) -> bool:
+        """Give ``request`` enough blocks for every token it has now, if the free ones
+        allow; whether it has them."""
         missing = self.missing_blocks(request)
         if missing > len(self._free):
-            raise RuntimeError("grow() without can_grow(): the scheduler must check first")
-        request.block_ids.extend(self._allocate() for _ in range(missing))
+            return False
+        if missing:
+            request.block_ids.extend(self._allocate() for _ in range(missing))
+        return True
 
     def reserve(self, request: Request, num_tokens: int) -> bool:
         """Give ``request`` room for ``num_tokens`` tokens if the free blocks allow (a draft
@@ -84,18 +89,24 @@ class BlockManager:
             if self._ref_counts[block] == 0:
                 del self._free[block]
             self._ref_counts[block] += 1
-        request.block_ids = cached
+        request.block_ids = array("q", cached)
         request.num_keyed_blocks = len(cached)
         request.parent_key = parent_key
         request.num_cached_tokens = len(cached) * self.block_size
         self.num_hit_tokens += request.num_cached_tokens
-        self.grow(request)
+        grown = self.try_grow(request)
+        assert grown, "admit() counted the request's missing blocks"
         return True
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Key the blocks that the last step filled with computed tokens. Only tokens the host
         has read name a block: one still pending is keyed by a later call."""
-        if not self.prefix_caching:
+        # Most steps fill no block: the check that costs least first (called for every
+        # request each step).
+        if (
+            not self.prefix_caching
+            or request.num_cached_tokens < (request.num_keyed_blocks + 1) * self.block_size
+        ):
             return
         full = min(request.num_cached_tokens, request.num_known_tokens) // self.block_size
         while request.num_keyed_blocks < full:
@@ -146,7 +157,7 @@ class BlockManager:
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
                 self._free[block] = None
-        request.block_ids = []
+        request.block_ids = array("q")
         request.num_cached_tokens = 0
         request.num_draft_cached_tokens = 0  # a draft model's K/V were in these blocks too
         request.num_keyed_blocks = 0

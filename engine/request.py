@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -34,7 +35,9 @@ class Request:
     sampling: SamplingParams
     seed: int  # the request's own seed, or one the engine drew for it
     output_token_ids: list[int] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
+    # Its cache blocks, in order: int64 in an array (not a list), so that a step packs a
+    # batch's block tables by joining their buffers (engine/batch.py), not item by item.
+    block_ids: array[int] = field(default_factory=lambda: array("q"))
     num_cached_tokens: int = 0  # tokens whose K/V are in the cache
     num_scheduled_tokens: int = 0  # tokens the current step computes, from num_cached_tokens
     # Tokens sampled by a step still in flight (overlapped steps), not yet read by the host:
@@ -103,7 +106,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return self.num_known_tokens + self.num_pending_tokens
+        # num_known_tokens written out: the scheduler reads this for every request each step.
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:

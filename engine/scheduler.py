@@ -42,18 +42,35 @@ class Scheduler:
         """The requests of the next forward pass, each with ``num_scheduled_tokens`` set: how
         many of its uncomputed tokens it computes. Within the step's token budget, decodes
         come first, then prefills under way, then newly admitted requests; a prompt longer
-        than what is left of the budget is prefilled a chunk a step."""
-        num_running = len(self.running)
-        self.running = self._schedule_running()
+        than what is left of the budget is prefilled a chunk a step. When the cache runs out,
+        the newest running requests are preempted for the older ones, and no one is admitted.
+
+        One pass over the running requests grows each one's blocks and schedules its decode:
+        at a large batch this loop is most of the host's time a step."""
         budget = self.max_num_batched_tokens
         # Prompt positions whose logits are all computed for their log-probabilities: at
         # most as many as the logits rows sizing the KV cache left room for (max_num_seqs).
         self._scored_positions_left = self.max_num_seqs
         batch: list[Request] = []
         prefilling: list[Request] = []
-        for request in self.running:
-            if request.has_all_tokens:
+        kept: list[Request] = []
+        num_preemptions = self.num_preemptions
+        # Oldest first: the newest requests give their blocks up to the older ones, so a
+        # request kept is never preempted later in the pass.
+        queue = deque(self.running)
+        while queue:
+            request = queue.popleft()
+            if request.has_all_tokens:  # finishes when its last token is read: no block
+                kept.append(request)
                 continue
+            if request.draft_token_ids and not self.block_manager.can_grow(request):
+                request.draft_token_ids = []  # no one is preempted for a draft
+            while not (fits := self.block_manager.try_grow(request)) and queue:
+                self._preempt(queue.pop())
+            if not fits:
+                self._preempt(request)
+                continue
+            kept.append(request)
             if request.num_tokens - request.num_cached_tokens > 1:
                 prefilling.append(request)
             elif budget:
@@ -66,13 +83,14 @@ class Scheduler:
                 request.num_scheduled_tokens = num_tokens
                 batch.append(request)
                 budget -= num_tokens
+        self.running = kept
         for request in prefilling:
             if not budget:
                 break
             if self._schedule_prefill(request, budget):
                 budget -= request.num_scheduled_tokens
                 batch.append(request)
-        if len(self.running) == num_running:  # nothing was preempted: there may be room
+        if self.num_preemptions == num_preemptions:  # none: there may be room
             self._admit_waiting(batch, budget)
         return batch
 
@@ -85,26 +103,6 @@ class Scheduler:
         request.num_scheduled_tokens = chunk
         self.num_prefill_tokens += chunk
         return chunk > 0
-
-    def _schedule_running(self) -> list[Request]:
-        kept: list[Request] = []
-        queue = deque(self.running)
-        while queue:
-            request = queue.popleft()
-            if request.has_all_tokens:  # finishes when its last token is read: no block
-                kept.append(request)
-                continue
-            if request.draft_token_ids and not self.block_manager.can_grow(request):
-                request.draft_token_ids = []  # no one is preempted for a draft
-            # Oldest first: the newest requests give their blocks up to the older ones.
-            while not (fits := self.block_manager.can_grow(request)) and queue:
-                self._preempt(queue.pop())
-            if fits:
-                self.block_manager.grow(request)
-                kept.append(request)
-            else:
-                self._preempt(request)
-        return kept
 
     def _admit_waiting(self, batch: list[Request], budget: int) -> None:
         # A waiting request has no pending token: one preempted with a token in flight was

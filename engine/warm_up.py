@@ -32,6 +32,7 @@ import atexit
 import gc
 import logging
 import time
+from array import array
 from typing import TYPE_CHECKING
 
 import torch
@@ -55,7 +56,7 @@ def _request(
     """A request of ``num_tokens`` prompt tokens, ``cached`` of them already in the cache,
     the rest scheduled, with room for one more; every block is block 0."""
     request = Request(b"", f"warm-up-{index}", [1] * num_tokens, sampling, seed=index)
-    request.block_ids = [0] * (num_tokens // block_size + 1)
+    request.block_ids = array("q", [0]) * (num_tokens // block_size + 1)
     request.num_cached_tokens = cached
     request.num_scheduled_tokens = num_tokens - cached
     request.status = RequestStatus.RUNNING
@@ -97,7 +98,7 @@ def warm_up(runner: ModelRunner, max_num_seqs: int) -> None:
                 for request in decode:
                     request.draft_token_ids = [1] * num_drafts
                     request.num_scheduled_tokens = 1 + num_drafts
-                    request.block_ids = [0] * (-(-runner.max_model_len // block_size))
+                    request.block_ids = array("q", [0]) * (-(-runner.max_model_len // block_size))
                 runner.forward_eager(runner.step_inputs(decode))
                 num_steps += 1
     if runner.device.type == "cuda":

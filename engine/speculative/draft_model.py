@@ -31,12 +31,14 @@ same values written again); a batch with a longer catch-up (a prompt) runs op by
 
 from __future__ import annotations
 
+from array import array
+
 import numpy as np
 import torch
 from tokenizers import Tokenizer
 
 from engine.attention import AttentionMetadata
-from engine.batch import to_device
+from engine.batch import block_tables, to_device
 from engine.block_manager import BlockManager
 from engine.checkpoint import Checkpoint
 from engine.config import EngineConfig
@@ -144,7 +146,7 @@ class DraftModelProposer:
         prompt_len = 37  # beyond a block, as the engine's warm-up
         request = Request(b"", "draft-warm-up", [1] * prompt_len, SamplingParams(), seed=0)
         positions = prompt_len + self.num_speculative_tokens
-        request.block_ids = [0] * self.block_manager.blocks_for(positions)
+        request.block_ids = array("q", [0]) * self.block_manager.blocks_for(positions)
         self._run([(request, 0, prompt_len)], [self.num_speculative_tokens])
         if self.graphed and self.max_graph_batch >= 1:
             self._capture_graphs()
@@ -214,10 +216,7 @@ class DraftModelProposer:
             catch_up_graphs = None
         if catch_up_graphs is not None:
             starts = ends - catch_up_len
-        max_blocks = max(len(request.block_ids) for request, _, _ in rows)
-        tables = np.zeros((len(rows), max_blocks), np.int64)
-        for index, (request, _, _) in enumerate(rows):
-            tables[index, : len(request.block_ids)] = request.block_ids
+        tables = block_tables([request for request, _, _ in rows])
         # The catch-up pass: each row's missing tokens, prefill-shaped.
         query_lens = ends - starts
         query_ends = np.cumsum(query_lens)
@@ -274,7 +273,7 @@ class DraftModelProposer:
             logits_index_t,
             drafting_t,
         ) = device_parts[:10]
-        tables_t = tables_t.view(len(rows), max_blocks)
+        tables_t = tables_t.view(tables.shape)
         metadata = AttentionMetadata(
             positions=positions_t,
             slot_mapping=slots_t,

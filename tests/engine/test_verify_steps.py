@@ -7,6 +7,7 @@ drafting or not."""
 
 from __future__ import annotations
 
+from array import array
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,7 @@ def verifying(index: int, prompt_len: int, drafts: list[int], first_block: int) 
     request.num_cached_tokens = prompt_len - 1
     request.num_scheduled_tokens = 1 + len(drafts)
     num_blocks = -(-(prompt_len + len(drafts)) // BLOCK_SIZE)
-    request.block_ids = list(range(first_block, first_block + num_blocks))
+    request.block_ids = array("q", range(first_block, first_block + num_blocks))
     return request
 
 
