@@ -1,7 +1,10 @@
 """The kernels that put a step's inputs in place on the device between two CUDA graphs,
 against the PyTorch operations they replace, exactly: the fill of a graph's static buffers
 (``engine.backends.triton.graph_inputs``: five copies and a padded batch's five fills) and
-the pending tokens' (``pending_tokens``: a gather and an ``index_copy_``).
+the pending tokens' (``pending_tokens``: a gather and an ``index_copy_``). On CUDA both are
+launched past Triton's binding, through the one variant they compile
+(``engine.backends.triton.one_variant``): a test checks that one variant serves all these
+launches.
 
 Run natively on CUDA and, without it, in Triton's interpreter on CPU (tests/conftest.py
 selects it). The step's inputs are views of one packed buffer at an odd offset, as
@@ -15,13 +18,18 @@ import pytest
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.backends.triton.dependent_launch import launch_options
 from engine.backends.triton.graph_inputs import (
     _STEP_SIZES,
     _STEP_VIEWS,
     _fill_graph_inputs_kernel,
     fill_graph_inputs,
 )
-from engine.backends.triton.pending_tokens import fill_pending_tokens
+from engine.backends.triton.one_variant import OneVariantKernel
+from engine.backends.triton.pending_tokens import (
+    _fill_pending_tokens_kernel,
+    fill_pending_tokens,
+)
 from engine.batch import StepShape
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -175,3 +183,29 @@ def test_fill_pending_tokens_matches_gather_and_index_copy(num_pending: int) -> 
     expected = input_ids.clone().index_copy_(0, index, last_sampled[source])
     fill_pending_tokens(input_ids, index, source, last_sampled)
     assert torch.equal(input_ids, expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled variants exist on CUDA only")
+def test_one_variant_serves_every_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launches above, each through Triton's own binding this time, compile one variant
+    of each kernel between them: the variant that ``OneVariantKernel`` launches for every
+    step computes what Triton would have launched."""
+
+    def through_triton(
+        kernel: OneVariantKernel, grid: tuple[int, ...], device: torch.device, *args: object
+    ) -> None:
+        kernel.kernel[grid](*args, **launch_options(device))
+
+    monkeypatch.setattr(OneVariantKernel, "launch", through_triton)
+    kernels = [_fill_graph_inputs_kernel, _fill_pending_tokens_kernel]
+    for kernel in kernels:
+        kernel.device_caches.clear()
+    for case in [(1, 1, 3, 1), (3, 4, 5, 1), (2, 8, MAX_BLOCKS, 1), (6, 8, 1, 5), (3, 4, 2, 17)]:
+        test_fill_graph_inputs_copies_the_step_and_pads_the_rest(*case)
+    test_fill_graph_inputs_takes_strided_token_ids()
+    test_fill_graph_inputs_without_a_step_pads_every_row(5)
+    for num_pending in (1, 5, 16, 130):
+        test_fill_pending_tokens_matches_gather_and_index_copy(num_pending)
+    for kernel in kernels:
+        (kernel_cache, *_), *_ = kernel.device_caches.values()
+        assert len(kernel_cache) == 1, kernel.fn.__name__

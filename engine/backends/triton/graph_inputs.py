@@ -22,11 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.backends.triton.dependent_launch import (
-    launch_options,
-    let_next_kernel_start,
-    wait_for_previous_kernel,
-)
+from engine.backends.triton.dependent_launch import let_next_kernel_start, wait_for_previous_kernel
+from engine.backends.triton.one_variant import OneVariantKernel
 
 # A row's tokens a pass: one pass for any verify step up to 15 drafts a row.
 _BLOCK_TOKENS = 16
@@ -115,6 +112,10 @@ def _fill_graph_inputs_kernel(
         tl.store(buffer_block_tables_ptr + row * stride_buffer_table, 0)
 
 
+# Launched past Triton's binding: its one variant (one_variant.py).
+_FILL_GRAPH_INPUTS = OneVariantKernel(_fill_graph_inputs_kernel)
+
+
 def fill_graph_inputs(
     buffers: Sequence[torch.Tensor],
     num_rows: int,
@@ -142,7 +143,9 @@ def fill_graph_inputs(
         assert block_tables.shape[0] == count
     assert all(t.dtype == torch.int64 for t in (*buffers, *sources))
     assert all(t.stride(-1) == 1 for t in (*buffers, *sources[1:]))  # token ids: any stride
-    _fill_graph_inputs_kernel[(num_rows,)](
+    _FILL_GRAPH_INPUTS.launch(
+        (num_rows,),
+        buffer_tables.device,
         input_ids,
         positions,
         slot_mapping,
@@ -155,7 +158,6 @@ def fill_graph_inputs(
         input_ids.stride(0),
         block_tables.stride(0),
         buffer_tables.stride(0),
-        BLOCK_TOKENS=_BLOCK_TOKENS,
-        BLOCK_COLUMNS=_BLOCK_COLUMNS,
-        **launch_options(buffer_tables.device),
+        _BLOCK_TOKENS,
+        _BLOCK_COLUMNS,
     )

@@ -18,11 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.backends.triton.dependent_launch import (
-    launch_options,
-    let_next_kernel_start,
-    wait_for_previous_kernel,
-)
+from engine.backends.triton.dependent_launch import let_next_kernel_start, wait_for_previous_kernel
+from engine.backends.triton.one_variant import OneVariantKernel
 
 _BLOCK = 128  # pending tokens a program: one program up to a batch of 128
 
@@ -51,6 +48,10 @@ def _fill_pending_tokens_kernel(
     tl.store(input_ids_ptr + index, tokens, mask=mask)
 
 
+# Launched past Triton's binding: its one variant (one_variant.py).
+_FILL_PENDING_TOKENS = OneVariantKernel(_fill_pending_tokens_kernel)
+
+
 def fill_pending_tokens(
     input_ids: torch.Tensor, index: torch.Tensor, source: torch.Tensor, last_sampled: torch.Tensor
 ) -> None:
@@ -60,13 +61,14 @@ def fill_pending_tokens(
     tensors = (input_ids, index, source, last_sampled)
     assert all(t.dtype == torch.int64 and t.dim() == 1 for t in tensors)
     assert input_ids.stride(0) == index.stride(0) == source.stride(0) == 1
-    _fill_pending_tokens_kernel[(triton.cdiv(num_pending, _BLOCK),)](
+    _FILL_PENDING_TOKENS.launch(
+        (triton.cdiv(num_pending, _BLOCK),),
+        input_ids.device,
         input_ids,
         index,
         source,
         last_sampled,
         num_pending,
         last_sampled.stride(0),
-        BLOCK=_BLOCK,
-        **launch_options(input_ids.device),
+        _BLOCK,
     )

@@ -1,0 +1,44 @@
+"""Launching a kernel of one compiled variant without Triton's per-launch binding.
+
+Each launch through ``kernel[grid](...)`` binds its arguments in Python: it works out what
+the kernel specializes on (each pointer's alignment, each integer's value), makes the
+cache key and looks the compiled kernel up. On the GPU machine's host that took about 15 of
+a launch's 23 µs in a tight loop (H100 host, Triton 3.6), and three to four times as much
+between a step's other host work, where the caches are cold: a large decode batch's step
+is bound by the host's time. A kernel written to specialize on nothing that changes
+between its launches (``do_not_specialize`` for its sizes and strides,
+``do_not_specialize_on_alignment`` for views at any offset) has one variant a device; once
+compiled, it is launched straight through the compiled kernel. The first launch goes through
+Triton as usual (and compiles, or finds the warm-up's variant); on the CPU interpreter
+every launch does.
+
+Only for such kernels: a variant launched with arguments it was not specialized for would
+compute the wrong thing. Their tests launch them over views at odd offsets and sizes of 1
+and multiples of 16 and check that one variant serves them all.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.compiler.compiler import CompiledKernel
+
+from engine.backends.triton.dependent_launch import launch_options
+
+
+class OneVariantKernel:
+    def __init__(self, kernel: triton.JITFunction) -> None:
+        self.kernel = kernel
+        self._compiled: dict[int | None, CompiledKernel] = {}
+
+    def launch(self, grid: tuple[int, ...], device: torch.device, *args: object) -> None:
+        """``kernel[grid](*args)`` on ``device``, launched dependent where the device can
+        (``dependent_launch.py``). ``args``: every parameter in order, its constexprs too."""
+        compiled = self._compiled.get(device.index)
+        if compiled is None:
+            compiled = self.kernel[grid](*args, **launch_options(device))
+            if isinstance(compiled, CompiledKernel):  # not under the interpreter
+                self._compiled[device.index] = compiled
+            return
+        grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
+        compiled[(grid_x, grid_y, grid_z)](*args)
