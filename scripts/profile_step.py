@@ -8,8 +8,10 @@ For each batch size, BATCH requests of CONTEXT random prompt tokens are prefille
 decode steps run through the engine as in serving (scheduler, input packing, CUDA-graph
 replay, sampling, the one read-back). Prints, per step: the wall time (unprofiled; with
 --rounds R, the median of R rounds of STEPS steps and their range, the device synchronized
-around each round: a batch-1 step's time to compare two trees by), the
-device's kernel time (from torch.profiler, over as many more steps), the difference
+around each round: a batch-1 step's time to compare two trees by), the host's time by
+phase (unprofiled, timed around the engine's methods; with overlapped steps the host is the
+bottleneck when it waits for the device less than it works: a large batch's step can be),
+the device's kernel time (from torch.profiler, over as many more steps), the difference
 (host work and launch gaps the GPU waits through), where the device sits idle (its gaps
 between kernels, by the kernel after each), the kernels that take the most device time, and
 the host functions that take the most time under cProfile. On CPU only
@@ -27,6 +29,8 @@ import pstats
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -37,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.model_runner import LaunchedStep
 from protocol import SamplingParams
 
 # New tokens a request may make: more than prefilling the whole batch and the profiled
@@ -79,6 +84,7 @@ def profile_batch(
             torch.cuda.synchronize(engine.device)
         round_ms.append((time.perf_counter() - started) * 1e3 / steps)
     wall_ms = statistics.median(round_ms)
+    phase_ms = host_phases(engine, steps)
     with profile(activities=activities) as profiler:
         for _ in range(steps):
             engine.step()
@@ -93,7 +99,85 @@ def profile_batch(
         f"\nbatch {batch}, context {context}: {wall_ms:.4f} ms per decode step "
         f"(wall{spread if rounds > 1 else ''})"
     )
+    waiting = phase_ms.pop("waiting for the device")
+    busy = sum(phase_ms.values())
+    print(
+        f"  the host busy {busy:.3f} ms per step, waiting for the device {waiting:.3f}: "
+        + ", ".join(f"{name} {ms:.3f}" for name, ms in phase_ms.items())
+    )
     report(profiler, host_profile, wall_ms, steps, top, cuda)
+
+
+@contextmanager
+def _replaced(owner: object, name: str, replacement: Callable[..., object]) -> Iterator[None]:
+    """``owner.name`` is ``replacement`` until the block ends."""
+    original = getattr(owner, name)
+    setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        if isinstance(owner, type):
+            setattr(owner, name, original)
+        else:
+            delattr(owner, name)  # the instance's own attribute: its class's method again
+
+
+def _timed(owner: object, name: str, add: Callable[[float], None]) -> Iterator[None]:
+    """Time each call of ``owner.name`` into ``add``, until the block ends."""
+    original = getattr(owner, name)
+
+    def timed(*args: object, **kwargs: object) -> object:
+        started = time.perf_counter()
+        result = original(*args, **kwargs)
+        add(time.perf_counter() - started)
+        return result
+
+    return _replaced(owner, name, timed)
+
+
+def host_phases(engine: LLMEngine, steps: int) -> dict[str, float]:
+    """ms per step over ``steps`` steps: the host's time in each phase of a step (the rest of
+    ``step()`` as "other"), and its wait for the step in flight's results, apart."""
+    totals = dict.fromkeys(
+        ["schedule", "pack", "launch", "sample", "read results", "waiting for the device"], 0.0
+    )
+
+    def adder(phase: str) -> Callable[[float], None]:
+        def add(seconds: float) -> None:
+            totals[phase] += seconds
+
+        return add
+
+    result = LaunchedStep.result
+
+    def waited_result(step: LaunchedStep) -> object:
+        if step.copied is not None:  # the wait apart, before the read finds it done
+            started = time.perf_counter()
+            step.copied.synchronize()
+            totals["waiting for the device"] += time.perf_counter() - started
+        return result(step)
+
+    runner = engine.runner
+    with (
+        _timed(engine.scheduler, "schedule", adder("schedule")),
+        _timed(runner, "step_inputs", adder("pack")),
+        _timed(runner, "run_model", adder("launch")),
+        _timed(runner, "sample", adder("sample")),
+        _timed(engine, "_read_results", adder("read results")),
+        _replaced(LaunchedStep, "result", waited_result),
+    ):
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+        started = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+        elapsed = time.perf_counter() - started
+    # Reading results includes the wait, which is not the host's work.
+    totals["read results"] -= totals["waiting for the device"]
+    totals["other"] = elapsed - sum(totals.values())
+    return {phase: seconds * 1e3 / steps for phase, seconds in totals.items()}
 
 
 def first_token(engine: LLMEngine, prompt: list[int], name: str) -> None:
