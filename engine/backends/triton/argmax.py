@@ -4,7 +4,8 @@ PyTorch reduces a row of logits in one thread block: a batch-1 step's argmax ove
 128k-token vocabulary took 27.5 us on an H200, more than any of its layers' kernels but the
 GEMVs. Here the first pass spreads each row over ``BLOCK``-wide chunks, one program each,
 and the second picks each row's winner among its chunks'. Ties go to the lowest index, as
-``torch.argmax`` breaks them.
+``torch.argmax`` breaks them. Both are launched past Triton's binding (``one_variant.py``):
+what they specialize on is the same for every step of a model.
 """
 
 from __future__ import annotations
@@ -13,11 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.backends.triton.dependent_launch import (
-    launch_options,
-    let_next_kernel_start,
-    wait_for_previous_kernel,
-)
+from engine.backends.triton.dependent_launch import let_next_kernel_start, wait_for_previous_kernel
+from engine.backends.triton.one_variant import OneVariantKernel
 
 _BLOCK = 4096
 
@@ -54,29 +52,41 @@ def _row_argmax_kernel(values_ptr, indices_ptr, out_ptr, num_chunks, BLOCK_CHUNK
     tl.store(out_ptr + row, index.to(tl.int64))
 
 
+_CHUNK_ARGMAX = OneVariantKernel(_chunk_argmax_kernel)
+_ROW_ARGMAX = OneVariantKernel(_row_argmax_kernel)
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` of float32 logits [B, V]: token ids [B], int64. A row of
     -inf only gives 0, as torch's does (NaN logits are not ordered: none reach here)."""
     num_rows, vocab_size = logits.shape
     num_chunks = triton.cdiv(vocab_size, _BLOCK)
+    # New allocations, aligned as any the caching allocator makes: their pointers need no key.
     values = logits.new_empty(num_rows, num_chunks)
     indices = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=logits.device)
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-    _chunk_argmax_kernel[(num_rows, num_chunks)](
+    stride_row, stride_col = logits.stride()
+    _CHUNK_ARGMAX.launch(
+        (num_rows, num_chunks),
+        logits.device,
         logits,
         values,
         indices,
         vocab_size,
-        *logits.stride(),
-        BLOCK=_BLOCK,
-        **launch_options(logits.device),
+        stride_row,
+        stride_col,
+        _BLOCK,
+        # Its integers whole, and whether the logits are aligned: all Triton specializes on.
+        variant=(vocab_size, stride_row, stride_col, logits.data_ptr() % 16 == 0),
     )
-    _row_argmax_kernel[(num_rows,)](
+    _ROW_ARGMAX.launch(
+        (num_rows,),
+        logits.device,
         values,
         indices,
         out,
         num_chunks,
-        BLOCK_CHUNKS=triton.next_power_of_2(num_chunks),
-        **launch_options(logits.device),
+        triton.next_power_of_2(num_chunks),
+        variant=num_chunks,
     )
     return out

@@ -1,4 +1,5 @@
-"""Launching a kernel of one compiled variant without Triton's per-launch binding.
+"""Launching a kernel of one compiled variant (or a few, named by the caller) without
+Triton's per-launch binding.
 
 Each launch through ``kernel[grid](...)`` binds its arguments in Python: it works out what
 the kernel specializes on (each pointer's alignment, each integer's value), makes the
@@ -10,7 +11,9 @@ between its launches (``do_not_specialize`` for its sizes and strides,
 ``do_not_specialize_on_alignment`` for views at any offset) has one variant a device; once
 compiled, it is launched straight through the compiled kernel. The first launch goes through
 Triton as usual (and compiles, or finds the warm-up's variant); on the CPU interpreter
-every launch does.
+every launch does. A kernel that does specialize, on what stays the same for a model (the
+argmax's vocabulary and row stride), has its caller name the variant: everything Triton
+specializes it on, as a key.
 
 Only for such kernels: a variant launched with arguments it was not specialized for would
 compute the wrong thing. Their tests launch them over views at odd offsets and sizes of 1
@@ -18,6 +21,8 @@ and multiples of 16 and check that one variant serves them all.
 """
 
 from __future__ import annotations
+
+from collections.abc import Hashable
 
 import torch
 import triton
@@ -29,16 +34,20 @@ from engine.backends.triton.dependent_launch import launch_options
 class OneVariantKernel:
     def __init__(self, kernel: triton.JITFunction) -> None:
         self.kernel = kernel
-        self._compiled: dict[int | None, CompiledKernel] = {}
+        self._compiled: dict[tuple[int | None, Hashable], CompiledKernel] = {}
 
-    def launch(self, grid: tuple[int, ...], device: torch.device, *args: object) -> None:
+    def launch(
+        self, grid: tuple[int, ...], device: torch.device, *args: object, variant: Hashable = None
+    ) -> None:
         """``kernel[grid](*args)`` on ``device``, launched dependent where the device can
-        (``dependent_launch.py``). ``args``: every parameter in order, its constexprs too."""
-        compiled = self._compiled.get(device.index)
+        (``dependent_launch.py``). ``args``: every parameter in order, its constexprs too;
+        ``variant``: all the launch specializes on, for a kernel of more than one."""
+        key = (device.index, variant)
+        compiled = self._compiled.get(key)
         if compiled is None:
             compiled = self.kernel[grid](*args, **launch_options(device))
             if isinstance(compiled, CompiledKernel):  # not under the interpreter
-                self._compiled[device.index] = compiled
+                self._compiled[key] = compiled
             return
         grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
         compiled[(grid_x, grid_y, grid_z)](*args)
