@@ -2,7 +2,8 @@
 
 Every message is a dataclass registered under a short tag. On the wire it is one
 MessagePack map: ``{"type": tag, field: value, ...}``; nested dataclasses are maps
-without a tag. Decoding checks the frame size, the tag, and every field's type
+without a tag, and a field whose default is None is left out while it is None (decoding
+gives a missing field its default). Decoding checks the frame size, the tag, and every field's type
 against the dataclass annotations, and raises ``ProtocolError`` for anything else,
 so a caller needs exactly one ``except`` to survive a malformed frame.
 """
@@ -77,18 +78,27 @@ _Encoder = typing.Callable[[Any], Any]
 
 @functools.cache
 def _encoder(cls: type) -> _Encoder:
-    """A map of the dataclass's fields, nested dataclasses as maps too."""
-    names = tuple(_field_types(cls))
+    """A map of the dataclass's fields, nested dataclasses as maps too. A field whose default
+    is None goes on the wire only when it is set (decoding gives an absent field its
+    default): an engine step's outputs, one per request, mostly leave four of their nine
+    fields unset, and every key costs the engine's host to build and pack."""
+    types_of = _field_types(cls)
+    unset_is_none = {field.name for field in dataclasses.fields(cls) if field.default is None}
+    always = tuple(name for name in types_of if name not in unset_is_none)
+    when_set = tuple(name for name in types_of if name in unset_is_none)
     nested = [
         (name, encode)
-        for name, hint in _field_types(cls).items()
+        for name, hint in types_of.items()
         if (encode := _value_encoder(hint)) is not None
     ]
 
     def encode_dataclass(obj: Any) -> dict[str, Any]:
-        body = {name: getattr(obj, name) for name in names}
+        body = {name: getattr(obj, name) for name in always}
+        for name in when_set:
+            if (value := getattr(obj, name)) is not None:
+                body[name] = value
         for name, encode in nested:
-            if body[name] is not None:
+            if body.get(name) is not None:
                 body[name] = encode(body[name])
         return body
 

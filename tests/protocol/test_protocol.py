@@ -117,6 +117,22 @@ def test_defaults_fill_missing_optional_fields() -> None:
     assert message.sampling == SamplingParams(max_tokens=4)
 
 
+def test_unset_optional_fields_stay_off_the_wire() -> None:
+    """A field whose default is None is sent only when set (an engine step sends an output a
+    request, most of them with four such fields unset); a required one always is."""
+    outputs = TokenOutputs([RequestOutput("r1", [5], None, 3, 1, stop_token_id=7)])
+    body = msgpack.unpackb(outputs.encode())
+    assert set(body["outputs"][0]) == {
+        "request_id",
+        "new_token_ids",
+        "finish_reason",
+        "num_prompt_tokens",
+        "num_output_tokens",
+        "stop_token_id",
+    }
+    assert decode_message(outputs.encode()) == outputs
+
+
 def test_sampling_validation_names_the_problem() -> None:
     assert SamplingParams().validate() is None
     assert "max_tokens" in SamplingParams(max_tokens=0).validate()
