@@ -46,7 +46,8 @@ class Scheduler:
         the newest running requests are preempted for the older ones, and no one is admitted.
 
         One pass over the running requests grows each one's blocks and schedules its decode:
-        at a large batch this loop is most of the host's time a step."""
+        the host runs it for every request each step, a large batch's step bound by it among
+        others (docs/architecture.md)."""
         budget = self.max_num_batched_tokens
         # Prompt positions whose logits are all computed for their log-probabilities: at
         # most as many as the logits rows sizing the KV cache left room for (max_num_seqs).
