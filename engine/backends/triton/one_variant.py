@@ -16,8 +16,11 @@ argmax's vocabulary and row stride), has its caller name the variant: everything
 specializes it on, as a key.
 
 Only for such kernels: a variant launched with arguments it was not specialized for would
-compute the wrong thing. Their tests launch them over views at odd offsets and sizes of 1
-and multiples of 16 and check that one variant serves them all.
+compute the wrong thing (with the pending-token kernel's count specialized on purpose, its
+fills of 5 and 130 tokens took the variant compiled for 1, and failed). Their tests launch
+the one-variant kernels through Triton over views at odd offsets and sizes of 1 and multiples
+of 16 and check that one variant served them all, and the argmax over three variants in one
+process against torch's.
 """
 
 from __future__ import annotations
