@@ -49,9 +49,7 @@ class BlockManager:
     def missing_blocks(self, request: Request) -> int:
         """Blocks ``request`` still needs to hold the K/V of all its tokens and drafts."""
         num_tokens = request.num_tokens + len(request.draft_token_ids)
-        # blocks_for written out: the scheduler asks this of every request each step.
-        missing = -(-num_tokens // self.block_size) - len(request.block_ids)
-        return missing if missing > 0 else 0
+        return max(0, self.blocks_for(num_tokens) - len(request.block_ids))
 
     def can_grow(self, request: Request) -> bool:
         return self.missing_blocks(request) <= len(self._free)
