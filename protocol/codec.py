@@ -3,7 +3,10 @@
 Every message is a dataclass registered under a short tag. On the wire it is one
 MessagePack map: ``{"type": tag, field: value, ...}``; nested dataclasses are maps
 without a tag, and a field whose default is None is left out while it is None (decoding
-gives a missing field its default). Decoding checks the frame size, the tag, and every field's type
+gives a missing field its default). A nested dataclass marked ``@by_position`` (the
+per-request outputs, sent for every request every step) is an array of its field values
+in order instead, its trailing run of unset None-default fields cut: no keys to build or
+pack. Decoding checks the frame size, the tag, and every field's type
 against the dataclass annotations, and raises ``ProtocolError`` for anything else,
 so a caller needs exactly one ``except`` to survive a malformed frame.
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import types
 import typing
 from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -30,6 +34,19 @@ class ProtocolError(ValueError):
 M = TypeVar("M", bound="Message")
 
 _REGISTRY: dict[str, type[Message]] = {}
+# Nested dataclasses that go on the wire as arrays of their fields (``by_position``).
+_BY_POSITION: set[type] = set()
+
+T = TypeVar("T", bound=type)
+
+
+def by_position(cls: T) -> T:
+    """Mark a nested dataclass to go on the wire as an array of its field values, in order,
+    without the trailing fields whose default is None while they are None. For the values
+    sent most often: an engine step sends an output for each running request, and an
+    output's map of keys cost the engine's host as much as the rest of its encoding."""
+    _BY_POSITION.add(cls)
+    return cls
 
 
 class Message:
@@ -78,19 +95,22 @@ _Encoder = typing.Callable[[Any], Any]
 
 @functools.cache
 def _encoder(cls: type) -> _Encoder:
-    """A map of the dataclass's fields, nested dataclasses as maps too. A field whose default
-    is None goes on the wire only when it is set (decoding gives an absent field its
-    default): an engine step's outputs, one per request, mostly leave four of their nine
-    fields unset, and every key costs the engine's host to build and pack."""
+    """A map of the dataclass's fields (an array where ``by_position``), nested dataclasses
+    encoded alike. A field whose default is None goes on the wire only when it is set
+    (decoding gives an absent field its default): an engine step's outputs, one per request,
+    mostly leave four of their nine fields unset, and every value costs the engine's host to
+    build and pack."""
     types_of = _field_types(cls)
     unset_is_none = {field.name for field in dataclasses.fields(cls) if field.default is None}
-    always = tuple(name for name in types_of if name not in unset_is_none)
-    when_set = tuple(name for name in types_of if name in unset_is_none)
     nested = [
         (name, encode)
         for name, hint in types_of.items()
         if (encode := _value_encoder(hint)) is not None
     ]
+    if cls in _BY_POSITION:
+        return _array_encoder(tuple(types_of), unset_is_none, nested)
+    always = tuple(name for name in types_of if name not in unset_is_none)
+    when_set = tuple(name for name in types_of if name in unset_is_none)
 
     def encode_dataclass(obj: Any) -> dict[str, Any]:
         body = {name: getattr(obj, name) for name in always}
@@ -105,6 +125,37 @@ def _encoder(cls: type) -> _Encoder:
     return encode_dataclass
 
 
+def _array_encoder(
+    names: tuple[str, ...], unset_is_none: set[str], nested: list[tuple[str, _Encoder]]
+) -> _Encoder:
+    assert len(names) > 1, "attrgetter gives a tuple for two names or more"
+    values_of = operator.attrgetter(*names)
+    # The fields that may be cut from the end: the trailing run whose default is None.
+    num_kept = len(names)
+    while num_kept and names[num_kept - 1] in unset_is_none:
+        num_kept -= 1
+    unset_tail = (None,) * (len(names) - num_kept)
+    nested_at = [(names.index(name), encode) for name, encode in nested]
+    # Where no nested value is among the fields always sent, an unset tail leaves nothing to
+    # encode: the common case, one comparison.
+    plain_head = all(index >= num_kept for index, _ in nested_at)
+
+    def encode_array(obj: Any) -> Any:
+        values = values_of(obj)
+        if plain_head and values[num_kept:] == unset_tail:
+            return values[:num_kept]
+        end = len(values)
+        while end > num_kept and values[end - 1] is None:
+            end -= 1
+        items = list(values[:end])
+        for index, encode in nested_at:
+            if index < end and items[index] is not None:
+                items[index] = encode(items[index])
+        return items
+
+    return encode_array
+
+
 def _value_encoder(hint: Any) -> _Encoder | None:
     """How a value of type ``hint`` goes on the wire; None where it goes as it is."""
     origin = get_origin(hint)
@@ -117,7 +168,7 @@ def _value_encoder(hint: Any) -> _Encoder | None:
         encode_item = _value_encoder(get_args(hint)[0])
         if encode_item is None:
             return None
-        return lambda items: [encode_item(item) for item in items]
+        return lambda items: list(map(encode_item, items))
     if dataclasses.is_dataclass(hint):
         return _encoder(typing.cast(type, hint))
     return None
@@ -186,6 +237,14 @@ def _union_checker(hint: Any) -> _Checker:
     nullable = type(None) in get_args(hint)
     options = [_checker(option) for option in get_args(hint) if option is not type(None)]
 
+    if nullable and len(options) == 1:  # X | None: X's own mismatch names where it failed
+        (check_option,) = options
+
+        def check_optional(value: Any) -> Any:
+            return None if value is None else check_option(value)
+
+        return check_optional
+
     def check_union(value: Any) -> Any:
         if value is None and nullable:  # most optional fields are unset
             return None
@@ -244,6 +303,8 @@ def _dataclass_checker(cls: type) -> _Checker:
         )
         for field in dataclasses.fields(cls)
     ]
+    if cls in _BY_POSITION:
+        return _array_checker(cls, fields)
     names = {name for name, _, _ in fields}
 
     def check_dataclass(body: Any) -> Any:
@@ -263,3 +324,23 @@ def _dataclass_checker(cls: type) -> _Checker:
         return cls(**values)
 
     return check_dataclass
+
+
+def _array_checker(cls: type, fields: list[tuple[str, bool, _Checker]]) -> _Checker:
+    num_required = sum(required for _, required, _ in fields)
+    assert all(required for _, required, _ in fields[:num_required]), "required fields first"
+
+    def check_array(body: Any) -> Any:
+        if type(body) is not list:
+            raise _Mismatch("expected an array")
+        if not num_required <= len(body) <= len(fields):
+            raise _Mismatch(f"expected {num_required} to {len(fields)} values, got {len(body)}")
+        values = []
+        for (name, _, check), value in zip(fields, body, strict=False):
+            try:
+                values.append(check(value))
+            except _Mismatch as mismatch:
+                raise _Mismatch(mismatch.reason, f".{name}{mismatch.path}") from None
+        return cls(*values)
+
+    return check_array

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from protocol.codec import Message
+from protocol.codec import Message, by_position
 
 # Bumped on any incompatible change to the messages below; checked at the handshake.
 # 2: log-probabilities (SamplingParams.logprobs, RequestOutput.logprobs), presence and
@@ -30,7 +30,9 @@ from protocol.codec import Message
 #    RequestOutput.stop_token_id and .queue_time, ErrorCode.SHUTTING_DOWN (an engine draining
 #    on SIGTERM), EngineStats.num_connected_servers.
 # 6: EngineStats.num_draft_tokens and .num_accepted_tokens (speculative decoding).
-PROTOCOL_VERSION = 6
+# 7: RequestOutput, TokenLogprobs and PromptTokenLogprobs go as arrays of their fields
+#    (codec.by_position), not maps.
+PROTOCOL_VERSION = 7
 # The most alternatives a request may ask log-probabilities of, as OpenAI's top_logprobs.
 MAX_TOP_LOGPROBS = 20
 # The most token sequences a request's bad words may tokenize to, and their total tokens
@@ -271,6 +273,7 @@ class StatsRequest(Message):
     TYPE: ClassVar[str] = "stats"
 
 
+@by_position
 @dataclass
 class TokenLogprobs:
     """A generated token's log-probability under the model (its raw distribution, before
@@ -281,6 +284,7 @@ class TokenLogprobs:
     top_logprobs: list[float]
 
 
+@by_position
 @dataclass
 class PromptTokenLogprobs:
     """A prompt token's log-probability given the tokens before it, its rank among the
@@ -293,6 +297,7 @@ class PromptTokenLogprobs:
     top_logprobs: list[float]
 
 
+@by_position
 @dataclass
 class RequestOutput:
     """New tokens of one request since its last output."""

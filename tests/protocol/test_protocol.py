@@ -1,5 +1,7 @@
 """The wire format: round trips, and malformed frames rejected with ProtocolError only."""
 
+import re
+
 import msgpack
 import pytest
 
@@ -12,12 +14,14 @@ from protocol import (
     HandshakeReply,
     HandshakeRequest,
     Message,
+    PromptTokenLogprobs,
     ProtocolError,
     RequestOutput,
     SamplingParams,
     StatsRequest,
     StructuredOutput,
     StructuredOutputKind,
+    TokenLogprobs,
     TokenOutputs,
     decode_message,
 )
@@ -35,6 +39,19 @@ MESSAGES = [
     AbortRequest("r1"),
     StatsRequest(),
     TokenOutputs([RequestOutput("r1", [5], None, 3, 1), RequestOutput("r2", [], "stop", 4, 9)]),
+    TokenOutputs(
+        [
+            RequestOutput(
+                "r3",
+                [5],
+                None,
+                2,
+                1,
+                prompt_logprobs=[PromptTokenLogprobs(-1.5, 2, [4, 8], [-0.2, -1.5])],
+                queue_time=0.25,
+            )
+        ]
+    ),
     ErrorReply("r1", "prompt_too_long", "too long"),
     EngineStats(1, 2.0, "m", "cpu", 16, 100, 90, 1, 0, 3),
 ]
@@ -117,20 +134,41 @@ def test_defaults_fill_missing_optional_fields() -> None:
     assert message.sampling == SamplingParams(max_tokens=4)
 
 
-def test_unset_optional_fields_stay_off_the_wire() -> None:
-    """A field whose default is None is sent only when set (an engine step sends an output a
-    request, most of them with four such fields unset); a required one always is."""
-    outputs = TokenOutputs([RequestOutput("r1", [5], None, 3, 1, stop_token_id=7)])
+def test_outputs_go_by_position_without_their_unset_tail() -> None:
+    """A request's output goes as an array of its fields (an engine step sends one per running
+    request): the trailing fields whose default is None are cut while unset, one unset
+    before a set one stays as nil."""
+    outputs = TokenOutputs(
+        [
+            RequestOutput("r1", [5], None, 3, 1),
+            RequestOutput("r2", [], "stop", 3, 2, stop_token_id=7),
+            RequestOutput(
+                "r3", [6], None, 3, 1, logprobs=[TokenLogprobs(-0.5, [6, 2], [-0.5, -1.0])]
+            ),
+        ]
+    )
     body = msgpack.unpackb(outputs.encode())
-    assert set(body["outputs"][0]) == {
-        "request_id",
-        "new_token_ids",
-        "finish_reason",
-        "num_prompt_tokens",
-        "num_output_tokens",
-        "stop_token_id",
-    }
+    assert body["outputs"] == [
+        ["r1", [5], None, 3, 1],
+        ["r2", [], "stop", 3, 2, None, None, 7],
+        ["r3", [6], None, 3, 1, [[-0.5, [6, 2], [-0.5, -1.0]]]],
+    ]
     assert decode_message(outputs.encode()) == outputs
+
+
+@pytest.mark.parametrize(
+    ("output", "problem"),
+    [
+        ({"request_id": "r1", "new_token_ids": [5]}, "outputs[0]: expected an array"),
+        (["r1", [5], None, 3], "expected 5 to 9 values, got 4"),
+        (["r1", [5], None, 3, 1, None, None, None, None, None], "expected 5 to 9 values, got 10"),
+        (["r1", [5], None, "3", 1], "outputs[0].num_prompt_tokens: expected int"),
+        (["r1", [5], None, 3, 1, [[-0.5, [6], "x"]]], "outputs[0].logprobs[0].top_logprobs"),
+    ],
+)
+def test_malformed_outputs_name_the_field(output: object, problem: str) -> None:
+    with pytest.raises(ProtocolError, match=re.escape(problem)):
+        decode_message(_frame({"type": "outputs", "outputs": [output]}))
 
 
 def test_sampling_validation_names_the_problem() -> None:
