@@ -382,17 +382,20 @@ class LLMEngine:
                 take_scored(chunk.request, chunk.first_token, entries)
         logprobs = sampled.logprobs or [None] * len(sampled.requests)
         outputs = []
+        finished = RequestStatus.FINISHED
+        num_read = 0  # tokens of requests still running (not those finished since the launch)
         for request, tokens, token_logprobs in zip(
             sampled.requests, sampled.token_ids, logprobs, strict=True
         ):
-            if request.status is not RequestStatus.FINISHED:
-                request.num_pending_tokens -= 1
-                self.num_generated_tokens += len(tokens)
+            if request.status is not finished:
+                request.read_pending_token()
+                num_read += len(tokens)
                 if request.draft_token_ids:
                     self._take_verified(request, len(tokens) - 1)
                 output = self._append_tokens(request, tokens, token_logprobs)
                 if output is not None:  # None: refused, its error is in self.errors
                     outputs.append((request.client, output))
+        self.num_generated_tokens += num_read
         return outputs
 
     def _take_verified(self, request: Request, num_accepted: int) -> None:
@@ -416,10 +419,11 @@ class LLMEngine:
             request.prompt_logprobs if first and sampling.prompt_logprobs is not None else None
         )
         grammar = request.grammar
+        dead_ends = may_dead_end(request)
         for count, token in enumerate(tokens):
             # A request that may dead-end gets no drafts (it has a grammar or restricts its
             # tokens, which shape its logits): this is its step's one token.
-            if may_dead_end(request) and (
+            if dead_ends and (
                 breaks_restrictions(request, token, self.eos_token_ids)
                 or (grammar is not None and not grammar.accept_token(token))
             ):
@@ -439,7 +443,7 @@ class LLMEngine:
                     stop_token_id=token,
                 )
                 break
-            request.output_token_ids.append(token)
+            request.append_output_token(token)
             if (
                 len(request.output_token_ids) >= sampling.max_tokens
                 or request.num_tokens >= self.max_model_len
@@ -500,14 +504,16 @@ class LLMEngine:
         logprobs: list[TokenLogprobs] | None = None,
         prompt_logprobs: list[PromptTokenLogprobs] | None = None,
     ) -> RequestOutput:
+        # By position (request_id, new_token_ids, finish_reason, num_prompt_tokens,
+        # num_output_tokens, ...): one per request each step, and keywords cost more.
         return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=new_tokens,
-            finish_reason=reason,
-            num_prompt_tokens=len(request.prompt_token_ids),
-            num_output_tokens=len(request.output_token_ids),
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+            request.request_id,
+            new_tokens,
+            reason,
+            len(request.prompt_token_ids),
+            len(request.output_token_ids),
+            logprobs,
+            prompt_logprobs,
         )
 
 

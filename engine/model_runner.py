@@ -561,8 +561,7 @@ class ModelRunner:
         """Each row's newest token [R] is sampled, not yet read: the next step may take it."""
         self._last_sampled = last_tokens
         for row, request in enumerate(rows):
-            request.num_pending_tokens += 1
-            request.pending_row = row
+            request.add_pending_token(row)
 
     @staticmethod
     def _with_logprobs(

@@ -45,6 +45,12 @@ class Request:
     # one's row in that step's sampled tokens, where the next step's input is taken from.
     num_pending_tokens: int = 0
     pending_row: int = -1
+    # Its prompt, output and pending tokens: len(prompt_token_ids) + len(output_token_ids) +
+    # num_pending_tokens, kept as they change (add_pending_token, read_pending_token,
+    # append_output_token). An attribute, not a property: the scheduler, packing and the read
+    # of results take it four times a request each step, and a property's call cost a large
+    # batch's step a tenth of the host's time.
+    num_tokens: int = field(init=False)
     # Speculative decoding: tokens proposed to follow its last one, which the current step
     # verifies (the step computes them after the last token); empty without speculation.
     draft_token_ids: list[int] = field(default_factory=list)
@@ -94,6 +100,24 @@ class Request:
         )
         allowed = s.allowed_token_ids
         self.allowed_token_set = None if allowed is None else frozenset(allowed)
+        self.num_tokens = (
+            len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+        )
+
+    def add_pending_token(self, row: int) -> None:
+        """A step sampled its next token, at ``row`` of the step's tokens, not yet read."""
+        self.num_pending_tokens += 1
+        self.num_tokens += 1
+        self.pending_row = row
+
+    def read_pending_token(self) -> None:
+        """The host read its oldest pending token (appended next, unless it ends the request)."""
+        self.num_pending_tokens -= 1
+        self.num_tokens -= 1
+
+    def append_output_token(self, token: int) -> None:
+        self.output_token_ids.append(token)
+        self.num_tokens += 1
 
     @property
     def key(self) -> tuple[bytes, str]:
@@ -105,14 +129,8 @@ class Request:
         return self.num_tokens - self.num_pending_tokens
 
     @property
-    def num_tokens(self) -> int:
-        # The sum here, not over num_known_tokens: the scheduler reads this for every
-        # request each step, and a nested property cost it a tenth of its time.
-        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
-
-    @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids) + self.num_pending_tokens
+        return self.num_tokens - len(self.prompt_token_ids)
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -58,9 +58,9 @@ def time_host_step(engine: LLMEngine, batch: int, context: int, steps: int) -> d
             requests, engine.vocab_size, engine.device, next_tokens, runner.eos_token_ids
         )
         t3 = time.perf_counter()
-        for request in requests:  # as launch() leaves them
+        for row, request in enumerate(requests):  # as launch() leaves them
             request.num_cached_tokens += request.num_scheduled_tokens
-            request.num_pending_tokens += 1
+            request.add_pending_token(row)
         engine._read_results(LaunchedStep(requests, requests, [next_tokens], None, [], None))
         t4 = time.perf_counter()
         for name, seconds in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):

@@ -138,5 +138,7 @@ def test_disabled_prefix_caching_finds_nothing(tiny: tuple[Path, HFLlama]) -> No
 @pytest.mark.parametrize(("start", "end"), [(0, 3), (2, 5), (3, 6), (5, 7), (0, 7)])
 def test_token_ids_between_spans_prompt_and_output(start: int, end: int) -> None:
     request = Request(b"c", "r", [0, 1, 2, 3], SamplingParams(), seed=0)
-    request.output_token_ids = [4, 5, 6]
+    for token in [4, 5, 6]:
+        request.append_output_token(token)
+    assert request.num_tokens == 7 and request.num_output_tokens == 3
     assert request.token_ids_between(start, end) == list(range(start, end))
