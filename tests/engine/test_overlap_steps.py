@@ -119,3 +119,23 @@ def test_abort_with_a_step_in_flight(tiny: tuple[Path, HFLlama]) -> None:
             kept += output.new_token_ids
     assert kept == hf_greedy(hf_model, prompts[1], 10)
     assert_all_blocks_free(engine)
+
+
+def test_token_counts_stay_the_sum_of_their_parts(tiny: tuple[Path, HFLlama]) -> None:
+    """A request's num_tokens, kept as tokens are sampled and read (not summed when asked),
+    is its prompt, output and pending tokens after every step, through preemption."""
+    directory, _ = tiny
+    engine = make_engine(directory, num_kv_blocks=40, max_model_len=160)
+    for index, prompt in enumerate(random_prompts(8)):
+        engine.add_request(b"c", str(index), prompt, SamplingParams(max_tokens=24))
+    num_steps = 0
+    while engine.has_work:
+        engine.step()
+        num_steps += 1
+        assert num_steps < 1000, "the requests never finished"
+        for r in engine.requests.values():
+            parts = len(r.prompt_token_ids) + len(r.output_token_ids) + r.num_pending_tokens
+            assert r.num_tokens == parts, r.request_id
+            assert r.num_output_tokens == len(r.output_token_ids) + r.num_pending_tokens
+    assert engine.scheduler.num_preemptions > 0
+    assert_all_blocks_free(engine)
