@@ -37,6 +37,7 @@ from protocol import (
     RequestOutput,
     StatsRequest,
     TokenOutputs,
+    build_codecs,
     decode_message,
 )
 
@@ -55,6 +56,7 @@ _CLOSE_LINGER_MS = 2_000
 class EngineService:
     def __init__(self, engine: LLMEngine, config: ServiceConfig) -> None:
         self.engine = engine
+        build_codecs()  # not on the first request's way to its first token
         self.throughput_log = ThroughputLog(engine, config.stats_interval)
         self.drain_timeout_s = config.drain_timeout
         self.context = zmq.Context()

@@ -1,6 +1,6 @@
 """The messages between HTTP servers and the engine: the one source of truth for the socket."""
 
-from protocol.codec import MAX_FRAME_BYTES, Message, ProtocolError, decode_message
+from protocol.codec import MAX_FRAME_BYTES, Message, ProtocolError, build_codecs, decode_message
 from protocol.limits import context_length_problem
 from protocol.messages import (
     MAX_BAD_WORDS,
@@ -51,6 +51,7 @@ __all__ = [
     "StructuredOutputKind",
     "TokenLogprobs",
     "TokenOutputs",
+    "build_codecs",
     "context_length_problem",
     "decode_message",
 ]

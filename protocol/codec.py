@@ -68,6 +68,15 @@ class Message:
         return msgpack.packb(body, use_bin_type=True)
 
 
+def build_codecs() -> None:
+    """Build every message's encoder and checker now (each is built once, on its first use
+    otherwise): the engine and the servers call this at start, so that their first request
+    does not pay for them (0.3-0.8 ms of a fresh engine's first TTFT, development machine)."""
+    for cls in _REGISTRY.values():
+        _encoder(cls)
+        _checker(cls)
+
+
 def decode_message(frame: bytes) -> Message:
     """Parse one frame into its message class, or raise ``ProtocolError``."""
     if not isinstance(frame, (bytes, bytearray, memoryview)):

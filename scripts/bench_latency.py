@@ -63,6 +63,7 @@ from protocol import (  # noqa: E402
     HandshakeRequest,
     SamplingParams,
     TokenOutputs,
+    build_codecs,
     decode_message,
 )
 from scripts.bench_offline import extremes, spread  # noqa: E402
@@ -112,6 +113,7 @@ def bench_engine(args: argparse.Namespace) -> tuple[float, list[Latency], list[S
         args.kv_cache_dtype,
         *(["--quantization", args.quantization] if args.quantization else []),
     ]
+    build_codecs()  # as a server does at start: the first run's TTFT is the engine's
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(address)

@@ -36,6 +36,7 @@ from protocol import (
     SamplingParams,
     StatsRequest,
     TokenOutputs,
+    build_codecs,
     decode_message,
 )
 from protocol.curve import make_curve_client
@@ -87,6 +88,7 @@ class EngineClient:
     ) -> None:
         self.address = address
         self._client_name = client_name
+        build_codecs()  # not on the first request's way to its first token
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.DEALER)
         if curve is not None:

@@ -23,6 +23,8 @@ from protocol import (
     StructuredOutputKind,
     TokenLogprobs,
     TokenOutputs,
+    build_codecs,
+    codec,
     decode_message,
 )
 
@@ -221,3 +223,15 @@ def test_well_formed_structured_outputs_validate() -> None:
         StructuredOutput("grammar", 'root ::= "a"'),
     ]:
         assert SamplingParams(structured_output=constraint).validate() is None
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_codecs_built_at_start_serve_every_message(message: Message) -> None:
+    """After build_codecs() (the engine and the servers call it at start), no message's first
+    encoding or decoding builds anything: a fresh engine's first request pays for none."""
+    codec._encoder.cache_clear()
+    codec._checker.cache_clear()
+    build_codecs()
+    built = (codec._encoder.cache_info().misses, codec._checker.cache_info().misses)
+    assert decode_message(message.encode()) == message
+    assert (codec._encoder.cache_info().misses, codec._checker.cache_info().misses) == built
