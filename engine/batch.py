@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.pinned_inputs import PinnedInputs
 from engine.prompt_logprobs import ScoredPositions, scored_chunks
 from engine.request import Request
 from engine.sampler import (
@@ -121,10 +122,12 @@ def pack(
     device: torch.device,
     last_sampled: torch.Tensor,
     verify_query_len: int = 0,
+    pinned: PinnedInputs | None = None,
 ) -> StepInputs:
-    """The scheduled tokens of ``batch`` and its cache layout on ``device``. A decode whose
-    input is a token the step in flight sampled (pending) takes it from ``last_sampled``,
-    that step's sampled ids, on the device.
+    """The scheduled tokens of ``batch`` and its cache layout on ``device``, copied there in
+    one copy (on CUDA through ``pinned``'s buffers). A decode whose input is a token the step
+    in flight sampled (pending) takes it from ``last_sampled``, that step's sampled ids, on
+    the device.
 
     With ``verify_query_len`` (speculative decoding: 1 + k), a step whose every request
     verifies drafts or decodes takes the uniform layout of ``pad_verify``."""
@@ -184,28 +187,25 @@ def pack(
         token_seq_index = np.repeat(np.arange(seqs), verify_query_len)
         query_lens = np.full(seqs, verify_query_len)
         query_starts = np.arange(seqs) * verify_query_len
-    host = np.concatenate(
-        [
-            token_ids,
-            positions,
-            slot_mapping,
-            token_seq_index,
-            ends,
-            query_lens,
-            query_starts,
-            tables.ravel(),
-            logits_index,
-            scored_index,
-            target_ids,
-            first_index[pending],
-            source_rows[pending],
-        ]
-    )
-    # Pinned, so the copy is asynchronous: the device may still be running the last step.
-    host_t = torch.from_numpy(host)
-    if device.type == "cuda":
-        host_t = host_t.pin_memory()
-    on_device = host_t.to(device, non_blocking=True)
+    parts = [
+        token_ids,
+        positions,
+        slot_mapping,
+        token_seq_index,
+        ends,
+        query_lens,
+        query_starts,
+        tables.ravel(),
+        logits_index,
+        scored_index,
+        target_ids,
+        first_index[pending],
+        source_rows[pending],
+    ]
+    if pinned is not None:  # asynchronous: the device may still be running the last step
+        on_device = pinned.to_device(parts)
+    else:
+        on_device = torch.from_numpy(np.concatenate(parts)).to(device)
     num_pending = int(pending.sum())
     shape = StepShape(
         num_tokens=num_tokens,

@@ -28,6 +28,7 @@ from engine.model_config import ModelConfig
 from engine.models import build_model
 from engine.models.causal_lm import CausalLM
 from engine.parallel import SINGLE, TensorParallel
+from engine.pinned_inputs import PinnedInputs
 from engine.prompt_graphs import PromptGraphs
 from engine.prompt_logprobs import ScoredChunk, ScoredPositions, read_scored
 from engine.quantization import resolve_quantization
@@ -291,6 +292,7 @@ class ModelRunner:
         # sequence, padded (engine.batch.pad_verify): it may replay a graph too.
         speculative = config.speculation is not None
         self.verify_query_len = 1 + config.num_speculative_tokens if speculative else 0
+        self.pinned_inputs = PinnedInputs(self.device) if self.device.type == "cuda" else None
         self.decode_graphs: StepGraphs | None = None
         self.verify_graphs: StepGraphs | None = None
         self.prompt_graphs: PromptGraphs | None = None
@@ -436,7 +438,14 @@ class ModelRunner:
     def step_inputs(self, batch: list[Request]) -> StepInputs:
         """``batch``'s scheduled tokens as a forward pass's inputs; the requests are left as
         they are."""
-        return pack(batch, self.block_size, self.device, self._last_sampled, self.verify_query_len)
+        return pack(
+            batch,
+            self.block_size,
+            self.device,
+            self._last_sampled,
+            self.verify_query_len,
+            self.pinned_inputs,
+        )
 
     def forward_eager(self, inputs: StepInputs) -> torch.Tensor:
         """The logits of the step's sampled rows and scored prompt positions, the model run
