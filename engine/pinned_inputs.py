@@ -30,6 +30,7 @@ class PinnedInputs:
     def __init__(self, device: torch.device, size: int = _INITIAL_SIZE) -> None:
         self.device = device
         self._buffers = [_pinned(size), _pinned(size)]
+        self._arrays = [buffer.numpy() for buffer in self._buffers]  # the same memory
         self._copied = [torch.cuda.Event(), torch.cuda.Event()]  # after each buffer's copy
         self._used = [False, False]
         self._turn = 0
@@ -43,9 +44,9 @@ class PinnedInputs:
         size = sum(part.size for part in parts)
         if size > self._buffers[turn].numel():
             self._buffers[turn] = _pinned(1 << (size - 1).bit_length())
-        staged = self._buffers[turn][:size]
-        np.concatenate(parts, out=staged.numpy())
-        on_device = staged.to(self.device, non_blocking=True)
+            self._arrays[turn] = self._buffers[turn].numpy()
+        np.concatenate(parts, out=self._arrays[turn][:size])
+        on_device = self._buffers[turn][:size].to(self.device, non_blocking=True)
         self._copied[turn].record()
         self._used[turn] = True
         return on_device
