@@ -1,4 +1,5 @@
-"""An RMSNorm of one row left to the linear layer that reads it next.
+"""An RMSNorm left to the linear layer that reads it next: of one row, or of an FP8 layer's
+rows.
 
 At one row (a batch-1 decode step, a prompt's LM head) a norm is a launch and about 2 µs of
 a kernel with almost nothing to do, twice a layer and once before the LM head: a tenth of
@@ -17,6 +18,12 @@ Measured on an H100 against the commit before (medians of 3, A/B in one call eac
 shape's batch-1 step 1.227 -> 1.215, 1.222 -> 1.183 and 1.342 -> 1.288 ms (1-4% faster); the
 8B shape's 5.684 -> 5.703 ms (0.3% slower).
 
+Rows that an FP8 layer quantizes for its W8A8 product (``Fp8Linear``, more than 16 tokens)
+are deferred too where the layer reading them says so (``LinearMethod.takes_deferred_norm``,
+asked by ``RMSNorm`` through its ``reader``): the quantization kernel computes the norm as it
+reads each row (``engine.backends.triton.fp8_quantize``), so the norm's own kernel, a launch
+and a write and read of the normalized rows, is gone twice a layer.
+
 The sum x + residual is the residual stream the layer's next norm adds to: ``stream``,
 written by whichever kernel computes the norm. It is a buffer of its own, not the residual
 updated in place as the unfused norm does, because every program of the one-row kernel
@@ -32,8 +39,9 @@ import torch
 
 @dataclass
 class DeferredNorm:
-    """``rms_norm(x + residual) * weight`` of one row x [1, hidden], not yet computed; with
-    no residual (the first layer's norm), of x itself, which is then the stream."""
+    """``rms_norm(x + residual) * weight`` of rows x [T, hidden] (one row, but for an FP8
+    layer's), not yet computed; with no residual (the first layer's norm), of x itself, which
+    is then the stream."""
 
     x: torch.Tensor
     residual: torch.Tensor | None
@@ -42,11 +50,11 @@ class DeferredNorm:
     stream: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
-        assert self.x.shape[0] == 1 and self.x.stride(-1) == 1
+        assert self.x.stride(-1) == 1
         self.stream = self.x if self.residual is None else torch.empty_like(self.x)
 
     def normalized(self) -> torch.Tensor:
-        """The normalized row, by the norm's own kernel, which also writes ``stream``."""
+        """The normalized rows, by the norm's own kernel, which also writes ``stream``."""
         # Imported here: only the Triton ops defer norms, and Triton is not everywhere.
         from engine.backends.triton.norm import add_rms_norm
 

@@ -16,9 +16,10 @@ import torch
 
 
 class LayerOps(Protocol):
-    # Whether RMSNorm leaves a norm of one row to the linear layer that reads it next
-    # (``engine.deferred_norm``): the ops' kernels must include that layer's.
-    defers_one_row_norms: bool
+    # Whether RMSNorm leaves a norm to the linear layer that reads it next, of one row or of
+    # the rows an FP8 layer quantizes (``engine.deferred_norm``): the ops' kernels must
+    # include that layer's.
+    defers_norms: bool
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """rmsnorm(x) * weight, normalized in float32 over the last dimension."""

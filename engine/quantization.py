@@ -132,9 +132,14 @@ class LinearMethod:
         raise ValueError("the checkpoint has weight scales, but its weights are not quantized")
 
     def apply(self, layer: nn.Module, x: LinearInput, bias: torch.Tensor | None) -> torch.Tensor:
-        """The layer's output for ``x`` [T, K] (or a deferred norm of one row), ``bias``
-        added if not None."""
+        """The layer's output for ``x`` [T, K] (or a deferred norm of one row, or of the rows
+        ``takes_deferred_norm`` asked for), ``bias`` added if not None."""
         return linear(x, layer.weight, bias)
+
+    def takes_deferred_norm(self, num_rows: int) -> bool:
+        """Whether a norm of ``num_rows`` rows (more than one) before this layer is best left
+        to it (``DeferredNorm``): where the rows are read by a kernel that can compute it."""
+        return False
 
     def apply_silu_gated(
         self, layer: nn.Module, gate_up: torch.Tensor, silu_and_mul: Activation
@@ -235,11 +240,16 @@ class Fp8Linear(QuantizedLinear):
     dtype = FP8
 
     def apply(self, layer: nn.Module, x: LinearInput, bias: torch.Tensor | None) -> torch.Tensor:
-        x = dense(x)  # a deferred norm computed first, by the norm's kernel (QuantizedLinear)
-        if not takes_w8a8(layer, x.shape[0]):
-            return self.weight_only(layer, x, bias)
-        codes, scale = quantize_activation_fp8(x)
-        return with_bias(w8a8_matmul(layer, codes, scale, x.dtype), bias)
+        rows = x.x if isinstance(x, DeferredNorm) else x
+        if not takes_w8a8(layer, rows.shape[0]):
+            # A deferred norm computed first, by the norm's kernel (QuantizedLinear).
+            return self.weight_only(layer, dense(x), bias)
+        codes, scale = quantize_activation_fp8(x)  # a deferred norm's rows in the same kernel
+        return with_bias(w8a8_matmul(layer, codes, scale, rows.dtype), bias)
+
+    def takes_deferred_norm(self, num_rows: int) -> bool:
+        # The W8A8 product's quantization kernel computes the norm as it reads the rows.
+        return num_rows > WEIGHT_ONLY_MAX_TOKENS
 
     def apply_silu_gated(
         self, layer: nn.Module, gate_up: torch.Tensor, silu_and_mul: Activation
@@ -259,9 +269,10 @@ def takes_w8a8(layer: nn.Module, num_tokens: int) -> bool:
     return num_tokens > WEIGHT_ONLY_MAX_TOKENS and (output_size | input_size) % 16 == 0
 
 
-def quantize_activation_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_per_token_fp8``; on CUDA in one kernel instead of PyTorch's eight."""
-    if x.is_cuda:
+def quantize_activation_fp8(x: LinearInput) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_per_token_fp8``; on CUDA in one kernel instead of PyTorch's eight, a
+    deferred norm's (only the CUDA ops defer norms) computed in it."""
+    if isinstance(x, DeferredNorm) or x.is_cuda:
         return _triton_quantize_rows_fp8()(x)
     return quantize_per_token_fp8(x)
 
@@ -305,9 +316,9 @@ def linear_float32(x: LinearInput, weight: torch.Tensor) -> torch.Tensor:
 def takes_one_row_kernel(x: LinearInput) -> bool:
     """Whether ``x`` is one row that ``linear`` multiplies with the one-row kernel (and so a
     row whose norm can be left to that kernel, ``DeferredNorm``): one contiguous CUDA row,
-    or a deferred norm, which is only ever made of one."""
+    or a deferred norm of one (only the CUDA ops defer norms)."""
     if isinstance(x, DeferredNorm):
-        return True
+        return x.x.shape[0] == 1
     return x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
 
 

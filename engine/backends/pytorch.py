@@ -153,7 +153,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class TorchLayerOps:
-    defers_one_row_norms = False  # no kernel here reads a row and normalizes it
+    defers_norms = False  # no kernel here reads a row and normalizes it
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)

@@ -23,7 +23,7 @@ from engine.layer_ops import LayerOps
 from engine.model_config import ModelConfig, RopeScaling
 from engine.models.parallel_layers import ColumnParallelLinear, RowParallelLinear, Rows
 from engine.parallel import TensorParallel
-from engine.quantization import linear_method, takes_one_row_kernel
+from engine.quantization import LinearMethod, linear_method, takes_one_row_kernel
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -34,11 +34,16 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 class RMSNorm(nn.Module):
     """Llama's RMSNorm: normalized in float32, rounded, then scaled by the weight."""
 
-    def __init__(self, size: int, eps: float, ops: LayerOps) -> None:
+    def __init__(
+        self, size: int, eps: float, ops: LayerOps, reader: LinearMethod | None = None
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.ops = ops
+        # The method of the linear layer that reads the norm's output, where there is one:
+        # it may take the norm of several rows too (LinearMethod.takes_deferred_norm).
+        self.reader = reader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(x, self.weight, self.eps)
@@ -48,8 +53,12 @@ class RMSNorm(nn.Module):
     ) -> tuple[LinearInput, torch.Tensor]:
         """Add ``x`` to the residual stream (None: ``x`` starts it); the stream normalized,
         and the stream. One row the next linear layer reads with the one-row kernel gets
-        its norm there (``DeferredNorm``), where the ops defer them."""
-        if self.ops.defers_one_row_norms and takes_one_row_kernel(x):
+        its norm there (``DeferredNorm``), where the ops defer them; so do rows that the
+        next layer's method takes the norm of (an FP8 layer's W8A8 quantization)."""
+        if self.ops.defers_norms and (
+            takes_one_row_kernel(x)
+            or (self.reader is not None and self.reader.takes_deferred_norm(x.shape[0]))
+        ):
             deferred = DeferredNorm(x, residual, self.weight, self.eps)
             return deferred, deferred.stream
         if residual is None:
@@ -269,10 +278,16 @@ class DecoderLayer(nn.Module):
         self, config: ModelConfig, self_attn: Attention, ops: LayerOps, tp: TensorParallel
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        # Each norm knows the method of the projection that reads it (RMSNorm.reader).
+        self.input_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, ops, self_attn.qkv_proj.method
+        )
         self.self_attn = self_attn
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.mlp = MLP(config, ops, tp)
+        mlp = MLP(config, ops, tp)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, ops, mlp.gate_up_proj.method
+        )
+        self.mlp = mlp
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, metadata: AttentionMetadata

@@ -152,6 +152,32 @@ def test_activation_kernel_quantizes_as_pytorch_bit_for_bit(
     assert (codes.float() != 0).any(dim=1).tolist() == [True, True, True, False, True, True]
 
 
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "first-layer"])
+def test_activation_kernel_computes_a_deferred_norm_bit_for_bit(with_residual: bool) -> None:
+    """An FP8 layer's rows whose norm was left to it (DeferredNorm): the quantization kernel's
+    codes and scales are those of the norm's kernel's output quantized, bit for bit, and it
+    writes the same residual stream."""
+    from engine.backends.triton.fp8_quantize import quantize_rows_fp8
+    from engine.backends.triton.norm import add_rms_norm
+    from engine.deferred_norm import DeferredNorm
+
+    torch.manual_seed(3)
+    rows, hidden = 20, 1000  # not a power of two: the row's mask counts
+    # The model's dtype on CUDA; Triton's interpreter computes in bfloat16 wrongly.
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    x = torch.randn(rows, hidden, device=DEVICE).to(dtype)
+    x[4] *= 300.0
+    residual = torch.randn(rows, hidden, device=DEVICE).to(dtype) if with_residual else None
+    weight = (torch.rand(hidden, device=DEVICE) + 0.5).to(dtype)
+    normalized, stream = add_rms_norm(x, residual, weight, 1e-5)
+    expected_codes, expected_scale = quantize_rows_fp8(normalized)
+    deferred = DeferredNorm(x, residual, weight, 1e-5)
+    codes, scale = quantize_rows_fp8(deferred)
+    assert torch.equal(scale, expected_scale)
+    assert torch.equal(codes.view(torch.uint8), expected_codes.view(torch.uint8))
+    assert torch.equal(deferred.stream, stream)
+
+
 def cpu_engine(directory: Path, quantization: str | None) -> LLMEngine:
     config = EngineConfig(
         model=str(directory),

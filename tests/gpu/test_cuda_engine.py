@@ -317,3 +317,42 @@ def test_http_end_to_end_on_cuda(
                 if chunk["choices"]:
                     streamed += chunk["choices"][0]["delta"].get("content") or ""
     assert streamed == plain["choices"][0]["message"]["content"]
+
+
+def test_fp8_layers_computing_their_norms_change_no_token(
+    llama_1b: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With FP8 weights, the norm before Q/K/V and gate/up is computed by the kernel that
+    quantizes its rows for the W8A8 product (engine.deferred_norm), bit for bit as the norm's
+    own kernel computes it: the same greedy tokens as with the norm's kernel, through prompts
+    and decode batches past the 16 rows that take the W8A8 product."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9")
+    from engine.deferred_norm import DeferredNorm
+    from engine.quantization import Fp8Linear
+
+    prompts = _prompts(24, max_len=120)
+    deferred_rows: list[int] = []  # the rows of each norm left to the layer after it
+    post_init = DeferredNorm.__post_init__
+
+    def recorded(self: DeferredNorm) -> None:
+        deferred_rows.append(self.x.shape[0])
+        post_init(self)
+
+    monkeypatch.setattr(DeferredNorm, "__post_init__", recorded)
+
+    def greedy() -> list[list[int]]:
+        config = EngineConfig(
+            model=str(llama_1b), device="cuda", quantization="fp8", kv_cache_memory_gb=2
+        )
+        engine = LLMEngine(config)
+        tokens = run_engine(engine, prompts, max_tokens=24)
+        engine.close()
+        return tokens
+
+    fused = greedy()
+    assert max(deferred_rows) > 16  # the W8A8 rows' norms were left to the quantization
+    monkeypatch.setattr(Fp8Linear, "takes_deferred_norm", lambda self, num_rows: False)
+    deferred_rows.clear()
+    assert greedy() == fused
+    assert set(deferred_rows) <= {1}  # only batch-1 steps' norms, as before

@@ -144,9 +144,9 @@ class TritonPagedAttention(AttentionBackend):
 class TritonLayerOps(TorchLayerOps):
     """The fused kernels; norms of [T, heads, head_dim] views (Gemma's per-head Q/K norms)
     stay in PyTorch. A norm of one row is left to the one-row kernel of the linear layer
-    after it (``engine.deferred_norm``)."""
+    after it, and an FP8 layer's rows' to its quantization kernel (``engine.deferred_norm``)."""
 
-    defers_one_row_norms = True
+    defers_norms = True
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() != 2:

@@ -13,6 +13,11 @@ magnitude, then again (from cache) to divide and round.
 silu(gate) * up, rounded to the row's dtype as ``silu_and_mul`` stores it: the down
 projection's input with no activation kernel of its own.
 
+A ``DeferredNorm`` (``engine.deferred_norm``): the activation is the layer norm's output,
+rms_norm(x + residual) * weight, computed as the norm's kernel computes it
+(``norm.add_and_normalize``), which also writes the residual stream: the Q/K/V and gate/up
+projections' inputs with no norm kernel of their own, two launches a layer fewer.
+
 The numbers are those of ``engine.quantization.quantize_per_token_fp8`` (float32 division,
 rounding to nearest even), which stays the CPU's path and this kernel's reference.
 """
@@ -30,6 +35,8 @@ from engine.backends.triton.dependent_launch import (
     let_next_kernel_start,
     wait_for_previous_kernel,
 )
+from engine.backends.triton.norm import add_and_normalize
+from engine.deferred_norm import DeferredNorm
 from engine.quantization import FP8, FP8_MAX, MIN_SCALE
 
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
@@ -91,10 +98,16 @@ def _quantize_rows_kernel(
     x_ptr,
     codes_ptr,
     scale_ptr,
+    residual_ptr,  # NORM: the norm's residual, norm weight and stream (x where unread)
+    norm_weight_ptr,
+    stream_ptr,
     K,
-    stride_x,
+    stride_x,  # x's, and the residual's and stream's
     stride_codes,
+    eps,
     GATED: tl.constexpr,
+    NORM: tl.constexpr,  # ONE_PASS only: the norm needs the row's sum of squares first
+    HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     ONE_PASS: tl.constexpr,  # BLOCK covers the row
 ):
@@ -107,7 +120,20 @@ def _quantize_rows_kernel(
     if ONE_PASS:
         cols = tl.arange(0, BLOCK)
         mask = cols < K
-        values = _row_chunk(x_ptr, row_start, cols, mask, K, GATED)
+        if NORM:
+            values = add_and_normalize(
+                x_ptr + row_start,
+                residual_ptr + row_start,
+                norm_weight_ptr,
+                stream_ptr + row_start,
+                cols,
+                mask,
+                K,
+                eps,
+                HAS_RESIDUAL,
+            ).to(tl.float32)
+        else:
+            values = _row_chunk(x_ptr, row_start, cols, mask, K, GATED)
         scale = _store_scale(tl.abs(values), scale_ptr, row)
         _store_codes(values, scale, row_codes_ptr, cols, mask)
     else:
@@ -124,23 +150,40 @@ def _quantize_rows_kernel(
             _store_codes(values, scale, row_codes_ptr, cols, mask)
 
 
-def quantize_rows_fp8(x: torch.Tensor, *, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] (or [T, 2K] gate and up halves, ``gated``: silu(gate) * up is quantized) ->
+def quantize_rows_fp8(
+    x: torch.Tensor | DeferredNorm, *, gated: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] (or [T, 2K] gate and up halves, ``gated``: silu(gate) * up is quantized; or a
+    deferred norm of rows [T, K], whose output is quantized and whose stream is written) ->
     (codes [T, K] float8 e4m3, scales [T, 1] float32), ``codes * scale`` ≈ the activation."""
+    norm = x if isinstance(x, DeferredNorm) else None
+    if norm is not None:
+        assert not gated
+        x = norm.x
+        for vector in (norm.residual, norm.stream):
+            assert vector is None or vector.stride() == x.stride()
     num_rows, width = x.shape
     assert x.stride(1) == 1 and (not gated or width % 2 == 0)
     depth = width // 2 if gated else width
     codes = torch.empty(num_rows, depth, dtype=FP8, device=x.device)
     scale = torch.empty(num_rows, 1, dtype=torch.float32, device=x.device)
     block = min(triton.next_power_of_2(depth), _MAX_BLOCK)
+    assert norm is None or block >= depth, "a norm's row is quantized in one pass"
     _quantize_rows_kernel[(num_rows,)](
         x,
         codes,
         scale,
+        # Unread without a norm, or without a residual:
+        x if norm is None or norm.residual is None else norm.residual,
+        x if norm is None else norm.weight,
+        x if norm is None else norm.stream,
         depth,
         x.stride(0),
         codes.stride(0),
+        0.0 if norm is None else norm.eps,
         GATED=gated,
+        NORM=norm is not None,
+        HAS_RESIDUAL=norm is not None and norm.residual is not None,
         BLOCK=block,
         ONE_PASS=block >= depth,
         num_warps=min(max(block // 1024, 4), 16),

@@ -14,6 +14,24 @@ from engine.backends.triton.dependent_launch import (
 
 
 @triton.jit
+def add_and_normalize(
+    x_row, residual_row, weight_ptr, residual_out_row, cols, mask, hidden_size, eps, HAS_RESIDUAL
+):
+    """One row's rms_norm(x + residual) * weight in x's dtype, rounded as Hugging Face's
+    RMSNorm rounds; x + residual written to ``residual_out_row``. (The pointers are the row's.)
+    The FP8 quantization of a norm's output (``fp8_quantize``) computes it the same way."""
+    x = tl.load(x_row + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        # Added in the model dtype, as Hugging Face does, so the stream rounds the same way.
+        x += tl.load(residual_row + cols, mask=mask, other=0.0)
+        tl.store(residual_out_row + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x32 * x32, 0) / hidden_size + eps)
+    weight = tl.load(weight_ptr + cols, mask=mask)
+    return (x32 * inv_rms).to(x.dtype) * weight
+
+
+@triton.jit
 def _add_rms_norm_kernel(
     x_ptr,
     residual_ptr,
@@ -35,15 +53,17 @@ def _add_rms_norm_kernel(
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden_size
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        # Added in the model dtype, as Hugging Face does, so the stream rounds the same way.
-        x += tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
-        tl.store(residual_out_ptr + row * stride_residual_out + cols, x, mask=mask)
-    x32 = x.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(x32 * x32, 0) / hidden_size + eps)
-    weight = tl.load(weight_ptr + cols, mask=mask)
-    out = (x32 * inv_rms).to(x.dtype) * weight
+    out = add_and_normalize(
+        x_ptr + row * stride_x,
+        residual_ptr + row * stride_residual,
+        weight_ptr,
+        residual_out_ptr + row * stride_residual_out,
+        cols,
+        mask,
+        hidden_size,
+        eps,
+        HAS_RESIDUAL,
+    )
     tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
 
 
