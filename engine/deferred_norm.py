@@ -65,6 +65,25 @@ class DeferredNorm:
         return normalized
 
 
+@dataclass(frozen=True)
+class NormArguments:
+    """A norm as a kernel that may compute it takes it: its residual, weight and stream as
+    pointers (the rows x in place of each the kernel does not read), its eps, and whether it
+    has a residual to add."""
+
+    pointers: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    eps: float
+    has_residual: bool
+
+
+def norm_arguments(x: torch.Tensor, norm: DeferredNorm | None) -> NormArguments:
+    """``norm`` of the rows ``x`` (None: no norm) as a kernel's arguments."""
+    if norm is None:
+        return NormArguments((x, x, x), 0.0, False)
+    residual = x if norm.residual is None else norm.residual
+    return NormArguments((residual, norm.weight, norm.stream), norm.eps, norm.residual is not None)
+
+
 # What a linear layer reads: its input row(s), or one row whose norm it computes itself.
 LinearInput = torch.Tensor | DeferredNorm
 

@@ -36,7 +36,7 @@ from engine.backends.triton.dependent_launch import (
     wait_for_previous_kernel,
 )
 from engine.backends.triton.norm import add_and_normalize
-from engine.deferred_norm import DeferredNorm
+from engine.deferred_norm import DeferredNorm, norm_arguments
 from engine.quantization import FP8, FP8_MAX, MIN_SCALE
 
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
@@ -169,21 +169,19 @@ def quantize_rows_fp8(
     scale = torch.empty(num_rows, 1, dtype=torch.float32, device=x.device)
     block = min(triton.next_power_of_2(depth), _MAX_BLOCK)
     assert norm is None or block >= depth, "a norm's row is quantized in one pass"
+    norm_args = norm_arguments(x, norm)
     _quantize_rows_kernel[(num_rows,)](
         x,
         codes,
         scale,
-        # Unread without a norm, or without a residual:
-        x if norm is None or norm.residual is None else norm.residual,
-        x if norm is None else norm.weight,
-        x if norm is None else norm.stream,
+        *norm_args.pointers,
         depth,
         x.stride(0),
         codes.stride(0),
-        0.0 if norm is None else norm.eps,
+        norm_args.eps,
         GATED=gated,
         NORM=norm is not None,
-        HAS_RESIDUAL=norm is not None and norm.residual is not None,
+        HAS_RESIDUAL=norm_args.has_residual,
         BLOCK=block,
         ONE_PASS=block >= depth,
         num_warps=min(max(block // 1024, 4), 16),

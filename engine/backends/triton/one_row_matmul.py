@@ -48,7 +48,7 @@ from engine.backends.triton.dependent_launch import (
     wait_for_previous_kernel,
 )
 from engine.backends.triton.fp8_widen import widen
-from engine.deferred_norm import DeferredNorm
+from engine.deferred_norm import DeferredNorm, norm_arguments
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -312,22 +312,20 @@ def row_operands(
     assert x.shape == (1, 2 * depth if gated else depth) and x.stride(-1) == 1
     assert weight.stride(1) == 1
     assert (scale is None) == (weight.dtype == x.dtype), "codes need their scales"
+    norm_args = norm_arguments(x, norm)
     pointers = (
         x,
         weight,
         weight if scale is None else scale,  # unread without a scale
-        # Unread without a norm, or without a residual:
-        x if norm is None or norm.residual is None else norm.residual,
-        x if norm is None else norm.weight,
-        x if norm is None else norm.stream,
+        *norm_args.pointers,
     )
     flags = {
         "HAS_SCALE": scale is not None,
         "GATED": gated,
         "NORM": norm is not None,
-        "HAS_RESIDUAL": norm is not None and norm.residual is not None,
+        "HAS_RESIDUAL": norm_args.has_residual,
     }
-    return RowOperands(pointers, 0.0 if norm is None else norm.eps, flags, norm is not None)
+    return RowOperands(pointers, norm_args.eps, flags, norm is not None)
 
 
 def one_row_matmul(
