@@ -31,16 +31,15 @@ class PinnedInputs:
         self.device = device
         self._buffers = [_pinned(size), _pinned(size)]
         self._arrays = [buffer.numpy() for buffer in self._buffers]  # the same memory
-        self._copied = [torch.cuda.Event(), torch.cuda.Event()]  # after each buffer's copy
-        self._used = [False, False]
+        # After each buffer's last copy; waiting on one never recorded returns at once.
+        self._copied = [torch.cuda.Event(), torch.cuda.Event()]
         self._turn = 0
 
     def to_device(self, parts: Sequence[np.ndarray]) -> torch.Tensor:
         """``parts`` (int64) concatenated on the device, asynchronously."""
         turn = self._turn
         self._turn ^= 1
-        if self._used[turn]:
-            self._copied[turn].synchronize()
+        self._copied[turn].synchronize()
         size = sum(part.size for part in parts)
         if size > self._buffers[turn].numel():
             self._buffers[turn] = _pinned(1 << (size - 1).bit_length())
@@ -48,7 +47,6 @@ class PinnedInputs:
         np.concatenate(parts, out=self._arrays[turn][:size])
         on_device = self._buffers[turn][:size].to(self.device, non_blocking=True)
         self._copied[turn].record()
-        self._used[turn] = True
         return on_device
 
 
