@@ -154,6 +154,17 @@ class LinearMethod:
         """``apply_silu_gated`` of one row on CUDA, the activation applied as it is read."""
         return _triton_one_row_matmul()(gate_up, layer.weight, gated=True)
 
+    def one_row_into_stream(
+        self, layer: nn.Module, x: torch.Tensor, stream: torch.Tensor, *, gated: bool = False
+    ) -> torch.Tensor:
+        """``stream + apply(layer, x)`` for one CUDA row ``x`` (``gated``: of silu(gate) * up
+        of its halves, as ``apply_silu_gated``), the residual stream [1, N] added by the
+        one-row kernel in its epilogue, rounded as the sum of the stored product and the
+        stream rounds: a layer's o and down projections, with nothing left for the next norm
+        to add."""
+        row, weight, scale = self.one_row_operands(layer, x)
+        return _triton_one_row_matmul()(row, weight, scale, gated=gated, add=stream)
+
     def one_row_operands(
         self, layer: nn.Module, x: LinearInput
     ) -> tuple[LinearInput, torch.Tensor, torch.Tensor | None]:

@@ -15,6 +15,9 @@ steps reach all of them, and every sampling path:
   steps take them (filled in by a kernel of their own, ``pending_tokens``): a replayed CUDA
   graph (captured before, which compiled the decode kernels of each graph's batch size and
   the kernel that fills a graph's inputs, ``graph_inputs``) or the eager decode;
+- a prefill step of one prompt: its last token's row, gathered from the packed batch with
+  its residual, reaches the LM head as one row whose norm adds a residual, which batch-1
+  decode steps no longer do (their o and down projections add the stream themselves);
 - where decode may run eagerly (no graphs, or batches beyond the largest one), eager decodes
   of one sequence at the longest context (split-K) and of max_num_seqs at one token; where
   verify steps may (speculative decoding), the same two as verify steps (the decode
@@ -77,7 +80,9 @@ def warm_up(runner: ModelRunner, max_num_seqs: int) -> None:
     for request in batch:
         request.num_scheduled_tokens = 1
     runner.sample(runner.forward(batch), None).result()  # decode of the pending tokens
-    num_steps = 2
+    alone = [_request(2, _PROMPT_LEN, _GREEDY, block_size)]
+    runner.sample(runner.forward(alone), None).result()  # one prompt's prefill
+    num_steps = 3
     decode_graphs, verify_graphs = runner.decode_graphs, runner.verify_graphs
     eager_decodes = decode_graphs is None or not decode_graphs.fits(max_num_seqs)
     num_drafts = max(runner.verify_query_len - 1, 0)
@@ -88,8 +93,8 @@ def warm_up(runner: ModelRunner, max_num_seqs: int) -> None:
     # eager steps are not sent: they are left to the first steps that need them.
     if runner.send_step is None and (eager_decodes or eager_verifies):
         length = runner.max_model_len - num_drafts
-        longest = _request(2, length, _GREEDY, block_size, length - 1)
-        widest = [_request(3 + i, 1, _GREEDY, block_size) for i in range(max_num_seqs)]
+        longest = _request(3, length, _GREEDY, block_size, length - 1)
+        widest = [_request(4 + i, 1, _GREEDY, block_size) for i in range(max_num_seqs)]
         for decode in ([longest], widest):
             if eager_decodes:
                 runner.forward_eager(runner.step_inputs(decode))

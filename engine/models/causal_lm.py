@@ -121,10 +121,10 @@ class CausalLM(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, metadata)
-        assert residual is not None
         if x.shape[0] != 1 or logits_index.shape[0] != 1:
             # (One token whose logits are wanted, a batch-1 step's: it is the row already.)
-            x, residual = x[logits_index], residual[logits_index]
+            x = x[logits_index]
+            residual = None if residual is None else residual[logits_index]
         hidden, _ = self.norm.add_and_norm(x, residual)
         return self.compute_logits(hidden)
 

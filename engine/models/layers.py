@@ -198,6 +198,14 @@ class Attention(nn.Module):
         return Rotary(self.rotary_embedding.cos, self.rotary_embedding.sin)
 
     def forward(self, x: LinearInput, metadata: AttentionMetadata) -> torch.Tensor:
+        out, _ = self.into_stream(x, metadata, None)
+        return out
+
+    def into_stream(
+        self, x: LinearInput, metadata: AttentionMetadata, stream: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The attention's output as it joins the residual ``stream``, and what is left of the
+        stream to add (``RowParallelLinear.into_stream``)."""
         assert self.cache is not None, "the KV cache must be bound before the first forward"
         rotary = self.rotary()
         out = None
@@ -212,7 +220,7 @@ class Attention(nn.Module):
             out = self.backend.forward(
                 q, k, v, self.cache, metadata, self.scale, self.sliding_window, rotary=rotary
             )
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.o_proj.into_stream(out.reshape(-1, self.q_size), stream)
 
 
 class QKNormAttention(Attention):
@@ -259,11 +267,19 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(rows, config.hidden_size, tp, method)
 
     def forward(self, x: LinearInput) -> torch.Tensor:
+        out, _ = self.into_stream(x, None)
+        return out
+
+    def into_stream(
+        self, x: LinearInput, stream: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The MLP's output as it joins the residual ``stream``, and what is left of the
+        stream to add (``RowParallelLinear.into_stream``)."""
         gate_up = self.gate_up_proj(x)
         if self.act is F.silu:
-            return self.down_proj.forward_silu_gated(gate_up, self.ops.silu_and_mul)
+            return self.down_proj.into_stream(gate_up, stream, self.ops.silu_and_mul)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj.into_stream(self.act(gate) * up, stream)
 
 
 class DecoderLayer(nn.Module):
@@ -271,7 +287,10 @@ class DecoderLayer(nn.Module):
 
     A layer takes and returns the last sublayer's output and the stream without it: the next
     norm adds the two, in one fused pass where the ops have one. Every decoder layer keeps to
-    this, so ``CausalLM`` runs any of them.
+    this, so ``CausalLM`` runs any of them. The stream may be None: the output is the stream
+    already (the first layer's input; and here, at one row on one rank, the o and down
+    projections' one-row kernel adds the stream in its epilogue, so the norm after them,
+    computed by the next projection's kernel, has no residual to add and write as it reads).
     """
 
     def __init__(
@@ -291,8 +310,8 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, metadata: AttentionMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h = self.self_attn(h, metadata)
+        h, residual = self.self_attn.into_stream(h, metadata, residual)
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp.into_stream(h, residual)

@@ -25,7 +25,13 @@ from torch import nn
 from engine.checkpoint.checkpoint import TensorSlices
 from engine.deferred_norm import LinearInput
 from engine.parallel import TensorParallel
-from engine.quantization import Activation, LinearMethod, linear, linear_float32
+from engine.quantization import (
+    Activation,
+    LinearMethod,
+    linear,
+    linear_float32,
+    takes_one_row_kernel,
+)
 
 UNQUANTIZED = LinearMethod()
 
@@ -157,6 +163,24 @@ class RowParallelLinear(ParallelLinear):
         """forward(silu_and_mul(gate_up)), the activation fused into the product where the
         method can (``LinearMethod.apply_silu_gated``)."""
         return self.tp.all_reduce(self.method.apply_silu_gated(self, gate_up, silu_and_mul))
+
+    def into_stream(
+        self,
+        x: torch.Tensor,
+        stream: torch.Tensor | None,
+        silu_and_mul: Activation | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The product (of ``silu_and_mul(x)`` where given, as ``forward_silu_gated``) as it
+        joins the residual ``stream``, and what is left of the stream for the next norm to
+        add. One row on one rank, the one-row kernel adds the stream in its epilogue and
+        nothing is left (None); otherwise the stream is left as it came. Under tensor
+        parallelism the product is a sum over the ranks, all-reduced before any addition."""
+        if stream is not None and self.tp.size == 1 and takes_one_row_kernel(x):
+            gated = silu_and_mul is not None
+            return self.method.one_row_into_stream(self, x, stream, gated=gated), None
+        if silu_and_mul is None:
+            return self(x), stream
+        return self.forward_silu_gated(x, silu_and_mul), stream
 
     def load(self, param: str, part: int, source: TensorSlices, hf_name: str) -> None:
         self.load_weight_rows(param, 0, source, hf_name, 1, self.columns)

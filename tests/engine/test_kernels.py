@@ -46,7 +46,7 @@ from engine.backends.triton.one_row_matmul import one_row_matmul
 from engine.backends.triton.paged_attention import merge_splits
 from engine.batch import pad_verify
 from engine.deferred_norm import DeferredNorm
-from engine.quantization import linear_float32
+from engine.quantization import linear_float32, quantize_per_channel
 from tests.kernel_reference import paged_attention_reference
 
 CUDA = torch.cuda.is_available()
@@ -712,6 +712,23 @@ def test_one_row_matmul(gated: bool) -> None:
     # The gated input is silu(gate) * up rounded to DTYPE, as silu_and_mul stores it.
     inputs = silu_and_mul(x) if gated else x
     assert_rounding_close(got, inputs.float() @ weight.float().T)
+
+
+@pytest.mark.parametrize("weights", ["model dtype", "gated", "fp8 codes"])
+def test_one_row_matmul_adds_the_stream_in_its_epilogue(weights: str) -> None:
+    # A layer's o and down projections joining the residual stream: the product stored, then
+    # the stream added in DTYPE, bit for bit as ``stream + product`` computes it.
+    channels, depth = 37, 300
+    gated = weights == "gated"
+    x = randn(1, 2 * depth if gated else depth)
+    weight, scale = randn(channels, depth), None
+    if weights == "fp8 codes":
+        weight, scale = quantize_per_channel(weight, FP8)
+    stream = randn(1, channels)
+    product = one_row_matmul(x, weight, scale, gated=gated)
+    got = one_row_matmul(x, weight, scale, gated=gated, add=stream)
+    assert torch.equal(got, stream + product)
+    assert not torch.equal(got, product)
 
 
 @pytest.mark.parametrize("rows", [1, 4])

@@ -319,6 +319,55 @@ def test_http_end_to_end_on_cuda(
     assert streamed == plain["choices"][0]["message"]["content"]
 
 
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_projections_adding_the_stream_change_no_bit(
+    llama_1b: Path, quantization: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At batch 1 the o and down projections add the residual stream in the one-row kernel's
+    epilogue (RowParallelLinear.into_stream), and the norm after them has none to add: the
+    same tokens and log-probabilities, bit for bit, as with the stream left to the norm."""
+    if quantization == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9")
+    from engine.models.parallel_layers import RowParallelLinear
+    from engine.quantization import Activation, LinearMethod
+
+    added: list[int] = []  # the products that added the stream
+    into_stream = LinearMethod.one_row_into_stream
+
+    def recorded(self: LinearMethod, *args: object, **kwargs: object) -> torch.Tensor:
+        added.append(1)
+        return into_stream(self, *args, **kwargs)
+
+    monkeypatch.setattr(LinearMethod, "one_row_into_stream", recorded)
+    prompts = _prompts(4, max_len=80)
+
+    def each_alone() -> list[dict]:
+        config = EngineConfig(
+            model=str(llama_1b), device="cuda", quantization=quantization, kv_cache_memory_gb=2
+        )
+        engine = LLMEngine(config)
+        sampling = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=4)
+        outputs = [generate(engine, {"r": (prompt, sampling)}) for prompt in prompts]
+        engine.close()
+        return outputs
+
+    in_epilogue = each_alone()
+    assert added  # batch-1 steps took the epilogue (in the graphs captured at start, too)
+
+    def left_to_the_norm(
+        self: RowParallelLinear,
+        x: torch.Tensor,
+        stream: torch.Tensor | None,
+        silu_and_mul: Activation | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if silu_and_mul is None:
+            return self(x), stream
+        return self.forward_silu_gated(x, silu_and_mul), stream
+
+    monkeypatch.setattr(RowParallelLinear, "into_stream", left_to_the_norm)
+    assert each_alone() == in_epilogue
+
+
 def test_fp8_layers_computing_their_norms_change_no_token(
     llama_1b: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

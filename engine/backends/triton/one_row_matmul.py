@@ -23,6 +23,14 @@ kernel does), sums the squares, multiplies by the norm's weight in float32 and s
 sums by 1/rms at the end; the first program writes the stream (x + residual). The norm's
 own kernel and launch are gone; the normalized row is never rounded to x's dtype.
 
+``add``: the product joins the residual stream (a layer's o and down projections, one rank):
+it is rounded to the output's dtype as the projection stores it, then the stream's channels
+are added in that dtype, as ``stream + product`` rounds, and the sum is the output. The next
+norm then has no residual to add: its reader's programs, each reading the whole row, no
+longer add it and write the stream as they read. Bit for bit the same sums; measured on an
+H100 (`docs/benchmarks.md`, twentieth session): batch-1 steps of a 1B model 1.116 -> 1.095 ms,
+of an 8B 5.515 -> 5.416, the 8B's TPOT 5.487 -> 5.368 ms (3.449 -> 3.429 with fp8 weights).
+
 Launched dependent (``dependent_launch``): each program reads its weight's first chunk, then
 waits for the kernel before it. A weight is never written during a forward pass, so the read
 is safe before the wait, and it overlaps the kernel before: the last programs of the linear
@@ -241,6 +249,7 @@ def _one_row_kernel(
     norm_weight_ptr,
     stream_ptr,
     out_ptr,
+    addend_ptr,
     N,
     K,
     stride_weight,
@@ -249,6 +258,7 @@ def _one_row_kernel(
     GATED: tl.constexpr,
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    ADD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_BYTES: tl.constexpr,
 ):
@@ -275,7 +285,10 @@ def _one_row_kernel(
         HAS_RESIDUAL,
         BLOCK_BYTES,
     )
-    tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_mask)
+    out = out.to(out_ptr.dtype.element_ty)
+    if ADD:  # read after row_sums' wait: the kernels before write the stream
+        out += tl.load(addend_ptr + cols, mask=col_mask, other=0.0)
+    tl.store(out_ptr + cols, out, mask=col_mask)
 
 
 @dataclass(frozen=True)
@@ -335,24 +348,30 @@ def one_row_matmul(
     *,
     gated: bool = False,
     out_dtype: torch.dtype | None = None,
+    add: torch.Tensor | None = None,
     config: OneRowConfig | None = None,
 ) -> torch.Tensor:
     """x [1, K] (or [1, 2K] gate and up halves, ``gated``; or a deferred norm of a row [1, K])
     and weight [N, K] in x's dtype, or int8 / float8 e4m3 codes with float32 ``scale`` [N]
-    -> [1, N] in ``out_dtype`` (default: x's dtype). ``config``: ``one_row_config``'s unless
+    -> [1, N] in ``out_dtype`` (default: x's dtype), plus ``add`` [1, N] in that dtype if
+    given (the residual stream the product joins). ``config``: ``one_row_config``'s unless
     given (the sweep's candidates)."""
     operands = row_operands(x, weight, scale, gated)
     channels, depth = weight.shape
     out = operands.x.new_empty(1, channels, dtype=out_dtype or operands.x.dtype)
+    if add is not None:
+        assert add.shape == out.shape and add.dtype == out.dtype and add.stride(-1) == 1
     config = config or one_row_config(channels, depth, weight.dtype, operands.normed)
     _one_row_kernel[(triton.cdiv(channels, config.rows),)](
         *operands.pointers,
         out,
+        out if add is None else add,  # unread without an addend
         channels,
         depth,
         weight.stride(0),
         operands.eps,
         **operands.flags,
+        ADD=add is not None,
         BLOCK_N=config.rows,
         BLOCK_BYTES=config.chunk_bytes,
         num_warps=config.warps,
