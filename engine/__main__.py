@@ -12,7 +12,7 @@ import signal
 import sys
 
 from engine.config import EngineConfig, ServiceConfig, add_arguments, from_arguments
-from engine.curve_auth import SocketSecurityError, check_security
+from engine.service.curve_auth import SocketSecurityError, check_security
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     from engine.llm_engine import LLMEngine
     from engine.roofline import save_steps
-    from engine.service import EngineService
+    from engine.service.engine_service import EngineService
 
     engine = LLMEngine(from_arguments(EngineConfig, args))
     if args.step_record:

@@ -18,7 +18,7 @@ import torch
 
 from engine.backends import BACKENDS
 from engine.checkpoint.resolve import DEFAULT_MODEL
-from engine.quantization import QUANTIZATION_METHODS
+from engine.quantization.linear_methods import QUANTIZATION_METHODS
 
 
 def option(default: Any, help: str, **argparse_kwargs: Any) -> Any:

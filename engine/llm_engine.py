@@ -14,23 +14,23 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from engine.block_manager import BlockManager
 from engine.checkpoint import Checkpoint
 from engine.checkpoint.generation_config import read_sampling_defaults
 from engine.config import EngineConfig
-from engine.model_runner import LaunchedStep, ModelRunner
+from engine.execution.model_runner import LaunchedStep, ModelRunner
+from engine.execution.warm_up import freeze_start_up_objects, warm_up
 from engine.models import load_checkpoint
-from engine.prompt_logprobs import take_scored
-from engine.request import Request, RequestStatus
 from engine.roofline import StepShape
-from engine.scheduler import Scheduler
+from engine.sampling.prompt_logprobs import take_scored
+from engine.sampling.structured_output import CompilingRequests, GrammarCompiler, GrammarError
+from engine.sampling.token_restrictions import breaks_restrictions, dead_end_message, may_dead_end
+from engine.scheduling.block_manager import BlockManager
+from engine.scheduling.request import Request, RequestStatus
+from engine.scheduling.scheduler import Scheduler
 from engine.speculative import Proposer
 from engine.speculative.draft_model import DraftModelProposer
 from engine.speculative.ngram import NgramProposer
-from engine.structured_output import CompilingRequests, GrammarCompiler, GrammarError
 from engine.tensor_parallel import WorkerGroup
-from engine.token_restrictions import breaks_restrictions, dead_end_message, may_dead_end
-from engine.warm_up import freeze_start_up_objects
 from protocol import (
     PROTOCOL_VERSION,
     EngineStats,
@@ -107,6 +107,10 @@ class LLMEngine:
             else:
                 send_step = self.workers.sender.send
                 self.runner = ModelRunner(config, checkpoint, self.workers.tp, send_step)
+            # Where kernels compile or load on first use. Rank 0's steps reach the other
+            # ranks, which run them too.
+            if self.runner.device.type == "cuda":
+                warm_up(self.runner, config.max_num_seqs)
         except BaseException:
             self.close()
             raise
@@ -242,7 +246,7 @@ class LLMEngine:
 
     def take_errors(self) -> list[tuple[bytes, ErrorReply]]:
         """The refusals since the last call of requests whose grammars failed to compile or
-        that reached a dead end (engine/token_restrictions.py), each with its client; the
+        that reached a dead end (engine/sampling/token_restrictions.py), each with its client; the
         requests are gone."""
         errors, self.errors = self.errors, []
         return errors
@@ -316,7 +320,7 @@ class LLMEngine:
         Not for requests whose logits a step shapes (penalties, bans, logit bias, min_p,
         grammars): what those do at a draft's position depends on the drafts before it; nor
         for those whose drafts keep being rejected, while they are paused
-        (``engine/speculative/pause.py``). One proposer call for them all."""
+        (``engine/scheduling/draft_pause.py``). One proposer call for them all."""
         proposer = self.proposer
         assert proposer is not None
         drafting = []
@@ -460,7 +464,7 @@ class LLMEngine:
         return output
 
     def _refuse_dead_end(self, request: Request, token: int) -> RequestOutput | None:
-        """End a request the sampler found no token for (engine/token_restrictions.py): its
+        """End a request the sampler found no token for (engine/sampling/token_restrictions.py): its
         user gets an error, not the token it never allowed. Without restrictions of its own,
         its grammar's mask alone allowed the token: a bug, not the user's doing."""
         sampling = request.sampling

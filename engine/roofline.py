@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.request import Request
+from engine.scheduling.request import Request
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Both ends load the key files that ``zmq.auth.create_certificates`` writes
 (``scripts/make_curve_keys.py``): NAME.key holds a public key, NAME.key_secret the pair.
 The engine's ROUTER is the CURVE server (its secret key; which client keys it accepts is
-the authenticator's job, engine/curve_auth.py); a server's DEALER is a CURVE client (its
+the authenticator's job, engine/service/curve_auth.py); a server's DEALER is a CURVE client (its
 own key pair and the engine's public key). This file is here, in the wire's package, because
 both sides must configure the same mechanism the same way, and it needs nothing but pyzmq.
 """

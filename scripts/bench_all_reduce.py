@@ -1,5 +1,5 @@
 """The tensor-parallel all-reduce on the GPUs: NCCL's ring against one kernel over symmetric
-memory (``engine/tensor_parallel/symmetric_all_reduce.py``), by size, eager and in a CUDA
+memory (``engine/distributed/symmetric_all_reduce.py``), by size, eager and in a CUDA
 graph, with their results compared.
 
     python scripts/bench_all_reduce.py [--tensor-parallel-size 2] [--hidden 4096 8192]
@@ -30,8 +30,8 @@ import torch.multiprocessing as mp
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from engine.parallel import TensorParallel  # noqa: E402
-from engine.tensor_parallel.symmetric_all_reduce import with_symmetric_all_reduce  # noqa: E402
+from engine.distributed.parallel import TensorParallel  # noqa: E402
+from engine.distributed.symmetric_all_reduce import with_symmetric_all_reduce  # noqa: E402
 from engine.tensor_parallel.workers import NO_MULTICAST  # noqa: E402
 
 ROWS = (1, 8, 32, 64, 128, 256)

@@ -30,10 +30,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.batch import StepInputs, sampling_tensors
 from engine.config import EngineConfig
+from engine.execution.batch import StepInputs, sampling_tensors
+from engine.execution.model_runner import LaunchedStep
 from engine.llm_engine import LLMEngine
-from engine.model_runner import LaunchedStep
 from protocol import SamplingParams
 
 

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.attention import Rotary
+from engine.backends.attention import Rotary
 from engine.backends.triton import (
     paged_decode_attention,
     rotary_store_kv,

@@ -46,7 +46,7 @@ from tokenizers import Tokenizer
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from engine.model_runner import resolve_kv_cache_dtype  # noqa: E402
+from engine.execution.model_runner import resolve_kv_cache_dtype  # noqa: E402
 from engine.roofline import (  # noqa: E402
     DeviceRates,
     ModelCost,
@@ -240,7 +240,7 @@ def model_cost(
     (quantized linear layers: one byte a weight)."""
     from engine.backends import create_backend
     from engine.models import build_model, load_checkpoint
-    from engine.quantization import resolve_quantization
+    from engine.quantization.linear_methods import resolve_quantization
 
     config = load_checkpoint(model).config
     meta = torch.device("meta")

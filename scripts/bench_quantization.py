@@ -50,7 +50,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from engine.checkpoint.resolve import DEFAULT_MODEL  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.quantization import (  # noqa: E402
+from engine.quantization.linear_methods import (  # noqa: E402
     FP8,
     WEIGHT_ONLY_MAX_TOKENS,
     quantize_per_channel,

@@ -39,7 +39,7 @@ from bench_offline import (
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.structured_output import GrammarBitmask
+from engine.sampling.structured_output import GrammarBitmask
 from protocol import StructuredOutput
 
 

@@ -40,8 +40,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.config import EngineConfig
+from engine.execution.model_runner import LaunchedStep
 from engine.llm_engine import LLMEngine
-from engine.model_runner import LaunchedStep
 from protocol import SamplingParams
 
 # New tokens a request may make: more than prefilling the whole batch and the profiled

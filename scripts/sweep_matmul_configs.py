@@ -45,6 +45,7 @@ import triton.testing
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from engine.backends.deferred_norm import DeferredNorm  # noqa: E402
 from engine.backends.triton.device import sm_count  # noqa: E402
 from engine.backends.triton.one_row_matmul import (  # noqa: E402
     OneRowConfig,
@@ -56,7 +57,6 @@ from engine.backends.triton.quantized_matmul import (  # noqa: E402
     tiled_config,
     tiled_matmul,
 )
-from engine.deferred_norm import DeferredNorm  # noqa: E402
 from tests.random_checkpoint import SHAPES  # noqa: E402
 
 # (rows a program, bytes of a row a chunk, warps): 16 to 64 bytes a thread a chunk.

@@ -386,7 +386,7 @@ class GenerationBody(SamplingFields):
     ) -> None:
         """Refuses allowed_token_ids that the request's other fields ban from the first token:
         bad words of one token, or EOS and stop tokens before min_tokens. (What a structured
-        output leaves is the engine's to find: engine/token_restrictions.py.)"""
+        output leaves is the engine's to find: engine/sampling/token_restrictions.py.)"""
         if self.allowed_token_ids is None:
             return
         banned = {word[0] for word in bad_words_token_ids if len(word) == 1}

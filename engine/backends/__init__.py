@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import torch
 
-from engine.attention import AttentionBackend
+from engine.backends.attention import AttentionBackend
+from engine.backends.layer_ops import LayerOps
 from engine.backends.pytorch import TorchLayerOps, TorchPagedAttention
-from engine.layer_ops import LayerOps
 
 Backend = tuple[AttentionBackend, LayerOps]
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionBackend, AttentionMetadata, LayerKVCache, Rotary
+from engine.backends.attention import AttentionBackend, AttentionMetadata, LayerKVCache, Rotary
 
 
 def store_kv(

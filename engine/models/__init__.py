@@ -13,15 +13,15 @@ from typing import Any
 
 import torch
 
-from engine.attention import AttentionBackend
+from engine.backends.attention import AttentionBackend
+from engine.backends.layer_ops import LayerOps
 from engine.checkpoint import Checkpoint, GGUFModelFile, read_checkpoint
 from engine.checkpoint.hf_checkpoint import hf_architecture
-from engine.layer_ops import LayerOps
+from engine.distributed.parallel import SINGLE, TensorParallel
 from engine.model_config import ModelConfig
 from engine.models import gemma3, llama, olmo2, qwen2, qwen3
 from engine.models.causal_lm import CausalLM
 from engine.models.family import ModelFamily
-from engine.parallel import SINGLE, TensorParallel
 
 __all__ = [
     "FAMILIES",

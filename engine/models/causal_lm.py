@@ -11,10 +11,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from engine.attention import AttentionBackend, AttentionMetadata, LayerKVCache
+from engine.backends.attention import AttentionBackend, AttentionMetadata, LayerKVCache
+from engine.backends.deferred_norm import LinearInput
+from engine.backends.layer_ops import LayerOps
 from engine.checkpoint.checkpoint import TensorSlices
-from engine.deferred_norm import LinearInput
-from engine.layer_ops import LayerOps
+from engine.distributed.parallel import TensorParallel
 from engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from engine.models.layers import Attention, DecoderLayer, RMSNorm, RotaryEmbedding
 from engine.models.parallel_layers import (
@@ -24,8 +25,7 @@ from engine.models.parallel_layers import (
     VocabParallelEmbedding,
     load_slice,
 )
-from engine.parallel import TensorParallel
-from engine.quantization import UNREAD_SCALES
+from engine.quantization.linear_methods import UNREAD_SCALES
 
 # Hugging Face names of the separate projections, and where they go in our fused ones.
 _FUSED_WEIGHTS = {

@@ -17,16 +17,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.attention import AttentionBackend, AttentionMetadata
+from engine.backends.attention import AttentionBackend, AttentionMetadata
+from engine.backends.deferred_norm import LinearInput
+from engine.backends.layer_ops import LayerOps
 from engine.checkpoint.gguf_checkpoint import GGUFMetadata, decimal
 from engine.checkpoint.hf_checkpoint import hf_config_fields
-from engine.deferred_norm import LinearInput
-from engine.layer_ops import LayerOps
+from engine.distributed.parallel import TensorParallel
 from engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from engine.models.causal_lm import CausalLM
 from engine.models.family import GGUF_PROJECTIONS, GGUF_QK_NORMS, GGUFLayout, ModelFamily
 from engine.models.layers import MLP, Attention, RotaryEmbedding, RoundOnceRMSNorm
-from engine.parallel import TensorParallel
 
 # transformers' defaults where a config leaves them out: every 6th layer attends globally; RoPE
 # bases of the global and the sliding layers.

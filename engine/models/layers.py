@@ -17,13 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionBackend, AttentionMetadata, LayerKVCache, Rotary
-from engine.deferred_norm import DeferredNorm, LinearInput
-from engine.layer_ops import LayerOps
+from engine.backends.attention import AttentionBackend, AttentionMetadata, LayerKVCache, Rotary
+from engine.backends.deferred_norm import DeferredNorm, LinearInput, takes_one_row_kernel
+from engine.backends.layer_ops import LayerOps
+from engine.distributed.parallel import TensorParallel
 from engine.model_config import ModelConfig, RopeScaling
 from engine.models.parallel_layers import ColumnParallelLinear, RowParallelLinear, Rows
-from engine.parallel import TensorParallel
-from engine.quantization import LinearMethod, linear_method, takes_one_row_kernel
+from engine.quantization.linear_methods import LinearMethod, linear_method
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,

@@ -13,15 +13,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.attention import AttentionBackend, AttentionMetadata
+from engine.backends.attention import AttentionBackend, AttentionMetadata
+from engine.backends.layer_ops import LayerOps
 from engine.checkpoint.gguf_checkpoint import GGUFMetadata
-from engine.layer_ops import LayerOps
+from engine.distributed.parallel import TensorParallel
 from engine.model_config import ModelConfig
 from engine.models.causal_lm import CausalLM
 from engine.models.family import GGUF_PROJECTIONS, GGUF_QK_NORMS, GGUFLayout, ModelFamily
 from engine.models.layers import MLP, Attention, RotaryEmbedding, RoundOnceRMSNorm
 from engine.models.llama import llama_config
-from engine.parallel import TensorParallel
 
 
 class Olmo2Attention(Attention):

@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.backends.deferred_norm import LinearInput
 from engine.checkpoint.checkpoint import TensorSlices
-from engine.deferred_norm import LinearInput
-from engine.parallel import TensorParallel
-from engine.quantization import (
+from engine.distributed.parallel import TensorParallel
+from engine.quantization.linear_methods import (
     Activation,
     LinearMethod,
     linear,
@@ -79,7 +79,7 @@ def load_slice(
 
 class ParallelLinear(nn.Module):
     """A linear layer whose weight its ``LinearMethod`` owns: stored in the model's dtype or
-    quantized (``engine.quantization``), loaded and multiplied the method's way."""
+    quantized (``engine.quantization.linear_methods``), loaded and multiplied the method's way."""
 
     def __init__(self, output_size: int, input_size: int, method: LinearMethod) -> None:
         super().__init__()
@@ -130,6 +130,13 @@ class ColumnParallelLinear(ParallelLinear):
 
     def forward(self, x: LinearInput) -> torch.Tensor:
         return self.multiply(x, self.bias)
+
+    def one_row_operands(
+        self, x: LinearInput
+    ) -> tuple[LinearInput, torch.Tensor, torch.Tensor | None]:
+        """What a backend's one-row kernel multiplies for one row ``x``
+        (``LinearMethod.one_row_operands``): the row, the weight and its scales."""
+        return self.method.one_row_operands(self, x)
 
     def load(self, param: str, part: int, source: TensorSlices, hf_name: str) -> None:
         rows = self.parts[part]

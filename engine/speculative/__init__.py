@@ -1,14 +1,15 @@
-"""Speculative decoding: proposers draft tokens that a request's next step verifies at once
-(``ngram.py``: prompt lookup; ``draft_model.py``: a smaller model of the same tokenizer),
-the rule that accepts them (``rejection_sampler.py``), and the pause of requests whose drafts
-keep being rejected (``pause.py``)."""
+"""Speculative decoding's proposers: they draft tokens that a request's next step verifies at
+once (``ngram.py``: prompt lookup; ``draft_model.py``: a smaller model of the same tokenizer).
+The rule that accepts drafts is sampling's (``engine.sampling.rejection_sampler``), and the
+pause of requests whose drafts keep being rejected is scheduling's
+(``engine.scheduling.draft_pause``)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-if TYPE_CHECKING:  # engine.request imports pause.py, in this package
-    from engine.request import Request
+if TYPE_CHECKING:
+    from engine.scheduling.request import Request
 
 
 class Proposer(Protocol):

@@ -21,7 +21,7 @@ decode steps, each taking the last step's argmax on the device. The attention me
 all k passes is packed on the host in numpy and moved in one copy; the drafts come back in
 one copy at the end.
 
-On CUDA the passes replay CUDA graphs (``engine/cuda_graphs.py``), captured at start-up
+On CUDA the passes replay CUDA graphs (``engine/execution/cuda_graphs.py``), captured at start-up
 up to the batch the target's verify graphs reach: a draft of 30 layers launched op by op
 took longer than the target's whole step. The decode passes are uniform (one token a row).
 The catch-up is made uniform too: after a verify step a row lacks 1 to k + 1 tokens, so it
@@ -37,13 +37,13 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from engine.attention import AttentionMetadata
-from engine.batch import block_tables, to_device
-from engine.block_manager import BlockManager
+from engine.backends.attention import AttentionMetadata
 from engine.checkpoint import Checkpoint
 from engine.config import EngineConfig
-from engine.cuda_graphs import StepGraphs
-from engine.model_runner import (
+from engine.distributed.parallel import SINGLE
+from engine.execution.batch import block_tables, to_device
+from engine.execution.cuda_graphs import StepGraphs
+from engine.execution.model_runner import (
     allocate_kv_cache,
     kv_bytes_per_token,
     load_model,
@@ -52,8 +52,8 @@ from engine.model_runner import (
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
-from engine.parallel import SINGLE
-from engine.request import Request
+from engine.scheduling.block_manager import BlockManager
+from engine.scheduling.request import Request
 from protocol import SamplingParams
 
 
@@ -140,7 +140,7 @@ class DraftModelProposer:
     def warm_up(self) -> None:
         """Run each kind of draft pass once, a catch-up over a prompt and the decode passes,
         so that no request waits for their kernels to compile or load. Its one fake request's
-        every block is block 0, as in ``engine/warm_up.py``: what it writes there is
+        every block is block 0, as in ``engine/execution/warm_up.py``: what it writes there is
         overwritten before it is read (the draft reads only the tokens it cached itself)."""
         assert self.block_manager is not None, "bind() first"
         prompt_len = 37  # beyond a block, as the engine's warm-up

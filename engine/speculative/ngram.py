@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.request import Request
+from engine.scheduling.request import Request
 
 
 class NgramProposer:

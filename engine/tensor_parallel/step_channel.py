@@ -1,7 +1,7 @@
 """How one step's inputs reach the tensor-parallel workers: once, compactly.
 
-Rank 0 packs a step as it does alone (``engine.batch.pack``: one int64 buffer on its device,
-the pending tokens filled in there). The buffer's sizes, nine integers (``StepShape``), go
+Rank 0 packs a step as it does alone (``engine.execution.batch.pack``: one int64 buffer on its
+device, the pending tokens filled in there). The buffer's sizes, nine integers (``StepShape``), go
 down a pipe to each worker, host to host, so no process waits for its device to learn them;
 the buffer itself follows in one ``torch.distributed.broadcast`` from rank 0's device (NCCL
 over NVLink; gloo on the CPU). A worker splits it into the same views rank 0 has and runs the
@@ -18,7 +18,7 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from engine.batch import StepInputs, StepShape
+from engine.execution.batch import StepInputs, StepShape
 
 _SHAPE = struct.Struct("<9q")  # StepShape's fields, in order
 _STOP = b""  # no more steps: the engine is closing

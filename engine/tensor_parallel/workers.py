@@ -24,13 +24,13 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
+from engine.distributed.parallel import TensorParallel
+from engine.distributed.symmetric_all_reduce import with_symmetric_all_reduce
+from engine.execution.model_runner import ModelRunner, rank_device, resolve_dtype
+from engine.execution.warm_up import freeze_start_up_objects
 from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner, rank_device, resolve_dtype
 from engine.models import load_checkpoint
-from engine.parallel import TensorParallel
 from engine.tensor_parallel.step_channel import StepReceiver, StepSender
-from engine.tensor_parallel.symmetric_all_reduce import with_symmetric_all_reduce
-from engine.warm_up import freeze_start_up_objects
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from transformers import LlamaForCausalLM as HFLlama
 
 from engine.llm_engine import LLMEngine, RequestRejected
 from engine.models import load_checkpoint
-from engine.request import RequestStatus
-from engine.structured_output import GrammarBitmask, new_matcher
+from engine.sampling.structured_output import GrammarBitmask, new_matcher
+from engine.scheduling.request import RequestStatus
 from protocol import (
     ErrorCode,
     FinishReason,

@@ -9,7 +9,7 @@ import pytest
 import zmq.auth
 
 from engine.config import ServiceConfig
-from engine.curve_auth import SocketSecurityError, check_security, is_loopback
+from engine.service.curve_auth import SocketSecurityError, check_security, is_loopback
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,8 @@ from transformers import LlamaForCausalLM as HFLlama
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.scheduling.draft_pause import FIRST_PAUSE, DraftPause
 from engine.speculative.draft_model import DraftModelProposer, DraftVocabularyError
-from engine.speculative.pause import FIRST_PAUSE, DraftPause
 from protocol import SamplingParams
 from tests.engine.test_logprobs import generate
 from tests.engine.test_model_families import FAMILIES, saved_tiny_model

@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention import AttentionMetadata, LayerKVCache, Rotary
+from engine.backends.attention import AttentionMetadata, LayerKVCache, Rotary
+from engine.backends.deferred_norm import DeferredNorm
 from engine.backends.pytorch import TorchLayerOps, TorchPagedAttention, apply_rotary
 from engine.backends.pytorch import store_kv as store_kv_reference
 from engine.backends.triton import (
@@ -44,9 +45,8 @@ from engine.backends.triton.fp8_decode import (
 from engine.backends.triton.fp8_widen import widen, widen_factor
 from engine.backends.triton.one_row_matmul import one_row_matmul
 from engine.backends.triton.paged_attention import merge_splits
-from engine.batch import pad_verify
-from engine.deferred_norm import DeferredNorm
-from engine.quantization import linear_float32, quantize_per_channel
+from engine.execution.batch import pad_verify
+from engine.quantization.linear_methods import linear_float32, quantize_per_channel
 from tests.kernel_reference import paged_attention_reference
 
 CUDA = torch.cuda.is_available()
@@ -523,10 +523,10 @@ def assert_backends_agree(
 
 @pytest.mark.parametrize("sliding_window", [None, 6])
 def test_triton_backend_verify_step_in_the_uniform_layout(sliding_window: int | None) -> None:
-    """A verify step padded to VERIFY_QUERY_LEN tokens a sequence (engine.batch.pad_verify),
-    through TritonPagedAttention (the decode kernel of several queries), against the torch
-    backend on the same step packed: the real tokens' outputs and the cache agree, so the
-    padding writes nothing and changes nothing."""
+    """A verify step padded to VERIFY_QUERY_LEN tokens a sequence
+    (engine.execution.batch.pad_verify), through TritonPagedAttention (the decode kernel of several
+    queries), against the torch backend on the same step packed: the real tokens' outputs and the
+    cache agree, so the padding writes nothing and changes nothing."""
     num_heads, num_kv_heads, head_dim = 8, 2, 64
     context_lens, query_lens = (list(x) for x in zip(*VERIFY_SEQUENCES, strict=True))
     batch = paged_batch(context_lens, query_lens, num_kv_heads, head_dim, fill=0.0)

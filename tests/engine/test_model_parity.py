@@ -15,8 +15,8 @@ import torch
 from transformers import LlamaForCausalLM as HFLlama
 from transformers import PreTrainedModel
 
-from engine.attention import AttentionMetadata, LayerKVCache, Rotary
 from engine.backends import BACKENDS, create_backend
+from engine.backends.attention import AttentionMetadata, LayerKVCache, Rotary
 from engine.backends.pytorch import TorchLayerOps, TorchPagedAttention, store_kv
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine

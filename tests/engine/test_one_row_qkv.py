@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.backends.deferred_norm import DeferredNorm, LinearInput
 from engine.backends.triton import one_row_qkv_rotary_store, rotary_store_kv
 from engine.backends.triton.one_row_matmul import one_row_matmul
-from engine.deferred_norm import DeferredNorm, LinearInput
-from engine.quantization import quantize_per_channel, with_bias
+from engine.quantization.linear_methods import quantize_per_channel, with_bias
 from tests.engine.test_kernels import BLOCK_SIZE, CUDA, DEVICE, DTYPE, FP8, make_rotary, randn
 
 

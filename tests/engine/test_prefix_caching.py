@@ -10,7 +10,7 @@ from transformers import LlamaForCausalLM as HFLlama
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.request import Request
+from engine.scheduling.request import Request
 from protocol import SamplingParams
 from tests.random_checkpoint import VOCAB, save_tiny_llama
 from tests.reference import hf_greedy, run_engine

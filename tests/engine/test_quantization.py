@@ -1,4 +1,5 @@
-"""--quantization fp8 / int8 and pre-quantized FP8 checkpoints (engine/quantization.py).
+"""--quantization fp8 / int8 and pre-quantized FP8 checkpoints
+   (engine/quantization/linear_methods.py).
 
 - A quantized linear layer is within the error its format's rounding allows of the float
   product, bound element by element (not a flat tolerance): int8 codes are off by at most half
@@ -25,7 +26,7 @@ from transformers import PreTrainedModel
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_config import Quantization
-from engine.quantization import (
+from engine.quantization.linear_methods import (
     FP8,
     Fp8Linear,
     Int8Linear,
@@ -157,9 +158,9 @@ def test_activation_kernel_computes_a_deferred_norm_bit_for_bit(with_residual: b
     """An FP8 layer's rows whose norm was left to it (DeferredNorm): the quantization kernel's
     codes and scales are those of the norm's kernel's output quantized, bit for bit, and it
     writes the same residual stream."""
+    from engine.backends.deferred_norm import DeferredNorm
     from engine.backends.triton.fp8_quantize import quantize_rows_fp8
     from engine.backends.triton.norm import add_rms_norm
-    from engine.deferred_norm import DeferredNorm
 
     torch.manual_seed(3)
     rows, hidden = 20, 1000  # not a power of two: the row's mask counts

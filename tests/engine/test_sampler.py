@@ -2,7 +2,7 @@
 
 import torch
 
-from engine.sampler import (
+from engine.sampling.sampler import (
     Penalties,
     SamplingTensors,
     apply_penalties,

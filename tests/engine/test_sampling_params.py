@@ -20,7 +20,7 @@ from transformers import (
 )
 
 from engine.llm_engine import RequestRejected
-from engine.sampler import (
+from engine.sampling.sampler import (
     AllowedTokens,
     BannedTokens,
     Penalties,

@@ -8,7 +8,7 @@ launches.
 
 Run natively on CUDA and, without it, in Triton's interpreter on CPU (tests/conftest.py
 selects it). The step's inputs are views of one packed buffer at an odd offset, as
-``engine.batch.pack`` makes them, and the buffers start as garbage, so an element a kernel
+``engine.execution.batch.pack`` makes them, and the buffers start as garbage, so an element a kernel
 fails to write, or writes where it should not, shows up as a mismatch.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.backends.attention import AttentionMetadata
 from engine.backends.triton.dependent_launch import launch_options
 from engine.backends.triton.graph_inputs import (
     _STEP_SIZES,
@@ -30,7 +30,7 @@ from engine.backends.triton.pending_tokens import (
     _fill_pending_tokens_kernel,
     fill_pending_tokens,
 )
-from engine.batch import StepShape
+from engine.execution.batch import StepShape
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 LARGEST = 8  # rows of the graph buffers
@@ -57,7 +57,7 @@ def packed_step(
     count: int, width: int, query_len: int, generator: torch.Generator
 ) -> tuple[torch.Tensor, AttentionMetadata]:
     """A uniform step's token ids and metadata: views of one packed buffer of random values,
-    one element past an aligned start (as ``engine.batch.pack`` splits its buffer)."""
+    one element past an aligned start (as ``engine.execution.batch.pack`` splits its buffer)."""
     shape = StepShape(
         num_tokens=count * query_len,
         num_seqs=count,

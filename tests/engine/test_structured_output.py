@@ -17,7 +17,7 @@ import xgrammar as xgr
 
 from engine.model_config import TokenizerInfo
 from engine.models import load_checkpoint
-from engine.structured_output import (
+from engine.sampling.structured_output import (
     GrammarBitmask,
     GrammarCompiler,
     GrammarError,

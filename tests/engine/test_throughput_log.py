@@ -10,7 +10,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.throughput_log import ThroughputLog
+from engine.service.throughput_log import ThroughputLog
 from tests.random_checkpoint import random_prompts, save_tiny_llama
 from tests.reference import run_engine
 
@@ -29,7 +29,7 @@ def test_a_line_of_rates_after_work_and_none_when_idle(
     run_engine(engine, prompts, max_tokens=5)
     assert engine.scheduler.num_prefill_tokens == sum(len(p) for p in prompts)
     assert engine.num_generated_tokens == 3 * 5
-    with caplog.at_level(logging.INFO, logger="engine.throughput_log"):
+    with caplog.at_level(logging.INFO, logger="engine.service.throughput_log"):
         log.maybe_log()
         log.maybe_log()  # nothing happened since the first line
     assert len(caplog.records) == 1
@@ -46,6 +46,6 @@ def test_a_line_of_rates_after_work_and_none_when_idle(
 def test_interval_zero_logs_nothing(engine: LLMEngine, caplog: pytest.LogCaptureFixture) -> None:
     log = ThroughputLog(engine, interval_s=0)
     run_engine(engine, random_prompts(2), max_tokens=3)
-    with caplog.at_level(logging.INFO, logger="engine.throughput_log"):
+    with caplog.at_level(logging.INFO, logger="engine.service.throughput_log"):
         log.maybe_log()
     assert not caplog.records

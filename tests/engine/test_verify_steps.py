@@ -1,9 +1,9 @@
-"""Speculative verify steps on the CPU. Their uniform layout (``engine.batch.pad_verify``),
-what a verify CUDA graph replays: every sequence padded to 1 + k query tokens at its last
-positions, the padding in front writing no cache slot and never sampled; checked against the
-packed layout, through the model (the same logits), and in the engine. And overlapped: a
-verify step is left in flight like any other, and the next step reads it before scheduling,
-drafting or not."""
+"""Speculative verify steps on the CPU. Their uniform layout
+(``engine.execution.batch.pad_verify``), what a verify CUDA graph replays: every sequence padded to
+1 + k query tokens at its last positions, the padding in front writing no cache slot and never
+sampled; checked against the packed layout, through the model (the same logits), and in the engine.
+And overlapped: a verify step is left in flight like any other, and the next step reads it before
+scheduling, drafting or not."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM as HFLlama
 
-from engine.batch import StepInputs, pack
-from engine.model_runner import ModelRunner
-from engine.request import Request, RequestStatus
+from engine.execution.batch import StepInputs, pack
+from engine.execution.model_runner import ModelRunner
+from engine.scheduling.request import Request, RequestStatus
 from protocol import RequestOutput, SamplingParams
 from tests.engine.test_speculative import REPETITIVE, assert_all_blocks_free, make_engine
 from tests.random_checkpoint import random_prompts

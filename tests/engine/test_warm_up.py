@@ -1,4 +1,4 @@
-"""The start-up warm-up (engine/warm_up.py) leaves the engine exact: its fake requests'
+"""The start-up warm-up (engine/execution/warm_up.py) leaves the engine exact: its fake requests'
 writes into block 0 and its sampled tokens change nothing a real request computes.
 (tests/gpu/test_warm_up.py checks on CUDA that it compiles every kernel variant.) And what
 start-up made is frozen out of Python's full collections."""
@@ -13,8 +13,8 @@ import pytest
 from transformers import LlamaForCausalLM
 
 from engine.config import EngineConfig
+from engine.execution.warm_up import warm_up
 from engine.llm_engine import LLMEngine
-from engine.warm_up import warm_up
 from tests.random_checkpoint import random_prompts
 from tests.reference import hf_greedy, run_engine
 

@@ -329,7 +329,7 @@ def test_projections_adding_the_stream_change_no_bit(
     if quantization == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability 8.9")
     from engine.models.parallel_layers import RowParallelLinear
-    from engine.quantization import Activation, LinearMethod
+    from engine.quantization.linear_methods import Activation, LinearMethod
 
     added: list[int] = []  # the products that added the stream
     into_stream = LinearMethod.one_row_into_stream
@@ -372,13 +372,13 @@ def test_fp8_layers_computing_their_norms_change_no_token(
     llama_1b: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With FP8 weights, the norm before Q/K/V and gate/up is computed by the kernel that
-    quantizes its rows for the W8A8 product (engine.deferred_norm), bit for bit as the norm's
-    own kernel computes it: the same greedy tokens as with the norm's kernel, through prompts
+    quantizes its rows for the W8A8 product (engine.backends.deferred_norm), bit for bit as the
+    norm's own kernel computes it: the same greedy tokens as with the norm's kernel, through prompts
     and decode batches past the 16 rows that take the W8A8 product."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability 8.9")
-    from engine.deferred_norm import DeferredNorm
-    from engine.quantization import Fp8Linear
+    from engine.backends.deferred_norm import DeferredNorm
+    from engine.quantization.linear_methods import Fp8Linear
 
     prompts = _prompts(24, max_len=120)
     deferred_rows: list[int] = []  # the rows of each norm left to the layer after it

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.pinned_inputs import PinnedInputs
+from engine.execution.pinned_inputs import PinnedInputs
 
 # Device cycles to keep the stream busy before a copy: about 20-50 ms, long enough that three
 # steps are packed on the host while the first copy still waits in the stream.

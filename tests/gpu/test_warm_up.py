@@ -1,5 +1,5 @@
-"""On CUDA: the start-up warm-up (engine/warm_up.py) compiles every Triton kernel variant the
-engine will use, so that no step of a varied workload compiles another, and the first
+"""On CUDA: the start-up warm-up (engine/execution/warm_up.py) compiles every Triton kernel variant
+the engine will use, so that no step of a varied workload compiles another, and the first
 request is as fast as the later ones."""
 
 from __future__ import annotations

@@ -18,11 +18,16 @@ and a decode step runs as a CUDA graph whose launches were fixed at capture.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from engine.attention import AttentionBackend, AttentionMetadata, LayerKVCache, Rotary
+from engine.backends.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    LayerKVCache,
+    OneRowProjection,
+    Rotary,
+)
+from engine.backends.deferred_norm import LinearInput, takes_one_row_kernel
 from engine.backends.pytorch import TorchLayerOps
 from engine.backends.triton import (
     add_rms_norm,
@@ -32,11 +37,6 @@ from engine.backends.triton import (
     rotary_store_kv,
     silu_and_mul,
 )
-from engine.deferred_norm import LinearInput
-from engine.quantization import takes_one_row_kernel
-
-if TYPE_CHECKING:
-    from engine.models.parallel_layers import ColumnParallelLinear
 
 
 class TritonPagedAttention(AttentionBackend):
@@ -63,7 +63,7 @@ class TritonPagedAttention(AttentionBackend):
     def project_and_attend(
         self,
         x: LinearInput,
-        qkv_proj: ColumnParallelLinear,
+        qkv_proj: OneRowProjection,
         cache: LayerKVCache,
         metadata: AttentionMetadata,
         scale: float,
@@ -74,7 +74,7 @@ class TritonPagedAttention(AttentionBackend):
         # Per-head Q/K norms need a whole head's sums, which its programs do not share.
         if not takes_one_row_kernel(x) or rotary.q_norm is not None:
             return None
-        row, weight, weight_scale = qkv_proj.method.one_row_operands(qkv_proj, x)
+        row, weight, weight_scale = qkv_proj.one_row_operands(x)
         q = one_row_qkv_rotary_store(
             row,
             weight,
@@ -144,7 +144,8 @@ class TritonPagedAttention(AttentionBackend):
 class TritonLayerOps(TorchLayerOps):
     """The fused kernels; norms of [T, heads, head_dim] views (Gemma's per-head Q/K norms)
     stay in PyTorch. A norm of one row is left to the one-row kernel of the linear layer
-    after it, and an FP8 layer's rows' to its quantization kernel (``engine.deferred_norm``)."""
+    after it, and an FP8 layer's rows' to its quantization kernel
+    (``engine.backends.deferred_norm``)."""
 
     defers_norms = True
 

@@ -13,13 +13,13 @@ magnitude, then again (from cache) to divide and round.
 silu(gate) * up, rounded to the row's dtype as ``silu_and_mul`` stores it: the down
 projection's input with no activation kernel of its own.
 
-A ``DeferredNorm`` (``engine.deferred_norm``): the activation is the layer norm's output,
+A ``DeferredNorm`` (``engine.backends.deferred_norm``): the activation is the layer norm's output,
 rms_norm(x + residual) * weight, computed as the norm's kernel computes it
 (``norm.add_and_normalize``), which also writes the residual stream: the Q/K/V and gate/up
 projections' inputs with no norm kernel of their own, two launches a layer fewer.
 
-The numbers are those of ``engine.quantization.quantize_per_token_fp8`` (float32 division,
-rounding to nearest even), which stays the CPU's path and this kernel's reference.
+The numbers are those of ``engine.quantization.linear_methods.quantize_per_token_fp8`` (float32
+division, rounding to nearest even), which stays the CPU's path and this kernel's reference.
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.backends.deferred_norm import DeferredNorm, norm_arguments
+from engine.backends.fp8 import FP8, FP8_MAX, MIN_SCALE
 from engine.backends.triton.dependent_launch import (
     launch_options,
     let_next_kernel_start,
     wait_for_previous_kernel,
 )
 from engine.backends.triton.norm import add_and_normalize
-from engine.deferred_norm import DeferredNorm, norm_arguments
-from engine.quantization import FP8, FP8_MAX, MIN_SCALE
 
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 # quantize_per_token_fp8's, so that the codes and scales are the same

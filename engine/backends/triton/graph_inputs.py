@@ -8,7 +8,7 @@ gap around it: in a batch-1 decode step of a small model on an H100, about ten o
 cache slots, context lengths, block tables), and a padded batch took five fills more; this
 kernel is one launch for all of them.
 
-The step's inputs are views of its one packed int64 buffer (``engine.batch.StepShape``) at
+The step's inputs are views of its one packed int64 buffer (``engine.execution.batch.StepShape``) at
 any offset, and its batch, block tables' width and query length change from step to step:
 the kernel specializes on none of them, so that the one variant the graphs' capture
 compiles (it pads through this kernel) serves every step, the draft model's passes too.

@@ -50,13 +50,13 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.backends.deferred_norm import DeferredNorm, norm_arguments
 from engine.backends.triton.dependent_launch import (
     launch_options,
     let_next_kernel_start,
     wait_for_previous_kernel,
 )
 from engine.backends.triton.fp8_widen import widen
-from engine.deferred_norm import DeferredNorm, norm_arguments
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 

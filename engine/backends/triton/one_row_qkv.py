@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.backends.deferred_norm import LinearInput
 from engine.backends.triton.dependent_launch import launch_options
 from engine.backends.triton.one_row_matmul import (
     first_weight_chunk,
@@ -37,7 +38,6 @@ from engine.backends.triton.one_row_matmul import (
     row_sums,
 )
 from engine.backends.triton.rotary_store import norm_and_rotate
-from engine.deferred_norm import LinearInput
 
 # Registers a thread, at most: those of the one-row kernel it extends, so that the epilogue
 # costs no program its place on an SM. Left to itself ptxas gave the kernel 92 (bf16, a
@@ -54,7 +54,7 @@ def _store_pair(ptr, dims, first, second, HALF: tl.constexpr):
 
 
 # The positions and slots are views of the step's packed inputs, at any alignment: one
-# variant (engine/warm_up.py).
+# variant (engine/execution/warm_up.py).
 @triton.jit(do_not_specialize_on_alignment=["positions_ptr", "slot_mapping_ptr"])
 def _one_row_qkv_kernel(
     x_ptr,

@@ -1,7 +1,7 @@
 """A step's pending input tokens filled in on the device, in one kernel.
 
 A decode whose input is the token the step in flight sampled (pending: the host has not read
-it yet) takes it from that step's sampled ids on the device (``engine.batch.pack``):
+it yet) takes it from that step's sampled ids on the device (``engine.execution.batch.pack``):
 ``input_ids[index] = last_sampled[source]``. PyTorch launches two kernels for it, a gather
 and an ``index_copy_``, and between two steps' CUDA graphs each launch leaves the device a
 gap; this is one launch.
@@ -9,7 +9,7 @@ gap; this is one launch.
 ``index`` and ``source`` are views of the step's one host-to-device copy at any offset, and
 their length changes from step to step: the kernel specializes on none of it, so its one
 variant, which the start-up warm-up's decode of pending tokens compiles
-(``engine/warm_up.py``), serves every step.
+(``engine/execution/warm_up.py``), serves every step.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention import Rotary
+from engine.backends.attention import Rotary
 from engine.backends.triton.dependent_launch import (
     launch_options,
     let_next_kernel_start,
@@ -48,7 +48,7 @@ def norm_and_rotate(
 
 
 # The positions and slots are views of the step's packed inputs, at any alignment: one
-# variant (engine/warm_up.py).
+# variant (engine/execution/warm_up.py).
 @triton.jit(do_not_specialize_on_alignment=["positions_ptr", "slot_mapping_ptr"])
 def _rotary_store_kernel(
     q_ptr,

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.speculative.pause import DraftPause
+from engine.scheduling.draft_pause import DraftPause
 from protocol import PromptTokenLogprobs, SamplingParams
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ class Request:
     seed: int  # the request's own seed, or one the engine drew for it
     output_token_ids: list[int] = field(default_factory=list)
     # Its cache blocks, in order: int64 in an array (not a list), so that a step packs a
-    # batch's block tables by joining their buffers (engine/batch.py), not item by item.
+    # batch's block tables by joining their buffers (engine/execution/batch.py), not item by item.
     block_ids: array[int] = field(default_factory=lambda: array("q"))
     num_cached_tokens: int = 0  # tokens whose K/V are in the cache
     num_scheduled_tokens: int = 0  # tokens the current step computes, from num_cached_tokens
@@ -65,7 +65,7 @@ class Request:
     # With sampling.prompt_logprobs: those read so far, of prompt tokens 1, 2, ... in order.
     prompt_logprobs: list[PromptTokenLogprobs] = field(default_factory=list)
     # With a repetition penalty: the prompt's tokens as a [V] bool mask on the device, made
-    # once by the first step that needs it (engine/batch.py).
+    # once by the first step that needs it (engine/execution/batch.py).
     prompt_token_mask: torch.Tensor | None = None
     # Its prompt and output as one array, token_array[:num_arrayed_tokens], which the n-gram
     # proposer (speculative decoding) extends as the output grows.
@@ -73,10 +73,10 @@ class Request:
     num_arrayed_tokens: int = 0
     # Whether sampling does more than temperature, top-k and top-p for it (penalties, logit
     # bias, bans, allowed tokens, min_p): known at arrival, so that a step of requests that
-    # do not checks one flag each (engine/batch.py).
+    # do not checks one flag each (engine/execution/batch.py).
     shapes_logits: bool = field(init=False)
     # sampling.allowed_token_ids as a set, for the host's check of each token it reads
-    # (engine/token_restrictions.py); None: every token is allowed.
+    # (engine/sampling/token_restrictions.py); None: every token is allowed.
     allowed_token_set: frozenset[int] | None = field(init=False)
     # Its structured output's matcher: it has accepted every token of output_token_ids
     # (never a pending one). None: free text.

@@ -1,7 +1,7 @@
 """Two pinned host buffers that steps' packed inputs go through to the device, in turn.
 
-A step packs its inputs in numpy (``engine/batch.py``) and copies them to the device in one
-asynchronous copy, which must come from pinned memory. Concatenated into a pageable array
+A step packs its inputs in numpy (``engine/execution/batch.py``) and copies them to the device in
+one asynchronous copy, which must come from pinned memory. Concatenated into a pageable array
 and then pinned, they were copied twice and took a pinned block from PyTorch's host
 allocator every step, and a fresh engine's first prompt found no block of its size cached
 (an allocation in its time to first token). Here a step concatenates straight into a buffer

@@ -14,17 +14,17 @@ from itertools import chain, compress
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.pinned_inputs import PinnedInputs
-from engine.prompt_logprobs import ScoredPositions, scored_chunks
-from engine.request import Request
-from engine.sampler import (
+from engine.backends.attention import AttentionMetadata
+from engine.execution.pinned_inputs import PinnedInputs
+from engine.sampling.prompt_logprobs import ScoredPositions, scored_chunks
+from engine.sampling.sampler import (
     AllowedTokens,
     BannedTokens,
     LogitBias,
     Penalties,
     SamplingTensors,
 )
+from engine.scheduling.request import Request
 from protocol import SamplingParams
 
 

@@ -5,13 +5,13 @@ The ranks form torch.distributed's default process group (NCCL on CUDA, gloo on 
 which ``engine.tensor_parallel`` starts; with one rank nothing here communicates. The
 collectives are torch.distributed's own, which a CUDA graph captures (NCCL), so the decode
 graphs keep working across GPUs; on CUDA, small all-reduces take one kernel over symmetric
-memory instead (``engine.tensor_parallel.symmetric_all_reduce``).
+memory instead (``engine.distributed.symmetric_all_reduce``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -19,8 +19,18 @@ import torch.distributed as dist
 # torch 2.13 renamed all_gather_into_tensor (and deprecated the old name); older ones lack it.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-if TYPE_CHECKING:
-    from engine.tensor_parallel.symmetric_all_reduce import SymmetricAllReduce
+
+class OneKernelAllReduce(Protocol):
+    """An all-reduce of small tensors in one kernel
+    (``engine.distributed.symmetric_all_reduce.SymmetricAllReduce``)."""
+
+    def accepts(self, x: torch.Tensor) -> bool:
+        """Whether it can sum ``x`` (its size and dtype)."""
+        ...
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's ``x``, as a new tensor."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -28,7 +38,7 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     # Small all-reduces' one-kernel path, where the ranks share symmetric memory.
-    symmetric_all_reduce: SymmetricAllReduce | None = field(default=None, compare=False)
+    symmetric_all_reduce: OneKernelAllReduce | None = field(default=None, compare=False)
 
     def split(self, total: int, what: str) -> tuple[int, int]:
         """This rank's equal share of ``total`` (the start and the length); ``what`` names

@@ -28,8 +28,8 @@ from itertools import chain
 import numpy as np
 import torch
 
-from engine.request import Request
-from engine.sampler import SamplingTensors
+from engine.sampling.sampler import SamplingTensors
+from engine.scheduling.request import Request
 
 
 @dataclass

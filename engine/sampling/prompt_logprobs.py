@@ -5,9 +5,10 @@ The logits at position j score prompt token j + 1, so a prefill chunk over posit
 [s, e) of a P-token prompt scores tokens s + 1 to min(e, P - 1); the last position's logits
 are the first output token's. Those positions' logits come out of the same forward pass as
 the sampled rows' (their packed indices follow the sampled ones). A request wanting them
-takes no cached prefix (engine/block_manager.py) and prefills at most max_num_seqs of them a
-step (engine/scheduler.py); its chunks are read in order, and what a chunk computed again
-after a preemption repeats is dropped, so each token's entry reaches the request once.
+takes no cached prefix (engine/scheduling/block_manager.py) and prefills at most max_num_seqs of
+them a step (engine/scheduling/scheduler.py); its chunks are read in order, and what a chunk
+computed again after a preemption repeats is dropped, so each token's entry reaches the request
+once.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.request import Request
+from engine.scheduling.request import Request
 from protocol import PromptTokenLogprobs
 
 

@@ -14,7 +14,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Hashable
 
-from engine.request import Request
+from engine.scheduling.request import Request
 
 # The key of the (absent) block before a sequence's first one.
 _NO_PARENT = 0

@@ -20,13 +20,25 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from engine.deferred_norm import LinearInput
-    from engine.models.parallel_layers import ColumnParallelLinear
+from engine.backends.deferred_norm import LinearInput
+
+
+class OneRowProjection(Protocol):
+    """A linear layer as a backend's fused one-row kernel reads it: the model's fused QKV
+    projection (``engine.models.parallel_layers.ColumnParallelLinear``)."""
+
+    bias: torch.Tensor | None
+
+    def one_row_operands(
+        self, x: LinearInput
+    ) -> tuple[LinearInput, torch.Tensor, torch.Tensor | None]:
+        """The row (a deferred norm where the kernel computes it), the weight, and its float32
+        scales (None: the weight is in the row's dtype)."""
+        ...
 
 
 @dataclass
@@ -121,7 +133,7 @@ class AttentionBackend(ABC):
     def project_and_attend(
         self,
         x: LinearInput,  # [T, hidden], or a deferred norm of one row
-        qkv_proj: ColumnParallelLinear,  # the fused Q/K/V projection, q's rows first
+        qkv_proj: OneRowProjection,  # the fused Q/K/V projection, q's rows first
         cache: LayerKVCache,
         metadata: AttentionMetadata,
         scale: float,

@@ -91,3 +91,12 @@ LinearInput = torch.Tensor | DeferredNorm
 def dense(x: LinearInput) -> torch.Tensor:
     """``x`` as a tensor, a deferred norm computed."""
     return x.normalized() if isinstance(x, DeferredNorm) else x
+
+
+def takes_one_row_kernel(x: LinearInput) -> bool:
+    """Whether ``x`` is one row that a linear layer multiplies with the one-row kernel (and so a
+    row whose norm can be left to that kernel, ``DeferredNorm``): one contiguous CUDA row,
+    or a deferred norm of one (only the CUDA ops defer norms)."""
+    if isinstance(x, DeferredNorm):
+        return x.x.shape[0] == 1
+    return x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1

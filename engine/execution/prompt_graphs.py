@@ -24,9 +24,9 @@ import time
 
 import torch
 
-from engine.attention import AttentionBackend, AttentionMetadata
-from engine.batch import StepInputs, StepShape
-from engine.cuda_graphs import capture_forward, replay_once
+from engine.backends.attention import AttentionBackend, AttentionMetadata
+from engine.execution.batch import StepInputs, StepShape
+from engine.execution.cuda_graphs import capture_forward, replay_once
 from engine.models.causal_lm import CausalLM
 
 logger = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from engine.block_manager import BlockManager
-from engine.request import Request, RequestStatus
+from engine.scheduling.block_manager import BlockManager
+from engine.scheduling.request import Request, RequestStatus
 
 
 class Scheduler:

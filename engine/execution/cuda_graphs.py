@@ -4,7 +4,7 @@ A decode step of a small model is hundreds of short kernels; launching them one 
 from Python costs more than running them. A graph replays the whole forward pass in
 one launch. A uniform step has the same number of query tokens in every sequence: one for
 a decode step, 1 + k for a speculative verify step (each request's last token and its
-drafts, padded at the front to k drafts: ``engine.batch.pad_verify``), so one graph per
+drafts, padded at the front to k drafts: ``engine.execution.batch.pad_verify``), so one graph per
 batch size serves every mix of draft counts. Inputs live in static buffers that each step
 fills, in one kernel (``engine.backends.triton.graph_inputs``: between two graphs each
 launch leaves the device a gap); a batch is padded up to the next captured size, its
@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from engine.attention import AttentionBackend, AttentionMetadata
-from engine.batch import StepInputs
+from engine.backends.attention import AttentionBackend, AttentionMetadata
+from engine.execution.batch import StepInputs
 from engine.models.causal_lm import CausalLM
 
 logger = logging.getLogger(__name__)

@@ -40,11 +40,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.request import Request, RequestStatus
+from engine.scheduling.request import Request, RequestStatus
 from protocol import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
+    from engine.execution.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

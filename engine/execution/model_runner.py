@@ -19,34 +19,33 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.attention import AttentionBackend, AttentionMetadata, LayerKVCache
 from engine.backends import create_backend, default_backend
-from engine.batch import StepInputs, pack, sampling_tensors
+from engine.backends.attention import AttentionBackend, AttentionMetadata, LayerKVCache
 from engine.checkpoint import Checkpoint
-from engine.cuda_graphs import StepGraphs
+from engine.distributed.parallel import SINGLE, TensorParallel
+from engine.execution.batch import StepInputs, pack, sampling_tensors
+from engine.execution.cuda_graphs import StepGraphs
+from engine.execution.pinned_inputs import PinnedInputs
+from engine.execution.prompt_graphs import PromptGraphs
 from engine.model_config import ModelConfig
 from engine.models import build_model
 from engine.models.causal_lm import CausalLM
-from engine.parallel import SINGLE, TensorParallel
-from engine.pinned_inputs import PinnedInputs
-from engine.prompt_graphs import PromptGraphs
-from engine.prompt_logprobs import ScoredChunk, ScoredPositions, read_scored
-from engine.quantization import resolve_quantization
-from engine.request import Request
-from engine.sampler import prompt_token_logprobs, sample, token_logprobs
-from engine.speculative.rejection_sampler import (
+from engine.quantization.linear_methods import resolve_quantization
+from engine.sampling.prompt_logprobs import ScoredChunk, ScoredPositions, read_scored
+from engine.sampling.rejection_sampler import (
     VerifyLayout,
     num_emitted_tokens,
     position_sampling_tensors,
 )
-from engine.warm_up import warm_up
+from engine.sampling.sampler import prompt_token_logprobs, sample, token_logprobs
+from engine.scheduling.request import Request
 from protocol import PromptTokenLogprobs, TokenLogprobs
 
 if TYPE_CHECKING:
     import xgrammar as xgr
 
     from engine.config import EngineConfig
-    from engine.structured_output import GrammarBitmask
+    from engine.sampling.structured_output import GrammarBitmask
 
 logger = logging.getLogger(__name__)
 
@@ -289,7 +288,7 @@ class ModelRunner:
             self.model, self.num_kv_blocks, self.block_size, self.kv_dtype, self.device, tp
         )
         # With speculative decoding, a verify step of decodes alone has 1 + k tokens a
-        # sequence, padded (engine.batch.pad_verify): it may replay a graph too.
+        # sequence, padded (engine.execution.batch.pad_verify): it may replay a graph too.
         speculative = config.speculation is not None
         self.verify_query_len = 1 + config.num_speculative_tokens if speculative else 0
         self.pinned_inputs = PinnedInputs(self.device) if self.device.type == "cuda" else None
@@ -320,15 +319,11 @@ class ModelRunner:
         # library (and transformers, which it imports).
         self.grammar_bitmask: GrammarBitmask | None = None
         if tp.rank == 0:
-            from engine.structured_output import GrammarBitmask
+            from engine.sampling.structured_output import GrammarBitmask
 
             self.grammar_bitmask = GrammarBitmask(
                 config.max_num_seqs, checkpoint.config.vocab_size, self.device
             )
-            # Where kernels compile or load on first use. Rank 0's steps reach the other
-            # ranks, which run them once they are constructed too.
-            if self.device.type == "cuda":
-                warm_up(self, config.max_num_seqs)
 
     def _num_kv_blocks(self, config: EngineConfig, model_len: int) -> int:
         if config.num_kv_blocks is not None:
@@ -538,7 +533,7 @@ class ModelRunner:
     ) -> tuple[list[torch.Tensor], list[int | None] | None]:
         """Sample a token at every position of a step whose rows verify drafts (a row with
         none has one position), and how many each row emits
-        (``engine/speculative/rejection_sampler.py``); the last one is pending. Rows with
+        (``engine/sampling/rejection_sampler.py``); the last one is pending. Rows with
         drafts have no grammar and shape no logits: the others are sampled as ``_sample``
         samples them."""
         tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=self.device)

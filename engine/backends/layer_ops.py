@@ -1,5 +1,5 @@
 """The model's per-token operations (norms, gated activation): the interface. (RoPE and
-the per-head Q/K norms before it are the attention backend's, ``engine.attention.Rotary``,
+the per-head Q/K norms before it are the attention backend's, ``engine.backends.attention.Rotary``,
 so that they fuse with the cache write.)
 
 Like ``AttentionBackend``, the model calls these and nothing device-specific; each backend
@@ -17,7 +17,7 @@ import torch
 
 class LayerOps(Protocol):
     # Whether RMSNorm leaves a norm to the linear layer that reads it next, of one row or of
-    # the rows an FP8 layer quantizes (``engine.deferred_norm``): the ops' kernels must
+    # the rows an FP8 layer quantizes (``engine.backends.deferred_norm``): the ops' kernels must
     # include that layer's.
     defers_norms: bool
 

@@ -11,7 +11,7 @@ the request's user rather than send text it never allowed.
 
 from __future__ import annotations
 
-from engine.request import Request
+from engine.scheduling.request import Request
 
 
 def may_dead_end(request: Request) -> bool:
@@ -22,7 +22,7 @@ def may_dead_end(request: Request) -> bool:
 
 def breaks_restrictions(request: Request, token: int, eos_token_ids: frozenset[int]) -> bool:
     """Whether ``token``, the request's next output token, is one its allowed_token_ids, bad
-    words or min_tokens forbid there (as engine/batch.py masks them)."""
+    words or min_tokens forbid there (as engine/execution/batch.py masks them)."""
     sampling = request.sampling
     if request.allowed_token_set is not None and token not in request.allowed_token_set:
         return True

@@ -24,7 +24,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from engine.parallel import TensorParallel
+from engine.distributed.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ import xgrammar as xgr
 from transformers import PreTrainedTokenizerFast
 
 from engine.model_config import TokenizerInfo
-from engine.request import Request, RequestStatus
+from engine.scheduling.request import Request, RequestStatus
 from protocol import StructuredOutput, StructuredOutputKind
 
 logger = logging.getLogger(__name__)

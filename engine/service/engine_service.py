@@ -21,9 +21,9 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from engine.config import ServiceConfig
-from engine.curve_auth import CurveGuard
 from engine.llm_engine import LLMEngine, RequestRejected
-from engine.throughput_log import ThroughputLog
+from engine.service.curve_auth import CurveGuard
+from engine.service.throughput_log import ThroughputLog
 from protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,

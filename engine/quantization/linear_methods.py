@@ -39,19 +39,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.deferred_norm import DeferredNorm, LinearInput, dense
+from engine.backends.deferred_norm import DeferredNorm, LinearInput, dense, takes_one_row_kernel
+from engine.backends.fp8 import FP8, FP8_MAX, MIN_SCALE
 from engine.model_config import Quantization
 
 QUANTIZATION_METHODS = ("fp8", "int8")
 WEIGHT_ONLY_MAX_TOKENS = 16
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448
 INT8_MAX = 127
 # Scales of FP8 checkpoints that nothing here reads: static activation scales (activations
 # are quantized per token) and the KV cache's (stored unscaled, --kv-cache-dtype).
 UNREAD_SCALES = (".input_scale", ".k_scale", ".v_scale", ".kv_scale")
 Activation = Callable[[torch.Tensor], torch.Tensor]
-MIN_SCALE = 1e-12  # an all-zero row's scale: its codes are all zero whatever it is
 
 
 def resolve_quantization(
@@ -178,7 +176,7 @@ class LinearMethod:
 class QuantizedLinear(LinearMethod):
     """Codes of ``dtype`` [N, K] and float32 scales [N], one per output channel.
 
-    A deferred norm of one row (``engine.deferred_norm``) is computed by the norm's kernel
+    A deferred norm of one row (``engine.backends.deferred_norm``) is computed by the norm's kernel
     before the product: folded into the fp8 one-row kernel it made an 8B model's batch-1
     step slower (3.86 -> 3.98 ms on an H100; docs/benchmarks.md)."""
 
@@ -322,15 +320,6 @@ def linear_float32(x: LinearInput, weight: torch.Tensor) -> torch.Tensor:
     if x.is_cuda and x.dtype != torch.float32:
         return torch.mm(x, weight.t(), out_dtype=torch.float32)
     return F.linear(x, weight).float()
-
-
-def takes_one_row_kernel(x: LinearInput) -> bool:
-    """Whether ``x`` is one row that ``linear`` multiplies with the one-row kernel (and so a
-    row whose norm can be left to that kernel, ``DeferredNorm``): one contiguous CUDA row,
-    or a deferred norm of one (only the CUDA ops defer norms)."""
-    if isinstance(x, DeferredNorm):
-        return x.x.shape[0] == 1
-    return x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
 
 
 def with_bias(product: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
