@@ -12,7 +12,7 @@ from starlette.types import Send
 DONE = "data: [DONE]\n\n"
 
 # One encoder for every event: json.dumps with arguments of its own builds a new one per
-# call, which cost a streamed chunk about a microsecond.
+# call, a cost on every streamed chunk.
 _JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 

@@ -2,10 +2,11 @@
 row-parallel outputs.
 
 Why: a decode step makes two all-reduces a layer (160 on the 70B shape), each of a few KiB
-at batch 1. At that size NCCL's ring costs its latency, not its bytes: on four H200s the
-70B's batch-1 TPOT was 14.97 ms against a bandwidth floor of 8.19 ms. PyTorch's symmetric
-memory (``torch.distributed._symmetric_memory``) maps every rank's buffer into every other
-rank's address space over CUDA peer-to-peer, and ``one_shot_all_reduce_copy`` is one kernel
+at batch 1. At that size NCCL's ring costs its latency, not its bytes: its steps between
+ranks and its proxy thread, however few the bytes (``scripts/bench_all_reduce.py`` times
+both paths by size, eager and in a CUDA graph). PyTorch's symmetric memory
+(``torch.distributed._symmetric_memory``) maps every rank's buffer into every other rank's
+address space over CUDA peer-to-peer, and ``one_shot_all_reduce_copy`` is one kernel
 that copies the local input into this rank's buffer, meets the peers at a barrier of signal
 pads, and sums the ranks' copies in rank order: no proxy thread, no ring of steps, the same
 bits on every rank, and capturable in a CUDA graph. Larger tensors (prompt steps, big
@@ -28,9 +29,12 @@ from engine.distributed.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
-# Each rank's buffer, and the largest all-reduce it takes: a decode step's at up to 64 rows
-# of an 8192-wide model. On two and four H200s one shot beat NCCL's ring up to 2 MiB and was
-# even at 4 MiB (docs/benchmarks.md); larger thresholds wait for offline runs to show a gain.
+# Each rank's buffer, and the largest all-reduce it takes: a decode step's at up to 32 rows
+# of an 8192-wide model (64 of a 4096-wide one). ``scripts/bench_all_reduce.py
+# --tensor-parallel-size 2`` (and 4) times one shot against NCCL's ring by size, past this
+# threshold too: one shot leads well beyond it, its lead narrowing as it reads every peer's
+# whole buffer. A larger threshold waits for offline runs (``scripts/bench_offline.py
+# --tensor-parallel-size N``) to show that the larger sizes pay.
 ONE_SHOT_MAX_BYTES = 512 * 1024
 
 

@@ -1,11 +1,13 @@
 """CUDA graphs of one sequence's prompt chunk, captured at start-up at a ladder of lengths.
 
 An idle engine's first token waits for its prompt's forward pass, which launched op by op
-is some 150 kernels from Python: for a 128-token prompt on a 1B model, about 5 ms of host
-time against 1.2 ms on the device, so the time to first token of a short prompt is the
-host's. A step that computes the tokens of one sequence alone (a whole prompt, or a chunk
-of one after a cached prefix), at most ``PROMPT_GRAPH_TOKENS[-1]`` of them, and samples at
-most its last one, replays a graph instead:
+is well over a hundred kernels from Python; for a short prompt their launches take the host
+longer than the kernels take the device, so the time to first token of a short prompt is
+the host's (``scripts/profile_step.py --model DIR --prefill --context 128 --enforce-eager``
+prints device kernel time against the wall time). A step that computes the tokens of one
+sequence alone (a whole prompt, or a chunk of one after a cached prefix), at most
+``PROMPT_GRAPH_TOKENS[-1]`` of them, and samples at most its last one, replays a graph
+instead:
 
 - its tokens are padded up to the next captured length; the padding writes no cache slot
   (slot -1) and the prefill kernel, which reads the real length from the device, masks

@@ -115,8 +115,8 @@ def freeze_start_up_objects() -> None:
     """Put what start-up made (modules, the model's and tokenizer's Python objects), which
     lives as long as the process, out of the sight of Python's full collections, which then
     walk only what requests made since. Not frozen, the first full collection after start,
-    while the first few hundred requests were admitted, stalled one step of a fresh engine
-    by 100-135 ms (H200 machine). Thawed at exit, so that the interpreter's last collection
+    while the first few hundred requests were admitted, walked all of it and stalled one step
+    of a fresh engine for as long. Thawed at exit, so that the interpreter's last collection
     frees it (nanobind's extensions, Triton's among them, report objects left alive then as
     leaks)."""
     gc.collect()

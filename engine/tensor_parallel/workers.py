@@ -90,7 +90,7 @@ class WorkerGroup:
     def close(self) -> None:
         """Stop the workers (each finishes the step it runs) and leave the process group
         with them. Every rank has freed its CUDA graphs first (``LLMEngine.close``,
-        ``worker_main``): with them alive the teardown never returned on two H200s. Rank 0
+        ``worker_main``): with them alive the teardown did not return. Rank 0
         leaves while the workers do, since some NCCL versions tear a communicator down on
         all ranks together, and stops waiting after a while in case one of them is gone."""
         if self._closing:

@@ -1,8 +1,9 @@
 """The index of each row's largest logit, in two passes.
 
-PyTorch reduces a row of logits in one thread block: a batch-1 step's argmax over a
-128k-token vocabulary took 27.5 us on an H200, more than any of its layers' kernels but the
-GEMVs. Here the first pass spreads each row over ``BLOCK``-wide chunks, one program each,
+PyTorch reduces a row of logits in one thread block: at batch 1 one SM reads the whole
+vocabulary's row while the others idle, and the argmax outlasted every kernel of the step but
+the GEMVs (``scripts/profile_step.py --model DIR --batch 1`` lists a step's kernels by device
+time). Here the first pass spreads each row over ``BLOCK``-wide chunks, one program each,
 and the second picks each row's winner among its chunks'. Ties go to the lowest index, as
 ``torch.argmax`` breaks them. Both are launched past Triton's binding (``one_variant.py``):
 what they specialize on is the same for every step of a model.

@@ -4,8 +4,10 @@ dialect) for GPUs that convert e4m3 in hardware (compute capability 8.9 and up).
 Why not the Triton kernel (``paged_attention.py``): an fp8 value tile feeds PV's product
 across its contiguous dimension, and Hopper's tensor cores cannot take 8-bit values that
 way (``fp8_widen.py``). Triton widens each V tile in registers and passes it through shared
-memory a second time; on an H200 that read an fp8 cache at 51-59% of copy bandwidth, barely
-faster than bf16 at twice the bytes. Here the layouts are ours to choose:
+memory a second time, which left it reading an fp8 cache far below copy bandwidth, barely
+faster than bf16 at twice the bytes (docs/history/benchmarks-lab-notebook.md;
+``scripts/bench_kernels.py --kv-cache-dtype fp8`` prints the share this module's kernel
+reaches). Here the layouts are ours to choose:
 
 - One warp a program (kv head, sequence, split); K and V tiles of ``_BLOCK_N`` keys come in by
   ``cp.async`` into swizzled shared memory, ``_STAGES`` tiles in flight.
@@ -52,9 +54,10 @@ _STAGES = 3  # tiles in flight
 _MAX_GROUP = 16  # the MMA's rows: a program's query heads
 FP8_DECODE_NUM_WARPS = 1
 # decode_num_splits' parameters for this kernel: split until about this many one-warp
-# programs run on each SM (counted a KV head each), in parts of at least two tiles. On an H200
-# (head_dim 64 and 128, batch 1-256, contexts 512-4096): within 5% of the best of 6-16
-# programs an SM in 13 of 15 cases.
+# programs run on each SM (counted a KV head each), in parts of at least two tiles. Of 6-16
+# programs an SM, the count near the best in most cases over head_dim 64 and 128, batches
+# 1-256 and contexts 512-4096: ``scripts/bench_kernels.py --kv-cache-dtype fp8 --head-dims
+# 64 128`` measures it (change the constant to compare another).
 FP8_DECODE_PROGRAMS_PER_SM = 8
 FP8_DECODE_MIN_SPLIT_TOKENS = 64  # two tiles of 32 keys, one of 64
 _NO_SCORE = gl.constexpr(-1.0e30)
@@ -371,9 +374,10 @@ def uses_fp8_decode_kernel(q: torch.Tensor, key_cache: torch.Tensor, query_len: 
 
 def _kv_heads_per_program(head_dim: int, num_kv_heads: int, group: int) -> int:
     """Two KV heads a program at head_dim 64, where their query heads fit the tile's 16 rows:
-    adjacent in the cache, their keys are one 128-byte read instead of two of 64 bytes. On an
-    H200 this kernel read 64-byte rows at 53-68% of copy bandwidth whatever its tiles, stages,
-    splits or swizzle, and 128-byte ones at 83-90%."""
+    adjacent in the cache, their keys are one 128-byte read instead of two of 64 bytes. Over
+    64-byte rows this kernel stays well below copy bandwidth whatever its tiles, stages,
+    splits or swizzle, and comes near it over 128-byte ones
+    (``scripts/bench_kernels.py --kv-cache-dtype fp8 --head-dims 64 128`` prints the share)."""
     pair = head_dim * 2 in _BLOCK_N and num_kv_heads % 2 == 0 and 2 * group <= _MAX_GROUP
     return 2 if pair else 1
 

@@ -3,11 +3,13 @@ W8A8 FP8 GEMM (``torch._scaled_mm``, rowwise scales) takes as its first operand.
 
 In PyTorch ops the quantization is eight kernels a linear layer (abs, amax, the float32
 copies, the divisions, the clamps, the cast), each reading or writing the whole [T, K]
-activation. At 256 tokens of a 1B model those small kernels made a decode step with FP8
-weights 4.7 ms against bf16's 3.1 ms on an H200. Here a program takes a token: it reads the
-row into registers, takes its largest magnitude, divides and rounds, and writes the codes and
-the scale. A row wider than ``_MAX_BLOCK`` is read twice, in chunks: once for the largest
-magnitude, then again (from cache) to divide and round.
+activation. In a large decode batch's step they cost more than reading half the weights'
+bytes saves: with them a step with FP8 weights was slower than with bf16 ones
+(``scripts/profile_step.py --model DIR --batch 256 --quantization fp8`` lists a step's
+kernels). Here a program takes a token: it reads the row into registers, takes its largest
+magnitude, divides and rounds, and writes the codes and the scale. A row wider than
+``_MAX_BLOCK`` is read twice, in chunks: once for the largest magnitude, then again (from
+cache) to divide and round.
 
 ``gated``: the row is a gated MLP's gate and up halves [2K], and the activation quantized is
 silu(gate) * up, rounded to the row's dtype as ``silu_and_mul`` stores it: the down

@@ -2,10 +2,13 @@
 
 Triton widens e4m3 to bfloat16 through float16 on Hopper: one packed conversion per two
 values, then one F2F conversion per value, and F2F runs at a quarter of the integer rate or
-less. A kernel that reads fp8 weights or an fp8 KV cache at copy bandwidth must widen about
-4e12 values a second on an H200, which those conversions cannot keep up with: the weight-only
-GEMM read fp8 at 31-59% of copy bandwidth, the decode kernel no faster than bf16 reading
-twice the bytes.
+less. A kernel that reads fp8 weights or an fp8 KV cache at copy bandwidth must widen a
+value for every byte the memory delivers, trillions a second, which those conversions cannot
+keep up with: through them the weight-only GEMM read fp8 well below copy bandwidth, and the
+decode kernel was no faster than bf16 reading twice the bytes
+(docs/history/benchmarks-lab-notebook.md). ``scripts/bench_quantization.py --kernels`` prints
+the weight-only GEMM's bandwidth, ``scripts/bench_kernels.py --kv-cache-dtype fp8`` decode
+attention's share of copy bandwidth.
 
 Every e4m3 value is the same bits as a bfloat16 (or float16) with the exponent's bias moved:
 sign, then the exponent and mantissa shifted right into place, subnormals included. So
@@ -67,8 +70,8 @@ def widen(values, dtype: tl.constexpr, TRANSPOSED: tl.constexpr = False):
         return values.to(dtype)
     elif dtype == tl.float32:
         # Through the hardware's packed conversion to float16 (exact; 8.9 and up), then one
-        # HADD2.F32 a value: the one-row kernel's loop took 223 instructions for 64 weights
-        # a thread against 319 through bfloat16's bits (sm_90 SASS, Triton 3.6).
+        # HADD2.F32 a value: fewer instructions in the one-row kernel's loop than placing
+        # bfloat16's bits and widening those to float32 (compare the loops' SASS).
         return values.to(tl.float16).to(tl.float32)
     elif dtype == tl.bfloat16 or dtype == tl.float16:
         return tl.inline_asm_elementwise(

@@ -3,8 +3,9 @@ rows copied, the rows the graph computes beyond them (the batch padded up to a c
 size) made padding.
 
 Between two steps' graphs the device runs a few tiny operations, each its own launch with a
-gap around it: in a batch-1 decode step of a small model on an H100, about ten of them took
-34 us of a 1.13 ms step. Five were copies into the graph's buffers (token ids, positions,
+gap around it, which a batch-1 decode step of a small model feels
+(``scripts/profile_step.py --model DIR --batch 1`` shows where the device sits idle, by the
+kernel after each gap). Five were copies into the graph's buffers (token ids, positions,
 cache slots, context lengths, block tables), and a padded batch took five fills more; this
 kernel is one launch for all of them.
 

@@ -6,9 +6,11 @@ the weight's bytes and by how early each read starts, not by arithmetic. Tensor 
 16 rows and a trip through shared memory; here each program reads BLOCK_N whole weight rows
 in BLOCK_K-wide chunks straight into registers (wide loads, several in flight a thread),
 multiplies in float32 on the CUDA cores and reduces once at the end: no shared memory, no
-split of K, no second pass. On an H200 it beats cuBLAS at one row on every Llama linear
-layer measured (1-20%), and the tiled weight-only kernel on fp8 layers, or ties it (an 8B
-model's gate/up and down; `docs/benchmarks.md`).
+split of K, no second pass. It is the engine's one-row path because it reads a bf16 weight
+faster than cuBLAS at one row, and fp8 codes at least as fast as the tiled weight-only
+kernel: ``scripts/bench_quantization.py --kernels --rows 1`` times it against cuBLAS (its
+"bf16" and "bf16 Triton" columns), ``scripts/sweep_matmul_configs.py --parts tiled`` against
+the tiled kernel, layer by layer.
 
 The weight may be bfloat16/float16 (the model's dtype), or int8 / float8 e4m3 codes with one
 float32 scale per output channel, widened in registers (``fp8_widen``) and scaled once.
@@ -27,18 +29,19 @@ own kernel and launch are gone; the normalized row is never rounded to x's dtype
 it is rounded to the output's dtype as the projection stores it, then the stream's channels
 are added in that dtype, as ``stream + product`` rounds, and the sum is the output. The next
 norm then has no residual to add: its reader's programs, each reading the whole row, no
-longer add it and write the stream as they read. Bit for bit the same sums; measured on an
-H100 (`docs/benchmarks.md`, twentieth session): batch-1 steps of a 1B model 1.116 -> 1.095 ms,
-of an 8B 5.515 -> 5.416, the 8B's TPOT 5.487 -> 5.368 ms (3.449 -> 3.429 with fp8 weights).
+longer add it and write the stream as they read, so each reads one vector fewer. Bit for
+bit the same sums. ``scripts/profile_step.py --model DIR --batch 1 --rounds 3`` times the
+batch-1 step this shortens (run on two trees to compare them).
 
 Launched dependent (``dependent_launch``): each program reads its weight's first chunk, then
 waits for the kernel before it. A weight is never written during a forward pass, so the read
 is safe before the wait, and it overlaps the kernel before: the last programs of the linear
-layer before, or, for the o projection, the attention kernels. Measured on an H100 (batch-1
-TPOT, medians of 3, against reading after the wait; `docs/benchmarks.md`): 8B shape 5.659 ->
-5.531 ms, 8B with fp8 weights 3.527 -> 3.492, Qwen3-0.6B 0.985 -> 0.959, but the 1B shape
-1.133 -> 1.146: there the early reads slow the kernel they overlap about as much as they
-speed up their own (the down projection, and the split merge before the o projection).
+layer before, or, for the o projection, the attention kernels. Against reading after the
+wait it shortened the batch-1 TPOT of the 8B shape (bf16 and fp8 weights) and of
+Qwen3-0.6B, but not of the 1B shape: there the early reads slow the kernel they overlap
+about as much as they speed up their own (the down projection, and the split merge before
+the o projection). ``scripts/bench_latency.py --model DIR --device cuda`` measures the
+TPOT; the figures are in docs/history/benchmarks-lab-notebook.md.
 """
 
 from __future__ import annotations
@@ -79,10 +82,11 @@ def one_row_config(
 
     Configurations sum a row in different orders, and a timer at start-up (Triton's
     autotuner, before) picked differently in different processes: replicas of one model then
-    gave different greedy tokens where two logits nearly tied (`docs/benchmarks.md`,
-    thirteenth session). A rule gives every process the same sums. It is fitted to
-    ``scripts/sweep_matmul_configs.py`` on an H200: each layer of the default models and
-    their TP shards alone, and whole models' chains of one-row products in one CUDA graph.
+    gave different greedy tokens where two logits nearly tied
+    (docs/history/benchmarks-lab-notebook.md). A rule gives every process the same sums. It
+    is fitted to ``scripts/sweep_matmul_configs.py --parts one-row chain``: each layer of the
+    default models and their TP shards alone, and whole models' chains of one-row products in
+    one CUDA graph; it prints how far the rule is from the best candidate, layer by layer.
 
     - fp8 / int8 codes (their norm runs as its own kernel): 16 channels a program in 512-byte
       chunks over wide outputs (QKV, gate/up), 8 channels in 1 KiB chunks otherwise.
@@ -192,8 +196,9 @@ def row_sums(
     squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     stream_end = tl.where(tl.program_id(0) == 0, K, 0)
     # The first chunk's sums peeled from the loop on purpose: folded into it (behind a
-    # branch, or with each iteration loading the next chunk) the kernel took 95-120
-    # registers instead of 80 and a 1B step was 8-10% slower (docs/benchmarks.md).
+    # branch, or with each iteration loading the next chunk) the kernel takes more
+    # registers, fewer programs fit an SM, and it measured slower
+    # (docs/history/benchmarks-lab-notebook.md).
     acc, squares = _accumulate(
         acc,
         squares,

@@ -1,20 +1,20 @@
 """One row's QKV projection with RoPE and the cache write in its epilogue: a batch-1 decode
 step's attention input in one kernel, where the one-row GEMV and ``rotary_store_kv`` took two.
 
-At batch 1 the rotary kernel is one program with almost nothing to do: 2.5 µs of a 1B
-layer's critical path (H100 traces, `docs/benchmarks.md`), between the projection and
-attention. Here each program of the one-row kernel (``row_sums``: the same sums, chunks and
-configuration as ``one_row_matmul``'s) takes output channels in pairs, channel d and channel
-d + head_dim / 2 of one head, the two that rotate-half RoPE mixes. Its sums are rounded to
+At batch 1 the rotary kernel is one program with almost nothing to do, yet a launch of its
+own on every layer's critical path, between the projection and attention. Here each program
+of the one-row kernel (``row_sums``: the same sums, chunks and configuration as
+``one_row_matmul``'s) takes output channels in pairs, channel d and channel d + head_dim / 2
+of one head, the two that rotate-half RoPE mixes. Its sums are rounded to
 the model's dtype as the projection stores them, a bias added as ``with_bias`` adds it, then
 q's and k's pairs are rotated in float32 and rounded again, exactly as ``rotary_store_kv``
 rounds them: q goes to its own tensor, k and v straight into the cache.
 
 The epilogue's inputs (the position, its angles, the slot) are read before the kernel waits
 for the one before, as its first weight chunk is (``dependent_launch``): read after the
-sums, two loads one after the other made each program's tail as long as the rotary kernel
-it replaced. Measured on an H100 (batch-1 steps, `docs/benchmarks.md`): a 1B step 1.137 ->
-1.125 ms, an 8B step 5.495 -> 5.479.
+sums, two loads one after the other made each program's tail about as long as the rotary
+kernel it replaced. ``scripts/profile_step.py --model DIR --batch 1 --rounds 3`` times the
+batch-1 step (run on two trees to compare them).
 
 Only for what needs nothing else between the projection and RoPE: no per-head norm (Qwen3's
 needs a whole head's sums, across programs), no family's own step between them (Gemma 3's,
@@ -40,10 +40,10 @@ from engine.backends.triton.one_row_matmul import (
 from engine.backends.triton.rotary_store import norm_and_rotate
 
 # Registers a thread, at most: those of the one-row kernel it extends, so that the epilogue
-# costs no program its place on an SM. Left to itself ptxas gave the kernel 92 (bf16, a
-# deferred norm's row, 4 channels a program) where 80 need no spill (compiled for sm_90): 5
-# programs of 4 warps an SM instead of 6, and a 1B model's 768 QKV programs no longer fit in
-# one wave of 132 SMs.
+# costs no program its place on an SM. Left to itself ptxas gives the kernel more (bf16, a
+# deferred norm's row, 4 channels a program) where 80 need no spill (sm_90). An SM's 64K
+# registers hold 6 programs of 4 warps at 80 a thread, 5 at the next step up (88), and then
+# a 1B model's 768 QKV programs no longer fit in one wave of a 132-SM GPU.
 _MAX_REGISTERS = 80
 
 

@@ -3,21 +3,21 @@ Triton's per-launch binding.
 
 Each launch through ``kernel[grid](...)`` binds its arguments in Python: it works out what
 the kernel specializes on (each pointer's alignment, each integer's value), makes the
-cache key and looks the compiled kernel up. On the GPU machine's host that took about 15 of
-a launch's 23 µs in a tight loop (H100 host, Triton 3.6), and three to four times as much
-between a step's other host work, where the caches are cold: a large decode batch's step
-is bound by the host's time. A kernel written to specialize on nothing that changes
-between its launches (``do_not_specialize`` for its sizes and strides,
-``do_not_specialize_on_alignment`` for views at any offset) has one variant a device; once
-compiled, it is launched straight through the compiled kernel. The first launch goes through
-Triton as usual (and compiles, or finds the warm-up's variant); on the CPU interpreter
-every launch does. A kernel that does specialize, on what stays the same for a model (the
-argmax's vocabulary and row stride), has its caller name the variant: everything Triton
-specializes it on, as a key.
+cache key and looks the compiled kernel up. That is most of a launch's host time, and more
+between a step's other host work, where the caches are cold; a large decode batch's step is
+bound by the host's time (``scripts/profile_step.py --model DIR --batch 256`` shows the
+host's share, ``scripts/bench_host_step.py`` the host's work alone). A kernel written to
+specialize on nothing that changes between its launches (``do_not_specialize`` for its sizes
+and strides, ``do_not_specialize_on_alignment`` for views at any offset) has one variant a
+device; once compiled, it is launched straight through the compiled kernel. The first
+launch goes through Triton as usual (and compiles, or finds the warm-up's variant); on the
+CPU interpreter every launch does. A kernel that does specialize, on what stays the same for
+a model (the argmax's vocabulary and row stride), has its caller name the variant:
+everything Triton specializes it on, as a key.
 
 Only for such kernels: a variant launched with arguments it was not specialized for would
-compute the wrong thing (with the pending-token kernel's count specialized on purpose, its
-fills of 5 and 130 tokens took the variant compiled for 1, and failed). Their tests launch
+compute the wrong thing (were the pending-token kernel's count specialized, its fills of 5
+or 130 tokens would take the variant compiled for 1, and be wrong). Their tests launch
 the one-variant kernels through Triton over views at odd offsets and sizes of 1 and multiples
 of 16 and check that one variant served them all, and the argmax over three variants in one
 process against torch's.

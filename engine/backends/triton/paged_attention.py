@@ -45,9 +45,11 @@ from engine.backends.triton.fp8_widen import widen, widen_factor
 _PREFILL_BLOCK_M = 64
 _BLOCK_N = 64
 # A decode over an fp8 cache takes twice the keys a tile: the same bytes a load, and half the
-# tiles' fixed costs (its widening and V's pass through shared memory, ``fp8_widen``). On an
-# H200 (head_dim 128, batch 64-256, context 1k-4k) 128 keys made fp8 14-15% faster than
-# bf16; at 64 keys it was 0-30% slower. bf16 is fastest at 64.
+# tiles' fixed costs (its widening and V's pass through shared memory, ``fp8_widen``). At 64
+# keys fp8 measured no faster than bf16, at 128 faster; bf16 is fastest at 64
+# (docs/history/benchmarks-lab-notebook.md). ``scripts/bench_kernels.py --kv-cache-dtype fp8``
+# measures it where this kernel takes fp8 (``fp8_decode`` takes head_dim 64 and 128 on
+# compute capability 8.9 and up: ``--head-dims 256`` there).
 _FP8_DECODE_BLOCK_N = 128
 # tl.dot needs at least 16 rows; a decode tile has one token's group of heads.
 _MIN_DOT_ROWS = 16
@@ -55,11 +57,13 @@ _MIN_DOT_ROWS = 16
 # the memory system busy), but never into parts shorter than _MIN_SPLIT_TOKENS keys (two
 # tiles), whose setup and merge would cost more than they save. One sequence of a model
 # with one KV head (Gemma 3 1B) at 16k keys thus still gets 128 programs.
+# ``scripts/bench_kernels.py`` measures decode attention, split as a step splits it, against
+# copy bandwidth over batches and contexts.
 _DECODE_PROGRAMS_PER_SM = 4
 _MIN_SPLIT_TOKENS = 128
 _MAX_SPLITS = 256
-# Splits the merge kernel reads at a time: a batch-1 step's 66 (8 KV heads, 132 SMs) in two
-# chunks; at 16 they took five, each waiting on the one before.
+# Splits the merge kernel reads at a time: a batch-1 step's 66 (8 KV heads on 132 SMs) in
+# two chunks; at 16 they would take five, each waiting on the one before.
 _MERGE_BLOCK_S = 64
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second and third axes
 # Arguments that change from step to step in eager steps (views of the step's one packed
@@ -514,10 +518,11 @@ def decode_constants(
 
 
 def decode_num_warps(head_dim: int, kv_dtype: torch.dtype) -> int:
-    """Warps a decode program takes. Over a bf16 cache at head_dim 64 two warps made an H200's
-    decode attention 10-18% faster than four at batch 128-256 (Llama 3.2 1B's heads: 73% ->
-    81% of copy bandwidth at batch 256, context 512), and equal at batch 1-64; at head_dim
-    128, equal within 1%. The other cases keep Triton's default, four."""
+    """Warps a decode program takes. Over a bf16 cache at head_dim 64, two: they read a large
+    batch's cache (128-256 sequences) closer to copy bandwidth than four, and tie at smaller
+    batches; at head_dim 128 two and four tie. The other cases keep Triton's default, four.
+    ``scripts/bench_kernels.py --head-dims 64 128 --batches 1 64 128 256`` measures the share
+    of copy bandwidth (change this rule to compare)."""
     return 2 if head_dim <= 64 and kv_dtype.itemsize == 2 else 4
 
 
@@ -653,8 +658,9 @@ def _launch_decode_kernel(
     )
     # The KV heads of a cache block lie side by side in memory (each token's heads in one
     # row), and programs start in grid order, first axis fastest: with the heads first, the
-    # programs reading one block's rows run together. On an H200, 0-3% faster than with the
-    # sequences first (bf16, batch 64-256; scratch sweep, docs/benchmarks.md).
+    # programs reading one block's rows run together. Slightly faster than with the sequences
+    # first at batch 64-256 (docs/history/benchmarks-lab-notebook.md;
+    # ``scripts/bench_kernels.py --batches 64 256`` measures it).
     _decode_kernel[(num_kv_heads, batch, num_splits)](
         q,
         key_cache,

@@ -8,8 +8,8 @@ reading the weight, so this halves the bytes of a bf16 GEMM.
 
 At a few rows, one program per block of output channels is too few programs to keep the
 memory system busy (an 8B model's down projection: 128 programs of 14,336 weights a
-channel on 132 SMs), so the depth K is split too (``SPLIT_K``): each program writes its
-partial sums to a float32 workspace and counts itself in, and the last of a tile's
+channel on a GPU of 132 SMs), so the depth K is split too (``SPLIT_K``): each program writes
+its partial sums to a float32 workspace and counts itself in, and the last of a tile's
 programs adds them up, scales and stores the output, then resets the tile's counter for the
 next call. No second kernel, no zeroed buffer per call.
 
@@ -54,9 +54,9 @@ def tiled_config(rows: int, channels: int, depth: int, processors: int) -> Tiled
     """The tiled kernel's configuration for ``rows`` x [channels, depth] on a GPU of
     ``processors`` SMs, chosen by shape, never timed: splits of K sum in different orders, and
     a start-up timer picked differently in different processes (``one_row_config`` says why
-    that matters). Fitted to a sweep on an H200 (``scripts/sweep_matmul_configs.py``: the
-    default models' layers and their TP=2 shards, at 4 and 16 rows in fp8 and 32, 64 and 256
-    in int8).
+    that matters). Fitted to ``scripts/sweep_matmul_configs.py --parts tiled`` (the default
+    models' layers and their TP=2 shards, at 4 and 16 rows in fp8 and 32, 64 and 256 in
+    int8), which prints how far the rule is from the best candidate, layer by layer.
 
     - Up to 16 rows (decode steps): 32 channels by 256 of K a tile, K split in two, four or
       eight where the tiles alone would leave SMs idle and each split keeps at least 2048 of
@@ -175,7 +175,8 @@ def weight_only_matmul(
     """x [M, K] (bfloat16, float16 or float32), codes [N, K] int8 or float8 e4m3, scale [N]
     float32 -> [M, N] in x's dtype. ``gated``: x [M, 2K] is a gated MLP's gate and up
     halves, and the input silu(gate) * up. One row takes the one-row kernel, as fast as the
-    tiled kernel or faster on every layer swept."""
+    tiled kernel or faster on every layer (``scripts/sweep_matmul_configs.py --parts tiled``
+    times both at one row)."""
     if x.shape[0] == 1:
         return one_row_matmul(x, codes, scale, gated=gated)
     return tiled_matmul(silu_and_mul(x) if gated else x, codes, scale)
