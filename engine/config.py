@@ -2,7 +2,8 @@
 
 ``python -m engine``'s command line is generated from these fields (``add_arguments``), so an
 option added here is a flag there, with the same name, default and help, and in-process users
-(tests, benchmarks) build the same dataclasses directly.
+(tests, benchmarks) build the same dataclasses directly. A renamed option keeps its old flag as
+an alias (``aliases``) and, for in-process users, its old keyword (an ``InitVar``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import argparse
 import dataclasses
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 import torch
@@ -22,7 +23,8 @@ from engine.quantization.linear_methods import QUANTIZATION_METHODS
 
 
 def option(default: Any, help: str, **argparse_kwargs: Any) -> Any:
-    """A field with a default and the command line's help text (and choices, if any)."""
+    """A field with a default and the command line's help text (and choices, if any; and
+    ``aliases``, more flags for it, such as its old name)."""
     return field(default=default, metadata={"help": help, **argparse_kwargs})
 
 
@@ -111,10 +113,13 @@ class EngineConfig:
         "(for benchmarks of shapes whose weights are not at hand; no weight files needed)",
         choices=["auto", "dummy"],
     )
-    attention_backend: str | None = option(
+    backend: str | None = option(
         None,
-        "the attention and layer-op implementations (default: triton on CUDA, torch on CPU)",
+        "the implementation of every device operation: attention, the layers' norms and "
+        "products, sampling's argmax and grammar masks, the step inputs' fills (default: "
+        "triton on CUDA, torch on CPU; torch runs no Triton kernel, on any device)",
         choices=list(BACKENDS),
+        aliases=["--attention-backend"],
     )
     speculative_method: str | None = option(
         None,
@@ -150,6 +155,19 @@ class EngineConfig:
     prompt_lookup_min: int = option(
         2, "ngram speculation: the shortest n-gram looked up in the request's tokens"
     )
+    # ``backend``'s old name, still taken as a keyword (``EngineConfig(attention_backend=...)``,
+    # ``LLM(attention_backend=...)``); no field of its own, and no flag but --backend's alias.
+    attention_backend: InitVar[str | None] = None
+
+    def __post_init__(self, attention_backend: str | None) -> None:
+        if attention_backend is None:
+            return
+        if self.backend not in (None, attention_backend):
+            raise ValueError(
+                f"backend={self.backend!r} and attention_backend={attention_backend!r}: "
+                "attention_backend is backend's old name; give one"
+            )
+        self.backend = attention_backend
 
     @property
     def max_logits_rows(self) -> int:
@@ -206,6 +224,7 @@ def add_arguments(parser: argparse.ArgumentParser, config_class: type) -> None:
     hints = typing.get_type_hints(config_class)
     for config_field in dataclasses.fields(config_class):
         kwargs = dict(config_field.metadata)
+        aliases = kwargs.pop("aliases", ())
         kind = _value_type(hints[config_field.name])
         flag = "--" + config_field.name.replace("_", "-")
         if kind is bool:
@@ -213,7 +232,9 @@ def add_arguments(parser: argparse.ArgumentParser, config_class: type) -> None:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs["type"] = kind
-        parser.add_argument(flag, default=config_field.default, **kwargs)
+        parser.add_argument(
+            flag, *aliases, dest=config_field.name, default=config_field.default, **kwargs
+        )
 
 
 def from_arguments(config_class: type, args: argparse.Namespace) -> Any:

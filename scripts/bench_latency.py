@@ -248,7 +248,7 @@ def model_cost(
         config, quantization=resolve_quantization(quantization, config.quantization, meta)
     )
     return ModelCost.of_model(
-        build_model(config, *create_backend("torch", meta), 1, meta, dtype), kv_dtype
+        build_model(config, create_backend("torch", meta), 1, meta, dtype), kv_dtype
     )
 
 

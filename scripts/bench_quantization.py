@@ -47,6 +47,7 @@ from tokenizers import Tokenizer
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from engine.backends.pytorch import quantize_per_token_fp8  # noqa: E402
 from engine.checkpoint.resolve import DEFAULT_MODEL  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
@@ -54,7 +55,6 @@ from engine.quantization.linear_methods import (  # noqa: E402
     FP8,
     WEIGHT_ONLY_MAX_TOKENS,
     quantize_per_channel,
-    quantize_per_token_fp8,
 )
 from protocol import SamplingParams  # noqa: E402
 from scripts.fetch_test_gguf import TEST_MODELS  # noqa: E402

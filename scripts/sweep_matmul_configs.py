@@ -46,6 +46,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from engine.backends.deferred_norm import DeferredNorm  # noqa: E402
+from engine.backends.triton.backend import TritonLayerOps  # noqa: E402
 from engine.backends.triton.device import sm_count  # noqa: E402
 from engine.backends.triton.one_row_matmul import (  # noqa: E402
     OneRowConfig,
@@ -173,7 +174,9 @@ def sweep_one_row(shape_layers: list[tuple[str, Layer]], repeats: int) -> list[d
             out_dtype = torch.float32 if name == "lm_head" else None
             normed = takes_deferred_norm(name, codes.dtype)
             if normed:
-                row = functools.partial(DeferredNorm, x, torch.randn_like(x), x[0], 1e-5)
+                row = functools.partial(
+                    DeferredNorm, x, torch.randn_like(x), x[0], 1e-5, TritonLayerOps()
+                )
                 run = functools.partial(run_normed, row, codes, out_dtype)
             else:
                 run = functools.partial(
@@ -277,7 +280,7 @@ class OneRowChain:
         """The row layer ``name`` reads, and the residual stream after it."""
         if not takes_deferred_norm(name, self.weight_dtype(name)):
             return x, x if residual is None else residual
-        row = DeferredNorm(x, residual, self.norm_weight, 1e-5)
+        row = DeferredNorm(x, residual, self.norm_weight, 1e-5, TritonLayerOps())
         return row, row.stream
 
     def forward(self, policy: Policy) -> torch.Tensor:

@@ -1,28 +1,29 @@
 """An RMSNorm left to the linear layer that reads it next: of one row, or of an FP8 layer's
 rows.
 
-At one row (a batch-1 decode step, a prompt's LM head) a norm is a launch and about 2 µs of
-a kernel with almost nothing to do, twice a layer and once before the LM head: a tenth of
-a 1B model's step. The one-row kernel (``engine.backends.triton.one_row_matmul``) reads the
+At one row (a batch-1 decode step, a prompt's LM head) a norm is a launch and a kernel with
+almost nothing to do, twice a layer and once before the LM head, against a step of a few
+hundred launches. The Triton backend's one-row kernel (its ``one_row_matmul``) reads the
 whole row anyway, each program all of it, so it adds the residual, sums the squares and
 scales by the norm's weight as it reads, and applies 1/rms to its sums at the end.
 
-``RMSNorm.add_and_norm`` returns a ``DeferredNorm`` where the layer ops defer one-row norms
-(the Triton ops, on CUDA) and the row would take the one-row kernel; the next linear layer
-receives it in place of the normalized row (``LinearInput``). Quantized (int8, fp8) layers
-ask for ``normalized()`` first: their one-row kernel reads a byte a weight, so the row's
-three vectors (x, residual, norm weight), read again by every program, weigh more against
-it, and an 8B fp8 step measured slower folded than not.
-
-Measured on an H100 against the commit before (medians of 3, A/B in one call each): the 1B
-shape's batch-1 step 1.227 -> 1.215, 1.222 -> 1.183 and 1.342 -> 1.288 ms (1-4% faster); the
-8B shape's 5.684 -> 5.703 ms (0.3% slower).
+``RMSNorm.add_and_norm`` returns a ``DeferredNorm`` where the layer ops defer norms
+(``LayerOps.defers_norms``) and the row is one their one-row product takes
+(``LayerOps.takes_one_row``); the next linear layer receives it in place of the normalized
+row (``LinearInput``). Quantized (int8, fp8) layers ask for ``normalized()`` first: their
+one-row kernel reads a byte a weight, so the row's three vectors (x, residual, norm weight),
+read again by every program, weigh more against it, and a large model's fp8 step was slower
+folded than not (``scripts/profile_step.py --rounds`` compares two trees' batch-1 steps).
 
 Rows that an FP8 layer quantizes for its W8A8 product (``Fp8Linear``, more than 16 tokens)
 are deferred too where the layer reading them says so (``LinearMethod.takes_deferred_norm``,
 asked by ``RMSNorm`` through its ``reader``): the quantization kernel computes the norm as it
-reads each row (``engine.backends.triton.fp8_quantize``), so the norm's own kernel, a launch
-and a write and read of the normalized rows, is gone twice a layer.
+reads each row (the ops' ``quantize_fp8``), so the norm's own kernel, a launch and a write
+and read of the normalized rows, is gone twice a layer.
+
+Only the ops that made a deferred norm know which kernels can read it, so it carries them
+(``ops``): a reader that cannot fold the norm asks them for it (``normalized``). Nothing
+here imports a backend.
 
 The sum x + residual is the residual stream the layer's next norm adds to: ``stream``,
 written by whichever kernel computes the norm. It is a buffer of its own, not the residual
@@ -33,20 +34,32 @@ reads the residual while the first writes the sum.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+
+
+class DefersNorms(Protocol):
+    """Layer ops that leave norms to the layers after them: what computes one of theirs
+    when its reader cannot."""
+
+    def normalize(self, norm: DeferredNorm) -> torch.Tensor:
+        """``norm``'s normalized rows, by the norm's own kernel, which also writes its
+        ``stream``."""
+        ...
 
 
 @dataclass
 class DeferredNorm:
     """``rms_norm(x + residual) * weight`` of rows x [T, hidden] (one row, but for an FP8
     layer's), not yet computed; with no residual (the first layer's norm), of x itself, which
-    is then the stream."""
+    is then the stream. ``ops``: the layer ops that left it, which compute it."""
 
     x: torch.Tensor
     residual: torch.Tensor | None
     weight: torch.Tensor
     eps: float
+    ops: DefersNorms
     stream: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
@@ -55,14 +68,7 @@ class DeferredNorm:
 
     def normalized(self) -> torch.Tensor:
         """The normalized rows, by the norm's own kernel, which also writes ``stream``."""
-        # Imported here: only the Triton ops defer norms, and Triton is not everywhere.
-        from engine.backends.triton.norm import add_rms_norm
-
-        residual_out = None if self.residual is None else self.stream
-        normalized, _ = add_rms_norm(
-            self.x, self.residual, self.weight, self.eps, residual_out=residual_out
-        )
-        return normalized
+        return self.ops.normalize(self)
 
 
 @dataclass(frozen=True)
@@ -84,19 +90,10 @@ def norm_arguments(x: torch.Tensor, norm: DeferredNorm | None) -> NormArguments:
     return NormArguments((residual, norm.weight, norm.stream), norm.eps, norm.residual is not None)
 
 
-# What a linear layer reads: its input row(s), or one row whose norm it computes itself.
+# What a linear layer reads: its input row(s), or rows whose norm it computes itself.
 LinearInput = torch.Tensor | DeferredNorm
 
 
 def dense(x: LinearInput) -> torch.Tensor:
     """``x`` as a tensor, a deferred norm computed."""
     return x.normalized() if isinstance(x, DeferredNorm) else x
-
-
-def takes_one_row_kernel(x: LinearInput) -> bool:
-    """Whether ``x`` is one row that a linear layer multiplies with the one-row kernel (and so a
-    row whose norm can be left to that kernel, ``DeferredNorm``): one contiguous CUDA row,
-    or a deferred norm of one (only the CUDA ops defer norms)."""
-    if isinstance(x, DeferredNorm):
-        return x.x.shape[0] == 1
-    return x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1

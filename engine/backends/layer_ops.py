@@ -1,11 +1,15 @@
-"""The model's per-token operations (norms, gated activation): the interface. (RoPE and
-the per-head Q/K norms before it are the attention backend's, ``engine.backends.attention.Rotary``,
-so that they fuse with the cache write.)
+"""The model's per-token operations: the interface. Norms and the gated activation, and the
+linear layers' products: one row's, the weight-only quantized GEMM's, FP8 activations'
+quantization and the LM head's float32 logits. (RoPE and the per-head Q/K norms before it
+are the attention backend's, ``engine.backends.attention.Rotary``, so that they fuse with
+the cache write.)
 
-Like ``AttentionBackend``, the model calls these and nothing device-specific; each backend
-of ``engine.backends`` supplies an implementation: ``TorchLayerOps`` (PyTorch, runs
-everywhere, the reference) and ``TritonLayerOps`` (fused kernels). Numerics follow
-Hugging Face's Llama.
+Like ``AttentionBackend``, the model calls these and nothing device-specific: the linear
+layers' methods (``engine.quantization.linear_methods``) hold the model's ops and ask them
+for every product, so the backend chosen decides which kernel runs, on any device. Each
+backend of ``engine.backends`` supplies an implementation: ``TorchLayerOps`` (PyTorch, runs
+everywhere, the reference) and ``TritonLayerOps`` (fused kernels). Numerics follow Hugging
+Face's Llama.
 """
 
 from __future__ import annotations
@@ -14,11 +18,14 @@ from typing import Protocol
 
 import torch
 
+from engine.backends.deferred_norm import DeferredNorm, LinearInput
+
 
 class LayerOps(Protocol):
-    # Whether RMSNorm leaves a norm to the linear layer that reads it next, of one row or of
-    # the rows an FP8 layer quantizes (``engine.backends.deferred_norm``): the ops' kernels must
-    # include that layer's.
+    # Whether RMSNorm leaves a norm to the linear layer that reads it next, of one row
+    # (``takes_one_row``) or of the rows an FP8 layer quantizes (``engine.backends.
+    # deferred_norm``): the ops' products must then compute it (``one_row_matmul``,
+    # ``quantize_fp8``) or ``normalize`` it.
     defers_norms: bool
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -38,6 +45,59 @@ class LayerOps(Protocol):
         """(rms_norm(x + residual), x + residual); x: [T, hidden]."""
         ...
 
+    def normalize(self, norm: DeferredNorm) -> torch.Tensor:
+        """A deferred norm these ops left (only ops that defer norms leave one): its rows
+        normalized, and its ``stream`` written (x + residual)."""
+        ...
+
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of gate_up [T, 2 * I], gate half first."""
+        ...
+
+    def linear(
+        self, x: LinearInput, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x @ weight.T (+ bias)`` of x [T, K] and a weight [N, K] in x's dtype."""
+        ...
+
+    def linear_float32(self, x: LinearInput, weight: torch.Tensor) -> torch.Tensor:
+        """``linear`` without a bias, written as float32 however x is stored (the LM head's
+        logits, which sampling reads in float32)."""
+        ...
+
+    def takes_one_row(self, x: LinearInput) -> bool:
+        """Whether ``x`` is one row that ``one_row_matmul`` multiplies: then a linear layer
+        may have it apply a gated activation, add the residual stream, or compute a deferred
+        norm (so a norm of such a row may be deferred). Ops without such a product: never."""
+        ...
+
+    def one_row_matmul(
+        self,
+        x: LinearInput,
+        weight: torch.Tensor,
+        scale: torch.Tensor | None = None,
+        *,
+        gated: bool = False,
+        add: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """For a row ``takes_one_row`` takes only: x [1, K] (``gated``: [1, 2K], the input
+        silu(gate) * up of its halves; or a deferred norm of a row) times weight [N, K] in
+        x's dtype, or int8 / float8 codes with float32 ``scale`` [N] -> [1, N] in x's
+        dtype, the residual stream ``add`` [1, N] added to the rounded product if given."""
+        ...
+
+    def weight_only_matmul(
+        self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, *, gated: bool = False
+    ) -> torch.Tensor:
+        """``x @ (codes * scale[:, None]).T`` of x [M, K] and int8 or float8 e4m3 codes [N, K]
+        with float32 scales [N], without the dequantized weight, in x's dtype. ``gated``:
+        x [M, 2K], the input silu(gate) * up of its halves."""
+        ...
+
+    def quantize_fp8(
+        self, x: LinearInput, *, gated: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Activations x [T, K] (a deferred norm's rows normalized; ``gated``: silu(gate) * up
+        of x [T, 2K]'s halves) as float8 e4m3 codes [T, K] with one float32 scale per token
+        [T, 1]: a W8A8 product's first operand."""
         ...

@@ -1,18 +1,24 @@
 """The PyTorch backend: runs on any device, and is the reference the Triton kernels are
-tested against (tests/engine/test_kernels.py), one PyTorch definition per op.
+tested against (tests/engine/test_kernels.py, test_quantization.py,
+test_step_input_kernels.py), one PyTorch definition per op.
 
 Simple and exact rather than fast: attention gathers each sequence's whole context every
-layer, which a paged-attention kernel avoids. Numerics follow Hugging Face's Llama.
+layer, which a paged-attention kernel avoids. Numerics follow Hugging Face's Llama. It
+launches no Triton kernel on any device: ``--backend torch`` on a GPU runs PyTorch's own
+kernels (cuBLAS, its elementwise and reduction kernels) only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from engine.backends.attention import AttentionBackend, AttentionMetadata, LayerKVCache, Rotary
+from engine.backends.deferred_norm import DeferredNorm, LinearInput, dense
+from engine.backends.fp8 import FP8, FP8_MAX, MIN_SCALE
 
 
 def store_kv(
@@ -152,8 +158,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * _normalized(x, eps).to(x.dtype)
 
 
+def quantize_per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations ``x`` [T, K] as float8 e4m3 with one float32 scale per token [T, 1]."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=MIN_SCALE) / FP8_MAX
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def with_bias(product: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A new product with ``bias`` added in place, if there is one."""
+    return product if bias is None else product.add_(bias)
+
+
 class TorchLayerOps:
-    defers_norms = False  # no kernel here reads a row and normalizes it
+    defers_norms = False  # no op here reads a row and normalizes it
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
@@ -169,9 +186,105 @@ class TorchLayerOps:
         residual = x + residual
         return self.rms_norm(residual, weight, eps), residual
 
+    def normalize(self, norm: DeferredNorm) -> torch.Tensor:
+        if norm.residual is not None:
+            torch.add(norm.x, norm.residual, out=norm.stream)
+        return self.rms_norm(norm.stream, norm.weight, norm.eps)
+
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def linear(
+        self, x: LinearInput, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return F.linear(dense(x), weight, bias)
+
+    def linear_float32(self, x: LinearInput, weight: torch.Tensor) -> torch.Tensor:
+        # On CUDA the GEMM's epilogue writes float32 itself: a separate conversion would
+        # write the [B, vocab] logits in x's dtype and read them once more. On the CPU a
+        # bf16 product is rounded first (CPU models run float32).
+        x = dense(x)
+        if x.is_cuda and x.dtype != torch.float32:
+            return torch.mm(x, weight.t(), out_dtype=torch.float32)
+        return F.linear(x, weight).float()
+
+    def takes_one_row(self, x: LinearInput) -> bool:
+        return False  # one row is a matrix like any other here: ``linear``
+
+    def one_row_matmul(
+        self,
+        x: LinearInput,
+        weight: torch.Tensor,
+        scale: torch.Tensor | None = None,
+        *,
+        gated: bool = False,
+        add: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        raise NotImplementedError("the torch backend takes no row as one (takes_one_row)")
+
+    def weight_only_matmul(
+        self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, *, gated: bool = False
+    ) -> torch.Tensor:
+        # PyTorch's int8 weight-only GEMM or, for FP8, the codes widened (exactly) to x's
+        # dtype and the scales applied to the product.
+        if gated:
+            x = self.silu_and_mul(x)
+        if codes.dtype == torch.int8:
+            return torch._weight_int8pack_mm(x, codes, scale.to(x.dtype))
+        return F.linear(x, codes.to(x.dtype)) * scale.to(x.dtype)
+
+    def quantize_fp8(
+        self, x: LinearInput, *, gated: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = dense(x)
+        return quantize_per_token_fp8(self.silu_and_mul(x) if gated else x)
+
+
+class TorchStepOps:
+    def argmax_rows(self, values: torch.Tensor) -> torch.Tensor:
+        return values.argmax(dim=-1)
+
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        # xgrammar's C++ loop on the CPU; on other devices its PyTorch ops (its "auto" would
+        # launch its Triton kernel on CUDA).
+        import xgrammar as xgr
+
+        kernel = "cpu" if logits.device.type == "cpu" else "torch_native"
+        xgr.apply_token_bitmask_inplace(logits, bitmask, backend=kernel)
+
+    def fill_pending_tokens(
+        self,
+        input_ids: torch.Tensor,
+        index: torch.Tensor,
+        source: torch.Tensor,
+        last_sampled: torch.Tensor,
+    ) -> None:
+        input_ids.index_copy_(0, index, last_sampled[source])
+
+    def fill_graph_inputs(
+        self,
+        buffers: Sequence[torch.Tensor],
+        num_rows: int,
+        query_len: int,
+        step: Sequence[torch.Tensor] | None = None,
+    ) -> None:
+        input_ids, positions, slot_mapping, context_lens, block_tables = buffers
+        count = 0
+        if step is not None:
+            count, width = step[4].shape
+            num_tokens = count * query_len
+            input_ids[:num_tokens].copy_(step[0])
+            positions[:num_tokens].copy_(step[1])
+            slot_mapping[:num_tokens].copy_(step[2])
+            context_lens[:count].copy_(step[3])
+            block_tables[:count, :width].copy_(step[4])
+        padding = slice(count * query_len, num_rows * query_len)
+        slot_mapping[padding].fill_(-1)
+        positions[padding].zero_()
+        input_ids[padding].zero_()
+        context_lens[count:num_rows].fill_(1)
+        block_tables[count:num_rows, 0].zero_()
 
 
 def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:

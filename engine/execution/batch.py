@@ -7,7 +7,6 @@ bookkeeping of launching them.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from itertools import chain, compress
 
@@ -15,6 +14,7 @@ import numpy as np
 import torch
 
 from engine.backends.attention import AttentionMetadata
+from engine.backends.step_ops import StepOps
 from engine.execution.pinned_inputs import PinnedInputs
 from engine.sampling.prompt_logprobs import ScoredPositions, scored_chunks
 from engine.sampling.sampler import (
@@ -121,13 +121,14 @@ def pack(
     block_size: int,
     device: torch.device,
     last_sampled: torch.Tensor,
+    step_ops: StepOps,
     verify_query_len: int = 0,
     pinned: PinnedInputs | None = None,
 ) -> StepInputs:
     """The scheduled tokens of ``batch`` and its cache layout on ``device``, copied there in
     one copy (on CUDA through ``pinned``'s buffers). A decode whose input is a token the step
     in flight sampled (pending) takes it from ``last_sampled``, that step's sampled ids, on
-    the device.
+    the device (``step_ops.fill_pending_tokens``: the backend's).
 
     With ``verify_query_len`` (speculative decoding: 1 + k), a step whose every request
     verifies drafts or decodes takes the uniform layout of ``pad_verify``."""
@@ -223,7 +224,7 @@ def pack(
     )
     input_ids, metadata, logits_index_t = shape.split(packed)
     if num_pending:
-        fill_pending_tokens(input_ids, pending_index, pending_source, last_sampled)
+        step_ops.fill_pending_tokens(input_ids, pending_index, pending_source, last_sampled)
     rows = batch if completes.all() else list(compress(batch, completes.tolist()))
     scored = None
     if chunks:
@@ -246,26 +247,6 @@ def block_tables(batch: list[Request]) -> np.ndarray:
     tables = np.zeros((len(batch), width), np.int64)
     tables[np.arange(width) < lengths[:, None]] = ids
     return tables
-
-
-def fill_pending_tokens(
-    input_ids: torch.Tensor, index: torch.Tensor, source: torch.Tensor, last_sampled: torch.Tensor
-) -> None:
-    """``input_ids[index] = last_sampled[source]``: a step's pending tokens put in place. On
-    CUDA in one kernel where PyTorch launches two, a gather and an ``index_copy_``
-    (``engine.backends.triton.pending_tokens``)."""
-    if input_ids.is_cuda:
-        _triton_fill_pending_tokens()(input_ids, index, source, last_sampled)
-    else:
-        input_ids.index_copy_(0, index, last_sampled[source])
-
-
-@functools.cache
-def _triton_fill_pending_tokens():  # noqa: ANN202 -- the kernel's entry point
-    # Imported on first use: defining Triton kernels fixes whether they run interpreted.
-    from engine.backends.triton.pending_tokens import fill_pending_tokens
-
-    return fill_pending_tokens
 
 
 def _leading_ones(query_lens: np.ndarray) -> int:

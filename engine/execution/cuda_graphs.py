@@ -6,22 +6,22 @@ one launch. A uniform step has the same number of query tokens in every sequence
 a decode step, 1 + k for a speculative verify step (each request's last token and its
 drafts, padded at the front to k drafts: ``engine.execution.batch.pad_verify``), so one graph per
 batch size serves every mix of draft counts. Inputs live in static buffers that each step
-fills, in one kernel (``engine.backends.triton.graph_inputs``: between two graphs each
-launch leaves the device a gap); a batch is padded up to the next captured size, its
-padding rows writing nowhere (slot -1) and reading one cached key. Each graph records the
-attention backend's ``prepare`` with the forward pass, all of them captured inside its
-``graph_capture``. The decode and verify graphs share one memory pool: steps run one at a
-time.
+fills by the backend's ``StepOps.fill_graph_inputs`` (the Triton backend's, one kernel:
+between two graphs each launch leaves the device a gap); a batch is padded up to the next
+captured size, its padding rows writing nowhere (slot -1) and reading one cached key. Each
+graph records the attention backend's ``prepare`` with the forward pass, all of them
+captured inside its ``graph_capture``. The decode and verify graphs share one memory pool:
+steps run one at a time.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 
 import torch
 
+from engine.backends import Backend
 from engine.backends.attention import AttentionBackend, AttentionMetadata
 from engine.execution.batch import StepInputs
 from engine.models.causal_lm import CausalLM
@@ -57,20 +57,11 @@ def replay_once(graphs: dict[int, torch.cuda.CUDAGraph]) -> None:
         graph.replay()
 
 
-@functools.cache
-def _fill_graph_inputs():  # noqa: ANN202 -- the kernel's entry point
-    # Imported on first use: defining Triton kernels fixes whether they run interpreted, and
-    # Triton is not everywhere this module is imported.
-    from engine.backends.triton.graph_inputs import fill_graph_inputs
-
-    return fill_graph_inputs
-
-
 class StepGraphs:
     def __init__(
         self,
         model: CausalLM,
-        attention: AttentionBackend,
+        backend: Backend,
         max_batch: int,
         max_blocks: int,
         device: torch.device,
@@ -78,12 +69,15 @@ class StepGraphs:
         pool: tuple[int, int] | None = None,
     ) -> None:
         """Capture graphs of steps of ``query_len`` tokens a sequence, in ``pool`` (another
-        ``StepGraphs``' ``pool``; None: a new one)."""
+        ``StepGraphs``' ``pool``; None: a new one), with ``backend``'s attention and input
+        fills (the model's own)."""
         started = time.perf_counter()
         reserved = torch.cuda.memory_reserved(device)
         self.query_len = q = query_len
         self.batch_sizes = [b for b in CAPTURE_BATCH_SIZES if b <= max_batch]
         self.num_replays = 0  # how many steps ran as a replay (tests count them)
+        self.step_ops = backend.step_ops
+        attention = backend.attention
         largest = self.batch_sizes[-1]
 
         def buffer(*shape: int) -> torch.Tensor:
@@ -126,7 +120,7 @@ class StepGraphs:
                 )
                 # Every row padding: the capture writes nothing, and compiles the one
                 # variant of the kernel that every replay launches.
-                _fill_graph_inputs()(self.buffers, size, q)
+                self.step_ops.fill_graph_inputs(self.buffers, size, q)
                 # Logits at every token: the caller picks the real ones.
                 args = (self.input_ids[:num_tokens], metadata, tokens[:num_tokens])
                 graph, self.logits[size] = capture_forward(model, attention, args, pool)
@@ -171,7 +165,7 @@ class StepGraphs:
             metadata.context_lens,
             metadata.block_tables,
         )
-        _fill_graph_inputs()(self.buffers, size, self.query_len, step)
+        self.step_ops.fill_graph_inputs(self.buffers, size, self.query_len, step)
         self.graphs[size].replay()
         self.num_replays += 1
         logits = self.logits[size]

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.backends import create_backend, default_backend
-from engine.backends.attention import AttentionBackend, AttentionMetadata, LayerKVCache
+from engine.backends import Backend, create_backend
+from engine.backends.attention import AttentionMetadata, LayerKVCache
 from engine.checkpoint import Checkpoint
 from engine.distributed.parallel import SINGLE, TensorParallel
 from engine.execution.batch import StepInputs, pack, sampling_tensors
@@ -185,14 +185,14 @@ def load_model(
     dtype: torch.dtype,
     model_len: int,
     tp: TensorParallel = SINGLE,
-) -> tuple[CausalLM, AttentionBackend, float]:
+) -> tuple[CausalLM, Backend, float]:
     """The checkpoint's model (rank ``tp.rank``'s part) on ``device`` with the configured
-    backend, as ``model_config`` describes it (the checkpoint's, with the quantization
-    resolved), RoPE tables for ``model_len`` positions; the backend; the seconds it took."""
-    backend = config.attention_backend or default_backend(device)
-    attention, ops = create_backend(backend, device)
+    backend (``--backend``; every device op of the model and of its steps is the backend's),
+    as ``model_config`` describes it (the checkpoint's, with the quantization resolved), RoPE
+    tables for ``model_len`` positions; the backend; the seconds it took."""
+    backend = create_backend(config.backend, device)
     started = time.perf_counter()
-    model = build_model(model_config, attention, ops, model_len, device, dtype, tp)
+    model = build_model(model_config, backend, model_len, device, dtype, tp)
     if config.load_format == "dummy":
         model.load_random_weights()
     else:
@@ -208,7 +208,7 @@ def load_model(
         "" if quantization is None else f", {quantization.method} linear layers",
         load_seconds,
     )
-    return model.eval(), attention, load_seconds
+    return model.eval(), backend, load_seconds
 
 
 def kv_bytes_per_token(config: ModelConfig, kv_dtype: torch.dtype, tp: TensorParallel) -> int:
@@ -270,7 +270,7 @@ class ModelRunner:
         # RoPE tables cover this length, the cap below being known only once the model
         # is loaded and measured.
         model_len = config.max_model_len or checkpoint.config.max_position_embeddings
-        self.model, self.attention, self.load_seconds = load_model(
+        self.model, self.backend, self.load_seconds = load_model(
             config, self.model_config, checkpoint, self.device, self.dtype, model_len, tp
         )
         self.extra_kv_bytes_per_token = extra_kv_bytes_per_token
@@ -296,7 +296,7 @@ class ModelRunner:
         self.verify_graphs: StepGraphs | None = None
         self.prompt_graphs: PromptGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            if self.attention.supports_cuda_graphs:
+            if self.backend.attention.supports_cuda_graphs:
                 self._capture_graphs(
                     config.max_num_seqs,
                     max_speculative_batch(config),
@@ -305,7 +305,7 @@ class ModelRunner:
             else:
                 logger.info(
                     "decode steps run eagerly: the %s backend cannot run in CUDA graphs",
-                    config.attention_backend or default_backend(self.device),
+                    self.backend.name,
                 )
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d",
@@ -322,7 +322,10 @@ class ModelRunner:
             from engine.sampling.structured_output import GrammarBitmask
 
             self.grammar_bitmask = GrammarBitmask(
-                config.max_num_seqs, checkpoint.config.vocab_size, self.device
+                config.max_num_seqs,
+                checkpoint.config.vocab_size,
+                self.device,
+                self.backend.step_ops,
             )
 
     def _num_kv_blocks(self, config: EngineConfig, model_len: int) -> int:
@@ -392,7 +395,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        self.attention.prepare(metadata)
+        self.backend.attention.prepare(metadata)
         self.model(zeros, metadata, logits_index)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
@@ -408,7 +411,7 @@ class ModelRunner:
         logits in the pool: the verify graphs' take 1 + k times the decode graphs' memory
         at the same batch sizes.)"""
         max_blocks = -(-self.max_model_len // self.block_size)
-        args = (self.model, self.attention)
+        args = (self.model, self.backend)
         pool = None
         if self.verify_query_len and max_verify_batch >= 1:
             self.verify_graphs = StepGraphs(
@@ -417,7 +420,12 @@ class ModelRunner:
             pool = self.verify_graphs.pool
         self.decode_graphs = StepGraphs(*args, max_batch, max_blocks, self.device, pool=pool)
         self.prompt_graphs = PromptGraphs(
-            *args, max_step_tokens, max_blocks, self.device, self.decode_graphs.pool
+            self.model,
+            self.backend.attention,
+            max_step_tokens,
+            max_blocks,
+            self.device,
+            self.decode_graphs.pool,
         )
 
     def release_graphs(self) -> None:
@@ -438,6 +446,7 @@ class ModelRunner:
             self.block_size,
             self.device,
             self._last_sampled,
+            self.backend.step_ops,
             self.verify_query_len,
             self.pinned_inputs,
         )
@@ -446,7 +455,7 @@ class ModelRunner:
         """The logits of the step's sampled rows and scored prompt positions, the model run
         op by op. (A decode step, which a graph may run, scores none: a one-token chunk that
         scores a prompt token leaves the rest of its prompt to compute, and samples nothing.)"""
-        self.attention.prepare(inputs.metadata)
+        self.backend.attention.prepare(inputs.metadata)
         return self.model(inputs.input_ids, inputs.metadata, inputs.logits_index)
 
     @torch.inference_mode()
@@ -520,7 +529,7 @@ class ModelRunner:
         params = sampling_tensors(
             rows, self.model_config.vocab_size, self.device, self._last_sampled, self.eos_token_ids
         )
-        next_tokens = sample(logits, params)
+        next_tokens = sample(logits, params, self.backend.step_ops)
         self._mark_pending(rows, next_tokens)
         return self._with_logprobs(rows, logits, next_tokens, [next_tokens])
 
@@ -552,11 +561,11 @@ class ModelRunner:
                 self._last_sampled,
                 self.eos_token_ids,
             )
-            tokens[layout.plain_index] = sample(plain_logits, params)
+            tokens[layout.plain_index] = sample(plain_logits, params, self.backend.step_ops)
         drafted = [r for r in rows if r.draft_token_ids]
         drafted_logits = logits[layout.drafted_index]
         params = position_sampling_tensors(drafted, self.device)
-        tokens[layout.drafted_index] = sample(drafted_logits, params)
+        tokens[layout.drafted_index] = sample(drafted_logits, params, self.backend.step_ops)
         num_emitted = num_emitted_tokens(tokens, layout)
         self._mark_pending(rows, tokens[layout.row_starts_index + num_emitted - 1])
         return self._with_logprobs(rows, logits, tokens, [tokens, num_emitted])

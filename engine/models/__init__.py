@@ -13,8 +13,7 @@ from typing import Any
 
 import torch
 
-from engine.backends.attention import AttentionBackend
-from engine.backends.layer_ops import LayerOps
+from engine.backends import Backend
 from engine.checkpoint import Checkpoint, GGUFModelFile, read_checkpoint
 from engine.checkpoint.hf_checkpoint import hf_architecture
 from engine.distributed.parallel import SINGLE, TensorParallel
@@ -97,24 +96,23 @@ def _gguf_family(file: GGUFModelFile) -> ModelFamily:
 
 def build_model(
     config: ModelConfig,
-    backend: AttentionBackend,
-    ops: LayerOps,
+    backend: Backend,
     max_positions: int,
     device: torch.device,
     dtype: torch.dtype,
     tp: TensorParallel = SINGLE,
 ) -> CausalLM:
     """An uninitialized model of the config's family, allocated once on ``device`` in ``dtype``:
-    rank ``tp.rank``'s part of it."""
+    rank ``tp.rank``'s part of it, its attention and layer ops ``backend``'s."""
     cls = model_family(config.architecture).model
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = cls(config, backend, ops, tp, max_positions, device)
+            model = cls(config, backend.attention, backend.ops, tp, max_positions, device)
     finally:
         torch.set_default_dtype(previous_dtype)
     # Module.to_empty's empty_like of a meta tensor goes through torch's reference
-    # implementations, which import its symbolic shapes and sympy: 0.75 s of a start (1.7 s
-    # on the H200 machine). The same allocation by shape imports nothing.
+    # implementations, which import its symbolic shapes and sympy, a large share of a start
+    # (scripts/bench_latency.py times one). The same allocation by shape imports nothing.
     return model._apply(lambda meta: torch.empty(meta.shape, dtype=meta.dtype, device=device))

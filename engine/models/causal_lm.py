@@ -74,7 +74,7 @@ class CausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, ops)
         full_rotary = RotaryEmbedding(
             config.head_dim,
             config.rope_theta,
@@ -107,7 +107,7 @@ class CausalLM(nn.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+            else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, ops)
         )
 
     def forward(

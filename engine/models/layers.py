@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.backends.attention import AttentionBackend, AttentionMetadata, LayerKVCache, Rotary
-from engine.backends.deferred_norm import DeferredNorm, LinearInput, takes_one_row_kernel
+from engine.backends.deferred_norm import DeferredNorm, LinearInput
 from engine.backends.layer_ops import LayerOps
 from engine.distributed.parallel import TensorParallel
 from engine.model_config import ModelConfig, RopeScaling
@@ -52,14 +52,15 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[LinearInput, torch.Tensor]:
         """Add ``x`` to the residual stream (None: ``x`` starts it); the stream normalized,
-        and the stream. One row the next linear layer reads with the one-row kernel gets
-        its norm there (``DeferredNorm``), where the ops defer them; so do rows that the
-        next layer's method takes the norm of (an FP8 layer's W8A8 quantization)."""
+        and the stream. One row the next linear layer reads with the ops' one-row product
+        (``LayerOps.takes_one_row``) gets its norm there (``DeferredNorm``), where the ops
+        defer them; so do rows that the next layer's method takes the norm of (an FP8
+        layer's W8A8 quantization)."""
         if self.ops.defers_norms and (
-            takes_one_row_kernel(x)
+            self.ops.takes_one_row(x)
             or (self.reader is not None and self.reader.takes_deferred_norm(x.shape[0]))
         ):
-            deferred = DeferredNorm(x, residual, self.weight, self.eps)
+            deferred = DeferredNorm(x, residual, self.weight, self.eps, self.ops)
             return deferred, deferred.stream
         if residual is None:
             return self(x), x
@@ -163,7 +164,7 @@ class Attention(nn.Module):
         kv_rows = Rows(
             self.first_kv_head * head_dim, self.kv_size, config.num_key_value_heads * head_dim
         )
-        method = linear_method(config.quantization)
+        method = linear_method(config.quantization, ops)
         self.qkv_proj = ColumnParallelLinear(
             config.hidden_size, [q_rows, kv_rows, kv_rows], self.qkv_bias, method
         )
@@ -259,10 +260,9 @@ class MLP(nn.Module):
                 f"activation {config.hidden_act!r} is not supported, only {', '.join(ACTIVATIONS)}"
             )
         self.act = ACTIVATIONS[config.hidden_act]
-        self.ops = ops
         start, length = tp.split(config.intermediate_size, "intermediate_size")
         rows = Rows(start, length, config.intermediate_size)
-        method = linear_method(config.quantization)
+        method = linear_method(config.quantization, ops)
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [rows, rows], False, method)
         self.down_proj = RowParallelLinear(rows, config.hidden_size, tp, method)
 
@@ -277,7 +277,7 @@ class MLP(nn.Module):
         stream to add (``RowParallelLinear.into_stream``)."""
         gate_up = self.gate_up_proj(x)
         if self.act is F.silu:
-            return self.down_proj.into_stream(gate_up, stream, self.ops.silu_and_mul)
+            return self.down_proj.into_stream(gate_up, stream, gated=True)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj.into_stream(self.act(gate) * up, stream)
 

@@ -23,17 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.backends.deferred_norm import LinearInput
+from engine.backends.layer_ops import LayerOps
 from engine.checkpoint.checkpoint import TensorSlices
 from engine.distributed.parallel import TensorParallel
-from engine.quantization.linear_methods import (
-    Activation,
-    LinearMethod,
-    linear,
-    linear_float32,
-    takes_one_row_kernel,
-)
-
-UNQUANTIZED = LinearMethod()
+from engine.quantization.linear_methods import LinearMethod
 
 
 @dataclass(frozen=True)
@@ -117,11 +110,7 @@ class ColumnParallelLinear(ParallelLinear):
     (``parts``: each one's rows, in order). No communication."""
 
     def __init__(
-        self,
-        input_size: int,
-        parts: Sequence[Rows],
-        bias: bool,
-        method: LinearMethod = UNQUANTIZED,
+        self, input_size: int, parts: Sequence[Rows], bias: bool, method: LinearMethod
     ) -> None:
         output_size = sum(part.length for part in parts)
         super().__init__(output_size, input_size, method)
@@ -153,11 +142,7 @@ class RowParallelLinear(ParallelLinear):
     rank's scales are those of its own columns."""
 
     def __init__(
-        self,
-        columns: Rows,
-        output_size: int,
-        tp: TensorParallel,
-        method: LinearMethod = UNQUANTIZED,
+        self, columns: Rows, output_size: int, tp: TensorParallel, method: LinearMethod
     ) -> None:
         super().__init__(output_size, columns.length, method)
         self.columns = columns
@@ -166,28 +151,25 @@ class RowParallelLinear(ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.multiply(x))
 
-    def forward_silu_gated(self, gate_up: torch.Tensor, silu_and_mul: Activation) -> torch.Tensor:
-        """forward(silu_and_mul(gate_up)), the activation fused into the product where the
-        method can (``LinearMethod.apply_silu_gated``)."""
-        return self.tp.all_reduce(self.method.apply_silu_gated(self, gate_up, silu_and_mul))
+    def forward_silu_gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """forward(silu(gate) * up) of gate_up's halves, the activation fused into the
+        product where the method can (``LinearMethod.apply_silu_gated``)."""
+        return self.tp.all_reduce(self.method.apply_silu_gated(self, gate_up))
 
     def into_stream(
-        self,
-        x: torch.Tensor,
-        stream: torch.Tensor | None,
-        silu_and_mul: Activation | None = None,
+        self, x: torch.Tensor, stream: torch.Tensor | None, *, gated: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The product (of ``silu_and_mul(x)`` where given, as ``forward_silu_gated``) as it
-        joins the residual ``stream``, and what is left of the stream for the next norm to
-        add. One row on one rank, the one-row kernel adds the stream in its epilogue and
-        nothing is left (None); otherwise the stream is left as it came. Under tensor
-        parallelism the product is a sum over the ranks, all-reduced before any addition."""
-        if stream is not None and self.tp.size == 1 and takes_one_row_kernel(x):
-            gated = silu_and_mul is not None
+        """The product (``gated``: of silu(gate) * up of x's halves, as
+        ``forward_silu_gated``) as it joins the residual ``stream``, and what is left of the
+        stream for the next norm to add. One row on one rank that the layer ops' one-row
+        product takes (``LayerOps.takes_one_row``), that product adds the stream and nothing
+        is left (None); otherwise the stream is left as it came. Under tensor parallelism the
+        product is a sum over the ranks, all-reduced before any addition."""
+        if stream is not None and self.tp.size == 1 and self.method.ops.takes_one_row(x):
             return self.method.one_row_into_stream(self, x, stream, gated=gated), None
-        if silu_and_mul is None:
+        if not gated:
             return self(x), stream
-        return self.forward_silu_gated(x, silu_and_mul), stream
+        return self.forward_silu_gated(x), stream
 
     def load(self, param: str, part: int, source: TensorSlices, hf_name: str) -> None:
         self.load_weight_rows(param, 0, source, hf_name, 1, self.columns)
@@ -198,13 +180,16 @@ class VocabParallelEmbedding(nn.Module):
     padded with zero rows): the embedding, and the LM head when the head is tied to it or
     is one of these itself."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
+    def __init__(
+        self, vocab_size: int, hidden_size: int, tp: TensorParallel, ops: LayerOps
+    ) -> None:
         super().__init__()
         per_rank = -(-vocab_size // tp.size)
         start = tp.rank * per_rank
         self.rows = Rows(start, max(0, min(per_rank, vocab_size - start)), vocab_size)
         self.vocab_size = vocab_size
         self.tp = tp
+        self.ops = ops  # the LM head's products
         self.weight = nn.Parameter(torch.empty(per_rank, hidden_size))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -218,10 +203,10 @@ class VocabParallelEmbedding(nn.Module):
     def logits(self, hidden: LinearInput) -> torch.Tensor:
         """The LM head's float32 logits of ``hidden`` over the whole vocabulary, on every rank."""
         if self.tp.size == 1:  # one rank holds the whole vocabulary, unpadded
-            return linear_float32(hidden, self.weight)
+            return self.ops.linear_float32(hidden, self.weight)
         # Gathered in the model's dtype (half the bytes between ranks), then the last rank's
         # padding dropped.
-        logits = self.tp.all_gather(linear(hidden, self.weight))
+        logits = self.tp.all_gather(self.ops.linear(hidden, self.weight))
         return logits[:, : self.vocab_size].float().contiguous()
 
     def load(self, param: str, part: int, source: TensorSlices, hf_name: str) -> None:

@@ -4,14 +4,19 @@ The linear layers of ``engine.models.parallel_layers`` (QKV, O, gate/up, down) h
 ``LinearMethod`` and call it for everything about their weight; they never ask which one
 it is. Embeddings, norms and the LM head stay in the model's dtype.
 
-- ``LinearMethod``: the weight in the model's dtype, ``F.linear`` (``linear``: one row on
-  CUDA takes ``engine.backends.triton.one_row_matmul``).
+A method holds the model's layer ops (``engine.backends.layer_ops.LayerOps``, the chosen
+backend's) and asks them for every product: which kernel multiplies (the Triton backend's
+one-row kernel for one CUDA row, its weight-only and FP8 quantization kernels on CUDA;
+PyTorch's ops in the torch backend, on any device) is the backend's choice, never made here.
+
+- ``LinearMethod``: the weight in the model's dtype, the ops' ``linear``.
 - ``Fp8Linear`` (``--quantization fp8``, compute capability >= 8.9, or the CPU): float8 e4m3
   weights with one float32 scale per output channel. A step of more than
-  ``WEIGHT_ONLY_MAX_TOKENS`` tokens quantizes its activations per token, dynamically (on CUDA
-  in one kernel, ``engine.backends.triton.fp8_quantize``, with a gated MLP's activation), and
-  multiplies in FP8 through ``torch._scaled_mm`` (rowwise scales); smaller ones, decode at
-  small batch, read the FP8 weight into a GEMM that dequantizes it as it goes (weight-only).
+  ``WEIGHT_ONLY_MAX_TOKENS`` tokens quantizes its activations per token, dynamically (the
+  ops' ``quantize_fp8``, a gated MLP's activation and a deferred norm included where the
+  ops compute them in the same kernel), and multiplies in FP8 through ``torch._scaled_mm``
+  (rowwise scales); smaller ones, decode at small batch, read the FP8 weight into a GEMM
+  that dequantizes it as it goes (the ops' ``weight_only_matmul``).
 - ``Int8Linear`` (``--quantization int8``): int8 weights, one scale per output channel,
   activations in the model's dtype (W8A16), dequantized inside the GEMM.
 
@@ -32,15 +37,13 @@ channel, into per-channel scales: a part's per-tensor scale repeated over its ro
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from engine.backends.deferred_norm import DeferredNorm, LinearInput, dense, takes_one_row_kernel
+from engine.backends.deferred_norm import DeferredNorm, LinearInput, dense
 from engine.backends.fp8 import FP8, FP8_MAX, MIN_SCALE
+from engine.backends.layer_ops import LayerOps
+from engine.backends.pytorch import with_bias
 from engine.model_config import Quantization
 
 QUANTIZATION_METHODS = ("fp8", "int8")
@@ -49,7 +52,6 @@ INT8_MAX = 127
 # Scales of FP8 checkpoints that nothing here reads: static activation scales (activations
 # are quantized per token) and the KV cache's (stored unscaled, --kv-cache-dtype).
 UNREAD_SCALES = (".input_scale", ".k_scale", ".v_scale", ".kv_scale")
-Activation = Callable[[torch.Tensor], torch.Tensor]
 
 
 def resolve_quantization(
@@ -84,13 +86,14 @@ def require_fp8(device: torch.device) -> None:
         )
 
 
-def linear_method(quantization: Quantization | None) -> LinearMethod:
-    """The method of every quantized linear layer of a model so quantized."""
+def linear_method(quantization: Quantization | None, ops: LayerOps) -> LinearMethod:
+    """The method of every quantized linear layer of a model so quantized, multiplying with
+    the model's layer ops."""
     if quantization is None:
-        return LinearMethod()
+        return LinearMethod(ops)
     if quantization.method == "fp8":
-        return Fp8Linear(quantization.checkpoint_scales)
-    return Int8Linear()
+        return Fp8Linear(ops, quantization.checkpoint_scales)
+    return Int8Linear(ops)
 
 
 def quantize_per_channel(
@@ -108,14 +111,11 @@ def quantize_per_channel(
     return scaled.clamp(-largest, largest).to(dtype), scale
 
 
-def quantize_per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activations ``x`` [T, K] as float8 e4m3 with one float32 scale per token [T, 1]."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=MIN_SCALE) / FP8_MAX
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
-
-
 class LinearMethod:
-    """A linear layer's weight in the model's dtype: ``F.linear``."""
+    """A linear layer's weight in the model's dtype: the layer ops' ``linear``."""
+
+    def __init__(self, ops: LayerOps) -> None:
+        self.ops = ops
 
     def create_weights(self, layer: nn.Module, output_size: int, input_size: int) -> None:
         """Register the layer's ``weight`` (and whatever goes with it), not yet filled."""
@@ -132,57 +132,59 @@ class LinearMethod:
     def apply(self, layer: nn.Module, x: LinearInput, bias: torch.Tensor | None) -> torch.Tensor:
         """The layer's output for ``x`` [T, K] (or a deferred norm of one row, or of the rows
         ``takes_deferred_norm`` asked for), ``bias`` added if not None."""
-        return linear(x, layer.weight, bias)
+        return self.ops.linear(x, layer.weight, bias)
 
     def takes_deferred_norm(self, num_rows: int) -> bool:
         """Whether a norm of ``num_rows`` rows (more than one) before this layer is best left
         to it (``DeferredNorm``): where the rows are read by a kernel that can compute it."""
         return False
 
-    def apply_silu_gated(
-        self, layer: nn.Module, gate_up: torch.Tensor, silu_and_mul: Activation
-    ) -> torch.Tensor:
+    def apply_silu_gated(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
         """The layer's output for silu(gate) * up of ``gate_up`` [T, 2K] (a gated MLP's down
-        projection); one row on CUDA applies the activation inside the product."""
-        if takes_one_row_kernel(gate_up):
+        projection); one row the ops' one-row product takes applies the activation inside
+        the product."""
+        if self.ops.takes_one_row(gate_up):
             return self.one_row_silu_gated(layer, gate_up)
-        return self.apply(layer, silu_and_mul(gate_up), None)
+        return self.apply(layer, self.ops.silu_and_mul(gate_up), None)
 
     def one_row_silu_gated(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
-        """``apply_silu_gated`` of one row on CUDA, the activation applied as it is read."""
-        return _triton_one_row_matmul()(gate_up, layer.weight, gated=True)
+        """``apply_silu_gated`` of one row (``LayerOps.takes_one_row``), the activation
+        applied as it is read."""
+        return self.ops.one_row_matmul(gate_up, layer.weight, gated=True)
 
     def one_row_into_stream(
         self, layer: nn.Module, x: torch.Tensor, stream: torch.Tensor, *, gated: bool = False
     ) -> torch.Tensor:
-        """``stream + apply(layer, x)`` for one CUDA row ``x`` (``gated``: of silu(gate) * up
-        of its halves, as ``apply_silu_gated``), the residual stream [1, N] added by the
-        one-row kernel in its epilogue, rounded as the sum of the stored product and the
-        stream rounds: a layer's o and down projections, with nothing left for the next norm
-        to add."""
+        """``stream + apply(layer, x)`` for one row ``x`` that the ops' one-row product takes
+        (``gated``: of silu(gate) * up of its halves, as ``apply_silu_gated``), the residual
+        stream [1, N] added by that product as it stores it, rounded as the sum of the stored
+        product and the stream rounds: a layer's o and down projections, with nothing left
+        for the next norm to add."""
         row, weight, scale = self.one_row_operands(layer, x)
-        return _triton_one_row_matmul()(row, weight, scale, gated=gated, add=stream)
+        return self.ops.one_row_matmul(row, weight, scale, gated=gated, add=stream)
 
     def one_row_operands(
         self, layer: nn.Module, x: LinearInput
     ) -> tuple[LinearInput, torch.Tensor, torch.Tensor | None]:
-        """What the one-row kernel multiplies for ``apply`` of one row ``x`` on CUDA: the row
-        (a deferred norm where this method leaves it to the kernel), the weight and its
-        float32 scales (None: the weight is in x's dtype). For kernels that do more with the
-        product (``engine.backends.triton.one_row_qkv``)."""
+        """What a one-row product multiplies for ``apply`` of one row ``x``: the row (a
+        deferred norm where this method leaves it to the product), the weight and its float32
+        scales (None: the weight is in x's dtype). For kernels that do more with the product
+        (the Triton backend's ``one_row_qkv``)."""
         return x, layer.weight, None
 
 
 class QuantizedLinear(LinearMethod):
     """Codes of ``dtype`` [N, K] and float32 scales [N], one per output channel.
 
-    A deferred norm of one row (``engine.backends.deferred_norm``) is computed by the norm's kernel
-    before the product: folded into the fp8 one-row kernel it made an 8B model's batch-1
-    step slower (3.86 -> 3.98 ms on an H100; docs/benchmarks.md)."""
+    A deferred norm of one row (``engine.backends.deferred_norm``) is computed by the norm's
+    own kernel before the product: the one-row kernel reads a byte a weight here, so the
+    row's vectors, which every program of it reads again, cost more against the weight than
+    the norm's launch saves (``scripts/profile_step.py --rounds`` times a batch-1 step)."""
 
     dtype: torch.dtype
 
-    def __init__(self, checkpoint_scales: bool = False) -> None:
+    def __init__(self, ops: LayerOps, checkpoint_scales: bool = False) -> None:
+        super().__init__(ops)
         self.checkpoint_scales = checkpoint_scales
 
     def create_weights(self, layer: nn.Module, output_size: int, input_size: int) -> None:
@@ -221,11 +223,11 @@ class QuantizedLinear(LinearMethod):
     def weight_only(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        return with_bias(weight_only_matmul(x, layer.weight, layer.weight_scale), bias)
+        product = self.ops.weight_only_matmul(x, layer.weight, layer.weight_scale)
+        return with_bias(product, bias)
 
     def one_row_silu_gated(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
-        matmul = _triton_weight_only_matmul()
-        return matmul(gate_up, layer.weight, layer.weight_scale, gated=True)
+        return self.ops.weight_only_matmul(gate_up, layer.weight, layer.weight_scale, gated=True)
 
     def one_row_operands(
         self, layer: nn.Module, x: LinearInput
@@ -253,20 +255,19 @@ class Fp8Linear(QuantizedLinear):
         if not takes_w8a8(layer, rows.shape[0]):
             # A deferred norm computed first, by the norm's kernel (QuantizedLinear).
             return self.weight_only(layer, dense(x), bias)
-        codes, scale = quantize_activation_fp8(x)  # a deferred norm's rows in the same kernel
+        codes, scale = self.ops.quantize_fp8(x)  # a deferred norm's rows in the same kernel
         return with_bias(w8a8_matmul(layer, codes, scale, rows.dtype), bias)
 
     def takes_deferred_norm(self, num_rows: int) -> bool:
         # The W8A8 product's quantization kernel computes the norm as it reads the rows.
         return num_rows > WEIGHT_ONLY_MAX_TOKENS
 
-    def apply_silu_gated(
-        self, layer: nn.Module, gate_up: torch.Tensor, silu_and_mul: Activation
-    ) -> torch.Tensor:
-        # On CUDA the activation is computed by the kernel that quantizes it.
-        if not (gate_up.is_cuda and takes_w8a8(layer, gate_up.shape[0])):
-            return super().apply_silu_gated(layer, gate_up, silu_and_mul)
-        codes, scale = _triton_quantize_rows_fp8()(gate_up, gated=True)
+    def apply_silu_gated(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+        # The activation computed where the ops quantize it (in the same kernel, where they
+        # have one).
+        if not takes_w8a8(layer, gate_up.shape[0]):
+            return super().apply_silu_gated(layer, gate_up)
+        codes, scale = self.ops.quantize_fp8(gate_up, gated=True)
         return w8a8_matmul(layer, codes, scale, gate_up.dtype)
 
 
@@ -276,14 +277,6 @@ def takes_w8a8(layer: nn.Module, num_tokens: int) -> bool:
     layouts)."""
     output_size, input_size = layer.weight.shape
     return num_tokens > WEIGHT_ONLY_MAX_TOKENS and (output_size | input_size) % 16 == 0
-
-
-def quantize_activation_fp8(x: LinearInput) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_per_token_fp8``; on CUDA in one kernel instead of PyTorch's eight, a
-    deferred norm's (only the CUDA ops defer norms) computed in it."""
-    if isinstance(x, DeferredNorm) or x.is_cuda:
-        return _triton_quantize_rows_fp8()(x)
-    return quantize_per_token_fp8(x)
 
 
 def w8a8_matmul(
@@ -299,61 +292,3 @@ def w8a8_matmul(
         scale_b=layer.weight_scale.view(1, -1),
         out_dtype=out_dtype,
     )
-
-
-def linear(x: LinearInput, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` over a weight in x's dtype; on CUDA, one row (a batch-1 decode step, a
-    prompt's LM head) takes the one-row kernel, which reads the weight faster than cuBLAS
-    (and computes a deferred norm of the row as it reads it)."""
-    if takes_one_row_kernel(x):
-        return with_bias(_triton_one_row_matmul()(x, weight), bias)
-    return F.linear(x, weight, bias)
-
-
-def linear_float32(x: LinearInput, weight: torch.Tensor) -> torch.Tensor:
-    """``linear`` without a bias, its product written as float32 (the LM head's logits, which
-    sampling reads in float32). On CUDA the GEMM's epilogue writes float32 itself: a
-    separate conversion of a batch's [B, vocab] logits cost 0.1 ms of a 2.9 ms decode step
-    at batch 256 (1B shape, H200)."""
-    if takes_one_row_kernel(x):
-        return _triton_one_row_matmul()(x, weight, out_dtype=torch.float32)
-    if x.is_cuda and x.dtype != torch.float32:
-        return torch.mm(x, weight.t(), out_dtype=torch.float32)
-    return F.linear(x, weight).float()
-
-
-def with_bias(product: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return product if bias is None else product.add_(bias)
-
-
-def weight_only_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x @ (codes * scale[:, None]).T`` without the dequantized weight: the Triton kernel
-    on CUDA; on the CPU, PyTorch's int8 weight-only GEMM or, for FP8, the codes widened
-    (exactly) to ``x``'s dtype and the scales applied to the product."""
-    if x.is_cuda:
-        return _triton_weight_only_matmul()(x, codes, scale)
-    if codes.dtype == torch.int8:
-        return torch._weight_int8pack_mm(x, codes, scale.to(x.dtype))
-    return F.linear(x, codes.to(x.dtype)) * scale.to(x.dtype)
-
-
-@functools.cache
-def _triton_weight_only_matmul():  # noqa: ANN202 -- the kernel's entry point
-    # Imported on first use: defining Triton kernels fixes whether they run interpreted.
-    from engine.backends.triton.quantized_matmul import weight_only_matmul
-
-    return weight_only_matmul
-
-
-@functools.cache
-def _triton_quantize_rows_fp8():  # noqa: ANN202 -- the kernel's entry point
-    from engine.backends.triton.fp8_quantize import quantize_rows_fp8
-
-    return quantize_rows_fp8
-
-
-@functools.cache
-def _triton_one_row_matmul():  # noqa: ANN202 -- the kernel's entry point
-    from engine.backends.triton.one_row_matmul import one_row_matmul
-
-    return one_row_matmul

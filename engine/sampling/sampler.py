@@ -3,15 +3,18 @@
 Randomness is a pure function of (request seed, output index, token id): a counter-
 based hash instead of a generator per request, so a seeded request gives the same
 tokens whatever else shares its batch, and the whole batch samples in a few tensor
-operations with no Python loop over rows.
+operations with no Python loop over rows. Its argmaxes are the backend's
+(``StepOps.argmax_rows``): a kernel of the Triton backend's on CUDA, PyTorch's in the torch
+backend.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
+
+from engine.backends.step_ops import StepOps
 
 _MASK32 = 0xFFFFFFFF
 
@@ -64,7 +67,7 @@ class BannedTokens:
 @dataclass
 class SamplingTensors:
     """Per-row sampling parameters of a step that samples at least one row, on the logits'
-    device. A step whose rows are all greedy needs none (``sample(logits, None)``); every
+    device. A step whose rows are all greedy needs none (``sample(logits, None, ops)``); every
     optional part is None when no row uses it, and then costs nothing."""
 
     temperature: torch.Tensor  # [B] float32, 0 for greedy rows
@@ -80,12 +83,13 @@ class SamplingTensors:
     banned: BannedTokens | None = None
 
 
-def sample(logits: torch.Tensor, params: SamplingTensors | None) -> torch.Tensor:
-    """Token ids [B] (int64) from float32 logits [B, V]; ``params`` None: all rows greedy."""
+def sample(logits: torch.Tensor, params: SamplingTensors | None, ops: StepOps) -> torch.Tensor:
+    """Token ids [B] (int64) from float32 logits [B, V]; ``params`` None: all rows greedy.
+    ``ops``: the backend's, whose argmax picks each row's token."""
     if params is None:
-        return argmax(logits)
+        return ops.argmax_rows(logits)
     logits = process_logits(logits, params)
-    greedy_tokens = argmax(logits)
+    greedy_tokens = ops.argmax_rows(logits)
     is_greedy = params.temperature == 0
     temperature = torch.where(is_greedy, torch.ones_like(params.temperature), params.temperature)
     probs = torch.softmax(logits / temperature.unsqueeze(1), dim=-1)
@@ -95,24 +99,8 @@ def sample(logits: torch.Tensor, params: SamplingTensors | None) -> torch.Tensor
     race = uniform_noise(params.seed, params.step, logits.shape[1]).log_().neg_()
     if params.any_top_k_or_p:
         probs = _apply_top_k_top_p(probs, params.top_k, params.top_p)
-    sampled_tokens = argmax(probs / race)
+    sampled_tokens = ops.argmax_rows(probs / race)
     return torch.where(is_greedy, greedy_tokens, sampled_tokens)
-
-
-def argmax(values: torch.Tensor) -> torch.Tensor:
-    """``values.argmax(dim=-1)`` of [B, V] float32; on CUDA in two passes (a batch-1 step's
-    one row took torch 27.5 us on an H200: ``engine.backends.triton.argmax``)."""
-    if values.is_cuda:
-        return _triton_argmax_rows()(values)
-    return values.argmax(dim=-1)
-
-
-@functools.cache
-def _triton_argmax_rows():  # noqa: ANN202 -- the kernel's entry point
-    # Imported on first use: defining Triton kernels fixes whether they run interpreted.
-    from engine.backends.triton.argmax import argmax_rows
-
-    return argmax_rows
 
 
 def process_logits(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:

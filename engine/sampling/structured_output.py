@@ -13,7 +13,9 @@ Four parts, used in this order:
   reads is accepted into it, and it terminates once it accepts a stop token after a complete
   output.
 - ``GrammarBitmask.apply`` masks a step's logits: one int32 bitmask row per sampled row, filled
-  by the library for the constrained rows, moved in one copy, applied by its kernel.
+  by the library for the constrained rows, moved in one copy, applied by the backend's
+  ``StepOps.apply_token_bitmask`` (the library's Triton kernel in the Triton backend on CUDA,
+  its PyTorch ops in the torch backend, its CPU loop on the CPU).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerFast
 
+from engine.backends.step_ops import StepOps
 from engine.model_config import TokenizerInfo
 from engine.scheduling.request import Request, RequestStatus
 from protocol import StructuredOutput, StructuredOutputKind
@@ -251,8 +254,11 @@ class GrammarBitmask:
     bitmask of ``max_rows`` rows, a bit per token, allocated once (pinned on CUDA, with its
     device copy); a step fills the rows it needs and moves them in one non-blocking copy."""
 
-    def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
+    def __init__(
+        self, max_rows: int, vocab_size: int, device: torch.device, step_ops: StepOps
+    ) -> None:
         shape = xgr.get_bitmask_shape(max_rows, vocab_size)
+        self.step_ops = step_ops  # the backend's, whose kernel applies the masks
         on_cuda = device.type == "cuda"
         self._host = torch.empty(shape, dtype=xgr.bitmask_dtype, pin_memory=on_cuda)
         # On CUDA, the device copy and the event that marks the host rows read by it.
@@ -265,12 +271,13 @@ class GrammarBitmask:
         # fill, "of which: fill").
         self._filler = xgr.BatchGrammarMatcher(max_threads=1)
         if self._device is not None:
-            # Compile the library's Triton kernel now, not mid-step: Triton compiles a variant
-            # for a row count of 1, a multiple of 16 and any other.
+            # Compile the mask's kernel now, not mid-step, where it is the library's Triton
+            # kernel: Triton compiles a variant for a row count of 1, a multiple of 16 and any
+            # other.
             for rows in sorted({1, min(2, max_rows), min(16, max_rows)}):
                 allow_all = self._device[:rows].fill_(-1)
                 logits = torch.zeros(rows, vocab_size, device=device)
-                xgr.apply_token_bitmask_inplace(logits, allow_all)
+                step_ops.apply_token_bitmask(logits, allow_all)
 
     def apply(self, logits: torch.Tensor, matchers: Sequence[xgr.GrammarMatcher | None]) -> None:
         """Set to -inf, in place, each row's logits of the tokens its grammar forbids next.
@@ -292,4 +299,4 @@ class GrammarBitmask:
             bitmask = self._device[:num_rows]
             bitmask.copy_(host, non_blocking=True)
             self._copied.record()
-        xgr.apply_token_bitmask_inplace(logits, bitmask)
+        self.step_ops.apply_token_bitmask(logits, bitmask)

@@ -105,7 +105,9 @@ class DraftModelProposer:
         self.device = torch.device(config.device)
         dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
-        self.model, self.attention, _ = load_model(
+        # A backend of its own, the configured one, as the target's runner has: its passes
+        # and graphs run that backend's kernels only.
+        self.model, self.backend, _ = load_model(
             config,
             quantized_config(config, checkpoint, self.device),
             checkpoint,
@@ -119,7 +121,7 @@ class DraftModelProposer:
         self.graphed = (
             self.device.type == "cuda"
             and not config.enforce_eager
-            and self.attention.supports_cuda_graphs
+            and self.backend.attention.supports_cuda_graphs
         )
         self.max_graph_batch = max_speculative_batch(config)
         # Captured by warm_up: the catch-up (1 + k tokens a row) and decode passes' graphs.
@@ -156,7 +158,7 @@ class DraftModelProposer:
         are still being read when the draft runs next)."""
         assert self.block_manager is not None
         max_blocks = -(-self.max_model_len // self.block_manager.block_size)
-        args = (self.model, self.attention, self.max_graph_batch, max_blocks, self.device)
+        args = (self.model, self.backend, self.max_graph_batch, max_blocks, self.device)
         self.catch_up_graphs = StepGraphs(*args, query_len=1 + self.num_speculative_tokens)
         if self.num_speculative_tokens > 1:
             self.decode_graphs = StepGraphs(*args, pool=self.catch_up_graphs.pool)
@@ -324,7 +326,7 @@ class DraftModelProposer:
         replaying ``graphs`` (None: op by op)."""
         if graphs is not None:
             return graphs.replay(input_ids, metadata, logits_index).argmax(dim=-1)
-        self.attention.prepare(metadata)
+        self.backend.attention.prepare(metadata)
         return self.model(input_ids, metadata, logits_index).argmax(dim=-1)
 
 

@@ -17,6 +17,7 @@ import tokenizers
 import torch
 from transformers import LlamaForCausalLM as HFLlama
 
+from engine.backends.pytorch import TorchStepOps
 from engine.llm_engine import LLMEngine, RequestRejected
 from engine.models import load_checkpoint
 from engine.sampling.structured_output import GrammarBitmask, new_matcher
@@ -84,7 +85,7 @@ def hf_constrained_greedy(
     give (the stop token that a complete output ends with is not an output token)."""
     matcher = new_matcher(engine.compiling.compiler.compile(constraint).result())
     vocab_size = model.config.vocab_size
-    bitmask = GrammarBitmask(1, vocab_size, torch.device("cpu"))
+    bitmask = GrammarBitmask(1, vocab_size, torch.device("cpu"), TorchStepOps())
     tokens: list[int] = []
     for _ in range(n):
         with torch.no_grad():
@@ -268,7 +269,7 @@ def test_logprobs_are_those_of_the_allowed_tokens(tiny: tuple[Path, HFLlama]) ->
     logprobs = [lp for output in outputs for lp in output.logprobs or []]
     assert len(logprobs) == len(tokens) > 0
     matcher = new_matcher(engine.compiling.compiler.compile(CHOICE).result())
-    bitmask = GrammarBitmask(1, hf_model.config.vocab_size, torch.device("cpu"))
+    bitmask = GrammarBitmask(1, hf_model.config.vocab_size, torch.device("cpu"), TorchStepOps())
     with torch.no_grad():
         all_logits = hf_model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 :]
     for position, (token, token_logprobs) in enumerate(zip(tokens, logprobs, strict=True)):

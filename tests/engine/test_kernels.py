@@ -36,7 +36,7 @@ from engine.backends.triton import (
     silu_and_mul,
 )
 from engine.backends.triton.argmax import argmax_rows
-from engine.backends.triton.backend import TritonPagedAttention
+from engine.backends.triton.backend import TritonLayerOps, TritonPagedAttention
 from engine.backends.triton.fp8_decode import (
     FP8_DECODE_MIN_SPLIT_TOKENS,
     FP8_DECODE_PROGRAMS_PER_SM,
@@ -46,13 +46,14 @@ from engine.backends.triton.fp8_widen import widen, widen_factor
 from engine.backends.triton.one_row_matmul import one_row_matmul
 from engine.backends.triton.paged_attention import merge_splits
 from engine.execution.batch import pad_verify
-from engine.quantization.linear_methods import linear_float32, quantize_per_channel
+from engine.quantization.linear_methods import quantize_per_channel
 from tests.kernel_reference import paged_attention_reference
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 DTYPE = torch.bfloat16 if CUDA else torch.float32
 REFERENCE_OPS = TorchLayerOps()
+TRITON_OPS = TritonLayerOps()
 
 
 # The unit of error: DTYPE's epsilon. In float32, where rounding the reference to DTYPE is
@@ -739,7 +740,10 @@ def test_linear_float32_is_not_rounded_to_the_inputs_dtype(rows: int) -> None:
         pytest.skip("on the CPU a bf16 product is rounded first (CPU models run float32)")
     x = torch.randn(rows, 300, device=DEVICE).to(torch.bfloat16)
     weight = (4.0 * torch.randn(37, 300, device=DEVICE)).to(torch.bfloat16)
-    got = linear_float32(x, weight) if CUDA else one_row_matmul(x, weight, out_dtype=torch.float32)
+    if CUDA:
+        got = TRITON_OPS.linear_float32(x, weight)
+    else:
+        got = one_row_matmul(x, weight, out_dtype=torch.float32)
     assert got.dtype == torch.float32 and got.shape == (rows, 37)
     expected = x.double() @ weight.double().T
     # Values about 70: bf16 would be off by up to 0.25; float32 sums by about 1e-4.
@@ -755,14 +759,14 @@ def test_one_row_matmul_computes_a_deferred_norm(with_residual: bool) -> None:
     residual = randn(1, depth) if with_residual else None
     norm_weight = (1.0 + 0.5 * torch.randn(depth, device=DEVICE)).to(DTYPE)
     weight = randn(channels, depth)
-    deferred = DeferredNorm(x, residual, norm_weight, eps)
+    deferred = DeferredNorm(x, residual, norm_weight, eps, TRITON_OPS)
     got = one_row_matmul(deferred, weight)
     stream = x if residual is None else x + residual
     assert torch.equal(deferred.stream, stream)
     normalized = REFERENCE_OPS.rms_norm(stream.float(), norm_weight.float(), eps)
     assert_rounding_close(got, normalized @ weight.float().T)
     # The norm's own kernel, for a reader that cannot fold it, writes the same stream.
-    unfolded = DeferredNorm(x, residual, norm_weight, eps)
+    unfolded = DeferredNorm(x, residual, norm_weight, eps, TRITON_OPS)
     assert_rounding_close(unfolded.normalized(), normalized)
     assert torch.equal(unfolded.stream, stream)
 

@@ -236,7 +236,7 @@ def test_build_model_refuses_an_unknown_architecture(tmp_path: Path) -> None:
     config.architecture = "Qwen2MoeForCausalLM"
     device = torch.device("cpu")
     with pytest.raises(ValueError, match="'Qwen2MoeForCausalLM' is not supported, only Llama"):
-        build_model(config, *create_backend("torch", device), 64, device, torch.float32)
+        build_model(config, create_backend("torch", device), 64, device, torch.float32)
 
 
 # --- config.json in the formats found on the Hub ------------------------------------------------

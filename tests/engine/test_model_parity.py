@@ -15,9 +15,9 @@ import torch
 from transformers import LlamaForCausalLM as HFLlama
 from transformers import PreTrainedModel
 
-from engine.backends import BACKENDS, create_backend
+from engine.backends import BACKENDS, Backend, create_backend
 from engine.backends.attention import AttentionMetadata, LayerKVCache, Rotary
-from engine.backends.pytorch import TorchLayerOps, TorchPagedAttention, store_kv
+from engine.backends.pytorch import TorchLayerOps, TorchPagedAttention, TorchStepOps, store_kv
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.models import build_model, load_checkpoint
@@ -66,8 +66,9 @@ def engine_prefill_logits(
     checkpoint = load_checkpoint(str(directory))
     device = torch.device("cpu")
     config = checkpoint.config
-    attention, ops = create_backend(backend, device)
-    model = build_model(config, attention, ops, 512, device, torch.float32)
+    built = create_backend(backend, device)
+    attention = built.attention
+    model = build_model(config, built, 512, device, torch.float32)
     model.load_weights(checkpoint.weight_slices())
     block_size, blocks_per_sequence = 4, 32  # each sequence its own blocks, up to 128 tokens
     shape = (
@@ -177,14 +178,15 @@ def test_a_decode_that_ignores_the_cache_fails_parity(
     """The parity test above can fail: with decode steps that ignore the cache, each
     request's first token (from its prefill) is right and the rest are not."""
     directory, hf_model = tiny
-    monkeypatch.setitem(BACKENDS, "cacheless", lambda _: (CachelessDecode(), TorchLayerOps()))
+    cacheless = Backend("cacheless", CachelessDecode(), TorchLayerOps(), TorchStepOps())
+    monkeypatch.setitem(BACKENDS, "cacheless", lambda _: cacheless)
     engine = LLMEngine(
         EngineConfig(
             model=str(directory),
             device="cpu",
             block_size=4,
             kv_cache_memory_gb=0.01,
-            attention_backend="cacheless",
+            backend="cacheless",
         )
     )
     prompts = random_prompts(8)

@@ -3,6 +3,7 @@ the choice of backend, on the CPU."""
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 from transformers import LlamaForCausalLM as HFLlama
 
 from engine.backends import BACKENDS, create_backend
-from engine.config import EngineConfig
+from engine.config import EngineConfig, add_arguments, from_arguments
 from engine.llm_engine import LLMEngine
 from tests.random_checkpoint import random_prompts, save_tiny_llama
 from tests.reference import hf_greedy, run_engine
@@ -44,8 +45,23 @@ def test_max_model_len_beyond_the_cache_is_refused(tiny: tuple[Path, HFLlama]) -
 
 
 def test_an_unknown_backend_is_refused(tiny: tuple[Path, HFLlama]) -> None:
-    with pytest.raises(ValueError, match="unknown attention backend 'cudnn', not one of torch"):
+    with pytest.raises(ValueError, match="unknown backend 'cudnn', not one of torch, triton"):
+        make_engine(tiny[0], backend="cudnn")
+
+
+def test_the_backends_old_name_still_names_it(tiny: tuple[Path, HFLlama]) -> None:
+    """``attention_backend`` (``--attention-backend``), ``backend``'s name before it chose
+    every kernel, is taken for it, as a keyword and as a flag."""
+    assert EngineConfig(attention_backend="triton").backend == "triton"
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, EngineConfig)
+    for flag in ("--attention-backend", "--backend"):
+        assert from_arguments(EngineConfig, parser.parse_args([flag, "torch"])).backend == "torch"
+    with pytest.raises(ValueError, match="attention_backend is backend's old name"):
+        EngineConfig(backend="torch", attention_backend="triton")
+    with pytest.raises(ValueError, match="unknown backend 'cudnn'"):
         make_engine(tiny[0], attention_backend="cudnn")
+    assert make_engine(tiny[0], attention_backend="torch").runner.backend.name == "torch"
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -60,12 +76,10 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) ->
     reason="CPU tensors need Triton's interpreter; tests/gpu runs these kernels on CUDA",
 )
 def test_triton_backend_generates_as_transformers(tiny: tuple[Path, HFLlama]) -> None:
-    """--attention-backend triton through the whole engine: chunked prefills, mixed steps
+    """--backend triton through the whole engine: chunked prefills, mixed steps
     (the prefill kernel) and pure decode steps (the decode kernel), run by Triton's CPU
     interpreter."""
     directory, hf_model = tiny
-    engine = make_engine(
-        directory, attention_backend="triton", max_num_seqs=4, max_num_batched_tokens=16
-    )
+    engine = make_engine(directory, backend="triton", max_num_seqs=4, max_num_batched_tokens=16)
     prompts = random_prompts(3)
     assert run_engine(engine, prompts, max_tokens=6) == [hf_greedy(hf_model, p, 6) for p in prompts]

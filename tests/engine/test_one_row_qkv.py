@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from engine.backends.deferred_norm import DeferredNorm, LinearInput
+from engine.backends.pytorch import with_bias
 from engine.backends.triton import one_row_qkv_rotary_store, rotary_store_kv
+from engine.backends.triton.backend import TritonLayerOps
 from engine.backends.triton.one_row_matmul import one_row_matmul
-from engine.quantization.linear_methods import quantize_per_channel, with_bias
+from engine.quantization.linear_methods import quantize_per_channel
 from tests.engine.test_kernels import BLOCK_SIZE, CUDA, DEVICE, DTYPE, FP8, make_rotary, randn
 
 
@@ -77,8 +79,9 @@ def test_one_row_qkv_rotary_store(
     if input_kind.startswith("deferred norm"):
         residual = None if "no residual" in input_kind else randn(1, depth)
         norm_weight = (1.0 + 0.5 * torch.randn(depth, device=DEVICE)).to(DTYPE)
-        row = DeferredNorm(x, residual, norm_weight, 1e-5)
-        twin = DeferredNorm(x, residual, norm_weight, 1e-5)  # the unfused kernels' own
+        ops = TritonLayerOps()  # the ops that defer norms, whose kernel computes an unfused one
+        row = DeferredNorm(x, residual, norm_weight, 1e-5, ops)
+        twin = DeferredNorm(x, residual, norm_weight, 1e-5, ops)  # the unfused kernels' own
         streams = [row.stream, twin.stream]
     bias_t = randn(channels) if bias else None
     rotary = make_rotary(head_dim, norms=False, max_positions=max_positions)

@@ -23,6 +23,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
+from engine.backends import create_backend
+from engine.backends.pytorch import TorchLayerOps, quantize_per_token_fp8
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_config import Quantization
@@ -30,11 +32,10 @@ from engine.quantization.linear_methods import (
     FP8,
     Fp8Linear,
     Int8Linear,
+    QuantizedLinear,
     quantize_per_channel,
-    quantize_per_token_fp8,
     require_fp8,
     resolve_quantization,
-    weight_only_matmul,
 )
 from tests.engine.test_model_families import saved_tiny_model
 from tests.random_checkpoint import random_prompts
@@ -77,8 +78,12 @@ class Layer(torch.nn.Module):
 
 
 @pytest.mark.parametrize("tokens", [3, 37])  # the weight-only and (FP8) the W8A8 paths
-@pytest.mark.parametrize("method", [Int8Linear(), Fp8Linear()], ids=["int8", "fp8"])
-def test_quantized_linear_is_within_its_formats_rounding(method: Int8Linear, tokens: int) -> None:
+@pytest.mark.parametrize("method_class", [Int8Linear, Fp8Linear], ids=["int8", "fp8"])
+def test_quantized_linear_is_within_its_formats_rounding(
+    method_class: type[QuantizedLinear], tokens: int
+) -> None:
+    # With the device's default backend's ops: the Triton kernels on CUDA, PyTorch's on CPU.
+    method = method_class(create_backend(None, DEVICE).ops)
     torch.manual_seed(0)
     x = torch.randn(tokens, 96, device=DEVICE)
     weight = torch.randn(48, 96, device=DEVICE) * torch.rand(
@@ -159,6 +164,7 @@ def test_activation_kernel_computes_a_deferred_norm_bit_for_bit(with_residual: b
     codes and scales are those of the norm's kernel's output quantized, bit for bit, and it
     writes the same residual stream."""
     from engine.backends.deferred_norm import DeferredNorm
+    from engine.backends.triton.backend import TritonLayerOps
     from engine.backends.triton.fp8_quantize import quantize_rows_fp8
     from engine.backends.triton.norm import add_rms_norm
 
@@ -172,7 +178,7 @@ def test_activation_kernel_computes_a_deferred_norm_bit_for_bit(with_residual: b
     weight = (torch.rand(hidden, device=DEVICE) + 0.5).to(dtype)
     normalized, stream = add_rms_norm(x, residual, weight, 1e-5)
     expected_codes, expected_scale = quantize_rows_fp8(normalized)
-    deferred = DeferredNorm(x, residual, weight, 1e-5)
+    deferred = DeferredNorm(x, residual, weight, 1e-5, TritonLayerOps())
     codes, scale = quantize_rows_fp8(deferred)
     assert torch.equal(scale, expected_scale)
     assert torch.equal(codes.view(torch.uint8), expected_codes.view(torch.uint8))
@@ -376,12 +382,13 @@ def test_dummy_weights_quantize_too(tiny_llama: tuple[Path, PreTrainedModel]) ->
     assert len(run_engine(engine, random_prompts(2), 4)[0]) == 4
 
 
-def test_weight_only_matmul_on_the_cpu_matches_the_dequantized_weight() -> None:
+def test_torch_weight_only_matmul_matches_the_dequantized_weight() -> None:
     x = torch.randn(4, 32)
     for dtype in (torch.int8, FP8):
         codes, scale = quantize_per_channel(torch.randn(16, 32), dtype)
         torch.testing.assert_close(
-            weight_only_matmul(x, codes, scale), x @ (codes.float() * scale[:, None]).T
+            TorchLayerOps().weight_only_matmul(x, codes, scale),
+            x @ (codes.float() * scale[:, None]).T,
         )
 
 

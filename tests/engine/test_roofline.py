@@ -110,7 +110,7 @@ def test_model_cost_of_a_tiny_llama(tiny: tuple[Path, LlamaForCausalLM]) -> None
     directory, _ = tiny
     config = load_checkpoint(str(directory)).config
     meta = torch.device("meta")
-    model = build_model(config, *create_backend("torch", meta), 16, meta, torch.bfloat16)
+    model = build_model(config, create_backend("torch", meta), 16, meta, torch.bfloat16)
     cost = ModelCost.of_model(model, torch.bfloat16)
     hidden, inter, layers, vocab = 64, 160, 3, 256
     q, kv = 4 * 16, 2 * 16
@@ -125,7 +125,7 @@ def test_model_cost_of_a_tiny_llama(tiny: tuple[Path, LlamaForCausalLM]) -> None
     assert cost.windows == (None, None, None)
     assert cost.fp8_matmul_params == 0
     quantized = replace(config, quantization=Quantization("fp8"))
-    model = build_model(quantized, *create_backend("torch", meta), 16, meta, torch.bfloat16)
+    model = build_model(quantized, create_backend("torch", meta), 16, meta, torch.bfloat16)
     fp8_cost = ModelCost.of_model(model, torch.bfloat16)
     assert fp8_cost.fp8_matmul_params == fp8_cost.layer_matmul_params == layers * matmuls
     # A byte a matrix element (the per-channel scales are buffers, a thousandth of it, left out).

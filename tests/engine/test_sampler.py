@@ -2,6 +2,7 @@
 
 import torch
 
+from engine.backends.pytorch import TorchStepOps
 from engine.sampling.sampler import (
     Penalties,
     SamplingTensors,
@@ -10,6 +11,8 @@ from engine.sampling.sampler import (
     uniform_noise,
     unit_interval,
 )
+
+OPS = TorchStepOps()  # the CPU's argmax (the torch backend's)
 
 
 def _params(rows: list[tuple[float, float, int, int, int]], cut: bool = True) -> SamplingTensors:
@@ -26,21 +29,23 @@ def _params(rows: list[tuple[float, float, int, int, int]], cut: bool = True) ->
 
 def test_greedy_rows_take_the_argmax_next_to_sampled_rows() -> None:
     logits = torch.randn(3, 50)
-    tokens = sample(logits, _params([(0, 1, 0, 1, 0), (1.0, 1, 0, 2, 0), (0, 0.5, 3, 3, 0)]))
+    tokens = sample(logits, _params([(0, 1, 0, 1, 0), (1.0, 1, 0, 2, 0), (0, 0.5, 3, 3, 0)]), OPS)
     assert tokens[0] == logits[0].argmax()
     assert tokens[2] == logits[2].argmax()
 
 
 def test_an_all_greedy_step_needs_no_parameters() -> None:
     logits = torch.randn(4, 50)
-    assert torch.equal(sample(logits, None), logits.argmax(dim=-1))
+    assert torch.equal(sample(logits, None, OPS), logits.argmax(dim=-1))
 
 
 def test_same_seed_and_step_give_the_same_token_whatever_the_batch() -> None:
     logits = torch.randn(1, 1000)
-    alone = sample(logits, _params([(1.0, 1, 0, 42, 5)]))
+    alone = sample(logits, _params([(1.0, 1, 0, 42, 5)]), OPS)
     batch = torch.cat([torch.randn(2, 1000), logits])
-    together = sample(batch, _params([(1.0, 1, 0, 7, 0), (0.8, 0.9, 0, 8, 3), (1.0, 1, 0, 42, 5)]))
+    together = sample(
+        batch, _params([(1.0, 1, 0, 7, 0), (0.8, 0.9, 0, 8, 3), (1.0, 1, 0, 42, 5)]), OPS
+    )
     assert together[2] == alone[0]
 
 
@@ -72,7 +77,7 @@ def test_sampling_follows_the_distribution() -> None:
     probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
     logits = probs.log().expand(20_000, 4)
     rows = [(1.0, 1.0, 0, 1234, step) for step in range(20_000)]
-    tokens = sample(logits, _params(rows, cut=False))
+    tokens = sample(logits, _params(rows, cut=False), OPS)
     freq = torch.bincount(tokens, minlength=4).float() / len(tokens)
     assert torch.allclose(freq, probs, atol=0.015)
 
@@ -81,7 +86,7 @@ def test_top_k_and_top_p_keep_only_the_head() -> None:
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).expand(2000, 5)
     top_k_rows = [(1.0, 1.0, 2, 99, step) for step in range(1000)]
     top_p_rows = [(1.0, 0.5, 0, 99, step) for step in range(1000)]
-    tokens = sample(logits, _params(top_k_rows + top_p_rows))
+    tokens = sample(logits, _params(top_k_rows + top_p_rows), OPS)
     assert set(tokens[:1000].tolist()) == {0, 1}
     assert set(tokens[1000:].tolist()) == {0}  # token 0 alone holds over half the mass
 
@@ -95,4 +100,4 @@ def test_penalties_lower_the_tokens_already_generated() -> None:
     torch.testing.assert_close(apply_penalties(logits, penalties), expected)
     params = _params([(0, 1, 0, 1, 0), (0, 1, 0, 1, 0)])
     params.penalties = penalties
-    assert sample(logits, params).tolist() == [0, 0]  # greedy rows see the penalties too
+    assert sample(logits, params, OPS).tolist() == [0, 0]  # greedy rows see the penalties too

@@ -19,6 +19,7 @@ from transformers import (
     RepetitionPenaltyLogitsProcessor,
 )
 
+from engine.backends.pytorch import TorchStepOps
 from engine.llm_engine import RequestRejected
 from engine.sampling.sampler import (
     AllowedTokens,
@@ -36,6 +37,7 @@ from tests.random_checkpoint import VOCAB, random_prompts
 from tests.reference import hf_greedy
 
 EOS = VOCAB - 1  # the tiny checkpoints'
+OPS = TorchStepOps()  # the CPU's argmax (the torch backend's)
 
 
 def greedy_params(batch: int) -> SamplingTensors:
@@ -152,7 +154,7 @@ def test_allowed_tokens_are_the_only_ones_left() -> None:
     assert torch.equal(ours[1], logits[1])
     assert set(torch.nonzero(ours[2] > float("-inf")).flatten().tolist()) == {17}
     first = [4, 9][int(logits[0, [4, 9]].argmax())]
-    assert sample(logits, params).tolist() == [first, int(logits[1].argmax()), 17]
+    assert sample(logits, params, OPS).tolist() == [first, int(logits[1].argmax()), 17]
 
 
 # Through the engine, against transformers' generation

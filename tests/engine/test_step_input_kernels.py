@@ -1,7 +1,8 @@
 """The kernels that put a step's inputs in place on the device between two CUDA graphs,
-against the PyTorch operations they replace, exactly: the fill of a graph's static buffers
-(``engine.backends.triton.graph_inputs``: five copies and a padded batch's five fills) and
-the pending tokens' (``pending_tokens``: a gather and an ``index_copy_``). On CUDA both are
+against the PyTorch operations they replace (the torch backend's ``TorchStepOps``), exactly:
+the fill of a graph's static buffers (``engine.backends.triton.graph_inputs``: five copies and
+a padded batch's five fills) and the pending tokens' (``pending_tokens``: a gather and an
+``index_copy_``). On CUDA both are
 launched past Triton's binding, through the one variant they compile
 (``engine.backends.triton.one_variant``): a test checks that one variant serves all these
 launches.
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from engine.backends.attention import AttentionMetadata
+from engine.backends.pytorch import TorchStepOps
 from engine.backends.triton.dependent_launch import launch_options
 from engine.backends.triton.graph_inputs import (
     _STEP_SIZES,
@@ -76,25 +78,11 @@ def packed_step(
 def reference_fill(
     buffers: list[torch.Tensor], num_rows: int, query_len: int, step: list[torch.Tensor] | None
 ) -> list[torch.Tensor]:
-    """What ``StepGraphs.replay`` did before the kernel, on copies of ``buffers``: the step's
-    rows copied (block tables up to the step's width), rows [count, num_rows) padded."""
-    input_ids, positions, slot_mapping, context_lens, block_tables = (b.clone() for b in buffers)
-    count = 0
-    if step is not None:
-        count, width = step[4].shape
-        num_tokens = count * query_len
-        input_ids[:num_tokens].copy_(step[0])
-        positions[:num_tokens].copy_(step[1])
-        slot_mapping[:num_tokens].copy_(step[2])
-        context_lens[:count].copy_(step[3])
-        block_tables[:count, :width].copy_(step[4])
-    padding = slice(count * query_len, num_rows * query_len)
-    slot_mapping[padding].fill_(-1)
-    positions[padding].zero_()
-    input_ids[padding].zero_()
-    context_lens[count:num_rows].fill_(1)
-    block_tables[count:num_rows, 0].zero_()
-    return [input_ids, positions, slot_mapping, context_lens, block_tables]
+    """The torch backend's fill (PyTorch's copies and fills), on copies of ``buffers``: the
+    step's rows copied (block tables up to the step's width), rows [count, num_rows) padded."""
+    copies = [b.clone() for b in buffers]
+    TorchStepOps().fill_graph_inputs(copies, num_rows, query_len, step)
+    return copies
 
 
 def assert_filled(buffers: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
@@ -180,7 +168,8 @@ def test_fill_pending_tokens_matches_gather_and_index_copy(num_pending: int) -> 
     source = torch.randint(0, last_sampled.shape[0], (num_pending,), generator=generator)
     packed = torch.cat([torch.zeros(1, dtype=torch.int64), index, source]).to(DEVICE)
     index, source = packed[1:].split([num_pending, num_pending])
-    expected = input_ids.clone().index_copy_(0, index, last_sampled[source])
+    expected = input_ids.clone()
+    TorchStepOps().fill_pending_tokens(expected, index, source, last_sampled)
     fill_pending_tokens(input_ids, index, source, last_sampled)
     assert torch.equal(input_ids, expected)
 

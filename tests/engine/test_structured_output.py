@@ -15,6 +15,7 @@ import tokenizers
 import torch
 import xgrammar as xgr
 
+from engine.backends.pytorch import TorchStepOps
 from engine.model_config import TokenizerInfo
 from engine.models import load_checkpoint
 from engine.sampling.structured_output import (
@@ -74,7 +75,7 @@ def decode(
     ``bias`` [V] is added to the logits, to steer unbounded grammars towards an end."""
     generator = torch.Generator().manual_seed(seed)
     matcher = new_matcher(grammar, stop_token_ids)
-    bitmask = GrammarBitmask(1, vocab_size, torch.device("cpu"))
+    bitmask = GrammarBitmask(1, vocab_size, torch.device("cpu"), TorchStepOps())
     tokens = []
     for _ in range(MAX_TOKENS):
         logits = torch.randn(1, vocab_size, generator=generator)
@@ -323,7 +324,7 @@ def test_padded_and_special_tokens_are_never_allowed(
         xgr.Grammar.from_ebnf('root ::= [^x]* "x"')  # anything, then x
     )
     matcher = new_matcher(grammar)
-    bitmask = GrammarBitmask(4, padded, torch.device("cpu"))
+    bitmask = GrammarBitmask(4, padded, torch.device("cpu"), TorchStepOps())
     logits = torch.zeros(1, padded)
     bitmask.apply(logits, [matcher])
     allowed = set(torch.nonzero(logits[0] == 0).flatten().tolist())
@@ -347,7 +348,7 @@ def test_a_step_masks_only_its_constrained_rows(
     assert done.accept_token(text_tokenizer.token_to_id("7"))
     assert done.accept_token(tokenizer.eos_token_ids[0])  # terminated: its request finished
     matchers = [new_matcher(digits), None, done, new_matcher(digits)]
-    bitmask = GrammarBitmask(8, vocab_size, torch.device("cpu"))
+    bitmask = GrammarBitmask(8, vocab_size, torch.device("cpu"), TorchStepOps())
     logits = torch.randn(4, vocab_size)
     raw = logits.clone()
     bitmask.apply(logits, matchers)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM as HFLlama
 
+from engine.backends.pytorch import TorchStepOps
 from engine.execution.batch import StepInputs, pack
 from engine.execution.model_runner import ModelRunner
 from engine.scheduling.request import Request, RequestStatus
@@ -24,6 +25,7 @@ from tests.reference import hf_greedy, run_engine
 
 BLOCK_SIZE = 4
 WIDTH = 4  # 1 + k, k = 3
+STEP_OPS = TorchStepOps()  # the CPU's (the torch backend's) pending-token fill
 
 
 def verifying(index: int, prompt_len: int, drafts: list[int], first_block: int) -> Request:
@@ -52,8 +54,8 @@ def verify_batch() -> list[Request]:
 
 def both_layouts(batch: list[Request]) -> tuple[StepInputs, StepInputs]:
     last_sampled = torch.empty(0, dtype=torch.int64)
-    packed = pack(batch, BLOCK_SIZE, torch.device("cpu"), last_sampled)
-    uniform = pack(batch, BLOCK_SIZE, torch.device("cpu"), last_sampled, WIDTH)
+    packed = pack(batch, BLOCK_SIZE, torch.device("cpu"), last_sampled, STEP_OPS)
+    uniform = pack(batch, BLOCK_SIZE, torch.device("cpu"), last_sampled, STEP_OPS, WIDTH)
     return packed, uniform
 
 
@@ -92,14 +94,14 @@ def test_steps_with_prefills_or_without_drafts_stay_packed() -> None:
     batch = verify_batch()
     batch[2].num_cached_tokens = 2  # a prefill chunk of four prompt tokens
     batch[2].num_scheduled_tokens = 4
-    assert pack(batch, BLOCK_SIZE, torch.device("cpu"), torch.empty(0), WIDTH).shape == (
-        pack(batch, BLOCK_SIZE, torch.device("cpu"), torch.empty(0)).shape
+    assert pack(batch, BLOCK_SIZE, torch.device("cpu"), torch.empty(0), STEP_OPS, WIDTH).shape == (
+        pack(batch, BLOCK_SIZE, torch.device("cpu"), torch.empty(0), STEP_OPS).shape
     )
     decodes = verify_batch()
     for request in decodes:
         request.num_scheduled_tokens = 1
         request.draft_token_ids = []
-    inputs = pack(decodes, BLOCK_SIZE, torch.device("cpu"), torch.empty(0), WIDTH)
+    inputs = pack(decodes, BLOCK_SIZE, torch.device("cpu"), torch.empty(0), STEP_OPS, WIDTH)
     assert inputs.uniform_query_len == 1 and inputs.metadata.max_query_len == 1
 
 
@@ -113,7 +115,7 @@ def test_a_mixed_steps_leading_decodes_are_counted() -> None:
         request.draft_token_ids = []
     batch[2].num_cached_tokens = 2  # a prefill chunk of four prompt tokens
     batch[2].num_scheduled_tokens = 4
-    inputs = pack(batch, BLOCK_SIZE, torch.device("cpu"), torch.empty(0))
+    inputs = pack(batch, BLOCK_SIZE, torch.device("cpu"), torch.empty(0), STEP_OPS)
     assert inputs.metadata.num_leading_decodes == inputs.shape.num_leading_decodes == 2
     assert inputs.metadata.query_lens.tolist() == [1, 1, 4, 1]
     packed, uniform = both_layouts(verify_batch())  # verify steps: 4 tokens first

@@ -329,7 +329,7 @@ def test_projections_adding_the_stream_change_no_bit(
     if quantization == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability 8.9")
     from engine.models.parallel_layers import RowParallelLinear
-    from engine.quantization.linear_methods import Activation, LinearMethod
+    from engine.quantization.linear_methods import LinearMethod
 
     added: list[int] = []  # the products that added the stream
     into_stream = LinearMethod.one_row_into_stream
@@ -358,11 +358,12 @@ def test_projections_adding_the_stream_change_no_bit(
         self: RowParallelLinear,
         x: torch.Tensor,
         stream: torch.Tensor | None,
-        silu_and_mul: Activation | None = None,
+        *,
+        gated: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if silu_and_mul is None:
+        if not gated:
             return self(x), stream
-        return self.forward_silu_gated(x, silu_and_mul), stream
+        return self.forward_silu_gated(x), stream
 
     monkeypatch.setattr(RowParallelLinear, "into_stream", left_to_the_norm)
     assert each_alone() == in_epilogue

@@ -1,4 +1,5 @@
-"""The CUDA backend: Triton kernels behind the AttentionBackend and LayerOps interfaces.
+"""The CUDA backend: Triton kernels behind the AttentionBackend, LayerOps and StepOps
+interfaces.
 
 Before attending, one kernel applies the Q/K norms and RoPE and writes K and V into the
 cache (``rotary_store_kv``); at one row without Q/K norms (a batch-1 decode step of a Llama),
@@ -14,9 +15,18 @@ tensor.
 Nothing to plan per step (``prepare`` is the base class's no-op): each kernel's launch
 parameters, the decode split count included, follow from tensor shapes every layer has,
 and a decode step runs as a CUDA graph whose launches were fixed at capture.
+
+The layer ops multiply one contiguous CUDA row with the one-row kernel (``takes_one_row``)
+and leave it the norm before (``engine.backends.deferred_norm``). The weight-only GEMM, FP8
+activations' quantization (a deferred norm's rows too, on any device), the argmax and the
+pending tokens' fill are kernels on CUDA tensors and the torch backend's ops on others: on
+the CPU, in Triton's interpreter (for tests), attention, the norms and the activation are
+interpreted kernels and the products PyTorch's.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -27,8 +37,8 @@ from engine.backends.attention import (
     OneRowProjection,
     Rotary,
 )
-from engine.backends.deferred_norm import LinearInput, takes_one_row_kernel
-from engine.backends.pytorch import TorchLayerOps
+from engine.backends.deferred_norm import DeferredNorm, LinearInput
+from engine.backends.pytorch import TorchLayerOps, TorchStepOps, with_bias
 from engine.backends.triton import (
     add_rms_norm,
     one_row_qkv_rotary_store,
@@ -37,6 +47,21 @@ from engine.backends.triton import (
     rotary_store_kv,
     silu_and_mul,
 )
+from engine.backends.triton.argmax import argmax_rows
+from engine.backends.triton.fp8_quantize import quantize_rows_fp8
+from engine.backends.triton.graph_inputs import fill_graph_inputs
+from engine.backends.triton.one_row_matmul import one_row_matmul
+from engine.backends.triton.pending_tokens import fill_pending_tokens
+from engine.backends.triton.quantized_matmul import weight_only_matmul
+
+
+def takes_one_row(x: LinearInput) -> bool:
+    """Whether ``x`` is one row that a linear layer multiplies with the one-row kernel (and so a
+    row whose norm can be left to that kernel, ``DeferredNorm``): one contiguous CUDA row,
+    or a deferred norm of one (only these ops defer norms, and only such rows')."""
+    if isinstance(x, DeferredNorm):
+        return x.x.shape[0] == 1
+    return x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
 
 
 class TritonPagedAttention(AttentionBackend):
@@ -72,7 +97,7 @@ class TritonPagedAttention(AttentionBackend):
     ) -> torch.Tensor | None:
         # One row (a batch-1 decode step): the one-row kernel projects, rotates and stores.
         # Per-head Q/K norms need a whole head's sums, which its programs do not share.
-        if not takes_one_row_kernel(x) or rotary.q_norm is not None:
+        if not takes_one_row(x) or rotary.q_norm is not None:
             return None
         row, weight, weight_scale = qkv_proj.one_row_operands(x)
         q = one_row_qkv_rotary_store(
@@ -160,5 +185,95 @@ class TritonLayerOps(TorchLayerOps):
         # The sum overwrites the residual: nothing else reads the old stream.
         return add_rms_norm(x, residual, weight, eps, residual_out=residual)
 
+    def normalize(self, norm: DeferredNorm) -> torch.Tensor:
+        residual_out = None if norm.residual is None else norm.stream
+        normalized, _ = add_rms_norm(
+            norm.x, norm.residual, norm.weight, norm.eps, residual_out=residual_out
+        )
+        return normalized
+
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(gate_up)
+
+    def linear(
+        self, x: LinearInput, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        # One row (a batch-1 decode step, a prompt's LM head): the one-row kernel reads the
+        # weight faster than cuBLAS, and computes a deferred norm of the row as it reads it.
+        if takes_one_row(x):
+            return with_bias(one_row_matmul(x, weight), bias)
+        return super().linear(x, weight, bias)
+
+    def linear_float32(self, x: LinearInput, weight: torch.Tensor) -> torch.Tensor:
+        if takes_one_row(x):
+            return one_row_matmul(x, weight, out_dtype=torch.float32)
+        return super().linear_float32(x, weight)
+
+    def takes_one_row(self, x: LinearInput) -> bool:
+        return takes_one_row(x)
+
+    def one_row_matmul(
+        self,
+        x: LinearInput,
+        weight: torch.Tensor,
+        scale: torch.Tensor | None = None,
+        *,
+        gated: bool = False,
+        add: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return one_row_matmul(x, weight, scale, gated=gated, add=add)
+
+    def weight_only_matmul(
+        self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, *, gated: bool = False
+    ) -> torch.Tensor:
+        if x.is_cuda:
+            return weight_only_matmul(x, codes, scale, gated=gated)
+        return super().weight_only_matmul(x, codes, scale, gated=gated)
+
+    def quantize_fp8(
+        self, x: LinearInput, *, gated: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # One kernel instead of PyTorch's eight; a deferred norm (only these ops defer them,
+        # and only where this kernel computes it) computed in it.
+        if isinstance(x, DeferredNorm) or x.is_cuda:
+            return quantize_rows_fp8(x, gated=gated)
+        return super().quantize_fp8(x, gated=gated)
+
+
+class TritonStepOps(TorchStepOps):
+    """A kernel each where PyTorch launches several or reduces a row in one thread block
+    (``argmax``, ``pending_tokens``, ``graph_inputs``; the grammar library's for its masks):
+    between two steps' CUDA graphs each launch leaves the device a gap."""
+
+    def argmax_rows(self, values: torch.Tensor) -> torch.Tensor:
+        if values.is_cuda:
+            return argmax_rows(values)
+        return super().argmax_rows(values)
+
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        if not logits.is_cuda:
+            return super().apply_token_bitmask(logits, bitmask)
+        import xgrammar as xgr  # the grammar library's Triton kernel
+
+        xgr.apply_token_bitmask_inplace(logits, bitmask, backend="triton")
+
+    def fill_pending_tokens(
+        self,
+        input_ids: torch.Tensor,
+        index: torch.Tensor,
+        source: torch.Tensor,
+        last_sampled: torch.Tensor,
+    ) -> None:
+        if input_ids.is_cuda:
+            fill_pending_tokens(input_ids, index, source, last_sampled)
+        else:
+            super().fill_pending_tokens(input_ids, index, source, last_sampled)
+
+    def fill_graph_inputs(
+        self,
+        buffers: Sequence[torch.Tensor],
+        num_rows: int,
+        query_len: int,
+        step: Sequence[torch.Tensor] | None = None,
+    ) -> None:
+        fill_graph_inputs(buffers, num_rows, query_len, step)

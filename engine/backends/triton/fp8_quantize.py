@@ -3,11 +3,10 @@ W8A8 FP8 GEMM (``torch._scaled_mm``, rowwise scales) takes as its first operand.
 
 In PyTorch ops the quantization is eight kernels a linear layer (abs, amax, the float32
 copies, the divisions, the clamps, the cast), each reading or writing the whole [T, K]
-activation. In a large decode batch's step they cost more than reading half the weights'
-bytes saves: with them a step with FP8 weights was slower than with bf16 ones
-(``scripts/profile_step.py --model DIR --batch 256 --quantization fp8`` lists a step's
-kernels). Here a program takes a token: it reads the row into registers, takes its largest
-magnitude, divides and rounds, and writes the codes and the scale. A row wider than
+activation: at a large decode batch of a small model they cost more than the FP8 product
+saves (``scripts/bench_quantization.py --speed-model`` times a decode step at batch 64 with
+each method). Here a program takes a token: it reads the row into registers, takes its
+largest magnitude, divides and rounds, and writes the codes and the scale. A row wider than
 ``_MAX_BLOCK`` is read twice, in chunks: once for the largest magnitude, then again (from
 cache) to divide and round.
 
@@ -20,8 +19,9 @@ rms_norm(x + residual) * weight, computed as the norm's kernel computes it
 (``norm.add_and_normalize``), which also writes the residual stream: the Q/K/V and gate/up
 projections' inputs with no norm kernel of their own, two launches a layer fewer.
 
-The numbers are those of ``engine.quantization.linear_methods.quantize_per_token_fp8`` (float32
-division, rounding to nearest even), which stays the CPU's path and this kernel's reference.
+The numbers are those of ``engine.backends.pytorch.quantize_per_token_fp8`` (float32
+division, rounding to nearest even): the torch backend's quantization, the Triton backend's
+for tensors not on CUDA, and this kernel's reference.
 """
 
 from __future__ import annotations
