@@ -159,7 +159,7 @@ async def _serve(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
             # httptools (C), not h11 (Python): a streamed chunk costs the server about a
-            # fifth less CPU (scripts/bench_serving.py's "server us/chunk": 32 against 40 us).
+            # fifth less CPU (tandem/bench/serving.py's "server us/chunk": 32 against 40 us).
             http="httptools",
             # Our logging is configured in main(); keep uvicorn's from replacing it.
             log_config=None,

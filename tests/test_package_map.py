@@ -7,7 +7,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 
-from tests.processes import REPO_ROOT
+from tandem.testing.processes import REPO_ROOT
 
 
 def test_imports_follow_the_package_map() -> None:

@@ -262,7 +262,7 @@ class GrammarBitmask:
         self._copied = torch.cuda.Event() if on_cuda else None
         # One thread: handing the rows to the library's threads costs more than filling them
         # (measured on a 16-core H200 host, 98 rows: 0.4 ms on one thread, 2.3-3.7 ms on 2 to
-        # 8; scripts/bench_structured_output.py prints it).
+        # 8; tandem/bench/structured_output.py prints it).
         self._filler = xgr.BatchGrammarMatcher(max_threads=1)
         if self._device is not None:
             # Compile the library's Triton kernel now, not mid-step: Triton compiles a variant

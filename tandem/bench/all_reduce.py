@@ -2,7 +2,7 @@
 memory (``engine/distributed/symmetric_all_reduce.py``), by size, eager and in a CUDA
 graph, with their results compared.
 
-    python scripts/bench_all_reduce.py [--tensor-parallel-size 2] [--hidden 4096 8192]
+    tandem bench all-reduce [--tensor-parallel-size 2] [--hidden 4096 8192]
 
 One process per GPU, NCCL (multicast off). Each size is [rows, hidden] bfloat16, rows the
 decode batches 1-256: the row-parallel outputs a decode step reduces twice a layer. Each rank
@@ -19,20 +19,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-from engine.distributed.parallel import TensorParallel  # noqa: E402
-from engine.distributed.symmetric_all_reduce import with_symmetric_all_reduce  # noqa: E402
-from engine.tensor_parallel.workers import NO_MULTICAST  # noqa: E402
+from engine.distributed.parallel import TensorParallel
+from engine.distributed.symmetric_all_reduce import with_symmetric_all_reduce
+from engine.tensor_parallel.workers import NO_MULTICAST
 
 ROWS = (1, 8, 32, 64, 128, 256)
 CALLS, ROUNDS = 100, 5
@@ -109,14 +104,14 @@ def rank_main(rank: int, size: int, port: int, hidden: list[int], out: mp.Queue)
     dist.destroy_process_group()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--tensor-parallel-size", type=int, default=2)
     parser.add_argument("--hidden", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--port", type=int, default=29517)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     size = args.tensor_parallel_size
     if torch.cuda.device_count() < size:
         raise SystemExit(f"needs {size} GPUs; {torch.cuda.device_count()} visible")

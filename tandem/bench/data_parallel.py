@@ -1,11 +1,11 @@
 """Data-parallel throughput: M engine replicas behind the server's pool against one engine,
 or any layouts of replicas and tensor-parallel GPUs against each other.
 
-    python scripts/bench_data_parallel.py --model DIR [--data-parallel-size 2] [--gpus 0,1]
-                                         [--layouts 1x1,4x1,1x4]
-                                         [--num-requests 1024] [--kv-cache-memory-gb G]
-                                         [--min-len 100] [--max-len 1024] [--clients 4]
-                                         [-- ENGINE_ARGS...]
+    tandem bench data-parallel --model DIR [--data-parallel-size 2] [--gpus 0,1]
+                               [--layouts 1x1,4x1,1x4]
+                               [--num-requests 1024] [--kv-cache-memory-gb G]
+                               [--min-len 100] [--max-len 1024] [--clients 4]
+                               [-- ENGINE_ARGS...]
 
 A layout RxT is R engine replicas (real `python -m engine` processes) of T GPUs each
 (--tensor-parallel-size T); replica r takes GPUs r*T .. r*T+T-1 of --gpus. The default layouts
@@ -15,7 +15,7 @@ parallelism: --layouts 1x1,4x1,1x4 --gpus 0,1,2,3. Each layout is fed through
 and text work, from --clients processes (as from that many servers: one Python process would
 bound the tokens per second received). For each it checks first that every replica generates
 the same greedy tokens for a few probe prompts, one at a time, and that layouts of one
-tensor-parallel size agree; then it times the offline workload of scripts/bench_offline.py
+tensor-parallel size agree; then it times the offline workload of tandem/bench/offline.py
 (random token ids, input and output lengths uniform in [--min-len, --max-len], ignore_eos), all
 submitted at once, and checks that every request got all its tokens and that each replica took
 its share. It prints the time to ready (process start to every handshake), output tokens per
@@ -23,7 +23,7 @@ second, and each layout against the first: its speed-up and its scaling efficien
 over the ratio of GPUs; the target for data parallelism: at least 90%, 1.8x on two GPUs).
 Layouts of different tensor-parallel sizes may differ in greedy tokens: bf16 sums in another
 order can flip near-ties (tensor parallelism's own check is float32, in
-scripts/bench_tensor_parallel.py).
+tandem/bench/tensor_parallel.py).
 
 The default workload keeps each replica's batch full (4 x --max-num-seqs requests): with fewer
 requests than one engine's batch holds, replicas only split the same batch.
@@ -49,14 +49,10 @@ import time
 from dataclasses import dataclass
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Barrier, Event
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-from protocol import HandshakeReply, SamplingParams  # noqa: E402
-from scripts.bench_offline import workload  # noqa: E402
-from server.engine_pool import EnginePool  # noqa: E402
+from protocol import HandshakeReply, SamplingParams
+from server.engine_pool import EnginePool
+from tandem.bench.offline import workload
 
 PROBE_TOKENS = 32
 NUM_PROBES = 4
@@ -107,7 +103,7 @@ def engine_command(args: argparse.Namespace, address: str, run: Run) -> list[str
     command += ["--device", args.device, "--log-level", "warning"]
     command += ["--tensor-parallel-size", str(run.tensor_parallel_size)]
     command += ["--max-num-seqs", str(args.max_num_seqs)]
-    command += ["--max-model-len", str(2 * args.max_len + 16)]  # as bench_offline's
+    command += ["--max-model-len", str(2 * args.max_len + 16)]  # as tandem/bench/offline.py's
     kv_cache_gb = args.kv_cache_memory_gb
     if kv_cache_gb is None and run.shares_a_gpu:
         kv_cache_gb = SHARED_GPU_KV_CACHE_GB
@@ -124,7 +120,7 @@ async def run_replicas(args: argparse.Namespace, run: Run) -> None:
     for address, gpus in zip(addresses, run.gpus, strict=True):
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus) if gpus else None
         command = engine_command(args, address, run)
-        processes.append(subprocess.Popen(command, cwd=REPO_ROOT, env=env))
+        processes.append(subprocess.Popen(command, env=env))
     pool = EnginePool(addresses, "bench_data_parallel")
     try:
         handshake = await until_ready(pool, processes)
@@ -288,7 +284,7 @@ def _vocab_size(tokenizer_json: str) -> int:
     return Tokenizer.from_str(tokenizer_json).get_vocab_size()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -310,7 +306,7 @@ def main() -> None:
         "--clients", type=int, default=4, help="client processes sending the requests"
     )
     parser.add_argument("engine_args", nargs=argparse.REMAINDER, help="after --: engine options")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     # A SIGTERM (a timeout) stops the engines too, as Ctrl-C does.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     args.engine_args = [a for a in args.engine_args if a != "--"]

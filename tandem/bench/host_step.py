@@ -1,7 +1,7 @@
 """The host's share of a decode step, without the model: what a GPU waits through.
 
-    python scripts/bench_host_step.py [--batch 1 --batch 256] [--context 500] [--model DIR]
-                                      [--num-speculative-tokens K]
+    tandem bench host-step [--batch 1 --batch 256] [--context 500] [--model DIR]
+                           [--num-speculative-tokens K]
 
 BATCH requests of CONTEXT tokens are prefilled on the CPU, then decode steps run with the
 forward pass and the sampler replaced by constant outputs, timing the engine's own Python
@@ -20,15 +20,12 @@ its small tensor ops run as they are called) and reading the results.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.config import EngineConfig
 from engine.execution.batch import StepInputs, sampling_tensors
@@ -127,7 +124,7 @@ def time_verify_step(engine: LLMEngine, batch: int, context: int, steps: int) ->
     return {name: value * 1e3 / steps for name, value in seconds.items()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -141,12 +138,12 @@ def main() -> None:
         default=0,
         help="time n-gram verify steps of K drafts each, all accepted (default: decode steps)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     k = args.num_speculative_tokens
     batches = args.batch or [1, 256]
     torch.set_num_threads(1)  # the host path is single-threaded Python
     if args.model is None:
-        from tests.random_checkpoint import save_tiny_llama
+        from tandem.testing.random_checkpoint import save_tiny_llama
 
         args.model = tempfile.mkdtemp(prefix="tandem-tiny-llama-")
         save_tiny_llama(Path(args.model), num_attention_heads=4, num_key_value_heads=2, head_dim=16)

@@ -1,8 +1,8 @@
 """Decode attention against the memory wall: its share of the measured copy bandwidth.
 
-    python scripts/bench_kernels.py [--head-dims 64 128 256] [--batches 1 8 64 256]
-                                    [--contexts 256 1024 4096 16384] [--max-gib 24]
-                                    [--kv-cache-dtype auto|fp8]
+    tandem bench kernels [--head-dims 64 128 256] [--batches 1 8 64 256]
+                         [--contexts 256 1024 4096 16384] [--max-gib 24]
+                         [--kv-cache-dtype auto|fp8]
 
 A decode step's attention must read every cached key and value of every sequence once; the
 kernel (``paged_decode_attention``, split-K as the engine runs it: the split count from
@@ -22,13 +22,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.backends.attention import Rotary
 from engine.backends.triton import (
@@ -37,7 +33,7 @@ from engine.backends.triton import (
 )
 from engine.backends.triton.paged_attention import default_decode_splits
 from engine.roofline import measure_rates
-from tests.kernel_reference import paged_attention_reference
+from tandem.testing.kernel_reference import paged_attention_reference
 
 # head_dim: (query heads, KV heads)
 HEADS = {64: (32, 8), 128: (16, 8), 256: (4, 1)}
@@ -155,7 +151,7 @@ def rotary_case(num_tokens: int, bandwidth: float) -> tuple[float, float]:
     return ms, moved / (ms / 1e3) / bandwidth
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -169,7 +165,7 @@ def main() -> None:
     parser.add_argument(
         "--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="auto: bfloat16"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     kv_dtype = DTYPE if args.kv_cache_dtype == "auto" else torch.float8_e4m3fn
     if not torch.cuda.is_available():
         parser.error("needs CUDA")

@@ -1,10 +1,10 @@
 """Start-up time and single-request latency of a real engine process, over its socket.
 
-    python scripts/bench_latency.py [--model M] [--device cpu|cuda] [--prompt-len 128]
-                                    [--output-len 256] [--peer] [--enforce-eager]
-                                    [--tensor-parallel-size N] [--load-format dummy]
-                                    [--kv-cache-dtype fp8] [--quantization fp8|int8]
-                                    [--json-out FILE]
+    tandem bench latency [--model M] [--device cpu|cuda] [--prompt-len 128]
+                         [--output-len 256] [--peer] [--enforce-eager]
+                         [--tensor-parallel-size N] [--load-format dummy]
+                         [--kv-cache-dtype fp8] [--quantization fp8|int8]
+                         [--json-out FILE]
 
 Measures, for one `python -m engine` process: start time (process start to the
 handshake reply, i.e. weights loaded and serving), time to first token, and time
@@ -23,7 +23,7 @@ steps can take (per step the larger of bytes over bandwidth and FLOPs over GEMM 
 in parallel (the collectives between them are not counted). --json-out writes the median
 run's figures to FILE too, and their least and greatest over the runs (ttft_ms_min,
 ttft_ms_max, tpot_ms_min, tpot_ms_max, floor_share_min, floor_share_max;
-scripts/bench_tensor_parallel.py reads them).
+tandem/bench/tensor_parallel.py reads them).
 """
 
 from __future__ import annotations
@@ -43,11 +43,8 @@ import torch
 import zmq
 from tokenizers import Tokenizer
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-from engine.execution.model_runner import resolve_kv_cache_dtype  # noqa: E402
-from engine.roofline import (  # noqa: E402
+from engine.execution.model_runner import resolve_kv_cache_dtype
+from engine.roofline import (
     DeviceRates,
     ModelCost,
     StepShape,
@@ -55,7 +52,7 @@ from engine.roofline import (  # noqa: E402
     measure_rates,
     run_bound,
 )
-from protocol import (  # noqa: E402
+from protocol import (
     PROTOCOL_VERSION,
     ErrorReply,
     GenerateRequest,
@@ -66,7 +63,7 @@ from protocol import (  # noqa: E402
     build_codecs,
     decode_message,
 )
-from scripts.bench_offline import extremes, spread  # noqa: E402
+from tandem.bench.offline import extremes, spread
 
 
 def random_prompt(vocab_size: int, length: int, seed: int = 0) -> list[int]:
@@ -118,7 +115,7 @@ def bench_engine(args: argparse.Namespace) -> tuple[float, list[Latency], list[S
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(address)
     started = time.perf_counter()
-    engine = subprocess.Popen(command, cwd=REPO_ROOT)
+    engine = subprocess.Popen(command)
     try:
         socket.send(HandshakeRequest(PROTOCOL_VERSION, "bench").encode())
         reply = decode_message(socket.recv())
@@ -257,7 +254,7 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -284,7 +281,7 @@ def main() -> None:
     parser.add_argument(
         "--json-out", type=Path, help="also write the median's figures and their range here"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     if args.shared_prefix_len and args.runs < 2:
         parser.error("--shared-prefix-len needs --runs 2 or more: the first run is the cold one")

@@ -1,11 +1,11 @@
 """Offline throughput: the workload the small engines publish, against its roofline.
 
-    python scripts/bench_offline.py --model DIR [--num-requests 256] [--runs 3] [--peer]
-                                   [--peer-requests N] [--enforce-eager]
-                                   [--structured-fraction F [--schema FILE|builtin]]
-                                   [--tensor-parallel-size N] [--load-format dummy]
-                                   [--kv-cache-dtype fp8] [--quantization fp8|int8]
-                                   [--json-out FILE]
+    tandem bench offline --model DIR [--num-requests 256] [--runs 3] [--peer]
+                         [--peer-requests N] [--enforce-eager]
+                         [--structured-fraction F [--schema FILE|builtin]]
+                         [--tensor-parallel-size N] [--load-format dummy]
+                         [--kv-cache-dtype fp8] [--quantization fp8|int8]
+                         [--json-out FILE]
 
 256 requests with input and output lengths uniform in [100, 1024] (random token
 ids; the lengths from seed 0, each run's prompts from a seed of its own, so that no run
@@ -58,15 +58,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -309,7 +306,7 @@ def bench_transformers(
     return sum(n for _, n in requests), time.perf_counter() - started
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -345,7 +342,7 @@ def main() -> None:
         "--load-format", default="auto", choices=["auto", "dummy"], help="the engine's"
     )
     parser.add_argument("--json-out", type=Path, help="also write the engine's figures here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not 0 <= args.structured_fraction <= 1:
         parser.error("--structured-fraction must be in [0, 1]")
 

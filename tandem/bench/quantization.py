@@ -1,10 +1,10 @@
 """What --quantization costs in accuracy and buys in speed: bf16 against int8 and fp8.
 
-    python scripts/bench_quantization.py [--models smollm2,gemma3-270m,qwen2.5-coder-0.5b]
-                                         [--methods bf16,int8,fp8] [--device cpu|cuda]
-                                         [--prompts 16] [--tokens 64]
-    python scripts/bench_quantization.py --kernels [--rows 1 16]  # CUDA: the GEMM paths, 8B shapes
-    python scripts/bench_quantization.py --speed-model DIR [--load-format dummy]  # CUDA: speed
+    tandem bench quantization [--models smollm2,gemma3-270m,qwen2.5-coder-0.5b]
+                              [--methods bf16,int8,fp8] [--device cpu|cuda]
+                              [--prompts 16] [--tokens 64]
+    tandem bench quantization --kernels [--rows 1 16]  # CUDA: the GEMM paths, 8B shapes
+    tandem bench quantization --speed-model DIR [--load-format dummy]  # CUDA: speed
 
 Accuracy, on the real GGUF models of shared/MODELS.md (dequantized to bfloat16 as they load,
 then quantized by the engine): for each method (the first is the reference; float32, the
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,22 +43,20 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-from engine.checkpoint.resolve import DEFAULT_MODEL  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.quantization.linear_methods import (  # noqa: E402
+from engine.checkpoint.resolve import DEFAULT_MODEL
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.quantization.linear_methods import (
     FP8,
     WEIGHT_ONLY_MAX_TOKENS,
     quantize_per_channel,
     quantize_per_token_fp8,
 )
-from protocol import SamplingParams  # noqa: E402
-from scripts.fetch_test_gguf import TEST_MODELS  # noqa: E402
+from protocol import SamplingParams
+from tandem.testing.gguf_models import TEST_MODELS
 
-PERPLEXITY_TEXT = REPO_ROOT / "scripts" / "data" / "perplexity.txt"
+# In the checkout (tandem/bench/ is two floors down), beside the scripts.
+PERPLEXITY_TEXT = Path(__file__).resolve().parents[2] / "scripts" / "data" / "perplexity.txt"
 PROMPTS = [
     "The capital of France is",
     "Here is a short story about a lighthouse keeper:",
@@ -327,7 +324,7 @@ def kernels(row_counts: tuple[int, ...], shapes: list[str]) -> list[str]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -347,7 +344,7 @@ def main() -> None:
     parser.add_argument(
         "--load-format", default="auto", choices=["auto", "dummy"], help="with --speed-model"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     print(
         f"torch {torch.__version__}, device {args.device}"
         + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")

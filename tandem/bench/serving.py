@@ -1,7 +1,7 @@
 """The served path as users feel it: streamed requests through the HTTP servers.
 
-    python scripts/bench_serving.py --model M [--device cuda] --servers 1 4 [--engine-args "..."]
-    python scripts/bench_serving.py --url http://127.0.0.1:8000 [--url ...]
+    tandem bench serving --model M [--device cuda] --servers 1 4 [--engine-args "..."]
+    tandem bench serving --url http://127.0.0.1:8000 [--url ...]
         [--workload random|chat] [--rates 4 16 64 inf | --concurrency 1 16 64]
         [--num-requests 256] [--runs 1] [--client-processes 8]
         [--slo-ttft-ms 500] [--slo-tpot-ms 50] [--json FILE] [--plot FILE.png]
@@ -30,16 +30,16 @@ second, and their output tokens a second.
 own (every level and every run draws from a seed of its own, so that no run finds an earlier
 one's prompts in the prefix cache). Each run prints its row; with N > 1 a "median of N" row
 follows (each column's median over the runs) and a "range of N" row (the least and greatest
-output tokens per second), as scripts/bench_offline.py prints them.
+output tokens per second), as tandem/bench/offline.py prints them.
 
 Requests are sent by --client-processes processes (default 8) with aiohttp, so that the
 client is not what is measured. Each row reports the client's own cost: its CPU per
 streamed chunk ("client us/chunk") and its busiest process's CPU over its wall time
 ("client busy"); near 100%, the client, not the servers, sets the figures: add processes.
-aiohttp parses HTTP in C: on the 2-core development machine a chunk cost a client process
-19-24 us, against 58-77 us with httpx, which this script used before (its HTTP/1.1 stack
-and the event loop). With httpx the client was the cap on an H100 (1B shape, 4 servers, 256
-requests at once): 28.9k output tok/s with 4 processes, 31.4k with 8, 32.3k in-process.
+aiohttp parses HTTP in C: a chunk costs a client process a fraction of what it cost with
+httpx, which this script used before (its HTTP/1.1 stack and the event loop), and with which
+the client, not the servers, capped a small model's throughput at a few servers; the two
+columns above measure it on any machine.
 
 --json writes every run's figures ("levels") and each level's medians over its runs
 ("medians": each figure's median, errors summed over the runs, and output_tok_s_median,
@@ -69,10 +69,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-from tests.processes import free_port, spawn, stop, tail, wait_healthy  # noqa: E402
+from tandem.testing.processes import free_port, spawn, stop, tail, wait_healthy
 
 
 @dataclass
@@ -488,7 +485,7 @@ class Cluster:
         stop(self.engine)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -525,14 +522,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write every run's figures here")
     parser.add_argument("--plot", type=Path, help="write a PNG of latency against throughput")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if bool(args.url) == bool(args.model):
         parser.error("give --url (running servers) or --model (start them here), not both")
     if args.runs < 1:
         parser.error("--runs must be at least 1")
-    # Here, not at the top: every client process imports this module, and bench_offline
+    # Here, not at the top: every client process imports this module, and tandem.bench.offline
     # imports torch and the engine (seconds).
-    from scripts.bench_offline import extremes, spread
+    from tandem.bench.offline import extremes, spread
 
     rates = args.rates if args.rates or args.concurrency else [math.inf]
 

@@ -1,10 +1,10 @@
 """Speculative decoding (n-gram and draft model) against none, through the offline API.
 
-    python scripts/bench_speculative.py --model FILE.gguf [--num-speculative-tokens 4]
-                                        [--ngram 4:4 --ngram 8:8]
-                                        [--max-tokens 256] [--batch-size 32]
-                                        [--speculative-disable-by-batch-size N]
-                                        [--speculative-model DRAFT] [--dtype float32]
+    tandem bench speculative --model FILE.gguf [--num-speculative-tokens 4]
+                             [--ngram 4:4 --ngram 8:8]
+                             [--max-tokens 256] [--batch-size 32]
+                             [--speculative-disable-by-batch-size N]
+                             [--speculative-model DRAFT] [--dtype float32]
 
 Two greedy chat prompts: a code edit (scripts/data/code_edit.py, a 70-line module, to be
 rewritten whole with one change) and a summary (of docs/architecture.md's first part). For
@@ -21,8 +21,8 @@ the output that accepted drafts made, and "% of roofline": the least time the ta
 of the run can take (``engine/roofline.py``, rates measured first) over the time measured (a
 draft model's own steps are not in the bound); the plain run's roofline in tokens/s is the
 ceiling of decoding without speculation. A table last. (The code edit was this script's own
-source until it changed with every edit of the script: SmolLM2-135M then stopped after 39
-tokens instead of rewriting it.)
+source, which changed with every edit of the script, so that the model's answer did too: a
+fixed file keeps the workload the same from one run to the next.)
 
 The real models are GGUF files from PyPI (../shared/MODELS.md): SmolLM2-135M-Instruct is the
 default model (``~/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf`` once fetched),
@@ -40,11 +40,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.roofline import (  # noqa: E402
+from engine import LLM, SamplingParams
+from engine.roofline import (
     DeviceRates,
     ModelCost,
     StepShape,
@@ -53,6 +50,8 @@ from engine.roofline import (  # noqa: E402
     share_of_roofline,
 )
 
+# The checkout (tandem/bench/ is two floors down): the prompts quote two of its files.
+ROOT = Path(__file__).resolve().parents[2]
 CHANGES = [
     "rename the method `try_take` to `take`",
     "rename the class `RateLimiter` to `ClientRateLimiter`",
@@ -111,7 +110,7 @@ def run_workload(
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -142,7 +141,7 @@ def main() -> None:
         help="the engine option: no drafts while this many requests run (default 0: the "
         "mechanism measured at every batch, the engine's own default aside)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     def user(text: str) -> list[dict[str, str]]:
         return [{"role": "user", "content": text}]

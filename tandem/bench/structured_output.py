@@ -1,10 +1,10 @@
 """What structured outputs cost: offline throughput with a share of the requests constrained by
 a JSON schema, against the same requests unconstrained, in one process.
 
-    python scripts/bench_structured_output.py --model DIR [--structured-fraction 0.5]
-                                              [--repeats 3] [--num-requests 256]
+    tandem bench structured-output --model DIR [--structured-fraction 0.5]
+                                   [--repeats 3] [--num-requests 256]
 
-The workload is bench_offline.py's (random prompts, lengths uniform in [100, 1024]). A
+The workload is tandem/bench/offline.py's (random prompts, lengths uniform in [100, 1024]). A
 constrained request stops where its JSON is complete, so the two runs would not generate the
 same tokens; each constrained run therefore records how many tokens every request generated,
 and the unconstrained run that follows it asks for exactly those (ignore_eos): the two runs
@@ -17,30 +17,25 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import xgrammar as xgr
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench_offline import (
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling.structured_output import GrammarBitmask
+from protocol import StructuredOutput
+from tandem.bench.offline import (
     compile_times,
     constrained_indices,
     json_schema_constraint,
     submit,
     workload,
 )
-
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling.structured_output import GrammarBitmask
-from protocol import StructuredOutput
 
 
 class PhaseTimer:
@@ -123,7 +118,7 @@ def fill_times(
     return len(matchers), times
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -136,7 +131,7 @@ def main() -> None:
     parser.add_argument("--structured-fraction", type=float, default=0.5)
     parser.add_argument("--schema", default="builtin", help="a JSON schema file, or builtin")
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     engine = LLMEngine(
         EngineConfig(

@@ -1,9 +1,9 @@
 """Tensor parallelism on the GPU machine: correct first, then fast. Each part fits one call.
 
-    python scripts/bench_tensor_parallel.py --part check   # TP=2 greedy tokens equal TP=1's
-    python scripts/bench_tensor_parallel.py --part 8b      # Llama-3.1-8B shape, TP=1 and TP=2
-    python scripts/bench_tensor_parallel.py --part 70b     # Llama-3.1-70B shape, TP=2
-    python scripts/bench_tensor_parallel.py --part 70b --tensor-parallel-size 4   # or 8
+    tandem bench tensor-parallel --part check   # TP=2 greedy tokens equal TP=1's
+    tandem bench tensor-parallel --part 8b      # Llama-3.1-8B shape, TP=1 and TP=2
+    tandem bench tensor-parallel --part 70b     # Llama-3.1-70B shape, TP=2
+    tandem bench tensor-parallel --part 70b --tensor-parallel-size 4   # or 8
 
 check: small real-shaped random checkpoints (Qwen2.5-0.5B: biases, 2 KV heads; Llama-3.2-1B:
 tied head), saved as safetensors and loaded from them, each rank reading its slices; 16
@@ -12,9 +12,9 @@ batch of one: the one-row kernel), at TP=1 and TP=2 must be equal,
 in float32 so that rounding does not decide near-ties of random weights. Fails loudly.
 
 8b / 70b: random bf16 weights of the shape made on the GPUs (--load-format dummy: no 16 or
-141 GB file to write), through scripts/bench_latency.py (a real engine process over its
+141 GB file to write), through tandem/bench/latency.py (a real engine process over its
 socket: time to ready, batch-1 TPOT and its share of the N-GPU bandwidth floor) and
-scripts/bench_offline.py (256 requests, in-process: load time, output tokens per second).
+tandem/bench/offline.py (256 requests, in-process: load time, output tokens per second).
 Targets: 8B TPOT at TP=2 at most 60% of TP=1's; 70B TPOT at least 70% of the floor (65% at
 TP=8). Each run is a child process, so every one starts on empty GPUs. A table ends each part.
 """
@@ -28,9 +28,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
 CHECK_SHAPES = ("qwen2.5-0.5b", "llama-3.2-1b")
 PROMPTS, PROMPT_LEN, OUTPUT_LEN = 16, 64, 32
 
@@ -41,7 +38,7 @@ def greedy_tokens(model: str, tensor_parallel_size: int, out: Path) -> None:
 
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
-    from tests.reference import run_engine
+    from tandem.testing.reference import run_engine
 
     engine = LLMEngine(
         EngineConfig(
@@ -61,15 +58,16 @@ def greedy_tokens(model: str, tensor_parallel_size: int, out: Path) -> None:
     engine.close()
 
 
-def run_child(args: list[str]) -> None:
-    print("$", " ".join(args), flush=True)
-    subprocess.run([sys.executable, *args], cwd=REPO_ROOT, check=True)
+def run_child(module: str, args: list[str]) -> None:
+    """``python -m module args`` in a child process: every run starts on empty GPUs."""
+    print("$ python -m", module, " ".join(args), flush=True)
+    subprocess.run([sys.executable, "-m", module, *args], check=True)
 
 
 def check(workdir: Path) -> list[tuple[str, str]]:
     import torch
 
-    from tests.random_checkpoint import save_random_model
+    from tandem.testing.random_checkpoint import save_random_model
 
     rows = []
     for shape in CHECK_SHAPES:
@@ -79,7 +77,9 @@ def check(workdir: Path) -> list[tuple[str, str]]:
         results = {}
         for size in (1, 2):
             out = workdir / f"{shape}-tp{size}.json"
-            run_child([__file__, "--greedy", str(directory), str(size), str(out)])
+            run_child(
+                "tandem.bench.tensor_parallel", ["--greedy", str(directory), str(size), str(out)]
+            )
             results[size] = json.loads(out.read_text())
         diverged = [
             (i, next(j for j, (a, b) in enumerate(zip(one, two, strict=True)) if a != b))
@@ -98,7 +98,7 @@ def check(workdir: Path) -> list[tuple[str, str]]:
 def shape_figures(workdir: Path, shape: str, size: int) -> dict[str, float]:
     """Latency (engine process) and offline throughput (in-process) of ``shape`` at TP
     ``size``, random weights made at start-up."""
-    from tests.random_checkpoint import save_random_config
+    from tandem.testing.random_checkpoint import save_random_config
 
     directory = workdir / f"{shape}-config"
     if not (directory / "config.json").is_file():
@@ -106,8 +106,8 @@ def shape_figures(workdir: Path, shape: str, size: int) -> dict[str, float]:
     common = ["--model", str(directory), "--tensor-parallel-size", str(size)]
     common += ["--load-format", "dummy"]
     latency, offline = workdir / f"latency-{shape}-tp{size}.json", workdir / "offline.json"
-    run_child(["scripts/bench_latency.py", *common, "--json-out", str(latency)])
-    run_child(["scripts/bench_offline.py", *common, "--json-out", str(offline)])
+    run_child("tandem.bench.latency", [*common, "--json-out", str(latency)])
+    run_child("tandem.bench.offline", [*common, "--json-out", str(offline)])
     served = json.loads(latency.read_text())
     ran = json.loads(offline.read_text())
     return served | {"ready_s": served["start_s"], "in_process_s": ran.pop("start_s")} | ran
@@ -138,7 +138,7 @@ def speed(workdir: Path, shape: str, sizes: list[int]) -> list[tuple[str, str]]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -147,7 +147,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "tp-bench")
     # A child's run of the check: MODEL TENSOR_PARALLEL_SIZE OUT.
     parser.add_argument("--greedy", nargs=3, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.greedy:
         model, size, out = args.greedy
         greedy_tokens(model, int(size), Path(out))

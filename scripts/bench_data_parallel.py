@@ -1,0 +1,7 @@
+"""`tandem bench data-parallel` as a script, as the docs name it:
+tandem/bench/data_parallel.py, whose --help says what it measures."""
+
+from tandem.bench.data_parallel import main
+
+if __name__ == "__main__":  # not in a child that multiprocessing spawns
+    main()
