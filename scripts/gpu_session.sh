@@ -35,6 +35,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/tandem-gpu}
 mkdir -p "$out"
+# The checkout is not installed here: its packages (tandem's too, which scripts/ import)
+# come from the working tree.
+export PYTHONPATH=$PWD
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1

@@ -32,7 +32,6 @@ import collections
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -45,8 +44,6 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.backends.triton.fp8_decode import (
     FP8_DECODE_NUM_WARPS,

@@ -13,14 +13,11 @@ last ones to the printable ASCII characters (so that structured outputs can spel
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from tests.random_checkpoint import SHAPES, save_random_config, save_random_model
+from tandem.testing.random_checkpoint import SHAPES, save_random_config, save_random_model
 
 
 def main() -> None:

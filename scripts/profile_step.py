@@ -27,7 +27,6 @@ import argparse
 import cProfile
 import pstats
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,8 +35,6 @@ from pathlib import Path
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.config import EngineConfig
 from engine.execution.model_runner import LaunchedStep

@@ -39,13 +39,11 @@ from pathlib import Path
 
 import httpx
 
+from tandem.testing.processes import free_port, spawn, stop, tail, wait_for_cache_free, wait_healthy
+from tandem.testing.random_checkpoint import save_tiny_word_model
+from tandem.testing.streams import Balancer, StreamResult
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from tests.processes import free_port, spawn, stop, tail, wait_for_cache_free, wait_healthy  # noqa: E402
-from tests.random_checkpoint import save_tiny_word_model  # noqa: E402
-from tests.streams import Balancer, StreamResult  # noqa: E402
-
 _RSS_TOLERANCE = 1.10  # within 10% of the baseline, plus:
 _RSS_SLACK_BYTES = 32 * 2**20  # allocator noise
 _FD_SLACK = 4
@@ -87,7 +85,7 @@ class Deployment:
 
     def command(self, command: str) -> dict:
         done = subprocess.run(
-            [sys.executable, str(ROOT / "scripts/supervisor.py"), f"--{command}",
+            [sys.executable, "-m", "tandem.supervisor", f"--{command}",
              "--control", str(self.control)],
             capture_output=True, text=True, timeout=1800,
         )  # fmt: skip

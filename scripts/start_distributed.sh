@@ -17,14 +17,13 @@
 # IPC path (or ADDR lists the M addresses, separated by commas). Arguments after `--` go to
 # every `python -m engine`. A crashed server or engine replica is started again with backoff;
 # a rolling restart (or SIGHUP to the supervisor) restarts the servers one by one while the
-# engines keep their weights. The work is done by scripts/supervisor.py, which says more.
+# engines keep their weights.
+#
+# This is `tandem serve` (tandem/supervisor.py, which says more: --help), on the checkout's
+# .venv when no environment is active ($PYTHON chooses another interpreter).
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
-if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
-  sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
-  exit 0
-fi
 if [[ -n "${PYTHON:-}" ]]; then
   python=$PYTHON
 elif [[ -z "${VIRTUAL_ENV:-}" && -x "$root/.venv/bin/python" ]]; then
@@ -32,4 +31,4 @@ elif [[ -z "${VIRTUAL_ENV:-}" && -x "$root/.venv/bin/python" ]]; then
 else
   python=python3
 fi
-exec "$python" "$root/scripts/supervisor.py" "$@"
+exec "$python" -m tandem serve "$@"

@@ -34,7 +34,6 @@ import argparse
 import functools
 import json
 import statistics
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,23 +41,20 @@ import torch
 import triton
 import triton.testing
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-from engine.backends.deferred_norm import DeferredNorm  # noqa: E402
-from engine.backends.triton.backend import TritonLayerOps  # noqa: E402
-from engine.backends.triton.device import sm_count  # noqa: E402
-from engine.backends.triton.one_row_matmul import (  # noqa: E402
+from engine.backends.deferred_norm import DeferredNorm
+from engine.backends.triton.backend import TritonLayerOps
+from engine.backends.triton.device import sm_count
+from engine.backends.triton.one_row_matmul import (
     OneRowConfig,
     one_row_config,
     one_row_matmul,
 )
-from engine.backends.triton.quantized_matmul import (  # noqa: E402
+from engine.backends.triton.quantized_matmul import (
     TiledConfig,
     tiled_config,
     tiled_matmul,
 )
-from tests.random_checkpoint import SHAPES  # noqa: E402
+from tandem.testing.random_checkpoint import SHAPES
 
 # (rows a program, bytes of a row a chunk, warps): 16 to 64 bytes a thread a chunk.
 ONE_ROW_CANDIDATES = [

@@ -21,7 +21,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.processes import REPO_ROOT, free_port, spawn, stop, tail, wait_healthy
+from tandem.testing.processes import REPO_ROOT, free_port, spawn, stop, tail, wait_healthy
 
 
 @dataclass

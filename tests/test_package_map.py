@@ -10,7 +10,7 @@ import shutil
 import subprocess
 import tomllib
 
-from tests.processes import REPO_ROOT
+from tandem.testing.processes import REPO_ROOT
 
 
 def test_imports_follow_the_package_map() -> None:

@@ -24,7 +24,7 @@ Why ``WEIGHT_ONLY_MAX_TOKENS = 16``: at a few tokens a GEMM is bound by the weig
 which both paths read once at one byte an element, so the weight-only path wins by skipping
 the activation's quantization (three small kernels a layer) and the FP8 GEMM's poor tiling of
 a handful of rows; 16 rows are one tile of the tensor cores' smallest shape, past which the
-FP8 GEMM's compute rate starts to count. ``scripts/bench_quantization.py --kernels``
+FP8 GEMM's compute rate starts to count. ``tandem bench quantization --kernels``
 measures both paths at each size so the rule can be checked on a GPU.
 
 Weights are quantized as they load, each rank's slice of each checkpoint tensor on its

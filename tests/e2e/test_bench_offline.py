@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import REPO_ROOT
-from tests.random_checkpoint import save_tiny_llama
+from tandem.testing.processes import REPO_ROOT
+from tandem.testing.random_checkpoint import save_tiny_llama
 
 
 def test_steps_by_kind_add_up_to_the_run(tmp_path: Path) -> None:

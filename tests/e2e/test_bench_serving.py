@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import REPO_ROOT
-from tests.random_checkpoint import VOCAB, save_tiny_llama, save_word_tokenizer
+from tandem.testing.processes import REPO_ROOT
+from tandem.testing.random_checkpoint import VOCAB, save_tiny_llama, save_word_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import openai
 import pytest
 import zmq
 
+from tandem.testing.processes import engine_stats, wait_for_cache_free
 from tests.conftest import Cluster
-from tests.processes import engine_stats, wait_for_cache_free
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

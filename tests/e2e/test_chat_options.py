@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
+from tandem.testing.processes import free_port, start_server, stop, wait_for_cache_free
 from tests.conftest import Cluster
-from tests.processes import free_port, start_server, stop, wait_for_cache_free
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 12}

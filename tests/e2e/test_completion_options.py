@@ -11,9 +11,9 @@ import httpx
 import openai
 import pytest
 
-from scripts.fetch_test_gguf import TEST_MODELS
+from tandem.testing.gguf_models import TEST_MODELS
+from tandem.testing.processes import free_port, start_engine, start_server
 from tests.conftest import Cluster
-from tests.processes import free_port, start_engine, start_server
 
 PROMPTS = ["The capital of France is", "One, two, three,"]
 

@@ -24,7 +24,7 @@ from protocol import (
     StatsRequest,
 )
 from protocol.curve import load_public_key, make_curve_client
-from tests.processes import (
+from tandem.testing.processes import (
     REPO_ROOT,
     SMALL_KV_CACHE,
     free_port,
@@ -35,7 +35,7 @@ from tests.processes import (
     tail,
     wait_healthy,
 )
-from tests.random_checkpoint import save_tiny_word_model
+from tandem.testing.random_checkpoint import save_tiny_word_model
 
 
 def make_keys(directory: Path, *servers: str) -> None:

@@ -2,9 +2,9 @@
 
 Requests land on both, a prompt's next turn goes back to the replica that has its prefix
 cached, and a replica killed mid-stream fails only its own stream while the other keeps
-answering; restarted, it is chosen again. ``scripts/start_distributed.sh
---data-parallel-size 2`` (scripts/supervisor.py) starts such a deployment, each replica on its
-own GPUs, and restarts a replica that dies.
+answering; restarted, it is chosen again. ``tandem serve --data-parallel-size 2``
+(tandem/supervisor.py, which scripts/start_distributed.sh runs) starts such a deployment,
+each replica on its own GPUs, and restarts a replica that dies.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.processes import (
+from tandem.testing.processes import (
     REPO_ROOT,
     free_port,
     spawn,
@@ -34,7 +34,12 @@ from tests.processes import (
     tail,
     wait_healthy,
 )
-from tests.random_checkpoint import VOCAB, random_prompts, save_tiny_llama, save_word_tokenizer
+from tandem.testing.random_checkpoint import (
+    VOCAB,
+    random_prompts,
+    save_tiny_llama,
+    save_word_tokenizer,
+)
 
 # Long enough that a stream is still running when the test kills its engine.
 MAX_MODEL_LEN = 4096

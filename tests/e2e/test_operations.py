@@ -32,7 +32,7 @@ from protocol import (
     TokenOutputs,
     decode_message,
 )
-from tests.processes import (
+from tandem.testing.processes import (
     REPO_ROOT,
     SMALL_KV_CACHE,
     free_port,
@@ -44,13 +44,13 @@ from tests.processes import (
     wait_for_cache_free,
     wait_healthy,
 )
-from tests.random_checkpoint import (
+from tandem.testing.random_checkpoint import (
     VOCAB,
     save_tiny_llama,
     save_tiny_word_model,
     save_word_tokenizer,
 )
-from tests.streams import Balancer
+from tandem.testing.streams import Balancer
 
 # Concurrent streams during the rolling restart: the 200 run in scripts/soak.py;
 # CI's two shared cores keep 64 (each step then decodes 64 rows).

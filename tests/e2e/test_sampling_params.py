@@ -10,9 +10,9 @@ import httpx
 import openai
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from tandem.testing.processes import free_port, start_engine, start_server, wait_for_cache_free
+from tandem.testing.random_checkpoint import VOCAB, random_prompts, save_tiny_llama
 from tests.conftest import Cluster
-from tests.processes import free_port, start_engine, start_server, wait_for_cache_free
-from tests.random_checkpoint import VOCAB, random_prompts, save_tiny_llama
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 POEM = [{"role": "user", "content": "Write a long poem about the sea."}]

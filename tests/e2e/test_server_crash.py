@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.processes import (
+from tandem.testing.processes import (
     engine_stats,
     free_port,
     start_engine,

@@ -11,8 +11,8 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.processes import SMALL_KV_CACHE, free_port, start_engine, start_server
-from tests.random_checkpoint import save_tiny_word_model
+from tandem.testing.processes import SMALL_KV_CACHE, free_port, start_engine, start_server
+from tandem.testing.random_checkpoint import save_tiny_word_model
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -11,10 +11,10 @@ from pathlib import Path
 import openai
 from tokenizers import Tokenizer
 
+from tandem.testing.processes import REPO_ROOT, engine_stats, free_port, spawn, stop, wait_healthy
+from tandem.testing.random_checkpoint import VOCAB, random_prompts, save_word_tokenizer
+from tandem.testing.reference import hf_greedy
 from tests.engine.test_model_families import saved_tiny_model
-from tests.processes import REPO_ROOT, engine_stats, free_port, spawn, stop, wait_healthy
-from tests.random_checkpoint import VOCAB, random_prompts, save_word_tokenizer
-from tests.reference import hf_greedy
 
 
 def test_two_rank_engine_answers_the_openai_client_as_transformers_does(

@@ -19,8 +19,8 @@ import httpx
 import openai
 import pytest
 
+from tandem.testing.processes import free_port, start_server, stop
 from tests.conftest import Cluster
-from tests.processes import free_port, start_server, stop
 
 WEATHER_PARAMETERS = {
     "type": "object",

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from transformers import LlamaForCausalLM
 
-from tests.random_checkpoint import save_tiny_llama
+from tandem.testing.random_checkpoint import save_tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ from transformers import LlamaForCausalLM as HFLlama
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from protocol import SamplingParams
-from tests.random_checkpoint import random_prompts, save_tiny_llama
-from tests.reference import hf_greedy, run_engine
+from tandem.testing.random_checkpoint import random_prompts, save_tiny_llama
+from tandem.testing.reference import hf_greedy, run_engine
 
 BUDGET = 8  # tokens a step
 

@@ -30,10 +30,10 @@ from protocol import (
     StructuredOutput,
     StructuredOutputKind,
 )
+from tandem.testing.random_checkpoint import random_prompts, save_tiny_llama
+from tandem.testing.reference import hf_greedy
 from tests.engine.test_logprobs import generate
 from tests.engine.test_overlap_steps import make_engine, tokens
-from tests.random_checkpoint import random_prompts, save_tiny_llama
-from tests.reference import hf_greedy
 
 REGEX = StructuredOutput(StructuredOutputKind.REGEX, r"[a-z]{1,8}(-[0-9]{1,3}){0,4}")
 SCHEMA = {

@@ -18,6 +18,8 @@ from engine.llm_engine import LLMEngine
 from engine.scheduling.draft_pause import FIRST_PAUSE, DraftPause
 from engine.speculative.draft_model import DraftModelProposer, DraftVocabularyError
 from protocol import SamplingParams
+from tandem.testing.random_checkpoint import random_prompts, save_tiny_llama, save_word_tokenizer
+from tandem.testing.reference import hf_greedy, run_engine
 from tests.engine.test_logprobs import generate
 from tests.engine.test_model_families import FAMILIES, saved_tiny_model
 from tests.engine.test_speculative import (
@@ -26,8 +28,6 @@ from tests.engine.test_speculative import (
     assert_follows_the_model,
     mixed_requests,
 )
-from tests.random_checkpoint import random_prompts, save_tiny_llama, save_word_tokenizer
-from tests.reference import hf_greedy, run_engine
 
 
 def make_engine(directory: Path, draft: Path | None, **overrides: Any) -> LLMEngine:

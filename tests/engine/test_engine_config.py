@@ -12,8 +12,8 @@ from engine.__main__ import parse_args
 from engine.config import EngineConfig, from_arguments
 from engine.llm_engine import LLMEngine
 from protocol import SamplingDefaults
-from tests.random_checkpoint import save_tiny_llama
-from tests.reference import run_engine
+from tandem.testing.random_checkpoint import save_tiny_llama
+from tandem.testing.reference import run_engine
 
 
 def test_served_model_name_replaces_the_checkpoints(tmp_path: Path) -> None:

@@ -51,10 +51,10 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_config import ModelConfig
 from engine.models import hf_model_config, load_checkpoint
-from scripts.fetch_test_gguf import TEST_MODELS
+from tandem.testing.gguf_models import TEST_MODELS
+from tandem.testing.processes import free_port, start_engine, start_server
+from tandem.testing.reference import hf_greedy, run_engine
 from tests.engine.test_checkpoint import TEXTS, assert_config_matches, llama_cpp_permute, rope_theta
-from tests.processes import free_port, start_engine, start_server
-from tests.reference import hf_greedy, run_engine
 
 QT = gguf.GGMLQuantizationType
 CONTROL, USER_DEFINED, BYTE, NORMAL, UNKNOWN = 3, 4, 6, 1, 2

@@ -8,7 +8,7 @@ import re
 import subprocess
 import sys
 
-from tests.processes import REPO_ROOT
+from tandem.testing.processes import REPO_ROOT
 
 
 def kernel_resources(*args: str) -> tuple[int, int, int, int]:

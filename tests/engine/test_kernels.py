@@ -1,5 +1,5 @@
 """The Triton kernels against the PyTorch backend's ops (attention against the loop in
-tests/kernel_reference.py), and the two attention backends against each other.
+tandem/testing/kernel_reference.py), and the two attention backends against each other.
 
 Runs natively on CUDA (bfloat16) and, without it, in Triton's interpreter on CPU (float32;
 tests/conftest.py selects the interpreter). Shapes are small so the interpreter stays fast.
@@ -47,7 +47,7 @@ from engine.backends.triton.one_row_matmul import one_row_matmul
 from engine.backends.triton.paged_attention import merge_splits
 from engine.execution.batch import pad_verify
 from engine.quantization.linear_methods import quantize_per_channel
-from tests.kernel_reference import paged_attention_reference
+from tandem.testing.kernel_reference import paged_attention_reference
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import REPO_ROOT
-from tests.random_checkpoint import random_prompts, save_tiny_llama
+from tandem.testing.processes import REPO_ROOT
+from tandem.testing.random_checkpoint import random_prompts, save_tiny_llama
 
 # In a fresh process: an engine of the backend argv[2] for each of the quantizations argv[3]
 # (JSON; "" for none), with n-gram speculation, generating a greedy, a sampled and a

@@ -13,8 +13,8 @@ from transformers import LlamaForCausalLM
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from tests.random_checkpoint import random_prompts, save_tiny_llama
-from tests.reference import run_engine, stepwise_agreement
+from tandem.testing.random_checkpoint import random_prompts, save_tiny_llama
+from tandem.testing.reference import run_engine, stepwise_agreement
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from transformers import LlamaForCausalLM as HFLlama
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from protocol import RequestOutput, SamplingParams
-from tests.random_checkpoint import random_prompts, save_tiny_llama
+from tandem.testing.random_checkpoint import random_prompts, save_tiny_llama
 
 
 @pytest.fixture(scope="module")

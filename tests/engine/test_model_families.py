@@ -33,9 +33,9 @@ from engine.backends import create_backend
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.models import SUPPORTED_ARCHITECTURES, build_model, hf_model_config, load_checkpoint
+from tandem.testing.random_checkpoint import VOCAB, random_prompts, save_with_tokenizer
+from tandem.testing.reference import hf_greedy, run_engine
 from tests.engine.test_model_parity import engine_prefill_logits, hf_prefill_logits
-from tests.random_checkpoint import VOCAB, random_prompts, save_with_tokenizer
-from tests.reference import hf_greedy, run_engine
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 WINDOW = 16  # shorter than most test prompts, so sliding layers see only part of them

@@ -21,8 +21,8 @@ from engine.backends.pytorch import TorchLayerOps, TorchPagedAttention, TorchSte
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.models import build_model, load_checkpoint
-from tests.random_checkpoint import random_prompts, save_tiny_llama
-from tests.reference import hf_greedy, run_engine
+from tandem.testing.random_checkpoint import random_prompts, save_tiny_llama
+from tandem.testing.reference import hf_greedy, run_engine
 
 # initializer_range 0.2, not transformers' 0.02: at 0.02 these tiny models' greedy outputs
 # collapse into one token repeated, which a decode that ignores the cache reproduces too

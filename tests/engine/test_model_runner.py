@@ -14,8 +14,8 @@ from transformers import LlamaForCausalLM as HFLlama
 from engine.backends import BACKENDS, create_backend
 from engine.config import EngineConfig, add_arguments, from_arguments
 from engine.llm_engine import LLMEngine
-from tests.random_checkpoint import random_prompts, save_tiny_llama
-from tests.reference import hf_greedy, run_engine
+from tandem.testing.random_checkpoint import random_prompts, save_tiny_llama
+from tandem.testing.reference import hf_greedy, run_engine
 
 
 @pytest.fixture(scope="module")

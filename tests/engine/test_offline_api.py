@@ -15,8 +15,13 @@ import torch
 from transformers import LlamaForCausalLM
 
 from engine import LLM, SamplingParams
-from tests.random_checkpoint import VOCAB, random_prompts, save_tiny_llama, save_word_tokenizer
-from tests.reference import hf_greedy
+from tandem.testing.random_checkpoint import (
+    VOCAB,
+    random_prompts,
+    save_tiny_llama,
+    save_word_tokenizer,
+)
+from tandem.testing.reference import hf_greedy
 
 ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)

@@ -11,10 +11,10 @@ from transformers import LlamaForCausalLM as HFLlama
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from protocol import FinishReason, RequestOutput, SamplingParams
+from tandem.testing.random_checkpoint import random_prompts
+from tandem.testing.reference import hf_greedy, run_engine
 from tests.engine.test_logprobs import generate
 from tests.engine.test_penalties import penalized_greedy
-from tests.random_checkpoint import random_prompts
-from tests.reference import hf_greedy, run_engine
 
 
 def make_engine(directory: Path, overlap: bool = True, **overrides: int) -> LLMEngine:

@@ -11,8 +11,8 @@ from transformers import LlamaForCausalLM as HFLlama
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, RequestRejected
 from protocol import SamplingParams, TokenLogprobs
-from tests.random_checkpoint import VOCAB, random_prompts, save_tiny_llama
-from tests.reference import hf_greedy
+from tandem.testing.random_checkpoint import VOCAB, random_prompts, save_tiny_llama
+from tandem.testing.reference import hf_greedy
 
 
 @pytest.fixture(scope="module")

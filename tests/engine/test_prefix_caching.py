@@ -12,8 +12,8 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.scheduling.request import Request
 from protocol import SamplingParams
-from tests.random_checkpoint import VOCAB, save_tiny_llama
-from tests.reference import hf_greedy, run_engine
+from tandem.testing.random_checkpoint import VOCAB, save_tiny_llama
+from tandem.testing.reference import hf_greedy, run_engine
 
 BLOCK_SIZE = 4
 

@@ -12,8 +12,8 @@ from transformers import LlamaForCausalLM as HFLlama
 
 from engine.llm_engine import EngineConfig, LLMEngine
 from protocol import PromptTokenLogprobs, RequestOutput, SamplingParams
+from tandem.testing.random_checkpoint import random_prompts, save_tiny_llama
 from tests.engine.test_logprobs import generate
-from tests.random_checkpoint import random_prompts, save_tiny_llama
 
 
 @pytest.fixture(scope="module")

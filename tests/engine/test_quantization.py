@@ -37,9 +37,9 @@ from engine.quantization.linear_methods import (
     require_fp8,
     resolve_quantization,
 )
+from tandem.testing.random_checkpoint import random_prompts
+from tandem.testing.reference import run_engine, stepwise_agreement
 from tests.engine.test_model_families import saved_tiny_model
-from tests.random_checkpoint import random_prompts
-from tests.reference import run_engine, stepwise_agreement
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")

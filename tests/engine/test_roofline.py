@@ -27,7 +27,7 @@ from engine.roofline import (
     step_bound,
     step_traffic,
 )
-from tests.reference import run_engine
+from tandem.testing.reference import run_engine
 
 # One layer of 2 KV heads of dim 4 (K and V: 16 elements a token), 8 query heads.
 COST = ModelCost(

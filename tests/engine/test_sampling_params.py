@@ -31,10 +31,10 @@ from engine.sampling.sampler import (
     sample,
 )
 from protocol import FinishReason, SamplingParams
+from tandem.testing.random_checkpoint import VOCAB, random_prompts
+from tandem.testing.reference import hf_greedy
 from tests.engine.test_logprobs import generate
 from tests.engine.test_overlap_steps import make_engine, tokens
-from tests.random_checkpoint import VOCAB, random_prompts
-from tests.reference import hf_greedy
 
 EOS = VOCAB - 1  # the tiny checkpoints'
 OPS = TorchStepOps()  # the CPU's argmax (the torch backend's)

@@ -19,10 +19,10 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.speculative.ngram import find_continuation
 from protocol import RequestOutput, SamplingParams
+from tandem.testing.random_checkpoint import random_prompts, save_tiny_llama
+from tandem.testing.reference import hf_greedy, run_engine
 from tests.engine.test_logprobs import generate
 from tests.engine.test_model_families import FAMILIES, saved_tiny_model
-from tests.random_checkpoint import random_prompts, save_tiny_llama
-from tests.reference import hf_greedy, run_engine
 
 REPETITIVE = [5, 6, 7, 8, 9] * 6 + [5, 6]
 

@@ -20,10 +20,10 @@ from transformers import PreTrainedModel
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from protocol import SamplingParams
+from tandem.testing.random_checkpoint import VOCAB, random_prompts
+from tandem.testing.reference import hf_greedy, run_engine
 from tests.engine.test_model_families import saved_tiny_model
 from tests.engine.test_model_parity import hf_prefill_logits
-from tests.random_checkpoint import VOCAB, random_prompts
-from tests.reference import hf_greedy, run_engine
 
 # One configuration of each family (tests/engine/test_model_families.py has them all), at TP=2;
 # OLMo 2, whose Q/K norms span every rank's heads, also at TP=4.

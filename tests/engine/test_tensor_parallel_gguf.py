@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.llm_engine import LLMEngine
+from tandem.testing.reference import run_engine
 from tests.engine.test_gguf_families import random_model, write_gguf
 from tests.engine.test_tensor_parallel import engine_config
-from tests.reference import run_engine
 
 
 def test_a_quantized_gguf_file_splits_as_it_loads_whole(tmp_path: Path) -> None:

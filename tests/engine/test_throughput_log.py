@@ -11,8 +11,8 @@ import pytest
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.service.throughput_log import ThroughputLog
-from tests.random_checkpoint import random_prompts, save_tiny_llama
-from tests.reference import run_engine
+from tandem.testing.random_checkpoint import random_prompts, save_tiny_llama
+from tandem.testing.reference import run_engine
 
 
 @pytest.fixture

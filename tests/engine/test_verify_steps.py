@@ -19,9 +19,9 @@ from engine.execution.batch import StepInputs, pack
 from engine.execution.model_runner import ModelRunner
 from engine.scheduling.request import Request, RequestStatus
 from protocol import RequestOutput, SamplingParams
+from tandem.testing.random_checkpoint import random_prompts
+from tandem.testing.reference import hf_greedy, run_engine
 from tests.engine.test_speculative import REPETITIVE, assert_all_blocks_free, make_engine
-from tests.random_checkpoint import random_prompts
-from tests.reference import hf_greedy, run_engine
 
 BLOCK_SIZE = 4
 WIDTH = 4  # 1 + k, k = 3

@@ -15,8 +15,8 @@ from transformers import LlamaForCausalLM
 from engine.config import EngineConfig
 from engine.execution.warm_up import warm_up
 from engine.llm_engine import LLMEngine
-from tests.random_checkpoint import random_prompts
-from tests.reference import hf_greedy, run_engine
+from tandem.testing.random_checkpoint import random_prompts
+from tandem.testing.reference import hf_greedy, run_engine
 
 
 @pytest.mark.parametrize(

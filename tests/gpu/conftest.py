@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.random_checkpoint import save_random_model
+from tandem.testing.random_checkpoint import save_random_model
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -21,9 +21,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def shape_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """A random bf16 checkpoint of a real model's shape (tests/random_checkpoint.py's SHAPES),
-    saved once a session, or found as ckpt-SHAPE under $TANDEM_CHECKPOINTS (where
-    scripts/gpu_session.sh makes them)."""
+    """A random bf16 checkpoint of a real model's shape (SHAPES, in
+    tandem/testing/random_checkpoint.py), saved once a session, or found as ckpt-SHAPE
+    under $TANDEM_CHECKPOINTS (where scripts/gpu_session.sh makes them)."""
 
     def checkpoint(shape: str) -> Path:
         made = Path(os.environ.get("TANDEM_CHECKPOINTS", "/nonexistent")) / f"ckpt-{shape}"

@@ -32,8 +32,13 @@ from tokenizers import Tokenizer
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from protocol import SamplingParams, StructuredOutput, StructuredOutputKind
+from tandem.testing.random_checkpoint import (
+    VOCAB,
+    random_prompts,
+    save_tiny_llama,
+    save_word_tokenizer,
+)
 from tests.engine.test_logprobs import generate
-from tests.random_checkpoint import VOCAB, random_prompts, save_tiny_llama, save_word_tokenizer
 
 # Prompts of more than 16 tokens: their prefills take the FP8 layers' W8A8 product.
 PROMPTS = [prompt for prompt in random_prompts(8) if len(prompt) > 16][:4]

@@ -17,10 +17,10 @@ from transformers import AutoModelForCausalLM
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from protocol import RequestOutput, SamplingParams, StructuredOutput, StructuredOutputKind
+from tandem.testing.processes import free_port, start_engine, start_server
+from tandem.testing.random_checkpoint import save_random_model
+from tandem.testing.reference import run_engine
 from tests.engine.test_logprobs import generate
-from tests.processes import free_port, start_engine, start_server
-from tests.random_checkpoint import save_random_model
-from tests.reference import run_engine
 
 # One shape per family; Gemma 3's prompts run past its 512-token sliding window.
 FAMILY_SHAPES = ["llama-3.2-1b", "qwen3-0.6b", "qwen2.5-0.5b", "gemma3-1b"]

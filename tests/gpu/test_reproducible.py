@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.random_checkpoint import SHAPES
+from tandem.testing.random_checkpoint import SHAPES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,9 +16,9 @@ import torch
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from protocol import SamplingParams
+from tandem.testing.random_checkpoint import save_random_model, save_tiny_llama, save_word_tokenizer
 from tests.engine.test_logprobs import generate
 from tests.gpu.test_cuda_engine import _prompts
-from tests.random_checkpoint import save_random_model, save_tiny_llama, save_word_tokenizer
 
 
 def float32_engine(directory: Path, **options: Any) -> LLMEngine:

@@ -12,10 +12,10 @@ import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from tandem.testing.random_checkpoint import random_prompts
+from tandem.testing.reference import hf_greedy, run_engine
 from tests.engine.test_model_families import saved_tiny_model
 from tests.engine.test_tensor_parallel import CASES
-from tests.random_checkpoint import random_prompts
-from tests.reference import hf_greedy, run_engine
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 

@@ -413,8 +413,8 @@ def test_qwen25_coder_calls_a_tool() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine.checkpoint.gguf_file import read_gguf
-    from scripts.fetch_test_gguf import TEST_MODELS
-    from tests.reference import hf_greedy
+    from tandem.testing.gguf_models import TEST_MODELS
+    from tandem.testing.reference import hf_greedy
 
     path: Path = TEST_MODELS["qwen2.5-coder-0.5b"].path
     if not path.is_file():

@@ -1,7 +1,7 @@
 """Triton kernels for the CUDA fast path, and the backend built from them (``backend.py``).
 
 Each kernel is tested against the PyTorch backend's version of its op
-(``engine.backends.pytorch``; attention against ``tests/kernel_reference.py``).
+(``engine.backends.pytorch``; attention against ``tandem/testing/kernel_reference.py``).
 
 Without CUDA, Triton can only run kernels in its interpreter (numpy on the CPU), which
 ``@triton.jit`` chooses when a kernel is defined, not when it runs: set

@@ -1,15 +1,16 @@
 """Run M engine replicas and N HTTP servers, keep them running, restart the servers one by one.
 
-    python scripts/supervisor.py [--model M] [--servers N] [--port P] [--device cpu|cuda]
-                                 [--host H] [--engine-address ADDR] [--drain-timeout S]
-                                 [--tensor-parallel-size T] [--data-parallel-size M]
-                                 [--gpus LIST] [--server-args "ARGS"] [--control PATH]
-                                 [-- ENGINE_ARGS...]
-    python scripts/supervisor.py --rolling-restart [--port P | --control PATH]
-    python scripts/supervisor.py --status [--port P | --control PATH]
+    tandem serve [--model M] [--servers N] [--port P] [--device cpu|cuda]
+                 [--host H] [--engine-address ADDR] [--drain-timeout S]
+                 [--tensor-parallel-size T] [--data-parallel-size M]
+                 [--gpus LIST] [--server-args "ARGS"] [--control PATH]
+                 [-- ENGINE_ARGS...]
+    tandem serve --rolling-restart [--port P | --control PATH]
+    tandem serve --status [--port P | --control PATH]
 
-(``scripts/start_distributed.sh`` runs this.) Server i listens on port P+i; ``--server-args``
-go to every ``python -m server``, arguments after ``--`` to every ``python -m engine``.
+(``scripts/start_distributed.sh`` runs this too, and ``python -m tandem.supervisor``.) Server
+i listens on port P+i; ``--server-args`` go to every ``python -m server``, arguments after
+``--`` to every ``python -m engine``.
 
 - Data parallelism: ``--data-parallel-size M`` starts M engine replicas of the model, and every
   server spreads its requests over all of them (server/engine_pool.py). Replica r runs on GPUs
@@ -58,7 +59,7 @@ from typing import Any
 
 logger = logging.getLogger("supervisor")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent  # the checkout: the children's working directory
 _FIRST_BACKOFF_S = 1.0
 _MAX_BACKOFF_S = 30.0
 _STABLE_AFTER_S = 60.0  # a process that ran this long starts its backoff over
@@ -401,8 +402,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if "--" in argv:
         split = argv.index("--")
         argv, engine_args = argv[:split], argv[split + 1 :]
+    title, _usage, details = __doc__.split("\n\n", 2)  # argparse writes its own usage
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        usage="%(prog)s [OPTIONS] [-- ENGINE_ARGS...]\n"
+        "       %(prog)s --rolling-restart | --status [--port P | --control PATH]",
+        description=f"{title}\n\n{details}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model")
     parser.add_argument("--servers", type=int, default=1)
@@ -486,13 +491,13 @@ def print_ready(supervisor: Supervisor, args: argparse.Namespace) -> None:
         print(f"server {index}: {url}  (OpenAI API at {url}/v1)")
     print(
         f"ready; Ctrl-C stops everything; rolling restart of the servers: kill -HUP "
-        f"{os.getpid()}, or scripts/start_distributed.sh --rolling-restart --port {args.port}",
+        f"{os.getpid()}, or tandem serve --rolling-restart --port {args.port}",
         flush=True,
     )
 
 
-def main() -> None:
-    args, engine_args = parse_args(sys.argv[1:])
+def main(argv: list[str] | None = None) -> None:
+    args, engine_args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

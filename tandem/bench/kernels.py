@@ -1,0 +1,215 @@
+"""Decode attention against the memory wall: its share of the measured copy bandwidth.
+
+    tandem bench kernels [--head-dims 64 128 256] [--batches 1 8 64 256]
+                         [--contexts 256 1024 4096 16384] [--max-gib 24]
+                         [--kv-cache-dtype auto|fp8]
+
+A decode step's attention must read every cached key and value of every sequence once; the
+kernel (``paged_decode_attention``, split-K as the engine runs it: the split count from
+the block table's width, a CUDA graph's case) is timed over random caches with shuffled
+blocks, and its K/V bytes over its time are compared with the device-to-device copy
+bandwidth measured at the start (engine/roofline.py). Head shapes are the models': head_dim
+64 as Llama 3.2 1B (32 query heads on 8 KV heads), 128 as Qwen3 0.6B (16 on 8), 256 as
+Gemma 3 1B (4 on 1). Every result is checked against the float32 reference first. Each
+timing starts with the L2 cache flushed. "of same" compares with a copy of the same bytes
+timed alike: small cases (a few MB) are bound by launch and latency, not bandwidth, for
+any kernel.
+Then the fused Q/K-norm + RoPE + cache-write kernel at a decode and a prefill step.
+CUDA only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable
+
+import torch
+
+from engine.backends.attention import Rotary
+from engine.backends.triton import (
+    paged_decode_attention,
+    rotary_store_kv,
+)
+from engine.backends.triton.paged_attention import default_decode_splits
+from engine.roofline import measure_rates
+from tandem.testing.kernel_reference import paged_attention_reference
+
+# head_dim: (query heads, KV heads)
+HEADS = {64: (32, 8), 128: (16, 8), 256: (4, 1)}
+BLOCK_SIZE = 16
+DTYPE = torch.bfloat16
+
+
+_L2_FLUSH_BYTES = 256 * 1024**2  # more than any GPU's L2: each timing starts cold
+
+
+def time_ms(run: Callable[[], None], repeats: int = 20) -> float:
+    """Median of ``repeats`` timings of ``run`` replayed from a CUDA graph (as the engine's
+    decode runs), after a warm-up, each with the L2 cache flushed first (a decode step
+    reads what the last step's other layers pushed out)."""
+    run()  # compiles
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    graph.replay()
+    flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    timings = []
+    for _ in range(repeats):
+        flush.zero_()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        timings.append(start.elapsed_time(end))
+    return statistics.median(timings)
+
+
+def copy_ms(num_bytes: int) -> float:
+    """A device-to-device copy reading ``num_bytes`` (and writing as many), timed alike: the
+    best a kernel reading that much could do, launch included."""
+    source = torch.empty(num_bytes // 2, dtype=DTYPE, device="cuda")
+    target = torch.empty_like(source)
+    return time_ms(lambda: target.copy_(source))
+
+
+def decode_case(
+    head_dim: int,
+    context: int,
+    batch: int,
+    bandwidth: float,
+    check: bool,
+    kv_dtype: torch.dtype = DTYPE,
+) -> tuple[int, float, float]:
+    """(splits, ms, share of copy bandwidth) of one decode step's attention, over a cache of
+    ``kv_dtype`` (bf16, or float8 e4m3 as --kv-cache-dtype fp8 stores it)."""
+    num_heads, num_kv_heads = HEADS[head_dim]
+    blocks_per_seq = -(-context // BLOCK_SIZE)
+    num_blocks = batch * blocks_per_seq + 1
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, device="cuda", dtype=DTYPE).to(kv_dtype)
+    value_cache = torch.randn(shape, device="cuda", dtype=DTYPE).to(kv_dtype)
+    block_tables = (torch.randperm(num_blocks - 1, device="cuda") + 1)[
+        : batch * blocks_per_seq
+    ].view(batch, blocks_per_seq)
+    context_lens = torch.full((batch,), context, device="cuda")
+    q = torch.randn(batch, num_heads, head_dim, device="cuda", dtype=DTYPE)
+    out = torch.empty_like(q)
+    scale = head_dim**-0.5
+    splits = default_decode_splits(q, key_cache, block_tables, query_len=1)  # as run() takes
+
+    def run() -> None:
+        paged_decode_attention(
+            q, key_cache, value_cache, block_tables, context_lens, scale, out=out
+        )
+
+    if check:
+        run()
+        reference = paged_attention_reference(
+            q,
+            key_cache,
+            value_cache,
+            block_tables,
+            context_lens,
+            torch.ones_like(context_lens),
+            scale,
+        )
+        error = ((out.float() - reference).norm() / reference.norm()).item()
+        rounding = ((reference.to(DTYPE).float() - reference).norm() / reference.norm()).item()
+        assert error < 2 * rounding, f"head_dim {head_dim} context {context}: error {error:.2e}"
+    ms = time_ms(run)
+    kv_bytes = 2 * batch * context * num_kv_heads * head_dim * kv_dtype.itemsize
+    return splits, ms, kv_bytes / (ms / 1e3) / bandwidth
+
+
+def rotary_case(num_tokens: int, bandwidth: float) -> tuple[float, float]:
+    """(ms, share of copy bandwidth) of the fused Q/K norms + RoPE + cache write at Qwen3
+    0.6B's shape: q read and written, k and v read, k and v written to the cache."""
+    num_heads, num_kv_heads, head_dim = 16, 8, 128
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device="cuda")
+    qkv = qkv.to(DTYPE)
+    q, k, v = qkv.split([num_heads * head_dim, *[num_kv_heads * head_dim] * 2], dim=-1)
+    q = q.view(num_tokens, num_heads, head_dim)
+    k, v = (t.view(num_tokens, num_kv_heads, head_dim) for t in (k, v))
+    num_blocks = -(-num_tokens // BLOCK_SIZE) + 1
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    key_cache = torch.empty(shape, device="cuda", dtype=DTYPE)
+    value_cache = torch.empty_like(key_cache)
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, device="cuda")[:num_tokens]
+    positions = torch.randint(0, 4096, (num_tokens,), device="cuda")
+    angles = torch.rand(4096, head_dim, device="cuda")
+    norms = torch.ones(2, head_dim, device="cuda", dtype=DTYPE)
+    rotary = Rotary(angles.cos(), angles.sin(), norms[0], norms[1], 1e-6)
+
+    def run() -> None:
+        rotary_store_kv(q, k, v, key_cache, value_cache, slots, positions, rotary)
+
+    ms = time_ms(run)
+    moved = (2 * q.numel() + 2 * k.numel() + 2 * v.numel()) * DTYPE.itemsize
+    return ms, moved / (ms / 1e3) / bandwidth
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument(
+        "--contexts", type=int, nargs="+", default=[256, 1024, 2048, 4096, 8192, 16384]
+    )
+    parser.add_argument("--max-gib", type=float, default=24, help="largest cache to allocate")
+    parser.add_argument("--target", type=float, default=0.85, help="share to reach")
+    parser.add_argument(
+        "--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="auto: bfloat16"
+    )
+    args = parser.parse_args(argv)
+    kv_dtype = DTYPE if args.kv_cache_dtype == "auto" else torch.float8_e4m3fn
+    if not torch.cuda.is_available():
+        parser.error("needs CUDA")
+
+    rates = measure_rates(torch.device("cuda"))
+    torch.cuda.empty_cache()
+    print(f"{torch.cuda.get_device_name()}: measured {rates.describe()}; K/V in {kv_dtype}")
+    print(
+        f"\n{'head_dim':>8} {'heads':>6} {'context':>8} {'batch':>6} {'splits':>6} "
+        f"{'us':>9} {'GB/s':>7} {'of copy':>8} {'copy us':>8} {'of same':>8}"
+    )
+    shares = []
+    for head_dim in args.head_dims:
+        num_heads, num_kv_heads = HEADS[head_dim]
+        for context in args.contexts:
+            for batch in args.batches:
+                cache_bytes = 2 * batch * context * num_kv_heads * head_dim * kv_dtype.itemsize
+                if cache_bytes > args.max_gib * 1024**3:
+                    continue
+                check = batch * context <= 64 * 1024  # the float32 reference loops in Python
+                splits, ms, share = decode_case(
+                    head_dim, context, batch, rates.bytes_per_s, check, kv_dtype
+                )
+                # A copy moves each byte twice (read, write): half as many bytes to copy.
+                same_ms = copy_ms(cache_bytes // 2)
+                shares.append((share, head_dim, context, batch))
+                print(
+                    f"{head_dim:8d} {f'{num_heads}/{num_kv_heads}':>6} {context:8d} {batch:6d} "
+                    f"{splits:6d} {ms * 1e3:9.1f} {share * rates.bytes_per_s / 1e9:7.0f} "
+                    f"{share:8.0%} {same_ms * 1e3:8.1f} {same_ms / ms:8.0%}"
+                )
+                torch.cuda.empty_cache()
+    print("\nfused Q/K norms + RoPE + cache write, Qwen3 0.6B's heads:")
+    for num_tokens in (256, 8192):
+        ms, share = rotary_case(num_tokens, rates.bytes_per_s)
+        print(f"  {num_tokens:5d} tokens: {ms * 1e3:7.1f} us, {share:.0%} of copy bandwidth")
+    worst = min(shares)
+    below = [s for s in shares if s[0] < args.target]
+    print(
+        f"\ndecode attention: worst {worst[0]:.0%} of copy bandwidth (head_dim {worst[1]}, "
+        f"context {worst[2]}, batch {worst[3]}); {len(below)} of {len(shares)} cases below "
+        f"{args.target:.0%}"
+    )
+
+
+if __name__ == "__main__":
+    main()

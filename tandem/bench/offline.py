@@ -1,0 +1,441 @@
+"""Offline throughput: the workload the small engines publish, against its roofline.
+
+    tandem bench offline --model DIR [--num-requests 256] [--runs 3] [--peer]
+                         [--peer-requests N] [--enforce-eager]
+                         [--structured-fraction F [--schema FILE|builtin]]
+                         [--tensor-parallel-size N] [--load-format dummy]
+                         [--kv-cache-dtype fp8] [--quantization fp8|int8]
+                         [--json-out FILE]
+
+256 requests with input and output lengths uniform in [100, 1024] (random token
+ids; the lengths from seed 0, each run's prompts from a seed of its own, so that no run
+finds another's prompts in the prefix cache), ignore_eos, all submitted at once to an
+in-process engine, --runs times in one process, with no warm-up of its own: the first run
+shows what a fresh engine's first users get. Prints each run's output tokens, seconds and
+output tokens per second, then a table of the first run, the median run and the range (least
+to greatest over the runs, a figure alike in every run printed once) of each figure.
+
+The roofline (engine/roofline.py): the copy bandwidth and bf16 GEMM rate (and FP8's, on
+GPUs with FP8 products) are measured on the device before the engine starts; the engine
+records the shape of every step it runs; each step's bound is the larger of its bytes
+(weights, K/V read and written) over the bandwidth and its FLOPs over the GEMM rate (FP8
+weights' over the FP8 rate); a run's is the sum over its steps, printed as
+the run's time against it ("% of roofline").
+
+With --peer, Hugging Face transformers' own batched generate() runs on the same weights
+and GPU in the same run: prompts left-padded in batches of --peer-batch-size, each batch
+generating as many tokens as its longest request; only the requested tokens are counted.
+With --peer-requests N it runs the first N requests only (a random sample of the workload),
+to keep its time in bounds; its tokens per second are then over those.
+
+With --structured-fraction F, that share of the requests (spread evenly) is constrained by a
+JSON schema (--schema: a file, or the builtin one, an object of string, number, enum, array
+and boolean fields); its compile time, cold, is printed first, and the run finds it compiled
+(one short constrained request warms it up). The tokenizer must spell JSON:
+scripts/make_random_checkpoint.py's do. A constrained request stops where its JSON is
+complete, ignore_eos or not; with random weights few complete, and most run to their
+length, masked at every step.
+
+Last, where the median run's time went: its steps by kind (those that prefill, with the
+decodes beside them; decodes alone by batch size), each kind's time, roofline, share and the
+seconds lost to the bound, and the first run's seconds in each kind (every run has the same
+lengths, so the same steps): where a fresh engine's first run pays for what the warm-up left.
+Each kind's slowest step, in the median run and in the first, shows a one-off stall.
+A step's time is the wall time from the previous step's results being read to its own: with
+overlapped steps, the device's time for it while the device is the bottleneck, the host's
+when the host is.
+
+--json-out writes the engine's figures to FILE too: its start-up (the in-process
+engine's construction: load, cache sizing, graphs), load time, the median run's figures, their
+least and greatest over the runs (seconds_min, seconds_max, tok_s_min, tok_s_max,
+roofline_share_min, roofline_share_max), the first run's speed and time (first_tok_s,
+first_seconds), and the median and first runs' steps by kind ("steps", "first_steps": kind ->
+steps, seconds, bound_s, slowest_s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.roofline import (
+    DeviceRates,
+    ModelCost,
+    StepShape,
+    measure_rates,
+    run_bound,
+    step_bound,
+)
+from protocol import SamplingParams, StructuredOutput, StructuredOutputKind
+
+BUILTIN_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"},
+        "name": {"type": "string"},
+        "price": {"type": "number"},
+        "category": {"enum": ["book", "music", "film", "game"]},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "in_stock": {"type": "boolean"},
+    },
+    "required": ["id", "name", "price", "category", "tags", "in_stock"],
+}
+
+
+def workload(
+    num_requests: int, vocab_size: int, low: int, high: int, prompt_seed: int = 0
+) -> list[tuple[list[int], int]]:
+    """Requests of lengths uniform in [low, high] (always the same), prompts of random ids
+    drawn with ``prompt_seed``."""
+    lengths = torch.randint(low, high + 1, (num_requests, 2), generator=_seeded(0)).tolist()
+    ids = _seeded(prompt_seed + 1)
+    return [
+        (torch.randint(0, vocab_size, (input_len,), generator=ids).tolist(), output_len)
+        for input_len, output_len in lengths
+    ]
+
+
+def _seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def constrained_indices(num_requests: int, fraction: float) -> set[int]:
+    """``fraction`` of the request indices, spread evenly: i where floor(i * fraction) steps."""
+    return {i for i in range(num_requests) if int((i + 1) * fraction) > int(i * fraction)}
+
+
+def compile_times(engine: LLMEngine, constraint: StructuredOutput) -> tuple[float, float]:
+    """Seconds to read the vocabulary (the engine's first compile, of a trivial grammar) and
+    then to compile ``constraint``, cold; the run then finds it compiled."""
+    timings = []
+    for grammar in (StructuredOutput(StructuredOutputKind.REGEX, "x"), constraint):
+        started = time.perf_counter()
+        engine.compiling.compiler.compile(grammar).result()
+        timings.append(time.perf_counter() - started)
+    return timings[0], timings[1]
+
+
+@dataclass
+class Run:
+    tokens: int
+    seconds: float
+    bound_s: float  # the roofline: the least time the steps it ran can take
+    steps: list[StepShape]
+    # Each step's share of the wall time: from the previous step's results being read to its
+    # own. With overlapped steps that is the device's time for it while the device is the
+    # bottleneck, and the host's for its call when the host is.
+    step_seconds: list[float]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+def spread(values: Sequence[float], spec: str) -> str:
+    """The least and greatest of ``values`` formatted by ``spec`` ("1298.4-1585.6"), or one
+    figure where both print alike."""
+    low, high = f"{min(values):{spec}}", f"{max(values):{spec}}"
+    return low if low == high else f"{low}-{high}"
+
+
+def extremes(key: str, values: Sequence[float]) -> dict[str, float]:
+    """``key``_min and ``key``_max: the least and greatest of ``values``, for --json-out."""
+    return {f"{key}_min": min(values), f"{key}_max": max(values)}
+
+
+def json_schema_constraint(schema: str) -> StructuredOutput:
+    """--schema's constraint: a JSON schema file, or ``builtin`` for BUILTIN_SCHEMA."""
+    spec = BUILTIN_SCHEMA if schema == "builtin" else json.loads(Path(schema).read_text())
+    return StructuredOutput(StructuredOutputKind.JSON_SCHEMA, json.dumps(spec))
+
+
+def submit(
+    engine: LLMEngine,
+    requests: list[tuple[list[int], int]],
+    constrained: set[int],
+    constraint: StructuredOutput | None,
+    prefix: str = "",
+) -> None:
+    """Add every request (ignore_eos; those in ``constrained`` under ``constraint``), request
+    i's id ``prefix`` + i."""
+    for i, (prompt, output_len) in enumerate(requests):
+        sampling = SamplingParams(max_tokens=output_len, ignore_eos=True)
+        if i in constrained:
+            sampling.structured_output = constraint
+        engine.add_request(b"bench", f"{prefix}{i}", prompt, sampling)
+
+
+def bench_engine(
+    engine: LLMEngine,
+    requests: list[tuple[list[int], int]],
+    constrained: set[int],
+    constraint: StructuredOutput | None,
+    cost: ModelCost,
+    rates: DeviceRates,
+    run: int,
+) -> Run:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    engine.step_shapes = []
+    started = time.perf_counter()
+    submit(engine, requests, constrained, constraint, prefix=f"{run}-")
+    generated = 0
+    read_at = [started]  # when each step's results were read, after the run's start
+    while engine.has_work:
+        for _, output in engine.step():
+            generated += len(output.new_token_ids)
+        num_read = len(engine.step_shapes) - (engine.in_flight is not None)
+        read_at += [time.perf_counter()] * (num_read + 1 - len(read_at))
+    seconds = time.perf_counter() - started
+    steps, engine.step_shapes = engine.step_shapes, None
+    step_seconds = [b - a for a, b in itertools.pairwise(read_at)]
+    return Run(generated, seconds, run_bound(steps, cost, rates), steps, step_seconds)
+
+
+# Decode steps are grouped by their batch: at most this many sequences.
+BATCH_BUCKETS = (1, 16, 64, 128, 256)
+
+
+def step_kind(step: StepShape) -> str:
+    """A step's row in the breakdown: "prefill" when any sequence computes more than one
+    token (a prompt's chunk, with the decodes beside it), else its decode batch's bucket."""
+    if not step.is_decode:
+        return "prefill (and decodes)"
+    batch = len(step.query_lens)
+    low = 1
+    for high in BATCH_BUCKETS:
+        if batch <= high:
+            return f"decode, batch {low}-{high}" if low < high else f"decode, batch {high}"
+        low = high + 1
+    return f"decode, batch > {BATCH_BUCKETS[-1]}"
+
+
+@dataclass
+class StepKindTotals:
+    steps: int
+    seconds: float
+    bound_s: float
+    slowest_s: float  # the kind's longest step: a stall (a compile, a collection) stands out
+
+
+def step_breakdown(run: Run, cost: ModelCost, rates: DeviceRates) -> dict[str, StepKindTotals]:
+    """The run's steps by kind (``step_kind``): how many, their time and their roofline;
+    prefill first, then decodes by batch."""
+    kinds: dict[str, StepKindTotals] = {}
+    for step, seconds in zip(run.steps, run.step_seconds, strict=True):
+        totals = kinds.setdefault(step_kind(step), StepKindTotals(0, 0.0, 0.0, 0.0))
+        totals.steps += 1
+        totals.seconds += seconds
+        totals.bound_s += step_bound(step, cost, rates)
+        totals.slowest_s = max(totals.slowest_s, seconds)
+    order = sorted(kinds, key=lambda k: (not k.startswith("prefill"), len(k), k))
+    return {kind: kinds[kind] for kind in order}
+
+
+def print_step_breakdown(
+    breakdown: dict[str, StepKindTotals], first: dict[str, StepKindTotals]
+) -> None:
+    """Where the median run's time went against its roofline (which kinds of step lose the
+    most), and the first run's time in each kind: where a fresh engine's first run is slower
+    (what the warm-up left to it). The slowest step of a kind, in both runs, shows a one-off
+    stall: a fresh engine's first full garbage collection was one prompt step of 150 ms
+    among steps of 15-40 (docs/benchmarks.md)."""
+    print(
+        f"\n{'steps of the median run':28} {'steps':>6} {'seconds':>8} {'roofline s':>11} "
+        f"{'% of roofline':>14} {'ms a step':>10} {'slowest ms':>11} {'lost s':>7} "
+        f"{'first run s':>12} {'its slowest ms':>15}"
+    )
+    for kind, t in breakdown.items():
+        if kind in first:
+            first_s = f"{first[kind].seconds:12.3f} {1e3 * first[kind].slowest_s:15.3f}"
+        else:
+            first_s = f"{'-':>12} {'-':>15}"
+        print(
+            f"{kind:28} {t.steps:6d} {t.seconds:8.3f} {t.bound_s:11.3f} "
+            f"{t.bound_s / t.seconds:14.0%} {1e3 * t.seconds / t.steps:10.3f} "
+            f"{1e3 * t.slowest_s:11.3f} {t.seconds - t.bound_s:7.3f} {first_s}"
+        )
+
+
+def warm_up_grammar(engine: LLMEngine, prompt: list[int], constraint: StructuredOutput) -> None:
+    """One short constrained request, so that the grammar's first-use costs stay out."""
+    sampling = SamplingParams(max_tokens=4, structured_output=constraint)
+    engine.add_request(b"bench", "warmup", prompt[:16], sampling)
+    while engine.has_work:
+        engine.step()
+
+
+def bench_transformers(
+    model_dir: str, requests: list[tuple[list[int], int]], batch_size: int
+) -> tuple[int, float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    # Similar lengths share a batch, as a fair user of generate() would arrange.
+    ordered = sorted(requests, key=lambda r: len(r[0]))
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for start in range(0, len(ordered), batch_size):
+        batch = ordered[start : start + batch_size]
+        width = max(len(p) for p, _ in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, (prompt, _) in enumerate(batch):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        new_tokens = max(n for _, n in batch)
+        with torch.no_grad():
+            model.generate(
+                ids.cuda(),
+                attention_mask=mask.cuda(),
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=0,
+            )
+    torch.cuda.synchronize()
+    return sum(n for _, n in requests), time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--runs", type=int, default=3, help="timed runs in this process")
+    parser.add_argument("--min-len", type=int, default=100)
+    parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--peer", action="store_true", help="also time transformers (CUDA)")
+    parser.add_argument("--peer-batch-size", type=int, default=64)
+    parser.add_argument(
+        "--peer-requests",
+        type=int,
+        default=None,
+        help="time transformers on the first N requests only (default: all)",
+    )
+    parser.add_argument("--enforce-eager", action="store_true", help="engine without CUDA graphs")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    parser.add_argument("--quantization", choices=["fp8", "int8"], help="the engine's")
+    parser.add_argument(
+        "--structured-fraction",
+        type=float,
+        default=0.0,
+        help="share of the requests constrained by --schema (default: none)",
+    )
+    parser.add_argument(
+        "--schema", default="builtin", help="a JSON schema file, or builtin (default)"
+    )
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (engine's)")
+    parser.add_argument(
+        "--load-format", default="auto", choices=["auto", "dummy"], help="the engine's"
+    )
+    parser.add_argument("--json-out", type=Path, help="also write the engine's figures here")
+    args = parser.parse_args(argv)
+    if not 0 <= args.structured_fraction <= 1:
+        parser.error("--structured-fraction must be in [0, 1]")
+
+    device = torch.device(args.device)
+    rates = measure_rates(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the measurement's buffers are the KV cache's again
+    started = time.perf_counter()
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            device=args.device,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=2 * args.max_len + 16,
+            enforce_eager=args.enforce_eager,
+            tensor_parallel_size=args.tensor_parallel_size,
+            load_format=args.load_format,
+            kv_cache_dtype=args.kv_cache_dtype,
+            quantization=args.quantization,
+        )
+    )
+    start_s = time.perf_counter() - started
+    # Under tensor parallelism rank 0's share of the model: each GPU's bound, run in parallel.
+    cost = ModelCost.of_model(engine.runner.model, engine.runner.kv_dtype)
+    constrained = constrained_indices(args.num_requests, args.structured_fraction)
+    constraint = None
+    if constrained:
+        constraint = json_schema_constraint(args.schema)
+        vocabulary_s, schema_s = compile_times(engine, constraint)
+        print(
+            f"structured outputs: {len(constrained)} of {args.num_requests} requests; reading "
+            f"the vocabulary {vocabulary_s:.3f} s, compiling the schema (cold) {schema_s:.3f} s"
+        )
+    runs = []
+    for run in range(args.runs):
+        requests = workload(
+            args.num_requests, engine.vocab_size, args.min_len, args.max_len, prompt_seed=run
+        )
+        if constraint is not None and run == 0:
+            warm_up_grammar(engine, requests[0][0], constraint)
+        runs.append(bench_engine(engine, requests, constrained, constraint, cost, rates, run))
+        r = runs[-1]
+        print(
+            f"run {run + 1}: {r.tokens} tokens in {r.seconds:.2f} s, {r.tokens_per_s:.1f} tok/s; "
+            f"roofline {r.bound_s:.2f} s ({r.bound_s / r.seconds:.0%})"
+        )
+    median = sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
+    breakdown = step_breakdown(median, cost, rates)
+    first_breakdown = step_breakdown(runs[0], cost, rates)
+    if args.json_out is not None:  # the median run's, their range, the first's, both by kind
+        figures = {"start_s": start_s, "load_s": engine.runner.load_seconds}
+        figures |= {"output_tokens": median.tokens, "seconds": median.seconds}
+        figures |= {"tok_s": median.tokens_per_s, "roofline_share": median.bound_s / median.seconds}
+        figures |= extremes("seconds", [r.seconds for r in runs])
+        figures |= extremes("tok_s", [r.tokens_per_s for r in runs])
+        figures |= extremes("roofline_share", [r.bound_s / r.seconds for r in runs])
+        figures |= {"first_tok_s": runs[0].tokens_per_s, "first_seconds": runs[0].seconds}
+        figures |= {"steps": {kind: vars(t) for kind, t in breakdown.items()}}
+        figures |= {"first_steps": {kind: vars(t) for kind, t in first_breakdown.items()}}
+        args.json_out.write_text(json.dumps(figures))
+    engine.close()
+    peer = None
+    if args.peer:
+        vocab_size = engine.vocab_size
+        del engine
+        torch.cuda.empty_cache()
+        requests = workload(args.num_requests, vocab_size, args.min_len, args.max_len)
+        peer = bench_transformers(args.model, requests[: args.peer_requests], args.peer_batch_size)
+    structured = f", {len(constrained)} constrained by a JSON schema" if constrained else ""
+    print(
+        f"\n{args.model}: {args.num_requests} requests, lengths uniform in "
+        f"[{args.min_len}, {args.max_len}], ignore_eos{structured}, device {args.device}, "
+        f"tensor parallel {args.tensor_parallel_size}; engine start {start_s:.1f} s; "
+        f"measured {rates.describe()}"
+    )
+    print(f"{'':28} {'output tokens':>14} {'seconds':>11} {'tok/s':>15} {'% of roofline':>14}")
+    rows = [
+        ("tandem, first run", runs[:1]),
+        (f"tandem, median of {len(runs)}", [median]),
+        (f"tandem, range of {len(runs)}", runs),
+    ]
+    for name, rs in rows:
+        print(
+            f"{name:28} {spread([r.tokens for r in rs], 'd'):>14} "
+            f"{spread([r.seconds for r in rs], '.2f'):>11} "
+            f"{spread([r.tokens_per_s for r in rs], '.1f'):>15} "
+            f"{spread([r.bound_s / r.seconds for r in rs], '.0%'):>14}"
+        )
+    if peer is not None:
+        tokens, seconds = peer
+        print(f"{'transformers generate':28} {tokens:14d} {seconds:11.2f} {tokens / seconds:15.1f}")
+    print_step_breakdown(breakdown, first_breakdown)
+
+
+if __name__ == "__main__":
+    main()

