@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests and/or benchmarks, logs under $OUT (or /tmp).
 #
-#   scripts/gpu_session.sh tests|perf|perf-fp8|fp8-widen|quant|quant-speed|matmul-rules|serving|spec|bench-1b|bench-8b|bench-qwen3|structured-1b|profile-1b|profile-8b|profile-8b-fp8|profile-ttft|profile-qwen3|profile-qwen3-fp8 ...
+#   scripts/gpu_session.sh tests|ab-1b|perf|perf-fp8|fp8-widen|quant|quant-speed|matmul-rules|serving|spec|bench-1b|bench-8b|bench-qwen3|structured-1b|profile-1b|profile-8b|profile-8b-fp8|profile-ttft|profile-qwen3|profile-qwen3-fp8 ...
 #   scripts/gpu_session.sh tp-check tp-8b tp-70b   # tensor parallelism, on 2 GPUs (TP=4/8: TP=N)
 #   scripts/gpu_session.sh bench-dp|bench-dp-smoke|layouts-8b  # data parallelism (layouts-8b: 4 GPUs)
 #   SPEC_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh spec spec-f32  # speculative decoding
@@ -23,6 +23,10 @@
 # bench-dp needs two GPUs (DP=2 against DP=1); bench-dp-smoke runs both replicas on GPU 0.
 # layouts-8b needs four (issue 13): the 8B shape's 1,024 requests on DP=1, DP=4, DP=2 x TP=2
 # and TP=4 (LAYOUTS overrides), each layout's engines fed as the servers feed them.
+#
+# ab-1b: bench_offline and bench_latency at the 1B shape on BASE (another tree, such as an
+# older commit's `git archive`, carried in an ignored folder) and on this one, alternated,
+# ROUNDS times each (default 2); a table of both trees' medians and ranges last.
 #
 # PEERS=0 leaves out transformers' runs (minutes of device time each); PYTEST_K filters tests.
 #
@@ -133,6 +137,36 @@ for stage in "$@"; do
       done
       timeout 150 python3 scripts/bench_offline.py --model "$(config_only llama-3.2-1b)" --load-format dummy --quantization fp8 2>&1 \
         | tee "$out/offline-1b-fp8.log" | tail -6 ;;
+    ab-1b)
+      m=$(checkpoint llama-3.2-1b)
+      base=${BASE:?set BASE to the other tree}
+      for round in $(seq "${ROUNDS:-2}"); do
+        for tree in "$base" .; do
+          name=head; [ "$tree" = . ] || name=base
+          (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 200 python3 scripts/bench_offline.py \
+            --model "$m" --json-out "$out/offline-$name-$round.json" 2>&1 \
+            | tee "$out/offline-$name-$round.log" | grep -E "^tandem, ")
+          (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 scripts/bench_latency.py \
+            --model "$m" --json-out "$out/latency-$name-$round.json" 2>&1 \
+            | tee "$out/latency-$name-$round.log" | grep -E "^tandem, ")
+        done
+      done
+      echo "=== ab-1b summary (median [min-max] of each run's runs)"
+      python3 - "$out" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+for name in ("base", "head"):
+    for f in sorted(out.glob(f"offline-{name}-*.json")):
+        d = json.loads(f.read_text())
+        print(f"{f.stem}: {d['tok_s']:,.0f} tok/s [{d['tok_s_min']:,.0f}-{d['tok_s_max']:,.0f}],"
+              f" roofline {d['roofline_share']:.0%}, start {d['start_s']:.1f} s")
+    for f in sorted(out.glob(f"latency-{name}-*.json")):
+        d = json.loads(f.read_text())
+        print(f"{f.stem}: TPOT {d['tpot_ms']:.3f} ms [{d['tpot_ms_min']:.3f}-{d['tpot_ms_max']:.3f}],"
+              f" TTFT {d['ttft_ms']:.2f} ms [{d['ttft_ms_min']:.2f}-{d['ttft_ms_max']:.2f}],"
+              f" floor {d['floor_share']:.0%}")
+PY
+      ;;
     bench-1b)
       m=$(checkpoint llama-3.2-1b)
       timeout 300 python3 scripts/bench_offline.py --model "$m" $(peer --peer-requests 64) 2>&1 | tee "$out/offline-1b.log" | tail -6
