@@ -261,12 +261,19 @@ def gemm_paths(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch
     """The ways to multiply by ``weight`` [N, K]: bf16 (cuBLAS, and the weight-only kernel
     over the bf16 weight as its codes), the weight-only kernel over int8 and fp8 codes, and
     fp8 W8A8 (the activation quantized per token, then torch._scaled_mm)."""
-    from engine.backends.triton.quantized_matmul import weight_only_matmul
+    from engine.backends.triton.one_row_matmul import one_row_matmul
+    from engine.backends.triton.quantized_matmul import tiled_matmul, weight_only_matmul
 
     bf16_weight = weight.bfloat16()
     int8_codes, int8_scale = quantize_per_channel(weight, torch.int8)
     fp8_codes, fp8_scale = quantize_per_channel(weight, FP8)
     ones = torch.ones(weight.shape[0], device=weight.device)
+
+    def bf16_triton(x: torch.Tensor) -> torch.Tensor:
+        # One row takes the one-row kernel, which reads a weight in x's dtype without scales.
+        if x.shape[0] == 1:
+            return one_row_matmul(x, bf16_weight)
+        return tiled_matmul(x, bf16_weight, ones)
 
     def w8a8(x: torch.Tensor) -> torch.Tensor:
         codes, scale = quantize_per_token_fp8(x)
@@ -276,7 +283,7 @@ def gemm_paths(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch
 
     return {
         "bf16": lambda x: F.linear(x, bf16_weight),
-        "bf16-triton": lambda x: weight_only_matmul(x, bf16_weight, ones),
+        "bf16-triton": bf16_triton,
         "int8": lambda x: weight_only_matmul(x, int8_codes, int8_scale),
         "fp8-wo": lambda x: weight_only_matmul(x, fp8_codes, fp8_scale),
         "fp8-w8a8": w8a8,
