@@ -17,12 +17,12 @@ bound how many fit on an SM. Printed for the variant a decode step of that shape
 --num-warps and --num-stages changed: registers and local memory (spills), shared memory, the
 programs an SM holds by each limit, and the SASS instruction mix. A candidate that needs more
 registers or shared memory than the kernel it replaces shows here before any device time is
-spent on it: a keys-contiguous fp8 value layout tried on an H200 took 218-254 registers (one
-program an SM; the kernel then: 193) and ran slower.
+spent on it (a keys-contiguous fp8 value layout, for one, needed so many registers that one
+program fit an SM, and ran slower: docs/history/benchmarks-lab-notebook.md).
 
-Compiled by the Triton installed here, which may not be the GPU machine's (3.6 there: the
-fp8 kernel takes 193 registers under it, 168 under 3.9): put a wheel of the machine's version
-first on PYTHONPATH to compare like with like.
+Compiled by the Triton installed here, which may not be the GPU machine's, and register
+counts differ between Triton versions: put a wheel of the machine's version first on
+PYTHONPATH to compare like with like.
 """
 
 from __future__ import annotations
