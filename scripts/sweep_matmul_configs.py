@@ -22,7 +22,7 @@ rule chooses: how much the rule leaves on the table, layer by layer.
 
 Why rules and not a timer: the configurations sum in different orders, and Triton's
 autotuner at start-up picked differently in different processes, so the same model's
-replicas gave different greedy tokens (`docs/benchmarks.md`, thirteenth session).
+replicas gave different greedy tokens (`docs/history/benchmarks-lab-notebook.md`).
 
 Each call is timed by ``triton.testing.do_bench`` after an L2 flush (as a step's other layers
 leave the cache), the median of --repeats such timings, in µs.

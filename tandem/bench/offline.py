@@ -247,8 +247,8 @@ def print_step_breakdown(
     """Where the median run's time went against its roofline (which kinds of step lose the
     most), and the first run's time in each kind: where a fresh engine's first run is slower
     (what the warm-up left to it). The slowest step of a kind, in both runs, shows a one-off
-    stall: a fresh engine's first full garbage collection was one prompt step of 150 ms
-    among steps of 15-40 (docs/benchmarks.md)."""
+    stall, such as a fresh engine's first full garbage collection, which once took a prompt
+    step several times its neighbours' (docs/history/benchmarks-lab-notebook.md)."""
     print(
         f"\n{'steps of the median run':28} {'steps':>6} {'seconds':>8} {'roofline s':>11} "
         f"{'% of roofline':>14} {'ms a step':>10} {'slowest ms':>11} {'lost s':>7} "

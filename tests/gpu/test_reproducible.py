@@ -5,7 +5,7 @@ replica must.
 What this guards: kernels whose configurations sum in different orders must not choose them
 by timing at start-up. Triton's autotuner did, for the one-row GEMV and the weight-only GEMM's
 splits of K, and two replicas of one model gave different tokens where two logits nearly tied
-(`docs/benchmarks.md`, thirteenth session); now a rule over the shapes chooses
+(`docs/history/benchmarks-lab-notebook.md`); now a rule over the shapes chooses
 (`one_row_config`, `tiled_config`)."""
 
 from __future__ import annotations
