@@ -266,9 +266,8 @@ class GrammarBitmask:
             torch.empty(shape, dtype=xgr.bitmask_dtype, device=device) if on_cuda else None
         )
         self._copied = torch.cuda.Event() if on_cuda else None
-        # One thread: handing the rows to the library's threads costs more than filling them
-        # (measured on a 16-core H200 host, 98 rows: 0.4 ms on one thread, 2.3-3.7 ms on 2 to
-        # 8; scripts/bench_structured_output.py prints it).
+        # One thread: handing a step's rows to the library's threads costs more than filling
+        # them (scripts/bench_structured_output.py times the fill).
         self._filler = xgr.BatchGrammarMatcher(max_threads=1)
         if self._device is not None:
             # Compile the mask's kernel now, not mid-step, where it is the library's Triton
