@@ -570,8 +570,8 @@ def test_decode_num_splits() -> None:
     # Enough programs already, or contexts too short to split.
     assert decode_num_splits(batch=64, num_kv_heads=8, max_context_len=8192, num_sms=132) == 1
     assert decode_num_splits(batch=1, num_kv_heads=8, max_context_len=200, num_sms=132) == 1
-    # fp8_decode.py's one-warp programs: 8 an SM, parts of >= 64 keys (on an H200, batch 1 at
-    # 4k keys ran 64 splits).
+    # fp8_decode.py's one-warp programs: 8 an SM, parts of >= 64 keys (batch 1 at 4k keys: 64
+    # splits).
     fp8_rule = {
         "programs_per_sm": FP8_DECODE_PROGRAMS_PER_SM,
         "min_split_tokens": FP8_DECODE_MIN_SPLIT_TOKENS,

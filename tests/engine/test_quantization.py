@@ -197,8 +197,9 @@ def cpu_engine(directory: Path, quantization: str | None) -> LLMEngine:
 
 
 # The least share of transformers' greedy choices each format keeps on these tiny models,
-# whose random weights (initializer range 0.2) make them touchier than trained ones: measured
-# 0.92-1.00 for int8 and 0.73-0.93 for fp8 across the four families (16 tokens after 8 prompts).
+# whose random weights (initializer range 0.2) make them touchier than trained ones: set
+# below the shares the test prints for the four families (run it with -s), fp8's coarser
+# codes lower than int8's.
 AGREEMENT = {"int8": 0.8, "fp8": 0.6}
 
 

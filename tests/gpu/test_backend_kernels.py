@@ -84,10 +84,16 @@ def triton_launches() -> Iterator[Counter[str]]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Llama (heads of 16 dimensions, the Triton kernels' smallest; every size a
-    multiple of 16, as FP8's W8A8 product takes) with a tokenizer a grammar can spell in."""
+    """A small Llama (heads of 64 dimensions, as Llama 3.2 1B's; every size a multiple of 16,
+    as FP8's W8A8 product takes) with a tokenizer a grammar can spell in."""
     directory = tmp_path_factory.mktemp("tiny")
-    save_tiny_llama(directory, num_attention_heads=4, num_key_value_heads=2)
+    save_tiny_llama(
+        directory,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     save_word_tokenizer(directory, VOCAB)
     return directory
 
