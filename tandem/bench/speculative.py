@@ -7,7 +7,9 @@
                              [--speculative-model DRAFT] [--dtype float32]
 
 Two greedy chat prompts: a code edit (scripts/data/code_edit.py, a 70-line module, to be
-rewritten whole with one change) and a summary (of docs/architecture.md's first part). For
+rewritten whole with one change) and a summary (of scripts/data/summary_text.md, a fixed copy
+of an older architecture document's opening, so that editing the docs leaves the workload as
+it was). For
 each, and for a batch of --batch-size requests alternating the two (each with its own change
 to make), the engine runs without speculation, with ``--speculative-method ngram`` (once per
 ``--ngram K:MAX_N``: k drafted tokens and the longest n-gram looked up; default k and
@@ -70,7 +72,7 @@ def code_edit_prompt(change: str) -> str:
 
 
 def summary_prompt(index: int) -> str:
-    text = (ROOT / "docs" / "architecture.md").read_text().split("## The messages")[0]
+    text = (ROOT / "scripts" / "data" / "summary_text.md").read_text()
     return f"{text}\n\nSummarise the text above in about 200 words, keeping its names ({index})."
 
 
