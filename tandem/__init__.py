@@ -7,3 +7,9 @@
 
 The engine, the servers and protocol import nothing from here (pyproject's package map).
 """
+
+from pathlib import Path
+
+# The checkout this package runs from (installed editable, as the README sets it up): the
+# supervisor's children start there, and the tools read its files (scripts/data/, the tree).
+REPO_ROOT = Path(__file__).resolve().parent.parent

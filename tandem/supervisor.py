@@ -57,9 +57,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tandem import REPO_ROOT
+
 logger = logging.getLogger("supervisor")
 
-ROOT = Path(__file__).resolve().parent.parent  # the checkout: the children's working directory
 _FIRST_BACKOFF_S = 1.0
 _MAX_BACKOFF_S = 30.0
 _STABLE_AFTER_S = 60.0  # a process that ran this long starts its backoff over
@@ -168,7 +169,7 @@ class Supervisor:
         # the supervisor alone, which stops the servers (draining) before the engine.
         env = None if child.gpus is None else {**os.environ, "CUDA_VISIBLE_DEVICES": child.gpus}
         child.process = await asyncio.create_subprocess_exec(
-            *child.argv, cwd=ROOT, process_group=0, env=env, preexec_fn=_die_with_supervisor
+            *child.argv, cwd=REPO_ROOT, process_group=0, env=env, preexec_fn=_die_with_supervisor
         )
         child.started_at = time.monotonic()
         logger.info("%s started (pid %d)", child.name, child.process.pid)

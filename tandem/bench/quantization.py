@@ -53,10 +53,11 @@ from engine.quantization.linear_methods import (
     quantize_per_channel,
 )
 from protocol import SamplingParams
+from tandem import REPO_ROOT
 from tandem.testing.gguf_models import TEST_MODELS
 
 # In the checkout (tandem/bench/ is two floors down), beside the scripts.
-PERPLEXITY_TEXT = Path(__file__).resolve().parents[2] / "scripts" / "data" / "perplexity.txt"
+PERPLEXITY_TEXT = REPO_ROOT / "scripts" / "data" / "perplexity.txt"
 PROMPTS = [
     "The capital of France is",
     "Here is a short story about a lighthouse keeper:",

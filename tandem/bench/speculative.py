@@ -38,7 +38,6 @@ import gc
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -51,9 +50,8 @@ from engine.roofline import (
     run_bound,
     share_of_roofline,
 )
+from tandem import REPO_ROOT
 
-# The checkout (tandem/bench/ is two floors down): the prompts quote two of its files.
-ROOT = Path(__file__).resolve().parents[2]
 CHANGES = [
     "rename the method `try_take` to `take`",
     "rename the class `RateLimiter` to `ClientRateLimiter`",
@@ -63,7 +61,7 @@ CHANGES = [
 
 
 def code_edit_prompt(change: str) -> str:
-    source = (ROOT / "scripts" / "data" / "code_edit.py").read_text()
+    source = (REPO_ROOT / "scripts" / "data" / "code_edit.py").read_text()
     return (
         f"Here is a Python file:\n\n```python\n{source}```\n\nRewrite this file with one "
         f"change: {change}. Answer with the whole file in a Python code block, every other "
@@ -72,7 +70,7 @@ def code_edit_prompt(change: str) -> str:
 
 
 def summary_prompt(index: int) -> str:
-    text = (ROOT / "scripts" / "data" / "summary_text.md").read_text()
+    text = (REPO_ROOT / "scripts" / "data" / "summary_text.md").read_text()
     return f"{text}\n\nSummarise the text above in about 200 words, keeping its names ({index})."
 
 

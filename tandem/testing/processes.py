@@ -12,7 +12,8 @@ from pathlib import Path
 
 import httpx
 
-REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout: tandem/testing/ is two floors down
+from tandem import REPO_ROOT
+
 START_TIMEOUT_S = 600  # the first run downloads the default model
 # Engine flags for a small KV cache: quick to allocate for tests that need few tokens.
 SMALL_KV_CACHE = ("--kv-cache-memory-gb", "0.05")

@@ -15,6 +15,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from engine import LLM, SamplingParams
+from tandem import REPO_ROOT
 from tandem.testing.random_checkpoint import (
     VOCAB,
     random_prompts,
@@ -23,7 +24,6 @@ from tandem.testing.random_checkpoint import (
 )
 from tandem.testing.reference import hf_greedy
 
-ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
@@ -177,8 +177,8 @@ def test_generate_command_prints_the_answer(
         command,
         capture_output=True,
         text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
         timeout=300,
         check=True,
     )

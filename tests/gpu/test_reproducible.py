@@ -19,9 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tandem import REPO_ROOT
 from tandem.testing.random_checkpoint import SHAPES
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # In a fresh process: each prompt alone (one-row kernels), then all of them at once (one
 # prefill step, then decode steps of every prompt together: the weight-only GEMM's split-K
