@@ -198,6 +198,31 @@ def run_bound(steps: Iterable[StepShape], cost: ModelCost, rates: DeviceRates) -
     return sum(step_bound(s, cost, rates) for s in steps)
 
 
+def workload_steps(
+    prompt_lens: Sequence[int],
+    output_lens: Sequence[int],
+    max_num_seqs: int,
+    prompts_cached: bool = False,
+) -> list[StepShape]:
+    """The steps the workload needs, whatever the engine chooses: an ideal schedule in which
+    the requests run in waves of ``max_num_seqs`` (in order), each wave's prompts computed in
+    one step (which gives each its first token; with ``prompts_cached``, only each prompt's
+    last token is computed, the rest found in the prefix cache), then every request of the
+    wave decoding together until its last token. An engine's own steps bound its run above
+    this where it splits the work into more steps (more weight reads) than needed."""
+    steps = []
+    for start in range(0, len(prompt_lens), max_num_seqs):
+        prompts = np.asarray(prompt_lens[start : start + max_num_seqs], np.int64)
+        outputs = np.asarray(output_lens[start : start + max_num_seqs], np.int64)
+        computed = np.ones_like(prompts) if prompts_cached else prompts
+        steps.append(StepShape(computed, prompts, len(prompts)))
+        for t in range(1, int(outputs.max())):
+            live = outputs > t
+            batch = int(live.sum())
+            steps.append(StepShape(np.ones(batch, np.int64), prompts[live] + t, batch))
+    return steps
+
+
 def share_of_roofline(bound_s: float, measured_s: float) -> str:
     return f"{bound_s / measured_s:.0%}"
 

@@ -230,6 +230,26 @@ PY
     profile-8b-fp8)  # the 8B fp8 batch-1 decode step
       m=$(config_only llama-3.1-8b)
       timeout 300 python3 scripts/profile_step.py --model "$m" --load-format dummy --quantization fp8 --batch 1 --top 16 2>&1 | tee "$out/profile-8b-fp8.log" | grep -v USDT ;;
+    diag-8b)  # issue 37: the 8B shape at load, where the time goes: the offline run's steps by
+      # kind, a batch-256 decode step's kernels, decode attention at its heads (32 on 8)
+      m=$(config_only llama-3.1-8b)
+      timeout 240 python3 scripts/bench_offline.py --model "$m" --load-format dummy --runs "${RUNS:-2}" 2>&1 \
+        | tee "$out/diag-offline-8b.log" | grep -v '^INFO' | tail -32
+      timeout 240 python3 scripts/profile_step.py --model "$m" --load-format dummy --batch 256 --context 800 --top 24 2>&1 \
+        | tee "$out/diag-profile-8b.log" | grep -v USDT
+      timeout 200 python3 scripts/bench_kernels.py --head-dims 128 --heads 32:8 --batches 1 32 128 256 \
+        --contexts 512 1024 2048 8192 32768 2>&1 | tee "$out/diag-attention-8b.log" | tail -30 ;;
+    diag-8b-2)  # issue 37: the 8B shape with the prompts repeated run to run (prefix cache), a
+      # prefill step of 16 x 512 tokens, and fp8 weights and cache offline and at batch 256
+      m=$(config_only llama-3.1-8b)
+      timeout 200 python3 scripts/bench_offline.py --model "$m" --load-format dummy --runs 3 --repeat-prompts 2>&1 \
+        | tee "$out/diag-repeat-8b.log" | grep -v '^INFO' | tail -24
+      timeout 200 python3 scripts/profile_step.py --model "$m" --load-format dummy --prefill --batch 16 --context 512 \
+        --steps 3 --top 24 2>&1 | tee "$out/diag-prefill-8b.log" | grep -v USDT
+      timeout 200 python3 scripts/bench_offline.py --model "$m" --load-format dummy --runs 2 --quantization fp8 \
+        --kv-cache-dtype fp8 2>&1 | tee "$out/diag-fp8-8b.log" | grep -v '^INFO' | tail -16
+      timeout 200 python3 scripts/profile_step.py --model "$m" --load-format dummy --quantization fp8 --kv-cache-dtype fp8 \
+        --batch 256 --context 800 --top 24 2>&1 | tee "$out/diag-profile-fp8-8b.log" | grep -v USDT ;;
     profile-8b)
       m=$(checkpoint llama-3.1-8b)
       timeout 300 python3 scripts/profile_step.py --model "$m" 2>&1 | tee "$out/profile-8b.log" | grep -v USDT ;;

@@ -17,8 +17,9 @@ between kernels, by the kernel after each), the kernels that take the most devic
 the host functions that take the most time under cProfile. On CPU only
 host times exist.
 
---prefill profiles time to first token instead: one request of CONTEXT new random tokens
-at a time, from its admission to its first token, as many times.
+--prefill profiles time to first token instead: BATCH requests (default 1) of CONTEXT new
+random tokens admitted together, from their admission to the last one's first token, as many
+times (``--prefill --batch 16 --context 512``: one step of 8,192 prompt tokens).
 """
 
 from __future__ import annotations
@@ -177,41 +178,51 @@ def host_phases(engine: LLMEngine, steps: int) -> dict[str, float]:
     return {phase: seconds * 1e3 / steps for phase, seconds in totals.items()}
 
 
-def first_token(engine: LLMEngine, prompt: list[int], name: str) -> None:
-    """One request from admission to its first token (then aborted)."""
-    engine.add_request(b"profile", name, prompt, SamplingParams(max_tokens=2, ignore_eos=True))
-    while not engine.requests[(b"profile", name)].output_token_ids:
+def first_tokens(engine: LLMEngine, prompts: list[list[int]], name: str) -> None:
+    """Requests admitted together, from admission to the last one's first token (then
+    aborted)."""
+    keys = [(b"profile", f"{name}-{i}") for i in range(len(prompts))]
+    for (client, request_id), prompt in zip(keys, prompts, strict=True):
+        sampling = SamplingParams(max_tokens=2, ignore_eos=True)
+        engine.add_request(client, request_id, prompt, sampling)
+    while not all(engine.requests[key].output_token_ids for key in keys):
         engine.step()
-    engine.abort(b"profile", name)
+    for client, request_id in keys:
+        engine.abort(client, request_id)
     engine.sync()
 
 
-def profile_prefill(engine: LLMEngine, context: int, repeats: int, top: int) -> None:
-    """Time to first token of a CONTEXT-token prompt, nothing cached (random tokens)."""
+def profile_prefill(engine: LLMEngine, context: int, batch: int, repeats: int, top: int) -> None:
+    """Time to first token of ``batch`` CONTEXT-token prompts admitted together (the steps
+    that prefill them, in chunks of the step's token budget), nothing cached (random
+    tokens)."""
     generator = torch.Generator().manual_seed(1)
-    prompts = [
-        torch.randint(0, engine.vocab_size, (context,), generator=generator).tolist()
-        for _ in range(3 * repeats + 1)  # a warm-up, then timed, profiled, cProfiled
-    ]
-    first_token(engine, prompts.pop(), "warm-up")
+
+    def prompts() -> list[list[int]]:
+        return [
+            torch.randint(0, engine.vocab_size, (context,), generator=generator).tolist()
+            for _ in range(batch)
+        ]
+
+    first_tokens(engine, prompts(), "warm-up")
     timings = []
     for i in range(repeats):
         started = time.perf_counter()
-        first_token(engine, prompts.pop(), f"timed-{i}")
+        first_tokens(engine, prompts(), f"timed-{i}")
         timings.append((time.perf_counter() - started) * 1e3)
     cuda = engine.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as profiler:
         for i in range(repeats):
-            first_token(engine, prompts.pop(), f"profiled-{i}")
+            first_tokens(engine, prompts(), f"profiled-{i}")
     host_profile = cProfile.Profile()
     with host_profile:
         for i in range(repeats):
-            first_token(engine, prompts.pop(), f"cprofiled-{i}")
+            first_tokens(engine, prompts(), f"cprofiled-{i}")
     wall_ms = statistics.median(timings)
     print(
-        f"\nprefill of {context} tokens to the first token: {wall_ms:.3f} ms (wall, median of "
-        f"{repeats}; {min(timings):.3f}-{max(timings):.3f})"
+        f"\nprefill of {batch} x {context} tokens to the first tokens: {wall_ms:.3f} ms (wall, "
+        f"median of {repeats}; {min(timings):.3f}-{max(timings):.3f})"
     )
     report(profiler, host_profile, wall_ms, repeats, top, cuda)
 
@@ -296,7 +307,9 @@ def main() -> None:
     )
     parser.add_argument("--model", required=True)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--batch", type=int, action="append", help="repeatable (default 1, 256)")
+    parser.add_argument(
+        "--batch", type=int, action="append", help="repeatable (default 1, 256; --prefill: 1)"
+    )
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=1, help="timed rounds of STEPS steps")
@@ -321,7 +334,8 @@ def main() -> None:
         )
     )
     if args.prefill:
-        profile_prefill(engine, args.context, args.steps, args.top)
+        for batch in args.batch or [1]:
+            profile_prefill(engine, args.context, batch, args.steps, args.top)
         return
     for batch in batches:
         profile_batch(engine, batch, args.context, args.steps, args.rounds, args.top)

@@ -1,6 +1,6 @@
 """Decode attention against the memory wall: its share of the measured copy bandwidth.
 
-    tandem bench kernels [--head-dims 64 128 256] [--batches 1 8 64 256]
+    tandem bench kernels [--head-dims 64 128 256] [--heads Q:KV] [--batches 1 8 64 256]
                          [--contexts 256 1024 4096 16384] [--max-gib 24]
                          [--kv-cache-dtype auto|fp8]
 
@@ -10,10 +10,11 @@ the block table's width, a CUDA graph's case) is timed over random caches with s
 blocks, and its K/V bytes over its time are compared with the device-to-device copy
 bandwidth measured at the start (engine/roofline.py). Head shapes are the models': head_dim
 64 as Llama 3.2 1B (32 query heads on 8 KV heads), 128 as Qwen3 0.6B (16 on 8), 256 as
-Gemma 3 1B (4 on 1). Every result is checked against the float32 reference first. Each
-timing starts with the L2 cache flushed. "of same" compares with a copy of the same bytes
-timed alike: small cases (a few MB) are bound by launch and latency, not bandwidth, for
-any kernel.
+Gemma 3 1B (4 on 1); ``--heads 32:8`` sets other counts for every head_dim given (with
+``--head-dims 128``, Llama 3.1 8B's and 70B's group of 4). Every result is checked against
+the float32 reference first. Each timing starts with the L2 cache flushed. "of same"
+compares with a copy of the same bytes timed alike: small cases (a few MB) are bound by
+launch and latency, not bandwidth, for any kernel.
 Then the fused Q/K-norm + RoPE + cache-write kernel at a decode and a prefill step.
 CUDA only.
 """
@@ -77,15 +78,17 @@ def copy_ms(num_bytes: int) -> float:
 
 def decode_case(
     head_dim: int,
+    heads: tuple[int, int],
     context: int,
     batch: int,
     bandwidth: float,
     check: bool,
     kv_dtype: torch.dtype = DTYPE,
 ) -> tuple[int, float, float]:
-    """(splits, ms, share of copy bandwidth) of one decode step's attention, over a cache of
-    ``kv_dtype`` (bf16, or float8 e4m3 as --kv-cache-dtype fp8 stores it)."""
-    num_heads, num_kv_heads = HEADS[head_dim]
+    """(splits, ms, share of copy bandwidth) of one decode step's attention with ``heads``
+    (query heads, KV heads), over a cache of ``kv_dtype`` (bf16, or float8 e4m3 as
+    --kv-cache-dtype fp8 stores it)."""
+    num_heads, num_kv_heads = heads
     blocks_per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq + 1
     shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
@@ -156,6 +159,9 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument(
+        "--heads", help="Q:KV, query and KV heads for every head_dim (default: the table's)"
+    )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument(
         "--contexts", type=int, nargs="+", default=[256, 1024, 2048, 4096, 8192, 16384]
@@ -179,7 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     shares = []
     for head_dim in args.head_dims:
-        num_heads, num_kv_heads = HEADS[head_dim]
+        heads = tuple(map(int, args.heads.split(":"))) if args.heads else HEADS[head_dim]
+        num_heads, num_kv_heads = heads
         for context in args.contexts:
             for batch in args.batches:
                 cache_bytes = 2 * batch * context * num_kv_heads * head_dim * kv_dtype.itemsize
@@ -187,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
                     continue
                 check = batch * context <= 64 * 1024  # the float32 reference loops in Python
                 splits, ms, share = decode_case(
-                    head_dim, context, batch, rates.bytes_per_s, check, kv_dtype
+                    head_dim, heads, context, batch, rates.bytes_per_s, check, kv_dtype
                 )
                 # A copy moves each byte twice (read, write): half as many bytes to copy.
                 same_ms = copy_ms(cache_bytes // 2)
