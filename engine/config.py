@@ -21,6 +21,12 @@ from engine.backends import BACKENDS
 from engine.checkpoint.resolve import DEFAULT_MODEL
 from engine.quantization.linear_methods import QUANTIZATION_METHODS
 
+# A GPU's batch: each GPU that tensor parallelism adds holds 1/N of the weights and of the
+# K/V, so its share of a step at N times the batch is one GPU's step at this one; at the same
+# batch it would shrink N-fold while the step's fixed costs (the host's work, launches,
+# collectives) stay.
+MAX_NUM_SEQS_PER_GPU = 256
+
 
 def option(default: Any, help: str, **argparse_kwargs: Any) -> Any:
     """A field with a default and the command line's help text (and choices, if any; and
@@ -79,7 +85,11 @@ class EngineConfig:
     gpu_memory_utilization: float = option(
         0.9, "share of the GPU's memory for weights, activations and the KV cache"
     )
-    max_num_seqs: int = option(256, "requests decoded together at most")
+    max_num_seqs: int | None = option(
+        None,
+        "requests decoded together at most (default: 256 a GPU, 256 x --tensor-parallel-size, "
+        "so that each GPU's share of a step stays as large as one GPU's)",
+    )
     max_num_batched_tokens: int = option(
         8192, "tokens one step computes at most; longer prompts are prefilled in chunks"
     )
@@ -160,6 +170,8 @@ class EngineConfig:
     attention_backend: InitVar[str | None] = None
 
     def __post_init__(self, attention_backend: str | None) -> None:
+        if self.max_num_seqs is None:
+            self.max_num_seqs = MAX_NUM_SEQS_PER_GPU * max(self.tensor_parallel_size, 1)
         if attention_backend is None:
             return
         if self.backend not in (None, attention_backend):

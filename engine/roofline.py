@@ -198,29 +198,38 @@ def run_bound(steps: Iterable[StepShape], cost: ModelCost, rates: DeviceRates) -
     return sum(step_bound(s, cost, rates) for s in steps)
 
 
-def workload_steps(
+def workload_bound(
     prompt_lens: Sequence[int],
     output_lens: Sequence[int],
     max_num_seqs: int,
+    cost: ModelCost,
+    rates: DeviceRates,
     prompts_cached: bool = False,
-) -> list[StepShape]:
-    """The steps the workload needs, whatever the engine chooses: an ideal schedule in which
-    the requests run in waves of ``max_num_seqs`` (in order), each wave's prompts computed in
-    one step (which gives each its first token; with ``prompts_cached``, only each prompt's
-    last token is computed, the rest found in the prefix cache), then every request of the
-    wave decoding together until its last token. An engine's own steps bound its run above
-    this where it splits the work into more steps (more weight reads) than needed."""
-    steps = []
+) -> float:
+    """Seconds the workload takes at least, whatever steps an engine chooses: the requests in
+    waves of ``max_num_seqs`` (in order), and for each wave the larger of its bytes over the
+    bandwidth and its FLOPs over the GEMM rates, where its bytes are the weights read once a
+    token position (as many reads as its longest request has tokens to make: one step
+    computes every prompt, each later one every request's next token) plus every K/V read and
+    write its tokens need. With ``prompts_cached`` only each prompt's last token is computed,
+    the rest found in the prefix cache. Computing and reading overlap across the whole wave
+    here, so the bound of an engine's own steps (``run_bound``) is never below it."""
+    seconds = 0.0
     for start in range(0, len(prompt_lens), max_num_seqs):
         prompts = np.asarray(prompt_lens[start : start + max_num_seqs], np.int64)
         outputs = np.asarray(output_lens[start : start + max_num_seqs], np.int64)
         computed = np.ones_like(prompts) if prompts_cached else prompts
-        steps.append(StepShape(computed, prompts, len(prompts)))
+        steps = [StepShape(computed, prompts, len(prompts))]
         for t in range(1, int(outputs.max())):
             live = outputs > t
             batch = int(live.sum())
             steps.append(StepShape(np.ones(batch, np.int64), prompts[live] + t, batch))
-    return steps
+        traffic = [step_traffic(step, cost) for step in steps]
+        arithmetic = sum(t.flops for t in traffic) / rates.flops_per_s + sum(
+            t.fp8_flops for t in traffic
+        ) / (rates.fp8_flops_per_s or rates.flops_per_s)
+        seconds += max(sum(t.num_bytes for t in traffic) / rates.bytes_per_s, arithmetic)
+    return seconds
 
 
 def share_of_roofline(bound_s: float, measured_s: float) -> str:

@@ -20,13 +20,16 @@ tensor-parallel size agree; then it times the offline workload of tandem/bench/o
 submitted at once, and checks that every request got all its tokens and that each replica took
 its share. It prints the time to ready (process start to every handshake), output tokens per
 second, and each layout against the first: its speed-up and its scaling efficiency (speed-up
-over the ratio of GPUs; the target for data parallelism: at least 90%, 1.8x on two GPUs).
+over the ratio of GPUs; the target for data parallelism: at least 90%, 1.8x on two GPUs),
+and on CUDA its share of the roofline of its N GPUs (``layout_bound``: each GPU's share of
+the least the workload needs, engine/roofline.py's ``workload_bound``).
 Layouts of different tensor-parallel sizes may differ in greedy tokens: bf16 sums in another
 order can flip near-ties (tensor parallelism's own check is float32, in
 tandem/bench/tensor_parallel.py).
 
-The default workload keeps each replica's batch full (4 x --max-num-seqs requests): with fewer
-requests than one engine's batch holds, replicas only split the same batch.
+The default workload, 4 x --max-num-seqs requests (1,024 at the engine's default of 256 a GPU),
+keeps a one-GPU replica's batch full: with fewer requests than one engine's batch holds,
+replicas only split the same batch. A tensor-parallel engine's batch grows with its GPUs.
 
 One GPU, as a smoke check: --gpus 0,0 puts both replicas on GPU 0; the KV cache of each
 replica is then --kv-cache-memory-gb (default here 16 GiB), since each engine would otherwise
@@ -50,8 +53,13 @@ from dataclasses import dataclass
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Barrier, Event
 
+import torch
+
+from engine.config import MAX_NUM_SEQS_PER_GPU
+from engine.roofline import DeviceRates, ModelCost, measure_rates, workload_bound
 from protocol import HandshakeReply, SamplingParams
 from server.engine_pool import EnginePool
+from tandem.bench.latency import model_cost
 from tandem.bench.offline import workload
 
 PROBE_TOKENS = 32
@@ -71,6 +79,7 @@ class Run:
     seconds: float = 0.0
     requests_per_replica: tuple[int, ...] = ()
     probes: list[list[int]] | None = None  # the probe prompts' greedy tokens
+    lengths: list[tuple[int, int]] | None = None  # each request's prompt and output lengths
 
     @property
     def tokens_per_s(self) -> float:
@@ -102,7 +111,8 @@ def engine_command(args: argparse.Namespace, address: str, run: Run) -> list[str
     command = [sys.executable, "-m", "engine", "--address", address, "--model", args.model]
     command += ["--device", args.device, "--log-level", "warning"]
     command += ["--tensor-parallel-size", str(run.tensor_parallel_size)]
-    command += ["--max-num-seqs", str(args.max_num_seqs)]
+    if args.max_num_seqs is not None:
+        command += ["--max-num-seqs", str(args.max_num_seqs)]
     command += ["--max-model-len", str(2 * args.max_len + 16)]  # as tandem/bench/offline.py's
     kv_cache_gb = args.kv_cache_memory_gb
     if kv_cache_gb is None and run.shares_a_gpu:
@@ -128,6 +138,7 @@ async def run_replicas(args: argparse.Namespace, run: Run) -> None:
         vocab_size = _vocab_size(handshake.tokenizer_json)
         run.probes = await probe_every_replica(pool, vocab_size)
         requests = workload(args.num_requests, vocab_size, args.min_len, args.max_len)
+        run.lengths = [(len(prompt), n) for prompt, n in requests]
         before = [stats.num_finished for stats in await _stats(pool)]
         # Blocking this loop meanwhile is fine: its pool sends and receives nothing then.
         counts, run.seconds = generate_in_clients(addresses, requests, args.clients)
@@ -297,8 +308,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--layouts", help="comma-separated RxT: R replicas of T GPUs each (default 1x1,Mx1)"
     )
-    parser.add_argument("--num-requests", type=int, help="default: 4 x --max-num-seqs")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument(
+        "--num-requests", type=int, help="default: 4 x --max-num-seqs (4 x 256 by default)"
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=int, help="each engine's (default: the engine's, 256 a GPU)"
+    )
     parser.add_argument("--min-len", type=int, default=100)
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--kv-cache-memory-gb", type=float)
@@ -310,8 +325,13 @@ def main(argv: list[str] | None = None) -> None:
     # A SIGTERM (a timeout) stops the engines too, as Ctrl-C does.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     args.engine_args = [a for a in args.engine_args if a != "--"]
-    args.num_requests = args.num_requests or 4 * args.max_num_seqs
+    args.num_requests = args.num_requests or 4 * (args.max_num_seqs or MAX_NUM_SEQS_PER_GPU)
     layouts = args.layouts or f"1x1,{args.data_parallel_size}x1"
+    rates, cost = None, None
+    if args.device == "cuda":  # measured before the engines take the GPUs' memory
+        rates = measure_rates(torch.device("cuda"))
+        torch.cuda.empty_cache()
+        cost = model_cost(args.model, torch.bfloat16, *engine_dtypes(args.engine_args))
     try:
         runs = [layout_run(layout, args.gpus, args.device) for layout in layouts.split(",")]
     except ValueError as error:
@@ -324,21 +344,26 @@ def main(argv: list[str] | None = None) -> None:
     check_runs(runs, args.num_requests)
     print(
         f"\n{args.model}: {args.num_requests} requests, lengths uniform in "
-        f"[{args.min_len}, {args.max_len}], ignore_eos, max_num_seqs {args.max_num_seqs}"
+        f"[{args.min_len}, {args.max_len}], ignore_eos, max_num_seqs "
+        f"{args.max_num_seqs or f'{MAX_NUM_SEQS_PER_GPU} a GPU'}"
+        + (f"; measured {rates.describe()}" if rates is not None else "")
     )
     first = runs[0]
     print(
         f"{'':11} {'GPUs':12} {'ready s':>8} {'requests/replica':>18} {'tokens':>9} "
-        f"{'seconds':>8} {'tok/s':>9} {'vs first':>9} {'efficiency':>10}"
+        f"{'seconds':>8} {'tok/s':>9} {'vs first':>9} {'efficiency':>10} {'% of roofline':>14}"
     )
     for run in runs:
         speedup = run.tokens_per_s / first.tokens_per_s
+        share = "-"
+        if rates is not None and cost is not None:
+            share = f"{layout_bound(run, args.max_num_seqs, cost, rates) / run.seconds:.0%}"
         print(
             f"{run.name:11} {'/'.join(run.gpus) if run.gpu_list else 'cpu':12} "
             f"{run.ready_s:8.1f} "
             f"{'/'.join(map(str, run.requests_per_replica)):>18} {run.output_tokens:9d} "
             f"{run.seconds:8.2f} {run.tokens_per_s:9.1f} {speedup:8.2f}x "
-            f"{run.efficiency(first):10.0%}"
+            f"{run.efficiency(first):10.0%} {share:>14}"
         )
     for run in runs[1:]:
         if run.shares_a_gpu or args.device == "cpu":
@@ -350,6 +375,31 @@ def main(argv: list[str] | None = None) -> None:
                 f"{run.name} / {first.name}: {efficiency:.0%} of linear scaling "
                 f"(target >= {TARGET_EFFICIENCY:.0%}: {verdict})"
             )
+
+
+def layout_bound(run: Run, max_num_seqs: int | None, cost: ModelCost, rates: DeviceRates) -> float:
+    """The layout's roofline, seconds: its GPUs each reading and computing their share (1/T
+    of a replica's work on each of its T GPUs, collectives not counted), the requests split
+    evenly over the replicas, each replica's the least its requests need
+    (``workload_bound``)."""
+    assert run.lengths is not None
+    size = run.tensor_parallel_size
+    batch = max_num_seqs or MAX_NUM_SEQS_PER_GPU * size
+    shares = [run.lengths[r :: run.replicas] for r in range(run.replicas)]
+    return max(
+        workload_bound([p for p, _ in share], [n for _, n in share], batch, cost, rates) / size
+        for share in shares
+    )
+
+
+def engine_dtypes(engine_args: list[str]) -> tuple[torch.dtype, str | None]:
+    """The K/V cache's dtype and the quantization that ENGINE_ARGS ask for."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--quantization")
+    known, _ = parser.parse_known_args(engine_args)
+    kv_dtype = torch.float8_e4m3fn if known.kv_cache_dtype == "fp8" else torch.bfloat16
+    return kv_dtype, known.quantization
 
 
 def layout_run(layout: str, gpus: str, device: str) -> Run:

@@ -24,10 +24,11 @@ GPUs with FP8 products) are measured on the device before the engine starts; the
 records the shape of every step it runs; each step's bound is the larger of its bytes
 (weights, K/V read and written) over the bandwidth and its FLOPs over the GEMM rate (FP8
 weights' over the FP8 rate); a run's is the sum over its steps, printed as
-the run's time against it ("% of roofline"). That bound follows the steps the engine chose;
-the workload's own roofline (``workload_steps``: every prompt in one step, then every request
-decoding together, in waves of --max-num-seqs) and the run's share of it are
-printed beside it.
+the run's time against it ("% of roofline"). That bound follows the steps the engine chose:
+an engine that split the work into more steps (more weight reads) would raise its own bound.
+The workload's roofline (``workload_bound``), the least any schedule can take (the weights
+read once a token position of the longest request, every K/V byte, every FLOP, reading and
+computing overlapped across the run), and the run's share of it are printed beside it.
 
 With --peer, Hugging Face transformers' own batched generate() runs on the same weights
 and GPU in the same run: prompts left-padded in batches of --peer-batch-size, each batch
@@ -81,7 +82,7 @@ from engine.roofline import (
     measure_rates,
     run_bound,
     step_bound,
-    workload_steps,
+    workload_bound,
 )
 from protocol import SamplingParams, StructuredOutput, StructuredOutputKind
 
@@ -403,7 +404,7 @@ def main(argv: list[str] | None = None) -> None:
         r = runs[-1]
         lengths = [len(prompt) for prompt, _ in requests], [n for _, n in requests]
         cached = args.repeat_prompts and run > 0
-        r.needed_s = run_bound(workload_steps(*lengths, args.max_num_seqs, cached), cost, rates)
+        r.needed_s = workload_bound(*lengths, args.max_num_seqs, cost, rates, cached)
         print(
             f"run {run + 1}: {r.tokens} tokens in {r.seconds:.2f} s, {r.tokens_per_s:.1f} tok/s; "
             f"roofline {r.bound_s:.2f} s ({r.bound_s / r.seconds:.0%}), the workload's "

@@ -35,6 +35,14 @@ def test_every_engine_option_is_a_flag_with_the_fields_default() -> None:
     assert parse_args(["--enforce-eager"]).enforce_eager is True
 
 
+def test_the_default_batch_grows_with_the_gpus_tensor_parallelism_adds() -> None:
+    assert EngineConfig(device="cpu").max_num_seqs == 256
+    assert EngineConfig(device="cpu", tensor_parallel_size=4).max_num_seqs == 1024
+    assert EngineConfig(device="cpu", tensor_parallel_size=4, max_num_seqs=64).max_num_seqs == 64
+    args = parse_args(["--tensor-parallel-size", "2"])
+    assert from_arguments(EngineConfig, args).max_num_seqs == 512
+
+
 def test_sampling_defaults_come_from_generation_config(tmp_path: Path) -> None:
     """As vLLM's --generation-config: auto (the checkpoint's), vllm (none), or a directory's.
     A value equal to transformers' own default is no recommendation (vLLM reads the file's

@@ -26,6 +26,7 @@ from engine.roofline import (
     save_steps,
     step_bound,
     step_traffic,
+    workload_bound,
 )
 from tandem.testing.reference import run_engine
 
@@ -161,6 +162,36 @@ def test_engine_records_the_steps_it_ran(
     assert [(s.query_lens.tolist(), s.context_lens.tolist(), s.num_logits) for s in loaded] == [
         (s.query_lens.tolist(), s.context_lens.tolist(), s.num_logits) for s in steps
     ]
+
+
+def test_workload_bound_reads_the_weights_once_a_position_and_never_exceeds_the_steps() -> None:
+    """Two requests, prompts 20 and 5 tokens, 3 and 1 output tokens, in one wave: the
+    weights are read 3 times (the prompts' step, then two decodes of the longer request);
+    the K/V of every token written and read as its queries need; FLOPs summed."""
+    memory_bound = DeviceRates(bytes_per_s=1.0, flops_per_s=1e30)
+    cached_keys = 20 + 21  # the two decodes' queries read the 20, then 21, keys before them
+    kv_bytes = ((20 + 5 + 2) + cached_keys) * COST.kv_bytes_per_token
+    weights = 3 * COST.layer_weight_bytes + 3 * COST.head_weight_bytes
+    embeddings = (20 + 5 + 2) * COST.embedding_row_bytes
+    assert workload_bound([20, 5], [3, 1], 4, COST, memory_bound) == weights + kv_bytes + embeddings
+    # The same steps as an engine would run them: the prompts alone, then the decodes.
+    steps = [shape([20, 5], [20, 5], 2), shape([1], [21], 1), shape([1], [22], 1)]
+    assert run_bound(steps, COST, memory_bound) == workload_bound(
+        [20, 5], [3, 1], 4, COST, memory_bound
+    )
+    # Computing overlaps reading across the whole run: never above the steps' own bound.
+    rates = DeviceRates(bytes_per_s=1.0, flops_per_s=40.0)
+    assert workload_bound([20, 5], [3, 1], 4, COST, rates) <= run_bound(steps, COST, rates)
+    # One request a wave: each wave reads the weights as often as its request has tokens.
+    waves = workload_bound([20, 5], [3, 1], 1, COST, memory_bound)
+    assert (
+        waves == weights + COST.layer_weight_bytes + COST.head_weight_bytes + kv_bytes + embeddings
+    )
+    # Prompts found in the prefix cache: one token of each computed, the rest read.
+    cached = workload_bound([20, 5], [3, 1], 4, COST, memory_bound, prompts_cached=True)
+    read_prompts = (19 + 4) * COST.kv_bytes_per_token
+    written = (20 + 5 - 2) * COST.kv_bytes_per_token + (20 + 5 - 2) * COST.embedding_row_bytes
+    assert cached == workload_bound([20, 5], [3, 1], 4, COST, memory_bound) + read_prompts - written
 
 
 def test_measure_rates_runs_on_the_cpu() -> None:
