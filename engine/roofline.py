@@ -206,30 +206,31 @@ def workload_bound(
     rates: DeviceRates,
     prompts_cached: bool = False,
 ) -> float:
-    """Seconds the workload takes at least, whatever steps an engine chooses: the requests in
-    waves of ``max_num_seqs`` (in order), and for each wave the larger of its bytes over the
-    bandwidth and its FLOPs over the GEMM rates, where its bytes are the weights read once a
-    token position (as many reads as its longest request has tokens to make: one step
-    computes every prompt, each later one every request's next token) plus every K/V read and
-    write its tokens need. With ``prompts_cached`` only each prompt's last token is computed,
-    the rest found in the prefix cache. Computing and reading overlap across the whole wave
-    here, so the bound of an engine's own steps (``run_bound``) is never below it."""
-    seconds = 0.0
-    for start in range(0, len(prompt_lens), max_num_seqs):
-        prompts = np.asarray(prompt_lens[start : start + max_num_seqs], np.int64)
-        outputs = np.asarray(output_lens[start : start + max_num_seqs], np.int64)
-        computed = np.ones_like(prompts) if prompts_cached else prompts
-        steps = [StepShape(computed, prompts, len(prompts))]
-        for t in range(1, int(outputs.max())):
-            live = outputs > t
-            batch = int(live.sum())
-            steps.append(StepShape(np.ones(batch, np.int64), prompts[live] + t, batch))
-        traffic = [step_traffic(step, cost) for step in steps]
-        arithmetic = sum(t.flops for t in traffic) / rates.flops_per_s + sum(
-            t.fp8_flops for t in traffic
-        ) / (rates.fp8_flops_per_s or rates.flops_per_s)
-        seconds += max(sum(t.num_bytes for t in traffic) / rates.bytes_per_s, arithmetic)
-    return seconds
+    """Seconds the workload takes at least, whatever steps an engine chooses: the larger of
+    its bytes over the bandwidth and its FLOPs over the GEMM rates, over the whole run. Its
+    bytes are every K/V read and write its tokens need, and the weights read once a step,
+    for as few steps as can make its tokens: as many as its longest request has tokens (one
+    step computes every prompt, each later one every running request's next token), and at
+    least the output tokens over ``max_num_seqs``. With ``prompts_cached`` only each
+    prompt's last token is computed, the rest found in the prefix cache. Computing and
+    reading overlap across the whole run here, so the bound of an engine's own steps
+    (``run_bound``) is never below it."""
+    prompts = np.asarray(prompt_lens, np.int64)
+    outputs = np.asarray(output_lens, np.int64)
+    computed = np.ones_like(prompts) if prompts_cached else prompts
+    steps = [StepShape(computed, prompts, len(prompts))]
+    for t in range(1, int(outputs.max())):
+        live = outputs > t
+        batch = int(live.sum())
+        steps.append(StepShape(np.ones(batch, np.int64), prompts[live] + t, batch))
+    traffic = [step_traffic(step, cost) for step in steps]
+    more_steps = max(0, -(-int(outputs.sum()) // max_num_seqs) - len(steps))
+    num_bytes = sum(t.num_bytes for t in traffic)
+    num_bytes += more_steps * (cost.layer_weight_bytes + cost.head_weight_bytes)
+    arithmetic = sum(t.flops for t in traffic) / rates.flops_per_s + sum(
+        t.fp8_flops for t in traffic
+    ) / (rates.fp8_flops_per_s or rates.flops_per_s)
+    return max(num_bytes / rates.bytes_per_s, arithmetic)
 
 
 def share_of_roofline(bound_s: float, measured_s: float) -> str:

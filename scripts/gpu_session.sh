@@ -197,14 +197,16 @@ PY
       timeout 590 python3 scripts/bench_data_parallel.py --model "$m" --gpus 0,1,2,3 \
         --layouts "${LAYOUTS:-1x1,4x1,2x2,1x4}" -- --load-format dummy 2>&1 \
         | tee "$out/$stage.log" | grep -v '^INFO' | tail -10 ;;
-    tp-layouts-8b)  # issue 37, four GPUs: the 8B shape's 1,024 requests on one GPU, TP=4 and
-      # DP=2 x TP=2 at the engine's default batch (256 a GPU), then TP=4 at one GPU's batch
-      m=$(config_only llama-3.1-8b)
+    tp-layouts-8b)  # issue 37, four GPUs: the 8B shape's (SHAPE's) 1,024 requests on one GPU,
+      # TP=4 and DP=2 x TP=2 (LAYOUTS) at the engine's default batch (256 a GPU), then, unless
+      # BASELINE=0, TP=4 at one GPU's batch
+      m=$(config_only "${SHAPE:-llama-3.1-8b}")
       timeout 420 python3 scripts/bench_data_parallel.py --model "$m" --gpus 0,1,2,3 \
         --layouts "${LAYOUTS:-1x1,1x4,2x2}" -- --load-format dummy 2>&1 \
         | tee "$out/$stage.log" | grep -v '^INFO' | tail -9
-      timeout 170 python3 scripts/bench_data_parallel.py --model "$m" --gpus 0,1,2,3 --layouts 1x4 \
-        --max-num-seqs 256 -- --load-format dummy 2>&1 | tee "$out/$stage-256.log" | grep -v '^INFO' | tail -4 ;;
+      [ "${BASELINE:-1}" = 0 ] || timeout 170 python3 scripts/bench_data_parallel.py --model "$m" \
+        --gpus 0,1,2,3 --layouts 1x4 --max-num-seqs 256 -- --load-format dummy 2>&1 \
+        | tee "$out/$stage-256.log" | grep -v '^INFO' | tail -4 ;;
     serving)  # issue 14: the served path (1 and 4 servers) against in-process, 1B shape,
       # the same 256 requests at once, medians of 3; the client and server CPU columns say
       # whether either side set the served figure.

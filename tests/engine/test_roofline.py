@@ -165,8 +165,8 @@ def test_engine_records_the_steps_it_ran(
 
 
 def test_workload_bound_reads_the_weights_once_a_position_and_never_exceeds_the_steps() -> None:
-    """Two requests, prompts 20 and 5 tokens, 3 and 1 output tokens, in one wave: the
-    weights are read 3 times (the prompts' step, then two decodes of the longer request);
+    """Two requests, prompts 20 and 5 tokens, 3 and 1 output tokens: the weights are read 3
+    times (the prompts' step, then two decodes of the longer request);
     the K/V of every token written and read as its queries need; FLOPs summed."""
     memory_bound = DeviceRates(bytes_per_s=1.0, flops_per_s=1e30)
     cached_keys = 20 + 21  # the two decodes' queries read the 20, then 21, keys before them
