@@ -200,12 +200,12 @@ class LLMEngine:
             sampling_defaults=self.sampling_defaults,
         )
 
-    @property
-    def num_waiting_for_a_place(self) -> int:
-        """Requests that wait for a place in the batch: those not running (grammars
-        compiling included) beyond the places free now, which the next step admits."""
+    def num_waiting_for_a_place(self, arriving: int = 0) -> int:
+        """Requests that wait for a place in the batch, with ``arriving`` more: those not
+        running (grammars compiling included) beyond the places free now, which the next
+        step admits."""
         free = self.scheduler.max_num_seqs - len(self.scheduler.running)
-        return max(0, len(self.scheduler.waiting) + len(self.compiling) - free)
+        return max(0, len(self.scheduler.waiting) + len(self.compiling) + arriving - free)
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -231,7 +231,7 @@ class EngineService:
             )
             return
         limit = self.max_queued_requests
-        if self.engine.num_waiting_for_a_place >= limit:
+        if self.engine.num_waiting_for_a_place(arriving=1) > limit:
             reply = ErrorReply(
                 request.request_id,
                 ErrorCode.OVERLOADED,
