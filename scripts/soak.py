@@ -297,7 +297,11 @@ async def overload(
     await asyncio.gather(watcher, *clients)
     if not refused.values:
         failures.append("overload: nothing was refused (is --max-queued-requests set?)")
-    ratio = admitted.p(0.5) / max(unloaded.p(0.5), 1e-9) if admitted.values else float("nan")
+    ratio = (
+        statistics.median(admitted.values) / statistics.median(unloaded.values)
+        if admitted.values and unloaded.values
+        else float("nan")
+    )
     rows = [
         ("overload: unloaded TTFT", unloaded.summary(), "-"),
         (f"overload: admitted TTFT ({args.overload_clients} clients)", admitted.summary(),
