@@ -93,6 +93,13 @@ class EngineConfig:
     max_num_batched_tokens: int = option(
         8192, "tokens one step computes at most; longer prompts are prefilled in chunks"
     )
+    scheduling_policy: str = option(
+        "fcfs",
+        "the order waiting requests are admitted in: fcfs, as they came; priority, by the "
+        "requests' priority (vLLM's: lower first), then as they came; either way the users "
+        "of a priority take turns (engine/scheduling/waiting_queue.py)",
+        choices=["fcfs", "priority"],
+    )
     enforce_eager: bool = option(
         False, "CUDA: no CUDA graphs for decode and verify steps (faster start, slower decode)"
     )
@@ -216,6 +223,12 @@ class ServiceConfig:
         False,
         "allow a tcp:// address that other hosts can reach without CURVE keys "
         "(unencrypted, open to anyone who reaches it)",
+    )
+    max_queued_requests: int = option(
+        1024,
+        "requests that may wait for a place in the batch beyond those free (SGLang's name); "
+        "more are refused at once (HTTP 429 with Retry-After from the servers), so that the "
+        "requests admitted keep their latency (0: only as many as there are free places)",
     )
     drain_timeout: float = option(
         10.0,

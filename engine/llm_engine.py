@@ -42,11 +42,15 @@ from protocol import (
     RequestOutput,
     SamplingDefaults,
     SamplingParams,
+    Scheduling,
     TokenLogprobs,
     context_length_problem,
 )
 
 logger = logging.getLogger(__name__)
+
+# A request that says nothing of its place in the queue: priority 0, the anonymous user.
+_NO_SCHEDULING = Scheduling()
 
 
 class RequestRejected(Exception):
@@ -126,7 +130,10 @@ class LLMEngine:
             if self.device.type == "cuda":
                 draft.warm_up()
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.scheduling_policy,
         )
         self.requests: dict[tuple[bytes, str], Request] = {}
         self.overlap_steps = (
@@ -193,6 +200,13 @@ class LLMEngine:
             sampling_defaults=self.sampling_defaults,
         )
 
+    def num_waiting_for_a_place(self, arriving: int = 0) -> int:
+        """Requests that wait for a place in the batch, with ``arriving`` more: those not
+        running (grammars compiling included) beyond the places free now, which the next
+        step admits."""
+        free = self.scheduler.max_num_seqs - len(self.scheduler.running)
+        return max(0, len(self.scheduler.waiting) + len(self.compiling) + arriving - free)
+
     def stats(self) -> EngineStats:
         return EngineStats(
             engine_pid=os.getpid(),
@@ -214,12 +228,24 @@ class LLMEngine:
         )
 
     def add_request(
-        self, client: bytes, request_id: str, prompt: list[int], sampling: SamplingParams
+        self,
+        client: bytes,
+        request_id: str,
+        prompt: list[int],
+        sampling: SamplingParams,
+        scheduling: Scheduling = _NO_SCHEDULING,
     ) -> None:
         """Queue a request, or raise RequestRejected saying why it can never run."""
         problem = sampling.validate()
         if problem:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, problem)
+        if scheduling.priority and not self.scheduler.waiting.by_priority:
+            # As vLLM: a priority would be silently ignored.
+            raise RequestRejected(
+                ErrorCode.INVALID_REQUEST,
+                f"priority {scheduling.priority} needs an engine started with "
+                "--scheduling-policy priority",
+            )
         if (client, request_id) in self.requests:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, f"duplicate request id {request_id}")
         if not prompt:
@@ -234,7 +260,7 @@ class LLMEngine:
         if problem:
             raise RequestRejected(ErrorCode.PROMPT_TOO_LONG, problem)
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
-        request = Request(client, request_id, list(prompt), sampling, seed)
+        request = Request(client, request_id, list(prompt), sampling, seed, scheduling)
         if sampling.structured_output is not None:
             try:
                 self.compiling.add(request)  # scheduled once its grammar is compiled

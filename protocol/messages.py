@@ -32,7 +32,10 @@ from protocol.codec import Message, by_position
 # 6: EngineStats.num_draft_tokens and .num_accepted_tokens (speculative decoding).
 # 7: RequestOutput, TokenLogprobs and PromptTokenLogprobs go as arrays of their fields
 #    (codec.by_position), not maps.
-PROTOCOL_VERSION = 7
+# 8: GenerateRequest.scheduling (vLLM's priority, the user for fair turns),
+#    ErrorCode.OVERLOADED (the engine's queue is full), EngineStats sent unasked as the
+#    engine's heartbeat.
+PROTOCOL_VERSION = 8
 # The most alternatives a request may ask log-probabilities of, as OpenAI's top_logprobs.
 MAX_TOP_LOGPROBS = 20
 # The most token sequences a request's bad words may tokenize to, and their total tokens
@@ -55,6 +58,7 @@ class ErrorCode:
     PROMPT_TOO_LONG = "prompt_too_long"  # prompt + max_tokens can never fit
     NOT_READY = "not_ready"  # a request before the handshake
     SHUTTING_DOWN = "shutting_down"  # the engine is draining (SIGTERM) and takes no more
+    OVERLOADED = "overloaded"  # --max-queued-requests wait already: try again later
 
 
 class StructuredOutputKind:
@@ -248,6 +252,17 @@ class HandshakeReply(Message):
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
 
+@dataclass(frozen=True)
+class Scheduling:
+    """Where a request waits in the engine's queue. ``priority`` is vLLM's: lower runs
+    earlier, taken only by an engine with ``--scheduling-policy priority``. Within a priority,
+    the requests of different ``user``s take turns (the n choices of one request share it), so
+    that no one user's many requests keep the others waiting."""
+
+    priority: int = 0
+    user: str = ""
+
+
 @dataclass
 class GenerateRequest(Message):
     """Generate tokens after a prompt. Request ids are unique per server."""
@@ -256,6 +271,7 @@ class GenerateRequest(Message):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    scheduling: Scheduling = field(default_factory=Scheduling)
 
 
 @dataclass
@@ -268,7 +284,8 @@ class AbortRequest(Message):
 
 @dataclass
 class StatsRequest(Message):
-    """Asks for an EngineStats; servers use it for /health."""
+    """Asks for an EngineStats (/stats and /metrics); the engine also sends one to every
+    server each second unasked, its heartbeat (/health and /ready)."""
 
     TYPE: ClassVar[str] = "stats"
 

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
+import resource
 import socket
 import sys
 
 import uvicorn
 
 from server.app import create_app
+from server.connection_limits import ConnectionLimits, GuardedHttpToolsProtocol
 from server.drain import Drain, DrainingServer
 from server.engine_client import CurveKeys, HandshakeError
 from server.engine_pool import EnginePool
@@ -31,6 +34,8 @@ logger = logging.getLogger("server")
 # Seconds uvicorn gives open connections after the drain (--drain-timeout) before it
 # cancels them, which aborts their requests in the engine.
 _GRACEFUL_SHUTDOWN_S = 2
+# Files a server holds besides its connections: sockets to the engines, logs, libraries.
+_OTHER_FILES = 256
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -96,11 +101,57 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "of the model's context)",
     )
     parser.add_argument(
+        "--max-generated-tokens",
+        type=int,
+        help="refuse requests that may generate more tokens in all (n times max_tokens, or "
+        "n times what the context leaves without max_tokens) with 400 (default: 4 times the "
+        "model's context)",
+    )
+    limits = ConnectionLimits()
+    parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=limits.header_timeout_s,
+        help="seconds a connection may take to send a request's headers (from its opening, "
+        "or from a keep-alive request's first byte); then 408 and closed "
+        f"(default: {limits.header_timeout_s:g})",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=limits.body_timeout_s,
+        help="seconds a request body may pause between two reads; also how long into the "
+        f"body --min-body-rate starts to hold; then 408 and closed "
+        f"(default: {limits.body_timeout_s:g})",
+    )
+    parser.add_argument(
+        "--min-body-rate",
+        type=float,
+        default=limits.min_body_rate,
+        help="bytes a second a request body must come at on average, from --body-timeout "
+        f"into it (default: {limits.min_body_rate:g})",
+    )
+    parser.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=limits.keep_alive_timeout_s,
+        help="seconds a keep-alive connection may stay idle between two requests "
+        f"(default: {limits.keep_alive_timeout_s:g})",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=limits.max_connections,
+        help="open connections at most; past it a new one gets 503 and is closed "
+        f"(default: {limits.max_connections})",
+    )
+    parser.add_argument(
         "--drain-timeout",
         type=float,
-        default=30.0,
+        default=600.0,
         help="on SIGTERM, seconds that requests in flight may take to finish while new ones "
-        "are refused (default: 30)",
+        "are refused; then streams end with a server_draining error event and the others "
+        "get a 503 (default: 600, for long answers)",
     )
     parser.add_argument(
         "--log-level",
@@ -124,7 +175,9 @@ async def _serve(args: argparse.Namespace) -> int:
         except ValueError as exc:
             logger.error("cannot serve: %s", exc)
             return 2
-    options = ChatOptions(args.chat_template, args.tool_call_parser, args.reasoning_parser)
+    options = ChatOptions(
+        args.chat_template, args.tool_call_parser, args.reasoning_parser, args.max_generated_tokens
+    )
     client_name = f"tandem-server {socket.gethostname()}:{os.getpid()} port {args.port}"
     curve = None
     if args.curve_secret_key is not None:
@@ -150,17 +203,27 @@ async def _serve(args: argparse.Namespace) -> int:
             args.host,
             args.port,
         )
-        drain = Drain(args.drain_timeout)
+        drain = Drain(args.drain_timeout, client.fail_requests)
         app = create_app(client, handshake, args.api_key, options, args.max_request_bytes, drain)
+        limits = ConnectionLimits(
+            header_timeout_s=args.header_timeout,
+            body_timeout_s=args.body_timeout,
+            min_body_rate=args.min_body_rate,
+            keep_alive_timeout_s=args.keep_alive_timeout,
+            max_connections=args.max_connections,
+        )
+        _allow_open_files(limits.max_connections)
         config = uvicorn.Config(
             app,
             host=args.host,
             port=args.port,
             log_level=args.log_level,
             timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
+            timeout_keep_alive=limits.keep_alive_timeout_s,
             # httptools (C), not h11 (Python): a streamed chunk costs the server less CPU
-            # (scripts/bench_serving.py's "server us/chunk" column measures it).
-            http="httptools",
+            # (scripts/bench_serving.py's "server us/chunk" column measures it); with the
+            # header and body timeouts and the cap on connections (server/connection_limits.py).
+            http=functools.partial(GuardedHttpToolsProtocol, limits=limits),
             # Our logging is configured in main(); keep uvicorn's from replacing it.
             log_config=None,
         )
@@ -169,6 +232,23 @@ async def _serve(args: argparse.Namespace) -> int:
         return 0
     finally:
         await client.close()
+
+
+def _allow_open_files(max_connections: int) -> None:
+    """Raises this process's soft limit on open files towards its hard limit, so that
+    ``max_connections`` connections (each a file), plus the engine sockets and the files a
+    server opens, fit: a common soft limit of 1,024 would otherwise fail accept() first."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = max_connections + _OTHER_FILES
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        if new < wanted:
+            logger.warning(
+                "at most %d open files (ulimit -Hn): --max-connections %d may not be reached",
+                new,
+                max_connections,
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,10 +14,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from server.choices import ChoiceDeltas, collect
+from server.errors import CLIENT_CLOSED_REQUEST
 from server.generation import TextDelta
-
-# The status nginx logs for a client that went away before the answer (never sent).
-CLIENT_CLOSED_REQUEST = 499
 
 
 @dataclass(slots=True)

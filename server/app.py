@@ -7,7 +7,7 @@ from pathlib import Path
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
@@ -18,7 +18,13 @@ from server.api_key import ApiKeyCheck
 from server.body_limit import BodySizeLimit, default_max_request_bytes
 from server.drain import Drain, DrainGate
 from server.engine_pool import EnginePool
-from server.errors import ApiError, handle_api_error, handle_http_exception, handle_unexpected
+from server.errors import (
+    ApiError,
+    handle_api_error,
+    handle_client_disconnect,
+    handle_http_exception,
+    handle_unexpected,
+)
 from server.metrics import HttpStatusCounter
 from server.request_id import RequestIdHeader
 from server.routes.chat import ChatCompletions
@@ -52,7 +58,7 @@ def create_app(
     responses = Responses(client, model)
     models = Models(model)
     tokenization = Tokenization(model)
-    health = Health(client)
+    health = Health(client, drain)
     stats = Stats(client)
     index = FRONTEND_DIR / "index.html"
 
@@ -68,6 +74,7 @@ def create_app(
         Route("/tokenize", tokenization.tokenize, methods=["POST"]),
         Route("/detokenize", tokenization.detokenize, methods=["POST"]),
         Route("/health", health.health, methods=["GET"]),
+        Route("/ready", health.ready, methods=["GET"]),
         Route("/metrics", health.metrics, methods=["GET"]),
         Route("/stats", stats.stats, methods=["GET"]),
         Route("/version", server_version, methods=["GET"]),
@@ -85,6 +92,7 @@ def create_app(
         exception_handlers={
             ApiError: handle_api_error,
             HTTPException: handle_http_exception,
+            ClientDisconnect: handle_client_disconnect,
             Exception: handle_unexpected,
         },
     )

@@ -1,7 +1,9 @@
 """``--max-request-bytes``: a larger request body is refused with 413, never read whole.
 
 A declared Content-Length over the limit is refused before any of the body is read; a
-chunked upload is counted as it arrives and refused at the first byte past the limit. A
+chunked upload is counted as it arrives and refused at the first byte past the limit. Either
+way the 413 says ``Connection: close`` and the connection closes once it is sent, so that the
+rest of the upload is never read. A
 pure ASGI middleware inside Starlette's, so that the 413 raised from ``receive`` reaches
 the OpenAI error handler like any other ApiError.
 """
@@ -42,17 +44,26 @@ class BodySizeLimit:
             await response(scope, receive, send)
             return
         received = 0
+        refused = False
 
         async def counted_receive() -> Message:
-            nonlocal received
+            nonlocal received, refused
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
+                    refused = True
                     raise self._too_large()
             return message
 
-        await self.app(scope, counted_receive, send)
+        async def closing_send(message: Message) -> None:
+            if refused and message["type"] == "http.response.start":
+                # uvicorn then closes the connection after the 413 instead of reading (and
+                # throwing away) the rest of the upload to keep the connection alive.
+                message = {**message, "headers": [*message["headers"], (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, counted_receive, closing_send)
 
     def _too_large(self) -> ApiError:
         return ApiError(

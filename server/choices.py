@@ -16,7 +16,7 @@ from typing import TypeVar
 from starlette.requests import Request
 from tokenizers import Tokenizer
 
-from protocol import SamplingParams
+from protocol import SamplingParams, Scheduling
 from server.engine_pool import EnginePool
 from server.errors import ApiError
 from server.generation import TextDelta, generate_text
@@ -39,6 +39,8 @@ class PreparedGeneration:
     include_stop_str_in_output: bool = False  # ... or end with it, if this is set
     # None: special tokens' text is left out; else it is kept, but for these tokens'.
     hidden_token_ids: frozenset[int] | None = None
+    # Its place in the engine's queue: priority and user, shared by its choices.
+    scheduling: Scheduling = dataclasses.field(default_factory=Scheduling)
 
     def choices(
         self, client: EnginePool, tokenizer: Tokenizer, request_id: str
@@ -51,6 +53,7 @@ class PreparedGeneration:
                 f"{request_id}-{index}",
                 self.prompt_ids,
                 self.sampling.for_choice(index),
+                self.scheduling,
                 self.stop,
                 self.include_stop_str_in_output,
                 self.hidden_token_ids,

@@ -1,11 +1,13 @@
 """Graceful drain: on SIGTERM a server stops taking work, finishes what it has, and exits.
 
-From the first SIGTERM (or SIGINT) on, ``/health`` answers 503 so that load balancers
-move away, and every new request gets a 503 with an OpenAI error body
-(``server_draining``) and ``Connection: close``, which a load balancer retries on
-another server. Requests already running, streams included, go on until they end or
-``--drain-timeout`` passes; then uvicorn shuts down (what still runs is cancelled, which
-aborts it in the engine). A second signal stops at once. ``/metrics`` answers throughout.
+From the first SIGTERM (or SIGINT) on, ``/ready`` answers 503 so that load balancers move
+away (``/health``, liveness, says ``draining`` with a 200), and every new request gets a 503
+with an OpenAI error body (``server_draining``) and ``Connection: close``, which a load
+balancer retries on another server. Requests already running, streams included, go on until
+they end or ``--drain-timeout`` passes. Then what still runs is cut the way a client can
+read: a stream ends with an error event (``server_draining``) and ``[DONE]``, a request not
+yet answered gets a 503 with that error; once they are written (or after a few seconds more)
+uvicorn shuts down. A second signal stops at once. ``/metrics`` answers throughout.
 
 uvicorn's own handling would stop listening at the first signal and exit with the signal
 (it re-raises it): ``DrainingServer`` replaces that handler and exits with status 0.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -26,17 +29,26 @@ from server.errors import ApiError
 logger = logging.getLogger(__name__)
 
 # Answered while draining, and not counted as work to wait for.
-_ALWAYS_OPEN = "/metrics"
-_HEALTH = "/health"
+_ALWAYS_OPEN = frozenset({"/metrics", "/health", "/ready"})
+# Seconds the cut requests get to write their last event before uvicorn closes their
+# connections anyway (a client that does not read).
+_CUT_GRACE_S = 5.0
+
+
+class DrainTimedOut(Exception):
+    """A request still running when the drain timeout passed: its answer ends with this."""
 
 
 class Drain:
-    """Whether this server is draining, and how many requests it still serves."""
+    """Whether this server is draining, and how many requests it still serves. ``cut``
+    ends every request in flight with the error it is given (``EnginePool.fail_requests``)."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, cut: Callable[[Exception], None]) -> None:
         self.timeout_s = timeout_s
         self.in_flight = 0
         self.deadline: float | None = None
+        self._cut = cut
+        self._cut_at: float | None = None
 
     @property
     def draining(self) -> bool:
@@ -56,10 +68,26 @@ class Drain:
             return False
         if self.in_flight == 0:
             return True
-        if time.monotonic() >= self.deadline:
-            logger.warning("drain timeout: %d requests still in flight are cut", self.in_flight)
-            return True
-        return False
+        now = time.monotonic()
+        if now < self.deadline:
+            return False
+        if self._cut_at is None:
+            logger.warning(
+                "drain timeout: ending the %d requests still in flight with server_draining",
+                self.in_flight,
+            )
+            self._cut_at = now
+            self._cut(
+                DrainTimedOut(
+                    f"This server shut down before the answer was complete (--drain-timeout "
+                    f"{self.timeout_s:g} s); send the request again."
+                )
+            )
+            return False
+        if now - self._cut_at < _CUT_GRACE_S:
+            return False
+        logger.warning("%d requests did not end when cut: closing them", self.in_flight)
+        return True
 
 
 class DrainGate:
@@ -70,8 +98,7 @@ class DrainGate:
         self.drain = drain
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
-        if scope["type"] != "http" or path == _ALWAYS_OPEN:
+        if scope["type"] != "http" or scope.get("path", "") in _ALWAYS_OPEN:
             await self.app(scope, receive, send)
             return
         if self.drain.draining:
@@ -80,18 +107,14 @@ class DrainGate:
                 "This server is shutting down; send the request to another server.",
                 code="server_draining",
             )
-            body = error.body()
-            if path == _HEALTH:
-                body = {"status": "draining", **body}
             headers = {"Connection": "close", "Retry-After": "1"}
-            await JSONResponse(body, status_code=503, headers=headers)(scope, receive, send)
+            await JSONResponse(error.body(), status_code=503, headers=headers)(scope, receive, send)
             return
-        counted = path != _HEALTH
-        self.drain.in_flight += counted
+        self.drain.in_flight += 1
         try:
             await self.app(scope, receive, send)
         finally:
-            self.drain.in_flight -= counted
+            self.drain.in_flight -= 1
 
 
 class DrainingServer(uvicorn.Server):

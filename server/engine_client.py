@@ -5,6 +5,10 @@ request's mailbox, so any number of HTTP requests share the socket without locks
 second task watches the connection: on every (re)connection it performs the
 handshake (a restarted engine knows nothing of this server), and on disconnection
 it fails the requests in flight at once instead of letting them wait forever.
+
+The engine sends its stats every second unasked (its heartbeat); the last ones, and when
+the engine was last heard from, say whether it is alive without asking it (/health,
+/ready), since an answer to a question would wait behind the engine's current step.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from protocol import (
     ProtocolError,
     RequestOutput,
     SamplingParams,
+    Scheduling,
     StatsRequest,
     TokenOutputs,
     build_codecs,
@@ -53,6 +58,9 @@ _HEARTBEAT_IVL_MS = 2_000
 _HEARTBEAT_TIMEOUT_MS = 10_000
 # How often connect() says it is still waiting for the engine to answer.
 _WAITING_LOG_INTERVAL_S = 15.0
+# An engine not heard from for this long (it sends a heartbeat every second, between two
+# steps) counts as not alive: stuck in a step, or its host gone without a word.
+ENGINE_SILENCE_S = 30.0
 
 
 class EngineUnavailable(Exception):
@@ -101,6 +109,10 @@ class EngineClient:
         self._handshake: asyncio.Future[HandshakeReply] | None = None
         self._ready = False  # handshaken with the engine at the other end right now
         self._refused = False  # the engine refused the connection (CURVE), and we said so
+        # The engine's last stats (its heartbeat, or an answer), and when it was last heard
+        # from (time.monotonic()): any frame counts.
+        self.last_stats: EngineStats | None = None
+        self.last_heard = 0.0
         self._monitor: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -108,6 +120,11 @@ class EngineClient:
     def ready(self) -> bool:
         """Handshaken with the engine at the other end now: requests can be sent."""
         return self._ready
+
+    @property
+    def alive(self) -> bool:
+        """Ready, and the engine was heard from within ``ENGINE_SILENCE_S``."""
+        return self._ready and time.monotonic() - self.last_heard < ENGINE_SILENCE_S
 
     async def connect(self, timeout: float) -> HandshakeReply:
         """Connects and handshakes; waits up to ``timeout`` s for the engine to answer.
@@ -158,6 +175,7 @@ class EngineClient:
         request_id: str,
         prompt_token_ids: list[int],
         sampling: SamplingParams,
+        scheduling: Scheduling,
         merge_outputs: bool = False,
         observe: Callable[[RequestOutput], None] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
@@ -178,11 +196,13 @@ class EngineClient:
         self._mailboxes[request_id] = mailbox
         finished = False
         try:
-            self._send(GenerateRequest(request_id, prompt_token_ids, sampling))
+            self._send(GenerateRequest(request_id, prompt_token_ids, sampling, scheduling))
             while not finished:
                 item = await mailbox.get()
                 if isinstance(item, Exception):
-                    finished = True
+                    # The engine's errors mean it has dropped the request; one of this
+                    # server's (fail_requests) leaves it to abort below.
+                    finished = isinstance(item, (EngineRequestError, EngineUnavailable))
                     raise item
                 finished = item.finish_reason is not None
                 yield item
@@ -191,6 +211,12 @@ class EngineClient:
             if not finished:
                 # No await here: this runs when the consumer is cancelled too.
                 self.abort(request_id)
+
+    def fail_requests(self, error: Exception) -> None:
+        """Ends every request in flight with ``error`` (raised where each reads its outputs);
+        each then aborts itself in the engine."""
+        for mailbox in self._mailboxes.values():
+            mailbox.put(error)
 
     def abort(self, request_id: str) -> None:
         """Asks the engine to drop the request now (unknown ids are ignored there)."""
@@ -224,6 +250,7 @@ class EngineClient:
     async def _receive_loop(self) -> None:
         while True:
             frame = await self._socket.recv()
+            self.last_heard = time.monotonic()
             try:
                 message = decode_message(frame)
             except ProtocolError as exc:
@@ -245,6 +272,7 @@ class EngineClient:
         elif isinstance(message, ErrorReply):
             self._on_error(message)
         elif isinstance(message, EngineStats):
+            self.last_stats = message
             for waiter in self._stats_waiters:
                 if not waiter.done():
                     waiter.set_result(message)
@@ -301,6 +329,7 @@ class EngineClient:
             return
         logger.info("handshake with the engine (pid %d) done", reply.engine_pid)
         self._ready = True
+        self._send(StatsRequest())  # its stats now, not at its next heartbeat
 
     async def _monitor_loop(self, monitor: zmq.asyncio.Socket) -> None:
         while True:

@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 
-from protocol import EngineStats, HandshakeReply, RequestOutput, SamplingParams
+from protocol import EngineStats, HandshakeReply, RequestOutput, SamplingParams, Scheduling
 from server.engine_client import (
     CurveKeys,
     EngineClient,
@@ -139,6 +139,7 @@ class EnginePool:
         request_id: str,
         prompt_token_ids: list[int],
         sampling: SamplingParams,
+        scheduling: Scheduling,
         merge_outputs: bool = False,
         observe: Callable[[RequestOutput], None] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
@@ -148,7 +149,7 @@ class EnginePool:
         replica.in_flight += 1
         try:
             outputs = replica.client.generate(
-                request_id, prompt_token_ids, sampling, merge_outputs, observe
+                request_id, prompt_token_ids, sampling, scheduling, merge_outputs, observe
             )
             async with aclosing(outputs):
                 async for output in outputs:
@@ -157,6 +158,11 @@ class EnginePool:
             raise EngineUnavailable(f"replica {replica.index}: {exc}") from exc
         finally:
             replica.in_flight -= 1
+
+    def fail_requests(self, error: Exception) -> None:
+        """Ends every request in flight on every replica with ``error``."""
+        for replica in self.replicas:
+            replica.client.fail_requests(error)
 
     async def stats(self, timeout: float) -> list[EngineStats | None]:
         """Each replica's stats, None for one not answering within ``timeout`` s."""

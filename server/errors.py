@@ -12,10 +12,13 @@ from http import HTTPStatus
 from typing import Any
 
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 logger = logging.getLogger(__name__)
+
+# The status nginx logs for a client that went away before the answer (never sent).
+CLIENT_CLOSED_REQUEST = 499
 
 
 class ApiError(Exception):
@@ -28,12 +31,14 @@ class ApiError(Exception):
         *,
         param: str | None = None,
         code: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = dict(headers or {})  # sent with the error's response (Retry-After)
         self.type = "invalid_request_error" if status < 500 else "server_error"
 
     def body(self) -> dict[str, Any]:
@@ -47,7 +52,9 @@ class ApiError(Exception):
         }
 
     def response(self, headers: Mapping[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return JSONResponse(
+            self.body(), status_code=self.status, headers={**self.headers, **(headers or {})}
+        )
 
 
 def internal_error() -> ApiError:
@@ -70,6 +77,15 @@ async def handle_http_exception(request: Request, exc: Exception) -> Response:
         message = exc.detail or HTTPStatus(exc.status_code).phrase
     error = ApiError(exc.status_code, message, code=HTTPStatus(exc.status_code).name.lower())
     return error.response(headers=exc.headers)
+
+
+async def handle_client_disconnect(request: Request, exc: Exception) -> Response:
+    # A client that went away while its request was read (or one cut for sending it too
+    # slowly: server/connection_limits.py): nothing failed here, and nobody reads an answer.
+    assert isinstance(exc, ClientDisconnect)
+    client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+    logger.info("%s went away before its request to %s was read", client, request.url.path)
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
 
 
 async def handle_unexpected(request: Request, exc: Exception) -> Response:

@@ -13,11 +13,23 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
-from protocol import ErrorCode, FinishReason, PromptTokenLogprobs, SamplingParams, TokenLogprobs
+from protocol import (
+    ErrorCode,
+    FinishReason,
+    PromptTokenLogprobs,
+    SamplingParams,
+    Scheduling,
+    TokenLogprobs,
+)
 from protocol.detokenizer import IncrementalDetokenizer
+from server.drain import DrainTimedOut
 from server.engine_client import EngineRequestError, EngineUnavailable
 from server.engine_pool import EnginePool
 from server.errors import ApiError
+
+# Seconds a client refused for a full queue is told to wait (Retry-After): about the time
+# a place frees in a busy batch.
+RETRY_AFTER_S = 1
 
 
 @dataclass(slots=True)
@@ -40,6 +52,7 @@ async def generate_text(
     request_id: str,
     prompt_ids: list[int],
     sampling: SamplingParams,
+    scheduling: Scheduling,
     stop: Sequence[str],
     include_stop_str_in_output: bool = False,
     hidden_token_ids: frozenset[int] | None = None,
@@ -52,8 +65,9 @@ async def generate_text(
     ``hidden_token_ids``: None leaves every special token's text out of the text; a set
     keeps special tokens' text (a tool-call parser reads its markers) but these tokens'.
 
-    Raises ``ApiError`` when the engine is gone or refuses the request. Closing the
-    iterator early aborts the request in the engine.
+    Raises ``ApiError`` when the engine is gone or refuses the request (429 when its queue
+    is full), or when this server's drain cuts it. Closing the iterator early aborts the
+    request in the engine.
     """
     detokenizer = IncrementalDetokenizer(
         tokenizer,
@@ -79,7 +93,9 @@ async def generate_text(
     finish_reason: str | None = None  # for the metrics: "error" if it stays None
     try:
         # Without stop strings, outputs that wait while this handler is busy come merged.
-        outputs = client.generate(request_id, prompt_ids, sampling, not stop, timer.output)
+        outputs = client.generate(
+            request_id, prompt_ids, sampling, scheduling, not stop, timer.output
+        )
         async with aclosing(outputs) as outputs:
             async for output in outputs:
                 if output.prompt_logprobs is not None:
@@ -118,6 +134,8 @@ async def generate_text(
         ) from exc
     except EngineRequestError as exc:
         raise _refusal(exc) from exc
+    except DrainTimedOut as exc:
+        raise ApiError(503, str(exc), code="server_draining") from exc
     finally:
         timer.finish(finish_reason or "error")
 
@@ -127,6 +145,13 @@ def _refusal(exc: EngineRequestError) -> ApiError:
         return ApiError(400, exc.message, code="context_length_exceeded")
     if exc.code == ErrorCode.INVALID_REQUEST:
         return ApiError(400, exc.message)
+    if exc.code == ErrorCode.OVERLOADED:
+        return ApiError(
+            429,
+            f"The server is at capacity: {exc.message}. Try again in {RETRY_AFTER_S} s.",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
     if exc.code in (ErrorCode.NOT_READY, ErrorCode.SHUTTING_DOWN):
         return ApiError(
             503, f"The engine is unavailable: {exc.message}.", code="engine_unavailable"

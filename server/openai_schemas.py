@@ -22,7 +22,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from protocol import MAX_TOP_LOGPROBS, SamplingParams, context_length_problem
+from protocol import MAX_TOP_LOGPROBS, SamplingParams, Scheduling, context_length_problem
 from server.errors import ApiError
 from server.served_model import ServedModel
 from server.structured_output import structured_output_of
@@ -110,7 +110,6 @@ _NOT_SERVED_GENERATION: dict[str, tuple[Any, ...]] = {
     "guided_whitespace_pattern": (),
     "structural_tag": (),
     "logits_processors": (),
-    "priority": (0,),
     "request_id": (),  # the X-Request-Id header names a request (server/request_id.py)
     "cache_salt": (),
     "kv_transfer_params": (),
@@ -224,6 +223,8 @@ class GenerationBody(SamplingFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's: lower runs earlier, on an engine with --scheduling-policy priority.
+    priority: int = 0
     frequency_penalty: Annotated[float | None, Field(ge=-2, le=2)] = None
     presence_penalty: Annotated[float | None, Field(ge=-2, le=2)] = None
     # vLLM's extensions, which many clients use.
@@ -255,6 +256,16 @@ class GenerationBody(SamplingFields):
     @property
     def num_choices(self) -> int:
         return self.n or 1
+
+    @property
+    def num_candidates(self) -> int:
+        """How many choices each prompt generates."""
+        return self.num_choices
+
+    def scheduling(self, peer: str) -> Scheduling:
+        """Its place in the engine's queue: its priority, and whose it is for fair turns,
+        its ``user`` if it names one, else ``peer``, the address it came from."""
+        return Scheduling(self.priority, self.user or peer)
 
     @property
     def include_usage(self) -> bool:
@@ -333,6 +344,15 @@ class GenerationBody(SamplingFields):
             _first(requested_max_tokens, defaults.max_tokens, limit),
             limit - prompt_tokens,
         )
+        generated = self.num_candidates * max_tokens
+        if generated > model.max_generated_tokens:
+            raise ApiError(
+                400,
+                f"This request may generate {generated} tokens ({self.num_candidates} choices "
+                f"of up to {max_tokens}), more than this server takes in one request "
+                f"({model.max_generated_tokens}). Please lower n or max_tokens.",
+                param="n" if self.num_candidates > 1 else "max_tokens",
+            )
         if self.min_tokens > max_tokens:
             raise ApiError(
                 400,

@@ -59,12 +59,13 @@ async def chat_generation(
     model: ServedModel,
     body: ChatCompletionRequest,
     structured_output: StructuredOutput | None = None,
+    peer: str = "",
 ) -> ChatGeneration:
     """A chat request made ready for the engine: its messages (and tools) through the chat
     template, cut as ``truncate_prompt_tokens`` says, its sampling (held to its tool_choice's
     JSON, or to ``structured_output``), stop strings and choices, and how its answers are
-    read. The chat endpoint and the Responses API (which maps its requests to chat ones)
-    both start here."""
+    read; ``peer``, the client's address, names its user if the body does not. The chat
+    endpoint and the Responses API (which maps its requests to chat ones) both start here."""
     tools = tool_use(model, body)
     prompt = chat_prompt(
         model,
@@ -101,6 +102,7 @@ async def chat_generation(
         body.num_choices,
         body.include_stop_str_in_output,
         hidden_token_ids=body.hidden_token_ids(model, parsing.keeps_special_tokens),
+        scheduling=body.scheduling(peer),
     )
     return ChatGeneration(generation, parsing)
 

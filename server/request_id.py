@@ -3,7 +3,7 @@
 A client's id also starts the id of its answer (``chatcmpl-<id>``, ``cmpl-<id>``,
 ``resp_<id>``), so that its logs and ours name the same request. A pure ASGI middleware
 around the whole application, so that streamed answers pass through untouched and
-even the 500s of unexpected errors carry the header.
+even the 500s of unexpected errors carry the header. ``client_address`` says who sent it.
 """
 
 from __future__ import annotations
@@ -40,3 +40,9 @@ class RequestIdHeader:
 def request_id(request: Request) -> str:
     """The request's id: its X-Request-Id header's, or the one made for it."""
     return request.state.request_id
+
+
+def client_address(request: Request) -> str:
+    """The address the request came from (the user it counts for when its body names none:
+    engine/scheduling/waiting_queue.py); empty if unknown."""
+    return request.client.host if request.client is not None else ""

@@ -19,6 +19,8 @@ from server.tool_parsers import TOOL_PARSERS, tool_parser_for_template
 
 logger = logging.getLogger(__name__)
 
+# --max-generated-tokens by default: this many whole contexts, over a request's choices.
+_DEFAULT_GENERATED_CONTEXTS = 4
 # Chat templates shipped with the server, by the name --chat-template takes for them.
 _PACKAGED_TEMPLATES = Path(__file__).resolve().parent / "templates"
 
@@ -26,12 +28,14 @@ _PACKAGED_TEMPLATES = Path(__file__).resolve().parent / "templates"
 @dataclass(frozen=True)
 class ChatOptions:
     """The server's options about chat answers (``python -m server``): a chat template to
-    use instead of the model's (a path, or a packaged template's name), and the parsers of
-    tool calls and reasoning (None: the ones the template's markers call for)."""
+    use instead of the model's (a path, or a packaged template's name), the parsers of
+    tool calls and reasoning (None: the ones the template's markers call for), and the most
+    tokens one request may generate in all, over its n choices (None: 4 contexts' worth)."""
 
     chat_template: str | None = None
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    max_generated_tokens: int | None = None
 
 
 def load_chat_template(name_or_path: str) -> str:
@@ -70,6 +74,9 @@ class ServedModel:
     # byte-level BPE's and SentencePiece's do not), which vLLM's
     # spaces_between_special_tokens false would take out.
     spaces_between_added_tokens: bool = False
+    # The most tokens one request may generate over all its choices (n × max_tokens):
+    # --max-generated-tokens, by default as many as four whole contexts.
+    max_generated_tokens: int = 0
 
     @classmethod
     def from_handshake(
@@ -110,6 +117,8 @@ class ServedModel:
             eos_token_ids=frozenset(reply.eos_token_ids),
             sampling_defaults=reply.sampling_defaults,
             spaces_between_added_tokens=_spaces_between_added_tokens(tokenizer),
+            max_generated_tokens=options.max_generated_tokens
+            or _DEFAULT_GENERATED_CONTEXTS * reply.max_model_len,
         )
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:

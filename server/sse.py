@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from collections.abc import AsyncGenerator
 from typing import Any
 
 from starlette.responses import StreamingResponse
 from starlette.types import Send
+
+logger = logging.getLogger(__name__)
 
 DONE = "data: [DONE]\n\n"
 
@@ -48,5 +52,9 @@ class EventStreamResponse(StreamingResponse):
     async def stream_response(self, send: Send) -> None:
         try:
             await super().stream_response(send)
+        except asyncio.CancelledError:
+            # Starlette cancels the stream when its client disconnects: one line, no trace.
+            logger.info("a client went away during its stream")
+            raise
         finally:
             await self._events.aclose()

@@ -13,10 +13,10 @@ from typing import Any, Protocol
 from starlette.requests import Request
 from starlette.responses import Response
 
-from server.answer import CLIENT_CLOSED_REQUEST, Answer
+from server.answer import Answer
 from server.chat_output import ChatDelta, ChatOutputParser
 from server.choices import ChoiceDeltas, taken
-from server.errors import ApiError, internal_error
+from server.errors import CLIENT_CLOSED_REQUEST, ApiError, internal_error
 from server.generation import TextDelta
 from server.logprobs import RenderLogprobs, logprobs_of
 from server.sse import DONE, EventStreamResponse, event, to_json
@@ -272,18 +272,17 @@ async def merged(choices: list[ChoiceDeltas]) -> AsyncGenerator[tuple[int, TextD
 
 
 async def streamed_response(
-    request: Request, events: StreamEvents, choices: list[ChoiceDeltas], wait_until_taken: bool
+    request: Request, events: StreamEvents, choices: list[ChoiceDeltas]
 ) -> Response:
-    """The SSE response of ``choices``. With ``wait_until_taken`` (a request the engine may
-    refuse after every check here: its structured output's schema, regex or grammar is the
-    engine's grammar library's to judge), the response starts once the engine has taken
-    every choice, so that a refusal is an HTTP 400 rather than an error event."""
-    if wait_until_taken:
-        taken_choices = await taken(request, choices)
-        if taken_choices is None:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        choices = taken_choices
-    return EventStreamResponse(event_stream(events, choices))
+    """The SSE response of ``choices``, started once the engine has taken every choice (its
+    first delta is in), so that a refusal is an HTTP error rather than an error event: the
+    engine may refuse a request after every check here, when its queue is full (429) or
+    its structured output's schema, regex or grammar is not one its grammar library takes
+    (400)."""
+    taken_choices = await taken(request, choices)
+    if taken_choices is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return EventStreamResponse(event_stream(events, taken_choices))
 
 
 async def event_stream(

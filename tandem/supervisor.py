@@ -27,10 +27,12 @@ i listens on port P+i; ``--server-args`` go to every ``python -m server``, argum
   the engines keep their weights while servers come and go, and servers reconnect to a
   restarted engine by themselves (with replicas, the others take its share meanwhile).
 - A rolling restart (``--rolling-restart`` against a running supervisor, or SIGHUP to it)
-  restarts the servers in turn: SIGTERM (the server drains: /health 503, new requests 503,
-  streams finish, up to ``--drain-timeout``), start it again, wait until its /health answers
-  200, then the next. Behind a load balancer that follows /health and retries a 503 or a
-  refused connection on another server, no request fails.
+  restarts the servers in turn: SIGTERM (the server drains: /ready 503, new requests 503,
+  streams finish, up to ``--drain-timeout``, default 600 s), start it again, wait until its
+  /ready answers 200 and it carries its share of the requests in flight (half of an even
+  share, or there are none; at most ``--share-timeout`` s), then the next: the servers left
+  are never the only ones a balancer still sends to. Behind a load balancer that follows
+  /ready and retries a 503 or a refused connection on another server, no request fails.
 - SIGTERM or SIGINT stops everything: the servers first (they drain), then the engines.
 
 The control socket (default ``$TMPDIR/tandem-supervisor-P.sock``) takes one JSON line,
@@ -67,6 +69,9 @@ _STABLE_AFTER_S = 60.0  # a process that ran this long starts its backoff over
 _START_TIMEOUT_S = 900.0  # a server waits for the engine's handshake (weights loading)
 _STOP_MARGIN_S = 15.0  # past a drain timeout, before SIGKILL
 _HEALTH_POLL_S = 0.25
+# A restarted server has taken its share once it carries this much of an even share of the
+# requests in flight (new requests reach it as those on the others end).
+_SHARE = 0.5
 _PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
@@ -76,7 +81,7 @@ class Child:
 
     name: str
     argv: list[str]
-    health: tuple[str, int] | None = None  # (host, port) of its /health; None: the engine
+    health: tuple[str, int] | None = None  # (host, port) of its /ready; None: the engine
     stop_timeout_s: float = 30.0  # how long it may take to exit on SIGTERM
     address: str | None = None  # an engine's ZeroMQ address
     gpus: str | None = None  # an engine's CUDA_VISIBLE_DEVICES; None: the supervisor's
@@ -109,9 +114,12 @@ def _die_with_supervisor() -> None:
 
 
 class Supervisor:
-    def __init__(self, engines: list[Child], servers: list[Child]) -> None:
+    def __init__(
+        self, engines: list[Child], servers: list[Child], share_timeout_s: float = 120.0
+    ) -> None:
         self.engines = engines
         self.servers = servers
+        self.share_timeout_s = share_timeout_s
         self.stopping = False
         self.started = False  # all ready once: from then on, exits are restarted
         self.startup_failed = asyncio.Event()
@@ -176,13 +184,13 @@ class Supervisor:
         return child.process
 
     async def _watch_health(self, child: Child, process: asyncio.subprocess.Process) -> None:
-        """Sets ``child.ready`` once this incarnation's /health answers 200 (the engine: now)."""
+        """Sets ``child.ready`` once this incarnation's /ready answers 200 (the engine: now)."""
         if child.health is None:
             child.ready.set()
             return
         deadline = time.monotonic() + _START_TIMEOUT_S
         while process.returncode is None and time.monotonic() < deadline:
-            if await http_status(*child.health, "/health") == 200:
+            if await http_status(*child.health, "/ready") == 200:
                 if child.process is process:
                     child.ready.set()
                     logger.info("%s ready (pid %d)", child.name, process.pid)
@@ -209,9 +217,31 @@ class Supervisor:
                     error = f"{child.name} did not come back in {_START_TIMEOUT_S:g} s"
                     logger.error("rolling restart stopped: %s", error)
                     return {"ok": False, "error": error, "restarted": restarted}
+                if child is not self.servers[-1]:
+                    await self._taken_share(child)
                 restarted.append(child.status())
             logger.info("rolling restart done: %d servers", len(restarted))
             return {"ok": True, "restarted": restarted}
+
+    async def _taken_share(self, child: Child) -> None:
+        """Returns once ``child`` carries its share of the requests in flight (``_SHARE`` of
+        an even share; at once if there are none), or after ``share_timeout_s``."""
+        deadline = time.monotonic() + self.share_timeout_s
+        while time.monotonic() < deadline:
+            loads = await asyncio.gather(
+                *(requests_in_flight(*server.health) for server in self.servers if server.health)
+            )
+            mine = await requests_in_flight(*child.health) if child.health else None
+            total = sum(load or 0 for load in loads)
+            if mine is not None and mine >= _SHARE * total / len(self.servers):
+                logger.info("%s carries %d of %d requests in flight", child.name, mine, total)
+                return
+            await asyncio.sleep(_HEALTH_POLL_S)
+        logger.warning(
+            "%s did not take its share of the requests in %g s; going on",
+            child.name,
+            self.share_timeout_s,
+        )
 
     @staticmethod
     async def _ready_again(child: Child, old: asyncio.subprocess.Process | None) -> None:
@@ -271,19 +301,39 @@ async def terminate(process: asyncio.subprocess.Process, timeout_s: float) -> No
         await process.wait()
 
 
-async def http_status(host: str, port: int, path: str, timeout: float = 2.0) -> int | None:
-    """The status of GET ``path``, or None if the server does not answer."""
+async def http_get(host: str, port: int, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    """GET ``path``: the status and the body. Raises OSError, TimeoutError or ValueError if
+    the server does not answer, or not in HTTP."""
     writer = None
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
         writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
-        status_line = await asyncio.wait_for(reader.readline(), timeout)
-        return int(status_line.split()[1])
-    except (OSError, TimeoutError, ValueError, IndexError):
-        return None
+        response = await asyncio.wait_for(reader.read(), timeout)
+        head, _, body = response.partition(b"\r\n\r\n")
+        status = head.split(maxsplit=2)[1:2]
+        if not status:
+            raise ValueError("not an HTTP response")
+        return int(status[0]), body
     finally:
         if writer is not None:
             writer.close()
+
+
+async def http_status(host: str, port: int, path: str) -> int | None:
+    """The status of GET ``path``, or None if the server does not answer."""
+    try:
+        return (await http_get(host, port, path))[0]
+    except (OSError, TimeoutError, ValueError):
+        return None
+
+
+async def requests_in_flight(host: str, port: int) -> int | None:
+    """The requests a server has in flight (its /ready says), or None if it is not ready."""
+    try:
+        status, body = await http_get(host, port, "/ready")
+        return int(json.loads(body)["requests_in_flight"]) if status == 200 else None
+    except (OSError, TimeoutError, ValueError, KeyError, TypeError):
+        return None
 
 
 def control_path(args: argparse.Namespace) -> Path:
@@ -395,7 +445,7 @@ def build_children(args: argparse.Namespace, engine_args: list[str]) -> Supervis
             *shlex.split(args.server_args),
         ]  # fmt: skip
         servers.append(Child(f"server {index}", argv, (connect_host, port), args.drain_timeout))
-    return Supervisor(engines, servers)
+    return Supervisor(engines, servers, args.share_timeout)
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -430,7 +480,19 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="the GPUs to split over the replicas, e.g. 0,1,2,3 (default: "
         "$CUDA_VISIBLE_DEVICES, else every GPU nvidia-smi lists)",
     )
-    parser.add_argument("--drain-timeout", type=float, default=30.0)
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a stopped server's requests may take to finish (default: 600)",
+    )
+    parser.add_argument(
+        "--share-timeout",
+        type=float,
+        default=120.0,
+        help="rolling restart: seconds to wait for a restarted server to take its share of "
+        "the requests before the next one drains (default: 120)",
+    )
     parser.add_argument("--server-args", default="", help="more arguments for every server")
     parser.add_argument("--control", help="the control socket's path")
     action = parser.add_mutually_exclusive_group()

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from engine.scheduling.draft_pause import DraftPause
-from protocol import PromptTokenLogprobs, SamplingParams
+from protocol import PromptTokenLogprobs, SamplingParams, Scheduling
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -34,6 +34,8 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     seed: int  # the request's own seed, or one the engine drew for it
+    # Its priority and user: where it waits in the queue (engine/scheduling/waiting_queue.py).
+    scheduling: Scheduling = field(default_factory=Scheduling)
     output_token_ids: list[int] = field(default_factory=list)
     # Its cache blocks, in order: int64 in an array (not a list), so that a step packs a
     # batch's block tables by joining their buffers (engine/execution/batch.py), not item by item.

@@ -5,7 +5,9 @@ same forward pass, within a token budget: a long prompt is prefilled in chunks o
 several steps while the others keep decoding. When the cache runs out mid-decode,
 the newest running request is preempted: its blocks are freed and it goes back to
 the front of the queue, to be recomputed (prompt and output so far) once blocks free
-up, from what of it prefix caching still holds.
+up, from what of it prefix caching still holds. Which waiting request is admitted next is
+the waiting queue's to say (engine/scheduling/waiting_queue.py: --scheduling-policy, users
+taking turns).
 """
 
 from __future__ import annotations
@@ -15,16 +17,21 @@ from collections import deque
 
 from engine.scheduling.block_manager import BlockManager
 from engine.scheduling.request import Request, RequestStatus
+from engine.scheduling.waiting_queue import WaitingQueue
 
 
 class Scheduler:
     def __init__(
-        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        policy: str = "fcfs",
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(policy)
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_prefill_tokens = 0  # prompt tokens scheduled (cached prefixes not)
@@ -36,7 +43,7 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        self.waiting.push(request)
 
     def schedule(self) -> list[Request]:
         """The requests of the next forward pass, each with ``num_scheduled_tokens`` set: how
@@ -56,8 +63,8 @@ class Scheduler:
         prefilling: list[Request] = []
         kept: list[Request] = []
         num_preemptions = self.num_preemptions
-        # Oldest first: the newest requests give their blocks up to the older ones, so a
-        # request kept is never preempted later in the pass.
+        # Oldest first (with priorities, the most urgent): the newest requests give their
+        # blocks up to the older ones, so a request kept is never preempted later in the pass.
         queue = deque(self.running)
         while queue:
             request = queue.popleft()
@@ -109,16 +116,16 @@ class Scheduler:
         # A waiting request has no pending token: one preempted with a token in flight was
         # preempted in this call, which admits no one, and the token is read before the next.
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.peek()
             if request.needs_prompt_logprobs and not self._scored_positions_left:
                 break
             if not self.block_manager.admit(request):
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
-            self.running.append(request)
+            self.waiting.add_running(self.running, request)
             self._schedule_prefill(request, budget)
             budget -= request.num_scheduled_tokens
             batch.append(request)
@@ -128,7 +135,7 @@ class Scheduler:
         request.draft_token_ids = []
         self.block_manager.release(request)
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        self.waiting.push_front(request)
 
     def remove(self, request: Request) -> None:
         """Take a finished or aborted request out and free its blocks (a request that was

@@ -5,6 +5,12 @@ step's outputs, repeat. Sends never block: a server that went away (or stopped
 reading) is forgotten and its requests are aborted, so one bad peer cannot stall
 the others.
 
+Admission control: past ``--max-queued-requests`` requests waiting for a place in the batch,
+a new request is refused at once (``overloaded``; the servers answer HTTP 429), so that the
+requests admitted keep their latency. Every second the engine sends each server its stats
+unasked, between two steps: its heartbeat, from which the servers' /health and /ready say
+whether it is alive without asking (an answer would wait behind the step).
+
 Stopping (SIGTERM) drains: new requests are refused (``shutting_down``), those in flight
 run on for up to ``--drain-timeout`` seconds, and the rest end with finish reason
 ``abort`` before the socket closes. A second signal stops at once.
@@ -28,6 +34,7 @@ from protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     AbortRequest,
+    EngineStats,
     ErrorCode,
     ErrorReply,
     GenerateRequest,
@@ -51,6 +58,8 @@ _IDLE_POLL_MS = 100
 _COMPILING_POLL_MS = 2
 # Milliseconds that closing the socket may spend delivering the last outputs (the aborts).
 _CLOSE_LINGER_MS = 2_000
+# Seconds between two heartbeats (EngineStats sent to every server unasked).
+HEARTBEAT_INTERVAL_S = 1.0
 
 
 class EngineService:
@@ -59,6 +68,8 @@ class EngineService:
         build_codecs()  # not on the first request's way to its first token
         self.throughput_log = ThroughputLog(engine, config.stats_interval)
         self.drain_timeout_s = config.drain_timeout
+        self.max_queued_requests = config.max_queued_requests
+        self.next_heartbeat = time.monotonic()
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         # Sending to a vanished peer raises EHOSTUNREACH instead of dropping silently:
@@ -126,6 +137,7 @@ class EngineService:
                     self._send_outputs(self.engine.step())
                     for client, error in self.engine.take_errors():
                         self._send(client, error)
+                self._maybe_send_heartbeat()
                 self.throughput_log.maybe_log()
             aborted = self.engine.abort_all()
             if aborted:
@@ -189,12 +201,21 @@ class EngineService:
                 if output is not None:
                     self._send(client, TokenOutputs([output]))
             case StatsRequest():
-                stats = self.engine.stats()
-                self._send(
-                    client, dataclasses.replace(stats, num_connected_servers=self.num_connections)
-                )
+                self._send(client, self._stats())
             case _:
                 logger.warning("dropped a %s: not a message for the engine", message.TYPE)
+
+    def _stats(self) -> EngineStats:
+        return dataclasses.replace(self.engine.stats(), num_connected_servers=self.num_connections)
+
+    def _maybe_send_heartbeat(self) -> None:
+        now = time.monotonic()
+        if now < self.next_heartbeat or not self.handshaken:
+            return
+        self.next_heartbeat = now + HEARTBEAT_INTERVAL_S
+        stats = self._stats()
+        for client in list(self.handshaken):  # a failed send forgets the client
+            self._send(client, stats)
 
     def _generate(self, client: bytes, request: GenerateRequest) -> None:
         if self.drain_deadline is not None:
@@ -209,9 +230,22 @@ class EngineService:
                 ErrorReply(request.request_id, ErrorCode.NOT_READY, "handshake first"),
             )
             return
+        limit = self.max_queued_requests
+        if self.engine.num_waiting_for_a_place(arriving=1) > limit:
+            reply = ErrorReply(
+                request.request_id,
+                ErrorCode.OVERLOADED,
+                f"{limit} requests already wait for a place in the batch (--max-queued-requests)",
+            )
+            self._send(client, reply)
+            return
         try:
             self.engine.add_request(
-                client, request.request_id, request.prompt_token_ids, request.sampling
+                client,
+                request.request_id,
+                request.prompt_token_ids,
+                request.sampling,
+                request.scheduling,
             )
         except RequestRejected as exc:
             self._send(client, ErrorReply(request.request_id, exc.code, exc.message))

@@ -14,7 +14,7 @@ from server.generation import TextDelta
 from server.logprobs import chat_logprobs, logprobs_of, prompt_logprobs
 from server.openai_schemas import ChatCompletionRequest, parse_request
 from server.prompts import chat_generation
-from server.request_id import request_id
+from server.request_id import client_address, request_id
 from server.served_model import ServedModel
 from server.streaming import ChatChunks, streamed_response
 
@@ -27,7 +27,7 @@ class ChatCompletions:
     async def create(self, request: Request) -> Response:
         body = parse_request(ChatCompletionRequest, await request.body())
         self._model.check_name(body.model)
-        prepared = await chat_generation(self._model, body)
+        prepared = await chat_generation(self._model, body, peer=client_address(request))
         generation, parsing = prepared.generation, prepared.parsing
         object_type = "chat.completion.chunk" if body.stream else "chat.completion"
         answer = Answer.new(
@@ -58,8 +58,7 @@ class ChatCompletions:
                 role=body.response_role,
                 echo=echo,
             )
-            constrained = generation.sampling.structured_output is not None
-            return await streamed_response(request, chunks, choices, constrained)
+            return await streamed_response(request, chunks, choices)
 
         def choice(index: int, whole: TextDelta) -> dict[str, Any]:
             output = parsing.parser().parse(whole.text)

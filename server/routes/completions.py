@@ -19,7 +19,7 @@ from server.generation import TextDelta
 from server.logprobs import CompletionLogprobs, RenderLogprobs, logprobs_of, prompt_logprobs
 from server.openai_schemas import CompletionRequest, parse_request
 from server.prompts import completion_prompts
-from server.request_id import request_id
+from server.request_id import client_address, request_id
 from server.served_model import ServedModel
 from server.streaming import CompletionChunks, streamed_response
 
@@ -46,6 +46,7 @@ class Completions:
                 body.num_candidates,
                 body.include_stop_str_in_output,
                 body.hidden_token_ids(self._model),
+                body.scheduling(client_address(request)),
             )
             choices += generation.choices(
                 self._client, self._model.tokenizer, f"{answer.engine_id}-{index}"
@@ -68,8 +69,7 @@ class Completions:
                 continuous_usage=body.continuous_usage,
                 prompt_tokens=[len(p.ids) for p in prompts for _ in range(body.num_choices)],
             )
-            constrained = generation.sampling.structured_output is not None
-            return await streamed_response(request, chunks, choices, constrained)
+            return await streamed_response(request, chunks, choices)
 
         def choice(index: int, whole: TextDelta) -> dict[str, Any]:
             rendered = {

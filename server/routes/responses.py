@@ -10,7 +10,7 @@ from server.answer import Answer, whole_answer
 from server.engine_pool import EnginePool
 from server.openai_schemas import parse_request
 from server.prompts import chat_generation
-from server.request_id import request_id
+from server.request_id import client_address, request_id
 from server.responses_output import ResponseEvents, ResponseObject
 from server.responses_schemas import ResponsesRequest
 from server.served_model import ServedModel
@@ -26,7 +26,9 @@ class Responses:
     async def create(self, request: Request) -> Response:
         body = parse_request(ResponsesRequest, await request.body())
         self._model.check_name(body.model)
-        prepared = await chat_generation(self._model, body.chat_request(), body.structured_output())
+        prepared = await chat_generation(
+            self._model, body.chat_request(), body.structured_output(), client_address(request)
+        )
         generation = prepared.generation
         answer = Answer.new(
             "resp_", "response", self._model.name, request_id(request), len(generation.prompt_ids)

@@ -57,7 +57,7 @@ import torch
 
 from engine.config import MAX_NUM_SEQS_PER_GPU
 from engine.roofline import DeviceRates, ModelCost, measure_rates, workload_bound
-from protocol import HandshakeReply, SamplingParams
+from protocol import HandshakeReply, SamplingParams, Scheduling
 from server.engine_pool import EnginePool
 from tandem.bench.latency import model_cost
 from tandem.bench.offline import workload
@@ -185,7 +185,9 @@ async def probe_every_replica(pool: EnginePool, vocab_size: int) -> list[list[in
     for replica in pool.replicas:
         tokens = []
         for i, prompt in enumerate(prompts):
-            outputs = replica.client.generate(f"probe-{replica.index}-{i}", prompt, greedy)
+            outputs = replica.client.generate(
+                f"probe-{replica.index}-{i}", prompt, greedy, Scheduling()
+            )
             tokens.append([t async for output in outputs for t in output.new_token_ids])
         answers.append(tokens)
     for replica, tokens in enumerate(answers[1:], start=1):
@@ -278,7 +280,7 @@ async def _client(
 
 async def _generate(pool: EnginePool, request_id: str, prompt: list[int], max_tokens: int) -> int:
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    outputs = pool.generate(request_id, prompt, sampling)
+    outputs = pool.generate(request_id, prompt, sampling, Scheduling())
     return sum([len(output.new_token_ids) async for output in outputs])
 
 

@@ -361,7 +361,8 @@ def server_cost(before: list[float], after: list[float], seconds: float, chunks:
 
 def engine_prompt_tokens(url: str) -> tuple[int, int]:
     """The engine's prompt tokens so far: those computed, and those its prefix cache held."""
-    stats = httpx.get(f"{url}/health", timeout=10).json()["engine"]
+    # /stats asks the engine now (/health has its last heartbeat's, up to a second old).
+    stats = httpx.get(f"{url}/stats", timeout=10).json()
     return stats["num_prompt_tokens"], stats["num_cached_prompt_tokens"]
 
 

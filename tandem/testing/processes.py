@@ -100,9 +100,11 @@ def tail(path: Path, lines: int = 40) -> str:
 
 
 def engine_stats(url: str) -> dict:
-    response = httpx.get(f"{url}/health", timeout=5)
+    """The engine's stats now, asked through the server's /stats (/health has those of the
+    engine's last heartbeat, up to a second old)."""
+    response = httpx.get(f"{url}/stats", timeout=5)
     response.raise_for_status()
-    return response.json()["engine"]
+    return response.json()
 
 
 def wait_for_cache_free(url: str, timeout_s: float = 30) -> dict:

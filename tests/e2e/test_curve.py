@@ -27,6 +27,7 @@ from protocol.curve import load_public_key, make_curve_client
 from tandem.testing.processes import (
     REPO_ROOT,
     SMALL_KV_CACHE,
+    engine_stats,
     free_port,
     spawn,
     start_engine,
@@ -164,7 +165,7 @@ def test_only_authorized_servers_reach_the_engine_and_nobody_reads_the_wire(
         assert time.monotonic() < deadline, tail(engine_log)
         time.sleep(0.2)
     # Nothing the intruders sent ran: the engine finished our one request.
-    assert httpx.get(f"{url}/health", timeout=10).json()["engine"]["num_finished"] == 1
+    assert engine_stats(url)["num_finished"] == 1
     stop(server)
     stop(engine)
     assert engine.returncode == 0, tail(engine_log)
@@ -238,8 +239,14 @@ def test_data_parallel_replicas_share_one_engine_key_pair(
     for prompt in ("w5 w6 w7", "w9 w3 w8", "w2 w4 w6", "w7 w7 w1"):
         reply = httpx.post(f"{url}/v1/completions", json={**body, "prompt": prompt}, timeout=60)
         assert reply.status_code == 200, reply.text
-    replicas = httpx.get(f"{url}/health", timeout=10).json()["replicas"]
-    assert all(replica["engine"]["num_finished"] >= 1 for replica in replicas), replicas
+    # /health has each replica's stats of its last heartbeat: a second old at most.
+    deadline = time.monotonic() + 10
+    while True:
+        replicas = httpx.get(f"{url}/health", timeout=10).json()["replicas"]
+        if all(replica["engine"]["num_finished"] >= 1 for replica in replicas):
+            break
+        assert time.monotonic() < deadline, replicas
+        time.sleep(0.2)
     # Nobody without a key gets an answer from either replica.
     for address in addresses:
         assert not _answered(address, lambda sock: None)

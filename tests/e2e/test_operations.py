@@ -171,6 +171,8 @@ def test_rolling_restart_under_load_fails_no_request(deployment: Deployment) -> 
     old_pids = {server["pid"] for server in before["servers"]}
     assert not old_pids & {server["pid"] for server in after["servers"]}  # all restarted
     assert after["engines"][0]["pid"] == before["engines"][0]["pid"]  # weights kept
+    # The second server drained only once the first, restarted, carried its share.
+    assert "server 0 carries" in deployment.log_path.read_text()
     print(f"{completed} streams, {retried} refusals retried on the other server")
     wait_for_cache_free(deployment.urls[0])
 
@@ -206,8 +208,12 @@ def test_a_draining_server_finishes_its_streams_and_takes_nothing_new(
             lines = stream.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
             server.send_signal(signal.SIGTERM)
-            health = _health_once_draining(url)
-            assert health.status_code == 503 and health.json()["status"] == "draining"
+            ready = _ready_once_draining(url)
+            assert ready.status_code == 503
+            assert ready.json()["error"]["code"] == "server_draining"
+            # Liveness: the server is alive, and says it drains.
+            health = httpx.get(f"{url}/health", timeout=10)
+            assert health.status_code == 200 and health.json()["status"] == "draining"
             refused = httpx.post(f"{url}/v1/completions", json=_body(PROMPTS[0]), timeout=10)
             assert refused.status_code == 503
             assert refused.json()["error"]["code"] == "server_draining"
@@ -220,14 +226,14 @@ def test_a_draining_server_finishes_its_streams_and_takes_nothing_new(
         stop(server)
 
 
-def _health_once_draining(url: str) -> httpx.Response:
-    """/health once the server answers that it drains (it handles the signal between two
+def _ready_once_draining(url: str) -> httpx.Response:
+    """/ready once the server answers that it drains (it handles the signal between two
     ticks of its event loop), or its last answer after 5 s."""
     deadline = time.monotonic() + 5
     while True:
-        health = httpx.get(f"{url}/health", timeout=10)
-        if health.status_code == 503 or time.monotonic() > deadline:
-            return health
+        ready = httpx.get(f"{url}/ready", timeout=10)
+        if ready.status_code == 503 or time.monotonic() > deadline:
+            return ready
         time.sleep(0.01)
 
 

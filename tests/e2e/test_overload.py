@@ -1,0 +1,429 @@
+"""Overload and hostile clients, with real processes: connections that send nothing, or a
+byte at a time, are cut within their timeouts while the server keeps answering; past the
+cap on connections, and past the engine's queue, requests are refused at once (503, 429)
+while those admitted finish; priorities and users' turns order the queue; /health answers
+from the engine's heartbeat; a drain that runs out of time tells its clients; a client that
+goes away is one INFO line. The timeouts are set small here; their defaults are
+``python -m server --help``'s."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tandem.testing.processes import (
+    SMALL_KV_CACHE,
+    free_port,
+    start_engine,
+    start_server,
+    stop,
+    tail,
+    wait_for_cache_free,
+)
+from tandem.testing.random_checkpoint import save_tiny_word_model
+
+HEADER_TIMEOUT_S = 1.0
+BODY_TIMEOUT_S = 1.0
+KEEP_ALIVE_TIMEOUT_S = 1.0
+MAX_CONNECTIONS = 50
+MAX_REQUEST_BYTES = 20_000
+MAX_GENERATED_TOKENS = 64
+# The engine runs two requests at once and lets two more wait.
+MAX_NUM_SEQS = 2
+MAX_QUEUED = 2
+# How much later than its timeout a cut may come on two shared CPU cores.
+SLACK_S = 2.0
+
+
+@dataclass
+class Served:
+    engine: subprocess.Popen
+    server: subprocess.Popen
+    address: str
+    url: str
+    port: int
+    server_log: Path
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+
+
+def _serve(workdir: Path, engine_args: list[str], server_args: list[str]) -> Iterator[Served]:
+    save_tiny_word_model(workdir / "model")
+    address = f"ipc://{workdir}/engine.sock"
+    engine = start_engine(
+        address, workdir / "engine.log", "--model", str(workdir / "model"), *SMALL_KV_CACHE,
+        "--max-num-seqs", str(MAX_NUM_SEQS), *engine_args,
+    )  # fmt: skip
+    port = free_port()
+    server = None
+    try:
+        server = start_server(address, port, workdir / "server.log", *server_args)
+        url = f"http://127.0.0.1:{port}"
+        yield Served(engine, server, address, url, port, workdir / "server.log")
+    finally:
+        for process in (server, engine):
+            if process is not None:
+                stop(process)
+        print(tail(workdir / "server.log"))
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """A first-come-first-served engine with a short queue, behind a server with small
+    connection limits."""
+    yield from _serve(
+        tmp_path_factory.mktemp("guarded"),
+        ["--max-queued-requests", str(MAX_QUEUED)],
+        [
+            "--header-timeout", str(HEADER_TIMEOUT_S), "--body-timeout", str(BODY_TIMEOUT_S),
+            "--min-body-rate", "200", "--keep-alive-timeout", str(KEEP_ALIVE_TIMEOUT_S),
+            "--max-connections", str(MAX_CONNECTIONS),
+            "--max-request-bytes", str(MAX_REQUEST_BYTES),
+            "--max-generated-tokens", str(MAX_GENERATED_TOKENS),
+        ],
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def prioritized(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    yield from _serve(
+        tmp_path_factory.mktemp("prioritized"), ["--scheduling-policy", "priority"], []
+    )
+
+
+def _completion(prompt: str, max_tokens: int, **extra: object) -> dict:
+    """A completion body for raw HTTP."""
+    return {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **extra}
+
+
+def _create_kwargs(prompt: str, max_tokens: int, priority: int = 0, **extra: object) -> dict:
+    """The openai client's arguments for the same (vLLM's fields go in extra_body)."""
+    extra_body = {"ignore_eos": True, "priority": priority}
+    return {
+        "model": "model",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "extra_body": extra_body,
+        **extra,
+    }
+
+
+def _read_until_closed(sock: socket.socket, timeout_s: float) -> tuple[bytes, float]:
+    """Everything the server writes until it closes the connection, and when it closed
+    (time.monotonic()); fails if it is still open ``timeout_s`` from now."""
+    sock.settimeout(timeout_s)
+    received = b""
+    try:
+        while chunk := sock.recv(65536):
+            received += chunk
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        pytest.fail(f"the connection is still open after {timeout_s} s: {received!r}")
+    return received, time.monotonic()
+
+
+def _answers(url: str) -> float:
+    """Seconds /health took to answer 200."""
+    started = time.monotonic()
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    return time.monotonic() - started
+
+
+def _drip(sock: socket.socket, data: bytes, interval_s: float) -> None:
+    """Sends ``data`` a byte at a time until the server closes the connection."""
+    try:
+        for byte in data:
+            sock.send(bytes([byte]))
+            time.sleep(interval_s)
+    except OSError:
+        return
+
+
+def test_silent_connections_are_closed_within_the_header_timeout(guarded: Served) -> None:
+    opened = time.monotonic()
+    silent = [socket.create_connection(("127.0.0.1", guarded.port)) for _ in range(40)]
+    assert _answers(guarded.url) < 1.0  # the server answers meanwhile
+    for sock in silent:
+        received, closed = _read_until_closed(sock, HEADER_TIMEOUT_S + SLACK_S)
+        assert received.startswith(b"HTTP/1.1 408 ")
+        assert b'"code": "request_timeout"' in received
+        assert closed - opened < HEADER_TIMEOUT_S + SLACK_S
+        sock.close()
+
+
+def test_slowloris_on_headers_and_on_bodies_is_cut(guarded: Served) -> None:
+    headers = socket.create_connection(("127.0.0.1", guarded.port))
+    body = socket.create_connection(("127.0.0.1", guarded.port))
+    body.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 1000\r\n\r\n"
+    )
+    started = time.monotonic()
+    slow_headers = b"GET /health HTTP/1.1\r\nX-A: " + b"a" * 99
+    slow_body = b'{"prompt": "' + b"w5 " * 300
+    drips = [
+        threading.Thread(target=_drip, args=(headers, slow_headers, 0.1)),
+        threading.Thread(target=_drip, args=(body, slow_body, 0.1)),
+    ]
+    for drip in drips:
+        drip.start()
+    # Others are served meanwhile.
+    reply = guarded.client().completions.create(**_create_kwargs("w5 w6", 4))
+    assert reply.choices[0].finish_reason == "length"
+    for sock, timeout_s in ((headers, HEADER_TIMEOUT_S), (body, BODY_TIMEOUT_S)):
+        received, closed = _read_until_closed(sock, timeout_s + SLACK_S)
+        assert received.startswith(b"HTTP/1.1 408 "), received
+        assert closed - started < timeout_s + SLACK_S
+        sock.close()
+    for drip in drips:
+        drip.join()
+
+
+def test_an_idle_keep_alive_connection_is_closed(guarded: Served) -> None:
+    sock = socket.create_connection(("127.0.0.1", guarded.port))
+    sock.sendall(b"GET /ready HTTP/1.1\r\nHost: x\r\n\r\n")
+    sock.settimeout(10)
+    response = b""
+    while not response.endswith(b"}"):  # the whole JSON answer
+        response += sock.recv(65536)
+    assert response.startswith(b"HTTP/1.1 200 ")
+    idle_from = time.monotonic()
+    received, closed = _read_until_closed(sock, KEEP_ALIVE_TIMEOUT_S + SLACK_S)
+    assert received == b""  # closed without a word, as uvicorn closes idle connections
+    assert closed - idle_from >= KEEP_ALIVE_TIMEOUT_S * 0.9
+    sock.close()
+
+
+def test_connections_past_the_cap_are_refused_at_once(guarded: Served) -> None:
+    opened = [socket.create_connection(("127.0.0.1", guarded.port)) for _ in range(60)]
+    time.sleep(HEADER_TIMEOUT_S / 2)  # the refusals are written at once, the 408s later
+    answers = []
+    for sock in opened:
+        sock.setblocking(False)
+        with contextlib.suppress(BlockingIOError):  # held, until the header timeout
+            answers.append(sock.recv(65536))
+    assert len(answers) >= 60 - MAX_CONNECTIONS
+    for received in answers:
+        assert received.startswith(b"HTTP/1.1 503 "), received
+        assert b"too_many_connections" in received
+    for sock in opened:
+        sock.close()
+    assert _answers(guarded.url) < 1.0
+
+
+def test_a_chunked_upload_past_the_limit_gets_413_and_the_connection_closes(
+    guarded: Served,
+) -> None:
+    sock = socket.create_connection(("127.0.0.1", guarded.port))
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n"
+    )
+    chunk = b"w5 " * 1365
+    sent = 0
+    received = b""
+    sock.settimeout(0.05)
+    # The client goes on uploading, as a careless one does, until the server closes.
+    while sent < 100 * MAX_REQUEST_BYTES:
+        try:
+            sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            sent += len(chunk)
+            received += sock.recv(65536)
+        except TimeoutError:
+            continue
+        except OSError:  # reset or broken pipe: closed
+            break
+        if received.startswith(b"HTTP/1.1 413 ") and b"request_too_large" in received:
+            rest, _ = _read_until_closed(sock, 5)
+            received += rest
+            break
+    assert received.startswith(b"HTTP/1.1 413 "), received
+    assert b"connection: close" in received.lower()
+    assert sent < 10 * MAX_REQUEST_BYTES  # it was not read on and on
+    sock.close()
+
+
+def test_a_full_queue_answers_429_at_once_and_the_admitted_finish(guarded: Served) -> None:
+    client = guarded.client()
+
+    def one(index: int) -> tuple[str, float, str | None]:
+        started = time.monotonic()
+        body = _create_kwargs(f"w{5 + index} w6", 12)
+        try:
+            if index % 2:
+                chunks = list(client.completions.create(stream=True, **body))
+                outcome = chunks[-1].choices[0].finish_reason or "?"
+            else:
+                outcome = client.completions.create(**body).choices[0].finish_reason
+            return outcome, time.monotonic() - started, None
+        except openai.RateLimitError as exc:
+            assert exc.response.json()["error"]["code"] == "rate_limit_exceeded"
+            return "429", time.monotonic() - started, exc.response.headers.get("retry-after")
+
+    with ThreadPoolExecutor(10) as pool:
+        results = list(pool.map(one, range(10)))
+    outcomes = [outcome for outcome, _, _ in results]
+    assert set(outcomes) == {"length", "429"}, results  # nothing else: nothing lost
+    assert outcomes.count("length") >= MAX_NUM_SEQS + MAX_QUEUED - 1
+    refused = [(took, retry) for outcome, took, retry in results if outcome == "429"]
+    assert all(retry == "1" for _, retry in refused)
+    finished = [took for outcome, took, _ in results if outcome == "length"]
+    # Refused without waiting for anyone's tokens.
+    assert max(took for took, _ in refused) < min(finished)
+    wait_for_cache_free(guarded.url)
+
+
+def test_n_times_max_tokens_is_bounded_and_priority_needs_the_priority_policy(
+    guarded: Served,
+) -> None:
+    client = guarded.client()
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(n=5, **_create_kwargs("w5", 20))
+    assert refused.value.body["param"] == "n"
+    assert str(MAX_GENERATED_TOKENS) in refused.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(**_create_kwargs("w5", 2, priority=1))
+    assert "--scheduling-policy priority" in refused.value.body["message"]
+
+
+def test_health_answers_from_the_heartbeat_while_the_engine_is_busy(guarded: Served) -> None:
+    # Stopped, the engine answers nothing, as in a long step: asking it for stats would
+    # time out, its heartbeat says it was alive a moment ago.
+    os.kill(guarded.engine.pid, signal.SIGSTOP)
+    try:
+        time.sleep(2.5)
+        started = time.monotonic()
+        health = httpx.get(f"{guarded.url}/health", timeout=10)
+        ready = httpx.get(f"{guarded.url}/ready", timeout=10)
+        assert time.monotonic() - started < 1.0
+    finally:
+        os.kill(guarded.engine.pid, signal.SIGCONT)
+    assert health.status_code == 200 and ready.status_code == 200, (health.text, ready.text)
+    assert health.json()["replicas"][0]["last_heard_s"] >= 2.0
+    assert health.json()["engine"]["num_total_blocks"] > 0
+    deadline = time.monotonic() + 10
+    while (
+        httpx.get(f"{guarded.url}/health", timeout=10).json()["replicas"][0]["last_heard_s"] > 1.5
+    ):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
+def test_a_client_going_away_is_one_info_line(guarded: Served) -> None:
+    before = guarded.server_log.read_text()
+    for _ in range(10):  # half a body, then gone
+        sock = socket.create_connection(("127.0.0.1", guarded.port))
+        sock.sendall(
+            b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n{"pro'
+        )
+        time.sleep(0.05)
+        sock.close()
+    for _ in range(3):  # a stream left after its first event
+        with httpx.stream(
+            "POST", f"{guarded.url}/v1/completions",
+            json=_completion("w5 w6", MAX_GENERATED_TOKENS, stream=True), timeout=60,
+        ) as response:  # fmt: skip
+            next(line for line in response.iter_lines() if line.startswith("data: {"))
+    wait_for_cache_free(guarded.url)
+    new = _new_log_lines(guarded.server_log, len(before), lambda new: new.count("went away") >= 13)
+    assert new.count("went away before its request") == 10, new
+    assert new.count("went away during its stream") == 3, new
+    assert "Traceback" not in new and " ERROR " not in new, new
+
+
+def _new_log_lines(path: Path, start: int, done: Callable[[str], bool]) -> str:
+    """The log from ``start`` on, once ``done`` says it holds what it should (or after 10 s)."""
+    deadline = time.monotonic() + 10
+    while not done(new := path.read_text()[start:]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return new
+
+
+def _finish_order(client: openai.OpenAI, requests: list[tuple[str, dict, float]]) -> list[str]:
+    """The names of ``requests`` (name, body, seconds to wait before sending it) in the order
+    their answers ended."""
+    order: list[str] = []
+
+    def one(name: str, body: dict, delay_s: float) -> None:
+        time.sleep(delay_s)
+        client.completions.create(**body)
+        order.append(name)
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        for future in [pool.submit(one, *request) for request in requests]:
+            future.result()
+    return order
+
+
+def test_a_lower_priority_value_runs_first(prioritized: Served) -> None:
+    order = _finish_order(
+        prioritized.client(),
+        [
+            # Two places, both taken: the first frees long before the second.
+            ("blocker-short", _create_kwargs("w5 w6", 8), 0.0),
+            ("blocker-long", _create_kwargs("w7 w8", 32), 0.0),
+            ("late", _create_kwargs("w9", 4, priority=5), 0.5),
+            ("urgent", _create_kwargs("w9", 4, priority=-1), 1.0),
+        ],
+    )
+    assert order.index("urgent") < order.index("late"), order
+    wait_for_cache_free(prioritized.url)
+
+
+def test_one_users_many_choices_do_not_starve_another_user(prioritized: Served) -> None:
+    order = _finish_order(
+        prioritized.client(),
+        [
+            ("big", _create_kwargs("w5 w6", 8, n=6, user="big"), 0.0),
+            ("small", _create_kwargs("w7 w8", 8, user="small"), 0.5),
+        ],
+    )
+    # First come first served, the small one would start after all six of big's choices.
+    assert order == ["small", "big"]
+    wait_for_cache_free(prioritized.url)
+
+
+def test_a_drain_that_runs_out_of_time_tells_its_clients(
+    prioritized: Served, tmp_path: Path
+) -> None:
+    port = free_port()
+    log = tmp_path / "server.log"
+    server = start_server(prioritized.address, port, log, "--drain-timeout", "1")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            whole = pool.submit(
+                httpx.post, f"{url}/v1/completions", json=_completion("w5", 400), timeout=60
+            )
+            with httpx.stream(
+                "POST", f"{url}/v1/completions", json=_completion("w6", 400, stream=True),
+                timeout=60,
+            ) as stream:  # fmt: skip
+                lines = stream.iter_lines()
+                first = next(line for line in lines if line.startswith("data: {"))
+                server.send_signal(signal.SIGTERM)
+                rest = [line for line in (first, *lines) if line]
+            whole_reply = whole.result()
+        assert rest[-1] == "data: [DONE]"
+        assert '"code":"server_draining"' in rest[-2], rest[-3:]
+        assert whole_reply.status_code == 503
+        assert whole_reply.json()["error"]["code"] == "server_draining"
+        assert server.wait(timeout=30) == 0, tail(log)
+    finally:
+        stop(server)
+    wait_for_cache_free(prioritized.url)
