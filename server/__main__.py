@@ -19,6 +19,7 @@ import sys
 import uvicorn
 
 from server.app import create_app
+from server.cors import add_cors_arguments, cors_options
 from server.drain import Drain, DrainingServer
 from server.engine_client import CurveKeys, HandshakeError
 from server.engine_pool import EnginePool
@@ -102,6 +103,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="on SIGTERM, seconds that requests in flight may take to finish while new ones "
         "are refused (default: 30)",
     )
+    add_cors_arguments(parser)
     parser.add_argument(
         "--log-level",
         default="info",
@@ -151,7 +153,15 @@ async def _serve(args: argparse.Namespace) -> int:
             args.port,
         )
         drain = Drain(args.drain_timeout)
-        app = create_app(client, handshake, args.api_key, options, args.max_request_bytes, drain)
+        app = create_app(
+            client,
+            handshake,
+            args.api_key,
+            options,
+            args.max_request_bytes,
+            drain,
+            cors_options(args),
+        )
         config = uvicorn.Config(
             app,
             host=args.host,

@@ -16,6 +16,7 @@ from starlette.types import ASGIApp
 from protocol import HandshakeReply
 from server.api_key import ApiKeyCheck
 from server.body_limit import BodySizeLimit, default_max_request_bytes
+from server.cors import CorsOptions
 from server.drain import Drain, DrainGate
 from server.engine_pool import EnginePool
 from server.errors import ApiError, handle_api_error, handle_http_exception, handle_unexpected
@@ -41,11 +42,13 @@ def create_app(
     chat_options: ChatOptions | None = None,
     max_request_bytes: int | None = None,
     drain: Drain | None = None,
+    cors: CorsOptions | None = None,
 ) -> ASGIApp:
     """The HTTP application serving ``handshake``'s model through ``client``; with
     ``api_key``, the API answers only requests that carry it. Bodies over
     ``max_request_bytes`` (default: a few MB over the model's context) are refused; with
-    ``drain``, the server refuses new requests once it drains (server/drain.py)."""
+    ``drain``, the server refuses new requests once it drains (server/drain.py); ``cors``:
+    which cross-origin requests are allowed (server/cors.py; default: vLLM's, all)."""
     model = ServedModel.from_handshake(handshake, chat_options)
     chat = ChatCompletions(client, model)
     completions = Completions(client, model)
@@ -68,6 +71,7 @@ def create_app(
         Route("/tokenize", tokenization.tokenize, methods=["POST"]),
         Route("/detokenize", tokenization.detokenize, methods=["POST"]),
         Route("/health", health.health, methods=["GET"]),
+        Route("/ping", health.health, methods=["GET", "POST"]),  # vLLM's alias of /health
         Route("/metrics", health.metrics, methods=["GET"]),
         Route("/stats", stats.stats, methods=["GET"]),
         Route("/version", server_version, methods=["GET"]),
@@ -76,7 +80,10 @@ def create_app(
     ]
     if max_request_bytes is None:
         max_request_bytes = default_max_request_bytes(handshake.max_model_len)
-    middleware = [Middleware(ApiKeyCheck, api_key=api_key)] if api_key else []
+    # CORS outermost: a preflight carries no API key.
+    middleware = [(cors or CorsOptions()).middleware()]
+    if api_key:
+        middleware.append(Middleware(ApiKeyCheck, api_key=api_key))
     # Inside Starlette's error middleware, so that the 413 it raises is an OpenAI error body.
     middleware.append(Middleware(BodySizeLimit, max_bytes=max_request_bytes))
     app: ASGIApp = Starlette(

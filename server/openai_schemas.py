@@ -297,6 +297,10 @@ class GenerationBody(SamplingFields):
         """How many alternatives' log-probabilities each token needs, or None for none."""
         raise NotImplementedError
 
+    def requested_prompt_logprobs(self) -> int | None:
+        """How many alternatives' log-probabilities each prompt token needs, or None."""
+        return self.prompt_logprobs
+
     def truncated_prompt(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
         """``prompt_ids`` as ``truncate_prompt_tokens`` cuts them (vLLM's semantics)."""
         keep = self.truncate_prompt_tokens
@@ -370,7 +374,7 @@ class GenerationBody(SamplingFields):
             min_tokens=self.min_tokens,
             bad_words_token_ids=bad_words_token_ids,
             allowed_token_ids=self.allowed_token_ids,
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=self.requested_prompt_logprobs(),
             structured_output=structured_output_of(
                 response_format=self.response_format,
                 structured_outputs=self.structured_outputs,
@@ -493,14 +497,6 @@ class CompletionRequest(GenerationBody):
             raise ApiError(400, "best_of must be at least n.", param="best_of")
         if self.best_of is not None and self.best_of > 1 and self.stream:
             raise ApiError(400, "best_of cannot be used with stream.", param="best_of")
-        if self.echo and self.logprobs is not None:
-            # The prompt's own tokens would need log-probabilities from the engine.
-            raise ApiError(
-                400,
-                "echo with logprobs is not supported yet.",
-                param="echo",
-                code="unsupported_parameter",
-            )
         if self.suffix and not all(isinstance(prompt, str) for prompt in self.prompt):
             raise ApiError(400, "suffix needs text prompts, not token ids.", param="suffix")
         if self.suffix and self.truncate_prompt_tokens is not None:
@@ -514,6 +510,17 @@ class CompletionRequest(GenerationBody):
     def num_candidates(self) -> int:
         """How many choices each prompt generates, of which the ``n`` best are answered."""
         return self.best_of or self.num_choices
+
+    def requested_prompt_logprobs(self) -> int | None:
+        # As vLLM: echo with logprobs scores the echoed prompt's tokens as the completion's.
+        if self.prompt_logprobs is None and self.echo_logprobs:
+            return self.logprobs
+        return self.prompt_logprobs
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """Whether the answer's log-probabilities start with the echoed prompt's."""
+        return self.echo and self.logprobs is not None
 
     def requested_logprobs(self) -> int | None:
         if self.logprobs is None and self.num_candidates > self.num_choices:
