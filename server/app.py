@@ -24,6 +24,7 @@ from server.metrics import HttpStatusCounter
 from server.request_id import RequestIdHeader
 from server.routes.chat import ChatCompletions
 from server.routes.completions import Completions
+from server.routes.embeddings import Embeddings
 from server.routes.health import Health
 from server.routes.models import Models
 from server.routes.responses import Responses
@@ -53,6 +54,7 @@ def create_app(
     chat = ChatCompletions(client, model)
     completions = Completions(client, model)
     responses = Responses(client, model)
+    embeddings = Embeddings(client, model)
     models = Models(model)
     tokenization = Tokenization(model)
     health = Health(client)
@@ -66,6 +68,7 @@ def create_app(
         Route("/v1/chat/completions", chat.create, methods=["POST"]),
         Route("/v1/completions", completions.create, methods=["POST"]),
         Route("/v1/responses", responses.create, methods=["POST"]),
+        Route("/v1/embeddings", embeddings.create, methods=["POST"]),
         Route("/v1/models", models.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", models.retrieve_model, methods=["GET"]),
         Route("/tokenize", tokenization.tokenize, methods=["POST"]),

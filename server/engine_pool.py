@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 
-from protocol import EngineStats, HandshakeReply, RequestOutput, SamplingParams
+from protocol import Embedding, EngineStats, HandshakeReply, RequestOutput, SamplingParams
 from server.engine_client import (
     CurveKeys,
     EngineClient,
@@ -153,6 +153,17 @@ class EnginePool:
             async with aclosing(outputs):
                 async for output in outputs:
                     yield output
+        except EngineUnavailable as exc:
+            raise EngineUnavailable(f"replica {replica.index}: {exc}") from exc
+        finally:
+            replica.in_flight -= 1
+
+    async def embed(self, request_id: str, prompt_token_ids: list[int]) -> Embedding:
+        """``EngineClient.embed`` on the replica chosen for the prompt."""
+        replica = self._choose(prompt_token_ids)
+        replica.in_flight += 1
+        try:
+            return await replica.client.embed(request_id, prompt_token_ids)
         except EngineUnavailable as exc:
             raise EngineUnavailable(f"replica {replica.index}: {exc}") from exc
         finally:
