@@ -24,6 +24,7 @@ from server.drain import Drain, DrainingServer
 from server.engine_client import CurveKeys, HandshakeError
 from server.engine_pool import EnginePool
 from server.reasoning import REASONING_PARSERS
+from server.response_store import DEFAULT_MAX_RESPONSES, DEFAULT_TTL_S, ResponseStore
 from server.served_model import ChatOptions, load_chat_template
 from server.tool_parsers import TOOL_PARSERS
 
@@ -105,6 +106,20 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     add_cors_arguments(parser)
     parser.add_argument(
+        "--responses-store-max",
+        type=int,
+        default=DEFAULT_MAX_RESPONSES,
+        help="Responses API: the most stored responses this server keeps for "
+        f"previous_response_id and GET /v1/responses/ID, the oldest forgotten first; 0 stores "
+        f"none (default: {DEFAULT_MAX_RESPONSES})",
+    )
+    parser.add_argument(
+        "--responses-store-ttl",
+        type=float,
+        default=DEFAULT_TTL_S,
+        help=f"Responses API: seconds a stored response is kept (default: {DEFAULT_TTL_S:g})",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -161,6 +176,7 @@ async def _serve(args: argparse.Namespace) -> int:
             args.max_request_bytes,
             drain,
             cors_options(args),
+            ResponseStore(args.responses_store_max, args.responses_store_ttl),
         )
         config = uvicorn.Config(
             app,

@@ -22,6 +22,7 @@ from server.engine_pool import EnginePool
 from server.errors import ApiError, handle_api_error, handle_http_exception, handle_unexpected
 from server.metrics import HttpStatusCounter
 from server.request_id import RequestIdHeader
+from server.response_store import DEFAULT_MAX_RESPONSES, DEFAULT_TTL_S, ResponseStore
 from server.routes.chat import ChatCompletions
 from server.routes.completions import Completions
 from server.routes.embeddings import Embeddings
@@ -44,16 +45,20 @@ def create_app(
     max_request_bytes: int | None = None,
     drain: Drain | None = None,
     cors: CorsOptions | None = None,
+    response_store: ResponseStore | None = None,
 ) -> ASGIApp:
     """The HTTP application serving ``handshake``'s model through ``client``; with
     ``api_key``, the API answers only requests that carry it. Bodies over
     ``max_request_bytes`` (default: a few MB over the model's context) are refused; with
     ``drain``, the server refuses new requests once it drains (server/drain.py); ``cors``:
-    which cross-origin requests are allowed (server/cors.py; default: vLLM's, all)."""
+    which cross-origin requests are allowed (server/cors.py; default: vLLM's, all);
+    ``response_store``: where stored responses are kept (server/response_store.py)."""
     model = ServedModel.from_handshake(handshake, chat_options)
     chat = ChatCompletions(client, model)
     completions = Completions(client, model)
-    responses = Responses(client, model)
+    responses = Responses(
+        client, model, response_store or ResponseStore(DEFAULT_MAX_RESPONSES, DEFAULT_TTL_S)
+    )
     embeddings = Embeddings(client, model)
     models = Models(model)
     tokenization = Tokenization(model)
@@ -68,6 +73,8 @@ def create_app(
         Route("/v1/chat/completions", chat.create, methods=["POST"]),
         Route("/v1/completions", completions.create, methods=["POST"]),
         Route("/v1/responses", responses.create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
         Route("/v1/embeddings", embeddings.create, methods=["POST"]),
         Route("/v1/models", models.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", models.retrieve_model, methods=["GET"]),
