@@ -18,6 +18,7 @@ from engine.checkpoint import Checkpoint
 from engine.checkpoint.generation_config import read_sampling_defaults
 from engine.config import EngineConfig
 from engine.execution.model_runner import LaunchedStep, ModelRunner
+from engine.execution.pooling import Pooler
 from engine.execution.warm_up import freeze_start_up_objects, warm_up
 from engine.models import load_checkpoint
 from engine.roofline import StepShape
@@ -33,6 +34,7 @@ from engine.speculative.ngram import NgramProposer
 from engine.tensor_parallel import WorkerGroup
 from protocol import (
     PROTOCOL_VERSION,
+    Embedding,
     EngineStats,
     ErrorCode,
     ErrorReply,
@@ -136,6 +138,14 @@ class LLMEngine:
             config.scheduling_policy,
         )
         self.requests: dict[tuple[bytes, str], Request] = {}
+        # Embeddings: prompts pooled in steps of their own (engine/execution/pooling.py).
+        self.pooler = Pooler(
+            self.runner,
+            self.block_manager,
+            checkpoint.pooling,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+        )
         self.overlap_steps = (
             config.overlap_steps if config.overlap_steps is not None else self.device.type == "cuda"
         )
@@ -183,7 +193,7 @@ class LLMEngine:
 
     @property
     def _has_device_work(self) -> bool:
-        return self.scheduler.has_work or self.in_flight is not None
+        return self.scheduler.has_work or self.in_flight is not None or self.pooler.has_work
 
     def handshake_reply(self) -> HandshakeReply:
         return HandshakeReply(
@@ -217,7 +227,9 @@ class LLMEngine:
             num_total_blocks=self.block_manager.num_blocks,
             num_free_blocks=self.block_manager.num_free_blocks,
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + len(self.compiling),
+            num_waiting=(
+                len(self.scheduler.waiting) + len(self.compiling) + len(self.pooler.waiting)
+            ),
             num_finished=self.num_finished,
             num_prompt_tokens=self.scheduler.num_prefill_tokens,
             num_cached_prompt_tokens=self.block_manager.num_hit_tokens,
@@ -246,16 +258,7 @@ class LLMEngine:
                 f"priority {scheduling.priority} needs an engine started with "
                 "--scheduling-policy priority",
             )
-        if (client, request_id) in self.requests:
-            raise RequestRejected(ErrorCode.INVALID_REQUEST, f"duplicate request id {request_id}")
-        if not prompt:
-            raise RequestRejected(ErrorCode.INVALID_REQUEST, "the prompt has no tokens")
-        # Token ids index the logits: out of range they would fail the whole step.
-        for token_ids in (prompt, *sampling.token_ids()):
-            if token_ids and (min(token_ids) < 0 or max(token_ids) >= self.vocab_size):
-                raise RequestRejected(
-                    ErrorCode.INVALID_REQUEST, f"token ids must be in [0, {self.vocab_size})"
-                )
+        self._check_new(client, request_id, prompt, sampling.token_ids())
         problem = context_length_problem(len(prompt), sampling.max_tokens, self.max_model_len)
         if problem:
             raise RequestRejected(ErrorCode.PROMPT_TOO_LONG, problem)
@@ -270,6 +273,39 @@ class LLMEngine:
             self.scheduler.add(request)
         self.requests[request.key] = request
 
+    def add_embed_request(self, client: bytes, request_id: str, prompt: list[int]) -> None:
+        """Queue a prompt to embed (``pool`` answers it), or raise RequestRejected."""
+        self._check_new(client, request_id, prompt, [])
+        if len(prompt) > self.max_model_len:
+            raise RequestRejected(
+                ErrorCode.PROMPT_TOO_LONG,
+                f"the prompt has {len(prompt)} tokens, more than the model's context of "
+                f"{self.max_model_len}",
+            )
+        self.pooler.add(client, request_id, prompt)
+
+    def _check_new(
+        self, client: bytes, request_id: str, prompt: list[int], other_ids: list[list[int]]
+    ) -> None:
+        """Raise RequestRejected for a request id in use, an empty prompt, or token ids
+        (the prompt's, ``other_ids``) out of the vocabulary."""
+        key = (client, request_id)
+        if key in self.requests or self.pooler.has(key):
+            raise RequestRejected(ErrorCode.INVALID_REQUEST, f"duplicate request id {request_id}")
+        if not prompt:
+            raise RequestRejected(ErrorCode.INVALID_REQUEST, "the prompt has no tokens")
+        # Token ids index the logits: out of range they would fail the whole step.
+        for token_ids in (prompt, *other_ids):
+            if token_ids and (min(token_ids) < 0 or max(token_ids) >= self.vocab_size):
+                raise RequestRejected(
+                    ErrorCode.INVALID_REQUEST, f"token ids must be in [0, {self.vocab_size})"
+                )
+
+    def pool(self) -> list[tuple[bytes, Embedding]]:
+        """Run a pooling step if prompts wait to be embedded (beside ``step``: the generation
+        steps are not changed by them); the embeddings done, each with its client."""
+        return self.pooler.step() if self.pooler.has_work else []
+
     def take_errors(self) -> list[tuple[bytes, ErrorReply]]:
         """The refusals since the last call of requests whose grammars failed to compile or
         that reached a dead end (engine/sampling/token_restrictions.py), each with its client; the
@@ -281,6 +317,7 @@ class LLMEngine:
         """Stop a request and free its blocks now; its final output, or None if unknown."""
         request = self.requests.get((client, request_id))
         if request is None:
+            self.pooler.abort((client, request_id))  # an embedding's, if any: no output
             return None
         return self._finish(request, FinishReason.ABORT, [])
 
@@ -289,7 +326,7 @@ class LLMEngine:
         mine = [r for r in self.requests.values() if r.client == client]
         for request in mine:
             self._finish(request, FinishReason.ABORT, [])
-        return len(mine)
+        return len(mine) + self.pooler.abort_client(client)
 
     def abort_all(self) -> list[tuple[bytes, RequestOutput]]:
         """Abort every request (the engine is stopping): their final outputs, each with its

@@ -3,8 +3,8 @@
 Servers hold a DEALER socket, the engine a ROUTER socket; each ZeroMQ message is
 one frame holding one encoded message (the ROUTER adds the peer identity frame).
 
-Server -> engine: HandshakeRequest, GenerateRequest, AbortRequest, StatsRequest.
-Engine -> server: HandshakeReply, TokenOutputs, ErrorReply, EngineStats.
+Server -> engine: HandshakeRequest, GenerateRequest, EmbedRequest, AbortRequest, StatsRequest.
+Engine -> server: HandshakeReply, TokenOutputs, Embedding, ErrorReply, EngineStats.
 
 docs/architecture.md walks through the life of a request in these terms.
 """
@@ -34,7 +34,8 @@ from protocol.codec import Message, by_position
 #    (codec.by_position), not maps.
 # 8: GenerateRequest.scheduling (vLLM's priority, the user for fair turns),
 #    ErrorCode.OVERLOADED (the engine's queue is full), EngineStats sent unasked as the
-#    engine's heartbeat.
+#    engine's heartbeat; EmbedRequest and Embedding (/v1/embeddings: a prompt's pooled last
+#    hidden state).
 PROTOCOL_VERSION = 8
 # The most alternatives a request may ask log-probabilities of, as OpenAI's top_logprobs.
 MAX_TOP_LOGPROBS = 20
@@ -272,6 +273,28 @@ class GenerateRequest(Message):
     prompt_token_ids: list[int]
     sampling: SamplingParams
     scheduling: Scheduling = field(default_factory=Scheduling)
+
+
+@dataclass
+class EmbedRequest(Message):
+    """Run a prompt through the model, prefill only, and answer with its last hidden state
+    pooled as the model's pooling says (its sentence-transformers config, else the last
+    token's, vLLM's default for a causal LM) and L2-normalized: an ``Embedding``. Aborted
+    by an AbortRequest like a generation; its id shares their namespace."""
+
+    TYPE: ClassVar[str] = "embed"
+    request_id: str
+    prompt_token_ids: list[int]
+
+
+@dataclass
+class Embedding(Message):
+    """An EmbedRequest's answer (a refusal is an ErrorReply)."""
+
+    TYPE: ClassVar[str] = "embedding"
+    request_id: str
+    embedding: list[float]  # unit length (L2)
+    num_prompt_tokens: int
 
 
 @dataclass

@@ -22,10 +22,12 @@ import uvicorn
 
 from server.app import create_app
 from server.connection_limits import ConnectionLimits, GuardedHttpToolsProtocol
+from server.cors import add_cors_arguments, cors_options
 from server.drain import Drain, DrainingServer
 from server.engine_client import CurveKeys, HandshakeError
 from server.engine_pool import EnginePool
 from server.reasoning import REASONING_PARSERS
+from server.response_store import DEFAULT_MAX_RESPONSES, DEFAULT_TTL_S, ResponseStore
 from server.served_model import ChatOptions, load_chat_template
 from server.tool_parsers import TOOL_PARSERS
 
@@ -153,6 +155,21 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "are refused; then streams end with a server_draining error event and the others "
         "get a 503 (default: 600, for long answers)",
     )
+    add_cors_arguments(parser)
+    parser.add_argument(
+        "--responses-store-max",
+        type=int,
+        default=DEFAULT_MAX_RESPONSES,
+        help="Responses API: the most stored responses this server keeps for "
+        f"previous_response_id and GET /v1/responses/ID, the oldest forgotten first; 0 stores "
+        f"none (default: {DEFAULT_MAX_RESPONSES})",
+    )
+    parser.add_argument(
+        "--responses-store-ttl",
+        type=float,
+        default=DEFAULT_TTL_S,
+        help=f"Responses API: seconds a stored response is kept (default: {DEFAULT_TTL_S:g})",
+    )
     parser.add_argument(
         "--log-level",
         default="info",
@@ -204,7 +221,16 @@ async def _serve(args: argparse.Namespace) -> int:
             args.port,
         )
         drain = Drain(args.drain_timeout, client.fail_requests)
-        app = create_app(client, handshake, args.api_key, options, args.max_request_bytes, drain)
+        app = create_app(
+            client,
+            handshake,
+            args.api_key,
+            options,
+            args.max_request_bytes,
+            drain,
+            cors_options(args),
+            ResponseStore(args.responses_store_max, args.responses_store_ttl),
+        )
         limits = ConnectionLimits(
             header_timeout_s=args.header_timeout,
             body_timeout_s=args.body_timeout,

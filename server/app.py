@@ -16,6 +16,7 @@ from starlette.types import ASGIApp
 from protocol import HandshakeReply
 from server.api_key import ApiKeyCheck
 from server.body_limit import BodySizeLimit, default_max_request_bytes
+from server.cors import CorsOptions
 from server.drain import Drain, DrainGate
 from server.engine_pool import EnginePool
 from server.errors import (
@@ -27,8 +28,10 @@ from server.errors import (
 )
 from server.metrics import HttpStatusCounter
 from server.request_id import RequestIdHeader
+from server.response_store import DEFAULT_MAX_RESPONSES, DEFAULT_TTL_S, ResponseStore
 from server.routes.chat import ChatCompletions
 from server.routes.completions import Completions
+from server.routes.embeddings import Embeddings
 from server.routes.health import Health
 from server.routes.models import Models
 from server.routes.responses import Responses
@@ -47,15 +50,22 @@ def create_app(
     chat_options: ChatOptions | None = None,
     max_request_bytes: int | None = None,
     drain: Drain | None = None,
+    cors: CorsOptions | None = None,
+    response_store: ResponseStore | None = None,
 ) -> ASGIApp:
     """The HTTP application serving ``handshake``'s model through ``client``; with
     ``api_key``, the API answers only requests that carry it. Bodies over
     ``max_request_bytes`` (default: a few MB over the model's context) are refused; with
-    ``drain``, the server refuses new requests once it drains (server/drain.py)."""
+    ``drain``, the server refuses new requests once it drains (server/drain.py); ``cors``:
+    which cross-origin requests are allowed (server/cors.py; default: vLLM's, all);
+    ``response_store``: where stored responses are kept (server/response_store.py)."""
     model = ServedModel.from_handshake(handshake, chat_options)
     chat = ChatCompletions(client, model)
     completions = Completions(client, model)
-    responses = Responses(client, model)
+    responses = Responses(
+        client, model, response_store or ResponseStore(DEFAULT_MAX_RESPONSES, DEFAULT_TTL_S)
+    )
+    embeddings = Embeddings(client, model)
     models = Models(model)
     tokenization = Tokenization(model)
     health = Health(client, drain)
@@ -69,12 +79,16 @@ def create_app(
         Route("/v1/chat/completions", chat.create, methods=["POST"]),
         Route("/v1/completions", completions.create, methods=["POST"]),
         Route("/v1/responses", responses.create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
+        Route("/v1/embeddings", embeddings.create, methods=["POST"]),
         Route("/v1/models", models.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", models.retrieve_model, methods=["GET"]),
         Route("/tokenize", tokenization.tokenize, methods=["POST"]),
         Route("/detokenize", tokenization.detokenize, methods=["POST"]),
         Route("/health", health.health, methods=["GET"]),
         Route("/ready", health.ready, methods=["GET"]),
+        Route("/ping", health.health, methods=["GET", "POST"]),  # vLLM's alias of /health
         Route("/metrics", health.metrics, methods=["GET"]),
         Route("/stats", stats.stats, methods=["GET"]),
         Route("/version", server_version, methods=["GET"]),
@@ -83,7 +97,10 @@ def create_app(
     ]
     if max_request_bytes is None:
         max_request_bytes = default_max_request_bytes(handshake.max_model_len)
-    middleware = [Middleware(ApiKeyCheck, api_key=api_key)] if api_key else []
+    # CORS outermost: a preflight carries no API key.
+    middleware = [(cors or CorsOptions()).middleware()]
+    if api_key:
+        middleware.append(Middleware(ApiKeyCheck, api_key=api_key))
     # Inside Starlette's error middleware, so that the 413 it raises is an OpenAI error body.
     middleware.append(Middleware(BodySizeLimit, max_bytes=max_request_bytes))
     app: ASGIApp = Starlette(

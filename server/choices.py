@@ -65,7 +65,7 @@ class PreparedGeneration:
 async def collect(request: Request, choices: list[ChoiceDeltas]) -> list[TextDelta] | None:
     """Each choice whole, generated at once; None (and every choice aborted) if the client
     goes away first. The first error ends (and aborts) all of them."""
-    return await _unless_disconnected(request, _collect_all(choices))
+    return await unless_disconnected(request, _collect_all(choices))
 
 
 async def _collect_all(choices: list[ChoiceDeltas]) -> list[TextDelta]:
@@ -103,7 +103,7 @@ async def taken(request: Request, choices: list[ChoiceDeltas]) -> list[ChoiceDel
     """``choices`` once the engine has taken them: each one's first delta is in, so that a
     refusal raises its ApiError here, before a streamed response commits to a status. None
     (and every choice aborted) if the client goes away first."""
-    return await _unless_disconnected(request, _first_deltas(choices))
+    return await unless_disconnected(request, _first_deltas(choices))
 
 
 async def _first_deltas(choices: list[ChoiceDeltas]) -> list[ChoiceDeltas]:
@@ -124,7 +124,7 @@ async def _resumed(first: TextDelta, rest: ChoiceDeltas) -> ChoiceDeltas:
             yield delta
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     """``work``'s result, or None (and ``work`` cancelled) if the client goes away first.
 
     Nothing else reads from the connection once the body is in, so waiting for its

@@ -28,6 +28,8 @@ from zmq.utils.monitor import recv_monitor_message
 from protocol import (
     PROTOCOL_VERSION,
     AbortRequest,
+    Embedding,
+    EmbedRequest,
     EngineStats,
     ErrorCode,
     ErrorReply,
@@ -105,6 +107,7 @@ class EngineClient:
         self._socket.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
         self._socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
         self._mailboxes: dict[str, OutputMailbox] = {}
+        self._embeddings: dict[str, asyncio.Future[Embedding]] = {}  # by request id
         self._stats_waiters: list[asyncio.Future[EngineStats | None]] = []
         self._handshake: asyncio.Future[HandshakeReply] | None = None
         self._ready = False  # handshaken with the engine at the other end right now
@@ -218,6 +221,23 @@ class EngineClient:
         for mailbox in self._mailboxes.values():
             mailbox.put(error)
 
+    async def embed(self, request_id: str, prompt_token_ids: list[int]) -> Embedding:
+        """The prompt's embedding (an ``EmbedRequest``). Cancelling the wait aborts it in the
+        engine. Raises as ``generate`` does."""
+        if not self._ready:
+            raise EngineUnavailable(f"the engine at {self.address} is not connected")
+        if request_id in self._mailboxes or request_id in self._embeddings:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        answer: asyncio.Future[Embedding] = asyncio.get_running_loop().create_future()
+        self._embeddings[request_id] = answer
+        try:
+            self._send(EmbedRequest(request_id, prompt_token_ids))
+            return await answer
+        finally:
+            del self._embeddings[request_id]
+            if answer.cancelled():  # the caller gave up waiting
+                self.abort(request_id)
+
     def abort(self, request_id: str) -> None:
         """Asks the engine to drop the request now (unknown ids are ignored there)."""
         if self._ready:
@@ -269,6 +289,10 @@ class EngineClient:
                 # None: the request was aborted here while these tokens were on the way.
                 if mailbox is not None:
                     mailbox.put(output)
+        elif isinstance(message, Embedding):
+            answer = self._embeddings.get(message.request_id)
+            if answer is not None and not answer.done():
+                answer.set_result(message)
         elif isinstance(message, ErrorReply):
             self._on_error(message)
         elif isinstance(message, EngineStats):
@@ -293,6 +317,11 @@ class EngineClient:
         mailbox = self._mailboxes.get(reply.request_id)
         if mailbox is not None:
             mailbox.put(EngineRequestError(reply.code, reply.message))
+            return
+        answer = self._embeddings.get(reply.request_id)
+        if answer is not None:
+            if not answer.done():
+                answer.set_exception(EngineRequestError(reply.code, reply.message))
             return
         if reply.request_id:
             logger.debug("error for finished request %s: %s", reply.request_id, reply.message)
@@ -358,6 +387,9 @@ class EngineClient:
         self._ready = False
         for mailbox in self._mailboxes.values():
             mailbox.put(EngineUnavailable(reason))
+        for answer in self._embeddings.values():
+            if not answer.done():
+                answer.set_exception(EngineUnavailable(reason))
         for waiter in self._stats_waiters:
             if not waiter.done():
                 waiter.set_result(None)

@@ -26,7 +26,14 @@ from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 
-from protocol import EngineStats, HandshakeReply, RequestOutput, SamplingParams, Scheduling
+from protocol import (
+    Embedding,
+    EngineStats,
+    HandshakeReply,
+    RequestOutput,
+    SamplingParams,
+    Scheduling,
+)
 from server.engine_client import (
     CurveKeys,
     EngineClient,
@@ -163,6 +170,17 @@ class EnginePool:
         """Ends every request in flight on every replica with ``error``."""
         for replica in self.replicas:
             replica.client.fail_requests(error)
+
+    async def embed(self, request_id: str, prompt_token_ids: list[int]) -> Embedding:
+        """``EngineClient.embed`` on the replica chosen for the prompt."""
+        replica = self._choose(prompt_token_ids)
+        replica.in_flight += 1
+        try:
+            return await replica.client.embed(request_id, prompt_token_ids)
+        except EngineUnavailable as exc:
+            raise EngineUnavailable(f"replica {replica.index}: {exc}") from exc
+        finally:
+            replica.in_flight -= 1
 
     async def stats(self, timeout: float) -> list[EngineStats | None]:
         """Each replica's stats, None for one not answering within ``timeout`` s."""

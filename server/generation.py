@@ -133,14 +133,15 @@ async def generate_text(
             503, f"The engine is unavailable: {exc}.", code="engine_unavailable"
         ) from exc
     except EngineRequestError as exc:
-        raise _refusal(exc) from exc
+        raise engine_refusal(exc) from exc
     except DrainTimedOut as exc:
         raise ApiError(503, str(exc), code="server_draining") from exc
     finally:
         timer.finish(finish_reason or "error")
 
 
-def _refusal(exc: EngineRequestError) -> ApiError:
+def engine_refusal(exc: EngineRequestError) -> ApiError:
+    """The HTTP error of a request the engine refused."""
     if exc.code == ErrorCode.PROMPT_TOO_LONG:
         return ApiError(400, exc.message, code="context_length_exceeded")
     if exc.code == ErrorCode.INVALID_REQUEST:

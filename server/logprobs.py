@@ -25,6 +25,9 @@ _MIN_LOGPROB = -9999.0
 # Some tokens' log-probabilities in one endpoint's shape: ``chat_logprobs`` bound to its
 # model, or a choice's ``CompletionLogprobs.render``.
 RenderLogprobs = Callable[[list[int], list[TokenLogprobs]], dict[str, Any]]
+# A prompt's tokens' log-probabilities, for echo: a choice's
+# ``CompletionLogprobs.render_prompt``.
+RenderPromptLogprobs = Callable[[list[int], list[PromptTokenLogprobs]], dict[str, Any]]
 
 
 def logprobs_of(render: RenderLogprobs | None, delta: TextDelta) -> dict[str, Any] | None:
@@ -89,8 +92,39 @@ class CompletionLogprobs:
             "text_offset": offsets,
         }
 
+    def render_prompt(
+        self, prompt_ids: list[int], logprobs: list[PromptTokenLogprobs]
+    ) -> dict[str, Any]:
+        """The prompt's tokens, for ``echo`` with ``logprobs``, as vLLM lists them before the
+        completion's: the first has no log-probability (nothing precedes it), null."""
+        tokens, offsets = [], []
+        for token_id in prompt_ids:
+            text = self._text(token_id)
+            tokens.append(text)
+            offsets.append(self._offset)
+            self._offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None] + [_finite(token.logprob) for token in logprobs],
+            "top_logprobs": [None]
+            + [
+                {
+                    self._text(i): _finite(lp)
+                    for i, lp in zip(token.top_token_ids, token.top_logprobs, strict=True)
+                }
+                for token in logprobs
+            ],
+            "text_offset": offsets,
+        }
+
     def _text(self, token_id: int) -> str:
         return token_text(self._model, token_id, self._as_token_ids)
+
+
+def joined_logprobs(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Two runs of completion log-probabilities (an echoed prompt's, then its completion's)
+    as one: each list goes on with the second's."""
+    return {key: first[key] + then[key] for key in first}
 
 
 def _finite(logprob: float) -> float:

@@ -61,6 +61,21 @@ def _prompts(value: Any) -> list[str | list[int]]:
     )
 
 
+def _embedding_inputs(value: Any) -> list[str | list[int]]:
+    """The inputs to embed: as a completion's prompts, but an empty string is refused."""
+    try:
+        inputs = _prompts(value)
+    except PydanticCustomError:
+        raise PydanticCustomError(
+            "invalid_type",
+            "input must be a string, a non-empty list of non-negative token ids, or a "
+            "non-empty list of either",
+        ) from None
+    if "" in inputs:
+        raise PydanticCustomError("invalid_value", "input must not hold an empty string")
+    return inputs
+
+
 def _is_token_ids(value: Any) -> bool:
     # bool is an int subclass; [true] is not a list of token ids.
     return (
@@ -206,7 +221,32 @@ def _tool_choice(value: Any) -> str | dict[str, Any] | None:
     return {"type": "function", "function": {"name": function["name"]}}
 
 
-class GenerationBody(SamplingFields):
+class PromptTruncation(RequestBody):
+    """vLLM's truncation of a prompt that has token ids (completions, embeddings)."""
+
+    # Keep only the prompt's last k tokens (its first, with truncation_side "right");
+    # -1: as many as the context holds.
+    truncate_prompt_tokens: Annotated[int | None, Field(ge=-1)] = None
+    truncation_side: Literal["left", "right"] | None = None
+
+    def truncated_prompt(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """``prompt_ids`` as ``truncate_prompt_tokens`` cuts them (vLLM's semantics)."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return prompt_ids
+        if keep == 0:
+            raise ApiError(
+                400,
+                "truncate_prompt_tokens must be -1 or at least 1.",
+                param="truncate_prompt_tokens",
+            )
+        keep = max_model_len if keep == -1 else keep
+        if self.truncation_side == "right":
+            return prompt_ids[:keep]
+        return prompt_ids[-keep:]
+
+
+class GenerationBody(SamplingFields, PromptTruncation):
     """What the generating endpoints share: the model, sampling, stopping and streaming.
 
     Each endpoint's body says what it calls its prompt and how it asks for a length and
@@ -241,10 +281,6 @@ class GenerationBody(SamplingFields):
     spaces_between_special_tokens: bool = True
     # vLLM's: log-probabilities name their tokens "token_id:ID" rather than by their text.
     return_tokens_as_token_ids: bool = False
-    # Keep only the prompt's last k tokens (its first, with truncation_side "right");
-    # -1: as many as the context holds.
-    truncate_prompt_tokens: Annotated[int | None, Field(ge=-1)] = None
-    truncation_side: Literal["left", "right"] | None = None
     # Structured outputs, in every shape clients send (server/structured_output.py reads
     # them): OpenAI's response_format, vLLM's structured_outputs and its older guided_*.
     response_format: Any = None
@@ -308,21 +344,9 @@ class GenerationBody(SamplingFields):
         """How many alternatives' log-probabilities each token needs, or None for none."""
         raise NotImplementedError
 
-    def truncated_prompt(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
-        """``prompt_ids`` as ``truncate_prompt_tokens`` cuts them (vLLM's semantics)."""
-        keep = self.truncate_prompt_tokens
-        if keep is None:
-            return prompt_ids
-        if keep == 0:
-            raise ApiError(
-                400,
-                "truncate_prompt_tokens must be -1 or at least 1.",
-                param="truncate_prompt_tokens",
-            )
-        keep = max_model_len if keep == -1 else keep
-        if self.truncation_side == "right":
-            return prompt_ids[:keep]
-        return prompt_ids[-keep:]
+    def requested_prompt_logprobs(self) -> int | None:
+        """How many alternatives' log-probabilities each prompt token needs, or None."""
+        return self.prompt_logprobs
 
     def sampling_params(self, prompt_tokens: int, model: ServedModel) -> SamplingParams:
         """How the engine samples each choice after a prompt of ``prompt_tokens`` tokens;
@@ -390,7 +414,7 @@ class GenerationBody(SamplingFields):
             min_tokens=self.min_tokens,
             bad_words_token_ids=bad_words_token_ids,
             allowed_token_ids=self.allowed_token_ids,
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=self.requested_prompt_logprobs(),
             structured_output=structured_output_of(
                 response_format=self.response_format,
                 structured_outputs=self.structured_outputs,
@@ -513,14 +537,6 @@ class CompletionRequest(GenerationBody):
             raise ApiError(400, "best_of must be at least n.", param="best_of")
         if self.best_of is not None and self.best_of > 1 and self.stream:
             raise ApiError(400, "best_of cannot be used with stream.", param="best_of")
-        if self.echo and self.logprobs is not None:
-            # The prompt's own tokens would need log-probabilities from the engine.
-            raise ApiError(
-                400,
-                "echo with logprobs is not supported yet.",
-                param="echo",
-                code="unsupported_parameter",
-            )
         if self.suffix and not all(isinstance(prompt, str) for prompt in self.prompt):
             raise ApiError(400, "suffix needs text prompts, not token ids.", param="suffix")
         if self.suffix and self.truncate_prompt_tokens is not None:
@@ -535,10 +551,58 @@ class CompletionRequest(GenerationBody):
         """How many choices each prompt generates, of which the ``n`` best are answered."""
         return self.best_of or self.num_choices
 
+    def requested_prompt_logprobs(self) -> int | None:
+        # As vLLM: echo with logprobs scores the echoed prompt's tokens as the completion's.
+        if self.prompt_logprobs is None and self.echo_logprobs:
+            return self.logprobs
+        return self.prompt_logprobs
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """Whether the answer's log-probabilities start with the echoed prompt's."""
+        return self.echo and self.logprobs is not None
+
     def requested_logprobs(self) -> int | None:
         if self.logprobs is None and self.num_candidates > self.num_choices:
             return 0  # best_of ranks the candidates by their tokens' log-probabilities
         return self.logprobs
+
+
+class EmbeddingRequest(PromptTruncation):
+    """OpenAI's /v1/embeddings body, with vLLM's fields: one input (text or token ids) or a
+    batch of them, each embedded on its own."""
+
+    not_served: ClassVar[Mapping[str, tuple[Any, ...]]] = {
+        "normalize": (True,),  # always L2-normalized, vLLM's default
+        "embed_dtype": ("float32",),
+        "endianness": ("native", "little"),
+        "priority": (0,),
+        "request_id": (),  # the X-Request-Id header names a request (server/request_id.py)
+        "cache_salt": (),
+        "mm_processor_kwargs": (),
+    }
+
+    model: str | None = None
+    input: Annotated[list[str | list[int]], BeforeValidator(_embedding_inputs)]
+    encoding_format: Literal["float", "base64"] = "float"
+    # Matryoshka embeddings' length: no model here is trained for a shorter one, so any
+    # value gets vLLM's refusal.
+    dimensions: int | None = None
+    user: str | None = None
+    add_special_tokens: bool = True  # vLLM's: a text input gets the BOS token if the model has one
+
+    @model_validator(mode="after")
+    def _no_dimensions(self) -> EmbeddingRequest:
+        # ApiError, not a validation error: it names the field (pydantic lets it through).
+        if self.dimensions is not None:
+            raise ApiError(
+                400,
+                "Model does not support matryoshka representation, changing output "
+                "dimensions will lead to poor results.",
+                param="dimensions",
+                code="unsupported_parameter",
+            )
+        return self
 
 
 class TokenizeRequest(RequestBody):

@@ -12,6 +12,7 @@ report the first per request, nor which tokens were reasoning.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from functools import partial
 from typing import Any, Literal
 
@@ -36,8 +37,11 @@ class ResponseObject:
         request: ResponsesRequest,
         model: ServedModel,
         parsing: ChatParsing,
+        store: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
+        """``store``, if given, keeps the finished response object (server/response_store.py)."""
         self.answer = answer
+        self._store = store
         self.parsing = parsing  # how the answer splits into reasoning, text and calls
         self._request = request
         self._message_id = f"msg_{uuid.uuid4().hex}"
@@ -86,17 +90,17 @@ class ResponseObject:
             "parallel_tool_calls": (
                 True if request.parallel_tool_calls is None else request.parallel_tool_calls
             ),
-            "previous_response_id": None,
+            "previous_response_id": request.previous_response_id,
             "reasoning": request.reasoning,
             "service_tier": "default",
-            "store": False,  # nothing is stored, whatever the request said
+            "store": self._store is not None,
             "temperature": 1.0 if request.temperature is None else request.temperature,
             "text": {"format": text_format or {"type": "text"}},
             "tool_choice": request.tool_choice or ("auto" if request.tools else "none"),
             "tools": request.tools,
             "top_logprobs": request.top_logprobs or 0,
             "top_p": 1.0 if request.top_p is None else request.top_p,
-            "truncation": "disabled",
+            "truncation": request.truncation,
             "usage": usage,
             "user": request.user,
             "metadata": request.metadata or {},
@@ -133,6 +137,7 @@ class ResponseObject:
             "status": status,
             "summary": [],
             "content": [{"type": "reasoning_text", "text": text}],
+            "encrypted_content": None,  # no key here (server/responses_schemas.py)
         }
 
     def final(self, whole: TextDelta) -> dict[str, Any]:
@@ -146,7 +151,17 @@ class ResponseObject:
             part = self.output_text(output.content or "", whole.token_ids, whole.logprobs)
             items.append(self.message(status, [part]))
         items += [function_call(call, "completed") for call in output.tool_calls]
-        return self.body(status, items, whole.completion_tokens)
+        return self.done(status, items, whole.completion_tokens)
+
+    def done(
+        self, status: str, output: list[dict[str, Any]], completion_tokens: int
+    ) -> dict[str, Any]:
+        """The finished response object (whole, or the last event's of its stream), kept
+        if it is stored."""
+        body = self.body(status, output, completion_tokens)
+        if self._store is not None:
+            self._store(body)
+        return body
 
 
 def function_call(call: ToolCall, status: str) -> dict[str, Any]:
@@ -247,7 +262,7 @@ class ResponseEvents:
         if not self._items and self._open is None:
             events += self._open_item("message")  # an empty answer: an empty message
         events += self._close(status)
-        response = self._response.body(status, self._items, completion_tokens)
+        response = self._response.done(status, self._items, completion_tokens)
         return [*events, self._event(f"response.{status}", response=response)]
 
     def error(self, error: ApiError) -> list[str]:

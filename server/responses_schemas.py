@@ -12,15 +12,15 @@ a structured output (``structured_output``). The sampling fields vLLM's Response
 (``SamplingFields``: top_k, seed, stop, repetition_penalty, structured_outputs, ...) are
 the chat request's own, passed on as they are.
 
-This server is stateless: ``store`` is accepted (OpenAI's default is true, and clients send
-it) but nothing is stored, as vLLM does without its store; what needs a stored response or
-conversation (``previous_response_id``, ``conversation``, ``background``) is refused.
+A response is stored (``store``, true by default as OpenAI's) in the server that answered
+it, for a while (server/response_store.py): ``previous_response_id`` goes on from its
+conversation there. What needs more (``conversation``, ``background``) is refused.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
 from pydantic_core import PydanticCustomError
@@ -33,7 +33,20 @@ from server.structured_output import structured_output_of
 # The input roles, as chat templates know them: a developer message is a system one.
 _CHAT_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text")
-LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the one ``include`` value served
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# Accepted as vLLM accepts it: reasoning items carry no encrypted content (null), since
+# this server holds no key; a client sending the reasoning back has it in the item's text.
+ENCRYPTED_REASONING_INCLUDE = "reasoning.encrypted_content"
+_INCLUDES = (LOGPROBS_INCLUDE, ENCRYPTED_REASONING_INCLUDE)
+
+
+def output_messages(output: list[dict[str, Any]]) -> list[ChatMessage]:
+    """A response's output items as the chat messages a next turn reads: its text and its
+    calls (its reasoning left out, as chat templates leave earlier turns' out)."""
+    items = [item for item in output if item["type"] != "reasoning"]
+    return (
+        [ChatMessage.model_validate(message) for message in _input_messages(items)] if items else []
+    )
 
 
 def _input_messages(value: Any) -> list[dict[str, Any]]:
@@ -179,11 +192,11 @@ def _include(value: Any) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
         raise PydanticCustomError("invalid_type", "include must be a list of strings")
     for item in value:
-        if item != LOGPROBS_INCLUDE:
+        if item not in _INCLUDES:
             raise PydanticCustomError(
                 "unsupported_parameter",
-                "include '{item}' is not supported; only '{served}' is",
-                {"item": item, "served": LOGPROBS_INCLUDE},
+                "include '{item}' is not supported; only {served} are",
+                {"item": item, "served": " and ".join(f"'{served}'" for served in _INCLUDES)},
             )
     return value
 
@@ -255,10 +268,8 @@ class ResponsesRequest(SamplingFields):
     metadata: dict[str, str] | None = None
     user: str | None = None
     service_tier: str | None = None
-    store: bool | None = None  # accepted; nothing is stored (see the module's docstring)
-    previous_response_id: Annotated[
-        Any, _refused("previous_response_id is not supported: this server stores no responses")
-    ] = None
+    store: bool = True  # kept by this server for a while (see the module's docstring)
+    previous_response_id: str | None = None  # go on from this stored response's conversation
     conversation: Annotated[
         Any, _refused("conversation is not supported: this server stores no conversations")
     ] = None
@@ -266,9 +277,9 @@ class ResponsesRequest(SamplingFields):
         Any, _refused("background is not supported: this server stores no responses", False)
     ] = None
     prompt: Annotated[Any, _refused("prompt templates are not supported")] = None
-    truncation: Annotated[
-        Any, _refused("truncation other than disabled is not supported yet", "disabled")
-    ] = None
+    # auto: the oldest input items are dropped until the prompt fits the context
+    # (server/routes/responses.py); disabled (OpenAI's default): a 400 instead.
+    truncation: Literal["auto", "disabled"] = "disabled"
     reasoning: Annotated[Any, BeforeValidator(_reasoning)] = None
 
     @model_validator(mode="after")
@@ -286,12 +297,14 @@ class ResponsesRequest(SamplingFields):
     def wants_logprobs(self) -> bool:
         return LOGPROBS_INCLUDE in self.include
 
-    def chat_request(self) -> ChatCompletionRequest:
-        """The chat completion request that generates this response."""
+    def chat_request(self, history: list[ChatMessage] | None = None) -> ChatCompletionRequest:
+        """The chat completion request that generates this response after ``history`` (a
+        previous response's conversation; its instructions are not carried over, as
+        OpenAI's)."""
         instructions = [ChatMessage(role="system", content=self.instructions)]
         return _ChatForResponses(
             model=self.model,
-            messages=(instructions if self.instructions else []) + self.input,
+            messages=(instructions if self.instructions else []) + (history or []) + self.input,
             max_completion_tokens=self.max_output_tokens,
             **{name: getattr(self, name) for name in SamplingFields.model_fields},
             logprobs=self.wants_logprobs,

@@ -18,7 +18,7 @@ from server.chat_output import ChatDelta, ChatOutputParser
 from server.choices import ChoiceDeltas, taken
 from server.errors import CLIENT_CLOSED_REQUEST, ApiError, internal_error
 from server.generation import TextDelta
-from server.logprobs import RenderLogprobs, logprobs_of
+from server.logprobs import RenderLogprobs, RenderPromptLogprobs, logprobs_of
 from server.sse import DONE, EventStreamResponse, event, to_json
 from server.tool_calling import ChatParsing
 
@@ -203,7 +203,10 @@ def _chat_delta(split: ChatDelta) -> str:
 
 class CompletionChunks(Chunks):
     """``text_completion`` events; with ``echoes`` (each choice's prompt text, for
-    ``echo``), a chunk of each choice's echo first."""
+    ``echo``), a chunk of each choice's echo first. With ``echo_logprobs`` (each choice's
+    prompt ids and renderer of their log-probabilities: echo with logprobs), that chunk
+    waits for the choice's first delta, which brings the prompt's log-probabilities, and
+    carries them, as vLLM's does."""
 
     def __init__(
         self,
@@ -214,6 +217,7 @@ class CompletionChunks(Chunks):
         *,
         continuous_usage: bool = False,
         prompt_tokens: list[int] | None = None,
+        echo_logprobs: list[tuple[list[int], RenderPromptLogprobs]] | None = None,
     ) -> None:
         super().__init__(
             answer,
@@ -223,12 +227,22 @@ class CompletionChunks(Chunks):
             prompt_tokens=prompt_tokens,
         )
         self._echoes = echoes
+        self._echo_logprobs = echo_logprobs
 
     def start(self) -> list[str]:
-        if self._echoes is None:
+        if self._echoes is None or self._echo_logprobs is not None:
             return []
         echoes = enumerate(self._echoes)
         return [self._chunk(index, self._content(text), 0) for index, text in echoes]
+
+    def render(self, index: int, delta: TextDelta) -> list[str]:
+        if self._echo_logprobs is None or delta.prompt_logprobs is None:
+            return super().render(index, delta)
+        assert self._echoes is not None
+        prompt_ids, render_prompt = self._echo_logprobs[index]
+        logprobs = render_prompt(prompt_ids, delta.prompt_logprobs)
+        echo = self._chunk(index, self._content(self._echoes[index]), 0, logprobs=logprobs)
+        return [echo, *super().render(index, delta)]
 
     def _content(self, text: str | None) -> str:
         return f'"text":{to_json(text or "")}'

@@ -8,6 +8,7 @@ from typing import Protocol
 
 import torch
 
+from engine.checkpoint.pooling_config import LAST
 from engine.checkpoint.progress import with_progress
 from engine.model_config import ModelConfig, TokenizerInfo
 from protocol import SamplingDefaults
@@ -46,6 +47,8 @@ class Checkpoint:
     tensor_count: int | None = None  # how many weight_source yields, for the progress bar
     # What its generation_config.json recommends (a GGUF file has none).
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    # How its hidden states pool into an embedding (engine/checkpoint/pooling_config.py).
+    pooling: str = LAST
 
     def weights(self) -> WeightStream:
         """Yield (Hugging Face name, CPU tensor) pairs, one tensor in memory at a time.

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 from engine.checkpoint.checkpoint import SliceStream
 from engine.checkpoint.eos import eos_token_ids
 from engine.checkpoint.generation_config import read_sampling_defaults
+from engine.checkpoint.pooling_config import read_pooling
 from engine.model_config import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
@@ -43,6 +44,10 @@ class HFDirectory:
     def sampling_defaults(self) -> SamplingDefaults:
         """What its generation_config.json recommends for sampling."""
         return read_sampling_defaults(self.path)
+
+    def pooling(self) -> str:
+        """How its embeddings pool (engine/checkpoint/pooling_config.py)."""
+        return read_pooling(self.path)
 
     def weights(self) -> SliceStream:
         """(name, tensor not read yet) as stored. The files are found only now: a directory

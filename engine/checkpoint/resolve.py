@@ -42,6 +42,9 @@ HUB_FILES = [
     "tokenizer.json",
     "tokenizer_config.json",
     "chat_template.jinja",
+    # A sentence-transformers model's pooling (engine/checkpoint/pooling_config.py).
+    "modules.json",
+    "1_Pooling/config.json",
 ]
 
 

@@ -486,6 +486,20 @@ class ModelRunner:
         return self.forward_eager(inputs)
 
     @torch.inference_mode()
+    def last_hidden_states(self, inputs: StepInputs) -> torch.Tensor:
+        """Every packed token's last hidden state [T, hidden], the model run op by op (a
+        pooling step's: engine/execution/pooling.py). The other ranks of a tensor-parallel
+        group run the step as any other: this rank computes the logits whose gather they
+        join, and drops them."""
+        if self.send_step is not None:
+            self.send_step(inputs)
+        self.backend.attention.prepare(inputs.metadata)
+        hidden = self.model.last_hidden_states(inputs.input_ids, inputs.metadata)
+        if self.tp.size > 1:
+            self.model.compute_logits(hidden[inputs.logits_index])
+        return hidden
+
+    @torch.inference_mode()
     def sample(
         self, step: ForwardedStep, grammars: Sequence[xgr.GrammarMatcher | None] | None
     ) -> LaunchedStep:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from engine.backends.attention import AttentionBackend, AttentionMetadata, LayerKVCache
-from engine.backends.deferred_norm import LinearInput
+from engine.backends.deferred_norm import LinearInput, dense
 from engine.backends.layer_ops import LayerOps
 from engine.checkpoint.checkpoint import TensorSlices
 from engine.distributed.parallel import TensorParallel
@@ -117,16 +117,32 @@ class CausalLM(nn.Module):
         logits_index: torch.Tensor,
     ) -> torch.Tensor:
         """Logits (float32) of the tokens at ``logits_index`` of the packed batch."""
-        x = self.embed(input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, metadata)
+        x, residual = self.run_layers(input_ids, metadata)
         if x.shape[0] != 1 or logits_index.shape[0] != 1:
             # (One token whose logits are wanted, a batch-1 step's: it is the row already.)
             x = x[logits_index]
             residual = None if residual is None else residual[logits_index]
         hidden, _ = self.norm.add_and_norm(x, residual)
         return self.compute_logits(hidden)
+
+    def run_layers(
+        self, input_ids: torch.Tensor, metadata: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every packed token through the decoder layers: the last layer's output and the
+        residual stream it adds to (None: no residual yet), before the final norm."""
+        x = self.embed(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, metadata)
+        return x, residual
+
+    def last_hidden_states(
+        self, input_ids: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """Every packed token's last hidden state: the final norm's output, as transformers'
+        ``last_hidden_state`` (what embeddings pool, engine/execution/pooling.py)."""
+        x, residual = self.run_layers(input_ids, metadata)
+        return dense(self.norm.add_and_norm(x, residual)[0])
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

@@ -89,6 +89,7 @@ class ModelFamily:
             tokenizer=directory.tokenizer(),
             weight_source=directory.weights,
             sampling_defaults=directory.sampling_defaults(),
+            pooling=directory.pooling(),
         )
 
     def gguf_checkpoint(self, file: GGUFModelFile) -> Checkpoint:

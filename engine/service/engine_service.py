@@ -34,6 +34,7 @@ from protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     AbortRequest,
+    EmbedRequest,
     EngineStats,
     ErrorCode,
     ErrorReply,
@@ -135,6 +136,8 @@ class EngineService:
                     self._drain_inbox()
                 if self.engine.has_work:
                     self._send_outputs(self.engine.step())
+                    for client, embedding in self.engine.pool():
+                        self._send(client, embedding)
                     for client, error in self.engine.take_errors():
                         self._send(client, error)
                 self._maybe_send_heartbeat()
@@ -143,6 +146,8 @@ class EngineService:
             if aborted:
                 logger.warning("aborted %d requests still running at shutdown", len(aborted))
             self._send_outputs(aborted)
+            for client, request_id in self.engine.pooler.abort_all():
+                self._send(client, ErrorReply(request_id, ErrorCode.SHUTTING_DOWN, "stopped"))
         finally:
             self.socket.disable_monitor()
             self.monitor.close()
@@ -194,8 +199,8 @@ class EngineService:
                 logger.info("server %r connected (%s)", name, client.hex())
                 self.handshaken.add(client)
                 self._send(client, self.engine.handshake_reply())
-            case GenerateRequest(request_id=request_id):
-                self._generate(client, message)
+            case GenerateRequest() | EmbedRequest():
+                self._add(client, message)
             case AbortRequest(request_id=request_id):
                 output = self.engine.abort(client, request_id)
                 if output is not None:
@@ -217,7 +222,7 @@ class EngineService:
         for client in list(self.handshaken):  # a failed send forgets the client
             self._send(client, stats)
 
-    def _generate(self, client: bytes, request: GenerateRequest) -> None:
+    def _add(self, client: bytes, request: GenerateRequest | EmbedRequest) -> None:
         if self.drain_deadline is not None:
             reply = ErrorReply(
                 request.request_id, ErrorCode.SHUTTING_DOWN, "the engine is stopping"
@@ -240,13 +245,16 @@ class EngineService:
             self._send(client, reply)
             return
         try:
-            self.engine.add_request(
-                client,
-                request.request_id,
-                request.prompt_token_ids,
-                request.sampling,
-                request.scheduling,
-            )
+            if isinstance(request, EmbedRequest):
+                self.engine.add_embed_request(client, request.request_id, request.prompt_token_ids)
+            else:
+                self.engine.add_request(
+                    client,
+                    request.request_id,
+                    request.prompt_token_ids,
+                    request.sampling,
+                    request.scheduling,
+                )
         except RequestRejected as exc:
             self._send(client, ErrorReply(request.request_id, exc.code, exc.message))
 

@@ -16,7 +16,7 @@ from server.answer import Answer, whole_answer
 from server.choices import ChoiceDeltas, PreparedGeneration
 from server.engine_pool import EnginePool
 from server.generation import TextDelta
-from server.logprobs import CompletionLogprobs, RenderLogprobs, logprobs_of, prompt_logprobs
+from server.logprobs import CompletionLogprobs, joined_logprobs, prompt_logprobs
 from server.openai_schemas import CompletionRequest, parse_request
 from server.prompts import completion_prompts
 from server.request_id import client_address, request_id
@@ -54,32 +54,53 @@ class Completions:
         # Each choice's prompt text, for echo, in the order of the choices.
         echoes = [prompt.echo or "" for prompt in prompts for _ in range(body.num_choices)]
 
-        def renderer() -> RenderLogprobs | None:
+        # Each choice's prompt ids, in the order of the choices.
+        choice_prompts = [prompt.ids for prompt in prompts for _ in range(body.num_candidates)]
+
+        def renderer() -> CompletionLogprobs | None:
             # Each choice's own: its text offsets run on from chunk to chunk.
             if body.logprobs is None:
                 return None
-            return CompletionLogprobs(self._model, body.return_tokens_as_token_ids).render
+            return CompletionLogprobs(self._model, body.return_tokens_as_token_ids)
 
         if body.stream:  # best_of is refused with stream, so every candidate is a choice
+            renderers = [renderer() for _ in choices]
             chunks = CompletionChunks(
                 answer,
                 body.include_usage,
-                [renderer() for _ in choices],
+                [None if r is None else r.render for r in renderers],
                 echoes if body.echo else None,
                 continuous_usage=body.continuous_usage,
-                prompt_tokens=[len(p.ids) for p in prompts for _ in range(body.num_choices)],
+                prompt_tokens=[len(ids) for ids in choice_prompts],
+                echo_logprobs=[
+                    (ids, r.render_prompt)
+                    for ids, r in zip(choice_prompts, renderers, strict=True)
+                    if r is not None
+                ]
+                if body.echo_logprobs
+                else None,
             )
             return await streamed_response(request, chunks, choices)
 
         def choice(index: int, whole: TextDelta) -> dict[str, Any]:
+            prompt_ids = prompts[index // body.num_choices].ids
+            choice_renderer = renderer()
+            logprobs = None
+            if choice_renderer is not None:
+                echoed = None
+                if body.echo_logprobs:  # first: the completion's text offsets follow its
+                    assert whole.prompt_logprobs is not None  # requested_prompt_logprobs
+                    echoed = choice_renderer.render_prompt(prompt_ids, whole.prompt_logprobs)
+                logprobs = choice_renderer.render(whole.token_ids, whole.logprobs)
+                if echoed is not None:
+                    logprobs = joined_logprobs(echoed, logprobs)
             rendered = {
                 "index": index,
                 "text": echoes[index] + whole.text,
-                "logprobs": logprobs_of(renderer(), whole),
+                "logprobs": logprobs,
                 "finish_reason": whole.finish_reason,
             }
             if whole.prompt_logprobs is not None:
-                prompt_ids = prompts[index // body.num_choices].ids
                 rendered["prompt_logprobs"] = prompt_logprobs(
                     self._model, prompt_ids, whole.prompt_logprobs
                 )

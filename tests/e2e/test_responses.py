@@ -79,10 +79,10 @@ def test_instructions_request_ids_and_refusals(cluster: Cluster) -> None:
     )
     assert reply.headers["x-request-id"] == "my-request-7"
     assert reply.parse().id == "resp_my-request-7"
-    with pytest.raises(openai.BadRequestError) as refused:
+    with pytest.raises(openai.NotFoundError) as refused:
         client.responses.create(model=cluster.model, input=QUESTION, previous_response_id="resp_1")
     assert refused.value.body["param"] == "previous_response_id"
-    assert refused.value.body["code"] == "unsupported_parameter"
+    assert refused.value.body["code"] == "previous_response_not_found"
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(
             model=cluster.model,

@@ -312,7 +312,6 @@ def test_token_ids_out_of_range(client: TestClient, token_ids: list[int]) -> Non
         ({"best_of": 1, "n": 2}, "best_of", None),
         ({"best_of": 2, "stream": True}, "best_of", None),
         ({"best_of": 129}, "best_of", None),
-        ({"echo": True, "logprobs": 1}, "echo", "unsupported_parameter"),
         # The test tokenizer has no fill-in-the-middle tokens.
         ({"suffix": "end"}, "suffix", "unsupported_parameter"),
         ({"suffix": "end", "prompt": [1, 2]}, "suffix", None),

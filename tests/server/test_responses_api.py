@@ -44,13 +44,11 @@ def body(**fields: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"conversation": "conv_1"}, "conversation"),
         ({"background": True}, "background"),
         ({"text": {"verbosity": "low"}}, "text.verbosity"),
         ({"tools": [{"type": "web_search"}]}, "tools"),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
-        ({"truncation": "auto"}, "truncation"),
         ({"reasoning": {"effort": "high", "summary": "auto"}}, "reasoning"),
         ({"include": ["file_search_call.results"]}, "include"),
         ({"prompt": {"id": "pmpt_1"}}, "prompt"),
@@ -64,6 +62,12 @@ def test_what_is_not_served_is_refused(
     response = client.post("/v1/responses", json=body(**fields))
     message = assert_error(response, 400, param, "unsupported_parameter")
     assert "not supported" in message
+
+
+def test_an_unknown_previous_response_is_not_found(client: TestClient) -> None:
+    response = client.post("/v1/responses", json=body(previous_response_id="resp_1"))
+    assert_error(response, 404, "previous_response_id", "previous_response_not_found")
+    assert_error(client.get("/v1/responses/resp_1"), 404, "response_id", "response_not_found")
 
 
 @pytest.mark.parametrize(
