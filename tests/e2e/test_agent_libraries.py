@@ -28,6 +28,7 @@ from agents import (
     OpenAIResponsesModel,
     RunConfig,
     Runner,
+    RunResult,
     function_tool,
 )
 from agents.items import MessageOutputItem, ToolCallItem, ToolCallOutputItem
@@ -124,7 +125,7 @@ def weather_agent(
     )
 
 
-def run_agent(agent: Agent) -> object:
+def run_agent(agent: Agent) -> RunResult:
     return Runner.run_sync(
         agent, QUESTION, max_turns=3, run_config=RunConfig(tracing_disabled=True)
     )
