@@ -79,7 +79,9 @@ def tool_use(model: ServedModel, body: ChatCompletionRequest) -> ToolUse:
                 "model's chat template (start the server with --tool-call-parser).",
                 param="tool_choice",
             )
-        return ToolUse(tools, None, partial(TOOL_PARSERS[model.tool_parser], max_calls=max_calls))
+        names = frozenset(tool["function"]["name"] for tool in tools)
+        parser = partial(TOOL_PARSERS[model.tool_parser], max_calls=max_calls, tool_names=names)
+        return ToolUse(tools, None, parser)
     assert schema is not None
     constraint = StructuredOutput(kind=StructuredOutputKind.JSON_SCHEMA, spec=json.dumps(schema))
     if choice == "required":

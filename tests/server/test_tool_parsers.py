@@ -290,26 +290,56 @@ def test_hermes_edges(case: str) -> None:
     assert_streams_as_parsed(HermesToolParser, text)
 
 
+def test_hermes_bare_call_needs_a_declared_name() -> None:
+    """Without its tags, an object is a call only if it names one of the request's tools
+    (openai-agents fails on a call to a tool it does not have); tagged calls are the
+    model's own markup, read whatever they name."""
+    declared = {"tool_names": frozenset({"get_weather"})}
+    bare = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    parsed = parse(HermesToolParser, bare, **declared)
+    assert [(call.name, call.arguments) for call in parsed.tool_calls] == [
+        ("get_weather", '{"city": "Paris"}')
+    ]
+    undeclared = '{"name": "get_weather_args", "arguments": {"city": "Paris"}}'
+    assert parse(HermesToolParser, undeclared, **declared) == ParsedToolCalls(undeclared, [])
+    assert_streams_as_parsed(HermesToolParser, undeclared, **declared)
+    tagged = f"<tool_call>{undeclared}</tool_call>"
+    assert [call.name for call in parse(HermesToolParser, tagged, **declared).tool_calls] == [
+        "get_weather_args"
+    ]
+
+
 def test_deltas_are_chunked_as_openai_chunks_them() -> None:
+    """At most one entry per call in a delta: the first carries the id and the name with
+    the arguments that came with them, the rest only arguments."""
     text = 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     parser = HermesToolParser(new_call_id=counting_ids())
     deltas = [parser.feed(char) for char in text] + [parser.finish()]
+    for delta in deltas:
+        indexes = [piece.index for piece in delta.tool_calls]
+        assert len(indexes) == len(set(indexes)), delta
     pieces = [piece for delta in deltas for piece in delta.tool_calls]
     first, rest = pieces[0], pieces[1:]
     assert first.to_openai() == {
         "index": 0,
         "id": "call_0",
         "type": "function",
-        "function": {"name": "get_weather", "arguments": ""},
+        "function": {"name": "get_weather", "arguments": "{"},
     }
     assert all(
         piece.to_openai() == {"index": 0, "function": {"arguments": piece.arguments}}
         for piece in rest
     )
     assert len(rest) > 5  # the arguments stream as they come, not at the end
-    assert "".join(piece.arguments for piece in rest) == '{"city": "Paris"}'
+    assert "".join(piece.arguments for piece in pieces) == '{"city": "Paris"}'
     # Nothing of the markup leaks into the content, not even while it could be markup.
     assert "".join(delta.content for delta in deltas) == "Sure."
+    # Fed at once, the call is one entry.
+    [whole] = HermesToolParser(new_call_id=counting_ids()).feed(text).tool_calls
+    assert whole.to_openai()["function"] == {
+        "name": "get_weather",
+        "arguments": '{"city": "Paris"}',
+    }
 
 
 def test_max_calls_keeps_the_first() -> None:
