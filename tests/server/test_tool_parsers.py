@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from pydantic import BaseModel
 
 from server.tool_parsers import (
     TOOL_PARSERS,
@@ -408,6 +409,73 @@ def test_required_schema_and_its_output() -> None:
         ],
     )
     assert_streams_as_parsed(CallArrayParser, output)
+
+
+def resolve(root: Any, ref: str) -> Any:
+    """What a local ``$ref`` points to in ``root``."""
+    assert ref.startswith("#")
+    target = root
+    for segment in ref[1:].split("/")[1:]:
+        segment = segment.replace("~1", "/").replace("~0", "~")
+        target = target[int(segment)] if isinstance(target, list) else target[segment]
+    return target
+
+
+def references(value: Any) -> list[str]:
+    if isinstance(value, dict):
+        own = [value["$ref"]] if isinstance(value.get("$ref"), str) else []
+        return own + [ref for item in value.values() for ref in references(item)]
+    if isinstance(value, list):
+        return [ref for item in value for ref in references(item)]
+    return []
+
+
+def test_required_schema_hoists_the_tools_definitions() -> None:
+    """Nested models write $defs and $refs relative to the parameters' root: in the array
+    of calls they must still resolve, to each tool's own definitions."""
+
+    class Address(BaseModel):
+        city: str
+
+    class Person(BaseModel):
+        name: str
+        home: Address
+
+    class Letter(BaseModel):
+        to: Person
+        sender: Person
+
+    # Another tool's Address: the same name, another body.
+    other_address = {"type": "object", "properties": {"planet": {"type": "string"}}}
+    trip = {
+        "type": "object",
+        "properties": {
+            "to": {"$ref": "#/$defs/Address"},
+            "back": {"$ref": "#/properties/to"},  # a reference into the parameters
+        },
+        "$defs": {"Address": other_address},
+    }
+    letter = Letter.model_json_schema()
+    tools = [
+        {"type": "function", "function": {"name": "send", "parameters": letter}},
+        {"type": "function", "function": {"name": "travel", "parameters": trip}},
+    ]
+    assert "$defs" in letter
+    schema = tool_choice_schema(tools, "required")
+    assert schema is not None and set(schema["$defs"]) == {"Address", "Person", "Address_2"}
+    send, travel = (call["properties"]["arguments"] for call in schema["items"]["anyOf"])
+    assert "$defs" not in send and "$defs" not in travel
+    for ref in references(schema):
+        resolve(schema, ref)  # every reference lands somewhere
+    person = resolve(schema, send["properties"]["to"]["$ref"])
+    assert resolve(schema, person["properties"]["home"]["$ref"]) == Address.model_json_schema()
+    assert resolve(schema, travel["properties"]["to"]["$ref"]) == other_address
+    assert resolve(schema, travel["properties"]["back"]["$ref"]) == {"$ref": "#/$defs/Address_2"}
+    # The request's tools are left as they were.
+    assert tools[1]["function"]["parameters"]["properties"]["to"] == {"$ref": "#/$defs/Address"}
+    # A named function's parameters are the whole schema: their $defs are at its root.
+    named = {"type": "function", "function": {"name": "send"}}
+    assert tool_choice_schema(tools, named) == letter
 
 
 def test_named_function_schema_and_its_output() -> None:
