@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.reasoning import ThinkReasoningParser
-from server.tool_parsers.base import ToolCall, ToolCallDelta, ToolParser, ToolParserDelta, assemble
+from server.tool_parsers.base import (
+    ToolCall,
+    ToolCallDelta,
+    ToolParser,
+    ToolParserDelta,
+    assemble,
+    joined,
+)
 
 
 @dataclass
@@ -24,6 +31,12 @@ class ChatDelta:
 
     def is_empty(self) -> bool:
         return not (self.reasoning_content or self.content or self.tool_calls)
+
+    def extend(self, later: ChatDelta) -> None:
+        """Appends what came after this delta, keeping one tool-call entry per call."""
+        self.reasoning_content += later.reasoning_content
+        self.content += later.content
+        self.tool_calls = joined([*self.tool_calls, *later.tool_calls])
 
 
 @dataclass(frozen=True)
@@ -106,5 +119,5 @@ class ChatOutputParser:
         if final:
             last = self._tools.finish()
             parsed.content += last.content
-            parsed.tool_calls += last.tool_calls
+            parsed.tool_calls = joined([*parsed.tool_calls, *last.tool_calls])
         return ChatDelta(content=parsed.content, tool_calls=parsed.tool_calls)

@@ -69,11 +69,11 @@ async def chat_generation(
     tools = tool_use(model, body)
     prompt = chat_prompt(
         model,
-        body.messages,
+        tools.prompt.messages(body.messages),
         body.prompt_param,
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
-        tools=tools.tools,
+        tools=tools.prompt.template_tools,
         documents=body.documents,
         template_kwargs=body.template_kwargs(),
     )

@@ -212,10 +212,7 @@ class ResponseEvents:
         self._finish_reason = delta.finish_reason
         split = self._parser.feed(delta.text)
         if delta.finish_reason is not None:
-            last = self._parser.finish()
-            split.reasoning_content += last.reasoning_content
-            split.content += last.content
-            split.tool_calls += last.tool_calls
+            split.extend(self._parser.finish())
         events = []
         if split.reasoning_content:
             events += self._open_item("reasoning")

@@ -170,10 +170,7 @@ class ChatChunks(Chunks):
         parser = self._parsers[index]
         split = parser.feed(delta.text)
         if delta.finish_reason is not None:
-            last = parser.finish()
-            split.reasoning_content += last.reasoning_content
-            split.content += last.content
-            split.tool_calls += last.tool_calls
+            split.extend(parser.finish())
         events = []
         tokens = delta.completion_tokens
         if not split.is_empty() or delta.token_ids:

@@ -8,7 +8,7 @@ from starlette.responses import JSONResponse, Response
 from server.openai_schemas import DetokenizeRequest, TokenizeRequest, parse_request
 from server.prompts import chat_prompt
 from server.served_model import ServedModel
-from server.tool_calling import template_tools
+from server.tool_calling import declared_tools, prompt_tools
 
 
 class Tokenization:
@@ -22,13 +22,15 @@ class Tokenization:
         model = self._model
         model.check_name(body.model)
         if body.messages is not None:
+            # As the chat endpoint renders them with tool_choice "none" (or "auto").
+            tools = prompt_tools(model, declared_tools(body.tools))
             prompt = chat_prompt(
                 model,
-                body.messages,
+                tools.messages(body.messages),
                 "messages",
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
-                tools=template_tools(model, body.tools),
+                tools=tools.template_tools,
                 template_kwargs=body.chat_template_kwargs,
             )
             # The template already holds the special tokens (as apply_chat_template does).

@@ -18,7 +18,7 @@ from __future__ import annotations
 import secrets
 import string
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Literal
 
@@ -81,6 +81,20 @@ class ParsedToolCalls:
     tool_calls: list[ToolCall]
 
 
+def joined(pieces: Iterable[ToolCallDelta]) -> list[ToolCallDelta]:
+    """``pieces`` with each call's consecutive pieces made one, which keeps the first's id
+    and name: a chunk carries at most one entry per call, as OpenAI's do (clients that
+    read ``tool_calls[0]`` of a chunk would lose the rest)."""
+    merged: list[ToolCallDelta] = []
+    for piece in pieces:
+        if merged and merged[-1].index == piece.index:
+            assert piece.id is None, "a call starts once"
+            merged[-1] = replace(merged[-1], arguments=merged[-1].arguments + piece.arguments)
+        else:
+            merged.append(piece)
+    return merged
+
+
 def assemble(deltas: Iterable[ToolParserDelta]) -> ParsedToolCalls:
     """What a client that joins the streamed deltas ends up with."""
     content: list[str] = []
@@ -108,10 +122,17 @@ class ToolParser(ABC):
     argument_keys: ClassVar[tuple[str, ...]] = ("arguments",)
 
     def __init__(
-        self, *, max_calls: int | None = None, new_call_id: Callable[[], str] | None = None
+        self,
+        *,
+        max_calls: int | None = None,
+        new_call_id: Callable[[], str] | None = None,
+        tool_names: Collection[str] | None = None,
     ) -> None:
-        """``max_calls`` keeps the first calls only (1 for ``parallel_tool_calls=false``)."""
+        """``max_calls`` keeps the first calls only (1 for ``parallel_tool_calls=false``);
+        ``tool_names`` are the request's tools, for a format that reads a call without
+        its markers only when it names one of them (None: any name)."""
         self._max_calls = max_calls
+        self._tool_names = tool_names
         self._new_call_id = new_call_id or self.default_call_id
         self._pending = ""  # fed, not read yet: it may begin a marker
         self._held = ""  # read as the start of a call not committed yet
@@ -196,7 +217,7 @@ class ToolParser(ABC):
             return
         deltas = self._out.tool_calls
         index = self._num_calls - 1
-        if deltas and deltas[-1].index == index and deltas[-1].id is None:
+        if deltas and deltas[-1].index == index:  # one entry per call (see ``joined``)
             deltas[-1] = replace(deltas[-1], arguments=deltas[-1].arguments + text)
         else:
             deltas.append(ToolCallDelta(index, text))
@@ -206,10 +227,15 @@ class ToolParser(ABC):
         self._after_call = True
 
     def _begin_call_object(
-        self, require_arguments: bool = False, only_call_keys: bool = False
+        self, require_arguments: bool = False, only_call_keys: bool = False, bare: bool = False
     ) -> None:
+        """``bare``: a call written without its format's markers, which only a declared
+        tool's name makes a call (else the object is content)."""
         self._reader = CallObjectReader(
-            self.argument_keys, require_arguments=require_arguments, only_call_keys=only_call_keys
+            self.argument_keys,
+            require_arguments=require_arguments,
+            only_call_keys=only_call_keys,
+            names=self._tool_names if bare else None,
         )
 
     def _read_call(self, text: str, end_of_input: bool) -> tuple[int, ObjectOutcome]:

@@ -14,8 +14,9 @@ without a string name) is content, markers and all.
 
 Small Qwen2.5 models (Qwen2.5-Coder-0.5B) often leave the tags out and answer with
 the bare object. So an answer that starts with an object of exactly the two keys
-``name`` and ``arguments`` is a call too; any other key, as in JSON written as
-content, makes it content as soon as it shows.
+``name`` and ``arguments``, whose name is one of the request's tools, is a call too;
+any other key, as in JSON written as content, or another name (an object that merely
+looks like a call) makes it content as soon as it shows.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class HermesToolParser(ToolParser):
                 if stripped.startswith("{"):
                     self._held = pending[: len(pending) - len(stripped)]
                     self._pending = stripped
-                    self._begin_call_object(require_arguments=True, only_call_keys=True)
+                    self._begin_call_object(require_arguments=True, only_call_keys=True, bare=True)
                     self._place = "bare call"
             elif place == "bare call":
                 used, outcome = self._read_call(pending, end_of_input=final)

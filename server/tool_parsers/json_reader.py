@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Collection
 
 _WHITESPACE = " \t\r\n"
 # Characters that can continue a number, true, false or null.
@@ -99,8 +100,8 @@ class CallObjectReader:
     handed out as it arrives (``take_arguments``); a string value (some models quote
     their arguments) is decoded once complete, and a missing one reads as ``{}`` unless
     ``require_arguments``. Other keys are skipped, or with ``only_call_keys`` make the
-    object no call. ``failed`` is set when the text is not such an object, ``done``
-    after its closing brace; ``read`` stops there.
+    object no call; so does a name not among ``names``, when given. ``failed`` is set when
+    the text is not such an object, ``done`` after its closing brace; ``read`` stops there.
     """
 
     def __init__(
@@ -109,6 +110,7 @@ class CallObjectReader:
         *,
         require_arguments: bool = False,
         only_call_keys: bool = False,
+        names: Collection[str] | None = None,
     ) -> None:
         self.name: str | None = None
         self.has_arguments = False  # the arguments value has begun (or is known)
@@ -117,6 +119,7 @@ class CallObjectReader:
         self._argument_keys = argument_keys
         self._require_arguments = require_arguments
         self._only_call_keys = only_call_keys
+        self._names = names
         self._expect = "{"  # "{", "key or }", "key", ":", "value", ", or }"
         self._key: str | None = None
         self._scanner: JsonValueScanner | None = None
@@ -211,6 +214,8 @@ class CallObjectReader:
             self._streaming_arguments = False
         elif raw is not None and self._key == "name" and self.name is None:
             self.name = _decode_string(raw)
+            if self._names is not None and self.name not in self._names:
+                self.failed = True
         elif raw is not None and self._key in self._argument_keys and not self.has_arguments:
             decoded = _decode_string(raw)
             self._arguments.append(decoded if decoded is not None else raw)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
+from server.json_schema_defs import HoistedDefs
 from server.tool_parsers.base import ToolParser
 from server.tool_parsers.json_reader import JsonValueScanner
 
@@ -33,20 +34,27 @@ def tool_choice_schema(
         return None
     functions = {tool["function"]["name"]: tool["function"] for tool in tools}
     if tool_choice == "required":
+        # Each tool's parameters sit inside the array's schema: their $defs go to its root.
+        defs = HoistedDefs()
         calls = [
             {
                 "type": "object",
                 "properties": {
                     "name": {"type": "string", "enum": [name]},
-                    "arguments": function.get("parameters") or _NO_PARAMETERS,
+                    "arguments": defs.embed(
+                        function.get("parameters") or _NO_PARAMETERS,
+                        f"/items/anyOf/{index}/properties/arguments",
+                    ),
                 },
                 "required": ["name", "arguments"],
             }
-            for name, function in functions.items()
+            for index, (name, function) in enumerate(functions.items())
         ]
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if not parallel_tool_calls:
             schema["maxItems"] = 1
+        if defs.defs:
+            schema["$defs"] = defs.defs
         return schema
     name = named_function(tool_choice)
     if name not in functions:

@@ -1,11 +1,11 @@
 """Tool calling through real processes: a server started with ``--chat-template
-chatml_tools`` (ChatML with tools; the default model's own template has none) beside the
-cluster's, on the same engine, and the official openai client.
+chatml_tools`` (ChatML with tools) beside the cluster's, whose default model's own
+template has none, on the same engine, and the official openai client.
 
 The tiny model may or may not call a tool in "auto" mode, so those tests check that the
 answer is well formed either way. "required" and a named tool_choice hold the output to
-JSON through the engine's structured outputs: their tests are marked xfail on this branch
-only, until the grammar masks (wip-so-wire) are merged; the marker goes then.
+JSON through the engine's structured outputs, on any template: where the template cannot
+show the tools, a generic tool prompt describes them.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import instructor
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from tandem.testing.processes import free_port, start_server, stop
 from tests.conftest import Cluster
@@ -40,9 +42,6 @@ TOOLS = [
 ]
 QUESTION = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 40}
-NEEDS_GRAMMAR = pytest.mark.xfail(
-    strict=False, reason="needs the engine's grammar masks (wip-so-wire); remove at merge"
-)
 
 
 @pytest.fixture(scope="module")
@@ -72,16 +71,27 @@ def served_model(client: openai.OpenAI) -> str:
 
 
 def streamed_message(client: openai.OpenAI, **fields: Any) -> tuple[dict[str, Any], str]:
-    """The message a client assembles from the streamed deltas, and the finish reason."""
+    """The message a client assembles from the streamed deltas, and the finish reason.
+
+    Each chunk must carry at most one entry per call, as OpenAI's do (clients read a
+    chunk's ``tool_calls[0]`` as the whole of its delta): a call's first entry has its
+    id, type and name, the next ones only arguments."""
     content, calls, finish = [], {}, None
     for chunk in chat(client, stream=True, **fields):
         choice = chunk.choices[0]
         content.append(choice.delta.content or "")
-        for call in choice.delta.tool_calls or []:
-            if call.id is not None:
-                assert call.type == "function" and call.function.name
-                calls[call.index] = {"name": call.function.name, "arguments": ""}
-            calls[call.index]["arguments"] += call.function.arguments
+        entries = choice.delta.tool_calls or []
+        assert len({entry.index for entry in entries}) == len(entries), chunk
+        for entry in entries:
+            if entry.index in calls:
+                assert entry.id is None and entry.function.name is None, chunk
+                calls[entry.index]["arguments"] += entry.function.arguments
+            else:
+                assert entry.id and entry.type == "function" and entry.function.name, chunk
+                calls[entry.index] = {
+                    "name": entry.function.name,
+                    "arguments": entry.function.arguments or "",
+                }
         finish = choice.finish_reason or finish
     return {"content": "".join(content) or None, "tool_calls": list(calls.values())}, finish
 
@@ -162,9 +172,10 @@ def test_a_tool_round_trip_renders(client: openai.OpenAI) -> None:
 
 
 def test_refusals(client: openai.OpenAI, cluster: Cluster) -> None:
-    with pytest.raises(openai.BadRequestError, match="does not support tools") as error:
+    # "auto" reads the model's own call format; a template without tools teaches none.
+    with pytest.raises(openai.BadRequestError, match="needs a tool-call parser") as error:
         chat(cluster.client())
-    assert error.value.body["param"] == "tools"
+    assert error.value.body["param"] == "tool_choice"
     unknown = {"type": "function", "function": {"name": "get_time"}}
     with pytest.raises(openai.BadRequestError, match="get_time") as error:
         chat(client, tool_choice=unknown)
@@ -207,9 +218,11 @@ def test_tokenize_renders_tools_as_the_chat_endpoint(
     assert tokenized["count"] == reply.usage.prompt_tokens
     without = httpx.post(f"{tools_url}/tokenize", json={"messages": QUESTION}, timeout=30).json()
     assert without["count"] < tokenized["count"]
-    # The default template shows no tools: refused, as on the chat endpoint.
-    refused = httpx.post(f"{cluster.urls[0]}/tokenize", json=body, timeout=30)
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
+    # The default template shows no tools: as the chat endpoint renders them without a
+    # forced call, they are left out.
+    plain = chat(cluster.client(), tool_choice="none", max_tokens=1)
+    untold = httpx.post(f"{cluster.urls[0]}/tokenize", json=body, timeout=30).json()
+    assert untold["count"] == plain.usage.prompt_tokens
 
 
 RESPONSES_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]
@@ -264,3 +277,121 @@ def test_responses_required_streams_function_call_arguments(client: openai.OpenA
     assert "response.function_call_arguments.delta" in kinds
     [call] = [item for item in events[-1].response.output if item.type == "function_call"]
     assert_weather_arguments(json.loads(call.arguments))
+
+
+# --- Streamed calls in OpenAI's chunk shape; nested models; templates without tools --------
+
+
+class Address(BaseModel):
+    city: str = Field(max_length=12)
+    country: str = Field(max_length=12)
+
+
+class Trip(BaseModel):
+    """A nested model: its JSON schema refers to Address through $defs."""
+
+    destination: Address
+    days: int = Field(ge=1, le=30)
+
+
+TRIP_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "plan_trip",
+        "description": "Plan a trip",
+        "parameters": Trip.model_json_schema(),
+    },
+}
+PLAN_TRIP = {"type": "function", "function": {"name": "plan_trip"}}
+TRIP_QUESTION = [{"role": "user", "content": "Plan me three days in Paris."}]
+
+
+@pytest.fixture(scope="module")
+def plain_client(cluster: Cluster) -> openai.OpenAI:
+    """The default model's own template, which shows no tools."""
+    return cluster.client()
+
+
+def test_a_named_nested_call_streams_on_a_template_without_tools(
+    plain_client: openai.OpenAI,
+) -> None:
+    """A named function whose schema has $defs, on a template that shows no tools (the
+    generic tool prompt), streamed one entry per call in a chunk as it is whole."""
+    fields = {"messages": TRIP_QUESTION, "tools": [*TOOLS, TRIP_TOOL], "max_tokens": 60}
+    whole = chat(plain_client, tool_choice=PLAN_TRIP, **fields).choices[0]
+    [call] = whole.message.tool_calls
+    assert call.function.name == "plan_trip" and whole.finish_reason == "stop"
+    Trip.model_validate_json(call.function.arguments)
+    streamed, finish = streamed_message(plain_client, tool_choice=PLAN_TRIP, **fields)
+    assert streamed["tool_calls"] == [{"name": "plan_trip", "arguments": call.function.arguments}]
+    assert finish == "stop"
+
+
+def test_a_nested_model_schema_with_required(client: openai.OpenAI) -> None:
+    """Pydantic writes a nested model's schema with $defs and $refs: "required" sets each
+    tool's schema inside the array of calls, so the definitions move to its root."""
+    fields = {"messages": TRIP_QUESTION, "tools": [TRIP_TOOL], "max_tokens": 60}
+    [call] = chat(client, tool_choice="required", **fields).choices[0].message.tool_calls
+    assert call.function.name == "plan_trip"
+    Trip.model_validate_json(call.function.arguments)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "plan_trip"}])
+def test_responses_with_a_nested_model_schema(client: openai.OpenAI, tool_choice: Any) -> None:
+    response = client.responses.create(
+        model=served_model(client),
+        input=TRIP_QUESTION[0]["content"],
+        tools=[{"type": "function", **TRIP_TOOL["function"]}],
+        tool_choice=tool_choice,
+        temperature=0,
+        max_output_tokens=60,
+    )
+    [item] = [item for item in response.output if item.type == "function_call"]
+    assert item.name == "plan_trip"
+    Trip.model_validate_json(item.arguments)
+
+
+def test_forced_calls_on_a_template_without_tools(plain_client: openai.OpenAI) -> None:
+    """The default model's template shows no tools: a generic tool prompt describes them
+    and the grammar forces the call, parsed into tool_calls as on any template."""
+    required = chat(plain_client, tool_choice="required").choices[0]
+    assert required.finish_reason == "tool_calls" and required.message.content is None
+    for call in required.message.tool_calls:
+        assert_weather_arguments(assert_valid_call(call))
+    [call, *_] = required.message.tool_calls
+    # The call and its result go back as plain messages (the template would fail on the
+    # assistant's null content): the answer after them is the model's text.
+    messages = [
+        *QUESTION,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'},
+    ]
+    answered = chat(plain_client, messages=messages, tool_choice="none", max_tokens=8)
+    assert answered.choices[0].message.tool_calls is None
+    assert answered.choices[0].message.content
+    untold = chat(plain_client, tool_choice="none", max_tokens=1)
+    # The answered prompt holds the call and its result; the forced one the tools.
+    assert answered.usage.prompt_tokens > untold.usage.prompt_tokens
+    told = chat(plain_client, tool_choice="required", max_tokens=1)
+    assert told.usage.prompt_tokens > untold.usage.prompt_tokens + 20
+
+
+def test_instructor_create_partial_streams_a_tool_call(tools_url: str) -> None:
+    """instructor's TOOLS mode forces its model's function and reads each chunk's
+    ``tool_calls[0]``: the partial objects must build up to a valid Trip."""
+    patched = instructor.from_openai(
+        openai.OpenAI(base_url=f"{tools_url}/v1", api_key="unused", max_retries=0),
+        mode=instructor.Mode.TOOLS,
+    )
+    partials = list(
+        patched.chat.completions.create_partial(
+            model=served_model(patched.client),
+            response_model=Trip,
+            messages=TRIP_QUESTION,
+            temperature=0,
+            max_tokens=60,
+            max_retries=1,
+        )
+    )
+    assert len(partials) > 1  # built up as the arguments stream
+    Trip.model_validate(partials[-1].model_dump())

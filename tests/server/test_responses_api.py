@@ -84,7 +84,7 @@ def test_an_unknown_previous_response_is_not_found(client: TestClient) -> None:
         ({"tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input"),
-        ({"tools": [TOOL]}, "tools"),  # plain ChatML shows no tools
+        ({"tools": [TOOL]}, "tool_choice"),  # "auto": plain ChatML names no parser
         ({"repetition_penalty": 0}, "repetition_penalty"),  # validated as chat's
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         (

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from pydantic import BaseModel
 
 from server.tool_parsers import (
     TOOL_PARSERS,
@@ -290,26 +291,56 @@ def test_hermes_edges(case: str) -> None:
     assert_streams_as_parsed(HermesToolParser, text)
 
 
+def test_hermes_bare_call_needs_a_declared_name() -> None:
+    """Without its tags, an object is a call only if it names one of the request's tools
+    (openai-agents fails on a call to a tool it does not have); tagged calls are the
+    model's own markup, read whatever they name."""
+    declared = {"tool_names": frozenset({"get_weather"})}
+    bare = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    parsed = parse(HermesToolParser, bare, **declared)
+    assert [(call.name, call.arguments) for call in parsed.tool_calls] == [
+        ("get_weather", '{"city": "Paris"}')
+    ]
+    undeclared = '{"name": "get_weather_args", "arguments": {"city": "Paris"}}'
+    assert parse(HermesToolParser, undeclared, **declared) == ParsedToolCalls(undeclared, [])
+    assert_streams_as_parsed(HermesToolParser, undeclared, **declared)
+    tagged = f"<tool_call>{undeclared}</tool_call>"
+    assert [call.name for call in parse(HermesToolParser, tagged, **declared).tool_calls] == [
+        "get_weather_args"
+    ]
+
+
 def test_deltas_are_chunked_as_openai_chunks_them() -> None:
+    """At most one entry per call in a delta: the first carries the id and the name with
+    the arguments that came with them, the rest only arguments."""
     text = 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     parser = HermesToolParser(new_call_id=counting_ids())
     deltas = [parser.feed(char) for char in text] + [parser.finish()]
+    for delta in deltas:
+        indexes = [piece.index for piece in delta.tool_calls]
+        assert len(indexes) == len(set(indexes)), delta
     pieces = [piece for delta in deltas for piece in delta.tool_calls]
     first, rest = pieces[0], pieces[1:]
     assert first.to_openai() == {
         "index": 0,
         "id": "call_0",
         "type": "function",
-        "function": {"name": "get_weather", "arguments": ""},
+        "function": {"name": "get_weather", "arguments": "{"},
     }
     assert all(
         piece.to_openai() == {"index": 0, "function": {"arguments": piece.arguments}}
         for piece in rest
     )
     assert len(rest) > 5  # the arguments stream as they come, not at the end
-    assert "".join(piece.arguments for piece in rest) == '{"city": "Paris"}'
+    assert "".join(piece.arguments for piece in pieces) == '{"city": "Paris"}'
     # Nothing of the markup leaks into the content, not even while it could be markup.
     assert "".join(delta.content for delta in deltas) == "Sure."
+    # Fed at once, the call is one entry.
+    [whole] = HermesToolParser(new_call_id=counting_ids()).feed(text).tool_calls
+    assert whole.to_openai()["function"] == {
+        "name": "get_weather",
+        "arguments": '{"city": "Paris"}',
+    }
 
 
 def test_max_calls_keeps_the_first() -> None:
@@ -378,6 +409,73 @@ def test_required_schema_and_its_output() -> None:
         ],
     )
     assert_streams_as_parsed(CallArrayParser, output)
+
+
+def resolve(root: Any, ref: str) -> Any:
+    """What a local ``$ref`` points to in ``root``."""
+    assert ref.startswith("#")
+    target = root
+    for segment in ref[1:].split("/")[1:]:
+        segment = segment.replace("~1", "/").replace("~0", "~")
+        target = target[int(segment)] if isinstance(target, list) else target[segment]
+    return target
+
+
+def references(value: Any) -> list[str]:
+    if isinstance(value, dict):
+        own = [value["$ref"]] if isinstance(value.get("$ref"), str) else []
+        return own + [ref for item in value.values() for ref in references(item)]
+    if isinstance(value, list):
+        return [ref for item in value for ref in references(item)]
+    return []
+
+
+def test_required_schema_hoists_the_tools_definitions() -> None:
+    """Nested models write $defs and $refs relative to the parameters' root: in the array
+    of calls they must still resolve, to each tool's own definitions."""
+
+    class Address(BaseModel):
+        city: str
+
+    class Person(BaseModel):
+        name: str
+        home: Address
+
+    class Letter(BaseModel):
+        to: Person
+        sender: Person
+
+    # Another tool's Address: the same name, another body.
+    other_address = {"type": "object", "properties": {"planet": {"type": "string"}}}
+    trip = {
+        "type": "object",
+        "properties": {
+            "to": {"$ref": "#/$defs/Address"},
+            "back": {"$ref": "#/properties/to"},  # a reference into the parameters
+        },
+        "$defs": {"Address": other_address},
+    }
+    letter = Letter.model_json_schema()
+    tools = [
+        {"type": "function", "function": {"name": "send", "parameters": letter}},
+        {"type": "function", "function": {"name": "travel", "parameters": trip}},
+    ]
+    assert "$defs" in letter
+    schema = tool_choice_schema(tools, "required")
+    assert schema is not None and set(schema["$defs"]) == {"Address", "Person", "Address_2"}
+    send, travel = (call["properties"]["arguments"] for call in schema["items"]["anyOf"])
+    assert "$defs" not in send and "$defs" not in travel
+    for ref in references(schema):
+        resolve(schema, ref)  # every reference lands somewhere
+    person = resolve(schema, send["properties"]["to"]["$ref"])
+    assert resolve(schema, person["properties"]["home"]["$ref"]) == Address.model_json_schema()
+    assert resolve(schema, travel["properties"]["to"]["$ref"]) == other_address
+    assert resolve(schema, travel["properties"]["back"]["$ref"]) == {"$ref": "#/$defs/Address_2"}
+    # The request's tools are left as they were.
+    assert tools[1]["function"]["parameters"]["properties"]["to"] == {"$ref": "#/$defs/Address"}
+    # A named function's parameters are the whole schema: their $defs are at its root.
+    named = {"type": "function", "function": {"name": "send"}}
+    assert tool_choice_schema(tools, named) == letter
 
 
 def test_named_function_schema_and_its_output() -> None:

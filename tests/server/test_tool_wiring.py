@@ -47,9 +47,58 @@ def plain_client() -> Iterator[TestClient]:
     yield from make_client(CHATML)
 
 
-def test_tools_need_a_template_that_shows_them(plain_client: TestClient) -> None:
+def test_auto_needs_a_template_that_shows_tools(plain_client: TestClient) -> None:
     response = plain_client.post("/v1/chat/completions", json=chat(tools=[WEATHER]))
-    assert "does not support tools" in assert_error(response, 400, "tools")
+    message = assert_error(response, 400, "tool_choice")
+    assert "needs a tool-call parser" in message and '"required"' in message
+
+
+def test_a_template_without_tools_gets_them_in_plain_messages() -> None:
+    """SmolLM2's template reads only roles and contents: a forced call's tools and answer
+    format come in a system message, and the conversation's calls and results as text."""
+    model = served(CHATML)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"},
+    ]
+
+    def rendered(**fields: Any) -> str:
+        body = request(messages=messages, tools=[WEATHER], **fields)
+        prompt = tool_use(model, body).prompt
+        assert prompt.template_tools is None
+        assert model.chat_template is not None
+        dumped = [m.model_dump(exclude_unset=True) for m in prompt.messages(body.messages)]
+        return model.chat_template.render(dumped)
+
+    required = rendered(tool_choice="required")
+    system = required.split("<|im_end|>")[0]
+    assert system.startswith("<|im_start|>system\n# Tools")
+    assert json.dumps(WEATHER) in system and system.endswith("Be brief.")
+    assert "answer with only a JSON array of calls" in system
+    assert (
+        '<|im_start|>assistant\n[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+        "<|im_end|>" in required
+    )
+    response = {"tool_call_id": "call_1", "name": "get_weather", "content": "21 degrees"}
+    assert f"<|im_start|>user\n{json.dumps({'tool_response': response})}<|im_end|>" in required
+    named = rendered(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert "Call the function get_weather now" in named
+    # Without a forced call the tools are not described; the calls and results still
+    # render (the template would fail on the assistant's null content).
+    none = rendered(tool_choice="none")
+    assert "# Tools" not in none and "tool_response" in none
 
 
 @pytest.mark.parametrize(
@@ -123,7 +172,8 @@ def test_required_and_named_choices_constrain_the_output() -> None:
     assert named.named
     assert json.loads(named.constraint.spec) == WEATHER["function"]["parameters"]
     none = tool_use(model, request(tools=[WEATHER], tool_choice="none"))
-    assert none.constraint is None and none.parser is None and none.tools == [WEATHER]
+    assert none.constraint is None and none.parser is None
+    assert none.prompt.template_tools == [WEATHER] and none.prompt.generic_prompt is None
 
 
 def test_streamed_chunks_assemble_to_the_whole_message() -> None:
