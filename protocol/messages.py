@@ -36,7 +36,9 @@ from protocol.codec import Message, by_position
 #    ErrorCode.OVERLOADED (the engine's queue is full), EngineStats sent unasked as the
 #    engine's heartbeat; EmbedRequest and Embedding (/v1/embeddings: a prompt's pooled last
 #    hidden state).
-PROTOCOL_VERSION = 8
+# 9: StructuredOutputKind.STRUCTURAL_TAG (a grammar composed of parts: reasoning, tool calls,
+#    a response format).
+PROTOCOL_VERSION = 9
 # The most alternatives a request may ask log-probabilities of, as OpenAI's top_logprobs.
 MAX_TOP_LOGPROBS = 20
 # The most token sequences a request's bad words may tokenize to, and their total tokens
@@ -70,6 +72,10 @@ class StructuredOutputKind:
     REGEX = "regex"  # a regular expression the whole output matches
     CHOICE = "choice"  # a JSON list of strings: the output is exactly one of them
     GRAMMAR = "grammar"  # an EBNF grammar (GBNF, as llama.cpp's) whose root rule the output matches
+    # xgrammar's structural tag (JSON, as vLLM's structural_tag takes it): a format composed of
+    # parts (literal text, free text, JSON schemas, regexes, grammars) in sequence or as
+    # alternatives.
+    STRUCTURAL_TAG = "structural_tag"
 
 
 STRUCTURED_OUTPUT_KINDS = (
@@ -78,6 +84,7 @@ STRUCTURED_OUTPUT_KINDS = (
     StructuredOutputKind.REGEX,
     StructuredOutputKind.CHOICE,
     StructuredOutputKind.GRAMMAR,
+    StructuredOutputKind.STRUCTURAL_TAG,
 )
 
 

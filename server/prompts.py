@@ -10,6 +10,7 @@ from typing import Any
 
 from protocol import StructuredOutput
 from protocol.chat_template import ChatTemplateError
+from server.answer_grammar import answer_constraint
 from server.choices import PreparedGeneration
 from server.errors import ApiError
 from server.openai_schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -62,8 +63,9 @@ async def chat_generation(
     peer: str = "",
 ) -> ChatGeneration:
     """A chat request made ready for the engine: its messages (and tools) through the chat
-    template, cut as ``truncate_prompt_tokens`` says, its sampling (held to its tool_choice's
-    JSON, or to ``structured_output``), stop strings and choices, and how its answers are
+    template, cut as ``truncate_prompt_tokens`` says, its sampling (held to what its tools,
+    its response format or ``structured_output``, and the model's reasoning make of the
+    answer: ``server/answer_grammar.py``), stop strings and choices, and how its answers are
     read; ``peer``, the client's address, names its user if the body does not. The chat
     endpoint and the Responses API (which maps its requests to chat ones) both start here."""
     tools = tool_use(model, body)
@@ -84,17 +86,10 @@ async def chat_generation(
     parsing = ChatParsing(prompt, model.reasoning_parser, tools, body.include_reasoning)
     sampling = body.sampling_params(len(prompt_ids), model)
     # The Responses API's text.format, or the chat body's own response_format / guided_*.
-    requested = structured_output or sampling.structured_output
-    if tools.constraint is not None and requested is not None:
-        raise ApiError(
-            400,
-            "tool_choice required or a named function cannot be combined with a structured "
-            "output format.",
-            param="tool_choice",
-        )
-    constraint = tools.constraint or requested
-    if constraint is not None:
-        sampling = dataclasses.replace(sampling, structured_output=constraint)
+    constraint = answer_constraint(
+        model, body, tools, structured_output or sampling.structured_output, prompt
+    )
+    sampling = dataclasses.replace(sampling, structured_output=constraint)
     generation = PreparedGeneration(
         prompt_ids,
         sampling,

@@ -15,7 +15,7 @@ template drops them when it renders the turn back into a later prompt.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from server.tool_parsers.base import partial_marker_length
 
@@ -45,6 +45,8 @@ class ThinkReasoningParser:
     """Splits one answer into reasoning and content; one instance per answer."""
 
     name = "qwen3"
+    start: ClassVar[str] = _START  # the markers around the reasoning
+    end: ClassVar[str] = _END
 
     def __init__(self, prompt: str) -> None:
         # "start": the answer may still open with <think>.

@@ -68,6 +68,8 @@ def build_grammar(constraint: StructuredOutput) -> xgr.Grammar:
             return xgr.Grammar.from_ebnf(_choice_ebnf(json.loads(spec)))
         if kind == StructuredOutputKind.GRAMMAR:
             return xgr.Grammar.from_ebnf(spec)
+        if kind == StructuredOutputKind.STRUCTURAL_TAG:
+            return xgr.Grammar.from_structural_tag(spec)
     except (RuntimeError, ValueError) as exc:
         raise GrammarError(_LOG_PREFIX.sub("", str(exc)).strip()) from None
     raise GrammarError(f"unknown structured output kind {kind!r}")

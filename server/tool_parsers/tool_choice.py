@@ -19,7 +19,7 @@ from server.tool_parsers.json_reader import JsonValueScanner
 
 _WHITESPACE = " \t\r\n"
 # A function declared without parameters takes none.
-_NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
 class ToolChoiceError(ValueError):
@@ -42,7 +42,7 @@ def tool_choice_schema(
                 "properties": {
                     "name": {"type": "string", "enum": [name]},
                     "arguments": defs.embed(
-                        function.get("parameters") or _NO_PARAMETERS,
+                        function.get("parameters") or NO_PARAMETERS,
                         f"/items/anyOf/{index}/properties/arguments",
                     ),
                 },
@@ -59,7 +59,7 @@ def tool_choice_schema(
     name = named_function(tool_choice)
     if name not in functions:
         raise ToolChoiceError(f"tool_choice names {name!r}, which is not one of the tools")
-    return dict(functions[name].get("parameters") or _NO_PARAMETERS)
+    return dict(functions[name].get("parameters") or NO_PARAMETERS)
 
 
 def named_function(tool_choice: Mapping[str, Any]) -> str:
