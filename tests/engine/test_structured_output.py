@@ -9,6 +9,7 @@ import re
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 import tokenizers
@@ -253,6 +254,11 @@ def test_the_request_stop_tokens_end_a_complete_output(
     assert re.fullmatch("[a-z]{3}", text_of(text_tokenizer, tokens))
 
 
+def structural_tag(format_: dict[str, Any]) -> StructuredOutput:
+    spec = json.dumps({"type": "structural_tag", "format": format_})
+    return StructuredOutput(StructuredOutputKind.STRUCTURAL_TAG, spec)
+
+
 @pytest.mark.parametrize(
     ("constraint", "message"),
     [
@@ -263,6 +269,8 @@ def test_the_request_stop_tokens_end_a_complete_output(
         (StructuredOutput("grammar", "root ::= foo"), 'Rule "foo" is not defined'),
         (StructuredOutput("grammar", 'start ::= "a"'), 'root rule with name "root"'),
         (StructuredOutput("choice", '["a\\u0000"]'), "must not contain a NUL"),
+        (structural_tag({"type": "nope"}), "Format type not recognized: nope"),
+        (structural_tag({"type": "regex", "pattern": "a("}), "The parenthesis is not closed."),
     ],
 )
 def test_a_bad_constraint_gets_the_library_message(
@@ -281,6 +289,8 @@ def test_good_constraints_have_no_problem() -> None:
     assert grammar_problem(StructuredOutput("json_schema", json.dumps(PERSON_SCHEMA))) is None
     assert grammar_problem(StructuredOutput("json_object")) is None
     assert grammar_problem(StructuredOutput("choice", json.dumps(CHOICES))) is None
+    either = {"type": "or", "elements": [{"type": "const_string", "value": c} for c in CHOICES]}
+    assert grammar_problem(structural_tag(either)) is None
 
 
 def test_each_distinct_constraint_is_compiled_once(

@@ -12,15 +12,16 @@ import pytest
 from openai.types.chat import ChatCompletionChunk
 from starlette.testclient import TestClient
 
-from protocol import StructuredOutputKind
+from protocol import StructuredOutput, StructuredOutputKind
 from server.answer import Answer
+from server.answer_grammar import answer_constraint
 from server.errors import ApiError
 from server.generation import TextDelta
 from server.openai_schemas import ChatCompletionRequest
 from server.served_model import ChatOptions, ServedModel
 from server.streaming import ChatChunks
 from server.tool_calling import ChatParsing, tool_use
-from tests.server.renderings import CHATML_TOOLS
+from tests.server.renderings import CHATML_TOOLS, MISTRAL_NEMO, template_source
 from tests.server.test_openai_schemas import CHATML, assert_error, chat, handshake, make_client
 
 WEATHER = {
@@ -212,3 +213,20 @@ def test_streamed_chunks_assemble_to_the_whole_message() -> None:
         assert list(calls.values()) == [[c.name, c.arguments] for c in whole.tool_calls]
         assert [json.loads(args)["city"] for _, args in calls.values()] == ["Paris", "Lyon"]
         assert typed[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tools_and_a_response_format_need_calls_a_grammar_can_hold() -> None:
+    """Mistral's calls start with [TOOL_CALLS], a special token no grammar allows: tools the
+    model may call ("auto") beside a response format are refused."""
+    model = served(template_source(MISTRAL_NEMO))
+    assert model.tool_parser == "mistral"
+    with pytest.raises(ApiError, match="mistral tool-call parser") as refused:
+        answer_constraint(
+            StructuredOutput(StructuredOutputKind.JSON_OBJECT),
+            tool_use(model, request(tools=[WEATHER])),
+            tool_parser=model.tool_parser,
+            parallel_tool_calls=True,
+            reasoning=None,
+            prompt="",
+        )
+    assert refused.value.param == "response_format"
