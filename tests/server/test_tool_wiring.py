@@ -221,12 +221,8 @@ def test_tools_and_a_response_format_need_calls_a_grammar_can_hold() -> None:
     model = served(template_source(MISTRAL_NEMO))
     assert model.tool_parser == "mistral"
     with pytest.raises(ApiError, match="mistral tool-call parser") as refused:
+        body = request(tools=[WEATHER])
         answer_constraint(
-            StructuredOutput(StructuredOutputKind.JSON_OBJECT),
-            tool_use(model, request(tools=[WEATHER])),
-            tool_parser=model.tool_parser,
-            parallel_tool_calls=True,
-            reasoning=None,
-            prompt="",
+            model, body, tool_use(model, body), StructuredOutput("json_object"), prompt=""
         )
     assert refused.value.param == "response_format"
