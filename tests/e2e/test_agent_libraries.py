@@ -18,6 +18,7 @@ import json
 import signal
 from collections.abc import Iterator
 
+import httpx
 import instructor
 import openai
 import pytest
@@ -103,6 +104,7 @@ def weather_agent(
     model: str,
     cities: list[str],
     output_type: type | None = None,
+    logit_bias: dict[str, int] | None = None,
 ) -> Agent:
     """An agent whose first turn must call its weather tool (the SDK then resets tool_choice
     to auto, as it does by default, so the next turn can answer)."""
@@ -120,7 +122,10 @@ def weather_agent(
         tools=[get_weather],
         output_type=output_type,
         model_settings=ModelSettings(
-            tool_choice="required", temperature=0, max_tokens=ANSWER_TOKENS
+            tool_choice="required",
+            temperature=0,
+            max_tokens=ANSWER_TOKENS,
+            extra_body={"logit_bias": logit_bias} if logit_bias else None,
         ),
     )
 
@@ -171,7 +176,17 @@ def test_openai_agents_with_tools_and_an_output_type(
     """Tools and a structured output together: the model may call a tool or answer in the
     format, each under its own grammar, so the tool runs first and the answer is a Forecast."""
     cities: list[str] = []
-    agent = weather_agent(model_class, tools_url, cluster.model, cities, output_type=Forecast)
+    # After the forced call the model may call again or answer; the tiny model, greedy, calls
+    # again until max_turns. "<" starts a call (chatml_tools' <tool_call>) and nothing else
+    # here, so with it never chosen the second turn answers. The choice itself, either way:
+    # tests/e2e/test_answer_grammar.py.
+    [angle] = httpx.post(
+        f"{tools_url.removesuffix('/v1')}/tokenize",
+        json={"model": cluster.model, "prompt": "<", "add_special_tokens": False},
+    ).json()["tokens"]
+    agent = weather_agent(
+        model_class, tools_url, cluster.model, cities, Forecast, logit_bias={str(angle): -100}
+    )
     result = run_agent(agent)
     assert_tool_ran_and_its_result_came_back(result.new_items, cities)
     forecast = result.final_output
