@@ -30,8 +30,8 @@ from server.served_model import ServedModel
 from server.tool_calling import ToolUse, declared_tools
 from server.tool_parsers.call_formats import Format, call_format
 
-# Between the reasoning and the answer: Qwen3 writes "\n\n". Bounded, as small models, once a
-# grammar allows whitespace, were seen to write nothing else.
+# Between the reasoning and the answer: Qwen3 writes "\n\n". Bounded, so that whitespace can
+# never take the place of the answer.
 _GAP = {"type": "regex", "pattern": "[ \\t\\r\\n]{0,4}"}
 _JSON_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -62,17 +62,18 @@ def answer_constraint(
                 'tool_choice "none" or "required", or leave out the response format.',
                 param="response_format",
             )
-        answer = structural_tag({"type": "or", "elements": [calls, _format(requested)]})
+        answer = _structural_tag({"type": "or", "elements": [calls, _format(requested)]})
     else:
         answer = requested
     reasoning = model.reasoning_parser
     if answer is None or reasoning is None:
         return answer
     parts = [_reasoning(REASONING_PARSERS[reasoning], prompt), _GAP, _format(answer)]
-    return structural_tag({"type": "sequence", "elements": parts})
+    return _structural_tag({"type": "sequence", "elements": parts})
 
 
-def structural_tag(format_: Format) -> StructuredOutput:
+def _structural_tag(format_: Format) -> StructuredOutput:
+    """A format as the one constraint the engine compiles."""
     return StructuredOutput(
         StructuredOutputKind.STRUCTURAL_TAG,
         json.dumps(
