@@ -272,7 +272,12 @@ def test_the_tables_cover_the_sdk(endpoint: str) -> None:
         _create(openai.OpenAI(api_key="unused", base_url="http://unused"), endpoint)
     ).parameters
     documented = {name for name in parameters if not name.startswith("extra_")} - {"timeout"}
-    assert documented == set(ENDPOINTS[endpoint][0]), "rows to add or remove"
+    table = ENDPOINTS[endpoint][0]
+    assert documented <= set(table), f"rows to add: {sorted(documented - set(table))}"
+    # Rows of a newer SDK's parameters (the dev extra pins an older one for instructor) are
+    # never sent by this one.
+    newer = {name for name in set(table) - documented if table[name].value is not None}
+    assert not newer, f"rows this SDK cannot send: {sorted(newer)}"
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)

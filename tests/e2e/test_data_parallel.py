@@ -66,6 +66,15 @@ def finished_by_replica(url: str) -> list[int]:
     return [stats["num_finished"] if stats else 0 for stats in replica_stats(url)]
 
 
+def finished_once_reported(url: str, total: int, timeout_s: float = 10) -> list[int]:
+    """Each replica's finished requests once they add up to ``total``: /health has each
+    engine's last heartbeat, up to a second old (or the last reading, past the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while sum(finished := finished_by_replica(url)) < total and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return finished
+
+
 def complete(url: str, prompt: list[int], max_tokens: int = 4) -> httpx.Response:
     body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
     return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
@@ -73,9 +82,9 @@ def complete(url: str, prompt: list[int], max_tokens: int = 4) -> httpx.Response
 
 def served_by(url: str, prompt: list[int]) -> int:
     """The replica that answered ``prompt`` (sent alone), by its finished-request count."""
-    before = finished_by_replica(url)
+    before = finished_once_reported(url, 0)
     assert complete(url, prompt).status_code == 200
-    after = finished_by_replica(url)
+    after = finished_once_reported(url, sum(before) + 1)
     grew = [index for index, (b, a) in enumerate(zip(before, after, strict=True)) if a > b]
     assert len(grew) == 1, (before, after)
     return grew[0]
@@ -134,7 +143,7 @@ def test_requests_spread_and_a_next_turn_finds_its_replica(replicas: Replicas) -
     with ThreadPoolExecutor(len(prompts)) as pool:
         replies = list(pool.map(lambda prompt: complete(url, prompt, max_tokens=16), prompts))
     assert all(reply.status_code == 200 for reply in replies)
-    finished = finished_by_replica(url)
+    finished = finished_once_reported(url, len(prompts))
     assert sum(finished) == len(prompts)
     assert min(finished) >= len(prompts) // 4, finished
 

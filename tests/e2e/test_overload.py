@@ -26,6 +26,7 @@ import pytest
 
 from tandem.testing.processes import (
     SMALL_KV_CACHE,
+    engine_stats,
     free_port,
     start_engine,
     start_server,
@@ -354,31 +355,42 @@ def _new_log_lines(path: Path, start: int, done: Callable[[str], bool]) -> str:
     return new
 
 
-def _finish_order(client: openai.OpenAI, requests: list[tuple[str, dict, float]]) -> list[str]:
-    """The names of ``requests`` (name, body, seconds to wait before sending it) in the order
-    their answers ended."""
+def _finish_order(
+    served: Served, requests: list[tuple[str, dict, Callable[[dict], bool] | None]]
+) -> list[str]:
+    """The names of ``requests`` (name, body, what the engine's stats must show before it is
+    sent: None, nothing) in the order their answers ended. Each is sent once the requests
+    before it are where the condition says (running, or waiting for a place), whatever the
+    machine's speed."""
     order: list[str] = []
+    client = served.client()
 
-    def one(name: str, body: dict, delay_s: float) -> None:
-        time.sleep(delay_s)
+    def one(name: str, body: dict) -> None:
         client.completions.create(**body)
         order.append(name)
 
     with ThreadPoolExecutor(len(requests)) as pool:
-        for future in [pool.submit(one, *request) for request in requests]:
+        futures = []
+        for name, body, ready in requests:
+            deadline = time.monotonic() + 30
+            while ready is not None and not ready(engine_stats(served.url)):
+                assert time.monotonic() < deadline, engine_stats(served.url)
+                time.sleep(0.01)
+            futures.append(pool.submit(one, name, body))
+        for future in futures:
             future.result()
     return order
 
 
 def test_a_lower_priority_value_runs_first(prioritized: Served) -> None:
     order = _finish_order(
-        prioritized.client(),
+        prioritized,
         [
-            # Two places, both taken: the first frees long before the second.
-            ("blocker-short", _create_kwargs("w5 w6", 8), 0.0),
-            ("blocker-long", _create_kwargs("w7 w8", 32), 0.0),
-            ("late", _create_kwargs("w9", 4, priority=5), 0.5),
-            ("urgent", _create_kwargs("w9", 4, priority=-1), 1.0),
+            # Both places taken for hundreds of steps while the other two queue.
+            ("blocker-a", _create_kwargs("w5 w6", 400), None),
+            ("blocker-b", _create_kwargs("w7 w8", 400), None),
+            ("late", _create_kwargs("w9", 4, priority=5), lambda s: s["num_running"] == 2),
+            ("urgent", _create_kwargs("w9", 4, priority=-1), lambda s: s["num_waiting"] == 1),
         ],
     )
     assert order.index("urgent") < order.index("late"), order
@@ -387,10 +399,11 @@ def test_a_lower_priority_value_runs_first(prioritized: Served) -> None:
 
 def test_one_users_many_choices_do_not_starve_another_user(prioritized: Served) -> None:
     order = _finish_order(
-        prioritized.client(),
+        prioritized,
         [
-            ("big", _create_kwargs("w5 w6", 8, n=6, user="big"), 0.0),
-            ("small", _create_kwargs("w7 w8", 8, user="small"), 0.5),
+            ("big", _create_kwargs("w5 w6", 100, n=6, user="big"), None),
+            # Sent while four of big's choices wait for the two places.
+            ("small", _create_kwargs("w7 w8", 100, user="small"), lambda s: s["num_waiting"] == 4),
         ],
     )
     # First come first served, the small one would start after all six of big's choices.
