@@ -72,13 +72,19 @@ class CompletionLogprobs:
         self._as_token_ids = as_token_ids
         self._offset = 0
 
-    def render(self, token_ids: list[int], logprobs: list[TokenLogprobs]) -> dict[str, Any]:
+    def _tokens_and_offsets(self, token_ids: list[int]) -> tuple[list[str], list[int]]:
+        """Each token's text and where it starts in the text rendered so far (which it
+        extends)."""
         tokens, offsets = [], []
         for token_id in token_ids:
             text = self._text(token_id)
             tokens.append(text)
             offsets.append(self._offset)
             self._offset += len(text)
+        return tokens, offsets
+
+    def render(self, token_ids: list[int], logprobs: list[TokenLogprobs]) -> dict[str, Any]:
+        tokens, offsets = self._tokens_and_offsets(token_ids)
         return {
             "tokens": tokens,
             "token_logprobs": [_finite(token.logprob) for token in logprobs],
@@ -97,12 +103,7 @@ class CompletionLogprobs:
     ) -> dict[str, Any]:
         """The prompt's tokens, for ``echo`` with ``logprobs``, as vLLM lists them before the
         completion's: the first has no log-probability (nothing precedes it), null."""
-        tokens, offsets = [], []
-        for token_id in prompt_ids:
-            text = self._text(token_id)
-            tokens.append(text)
-            offsets.append(self._offset)
-            self._offset += len(text)
+        tokens, offsets = self._tokens_and_offsets(prompt_ids)
         return {
             "tokens": tokens,
             "token_logprobs": [None] + [_finite(token.logprob) for token in logprobs],

@@ -21,7 +21,15 @@ from pathlib import Path
 import openai
 import pytest
 
-from tandem.testing.processes import REPO_ROOT, free_port, spawn, stop, tail, wait_healthy
+from tandem.testing.processes import (
+    REPO_ROOT,
+    free_port,
+    spawn,
+    start_server,
+    stop,
+    tail,
+    wait_healthy,
+)
 
 
 @dataclass
@@ -67,6 +75,20 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         stop(script, signal.SIGTERM)
         assert script.returncode is not None
     print(tail(log_path))
+
+
+@pytest.fixture(scope="session")
+def tools_server_url(cluster: Cluster) -> Iterator[str]:
+    """A server on the cluster's engine whose chat template lists tools (the default model's
+    has none), for the tool-calling and agent-library tests: its base URL."""
+    port = free_port()
+    server = start_server(
+        cluster.engine_address, port, cluster.log_path, "--chat-template", "chatml_tools"
+    )
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop(server, signal.SIGTERM)
 
 
 def cluster_model(url: str) -> str:

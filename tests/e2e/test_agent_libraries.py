@@ -15,8 +15,6 @@ the library expects. Greedy decoding and short answers keep the module quick and
 from __future__ import annotations
 
 import json
-import signal
-from collections.abc import Iterator
 
 import httpx
 import instructor
@@ -44,7 +42,6 @@ from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
 from pydantic_ai.settings import ModelSettings as PydanticModelSettings
 
-from tandem.testing.processes import free_port, start_server, stop
 from tests.conftest import Cluster
 
 QUESTION = "What is the weather like in Paris today?"
@@ -74,16 +71,9 @@ def weather_in(city: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def tools_url(cluster: Cluster) -> Iterator[str]:
-    """A server on the cluster's engine whose chat template lists tools (SmolLM2's has none)."""
-    port = free_port()
-    server = start_server(
-        cluster.engine_address, port, cluster.log_path, "--chat-template", "chatml_tools"
-    )
-    try:
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        stop(server, signal.SIGTERM)
+def tools_url(tools_server_url: str) -> str:
+    """The API of a server whose chat template lists tools (SmolLM2's has none)."""
+    return f"{tools_server_url}/v1"
 
 
 def async_client(base_url: str) -> openai.AsyncOpenAI:

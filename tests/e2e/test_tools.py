@@ -11,8 +11,6 @@ show the tools, a generic tool prompt describes them.
 from __future__ import annotations
 
 import json
-import signal
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -21,7 +19,6 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tandem.testing.processes import free_port, start_server, stop
 from tests.conftest import Cluster
 
 WEATHER_PARAMETERS = {
@@ -45,15 +42,8 @@ GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 40}
 
 
 @pytest.fixture(scope="module")
-def tools_url(cluster: Cluster) -> Iterator[str]:
-    port = free_port()
-    server = start_server(
-        cluster.engine_address, port, cluster.log_path, "--chat-template", "chatml_tools"
-    )
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop(server, signal.SIGTERM)
+def tools_url(tools_server_url: str) -> str:
+    return tools_server_url
 
 
 @pytest.fixture(scope="module")
