@@ -247,12 +247,13 @@ class ResponsesRequest(SamplingFields):
         "enable_response_messages": (False,),
         "previous_input_messages": (),
         "request_id": (),  # the X-Request-Id header names a request (server/request_id.py)
-        "priority": (0,),
         "cache_salt": (),
         "mm_processor_kwargs": (),
     }
 
     model: str | None = None
+    # vLLM's: lower runs earlier, on an engine with --scheduling-policy priority.
+    priority: int = 0
     input: Annotated[list[ChatMessage], BeforeValidator(_input_messages)]
     instructions: str | None = None  # a system message before the input
     max_output_tokens: Annotated[int | None, Field(ge=1)] = None
@@ -320,6 +321,9 @@ class ResponsesRequest(SamplingFields):
                 True if self.parallel_tool_calls is None else self.parallel_tool_calls
             ),
             reasoning_effort=(self.reasoning or {}).get("effort"),
+            # Its place in the engine's queue, as a chat request's.
+            priority=self.priority,
+            user=self.user,
         )
 
     def structured_output(self) -> StructuredOutput | None:

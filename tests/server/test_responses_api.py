@@ -14,7 +14,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 from starlette.testclient import TestClient
 
-from protocol import FinishReason, TokenLogprobs
+from protocol import FinishReason, Scheduling, TokenLogprobs
 from server.answer import Answer
 from server.errors import ApiError
 from server.generation import TextDelta
@@ -134,6 +134,14 @@ def test_what_is_served_passes_validation(client: TestClient) -> None:
     )
     # No engine behind this app: a 503 means the request was valid and was sent.
     assert_error(client.post("/v1/responses", json=accepted), 503, None, "engine_unavailable")
+
+
+def test_its_place_in_the_queue_is_a_chat_requests() -> None:
+    """vLLM's priority and the user whose requests take turns reach the engine's queue."""
+    request = parse_request(ResponsesRequest, json.dumps(body(priority=-2, user="ada")))
+    assert request.chat_request().scheduling("10.0.0.1") == Scheduling(-2, "ada")
+    anonymous = parse_request(ResponsesRequest, json.dumps(body()))
+    assert anonymous.chat_request().scheduling("10.0.0.1") == Scheduling(0, "10.0.0.1")
 
 
 def test_the_chat_request_it_maps_to() -> None:
