@@ -10,7 +10,9 @@
 with the checkpoint's own tokenizer.json, renders chat messages with the model's chat template
 (``protocol/chat_template.py``, which servers render with too), submits every prompt at once
 and steps the engine until all are done, a progress bar counting the finished ones. The
-results have the shapes of vLLM's ``RequestOutput`` and ``CompletionOutput``.
+results have the shapes of vLLM's ``RequestOutput`` and ``CompletionOutput``. ``embed``
+gives each prompt's embedding (the engine's pooling steps: its last hidden state pooled as the
+checkpoint says, L2-normalized), in the shape of vLLM's ``EmbeddingRequestOutput``.
 """
 
 from __future__ import annotations
@@ -93,6 +95,21 @@ class RequestOutput:
     prompt_logprobs: list[Logprobs | None] | None = None
 
 
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # unit length (L2)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One prompt's embedding (vLLM's shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+
 class LLM:
     """A model loaded in this process, for generating offline.
 
@@ -147,6 +164,48 @@ class LLM:
         token ids); one output per prompt, in order. ``sampling_params`` is one for all or
         one per prompt. Raises ValueError for a prompt or parameters the engine refuses;
         nothing is generated then."""
+        texts, token_ids = self._prompts(prompts)
+        return self._run(texts, token_ids, sampling_params, use_tqdm)
+
+    def embed(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        *,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (a text, tokenized with the model's special tokens, or
+        token ids), in order, as the server's /v1/embeddings computes it. Raises ValueError
+        for a prompt the engine refuses (empty, or longer than the context); nothing is
+        computed then."""
+        _, token_ids = self._prompts(prompts)
+        results: dict[str, EmbeddingRequestOutput] = {}
+        for index, prompt in enumerate(token_ids):
+            request_id = str(next(self._request_ids))
+            try:
+                self.engine.add_embed_request(_CLIENT, request_id, prompt)
+            except RequestRejected as exc:
+                for added in results:
+                    self.engine.abort(_CLIENT, added)
+                raise ValueError(f"prompt {index}: {exc.message}") from None
+            results[request_id] = EmbeddingRequestOutput(
+                request_id, prompt, EmbeddingOutput([]), finished=False
+            )
+        with tqdm(
+            total=len(results), desc="embedding", unit="prompt", disable=not use_tqdm
+        ) as progress:
+            while self.engine.has_work:
+                for _, embedding in self.engine.pool():
+                    result = results[embedding.request_id]
+                    result.outputs.embedding = embedding.embedding
+                    result.finished = True
+                    progress.update()
+        return list(results.values())
+
+    def _prompts(
+        self, prompts: str | Sequence[str] | Sequence[Sequence[int]]
+    ) -> tuple[list[str | None], list[list[int]]]:
+        """Each prompt's text (None for token ids) and its token ids: a text tokenized with
+        the model's special tokens."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         texts: list[str | None] = [p if isinstance(p, str) else None for p in prompts]
@@ -156,7 +215,7 @@ class LLM:
             next(encoded_ids) if text is not None else list(prompt)  # type: ignore[arg-type]
             for text, prompt in zip(texts, prompts, strict=True)
         ]
-        return self._run(texts, token_ids, sampling_params, use_tqdm)
+        return texts, token_ids
 
     def chat(
         self,

@@ -168,6 +168,28 @@ def test_a_refused_prompt_raises_and_generates_nothing(llm: LLM) -> None:
     assert len(output.outputs[0].token_ids) == 8
 
 
+def test_embed_is_the_last_hidden_state_normalized(
+    llm: LLM, worded: tuple[Path, LlamaForCausalLM]
+) -> None:
+    """As /v1/embeddings: transformers' last hidden state at the last token, L2-normalized, for
+    token-id prompts and a text one (tokenized as generate tokenizes it); a refused prompt
+    raises and embeds nothing."""
+    prompts: list = [*random_prompts(3), "w3 w4 w5"]
+    outputs = llm.embed(prompts, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        ids = prompt if isinstance(prompt, list) else llm.tokenizer.encode(prompt).ids
+        assert output.prompt_token_ids == ids and output.finished
+        with torch.no_grad():
+            hidden = worded[1].model(torch.tensor([ids])).last_hidden_state[0, -1].float()
+        expected = torch.nn.functional.normalize(hidden, dim=0)
+        torch.testing.assert_close(
+            torch.tensor(output.outputs.embedding), expected, rtol=1e-4, atol=1e-5
+        )
+    with pytest.raises(ValueError, match="prompt 1"):
+        llm.embed([[5, 6], []], use_tqdm=False)
+    assert not llm.engine.has_work
+
+
 def test_generate_command_prints_the_answer(
     llm: LLM, worded: tuple[Path, LlamaForCausalLM]
 ) -> None:
