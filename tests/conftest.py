@@ -77,10 +77,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     print(tail(log_path))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tools_server_url(cluster: Cluster) -> Iterator[str]:
     """A server on the cluster's engine whose chat template lists tools (the default model's
-    has none), for the tool-calling and agent-library tests: its base URL."""
+    has none), for the tool-calling and agent-library tests: its base URL. One a module, gone
+    at its end: other modules count the cluster's servers."""
     port = free_port()
     server = start_server(
         cluster.engine_address, port, cluster.log_path, "--chat-template", "chatml_tools"

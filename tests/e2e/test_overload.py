@@ -386,8 +386,9 @@ def test_a_lower_priority_value_runs_first(prioritized: Served) -> None:
     order = _finish_order(
         prioritized,
         [
-            # Both places taken for hundreds of steps while the other two queue.
-            ("blocker-a", _create_kwargs("w5 w6", 400), None),
+            # Both places taken for a hundred steps and more while the other two queue; the
+            # first frees long before the second, so that one of them runs first.
+            ("blocker-a", _create_kwargs("w5 w6", 150), None),
             ("blocker-b", _create_kwargs("w7 w8", 400), None),
             ("late", _create_kwargs("w9", 4, priority=5), lambda s: s["num_running"] == 2),
             ("urgent", _create_kwargs("w9", 4, priority=-1), lambda s: s["num_waiting"] == 1),
