@@ -28,6 +28,11 @@ from engine.quantization.linear_methods import QUANTIZATION_METHODS
 MAX_NUM_SEQS_PER_GPU = 256
 
 
+def default_max_num_seqs(tensor_parallel_size: int) -> int:
+    """--max-num-seqs when none is given: one GPU's batch for each GPU of the model."""
+    return MAX_NUM_SEQS_PER_GPU * max(tensor_parallel_size, 1)
+
+
 def option(default: Any, help: str, **argparse_kwargs: Any) -> Any:
     """A field with a default and the command line's help text (and choices, if any; and
     ``aliases``, more flags for it, such as its old name)."""
@@ -178,7 +183,7 @@ class EngineConfig:
 
     def __post_init__(self, attention_backend: str | None) -> None:
         if self.max_num_seqs is None:
-            self.max_num_seqs = MAX_NUM_SEQS_PER_GPU * max(self.tensor_parallel_size, 1)
+            self.max_num_seqs = default_max_num_seqs(self.tensor_parallel_size)
         if attention_backend is None:
             return
         if self.backend not in (None, attention_backend):

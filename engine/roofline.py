@@ -184,13 +184,18 @@ class DeviceRates:
         return f"copy {self.bytes_per_s / 1e9:.0f} GB/s, {gemm} TFLOP/s"
 
 
-def step_bound(step: StepShape, cost: ModelCost, rates: DeviceRates) -> float:
-    """Seconds the step takes at least."""
-    traffic = step_traffic(step, cost)
+def traffic_bound(traffic: StepTraffic, rates: DeviceRates) -> float:
+    """Seconds ``traffic`` takes at least: its bytes at the bandwidth or its FLOPs at the
+    GEMM rates, whichever is longer."""
     arithmetic = traffic.flops / rates.flops_per_s + traffic.fp8_flops / (
         rates.fp8_flops_per_s or rates.flops_per_s
     )
     return max(traffic.num_bytes / rates.bytes_per_s, arithmetic)
+
+
+def step_bound(step: StepShape, cost: ModelCost, rates: DeviceRates) -> float:
+    """Seconds the step takes at least."""
+    return traffic_bound(step_traffic(step, cost), rates)
 
 
 def run_bound(steps: Iterable[StepShape], cost: ModelCost, rates: DeviceRates) -> float:
@@ -225,12 +230,13 @@ def workload_bound(
         steps.append(StepShape(np.ones(batch, np.int64), prompts[live] + t, batch))
     traffic = [step_traffic(step, cost) for step in steps]
     more_steps = max(0, -(-int(outputs.sum()) // max_num_seqs) - len(steps))
-    num_bytes = sum(t.num_bytes for t in traffic)
-    num_bytes += more_steps * (cost.layer_weight_bytes + cost.head_weight_bytes)
-    arithmetic = sum(t.flops for t in traffic) / rates.flops_per_s + sum(
-        t.fp8_flops for t in traffic
-    ) / (rates.fp8_flops_per_s or rates.flops_per_s)
-    return max(num_bytes / rates.bytes_per_s, arithmetic)
+    total = StepTraffic(
+        sum(t.num_bytes for t in traffic)
+        + more_steps * (cost.layer_weight_bytes + cost.head_weight_bytes),
+        sum(t.flops for t in traffic),
+        sum(t.fp8_flops for t in traffic),
+    )
+    return traffic_bound(total, rates)
 
 
 def share_of_roofline(bound_s: float, measured_s: float) -> str:

@@ -55,7 +55,9 @@ from multiprocessing.synchronize import Barrier, Event
 
 import torch
 
-from engine.config import MAX_NUM_SEQS_PER_GPU
+from engine.__main__ import parse_args as parse_engine_args
+from engine.config import MAX_NUM_SEQS_PER_GPU, default_max_num_seqs
+from engine.execution.model_runner import resolve_kv_cache_dtype
 from engine.roofline import DeviceRates, ModelCost, measure_rates, workload_bound
 from protocol import HandshakeReply, SamplingParams, Scheduling
 from server.engine_pool import EnginePool
@@ -333,7 +335,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.device == "cuda":  # measured before the engines take the GPUs' memory
         rates = measure_rates(torch.device("cuda"))
         torch.cuda.empty_cache()
-        cost = model_cost(args.model, torch.bfloat16, *engine_dtypes(args.engine_args))
+        engine = parse_engine_args(args.engine_args)
+        kv_dtype = resolve_kv_cache_dtype(engine.kv_cache_dtype, torch.bfloat16)
+        cost = model_cost(args.model, torch.bfloat16, kv_dtype, engine.quantization)
     try:
         runs = [layout_run(layout, args.gpus, args.device) for layout in layouts.split(",")]
     except ValueError as error:
@@ -386,22 +390,12 @@ def layout_bound(run: Run, max_num_seqs: int | None, cost: ModelCost, rates: Dev
     (``workload_bound``)."""
     assert run.lengths is not None
     size = run.tensor_parallel_size
-    batch = max_num_seqs or MAX_NUM_SEQS_PER_GPU * size
+    batch = max_num_seqs or default_max_num_seqs(size)
     shares = [run.lengths[r :: run.replicas] for r in range(run.replicas)]
     return max(
         workload_bound([p for p, _ in share], [n for _, n in share], batch, cost, rates) / size
         for share in shares
     )
-
-
-def engine_dtypes(engine_args: list[str]) -> tuple[torch.dtype, str | None]:
-    """The K/V cache's dtype and the quantization that ENGINE_ARGS ask for."""
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--kv-cache-dtype", default="auto")
-    parser.add_argument("--quantization")
-    known, _ = parser.parse_known_args(engine_args)
-    kv_dtype = torch.float8_e4m3fn if known.kv_cache_dtype == "fp8" else torch.bfloat16
-    return kv_dtype, known.quantization
 
 
 def layout_run(layout: str, gpus: str, device: str) -> Run:

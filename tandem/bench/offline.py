@@ -143,7 +143,7 @@ class Run:
     # own. With overlapped steps that is the device's time for it while the device is the
     # bottleneck, and the host's for its call when the host is.
     step_seconds: list[float]
-    # The workload's own roofline (``workload_steps``), whatever steps the engine chose.
+    # The workload's own roofline (``workload_bound``), whatever steps the engine chose.
     needed_s: float = 0.0
 
     @property
@@ -327,7 +327,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=3, help="timed runs in this process")
     parser.add_argument("--min-len", type=int, default=100)
     parser.add_argument("--max-len", type=int, default=1024)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument(
+        "--max-num-seqs", type=int, help="the engine's (default: its own, 256 a GPU)"
+    )
     parser.add_argument("--peer", action="store_true", help="also time transformers (CUDA)")
     parser.add_argument("--peer-batch-size", type=int, default=64)
     parser.add_argument(
@@ -404,7 +406,8 @@ def main(argv: list[str] | None = None) -> None:
         r = runs[-1]
         lengths = [len(prompt) for prompt, _ in requests], [n for _, n in requests]
         cached = args.repeat_prompts and run > 0
-        r.needed_s = workload_bound(*lengths, args.max_num_seqs, cost, rates, cached)
+        batch = engine.scheduler.max_num_seqs
+        r.needed_s = workload_bound(*lengths, batch, cost, rates, cached)
         print(
             f"run {run + 1}: {r.tokens} tokens in {r.seconds:.2f} s, {r.tokens_per_s:.1f} tok/s; "
             f"roofline {r.bound_s:.2f} s ({r.bound_s / r.seconds:.0%}), the workload's "
