@@ -20,6 +20,7 @@ import torch
 from engine.backends import BACKENDS
 from engine.checkpoint.resolve import DEFAULT_MODEL
 from engine.quantization.linear_methods import QUANTIZATION_METHODS
+from engine.scheduling.waiting_queue import SCHEDULING_POLICIES
 
 # A GPU's batch: each GPU that tensor parallelism adds holds 1/N of the weights and of the
 # K/V, so its share of a step at N times the batch is one GPU's step at this one; at the same
@@ -103,7 +104,7 @@ class EngineConfig:
         "the order waiting requests are admitted in: fcfs, as they came; priority, by the "
         "requests' priority (vLLM's: lower first), then as they came; either way the users "
         "of a priority take turns (engine/scheduling/waiting_queue.py)",
-        choices=["fcfs", "priority"],
+        choices=list(SCHEDULING_POLICIES),
     )
     enforce_eager: bool = option(
         False, "CUDA: no CUDA graphs for decode and verify steps (faster start, slower decode)"

@@ -129,15 +129,18 @@ async def generate_text(
         finish_reason = finish_reason or FinishReason.ABORT
         raise
     except EngineUnavailable as exc:
-        raise ApiError(
-            503, f"The engine is unavailable: {exc}.", code="engine_unavailable"
-        ) from exc
+        raise engine_unavailable(exc) from exc
     except EngineRequestError as exc:
         raise engine_refusal(exc) from exc
     except DrainTimedOut as exc:
         raise ApiError(503, str(exc), code="server_draining") from exc
     finally:
         timer.finish(finish_reason or "error")
+
+
+def engine_unavailable(reason: object) -> ApiError:
+    """The HTTP error of a request no engine could take (``reason`` says why)."""
+    return ApiError(503, f"The engine is unavailable: {reason}.", code="engine_unavailable")
 
 
 def engine_refusal(exc: EngineRequestError) -> ApiError:
@@ -154,7 +157,5 @@ def engine_refusal(exc: EngineRequestError) -> ApiError:
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
     if exc.code in (ErrorCode.NOT_READY, ErrorCode.SHUTTING_DOWN):
-        return ApiError(
-            503, f"The engine is unavailable: {exc.message}.", code="engine_unavailable"
-        )
+        return engine_unavailable(exc.message)
     return ApiError(500, f"The engine refused the request: {exc.message}")

@@ -18,7 +18,7 @@ from server.choices import unless_disconnected
 from server.engine_client import EngineRequestError, EngineUnavailable
 from server.engine_pool import EnginePool
 from server.errors import ApiError
-from server.generation import engine_refusal
+from server.generation import engine_refusal, engine_unavailable
 from server.openai_schemas import EmbeddingRequest, parse_request
 from server.request_id import request_id
 from server.served_model import ServedModel
@@ -85,11 +85,7 @@ class Embeddings:
                     for index, ids in enumerate(prompts)
                 ]
         except* EngineUnavailable as errors:
-            raise ApiError(
-                503,
-                f"The engine is unavailable: {errors.exceptions[0]}.",
-                code="engine_unavailable",
-            ) from None
+            raise engine_unavailable(errors.exceptions[0]) from None
         except* EngineRequestError as errors:
             error = errors.exceptions[0]
             assert isinstance(error, EngineRequestError)

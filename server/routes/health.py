@@ -23,6 +23,7 @@ from server.metrics import CONTENT_TYPE
 
 # /metrics waits this long for the engines' stats before calling one unavailable.
 _STATS_TIMEOUT_S = 2.0
+_NOT_ANSWERING = ApiError(503, "The engine is not answering.", code="engine_unavailable")
 
 
 class Health:
@@ -52,15 +53,19 @@ class Health:
     def _draining(self) -> bool:
         return self._drain is not None and self._drain.draining
 
+    @property
+    def _in_flight(self) -> int | None:
+        """This server's requests in flight (None without a drain to count them)."""
+        return self._drain.in_flight if self._drain is not None else None
+
     async def health(self, request: Request) -> Response:
         """Liveness: 200 while any replica is alive ("degraded" if some are not; "draining"
         while this server drains, which it survives), else 503. ``engine`` is the first
         alive replica's last stats; ``replicas`` has each one's state."""
         replicas = self._replicas()
         alive = [replica for replica in replicas if replica["status"] == "ok"]
-        in_flight = self._drain.in_flight if self._drain is not None else None
         if not alive:
-            error = ApiError(503, "The engine is not answering.", code="engine_unavailable").body()
+            error = _NOT_ANSWERING.body()
             return JSONResponse(
                 {"status": "unavailable", **error, "replicas": replicas}, status_code=503
             )
@@ -71,7 +76,7 @@ class Health:
         return JSONResponse(
             {
                 "status": status,
-                "requests_in_flight": in_flight,
+                "requests_in_flight": self._in_flight,
                 "engine": alive[0]["engine"],
                 "replicas": replicas,
             }
@@ -83,10 +88,9 @@ class Health:
         if self._draining:
             error = ApiError(503, "This server is draining.", code="server_draining")
         elif not any(replica.client.alive for replica in self._client.replicas):
-            error = ApiError(503, "The engine is not answering.", code="engine_unavailable")
+            error = _NOT_ANSWERING
         else:
-            in_flight = self._drain.in_flight if self._drain is not None else None
-            return JSONResponse({"status": "ready", "requests_in_flight": in_flight})
+            return JSONResponse({"status": "ready", "requests_in_flight": self._in_flight})
         return JSONResponse({"status": "not_ready", **error.body()}, status_code=503)
 
     async def metrics(self, request: Request) -> Response:
