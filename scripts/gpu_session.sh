@@ -260,6 +260,16 @@ PY
         --kv-cache-dtype fp8 2>&1 | tee "$out/diag-fp8-8b.log" | grep -v '^INFO' | tail -16
       timeout 200 python3 scripts/profile_step.py --model "$m" --load-format dummy --quantization fp8 --kv-cache-dtype fp8 \
         --batch 256 --context 800 --top 24 2>&1 | tee "$out/diag-profile-fp8-8b.log" | grep -v USDT ;;
+    diag-tp)  # issue 37, four GPUs: the tensor-parallel and all-reduce GPU tests, then the 8B
+      # shape's batch-1 decode step on rank 0 at TP=1, 2 and 4 (TPS), its kernels by time
+      python3 -m pytest -q -rs tests/gpu/test_tensor_parallel.py tests/gpu/test_all_reduce.py \
+        -p no:cacheprovider 2>&1 | tee "$out/diag-tp-tests.log" | grep -vE '^\s*$' | tail -8
+      m=$(config_only "${SHAPE:-llama-3.1-8b}")
+      for n in ${TPS:-1 2 4}; do
+        timeout 150 python3 scripts/profile_step.py --model "$m" --load-format dummy --batch 1 \
+          --tensor-parallel-size "$n" --steps 50 --rounds 3 --top 24 2>&1 | grep -v USDT \
+          | tee "$out/diag-tp$n.log" | grep -vE '^INFO|WARNING' | head -60
+      done ;;
     profile-8b)
       m=$(checkpoint llama-3.1-8b)
       timeout 300 python3 scripts/profile_step.py --model "$m" 2>&1 | tee "$out/profile-8b.log" | grep -v USDT ;;

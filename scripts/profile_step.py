@@ -3,6 +3,7 @@
     python scripts/profile_step.py --model DIR [--batch 1 --batch 256] [--context 512]
                                    [--steps 20] [--rounds 1] [--prefill]
                                    [--quantization fp8] [--load-format dummy]
+                                   [--tensor-parallel-size N]
 
 For each batch size, BATCH requests of CONTEXT random prompt tokens are prefilled, then
 decode steps run through the engine as in serving (scheduler, input packing, CUDA-graph
@@ -15,7 +16,8 @@ the device's kernel time (from torch.profiler, over as many more steps), the dif
 (host work and launch gaps the GPU waits through), where the device sits idle (its gaps
 between kernels, by the kernel after each), the kernels that take the most device time, and
 the host functions that take the most time under cProfile. On CPU only
-host times exist.
+host times exist. With tensor parallelism the kernels are rank 0's (the engine's process),
+its all-reduces' time including its waits for the other ranks.
 
 --prefill profiles time to first token instead: BATCH requests (default 1) of CONTEXT new
 random tokens admitted together, from their admission to the last one's first token, as many
@@ -319,6 +321,9 @@ def main() -> None:
     parser.add_argument("--quantization", choices=["fp8", "int8"], help="the engine's")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
     parser.add_argument("--prefill", action="store_true", help="time to first token instead")
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="profiles rank 0, the engine's"
+    )
     args = parser.parse_args()
     batches = args.batch or [1, 256]
     engine = LLMEngine(
@@ -331,6 +336,7 @@ def main() -> None:
             kv_cache_dtype=args.kv_cache_dtype,
             quantization=args.quantization,
             load_format=args.load_format,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
     )
     if args.prefill:

@@ -37,6 +37,14 @@ logger = logging.getLogger(__name__)
 # --tensor-parallel-size N``) to show that the larger sizes pay.
 ONE_SHOT_MAX_BYTES = 512 * 1024
 
+# How many buffers this process has mapped. PyTorch numbers the store exchanges of its
+# rendezvous with a counter private to each process, never reset, so ranks meet only if they
+# have mapped alike: a second tensor-parallel engine in one process (the offline API's, a
+# test's) has rank 0 counting on from the first engine's exchanges while its fresh workers
+# count from zero, and every rank would wait at the store until its timeout. Such an engine's
+# ranks agree to use NCCL alone instead.
+mappings_in_this_process = 0
+
 
 class SymmetricAllReduce:
     """This rank's symmetric buffer and the group it is mapped into."""
@@ -74,8 +82,16 @@ def with_symmetric_all_reduce(
     where every rank could map its buffer (CUDA, several ranks); else ``tp`` unchanged (NCCL
     or gloo for every all-reduce). Collective: every rank calls it, and all of them take the
     same path."""
+    global mappings_in_this_process
     if tp.size == 1 or device.type != "cuda":
         return tp
+    if not _same_on_every_rank(mappings_in_this_process, device):
+        logger.warning(
+            "a tensor-parallel engine ran in this process before: every all-reduce through "
+            "NCCL (one engine a process keeps the one-kernel all-reduce)"
+        )
+        return tp
+    mappings_in_this_process += 1
     reducer = None
     try:
         import torch.distributed._symmetric_memory as symmetric_memory
@@ -89,9 +105,15 @@ def with_symmetric_all_reduce(
     except (RuntimeError, ImportError, AttributeError) as error:
         logger.warning("symmetric memory unavailable (%s): every all-reduce through NCCL", error)
     # One rank without it would wait at NCCL while the others wait at the signal pads.
-    everyone = torch.tensor([reducer is not None], dtype=torch.int32, device=device)
-    dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
-    if not everyone.item():
+    agreed = _same_on_every_rank(reducer is not None, device)
+    if reducer is None or not agreed:
         return tp
     logger.info("all-reduces up to %d KiB through symmetric memory", max_bytes // 1024)
     return dataclasses.replace(tp, symmetric_all_reduce=reducer)
+
+
+def _same_on_every_rank(value: int, device: torch.device) -> bool:
+    """Whether every rank holds the same ``value`` (collective)."""
+    extremes = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)  # the largest, and minus the least
+    return bool(extremes[0] == -extremes[1])

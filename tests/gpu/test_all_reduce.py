@@ -1,0 +1,89 @@
+"""The engine's all-reduce (``TensorParallel.all_reduce``: one kernel over symmetric memory up to
+``ONE_SHOT_MAX_BYTES``, NCCL's ring past it) against NCCL's own, for every size class and the
+model dtypes, eager and replayed in a CUDA graph with new values: the same bits on every rank,
+equal to NCCL's on two ranks (both add the same two numbers, rounded once) and within the
+dtype's rounding of the partial sums on four. One process per GPU, as the engine's ranks."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine.distributed.parallel import TensorParallel
+from engine.distributed.symmetric_all_reduce import ONE_SHOT_MAX_BYTES, with_symmetric_all_reduce
+from engine.tensor_parallel.workers import NO_MULTICAST
+
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# [rows, hidden]: one row, a few, the largest one shot takes at 4096 wide, and past it (NCCL).
+SHAPES = ((1, 4096), (3, 8192), (8, 4096), (64, 4096), (32, 8192), (256, 4096))
+
+
+def relative_error(x: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((x.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
+
+
+def rank_main(rank: int, size: int, port: int, failures: mp.Queue) -> None:
+    os.environ.update(NO_MULTICAST)
+    torch.cuda.set_device(rank)
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0)
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=size)
+    device = torch.device("cuda", rank)
+    wrong = []
+    for dtype in DTYPES:
+        tp = with_symmetric_all_reduce(TensorParallel(rank, size), device, dtype)
+        assert tp.symmetric_all_reduce is not None, "symmetric memory unavailable"
+        generator = torch.Generator(device).manual_seed(rank)
+        for rows, hidden in SHAPES:
+            x = torch.randn(rows, hidden, device=device, generator=generator).to(dtype)
+            one_kernel = x.numel() * x.element_size() <= ONE_SHOT_MAX_BYTES
+            assert tp.symmetric_all_reduce.accepts(x) == one_kernel
+            graph_input = torch.zeros_like(x)
+            graph = torch.cuda.CUDAGraph()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                tp.all_reduce(graph_input.clone())  # warm-up outside the capture
+            torch.cuda.current_stream().wait_stream(stream)
+            dist.barrier()
+            with torch.cuda.graph(graph):
+                graph_output = tp.all_reduce(graph_input)
+            graph_input.copy_(x)
+            graph.replay()
+            for path, summed in (("eager", tp.all_reduce(x.clone())), ("graph", graph_output)):
+                reference = x.clone()
+                dist.all_reduce(reference)
+                first = summed.clone()
+                dist.broadcast(first, 0)
+                tolerance = 0 if size == 2 else 4 * torch.finfo(dtype).eps
+                error = relative_error(summed, reference)
+                if not torch.equal(first, summed) or error > tolerance:
+                    wrong.append((str(dtype), rows, hidden, path, error))
+    failures.put((rank, wrong))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_all_reduce_equals_nccl(size: int) -> None:
+    if torch.cuda.device_count() < size:
+        pytest.skip(f"needs {size} GPUs")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = mp.get_context("spawn")
+    failures = context.Queue()
+    ranks = [context.Process(target=rank_main, args=(r, size, port, failures)) for r in range(size)]
+    for process in ranks:
+        process.start()
+    results = dict(failures.get(timeout=300) for _ in ranks)
+    for process in ranks:
+        process.join(timeout=60)
+    assert [p.exitcode for p in ranks] == [0] * size
+    assert results == {r: [] for r in range(size)}
