@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 # --tensor-parallel-size N``) to show that the larger sizes pay.
 ONE_SHOT_MAX_BYTES = 512 * 1024
 
+# The dtypes PyTorch's one-shot kernel sums (float16 models' all-reduces stay NCCL's).
+ONE_SHOT_DTYPES = (torch.bfloat16, torch.float32)
+
 # How many buffers this process has mapped. PyTorch numbers the store exchanges of its
 # rendezvous with a counter private to each process, never reset, so ranks meet only if they
 # have mapped alike: a second tensor-parallel engine in one process (the offline API's, a
@@ -79,11 +82,11 @@ def with_symmetric_all_reduce(
     max_bytes: int = ONE_SHOT_MAX_BYTES,
 ) -> TensorParallel:
     """``tp`` whose all-reduces of ``dtype`` up to ``max_bytes`` go through symmetric memory,
-    where every rank could map its buffer (CUDA, several ranks); else ``tp`` unchanged (NCCL
-    or gloo for every all-reduce). Collective: every rank calls it, and all of them take the
-    same path."""
+    where every rank could map its buffer (CUDA, several ranks, one of ``ONE_SHOT_DTYPES``);
+    else ``tp`` unchanged (NCCL or gloo for every all-reduce). Collective: every rank calls it,
+    and all of them take the same path."""
     global mappings_in_this_process
-    if tp.size == 1 or device.type != "cuda":
+    if tp.size == 1 or device.type != "cuda" or dtype not in ONE_SHOT_DTYPES:
         return tp
     if not _same_on_every_rank(mappings_in_this_process, device):
         logger.warning(
