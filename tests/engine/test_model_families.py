@@ -117,7 +117,11 @@ FAMILIES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[st
             mlp_only_layers=[1],
         ),
     ),
-    "mixtral": (MixtralConfig, MixtralForCausalLM, dict(num_local_experts=4, num_experts_per_tok=2)),
+    "mixtral": (
+        MixtralConfig,
+        MixtralForCausalLM,
+        dict(num_local_experts=4, num_experts_per_tok=2),
+    ),
 }
 
 
