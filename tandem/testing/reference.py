@@ -41,8 +41,8 @@ def stepwise_agreement(
     agree = total = 0
     for prompt, tokens in zip(prompts, ours, strict=True):
         with torch.no_grad():
-            logits = hf_model(torch.tensor([prompt + tokens])).logits[0]
-        choices = logits[len(prompt) - 1 : -1].argmax(-1)
+            logits = hf_model(torch.tensor([prompt + tokens], device=hf_model.device)).logits[0]
+        choices = logits[len(prompt) - 1 : -1].argmax(-1).cpu()
         agree += int((choices == torch.tensor(tokens)).sum())
         total += len(tokens)
     return agree / total

@@ -1,0 +1,148 @@
+"""Mixtures of experts on CUDA against transformers on the same GPU: small random Qwen3-MoE
+(64 experts, 8 a token) and Mixtral (8 experts, 2 a token), through the torch backend (its
+``moe_experts`` reference) and the Triton one (the fused MoE kernel, in decode CUDA graphs).
+
+In float32, every greedy step's log-probabilities of a batch and of one request alone equal
+transformers' on the same tokens; with ``--quantization fp8`` (bf16, FP8 experts), most
+greedy tokens are transformers' choice after the same tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import (
+    MixtralConfig,
+    MixtralForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.models.moe import FusedExperts
+from protocol import SamplingParams
+from tandem.testing.random_checkpoint import save_with_tokenizer
+from tandem.testing.reference import run_engine, stepwise_agreement
+from tests.engine.test_logprobs import generate
+
+STEPS = 32
+TOP = 5
+# float32 on both sides; a router's near-tie that rounding decides the other way (its two
+# experts about equally weighted) moves a log-probability by a little more than the dense
+# models' 2e-4.
+LOGPROB_ATOL = 1e-3
+_COMMON = dict(
+    vocab_size=4096,
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    initializer_range=0.05,
+    bos_token_id=0,
+    eos_token_id=1,
+)
+SHAPES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[str, Any]]] = {
+    "qwen3-moe": (
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        _COMMON
+        | dict(
+            head_dim=64,
+            num_experts=64,
+            num_experts_per_tok=8,
+            moe_intermediate_size=256,
+            norm_topk_prob=True,
+        ),
+    ),
+    "mixtral": (
+        MixtralConfig,
+        MixtralForCausalLM,
+        _COMMON | dict(num_local_experts=8, num_experts_per_tok=2),
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def moe_checkpoint(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, PreTrainedModel]:
+    config_class, model_class, config = SHAPES[request.param]
+    torch.manual_seed(0)
+    model = model_class(config_class(**config, attn_implementation="eager")).eval()
+    directory = tmp_path_factory.mktemp(request.param)
+    save_with_tokenizer(model, directory)
+    return directory, model.cuda()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_greedy_decode_matches_transformers_in_float32(
+    moe_checkpoint: tuple[Path, PreTrainedModel], backend: str
+) -> None:
+    directory, hf = moe_checkpoint
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(directory),
+            device="cuda",
+            dtype="float32",
+            backend=backend,
+            max_model_len=2048,
+            kv_cache_memory_gb=2,
+        )
+    )
+    generator = torch.Generator().manual_seed(7)
+    prompts = {str(n): torch.randint(2, 4096, (n,), generator=generator).tolist() for n in (9, 300)}
+    sampling = SamplingParams(max_tokens=STEPS, ignore_eos=True, logprobs=TOP)
+    outputs = generate(engine, {name: (prompt, sampling) for name, prompt in prompts.items()})
+    prompts["300 alone"] = prompts["300"]
+    outputs.update(generate(engine, {"300 alone": (prompts["300"], sampling)}))
+    worst = 0.0
+    for name, prompt in prompts.items():
+        tokens = [t for output in outputs[name] for t in output.new_token_ids]
+        steps = [entry for output in outputs[name] for entry in output.logprobs or []]
+        assert len(tokens) == len(steps) == STEPS
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + tokens], device="cuda")).logits[0]
+        reference = torch.log_softmax(logits[len(prompt) - 1 : -1].float(), dim=-1).cpu()
+        for step, (token, ours, theirs) in enumerate(zip(tokens, steps, reference, strict=True)):
+            assert theirs.max() - theirs[token] <= LOGPROB_ATOL, (name, step)
+            got = torch.tensor([ours.logprob, *ours.top_logprobs])
+            want = theirs[[token, *ours.top_token_ids]]
+            worst = max(worst, (got - want).abs().max().item())
+            torch.testing.assert_close(got, want, atol=LOGPROB_ATOL, rtol=0, msg=f"{name} {step}")
+    print(
+        f"\n{directory.name} {backend}: {STEPS} greedy steps x 3, worst logprob error {worst:.2e}"
+    )
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp8_experts_keep_most_greedy_tokens(
+    moe_checkpoint: tuple[Path, PreTrainedModel], backend: str
+) -> None:
+    directory, hf = moe_checkpoint
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(directory),
+            device="cuda",
+            backend=backend,
+            quantization="fp8",
+            max_model_len=2048,
+            kv_cache_memory_gb=2,
+        )
+    )
+    experts = next(m for m in engine.runner.model.modules() if isinstance(m, FusedExperts))
+    assert experts.w13.dtype == torch.float8_e4m3fn
+    generator = torch.Generator().manual_seed(3)
+    # 4 and 24 prompts: steps of a few rows and of more than 16 (W8A8 for the dense layers).
+    for count in (4, 24):
+        prompts = torch.randint(2, 4096, (count, 64), generator=generator).tolist()
+        tokens = run_engine(engine, prompts, max_tokens=16)
+        agreement = stepwise_agreement(hf, prompts, tokens)
+        print(f"\n{directory.name} {backend} fp8, {count} prompts: {agreement:.2f} agree")
+        assert agreement >= 0.6
