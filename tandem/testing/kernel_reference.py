@@ -48,3 +48,37 @@ def paged_attention_reference(
         outputs.append(torch.einsum("hqk,khd->qhd", probs, values))
         start += query_len
     return torch.cat(outputs)
+
+
+def moe_experts_reference(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    expert_offset: int = 0,
+) -> torch.Tensor:
+    """``LayerOps.moe_experts`` expert by expert, in float32 (FP8 weights dequantized):
+    each local expert's picks gathered, gate and up products summed in float32, their
+    activation silu(gate) * up rounded to x's dtype (as the fused kernel and the dense MLP
+    round it), the down product and its routing weight in float32, added to each token's
+    float32 sum. Returned in float32, for the error to be measured in units of x's dtype.
+    Reads the routing back to the host."""
+    num_experts, double_intermediate, _ = w13.shape
+    intermediate = double_intermediate // 2
+    gate_up = w13.float() if w13_scale is None else w13.float() * w13_scale[..., None]
+    down = w2.float() if w2_scale is None else w2.float() * w2_scale[..., None]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    local = topk_ids.long() - expert_offset
+    for expert in range(num_experts):
+        tokens, picks = (local == expert).nonzero(as_tuple=True)
+        if tokens.numel() == 0:
+            continue
+        products = x[tokens].float() @ gate_up[expert].T
+        gate, up = products[:, :intermediate], products[:, intermediate:]
+        activation = (torch.nn.functional.silu(gate) * up).to(x.dtype).float()
+        weighted = (activation @ down[expert].T) * topk_weights[tokens, picks, None]
+        out.index_add_(0, tokens, weighted)
+    return out
