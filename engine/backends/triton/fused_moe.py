@@ -89,33 +89,33 @@ def moe_config(
     intermediate: int,
     processors: int,
     weight_dtype: torch.dtype,
+    dtype: torch.dtype,
 ) -> MoeConfig:
     """The kernels' configuration for ``num_pairs`` (token, expert) pairs over
-    ``num_experts`` local experts of [2 * intermediate, hidden] and [hidden, intermediate],
-    on a GPU of ``processors`` SMs, chosen by shape, never timed (timed choices would differ
-    between processes, and so would their sums).
+    ``num_experts`` local experts of [2 * intermediate, hidden] and [hidden, intermediate]
+    in ``weight_dtype``, activations in ``dtype``, on a GPU of ``processors`` SMs; chosen by
+    shape, never timed (timed choices would differ between processes, and so would their
+    sums).
 
-    - The tile height follows the rows an expert gets, ``num_pairs / min(E, num_pairs)``
-      when routing is even: 16 up to 8 rows, 32 up to 16, 64 up to 32, 128 beyond.
-    - 16 or 32 rows (decode steps; bound by reading the weights): 128 of depth a step (256
-      of fp8 codes, the same bytes), 64 columns a program, or 32 where that leaves SMs idle
-      (gate/up) and the depth split in two, four or eight for the same reason (down, where
-      each split keeps at least 512 of I).
-    - 64 or 128 rows (prefills; bound by the products): 64 of depth a step, gate/up 64 or 128
-      columns of each half, down 128.
+    - The tile height follows the rows an expert gets when routing is even,
+      ``num_pairs / min(E, num_pairs)``: 16 up to 8 rows, 32 up to 16, 64 up to 32, 128
+      beyond (vLLM's and SGLang's tuned tables for these shapes step alike).
+    - 16 or 32 rows (decode steps, bound by reading the weights): 256 bytes of each weight
+      row a step (128 of depth in bf16, 256 of fp8 codes); 64 columns a program, or 32 where
+      that leaves SMs idle (gate/up), and the depth split in two, four or eight for the same
+      reason (down, each split keeping at least 512 of I).
+    - 64 or 128 rows (prefills, bound by the products): 64 of depth a step (32 with a float32
+      operand, for the stages to fit in shared memory), gate/up 64 or 128 columns of each
+      half, down 128.
     """
     if _INTERPRETED:  # small tiles, split: every mask and the partial sums' combine
         return MoeConfig(16, MoeGemmConfig(16, 32, 1, 4, 1), MoeGemmConfig(16, 32, 2, 4, 1))
     active = max(1, min(num_experts, num_pairs))
     rows_per_expert = -(-num_pairs // active)
-    block_m = next(
-        m
-        for m, most in ((16, 8), (32, 16), (64, 32), (128, None))
-        if most is None or rows_per_expert <= most
-    )
-    tiles = active * -(-rows_per_expert // block_m)
-    if block_m <= 32:
-        block_k = 256 if weight_dtype.itemsize == 1 else 128
+    if rows_per_expert <= 16:
+        block_m = 16 if rows_per_expert <= 8 else 32
+        tiles = active * -(-rows_per_expert // block_m)
+        block_k = 256 // weight_dtype.itemsize
         gate_n = 64 if tiles * triton.cdiv(intermediate, 64) >= processors else 32
         split_k = 1
         while (
@@ -129,9 +129,14 @@ def moe_config(
             MoeGemmConfig(gate_n, block_k, 1, 4, 4),
             MoeGemmConfig(64, block_k, split_k, 4, 4),
         )
-    if block_m == 64:
-        return MoeConfig(64, MoeGemmConfig(64, 64, 1, 4, 4), MoeGemmConfig(128, 64, 1, 4, 4))
-    return MoeConfig(128, MoeGemmConfig(128, 64, 1, 8, 3), MoeGemmConfig(128, 64, 1, 8, 3))
+    block_k = 32 if max(weight_dtype.itemsize, dtype.itemsize) == 4 else 64
+    if rows_per_expert <= 32:
+        return MoeConfig(
+            64, MoeGemmConfig(64, block_k, 1, 4, 4), MoeGemmConfig(128, block_k, 1, 4, 4)
+        )
+    return MoeConfig(
+        128, MoeGemmConfig(128, block_k, 1, 8, 3), MoeGemmConfig(128, block_k, 1, 8, 3)
+    )
 
 
 @triton.jit
@@ -414,7 +419,7 @@ def fused_moe(
     if num_pairs == 0:
         return out
     config = config or moe_config(
-        num_pairs, num_experts, hidden, intermediate, sm_count(x.device), w13.dtype
+        num_pairs, num_experts, hidden, intermediate, sm_count(x.device), w13.dtype, x.dtype
     )
     block_m = config.block_m
     ids = topk_ids.reshape(num_pairs)  # a view of contiguous ids: no copy under a graph

@@ -1,0 +1,168 @@
+"""The fused MoE kernel against the memory wall and the GEMM rate: ``tandem bench kernels
+--moe SHAPE``.
+
+One mixture-of-experts layer's experts (``engine.backends.triton.fused_moe``, as the
+Triton backend's ``moe_experts`` runs them) at a real model's shape, with random weights
+(bf16, or FP8 codes with per-channel scales as ``--quantization fp8`` stores them) and a
+random softmax top-k routing of T tokens, each T timed as a CUDA graph's replay (as the
+engine's decode steps run; which also shows the kernels capture) after an L2 flush.
+"Bytes" are the weights of the local experts the routing actually touched: at T = 1 only K
+experts' (up to min(E, T * K)), which a batch-1 decode step must read; "of copy" their rate
+over the device's measured copy bandwidth; "of roofline" the larger of that bound and the
+products' FLOPs (2 per weight per routed pair, at the measured dense GEMM rate) over the
+time. Each case's output is checked against the expert-by-expert float32 reference first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.backends.triton.device import sm_count
+from engine.backends.triton.fused_moe import fused_moe, moe_config
+from engine.quantization.linear_methods import quantize_per_channel
+from engine.roofline import DeviceRates, StepTraffic, traffic_bound
+from tandem.testing.kernel_reference import moe_experts_reference
+
+DTYPE = torch.bfloat16
+FP8 = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """A model's MoE layer as one rank holds it: ``local_experts`` of ``experts`` (expert
+    parallelism: rank 0's, ids [0, local_experts)), each [2 * intermediate, hidden] and
+    [hidden, intermediate], ``top_k`` picks a token."""
+
+    hidden: int
+    intermediate: int
+    experts: int
+    local_experts: int
+    top_k: int
+
+
+SHAPES = {
+    "qwen3-30b-a3b": MoeShape(2048, 768, 128, 128, 8),
+    "mixtral-8x7b": MoeShape(4096, 14336, 8, 8, 2),
+    # Qwen3-235B-A22B at TP=4, both ways of splitting the experts: rank 0's 32 whole
+    # experts (expert parallelism), or a quarter of each of the 128 (I / 4).
+    "qwen3-235b-a22b-tp4-ep": MoeShape(4096, 1536, 128, 32, 8),
+    "qwen3-235b-a22b-tp4": MoeShape(4096, 384, 128, 128, 8),
+}
+TOKENS = (1, 8, 64, 256, 2048)
+# A run's time in ms (``tandem.bench.kernels.time_ms``: a CUDA graph's replay, L2 flushed).
+Timer = Callable[[Callable[[], None]], float]
+
+
+@dataclass(frozen=True)
+class MoeResult:
+    touched: int  # local experts the routing picked
+    config: str
+    us: float
+    weight_bytes: int
+    copy_share: float
+    roofline_share: float
+
+
+def random_layer(shape: MoeShape, fp8: bool) -> dict[str, torch.Tensor | None]:
+    """The rank's experts, random, in bf16 or as FP8 codes with per-channel scales."""
+    experts, hidden, intermediate = shape.local_experts, shape.hidden, shape.intermediate
+    w13 = torch.randn(experts, 2 * intermediate, hidden, device="cuda", dtype=DTYPE)
+    w2 = torch.randn(experts, hidden, intermediate, device="cuda", dtype=DTYPE)
+    w13 *= hidden**-0.5
+    w2 *= intermediate**-0.5
+    if not fp8:
+        return {"w13": w13, "w2": w2, "w13_scale": None, "w2_scale": None}
+    layer: dict[str, torch.Tensor | None] = {}
+    for name, weight in (("w13", w13), ("w2", w2)):
+        codes = torch.empty(weight.shape, dtype=FP8, device="cuda")
+        scale = torch.empty(weight.shape[:2], device="cuda")
+        for expert in range(experts):  # one at a time: float32 copies of a few at most
+            codes[expert], scale[expert] = quantize_per_channel(weight[expert], FP8)
+        layer[name], layer[f"{name}_scale"] = codes, scale
+    return layer
+
+
+def random_routing(num_tokens: int, shape: MoeShape) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k of random logits over all the model's experts, renormalized."""
+    logits = torch.randn(num_tokens, shape.experts, device="cuda")
+    weights, ids = logits.softmax(-1).topk(shape.top_k)
+    return weights / weights.sum(-1, keepdim=True), ids.to(torch.int32)
+
+
+def moe_case(
+    shape: MoeShape,
+    num_tokens: int,
+    layer: dict[str, torch.Tensor | None],
+    rates: DeviceRates,
+    time_ms: Timer,
+) -> MoeResult:
+    """Check, then time one layer's experts at ``num_tokens`` tokens."""
+    x = torch.randn(num_tokens, shape.hidden, device="cuda", dtype=DTYPE)
+    weights, ids = random_routing(num_tokens, shape)
+    out = fused_moe(x, weights, ids, **layer)
+    reference = moe_experts_reference(x, weights, ids, **layer)
+    error = ((out.float() - reference).norm() / reference.norm()).item()
+    rounding = ((reference.to(DTYPE).float() - reference).norm() / reference.norm()).item()
+    assert error < 2 * rounding, f"{num_tokens} tokens: error {error:.2e} > 2 x {rounding:.2e}"
+
+    local = ids[ids < shape.local_experts]
+    touched = local.unique().numel()
+    w13 = layer["w13"]
+    assert w13 is not None
+    expert_bytes = 3 * shape.hidden * shape.intermediate * w13.dtype.itemsize
+    weight_bytes = touched * expert_bytes
+    flops = 2 * local.numel() * 3 * shape.hidden * shape.intermediate
+
+    def run() -> None:
+        fused_moe(x, weights, ids, **layer)
+
+    ms = time_ms(run)
+    seconds = ms / 1e3
+    bound = traffic_bound(StepTraffic(weight_bytes, flops, 0), rates)
+    config = moe_config(
+        num_tokens * shape.top_k,
+        shape.local_experts,
+        shape.hidden,
+        shape.intermediate,
+        sm_count(x.device),
+        w13.dtype,
+        DTYPE,
+    )
+    described = (
+        f"{config.block_m}/{config.gate_up.block_n}/{config.down.block_n}x{config.down.split_k}"
+    )
+    return MoeResult(
+        touched,
+        described,
+        ms * 1e3,
+        weight_bytes,
+        weight_bytes / seconds / rates.bytes_per_s,
+        bound / seconds,
+    )
+
+
+def run_moe(
+    shape_names: list[str], tokens: list[int], fp8: bool, rates: DeviceRates, time_ms: Timer
+) -> None:
+    """Print the table for each shape."""
+    print(
+        f"\n{'shape':>24} {'weights':>7} {'T':>5} {'experts':>7} {'M/Ngu/Nd x split':>16} "
+        f"{'us':>9} {'MB':>8} {'GB/s':>7} {'of copy':>8} {'of roofline':>11}"
+    )
+    for name in shape_names:
+        shape = SHAPES[name]
+        layer = random_layer(shape, fp8)
+        for num_tokens in tokens:
+            result = moe_case(shape, num_tokens, layer, rates, time_ms)
+            print(
+                f"{name:>24} {'fp8' if fp8 else 'bf16':>7} {num_tokens:5d} "
+                f"{result.touched:7d} {result.config:>16} {result.us:9.1f} "
+                f"{result.weight_bytes / 1e6:8.1f} "
+                f"{result.weight_bytes / (result.us / 1e6) / 1e9:7.0f} "
+                f"{result.copy_share:8.0%} {result.roofline_share:11.0%}"
+            )
+        del layer
+        torch.cuda.empty_cache()
