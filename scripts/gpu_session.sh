@@ -5,6 +5,7 @@
 #   scripts/gpu_session.sh tp-check tp-8b tp-70b   # tensor parallelism, on 2 GPUs (TP=4/8: TP=N)
 #   scripts/gpu_session.sh bench-dp|bench-dp-smoke|layouts-8b|tp-layouts-8b  # data parallelism (layouts: 4 GPUs)
 #   scripts/gpu_session.sh moe-kernel  # the fused MoE kernel (issue 39): its tests, then its timings
+#   MOE_SHAPE=mixtral-8x7b scripts/gpu_session.sh moe-sweep  # its rule against neighbouring configurations
 #   SPEC_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh spec spec-f32  # speculative decoding
 #
 # spec (issue 12, a few minutes): the float32 GPU test (n-gram and draft-model tokens equal to
@@ -34,6 +35,9 @@
 # reference, CUDA graph capture and replay), then `scripts/bench_kernels.py --moe` at
 # Qwen3-30B-A3B, Mixtral-8x7B and Qwen3-235B-A22B's TP=4 rank (expert-parallel and split),
 # T = 1 to 2048 tokens, bf16 and fp8 weights; the tables last.
+# moe-sweep: the same timings at MOE_SHAPE (default qwen3-30b-a3b), each T with the rule's
+# neighbours timed too (--moe-sweep: about 100 configurations a shape, minutes of compiling),
+# bf16 then fp8; where the fastest candidate beats the rule, the rule wants refitting.
 #
 # PEERS=0 leaves out transformers' runs (minutes of device time each); PYTEST_K filters tests.
 #
@@ -283,6 +287,12 @@ PY
       grep -hE "passed|failed" "$out/moe-kernel-tests.log" | tail -1
       head -1 "$out/moe-kernel-bf16.log"
       for weights in bf16 fp8; do grep -hE "^ +(shape|qwen|mixtral)" "$out/moe-kernel-$weights.log"; done ;;
+    moe-sweep)
+      for weights in bf16 fp8; do
+        flags=(); [ $weights = fp8 ] && flags=(--quantization fp8)
+        timeout 280 python3 scripts/bench_kernels.py --moe "${MOE_SHAPE:-qwen3-30b-a3b}" --moe-sweep \
+          "${flags[@]}" 2>&1 | tee "$out/moe-sweep-$weights.log" | grep -E "^ +(shape|qwen|mixtral)"
+      done ;;
     tp-check|tp-8b|tp-70b)  # each within one call's 10 minutes
       timeout 590 python3 scripts/bench_tensor_parallel.py --part "${stage#tp-}" \
         --tensor-parallel-size "${TP:-2}" 2>&1 | tee "$out/$stage.log" | tail -12 ;;

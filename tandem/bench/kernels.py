@@ -4,7 +4,7 @@
                          [--contexts 256 1024 4096 16384] [--max-gib 24]
                          [--kv-cache-dtype auto|fp8]
     tandem bench kernels --moe SHAPE [SHAPE ...] [--moe-tokens 1 8 64 256 2048]
-                         [--quantization fp8]
+                         [--quantization fp8] [--moe-sweep]
 
 A decode step's attention must read every cached key and value of every sequence once; the
 kernel (``paged_decode_attention``, split-K as the engine runs it: the split count from
@@ -184,6 +184,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--quantization", choices=["fp8"], help="--moe: FP8 weights (default: bf16)"
     )
+    parser.add_argument(
+        "--moe-sweep", action="store_true", help="--moe: time the rule's neighbours too"
+    )
     args = parser.parse_args(argv)
     kv_dtype = DTYPE if args.kv_cache_dtype == "auto" else torch.float8_e4m3fn
     if not torch.cuda.is_available():
@@ -193,7 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.cuda.empty_cache()
     if args.moe:
         print(f"{torch.cuda.get_device_name()}: measured {rates.describe()}")
-        run_moe(args.moe, args.moe_tokens, args.quantization == "fp8", rates, time_ms)
+        run_moe(
+            args.moe, args.moe_tokens, args.quantization == "fp8", rates, time_ms, args.moe_sweep
+        )
         return
     print(f"{torch.cuda.get_device_name()}: measured {rates.describe()}; K/V in {kv_dtype}")
     print(

@@ -11,6 +11,9 @@ experts' (up to min(E, T * K)), which a batch-1 decode step must read; "of copy"
 over the device's measured copy bandwidth; "of roofline" the larger of that bound and the
 products' FLOPs (2 per weight per routed pair, at the measured dense GEMM rate) over the
 time. Each case's output is checked against the expert-by-expert float32 reference first.
+"config" is the rule's (``moe_config``): tile rows / gate-up columns x depth / down columns x
+depth, x splits of the down projection's depth. With --moe-sweep, each case also times the
+rule's neighbours (``candidates``) and prints the fastest, for fitting the rule.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import triton
 
 from engine.backends.triton.device import sm_count
-from engine.backends.triton.fused_moe import fused_moe, moe_config
+from engine.backends.triton.fused_moe import MoeConfig, MoeGemmConfig, fused_moe, moe_config
 from engine.quantization.linear_methods import quantize_per_channel
 from engine.roofline import DeviceRates, StepTraffic, traffic_bound
 from tandem.testing.kernel_reference import moe_experts_reference
@@ -59,11 +63,50 @@ Timer = Callable[[Callable[[], None]], float]
 @dataclass(frozen=True)
 class MoeResult:
     touched: int  # local experts the routing picked
-    config: str
+    config: str  # the rule's
     us: float
     weight_bytes: int
     copy_share: float
     roofline_share: float
+    best: tuple[str, float] | None  # --moe-sweep: the fastest candidate and its time
+
+
+def describe(config: MoeConfig) -> str:
+    """tile rows / gate-up columns x depth / down columns x depth, x splits"""
+    gate_up, down = config.gate_up, config.down
+    return (
+        f"{config.block_m}/{gate_up.block_n}x{gate_up.block_k}/{down.block_n}x{down.block_k}"
+        f"x{down.split_k}"
+    )
+
+
+def candidates(rule: MoeConfig) -> list[MoeConfig]:
+    """Neighbours of the rule's configuration, for ``--moe-sweep``: at decode tiles (16 or
+    32 rows) other column widths, depths and splits; at prefill tiles the other height and
+    widths and warps."""
+    if rule.block_m <= 32:
+        depth = rule.gate_up.block_k
+        return [
+            MoeConfig(
+                rule.block_m,
+                MoeGemmConfig(gate_n, block_k, 1, 4, stages),
+                MoeGemmConfig(down_n, block_k, split, 4, stages),
+            )
+            for gate_n in (32, 64, 128)
+            for down_n, split in ((32, 1), (64, 1), (64, 2), (128, 1), (128, 4))
+            for block_k, stages in ((depth, 4), (depth // 2, 5))
+        ]
+    depth = rule.gate_up.block_k
+    return [
+        MoeConfig(
+            block_m,
+            MoeGemmConfig(gate_n, depth, 1, warps, stages),
+            MoeGemmConfig(down_n, depth, 1, warps, stages),
+        )
+        for block_m in (64, 128)
+        for gate_n, down_n in ((64, 128), (128, 128), (128, 256))
+        for warps, stages in ((4, 4), (8, 3))
+    ]
 
 
 def random_layer(shape: MoeShape, fp8: bool) -> dict[str, torch.Tensor | None]:
@@ -98,8 +141,10 @@ def moe_case(
     layer: dict[str, torch.Tensor | None],
     rates: DeviceRates,
     time_ms: Timer,
+    sweep: bool = False,
 ) -> MoeResult:
-    """Check, then time one layer's experts at ``num_tokens`` tokens."""
+    """Check, then time one layer's experts at ``num_tokens`` tokens with the rule's
+    configuration (and, sweeping, each candidate's)."""
     x = torch.randn(num_tokens, shape.hidden, device="cuda", dtype=DTYPE)
     weights, ids = random_routing(num_tokens, shape)
     out = fused_moe(x, weights, ids, **layer)
@@ -112,17 +157,9 @@ def moe_case(
     touched = local.unique().numel()
     w13 = layer["w13"]
     assert w13 is not None
-    expert_bytes = 3 * shape.hidden * shape.intermediate * w13.dtype.itemsize
-    weight_bytes = touched * expert_bytes
+    weight_bytes = touched * 3 * shape.hidden * shape.intermediate * w13.dtype.itemsize
     flops = 2 * local.numel() * 3 * shape.hidden * shape.intermediate
-
-    def run() -> None:
-        fused_moe(x, weights, ids, **layer)
-
-    ms = time_ms(run)
-    seconds = ms / 1e3
-    bound = traffic_bound(StepTraffic(weight_bytes, flops, 0), rates)
-    config = moe_config(
+    rule = moe_config(
         num_tokens * shape.top_k,
         shape.local_experts,
         shape.hidden,
@@ -131,38 +168,59 @@ def moe_case(
         w13.dtype,
         DTYPE,
     )
-    described = (
-        f"{config.block_m}/{config.gate_up.block_n}/{config.down.block_n}x{config.down.split_k}"
-    )
+
+    def timed(config: MoeConfig) -> float:
+        def run() -> None:
+            fused_moe(x, weights, ids, **layer, config=config)
+
+        try:
+            return time_ms(run)
+        except triton.runtime.errors.OutOfResources:  # a candidate's stages overflow
+            return float("inf")
+
+    ms = timed(rule)
+    best = None
+    if sweep:
+        best = min(((describe(c), timed(c) * 1e3) for c in candidates(rule)), key=lambda b: b[1])
+    seconds = ms / 1e3
+    bound = traffic_bound(StepTraffic(weight_bytes, flops, 0), rates)
     return MoeResult(
         touched,
-        described,
+        describe(rule),
         ms * 1e3,
         weight_bytes,
         weight_bytes / seconds / rates.bytes_per_s,
         bound / seconds,
+        best,
     )
 
 
 def run_moe(
-    shape_names: list[str], tokens: list[int], fp8: bool, rates: DeviceRates, time_ms: Timer
+    shape_names: list[str],
+    tokens: list[int],
+    fp8: bool,
+    rates: DeviceRates,
+    time_ms: Timer,
+    sweep: bool = False,
 ) -> None:
-    """Print the table for each shape."""
+    """Print the table for each shape (sweeping: with the fastest candidate's time)."""
     print(
-        f"\n{'shape':>24} {'weights':>7} {'T':>5} {'experts':>7} {'M/Ngu/Nd x split':>16} "
+        f"\n{'shape':>24} {'weights':>7} {'T':>5} {'experts':>7} {'config':>22} "
         f"{'us':>9} {'MB':>8} {'GB/s':>7} {'of copy':>8} {'of roofline':>11}"
+        + (f" {'best candidate':>22} {'us':>9}" if sweep else "")
     )
     for name in shape_names:
         shape = SHAPES[name]
         layer = random_layer(shape, fp8)
         for num_tokens in tokens:
-            result = moe_case(shape, num_tokens, layer, rates, time_ms)
+            result = moe_case(shape, num_tokens, layer, rates, time_ms, sweep)
+            best = f" {result.best[0]:>22} {result.best[1]:9.1f}" if result.best else ""
             print(
                 f"{name:>24} {'fp8' if fp8 else 'bf16':>7} {num_tokens:5d} "
-                f"{result.touched:7d} {result.config:>16} {result.us:9.1f} "
+                f"{result.touched:7d} {result.config:>22} {result.us:9.1f} "
                 f"{result.weight_bytes / 1e6:8.1f} "
                 f"{result.weight_bytes / (result.us / 1e6) / 1e9:7.0f} "
-                f"{result.copy_share:8.0%} {result.roofline_share:11.0%}"
+                f"{result.copy_share:8.0%} {result.roofline_share:11.0%}{best}"
             )
         del layer
         torch.cuda.empty_cache()
