@@ -6,9 +6,12 @@ do its arithmetic; it takes no less than the larger of the two:
 - bytes over the measured copy bandwidth: every weight the step reads (the decoder layers
   and final norm always, the LM head when the step computes logits, one embedding row a
   token), the K/V of the cache that its queries attend to (written by earlier steps), and
-  the K/V it writes;
+  the K/V it writes. A mixture of experts' layer reads only the experts its tokens are routed
+  to: min(E, T * k) of its E experts at T tokens of k experts each (a token's k at batch 1,
+  all of them once T * k reaches E, as if the router spread the tokens evenly);
 - FLOPs over the measured dense bf16 GEMM rate: two a weight a token in the layers' matrix
-  products, two a head weight a logits row, and four a (query, key) pair a head a
+  products (of an expert's, for the k experts a token goes through), two a head weight a
+  logits row, and four a (query, key) pair a head a
   dimension in attention (QK^T and PV), causal and within a layer's sliding window. The
   products of FP8 weights (``--quantization fp8``, multiplied in FP8 past a few tokens) count
   at the measured FP8 GEMM rate, about twice as fast on Hopper.
@@ -35,6 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from engine.models.moe import FusedExperts
 from engine.scheduling.request import Request
 
 
@@ -94,6 +98,26 @@ class ModelCost:
     attention_flops_per_pair: int  # 4 * num_heads * head_dim: a (query, key) pair in one layer
     windows: tuple[int | None, ...]  # each layer's sliding window; None: full attention
     fp8_matmul_params: int = 0  # of layer_matmul_params, those stored as FP8
+    # A mixture of experts' experts, every layer's (apart from the layers' weights above): their
+    # matrices' bytes and elements, how many experts a layer has and how many a token uses.
+    expert_weight_bytes: int = 0
+    expert_matmul_params: int = 0
+    fp8_expert_matmul_params: int = 0  # of expert_matmul_params, those stored as FP8
+    num_experts: int = 1
+    experts_per_token: int = 0
+
+    def expert_bytes(self, tokens: int) -> int:
+        """The expert weights a step of ``tokens`` tokens reads at least: min(E, tokens * k)
+        of each layer's E experts."""
+        touched = min(self.num_experts, tokens * self.experts_per_token)
+        return self.expert_weight_bytes * touched // self.num_experts
+
+    def expert_flops(self, tokens: int) -> tuple[int, int]:
+        """The FLOPs of ``tokens`` tokens through k experts each: in the model's dtype, and
+        of FP8 experts."""
+        per_token = 2 * self.experts_per_token * tokens
+        fp8 = per_token * self.fp8_expert_matmul_params // self.num_experts
+        return per_token * self.expert_matmul_params // self.num_experts - fp8, fp8
 
     @classmethod
     def of_model(cls, model: nn.Module, kv_dtype: torch.dtype) -> ModelCost:
@@ -101,7 +125,12 @@ class ModelCost:
         holds ``kv_dtype``. Matrices are the layers' 2-D parameters, whatever module holds
         them."""
         layers = model.layers
-        layer_params = [p for layer in layers for p in layer.parameters()]
+        experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
+        expert_params = [p for m in experts for p in (m.w13, m.w2)]
+        in_experts = {id(p) for p in expert_params}
+        layer_params = [
+            p for layer in layers for p in layer.parameters() if id(p) not in in_experts
+        ]
         norm_bytes = sum(p.numel() * p.element_size() for p in model.norm.parameters())
         embedding = model.embed_tokens.weight
         head = embedding if model.lm_head is None else model.lm_head.weight
@@ -118,6 +147,13 @@ class ModelCost:
             kv_bytes_per_token=2 * attention.num_kv_heads * attention.head_dim * kv_dtype.itemsize,
             attention_flops_per_pair=4 * attention.num_heads * attention.head_dim,
             windows=tuple(layer.self_attn.sliding_window for layer in layers),
+            expert_weight_bytes=sum(p.numel() * p.element_size() for p in expert_params),
+            expert_matmul_params=sum(p.numel() for p in expert_params),
+            fp8_expert_matmul_params=sum(
+                p.numel() for p in expert_params if p.dtype == torch.float8_e4m3fn
+            ),
+            num_experts=experts[0].num_experts if experts else 1,
+            experts_per_token=experts[0].experts_per_token if experts else 0,
         )
 
 
@@ -155,16 +191,20 @@ def step_traffic(step: StepShape, cost: ModelCost) -> StepTraffic:
     head = step.num_logits > 0
     weight_bytes = (
         cost.layer_weight_bytes
+        + cost.expert_bytes(tokens)
         + (cost.head_weight_bytes if head else 0)
         + tokens * cost.embedding_row_bytes
     )
     kv_bytes = (kv_read_tokens + kv_written_tokens) * cost.kv_bytes_per_token
+    expert_flops, fp8_expert_flops = cost.expert_flops(tokens)
     flops = (
         2 * (cost.layer_matmul_params - cost.fp8_matmul_params) * tokens
+        + expert_flops
         + 2 * cost.head_params * step.num_logits
         + cost.attention_flops_per_pair * attention_pairs
     )
-    return StepTraffic(weight_bytes + kv_bytes, flops, 2 * cost.fp8_matmul_params * tokens)
+    fp8_flops = 2 * cost.fp8_matmul_params * tokens + fp8_expert_flops
+    return StepTraffic(weight_bytes + kv_bytes, flops, fp8_flops)
 
 
 @dataclass(frozen=True)
@@ -232,7 +272,8 @@ def workload_bound(
     more_steps = max(0, -(-int(outputs.sum()) // max_num_seqs) - len(steps))
     total = StepTraffic(
         sum(t.num_bytes for t in traffic)
-        + more_steps * (cost.layer_weight_bytes + cost.head_weight_bytes),
+        + more_steps
+        * (cost.layer_weight_bytes + cost.expert_bytes(max_num_seqs) + cost.head_weight_bytes),
         sum(t.flops for t in traffic),
         sum(t.fp8_flops for t in traffic),
     )

@@ -1,8 +1,8 @@
 """The model's per-token operations: the interface. Norms and the gated activation, and the
 linear layers' products: one row's, the weight-only quantized GEMM's, FP8 activations'
-quantization and the LM head's float32 logits. (RoPE and the per-head Q/K norms before it
-are the attention backend's, ``engine.backends.attention.Rotary``, so that they fuse with
-the cache write.)
+quantization and the LM head's float32 logits; a mixture of experts' experts. (RoPE and the
+per-head Q/K norms before it are the attention backend's, ``engine.backends.attention.
+Rotary``, so that they fuse with the cache write.)
 
 Like ``AttentionBackend``, the model calls these and nothing device-specific: the linear
 layers' methods (``engine.quantization.linear_methods``) hold the model's ops and ask them
@@ -100,4 +100,28 @@ class LayerOps(Protocol):
         """Activations x [T, K] (a deferred norm's rows normalized; ``gated``: silu(gate) * up
         of x [T, 2K]'s halves) as float8 e4m3 codes [T, K] with one float32 scale per token
         [T, 1]: a W8A8 product's first operand."""
+        ...
+
+    def moe_experts(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        w13_scale: torch.Tensor | None,
+        w2_scale: torch.Tensor | None,
+        expert_offset: int = 0,
+    ) -> torch.Tensor:
+        """A mixture-of-experts layer's experts (``engine.models.moe``) for tokens x [T, H]
+        routed to experts ``topk_ids`` [T, K] (int32, global ids) with float32 weights
+        ``topk_weights`` [T, K]: each token's ``sum_k w_k * (silu(x @ g_e.T) * (x @ u_e.T))
+        @ d_e.T``, accumulated in float32, returned [T, H] in x's dtype.
+
+        The experts held here, ``E_local`` of them: ``w13`` [E_local, 2 * I, H], each
+        expert's gate rows g_e then its up rows u_e, and ``w2`` [E_local, H, I], its down
+        projection d_e; in x's dtype, or float8 e4m3 codes with float32 scales per output
+        channel ``w13_scale`` [E_local, 2 * I] and ``w2_scale`` [E_local, H] (None
+        otherwise). Local expert 0 is global expert ``expert_offset``: an id outside
+        [expert_offset, expert_offset + E_local) adds nothing (another rank's expert)."""
         ...

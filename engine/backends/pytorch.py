@@ -240,6 +240,48 @@ class TorchLayerOps:
         x = dense(x)
         return quantize_per_token_fp8(self.silu_and_mul(x) if gated else x)
 
+    def moe_experts(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        w13_scale: torch.Tensor | None,
+        w2_scale: torch.Tensor | None,
+        expert_offset: int = 0,
+    ) -> torch.Tensor:
+        # The (token, choice) pairs routed to the experts held here, grouped by expert: one
+        # product of each expert with all its tokens, gathered by index. Reads the experts'
+        # counts back to the host (a synchronization on CUDA, as this backend's attention).
+        num_tokens, top_k = topk_ids.shape
+        local = topk_ids.flatten().long() - expert_offset
+        held = (local >= 0) & (local < w13.shape[0])
+        experts, order = local[held].sort(stable=True)
+        pairs = held.nonzero().squeeze(1)[order]
+        tokens, weights = pairs // top_k, topk_weights.flatten()[pairs].float()
+        counts = torch.bincount(experts, minlength=w13.shape[0]).tolist()
+        out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:  # no token picked it: its weights are not read
+                continue
+            rows = slice(start, start + count)
+            start += count
+            scales = (None, None) if w13_scale is None else (w13_scale[expert], w2_scale[expert])
+            gate_up = self._expert_product(x[tokens[rows]], w13[expert], scales[0])
+            down = self._expert_product(self.silu_and_mul(gate_up), w2[expert], scales[1])
+            out.index_add_(0, tokens[rows], down.float() * weights[rows, None])
+        return out.to(x.dtype)
+
+    def _expert_product(
+        self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x times one expert's matrix, in x's dtype or FP8 codes with per-channel scales."""
+        return (
+            self.linear(x, weight) if scale is None else self.weight_only_matmul(x, weight, scale)
+        )
+
 
 class TorchStepOps:
     def argmax_rows(self, values: torch.Tensor) -> torch.Tensor:

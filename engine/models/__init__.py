@@ -18,7 +18,7 @@ from engine.checkpoint import Checkpoint, GGUFModelFile, read_checkpoint
 from engine.checkpoint.hf_checkpoint import hf_architecture
 from engine.distributed.parallel import SINGLE, TensorParallel
 from engine.model_config import ModelConfig
-from engine.models import gemma3, llama, olmo2, qwen2, qwen3
+from engine.models import gemma3, llama, mixtral, olmo2, qwen2, qwen3, qwen3_moe
 from engine.models.causal_lm import CausalLM
 from engine.models.family import ModelFamily
 
@@ -39,10 +39,16 @@ FAMILIES: tuple[ModelFamily, ...] = (
     qwen3.QWEN3,
     gemma3.GEMMA3,
     olmo2.OLMO2,
+    qwen3_moe.QWEN3_MOE,
+    mixtral.MIXTRAL,
 )
 
 _BY_ARCHITECTURE = {family.architecture: family for family in FAMILIES}
-_BY_GGUF_ARCH = {family.gguf.arch: family for family in FAMILIES if family.gguf is not None}
+_BY_GGUF_ARCH = {
+    (family.gguf.arch, family.gguf.experts): family
+    for family in FAMILIES
+    if family.gguf is not None
+}
 SUPPORTED_ARCHITECTURES = tuple(_BY_ARCHITECTURE)
 
 
@@ -86,12 +92,16 @@ def _hf_family(config: Mapping[str, Any], path: Path) -> ModelFamily:
 
 def _gguf_family(file: GGUFModelFile) -> ModelFamily:
     arch = file.metadata.arch
-    if arch not in _BY_GGUF_ARCH:
-        raise ValueError(
-            f"{file.path}: GGUF architecture {arch!r} is not supported, "
-            f"only {', '.join(_BY_GGUF_ARCH)}"
+    experts = bool(file.metadata.optional("expert_count", 0))
+    if (arch, experts) not in _BY_GGUF_ARCH:
+        supported = ", ".join(
+            f"{arch}{' with experts' if experts else ''}" for arch, experts in _BY_GGUF_ARCH
         )
-    return _BY_GGUF_ARCH[arch]
+        raise ValueError(
+            f"{file.path}: GGUF architecture {arch!r}{' with experts' if experts else ''} is "
+            f"not supported, only {supported}"
+        )
+    return _BY_GGUF_ARCH[arch, experts]
 
 
 def build_model(

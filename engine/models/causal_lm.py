@@ -6,7 +6,8 @@ and a paged KV cache, and loads Hugging Face-named tensors into its fused projec
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -46,6 +47,25 @@ def _fused_name(name: str) -> tuple[str, int | None]:
     return name, None
 
 
+@runtime_checkable
+class LoadsItsTensors(Protocol):
+    """A module that loads the checkpoint tensors under its name itself, however they map to
+    its parameters (``engine.models.moe.FusedExperts``: a tensor an expert, held stacked)."""
+
+    def load_tensor(self, name: str, source: TensorSlices, hf_name: str) -> list[str]:
+        """Load tensor ``name`` (relative to the module), this rank's part of it; the keys
+        of the parts of its parameters that it filled."""
+        ...
+
+    def missing(self, loaded: set[str]) -> list[str]:
+        """The keys of its parameters' parts that ``loaded`` lacks."""
+        ...
+
+    def load_random(self, generator: torch.Generator, std: float) -> None:
+        """Its matrices drawn from N(0, std) (``CausalLM.load_random_weights``)."""
+        ...
+
+
 class CausalLM(nn.Module):
     """A Llama: embedding, decoder layers, final norm and LM head, shaped by ``ModelConfig``.
 
@@ -62,6 +82,9 @@ class CausalLM(nn.Module):
     # Called as (config, attention, ops); keeps DecoderLayer's (x, residual) convention.
     decoder_layer_class: type[nn.Module] = DecoderLayer
     norm_class: type[RMSNorm] = RMSNorm  # the final norm's
+    # The checkpoint's module names that differ from ours, one dot-separated part for another
+    # (Mixtral's "block_sparse_moe" is our "mlp").
+    checkpoint_renames: Mapping[str, str] = {}
 
     def __init__(
         self,
@@ -91,8 +114,8 @@ class CausalLM(nn.Module):
             else RotaryEmbedding(config.head_dim, config.rope_local_theta, max_positions, device)
         )
         self.layers = nn.ModuleList(
-            self.decoder_layer_class(
-                config,
+            self.decoder_layer(
+                index,
                 self.attention_class(
                     config, backend, ops, tp, sliding_rotary, config.sliding_window
                 )
@@ -101,7 +124,9 @@ class CausalLM(nn.Module):
                 ops,
                 tp,
             )
-            for layer_type in config.layer_types or [FULL_ATTENTION] * config.num_hidden_layers
+            for index, layer_type in enumerate(
+                config.layer_types or [FULL_ATTENTION] * config.num_hidden_layers
+            )
         )
         self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps, ops)
         self.lm_head = (
@@ -109,6 +134,13 @@ class CausalLM(nn.Module):
             if config.tie_word_embeddings
             else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, ops)
         )
+
+    def decoder_layer(
+        self, index: int, attention: Attention, ops: LayerOps, tp: TensorParallel
+    ) -> nn.Module:
+        """Layer ``index``, around its ``attention``: ``decoder_layer_class``'s, unless the
+        family's layers differ one from another (a mixture of experts' dense layers)."""
+        return self.decoder_layer_class(self.config, attention, ops, tp)
 
     def forward(
         self,
@@ -162,12 +194,22 @@ class CausalLM(nn.Module):
         part of each; fail naming any missing one."""
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
+        owners = {n: m for n, m in modules.items() if isinstance(m, LoadsItsTensors)}
+        owned_parts: dict[str, set[str]] = {n: set() for n in owners}
         loaded: set[str] = set()
         for hf_name, source in weights:
-            name = hf_name.removeprefix("model.")
+            name = ".".join(
+                self.checkpoint_renames.get(part, part)
+                for part in hf_name.removeprefix("model.").split(".")
+            )
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # some tied checkpoints store the head anyway
             if name.endswith(UNREAD_SCALES):
+                continue
+            owner = _owner(name, owners)
+            if owner is not None:
+                relative = name.removeprefix(f"{owner}.")
+                owned_parts[owner].update(owners[owner].load_tensor(relative, source, hf_name))
                 continue
             name, part = _fused_name(name)
             if name not in params:
@@ -185,6 +227,9 @@ class CausalLM(nn.Module):
                 f"{name}#{i}" in loaded for i in range(len(module.parts))
             ):
                 loaded.add(name)
+        for owner, module in owners.items():  # loaded once all their parts are
+            if not module.missing(owned_parts[owner]):
+                loaded.update(f"{owner}.{param}" for param, _ in module.named_parameters())
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
@@ -194,10 +239,14 @@ class CausalLM(nn.Module):
         """Random weights instead of a checkpoint's (``--load-format dummy``, vLLM's): the
         shape's speed without its files. Matrices N(0, 0.02), vectors (norms, biases) ones."""
         generator = torch.Generator(self.embed_tokens.weight.device).manual_seed(seed)
-        linears = [module for module in self.modules() if isinstance(module, ParallelLinear)]
-        for linear in linears:  # stored their own way (quantized, say)
-            linear.load_random(generator, 0.02)
-        done = {id(linear.weight) for linear in linears}
+        done: set[int] = set()
+        for module in self.modules():  # stored their own way (quantized, say)
+            if isinstance(module, ParallelLinear):
+                module.load_random(generator, 0.02)
+                done.add(id(module.weight))
+            elif isinstance(module, LoadsItsTensors):
+                module.load_random(generator, 0.02)
+                done.update(id(param) for param in module.parameters())
         for param in self.parameters():
             if id(param) in done:
                 continue
@@ -205,3 +254,12 @@ class CausalLM(nn.Module):
                 param.normal_(0.0, 0.02, generator=generator)
             else:
                 param.fill_(1.0)
+
+
+def _owner(name: str, owners: Mapping[str, LoadsItsTensors]) -> str | None:
+    """The module of ``owners`` that tensor ``name`` lies under, if any."""
+    parts = name.split(".")
+    return next(
+        (prefix for i in range(1, len(parts)) if (prefix := ".".join(parts[:i])) in owners),
+        None,
+    )

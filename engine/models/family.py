@@ -28,14 +28,24 @@ from engine.models.causal_lm import CausalLM
 
 # llama.cpp's names for the tensors of a block (blk.N.*) that many families share, with the
 # Hugging Face module (model.layers.N.*) each stands for.
-GGUF_PROJECTIONS = {
+GGUF_ATTENTION = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+}
+GGUF_PROJECTIONS = GGUF_ATTENTION | {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# A mixture of experts' router and its experts, each projection's stacked for all experts
+# (named as one expert's is, without the expert's index: engine.models.moe).
+GGUF_EXPERTS = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 GGUF_LLAMA_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 GGUF_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
@@ -61,6 +71,9 @@ class GGUFLayout:
     read_config: Callable[[GGUFMetadata, dict[str, Any]], ModelConfig] = _plain_gguf_config
     # A tensor's values as Hugging Face has them, from those the converter wrote (by GGUF name).
     restore: Callable[[str, np.ndarray, ModelConfig], np.ndarray] = _as_stored
+    # Whether its blocks hold experts ({arch}.expert_count > 0): llama.cpp writes Mixtral as
+    # "llama" with experts, and a file is the family's whose arch and experts it has.
+    experts: bool = False
 
 
 @dataclass(frozen=True)

@@ -266,6 +266,11 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [rows, rows], False, method)
         self.down_proj = RowParallelLinear(rows, config.hidden_size, tp, method)
 
+    @property
+    def input_method(self) -> LinearMethod:
+        """The method of the projection that reads the MLP's input (``RMSNorm.reader``)."""
+        return self.gate_up_proj.method
+
     def forward(self, x: LinearInput) -> torch.Tensor:
         out, _ = self.into_stream(x, None)
         return out
@@ -294,17 +299,24 @@ class DecoderLayer(nn.Module):
     """
 
     def __init__(
-        self, config: ModelConfig, self_attn: Attention, ops: LayerOps, tp: TensorParallel
+        self,
+        config: ModelConfig,
+        self_attn: Attention,
+        ops: LayerOps,
+        tp: TensorParallel,
+        mlp: nn.Module | None = None,
     ) -> None:
+        """``mlp``: the block after attention, ``MLP`` if None (a mixture of experts'
+        ``engine.models.moe.SparseMoeBlock``): its ``into_stream`` and ``input_method``."""
         super().__init__()
         # Each norm knows the method of the projection that reads it (RMSNorm.reader).
         self.input_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, ops, self_attn.qkv_proj.method
         )
         self.self_attn = self_attn
-        mlp = MLP(config, ops, tp)
+        mlp = MLP(config, ops, tp) if mlp is None else mlp
         self.post_attention_layernorm = RMSNorm(
-            config.hidden_size, config.rms_norm_eps, ops, mlp.gate_up_proj.method
+            config.hidden_size, config.rms_norm_eps, ops, mlp.input_method
         )
         self.mlp = mlp
 

@@ -35,17 +35,22 @@ def llama_config(config: Mapping[str, Any], path: Path) -> ModelConfig:
     return ModelConfig(**hf_config_fields(config, path))
 
 
-def _mistral_config(config: Mapping[str, Any], path: Path) -> ModelConfig:
+def mistral_sliding_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     # Mistral 7B v0.1 slides a window over every layer; later versions set it to null.
     window = config.get("sliding_window")
-    fields = hf_config_fields(config, path)
     if window is None:
-        return ModelConfig(**fields)
-    layer_types = [SLIDING_ATTENTION] * config["num_hidden_layers"]
-    return ModelConfig(**fields, sliding_window=window, layer_types=layer_types)
+        return {}
+    return {
+        "sliding_window": window,
+        "layer_types": [SLIDING_ATTENTION] * config["num_hidden_layers"],
+    }
 
 
-def _unpermute_qk(name: str, array: np.ndarray, config: ModelConfig) -> np.ndarray:
+def _mistral_config(config: Mapping[str, Any], path: Path) -> ModelConfig:
+    return ModelConfig(**hf_config_fields(config, path), **mistral_sliding_fields(config))
+
+
+def unpermute_qk(name: str, array: np.ndarray, config: ModelConfig) -> np.ndarray:
     """Undo `permute` in llama.cpp's convert_hf_to_gguf.py, which interleaves the halves of each
     head's Q and K rows for llama.cpp's RoPE; Hugging Face's rotate-half RoPE needs them back.
     Head by head, so a tensor-parallel rank's heads are restored alone."""
@@ -59,6 +64,6 @@ LLAMA = ModelFamily(
     LlamaForCausalLM,
     llama_config,
     # llama.cpp writes Mistral as "llama" too: such a file loads as Llama.
-    GGUFLayout("llama", GGUF_PROJECTIONS | GGUF_LLAMA_NORMS, restore=_unpermute_qk),
+    GGUFLayout("llama", GGUF_PROJECTIONS | GGUF_LLAMA_NORMS, restore=unpermute_qk),
 )
 MISTRAL = ModelFamily(MistralForCausalLM, _mistral_config)

@@ -19,12 +19,16 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 VOCAB = 256  # the tiny checkpoints' vocabulary
@@ -157,6 +161,51 @@ GEMMA3_1B = dict(  # google/gemma-3-1b-it: five sliding layers to one global, he
     **_SPECIAL_IDS,
 )
 
+QWEN3_30B_A3B = dict(  # Qwen/Qwen3-30B-A3B: 128 experts, 8 a token, ~3.3B parameters active
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    rope_theta=1_000_000.0,
+    max_position_embeddings=40960,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-6,
+    **_SPECIAL_IDS,
+)
+QWEN3_235B_A22B = dict(  # Qwen/Qwen3-235B-A22B: ~22B parameters active
+    QWEN3_30B_A3B,
+    hidden_size=4096,
+    intermediate_size=12288,
+    moe_intermediate_size=1536,
+    num_hidden_layers=94,
+    num_attention_heads=64,
+)
+MIXTRAL_8X7B = dict(  # mistralai/Mixtral-8x7B-v0.1: 8 experts, 2 a token, ~12.9B active
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    rope_theta=1_000_000.0,
+    max_position_embeddings=32768,
+    sliding_window=None,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-5,
+    **_SPECIAL_IDS,
+)
+
 # name: (transformers config class, model class, config)
 SHAPES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[str, Any]]] = {
     "llama-3.2-1b": (LlamaConfig, LlamaForCausalLM, LLAMA_3_2_1B),
@@ -165,6 +214,9 @@ SHAPES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[str,
     "qwen3-0.6b": (Qwen3Config, Qwen3ForCausalLM, QWEN3_0_6B),
     "qwen2.5-0.5b": (Qwen2Config, Qwen2ForCausalLM, QWEN2_5_0_5B),
     "gemma3-1b": (Gemma3TextConfig, Gemma3ForCausalLM, GEMMA3_1B),
+    "qwen3-30b-a3b": (Qwen3MoeConfig, Qwen3MoeForCausalLM, QWEN3_30B_A3B),
+    "qwen3-235b-a22b": (Qwen3MoeConfig, Qwen3MoeForCausalLM, QWEN3_235B_A22B),
+    "mixtral-8x7b": (MixtralConfig, MixtralForCausalLM, MIXTRAL_8X7B),
 }
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

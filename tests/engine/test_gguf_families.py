@@ -511,7 +511,12 @@ def test_missing_and_unknown_tensors_are_named(tmp_path: Path) -> None:
         ("qwen2", {"qwen2.block_count": None}, "'qwen2.block_count' is missing"),
         ("qwen2", {"qwen2.rope.scaling.type": "yarn"}, "RoPE scaling 'yarn'"),
         ("gemma3", {"tokenizer.ggml.model": "bert"}, "tokenizer model 'bert'"),
-        ("qwen3", {"general.architecture": "qwen3moe"}, "architecture 'qwen3moe'.*llama, qwen2"),
+        ("qwen3", {"general.architecture": "qwen2moe"}, "architecture 'qwen2moe'.*llama, qwen2"),
+        (
+            "qwen3",
+            {"general.architecture": "qwen3moe"},
+            "'qwen3moe' is not .* qwen3moe with experts",
+        ),
         ("olmo2", {"olmo2.attention.sliding_window": 4096}, "OLMo 3's sliding-window"),
     ],
 )

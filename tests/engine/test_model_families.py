@@ -19,6 +19,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
     PretrainedConfig,
@@ -27,6 +29,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from engine.backends import create_backend
@@ -100,6 +104,24 @@ FAMILIES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[st
     ),
     # Q/K norms over all heads (q and k of different widths under GQA), norms after sublayers.
     "olmo2-gqa": (Olmo2Config, Olmo2ForCausalLM, dict()),
+    # Mixtures of experts: Qwen3-MoE's top 3 of 8 renormalized, its middle layer a dense MLP
+    # (mlp_only_layers); Mixtral's top 2 of 4 (renormalized, always).
+    "qwen3-moe-dense-middle": (
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        dict(
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        ),
+    ),
+    "mixtral": (
+        MixtralConfig,
+        MixtralForCausalLM,
+        dict(num_local_experts=4, num_experts_per_tok=2),
+    ),
 }
 
 

@@ -29,6 +29,7 @@ from engine.roofline import (
     workload_bound,
 )
 from tandem.testing.reference import run_engine
+from tests.engine.test_model_families import saved_tiny_model
 
 # One layer of 2 KV heads of dim 4 (K and V: 16 elements a token), 8 query heads.
 COST = ModelCost(
@@ -131,6 +132,37 @@ def test_model_cost_of_a_tiny_llama(tiny: tuple[Path, LlamaForCausalLM]) -> None
     assert fp8_cost.fp8_matmul_params == fp8_cost.layer_matmul_params == layers * matmuls
     # A byte a matrix element (the per-channel scales are buffers, a thousandth of it, left out).
     assert fp8_cost.layer_weight_bytes == cost.layer_weight_bytes - layers * matmuls
+
+
+def test_a_mixture_of_experts_reads_the_experts_its_tokens_go_to(tmp_path: Path) -> None:
+    """Tiny Qwen3-MoE: 3 layers, the middle one dense; 8 experts of 48 features, 3 a token.
+    One token reads 3 experts a layer; 100 tokens, every expert; each token computes
+    through 3."""
+    saved_tiny_model("qwen3-moe-dense-middle", tmp_path)
+    meta = torch.device("meta")
+    config = load_checkpoint(str(tmp_path)).config
+    model = build_model(config, create_backend("torch", meta), 16, meta, torch.bfloat16)
+    cost = ModelCost.of_model(model, torch.bfloat16)
+    hidden, moe_layers, experts, top_k = 64, 2, 8, 3
+    per_expert = 3 * hidden * 48  # gate, up and down
+    assert cost.expert_matmul_params == moe_layers * experts * per_expert
+    assert cost.expert_weight_bytes == 2 * cost.expert_matmul_params
+    assert (cost.num_experts, cost.experts_per_token) == (experts, top_k)
+    q, kv = 4 * 16, 2 * 16
+    attention = hidden * (q + 2 * kv) + q * hidden
+    routers, dense_mlp = moe_layers * experts * hidden, 3 * hidden * 160
+    assert cost.layer_matmul_params == 3 * attention + routers + dense_mlp
+    without_experts = replace(cost, expert_weight_bytes=0, expert_matmul_params=0)
+    for tokens, experts_read in ((1, top_k), (2, 2 * top_k), (100, experts)):
+        step = shape([tokens], [tokens], num_logits=1)
+        traffic, dense = step_traffic(step, cost), step_traffic(step, without_experts)
+        expert_bytes = moe_layers * experts_read * per_expert * 2
+        assert traffic.num_bytes - dense.num_bytes == expert_bytes
+        assert traffic.flops - dense.flops == 2 * tokens * top_k * moe_layers * per_expert
+    fp8 = replace(cost, fp8_expert_matmul_params=cost.expert_matmul_params)
+    step = shape([5], [5], num_logits=1)
+    assert step_traffic(step, fp8).flops == step_traffic(step, without_experts).flops
+    assert step_traffic(step, fp8).fp8_flops == 2 * 5 * top_k * moe_layers * per_expert
 
 
 def test_engine_records_the_steps_it_ran(

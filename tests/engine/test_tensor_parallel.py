@@ -34,6 +34,9 @@ CASES = {
     "qwen3": ("qwen3-wide-heads", 2, {}),
     "gemma3": ("gemma3-untied-softcap", 2, {}),
     "olmo2": ("olmo2-gqa", 2, {}),
+    # Each expert's intermediate features split over the ranks (docs/multi-gpu.md).
+    "qwen3-moe": ("qwen3-moe-dense-middle", 2, {}),
+    "mixtral": ("mixtral", 2, {}),
     # 4 query heads and 2 KV heads over 4 ranks; 258 = 4 * 65 - 2 ids.
     "olmo2-tp4": ("olmo2-gqa", 4, {"vocab_size": VOCAB + 2}),
 }
