@@ -126,3 +126,17 @@ def test_fused_moe_expert_offset_leaves_out_other_ranks_experts(fp8: bool) -> No
     x = torch.randn(num_tokens, HIDDEN, device=DEVICE)
     out = assert_matches_reference(x, weights, ids, experts(4, torch.float32, fp8), expert_offset=4)
     assert (out[0] == 0).all()
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype", "fp8"])
+@pytest.mark.parametrize("num_tokens", [1, 20])
+def test_fused_moe_all_picks_elsewhere_gives_exact_zeros(num_tokens: int, fp8: bool) -> None:
+    """A rank none of whose experts any token picked (expert parallelism at a few tokens):
+    no pair is placed, no GEMM program has rows, and the output is exact zeros, not whatever
+    the unwritten buffers held."""
+    layer = experts(4, torch.float32, fp8)
+    weights, ids = route(torch.randn(num_tokens, 8, device=DEVICE), top_k=2)
+    ids = torch.where(ids < 4, ids + 8, ids)  # global ids 4-11 and 12-15: none in [0, 4)
+    x = torch.randn(num_tokens, HIDDEN, device=DEVICE)
+    out = fused_moe(x, weights, ids, **layer, expert_offset=0)
+    assert torch.equal(out, torch.zeros_like(x))
