@@ -9,8 +9,9 @@ engine's decode steps run; which also shows the kernels capture) after an L2 flu
 "Bytes" are the weights of the local experts the routing actually touched: at T = 1 only K
 experts' (up to min(E, T * K)), which a batch-1 decode step must read; "of copy" their rate
 over the device's measured copy bandwidth; "of roofline" the larger of that bound and the
-products' FLOPs (2 per weight per routed pair, at the measured dense GEMM rate) over the
-time. Each case's output is checked against the expert-by-expert float32 reference first.
+products' FLOPs (2 per weight per routed pair, at the measured dense GEMM rate, or the FP8
+one where the kernel quantizes the activations too: W8A8, past 16 tokens) over the time.
+Each case's output is checked against the expert-by-expert float32 reference first.
 "config" is the rule's (``moe_config``): tile rows / gate-up columns x depth / down columns x
 depth, x splits of the down projection's depth. With --moe-sweep, each case also times the
 rule's neighbours (``candidates``) and prints the fastest, for fitting the rule.
@@ -25,7 +26,13 @@ import torch
 import triton
 
 from engine.backends.triton.device import sm_count
-from engine.backends.triton.fused_moe import MoeConfig, MoeGemmConfig, fused_moe, moe_config
+from engine.backends.triton.fused_moe import (
+    MoeConfig,
+    MoeGemmConfig,
+    fused_moe,
+    moe_config,
+    quantizes_activations,
+)
 from engine.quantization.linear_methods import quantize_per_channel
 from engine.roofline import DeviceRates, StepTraffic, traffic_bound
 from tandem.testing.kernel_reference import moe_experts_reference
@@ -135,14 +142,36 @@ def random_routing(num_tokens: int, shape: MoeShape) -> tuple[torch.Tensor, torc
     return weights / weights.sum(-1, keepdim=True), ids.to(torch.int32)
 
 
-def assert_close_to_reference(out: torch.Tensor, reference: torch.Tensor, num_tokens: int) -> None:
-    """Within two units of bf16's rounding of the float32 reference, in norm. Absolute, not
-    relative: where no pick is local (a rank's experts at a few tokens) the reference is all
-    zeros, and so must the output be, exactly."""
+def assert_matches_reference(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    layer: dict[str, torch.Tensor | None],
+) -> None:
+    """``fused_moe``'s ``out`` within two units of bf16's rounding of the float32 reference,
+    in norm. Absolute, not relative: where no pick is local (a rank's experts at a few tokens)
+    the reference is all zeros, and so must the output be, exactly.
+
+    W8A8 (FP8 weights past 16 tokens): against the reference with the activations quantized
+    alike, plus a tenth of what quantizing them changes. The kernel's sums (Hopper's FP8 MMA
+    accumulates with fewer bits than float32) may put an activation on the other side of a
+    bf16 rounding, and then of an e4m3 one: a few codes one step off, far less than that tenth
+    (on the CPU, float64 against float32 sums: under a hundredth of bf16's rounding), while a
+    missing scale or quantization costs it several times over."""
+    num_tokens = x.shape[0]
+    w13 = layer["w13"]
+    assert w13 is not None
+    w8a8 = quantizes_activations(num_tokens, w13.dtype)
+    reference = moe_experts_reference(x, weights, ids, **layer, quantize_activations=w8a8)
     error = (out.float() - reference).norm().item()
     rounding = (reference.to(out.dtype).float() - reference).norm().item()
-    assert error <= 2 * rounding, (
-        f"{num_tokens} tokens: error {error:.3g} > 2 x rounding {rounding:.3g}"
+    allowance = 0.0
+    if w8a8:
+        unquantized = moe_experts_reference(x, weights, ids, **layer)
+        allowance = (reference - unquantized).norm().item() / 10
+    assert error <= 2 * rounding + allowance, (
+        f"{num_tokens} tokens: error {error:.3g} > 2 x rounding {rounding:.3g} + {allowance:.3g}"
     )
 
 
@@ -158,8 +187,7 @@ def moe_case(
     configuration (and, sweeping, each candidate's)."""
     x = torch.randn(num_tokens, shape.hidden, device="cuda", dtype=DTYPE)
     weights, ids = random_routing(num_tokens, shape)
-    out = fused_moe(x, weights, ids, **layer)
-    assert_close_to_reference(out, moe_experts_reference(x, weights, ids, **layer), num_tokens)
+    assert_matches_reference(fused_moe(x, weights, ids, **layer), x, weights, ids, layer)
 
     local = ids[ids < shape.local_experts]
     touched = local.unique().numel()
@@ -167,6 +195,7 @@ def moe_case(
     assert w13 is not None
     weight_bytes = touched * 3 * shape.hidden * shape.intermediate * w13.dtype.itemsize
     flops = 2 * local.numel() * 3 * shape.hidden * shape.intermediate
+    w8a8 = quantizes_activations(num_tokens, w13.dtype)
     rule = moe_config(
         num_tokens * shape.top_k,
         shape.local_experts,
@@ -174,7 +203,7 @@ def moe_case(
         shape.intermediate,
         sm_count(x.device),
         w13.dtype,
-        DTYPE,
+        FP8 if w8a8 else DTYPE,
     )
 
     def timed(config: MoeConfig) -> float:
@@ -191,7 +220,8 @@ def moe_case(
     if sweep:
         best = min(((describe(c), timed(c) * 1e3) for c in candidates(rule)), key=lambda b: b[1])
     seconds = ms / 1e3
-    bound = traffic_bound(StepTraffic(weight_bytes, flops, 0), rates)
+    traffic = StepTraffic(weight_bytes, 0, flops) if w8a8 else StepTraffic(weight_bytes, flops, 0)
+    bound = traffic_bound(traffic, rates)
     return MoeResult(
         touched,
         describe(rule),

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.backends.pytorch import quantize_per_token_fp8
+
 
 def paged_attention_reference(
     q: torch.Tensor,
@@ -59,13 +61,19 @@ def moe_experts_reference(
     w13_scale: torch.Tensor | None,
     w2_scale: torch.Tensor | None,
     expert_offset: int = 0,
+    quantize_activations: bool = False,
 ) -> torch.Tensor:
     """``LayerOps.moe_experts`` expert by expert, in float32 (FP8 weights dequantized):
     each local expert's picks gathered, gate and up products summed in float32, their
     activation silu(gate) * up rounded to x's dtype (as the fused kernel and the dense MLP
     round it), the down product and its routing weight in float32, added to each token's
     float32 sum. Returned in float32, for the error to be measured in units of x's dtype.
-    Reads the routing back to the host."""
+    Reads the routing back to the host.
+
+    ``quantize_activations`` (W8A8): x and the activation are each quantized per row to
+    float8 e4m3 as the dense FP8 layers quantize theirs (``quantize_per_token_fp8``) and
+    multiplied dequantized."""
+    rows = dequantized(x) if quantize_activations else x.float()
     num_experts, double_intermediate, _ = w13.shape
     intermediate = double_intermediate // 2
     gate_up = w13.float() if w13_scale is None else w13.float() * w13_scale[..., None]
@@ -76,9 +84,16 @@ def moe_experts_reference(
         tokens, picks = (local == expert).nonzero(as_tuple=True)
         if tokens.numel() == 0:
             continue
-        products = x[tokens].float() @ gate_up[expert].T
+        products = rows[tokens] @ gate_up[expert].T
         gate, up = products[:, :intermediate], products[:, intermediate:]
-        activation = (torch.nn.functional.silu(gate) * up).to(x.dtype).float()
+        activation = (torch.nn.functional.silu(gate) * up).to(x.dtype)
+        activation = dequantized(activation) if quantize_activations else activation.float()
         weighted = (activation @ down[expert].T) * topk_weights[tokens, picks, None]
         out.index_add_(0, tokens, weighted)
     return out
+
+
+def dequantized(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] quantized per row to float8 e4m3 codes and scales, and back, in float32."""
+    codes, scale = quantize_per_token_fp8(x)
+    return codes.float() * scale

@@ -1,12 +1,14 @@
 """The fused MoE kernels (engine/backends/triton/fused_moe.py) against the expert-by-expert
 float32 reference (tandem/testing/kernel_reference.py), and against the torch backend's
-``moe_experts`` where it has one.
+``moe_experts`` where it multiplies alike.
 
 Runs natively on CUDA and, without it, in Triton's interpreter (tests/conftest.py), where
 the configuration is small on purpose: 16-row tiles, the down projection's depth split in
 two, the alignment's pairs cut into chunks of a few and its tiles labelled by several
-programs, so that these small shapes take every path the real ones do. Triton's interpreter
-multiplies bfloat16 wrongly, so off CUDA the 16-bit case is float16.
+programs, so that these small shapes take every path the real ones do. FP8 weights past 16
+tokens take the W8A8 path (activations quantized per row, FP8 x FP8 products), which the
+interpreter runs too. Triton's interpreter multiplies bfloat16 wrongly, so off CUDA the
+16-bit case is float16.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from engine.backends.pytorch import TorchLayerOps
-from engine.backends.triton.fused_moe import fused_moe
+from engine.backends.triton.fused_moe import fused_moe, quantizes_activations
 from engine.quantization.linear_methods import quantize_per_channel
 from tandem.testing.kernel_reference import moe_experts_reference
 
@@ -63,15 +65,19 @@ def assert_matches_reference(
     expert_offset: int = 0,
 ) -> torch.Tensor:
     """The kernel's output in x's dtype is within two units of x's dtype's rounding of the
-    float32 reference, overall and element by element (float32: a few epsilons, the sums'
-    order); and within as much of the torch backend's, where it has the op."""
+    float32 reference (W8A8, past 16 tokens of FP8 weights: with the activations quantized as
+    the kernel quantizes them), overall and element by element (float32: a few epsilons, the
+    sums' order); and within as much of the torch backend's where both multiply alike (it
+    reads FP8 weights weight-only at any size)."""
     out = fused_moe(x, weights, ids, **layer, expert_offset=expert_offset)
     assert out.dtype == x.dtype and out.shape == x.shape
-    reference = moe_experts_reference(x, weights, ids, **layer, expert_offset=expert_offset)
+    w8a8 = quantizes_activations(x.shape[0], layer["w13"].dtype)
+    reference = moe_experts_reference(
+        x, weights, ids, **layer, expert_offset=expert_offset, quantize_activations=w8a8
+    )
     assert_rounding_close(out, reference)
-    torch_ops = TorchLayerOps()
-    if hasattr(torch_ops, "moe_experts"):  # the torch backend's reference, once it has one
-        theirs = torch_ops.moe_experts(x, weights, ids, **layer, expert_offset=expert_offset)
+    if not w8a8:
+        theirs = TorchLayerOps().moe_experts(x, weights, ids, **layer, expert_offset=expert_offset)
         assert_rounding_close(out, theirs.float(), units=4.0)
     return out
 

@@ -28,9 +28,17 @@ rows to each expert that has pairs, and at most min(E_local, T*K) experts have t
 past the routing's last are launched and return at once. So a decode step's layers are
 captured in a CUDA graph and replayed for any routing.
 
-FP8 weights (float8 e4m3 codes with a float32 scale per output channel) are read a byte an
-element and widened in the kernel (``fp8_widen``), the activations staying in the model's
-dtype: a few tokens' experts are bound by reading the weights.
+FP8 weights (float8 e4m3 codes with a float32 scale per output channel), as the dense FP8
+layers multiply theirs (``engine.quantization.linear_methods``): up to
+``WEIGHT_ONLY_MAX_TOKENS`` tokens they are read a byte an element and widened in the kernel
+(``fp8_widen``), the activations staying in the model's dtype, since a few tokens' experts
+are bound by reading the weights. Past it (W8A8), the widening would bound the products
+(prefills of FP8 experts ran slower than bf16's): x is quantized per token to e4m3
+(``quantize_rows_fp8``), the gate/up kernel multiplies FP8 by FP8 on the tensor cores and
+scales its float32 sums by the token's and the channel's scales, writes the activation in
+x's dtype as before, which is quantized per pair the same way (one small kernel) for the
+down kernel's FP8 products. Rounded as the dense FP8 MLP rounds: activation to x's dtype,
+then to e4m3.
 
 Tiles and splits are chosen by a rule over the shape (``moe_config``), not timed: decode
 steps take 16-row tiles and narrow columns, or split I, to fill the SMs; prefills, large
@@ -46,7 +54,9 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.backends.fp8 import FP8, WEIGHT_ONLY_MAX_TOKENS
 from engine.backends.triton.device import sm_count
+from engine.backends.triton.fp8_quantize import quantize_rows_fp8
 from engine.backends.triton.fp8_widen import widen, widen_factor
 from engine.backends.triton.paged_attention import dot_precision
 
@@ -129,7 +139,9 @@ def moe_config(
             MoeGemmConfig(gate_n, block_k, 1, 4, 4),
             MoeGemmConfig(64, block_k, split_k, 4, 4),
         )
-    block_k = 32 if max(weight_dtype.itemsize, dtype.itemsize) == 4 else 64
+    # 128 bytes of depth a step: 32 with a float32 operand (for the stages to fit in shared
+    # memory), 64 in 16 bits, 128 with both operands FP8 (W8A8).
+    block_k = 128 // max(weight_dtype.itemsize, dtype.itemsize)
     if rows_per_expert <= 32:
         return MoeConfig(
             64, MoeGemmConfig(64, block_k, 1, 4, 4), MoeGemmConfig(128, block_k, 1, 4, 4)
@@ -227,7 +239,8 @@ def _place_kernel(
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr,
+    x_ptr,  # [T, H]: x, or its float8 codes (W8A8)
+    x_scale_ptr,  # [T] float32: the codes' scales (W8A8)
     w_ptr,  # [E, 2I, H]
     scale_ptr,  # [E, 2I] float32 (HAS_SCALE)
     hidden_ptr,  # [T*K, I] out: silu(gate) * up, a row a pair
@@ -243,6 +256,7 @@ def _gate_up_kernel(
     stride_se,
     stride_hidden,
     HAS_SCALE: tl.constexpr,
+    W8A8: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -279,6 +293,10 @@ def _gate_up_kernel(
         scale_ptrs = scale_ptr + expert * stride_se + cols
         gate *= tl.load(scale_ptrs, mask=col_mask, other=0.0)[None, :] * factor
         up *= tl.load(scale_ptrs + intermediate, mask=col_mask, other=0.0)[None, :] * factor
+    if W8A8:  # each token's scale
+        x_scale = tl.load(x_scale_ptr + tokens, mask=row_mask, other=0.0)[:, None]
+        gate *= x_scale
+        up *= x_scale
     activation = gate * tl.sigmoid(gate) * up
     tl.store(
         hidden_ptr + pairs[:, None] * stride_hidden + cols[None, :],
@@ -289,7 +307,8 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    hidden_ptr,  # [T*K, I]
+    hidden_ptr,  # [T*K, I]: the activation, or its float8 codes (W8A8)
+    hidden_scale_ptr,  # [T*K] float32: the codes' scales (W8A8)
     w_ptr,  # [E, H, I]
     scale_ptr,  # [E, H] float32 (HAS_SCALE)
     topk_weights_ptr,  # [T*K] float32
@@ -305,6 +324,7 @@ def _down_kernel(
     stride_wn,
     stride_se,
     HAS_SCALE: tl.constexpr,
+    W8A8: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -342,7 +362,10 @@ def _down_kernel(
             tl.load(scale_ptr + expert * stride_se + cols, mask=col_mask, other=0.0)[None, :]
             * factor
         )
-    acc *= tl.load(topk_weights_ptr + pairs, mask=row_mask, other=0.0)[:, None]
+    row_scale = tl.load(topk_weights_ptr + pairs, mask=row_mask, other=0.0)
+    if W8A8:
+        row_scale *= tl.load(hidden_scale_ptr + pairs, mask=row_mask, other=0.0)
+    acc *= row_scale[:, None]
     tl.store(
         partial_ptr + (split * num_pairs + pairs[:, None]) * channels + cols[None, :],
         acc,
@@ -383,6 +406,12 @@ def _combine_kernel(
     tl.store(out_ptr + token * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
+def quantizes_activations(num_tokens: int, weight_dtype: torch.dtype) -> bool:
+    """Whether ``fused_moe`` multiplies FP8 weights with FP8 activations (W8A8), as the dense
+    FP8 layers do past ``WEIGHT_ONLY_MAX_TOKENS`` tokens, rather than widening the weights."""
+    return weight_dtype == FP8 and num_tokens > WEIGHT_ONLY_MAX_TOKENS
+
+
 def fused_moe(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -410,7 +439,7 @@ def fused_moe(
     assert w2.shape == (num_experts, hidden, intermediate)
     assert topk_weights.shape == topk_ids.shape == (num_tokens, top_k)
     assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
-    quantized = w13.dtype == torch.float8_e4m3fn
+    quantized = w13.dtype == FP8
     assert (w13_scale is not None) == quantized == (w2_scale is not None)
     if not quantized:
         assert w13.dtype == w2.dtype == x.dtype
@@ -418,8 +447,15 @@ def fused_moe(
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return out
+    w8a8 = quantizes_activations(num_tokens, w13.dtype)
     config = config or moe_config(
-        num_pairs, num_experts, hidden, intermediate, sm_count(x.device), w13.dtype, x.dtype
+        num_pairs,
+        num_experts,
+        hidden,
+        intermediate,
+        sm_count(x.device),
+        w13.dtype,
+        FP8 if w8a8 else x.dtype,
     )
     block_m = config.block_m
     ids = topk_ids.reshape(num_pairs)  # a view of contiguous ids: no copy under a graph
@@ -458,11 +494,14 @@ def fused_moe(
     )
 
     precision = dot_precision(x.dtype)
-    # 2. Gate/up and the activation.
+    # 2. Gate/up and the activation. W8A8: x quantized per token first, the product's rows
+    # scaled by their tokens' scales.
+    a, a_scale = quantize_rows_fp8(x) if w8a8 else (x, x)
     hidden_states = x.new_empty(num_pairs, intermediate)
     gate_up = config.gate_up
     _gate_up_kernel[(triton.cdiv(intermediate, gate_up.block_n), max_tiles)](
-        x,
+        a,
+        a_scale,
         w13,
         w13_scale if quantized else w13,
         hidden_states,
@@ -472,12 +511,13 @@ def fused_moe(
         hidden,
         intermediate,
         top_k,
-        x.stride(0),
+        a.stride(0),
         w13.stride(0),
         w13.stride(1),
         w13_scale.stride(0) if quantized else 0,
         hidden_states.stride(0),
         HAS_SCALE=quantized,
+        W8A8=w8a8,
         BLOCK_M=block_m,
         BLOCK_N=gate_up.block_n,
         BLOCK_K=gate_up.block_k,
@@ -486,11 +526,18 @@ def fused_moe(
         num_stages=gate_up.stages,
     )
 
-    # 3. Down, times the routing weights, each split's sums apart.
+    # 3. Down, times the routing weights, each split's sums apart. W8A8: the activation
+    # (rounded to x's dtype, as the dense MLP's is before its quantization) quantized per
+    # pair first; rows of pairs not placed here are quantized too, and never read.
+    if w8a8:
+        hidden_states, hidden_scale = quantize_rows_fp8(hidden_states)
+    else:
+        hidden_scale = hidden_states
     down = config.down
     partial = x.new_empty(down.split_k, num_pairs, hidden, dtype=torch.float32)
     _down_kernel[(triton.cdiv(hidden, down.block_n), max_tiles, down.split_k)](
         hidden_states,
+        hidden_scale,
         w2,
         w2_scale if quantized else w2,
         weights,
@@ -506,6 +553,7 @@ def fused_moe(
         w2.stride(1),
         w2_scale.stride(0) if quantized else 0,
         HAS_SCALE=quantized,
+        W8A8=w8a8,
         BLOCK_M=block_m,
         BLOCK_N=down.block_n,
         BLOCK_K=down.block_k,
