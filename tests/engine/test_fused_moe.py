@@ -97,9 +97,10 @@ def assert_rounding_close(out: torch.Tensor, reference: torch.Tensor, units: flo
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, HALF], ids=str)
-@pytest.mark.parametrize("num_tokens", [1, 40])
+@pytest.mark.parametrize("num_tokens", [1, 2, 40])
 def test_fused_moe_matches_reference(num_tokens: int, dtype: torch.dtype, fp8: bool) -> None:
-    """One token (one tile an expert, one chunk of pairs) and 40 (top-2 of 8: tiles of
+    """One token (by pair: its picks' products, then its down products summed, no
+    alignment), two (one tile an expert, one chunk of pairs) and 40 (top-2 of 8: tiles of
     several tokens, an expert's pairs over more than one tile, several chunks)."""
     x = torch.randn(num_tokens, HIDDEN, device=DEVICE).to(dtype)
     weights, ids = route(torch.randn(num_tokens, 8, device=DEVICE), top_k=2)
@@ -123,15 +124,19 @@ def test_fused_moe_ties_and_experts_no_token_picks() -> None:
 @pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype", "fp8"])
 def test_fused_moe_expert_offset_leaves_out_other_ranks_experts(fp8: bool) -> None:
     """Experts 4-7 of 12 on this rank (expert_offset 4): picks of 0-3 and 8-11 add nothing,
-    and a token all of whose picks are elsewhere comes out zero."""
+    and a token all of whose picks are elsewhere comes out zero; at 24 tokens and at one."""
     num_tokens, top_k = 24, 3
     weights, ids = route(torch.randn(num_tokens, 12, device=DEVICE), top_k)
     ids[0] = torch.tensor([0, 9, 11])  # no local pick
     ids[1] = torch.tensor([4, 5, 7])  # every pick local
     assert ((ids >= 4) & (ids < 8)).any() and ((ids < 4) | (ids >= 8)).any()
     x = torch.randn(num_tokens, HIDDEN, device=DEVICE)
-    out = assert_matches_reference(x, weights, ids, experts(4, torch.float32, fp8), expert_offset=4)
+    layer = experts(4, torch.float32, fp8)
+    out = assert_matches_reference(x, weights, ids, layer, expert_offset=4)
     assert (out[0] == 0).all()
+    # One token (by pair), two of its three picks here.
+    mixed = torch.tensor([[5, 9, 7]], device=DEVICE, dtype=torch.int32)
+    assert_matches_reference(x[:1], weights[:1], mixed, layer, expert_offset=4)
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype", "fp8"])

@@ -1,4 +1,5 @@
-"""The mixture-of-experts layer's experts as five kernels: ``moe_experts`` of the layer ops.
+"""The mixture-of-experts layer's experts as four or five kernels (two at one token):
+``moe_experts`` of the layer ops.
 
 Each token's top-k picks are (token, k) *pairs*; pair p = token * K + k. The kernels:
 
@@ -28,6 +29,19 @@ rows to each expert that has pairs, and at most min(E_local, T*K) experts have t
 past the routing's last are launched and return at once. So a decode step's layers are
 captured in a CUDA graph and replayed for any routing.
 
+One token (a batch-1 decode step) goes by pair instead, in two kernels: its K picks are K
+distinct experts, so there is nothing to group, and the four kernels above cost more in
+launches than in reading (Qwen3-30B-A3B's 8 experts of 9 MiB took 41 us, 44% of copy
+bandwidth, half of it the fixed cost of the launches). ``_gate_up_pair_kernel``: a program
+per (pair, 8 rows of each half), matrix-vector products on the CUDA cores as the one-row
+kernel computes them; ``_down_token_kernel``: a program per (token, 8 output channels)
+summing its pairs' down products times their routing weights in order, the combine within
+it. Several hundred programs even for small experts, no alignment, no partial sums.
+
+Every kernel here is launched dependent (``dependent_launch``: waiting for the kernel
+before as it starts, letting the next one start): the next kernel's programs are scheduled
+while this one's last finish, which at a few tokens is a good part of each kernel's time.
+
 FP8 weights (float8 e4m3 codes with a float32 scale per output channel), as the dense FP8
 layers multiply theirs (``engine.quantization.linear_methods``): up to
 ``WEIGHT_ONLY_MAX_TOKENS`` tokens they are read a byte an element and widened in the kernel
@@ -55,6 +69,11 @@ import triton
 import triton.language as tl
 
 from engine.backends.fp8 import FP8, WEIGHT_ONLY_MAX_TOKENS
+from engine.backends.triton.dependent_launch import (
+    launch_options,
+    let_next_kernel_start,
+    wait_for_previous_kernel,
+)
 from engine.backends.triton.device import sm_count
 from engine.backends.triton.fp8_quantize import quantize_rows_fp8
 from engine.backends.triton.fp8_widen import widen, widen_factor
@@ -84,8 +103,8 @@ class MoeGemmConfig:
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """The tile height both GEMMs share (the alignment pads each expert's pairs to it) and
-    each GEMM's launch."""
+    """The tile height both GEMMs share (the alignment pads each expert's pairs to it; 1: by
+    pair, no alignment) and each GEMM's launch."""
 
     block_m: int
     gate_up: MoeGemmConfig
@@ -93,7 +112,8 @@ class MoeConfig:
 
 
 def moe_config(
-    num_pairs: int,
+    num_tokens: int,
+    top_k: int,
     num_experts: int,
     hidden: int,
     intermediate: int,
@@ -101,11 +121,15 @@ def moe_config(
     weight_dtype: torch.dtype,
     dtype: torch.dtype,
 ) -> MoeConfig:
-    """The kernels' configuration for ``num_pairs`` (token, expert) pairs over
+    """The kernels' configuration for ``num_tokens`` tokens' ``top_k`` picks each over
     ``num_experts`` local experts of [2 * intermediate, hidden] and [hidden, intermediate]
-    in ``weight_dtype``, activations in ``dtype``, on a GPU of ``processors`` SMs; chosen by
-    shape, never timed (timed choices would differ between processes, and so would their
-    sums).
+    in ``weight_dtype``, activations in ``dtype`` (FP8: W8A8), on a GPU of ``processors``
+    SMs; chosen by shape, never timed (timed choices would differ between processes, and so
+    would their sums).
+
+    - One token (a batch-1 decode step): by pair (tile height 1), two kernels of
+      matrix-vector products, 8 weight rows a program (of each half, gate/up) in 512-byte
+      chunks: hundreds of programs even for 8 small experts.
 
     - The tile height follows the rows an expert gets when routing is even,
       ``num_pairs / min(E, num_pairs)``: 16 up to 8 rows, 32 up to 16, 64 up to 32, 128
@@ -118,8 +142,12 @@ def moe_config(
       operand, for the stages to fit in shared memory), gate/up 64 or 128 columns of each
       half, down 128.
     """
+    if num_tokens == 1:  # interpreted, narrow chunks: every mask
+        block_k = 32 if _INTERPRETED else 512 // weight_dtype.itemsize
+        return MoeConfig(1, MoeGemmConfig(8, block_k, 1, 4, 1), MoeGemmConfig(8, block_k, 1, 4, 1))
     if _INTERPRETED:  # small tiles, split: every mask and the partial sums' combine
         return MoeConfig(16, MoeGemmConfig(16, 32, 1, 4, 1), MoeGemmConfig(16, 32, 2, 4, 1))
+    num_pairs = num_tokens * top_k
     active = max(1, min(num_experts, num_pairs))
     rows_per_expert = -(-num_pairs // active)
     if rows_per_expert <= 16:
@@ -152,6 +180,15 @@ def moe_config(
 
 
 @triton.jit
+def _launched_dependent():
+    """First thing in every kernel here: they are launched dependent (``dependent_launch``),
+    the next scheduled while this one's programs finish, so each waits for the kernel before
+    before it reads anything (the routing is computed just before, by the router's kernels)."""
+    wait_for_previous_kernel()
+    let_next_kernel_start()
+
+
+@triton.jit
 def _local_experts(ids_ptr, pairs, num_pairs, expert_offset, num_experts, EXPERTS: tl.constexpr):
     """[len(pairs), EXPERTS] int32: 1 where the pair picked that local expert."""
     expert = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1) - expert_offset
@@ -170,6 +207,7 @@ def _count_kernel(
     CHUNK: tl.constexpr,
     EXPERTS: tl.constexpr,
 ):
+    _launched_dependent()
     chunk = tl.program_id(0)
     pairs = chunk * CHUNK + tl.arange(0, CHUNK)
     one_hot = _local_experts(ids_ptr, pairs, num_pairs, expert_offset, num_experts, EXPERTS)
@@ -196,6 +234,7 @@ def _place_kernel(
 ):
     """Program per chunk of pairs: places them, and labels every num_chunks-th group of
     TILES tiles, its own first."""
+    _launched_dependent()
     chunk = tl.program_id(0)
     experts = tl.arange(0, EXPERTS)
     pairs = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -263,6 +302,7 @@ def _gate_up_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """Program per (BLOCK_N columns of each half, tile of one expert's pairs)."""
+    _launched_dependent()
     tile = tl.program_id(1)
     rows = tl.load(tile_rows_ptr + tile)
     if rows == 0:
@@ -332,6 +372,7 @@ def _down_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """Program per (BLOCK_N output columns, tile of one expert's pairs, split of I)."""
+    _launched_dependent()
     tile = tl.program_id(1)
     rows = tl.load(tile_rows_ptr + tile)
     if rows == 0:
@@ -388,6 +429,7 @@ def _combine_kernel(
     BLOCK: tl.constexpr,
 ):
     """Program per (token, BLOCK columns): the sum over its pairs and the splits."""
+    _launched_dependent()
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     col_mask = cols < channels
@@ -403,6 +445,116 @@ def _combine_kernel(
                 mask=cols < local_channels,
                 other=0.0,
             )
+    tl.store(out_ptr + token * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
+def _gate_up_pair_kernel(
+    x_ptr,  # [T, H]
+    ids_ptr,  # [T*K]
+    w_ptr,  # [E, 2I, H]
+    scale_ptr,  # [E, 2I] float32 (HAS_SCALE)
+    hidden_ptr,  # [T*K, I] out: silu(gate) * up, a row a local pair
+    expert_offset,
+    num_experts,
+    depth,  # H
+    intermediate,  # I
+    top_k,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_hidden,
+    HAS_SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Program per (BLOCK_N rows of each half, pair): x's row times them, on the CUDA cores
+    (as the one-row kernel: the weight in registers, float32 products summed once at the
+    end). A non-local pair's program returns at once."""
+    _launched_dependent()
+    pair = tl.program_id(1)
+    expert = tl.load(ids_ptr + pair) - expert_offset
+    if (expert < 0) | (expert >= num_experts):
+        return
+    x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_x
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < intermediate
+    gate_rows = w_ptr + expert.to(tl.int64) * stride_we + cols[:, None] * stride_wn
+    up_rows = gate_rows + intermediate * stride_wn
+    gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for start in range(0, depth, BLOCK_K):
+        ks = start + tl.arange(0, BLOCK_K)
+        k_mask = ks < depth
+        x = tl.load(x_row + ks, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        w_mask = col_mask[:, None] & k_mask[None, :]
+        gate += widen(tl.load(gate_rows + ks[None, :], mask=w_mask, other=0.0), tl.float32) * x
+        up += widen(tl.load(up_rows + ks[None, :], mask=w_mask, other=0.0), tl.float32) * x
+    gate_sums = tl.sum(gate, axis=1)
+    up_sums = tl.sum(up, axis=1)
+    if HAS_SCALE:  # widened to float32 exactly
+        scale_ptrs = scale_ptr + expert * stride_se + cols
+        gate_sums *= tl.load(scale_ptrs, mask=col_mask, other=0.0)
+        up_sums *= tl.load(scale_ptrs + intermediate, mask=col_mask, other=0.0)
+    activation = gate_sums * tl.sigmoid(gate_sums) * up_sums
+    tl.store(
+        hidden_ptr + pair * stride_hidden + cols,
+        activation.to(hidden_ptr.dtype.element_ty),
+        mask=col_mask,
+    )
+
+
+@triton.jit
+def _down_token_kernel(
+    hidden_ptr,  # [T*K, I]
+    ids_ptr,  # [T*K]
+    topk_weights_ptr,  # [T*K] float32
+    w_ptr,  # [E, H, I]
+    scale_ptr,  # [E, H] float32 (HAS_SCALE)
+    out_ptr,  # [T, H]
+    expert_offset,
+    num_experts,
+    depth,  # I
+    channels,  # H
+    stride_hidden,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_out,
+    TOP_K: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Program per (BLOCK_N output channels, token): each of its pairs' activation times
+    those rows of its expert's down projection, times its routing weight, summed over the
+    pairs in order and rounded once: the combine too, without atomics or partial sums. A
+    non-local pair's loads are masked off (its activation was never written) and add 0."""
+    _launched_dependent()
+    token = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < channels
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k in range(TOP_K):
+        pair = token * TOP_K + k
+        expert = tl.load(ids_ptr + pair) - expert_offset
+        local = (expert >= 0) & (expert < num_experts)
+        expert = tl.where(local, expert, 0).to(tl.int64)
+        local_depth = tl.where(local, depth, 0)  # a non-local pair: every load masked off
+        rows = w_ptr + expert * stride_we + cols[:, None] * stride_wn
+        hidden_row = hidden_ptr + pair.to(tl.int64) * stride_hidden
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for start in range(0, depth, BLOCK_K):
+            ks = start + tl.arange(0, BLOCK_K)
+            k_mask = ks < local_depth
+            h = tl.load(hidden_row + ks, mask=k_mask, other=0.0).to(tl.float32)
+            w = tl.load(rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += widen(w, tl.float32) * h[None, :]
+        sums = tl.sum(acc, axis=1)
+        if HAS_SCALE:
+            sums *= tl.load(scale_ptr + expert * stride_se + cols, mask=col_mask, other=0.0)
+        total += sums * tl.load(topk_weights_ptr + pair)
     tl.store(out_ptr + token * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
@@ -449,7 +601,8 @@ def fused_moe(
         return out
     w8a8 = quantizes_activations(num_tokens, w13.dtype)
     config = config or moe_config(
-        num_pairs,
+        num_tokens,
+        top_k,
         num_experts,
         hidden,
         intermediate,
@@ -461,6 +614,10 @@ def fused_moe(
     ids = topk_ids.reshape(num_pairs)  # a view of contiguous ids: no copy under a graph
     weights = topk_weights.reshape(num_pairs)
     assert ids.stride(0) == 1 and weights.stride(0) == 1 and weights.dtype == torch.float32
+    if block_m == 1:
+        assert not w8a8
+        _experts_by_pair(x, weights, ids, w13, w2, w13_scale, w2_scale, expert_offset, config, out)
+        return out
 
     # 1. Align. At most min(E, T*K) experts have pairs; each pads to whole tiles.
     max_tiles = num_pairs // block_m + min(num_experts, num_pairs)
@@ -473,7 +630,14 @@ def fused_moe(
     counts = ids.new_empty(num_chunks * experts_pow2, dtype=torch.int32)
     if num_chunks > 1:
         _count_kernel[(num_chunks,)](
-            ids, counts, num_pairs, expert_offset, num_experts, CHUNK=chunk, EXPERTS=experts_pow2
+            ids,
+            counts,
+            num_pairs,
+            expert_offset,
+            num_experts,
+            CHUNK=chunk,
+            EXPERTS=experts_pow2,
+            **launch_options(x.device),
         )
     _place_kernel[(num_chunks,)](
         ids,
@@ -491,6 +655,7 @@ def fused_moe(
         BLOCK_M=block_m,
         TILES=_ALIGN_TILES,
         ONE_CHUNK=num_chunks == 1,
+        **launch_options(x.device),
     )
 
     precision = dot_precision(x.dtype)
@@ -524,6 +689,7 @@ def fused_moe(
         DOT_PRECISION=precision,
         num_warps=gate_up.warps,
         num_stages=gate_up.stages,
+        **launch_options(x.device),
     )
 
     # 3. Down, times the routing weights, each split's sums apart. W8A8: the activation
@@ -561,6 +727,7 @@ def fused_moe(
         DOT_PRECISION=precision,
         num_warps=down.warps,
         num_stages=down.stages,
+        **launch_options(x.device),
     )
 
     # 4. Combine.
@@ -576,5 +743,74 @@ def fused_moe(
         TOP_K=top_k,
         SPLIT_K=down.split_k,
         BLOCK=_COMBINE_BLOCK,
+        **launch_options(x.device),
     )
     return out
+
+
+def _experts_by_pair(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    expert_offset: int,
+    config: MoeConfig,
+    out: torch.Tensor,
+) -> None:
+    """``fused_moe`` by pair (tile height 1): the gate/up products and activation of each
+    pair, then each token's down products summed over its pairs, into ``out``."""
+    num_tokens, hidden = x.shape
+    num_experts, double_intermediate, _ = w13.shape
+    intermediate = double_intermediate // 2
+    top_k = ids.numel() // num_tokens
+    quantized = w13_scale is not None
+    hidden_states = x.new_empty(ids.numel(), intermediate)
+    gate_up, down = config.gate_up, config.down
+    _gate_up_pair_kernel[(triton.cdiv(intermediate, gate_up.block_n), ids.numel())](
+        x,
+        ids,
+        w13,
+        w13_scale if quantized else w13,
+        hidden_states,
+        expert_offset,
+        num_experts,
+        hidden,
+        intermediate,
+        top_k,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        w13_scale.stride(0) if quantized else 0,
+        hidden_states.stride(0),
+        HAS_SCALE=quantized,
+        BLOCK_N=gate_up.block_n,
+        BLOCK_K=gate_up.block_k,
+        num_warps=gate_up.warps,
+        **launch_options(x.device),
+    )
+    _down_token_kernel[(triton.cdiv(hidden, down.block_n), num_tokens)](
+        hidden_states,
+        ids,
+        weights,
+        w2,
+        w2_scale if quantized else w2,
+        out,
+        expert_offset,
+        num_experts,
+        intermediate,
+        hidden,
+        hidden_states.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        w2_scale.stride(0) if quantized else 0,
+        out.stride(0),
+        TOP_K=top_k,
+        HAS_SCALE=quantized,
+        BLOCK_N=down.block_n,
+        BLOCK_K=down.block_k,
+        num_warps=down.warps,
+        **launch_options(x.device),
+    )
