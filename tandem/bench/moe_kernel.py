@@ -123,7 +123,7 @@ def candidates(rule: MoeConfig, weight_dtype: torch.dtype) -> list[MoeConfig]:
         )
         for block_m in (64, 128)
         for gate_n, down_n in ((64, 128), (128, 128), (128, 256))
-        for warps, stages in ((4, 4), (8, 3))
+        for warps, stages in ((4, 4), (8, 3), (8, 4))
     ]
 
 

@@ -14,7 +14,9 @@ Each token's top-k picks are (token, k) *pairs*; pair p = token * K + k. The ker
 2. Gate/up (``_gate_up_kernel``): a grouped GEMM, a program per (tile of an expert's rows,
    BLOCK_N columns of the intermediate), gathering its rows of x, with both halves' columns
    (gate and up) in two accumulators, so that the epilogue writes silu(gate) * up, rounded
-   to x's dtype as the dense MLP's activation is, to ``hidden[pair]`` [T*K, I].
+   to x's dtype as the dense MLP's activation is, to ``hidden[pair]`` [T*K, I]. Programs
+   go in groups of 8 tiles, column block by column block (``_tile_and_columns``), so that
+   an expert's weights are read about once however many tiles its rows fill (a prefill).
 3. Down (``_down_kernel``): the same over ``hidden`` and the down projection, the routing
    weight multiplied into the float32 accumulator, written to ``partial[split, pair]``
    [SPLIT_K, T*K, H] float32. At a few tokens the depth I is split too (``split_k``), to
@@ -86,6 +88,8 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _ALIGN_ELEMENTS = 256 if _INTERPRETED else 8192
 _ALIGN_TILES = 4 if _INTERPRETED else 64
 _COMBINE_BLOCK = 512
+# Tiles whose programs run side by side, column block by column block (``_tile_and_columns``).
+_GROUP_TILES = tl.constexpr(8)
 _MAX_SPLIT_K = 8
 
 
@@ -189,6 +193,24 @@ def _launched_dependent():
 
 
 @triton.jit
+def _tile_and_columns(num_tiles, num_columns, BLOCK_N: tl.constexpr):
+    """This program's tile and its BLOCK_N columns (of ``num_columns``), from its index in the
+    grid's first dimension: in groups of _GROUP_TILES consecutive tiles, a group's programs
+    go column block by column block, its tiles side by side. An expert's rows over several
+    tiles (a prefill's) then read each block of its weights from memory about once, the other
+    tiles finding it in L2, rather than once a tile (its whole weights again, tile after
+    tile, when the columns went fastest)."""
+    pid = tl.program_id(0)
+    per_group = _GROUP_TILES * tl.cdiv(num_columns, BLOCK_N)
+    first_tile = pid // per_group * _GROUP_TILES
+    group_tiles = tl.minimum(num_tiles - first_tile, _GROUP_TILES)
+    within = pid % per_group
+    return first_tile + within % group_tiles, within // group_tiles * BLOCK_N + tl.arange(
+        0, BLOCK_N
+    )
+
+
+@triton.jit
 def _local_experts(ids_ptr, pairs, num_pairs, expert_offset, num_experts, EXPERTS: tl.constexpr):
     """[len(pairs), EXPERTS] int32: 1 where the pair picked that local expert."""
     expert = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1) - expert_offset
@@ -286,6 +308,7 @@ def _gate_up_kernel(
     sorted_pairs_ptr,
     tile_expert_ptr,
     tile_rows_ptr,
+    num_tiles,
     depth,  # H
     intermediate,  # I
     top_k,
@@ -303,7 +326,7 @@ def _gate_up_kernel(
 ):
     """Program per (BLOCK_N columns of each half, tile of one expert's pairs)."""
     _launched_dependent()
-    tile = tl.program_id(1)
+    tile, cols = _tile_and_columns(num_tiles, intermediate, BLOCK_N)
     rows = tl.load(tile_rows_ptr + tile)
     if rows == 0:
         return
@@ -311,7 +334,6 @@ def _gate_up_kernel(
     row_mask = tl.arange(0, BLOCK_M) < rows
     pairs = tl.load(sorted_pairs_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M), mask=row_mask)
     tokens = pairs // top_k
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < intermediate
     # [BLOCK_K, BLOCK_N] tiles of the gate's and the up's rows, contiguous in H.
     gate_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn
@@ -356,6 +378,7 @@ def _down_kernel(
     sorted_pairs_ptr,
     tile_expert_ptr,
     tile_rows_ptr,
+    num_tiles,
     num_pairs,
     depth,  # I
     channels,  # H
@@ -371,17 +394,16 @@ def _down_kernel(
     SPLIT_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Program per (BLOCK_N output columns, tile of one expert's pairs, split of I)."""
+    """Program per (BLOCK_N output columns, tile of one expert's pairs; split of I)."""
     _launched_dependent()
-    tile = tl.program_id(1)
+    tile, cols = _tile_and_columns(num_tiles, channels, BLOCK_N)
     rows = tl.load(tile_rows_ptr + tile)
     if rows == 0:
         return
     expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
-    split = tl.program_id(2)
+    split = tl.program_id(1)
     row_mask = tl.arange(0, BLOCK_M) < rows
     pairs = tl.load(sorted_pairs_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M), mask=row_mask)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < channels
     # This split's steps of I: an even share, in whole steps.
     steps = tl.cdiv(depth, BLOCK_K)
@@ -664,7 +686,7 @@ def fused_moe(
     a, a_scale = quantize_rows_fp8(x) if w8a8 else (x, x)
     hidden_states = x.new_empty(num_pairs, intermediate)
     gate_up = config.gate_up
-    _gate_up_kernel[(triton.cdiv(intermediate, gate_up.block_n), max_tiles)](
+    _gate_up_kernel[(triton.cdiv(intermediate, gate_up.block_n) * max_tiles,)](
         a,
         a_scale,
         w13,
@@ -673,6 +695,7 @@ def fused_moe(
         sorted_pairs,
         tile_expert,
         tile_rows,
+        max_tiles,
         hidden,
         intermediate,
         top_k,
@@ -701,7 +724,7 @@ def fused_moe(
         hidden_scale = hidden_states
     down = config.down
     partial = x.new_empty(down.split_k, num_pairs, hidden, dtype=torch.float32)
-    _down_kernel[(triton.cdiv(hidden, down.block_n), max_tiles, down.split_k)](
+    _down_kernel[(triton.cdiv(hidden, down.block_n) * max_tiles, down.split_k)](
         hidden_states,
         hidden_scale,
         w2,
@@ -711,6 +734,7 @@ def fused_moe(
         sorted_pairs,
         tile_expert,
         tile_rows,
+        max_tiles,
         num_pairs,
         intermediate,
         hidden,
