@@ -33,8 +33,8 @@ captured in a CUDA graph and replayed for any routing.
 
 One token (a batch-1 decode step) goes by pair instead, in two kernels: its K picks are K
 distinct experts, so there is nothing to group, and the four kernels above cost more in
-launches than in reading (Qwen3-30B-A3B's 8 experts of 9 MiB took 41 us, 44% of copy
-bandwidth, half of it the fixed cost of the launches). ``_gate_up_pair_kernel``: a program
+launches and too few programs than in reading (Qwen3-30B-A3B's 8 experts of 9 MiB took 41
+us, where copy bandwidth reads them in 18). ``_gate_up_pair_kernel``: a program
 per (pair, 8 rows of each half), matrix-vector products on the CUDA cores as the one-row
 kernel computes them; ``_down_token_kernel``: a program per (token, 8 output channels)
 summing its pairs' down products times their routing weights in order, the combine within
