@@ -4,6 +4,8 @@
 #   scripts/gpu_session.sh tests|ab-1b|perf|perf-fp8|fp8-widen|quant|quant-speed|matmul-rules|serving|spec|bench-1b|bench-8b|bench-qwen3|structured-1b|profile-1b|profile-8b|profile-8b-fp8|profile-ttft|profile-qwen3|profile-qwen3-fp8 ...
 #   scripts/gpu_session.sh tp-check tp-8b tp-70b   # tensor parallelism, on 2 GPUs (TP=4/8: TP=N)
 #   scripts/gpu_session.sh bench-dp|bench-dp-smoke|layouts-8b|tp-layouts-8b  # data parallelism (layouts: 4 GPUs)
+#   scripts/gpu_session.sh moe-kernel  # the fused MoE kernel (issue 39): its tests, then its timings
+#   MOE_SHAPE=mixtral-8x7b scripts/gpu_session.sh moe-sweep  # its rule against neighbouring configurations
 #   SPEC_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh spec spec-f32  # speculative decoding
 #   scripts/gpu_session.sh moe                           # mixtures of experts, one GPU
 #   scripts/gpu_session.sh moe-235b moe-235b-offline     # Qwen3-235B-A22B shape, fp8, 4 GPUs
@@ -39,6 +41,15 @@
 # ab-1b: bench_offline and bench_latency at the 1B shape on BASE (another tree, such as an
 # older commit's `git archive`, carried in an ignored folder) and on this one, alternated,
 # ROUNDS times each (default 2); a table of both trees' medians and ranges last.
+#
+# moe-kernel (issue 39, about 5 minutes, one GPU): the fused MoE kernel's tests on CUDA (the
+# CPU tests natively, then tests/gpu/test_fused_moe_cuda.py: the real shapes against the
+# reference, CUDA graph capture and replay), then `scripts/bench_kernels.py --moe` at
+# Qwen3-30B-A3B, Mixtral-8x7B and Qwen3-235B-A22B's TP=4 rank (expert-parallel and split),
+# T = 1 to 2048 tokens, bf16 and fp8 weights; the tables last.
+# moe-sweep: the same timings at MOE_SHAPE (default qwen3-30b-a3b), each T with the rule's
+# neighbours timed too (--moe-sweep: about 100 configurations a shape, minutes of compiling),
+# bf16 then fp8; where the fastest candidate beats the rule, the rule wants refitting.
 #
 # PEERS=0 leaves out transformers' runs (minutes of device time each); PYTEST_K filters tests.
 #
@@ -342,6 +353,25 @@ PY
       m=$(config_only qwen3-235b-a22b)
       timeout 560 python3 scripts/bench_offline.py --model "$m" --load-format dummy --quantization fp8 \
         --tensor-parallel-size 4 --runs 1 2>&1 | tee "$out/moe-235b-offline.log" | grep -v '^INFO' | tail -8 ;;
+    moe-kernel)
+      timeout 360 python3 -m pytest -q -rs tests/engine/test_fused_moe.py tests/gpu/test_fused_moe_cuda.py \
+        -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$out/moe-kernel-tests.log" | tail -15
+      shapes="qwen3-30b-a3b mixtral-8x7b qwen3-235b-a22b-tp4-ep qwen3-235b-a22b-tp4"
+      for weights in bf16 fp8; do
+        flags=(); [ $weights = fp8 ] && flags=(--quantization fp8)
+        timeout 240 python3 scripts/bench_kernels.py --moe $shapes "${flags[@]}" 2>&1 \
+          | tee "$out/moe-kernel-$weights.log" | tail -3
+      done
+      echo "=== moe-kernel summary"
+      grep -hE "passed|failed" "$out/moe-kernel-tests.log" | tail -1
+      head -1 "$out/moe-kernel-bf16.log"
+      for weights in bf16 fp8; do grep -hE "^ +(shape|qwen|mixtral)" "$out/moe-kernel-$weights.log"; done ;;
+    moe-sweep)
+      for weights in bf16 fp8; do
+        flags=(); [ $weights = fp8 ] && flags=(--quantization fp8)
+        timeout 280 python3 scripts/bench_kernels.py --moe "${MOE_SHAPE:-qwen3-30b-a3b}" --moe-sweep \
+          "${flags[@]}" 2>&1 | tee "$out/moe-sweep-$weights.log" | grep -E "^ +(shape|qwen|mixtral)"
+      done ;;
     tp-check|tp-8b|tp-70b)  # each within one call's 10 minutes
       timeout 590 python3 scripts/bench_tensor_parallel.py --part "${stage#tp-}" \
         --tensor-parallel-size "${TP:-2}" 2>&1 | tee "$out/$stage.log" | tail -12 ;;

@@ -41,13 +41,12 @@ import torch
 from torch import nn
 
 from engine.backends.deferred_norm import DeferredNorm, LinearInput, dense
-from engine.backends.fp8 import FP8, FP8_MAX, MIN_SCALE
+from engine.backends.fp8 import FP8, FP8_MAX, MIN_SCALE, WEIGHT_ONLY_MAX_TOKENS
 from engine.backends.layer_ops import LayerOps
 from engine.backends.pytorch import with_bias
 from engine.model_config import Quantization
 
 QUANTIZATION_METHODS = ("fp8", "int8")
-WEIGHT_ONLY_MAX_TOKENS = 16
 INT8_MAX = 127
 # Scales of FP8 checkpoints that nothing here reads: static activation scales (activations
 # are quantized per token) and the KV cache's (stored unscaled, --kv-cache-dtype).

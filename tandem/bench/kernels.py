@@ -3,6 +3,8 @@
     tandem bench kernels [--head-dims 64 128 256] [--heads Q:KV] [--batches 1 8 64 256]
                          [--contexts 256 1024 4096 16384] [--max-gib 24]
                          [--kv-cache-dtype auto|fp8]
+    tandem bench kernels --moe SHAPE [SHAPE ...] [--moe-tokens 1 8 64 256 2048]
+                         [--quantization fp8] [--moe-sweep]
 
 A decode step's attention must read every cached key and value of every sequence once; the
 kernel (``paged_decode_attention``, split-K as the engine runs it: the split count from
@@ -16,7 +18,8 @@ the float32 reference first. Each timing starts with the L2 cache flushed. "of s
 compares with a copy of the same bytes timed alike: small cases (a few MB) are bound by
 launch and latency, not bandwidth, for any kernel.
 Then the fused Q/K-norm + RoPE + cache-write kernel at a decode and a prefill step.
-CUDA only.
+With --moe, instead, the fused MoE kernel at the shapes named (tandem/bench/moe_kernel.py
+says what its table shows). CUDA only.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ from engine.backends.triton import (
 )
 from engine.backends.triton.paged_attention import default_decode_splits
 from engine.roofline import measure_rates
+from tandem.bench.moe_kernel import SHAPES as MOE_SHAPES
+from tandem.bench.moe_kernel import TOKENS as MOE_TOKENS
+from tandem.bench.moe_kernel import run_moe
 from tandem.testing.kernel_reference import paged_attention_reference
 
 # head_dim: (query heads, KV heads)
@@ -171,6 +177,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="auto: bfloat16"
     )
+    parser.add_argument(
+        "--moe", nargs="+", choices=sorted(MOE_SHAPES), help="time the fused MoE kernel instead"
+    )
+    parser.add_argument("--moe-tokens", type=int, nargs="+", default=list(MOE_TOKENS))
+    parser.add_argument(
+        "--quantization", choices=["fp8"], help="--moe: FP8 weights (default: bf16)"
+    )
+    parser.add_argument(
+        "--moe-sweep", action="store_true", help="--moe: time the rule's neighbours too"
+    )
     args = parser.parse_args(argv)
     kv_dtype = DTYPE if args.kv_cache_dtype == "auto" else torch.float8_e4m3fn
     if not torch.cuda.is_available():
@@ -178,6 +194,12 @@ def main(argv: list[str] | None = None) -> None:
 
     rates = measure_rates(torch.device("cuda"))
     torch.cuda.empty_cache()
+    if args.moe:
+        print(f"{torch.cuda.get_device_name()}: measured {rates.describe()}")
+        run_moe(
+            args.moe, args.moe_tokens, args.quantization == "fp8", rates, time_ms, args.moe_sweep
+        )
+        return
     print(f"{torch.cuda.get_device_name()}: measured {rates.describe()}; K/V in {kv_dtype}")
     print(
         f"\n{'head_dim':>8} {'heads':>6} {'context':>8} {'batch':>6} {'splits':>6} "

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.backends.pytorch import quantize_per_token_fp8
+
 
 def paged_attention_reference(
     q: torch.Tensor,
@@ -48,3 +50,50 @@ def paged_attention_reference(
         outputs.append(torch.einsum("hqk,khd->qhd", probs, values))
         start += query_len
     return torch.cat(outputs)
+
+
+def moe_experts_reference(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    expert_offset: int = 0,
+    quantize_activations: bool = False,
+) -> torch.Tensor:
+    """``LayerOps.moe_experts`` expert by expert, in float32 (FP8 weights dequantized):
+    each local expert's picks gathered, gate and up products summed in float32, their
+    activation silu(gate) * up rounded to x's dtype (as the fused kernel and the dense MLP
+    round it), the down product and its routing weight in float32, added to each token's
+    float32 sum. Returned in float32, for the error to be measured in units of x's dtype.
+    Reads the routing back to the host.
+
+    ``quantize_activations`` (W8A8): x and the activation are each quantized per row to
+    float8 e4m3 as the dense FP8 layers quantize theirs (``quantize_per_token_fp8``) and
+    multiplied dequantized."""
+    rows = dequantized(x) if quantize_activations else x.float()
+    num_experts, double_intermediate, _ = w13.shape
+    intermediate = double_intermediate // 2
+    gate_up = w13.float() if w13_scale is None else w13.float() * w13_scale[..., None]
+    down = w2.float() if w2_scale is None else w2.float() * w2_scale[..., None]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    local = topk_ids.long() - expert_offset
+    for expert in range(num_experts):
+        tokens, picks = (local == expert).nonzero(as_tuple=True)
+        if tokens.numel() == 0:
+            continue
+        products = rows[tokens] @ gate_up[expert].T
+        gate, up = products[:, :intermediate], products[:, intermediate:]
+        activation = (torch.nn.functional.silu(gate) * up).to(x.dtype)
+        activation = dequantized(activation) if quantize_activations else activation.float()
+        weighted = (activation @ down[expert].T) * topk_weights[tokens, picks, None]
+        out.index_add_(0, tokens, weighted)
+    return out
+
+
+def dequantized(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] quantized per row to float8 e4m3 codes and scales, and back, in float32."""
+    codes, scale = quantize_per_token_fp8(x)
+    return codes.float() * scale

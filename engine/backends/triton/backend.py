@@ -49,6 +49,7 @@ from engine.backends.triton import (
 )
 from engine.backends.triton.argmax import argmax_rows
 from engine.backends.triton.fp8_quantize import quantize_rows_fp8
+from engine.backends.triton.fused_moe import fused_moe
 from engine.backends.triton.graph_inputs import fill_graph_inputs
 from engine.backends.triton.one_row_matmul import one_row_matmul
 from engine.backends.triton.pending_tokens import fill_pending_tokens
@@ -238,6 +239,25 @@ class TritonLayerOps(TorchLayerOps):
         if isinstance(x, DeferredNorm) or x.is_cuda:
             return quantize_rows_fp8(x, gated=gated)
         return super().quantize_fp8(x, gated=gated)
+
+    def moe_experts(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        w13_scale: torch.Tensor | None,
+        w2_scale: torch.Tensor | None,
+        expert_offset: int = 0,
+    ) -> torch.Tensor:
+        # Align, two grouped GEMMs with the activation and the routing weights in their
+        # epilogues, combine: five kernels, no host sync (CUDA graphs replay any routing).
+        if x.is_cuda:
+            return fused_moe(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, expert_offset)
+        return super().moe_experts(  # the torch backend's reference
+            x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, expert_offset
+        )
 
 
 class TritonStepOps(TorchStepOps):

@@ -475,7 +475,7 @@ def _check_cache(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     assert q.shape[-1] == key_cache.shape[-1] and q.shape[-2] % key_cache.shape[-2] == 0
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
+def dot_precision(dtype: torch.dtype) -> str:
     # float32 engines want float32 attention, not TF32's 10-bit mantissa.
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -513,7 +513,7 @@ def decode_constants(
         "USE_WINDOW": sliding_window is not None,
         "MASK_WINDOW": sliding_window is not None and query_len > 1,
         "WRITE_PARTIAL": num_splits > 1,
-        "DOT_PRECISION": _dot_precision(dtype),
+        "DOT_PRECISION": dot_precision(dtype),
     }
 
 
@@ -747,7 +747,7 @@ def paged_prefill_attention(
         BLOCK_N=_BLOCK_N,
         BLOCK_SIZE=block_size,
         USE_WINDOW=sliding_window is not None,
-        DOT_PRECISION=_dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype),
         num_warps=4 if block_d <= 128 else 8,
     )
     return out

@@ -1,0 +1,279 @@
+"""The fused MoE kernel against the memory wall and the GEMM rate: ``tandem bench kernels
+--moe SHAPE``.
+
+One mixture-of-experts layer's experts (``engine.backends.triton.fused_moe``, as the
+Triton backend's ``moe_experts`` runs them) at a real model's shape, with random weights
+(bf16, or FP8 codes with per-channel scales as ``--quantization fp8`` stores them) and a
+random softmax top-k routing of T tokens, each T timed as a CUDA graph's replay (as the
+engine's decode steps run; which also shows the kernels capture) after an L2 flush.
+"Bytes" are the weights of the local experts the routing actually touched: at T = 1 only K
+experts' (up to min(E, T * K)), which a batch-1 decode step must read; "of copy" their rate
+over the device's measured copy bandwidth; "of roofline" the larger of that bound and the
+products' FLOPs (2 per weight per routed pair, at the measured dense GEMM rate, or the FP8
+one where the kernel quantizes the activations too: W8A8, past 16 tokens) over the time.
+Each case's output is checked against the expert-by-expert float32 reference first.
+"config" is the rule's (``moe_config``): tile rows / gate-up columns x depth / down columns x
+depth, x splits of the down projection's depth. With --moe-sweep, each case also times the
+rule's neighbours (``candidates``) and prints the fastest, for fitting the rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from engine.backends.triton.device import sm_count
+from engine.backends.triton.fused_moe import (
+    MoeConfig,
+    MoeGemmConfig,
+    fused_moe,
+    moe_config,
+    quantizes_activations,
+)
+from engine.quantization.linear_methods import quantize_per_channel
+from engine.roofline import DeviceRates, StepTraffic, traffic_bound
+from tandem.testing.kernel_reference import moe_experts_reference
+
+DTYPE = torch.bfloat16
+FP8 = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """A model's MoE layer as one rank holds it: ``local_experts`` of ``experts`` (expert
+    parallelism: rank 0's, ids [0, local_experts)), each [2 * intermediate, hidden] and
+    [hidden, intermediate], ``top_k`` picks a token."""
+
+    hidden: int
+    intermediate: int
+    experts: int
+    local_experts: int
+    top_k: int
+
+
+SHAPES = {
+    "qwen3-30b-a3b": MoeShape(2048, 768, 128, 128, 8),
+    "mixtral-8x7b": MoeShape(4096, 14336, 8, 8, 2),
+    # Qwen3-235B-A22B at TP=4, both ways of splitting the experts: rank 0's 32 whole
+    # experts (expert parallelism), or a quarter of each of the 128 (I / 4).
+    "qwen3-235b-a22b-tp4-ep": MoeShape(4096, 1536, 128, 32, 8),
+    "qwen3-235b-a22b-tp4": MoeShape(4096, 384, 128, 128, 8),
+}
+TOKENS = (1, 8, 64, 256, 2048)
+# A run's time in ms (``tandem.bench.kernels.time_ms``: a CUDA graph's replay, L2 flushed).
+Timer = Callable[[Callable[[], None]], float]
+
+
+@dataclass(frozen=True)
+class MoeResult:
+    touched: int  # local experts the routing picked
+    config: str  # the rule's
+    us: float
+    weight_bytes: int
+    copy_share: float
+    roofline_share: float
+    best: tuple[str, float] | None  # --moe-sweep: the fastest candidate and its time
+
+
+def describe(config: MoeConfig) -> str:
+    """tile rows (1: by pair) / gate-up columns x depth / down columns x depth, x splits"""
+    gate_up, down = config.gate_up, config.down
+    return (
+        f"{config.block_m}/{gate_up.block_n}x{gate_up.block_k}/{down.block_n}x{down.block_k}"
+        f"x{down.split_k}"
+    )
+
+
+def candidates(rule: MoeConfig, weight_dtype: torch.dtype) -> list[MoeConfig]:
+    """Neighbours of the rule's configuration, for ``--moe-sweep``: by pair (one token), other
+    rows a program and chunks, and 16-row tiles; at decode tiles (16 or 32 rows) other column
+    widths, depths and splits; at prefill tiles the other height and widths and warps."""
+    if rule.block_m == 1:
+        chunk = rule.gate_up.block_k
+        by_pair = [
+            MoeConfig(1, MoeGemmConfig(gate_n, k, 1, 4, 1), MoeGemmConfig(down_n, k, 1, 4, 1))
+            for gate_n in (4, 8, 16)
+            for down_n in (4, 8, 16)
+            for k in (chunk // 2, chunk, chunk * 2)
+        ]
+        depth = 256 // weight_dtype.itemsize
+        tiled = MoeConfig(16, MoeGemmConfig(32, depth, 1, 4, 4), MoeGemmConfig(64, depth, 1, 4, 4))
+        return by_pair + candidates(tiled, weight_dtype)
+    if rule.block_m <= 32:
+        depth = rule.gate_up.block_k
+        return [
+            MoeConfig(
+                rule.block_m,
+                MoeGemmConfig(gate_n, block_k, 1, 4, stages),
+                MoeGemmConfig(down_n, block_k, split, 4, stages),
+            )
+            for gate_n in (32, 64, 128)
+            for down_n, split in ((32, 1), (64, 1), (64, 2), (128, 1), (128, 4))
+            for block_k, stages in ((depth, 4), (depth // 2, 5))
+        ]
+    depth = rule.gate_up.block_k
+    return [
+        MoeConfig(
+            block_m,
+            MoeGemmConfig(gate_n, depth, 1, warps, stages),
+            MoeGemmConfig(down_n, depth, 1, warps, stages),
+        )
+        for block_m in (64, 128)
+        for gate_n, down_n in ((64, 128), (128, 128), (128, 256))
+        for warps, stages in ((4, 4), (8, 3), (8, 4))
+    ]
+
+
+def random_layer(shape: MoeShape, fp8: bool) -> dict[str, torch.Tensor | None]:
+    """The rank's experts, random, in bf16 or as FP8 codes with per-channel scales."""
+    experts, hidden, intermediate = shape.local_experts, shape.hidden, shape.intermediate
+    w13 = torch.randn(experts, 2 * intermediate, hidden, device="cuda", dtype=DTYPE)
+    w2 = torch.randn(experts, hidden, intermediate, device="cuda", dtype=DTYPE)
+    w13 *= hidden**-0.5
+    w2 *= intermediate**-0.5
+    if not fp8:
+        return {"w13": w13, "w2": w2, "w13_scale": None, "w2_scale": None}
+    layer: dict[str, torch.Tensor | None] = {}
+    for name, weight in (("w13", w13), ("w2", w2)):
+        codes = torch.empty(weight.shape, dtype=FP8, device="cuda")
+        scale = torch.empty(weight.shape[:2], device="cuda")
+        for expert in range(experts):  # one at a time: float32 copies of a few at most
+            codes[expert], scale[expert] = quantize_per_channel(weight[expert], FP8)
+        layer[name], layer[f"{name}_scale"] = codes, scale
+    return layer
+
+
+def random_routing(num_tokens: int, shape: MoeShape) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k of random logits over all the model's experts, renormalized."""
+    logits = torch.randn(num_tokens, shape.experts, device="cuda")
+    weights, ids = logits.softmax(-1).topk(shape.top_k)
+    return weights / weights.sum(-1, keepdim=True), ids.to(torch.int32)
+
+
+def assert_matches_reference(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    layer: dict[str, torch.Tensor | None],
+) -> None:
+    """``fused_moe``'s ``out`` within two units of bf16's rounding of the float32 reference,
+    in norm. Absolute, not relative: where no pick is local (a rank's experts at a few tokens)
+    the reference is all zeros, and so must the output be, exactly.
+
+    W8A8 (FP8 weights past 16 tokens): against the reference with the activations quantized
+    alike, plus a tenth of what quantizing them changes. The kernel's sums (Hopper's FP8 MMA
+    accumulates with fewer bits than float32) may put an activation on the other side of a
+    bf16 rounding, and then of an e4m3 one: a few codes one step off, far less than that tenth
+    (on the CPU, float64 against float32 sums: under a hundredth of bf16's rounding), while a
+    missing scale or quantization costs it several times over."""
+    num_tokens = x.shape[0]
+    w13 = layer["w13"]
+    assert w13 is not None
+    w8a8 = quantizes_activations(num_tokens, w13.dtype)
+    reference = moe_experts_reference(x, weights, ids, **layer, quantize_activations=w8a8)
+    error = (out.float() - reference).norm().item()
+    rounding = (reference.to(out.dtype).float() - reference).norm().item()
+    allowance = 0.0
+    if w8a8:
+        unquantized = moe_experts_reference(x, weights, ids, **layer)
+        allowance = (reference - unquantized).norm().item() / 10
+    assert error <= 2 * rounding + allowance, (
+        f"{num_tokens} tokens: error {error:.3g} > 2 x rounding {rounding:.3g} + {allowance:.3g}"
+    )
+
+
+def moe_case(
+    shape: MoeShape,
+    num_tokens: int,
+    layer: dict[str, torch.Tensor | None],
+    rates: DeviceRates,
+    time_ms: Timer,
+    sweep: bool = False,
+) -> MoeResult:
+    """Check, then time one layer's experts at ``num_tokens`` tokens with the rule's
+    configuration (and, sweeping, each candidate's)."""
+    x = torch.randn(num_tokens, shape.hidden, device="cuda", dtype=DTYPE)
+    weights, ids = random_routing(num_tokens, shape)
+    assert_matches_reference(fused_moe(x, weights, ids, **layer), x, weights, ids, layer)
+
+    local = ids[ids < shape.local_experts]
+    touched = local.unique().numel()
+    w13 = layer["w13"]
+    assert w13 is not None
+    weight_bytes = touched * 3 * shape.hidden * shape.intermediate * w13.dtype.itemsize
+    flops = 2 * local.numel() * 3 * shape.hidden * shape.intermediate
+    w8a8 = quantizes_activations(num_tokens, w13.dtype)
+    rule = moe_config(
+        num_tokens,
+        shape.top_k,
+        shape.local_experts,
+        shape.hidden,
+        shape.intermediate,
+        sm_count(x.device),
+        w13.dtype,
+        FP8 if w8a8 else DTYPE,
+    )
+
+    def timed(config: MoeConfig) -> float:
+        def run() -> None:
+            fused_moe(x, weights, ids, **layer, config=config)
+
+        try:
+            return time_ms(run)
+        except triton.runtime.errors.OutOfResources:  # a candidate's stages overflow
+            return float("inf")
+
+    ms = timed(rule)
+    best = None
+    if sweep:
+        best = min(
+            ((describe(c), timed(c) * 1e3) for c in candidates(rule, w13.dtype)),
+            key=lambda b: b[1],
+        )
+    seconds = ms / 1e3
+    traffic = StepTraffic(weight_bytes, 0, flops) if w8a8 else StepTraffic(weight_bytes, flops, 0)
+    bound = traffic_bound(traffic, rates)
+    return MoeResult(
+        touched,
+        describe(rule),
+        ms * 1e3,
+        weight_bytes,
+        weight_bytes / seconds / rates.bytes_per_s,
+        bound / seconds,
+        best,
+    )
+
+
+def run_moe(
+    shape_names: list[str],
+    tokens: list[int],
+    fp8: bool,
+    rates: DeviceRates,
+    time_ms: Timer,
+    sweep: bool = False,
+) -> None:
+    """Print the table for each shape (sweeping: with the fastest candidate's time)."""
+    print(
+        f"\n{'shape':>24} {'weights':>7} {'T':>5} {'experts':>7} {'config':>22} "
+        f"{'us':>9} {'MB':>8} {'GB/s':>7} {'of copy':>8} {'of roofline':>11}"
+        + (f" {'best candidate':>22} {'us':>9}" if sweep else "")
+    )
+    for name in shape_names:
+        shape = SHAPES[name]
+        layer = random_layer(shape, fp8)
+        for num_tokens in tokens:
+            result = moe_case(shape, num_tokens, layer, rates, time_ms, sweep)
+            best = f" {result.best[0]:>22} {result.best[1]:9.1f}" if result.best else ""
+            print(
+                f"{name:>24} {'fp8' if fp8 else 'bf16':>7} {num_tokens:5d} "
+                f"{result.touched:7d} {result.config:>22} {result.us:9.1f} "
+                f"{result.weight_bytes / 1e6:8.1f} "
+                f"{result.weight_bytes / (result.us / 1e6) / 1e9:7.0f} "
+                f"{result.copy_share:8.0%} {result.roofline_share:11.0%}{best}"
+            )
+        del layer
+        torch.cuda.empty_cache()

@@ -1,0 +1,153 @@
+"""The fused MoE kernels (engine/backends/triton/fused_moe.py) against the expert-by-expert
+float32 reference (tandem/testing/kernel_reference.py), and against the torch backend's
+``moe_experts`` where it multiplies alike.
+
+Runs natively on CUDA and, without it, in Triton's interpreter (tests/conftest.py), where
+the configuration is small on purpose: 16-row tiles, the down projection's depth split in
+two, the alignment's pairs cut into chunks of a few and its tiles labelled by several
+programs, so that these small shapes take every path the real ones do. FP8 weights past 16
+tokens take the W8A8 path (activations quantized per row, FP8 x FP8 products), which the
+interpreter runs too. Triton's interpreter multiplies bfloat16 wrongly, so off CUDA the
+16-bit case is float16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.backends.pytorch import TorchLayerOps
+from engine.backends.triton.fused_moe import fused_moe, quantizes_activations
+from engine.quantization.linear_methods import quantize_per_channel
+from tandem.testing.kernel_reference import moe_experts_reference
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+HALF = torch.bfloat16 if CUDA else torch.float16
+HIDDEN, INTERMEDIATE = 48, 40  # not multiples of the tiles: every edge mask
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def experts(num_experts: int, dtype: torch.dtype, fp8: bool) -> dict[str, torch.Tensor | None]:
+    """Random experts' w13 [E, 2I, H] and w2 [E, H, I] in ``dtype``, or as float8 codes with
+    per-channel scales, as ``moe_experts`` takes them."""
+    w13 = torch.randn(num_experts, 2 * INTERMEDIATE, HIDDEN, device=DEVICE) / HIDDEN**0.5
+    w2 = torch.randn(num_experts, HIDDEN, INTERMEDIATE, device=DEVICE) / INTERMEDIATE**0.5
+    if not fp8:
+        return {"w13": w13.to(dtype), "w2": w2.to(dtype), "w13_scale": None, "w2_scale": None}
+    codes13, scale13 = quantize_per_channel(w13.flatten(0, 1), FP8)
+    codes2, scale2 = quantize_per_channel(w2.flatten(0, 1), FP8)
+    return {
+        "w13": codes13.view(w13.shape),
+        "w2": codes2.view(w2.shape),
+        "w13_scale": scale13.view(num_experts, 2 * INTERMEDIATE),
+        "w2_scale": scale2.view(num_experts, HIDDEN),
+    }
+
+
+def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax, top-k, renormalized (Qwen3-MoE's and Mixtral's routing): float32 weights
+    and int32 ids [T, K]."""
+    weights, ids = logits.float().softmax(-1).topk(top_k)
+    return weights / weights.sum(-1, keepdim=True), ids.to(torch.int32)
+
+
+def assert_matches_reference(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    layer: dict[str, torch.Tensor | None],
+    expert_offset: int = 0,
+) -> torch.Tensor:
+    """The kernel's output in x's dtype is within two units of x's dtype's rounding of the
+    float32 reference (W8A8, past 16 tokens of FP8 weights: with the activations quantized as
+    the kernel quantizes them), overall and element by element (float32: a few epsilons, the
+    sums' order); and within as much of the torch backend's where both multiply alike (it
+    reads FP8 weights weight-only at any size)."""
+    out = fused_moe(x, weights, ids, **layer, expert_offset=expert_offset)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    w8a8 = quantizes_activations(x.shape[0], layer["w13"].dtype)
+    reference = moe_experts_reference(
+        x, weights, ids, **layer, expert_offset=expert_offset, quantize_activations=w8a8
+    )
+    assert_rounding_close(out, reference)
+    if not w8a8:
+        theirs = TorchLayerOps().moe_experts(x, weights, ids, **layer, expert_offset=expert_offset)
+        assert_rounding_close(out, theirs.float(), units=4.0)
+    return out
+
+
+def assert_rounding_close(out: torch.Tensor, reference: torch.Tensor, units: float = 2.0) -> None:
+    assert not out.isnan().any(), "NaN in the output"
+    eps = torch.finfo(out.dtype).eps * (8 if out.dtype == torch.float32 else 1)
+    out = out.float()
+    rounding = (reference.to(out.dtype).float() - reference).norm().item()
+    rounding = max(rounding, eps * reference.norm().item())
+    error = (out - reference).norm().item()
+    assert error <= units * rounding, f"error {error:.3g} > {units} x rounding {rounding:.3g}"
+    worst = (out - reference).abs().max().item()
+    bound = units * 4 * eps * reference.abs().max().item()
+    assert worst <= bound, f"an element is off by {worst:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, HALF], ids=str)
+@pytest.mark.parametrize("num_tokens", [1, 2, 40])
+def test_fused_moe_matches_reference(num_tokens: int, dtype: torch.dtype, fp8: bool) -> None:
+    """One token (by pair: its picks' products, then its down products summed, no
+    alignment), two (one tile an expert, one chunk of pairs) and 40 (top-2 of 8: tiles of
+    several tokens, an expert's pairs over more than one tile, several chunks)."""
+    x = torch.randn(num_tokens, HIDDEN, device=DEVICE).to(dtype)
+    weights, ids = route(torch.randn(num_tokens, 8, device=DEVICE), top_k=2)
+    assert_matches_reference(x, weights, ids, experts(8, dtype, fp8))
+
+
+def test_fused_moe_ties_and_experts_no_token_picks() -> None:
+    """Every token's first pick is expert 3 of 16 (40 pairs: three tiles of 16, the last
+    part-filled); its second, a tie between 11 and 12 that top-k breaks, at a tie's equal
+    weight with the other tied; thirteen experts get no pair."""
+    num_tokens = 40
+    logits = torch.zeros(num_tokens, 16, device=DEVICE)
+    logits[:, 3] = 2.0
+    logits[:, 11] = logits[:, 12] = 1.0
+    weights, ids = route(logits, top_k=2)
+    assert (ids[:, 0] == 3).all() and set(ids[:, 1].tolist()) <= {11, 12}
+    x = torch.randn(num_tokens, HIDDEN, device=DEVICE)
+    assert_matches_reference(x, weights, ids, experts(16, torch.float32, fp8=False))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype", "fp8"])
+def test_fused_moe_expert_offset_leaves_out_other_ranks_experts(fp8: bool) -> None:
+    """Experts 4-7 of 12 on this rank (expert_offset 4): picks of 0-3 and 8-11 add nothing,
+    and a token all of whose picks are elsewhere comes out zero; at 24 tokens and at one."""
+    num_tokens, top_k = 24, 3
+    weights, ids = route(torch.randn(num_tokens, 12, device=DEVICE), top_k)
+    ids[0] = torch.tensor([0, 9, 11])  # no local pick
+    ids[1] = torch.tensor([4, 5, 7])  # every pick local
+    assert ((ids >= 4) & (ids < 8)).any() and ((ids < 4) | (ids >= 8)).any()
+    x = torch.randn(num_tokens, HIDDEN, device=DEVICE)
+    layer = experts(4, torch.float32, fp8)
+    out = assert_matches_reference(x, weights, ids, layer, expert_offset=4)
+    assert (out[0] == 0).all()
+    # One token (by pair), two of its three picks here.
+    mixed = torch.tensor([[5, 9, 7]], device=DEVICE, dtype=torch.int32)
+    assert_matches_reference(x[:1], weights[:1], mixed, layer, expert_offset=4)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype", "fp8"])
+@pytest.mark.parametrize("num_tokens", [1, 20])
+def test_fused_moe_all_picks_elsewhere_gives_exact_zeros(num_tokens: int, fp8: bool) -> None:
+    """A rank none of whose experts any token picked (expert parallelism at a few tokens):
+    no pair is placed, no GEMM program has rows, and the output is exact zeros, not whatever
+    the unwritten buffers held."""
+    layer = experts(4, torch.float32, fp8)
+    weights, ids = route(torch.randn(num_tokens, 8, device=DEVICE), top_k=2)
+    ids = torch.where(ids < 4, ids + 8, ids)  # global ids 4-11 and 12-15: none in [0, 4)
+    x = torch.randn(num_tokens, HIDDEN, device=DEVICE)
+    out = fused_moe(x, weights, ids, **layer, expert_offset=0)
+    assert torch.equal(out, torch.zeros_like(x))

@@ -1,0 +1,72 @@
+"""The fused MoE kernels on CUDA at the real models' shapes (tandem/bench/moe_kernel.py's
+SHAPES: Qwen3-30B-A3B, Mixtral-8x7B, Qwen3-235B-A22B's TP=4 rank, both splits), bf16 and FP8
+weights: against the expert-by-expert float32 reference at a decode's and a prefill's token
+counts, and inside a CUDA graph, captured for one routing and replayed for others."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.backends.triton.fused_moe import fused_moe
+from tandem.bench.moe_kernel import (
+    SHAPES,
+    MoeShape,
+    assert_matches_reference,
+    random_layer,
+    random_routing,
+)
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def shape(request: pytest.FixtureRequest) -> MoeShape:
+    return SHAPES[request.param]
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_fused_moe_at_real_shapes(shape: MoeShape, fp8: bool) -> None:
+    torch.manual_seed(0)
+    layer = random_layer(shape, fp8)
+    for num_tokens in (1, 8, 64, 256, 2048):
+        x = torch.randn(num_tokens, shape.hidden, device="cuda", dtype=torch.bfloat16)
+        weights, ids = random_routing(num_tokens, shape)
+        out = fused_moe(x, weights, ids, **layer)
+        assert_matches_reference(out, x, weights, ids, layer)
+        # No atomics: the same sums in the same order, run to run.
+        assert torch.equal(out, fused_moe(x, weights, ids, **layer))
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "fp8"), [(1, False), (64, False), (64, True)], ids=["1", "64", "64-w8a8"]
+)
+def test_fused_moe_replays_in_a_cuda_graph_for_any_routing(
+    shape: MoeShape, num_tokens: int, fp8: bool
+) -> None:
+    """Captured for one random routing, replayed for another and for the most uneven one
+    (every token's picks the same K experts: one expert's pairs over several tiles, the
+    others' none): each replay's output equals an eager run's on the same inputs, bit for
+    bit, and the reference's. Nothing in the captured launches depends on the routing. FP8
+    weights at 64 tokens: W8A8, the activations' quantization kernels captured too."""
+    torch.manual_seed(1)
+    layer = random_layer(shape, fp8)
+    x = torch.randn(num_tokens, shape.hidden, device="cuda", dtype=torch.bfloat16)
+    weights, ids = random_routing(num_tokens, shape)
+    fused_moe(x, weights, ids, **layer)  # compiles outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fused_moe(x, weights, ids, **layer)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fused_moe(x, weights, ids, **layer)
+
+    uneven = torch.arange(shape.top_k, device="cuda", dtype=torch.int32).expand_as(ids)
+    for new_ids in (random_routing(num_tokens, shape)[1], uneven):
+        x.copy_(torch.randn_like(x))
+        weights.copy_(random_routing(num_tokens, shape)[0])
+        ids.copy_(new_ids)
+        graph.replay()
+        eager = fused_moe(x, weights, ids, **layer)
+        assert torch.equal(captured, eager)
+        assert_matches_reference(captured, x, weights, ids, layer)
