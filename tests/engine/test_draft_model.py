@@ -29,7 +29,6 @@ from tests.engine.test_speculative import (
     mixed_requests,
 )
 
-
 # Drafts every step, however few are accepted: the mechanism at work throughout.
 NEVER_PAUSED = {"speculative_adaptive": False, "speculative_pause_acceptance": 0}
 
