@@ -191,8 +191,10 @@ class LLMEngine:
         assert costs is not None
         runner = self.runner
         verify_graphs = runner.verify_graphs
-        if verify_graphs is not None:
-            # The devices' times of each step's graph: the first estimates of its cost.
+        if verify_graphs is not None and self.workers is None:
+            # The device's times of each step's graph: the first estimates of its cost.
+            # (Not under tensor parallelism: a graph replayed on rank 0 alone would wait
+            # forever for the other ranks' collectives.)
             draft_graphs = None
             if draft is not None:
                 draft_graphs = draft.decode_graphs or draft.catch_up_graphs
