@@ -22,12 +22,12 @@ beats plain decoding, so:
   its products, which grow with the 1 + k tokens a row), drafting stops unless the drafts
   make up for it: the batch's size and tokens are in the measured cost;
 - drafting stops for requests whose drafts do not pay (k = 0): they pause
-  (``engine/scheduling/draft_pause.py``: 4 steps, twice as long each time, up to 64), and a
-  paused request decodes as it would without speculation. The step in flight is read early
-  only when someone drafts, so a batch that drafts for no one overlaps its steps as plain
-  decoding does. After a pause a request probes: it drafts once whatever the estimates, so
-  that text that starts repeating itself is found, and a draft that never guesses right
-  costs one step in 64.
+  (``engine/scheduling/draft_pause.py``: 4 steps, twice as long each time, up to 64, short
+  again once drafting pays), and a paused request decodes as it would without speculation.
+  The step in flight is read early only when someone drafts, so a batch that drafts for no
+  one overlaps its steps as plain decoding does. After a pause a request probes: it drafts
+  once whatever the estimates, so that text that starts repeating itself is found, and a
+  draft that never guesses right costs about one step in 64.
 
 Two decisions a step: before the step in flight is read (``plan``: who may draft, and k, from
 the estimates for each request's latest source), and once the drafts are proposed
@@ -80,7 +80,9 @@ class AdaptiveDrafting:
         drafting = active + probing
         alphas = [self._alpha(r, r.draft_acceptance.key) for r in drafting]
         width, pays = self._best_width(np.asarray(alphas), batch_size)
-        if pays:
+        if pays:  # their drafts pay: a later pause starts short again
+            for request in drafting:
+                request.draft_pause.reset()
             return drafting, width
         for request in active:
             request.draft_pause.pause()
@@ -120,12 +122,11 @@ class AdaptiveDrafting:
 
     def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """A verify step of ``num_drafts`` of its drafts accepted ``num_accepted``: both
-        estimates learn it; drafts at least half accepted make its next pause short again."""
+        estimates learn it. (Drafts accepted need not pay: the back-off resets only when
+        ``plan`` finds them paying.)"""
         key = request.draft_acceptance.key
         request.draft_acceptance.add(key, num_drafts, num_accepted)
         self.engine_acceptance.add(key, num_drafts, num_accepted)
-        if 2 * num_accepted >= num_drafts:
-            request.draft_pause.reset()
 
     def _alpha(self, request: Request, key: int) -> float:
         prior = self.engine_acceptance.rate(key, FIRST_PRIOR)
