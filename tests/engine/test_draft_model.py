@@ -98,6 +98,7 @@ def test_mixed_batch_gives_what_it_gives_without_speculation(
             directory,
             draft_directory if speculative else None,
             overlap_steps=overlap_steps,
+            speculative_adaptive=False,  # drafts every step: the mechanism throughout
             **settings,
         )
         if speculative:  # as on CUDA: what it writes in block 0 is never read
