@@ -158,22 +158,32 @@ class EngineConfig:
         "(tensor parallel size 1 only)",
     )
     num_speculative_tokens: int = option(
-        4, "with --speculative-method: tokens drafted for each request a step"
+        8,
+        "with --speculative-method: tokens drafted for each request a step, at most (adaptive: "
+        "the policy drafts fewer where fewer pay)",
+    )
+    speculative_adaptive: bool = option(
+        True,
+        "with --speculative-method: k and the n-gram length follow each request's measured "
+        "acceptance, and steps draft only where the expected tokens a second, at the step "
+        "costs the engine measures at each batch size, beat plain decoding "
+        "(engine/speculative/adaptive.py); --no-speculative-adaptive drafts k every step, "
+        "paused by --speculative-pause-acceptance",
     )
     speculative_pause_acceptance: float = option(
         0.25,
-        "with --speculative-method: a request whose last 2 verify steps each accepted fewer "
-        "than this share of their drafts is not drafted for its next 4 steps, twice as many "
-        "each time again, up to 64 (0: never paused)",
+        "with --no-speculative-adaptive: a request whose last 2 verify steps each accepted "
+        "fewer than this share of their drafts is not drafted for its next 4 steps, twice as "
+        "many each time again, up to 64 (0: never paused)",
     )
     speculative_disable_by_batch_size: int = option(
-        32,
+        0,
         "with --speculative-method: steps draft nothing (and overlap) while this many "
-        "requests or more run, where the device is busy anyway and a draft model's passes "
-        "cost most (0: always draft)",
+        "requests or more run (0: no such limit; the adaptive policy weighs each batch size's "
+        "measured costs, and on CUDA drafts only for batches that verify graphs run)",
     )
     prompt_lookup_max: int = option(
-        4, "ngram speculation: the longest n-gram looked up in the request's tokens"
+        8, "ngram speculation: the longest n-gram looked up in the request's tokens"
     )
     prompt_lookup_min: int = option(
         2, "ngram speculation: the shortest n-gram looked up in the request's tokens"

@@ -28,9 +28,12 @@ from engine.sampling.token_restrictions import breaks_restrictions, dead_end_mes
 from engine.scheduling.block_manager import BlockManager
 from engine.scheduling.request import Request, RequestStatus
 from engine.scheduling.scheduler import Scheduler
-from engine.speculative import Proposer
+from engine.speculative import DraftingPolicy, Proposer
+from engine.speculative.adaptive import AdaptiveDrafting
 from engine.speculative.draft_model import DraftModelProposer
+from engine.speculative.fixed import FixedDrafting
 from engine.speculative.ngram import NgramProposer
+from engine.speculative.step_costs import StepCosts
 from engine.tensor_parallel import WorkerGroup
 from protocol import (
     PROTOCOL_VERSION,
@@ -150,7 +153,13 @@ class LLMEngine:
             config.overlap_steps if config.overlap_steps is not None else self.device.type == "cuda"
         )
         self.speculative_disable_by_batch_size = config.speculative_disable_by_batch_size
-        self.speculative_pause_acceptance = config.speculative_pause_acceptance
+        # With speculation: the steps' measured costs, and the policy that decides who is
+        # drafted for and how many tokens.
+        self.step_costs: StepCosts | None = None
+        self.drafting: DraftingPolicy | None = None
+        if self.proposer is not None:
+            self.step_costs = StepCosts(draft_pass_prior=0.0 if draft is None else 1.0)
+            self.drafting = self._drafting_policy(config, draft)
         self.in_flight: LaunchedStep | None = None  # launched, results not yet read
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.sampling_defaults = _sampling_defaults(config.generation_config, checkpoint)
@@ -172,6 +181,26 @@ class LLMEngine:
         # one sets a list here.
         self.step_shapes: list[StepShape] | None = None
         freeze_start_up_objects()
+
+    def _drafting_policy(
+        self, config: EngineConfig, draft: DraftModelProposer | None
+    ) -> DraftingPolicy:
+        if not config.speculative_adaptive:
+            return FixedDrafting(config.num_speculative_tokens, config.speculative_pause_acceptance)
+        costs = self.step_costs
+        assert costs is not None
+        runner = self.runner
+        verify_graphs = runner.verify_graphs
+        if verify_graphs is not None and self.workers is None:
+            # The device's times of each step's graph: the first estimates of its cost.
+            # (Not under tensor parallelism: a graph replayed on rank 0 alone would wait
+            # forever for the other ranks' collectives.)
+            draft_graphs = None
+            if draft is not None:
+                draft_graphs = draft.decode_graphs or draft.catch_up_graphs
+            costs.seed(runner.decode_graphs, verify_graphs, draft_graphs)
+        max_batch = None if verify_graphs is None else verify_graphs.batch_sizes[-1]
+        return AdaptiveDrafting(config.num_speculative_tokens, costs, max_batch)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (the engine serves no more)."""
@@ -340,21 +369,30 @@ class LLMEngine:
         """Launch the next forward pass and read a step's results: with overlapped steps, those
         of the step launched before it, which ran on the device while this one was scheduled
         and packed. The outputs, each with its client."""
+        started = time.perf_counter()
         if self.compiling:
             self._schedule_compiled()
         outputs = []
-        speculates = self._speculates()
-        if speculates or (self.in_flight is not None and self.in_flight.verifies_drafts):
-            # Proposing reads every token, the last one too: the step in flight first. So
-            # does scheduling after a verify step: how many tokens each request has is known
-            # only once it is read.
+        if self.in_flight is not None and self.in_flight.verifies_drafts:
+            # Scheduling after a verify step: how many tokens each request has is known only
+            # once it is read.
             outputs = self.sync()
-        if speculates:
-            self._propose()
+        drafting, width = self._plan_drafts()
+        propose_seconds = 0.0
+        if drafting:
+            # Proposing reads every token, the last one too: the step in flight first.
+            outputs += self.sync()
+            propose_seconds = self._propose(drafting, width)
         batch = self.scheduler.schedule()
         if not batch:
+            self._observe_step(started, 0, 0, 0.0, 0)
             return outputs + self.sync()
         forwarded = self.runner.forward(batch)
+        # A step that read the last one early and verifies nothing is no plain step.
+        kind = forwarded.uniform_query_len
+        if drafting and forwarded.num_drafts is None:
+            kind = 0
+        self._observe_step(started, kind, len(batch), propose_seconds, width)
         if self.step_shapes is not None:
             self.step_shapes.append(StepShape.of(batch, forwarded.logits.shape[0]))
         if self.in_flight is not None and self._samples_after_read(batch):
@@ -371,44 +409,60 @@ class LLMEngine:
         self.in_flight = launched
         return outputs
 
-    def _speculates(self) -> bool:
-        """Whether this step drafts tokens: with a proposer, while fewer requests run than
-        --speculative-disable-by-batch-size, 0 for no limit (a large batch keeps the device
-        busy already, and its steps overlap)."""
-        limit = self.speculative_disable_by_batch_size
-        return self.proposer is not None and (not limit or len(self.scheduler.running) < limit)
+    def _observe_step(
+        self, started: float, kind: int, batch_size: int, propose_seconds: float, width: int
+    ) -> None:
+        if self.step_costs is not None:
+            self.step_costs.observe(started, kind, batch_size, propose_seconds, width)
 
-    def _propose(self) -> None:
-        """Draft the tokens after each decoding request's last one, for the step to verify.
-        Not for requests whose logits a step shapes (penalties, bans, logit bias, min_p,
-        grammars): what those do at a draft's position depends on the drafts before it; nor
-        for those whose drafts keep being rejected, while they are paused
-        (``engine/scheduling/draft_pause.py``). One proposer call for them all."""
-        proposer = self.proposer
-        assert proposer is not None
-        drafting = []
-        for request in self.scheduler.running:
-            request.draft_token_ids = []
-            if (
-                request.num_tokens - request.num_cached_tokens == 1
-                and not request.shapes_logits
-                and request.grammar is None
-                and request.draft_pause.may_draft()
-            ):
-                drafting.append(request)
+    def _plan_drafts(self) -> tuple[list[Request], int]:
+        """Whom this step drafts for, and the most drafts a request, before the step in flight
+        is read (none: it is not read early, and the steps overlap as without speculation).
+        Not while --speculative-disable-by-batch-size requests or more run (0 for no limit);
+        not for requests whose logits a step shapes (penalties, bans, logit bias, min_p,
+        grammars): what those do at a draft's position depends on the drafts before it; the
+        policy decides for the others (``engine/speculative/adaptive.py``)."""
+        policy = self.drafting
+        running = self.scheduler.running
+        limit = self.speculative_disable_by_batch_size
+        if policy is None or not running or (limit and len(running) >= limit):
+            return [], 0
+        candidates = [
+            request
+            for request in running
+            if request.num_tokens - request.num_cached_tokens == 1
+            and not request.shapes_logits
+            and request.grammar is None
+        ]
+        return policy.plan(candidates, len(running))
+
+    def _propose(self, drafting: list[Request], width: int) -> float:
+        """Draft up to ``width`` tokens after the last one of each of ``drafting`` still
+        running, for the step to verify: one proposer call for them all, then the policy's
+        choice. The seconds the proposer took."""
+        proposer, policy = self.proposer, self.drafting
+        assert proposer is not None and policy is not None
+        running = RequestStatus.RUNNING
+        drafting = [request for request in drafting if request.status is running]
         if not drafting:
-            return
+            return 0.0
         # Every token it emits must fit its max_tokens and the context.
         max_drafts = [
             min(
-                request.sampling.max_tokens - request.num_output_tokens,
-                self.max_model_len - request.num_tokens,
+                width,
+                request.sampling.max_tokens - request.num_output_tokens - 1,
+                self.max_model_len - request.num_tokens - 1,
             )
-            - 1
             for request in drafting
         ]
-        for request, drafts in zip(drafting, proposer.propose(drafting, max_drafts), strict=True):
-            request.draft_token_ids = drafts
+        started = time.perf_counter()
+        drafts, keys = proposer.propose(drafting, max_drafts)
+        seconds = time.perf_counter() - started
+        batch_size = len(self.scheduler.running)
+        chosen = policy.choose(drafting, drafts, keys, batch_size, width)
+        for request, tokens in zip(drafting, chosen, strict=True):
+            request.draft_token_ids = tokens
+        return seconds
 
     def _samples_after_read(self, batch: list[Request]) -> bool:
         """Whether sampling ``batch`` needs its pending tokens read first: a grammar advances
@@ -470,7 +524,8 @@ class LLMEngine:
         num_drafts = len(request.draft_token_ids)
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
-        request.draft_pause.record(num_drafts, num_accepted, self.speculative_pause_acceptance)
+        assert self.drafting is not None
+        self.drafting.record(request, num_drafts, num_accepted)
         self.block_manager.roll_back(request, num_drafts - num_accepted)
         request.draft_token_ids = []
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests and/or benchmarks, logs under $OUT (or /tmp).
 #
-#   scripts/gpu_session.sh tests|ab-1b|perf|perf-fp8|fp8-widen|quant|quant-speed|matmul-rules|serving|spec|bench-1b|bench-8b|bench-qwen3|structured-1b|profile-1b|profile-8b|profile-8b-fp8|profile-ttft|profile-qwen3|profile-qwen3-fp8 ...
+#   scripts/gpu_session.sh tests|ab-1b|perf|perf-fp8|fp8-widen|quant|quant-speed|matmul-rules|serving|spec|spec-adapt|bench-1b|bench-8b|bench-qwen3|structured-1b|profile-1b|profile-8b|profile-8b-fp8|profile-ttft|profile-qwen3|profile-qwen3-fp8 ...
 #   scripts/gpu_session.sh tp-check tp-8b tp-70b   # tensor parallelism, on 2 GPUs (TP=4/8: TP=N)
 #   scripts/gpu_session.sh bench-dp|bench-dp-smoke|layouts-8b|tp-layouts-8b  # data parallelism (layouts: 4 GPUs)
 #   scripts/gpu_session.sh moe-kernel  # the fused MoE kernel (issue 39): its tests, then its timings
@@ -19,6 +19,7 @@
 # a GPU): served by scripts/start_distributed.sh, one chat completion over HTTP, then
 # bench_latency's batch-1 TPOT; moe-235b-offline: bench_offline's throughput (one run of 256
 # requests). Each within one call's 10 minutes.
+#   SPEC_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh spec-adapt  # adaptive speculation (issue 37)
 #
 # spec (issue 12, a few minutes): the float32 GPU test (n-gram and draft-model tokens equal to
 # plain decoding's, verify graphs replayed, a verify graph's logits equal eager ones), then
@@ -28,6 +29,14 @@
 # SPEC_NGRAM="4:4 8:8" runs n-gram once per k:longest-n-gram.
 # spec-f32: the benchmark alone in float32 and 64 tokens, where greedy tokens must equal plain
 # decoding's exactly.
+#
+# spec-adapt (issue 37 item 5, about 7 minutes): the float32 GPU test of speculation (adaptive
+# and fixed k: tokens equal to plain decoding's), then bench_speculative on SPEC_MODEL (the
+# SmolLM2 GGUF, copied to /tmp/smollm2.gguf before the call: the machine has no network) with
+# the defaults (adaptive) and fixed 4:4 and 8:8, then the 8B shape with a 1B-shape draft
+# (random weights, --load-format dummy: the draft accepts nothing, so "draft fixed" times a
+# rejected draft's step against plain, and "draft" must come back to ~1.0x); a summary of the
+# speed-ups last.
 #
 # perf (issue 14, about 7 minutes on an H100): the kernels' tests on CUDA, decode attention's
 # share of copy bandwidth (scripts/bench_kernels.py), bench_offline at the 1B and Qwen3 0.6B
@@ -207,6 +216,24 @@ PY
       [ "$stage" = spec-f32 ] && flags+=(--dtype float32 --max-tokens 64)
       timeout 540 python3 scripts/bench_speculative.py --model "$m" "${flags[@]}" 2>&1 \
         | tee "$out/$stage.log" | grep -vE "^(plain|ngram|draft)" | tail -18 ;;
+    spec-adapt)
+      timeout 300 python3 -m pytest -q -rs -s tests/gpu/test_speculative_cuda.py -p no:cacheprovider 2>&1 \
+        | tee "$out/spec-adapt-tests.log" | grep -E "replayed|drafts|passed|failed|Error" | tail -14
+      m=${SPEC_MODEL:-/tmp/smollm2.gguf}
+      if [ -f "$m" ]; then
+        timeout 240 python3 scripts/bench_speculative.py --model "$m" --ngram 4:4 --ngram 8:8 2>&1 \
+          | tee "$out/spec-adapt-smollm2.log" | grep -vE "^(plain|ngram|draft)" | tail -22
+      else
+        echo "no model at $m: set SPEC_MODEL to the SmolLM2 GGUF file"
+      fi
+      t=$(config_only llama-3.1-8b); d=$(config_only llama-3.2-1b)
+      timeout 300 python3 scripts/bench_speculative.py --model "$t" --speculative-model "$d" \
+        --load-format dummy --max-tokens 128 2>&1 \
+        | tee "$out/spec-adapt-8b.log" | grep -vE "^(plain|ngram|draft)" | tail -24
+      echo "--- speed-ups against plain decoding (>= 1.00x everywhere; code edit >= 2.5x with ngram)"
+      grep -hE "^(code edit|summary|mixed)" "$out"/spec-adapt-smollm2.log "$out"/spec-adapt-8b.log 2>/dev/null \
+        | sed -E 's/^(.{20}) (.{11}) +[0-9]+ +[0-9.]+ +([0-9.]+x).*/\1 \2 \3/'
+      grep -h "rejected draft" "$out"/spec-adapt-8b.log 2>/dev/null ;;
     bench-8b)
       m=$(checkpoint llama-3.1-8b)
       timeout 300 python3 scripts/bench_latency.py --model "$m" $(peer) 2>&1 | tee "$out/latency-8b.log" | tail -7

@@ -143,6 +143,24 @@ class StepGraphs:
             self.reserved_bytes / 1024**3,
         )
 
+    def replay_seconds(self, repeats: int = 5) -> dict[int, float]:
+        """The device's seconds for one replay of each captured batch size, its rows all
+        padding (which writes nothing, as at capture): what a step of that shape costs the
+        device, for the speculation policy's first estimates (engine/speculative/step_costs.py).
+        Synchronizes: at start-up only."""
+        seconds = {}
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for size, graph in self.graphs.items():
+            self.step_ops.fill_graph_inputs(self.buffers, size, self.query_len)
+            graph.replay()
+            start.record()
+            for _ in range(repeats):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            seconds[size] = start.elapsed_time(end) / 1000 / repeats
+        return seconds
+
     def fits(self, batch_size: int) -> bool:
         return batch_size <= self.batch_sizes[-1]
 

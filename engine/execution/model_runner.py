@@ -74,6 +74,7 @@ class ForwardedStep:
     logits: torch.Tensor  # [len(rows) + D + C, V] float32
     scored: ScoredPositions | None  # the C prompt positions; None when none is scored
     num_drafts: list[int] | None  # per row, the drafts it verifies (D in all); None: none
+    uniform_query_len: int  # StepShape's: 1 a decode step, 1 + k a verify step, 0 other
 
 
 @dataclass
@@ -468,7 +469,14 @@ class ModelRunner:
         for request in batch:
             request.num_cached_tokens += request.num_scheduled_tokens
         logits = self.run_model(inputs)
-        return ForwardedStep(batch, inputs.rows, logits, inputs.scored, inputs.num_drafts)
+        return ForwardedStep(
+            batch,
+            inputs.rows,
+            logits,
+            inputs.scored,
+            inputs.num_drafts,
+            inputs.uniform_query_len,
+        )
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         """The step's logits: a pure decode, a verify step of decodes alone, or one short

@@ -1,13 +1,18 @@
-"""Auto-off on low acceptance: a request whose drafts keep being rejected is not drafted for
-a while, so that where speculation cannot win (a draft that guesses badly, text that does not
-repeat itself) it costs little.
+"""A request's pauses from speculative drafting: while paused it is not drafted for, so that
+where speculation cannot win (a draft that guesses badly, text that does not repeat itself)
+it costs little.
 
-After ``POOR_STEPS_TO_PAUSE`` verify steps in a row that each accept fewer than the
-threshold's share of their drafts (``--speculative-pause-acceptance``), the request's next
-``backoff`` steps draft nothing for it: 4 steps the first time, twice as many each time it
-is paused again, up to 64. A verify step at or above the threshold ends the streak and the
-back-off starts over at 4. A paused request decodes as it would without speculation (and a
-draft model catches up on its tokens in one forward pass when it drafts again).
+A pause lasts 4 steps the first time, twice as many each time the request is paused again,
+up to 64; ``reset`` makes the next one short again. A paused request decodes as it would
+without speculation (and a draft model catches up on its tokens in one forward pass when it
+drafts again). The first step after a pause is a probe: the request drafts then whatever the
+estimates say, so that text that starts repeating itself is found again.
+
+Who pauses a request: with ``--speculative-adaptive`` (the default), the policy of
+``engine/speculative/adaptive.py``, when the measured acceptance makes a verify step a loss;
+without it, ``record``: after ``POOR_STEPS_TO_PAUSE`` verify steps in a row that each accept
+fewer than the threshold's share of their drafts (``--speculative-pause-acceptance``); a
+verify step at or above the threshold ends the streak and resets the back-off.
 """
 
 from __future__ import annotations
@@ -23,25 +28,37 @@ LONGEST_PAUSE = 64
 class DraftPause:
     """One request's drafting pace."""
 
-    poor_steps: int = 0  # verify steps in a row below the threshold
+    poor_steps: int = 0  # verify steps in a row below the threshold (fixed drafting)
     steps_left: int = 0  # steps it is not drafted for, from now
     next_pause: int = FIRST_PAUSE
+    probing: bool = False  # its pause just ended: it drafts this step whatever the estimates
 
     def may_draft(self) -> bool:
         """Whether this step drafts for it; a paused request's pause counts the step."""
         if self.steps_left:
             self.steps_left -= 1
+            self.probing = not self.steps_left
             return False
         return True
 
+    def pause(self) -> None:
+        """Draft nothing for it for the next pause's steps; the one after is twice as long."""
+        self.steps_left = self.next_pause
+        self.next_pause = min(2 * self.next_pause, LONGEST_PAUSE)
+        self.probing = False
+
+    def reset(self) -> None:
+        """Its drafts paid: a later pause starts short again."""
+        self.poor_steps = 0
+        self.next_pause = FIRST_PAUSE
+
     def record(self, num_drafts: int, num_accepted: int, threshold: float) -> None:
-        """A verify step of ``num_drafts`` drafts accepted ``num_accepted``."""
+        """A verify step of ``num_drafts`` drafts accepted ``num_accepted`` (fixed drafting)."""
+        self.probing = False
         if num_accepted >= threshold * num_drafts:
-            self.poor_steps = 0
-            self.next_pause = FIRST_PAUSE
+            self.reset()
             return
         self.poor_steps += 1
         if self.poor_steps >= POOR_STEPS_TO_PAUSE:
             self.poor_steps = 0
-            self.steps_left = self.next_pause
-            self.next_pause = min(2 * self.next_pause, LONGEST_PAUSE)
+            self.pause()

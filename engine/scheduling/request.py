@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from engine.scheduling.draft_acceptance import DraftAcceptance
 from engine.scheduling.draft_pause import DraftPause
 from protocol import PromptTokenLogprobs, SamplingParams, Scheduling
 
@@ -59,8 +60,10 @@ class Request:
     # With a draft model: its first tokens whose K/V are in the draft's cache (which shares
     # this request's blocks); never a draft, always tokens the request has.
     num_draft_cached_tokens: int = 0
-    # When drafts for it keep being rejected, it is not drafted for a while.
+    # When drafts for it do not pay, it is not drafted for a while; how often its drafts
+    # were accepted, by their source (engine/speculative/adaptive.py reads both).
     draft_pause: DraftPause = field(default_factory=DraftPause)
+    draft_acceptance: DraftAcceptance = field(default_factory=DraftAcceptance)
     num_keyed_blocks: int = 0  # leading blocks keyed for prefix caching (BlockManager)
     parent_key: int = 0  # hash of the last keyed block's key
     status: RequestStatus = RequestStatus.WAITING

@@ -164,11 +164,13 @@ class DraftModelProposer:
             self.decode_graphs = StepGraphs(*args, pool=self.catch_up_graphs.pool)
 
     @torch.inference_mode()
-    def propose(self, requests: list[Request], max_drafts: list[int]) -> list[list[int]]:
+    def propose(
+        self, requests: list[Request], max_drafts: list[int]
+    ) -> tuple[list[list[int]], list[int]]:
         """Up to ``min(num_speculative_tokens, max_drafts[i])`` greedy draft tokens after each
         request's tokens (all read by the host); none for a request whose catch-up the
         step's token budget cut short (it goes on next step) or whose drafts find no free
-        block."""
+        block. The drafts' keys are all 0: one source."""
         manager = self.block_manager
         assert manager is not None, "bind() first"
         # Each drafting row: its request, the tokens its cache lacks [start, end), its drafts.
@@ -196,7 +198,7 @@ class DraftModelProposer:
                 drafts[id(request)] = tokens
                 request.num_draft_cached_tokens = end
                 manager.mark_draft_filled(request, start, end)
-        return [drafts.get(id(request), []) for request in requests]
+        return [drafts.get(id(request), []) for request in requests], [0] * len(requests)
 
     def _run(self, rows: list[tuple[Request, int, int]], counts: list[int]) -> list[list[int]]:
         """The draft passes over ``rows``; each row's first ``counts[i]`` drafts."""

@@ -4,7 +4,10 @@ n tokens appeared in its own prompt and output.
 No second model: it pays off where the output copies its input (code edits, summaries and
 answers quoting a document, RAG). As vLLM's, it looks for the longest n-gram between
 ``prompt_lookup_max`` and ``prompt_lookup_min`` tokens; among its occurrences it takes the
-latest, the likeliest to go on as the output does now.
+latest, the likeliest to go on as the output does now. Each proposal's key is the length of
+the n-gram it matched: a long match is copying, a short one often chance, and the adaptive
+policy (``engine/speculative/adaptive.py``) measures the acceptance of each length apart, so
+that the lengths a request drafts from follow what was accepted.
 """
 
 from __future__ import annotations
@@ -27,25 +30,32 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, requests: list[Request], max_drafts: list[int]) -> list[list[int]]:
+    def propose(
+        self, requests: list[Request], max_drafts: list[int]
+    ) -> tuple[list[list[int]], list[int]]:
         """Up to ``min(num_speculative_tokens, max_drafts[i])`` tokens to follow each
-        request's tokens, all read by the host; none where its last n-gram appeared nowhere
-        before. (A lookup in each request's own tokens: one at a time, on the host.)"""
-        return [
-            self._propose_one(request, min(self.num_speculative_tokens, limit))
-            for request, limit in zip(requests, max_drafts, strict=True)
-        ]
+        request's tokens, all read by the host, and the length of the n-gram they follow;
+        none (and 0) where its last n-gram appeared nowhere before. (A lookup in each
+        request's own tokens: one at a time, on the host.)"""
+        drafts, lengths = [], []
+        for request, limit in zip(requests, max_drafts, strict=True):
+            count = min(self.num_speculative_tokens, limit)
+            found, length = [], 0
+            if count > 0:
+                tokens = _token_array(request)
+                continuation, length = find_continuation(tokens, self.min_n, self.max_n, count)
+                found = continuation.tolist()
+            drafts.append(found)
+            lengths.append(length)
+        return drafts, lengths
 
-    def _propose_one(self, request: Request, num_drafts: int) -> list[int]:
-        if num_drafts < 1:
-            return []
-        tokens = _token_array(request)
-        return find_continuation(tokens, self.min_n, self.max_n, num_drafts).tolist()
 
-
-def find_continuation(tokens: np.ndarray, min_n: int, max_n: int, count: int) -> np.ndarray:
+def find_continuation(
+    tokens: np.ndarray, min_n: int, max_n: int, count: int
+) -> tuple[np.ndarray, int]:
     """Up to ``count`` tokens that followed the latest earlier occurrence of the longest
-    suffix of ``tokens`` (between ``max_n`` and ``min_n`` long) that occurred before."""
+    suffix of ``tokens`` (between ``max_n`` and ``min_n`` long) that occurred before, and
+    that suffix's length (0: none occurred)."""
     length = tokens.size
     last = tokens[-1]
     # Where an occurrence could end: at an earlier copy of the last token.
@@ -59,8 +69,8 @@ def find_continuation(tokens: np.ndarray, min_n: int, max_n: int, count: int) ->
         matched = candidates[(windows == tokens[length - n :]).all(axis=1)]
         if matched.size:
             start = matched[-1] + 1
-            return tokens[start : start + count]
-    return tokens[:0]
+            return tokens[start : start + count], n
+    return tokens[:0], 0
 
 
 def _token_array(request: Request) -> np.ndarray:

@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
             speculative_method="ngram" if k else None,
             num_speculative_tokens=max(k, 1),
             speculative_disable_by_batch_size=0,  # verify steps at every batch timed
+            speculative_adaptive=False,  # k drafts every step, whatever they cost
             overlap_steps=True,  # as on CUDA
         )
     )

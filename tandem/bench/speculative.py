@@ -1,30 +1,40 @@
 """Speculative decoding (n-gram and draft model) against none, through the offline API.
 
-    tandem bench speculative --model FILE.gguf [--num-speculative-tokens 4]
-                             [--ngram 4:4 --ngram 8:8]
+    tandem bench speculative --model FILE.gguf [--ngram 4:4 --ngram 8:8]
                              [--max-tokens 256] [--batch-size 32]
                              [--speculative-disable-by-batch-size N]
                              [--speculative-model DRAFT] [--dtype float32]
+                             [--load-format dummy]
 
 Two greedy chat prompts: a code edit (scripts/data/code_edit.py, a 70-line module, to be
 rewritten whole with one change) and a summary (of scripts/data/summary_text.md, a fixed copy
 of an older architecture document's opening, so that editing the docs leaves the workload as
-it was). For
-each, and for a batch of --batch-size requests alternating the two (each with its own change
-to make), the engine runs without speculation, with ``--speculative-method ngram`` (once per
-``--ngram K:MAX_N``: k drafted tokens and the longest n-gram looked up; default k and
---prompt-lookup-max), with the target as its own draft model (every draft accepted: what the
-draft-model mechanism costs, its best case at this k) and, with ``--speculative-model``,
-with that draft. Correctness first: the greedy tokens must be equal with and without
-speculation (the script exits 1 if not; in bfloat16 a verify pass rounds differently from a
-decode step, so near-ties may differ: ``--dtype float32`` checks exactly). Then the timings:
-output tokens per second (after a warm-up run), the drafts' acceptance rate, the share of
-the output that accepted drafts made, and "% of roofline": the least time the target's steps
+it was). For each, and for a batch of --batch-size requests alternating the two (each with
+its own change to make), the engine runs:
+
+- without speculation (plain);
+- with ``--speculative-method ngram`` at the engine's defaults (adaptive:
+  engine/speculative/adaptive.py);
+- at a fixed k once per ``--ngram K:MAX_N`` (k drafts every step and the longest n-gram
+  looked up, paused by the default --speculative-pause-acceptance: speculation before it
+  adapted);
+- with the target as its own draft model, at the defaults (every draft accepted: the
+  draft-model mechanism's best case, which the policy must still find not to pay);
+- with ``--speculative-model``, that draft at the defaults, and at a fixed k that never
+  pauses (``draft fixed``): with a draft that guesses nothing, as random weights do, every
+  step is a rejected draft's, and its ms/step against plain's is that cost (printed last).
+
+Correctness first: the greedy tokens must be equal with and without speculation (the script
+exits 1 if not; in bfloat16 a verify pass rounds differently from a decode step, so near-ties
+may differ: ``--dtype float32`` checks exactly). Then the timings: output tokens per second
+(after a warm-up run), the drafts' acceptance rate, the share of the output that accepted
+drafts made, the milliseconds a step, and "% of roofline": the least time the target's steps
 of the run can take (``engine/roofline.py``, rates measured first) over the time measured (a
 draft model's own steps are not in the bound); the plain run's roofline in tokens/s is the
-ceiling of decoding without speculation. A table last. (The code edit was this script's own
-source, which changed with every edit of the script, so that the model's answer did too: a
-fixed file keeps the workload the same from one run to the next.)
+ceiling of decoding without speculation. After each adaptive engine, the step costs it
+measured at batch 1 (engine/speculative/step_costs.py). A table last. (The code edit was
+this script's own source, which changed with every edit of the script, so that the model's
+answer did too: a fixed file keeps the workload the same from one run to the next.)
 
 The real models are GGUF files from PyPI (../shared/MODELS.md): SmolLM2-135M-Instruct is the
 default model (``~/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf`` once fetched),
@@ -50,6 +60,7 @@ from engine.roofline import (
     run_bound,
     share_of_roofline,
 )
+from engine.speculative.adaptive import AdaptiveDrafting
 from tandem import REPO_ROOT
 
 CHANGES = [
@@ -115,15 +126,19 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", required=True, help="a .gguf file or a checkpoint directory")
-    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=4,
+        help="the fixed runs' k (draft fixed; the n-gram runs without --ngram's)",
+    )
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
-    parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument(
         "--ngram",
         action="append",
         metavar="K:MAX_N",
-        help="an n-gram run with k drafts and n-grams of --prompt-lookup-min to MAX_N tokens "
-        "(repeatable; default: --num-speculative-tokens and --prompt-lookup-max)",
+        help="an n-gram run at a fixed k drafts and n-grams of --prompt-lookup-min to MAX_N "
+        "tokens (repeatable; default: none, only the adaptive run)",
     )
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
@@ -135,11 +150,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     parser.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="dummy: random weights in the shape of --model's config.json (and of the draft's)",
+    )
+    parser.add_argument(
         "--speculative-disable-by-batch-size",
         type=int,
         default=0,
-        help="the engine option: no drafts while this many requests run (default 0: the "
-        "mechanism measured at every batch, the engine's own default aside)",
+        help="the engine option, for the fixed runs: no drafts while this many requests run "
+        "(default 0: the mechanism measured at every batch)",
     )
     args = parser.parse_args(argv)
 
@@ -155,25 +176,31 @@ def main(argv: list[str] | None = None) -> None:
         ],
     }
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    common = {
+    fixed = {
+        "speculative_adaptive": False,
         "num_speculative_tokens": args.num_speculative_tokens,
         "speculative_disable_by_batch_size": args.speculative_disable_by_batch_size,
     }
-    ngram_variants = args.ngram or [f"{args.num_speculative_tokens}:{args.prompt_lookup_max}"]
-    methods: dict[str, dict[str, object]] = {"plain": {}}
-    for variant in ngram_variants:
+    methods: dict[str, dict[str, object]] = {
+        "plain": {},
+        "ngram": {"speculative_method": "ngram", "prompt_lookup_min": args.prompt_lookup_min},
+    }
+    for variant in args.ngram or []:
         k, max_n = (int(part) for part in variant.split(":"))
-        name = "ngram" if len(ngram_variants) == 1 else f"ngram {k}:{max_n}"
-        methods[name] = {
-            "speculative_method": "ngram",
-            "prompt_lookup_min": args.prompt_lookup_min,
-            "prompt_lookup_max": max_n,
-            **common,
+        methods[f"ngram {k}:{max_n}"] = {
+            **methods["ngram"],
+            **fixed,
             "num_speculative_tokens": k,
+            "prompt_lookup_max": max_n,
         }
-    methods["draft=self"] = {"speculative_model": args.model, **common}
+    methods["draft=self"] = {"speculative_model": args.model}
     if args.speculative_model:
-        methods["draft"] = {"speculative_model": args.speculative_model, **common}
+        methods["draft"] = {"speculative_model": args.speculative_model}
+        methods["draft fixed"] = {
+            **methods["draft"],
+            **fixed,
+            "speculative_pause_acceptance": 0,
+        }
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(
         args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -193,6 +220,7 @@ def main(argv: list[str] | None = None) -> None:
             max_model_len=args.max_model_len,
             max_num_seqs=max(args.batch_size, 1),
             gpu_memory_utilization=0.45,
+            load_format=args.load_format,
             **options,
         )
         runner = llm.engine.runner
@@ -209,6 +237,14 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{method} {name}: {runs[name][method].seconds:.2f} s", flush=True)
         if runner.verify_graphs is not None:
             starts[-1] += f", verify graphs replayed {runner.verify_graphs.num_replays} times"
+        costs = llm.engine.step_costs
+        if costs is not None and isinstance(llm.engine.drafting, AdaptiveDrafting):
+            at_one = costs.costs(1)
+            print(
+                f"step costs {method} measured at batch 1: plain {at_one.plain * 1e3:.3f} ms, "
+                f"verify {at_one.verify * 1e3:.3f} ms, draft pass {at_one.draft_pass * 1e3:.3f} ms",
+                flush=True,
+            )
         del llm, runner
         gc.collect()
         if torch.cuda.is_available():
@@ -233,15 +269,16 @@ def report(
         print(f"MISMATCH: {name}, {method}: greedy tokens differ from plain decoding's")
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(
-        f"\n{args.model}: greedy, {args.max_tokens} tokens at most, k = "
-        f"{args.num_speculative_tokens} (n-gram runs: {' '.join(args.ngram or ['as k'])}), "
-        f"n-grams {args.prompt_lookup_min}-{args.prompt_lookup_max}, "
-        f"draft {args.speculative_model or '-'}, {device}, "
+        f"\n{args.model}: greedy, {args.max_tokens} tokens at most; ngram and draft=self "
+        f"at the engine's defaults (adaptive); fixed k runs: {' '.join(args.ngram or ['-'])}, "
+        f"draft fixed k = {args.num_speculative_tokens}; n-grams from "
+        f"{args.prompt_lookup_min}; draft {args.speculative_model or '-'}, {device}, "
         f"{rates.describe()}"
     )
     print(
         f"{'workload':20} {'method':11} {'tokens':>7} {'tok/s':>9} {'speed-up':>9} "
-        f"{'accepted':>9} {'from drafts':>12} {'% roofline':>11} {'plain ceiling':>14}"
+        f"{'ms/step':>8} {'accepted':>9} {'from drafts':>12} {'% roofline':>11} "
+        f"{'plain ceiling':>14}"
     )
     for name, by_method in runs.items():
         plain = by_method["plain"]
@@ -253,10 +290,22 @@ def report(
             bound = run_bound(run.steps, cost, rates)
             print(
                 f"{name:20} {method:11} {run.num_tokens:7d} {rate:9.1f} "
-                f"{rate / plain_rate:8.2f}x {acceptance:9.1%} "
-                f"{run.num_accepted / run.num_tokens:12.1%} "
+                f"{rate / plain_rate:8.2f}x {run.seconds * 1e3 / len(run.steps):8.3f} "
+                f"{acceptance:9.1%} {run.num_accepted / run.num_tokens:12.1%} "
                 f"{share_of_roofline(bound, run.seconds):>11} {ceiling:10.0f} t/s"
             )
+    rejected = [
+        (name, by_method["draft fixed"], by_method["plain"])
+        for name, by_method in runs.items()
+        if "draft fixed" in by_method and by_method["draft fixed"].num_accepted == 0
+    ]
+    for name, run, plain in rejected:  # every draft rejected: each step a rejected draft's
+        step, plain_step = (r.seconds * 1e3 / len(r.steps) for r in (run, plain))
+        print(
+            f"a rejected draft's step ({name}, k = {args.num_speculative_tokens}): "
+            f"{step:.3f} ms against plain decoding's {plain_step:.3f} ms "
+            f"({step / plain_step:.2f}x)"
+        )
     return 1 if failed else 0
 
 

@@ -29,6 +29,9 @@ from tests.engine.test_speculative import (
     mixed_requests,
 )
 
+# Drafts every step, however few are accepted: the mechanism at work throughout.
+NEVER_PAUSED = {"speculative_adaptive": False, "speculative_pause_acceptance": 0}
+
 
 def make_engine(directory: Path, draft: Path | None, **overrides: Any) -> LLMEngine:
     settings: dict[str, Any] = {"block_size": 4, "kv_cache_memory_gb": 0.01, **overrides}
@@ -66,7 +69,7 @@ def test_greedy_equals_transformers_in_every_family(
     assert engine.num_accepted_tokens == engine.num_draft_tokens
     assert_all_blocks_free(engine)
     # Another model's drafts: nearly all rejected, the output the same.
-    engine = make_engine(tmp_path, other_draft, speculative_pause_acceptance=0)
+    engine = make_engine(tmp_path, other_draft, **NEVER_PAUSED)
     assert run_engine(engine, prompts, max_tokens=20) == expected
     assert engine.num_draft_tokens > 100
     assert engine.num_accepted_tokens < 0.1 * engine.num_draft_tokens
@@ -95,6 +98,7 @@ def test_mixed_batch_gives_what_it_gives_without_speculation(
             directory,
             draft_directory if speculative else None,
             overlap_steps=overlap_steps,
+            speculative_adaptive=False,  # drafts every step: the mechanism throughout
             **settings,
         )
         if speculative:  # as on CUDA: what it writes in block 0 is never read
@@ -145,7 +149,7 @@ def test_a_cached_prefix_brings_the_drafts_cache_with_it(
     whose prefix was cached while nothing drafted (penalties) has the draft compute it all,
     though its blocks (22 in all, so they are reused) held the draft's K/V of other tokens."""
     directory, hf_model = tiny
-    engine = make_engine(directory, directory, num_kv_blocks=22, max_model_len=88)
+    engine = make_engine(directory, directory, num_kv_blocks=22, max_model_len=88, **NEVER_PAUSED)
     proposer = engine.proposer
     assert isinstance(proposer, DraftModelProposer)
     computed: list[int] = []  # each pass's catch-up lengths
@@ -197,8 +201,8 @@ def test_sampled_output_follows_the_target_distribution(tmp_path: Path) -> None:
         draft,
         max_num_seqs=256,
         num_kv_blocks=3000,
-        speculative_pause_acceptance=0,
         speculative_disable_by_batch_size=0,  # hundreds of requests at once: drafted for all
+        **NEVER_PAUSED,
     )
     num_samples = 2000
     for seed in range(num_samples):
@@ -238,20 +242,27 @@ def test_a_draft_under_tensor_parallelism_is_refused(tiny: tuple[Path, HFLlama])
 def test_requests_whose_drafts_are_rejected_are_paused(
     tiny: tuple[Path, HFLlama], other_draft: Path
 ) -> None:
-    """With another model drafting, pausing cuts the drafts several times over; the output
-    is the same; a good draft (the target itself) is never paused."""
+    """At a fixed k, with another model drafting, pausing cuts the drafts several times over;
+    the output is the same; a good draft (the target itself) is never paused."""
     directory, hf_model = tiny
     prompts = random_prompts(4)
     expected = [hf_greedy(hf_model, p, 32) for p in prompts]
     drafted = {}
     for threshold in (0.0, 0.25):
-        engine = make_engine(directory, other_draft, speculative_pause_acceptance=threshold)
+        engine = make_engine(
+            directory,
+            other_draft,
+            speculative_adaptive=False,
+            speculative_pause_acceptance=threshold,
+        )
         tokens, paused = run_watching_pauses(engine, prompts, 32)
         assert tokens == expected
         assert paused == (threshold > 0)
         drafted[threshold] = engine.num_draft_tokens
     assert drafted[0.25] < drafted[0.0] / 3
-    engine = make_engine(directory, directory, speculative_pause_acceptance=0.25)
+    engine = make_engine(
+        directory, directory, speculative_adaptive=False, speculative_pause_acceptance=0.25
+    )
     assert run_watching_pauses(engine, prompts, 32) == (expected, False)
     assert engine.num_accepted_tokens == engine.num_draft_tokens > 0
 

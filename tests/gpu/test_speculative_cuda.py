@@ -1,7 +1,8 @@
 """N-gram and draft-model speculation on CUDA (decode and verify steps replayed from CUDA
 graphs, overlapped steps, the Triton decode kernel with 1 + k queries a sequence for verify
 steps, the draft's passes), in float32 at the Llama-3.2-1B shape: the same tokens as without
-it, greedy and seeded, with the verify graphs replayed; the target as its own draft has
+it, greedy and seeded, adaptive (the default) and at a fixed k, with the verify graphs
+replayed; the target as its own draft has
 (nearly) every draft accepted, an unrelated random draft nearly none, both with the draft's
 passes replayed from its own graphs; a verify graph's logits equal the eager step's."""
 
@@ -58,11 +59,19 @@ def test_speculation_equals_plain_decoding_on_cuda(tmp_path: Path) -> None:
         "seeded": (repetitive, SamplingParams(max_tokens=48, temperature=0.8, seed=5)),
         "logprobs": (repetitive, SamplingParams(max_tokens=32, ignore_eos=True, logprobs=2)),
     }
+    # Adaptive (the default) and, for the mechanism at work every step, fixed k never paused.
+    never_paused = {"speculative_adaptive": False, "speculative_pause_acceptance": 0}
     methods = {
         "plain": {},
         "ngram": {"speculative_method": "ngram", "prompt_lookup_min": 1},
+        "ngram fixed": {
+            "speculative_method": "ngram",
+            "prompt_lookup_min": 1,
+            "num_speculative_tokens": 4,
+            **never_paused,
+        },
         "draft=self": {"speculative_model": str(tmp_path)},
-        "draft=other": {"speculative_model": str(other), "speculative_pause_acceptance": 0},
+        "draft=other": {"speculative_model": str(other), **never_paused},
     }
     results = {}
     counts = {}
@@ -83,21 +92,25 @@ def test_speculation_equals_plain_decoding_on_cuda(tmp_path: Path) -> None:
             getattr(engine.proposer, "decode_graphs", None),
         )
         if "speculative_model" in speculative:  # the draft's passes ran as graphs
-            assert all(graphs is not None and graphs.num_replays > 0 for graphs in draft)
+            # (Its k-1 decode passes: at a fixed k; adaptive, a draft that does not pay may
+            # only ever probe with one draft.)
+            ran = draft if "speculative_adaptive" in speculative else draft[:1]
+            assert all(graphs is not None for graphs in draft)
+            assert all(graphs is not None and graphs.num_replays > 0 for graphs in ran)
             print(f"{method}: draft graphs replayed {[g.num_replays for g in draft]} times")
         counts[method] = (engine.num_draft_tokens, engine.num_accepted_tokens)
         print(f"\n{method}: drafts {counts[method][0]}, accepted {counts[method][1]}")
         del engine
         gc.collect()
         torch.cuda.empty_cache()
-    assert counts["ngram"][0] > 0
+    assert counts["ngram"][0] > 0 and counts["ngram fixed"][0] > counts["ngram"][0]
     drafts, accepted = counts["draft=self"]
     # The greedy requests accept all but near-ties (float32); the seeded one samples.
     assert drafts > 0 and accepted >= 0.8 * drafts
     drafts, accepted = counts["draft=other"]
     assert drafts > 0 and accepted < 0.2 * drafts
     plain = results["plain"]
-    for method in ("ngram", "draft=self", "draft=other"):
+    for method in ("ngram", "ngram fixed", "draft=self", "draft=other"):
         for request_id in requests:
             ours = [t for o in results[method][request_id] for t in o.new_token_ids]
             theirs = [t for o in plain[request_id] for t in o.new_token_ids]

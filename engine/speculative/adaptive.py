@@ -1,0 +1,148 @@
+"""Speculation that adapts (``--speculative-adaptive``, the default): each step, how many
+tokens to draft (k, the step's width), for whom, and whether to draft at all, from each
+request's measured acceptance and the measured cost of the steps.
+
+The model. A request whose drafts are each accepted with probability alpha once those before
+them were emits E(alpha, k) = 1 + alpha + ... + alpha^k tokens from a verify step of k drafts
+(the usual model of speculative decoding), one from a plain step. A step of B requests that
+drafts up to k tokens for some of them costs ``verify + k * draft_pass`` seconds and emits
+B + sum(E_i(k) - 1) tokens; a plain step costs ``plain`` and emits B. The costs are
+``step_costs.py``'s, measured at the batch size; alpha is each request's own estimate
+(``engine/scheduling/draft_acceptance.py``) for the source its drafts come from (the n-gram's
+length: a request that copies its input gets long matches accepted, chance short ones
+rejected), its prior the engine's estimate for that source (a new request starts from what
+the others measured). The policy takes the k of most tokens a second and drafts if that
+beats plain decoding, so:
+
+- k follows acceptance where drafts cost per token: a draft model's passes (k of them), and
+  each step's measured cost; where the verify step is a CUDA graph of 1 + k tokens a row
+  (every width costs the same) and the n-gram lookup is nearly free, k is the most the
+  lookup finds, up to ``--num-speculative-tokens``;
+- at batch sizes where a verify step costs more (a large batch of a large model is bound by
+  its products, which grow with the 1 + k tokens a row), drafting stops unless the drafts
+  make up for it: the batch's size and tokens are in the measured cost;
+- drafting stops for requests whose drafts do not pay (k = 0): they pause
+  (``engine/scheduling/draft_pause.py``: 4 steps, twice as long each time, up to 64, short
+  again once drafting pays), and a paused request decodes as it would without speculation.
+  The step in flight is read early only when someone drafts, so a batch that drafts for no
+  one overlaps its steps as plain decoding does. After a pause a request probes: it drafts
+  once whatever the estimates, so that text that starts repeating itself is found, and a
+  draft that never guesses right costs about one step in 64.
+
+Two decisions a step: before the step in flight is read (``plan``: who may draft, and k, from
+the estimates for each request's latest source), and once the drafts are proposed
+(``choose``: the same rule with the sources the drafts came from; a step whose drafts no
+longer pay verifies none). Work per step: one pass over the drafting requests, and numpy over
+a [requests, k] table.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.scheduling.draft_acceptance import DraftAcceptance
+from engine.scheduling.request import Request
+from engine.speculative.step_costs import StepCosts
+
+# The prior of the engine's own estimates, before any draft was verified: an even chance.
+FIRST_PRIOR = 0.5
+# The engine's counts keep 0.98 of their weight a verify step: they describe how good a
+# source is for this model and workload, which changes slowly.
+ENGINE_MEMORY = 0.98
+
+
+class AdaptiveDrafting:
+    def __init__(self, max_drafts: int, costs: StepCosts, max_batch: int | None) -> None:
+        """Drafts at most ``max_drafts`` tokens a request; no drafting at batches over
+        ``max_batch`` (the largest verify step a CUDA graph runs: an eager one costs many
+        times a plain step; None: no such limit)."""
+        self.max_drafts = max_drafts
+        self.costs = costs
+        self.max_batch = max_batch
+        self.engine_acceptance = DraftAcceptance(memory=ENGINE_MEMORY)
+        self.widths = np.arange(1, max_drafts + 1)
+
+    def plan(self, candidates: list[Request], batch_size: int) -> tuple[list[Request], int]:
+        """Before the step in flight is read: of ``candidates`` (the running requests that
+        may be drafted for, in a batch of ``batch_size``), those to draft for this step and
+        the most drafts a request; none (and 0) to draft for no one. Pauses count this step;
+        requests drafting would not pay for are paused."""
+        if self.max_batch is not None and batch_size > self.max_batch:
+            return [], 0
+        active: list[Request] = []
+        probing: list[Request] = []
+        for request in candidates:
+            pause = request.draft_pause
+            if pause.may_draft():
+                (probing if pause.probing else active).append(request)
+        if not active and not probing:
+            return [], 0
+        drafting = active + probing
+        alphas = [self._alpha(r, r.draft_acceptance.key) for r in drafting]
+        width, pays = self._best_width(np.asarray(alphas), batch_size)
+        if pays:  # their drafts pay: a later pause starts short again
+            for request in drafting:
+                request.draft_pause.reset()
+            return drafting, width
+        for request in active:
+            request.draft_pause.pause()
+        if not probing:
+            return [], 0
+        width, _ = self._best_width(np.asarray(alphas[len(active) :]), batch_size)
+        return probing, width
+
+    def choose(
+        self,
+        requests: list[Request],
+        drafts: list[list[int]],
+        keys: list[int],
+        batch_size: int,
+        width: int,
+    ) -> list[list[int]]:
+        """Once proposed (``drafts[i]`` for ``requests[i]``, from source ``keys[i]``, up to
+        ``width`` each): the drafts to verify. All of them if their expected tokens pay for
+        the verify step (or a request probes); else none, and the requests pause."""
+        lengths = np.fromiter((len(d) for d in drafts), np.int64, len(drafts))
+        alphas = np.empty(len(requests))
+        probes = False
+        for index, (request, key) in enumerate(zip(requests, keys, strict=True)):
+            request.draft_acceptance.key = key
+            alphas[index] = self._alpha(request, key)
+            probes = probes or request.draft_pause.probing
+            request.draft_pause.probing = False
+        if lengths.any():
+            # The proposer's passes are spent: what remains to weigh is the verify step.
+            costs = self.costs.costs(batch_size)
+            gain = (_expected_tokens(alphas, width)[np.arange(len(requests)), lengths] - 1).sum()
+            if probes or (batch_size + gain) * costs.plain > batch_size * costs.verify:
+                return drafts
+        for request in requests:
+            request.draft_pause.pause()
+        return [[] for _ in requests]
+
+    def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """A verify step of ``num_drafts`` of its drafts accepted ``num_accepted``: both
+        estimates learn it. (Drafts accepted need not pay: the back-off resets only when
+        ``plan`` finds them paying.)"""
+        key = request.draft_acceptance.key
+        request.draft_acceptance.add(key, num_drafts, num_accepted)
+        self.engine_acceptance.add(key, num_drafts, num_accepted)
+
+    def _alpha(self, request: Request, key: int) -> float:
+        prior = self.engine_acceptance.rate(key, FIRST_PRIOR)
+        return request.draft_acceptance.rate(key, prior)
+
+    def _best_width(self, alphas: np.ndarray, batch_size: int) -> tuple[int, bool]:
+        """The k of most tokens a second for requests of acceptance ``alphas`` in a batch of
+        ``batch_size``, and whether it beats plain decoding."""
+        costs = self.costs.costs(batch_size)
+        gains = (_expected_tokens(alphas, self.max_drafts)[:, 1:] - 1).sum(axis=0)
+        rates = (batch_size + gains) / (costs.verify + self.widths * costs.draft_pass)
+        best = int(rates.argmax())
+        return best + 1, rates[best] * costs.plain > batch_size
+
+
+def _expected_tokens(alphas: np.ndarray, max_drafts: int) -> np.ndarray:
+    """[requests, max_drafts + 1]: E(alpha, k) = 1 + alpha + ... + alpha^k for k = 0, 1, ..."""
+    powers = np.cumprod(np.repeat(alphas[:, None], max_drafts, axis=1), axis=1)
+    return np.cumsum(np.concatenate([np.ones((alphas.size, 1)), powers], axis=1), axis=1)
