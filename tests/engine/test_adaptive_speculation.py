@@ -131,7 +131,9 @@ def test_text_that_does_not_repeat_is_paused(tiny: tuple[Path, HFLlama]) -> None
     drafted = sum(step.drafts for step in steps)
     assert drafted > 0 and sum(step.accepted for step in steps) < 0.3 * drafted
     second_half = steps[len(steps) // 2 :]
-    assert sum(step.overlapped for step in second_half) > 0.8 * len(second_half)
+    # Most steps overlapped, not all: the costs the policy weighs are the engine's clock's,
+    # so on a busy machine a probe now and then finds drafting paying and drafts again.
+    assert sum(step.overlapped for step in second_half) > 0.6 * len(second_half)
     assert sum(bool(step.drafts) for step in steps) < 0.25 * len(steps)
     assert request.draft_pause.next_pause > FIRST_PAUSE  # paused, and paused again longer
 
