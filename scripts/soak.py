@@ -34,8 +34,8 @@ given), computes each prompt's greedy answer at each length one request at a tim
 
 Pass: no stream lost or duplicated a token (a complete one equals its reference, a cut or
 abandoned one is a prefix of it), the rolling restart failed and cut none, the overload
-refused with 429 only and lost nothing, the slowloris connections were all closed, blocks all freed, RSS
-and fds within tolerance. Prints a table; exits 1 on any failure.
+refused with 429 only and lost nothing, the slowloris connections were all closed, blocks all
+freed, RSS and fds within tolerance. Prints a table; exits 1 on any failure.
 """
 
 from __future__ import annotations
@@ -62,7 +62,6 @@ from pathlib import Path
 
 import httpx
 
-from engine.config import default_max_num_seqs
 from tandem.testing.processes import free_port, spawn, stop, tail, wait_for_cache_free, wait_healthy
 from tandem.testing.random_checkpoint import save_tiny_word_model
 from tandem.testing.streams import Balancer, StreamResult
@@ -708,6 +707,10 @@ def main() -> None:
     parser.add_argument("--silent", type=int, default=1000, help="slowloris: silent connections")
     parser.add_argument("--drippers", type=int, default=50, help="slowloris: of each kind")
     args = parser.parse_args(argv)
+    # Here, not at the top: the client processes that load() spawns import this module, and
+    # engine.config imports torch.
+    from engine.config import default_max_num_seqs
+
     # The places in the engine's batch (its default: 256 a GPU), which the capacity run fills.
     seqs = argparse.ArgumentParser(add_help=False)
     seqs.add_argument("--max-num-seqs", type=int)
