@@ -428,7 +428,9 @@ async def overload(
             return "none admitted"
         return f"{admitted.p(quantile) / unloaded.p(quantile):.1f}x"
 
-    within = admitted.values and admitted.p(0.99) <= 2 * unloaded.p(0.99)
+    within = admitted.values and all(
+        admitted.p(quantile) <= 2 * unloaded.p(quantile) for quantile in (0.5, 0.99)
+    )
     rows = [
         ("overload: unloaded TTFT", unloaded.summary(), "-"),
         ("overload: capacity", f"{capacity:.1f} streams/s with all {places} places busy "
