@@ -17,8 +17,8 @@ given), computes each prompt's greedy answer at each length one request at a tim
    closed by their client part-way, and one server SIGKILLed once ``--kill-when`` of the
    streams have been answered (the supervisor starts it again);
 3. overload, of streams of the first length: their time to first token one at a time
-   (unloaded); the capacity, streams completed a second with every place in the batch busy
-   (the engine's --max-num-seqs clients sending one after another for
+   (unloaded); the capacity, streams the engine finished a second while every place in the
+   batch was busy (the engine's --max-num-seqs clients sending one after another for
    ``--capacity-seconds``); then Poisson arrivals at ``--overload-factor`` (2) times that
    rate for ``--overload-seconds``, whatever the answers (an open loop), from
    ``--client-processes`` processes: the admitted streams' TTFT against the unloaded one's
@@ -383,6 +383,25 @@ async def load(
     return total
 
 
+async def finish_rate(
+    client: httpx.AsyncClient, url: str, places: int, done: asyncio.Event
+) -> float:
+    """Requests the engine finished a second while its ``places`` were taken (nine in ten or
+    more: a client's next request follows its last one's end), from its /stats sampled twice a
+    second until ``done`` (0 if they never were): the client processes' start and the first
+    wave's ramp are left out."""
+    samples: list[tuple[float, int]] = []
+    while not done.is_set():
+        stats = (await client.get(f"{url}/stats")).json()
+        if stats["num_running"] >= 0.9 * places:
+            samples.append((time.monotonic(), stats["num_finished"]))
+        await asyncio.sleep(0.5)
+    if len(samples) < 2:
+        return 0.0
+    (first_at, first), (last_at, last) = samples[0], samples[-1]
+    return (last - first) / (last_at - first_at)
+
+
 async def overload(
     client: httpx.AsyncClient, deployment: Deployment, prompts: list[list[int]], length: int,
     references: dict[tuple[int, int], str], args: argparse.Namespace,
@@ -398,11 +417,17 @@ async def overload(
             failures.append(f"unloaded stream {turn}: HTTP {status}")
         unloaded.values.append(ttft)
     places = args.places
+    busy = asyncio.Event()
+    rate_watch = asyncio.create_task(finish_rate(client, url, places, busy))
     saturated = await load(
         deployment, prompts, length, references, args.capacity_seconds,
         args.client_processes, clients=places,
     )  # fmt: skip
-    capacity = len(saturated.admitted) / args.capacity_seconds
+    busy.set()
+    capacity = await rate_watch
+    if not capacity:
+        failures.append("overload: the capacity run never had every place busy")
+        return [], failures
     rate = args.overload_factor * capacity
     health = Latencies()
     done = asyncio.Event()
@@ -434,7 +459,7 @@ async def overload(
     rows = [
         ("overload: unloaded TTFT", unloaded.summary(), "-"),
         ("overload: capacity", f"{capacity:.1f} streams/s with all {places} places busy "
-         f"({len(saturated.admitted)} in {args.capacity_seconds:g} s, "
+         f"({len(saturated.admitted)} served in {args.capacity_seconds:g} s, "
          f"{len(saturated.refused)} refused)", "-"),
         (f"overload: admitted TTFT at {args.overload_factor:g}x ({rate:.1f}/s)",
          admitted.summary(),
