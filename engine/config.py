@@ -243,8 +243,10 @@ class ServiceConfig:
     max_queued_requests: int = option(
         1024,
         "requests that may wait for a place in the batch beyond those free (SGLang's name); "
-        "more are refused at once (HTTP 429 with Retry-After from the servers), so that the "
-        "requests admitted keep their latency (0: only as many as there are free places)",
+        "more are refused at once (HTTP 429 with Retry-After from the servers). The default "
+        "absorbs bursts; under a sustained overload the queue stays full and each admitted "
+        "request waits for those ahead of it: 0 (only as many as there are free places) keeps "
+        "the admitted requests' time to first token",
     )
     drain_timeout: float = option(
         10.0,

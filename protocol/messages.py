@@ -38,7 +38,8 @@ from protocol.codec import Message, by_position
 #    hidden state).
 # 9: StructuredOutputKind.STRUCTURAL_TAG (a grammar composed of parts: reasoning, tool calls,
 #    a response format).
-PROTOCOL_VERSION = 9
+# 10: EngineStats.queue_full, sent whenever it changes (servers refuse by themselves while full).
+PROTOCOL_VERSION = 10
 # The most alternatives a request may ask log-probabilities of, as OpenAI's top_logprobs.
 MAX_TOP_LOGPROBS = 20
 # The most token sequences a request's bad words may tokenize to, and their total tokens
@@ -410,3 +411,6 @@ class EngineStats(Message):
     num_accepted_tokens: int = 0
     # Peers connected to the engine's socket now: the servers (the service's count).
     num_connected_servers: int = 0
+    # A request arriving now would be refused (--max-queued-requests): the servers refuse by
+    # themselves meanwhile. Sent at once whenever it changes, not only at the heartbeat.
+    queue_full: bool = False

@@ -1,24 +1,31 @@
 """Soak test: a supervised deployment under many concurrent streams, restarts and crashes.
 
     python scripts/soak.py [--model M] [--device cpu|cuda] [--servers 4] [--streams 1000]
-                           [--restart-streams 200] [--lengths 16,64,256]
-                           [--phases restart,chaos,overload,slowloris] [-- ENGINE_ARGS...]
+                           [--restart-streams 200] [--restart-stream-seconds S]
+                           [--lengths 16,64,256] [--phases restart,chaos,overload,slowloris]
+                           [--client-processes P] [-- ENGINE_ARGS...]
 
 Starts ``scripts/start_distributed.sh`` (the tiny random word model when no --model is
 given), computes each prompt's greedy answer at each length one request at a time, then:
 
-1. rolling restart: ``--restart-streams`` steady streams while every server restarts in
-   turn; every stream must equal its reference (refusals of a draining server are retried
-   on another, as a load balancer does);
+1. rolling restart: ``--restart-streams`` steady streams (of the first length, or, with
+   ``--restart-stream-seconds``, as many tokens as make a stream last that long at the token
+   rate measured first) while every server restarts in turn; none may fail or be cut
+   (refusals of a draining server are retried on another, as a load balancer does), and each
+   must equal its reference (without one, have all its tokens);
 2. chaos: ``--streams`` concurrent streams of mixed lengths, ``--disconnect`` of them
    closed by their client part-way, and one server SIGKILLed once ``--kill-when`` of the
    streams have been answered (the supervisor starts it again);
-3. overload: the time to first token of one stream at a time (unloaded), then
-   ``--overload-clients`` clients (by default twice the engine's --max-num-seqs) each sending
-   streams one after another for ``--overload-seconds``, a refused one (429) again after
-   ``--retry-pause``: the admitted streams' TTFT against the unloaded one's, how fast the
-   refusals came, and /health's answer times meanwhile (the engine needs
-   ``--max-queued-requests``, e.g. ``-- --max-queued-requests 0``);
+3. overload, of streams of the first length: their time to first token one at a time
+   (unloaded); the capacity, streams the engine finished a second while every place in the
+   batch was busy (the engine's --max-num-seqs clients sending one after another for
+   ``--capacity-seconds``); then Poisson arrivals at ``--overload-factor`` (2) times that
+   rate for ``--overload-seconds``, whatever the answers (an open loop), from
+   ``--client-processes`` processes: the admitted streams' TTFT against the unloaded one's
+   (p50 and p99), how fast the refusals (429) came, how late the arrivals went out (the
+   client keeping up), and /health's answer times meanwhile (the engine needs a small
+   ``--max-queued-requests`` for the admitted to keep their latency, e.g.
+   ``-- --max-queued-requests 0``);
 4. slowloris: ``--silent`` connections to one server that never send a byte, and
    ``--drippers`` that send headers, and as many a body, a byte a second: how long the server
    took to close them, and /health's and a small completion's answer times meanwhile;
@@ -26,9 +33,9 @@ given), computes each prompt's greedy answer at each length one request at a tim
    open file descriptors are back to their baseline (taken after a warm-up round).
 
 Pass: no stream lost or duplicated a token (a complete one equals its reference, a cut or
-abandoned one is a prefix of it), the rolling restart failed none, the overload refused with
-429 only and lost nothing, the slowloris connections were all closed, blocks all freed, RSS
-and fds within tolerance. Prints a table; exits 1 on any failure.
+abandoned one is a prefix of it), the rolling restart failed and cut none, the overload
+refused with 429 only and lost nothing, the slowloris connections were all closed, blocks all
+freed, RSS and fds within tolerance. Prints a table; exits 1 on any failure.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import resource
@@ -48,6 +56,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,13 +125,23 @@ def body(prompt: list[int], max_tokens: int) -> dict:
     return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
 
 
-def check(result: StreamResult, reference: str, abandoned: bool) -> str | None:
-    """Why ``result`` lost or duplicated tokens (or failed where it should not), or None."""
+def check(
+    result: StreamResult, reference: str | None, abandoned: bool, max_tokens: int = 0,
+    may_be_cut: bool = False,
+) -> str | None:  # fmt: skip
+    """Why ``result`` lost or duplicated tokens (or failed where it should not), or None.
+    Without a ``reference`` (a stream too long to compute one for), a complete stream must
+    have all its ``max_tokens`` (its usage chunk's count). ``may_be_cut``: a stream cut by a
+    killed server is right if what came is."""
     if result.done and result.error is None:
+        if reference is None:
+            if result.completion_tokens == max_tokens:
+                return None
+            return f"complete with {result.completion_tokens} of its {max_tokens} tokens"
         return None if result.text == reference else "complete but not equal to its reference"
-    if not reference.startswith(result.text):
+    if reference is not None and not reference.startswith(result.text):
         return "not a prefix of its reference"
-    if abandoned or (result.error or "").startswith("stream cut"):
+    if abandoned or (may_be_cut and (result.error or "").startswith("stream cut")):
         return None  # the client left, or its server was killed: what came is right
     return f"failed: {result.error}"
 
@@ -130,32 +149,55 @@ def check(result: StreamResult, reference: str, abandoned: bool) -> str | None:
 async def rolling_restart(
     deployment: Deployment, balancer: Balancer, prompts: list[list[int]], length: int,
     references: dict[tuple[int, int], str], streams: int,
-) -> tuple[int, list[str]]:  # fmt: skip
+) -> tuple[int, list[str], list[float]]:  # fmt: skip
+    """The streams completed, the failures, and each stream's seconds."""
     failures: list[str] = []
-    completed = 0
+    durations: list[float] = []
     done = asyncio.Event()
+    request = {"stream_options": {"include_usage": True}}
 
     async def worker(index: int) -> None:
-        nonlocal completed
         turn = index
         while not done.is_set():
             which = turn % len(prompts)
-            result = await balancer.stream(body(prompts[which], length), start=turn)
-            problem = check(result, references[which, length], abandoned=False)
+            started = time.monotonic()
+            result = await balancer.stream({**body(prompts[which], length), **request}, turn)
+            durations.append(time.monotonic() - started)
+            problem = check(result, references.get((which, length)), False, length)
             if problem is not None:
-                failures.append(f"prompt {which}: {problem} ({result.error})")
-            completed += 1
+                # Answered 200 and then not complete: cut part-way.
+                kind = "cut" if result.answered else "failed"
+                failures.append(f"{kind}: prompt {which}: {problem} ({result.error})")
             turn += streams
 
     workers = [asyncio.create_task(worker(i)) for i in range(streams)]
-    while completed < streams:
+    # The restart starts once every stream is under way.
+    while balancer.answered < streams:
         await asyncio.sleep(0.1)
     reply = await asyncio.to_thread(deployment.command, "rolling-restart")
     if not reply.get("ok"):
         failures.append(f"rolling restart: {reply}")
     done.set()
     await asyncio.gather(*workers)
-    return completed, failures
+    return len(durations), failures, durations
+
+
+async def stream_length_for(
+    client: httpx.AsyncClient, deployment: Deployment, prompts: list[list[int]], streams: int,
+    seconds: float,
+) -> int:  # fmt: skip
+    """max_tokens that makes each of ``streams`` concurrent streams last about ``seconds``:
+    their token rate measured over a round of 64-token streams, within the model's context."""
+    balancer = Balancer(client, deployment.urls)
+    probe = 64
+    started = time.monotonic()
+    await asyncio.gather(
+        *(balancer.stream(body(prompts[i % len(prompts)], probe), i) for i in range(streams))
+    )
+    rate = probe / (time.monotonic() - started)
+    model = (await client.get(f"{deployment.urls[0]}/v1/models")).json()["data"][0]
+    room = model["max_model_len"] - max(len(prompt) for prompt in prompts)
+    return max(probe, min(room, int(rate * seconds)))
 
 
 async def chaos(
@@ -174,7 +216,7 @@ async def chaos(
         disconnect_after = rng.randint(1, max(1, length // 2)) if abandon else None
         started += 1
         result = await balancer.stream(body(prompts[which], length), index, disconnect_after)
-        problem = check(result, references[which, length], abandon)
+        problem = check(result, references[which, length], abandon, may_be_cut=True)
         if problem is not None:
             failures.append(f"stream {index} (prompt {which}, {length} tokens): {problem}")
         outcomes[
@@ -200,14 +242,15 @@ class Latencies:
 
     values: list[float] = field(default_factory=list)
 
-    def summary(self) -> str:
+    def summary(self, unit: str = "ms") -> str:
         if not self.values:
             return "none"
+        scale = 1000 if unit == "ms" else 1
         ordered = sorted(self.values)
-        p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
         return (
-            f"p50 {statistics.median(ordered) * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms, "
-            f"max {ordered[-1] * 1000:.0f} ms (n={len(ordered)})"
+            f"p50 {statistics.median(ordered) * scale:.0f} {unit}, "
+            f"p99 {self.p(0.99) * scale:.0f} {unit}, max {ordered[-1] * scale:.0f} {unit} "
+            f"(n={len(ordered)})"
         )
 
     def p(self, quantile: float) -> float:
@@ -254,6 +297,111 @@ async def watch_health(
         await asyncio.sleep(0.2)
 
 
+@dataclass
+class LoadShare:
+    """What one client process measured (seconds; ``lost`` says why each was)."""
+
+    admitted: list[float] = field(default_factory=list)  # TTFT of the streams served
+    refused: list[float] = field(default_factory=list)  # time to the 429
+    lost: list[str] = field(default_factory=list)
+    lag: list[float] = field(default_factory=list)  # how late each arrival went out
+
+
+async def _load(
+    urls: list[str], prompts: list[list[int]], length: int, references: dict[tuple[int, int], str],
+    seconds: float, rate: float | None, clients: int, seed: int,
+) -> LoadShare:  # fmt: skip
+    """Open loop (``rate``: Poisson arrivals a second, whatever the answers) or closed loop
+    (``clients`` sending one stream after another, a refused one again after 0.1 s), for
+    ``seconds``; every stream started is waited for."""
+    share = LoadShare()
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    started = time.monotonic()
+
+    async def one(turn: int, client: httpx.AsyncClient) -> int:
+        which = turn % len(prompts)
+        status, ttft, text, _ = await timed_stream(
+            client, urls[turn % len(urls)], body(prompts[which], length)
+        )
+        if status == 429:
+            share.refused.append(ttft)
+        elif status == 200 and text == references[which, length]:
+            share.admitted.append(ttft)
+        else:
+            share.lost.append(f"prompt {which}: HTTP {status}")
+        return status
+
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        if rate is None:
+
+            async def closed(index: int) -> None:
+                turn = index
+                while time.monotonic() - started < seconds:
+                    if await one(turn, client) == 429:
+                        await asyncio.sleep(0.1)
+                    turn += clients
+
+            await asyncio.gather(*(closed(index) for index in range(clients)))
+            return share
+        tasks = []
+        due = 0.0
+        while (due := due + rng.expovariate(rate)) < seconds:
+            await asyncio.sleep(max(0.0, started + due - time.monotonic()))
+            share.lag.append(time.monotonic() - started - due)
+            tasks.append(asyncio.create_task(one(len(tasks), client)))
+        await asyncio.gather(*tasks)
+    return share
+
+
+def _load_in_process(*args: object) -> LoadShare:
+    return asyncio.run(_load(*args))  # type: ignore[arg-type]
+
+
+async def load(
+    deployment: Deployment, prompts: list[list[int]], length: int,
+    references: dict[tuple[int, int], str], seconds: float, processes: int,
+    rate: float | None = None, clients: int = 0,
+) -> LoadShare:  # fmt: skip
+    """``_load`` spread over ``processes`` client processes (one Python process cannot keep
+    up with the streams of a GPU's batch), their measures put together."""
+    loop = asyncio.get_running_loop()
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(processes, mp_context=context) as pool:
+        shares = await asyncio.gather(*(
+            loop.run_in_executor(pool, _load_in_process, deployment.urls, prompts, length,
+                                 references, seconds, rate and rate / processes,
+                                 clients // processes + (index < clients % processes), index)
+            for index in range(processes)
+        ))  # fmt: skip
+    total = LoadShare()
+    for share in shares:
+        total.admitted += share.admitted
+        total.refused += share.refused
+        total.lost += share.lost
+        total.lag += share.lag
+    return total
+
+
+async def finish_rate(
+    client: httpx.AsyncClient, url: str, places: int, done: asyncio.Event
+) -> float:
+    """Requests the engine finished a second while its ``places`` were taken (nine in ten or
+    more: a client's next request follows its last one's end), from its /stats sampled twice a
+    second until ``done`` (0 if they never were): the client processes' start and the first
+    wave's ramp are left out."""
+    samples: list[tuple[float, int]] = []
+    while not done.is_set():
+        stats = (await client.get(f"{url}/stats")).json()
+        if stats["num_running"] >= 0.9 * places:
+            samples.append((time.monotonic(), stats["num_finished"]))
+        await asyncio.sleep(0.5)
+    if len(samples) < 2:
+        return 0.0
+    (first_at, first), (last_at, last) = samples[0], samples[-1]
+    return (last - first) / (last_at - first_at)
+
+
 async def overload(
     client: httpx.AsyncClient, deployment: Deployment, prompts: list[list[int]], length: int,
     references: dict[tuple[int, int], str], args: argparse.Namespace,
@@ -268,48 +416,62 @@ async def overload(
         if status != 200 or text != references[which, length]:
             failures.append(f"unloaded stream {turn}: HTTP {status}")
         unloaded.values.append(ttft)
-    admitted, refused, health = Latencies(), Latencies(), Latencies()
-    outcomes: Counter[str] = Counter()
+    places = args.places
+    busy = asyncio.Event()
+    rate_watch = asyncio.create_task(finish_rate(client, url, places, busy))
+    saturated = await load(
+        deployment, prompts, length, references, args.capacity_seconds,
+        args.client_processes, clients=places,
+    )  # fmt: skip
+    busy.set()
+    capacity = await rate_watch
+    if not capacity:
+        failures.append("overload: the capacity run never had every place busy")
+        return [], failures
+    rate = args.overload_factor * capacity
+    health = Latencies()
     done = asyncio.Event()
-
-    async def overloading_client(index: int) -> None:
-        turn = index
-        while not done.is_set():
-            which = turn % len(prompts)
-            server = deployment.urls[turn % len(deployment.urls)]
-            status, ttft, text, _ = await timed_stream(client, server, body(prompts[which], length))
-            turn += args.overload_clients
-            if status == 429:
-                refused.values.append(ttft)
-                outcomes["429"] += 1
-                await asyncio.sleep(args.retry_pause)
-            elif status == 200 and text == references[which, length]:
-                admitted.values.append(ttft)
-                outcomes["complete"] += 1
-            else:
-                outcomes["lost"] += 1
-                failures.append(f"overload stream (prompt {which}): HTTP {status}")
-
     watcher = asyncio.create_task(watch_health(client, url, done, health))
-    clients = [asyncio.create_task(overloading_client(i)) for i in range(args.overload_clients)]
-    await asyncio.sleep(args.overload_seconds)
+    overloaded = await load(
+        deployment, prompts, length, references, args.overload_seconds,
+        args.client_processes, rate=rate,
+    )  # fmt: skip
     done.set()
-    await asyncio.gather(watcher, *clients)
-    if not refused.values:
-        failures.append("overload: nothing was refused (is --max-queued-requests set?)")
-    ratio = (
-        statistics.median(admitted.values) / statistics.median(unloaded.values)
-        if admitted.values and unloaded.values
-        else float("nan")
+    await watcher
+    lost = saturated.lost + overloaded.lost
+    failures += [f"overload stream ({why})" for why in lost]
+    if not overloaded.refused:
+        failures.append("overload: nothing was refused (is --max-queued-requests small?)")
+    admitted, refused, lag = (
+        Latencies(overloaded.admitted),
+        Latencies(overloaded.refused),
+        Latencies(overloaded.lag),
+    )
+
+    def times_unloaded(quantile: float) -> str:
+        if not admitted.values:
+            return "none admitted"
+        return f"{admitted.p(quantile) / unloaded.p(quantile):.1f}x"
+
+    within = admitted.values and all(
+        admitted.p(quantile) <= 2 * unloaded.p(quantile) for quantile in (0.5, 0.99)
     )
     rows = [
         ("overload: unloaded TTFT", unloaded.summary(), "-"),
-        (f"overload: admitted TTFT ({args.overload_clients} clients)", admitted.summary(),
-         f"p50 {ratio:.1f}x unloaded"),
+        ("overload: capacity", f"{capacity:.1f} streams/s with all {places} places busy "
+         f"({len(saturated.admitted)} served in {args.capacity_seconds:g} s, "
+         f"{len(saturated.refused)} refused)", "-"),
+        (f"overload: admitted TTFT at {args.overload_factor:g}x ({rate:.1f}/s)",
+         admitted.summary(),
+         f"p50 {times_unloaded(0.5)}, p99 {times_unloaded(0.99)} unloaded"
+         + ("" if within else " (ABOVE 2x)")),
         ("overload: 429s", refused.summary(),
          "ok" if refused.values and refused.p(0.99) < 0.05 else "SLOW"),
-        ("overload: outcomes", ", ".join(f"{n} {what}" for what, n in sorted(outcomes.items())),
-         "0 lost" if not outcomes["lost"] else f"{outcomes['lost']} LOST"),
+        ("overload: outcomes", f"{len(overloaded.admitted)} served, "
+         f"{len(overloaded.refused)} refused (429), {len(lost)} lost",
+         "0 lost" if not lost else f"{len(lost)} LOST"),
+        ("overload: client lag", lag.summary(),
+         "ok" if lag.values and lag.p(0.99) < 0.05 else "CLIENT BEHIND"),
         ("overload: /health", health.summary(),
          "ok" if health.values and health.p(0.99) < 0.05 else "SLOW"),
     ]  # fmt: skip
@@ -443,17 +605,25 @@ async def soak(args: argparse.Namespace, deployment: Deployment) -> bool:
         engine_baseline = deployment.footprints()["engine"]
 
         if "restart" in phases:
+            length = lengths[0]
+            if args.restart_stream_seconds:
+                length = await stream_length_for(
+                    client, deployment, prompts, args.restart_streams, args.restart_stream_seconds
+                )
             started = time.monotonic()
             balancer = Balancer(client, deployment.urls)
-            completed, restart_failures = await rolling_restart(
-                deployment, balancer, prompts, lengths[0], references, args.restart_streams
+            completed, restart_failures, durations = await rolling_restart(
+                deployment, balancer, prompts, length, references, args.restart_streams
             )
             failures += restart_failures
+            cut = sum(problem.startswith("cut") for problem in restart_failures)
             rows.append((
                 "rolling restart",
-                f"{args.restart_streams} steady streams, {completed} completed in "
+                f"{args.restart_streams} steady streams of {length} tokens "
+                f"({Latencies(durations).summary(unit='s')}), {completed} completed in "
                 f"{time.monotonic() - started:.0f} s, {balancer.retries} refusals retried",
-                "0 failed" if not restart_failures else f"{len(restart_failures)} FAILED",
+                f"{len(restart_failures) - cut} failed, {cut} cut"
+                + (" (FAILED)" if restart_failures else ""),
             ))  # fmt: skip
             # The servers are new: their baseline is taken now (the engine's stands).
             await warm_up(client, deployment, prompts[0], lengths)
@@ -547,21 +717,33 @@ def main() -> None:
         default="restart,chaos,overload,slowloris",
         help="which runs, of restart, overload, slowloris and chaos (in that order)",
     )
-    parser.add_argument("--unloaded-streams", type=int, default=20, help="overload: baseline")
     parser.add_argument(
-        "--overload-clients", type=int, help="overload (default: twice --max-num-seqs)"
+        "--restart-stream-seconds", type=float,
+        help="rolling restart: streams this long (max_tokens from their measured token rate) "
+        "instead of the first --lengths",
+    )  # fmt: skip
+    parser.add_argument("--unloaded-streams", type=int, default=20, help="overload: baseline")
+    parser.add_argument("--capacity-seconds", type=float, default=20.0)
+    parser.add_argument(
+        "--overload-factor", type=float, default=2.0, help="arrivals, in times the capacity"
     )
     parser.add_argument("--overload-seconds", type=float, default=60.0)
     parser.add_argument(
-        "--retry-pause", type=float, default=0.1, help="overload: seconds after a 429"
+        "--client-processes", type=int, default=1, help="overload: processes sending the streams"
     )
     parser.add_argument("--silent", type=int, default=1000, help="slowloris: silent connections")
     parser.add_argument("--drippers", type=int, default=50, help="slowloris: of each kind")
     args = parser.parse_args(argv)
-    if args.overload_clients is None:
-        seqs = argparse.ArgumentParser(add_help=False)
-        seqs.add_argument("--max-num-seqs", type=int, default=256)
-        args.overload_clients = 2 * seqs.parse_known_args(engine_args)[0].max_num_seqs
+    # Here, not at the top: the client processes that load() spawns import this module, and
+    # engine.config imports torch.
+    from engine.config import default_max_num_seqs
+
+    # The places in the engine's batch (its default: 256 a GPU), which the capacity run fills.
+    seqs = argparse.ArgumentParser(add_help=False)
+    seqs.add_argument("--max-num-seqs", type=int)
+    seqs.add_argument("--tensor-parallel-size", type=int, default=1)
+    engine_seqs = seqs.parse_known_args(engine_args)[0]
+    args.places = engine_seqs.max_num_seqs or default_max_num_seqs(engine_seqs.tensor_parallel_size)
     # A file descriptor per stream, on both sides.
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

@@ -14,6 +14,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp
 
 from protocol import HandshakeReply
+from server.admission_gate import AdmissionGate
 from server.api_key import ApiKeyCheck
 from server.body_limit import BodySizeLimit, default_max_request_bytes
 from server.cors import CorsOptions
@@ -101,6 +102,8 @@ def create_app(
     middleware = [(cors or CorsOptions()).middleware()]
     if api_key:
         middleware.append(Middleware(ApiKeyCheck, api_key=api_key))
+    # After the API key (a stranger learns nothing of the load), before the body is read.
+    middleware.append(Middleware(AdmissionGate, pool=client))
     # Inside Starlette's error middleware, so that the 413 it raises is an OpenAI error body.
     middleware.append(Middleware(BodySizeLimit, max_bytes=max_request_bytes))
     app: ASGIApp = Starlette(

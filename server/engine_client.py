@@ -125,6 +125,12 @@ class EngineClient:
         return self._ready
 
     @property
+    def queue_full(self) -> bool:
+        """The engine's last stats said a new request would be refused (it sends them at once
+        whenever that changes)."""
+        return self.last_stats is not None and self.last_stats.queue_full
+
+    @property
     def alive(self) -> bool:
         """Ready, and the engine was heard from within ``ENGINE_SILENCE_S``."""
         return self._ready and time.monotonic() - self.last_heard < ENGINE_SILENCE_S
@@ -385,6 +391,7 @@ class EngineClient:
         if self._ready:
             logger.error(reason)
         self._ready = False
+        self.last_stats = None  # an engine that comes back sends its own
         for mailbox in self._mailboxes.values():
             mailbox.put(EngineUnavailable(reason))
         for answer in self._embeddings.values():

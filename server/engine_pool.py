@@ -182,6 +182,13 @@ class EnginePool:
         finally:
             replica.in_flight -= 1
 
+    @property
+    def queue_full(self) -> bool:
+        """Whether every connected replica's queue is full, by its last stats (each sends them
+        the moment that changes): a request now would be refused (server/admission_gate.py)."""
+        ready = [replica for replica in self.replicas if replica.client.ready]
+        return bool(ready) and all(replica.client.queue_full for replica in ready)
+
     async def stats(self, timeout: float) -> list[EngineStats | None]:
         """Each replica's stats, None for one not answering within ``timeout`` s."""
         return await asyncio.gather(*(replica.client.stats(timeout) for replica in self.replicas))
@@ -193,6 +200,8 @@ class EnginePool:
             raise EngineUnavailable(f"no engine is connected (at {addresses})")
         if len(self.replicas) == 1:
             return ready[0]
+        # A replica whose queue is full would refuse: another one, if any is not.
+        ready = [replica for replica in ready if not replica.client.queue_full] or ready
         turn = next(self._turn)
         least = min(ready, key=lambda r: (r.in_flight, (r.index - turn) % len(self.replicas)))
         keys = self._affinity.keys(prompt_token_ids)

@@ -150,12 +150,17 @@ def engine_refusal(exc: EngineRequestError) -> ApiError:
     if exc.code == ErrorCode.INVALID_REQUEST:
         return ApiError(400, exc.message)
     if exc.code == ErrorCode.OVERLOADED:
-        return ApiError(
-            429,
-            f"The server is at capacity: {exc.message}. Try again in {RETRY_AFTER_S} s.",
-            code="rate_limit_exceeded",
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        )
+        return overloaded(exc.message)
     if exc.code in (ErrorCode.NOT_READY, ErrorCode.SHUTTING_DOWN):
         return engine_unavailable(exc.message)
     return ApiError(500, f"The engine refused the request: {exc.message}")
+
+
+def overloaded(reason: str) -> ApiError:
+    """The HTTP error of a request refused because the engine's queue is full."""
+    return ApiError(
+        429,
+        f"The server is at capacity: {reason}. Try again in {RETRY_AFTER_S} s.",
+        code="rate_limit_exceeded",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )

@@ -7,9 +7,11 @@ the others.
 
 Admission control: past ``--max-queued-requests`` requests waiting for a place in the batch,
 a new request is refused at once (``overloaded``; the servers answer HTTP 429), so that the
-requests admitted keep their latency. Every second the engine sends each server its stats
-unasked, between two steps: its heartbeat, from which the servers' /health and /ready say
-whether it is alive without asking (an answer would wait behind the step).
+requests admitted keep their latency (engine/service/admission.py). Every second the engine
+sends each server its stats unasked, between two steps: its heartbeat, from which the servers'
+/health and /ready say whether it is alive without asking (an answer would wait behind the
+step); and it sends them at once whenever its queue fills or frees, from which the servers
+refuse by themselves while it is full.
 
 Stopping (SIGTERM) drains: new requests are refused (``shutting_down``), those in flight
 run on for up to ``--drain-timeout`` seconds, and the rest end with finish reason
@@ -28,6 +30,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from engine.config import ServiceConfig
 from engine.llm_engine import LLMEngine, RequestRejected
+from engine.service.admission import Admission
 from engine.service.curve_auth import CurveGuard
 from engine.service.throughput_log import ThroughputLog
 from protocol import (
@@ -69,7 +72,7 @@ class EngineService:
         build_codecs()  # not on the first request's way to its first token
         self.throughput_log = ThroughputLog(engine, config.stats_interval)
         self.drain_timeout_s = config.drain_timeout
-        self.max_queued_requests = config.max_queued_requests
+        self.admission = Admission(engine, config.max_queued_requests)
         self.next_heartbeat = time.monotonic()
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
@@ -134,12 +137,14 @@ class EngineService:
                     self._read_socket_events()
                 if self.socket in ready:
                     self._drain_inbox()
+                    self._announce_admission()
                 if self.engine.has_work:
                     self._send_outputs(self.engine.step())
                     for client, embedding in self.engine.pool():
                         self._send(client, embedding)
                     for client, error in self.engine.take_errors():
                         self._send(client, error)
+                    self._announce_admission()
                 self._maybe_send_heartbeat()
                 self.throughput_log.maybe_log()
             aborted = self.engine.abort_all()
@@ -211,13 +216,25 @@ class EngineService:
                 logger.warning("dropped a %s: not a message for the engine", message.TYPE)
 
     def _stats(self) -> EngineStats:
-        return dataclasses.replace(self.engine.stats(), num_connected_servers=self.num_connections)
+        return dataclasses.replace(
+            self.engine.stats(),
+            num_connected_servers=self.num_connections,
+            queue_full=self.admission.full,
+        )
 
     def _maybe_send_heartbeat(self) -> None:
         now = time.monotonic()
         if now < self.next_heartbeat or not self.handshaken:
             return
         self.next_heartbeat = now + HEARTBEAT_INTERVAL_S
+        self._send_stats_to_all()
+
+    def _announce_admission(self) -> None:
+        """The stats to every server now if the queue filled or freed since they were told."""
+        if self.admission.changed():
+            self._send_stats_to_all()
+
+    def _send_stats_to_all(self) -> None:
         stats = self._stats()
         for client in list(self.handshaken):  # a failed send forgets the client
             self._send(client, stats)
@@ -235,14 +252,9 @@ class EngineService:
                 ErrorReply(request.request_id, ErrorCode.NOT_READY, "handshake first"),
             )
             return
-        limit = self.max_queued_requests
-        if self.engine.num_waiting_for_a_place(arriving=1) > limit:
-            reply = ErrorReply(
-                request.request_id,
-                ErrorCode.OVERLOADED,
-                f"{limit} requests already wait for a place in the batch (--max-queued-requests)",
-            )
-            self._send(client, reply)
+        refusal = self.admission.refusal()
+        if refusal is not None:
+            self._send(client, ErrorReply(request.request_id, ErrorCode.OVERLOADED, refusal))
             return
         try:
             if isinstance(request, EmbedRequest):

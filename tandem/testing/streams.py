@@ -30,6 +30,8 @@ class StreamResult:
     server: str = ""
     events: int = 0  # text events read
     answered: bool = False  # a server answered 200: from then on nothing is retried
+    # The usage chunk's count, when the body asked for it (stream_options.include_usage).
+    completion_tokens: int | None = None
 
 
 @dataclass
@@ -87,6 +89,9 @@ class Balancer:
                 chunk = json.loads(data)
                 if "error" in chunk:
                     result.error = f"error event: {chunk['error']}"
+                    continue
+                if not chunk["choices"]:  # the usage chunk
+                    result.completion_tokens = chunk["usage"]["completion_tokens"]
                     continue
                 choice = chunk["choices"][0]
                 result.text += choice["text"]

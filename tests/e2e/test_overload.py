@@ -16,7 +16,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -286,6 +286,38 @@ def test_a_full_queue_answers_429_at_once_and_the_admitted_finish(guarded: Serve
     finished = [took for outcome, took, _ in results if outcome == "length"]
     # Refused without waiting for anyone's tokens.
     assert max(took for took, _ in refused) < min(finished)
+    wait_for_cache_free(guarded.url)
+
+
+def test_a_full_queue_is_refused_by_the_server_before_the_body_and_reopens_at_once(
+    guarded: Served,
+) -> None:
+    url = f"{guarded.url}/v1/completions"
+    with ThreadPoolExecutor(MAX_NUM_SEQS + MAX_QUEUED) as pool:
+        blockers = [
+            pool.submit(httpx.post, url, json=_completion(f"w{5 + i}", 64), timeout=120)
+            for i in range(MAX_NUM_SEQS + MAX_QUEUED)
+        ]
+        deadline = time.monotonic() + 30
+        while not (httpx.get(f"{guarded.url}/health").json()["engine"] or {}).get("queue_full"):
+            assert time.monotonic() < deadline, "the engine never said its queue was full"
+        # Stopped, the engine reads nothing: only the server can answer, and it has not read
+        # the body (which is not even JSON) to do it.
+        os.kill(guarded.engine.pid, signal.SIGSTOP)
+        try:
+            refused = httpx.post(url, content=b"not json", timeout=5)
+        finally:
+            os.kill(guarded.engine.pid, signal.SIGCONT)
+        # The first blocker's end frees a place for a waiting one and so a place in the
+        # queue, and the engine says so at once: a request sent now is taken, not refused
+        # until its next heartbeat.
+        wait(blockers, return_when=FIRST_COMPLETED)
+        taken = httpx.post(url, json=_completion("w5", 2), timeout=60)
+        assert [blocker.result().status_code for blocker in blockers] == [200] * len(blockers)
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    assert refused.headers["retry-after"] == "1"
+    assert taken.status_code == 200, taken.text
     wait_for_cache_free(guarded.url)
 
 
