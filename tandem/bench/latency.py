@@ -54,6 +54,7 @@ from engine.roofline import (
 )
 from protocol import (
     PROTOCOL_VERSION,
+    EngineStats,
     ErrorReply,
     GenerateRequest,
     HandshakeReply,
@@ -179,7 +180,9 @@ def _one_request(
         message = decode_message(socket.recv())
         if isinstance(message, ErrorReply):
             raise RuntimeError(message.message)
-        assert isinstance(message, TokenOutputs)
+        if isinstance(message, EngineStats):  # the engine's heartbeat, every second
+            continue
+        assert isinstance(message, TokenOutputs), message
         now = time.perf_counter()
         for output in message.outputs:
             token_times.extend(now for _ in output.new_token_ids)
