@@ -54,7 +54,11 @@ are bound by reading the weights. Past it (W8A8), the widening would bound the p
 scales its float32 sums by the token's and the channel's scales, writes the activation in
 x's dtype as before, which is quantized per pair the same way (one small kernel) for the
 down kernel's FP8 products. Rounded as the dense FP8 MLP rounds: activation to x's dtype,
-then to e4m3.
+then to e4m3. Each step's FP8 product starts from zero and is added to the float32 sums
+apart: Hopper's FP8 tensor-core instructions add within a product with fewer bits than
+float32, so a sum carried through them across the whole depth (H, or I) drifts by many
+units of bf16's rounding (the GPU test's real shapes caught it at 256 tokens and more);
+summed a step (128 of depth) at a time, as FP8 GEMMs promote theirs, it does not.
 
 Tiles and splits are chosen by a rule over the shape (``moe_config``), not timed: decode
 steps take 16-row tiles and narrow columns, or split I, to fill the SMs; prefills, large
@@ -348,8 +352,12 @@ def _gate_up_kernel(
         w_mask = k_mask[:, None] & col_mask[None, :]
         gate_w = tl.load(gate_ptrs + ks[:, None], mask=w_mask, other=0.0)
         up_w = tl.load(up_ptrs + ks[:, None], mask=w_mask, other=0.0)
-        gate = tl.dot(x, widen(gate_w, x.dtype), gate, input_precision=DOT_PRECISION)
-        up = tl.dot(x, widen(up_w, x.dtype), up, input_precision=DOT_PRECISION)
+        if W8A8:  # each step's FP8 products summed apart, then added in float32: see below
+            gate += tl.dot(x, gate_w)
+            up += tl.dot(x, up_w)
+        else:
+            gate = tl.dot(x, widen(gate_w, x.dtype), gate, input_precision=DOT_PRECISION)
+            up = tl.dot(x, widen(up_w, x.dtype), up, input_precision=DOT_PRECISION)
     if HAS_SCALE:  # the codes' scales, times what widening them left them divided by
         factor = widen_factor(w_ptr.dtype.element_ty, x_ptr.dtype.element_ty)
         scale_ptrs = scale_ptr + expert * stride_se + cols
@@ -418,7 +426,10 @@ def _down_kernel(
         k_mask = ks < depth
         h = tl.load(hidden_ptrs + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        acc = tl.dot(h, widen(w, h.dtype), acc, input_precision=DOT_PRECISION)
+        if W8A8:  # as the gate/up kernel's
+            acc += tl.dot(h, w)
+        else:
+            acc = tl.dot(h, widen(w, h.dtype), acc, input_precision=DOT_PRECISION)
     if HAS_SCALE:
         factor = widen_factor(w_ptr.dtype.element_ty, hidden_ptr.dtype.element_ty)
         acc *= (
