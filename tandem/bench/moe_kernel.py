@@ -79,7 +79,7 @@ class MoeResult:
 
 
 def describe(config: MoeConfig) -> str:
-    """tile rows (1: by pair) / gate-up columns x depth / down columns x depth, x splits"""
+    """tile rows / gate-up columns x depth / down columns x depth, x splits"""
     gate_up, down = config.gate_up, config.down
     return (
         f"{config.block_m}/{gate_up.block_n}x{gate_up.block_k}/{down.block_n}x{down.block_k}"
@@ -88,20 +88,9 @@ def describe(config: MoeConfig) -> str:
 
 
 def candidates(rule: MoeConfig, weight_dtype: torch.dtype) -> list[MoeConfig]:
-    """Neighbours of the rule's configuration, for ``--moe-sweep``: by pair (one token), other
-    rows a program and chunks, and 16-row tiles; at decode tiles (16 or 32 rows) other column
-    widths, depths and splits; at prefill tiles the other height and widths and warps."""
-    if rule.block_m == 1:
-        chunk = rule.gate_up.block_k
-        by_pair = [
-            MoeConfig(1, MoeGemmConfig(gate_n, k, 1, 4, 1), MoeGemmConfig(down_n, k, 1, 4, 1))
-            for gate_n in (4, 8, 16)
-            for down_n in (4, 8, 16)
-            for k in (chunk // 2, chunk, chunk * 2)
-        ]
-        depth = 256 // weight_dtype.itemsize
-        tiled = MoeConfig(16, MoeGemmConfig(32, depth, 1, 4, 4), MoeGemmConfig(64, depth, 1, 4, 4))
-        return by_pair + candidates(tiled, weight_dtype)
+    """Neighbours of the rule's configuration, for ``--moe-sweep``: at decode tiles (16 or 32
+    rows) other column widths, depths and splits; at prefill tiles the other height and
+    widths and warps."""
     if rule.block_m <= 32:
         depth = rule.gate_up.block_k
         return [

@@ -99,8 +99,7 @@ def assert_rounding_close(out: torch.Tensor, reference: torch.Tensor, units: flo
 @pytest.mark.parametrize("dtype", [torch.float32, HALF], ids=str)
 @pytest.mark.parametrize("num_tokens", [1, 2, 40])
 def test_fused_moe_matches_reference(num_tokens: int, dtype: torch.dtype, fp8: bool) -> None:
-    """One token (by pair: its picks' products, then its down products summed, no
-    alignment), two (one tile an expert, one chunk of pairs) and 40 (top-2 of 8: tiles of
+    """One token and two (one tile an expert, one chunk of pairs) and 40 (top-2 of 8: tiles of
     several tokens, an expert's pairs over more than one tile, several chunks)."""
     x = torch.randn(num_tokens, HIDDEN, device=DEVICE).to(dtype)
     weights, ids = route(torch.randn(num_tokens, 8, device=DEVICE), top_k=2)
@@ -134,7 +133,7 @@ def test_fused_moe_expert_offset_leaves_out_other_ranks_experts(fp8: bool) -> No
     layer = experts(4, torch.float32, fp8)
     out = assert_matches_reference(x, weights, ids, layer, expert_offset=4)
     assert (out[0] == 0).all()
-    # One token (by pair), two of its three picks here.
+    # One token, two of its three picks here.
     mixed = torch.tensor([[5, 9, 7]], device=DEVICE, dtype=torch.int32)
     assert_matches_reference(x[:1], weights[:1], mixed, layer, expert_offset=4)
 

@@ -31,15 +31,6 @@ rows to each expert that has pairs, and at most min(E_local, T*K) experts have t
 past the routing's last are launched and return at once. So a decode step's layers are
 captured in a CUDA graph and replayed for any routing.
 
-One token (a batch-1 decode step) goes by pair instead, in two kernels: its K picks are K
-distinct experts, so there is nothing to group, and the four kernels above cost more in
-launches and too few programs than in reading (Qwen3-30B-A3B's 8 experts of 9 MiB took 41
-us, where copy bandwidth reads them in 18). ``_gate_up_pair_kernel``: a program
-per (pair, 8 rows of each half), matrix-vector products on the CUDA cores as the one-row
-kernel computes them; ``_down_token_kernel``: a program per (token, 8 output channels)
-summing its pairs' down products times their routing weights in order, the combine within
-it. Several hundred programs even for small experts, no alignment, no partial sums.
-
 Every kernel here is launched dependent (``dependent_launch``: waiting for the kernel
 before as it starts, letting the next one start): the next kernel's programs are scheduled
 while this one's last finish, which at a few tokens is a good part of each kernel's time.
@@ -111,8 +102,8 @@ class MoeGemmConfig:
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """The tile height both GEMMs share (the alignment pads each expert's pairs to it; 1: by
-    pair, no alignment) and each GEMM's launch."""
+    """The tile height both GEMMs share (the alignment pads each expert's pairs to it) and
+    each GEMM's launch."""
 
     block_m: int
     gate_up: MoeGemmConfig
@@ -135,10 +126,6 @@ def moe_config(
     SMs; chosen by shape, never timed (timed choices would differ between processes, and so
     would their sums).
 
-    - One token (a batch-1 decode step): by pair (tile height 1), two kernels of
-      matrix-vector products, 8 weight rows a program (of each half, gate/up) in 512-byte
-      chunks: hundreds of programs even for 8 small experts.
-
     - The tile height follows the rows an expert gets when routing is even,
       ``num_pairs / min(E, num_pairs)``: 16 up to 8 rows, 32 up to 16, 64 up to 32, 128
       beyond (vLLM's and SGLang's tuned tables for these shapes step alike).
@@ -150,9 +137,6 @@ def moe_config(
       operand, for the stages to fit in shared memory), gate/up 64 or 128 columns of each
       half, down 128.
     """
-    if num_tokens == 1:  # interpreted, narrow chunks: every mask
-        block_k = 32 if _INTERPRETED else 512 // weight_dtype.itemsize
-        return MoeConfig(1, MoeGemmConfig(8, block_k, 1, 4, 1), MoeGemmConfig(8, block_k, 1, 4, 1))
     if _INTERPRETED:  # small tiles, split: every mask and the partial sums' combine
         return MoeConfig(16, MoeGemmConfig(16, 32, 1, 4, 1), MoeGemmConfig(16, 32, 2, 4, 1))
     num_pairs = num_tokens * top_k
@@ -481,116 +465,6 @@ def _combine_kernel(
     tl.store(out_ptr + token * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
-@triton.jit
-def _gate_up_pair_kernel(
-    x_ptr,  # [T, H]
-    ids_ptr,  # [T*K]
-    w_ptr,  # [E, 2I, H]
-    scale_ptr,  # [E, 2I] float32 (HAS_SCALE)
-    hidden_ptr,  # [T*K, I] out: silu(gate) * up, a row a local pair
-    expert_offset,
-    num_experts,
-    depth,  # H
-    intermediate,  # I
-    top_k,
-    stride_x,
-    stride_we,
-    stride_wn,
-    stride_se,
-    stride_hidden,
-    HAS_SCALE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """Program per (BLOCK_N rows of each half, pair): x's row times them, on the CUDA cores
-    (as the one-row kernel: the weight in registers, float32 products summed once at the
-    end). A non-local pair's program returns at once."""
-    _launched_dependent()
-    pair = tl.program_id(1)
-    expert = tl.load(ids_ptr + pair) - expert_offset
-    if (expert < 0) | (expert >= num_experts):
-        return
-    x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_x
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < intermediate
-    gate_rows = w_ptr + expert.to(tl.int64) * stride_we + cols[:, None] * stride_wn
-    up_rows = gate_rows + intermediate * stride_wn
-    gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for start in range(0, depth, BLOCK_K):
-        ks = start + tl.arange(0, BLOCK_K)
-        k_mask = ks < depth
-        x = tl.load(x_row + ks, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-        w_mask = col_mask[:, None] & k_mask[None, :]
-        gate += widen(tl.load(gate_rows + ks[None, :], mask=w_mask, other=0.0), tl.float32) * x
-        up += widen(tl.load(up_rows + ks[None, :], mask=w_mask, other=0.0), tl.float32) * x
-    gate_sums = tl.sum(gate, axis=1)
-    up_sums = tl.sum(up, axis=1)
-    if HAS_SCALE:  # widened to float32 exactly
-        scale_ptrs = scale_ptr + expert * stride_se + cols
-        gate_sums *= tl.load(scale_ptrs, mask=col_mask, other=0.0)
-        up_sums *= tl.load(scale_ptrs + intermediate, mask=col_mask, other=0.0)
-    activation = gate_sums * tl.sigmoid(gate_sums) * up_sums
-    tl.store(
-        hidden_ptr + pair * stride_hidden + cols,
-        activation.to(hidden_ptr.dtype.element_ty),
-        mask=col_mask,
-    )
-
-
-@triton.jit
-def _down_token_kernel(
-    hidden_ptr,  # [T*K, I]
-    ids_ptr,  # [T*K]
-    topk_weights_ptr,  # [T*K] float32
-    w_ptr,  # [E, H, I]
-    scale_ptr,  # [E, H] float32 (HAS_SCALE)
-    out_ptr,  # [T, H]
-    expert_offset,
-    num_experts,
-    depth,  # I
-    channels,  # H
-    stride_hidden,
-    stride_we,
-    stride_wn,
-    stride_se,
-    stride_out,
-    TOP_K: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """Program per (BLOCK_N output channels, token): each of its pairs' activation times
-    those rows of its expert's down projection, times its routing weight, summed over the
-    pairs in order and rounded once: the combine too, without atomics or partial sums. A
-    non-local pair's loads are masked off (its activation was never written) and add 0."""
-    _launched_dependent()
-    token = tl.program_id(1)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < channels
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k in range(TOP_K):
-        pair = token * TOP_K + k
-        expert = tl.load(ids_ptr + pair) - expert_offset
-        local = (expert >= 0) & (expert < num_experts)
-        expert = tl.where(local, expert, 0).to(tl.int64)
-        local_depth = tl.where(local, depth, 0)  # a non-local pair: every load masked off
-        rows = w_ptr + expert * stride_we + cols[:, None] * stride_wn
-        hidden_row = hidden_ptr + pair.to(tl.int64) * stride_hidden
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for start in range(0, depth, BLOCK_K):
-            ks = start + tl.arange(0, BLOCK_K)
-            k_mask = ks < local_depth
-            h = tl.load(hidden_row + ks, mask=k_mask, other=0.0).to(tl.float32)
-            w = tl.load(rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-            acc += widen(w, tl.float32) * h[None, :]
-        sums = tl.sum(acc, axis=1)
-        if HAS_SCALE:
-            sums *= tl.load(scale_ptr + expert * stride_se + cols, mask=col_mask, other=0.0)
-        total += sums * tl.load(topk_weights_ptr + pair)
-    tl.store(out_ptr + token * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
-
-
 def quantizes_activations(num_tokens: int, weight_dtype: torch.dtype) -> bool:
     """Whether ``fused_moe`` multiplies FP8 weights with FP8 activations (W8A8), as the dense
     FP8 layers do past ``WEIGHT_ONLY_MAX_TOKENS`` tokens, rather than widening the weights."""
@@ -647,11 +521,6 @@ def fused_moe(
     ids = topk_ids.reshape(num_pairs)  # a view of contiguous ids: no copy under a graph
     weights = topk_weights.reshape(num_pairs)
     assert ids.stride(0) == 1 and weights.stride(0) == 1 and weights.dtype == torch.float32
-    if block_m == 1:
-        assert not w8a8
-        _experts_by_pair(x, weights, ids, w13, w2, w13_scale, w2_scale, expert_offset, config, out)
-        return out
-
     # 1. Align. At most min(E, T*K) experts have pairs; each pads to whole tiles.
     max_tiles = num_pairs // block_m + min(num_experts, num_pairs)
     sorted_pairs = ids.new_empty(max_tiles * block_m, dtype=torch.int32)
@@ -781,71 +650,3 @@ def fused_moe(
         **launch_options(x.device),
     )
     return out
-
-
-def _experts_by_pair(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    w13_scale: torch.Tensor | None,
-    w2_scale: torch.Tensor | None,
-    expert_offset: int,
-    config: MoeConfig,
-    out: torch.Tensor,
-) -> None:
-    """``fused_moe`` by pair (tile height 1): the gate/up products and activation of each
-    pair, then each token's down products summed over its pairs, into ``out``."""
-    num_tokens, hidden = x.shape
-    num_experts, double_intermediate, _ = w13.shape
-    intermediate = double_intermediate // 2
-    top_k = ids.numel() // num_tokens
-    quantized = w13_scale is not None
-    hidden_states = x.new_empty(ids.numel(), intermediate)
-    gate_up, down = config.gate_up, config.down
-    _gate_up_pair_kernel[(triton.cdiv(intermediate, gate_up.block_n), ids.numel())](
-        x,
-        ids,
-        w13,
-        w13_scale if quantized else w13,
-        hidden_states,
-        expert_offset,
-        num_experts,
-        hidden,
-        intermediate,
-        top_k,
-        x.stride(0),
-        w13.stride(0),
-        w13.stride(1),
-        w13_scale.stride(0) if quantized else 0,
-        hidden_states.stride(0),
-        HAS_SCALE=quantized,
-        BLOCK_N=gate_up.block_n,
-        BLOCK_K=gate_up.block_k,
-        num_warps=gate_up.warps,
-        **launch_options(x.device),
-    )
-    _down_token_kernel[(triton.cdiv(hidden, down.block_n), num_tokens)](
-        hidden_states,
-        ids,
-        weights,
-        w2,
-        w2_scale if quantized else w2,
-        out,
-        expert_offset,
-        num_experts,
-        intermediate,
-        hidden,
-        hidden_states.stride(0),
-        w2.stride(0),
-        w2.stride(1),
-        w2_scale.stride(0) if quantized else 0,
-        out.stride(0),
-        TOP_K=top_k,
-        HAS_SCALE=quantized,
-        BLOCK_N=down.block_n,
-        BLOCK_K=down.block_k,
-        num_warps=down.warps,
-        **launch_options(x.device),
-    )
