@@ -391,9 +391,10 @@ function sendToolResults(message, fields) {
 function describeStats(stats) {
   if (!stats) return "";
   const parts = [];
-  if (stats.completionTokens !== null) parts.push(`${stats.completionTokens} tokens`);
-  if (stats.tokensPerSecond !== null) parts.push(`${stats.tokensPerSecond.toFixed(1)} tok/s`);
-  if (stats.ttft !== null) parts.push(`TTFT ${stats.ttft.toFixed(2)} s`);
+  // `!= null`: a field may be missing as well as null (conversations saved by older pages).
+  if (stats.completionTokens != null) parts.push(`${stats.completionTokens} tokens`);
+  if (stats.tokensPerSecond != null) parts.push(`${stats.tokensPerSecond.toFixed(1)} tok/s`);
+  if (stats.ttft != null) parts.push(`TTFT ${stats.ttft.toFixed(2)} s`);
   if (stats.finishReason) parts.push(stats.finishReason === "length" ? "length (token limit)" : stats.finishReason);
   return parts.join(" · ");
 }

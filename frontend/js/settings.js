@@ -1,4 +1,5 @@
-// Settings: saved in localStorage, each left empty meaning "the model's default".
+// Settings: saved in localStorage, each left empty meaning "the model's default". (The panel
+// opens and closes as panels.js says.)
 //
 // The model's defaults are its generation_config.json's (the engine reads them and hands
 // them to the server; /v1/models shows them as `sampling_defaults`), which the server applies
@@ -60,8 +61,6 @@ export class Settings {
       jsonMode: $("json-mode"),
       theme: $("theme"),
     };
-    this.panel = $("settings");
-    this.toggleButton = $("toggle-settings");
     this.defaultsNote = $("defaults-note");
     this.toolsNote = $("tools-note");
     this.modelDefaults = {};
@@ -75,23 +74,11 @@ export class Settings {
         this.onChange(name);
       });
     }
-    this.toggleButton.addEventListener("click", () => this.show(this.panel.hidden));
-    $("close-settings").addEventListener("click", () => this.show(false));
     $("reset-settings").addEventListener("click", () => {
       for (const name of [...Object.keys(SAMPLERS), "maxTokens", "stop"]) this.fields[name].value = "";
       this.fields.jsonMode.checked = false;
       this.save();
     });
-  }
-
-  get open() {
-    return !this.panel.hidden;
-  }
-
-  show(visible) {
-    this.panel.hidden = !visible;
-    this.toggleButton.setAttribute("aria-expanded", String(visible));
-    (visible ? this.fields.systemPrompt : this.toggleButton).focus();
   }
 
   load() {
