@@ -591,7 +591,7 @@ async function generate(target, parentId, continued = null) {
       scrollToEnd(false);
     }
     if (performance.now() - lastSave > SAVE_EVERY_MS) {
-      conversations.save(target);
+      saveUnlessDeleted(target);
       lastSave = performance.now();
     }
   };
@@ -603,7 +603,7 @@ async function generate(target, parentId, continued = null) {
     streams.delete(target.id);
     stream.view?.finish();
     target.updatedAt = Date.now();
-    conversations.save(target);
+    saveUnlessDeleted(target);
     if (stream.node) {
       const view = messageView(message);
       stream.node.replaceWith(view);
@@ -615,6 +615,11 @@ async function generate(target, parentId, continued = null) {
     }
     renderList();
   }
+}
+
+// A conversation deleted while its answer streamed stays deleted.
+function saveUnlessDeleted(target) {
+  if (conversations.get(target.id) === target) conversations.save(target);
 }
 
 function sendNew(text) {
@@ -724,6 +729,7 @@ ui.stop.addEventListener("click", stopShownAnswer);
 // Keyboard shortcuts (llama.cpp's): Esc closes the panel on top, else stops the shown
 // answer; Ctrl+Shift+O starts a new chat; Ctrl+K searches the conversations.
 document.addEventListener("keydown", (event) => {
+  if (!conversations) return; // still opening the storage
   const mod = event.ctrlKey || event.metaKey;
   if (event.key === "Escape") {
     if (!closeTopPanel()) stopShownAnswer();

@@ -258,7 +258,7 @@ def test_answers_stream_on_in_their_conversation_while_another_is_open(
     expect(page.locator(".conversation-title.streaming")).to_have_count(1)
     ask(page, "Say hello.")
     wait_answered(page)
-    page.get_by_role("button", name="Tell me a story about a dragon.").click()
+    page.get_by_role("button", name="Tell me a story about a dragon.", exact=True).click()
     expect(page.locator(".message.user .content")).to_have_text("Tell me a story about a dragon.")
     wait_answered(page, timeout_s=120)
     meta = answers(page).locator(".meta")
@@ -316,7 +316,7 @@ def test_long_paste_json_answers_and_imported_times(
         },
     )
     expect(page.locator(".conversation-title")).to_have_text(["Hi.", "Last year", "Old paste"])
-    page.get_by_role("button", name="Old paste").click()
+    page.get_by_role("button", name="Old paste", exact=True).click()
     question = page.locator(".message.user .content")
     expect(question).to_have_class("content folded")
     box = question.bounding_box()
