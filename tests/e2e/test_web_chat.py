@@ -2,8 +2,8 @@
 engine and servers of the `cluster` fixture: what a person does. Its safety, storage, layout
 and llama.cpp-parity tests are in the test_web_chat_*.py modules beside it.
 
-Answers are kept to a few tokens (the page's max-tokens setting) so that the whole file runs
-in well under a minute on a CPU. Where a test needs a given answer, it asks the engine for
+Answers are kept to a few tokens (the page's max-tokens setting), and the modules share the
+session's cluster and one browser each, so that they stay short on a CPU. Where a test needs a given answer, it asks the engine for
 exactly that text through a structured-output choice added to the page's request in flight
 (the model still writes it, token by token); renderer checks that need no engine go
 through the page's own import path.
