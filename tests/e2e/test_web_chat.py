@@ -3,10 +3,10 @@ engine and servers of the `cluster` fixture: what a person does. Its safety, sto
 and llama.cpp-parity tests are in the test_web_chat_*.py modules beside it.
 
 Answers are kept to a few tokens (the page's max-tokens setting), and the modules share the
-session's cluster and one browser each, so that they stay short on a CPU. Where a test needs a given answer, it asks the engine for
-exactly that text through a structured-output choice added to the page's request in flight
-(the model still writes it, token by token); renderer checks that need no engine go
-through the page's own import path.
+session's cluster and one browser each, so that they stay short on a CPU. Where a test needs
+a given answer, it asks the engine for exactly that text through a structured-output choice
+added to the page's request in flight (the model still writes it, token by token); renderer
+checks that need no engine go through the page's own import path.
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ def test_answers_stream_on_in_their_conversation_while_another_is_open(
     expect(page.locator("#send")).to_be_visible()  # this conversation has nothing streaming
     expect(page.locator(".conversation-title.streaming")).to_have_count(1)
     ask(page, "Say hello.")
-    wait_answered(page)
+    wait_answered(page, timeout_s=120)  # beside the first answer, which still streams
     page.get_by_role("button", name="Tell me a story about a dragon.", exact=True).click()
     expect(page.locator(".message.user .content")).to_have_text("Tell me a story about a dragon.")
     wait_answered(page, timeout_s=120)

@@ -234,14 +234,11 @@ def test_hostile_answer_from_the_engine_is_inert(cluster: Cluster, browser: Brow
     force_answer(
         page,
         '<a href="javascript:pwned=1" style="position:fixed;inset:0">x</a>'
-        "![i](https://images.test/a.png)\n\n```py\nx=1\n```",
+        "![i](https://images.test/a.png)",
     )
     ask(page, "Show me.")
-    wait_answered(page, timeout_s=240)  # ~40 tokens, each through the grammar
+    wait_answered(page, timeout_s=240)  # ~30 tokens, each through the grammar
     answer = answers(page).first
-    expect(answer.locator("pre > code")).to_have_text("x=1")
-    expect(answer.locator(".code-lang")).to_have_text("py")
-    expect(answer.get_by_role("button", name="Copy py code")).to_be_visible()
     expect(answer.locator(".remote-image")).to_have_count(1)
     expect(answer.locator("a")).to_have_text("x")
     page.wait_for_timeout(300)
