@@ -122,7 +122,9 @@ def assert_inert(page: Page, content: str) -> None:
     expect(page.locator("#scrim")).to_be_hidden()
 
 
-def test_the_page_and_its_files_carry_a_strict_policy(cluster: Cluster, browser: Browser) -> None:
+def test_the_page_and_its_files_carry_a_strict_policy(
+    cluster: Cluster, browser: Browser, tmp_path: Path
+) -> None:
     for path in ("/", "/static/js/app.js", "/static/style.css", "/static/manifest.json"):
         response = httpx.get(cluster.urls[0] + path)
         assert response.status_code == 200, path
@@ -135,12 +137,28 @@ def test_the_page_and_its_files_carry_a_strict_policy(cluster: Cluster, browser:
         assert directives["object-src"] == "'none'" and directives["form-action"] == "'none'"
         assert response.headers["referrer-policy"] == "no-referrer"
         assert response.headers["x-content-type-options"] == "nosniff"
-    # The page itself needs nothing inline.
+    # The page itself needs nothing inline, not even to render math, code and tables.
     page = open_chat(browser, cluster.urls[0])
     assert page.evaluate(
         "[...document.scripts].every((script) => script.src)"
         " && !document.querySelector('style, [style]')"
     )
+    import_file(
+        page,
+        tmp_path / "plain.json",
+        [
+            {"role": "user", "content": "Show me."},
+            {
+                "role": "assistant",
+                "content": "$$\\int_0^1 x^2\\,dx$$ and $a^2$\n\n```python\nprint(1)\n```\n\n"
+                "| a | b |\n|---|---|\n| 1 | 2 |\n\n> quoted",
+            },
+        ],
+    )
+    expect(answers(page).locator("math")).to_have_count(2)
+    expect(answers(page).locator(".hljs")).to_have_count(1)
+    page.wait_for_timeout(300)
+    assert page.evaluate("window.cspViolations") == []
     # Were a script to get in after all, the browser would not run it.
     violations = page.evaluate(
         """() => new Promise((resolve) => {

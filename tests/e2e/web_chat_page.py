@@ -36,6 +36,12 @@ def open_chat(
     errors: list[str] = []
     page.on("pageerror", lambda error: errors.append(str(error)))
     page.errors = errors  # type: ignore[attr-defined]
+    # What the Content-Security-Policy refused, for the tests that look.
+    page.add_init_script(
+        "window.cspViolations = [];"
+        "document.addEventListener('securitypolicyviolation',"
+        " (event) => window.cspViolations.push(event.violatedDirective));"
+    )
     saved = json.dumps(SHORT_ANSWERS | (settings or {}))
     page.add_init_script(
         f"if (!localStorage.getItem('tandem.settings')) "
