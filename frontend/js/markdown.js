@@ -112,6 +112,19 @@ function placeholder(img) {
 // Code blocks get their language's colours, a language label and a copy button; tables and
 // display math scroll sideways on their own instead of widening the page on a phone.
 function decorate(root) {
+  // KaTeX ends a function's name (log, sin) with U+2061, to which Chromium's MathML gives no
+  // space: "n log n" would read "nlogn". Thin spaces around the name, as TeX puts there.
+  for (const mo of root.querySelectorAll("mo")) {
+    if (mo.textContent !== "\u2061") continue;
+    mo.setAttribute("rspace", "0.1667em");
+    const name = mo.previousElementSibling;
+    const before = name?.previousElementSibling;
+    if (before && before.textContent !== "\u2061") {
+      const space = document.createElementNS("http://www.w3.org/1998/Math/MathML", "mspace");
+      space.setAttribute("width", "0.1667em");
+      name.before(space);
+    }
+  }
   for (const img of root.querySelectorAll("img[data-blocked-src]")) img.replaceWith(placeholder(img));
   for (const code of root.querySelectorAll("pre > code")) {
     const language = [...code.classList].find((name) => name.startsWith("language-"))?.slice(9);
