@@ -75,7 +75,7 @@ def shoot(browser: Browser, url: str, example: Path, out: Path, scheme: str, nam
         page.keyboard.press("Escape")  # closes the conversation list
     page.fill("#input", "What is the capital of France?")
     page.keyboard.press("Enter")
-    expect(page.locator(".message.assistant:not(.pending)")).to_have_count(2, timeout=120_000)
+    expect(page.locator(".message.assistant:not(.pending)")).to_have_count(2, timeout=300_000)
     page.wait_for_timeout(1500)  # two stats polls: the panel's rates and sparkline
     path = out / f"web-chat-{scheme}-{name}.png"
     page.screenshot(path=str(path))

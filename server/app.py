@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import FileResponse, Response
-from starlette.routing import Mount, Route
-from starlette.staticfiles import StaticFiles
+from starlette.requests import ClientDisconnect
+from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from protocol import HandshakeReply
@@ -40,8 +36,7 @@ from server.routes.stats import Stats
 from server.routes.tokenize import Tokenization
 from server.routes.version import server_version
 from server.served_model import ChatOptions, ServedModel
-
-FRONTEND_DIR = Path(__file__).resolve().parent.parent / "frontend"
+from server.web_ui import web_ui_routes
 
 
 def create_app(
@@ -71,11 +66,6 @@ def create_app(
     tokenization = Tokenization(model)
     health = Health(client, drain)
     stats = Stats(client)
-    index = FRONTEND_DIR / "index.html"
-
-    async def web_ui(request: Request) -> Response:
-        return FileResponse(index)
-
     routes = [
         Route("/v1/chat/completions", chat.create, methods=["POST"]),
         Route("/v1/completions", completions.create, methods=["POST"]),
@@ -93,8 +83,7 @@ def create_app(
         Route("/metrics", health.metrics, methods=["GET"]),
         Route("/stats", stats.stats, methods=["GET"]),
         Route("/version", server_version, methods=["GET"]),
-        Route("/", web_ui, methods=["GET"]),
-        Mount("/static", StaticFiles(directory=FRONTEND_DIR), name="static"),
+        *web_ui_routes(),
     ]
     if max_request_bytes is None:
         max_request_bytes = default_max_request_bytes(handshake.max_model_len)

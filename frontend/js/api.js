@@ -3,6 +3,25 @@
 
 export class ApiError extends Error {}
 
+// What a failed fetch means: the browser says only "Failed to fetch" or "network error".
+const UNREACHABLE = `The server at ${location.host} does not answer: it may have stopped. Start it again, then try once more.`;
+const CONNECTION_LOST =
+  `The connection to the server at ${location.host} was lost mid-answer: the server may have ` +
+  "stopped or restarted. The answer so far is kept.";
+
+/** The server itself did not answer (stopped, or the network is down), as opposed to an error it sent. */
+export class ServerUnreachable extends ApiError {}
+
+// fetch() with its network failures (a TypeError) as a ServerUnreachable.
+async function request(url, options) {
+  try {
+    return await fetch(url, options);
+  } catch (error) {
+    if (error.name === "AbortError" || error.name === "TimeoutError") throw error;
+    throw new ServerUnreachable(UNREACHABLE);
+  }
+}
+
 /** The headers of every API call: the key, when the server wants one (--api-key). */
 export function apiHeaders(apiKey, extra = {}) {
   const key = apiKey.trim();
@@ -20,25 +39,33 @@ async function errorMessage(response) {
 
 /** The served model's card (id, max_model_len, sampling_defaults). */
 export async function fetchModel(apiKey) {
-  const response = await fetch("/v1/models", { headers: apiHeaders(apiKey) });
+  const response = await request("/v1/models", { headers: apiHeaders(apiKey) });
   if (!response.ok) throw new ApiError(await errorMessage(response));
   return (await response.json()).data[0];
 }
 
 /** The engine's state (server/routes/stats.py), or an ApiError when it does not answer. */
 export async function fetchStats(signal) {
-  const response = await fetch("/stats", { cache: "no-store", signal });
+  const response = await request("/stats", { cache: "no-store", signal });
   if (!response.ok) throw new ApiError(await errorMessage(response));
   return response.json();
 }
 
-// Yields the parsed JSON of each `data:` event of an SSE response, until [DONE].
+// Yields the parsed JSON of each `data:` event of an SSE response, until [DONE]. A stream
+// that breaks off before [DONE] lost its server.
 async function* events(response) {
   const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
   let buffer = "";
   for (;;) {
-    const { value, done } = await reader.read();
-    if (done) return;
+    let read;
+    try {
+      read = await reader.read();
+    } catch (error) {
+      if (error.name === "AbortError") throw error;
+      throw new ServerUnreachable(CONNECTION_LOST);
+    }
+    const { value, done } = read;
+    if (done) throw new ServerUnreachable(CONNECTION_LOST);
     buffer += value.replace(/\r\n/g, "\n");
     let end;
     while ((end = buffer.indexOf("\n\n")) >= 0) {
@@ -82,7 +109,7 @@ export async function streamChat({ body, apiKey, signal, onUpdate }) {
     };
   };
   try {
-    const response = await fetch("/v1/chat/completions", {
+    const response = await request("/v1/chat/completions", {
       method: "POST",
       headers: apiHeaders(apiKey, { "Content-Type": "application/json" }),
       body: JSON.stringify(body),

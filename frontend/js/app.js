@@ -1,12 +1,19 @@
-// Tandem's web chat: conversations (store.js) shown as messages, answers streamed from
-// /v1/chat/completions (api.js) and rendered as sanitized markdown (markdown.js), settings
-// (settings.js) and the live engine panel (engine_panel.js). No build step: ES modules
-// served as they are.
+// Tandem's web chat: conversations (store.js, kept by storage.js) shown as messages, answers
+// streamed from /v1/chat/completions (api.js) and rendered as sanitized markdown
+// (markdown.js), settings (settings.js), the panels (panels.js) and the live engine panel
+// (engine_panel.js). No build step: ES modules served as they are.
+//
+// Answers stream into their own conversation: opening another conversation, or starting a
+// new one, leaves them running (`streams`, one a conversation), and the page shows whichever
+// is open, as it stands, when it is opened.
 
 import { fetchModel, streamChat } from "./api.js";
+import { describeSize, readTextFile, withAttachments } from "./attachments.js";
 import { EnginePanel } from "./engine_panel.js";
-import { StreamingMarkdown, renderMarkdown } from "./markdown.js";
+import { StreamingJson, StreamingMarkdown, renderJson, renderMarkdown } from "./markdown.js";
+import { Panel, closeTopPanel, initPanels } from "./panels.js";
 import { Settings } from "./settings.js";
+import { ConversationStore, describeStorageError } from "./storage.js";
 import * as store from "./store.js";
 
 const $ = (id) => document.getElementById(id);
@@ -18,31 +25,47 @@ const ui = {
   input: $("input"),
   send: $("send"),
   stop: $("stop"),
-  sidebar: $("sidebar"),
-  toggleSidebar: $("toggle-sidebar"),
-  newChat: $("new-chat"),
+  attach: $("attach"),
+  attachFile: $("attach-file"),
+  pendingAttachments: $("pending-attachments"),
   search: $("search"),
   list: $("conversation-list"),
-  exportButton: $("export"),
-  importButton: $("import"),
   importFile: $("import-file"),
   importStatus: $("import-status"),
   toggleTheme: $("toggle-theme"),
+  notice: $("notice"),
+  noticeText: $("notice-text"),
   template: $("message-template"),
 };
 
-const NARROW = window.matchMedia("(max-width: 799px)");
+const SIDEBAR_OVERLAYS = window.matchMedia("(max-width: 799px)");
+const ENGINE_OVERLAYS = window.matchMedia("(max-width: 1099px)");
 const PREFERS_DARK = window.matchMedia("(prefers-color-scheme: dark)");
 const SAVE_EVERY_MS = 1000; // while an answer streams, it is saved this often
+// A question longer than this shows folded, with a button to unfold it.
+const FOLD_CHARACTERS = 1500;
+const FOLD_LINES = 20;
 
 let modelName = null;
+let conversations = null; // the ConversationStore
 let conversation = null; // the one shown
-let generation = null; // {controller, conversationId} of the answer streaming now
+const streams = new Map(); // conversation id -> the answer streaming into it (generate())
+let attachments = []; // files attached to the question being written
 
 const settings = new Settings((name) => {
   if (name === "apiKey") loadModel();
   if (name === "theme") applyTheme();
 });
+
+// ---- notices ------------------------------------------------------------------------
+
+/** A problem the user should know of (storage full), shown until dismissed or replaced. */
+function showNotice(text) {
+  ui.noticeText.textContent = text;
+  ui.notice.hidden = false;
+}
+
+$("close-notice").addEventListener("click", () => (ui.notice.hidden = true));
 
 // ---- model and theme --------------------------------------------------------
 
@@ -50,12 +73,17 @@ async function loadModel() {
   try {
     const card = await fetchModel(settings.apiKey);
     modelName = card.id;
-    ui.model.textContent = `${card.id} · ${card.max_model_len} tokens of context`;
+    ui.model.replaceChildren(card.id);
+    const context = document.createElement("span");
+    context.className = "model-context";
+    context.textContent = ` · ${card.max_model_len} tokens of context`;
+    ui.model.append(context);
+    ui.model.title = `${card.id}, ${card.max_model_len} tokens of context`;
     ui.model.classList.remove("offline");
     settings.setModelDefaults(card.sampling_defaults);
   } catch (error) {
     const unauthorized = /api key/i.test(error.message);
-    ui.model.textContent = unauthorized ? "API key needed: see Settings" : "server unreachable";
+    ui.model.textContent = unauthorized ? "API key needed: see Settings" : "server not answering";
     ui.model.classList.add("offline");
   }
 }
@@ -76,16 +104,41 @@ function applyTheme() {
   ui.toggleTheme.setAttribute("aria-label", `Switch to ${other} theme`);
 }
 
-// ---- the conversation list ----------------------------------------------------
+// ---- panels ----------------------------------------------------------------------------
 
-function showSidebar(open) {
-  ui.sidebar.classList.toggle("closed", !open);
-  ui.toggleSidebar.setAttribute("aria-expanded", String(open));
+initPanels($("scrim"));
+const sidebar = new Panel({
+  element: $("sidebar"),
+  toggle: $("toggle-sidebar"),
+  close: $("close-sidebar"),
+  overlayQuery: SIDEBAR_OVERLAYS,
+  drawer: true,
+});
+let enginePanel = null;
+const engineDrawer = new Panel({
+  element: $("engine-panel"),
+  toggle: $("toggle-engine"),
+  close: $("close-engine"),
+  overlayQuery: ENGINE_OVERLAYS,
+  drawer: true,
+  onShow: (visible) => {
+    // Remembered where it sits beside the chat; over the chat it starts closed.
+    if (!ENGINE_OVERLAYS.matches) localStorage.setItem("tandem.enginePanel", visible ? "shown" : "hidden");
+    if (visible) enginePanel?.refresh();
+  },
+});
+const settingsPanel = new Panel({ element: $("settings"), toggle: $("toggle-settings"), close: $("close-settings") });
+
+/** Closes the conversation list where it lies over the chat (after picking from it). */
+function closeSidebarDrawer() {
+  if (SIDEBAR_OVERLAYS.matches && sidebar.open) sidebar.show(false, { focus: false });
 }
+
+// ---- the conversation list ----------------------------------------------------
 
 function renderList() {
   const query = ui.search.value;
-  const items = store.listConversations().filter((c) => store.matches(c, query));
+  const items = conversations.list().filter((c) => store.matches(c, query));
   ui.list.replaceChildren(
     ...items.map((c) => {
       const item = document.createElement("li");
@@ -95,15 +148,17 @@ function renderList() {
       open.className = "conversation-title";
       open.textContent = c.title;
       open.title = c.title;
+      if (streams.has(c.id)) open.classList.add("streaming");
       if (conversation && c.id === conversation.id) open.setAttribute("aria-current", "true");
       open.addEventListener("click", () => {
         openConversation(c.id);
-        if (NARROW.matches) showSidebar(false);
+        closeSidebarDrawer();
       });
       const rename = smallButton("✎", `Rename ${c.title}`, () => renameInline(item, c));
       const remove = smallButton("✕", `Delete ${c.title}`, () => {
         if (!window.confirm(`Delete "${c.title}"?`)) return;
-        store.deleteConversation(c.id);
+        streams.get(c.id)?.controller.abort();
+        conversations.delete(c.id);
         if (conversation?.id === c.id) startNewConversation();
         renderList();
       });
@@ -139,9 +194,8 @@ function renameInline(item, c) {
     done = true;
     const title = field.value.trim();
     if (keep && title) {
-      const saved = conversation?.id === c.id ? conversation : c;
-      saved.title = title.slice(0, 200);
-      store.saveConversation(saved);
+      c.title = title.slice(0, 200);
+      conversations.save(c);
     }
     renderList();
   };
@@ -156,8 +210,7 @@ function renameInline(item, c) {
 }
 
 function openConversation(id) {
-  stopGeneration();
-  conversation = store.listConversations().find((c) => c.id === id) ?? store.newConversation();
+  conversation = conversations.get(id) ?? store.newConversation();
   localStorage.setItem("tandem.current", conversation.id);
   renderConversation();
   renderList();
@@ -165,7 +218,6 @@ function openConversation(id) {
 }
 
 function startNewConversation() {
-  stopGeneration();
   conversation = store.newConversation(); // saved with its first message
   localStorage.removeItem("tandem.current");
   renderConversation();
@@ -175,28 +227,98 @@ function startNewConversation() {
 
 // ---- messages ---------------------------------------------------------------------
 
+function shown(target) {
+  return conversation === target;
+}
+
 function renderConversation() {
+  // The answers streaming elsewhere lose their views; the shown one's is made again below.
+  for (const stream of streams.values()) stream.view = stream.node = null;
   const path = store.currentPath(conversation);
   ui.conversation.querySelectorAll(".message").forEach((node) => node.remove());
   ui.empty.hidden = path.length > 0;
   for (const message of path) ui.conversation.append(messageView(message));
+  updateComposer();
   scrollToEnd(true);
+}
+
+function renderOptions() {
+  return { remoteImages: conversation.allowRemoteImages };
 }
 
 function messageView(message) {
   const node = ui.template.content.firstElementChild.cloneNode(true);
   node.classList.add(message.role);
   node.dataset.id = message.id;
-  node.querySelector(".role").textContent = message.role === "user" ? "You" : "Assistant";
+  node.querySelector(".role").textContent =
+    message.role === "user" ? "You" : message.role === "tool" ? `Tool result: ${message.toolName || "tool"}` : "Assistant";
   const content = node.querySelector(".content");
-  // A person's own words show as typed; model output (and imports) as sanitized markdown.
-  if (message.role === "user") content.textContent = message.content;
-  else content.replaceChildren(renderMarkdown(message.content));
+  const stream = streams.get(conversation.id);
+  if (stream?.message === message) {
+    // Streaming: a view that the stream's updates extend (generate()).
+    stream.node = node;
+    stream.view = streamingView(content, message);
+    stream.view.update(message.content);
+    node.classList.add("pending");
+    node.setAttribute("aria-busy", "true");
+  } else if (message.role === "user") {
+    // A person's own words show as typed.
+    content.textContent = message.content;
+    foldIfLong(node, content, message.content);
+  } else if (message.role === "tool") {
+    const pre = document.createElement("pre");
+    pre.textContent = message.content;
+    content.replaceChildren(pre);
+  } else if (message.format === "json") {
+    content.replaceChildren(renderJson(message.content));
+  } else {
+    // Model output (and imports): sanitized markdown.
+    content.replaceChildren(renderMarkdown(message.content, renderOptions()));
+  }
+  showAttachments(node, message.attachments ?? []); // none in conversations older than attachments
   showReasoning(node, message.reasoning, false);
-  showToolCalls(node, message.toolCalls);
+  showToolCalls(node, message);
   showMeta(node, message);
   node.querySelector(".message-actions").replaceChildren(...messageActions(message));
   return node;
+}
+
+function streamingView(content, message) {
+  return message.format === "json" ? new StreamingJson(content) : new StreamingMarkdown(content, renderOptions());
+}
+
+// A long paste shows its first lines, with a button for the rest.
+function foldIfLong(node, content, text) {
+  if (text.length <= FOLD_CHARACTERS && text.split("\n").length <= FOLD_LINES) return;
+  content.classList.add("folded");
+  const toggle = document.createElement("button");
+  toggle.type = "button";
+  toggle.className = "ghost small fold-toggle";
+  const label = () =>
+    content.classList.contains("folded") ? `Show all (${text.length.toLocaleString("en")} characters)` : "Show less";
+  toggle.textContent = label();
+  toggle.setAttribute("aria-expanded", "false");
+  toggle.addEventListener("click", () => {
+    const folded = content.classList.toggle("folded");
+    toggle.setAttribute("aria-expanded", String(!folded));
+    toggle.textContent = label();
+  });
+  content.after(toggle);
+}
+
+function showAttachments(node, files) {
+  node.querySelector(".attachments").replaceChildren(
+    ...files.map((file) => {
+      const details = document.createElement("details");
+      details.className = "attachment";
+      const summary = document.createElement("summary");
+      summary.textContent = `📄 ${file.name} · ${describeSize(file.text)}`;
+      const pre = document.createElement("pre");
+      pre.textContent = file.text;
+      details.append(summary, pre);
+      return details;
+    }),
+  );
 }
 
 function showReasoning(node, reasoning, streaming) {
@@ -206,36 +328,73 @@ function showReasoning(node, reasoning, streaming) {
   node.querySelector(".reasoning-text").textContent = reasoning;
 }
 
-function showToolCalls(node, toolCalls) {
-  node.querySelector(".tool-calls").replaceChildren(
-    ...toolCalls.map((call) => {
-      const details = document.createElement("details");
-      details.className = "tool-call";
-      details.open = true;
-      const summary = document.createElement("summary");
-      summary.textContent = `Tool call: ${call.name || "…"}`;
-      const code = document.createElement("code");
-      let args = call.arguments;
-      try {
-        args = JSON.stringify(JSON.parse(args), null, 2);
-      } catch {
-        // still streaming, or not JSON: shown as it came
-      }
-      code.textContent = args;
-      const pre = document.createElement("pre");
-      pre.append(code);
-      details.append(summary, pre);
-      return details;
-    }),
-  );
+// The answer's tool calls, each in its box. Under the last answer, when no result has been
+// given yet, each box takes the user's result, and "Send results" sends them back as tool
+// messages for the model to go on.
+function showToolCalls(node, message) {
+  const awaiting = message.toolCalls.length > 0 && !streams.has(conversation.id) && !message.childIds.length && !message.error;
+  const fields = [];
+  const boxes = message.toolCalls.map((call) => {
+    const details = document.createElement("details");
+    details.className = "tool-call";
+    details.open = true;
+    const summary = document.createElement("summary");
+    summary.textContent = `Tool call: ${call.name || "…"}`;
+    const code = document.createElement("code");
+    let args = call.arguments;
+    try {
+      args = JSON.stringify(JSON.parse(args), null, 2);
+    } catch {
+      // still streaming, or not JSON: shown as it came
+    }
+    code.textContent = args;
+    const pre = document.createElement("pre");
+    pre.append(code);
+    details.append(summary, pre);
+    if (awaiting) {
+      const field = document.createElement("textarea");
+      field.className = "tool-result-field";
+      field.rows = 2;
+      field.placeholder = "The result, as the tool would return it";
+      field.setAttribute("aria-label", `Result of ${call.name}`);
+      fields.push([call, field]);
+      details.append(field);
+    }
+    return details;
+  });
+  if (awaiting) {
+    const send = document.createElement("button");
+    send.type = "button";
+    send.className = "send-tool-results";
+    send.textContent = "Send results";
+    send.addEventListener("click", () => sendToolResults(message, fields));
+    boxes.push(send);
+  }
+  node.querySelector(".tool-calls").replaceChildren(...boxes);
+}
+
+function sendToolResults(message, fields) {
+  if (streams.has(conversation.id)) return;
+  let parentId = message.id;
+  for (const [call, field] of fields) {
+    const result = store.addMessage(conversation, parentId, {
+      role: "tool",
+      content: field.value,
+      toolCallId: call.id,
+      toolName: call.name,
+    });
+    parentId = result.id;
+  }
+  generate(conversation, parentId);
 }
 
 function describeStats(stats) {
   if (!stats) return "";
   const parts = [];
-  if (stats.completionTokens !== null) parts.push(`${stats.completionTokens} tokens`);
-  if (stats.tokensPerSecond !== null) parts.push(`${stats.tokensPerSecond.toFixed(1)} tok/s`);
-  if (stats.ttft !== null) parts.push(`TTFT ${stats.ttft.toFixed(2)} s`);
+  // `!= null`: a field may be missing as well as null (conversations saved by older pages).
+  if (stats.completionTokens != null) parts.push(`${stats.completionTokens} tokens`);
+  if (stats.tokensPerSecond != null) parts.push(`${stats.tokensPerSecond.toFixed(1)} tok/s`);
+  if (stats.ttft != null) parts.push(`TTFT ${stats.ttft.toFixed(2)} s`);
   if (stats.finishReason) parts.push(stats.finishReason === "length" ? "length (token limit)" : stats.finishReason);
   return parts.join(" · ");
 }
@@ -257,9 +416,9 @@ function messageActions(message) {
     position.className = "branch-position";
     position.textContent = `${index + 1}/${siblings.length}`;
     const go = (offset) => () => {
-      if (generation) return;
+      if (streams.has(conversation.id)) return;
       store.showBranch(conversation, siblings[index + offset]);
-      store.saveConversation(conversation);
+      conversations.save(conversation);
       renderConversation();
     };
     const previous = smallButton("‹", "Previous version", go(-1));
@@ -270,18 +429,27 @@ function messageActions(message) {
     actions.push(nav);
   }
   actions.push(smallButton("Copy", "Copy message", (event) => copyText(message.content, event.currentTarget)));
+  const idle = () => !streams.has(conversation.id);
   if (message.role === "user") {
     actions.push(smallButton("Edit", "Edit and resend", (event) => editMessage(message, event.currentTarget)));
-  } else {
-    actions.push(smallButton("Regenerate", "Regenerate answer", () => !generation && generate(message.parentId)));
+  } else if (message.role === "assistant") {
+    actions.push(smallButton("Regenerate", "Regenerate answer", () => idle() && generate(conversation, message.parentId)));
+    // An answer cut at the token limit goes on where it stopped, as the same message.
+    if (message.stats?.finishReason === "length" && !message.childIds.length) {
+      actions.push(
+        smallButton("Continue", "Continue the answer", () => idle() && generate(conversation, message.parentId, message)),
+      );
+    }
   }
   return actions;
 }
 
 function editMessage(message, button) {
-  if (generation) return;
+  if (streams.has(conversation.id)) return;
   const node = button.closest(".message");
   const content = node.querySelector(".content");
+  node.querySelector(".fold-toggle")?.remove();
+  content.classList.remove("folded");
   const field = document.createElement("textarea");
   field.className = "edit-field";
   field.value = message.content;
@@ -292,11 +460,10 @@ function editMessage(message, button) {
   const cancel = smallButton("Cancel", "Cancel edit", () => renderConversation());
   const submit = () => {
     const text = field.value.trim();
-    if (!text) return;
-    const edited = store.addMessage(conversation, message.parentId, { role: "user", content: text });
-    store.saveConversation(conversation);
-    renderConversation();
-    generate(edited.id);
+    const files = message.attachments ?? [];
+    if (!text && !files.length) return;
+    const edited = store.addMessage(conversation, message.parentId, { role: "user", content: text, attachments: files });
+    generate(conversation, edited.id);
   };
   send.addEventListener("click", submit);
   field.addEventListener("keydown", (event) => {
@@ -343,83 +510,171 @@ function scrollToEnd(force) {
 
 // ---- generating --------------------------------------------------------------------
 
-function setBusy(busy) {
+// Send or Stop, for the conversation shown: another one's answer streams on regardless.
+function updateComposer() {
+  const busy = Boolean(conversation && streams.has(conversation.id));
   ui.send.hidden = busy;
   ui.stop.hidden = !busy;
 }
 
-function stopGeneration() {
-  generation?.controller.abort();
+function stopShownAnswer() {
+  if (conversation) streams.get(conversation.id)?.controller.abort();
 }
 
-/** Streams a new answer under `parentId`: a new branch if it already has one. */
-async function generate(parentId) {
-  const target = conversation;
-  const path = store.currentPath(target);
-  const history = path.slice(0, path.findIndex((m) => m.id === parentId) + 1);
-  const message = store.addMessage(target, parentId, { role: "assistant" });
-  store.saveConversation(target);
-  renderConversation();
-  renderList();
-  const node = ui.conversation.querySelector(`[data-id="${message.id}"]`);
-  node.classList.add("pending");
-  node.setAttribute("aria-busy", "true");
-  const content = new StreamingMarkdown(node.querySelector(".content"));
-  const controller = new AbortController();
-  generation = { controller };
-  setBusy(true);
+// The conversation's messages as the API takes them.
+function apiMessages(history) {
+  const messages = [];
+  for (const m of history) {
+    if (m.role === "user") {
+      messages.push({ role: "user", content: withAttachments(m.content, m.attachments ?? []) });
+    } else if (m.role === "tool") {
+      messages.push({ role: "tool", tool_call_id: m.toolCallId, content: m.content });
+    } else if (m.toolCalls.length) {
+      messages.push({
+        role: "assistant",
+        content: m.content || null,
+        tool_calls: m.toolCalls.map((call) => ({
+          id: call.id,
+          type: "function",
+          function: { name: call.name, arguments: call.arguments },
+        })),
+      });
+    } else if (m.content) {
+      // An answer stopped empty or failed would break the turns' order: left out.
+      messages.push({ role: "assistant", content: m.content });
+    }
+  }
+  return messages;
+}
 
-  const messages = [
-    ...settings.systemMessage(),
-    // An answer that was only tool calls or was stopped empty would break the turns' order.
-    ...history.filter((m) => m.content || m.role === "user").map((m) => ({ role: m.role, content: m.content })),
-  ];
-  const body = { messages, stream: true, stream_options: { include_usage: true }, ...settings.requestFields() };
+/**
+ * Streams a new answer under `parentId` in `target` (a new branch if it already has one);
+ * with `continued`, an answer cut at the token limit, goes on with that one instead (vLLM's
+ * continue_final_message: the answer so far is the prompt's last, unfinished message).
+ */
+async function generate(target, parentId, continued = null) {
+  if (streams.has(target.id)) return;
+  const path = store.currentPath(target);
+  const history = path.slice(0, path.findIndex((m) => m.id === (continued ? continued.id : parentId)) + 1);
+  const message =
+    continued ?? store.addMessage(target, parentId, { role: "assistant", format: settings.jsonMode ? "json" : null });
+  const before = { content: message.content, reasoning: message.reasoning, tokens: message.stats?.completionTokens ?? 0 };
+  message.error = null;
+  const stream = { controller: new AbortController(), message, view: null, node: null };
+  streams.set(target.id, stream);
+  conversations.save(target);
+  if (shown(target)) renderConversation();
+  renderList();
+
+  const body = {
+    messages: [...settings.systemMessage(), ...apiMessages(history)],
+    stream: true,
+    stream_options: { include_usage: true },
+    ...settings.requestFields(),
+  };
+  if (message.format === "json") body.response_format = { type: "json_object" };
+  if (continued) Object.assign(body, { continue_final_message: true, add_generation_prompt: false });
   if (modelName) body.model = modelName;
   let lastSave = performance.now();
   const update = (answer) => {
-    message.content = answer.content;
-    message.reasoning = answer.reasoning;
+    message.content = before.content + answer.content;
+    message.reasoning = before.reasoning + answer.reasoning;
     message.toolCalls = answer.toolCalls.filter(Boolean);
-    message.stats = answer.stats;
-    content.update(answer.content);
-    showReasoning(node, answer.reasoning, true);
-    if (answer.toolCalls.length) showToolCalls(node, message.toolCalls);
+    message.stats = answer.stats && {
+      ...answer.stats,
+      completionTokens: answer.stats.completionTokens === null ? null : before.tokens + answer.stats.completionTokens,
+    };
+    if (stream.view) {
+      stream.view.update(message.content);
+      showReasoning(stream.node, message.reasoning, true);
+      if (message.toolCalls.length) showToolCalls(stream.node, message);
+      scrollToEnd(false);
+    }
     if (performance.now() - lastSave > SAVE_EVERY_MS) {
-      store.saveConversation(target);
+      saveUnlessDeleted(target);
       lastSave = performance.now();
     }
-    scrollToEnd(false);
   };
   try {
-    await streamChat({ body, apiKey: settings.apiKey, signal: controller.signal, onUpdate: update });
+    await streamChat({ body, apiKey: settings.apiKey, signal: stream.controller.signal, onUpdate: update });
   } catch (error) {
     message.error = error.message;
   } finally {
-    content.finish();
-    node.classList.remove("pending");
-    node.removeAttribute("aria-busy");
-    showMeta(node, message);
+    streams.delete(target.id);
+    stream.view?.finish();
     target.updatedAt = Date.now();
-    store.saveConversation(target);
-    generation = null;
-    setBusy(false);
-    if (conversation === target) ui.input.focus();
+    saveUnlessDeleted(target);
+    if (stream.node) {
+      const view = messageView(message);
+      stream.node.replaceWith(view);
+      scrollToEnd(false);
+    }
+    if (shown(target)) {
+      updateComposer();
+      ui.input.focus();
+    }
+    renderList();
   }
+}
+
+// A conversation deleted while its answer streamed stays deleted.
+function saveUnlessDeleted(target) {
+  if (conversations.get(target.id) === target) conversations.save(target);
 }
 
 function sendNew(text) {
   if (!conversation) conversation = store.newConversation();
-  const parentId = conversation.leafId;
-  const question = store.addMessage(conversation, parentId, { role: "user", content: text });
+  const question = store.addMessage(conversation, conversation.leafId, { role: "user", content: text, attachments });
+  if (conversation.title === "New chat" && attachments.length) {
+    conversation.title = attachments.map((file) => file.name).join(", ").slice(0, 48);
+  }
+  attachments = [];
+  renderPendingAttachments();
   localStorage.setItem("tandem.current", conversation.id);
-  generate(question.id);
+  generate(conversation, question.id);
+}
+
+// ---- attachments ---------------------------------------------------------------------
+
+function renderPendingAttachments(problem = "") {
+  const chips = attachments.map((file, i) => {
+    const chip = document.createElement("span");
+    chip.className = "chip";
+    chip.textContent = `📄 ${file.name} · ${describeSize(file.text)}`;
+    chip.append(
+      smallButton("✕", `Remove ${file.name}`, () => {
+        attachments.splice(i, 1);
+        renderPendingAttachments();
+      }),
+    );
+    return chip;
+  });
+  if (problem) {
+    const note = document.createElement("span");
+    note.className = "attach-problem";
+    note.setAttribute("role", "alert");
+    note.textContent = problem;
+    chips.push(note);
+  }
+  ui.pendingAttachments.replaceChildren(...chips);
+}
+
+async function attachFiles(files) {
+  const problems = [];
+  for (const file of files) {
+    try {
+      attachments.push(await readTextFile(file));
+    } catch (error) {
+      problems.push(error.message);
+    }
+  }
+  renderPendingAttachments(problems.join(" "));
 }
 
 // ---- import and export ------------------------------------------------------------
 
 function exportConversations() {
-  const blob = new Blob([JSON.stringify(store.exportAll(), null, 2)], { type: "application/json" });
+  const blob = new Blob([JSON.stringify(store.exportAll(conversations.list()), null, 2)], { type: "application/json" });
   const link = document.createElement("a");
   link.href = URL.createObjectURL(blob);
   link.download = `tandem-chats-${new Date().toISOString().slice(0, 10)}.json`;
@@ -430,6 +685,7 @@ function exportConversations() {
 async function importConversations(file) {
   try {
     const imported = store.importConversations(JSON.parse(await file.text()));
+    for (const c of imported) conversations.save(c);
     ui.importStatus.textContent = `Imported ${imported.length} conversation${imported.length === 1 ? "" : "s"}.`;
     if (imported.length) openConversation(imported[0].id);
   } catch (error) {
@@ -448,7 +704,7 @@ function resizeInput() {
 ui.composer.addEventListener("submit", (event) => {
   event.preventDefault();
   const text = ui.input.value.trim();
-  if (!text || generation) return;
+  if ((!text && !attachments.length) || (conversation && streams.has(conversation.id))) return;
   ui.input.value = "";
   resizeInput();
   sendNew(text);
@@ -461,28 +717,52 @@ ui.input.addEventListener("keydown", (event) => {
   }
 });
 ui.input.addEventListener("input", resizeInput);
+ui.attach.addEventListener("click", () => ui.attachFile.click());
+ui.attachFile.addEventListener("change", () => {
+  attachFiles([...ui.attachFile.files]);
+  ui.attachFile.value = "";
+});
 
 // Aborting the fetch closes the connection, and the server aborts the request.
-ui.stop.addEventListener("click", stopGeneration);
+ui.stop.addEventListener("click", stopShownAnswer);
+
+// Keyboard shortcuts (llama.cpp's): Esc closes the panel on top, else stops the shown
+// answer; Ctrl+Shift+O starts a new chat; Ctrl+K searches the conversations.
 document.addEventListener("keydown", (event) => {
-  if (event.key !== "Escape") return;
-  if (generation) stopGeneration();
-  else if (NARROW.matches && !ui.sidebar.classList.contains("closed")) showSidebar(false);
+  if (!conversations) return; // still opening the storage
+  const mod = event.ctrlKey || event.metaKey;
+  if (event.key === "Escape") {
+    if (!closeTopPanel()) stopShownAnswer();
+  } else if (mod && event.shiftKey && event.key.toLowerCase() === "o") {
+    event.preventDefault();
+    startNewConversation();
+    closeSidebarDrawer();
+  } else if (mod && !event.shiftKey && event.key.toLowerCase() === "k") {
+    event.preventDefault();
+    if (!sidebar.open) sidebar.show(true, { focus: false });
+    ui.search.focus();
+    ui.search.select();
+  }
 });
 
 ui.conversation.addEventListener("click", (event) => {
-  const button = event.target.closest(".copy-code");
-  if (button) copyText(button.closest(".code-block").querySelector("code").textContent, button);
+  const copy = event.target.closest(".copy-code");
+  if (copy) copyText(copy.closest(".code-block").querySelector("code").textContent, copy);
+  // A remote image's placeholder: the user allows this conversation's remote images.
+  if (event.target.closest(".remote-image") && conversation) {
+    conversation.allowRemoteImages = true;
+    conversations.save(conversation);
+    renderConversation();
+  }
 });
 
-ui.newChat.addEventListener("click", () => {
+$("new-chat").addEventListener("click", () => {
   startNewConversation();
-  if (NARROW.matches) showSidebar(false);
+  closeSidebarDrawer();
 });
-ui.toggleSidebar.addEventListener("click", () => showSidebar(ui.sidebar.classList.contains("closed")));
 ui.search.addEventListener("input", renderList);
-ui.exportButton.addEventListener("click", exportConversations);
-ui.importButton.addEventListener("click", () => ui.importFile.click());
+$("export").addEventListener("click", exportConversations);
+$("import").addEventListener("click", () => ui.importFile.click());
 ui.importFile.addEventListener("change", () => {
   const file = ui.importFile.files[0];
   if (file) importConversations(file);
@@ -494,12 +774,19 @@ ui.toggleTheme.addEventListener("click", () => {
 });
 PREFERS_DARK.addEventListener("change", applyTheme);
 
+// ---- start ---------------------------------------------------------------------------
+
 applyTheme();
-showSidebar(!NARROW.matches);
+sidebar.show(!SIDEBAR_OVERLAYS.matches, { focus: false });
+const savedEngine = localStorage.getItem("tandem.enginePanel");
+engineDrawer.show(!ENGINE_OVERLAYS.matches && (savedEngine === null || savedEngine === "shown"), { focus: false });
+settingsPanel.show(false, { focus: false });
 loadModel();
-new EnginePanel((online) => {
+enginePanel = new EnginePanel((online) => {
   if (online && !modelName) loadModel();
-}).start();
+});
+enginePanel.start();
+conversations = await ConversationStore.open((error, c) => showNotice(describeStorageError(error, c)));
 const current = localStorage.getItem("tandem.current");
 if (current) openConversation(current);
 else startNewConversation();

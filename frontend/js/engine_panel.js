@@ -1,8 +1,10 @@
 // The live engine panel: GET /stats once a second (server/routes/stats.py, the engine's
 // EngineStats), throughputs from the differences between consecutive readings, and a
-// sparkline of the last minute. The same poll drives the top bar's online/offline dot.
+// sparkline of the last minute. The same poll drives the top bar's online/offline dot, and
+// tells an engine that is down (the server answers 503) from a server that does not answer.
+// Opening and closing it is panels.js's.
 
-import { fetchStats } from "./api.js";
+import { ServerUnreachable, fetchStats } from "./api.js";
 
 const POLL_MS = 1000;
 const HIDDEN_POLL_MS = 5000; // panel closed: only the top bar's dot needs the engine's state
@@ -20,28 +22,23 @@ function percent(value) {
 
 export class EnginePanel {
   constructor(onOnline) {
-    this.onOnline = onOnline; // (online: boolean) => void, on every change
+    this.onOnline = onOnline; // (online: boolean, serverUp: boolean) => void, on every change
     this.panel = $("engine-panel");
-    this.toggleButton = $("toggle-engine");
     this.state = $("engine-state");
     this.dot = $("status-dot");
     this.last = null;
     this.online = null;
+    this.serverUp = null;
     this.generation = [];
     this.prompt = [];
     this.started = false;
     this.polling = false;
     this.timer = 0;
-    this.toggleButton.addEventListener("click", () => this.show(this.panel.hidden));
-    const saved = localStorage.getItem("tandem.enginePanel");
-    this.show(saved === null ? window.matchMedia("(min-width: 1100px)").matches : saved === "shown", false);
   }
 
-  show(visible, remember = true) {
-    this.panel.hidden = !visible;
-    this.toggleButton.setAttribute("aria-expanded", String(visible));
-    if (remember) localStorage.setItem("tandem.enginePanel", visible ? "shown" : "hidden");
-    if (visible && this.started) this.schedule(0);
+  /** Reads the engine now (the panel was just opened). */
+  refresh() {
+    if (this.started) this.schedule(0);
   }
 
   start() {
@@ -66,12 +63,12 @@ export class EnginePanel {
     let stats;
     try {
       stats = await fetchStats(AbortSignal.timeout(3 * POLL_MS));
-    } catch {
-      this.setOnline(false);
+    } catch (error) {
+      this.setOnline(false, !(error instanceof ServerUnreachable));
       this.last = null;
       return;
     }
-    this.setOnline(true);
+    this.setOnline(true, true);
     const last = this.last;
     this.last = stats;
     $("stat-running").textContent = stats.num_running;
@@ -95,15 +92,17 @@ export class EnginePanel {
     this.plot(prompt, generation);
   }
 
-  setOnline(online) {
-    if (online === this.online) return;
+  setOnline(online, serverUp) {
+    if (online === this.online && serverUp === this.serverUp) return;
     this.online = online;
-    this.state.textContent = online ? "online" : "offline";
+    this.serverUp = serverUp;
+    const state = online ? "online" : serverUp ? "offline" : "server not answering";
+    this.state.textContent = state;
     this.state.classList.toggle("offline", !online);
     this.dot.classList.toggle("offline", !online);
     this.dot.classList.toggle("online", online);
-    this.dot.setAttribute("aria-label", online ? "engine online" : "engine offline");
-    this.onOnline(online);
+    this.dot.setAttribute("aria-label", online ? "engine online" : serverUp ? "engine offline" : "server not answering");
+    this.onOnline(online, serverUp);
   }
 
   plot(prompt, generation) {

@@ -1,13 +1,16 @@
-// Conversations, kept in localStorage (one key a conversation, so saving one rewrites only it).
+// Conversations as trees of messages (storage.js keeps them).
 //
 // A conversation is a tree, as llama.cpp's web UI keeps it: editing a question or
 // regenerating an answer adds a sibling instead of overwriting, and `leafId` says which
-// branch is shown. A message: {id, parentId, childIds, role, content, reasoning,
-// toolCalls, stats, error, createdAt}; the first messages' parent is null (`rootIds`).
+// branch is shown. A message: {id, parentId, childIds, role, content, reasoning, toolCalls,
+// toolCallId, toolName, attachments, format, stats, error, createdAt}; the first messages' parent is
+// null (`rootIds`). Roles: user, assistant, and tool (a result the user entered for one of
+// the assistant's tool calls). `allowRemoteImages`: the user let this conversation's
+// answers load images from other hosts (markdown.js).
 
-const PREFIX = "tandem.conversation.";
 export const EXPORT_TYPE = "tandem-conversations";
 const MAX_TEXT = 1_000_000; // characters of one imported text: more is cut
+const ROLES = ["user", "assistant", "tool"];
 
 export function newId() {
   return crypto.randomUUID();
@@ -15,29 +18,16 @@ export function newId() {
 
 export function newConversation() {
   const now = Date.now();
-  return { id: newId(), title: "New chat", createdAt: now, updatedAt: now, rootIds: [], messages: {}, leafId: null };
-}
-
-export function listConversations() {
-  const conversations = [];
-  for (let i = 0; i < localStorage.length; i++) {
-    const key = localStorage.key(i);
-    if (!key.startsWith(PREFIX)) continue;
-    try {
-      conversations.push(JSON.parse(localStorage.getItem(key)));
-    } catch {
-      localStorage.removeItem(key); // unreadable: nothing can show it
-    }
-  }
-  return conversations.sort((a, b) => b.updatedAt - a.updatedAt);
-}
-
-export function saveConversation(conversation) {
-  localStorage.setItem(PREFIX + conversation.id, JSON.stringify(conversation));
-}
-
-export function deleteConversation(id) {
-  localStorage.removeItem(PREFIX + id);
+  return {
+    id: newId(),
+    title: "New chat",
+    createdAt: now,
+    updatedAt: now,
+    rootIds: [],
+    messages: {},
+    leafId: null,
+    allowRemoteImages: false,
+  };
 }
 
 /** Adds a message under `parentId` (null: a first message) and shows its branch. */
@@ -50,9 +40,13 @@ export function addMessage(conversation, parentId, fields) {
     content: fields.content ?? "",
     reasoning: fields.reasoning ?? "",
     toolCalls: fields.toolCalls ?? [],
+    toolCallId: fields.toolCallId ?? null,
+    toolName: fields.toolName ?? null,
+    attachments: fields.attachments ?? [],
+    format: fields.format ?? null, // "json": a JSON-mode answer
     stats: fields.stats ?? null,
     error: fields.error ?? null,
-    createdAt: Date.now(),
+    createdAt: fields.createdAt ?? Date.now(),
   };
   conversation.messages[message.id] = message;
   siblingIds(conversation, parentId).push(message.id);
@@ -100,8 +94,8 @@ export function matches(conversation, query) {
   return Object.values(conversation.messages).some((m) => m.content.toLowerCase().includes(needle));
 }
 
-export function exportAll() {
-  return { type: EXPORT_TYPE, version: 1, exportedAt: new Date().toISOString(), conversations: listConversations() };
+export function exportAll(conversations) {
+  return { type: EXPORT_TYPE, version: 1, exportedAt: new Date().toISOString(), conversations };
 }
 
 // ---- import ----------------------------------------------------------------
@@ -118,6 +112,15 @@ function number(value) {
   return typeof value === "number" && Number.isFinite(value) ? value : null;
 }
 
+// A time as milliseconds since 1970: ours are numbers, other tools' exports ISO strings.
+function time(value) {
+  if (typeof value === "string") {
+    const parsed = Date.parse(value);
+    return Number.isFinite(parsed) ? parsed : null;
+  }
+  return number(value);
+}
+
 function importedStats(stats) {
   if (!stats || typeof stats !== "object") return null;
   return {
@@ -127,6 +130,11 @@ function importedStats(stats) {
     completionTokens: number(stats.completionTokens),
     finishReason: text(stats.finishReason, 40) || null,
   };
+}
+
+function importedAttachments(attachments) {
+  if (!Array.isArray(attachments)) return [];
+  return attachments.map((file) => ({ name: text(file?.name, 200) || "file", text: text(file?.text) }));
 }
 
 function importedToolCalls(calls) {
@@ -142,10 +150,11 @@ function importedToolCalls(calls) {
 function importedConversation(raw) {
   const conversation = newConversation();
   conversation.title = text(raw?.title, 200) || "Imported chat";
-  const created = number(raw?.createdAt);
+  const created = time(raw?.createdAt);
   if (created) conversation.createdAt = created;
   const source = raw?.messages;
   const ids = new Map(); // the file's id -> ours
+  const times = []; // the messages' times the file gives
   const list = Array.isArray(source)
     ? source.map((m, i) => ({ ...m, id: String(i), parentId: i ? String(i - 1) : null }))
     : source && typeof source === "object"
@@ -159,11 +168,11 @@ function importedConversation(raw) {
       const m = pending[i];
       const parent = m.parentId === null || m.parentId === undefined ? null : ids.get(String(m.parentId));
       if (parent === undefined) continue;
-      const role = ["user", "assistant"].includes(m.role) ? m.role : null;
+      const role = ROLES.includes(m.role) ? m.role : null;
       pending.splice(i--, 1);
       progress = true;
       if (!role) {
-        ids.set(String(m.id), parent); // a system or tool message: its children move up
+        ids.set(String(m.id), parent); // a system message: its children move up
         continue;
       }
       const message = addMessage(conversation, parent, {
@@ -171,16 +180,24 @@ function importedConversation(raw) {
         content: text(m.content),
         reasoning: text(m.reasoning),
         toolCalls: importedToolCalls(m.toolCalls),
+        toolCallId: text(m.toolCallId ?? m.tool_call_id, 200) || null,
+        toolName: text(m.toolName ?? m.name, 200) || null,
+        attachments: importedAttachments(m.attachments),
+        format: m.format === "json" ? "json" : null,
         stats: importedStats(m.stats),
         error: text(m.error, 2000) || null,
+        createdAt: time(m.createdAt) ?? undefined,
       });
+      if (time(m.createdAt)) times.push(time(m.createdAt));
       ids.set(String(m.id), message.id);
     }
   }
   const leaf = ids.get(String(raw?.leafId));
   if (leaf) conversation.leafId = leaf;
   conversation.title = text(raw?.title, 200) || conversation.title;
-  conversation.updatedAt = number(raw?.updatedAt) || Date.now();
+  // It sorts among the others by its own last activity, not by when it was imported.
+  const latest = times.length ? Math.max(...times) : null;
+  conversation.updatedAt = time(raw?.updatedAt) ?? latest ?? created ?? Date.now();
   return conversation;
 }
 
@@ -191,7 +208,5 @@ export function importConversations(data) {
   else if (Array.isArray(data)) raws = [{ title: "Imported chat", messages: data }];
   else if (data && typeof data === "object" && "messages" in data) raws = [data];
   else throw new Error("not a conversation export: expected Tandem's export or a list of messages");
-  const conversations = raws.map(importedConversation).filter((c) => c.leafId);
-  for (const conversation of conversations) saveConversation(conversation);
-  return conversations;
+  return raws.map(importedConversation).filter((c) => c.leafId);
 }

@@ -1,30 +1,38 @@
 """The web chat in a real browser (Debian's chromium, driven by playwright) against the real
-engine and servers of the `cluster` fixture: what a person does, and what must stay inert.
+engine and servers of the `cluster` fixture: what a person does. Its safety, storage, layout
+and llama.cpp-parity tests are in the test_web_chat_*.py modules beside it.
 
-Answers are kept to a few tokens (the page's max-tokens setting) so that the whole file runs
-in well under a minute on a CPU. Where a test needs a given answer, it asks the engine for
-exactly that text through a structured-output choice added to the page's request in flight
-(the model still writes it, token by token); renderer checks that need no engine go
-through the page's own import path.
+Answers are kept to a few tokens (the page's max-tokens setting), and the modules share the
+session's cluster and one browser each, so that they stay short on a CPU. Where a test needs
+a given answer, it asks the engine for exactly that text through a structured-output choice
+added to the page's request in flight (the model still writes it, token by token); renderer
+checks that need no engine go through the page's own import path.
 """
 
 from __future__ import annotations
 
-import json
-import time
+import signal
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-from playwright.sync_api import Browser, Page, Route, expect, sync_playwright
+from playwright.sync_api import Browser, expect
 
+from tandem.testing.processes import free_port, start_server, stop
 from tests.conftest import Cluster
+from tests.e2e.web_chat_page import (
+    answers,
+    ask,
+    chat_requests,
+    chromium,
+    import_file,
+    not_pwned,
+    open_chat,
+    wait_answered,
+    wait_idle,
+)
 
-CHROMIUM = Path("/usr/bin/chromium")
-# The page's settings as a person would have saved them: short answers, greedy.
-SHORT_ANSWERS = {"maxTokens": "6", "temperature": "0"}
 PAYLOADS = [
     '<img src="x" onerror="window.pwned = \'img\'">',
     "<script>window.pwned = 'script'</script>",
@@ -65,72 +73,8 @@ IMPORTED = {
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
-    assert CHROMIUM.exists(), "the browser tests need Debian's chromium: apt-get install chromium"
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM))
+    with chromium() as browser:
         yield browser
-        browser.close()
-
-
-def open_chat(
-    browser: Browser, url: str, settings: dict[str, Any] | None = None, **context: Any
-) -> Page:
-    """A fresh page (its own storage) of the chat, with `settings` saved beforehand."""
-    page = browser.new_context(**context).new_page()
-    errors: list[str] = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
-    page.errors = errors  # type: ignore[attr-defined]
-    saved = json.dumps(SHORT_ANSWERS | (settings or {}))
-    page.add_init_script(
-        f"if (!localStorage.getItem('tandem.settings')) "
-        f"localStorage.setItem('tandem.settings', {json.dumps(saved)});"
-    )
-    page.goto(url)
-    expect(page.locator("#status-dot.online")).to_be_attached()
-    return page
-
-
-def ask(page: Page, text: str) -> None:
-    page.fill("#input", text)
-    page.keyboard.press("Enter")
-
-
-def answers(page: Page) -> Any:
-    return page.locator(".message.assistant")
-
-
-def wait_answered(page: Page, count: int = 1, timeout_s: float = 60) -> None:
-    expect(page.locator(".message.assistant:not(.pending)")).to_have_count(
-        count, timeout=timeout_s * 1000
-    )
-
-
-def wait_idle(url: str, timeout_s: float = 10) -> None:
-    """Until the engine runs no request (an abort crosses from the server to the engine)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        response = httpx.get(f"{url}/stats", timeout=timeout_s)
-        if response.status_code == 200 and response.json()["num_running"] == 0:
-            return
-        assert time.monotonic() < deadline, f"still running: {response.text}"
-        time.sleep(0.1)
-
-
-def force_answer(page: Page, text: str) -> None:
-    """The page's next chat requests ask the engine for exactly `text`."""
-
-    def constrain(route: Route) -> None:
-        body = json.loads(route.request.post_data or "{}")
-        body["structured_outputs"] = {"choice": [text]}
-        body["max_tokens"] = 200
-        route.continue_(post_data=json.dumps(body))
-
-    page.route("**/v1/chat/completions", constrain)
-
-
-def not_pwned(page: Page) -> None:
-    assert page.evaluate("window.pwned") is None
-    assert not page.errors  # type: ignore[attr-defined]
 
 
 def test_send_streams_an_answer_with_stats_and_survives_reload(
@@ -200,30 +144,11 @@ def test_regenerate_and_edit_make_branches(cluster: Cluster, browser: Browser) -
     page.context.close()
 
 
-def test_model_output_renders_code_and_stays_inert(cluster: Cluster, browser: Browser) -> None:
-    page = open_chat(browser, cluster.urls[0])
-    force_answer(page, '<img src=x onerror="pwned=1">\n\n```py\nx=1\n```')
-    ask(page, "Show me.")
-    wait_answered(page, timeout_s=180)  # ~20 tokens, each through the grammar
-    answer = answers(page).first
-    expect(answer.locator("pre > code")).to_have_text("x=1")
-    expect(answer.locator(".code-lang")).to_have_text("py")
-    expect(answer.get_by_role("button", name="Copy py code")).to_be_visible()
-    assert answer.locator("img").count() == 1
-    assert answer.locator("img").get_attribute("onerror") is None
-    page.wait_for_timeout(300)  # an image error handler would have run by now
-    not_pwned(page)
-    page.context.close()
-
-
 def test_imported_conversation_is_sanitized_and_fits_a_phone(
     cluster: Cluster, browser: Browser, tmp_path: Path
 ) -> None:
     page = open_chat(browser, cluster.urls[0], viewport={"width": 390, "height": 844})
-    exported = tmp_path / "chats.json"
-    exported.write_text(json.dumps(IMPORTED))
-    page.click("#toggle-sidebar")
-    page.set_input_files("#import-file", str(exported))
+    import_file(page, tmp_path / "chats.json", IMPORTED)
     expect(page.locator("#import-status")).to_have_text("Imported 1 conversation.")
     page.keyboard.press("Escape")  # closes the conversation list
     answer = answers(page).first
@@ -316,3 +241,134 @@ def test_stats_route_and_model_defaults(cluster: Cluster) -> None:
     assert 0 <= stats["kv_cache_usage"] <= 1 and 0 <= stats["prefix_cache_hit_rate"] <= 1
     card = httpx.get(f"{cluster.urls[0]}/v1/models").json()["data"][0]
     assert card["sampling_defaults"] == {}  # the default GGUF model sets none
+
+
+def test_answers_stream_on_in_their_conversation_while_another_is_open(
+    cluster: Cluster, browser: Browser
+) -> None:
+    """Starting a new chat, asking there and opening the first one again leave the first
+    answer streaming: it ends in its own conversation, whole, at its token limit."""
+    page = open_chat(browser, cluster.urls[0], {"maxTokens": "12"})
+    ask(page, "Tell me a story about a dragon.")
+    first = answers(page).locator(".content")
+    expect(first).not_to_have_text("", timeout=60_000)
+    page.keyboard.press("Control+Shift+O")  # a new chat while the answer streams
+    expect(page.locator(".message")).to_have_count(0)
+    expect(page.locator("#send")).to_be_visible()  # this conversation has nothing streaming
+    expect(page.locator(".conversation-title.streaming")).to_have_count(1)
+    ask(page, "Say hello.")
+    wait_answered(page, timeout_s=120)  # beside the first answer, which still streams
+    page.get_by_role("button", name="Tell me a story about a dragon.", exact=True).click()
+    expect(page.locator(".message.user .content")).to_have_text("Tell me a story about a dragon.")
+    wait_answered(page, timeout_s=120)
+    meta = answers(page).locator(".meta")
+    expect(meta).to_contain_text("12 tokens")
+    expect(meta).to_contain_text("length")
+    expect(page.locator(".conversation-title.streaming")).to_have_count(0)
+    page.reload()  # both were saved whole
+    expect(answers(page).locator(".meta")).to_contain_text("12 tokens")
+    expect(page.locator(".conversation-title")).to_have_count(2)
+    not_pwned(page)
+    page.context.close()
+
+
+LONG_PASTE = "\n".join(f"line {i}: " + "x" * 60 for i in range(300))  # 21,189 characters
+
+
+def test_long_paste_json_answers_and_imported_times(
+    cluster: Cluster, browser: Browser, tmp_path: Path
+) -> None:
+    """A long question shows folded; a JSON-mode answer as indented JSON; imported chats sort
+    among the others by their own times (ISO strings or numbers), not by the import's."""
+    page = open_chat(browser, cluster.urls[0])
+    ask(page, "Hi.")
+    wait_answered(page)
+    day = 86_400_000
+    import_file(
+        page,
+        tmp_path / "chats.json",
+        {
+            "type": "tandem-conversations",
+            "conversations": [
+                {
+                    "title": "Old paste",
+                    "updatedAt": "2020-01-02T03:04:05Z",
+                    "messages": [
+                        {"role": "user", "content": LONG_PASTE},
+                        {"role": "assistant", "content": '{"a":1,"b":[2,3]}', "format": "json"},
+                    ],
+                },
+                {
+                    "title": "Last year",
+                    "messages": {
+                        "q": {"id": "q", "parentId": None, "role": "user", "content": "x"},
+                        "a": {
+                            "id": "a",
+                            "parentId": "q",
+                            "role": "assistant",
+                            "content": "y",
+                            "createdAt": 1_700_000_000_000 + day,
+                        },
+                    },
+                    "leafId": "a",
+                },
+            ],
+        },
+    )
+    expect(page.locator(".conversation-title")).to_have_text(["Hi.", "Last year", "Old paste"])
+    page.get_by_role("button", name="Old paste", exact=True).click()
+    question = page.locator(".message.user .content")
+    expect(question).to_have_class("content folded")
+    box = question.bounding_box()
+    assert box and box["height"] < 300, box
+    toggle = page.get_by_role("button", name=f"Show all ({len(LONG_PASTE):,} characters)")
+    toggle.click()
+    box = question.bounding_box()
+    assert box and box["height"] > 2000, box
+    expect(page.get_by_role("button", name="Show less")).to_be_visible()
+    code = answers(page).locator("pre > code")
+    expect(code).to_have_text('{\n  "a": 1,\n  "b": [\n    2,\n    3\n  ]\n}')
+    expect(answers(page).locator(".code-lang")).to_have_text("json")
+
+    # A JSON-mode answer of the engine's: asked as json_object, shown as a JSON code block.
+    sent = chat_requests(page)
+    page.click("#toggle-settings")
+    page.check("#json-mode")
+    page.keyboard.press("Escape")
+    page.keyboard.press("Control+Shift+O")
+    ask(page, "A JSON object with a name.")
+    wait_answered(page)
+    assert sent[-1]["response_format"] == {"type": "json_object"}
+    expect(answers(page).locator(".code-lang")).to_have_text("json")
+    assert answers(page).locator("pre > code").inner_text().startswith("{")
+    not_pwned(page)
+    page.context.close()
+
+
+def test_a_server_that_dies_mid_answer_is_named(
+    cluster: Cluster, browser: Browser, tmp_path: Path
+) -> None:
+    """Its own server, killed while an answer streams: the answer says the connection to
+    the server was lost (not "network error"), the page can send again, and the top bar
+    says the server does not answer."""
+    port = free_port()
+    server = start_server(cluster.engine_address, port, tmp_path / "server.log")
+    try:
+        page = open_chat(browser, f"http://127.0.0.1:{port}", {"maxTokens": "2000"})
+        ask(page, "Tell me a long story about a dragon.")
+        expect(answers(page).locator(".content")).not_to_have_text("", timeout=60_000)
+        stop(server, signal.SIGKILL)
+        wait_answered(page)
+        meta = answers(page).locator(".meta")
+        expect(meta).to_have_class("meta error")
+        expect(meta).to_contain_text(f"connection to the server at 127.0.0.1:{port} was lost")
+        assert answers(page).locator(".content").inner_text().strip()  # what came is kept
+        expect(page.locator("#send")).to_be_visible()
+        expect(page.locator("#engine-state")).to_have_text("server not answering", timeout=10_000)
+        ask(page, "Are you there?")
+        wait_answered(page, 2)
+        expect(answers(page).nth(1).locator(".meta")).to_contain_text("does not answer")
+        page.context.close()
+    finally:
+        stop(server, signal.SIGKILL)
+    wait_idle(cluster.urls[0])
