@@ -44,25 +44,41 @@ def test_greedy_decode_matches_transformers_in_float32(
     prompts = {
         str(n): torch.randint(2, 30000, (n,), generator=generator).tolist() for n in (9, 700, 2500)
     }
-    sampling = SamplingParams(max_tokens=STEPS, ignore_eos=True, logprobs=TOP)
+    worst = assert_decode_matches_transformers(engine, hf, prompts, "700", STEPS, LOGPROB_ATOL)
+    print(f"\n{shape}: {STEPS} greedy steps x {len(prompts) + 1}, worst logprob error {worst:.2e}")
+
+
+def assert_decode_matches_transformers(
+    engine: LLMEngine,
+    hf: torch.nn.Module,
+    prompts: dict[str, list[int]],
+    alone: str,
+    steps: int,
+    atol: float,
+) -> float:
+    """``prompts`` decoded greedily together, then prompt ``alone`` by itself (batch 1), for
+    ``steps`` tokens each: every token transformers' greedy choice on the same prefix (up to
+    a tie) and every step's log-probabilities, the token's and its top TOP's, within ``atol``
+    of transformers'. The worst error."""
+    sampling = SamplingParams(max_tokens=steps, ignore_eos=True, logprobs=TOP)
     outputs = generate(engine, {name: (prompt, sampling) for name, prompt in prompts.items()})
-    prompts["700 alone"] = prompts["700"]
-    outputs.update(generate(engine, {"700 alone": (prompts["700"], sampling)}))
+    prompts = {**prompts, f"{alone} alone": prompts[alone]}
+    outputs.update(generate(engine, {f"{alone} alone": (prompts[alone], sampling)}))
     worst = 0.0
     for name, prompt in prompts.items():
         tokens = [t for output in outputs[name] for t in output.new_token_ids]
-        steps = [entry for output in outputs[name] for entry in output.logprobs or []]
-        assert len(tokens) == len(steps) == STEPS
+        entries = [entry for output in outputs[name] for entry in output.logprobs or []]
+        assert len(tokens) == len(entries) == steps
         with torch.no_grad():
             logits = hf(torch.tensor([prompt + tokens], device="cuda")).logits[0]
         reference = torch.log_softmax(logits[len(prompt) - 1 : -1].float(), dim=-1).cpu()
-        for step, (token, ours, theirs) in enumerate(zip(tokens, steps, reference, strict=True)):
+        for step, (token, ours, theirs) in enumerate(zip(tokens, entries, reference, strict=True)):
             # Our token is transformers' greedy choice on the same prefix, up to a tie.
-            assert theirs.max() - theirs[token] <= LOGPROB_ATOL, (name, step)
+            assert theirs.max() - theirs[token] <= atol, (name, step)
             got = torch.tensor([ours.logprob, *ours.top_logprobs])
             want = theirs[[token, *ours.top_token_ids]]
             worst = max(worst, (got - want).abs().max().item())
-            torch.testing.assert_close(got, want, atol=LOGPROB_ATOL, rtol=0, msg=f"{name} {step}")
+            torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=f"{name} {step}")
             # Our top tokens are transformers' top tokens (up to ties at the edge).
-            assert theirs.topk(TOP).values[-1] - want[1:].min() <= LOGPROB_ATOL, (name, step)
-    print(f"\n{shape}: {STEPS} greedy steps x {len(prompts)}, worst logprob error {worst:.2e}")
+            assert theirs.topk(TOP).values[-1] - want[1:].min() <= atol, (name, step)
+    return worst

@@ -25,13 +25,11 @@ from transformers import (
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.models.moe import FusedExperts
-from protocol import SamplingParams
 from tandem.testing.random_checkpoint import save_with_tokenizer
 from tandem.testing.reference import run_engine, stepwise_agreement
-from tests.engine.test_logprobs import generate
+from tests.gpu.test_decode_parity import assert_decode_matches_transformers
 
 STEPS = 32
-TOP = 5
 # float32 on both sides; a router's near-tie that rounding decides the other way (its two
 # experts about equally weighted) moves a log-probability by a little more than the dense
 # models' 2e-4.
@@ -98,24 +96,7 @@ def test_greedy_decode_matches_transformers_in_float32(
     )
     generator = torch.Generator().manual_seed(7)
     prompts = {str(n): torch.randint(2, 4096, (n,), generator=generator).tolist() for n in (9, 300)}
-    sampling = SamplingParams(max_tokens=STEPS, ignore_eos=True, logprobs=TOP)
-    outputs = generate(engine, {name: (prompt, sampling) for name, prompt in prompts.items()})
-    prompts["300 alone"] = prompts["300"]
-    outputs.update(generate(engine, {"300 alone": (prompts["300"], sampling)}))
-    worst = 0.0
-    for name, prompt in prompts.items():
-        tokens = [t for output in outputs[name] for t in output.new_token_ids]
-        steps = [entry for output in outputs[name] for entry in output.logprobs or []]
-        assert len(tokens) == len(steps) == STEPS
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + tokens], device="cuda")).logits[0]
-        reference = torch.log_softmax(logits[len(prompt) - 1 : -1].float(), dim=-1).cpu()
-        for step, (token, ours, theirs) in enumerate(zip(tokens, steps, reference, strict=True)):
-            assert theirs.max() - theirs[token] <= LOGPROB_ATOL, (name, step)
-            got = torch.tensor([ours.logprob, *ours.top_logprobs])
-            want = theirs[[token, *ours.top_token_ids]]
-            worst = max(worst, (got - want).abs().max().item())
-            torch.testing.assert_close(got, want, atol=LOGPROB_ATOL, rtol=0, msg=f"{name} {step}")
+    worst = assert_decode_matches_transformers(engine, hf, prompts, "300", STEPS, LOGPROB_ATOL)
     print(
         f"\n{directory.name} {backend}: {STEPS} greedy steps x 3, worst logprob error {worst:.2e}"
     )
