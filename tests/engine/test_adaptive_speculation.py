@@ -84,21 +84,6 @@ def repeating(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, HFLlama]:
     return directory, save_tiny_llama(directory)
 
 
-@pytest.fixture(scope="module")
-def other_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random Llama of the tiny checkpoints' vocabulary: its drafts are nearly all wrong."""
-    directory = tmp_path_factory.mktemp("other-draft")
-    save_tiny_llama(
-        directory,
-        num_hidden_layers=1,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=0.3,
-    )
-    return directory
-
-
 def test_repeating_text_drafts_the_most_tokens(repeating: tuple[Path, HFLlama]) -> None:
     """The model's answer to its own first 96 tokens goes on looping over five tokens."""
     directory, hf_model = repeating

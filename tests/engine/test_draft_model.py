@@ -40,21 +40,6 @@ def make_engine(directory: Path, draft: Path | None, **overrides: Any) -> LLMEng
     return LLMEngine(EngineConfig(model=str(directory), device="cpu", **settings))
 
 
-@pytest.fixture(scope="module")
-def other_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random Llama of the tiny checkpoints' vocabulary, unlike every family's model."""
-    directory = tmp_path_factory.mktemp("other-draft")
-    save_tiny_llama(
-        directory,
-        num_hidden_layers=1,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=0.3,
-    )
-    return directory
-
-
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_greedy_equals_transformers_in_every_family(
     name: str, tmp_path: Path, other_draft: Path
