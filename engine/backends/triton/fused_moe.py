@@ -48,8 +48,8 @@ down kernel's FP8 products. Rounded as the dense FP8 MLP rounds: activation to x
 then to e4m3. Each step's FP8 product starts from zero and is added to the float32 sums
 apart: Hopper's FP8 tensor-core instructions add within a product with fewer bits than
 float32, so a sum carried through them across the whole depth (H, or I) drifts by many
-units of bf16's rounding (the GPU test's real shapes caught it at 256 tokens and more);
-summed a step (128 of depth) at a time, as FP8 GEMMs promote theirs, it does not.
+units of bf16's rounding; summed a step (128 of depth) at a time, as FP8 GEMMs promote
+theirs, it does not.
 
 Tiles and splits are chosen by a rule over the shape (``moe_config``), not timed: decode
 steps take 16-row tiles and narrow columns, or split I, to fill the SMs; prefills, large
