@@ -159,6 +159,28 @@ export function renderMarkdown(text, options) {
   return toFragment(marked.parse(text), options);
 }
 
+/** A streamed answer's text, rendered at most once an animation frame: subclasses render
+ * `source` into `container` (and set `frame` back to 0 as they start). */
+class FrameRenderer {
+  constructor(container) {
+    this.container = container;
+    this.source = "";
+    this.frame = 0;
+  }
+
+  /** The whole text so far; rendered at the next animation frame. */
+  update(text) {
+    this.source = text;
+    if (!this.frame) this.frame = requestAnimationFrame(() => this.render());
+  }
+
+  /** Renders the last text now: at the end of the stream. */
+  finish() {
+    if (this.frame) cancelAnimationFrame(this.frame);
+    this.render();
+  }
+}
+
 // Streaming without flicker or quadratic work.
 //
 // Re-parsing the whole answer on every token would cost O(n) per token, O(n²) per answer,
@@ -175,29 +197,15 @@ export function renderMarkdown(text, options) {
 // until its fence closes: only it is re-lexed, which is linear per frame, not per answer.
 // Reference links defined in a finished block still resolve later (`links` keeps them); one
 // used in a finished block before its definition came stays literal text.
-export class StreamingMarkdown {
+export class StreamingMarkdown extends FrameRenderer {
   constructor(container, options) {
-    this.container = container;
+    super(container);
     this.options = options;
-    this.source = "";
     this.done = 0; // source characters in finished blocks
     this.links = Object.create(null);
     this.open = document.createElement("div");
     this.open.className = "open-block";
     this.container.replaceChildren(this.open);
-    this.frame = 0;
-  }
-
-  /** The whole text so far; rendered at the next animation frame. */
-  update(text) {
-    this.source = text;
-    if (!this.frame) this.frame = requestAnimationFrame(() => this.render());
-  }
-
-  /** Renders the last text now: at the end of the stream. */
-  finish() {
-    if (this.frame) cancelAnimationFrame(this.frame);
-    this.render();
   }
 
   render() {
@@ -248,23 +256,7 @@ export function renderJson(text) {
 
 /** A streaming JSON-mode answer: rendered whole, at most once an animation frame (JSON
  * answers are short, and indenting needs the whole text). */
-export class StreamingJson {
-  constructor(container) {
-    this.container = container;
-    this.source = "";
-    this.frame = 0;
-  }
-
-  update(text) {
-    this.source = text;
-    if (!this.frame) this.frame = requestAnimationFrame(() => this.render());
-  }
-
-  finish() {
-    if (this.frame) cancelAnimationFrame(this.frame);
-    this.render();
-  }
-
+export class StreamingJson extends FrameRenderer {
   render() {
     this.frame = 0;
     this.container.replaceChildren(renderJson(this.source));
