@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -64,6 +66,24 @@ def start_server(address: str, port: int, log_path: Path, *extra: str) -> subpro
     )
     wait_healthy(f"http://127.0.0.1:{port}", [process], log_path)
     return process
+
+
+@contextmanager
+def engine_and_server(workdir: Path, *engine_args: str) -> Iterator[tuple[str, str, Path]]:
+    """An engine (started with ``engine_args``) on a socket in ``workdir`` and one server in
+    front of it, logging to ``workdir / "log.txt"``: their address, the server's URL and the
+    log. Both stopped on exit, the server first."""
+    address = f"ipc://{workdir}/engine.sock"
+    log_path = workdir / "log.txt"
+    processes: list[subprocess.Popen] = []
+    try:
+        processes.append(start_engine(address, log_path, *engine_args))
+        port = free_port()
+        processes.append(start_server(address, port, log_path))
+        yield address, f"http://127.0.0.1:{port}", log_path
+    finally:
+        for process in reversed(processes):
+            stop(process)
 
 
 def wait_healthy(url: str, processes: list[subprocess.Popen], log_path: Path) -> dict:

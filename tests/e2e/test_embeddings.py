@@ -5,7 +5,6 @@ weights; the usage; and the refusals (dimensions, too long, empty)."""
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from tandem.testing.processes import SMALL_KV_CACHE, free_port, start_engine, start_server, stop
+from tandem.testing.processes import SMALL_KV_CACHE, engine_and_server
 from tandem.testing.random_checkpoint import save_tiny_word_model
 from tests.conftest import Cluster
 
@@ -28,22 +27,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, 
     workdir = tmp_path_factory.mktemp("embeddings")
     model = workdir / "model"
     save_tiny_word_model(model)
-    address = f"ipc://{workdir}/engine.sock"
-    log_path = workdir / "log.txt"
-    processes: list[subprocess.Popen] = []
-    try:
-        processes.append(
-            start_engine(
-                address, log_path, "--model", str(model), "--max-model-len", "64", *SMALL_KV_CACHE
-            )
-        )
-        port = free_port()
-        processes.append(start_server(address, port, log_path))
-        url = f"http://127.0.0.1:{port}"
+    engine_args = ("--model", str(model), "--max-model-len", "64", *SMALL_KV_CACHE)
+    with engine_and_server(workdir, *engine_args) as (address, url, log_path):
         yield Cluster(address, [url], "model", log_path), model
-    finally:
-        for process in processes:
-            stop(process)
 
 
 def reference(model: LlamaForCausalLM, ids: list[int]) -> list[float]:

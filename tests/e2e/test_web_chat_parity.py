@@ -5,8 +5,6 @@ app manifest and icon, and tools whose calls and results show in their own boxes
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +12,7 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, Route, expect
 
-from tandem.testing.processes import SMALL_KV_CACHE, free_port, start_engine, start_server, stop
+from tandem.testing.processes import SMALL_KV_CACHE, engine_and_server
 from tandem.testing.random_checkpoint import save_tiny_word_model
 from tests.conftest import Cluster
 from tests.e2e.web_chat_page import (
@@ -60,21 +58,9 @@ def tiny_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     model = workdir / "model"
     save_tiny_word_model(model)
     (model / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
-    address = f"ipc://{workdir}/engine.sock"
-    log_path = workdir / "log.txt"
-    processes: list[subprocess.Popen] = []
-    try:
-        processes.append(
-            start_engine(
-                address, log_path, "--model", str(model), "--max-model-len", "256", *SMALL_KV_CACHE
-            )
-        )
-        port = free_port()
-        processes.append(start_server(address, port, log_path))
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        for process in reversed(processes):
-            stop(process, signal.SIGTERM)
+    engine_args = ("--model", str(model), "--max-model-len", "256", *SMALL_KV_CACHE)
+    with engine_and_server(workdir, *engine_args) as (_, url, _):
+        yield url
 
 
 def test_text_files_are_attached_with_their_names(
