@@ -13,8 +13,8 @@
 # moe (issue 39, about 8 minutes): tests/gpu/test_moe_cuda.py (small Qwen3-MoE and Mixtral
 # against transformers in float32, torch and triton backends; fp8 experts), then at the
 # Qwen3-30B-A3B and Mixtral-8x7B shapes (random weights made on the GPU, --load-format
-# dummy) bench_latency's batch-1 TPOT and bench_offline's throughput (one run), each against
-# its roofline (the active experts' bytes); a summary last.
+# dummy) bench_latency's batch-1 TPOT and bench_offline's throughput (MOE_RUNS runs, default
+# 1), each against its roofline (the active experts' bytes); a summary last.
 # moe-235b (4 GPUs): the Qwen3-235B-A22B shape at TP=4 with --quantization fp8 (about 59 GB
 # a GPU): served by scripts/start_distributed.sh, one chat completion over HTTP, then
 # bench_latency's batch-1 TPOT; moe-235b-offline: bench_offline's throughput (one run of 256
@@ -332,7 +332,7 @@ PY
         m=$(config_only $shape)
         timeout 150 python3 scripts/bench_latency.py --model "$m" --load-format dummy --runs 2 2>&1 \
           | tee "$out/moe-latency-$shape.log" | grep -hE "^tandem, |^roofline"
-        timeout 200 python3 scripts/bench_offline.py --model "$m" --load-format dummy --runs 1 2>&1 \
+        timeout 300 python3 scripts/bench_offline.py --model "$m" --load-format dummy --runs "${MOE_RUNS:-1}" 2>&1 \
           | tee "$out/moe-offline-$shape.log" | grep -v '^INFO' | tail -6
       done
       echo "=== moe summary"
