@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import PreTrainedModel
 
 from engine.llm_engine import LLMEngine
+from engine.quantization.linear_methods import quantize_per_channel
 from protocol import SamplingParams
 
 
@@ -46,3 +49,20 @@ def stepwise_agreement(
         agree += int((choices == torch.tensor(tokens)).sum())
         total += len(tokens)
     return agree / total
+
+
+def with_weights_as_fp8_codes(model: PreTrainedModel) -> PreTrainedModel:
+    """A copy of ``model`` holding the weights ``--quantization fp8`` multiplies by: each
+    decoder layer's projection (experts' stacked ones too; not a MoE router, norms,
+    embeddings or the LM head) rounded to float8 e4m3 codes times one scale per output
+    channel, as the engine quantizes them on load. The reference for the quantized path's
+    arithmetic, apart from what rounding the weights alone does to a model's choices."""
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, weight in rounded.named_parameters():
+            if ".layers." not in name or weight.dim() < 2 or name.endswith("mlp.gate.weight"):
+                continue
+            rows = weight.reshape(-1, weight.shape[-1])  # [..., out, in]: a row per output
+            codes, scale = quantize_per_channel(rows, torch.float8_e4m3fn)
+            weight.copy_((codes.float() * scale[:, None]).reshape(weight.shape))
+    return rounded
