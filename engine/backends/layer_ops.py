@@ -1,8 +1,8 @@
 """The model's per-token operations: the interface. Norms and the gated activation, and the
 linear layers' products: one row's, the weight-only quantized GEMM's, FP8 activations'
-quantization and the LM head's float32 logits; a mixture of experts' experts. (RoPE and the
-per-head Q/K norms before it are the attention backend's, ``engine.backends.attention.
-Rotary``, so that they fuse with the cache write.)
+quantization and the LM head's float32 logits; a mixture of experts' routing and experts.
+(RoPE and the per-head Q/K norms before it are the attention backend's, ``engine.backends.
+attention.Rotary``, so that they fuse with the cache write.)
 
 Like ``AttentionBackend``, the model calls these and nothing device-specific: the linear
 layers' methods (``engine.quantization.linear_methods``) hold the model's ops and ask them
@@ -100,6 +100,14 @@ class LayerOps(Protocol):
         """Activations x [T, K] (a deferred norm's rows normalized; ``gated``: silu(gate) * up
         of x [T, 2K]'s halves) as float8 e4m3 codes [T, K] with one float32 scale per token
         [T, 1]: a W8A8 product's first operand."""
+        ...
+
+    def moe_route(
+        self, router_logits: torch.Tensor, top_k: int, renormalize: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's ``top_k`` experts of router logits [T, E]: their softmax
+        probabilities (float32, renormalized to sum to one if ``renormalize``) and ids
+        (int32), [T, top_k] each, the most probable first; ties to the lowest id."""
         ...
 
     def moe_experts(

@@ -240,6 +240,17 @@ class TorchLayerOps:
         x = dense(x)
         return quantize_per_token_fp8(self.silu_and_mul(x) if gated else x)
 
+    def moe_route(
+        self, router_logits: torch.Tensor, top_k: int, renormalize: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # transformers' routers: softmax in float32, then torch.topk (the lowest id first
+        # among equal probabilities).
+        probabilities = torch.softmax(router_logits.float(), dim=-1)
+        weights, ids = torch.topk(probabilities, top_k, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids.to(torch.int32)
+
     def moe_experts(
         self,
         x: torch.Tensor,

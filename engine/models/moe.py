@@ -1,8 +1,9 @@
 """Mixture-of-experts layers: a router picks each token's top-k experts, each a gated MLP of
 its own, and the token's output is their outputs weighed by the router (Qwen3-MoE, Mixtral).
 
-- ``route``: softmax of the router's logits in float32, the top k, renormalized to sum to one
-  where the model does (Qwen3's ``norm_topk_prob``; Mixtral always);
+- routing: softmax of the router's logits in float32, the top k, renormalized to sum to one
+  where the model does (Qwen3's ``norm_topk_prob``; Mixtral always): the layer ops'
+  ``moe_route``;
 - ``FusedExperts``: every expert's gate/up rows stacked into ``w13`` [E, 2 * I, H] and its
   down projection into ``w2`` [E, H, I], multiplied by the layer ops' ``moe_experts`` (a
   fused kernel in the Triton backend, the reference in the torch one);
@@ -53,19 +54,6 @@ class MoEConfig(ModelConfig):
     moe_intermediate_size: int  # each expert's I
     norm_topk_prob: bool  # the k weights renormalized to sum to one
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP instead of experts
-
-
-def route(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's ``top_k`` experts of router logits [T, E]: their softmax probabilities
-    (float32, renormalized to sum to one if ``renormalize``) and ids (int32), [T, top_k]
-    each, the most probable first (ties as ``torch.topk`` breaks them, as transformers')."""
-    probabilities = torch.softmax(router_logits.float(), dim=-1)
-    weights, ids = torch.topk(probabilities, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids.to(torch.int32)
 
 
 class Router(nn.Module):
@@ -200,6 +188,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedExperts(config, ops, tp)
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
+        self.ops = ops
         self.tp = tp
 
     def forward(self, x: LinearInput) -> torch.Tensor:
@@ -212,7 +201,7 @@ class SparseMoeBlock(nn.Module):
         """The block's output and the residual stream, left for the next norm to add (as
         ``MLP.into_stream`` leaves it but where its one-row product adds it)."""
         x = dense(x)
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = self.ops.moe_route(self.gate(x), self.top_k, self.renormalize)
         return self.tp.all_reduce(self.experts(x, weights, ids)), stream
 
 

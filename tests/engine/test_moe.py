@@ -2,7 +2,8 @@
 Qwen3-MoE and Mixtral against transformers in test_model_families.py (TP=1) and
 test_tensor_parallel.py (TP=2):
 
-- routing equals transformers' routers, ties included;
+- routing (the torch reference and the Triton kernel) equals transformers' routers, ties
+  included;
 - the torch reference of ``moe_experts`` equals a token-by-token sum, reads no expert that
   no token picked, splits over ``expert_offset`` into parts that add up, and multiplies FP8
   experts as their dequantized weights;
@@ -15,6 +16,7 @@ test_tensor_parallel.py (TP=2):
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +31,12 @@ from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 from engine.backends.pytorch import TorchLayerOps
+from engine.backends.triton.moe_route import moe_route
 from engine.config import EngineConfig
 from engine.distributed.parallel import TensorParallel
 from engine.llm_engine import LLMEngine
 from engine.models import load_checkpoint
-from engine.models.moe import FusedExperts, MoEConfig, route
+from engine.models.moe import FusedExperts, MoEConfig
 from engine.quantization.linear_methods import FP8, quantize_per_channel
 from tandem.testing.random_checkpoint import random_prompts
 from tandem.testing.reference import hf_greedy, run_engine, stepwise_agreement
@@ -61,7 +64,10 @@ OPS = TorchLayerOps()
         (MixtralTopKRouter, MixtralConfig(num_local_experts=8, num_experts_per_tok=2)),
     ],
 )
-def test_routing_equals_transformers_ties_included(router_class: type, config: Any) -> None:
+@pytest.mark.parametrize("route", [OPS.moe_route, moe_route], ids=["torch", "triton"])
+def test_routing_equals_transformers_ties_included(
+    router_class: type, config: Any, route: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+) -> None:
     config.hidden_size = 16
     router = router_class(config)
     torch.manual_seed(0)
@@ -75,6 +81,10 @@ def test_routing_equals_transformers_ties_included(router_class: type, config: A
     renormalize = getattr(config, "norm_topk_prob", True)  # Mixtral's always
     weights, ids = route(F.linear(x, weight), config.num_experts_per_tok, renormalize)
     assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    if route is moe_route:  # ties to the lowest ids; torch.topk's order on the CPU differs
+        k = config.num_experts_per_tok
+        assert ids[0].tolist() == list(range(k))
+        ids, indices, weights, scores = ids[1:], indices[1:], weights[1:], scores[1:]
     assert torch.equal(ids.long(), indices)
     torch.testing.assert_close(weights, scores.float())
     assert all(len(set(row)) == config.num_experts_per_tok for row in ids.tolist())

@@ -51,6 +51,7 @@ from engine.backends.triton.argmax import argmax_rows
 from engine.backends.triton.fp8_quantize import quantize_rows_fp8
 from engine.backends.triton.fused_moe import fused_moe
 from engine.backends.triton.graph_inputs import fill_graph_inputs
+from engine.backends.triton.moe_route import moe_route
 from engine.backends.triton.one_row_matmul import one_row_matmul
 from engine.backends.triton.pending_tokens import fill_pending_tokens
 from engine.backends.triton.quantized_matmul import weight_only_matmul
@@ -239,6 +240,13 @@ class TritonLayerOps(TorchLayerOps):
         if isinstance(x, DeferredNorm) or x.is_cuda:
             return quantize_rows_fp8(x, gated=gated)
         return super().quantize_fp8(x, gated=gated)
+
+    def moe_route(
+        self, router_logits: torch.Tensor, top_k: int, renormalize: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if router_logits.is_cuda:  # one kernel where PyTorch launches five or six
+            return moe_route(router_logits.contiguous(), top_k, renormalize)
+        return super().moe_route(router_logits, top_k, renormalize)
 
     def moe_experts(
         self,
