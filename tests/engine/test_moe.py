@@ -79,7 +79,11 @@ def test_routing_equals_transformers_ties_included(
         router.weight.copy_(weight)
         _, scores, indices = router(x)
     renormalize = getattr(config, "norm_topk_prob", True)  # Mixtral's always
-    weights, ids = route(F.linear(x, weight), config.num_experts_per_tok, renormalize)
+    logits = F.linear(x, weight)
+    if route is moe_route and torch.cuda.is_available():  # else Triton's interpreter
+        logits = logits.cuda()
+    weights, ids = route(logits, config.num_experts_per_tok, renormalize)
+    weights, ids = weights.cpu(), ids.cpu()
     assert ids.dtype == torch.int32 and weights.dtype == torch.float32
     if route is moe_route:  # ties to the lowest ids; torch.topk's order on the CPU differs
         k = config.num_experts_per_tok

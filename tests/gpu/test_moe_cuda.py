@@ -104,12 +104,13 @@ def test_greedy_decode_matches_transformers_in_float32(
 
 # Greedy tokens that are the choice of transformers holding the same FP8 weights, after the
 # same tokens. Steps of at most 16 rows read FP8 weights into bf16 products (weight-only):
-# the arithmetic of the reference but for bf16 rounding. Longer steps (the prompts of 64
-# tokens) quantize activations per token to FP8 (W8A8), three mantissa bits, which flips the
-# near-tied top-2 routing of a random Mixtral often (0.45 of its steps agree on the CPU):
-# that bound only catches a broken path (scales, layouts: near 0 of 4,096 tokens); the
-# kernel's W8A8 products are checked against the reference by tests/gpu/test_fused_moe_cuda.py.
-FP8_CASES = {"weight-only": (4, 4, 0.9), "w8a8": (24, 64, 0.25)}
+# the reference's arithmetic but for bf16 rounding, which alone moves a random Mixtral's
+# choice at 0.1-0.2 of its steps. Longer steps (prompts of 64 tokens) quantize activations
+# per token to FP8 (W8A8), three mantissa bits, which flips the near-tied top-2 routing of a
+# random Mixtral often (0.45-0.48 of its steps agree, CPU and H200): that bound only catches
+# a broken path (scales, layouts: near 0 of 4,096 tokens); the kernel's W8A8 products are
+# checked against the reference by tests/gpu/test_fused_moe_cuda.py.
+FP8_CASES = {"weight-only": (4, 4, 0.75), "w8a8": (24, 64, 0.25)}
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
