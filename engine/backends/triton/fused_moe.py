@@ -1,5 +1,5 @@
-"""The mixture-of-experts layer's experts as four or five kernels (two at one token):
-``moe_experts`` of the layer ops.
+"""The mixture-of-experts layer's experts as four or five kernels (four for a step of a few
+tokens, whose alignment is one): ``moe_experts`` of the layer ops.
 
 Each token's top-k picks are (token, k) *pairs*; pair p = token * K + k. The kernels:
 
