@@ -14,7 +14,8 @@ in float32 so that rounding does not decide near-ties of random weights. Fails l
 8b / 70b: random bf16 weights of the shape made on the GPUs (--load-format dummy: no 16 or
 141 GB file to write), through tandem/bench/latency.py (a real engine process over its
 socket: time to ready, batch-1 TPOT and its share of the N-GPU bandwidth floor) and
-tandem/bench/offline.py (256 requests, in-process: load time, output tokens per second).
+tandem/bench/offline.py (256 requests, in-process: load time, output tokens per second and
+their share of the N-GPU roofline, each rank's share of the work read and computed at once).
 Targets: 8B TPOT at TP=2 at most 60% of TP=1's; 70B TPOT at least 70% of the floor (65% at
 TP=8). Each run is a child process, so every one starts on empty GPUs. A table ends each part.
 """
@@ -123,7 +124,8 @@ def speed(workdir: Path, shape: str, sizes: list[int]) -> list[tuple[str, str]]:
                 f"load {f['load_s']:.1f} s, ready {f['ready_s']:.1f} s (engine process; "
                 f"in-process {f['in_process_s']:.1f} s), TPOT {f['tpot_ms']:.2f} ms "
                 f"({f['floor_share']:.0%} of the {size}-GPU floor {f['floor_ms']:.2f} ms), "
-                f"offline {f['tok_s']:.0f} tok/s",
+                f"offline {f['tok_s']:.0f} tok/s ({f['roofline_share']:.0%} of the {size}-GPU "
+                f"roofline of its steps, {f['workload_roofline_share']:.0%} of the workload's)",
             )
         )
     if 1 in figures and 2 in figures:
