@@ -15,6 +15,8 @@ import torch
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -121,6 +123,20 @@ FAMILIES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[st
         MixtralConfig,
         MixtralForCausalLM,
         dict(num_local_experts=4, num_experts_per_tok=2),
+    ),
+    # Top 4 of 8 with a softmax after the top k, biased router and experts, the clamped
+    # SwiGLU, attention sinks and biases, sliding and full layers alternating, YaRN's RoPE
+    # (transformers' default for gpt-oss: factor 32 over 4096 positions).
+    "gpt-oss": (
+        GptOssConfig,
+        GptOssForCausalLM,
+        dict(
+            num_local_experts=8,
+            num_experts_per_tok=4,
+            intermediate_size=64,
+            sliding_window=WINDOW,
+            layer_types=[SLIDING, FULL, SLIDING],
+        ),
     ),
 }
 
