@@ -197,7 +197,7 @@ TRITON_CASES = [
             reason="CPU tensors need Triton's interpreter; tests/gpu runs these kernels on CUDA",
         ),
     )
-    for name in ["qwen3-wide-heads", "gemma3-tied", "olmo2-gqa"]
+    for name in ["qwen3-wide-heads", "gemma3-tied", "olmo2-gqa", "gpt-oss"]
 ]
 
 
