@@ -47,5 +47,6 @@ def dequantize_mxfp4(
     # Each byte's low nibble is the even value, its high nibble the odd one.
     values = torch.stack([table[(codes & 0x0F).long()], table[(codes >> 4).long()]], dim=-1)
     values = values.flatten(-2)  # [..., G, 32]
+    # Integer exponents: ldexp then scales exactly, where 2 ** 128 alone would overflow.
     exponents = scales.to(torch.int32) - 127
-    return torch.ldexp(values, exponents.unsqueeze(-1).to(dtype)).flatten(-2)
+    return torch.ldexp(values, exponents.unsqueeze(-1)).flatten(-2)

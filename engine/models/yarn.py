@@ -35,8 +35,9 @@ def yarn_inverse_frequencies(head_dim: int, theta: float, yarn: YarnScaling) -> 
     """[head_dim / 2] float32 inverse frequencies, as transformers' (float32 throughout), on
     the CPU (a model is built on the meta device)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim
-    extrapolated = 1.0 / theta**exponents
-    interpolated = extrapolated / yarn.factor
+    wavelengths = theta**exponents  # over 2 pi
+    extrapolated = 1.0 / wavelengths
+    interpolated = 1.0 / (yarn.factor * wavelengths)
 
     def band_end(rotations: float) -> float:
         """The dimension whose wavelength fits ``rotations`` times in the original context."""
