@@ -194,6 +194,8 @@ def _rope_fields(
     elif rope_type == "linear":
         fields["rope_linear_factor"] = float(full["factor"])
     elif rope_type == "yarn":
+        if "original_max_position_embeddings" not in full:
+            raise ValueError(f"{path}: YaRN RoPE scaling needs original_max_position_embeddings")
         fields["rope_yarn"] = _yarn(full, config)
     elif rope_type != "default":
         raise ValueError(

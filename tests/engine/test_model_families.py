@@ -357,7 +357,8 @@ def test_qwen2_config_ignores_an_unused_window() -> None:
         (GEMMA3_4B_TEXT | {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
         (GEMMA3_4B_TEXT | {"layer_types": [SLIDING] * 3}, "each of the 34 layers"),
         (GEMMA3_4B_TEXT | {"layer_types": ["chunked_attention"] * 34}, "layer_types"),
-        (QWEN25_7B | {"rope_scaling": {"type": "yarn", "factor": 4.0}}, "'yarn'"),
+        (QWEN25_7B | {"rope_scaling": {"type": "dynamic", "factor": 4.0}}, "'dynamic'"),
+        (QWEN25_7B | {"rope_scaling": {"type": "yarn", "factor": 4.0}}, "needs"),
         (QWEN25_7B | {"architectures": ["Qwen3ForCausalLM"], "attention_bias": True}, "bias"),
     ],
 )
