@@ -174,7 +174,11 @@ class GptOssExperts(FusedExperts):
         if len(pending) < 2:
             return []
         del self._pending[matrix]
-        weight = dequantize_mxfp4(pending["blocks"], pending["scales"], torch.float32)
+        # On the model's device, in bfloat16, which holds every MXFP4 value exactly: a
+        # layer's experts are GBs in float32 (gpt-oss-120b's gate/up: 8.5 GB).
+        device = self.w13.device
+        blocks, scales = pending["blocks"].to(device), pending["scales"].to(device)
+        weight = dequantize_mxfp4(blocks, scales, torch.bfloat16)
         if matrix == "gate_up_proj":
             self._store("w13", slice(None), slice(None), _deinterleave(weight, dim=1))
         else:
