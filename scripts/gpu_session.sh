@@ -62,7 +62,8 @@
 # moe-kernel (issue 39, about 5 minutes, one GPU): the fused MoE kernel's tests on CUDA (the
 # CPU tests natively, then tests/gpu/test_fused_moe_cuda.py: the real shapes against the
 # reference, CUDA graph capture and replay), then `scripts/bench_kernels.py --moe` at
-# Qwen3-30B-A3B, Mixtral-8x7B and Qwen3-235B-A22B's TP=4 rank (expert-parallel and split),
+# Qwen3-30B-A3B, Mixtral-8x7B, Qwen3-235B-A22B's TP=4 rank (expert-parallel and split) and
+# gpt-oss-20b (the kernel's gpt-oss variant),
 # T = 1 to 2048 tokens, bf16 and fp8 weights; the tables last.
 # moe-sweep: the same timings at MOE_SHAPE (default qwen3-30b-a3b), each T with the rule's
 # neighbours timed too (--moe-sweep: about 100 configurations a shape, minutes of compiling),
@@ -406,7 +407,7 @@ PY
     moe-kernel)
       timeout 360 python3 -m pytest -q -rs tests/engine/test_fused_moe.py tests/gpu/test_fused_moe_cuda.py \
         -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$out/moe-kernel-tests.log" | tail -15
-      shapes="qwen3-30b-a3b mixtral-8x7b qwen3-235b-a22b-tp4-ep qwen3-235b-a22b-tp4"
+      shapes="qwen3-30b-a3b mixtral-8x7b qwen3-235b-a22b-tp4-ep qwen3-235b-a22b-tp4 gpt-oss-20b"
       for weights in bf16 fp8; do
         flags=(); [ $weights = fp8 ] && flags=(--quantization fp8)
         timeout 240 python3 scripts/bench_kernels.py --moe $shapes "${flags[@]}" 2>&1 \
