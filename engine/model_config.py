@@ -18,6 +18,23 @@ class RopeScaling:
     original_max_position_embeddings: int
 
 
+@dataclass
+class YarnScaling:
+    """YaRN's frequency scaling ("rope_type": "yarn" in config.json; gpt-oss): frequencies
+    interpolated by ``factor`` below the band that ``beta_fast`` and ``beta_slow`` rotations
+    bound over ``original_max_position_embeddings``, kept above it, ramped between; cos and
+    sin scaled by an attention factor (``engine.models.yarn``)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True  # the band's ends rounded to whole dimensions
+    attention_factor: float | None = None  # None: from factor (and mscale, if given)
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+
+
 @dataclass(frozen=True)
 class Quantization:
     """How the linear layers' weights (QKV, O, gate/up, down) are stored: ``method`` "fp8"
@@ -51,6 +68,7 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: RopeScaling | None = None
     rope_linear_factor: float | None = None  # "linear" RoPE scaling of full-attention layers
+    rope_yarn: YarnScaling | None = None  # YaRN scaling of every layer's RoPE
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"  # gating the MLP: "silu" or "gelu_pytorch_tanh"
     # Per layer FULL_ATTENTION or SLIDING_ATTENTION; None means all full.

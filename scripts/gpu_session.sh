@@ -9,6 +9,7 @@
 #   SPEC_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh spec spec-f32  # speculative decoding
 #   scripts/gpu_session.sh moe                           # mixtures of experts, one GPU
 #   scripts/gpu_session.sh moe-235b moe-235b-offline     # Qwen3-235B-A22B shape, fp8, 4 GPUs
+#   scripts/gpu_session.sh gpt-oss                       # gpt-oss, one GPU
 #
 # moe (issue 39, about 8 minutes): tests/gpu/test_moe_cuda.py (small Qwen3-MoE and Mixtral
 # against transformers in float32, torch and triton backends; fp8 experts), then at the
@@ -19,6 +20,12 @@
 # a GPU): served by scripts/start_distributed.sh, one chat completion over HTTP, then
 # bench_latency's batch-1 TPOT; moe-235b-offline: bench_offline's throughput (one run of 256
 # requests). Each within one call's 10 minutes.
+# gpt-oss (issue 39's third family, about 8 minutes, one GPU): its GPU tests first (a small
+# random gpt-oss against transformers in float32 on the torch and triton backends, fp8
+# experts; the fused MoE kernel's gpt-oss variant at the gpt-oss-20b shape against the
+# reference and replayed in CUDA graphs; the sinks and epilogue CPU tests natively), then at
+# the gpt-oss-20b shape (--load-format dummy) bench_latency's batch-1 TPOT and bench_offline's
+# throughput (one run); a table last.
 #   SPEC_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh spec-adapt  # adaptive speculation (issue 37)
 #   OVERLOAD_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh overload  # admission and restarts (issue 40)
 #
@@ -55,7 +62,8 @@
 # moe-kernel (issue 39, about 5 minutes, one GPU): the fused MoE kernel's tests on CUDA (the
 # CPU tests natively, then tests/gpu/test_fused_moe_cuda.py: the real shapes against the
 # reference, CUDA graph capture and replay), then `scripts/bench_kernels.py --moe` at
-# Qwen3-30B-A3B, Mixtral-8x7B and Qwen3-235B-A22B's TP=4 rank (expert-parallel and split),
+# Qwen3-30B-A3B, Mixtral-8x7B, Qwen3-235B-A22B's TP=4 rank (expert-parallel and split) and
+# gpt-oss-20b (the kernel's gpt-oss variant),
 # T = 1 to 2048 tokens, bf16 and fp8 weights; the tables last.
 # moe-sweep: the same timings at MOE_SHAPE (default qwen3-30b-a3b), each T with the rule's
 # neighbours timed too (--moe-sweep: about 100 configurations a shape, minutes of compiling),
@@ -342,6 +350,21 @@ PY
         echo "$shape latency:"; grep -hE "^tandem, |^roofline" "$out/moe-latency-$shape.log"
         echo "$shape offline:"; grep -hE "^tandem, |engine start" "$out/moe-offline-$shape.log"
       done ;;
+    gpt-oss)
+      timeout 300 python3 -m pytest -q -rs -s -p no:cacheprovider -k "gpt or sinks" \
+        tests/gpu/test_moe_cuda.py tests/gpu/test_fused_moe_cuda.py tests/engine/test_kernels.py \
+        tests/engine/test_fused_moe.py 2>&1 | tee "$out/gpt-oss-tests.log" \
+        | grep -E "worst logprob|agree|passed|failed|Error" | tail -14
+      m=$(config_only gpt-oss-20b)
+      timeout 150 python3 scripts/bench_latency.py --model "$m" --load-format dummy --runs 2 2>&1 \
+        | tee "$out/gpt-oss-latency.log" | grep -hE "^tandem, |^roofline"
+      timeout 200 python3 scripts/bench_offline.py --model "$m" --load-format dummy --runs 1 2>&1 \
+        | tee "$out/gpt-oss-offline.log" | grep -v '^INFO' | tail -6
+      echo "=== gpt-oss summary"
+      grep -hE "passed|failed" "$out/gpt-oss-tests.log" | tail -1
+      grep -hE "worst logprob|agree" "$out/gpt-oss-tests.log"
+      echo "gpt-oss-20b latency (batch-1 TPOT):"; grep -hE "^tandem, |^roofline" "$out/gpt-oss-latency.log"
+      echo "gpt-oss-20b offline:"; grep -hE "^tandem, |engine start" "$out/gpt-oss-offline.log" ;;
     moe-235b)  # 4 GPUs: load at TP=4 with fp8 experts, one HTTP request, batch-1 TPOT
       m=$(config_only qwen3-235b-a22b)
       port=8391
@@ -384,7 +407,7 @@ PY
     moe-kernel)
       timeout 360 python3 -m pytest -q -rs tests/engine/test_fused_moe.py tests/gpu/test_fused_moe_cuda.py \
         -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$out/moe-kernel-tests.log" | tail -15
-      shapes="qwen3-30b-a3b mixtral-8x7b qwen3-235b-a22b-tp4-ep qwen3-235b-a22b-tp4"
+      shapes="qwen3-30b-a3b mixtral-8x7b qwen3-235b-a22b-tp4-ep qwen3-235b-a22b-tp4 gpt-oss-20b"
       for weights in bf16 fp8; do
         flags=(); [ $weights = fp8 ] && flags=(--quantization fp8)
         timeout 240 python3 scripts/bench_kernels.py --moe $shapes "${flags[@]}" 2>&1 \

@@ -4,8 +4,10 @@
     python scripts/make_random_checkpoint.py --shape llama-3.1-70b --config-only --out /tmp/70b
 
 Shapes: Llama-3.2-1B, Llama-3.1-8B, Llama-3.1-70B, Qwen3-0.6B, Qwen2.5-0.5B, Gemma-3-1B, and
-the mixtures of experts Qwen3-30B-A3B, Qwen3-235B-A22B, Mixtral-8x7B (bfloat16; the MoE ones
-are 61, 470 and 93 GB of weights: make them --config-only). --config-only writes config.json
+the mixtures of experts Qwen3-30B-A3B, Qwen3-235B-A22B, Mixtral-8x7B, gpt-oss-20b and
+gpt-oss-120b (bfloat16, gpt-oss's experts too, as the engine holds them once it dequantized
+the published MXFP4; the MoE ones are 61, 470, 93, 42 and 234 GB of weights: make them
+--config-only). --config-only writes config.json
 and the tokenizer and no weights, for the engine's --load-format dummy (random weights made on
 the GPUs at start-up).
 Throughput does not depend on the weights' values; the tokenizer maps every id to a word, the

@@ -26,7 +26,7 @@ from server.cors import add_cors_arguments, cors_options
 from server.drain import Drain, DrainingServer
 from server.engine_client import CurveKeys, HandshakeError
 from server.engine_pool import EnginePool
-from server.reasoning import REASONING_PARSERS
+from server.reasoning_parsers import REASONING_PARSERS
 from server.response_store import DEFAULT_MAX_RESPONSES, DEFAULT_TTL_S, ResponseStore
 from server.served_model import ChatOptions, load_chat_template
 from server.tool_parsers import TOOL_PARSERS

@@ -25,7 +25,8 @@ from typing import Any
 from protocol import StructuredOutput, StructuredOutputKind
 from server.errors import ApiError
 from server.openai_schemas import ChatCompletionRequest
-from server.reasoning import REASONING_PARSERS, ThinkReasoningParser, prompt_opens_reasoning
+from server.reasoning import ReasoningParser, prompt_opens_reasoning
+from server.reasoning_parsers import REASONING_PARSERS
 from server.served_model import ServedModel
 from server.tool_calling import ToolUse, declared_tools
 from server.tool_parsers.call_formats import Format, call_format
@@ -84,7 +85,7 @@ def _structural_tag(format_: Format) -> StructuredOutput:
     )
 
 
-def _reasoning(parser: type[ThinkReasoningParser], prompt: str) -> Format:
+def _reasoning(parser: type[ReasoningParser], prompt: str) -> Format:
     """The reasoning block, free text to its end marker: already open in the prompt, or one
     the model may open first."""
     opens = prompt_opens_reasoning(prompt)

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.reasoning import ThinkReasoningParser
+from server.reasoning import ReasoningParser
 from server.tool_parsers.base import (
     ToolCall,
     ToolCallDelta,
@@ -77,7 +77,7 @@ class ChatOutputParser:
 
     def __init__(
         self,
-        reasoning: ThinkReasoningParser | None = None,
+        reasoning: ReasoningParser | None = None,
         tools: ToolParser | None = None,
         include_reasoning: bool = True,
     ) -> None:

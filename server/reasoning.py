@@ -15,7 +15,7 @@ template drops them when it renders the turn back into a later prompt.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, Protocol
 
 from server.tool_parsers.base import partial_marker_length
 
@@ -34,6 +34,25 @@ class ReasoningDelta:
 class ParsedReasoning:
     reasoning_content: str | None  # None when the answer has none
     content: str
+
+
+class ReasoningParser(Protocol):
+    """What splits one answer into reasoning and content (``server/reasoning_parsers.py``
+    lists them): made for the answer's prompt, fed its text, finished once."""
+
+    name: ClassVar[str]
+    # The markers around the reasoning, for a grammar over the answer
+    # (``server/answer_grammar.py``).
+    start: ClassVar[str]
+    end: ClassVar[str]
+
+    def __init__(self, prompt: str) -> None: ...
+
+    def feed(self, text: str) -> ReasoningDelta: ...
+
+    def finish(self) -> ReasoningDelta: ...
+
+    def parse(self, text: str) -> ParsedReasoning: ...
 
 
 def prompt_opens_reasoning(prompt: str) -> bool:
@@ -117,13 +136,3 @@ class ThinkReasoningParser:
     def _take(self) -> ReasoningDelta:
         out, self._out = self._out, ReasoningDelta()
         return out
-
-
-REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
-    ThinkReasoningParser.name: ThinkReasoningParser
-}
-
-
-def reasoning_parser_for_template(template_source: str) -> str | None:
-    """The reasoning parser for a template whose model thinks in ``<think>`` blocks."""
-    return ThinkReasoningParser.name if _END in template_source else None

@@ -14,7 +14,7 @@ from protocol import MAX_BAD_WORDS, MAX_BAD_WORDS_TOKENS, HandshakeReply, Sampli
 from protocol.chat_template import ChatTemplate, ChatTemplateError
 from server.errors import ApiError
 from server.fill_in_middle import FillInMiddle
-from server.reasoning import REASONING_PARSERS, reasoning_parser_for_template
+from server.reasoning_parsers import REASONING_PARSERS, reasoning_parser_for_template
 from server.tool_parsers import TOOL_PARSERS, tool_parser_for_template
 
 logger = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from server.chat_output import ChatOutputParser, chat_finish_reason
 from server.errors import ApiError
 from server.generic_tool_prompt import GenericToolPrompt
 from server.openai_schemas import ChatCompletionRequest, ChatMessage, Tool
-from server.reasoning import REASONING_PARSERS
+from server.reasoning_parsers import REASONING_PARSERS
 from server.served_model import ServedModel
 from server.tool_parsers import (
     TOOL_PARSERS,

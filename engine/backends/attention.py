@@ -120,6 +120,7 @@ class AttentionBackend(ABC):
         sliding_window: int | None = None,
         *,
         rotary: Rotary | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Apply ``rotary`` to q and k (None: they come rotated), write k and v into the
         cache, then attend each query to its sequence's cache. q and k may be changed in
@@ -128,6 +129,10 @@ class AttentionBackend(ABC):
         With ``sliding_window`` (the layer's; None for full attention) a query at position p
         attends only to the keys at positions p - sliding_window + 1 to p. The reference masks
         the older ones; a kernel should skip the cache blocks that lie wholly before the window.
+
+        ``sinks`` (float32 [num_heads], gpt-oss's attention sinks): each head's softmax has
+        one more logit in its denominator, exp(sink), of a key whose value is zero: the
+        weights of the real keys sum to less than one.
         """
 
     def project_and_attend(
@@ -139,6 +144,7 @@ class AttentionBackend(ABC):
         scale: float,
         sliding_window: int | None,
         rotary: Rotary,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor | None:  # [T, num_heads, head_dim]
         """``forward`` of the projection's q, k and v, where the backend computes them itself
         with RoPE and the cache write in fewer kernels; None where it does not (the caller

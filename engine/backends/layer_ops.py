@@ -14,11 +14,21 @@ Face's Llama.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from engine.backends.deferred_norm import DeferredNorm, LinearInput
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's experts' activation of gate g and up u: g clamped to at most ``limit``, u
+    to [-limit, limit], then (u + 1) * g * sigmoid(alpha * g)."""
+
+    alpha: float
+    limit: float
 
 
 class LayerOps(Protocol):
@@ -120,6 +130,10 @@ class LayerOps(Protocol):
         w13_scale: torch.Tensor | None,
         w2_scale: torch.Tensor | None,
         expert_offset: int = 0,
+        *,
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
+        activation: ClampedSwiGLU | None = None,
     ) -> torch.Tensor:
         """A mixture-of-experts layer's experts (``engine.models.moe``) for tokens x [T, H]
         routed to experts ``topk_ids`` [T, K] (int32, global ids) with float32 weights
@@ -131,5 +145,9 @@ class LayerOps(Protocol):
         projection d_e; in x's dtype, or float8 e4m3 codes with float32 scales per output
         channel ``w13_scale`` [E_local, 2 * I] and ``w2_scale`` [E_local, H] (None
         otherwise). Local expert 0 is global expert ``expert_offset``: an id outside
-        [expert_offset, expert_offset + E_local) adds nothing (another rank's expert)."""
+        [expert_offset, expert_offset + E_local) adds nothing (another rank's expert).
+
+        gpt-oss's experts (``activation`` a ``ClampedSwiGLU``, None: silu(g) * u) have biases
+        in x's dtype: ``w13_bias`` [E_local, 2 * I] added to the gate and up products before
+        the activation, ``w2_bias`` [E_local, H] to the down product before its weight."""
         ...

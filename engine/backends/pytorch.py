@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from engine.backends.attention import AttentionBackend, AttentionMetadata, LayerKVCache, Rotary
 from engine.backends.deferred_norm import DeferredNorm, LinearInput, dense
 from engine.backends.fp8 import FP8, FP8_MAX, MIN_SCALE
+from engine.backends.layer_ops import ClampedSwiGLU
 
 
 def store_kv(
@@ -111,6 +112,7 @@ class TorchPagedAttention(AttentionBackend):
         sliding_window: int | None = None,
         *,
         rotary: Rotary | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         grid = self._grid
         assert grid is not None and grid.metadata is metadata, "prepare() the step first"
@@ -142,16 +144,51 @@ class TorchPagedAttention(AttentionBackend):
             # The window includes the query's own key, so padding rows still see key 0.
             mask &= key_positions > grid.positions - sliding_window
 
+        mask = mask.unsqueeze(1)
+        if sinks is not None:
+            keys, values, mask = _with_sink_key(keys, values, mask, sinks)
         out = F.scaled_dot_product_attention(
             q_grid,
             keys,
             values,
-            attn_mask=mask.unsqueeze(1),
+            attn_mask=mask,
             scale=scale,
             enable_gqa=num_heads != num_kv_heads,
         )
         out = out.transpose(1, 2).reshape(batch * metadata.max_query_len, num_heads, head_dim)
         return out[grid.index]
+
+
+def _with_sink_key(
+    keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention sinks as one more key every query sees: its key and value zero, and an
+    additive mask of each head's sink on its column, so that its score is the sink and it
+    adds exp(sink) to the softmax's denominator and nothing to the output. keys and values
+    [B, kv_heads, context, head_dim], the boolean mask [B, 1, queries, context] -> the
+    same with context + 1, the mask additive [B, heads, queries, context + 1]."""
+    batch, kv_heads, _, head_dim = keys.shape
+    zero = keys.new_zeros(batch, kv_heads, 1, head_dim)
+    additive = torch.zeros(mask.shape, dtype=keys.dtype, device=keys.device)
+    additive.masked_fill_(~mask, float("-inf"))
+    sink = sinks.to(keys.dtype).view(1, -1, 1, 1).expand(batch, -1, mask.shape[2], 1)
+    return (
+        torch.cat([keys, zero], dim=2),
+        torch.cat([values, zero], dim=2),
+        torch.cat([additive.expand(-1, sinks.shape[0], -1, -1), sink], dim=3),
+    )
+
+
+def clamped_swiglu(gate_up: torch.Tensor, activation: ClampedSwiGLU) -> torch.Tensor:
+    """gpt-oss's activation of gate_up [T, 2 * I], gate half first, in its dtype."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=activation.limit)
+    up = up.clamp(-activation.limit, activation.limit)
+    return (up + 1) * gate * torch.sigmoid(gate * activation.alpha)
+
+
+def _row(bias: torch.Tensor | None, expert: int) -> torch.Tensor | None:
+    return None if bias is None else bias[expert]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -261,6 +298,10 @@ class TorchLayerOps:
         w13_scale: torch.Tensor | None,
         w2_scale: torch.Tensor | None,
         expert_offset: int = 0,
+        *,
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
+        activation: ClampedSwiGLU | None = None,
     ) -> torch.Tensor:
         # The (token, choice) pairs routed to the experts held here, grouped by expert: one
         # product of each expert with all its tokens, gathered by index. Reads the experts'
@@ -281,7 +322,13 @@ class TorchLayerOps:
             start += count
             scales = (None, None) if w13_scale is None else (w13_scale[expert], w2_scale[expert])
             gate_up = self._expert_product(x[tokens[rows]], w13[expert], scales[0])
-            down = self._expert_product(self.silu_and_mul(gate_up), w2[expert], scales[1])
+            if activation is None:
+                hidden = self.silu_and_mul(with_bias(gate_up, _row(w13_bias, expert)))
+            else:
+                hidden = clamped_swiglu(with_bias(gate_up, _row(w13_bias, expert)), activation)
+            down = with_bias(
+                self._expert_product(hidden, w2[expert], scales[1]), _row(w2_bias, expert)
+            )
             out.index_add_(0, tokens[rows], down.float() * weights[rows, None])
         return out.to(x.dtype)
 

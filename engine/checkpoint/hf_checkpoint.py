@@ -26,6 +26,7 @@ from engine.model_config import (
     Quantization,
     RopeScaling,
     TokenizerInfo,
+    YarnScaling,
 )
 from protocol import SamplingDefaults
 
@@ -192,15 +193,41 @@ def _rope_fields(
         )
     elif rope_type == "linear":
         fields["rope_linear_factor"] = float(full["factor"])
+    elif rope_type == "yarn":
+        if "original_max_position_embeddings" not in full:
+            raise ValueError(f"{path}: YaRN RoPE scaling needs original_max_position_embeddings")
+        fields["rope_yarn"] = _yarn(full, config)
     elif rope_type != "default":
         raise ValueError(
-            f"{path}: RoPE scaling {rope_type!r} is not supported, only 'llama3' and 'linear'"
+            f"{path}: RoPE scaling {rope_type!r} is not supported, only 'llama3', 'linear' "
+            "and 'yarn'"
         )
     if local_theta is not None:
         if sliding.get("rope_type", "default") != "default":
             raise ValueError(f"{path}: RoPE scaling of sliding-window layers is not supported")
         fields["rope_local_theta"] = float(sliding.get("rope_theta", local_theta))
     return fields
+
+
+def _yarn(parameters: Mapping[str, Any], config: Mapping[str, Any]) -> YarnScaling:
+    """YaRN's settings, with transformers' defaults for those left out."""
+    original = parameters["original_max_position_embeddings"]
+    factor = parameters.get("factor") or config["max_position_embeddings"] / original
+
+    def optional(key: str) -> float | None:
+        value = parameters.get(key)
+        return None if value is None else float(value)
+
+    return YarnScaling(
+        factor=float(factor),
+        original_max_position_embeddings=original,
+        beta_fast=float(parameters.get("beta_fast") or 32.0),
+        beta_slow=float(parameters.get("beta_slow") or 1.0),
+        truncate=bool(parameters.get("truncate", True)),
+        attention_factor=optional("attention_factor"),
+        mscale=optional("mscale"),
+        mscale_all_dim=optional("mscale_all_dim"),
+    )
 
 
 def safetensors_files(path: Path) -> list[Path]:

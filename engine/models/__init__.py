@@ -18,7 +18,7 @@ from engine.checkpoint import Checkpoint, GGUFModelFile, read_checkpoint
 from engine.checkpoint.hf_checkpoint import hf_architecture
 from engine.distributed.parallel import SINGLE, TensorParallel
 from engine.model_config import ModelConfig
-from engine.models import gemma3, llama, mixtral, olmo2, qwen2, qwen3, qwen3_moe
+from engine.models import gemma3, gpt_oss, llama, mixtral, olmo2, qwen2, qwen3, qwen3_moe
 from engine.models.causal_lm import CausalLM
 from engine.models.family import ModelFamily
 
@@ -41,6 +41,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     olmo2.OLMO2,
     qwen3_moe.QWEN3_MOE,
     mixtral.MIXTRAL,
+    gpt_oss.GPT_OSS,
 )
 
 _BY_ARCHITECTURE = {family.architecture: family for family in FAMILIES}

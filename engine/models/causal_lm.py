@@ -105,6 +105,7 @@ class CausalLM(nn.Module):
             device,
             config.rope_scaling,
             config.rope_linear_factor,
+            config.rope_yarn,
         )
         # Gemma 3's sliding layers have a RoPE base of their own; Mistral's and Qwen's share
         # the full layers' RoPE.

@@ -21,8 +21,9 @@ from engine.backends.attention import AttentionBackend, AttentionMetadata, Layer
 from engine.backends.deferred_norm import DeferredNorm, LinearInput
 from engine.backends.layer_ops import LayerOps
 from engine.distributed.parallel import TensorParallel
-from engine.model_config import ModelConfig, RopeScaling
+from engine.model_config import ModelConfig, RopeScaling, YarnScaling
 from engine.models.parallel_layers import ColumnParallelLinear, RowParallelLinear, Rows
+from engine.models.yarn import yarn_attention_factor, yarn_inverse_frequencies
 from engine.quantization.linear_methods import LinearMethod, linear_method
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -104,7 +105,8 @@ def rope_inverse_frequencies(
 
 class RotaryEmbedding:
     """Rotate-half RoPE's cos/sin tables, precomputed for every position; the attention backend
-    applies them.
+    applies them. Under YaRN (``yarn``) its frequencies, and the tables times its attention
+    factor, as transformers scales them.
 
     No nn.Module: the layers of one kind share it, and its tables are plain float32
     tensors made on ``device``, so a model built on the meta device and then materialized
@@ -119,13 +121,19 @@ class RotaryEmbedding:
         device: torch.device,
         scaling: RopeScaling | None = None,
         linear_factor: float | None = None,
+        yarn: YarnScaling | None = None,
     ) -> None:
-        inv_freq = rope_inverse_frequencies(head_dim, theta, scaling, linear_factor)
+        if yarn is None:
+            inv_freq = rope_inverse_frequencies(head_dim, theta, scaling, linear_factor)
+            attention_factor = 1.0
+        else:
+            inv_freq = yarn_inverse_frequencies(head_dim, theta, yarn)
+            attention_factor = yarn_attention_factor(yarn)
         positions = torch.arange(max_positions, dtype=torch.float32, device="cpu")
         freqs = torch.outer(positions, inv_freq)
         angles = torch.cat([freqs, freqs], dim=-1).to(device)
-        self.cos = angles.cos()
-        self.sin = angles.sin()
+        self.cos = angles.cos() * attention_factor
+        self.sin = angles.sin() * attention_factor
 
 
 class Attention(nn.Module):
@@ -135,11 +143,13 @@ class Attention(nn.Module):
     Under tensor parallelism a rank computes its share of the query heads with the KV heads
     they attend with (``TensorParallel.kv_heads``), and its cache holds only those.
 
-    Subclasses change ``qkv_bias``, or ``project_qkv`` for what comes between the projection
-    and RoPE, or ``rotary`` for what the backend applies with RoPE, or ``scale``.
+    Subclasses change ``qkv_bias`` and ``o_bias``, or ``project_qkv`` for what comes between
+    the projection and RoPE, or ``rotary`` for what the backend applies with RoPE, or
+    ``scale``, or ``sink_logits`` (gpt-oss's attention sinks).
     """
 
     qkv_bias = False
+    o_bias = False
 
     def __init__(
         self,
@@ -168,7 +178,8 @@ class Attention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(
             config.hidden_size, [q_rows, kv_rows, kv_rows], self.qkv_bias, method
         )
-        self.o_proj = RowParallelLinear(q_rows, config.hidden_size, tp, method)
+        self.o_proj = RowParallelLinear(q_rows, config.hidden_size, tp, method, self.o_bias)
+        self.q_rows = q_rows
         self.scale = self.head_dim**-0.5
         self.sliding_window = sliding_window
         self.backend = backend
@@ -198,6 +209,10 @@ class Attention(nn.Module):
         """RoPE, as the backend applies it to the projected q and k."""
         return Rotary(self.rotary_embedding.cos, self.rotary_embedding.sin)
 
+    def sink_logits(self) -> torch.Tensor | None:
+        """Each of this rank's heads' sink logit (``AttentionBackend.forward``), if any."""
+        return None
+
     def forward(self, x: LinearInput, metadata: AttentionMetadata) -> torch.Tensor:
         out, _ = self.into_stream(x, metadata, None)
         return out
@@ -209,17 +224,33 @@ class Attention(nn.Module):
         stream to add (``RowParallelLinear.into_stream``)."""
         assert self.cache is not None, "the KV cache must be bound before the first forward"
         rotary = self.rotary()
+        sinks = self.sink_logits()
         out = None
         # A subclass's own project_qkv puts a step between the projection and RoPE: then the
         # backend may not do the projection itself.
         if type(self).project_qkv is Attention.project_qkv:
             out = self.backend.project_and_attend(
-                x, self.qkv_proj, self.cache, metadata, self.scale, self.sliding_window, rotary
+                x,
+                self.qkv_proj,
+                self.cache,
+                metadata,
+                self.scale,
+                self.sliding_window,
+                rotary,
+                sinks,
             )
         if out is None:
             q, k, v = self.project_qkv(x)
             out = self.backend.forward(
-                q, k, v, self.cache, metadata, self.scale, self.sliding_window, rotary=rotary
+                q,
+                k,
+                v,
+                self.cache,
+                metadata,
+                self.scale,
+                self.sliding_window,
+                rotary=rotary,
+                sinks=sinks,
             )
         return self.o_proj.into_stream(out.reshape(-1, self.q_size), stream)
 

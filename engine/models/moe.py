@@ -57,15 +57,17 @@ class MoEConfig(ModelConfig):
 
 
 class Router(nn.Module):
-    """The router's linear layer [E, H], whole on every rank, in the model's dtype."""
+    """The router's linear layer [E, H] (and ``bias`` [E], gpt-oss's), whole on every rank,
+    in the model's dtype."""
 
-    def __init__(self, config: MoEConfig, ops: LayerOps) -> None:
+    def __init__(self, config: MoEConfig, ops: LayerOps, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.bias = nn.Parameter(torch.empty(config.num_experts)) if bias else None
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight)
+        return self.ops.linear(x, self.weight, self.bias)
 
 
 # A checkpoint tensor of the experts, relative to their module: one expert's
@@ -181,11 +183,14 @@ class SparseMoeBlock(nn.Module):
     # The router and the experts read the norm's output as a tensor: no linear layer's
     # method takes the norm before them (``RMSNorm.reader``).
     input_method = None
+    # What a family changes (gpt-oss: a router with a bias, experts with biases).
+    router_bias = False
+    experts_class: type[FusedExperts] = FusedExperts
 
     def __init__(self, config: MoEConfig, ops: LayerOps, tp: TensorParallel) -> None:
         super().__init__()
-        self.gate = Router(config, ops)
-        self.experts = FusedExperts(config, ops, tp)
+        self.gate = Router(config, ops, self.router_bias)
+        self.experts = self.experts_class(config, ops, tp)
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
         self.ops = ops
@@ -195,27 +200,32 @@ class SparseMoeBlock(nn.Module):
         out, _ = self.into_stream(x, None)
         return out
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts' float32 weights and int32 ids, [T, top_k] each."""
+        return self.ops.moe_route(self.gate(x), self.top_k, self.renormalize)
+
     def into_stream(
         self, x: LinearInput, stream: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The block's output and the residual stream, left for the next norm to add (as
         ``MLP.into_stream`` leaves it but where its one-row product adds it)."""
         x = dense(x)
-        weights, ids = self.ops.moe_route(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = self.route(x)
         return self.tp.all_reduce(self.experts(x, weights, ids)), stream
 
 
 class MoECausalLM(CausalLM):
-    """A decoder whose layers' MLP is a ``SparseMoeBlock``, but on the config's
-    ``dense_layers``. A family names its checkpoint's modules where they differ from
-    Qwen3-MoE's (``checkpoint_renames``)."""
+    """A decoder whose layers' MLP is a ``SparseMoeBlock`` (``moe_block_class``), but on
+    the config's ``dense_layers``. A family names its checkpoint's modules where they differ
+    from Qwen3-MoE's (``checkpoint_renames``)."""
 
     config: MoEConfig
+    moe_block_class: type[SparseMoeBlock] = SparseMoeBlock
 
     def decoder_layer(
         self, index: int, attention: Attention, ops: LayerOps, tp: TensorParallel
     ) -> nn.Module:
         config = self.config
         dense_mlp = index in config.dense_layers
-        mlp = MLP(config, ops, tp) if dense_mlp else SparseMoeBlock(config, ops, tp)
+        mlp = MLP(config, ops, tp) if dense_mlp else self.moe_block_class(config, ops, tp)
         return DecoderLayer(config, attention, ops, tp, mlp)

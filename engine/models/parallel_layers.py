@@ -138,22 +138,30 @@ class ColumnParallelLinear(ParallelLinear):
 
 class RowParallelLinear(ParallelLinear):
     """This rank's input features (``columns`` of the checkpoint's weight); the output is
-    the sum over the ranks. No bias: none of the families has one here. Quantized, each
-    rank's scales are those of its own columns."""
+    the sum over the ranks. Quantized, each rank's scales are those of its own columns. A
+    ``bias`` (gpt-oss's output projection's), whole on every rank, is added by the first
+    rank's product only, so that the sum holds it once."""
 
     def __init__(
-        self, columns: Rows, output_size: int, tp: TensorParallel, method: LinearMethod
+        self,
+        columns: Rows,
+        output_size: int,
+        tp: TensorParallel,
+        method: LinearMethod,
+        bias: bool = False,
     ) -> None:
         super().__init__(output_size, columns.length, method)
         self.columns = columns
         self.tp = tp
+        self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.multiply(x))
+        return self.tp.all_reduce(self.multiply(x, self.bias if self.tp.rank == 0 else None))
 
     def forward_silu_gated(self, gate_up: torch.Tensor) -> torch.Tensor:
         """forward(silu(gate) * up) of gate_up's halves, the activation fused into the
         product where the method can (``LinearMethod.apply_silu_gated``)."""
+        assert self.bias is None, "no gated layer has a bias"
         return self.tp.all_reduce(self.method.apply_silu_gated(self, gate_up))
 
     def into_stream(
@@ -165,14 +173,35 @@ class RowParallelLinear(ParallelLinear):
         product takes (``LayerOps.takes_one_row``), that product adds the stream and nothing
         is left (None); otherwise the stream is left as it came. Under tensor parallelism the
         product is a sum over the ranks, all-reduced before any addition."""
-        if stream is not None and self.tp.size == 1 and self.method.ops.takes_one_row(x):
+        if (
+            stream is not None
+            and self.tp.size == 1
+            and self.bias is None
+            and self.method.ops.takes_one_row(x)
+        ):
             return self.method.one_row_into_stream(self, x, stream, gated=gated), None
         if not gated:
             return self(x), stream
         return self.forward_silu_gated(x), stream
 
     def load(self, param: str, part: int, source: TensorSlices, hf_name: str) -> None:
-        self.load_weight_rows(param, 0, source, hf_name, 1, self.columns)
+        if param == "bias":
+            load_slice(self.bias, source, hf_name)
+        else:
+            self.load_weight_rows(param, 0, source, hf_name, 1, self.columns)
+
+
+class PerHeadVector(nn.Module):
+    """One value for each attention head (gpt-oss's attention sinks), this rank's heads'
+    (``rows``) of the checkpoint's vector."""
+
+    def __init__(self, rows: Rows) -> None:
+        super().__init__()
+        self.rows = rows
+        self.weight = nn.Parameter(torch.empty(rows.length))
+
+    def load(self, param: str, part: int, source: TensorSlices, hf_name: str) -> None:
+        load_slice(self.weight, source, hf_name, 0, self.rows)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -214,4 +243,4 @@ class VocabParallelEmbedding(nn.Module):
         load_slice(self.weight[: self.rows.length], source, hf_name, 0, self.rows)
 
 
-ParallelLayer = ParallelLinear | VocabParallelEmbedding
+ParallelLayer = ParallelLinear | VocabParallelEmbedding | PerHeadVector

@@ -16,6 +16,7 @@ from server.tool_parsers.base import (
     ToolParserDelta,
     assemble,
 )
+from server.tool_parsers.harmony import HarmonyToolParser
 from server.tool_parsers.hermes import HermesToolParser
 from server.tool_parsers.llama3_json import Llama3JsonToolParser
 from server.tool_parsers.mistral import MistralToolParser
@@ -27,12 +28,15 @@ from server.tool_parsers.tool_choice import (
 )
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)
+    parser.name: parser
+    for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, HarmonyToolParser)
 }
 
 
 def tool_parser_for_template(template_source: str) -> str | None:
     """The parser for the call format the template shows its model, or None."""
+    if "<|channel|>" in template_source:  # harmony (gpt-oss)
+        return HarmonyToolParser.name
     if "<tool_call>" in template_source:
         return HermesToolParser.name
     if "[TOOL_CALLS]" in template_source:
@@ -46,6 +50,7 @@ def tool_parser_for_template(template_source: str) -> str | None:
 __all__ = [
     "TOOL_PARSERS",
     "CallArrayParser",
+    "HarmonyToolParser",
     "HermesToolParser",
     "Llama3JsonToolParser",
     "MistralToolParser",

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 
+from engine.backends.layer_ops import ClampedSwiGLU
 from engine.backends.triton.device import sm_count
 from engine.backends.triton.fused_moe import (
     MoeConfig,
@@ -52,6 +54,7 @@ class MoeShape:
     experts: int
     local_experts: int
     top_k: int
+    gpt_oss: bool = False  # its experts' biases and clamped SwiGLU (the kernel's variant)
 
 
 SHAPES = {
@@ -61,7 +64,10 @@ SHAPES = {
     # experts (expert parallelism), or a quarter of each of the 128 (I / 4).
     "qwen3-235b-a22b-tp4-ep": MoeShape(4096, 1536, 128, 32, 8),
     "qwen3-235b-a22b-tp4": MoeShape(4096, 384, 128, 128, 8),
+    "gpt-oss-20b": MoeShape(2880, 2880, 32, 32, 4, gpt_oss=True),
 }
+# gpt-oss's activation, as its config.json sets it
+GPT_OSS_ACTIVATION = ClampedSwiGLU(alpha=1.702, limit=7.0)
 TOKENS = (1, 8, 64, 256, 2048)
 # A run's time in ms (``tandem.bench.kernels.time_ms``: a CUDA graph's replay, L2 flushed).
 Timer = Callable[[Callable[[], None]], float]
@@ -116,16 +122,21 @@ def candidates(rule: MoeConfig, weight_dtype: torch.dtype) -> list[MoeConfig]:
     ]
 
 
-def random_layer(shape: MoeShape, fp8: bool) -> dict[str, torch.Tensor | None]:
-    """The rank's experts, random, in bf16 or as FP8 codes with per-channel scales."""
+def random_layer(shape: MoeShape, fp8: bool) -> dict[str, Any]:
+    """The rank's experts, random, in bf16 or as FP8 codes with per-channel scales; a
+    gpt-oss shape's with their biases and activation (``fused_moe``'s keywords)."""
     experts, hidden, intermediate = shape.local_experts, shape.hidden, shape.intermediate
     w13 = torch.randn(experts, 2 * intermediate, hidden, device="cuda", dtype=DTYPE)
     w2 = torch.randn(experts, hidden, intermediate, device="cuda", dtype=DTYPE)
     w13 *= hidden**-0.5
     w2 *= intermediate**-0.5
+    layer: dict[str, Any] = {}
+    if shape.gpt_oss:
+        layer["w13_bias"] = torch.randn(experts, 2 * intermediate, device="cuda", dtype=DTYPE)
+        layer["w2_bias"] = torch.randn(experts, hidden, device="cuda", dtype=DTYPE) * 0.1
+        layer["activation"] = GPT_OSS_ACTIVATION
     if not fp8:
-        return {"w13": w13, "w2": w2, "w13_scale": None, "w2_scale": None}
-    layer: dict[str, torch.Tensor | None] = {}
+        return layer | {"w13": w13, "w2": w2, "w13_scale": None, "w2_scale": None}
     for name, weight in (("w13", w13), ("w2", w2)):
         codes = torch.empty(weight.shape, dtype=FP8, device="cuda")
         scale = torch.empty(weight.shape[:2], device="cuda")
@@ -147,7 +158,7 @@ def assert_matches_reference(
     x: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
-    layer: dict[str, torch.Tensor | None],
+    layer: dict[str, Any],
 ) -> None:
     """``fused_moe``'s ``out`` within two units of bf16's rounding of the float32 reference,
     in norm. Absolute, not relative: where no pick is local (a rank's experts at a few tokens)
@@ -178,7 +189,7 @@ def assert_matches_reference(
 def moe_case(
     shape: MoeShape,
     num_tokens: int,
-    layer: dict[str, torch.Tensor | None],
+    layer: dict[str, Any],
     rates: DeviceRates,
     time_ms: Timer,
     sweep: bool = False,

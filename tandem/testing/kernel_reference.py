@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.backends.pytorch import quantize_per_token_fp8
+from engine.backends.layer_ops import ClampedSwiGLU
+from engine.backends.pytorch import clamped_swiglu, quantize_per_token_fp8
 
 
 def paged_attention_reference(
@@ -23,12 +24,14 @@ def paged_attention_reference(
     query_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Packed q [T, heads, dim] (sequence by sequence, query_lens[b] tokens each, the last of
     a sequence at position context_lens[b] - 1), attending causally, in float32, to the keys
-    it can see: those at or before its position and, with a window, after position - window.
-    Covers decode too (all query_lens 1). Returned in float32: a kernel's error is measured
-    against it, in units of its own dtype's rounding."""
+    it can see: those at or before its position and, with a window, after position - window;
+    with ``sinks`` [heads], each head's sink logit a column of the softmax, dropped after it
+    (transformers' gpt-oss). Covers decode too (all query_lens 1). Returned in float32: a
+    kernel's error is measured against it, in units of its own dtype's rounding."""
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = q.shape[1] // num_kv_heads
     outputs = []
@@ -46,7 +49,12 @@ def paged_attention_reference(
             visible &= key_positions[None, :] > query_positions[:, None] - sliding_window
         queries = q[start : start + query_len].float()
         scores = torch.einsum("qhd,khd->hqk", queries, keys) * scale
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            column = sinks.float().view(-1, 1, 1).expand(-1, query_len, 1)
+            probs = torch.cat([scores, column], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
         outputs.append(torch.einsum("hqk,khd->qhd", probs, values))
         start += query_len
     return torch.cat(outputs)
@@ -62,6 +70,9 @@ def moe_experts_reference(
     w2_scale: torch.Tensor | None,
     expert_offset: int = 0,
     quantize_activations: bool = False,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """``LayerOps.moe_experts`` expert by expert, in float32 (FP8 weights dequantized):
     each local expert's picks gathered, gate and up products summed in float32, their
@@ -72,7 +83,10 @@ def moe_experts_reference(
 
     ``quantize_activations`` (W8A8): x and the activation are each quantized per row to
     float8 e4m3 as the dense FP8 layers quantize theirs (``quantize_per_token_fp8``) and
-    multiplied dequantized."""
+    multiplied dequantized.
+
+    gpt-oss's experts: the biases added to the float32 products, and the clamped SwiGLU
+    (``activation``) in place of silu(gate) * up."""
     rows = dequantized(x) if quantize_activations else x.float()
     num_experts, double_intermediate, _ = w13.shape
     intermediate = double_intermediate // 2
@@ -85,10 +99,19 @@ def moe_experts_reference(
         if tokens.numel() == 0:
             continue
         products = rows[tokens] @ gate_up[expert].T
-        gate, up = products[:, :intermediate], products[:, intermediate:]
-        activation = (torch.nn.functional.silu(gate) * up).to(x.dtype)
-        activation = dequantized(activation) if quantize_activations else activation.float()
-        weighted = (activation @ down[expert].T) * topk_weights[tokens, picks, None]
+        if w13_bias is not None:
+            products += w13_bias[expert].float()
+        if activation is None:
+            gate, up = products[:, :intermediate], products[:, intermediate:]
+            hidden = torch.nn.functional.silu(gate) * up
+        else:
+            hidden = clamped_swiglu(products, activation)
+        hidden = hidden.to(x.dtype)
+        hidden = dequantized(hidden) if quantize_activations else hidden.float()
+        projected = hidden @ down[expert].T
+        if w2_bias is not None:
+            projected += w2_bias[expert].float()
+        weighted = projected * topk_weights[tokens, picks, None]
         out.index_add_(0, tokens, weighted)
     return out
 

@@ -17,6 +17,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MixtralConfig,
@@ -206,6 +208,36 @@ MIXTRAL_8X7B = dict(  # mistralai/Mixtral-8x7B-v0.1: 8 experts, 2 a token, ~12.9
     **_SPECIAL_IDS,
 )
 
+GPT_OSS_20B = dict(  # openai/gpt-oss-20b: 32 experts, 4 a token, ~3.6B parameters active
+    vocab_size=201088,
+    hidden_size=2880,
+    intermediate_size=2880,  # each expert's
+    num_hidden_layers=24,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    num_local_experts=32,
+    num_experts_per_tok=4,
+    sliding_window=128,  # every other layer, from the first
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 150_000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+    max_position_embeddings=131072,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-5,
+    swiglu_limit=7.0,
+    **_SPECIAL_IDS,
+)
+GPT_OSS_120B = dict(  # openai/gpt-oss-120b: 128 experts, ~5.1B parameters active
+    GPT_OSS_20B, num_hidden_layers=36, num_local_experts=128
+)
+
 # name: (transformers config class, model class, config)
 SHAPES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[str, Any]]] = {
     "llama-3.2-1b": (LlamaConfig, LlamaForCausalLM, LLAMA_3_2_1B),
@@ -217,6 +249,8 @@ SHAPES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[str,
     "qwen3-30b-a3b": (Qwen3MoeConfig, Qwen3MoeForCausalLM, QWEN3_30B_A3B),
     "qwen3-235b-a22b": (Qwen3MoeConfig, Qwen3MoeForCausalLM, QWEN3_235B_A22B),
     "mixtral-8x7b": (MixtralConfig, MixtralForCausalLM, MIXTRAL_8X7B),
+    "gpt-oss-20b": (GptOssConfig, GptOssForCausalLM, GPT_OSS_20B),
+    "gpt-oss-120b": (GptOssConfig, GptOssForCausalLM, GPT_OSS_120B),
 }
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

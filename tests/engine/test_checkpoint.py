@@ -698,7 +698,7 @@ def test_hf_config_in_the_older_format() -> None:
     ("change", "message"),
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "'GPT2LMHeadModel'"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "'longrope'"),
     ],
 )
 def test_hf_config_refuses_what_the_model_cannot_run(change: dict[str, Any], message: str) -> None:

@@ -13,9 +13,12 @@ interpreter runs too. Triton's interpreter multiplies bfloat16 wrongly, so off C
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
+from engine.backends.layer_ops import ClampedSwiGLU
 from engine.backends.pytorch import TorchLayerOps
 from engine.backends.triton.fused_moe import fused_moe, quantizes_activations
 from engine.quantization.linear_methods import quantize_per_channel
@@ -63,21 +66,25 @@ def assert_matches_reference(
     ids: torch.Tensor,
     layer: dict[str, torch.Tensor | None],
     expert_offset: int = 0,
+    **gpt_oss: Any,
 ) -> torch.Tensor:
     """The kernel's output in x's dtype is within two units of x's dtype's rounding of the
     float32 reference (W8A8, past 16 tokens of FP8 weights: with the activations quantized as
     the kernel quantizes them), overall and element by element (float32: a few epsilons, the
     sums' order); and within as much of the torch backend's where both multiply alike (it
-    reads FP8 weights weight-only at any size)."""
-    out = fused_moe(x, weights, ids, **layer, expert_offset=expert_offset)
+    reads FP8 weights weight-only at any size). ``gpt_oss``: its biases and activation
+    (``LayerOps.moe_experts``' keywords)."""
+    out = fused_moe(x, weights, ids, **layer, expert_offset=expert_offset, **gpt_oss)
     assert out.dtype == x.dtype and out.shape == x.shape
     w8a8 = quantizes_activations(x.shape[0], layer["w13"].dtype)
     reference = moe_experts_reference(
-        x, weights, ids, **layer, expert_offset=expert_offset, quantize_activations=w8a8
+        x, weights, ids, **layer, expert_offset=expert_offset, quantize_activations=w8a8, **gpt_oss
     )
     assert_rounding_close(out, reference)
     if not w8a8:
-        theirs = TorchLayerOps().moe_experts(x, weights, ids, **layer, expert_offset=expert_offset)
+        theirs = TorchLayerOps().moe_experts(
+            x, weights, ids, **layer, expert_offset=expert_offset, **gpt_oss
+        )
         assert_rounding_close(out, theirs.float(), units=4.0)
     return out
 
@@ -118,6 +125,30 @@ def test_fused_moe_ties_and_experts_no_token_picks() -> None:
     assert (ids[:, 0] == 3).all() and set(ids[:, 1].tolist()) <= {11, 12}
     x = torch.randn(num_tokens, HIDDEN, device=DEVICE)
     assert_matches_reference(x, weights, ids, experts(16, torch.float32, fp8=False))
+
+
+def gpt_oss_variant(num_experts: int, dtype: torch.dtype) -> dict[str, Any]:
+    """gpt-oss's biases (large enough to move products past the clamp) and activation."""
+    return {
+        "w13_bias": (torch.randn(num_experts, 2 * INTERMEDIATE, device=DEVICE) * 4).to(dtype),
+        "w2_bias": torch.randn(num_experts, HIDDEN, device=DEVICE).to(dtype),
+        "activation": ClampedSwiGLU(alpha=1.702, limit=2.0),
+    }
+
+
+@pytest.mark.parametrize(("num_tokens", "fp8"), [(1, False), (20, True)], ids=["1", "20-w8a8"])
+def test_fused_moe_gpt_oss_epilogue(num_tokens: int, fp8: bool) -> None:
+    """gpt-oss's variant: the gate/up biases and the clamped SwiGLU in the first kernel's
+    epilogue, the down bias added once however the depth is split, times the routing
+    weight; top-4 of 8, float16 (FP8 at 20 tokens: W8A8, the bias apart from the
+    activation's scale). Its biases and clamp change the output (the variant is used)."""
+    x = torch.randn(num_tokens, HIDDEN, device=DEVICE).to(HALF)
+    weights, ids = route(torch.randn(num_tokens, 8, device=DEVICE), top_k=4)
+    layer = experts(8, HALF, fp8)
+    variant = gpt_oss_variant(8, HALF)
+    out = assert_matches_reference(x, weights, ids, layer, **variant)
+    assert (variant["w13_bias"].float().abs() > variant["activation"].limit).any()
+    assert not torch.allclose(out, fused_moe(x, weights, ids, **layer), atol=1e-2)
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype", "fp8"])

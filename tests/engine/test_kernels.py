@@ -163,7 +163,10 @@ def slots(
 
 
 def attention_reference(
-    q: torch.Tensor, batch: PagedBatch, sliding_window: int | None
+    q: torch.Tensor,
+    batch: PagedBatch,
+    sliding_window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     m = batch.metadata
     return paged_attention_reference(
@@ -175,6 +178,7 @@ def attention_reference(
         m.query_lens,
         q.shape[-1] ** -0.5,
         sliding_window,
+        sinks,
     )
 
 
@@ -315,6 +319,54 @@ def test_prefill_attention(heads: tuple[int, int, int], sliding_window: int | No
         out=out,
     )
     assert_rounding_close(out, attention_reference(q, batch, sliding_window))
+
+
+@pytest.mark.parametrize(
+    ("kernel", "num_splits"), [("decode", 1), ("decode", 3), ("prefill", None)]
+)
+def test_attention_sinks(kernel: str, num_splits: int | None) -> None:
+    """gpt-oss's sinks, a logit a head in the softmax's denominator: whole in one decode
+    program, in the merge of split ones (once, not once a split), and in prefill, as the
+    reference's extra column. Sinks from far below the scores (no effect) to far above
+    (most of the weight, the output near zero), at small shapes for the interpreter."""
+    num_heads, num_kv_heads, head_dim, window = 4, 2, 32, 24
+    sinks = torch.tensor([-30.0, -1.0, 2.0, 8.0], device=DEVICE)
+    if kernel == "decode":
+        context_lens, query_lens = [1, 17, 70], [1, 1, 1]
+    else:
+        context_lens, query_lens = [17, 40, 33], [17, 8, 1]
+    batch = paged_batch(context_lens, query_lens, num_kv_heads, head_dim, fill=float("nan"))
+    q = randn(sum(query_lens), num_heads, head_dim)
+    m = batch.metadata
+    common = dict(sliding_window=window, out=torch.full_like(q, float("nan")), sinks=sinks)
+    if kernel == "decode":
+        out = paged_decode_attention(
+            q,
+            batch.key_cache,
+            batch.value_cache,
+            m.block_tables,
+            m.context_lens,
+            head_dim**-0.5,
+            num_splits=num_splits,
+            **common,
+        )
+    else:
+        out = paged_prefill_attention(
+            q,
+            batch.key_cache,
+            batch.value_cache,
+            m.block_tables,
+            m.context_lens,
+            m.query_lens,
+            m.query_starts,
+            m.max_query_len,
+            head_dim**-0.5,
+            **common,
+        )
+    reference = attention_reference(q, batch, window, sinks)
+    assert_rounding_close(out, reference)
+    # The sinks bite: without them the output is another.
+    assert not torch.allclose(out.float(), attention_reference(q, batch, window), atol=1e-2)
 
 
 FP8 = torch.float8_e4m3fn

@@ -15,6 +15,8 @@ import torch
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -122,6 +124,20 @@ FAMILIES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[st
         MixtralForCausalLM,
         dict(num_local_experts=4, num_experts_per_tok=2),
     ),
+    # Top 4 of 8 with a softmax after the top k, biased router and experts, the clamped
+    # SwiGLU, attention sinks and biases, sliding and full layers alternating, YaRN's RoPE
+    # (transformers' default for gpt-oss: factor 32 over 4096 positions).
+    "gpt-oss": (
+        GptOssConfig,
+        GptOssForCausalLM,
+        dict(
+            num_local_experts=8,
+            num_experts_per_tok=4,
+            intermediate_size=64,
+            sliding_window=WINDOW,
+            layer_types=[SLIDING, FULL, SLIDING],
+        ),
+    ),
 }
 
 
@@ -181,7 +197,7 @@ TRITON_CASES = [
             reason="CPU tensors need Triton's interpreter; tests/gpu runs these kernels on CUDA",
         ),
     )
-    for name in ["qwen3-wide-heads", "gemma3-tied", "olmo2-gqa"]
+    for name in ["qwen3-wide-heads", "gemma3-tied", "olmo2-gqa", "gpt-oss"]
 ]
 
 
@@ -341,7 +357,8 @@ def test_qwen2_config_ignores_an_unused_window() -> None:
         (GEMMA3_4B_TEXT | {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
         (GEMMA3_4B_TEXT | {"layer_types": [SLIDING] * 3}, "each of the 34 layers"),
         (GEMMA3_4B_TEXT | {"layer_types": ["chunked_attention"] * 34}, "layer_types"),
-        (QWEN25_7B | {"rope_scaling": {"type": "yarn", "factor": 4.0}}, "'yarn'"),
+        (QWEN25_7B | {"rope_scaling": {"type": "dynamic", "factor": 4.0}}, "'dynamic'"),
+        (QWEN25_7B | {"rope_scaling": {"type": "yarn", "factor": 4.0}}, "needs"),
         (QWEN25_7B | {"architectures": ["Qwen3ForCausalLM"], "attention_bias": True}, "bias"),
     ],
 )

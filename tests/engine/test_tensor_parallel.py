@@ -37,6 +37,9 @@ CASES = {
     # Each expert's intermediate features split over the ranks (docs/multi-gpu.md).
     "qwen3-moe": ("qwen3-moe-dense-middle", 2, {}),
     "mixtral": ("mixtral", 2, {}),
+    # Each rank's heads' sinks; the output projection's and the experts' down biases added
+    # once over the ranks.
+    "gpt-oss": ("gpt-oss", 2, {}),
     # 4 query heads and 2 KV heads over 4 ranks; 258 = 4 * 65 - 2 ids.
     "olmo2-tp4": ("olmo2-gqa", 4, {"vocab_size": VOCAB + 2}),
 }

@@ -1,6 +1,9 @@
 """Mixtures of experts on CUDA against transformers on the same GPU: small random Qwen3-MoE
-(64 experts, 8 a token) and Mixtral (8 experts, 2 a token), through the torch backend (its
-``moe_experts`` reference) and the Triton one (the fused MoE kernel, in decode CUDA graphs).
+(64 experts, 8 a token), Mixtral (8 experts, 2 a token) and gpt-oss (16 experts, 4 a token;
+attention sinks, a 128-token window every other layer, biased experts with the clamped
+SwiGLU), through the torch backend (its ``moe_experts`` reference) and the Triton one (the
+fused MoE kernel and its gpt-oss variant, sinks in the split decode and prefill kernels, in
+decode CUDA graphs).
 
 In float32, every greedy step's log-probabilities of a batch and of one request alone equal
 transformers' on the same tokens; with ``--quantization fp8`` (bf16, FP8 experts), greedy
@@ -14,6 +17,8 @@ from typing import Any
 import pytest
 import torch
 from transformers import (
+    GptOssConfig,
+    GptOssForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
     PretrainedConfig,
@@ -63,6 +68,13 @@ SHAPES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[str,
         MixtralConfig,
         MixtralForCausalLM,
         _COMMON | dict(num_local_experts=8, num_experts_per_tok=2),
+    ),
+    # Its prompts of 9 and 300 tokens: the longer past the sliding layers' window.
+    "gpt-oss": (
+        GptOssConfig,
+        GptOssForCausalLM,
+        _COMMON
+        | dict(head_dim=64, num_local_experts=16, num_experts_per_tok=4, sliding_window=128),
     ),
 }
 

@@ -14,12 +14,9 @@ from server.chat_output import (
     assemble_chat,
     chat_finish_reason,
 )
-from server.reasoning import (
-    REASONING_PARSERS,
-    ThinkReasoningParser,
-    prompt_opens_reasoning,
-    reasoning_parser_for_template,
-)
+from server.harmony import HarmonyReasoningParser
+from server.reasoning import ThinkReasoningParser, prompt_opens_reasoning
+from server.reasoning_parsers import REASONING_PARSERS, reasoning_parser_for_template
 from server.tool_parsers import HermesToolParser, ToolCall
 from tests.server.renderings import (
     MISTRAL_NEMO,
@@ -147,7 +144,10 @@ def test_reasoning_streams_as_it_comes() -> None:
 
 
 def test_parser_for_template() -> None:
-    assert list(REASONING_PARSERS.items()) == [("qwen3", ThinkReasoningParser)]
+    assert list(REASONING_PARSERS.items()) == [
+        ("qwen3", ThinkReasoningParser),
+        ("openai_gptoss", HarmonyReasoningParser),
+    ]
     for name, parser in [(QWEN3, "qwen3"), (QWQ, "qwen3"), (QWEN25, None), (MISTRAL_NEMO, None)]:
         assert reasoning_parser_for_template(template_source(name)) == parser, name
 

@@ -364,7 +364,7 @@ def test_default_ids_look_like_openais() -> None:
 
 
 def test_parser_for_template() -> None:
-    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral"}
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "openai"}
     for name, parser in [
         (QWEN25, "hermes"),
         (QWEN3, "hermes"),

@@ -38,6 +38,7 @@ from engine.backends.attention import (
     Rotary,
 )
 from engine.backends.deferred_norm import DeferredNorm, LinearInput
+from engine.backends.layer_ops import ClampedSwiGLU
 from engine.backends.pytorch import TorchLayerOps, TorchStepOps, with_bias
 from engine.backends.triton import (
     add_rms_norm,
@@ -81,11 +82,12 @@ class TritonPagedAttention(AttentionBackend):
         sliding_window: int | None = None,
         *,
         rotary: Rotary | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         rotary_store_kv(
             q, k, v, cache.key, cache.value, metadata.slot_mapping, metadata.positions, rotary
         )
-        return self._attend(q, cache, metadata, scale, sliding_window)
+        return self._attend(q, cache, metadata, scale, sliding_window, sinks)
 
     def project_and_attend(
         self,
@@ -96,6 +98,7 @@ class TritonPagedAttention(AttentionBackend):
         scale: float,
         sliding_window: int | None,
         rotary: Rotary,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         # One row (a batch-1 decode step): the one-row kernel projects, rotates and stores.
         # Per-head Q/K norms need a whole head's sums, which its programs do not share.
@@ -114,7 +117,7 @@ class TritonPagedAttention(AttentionBackend):
             rotary.cos,
             rotary.sin,
         )
-        return self._attend(q, cache, metadata, scale, sliding_window)
+        return self._attend(q, cache, metadata, scale, sliding_window, sinks)
 
     def _attend(
         self,
@@ -123,6 +126,7 @@ class TritonPagedAttention(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         """Attention of q, rotated, to the cache, which holds the new tokens' K and V."""
         if metadata.max_query_len == 1 or metadata.uniform_queries:
@@ -135,6 +139,7 @@ class TritonPagedAttention(AttentionBackend):
                 scale,
                 query_len=metadata.max_query_len,
                 sliding_window=sliding_window,
+                sinks=sinks,
             )
         # A mixed step's decodes (at the batch's front) as a decode step: split over their
         # contexts, a program per sequence and KV head. Through the prefill kernel each would
@@ -151,6 +156,7 @@ class TritonPagedAttention(AttentionBackend):
                 scale,
                 sliding_window=sliding_window,
                 out=out[:decodes],
+                sinks=sinks,
             )
         # The other sequences' rows stay where query_starts says in the packed q and out.
         return paged_prefill_attention(
@@ -165,6 +171,7 @@ class TritonPagedAttention(AttentionBackend):
             scale,
             sliding_window=sliding_window,
             out=out,
+            sinks=sinks,
         )
 
 
@@ -258,14 +265,19 @@ class TritonLayerOps(TorchLayerOps):
         w13_scale: torch.Tensor | None,
         w2_scale: torch.Tensor | None,
         expert_offset: int = 0,
+        *,
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
+        activation: ClampedSwiGLU | None = None,
     ) -> torch.Tensor:
-        # Align, two grouped GEMMs with the activation and the routing weights in their
-        # epilogues, combine: five kernels, no host sync (CUDA graphs replay any routing).
+        # Align, two grouped GEMMs with the activation (and biases) and the routing weights
+        # in their epilogues, combine: five kernels, no host sync (CUDA graphs replay any
+        # routing).
+        experts = (x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, expert_offset)
+        variant = {"w13_bias": w13_bias, "w2_bias": w2_bias, "activation": activation}
         if x.is_cuda:
-            return fused_moe(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, expert_offset)
-        return super().moe_experts(  # the torch backend's reference
-            x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, expert_offset
-        )
+            return fused_moe(*experts, **variant)
+        return super().moe_experts(*experts, **variant)  # the torch backend's reference
 
 
 class TritonStepOps(TorchStepOps):

@@ -66,6 +66,7 @@ import triton
 import triton.language as tl
 
 from engine.backends.fp8 import FP8, WEIGHT_ONLY_MAX_TOKENS
+from engine.backends.layer_ops import ClampedSwiGLU
 from engine.backends.triton.dependent_launch import (
     launch_options,
     let_next_kernel_start,
@@ -293,6 +294,7 @@ def _gate_up_kernel(
     w_ptr,  # [E, 2I, H]
     scale_ptr,  # [E, 2I] float32 (HAS_SCALE)
     hidden_ptr,  # [T*K, I] out: silu(gate) * up, a row a pair
+    bias_ptr,  # [E, 2I] in x's dtype (HAS_BIAS)
     sorted_pairs_ptr,
     tile_expert_ptr,
     tile_rows_ptr,
@@ -300,19 +302,25 @@ def _gate_up_kernel(
     depth,  # H
     intermediate,  # I
     top_k,
+    alpha,  # CLAMPED_SWIGLU's
+    limit,
     stride_x,
     stride_we,
     stride_wn,
     stride_se,
+    stride_be,
     stride_hidden,
     HAS_SCALE: tl.constexpr,
     W8A8: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    CLAMPED_SWIGLU: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Program per (BLOCK_N columns of each half, tile of one expert's pairs)."""
+    """Program per (BLOCK_N columns of each half, tile of one expert's pairs). The epilogue:
+    silu(gate) * up, or (gpt-oss) the biases added and the clamped SwiGLU."""
     _launched_dependent()
     tile, cols = _tile_and_columns(num_tiles, intermediate, BLOCK_N)
     rows = tl.load(tile_rows_ptr + tile)
@@ -351,7 +359,16 @@ def _gate_up_kernel(
         x_scale = tl.load(x_scale_ptr + tokens, mask=row_mask, other=0.0)[:, None]
         gate *= x_scale
         up *= x_scale
-    activation = gate * tl.sigmoid(gate) * up
+    if HAS_BIAS:
+        bias_ptrs = bias_ptr + expert * stride_be + cols
+        gate += tl.load(bias_ptrs, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        up += tl.load(bias_ptrs + intermediate, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if CLAMPED_SWIGLU:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        activation = (up + 1) * gate * tl.sigmoid(alpha * gate)
+    else:
+        activation = gate * tl.sigmoid(gate) * up
     tl.store(
         hidden_ptr + pairs[:, None] * stride_hidden + cols[None, :],
         activation.to(hidden_ptr.dtype.element_ty),
@@ -366,6 +383,7 @@ def _down_kernel(
     w_ptr,  # [E, H, I]
     scale_ptr,  # [E, H] float32 (HAS_SCALE)
     topk_weights_ptr,  # [T*K] float32
+    bias_ptr,  # [E, H] in the activation's dtype (HAS_BIAS)
     partial_ptr,  # [SPLIT_K, T*K, H] float32 out
     sorted_pairs_ptr,
     tile_expert_ptr,
@@ -378,15 +396,18 @@ def _down_kernel(
     stride_we,
     stride_wn,
     stride_se,
+    stride_be,
     HAS_SCALE: tl.constexpr,
     W8A8: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Program per (BLOCK_N output columns, tile of one expert's pairs; split of I)."""
+    """Program per (BLOCK_N output columns, tile of one expert's pairs; split of I). A bias
+    (gpt-oss's) is added by the first split, times the routing weight as the product is."""
     _launched_dependent()
     tile, cols = _tile_and_columns(num_tiles, channels, BLOCK_N)
     rows = tl.load(tile_rows_ptr + tile)
@@ -420,10 +441,14 @@ def _down_kernel(
             tl.load(scale_ptr + expert * stride_se + cols, mask=col_mask, other=0.0)[None, :]
             * factor
         )
-    row_scale = tl.load(topk_weights_ptr + pairs, mask=row_mask, other=0.0)
+    routing_weight = tl.load(topk_weights_ptr + pairs, mask=row_mask, other=0.0)
+    row_scale = routing_weight
     if W8A8:
         row_scale *= tl.load(hidden_scale_ptr + pairs, mask=row_mask, other=0.0)
     acc *= row_scale[:, None]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert * stride_be + cols, mask=col_mask, other=0.0)
+        acc += routing_weight[:, None] * tl.where(split == 0, bias.to(tl.float32), 0.0)[None, :]
     tl.store(
         partial_ptr + (split * num_pairs + pairs[:, None]) * channels + cols[None, :],
         acc,
@@ -481,6 +506,10 @@ def fused_moe(
     w2_scale: torch.Tensor | None,
     expert_offset: int = 0,
     config: MoeConfig | None = None,
+    *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """``LayerOps.moe_experts``: x [T, H] (bfloat16, float16 or float32), each token's K
     picks (``topk_ids`` [T, K] global expert ids, ``topk_weights`` [T, K] float32) among
@@ -489,7 +518,9 @@ def fused_moe(
     ``w2_scale`` [E, H]) -> [T, H] in x's dtype: sum over k of w_k * (silu(x @ gate_e^T) *
     (x @ up_e^T)) @ down_e^T, e the pick, each product summed in float32; picks outside
     [expert_offset, expert_offset + E) add nothing. ``moe_config``'s configuration unless
-    given (the benchmark's candidates)."""
+    given (the benchmark's candidates). gpt-oss's experts: ``w13_bias`` [E, 2I] and
+    ``w2_bias`` [E, H] in x's dtype, and the clamped SwiGLU (``activation``) in the gate/up
+    kernel's epilogue instead of silu(gate) * up (``LayerOps.moe_experts``)."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, double_intermediate, _ = w13.shape
@@ -502,6 +533,8 @@ def fused_moe(
     assert (w13_scale is not None) == quantized == (w2_scale is not None)
     if not quantized:
         assert w13.dtype == w2.dtype == x.dtype
+    for bias, rows in ((w13_bias, 2 * intermediate), (w2_bias, hidden)):
+        assert bias is None or (bias.shape == (num_experts, rows) and bias.stride(1) == 1)
     out = x.new_empty(num_tokens, hidden)
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
@@ -572,6 +605,7 @@ def fused_moe(
         w13,
         w13_scale if quantized else w13,
         hidden_states,
+        w13 if w13_bias is None else w13_bias,  # unread without a bias
         sorted_pairs,
         tile_expert,
         tile_rows,
@@ -579,13 +613,18 @@ def fused_moe(
         hidden,
         intermediate,
         top_k,
+        0.0 if activation is None else activation.alpha,
+        0.0 if activation is None else activation.limit,
         a.stride(0),
         w13.stride(0),
         w13.stride(1),
         w13_scale.stride(0) if quantized else 0,
+        0 if w13_bias is None else w13_bias.stride(0),
         hidden_states.stride(0),
         HAS_SCALE=quantized,
         W8A8=w8a8,
+        HAS_BIAS=w13_bias is not None,
+        CLAMPED_SWIGLU=activation is not None,
         BLOCK_M=block_m,
         BLOCK_N=gate_up.block_n,
         BLOCK_K=gate_up.block_k,
@@ -610,6 +649,7 @@ def fused_moe(
         w2,
         w2_scale if quantized else w2,
         weights,
+        w2 if w2_bias is None else w2_bias,  # unread without a bias
         partial,
         sorted_pairs,
         tile_expert,
@@ -622,8 +662,10 @@ def fused_moe(
         w2.stride(0),
         w2.stride(1),
         w2_scale.stride(0) if quantized else 0,
+        0 if w2_bias is None else w2_bias.stride(0),
         HAS_SCALE=quantized,
         W8A8=w8a8,
+        HAS_BIAS=w2_bias is not None,
         BLOCK_M=block_m,
         BLOCK_N=down.block_n,
         BLOCK_K=down.block_k,

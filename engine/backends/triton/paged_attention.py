@@ -16,6 +16,11 @@ is online, in float32 and base 2 (scores are pre-multiplied by log2(e)).
   earlier tokens are already cached (chunked prefill, prefix caching), causal; decodes are
   sequences of one new token, so one launch serves a mixed step.
 
+Attention sinks (gpt-oss: ``sinks``, a logit a query head) start each row's online softmax
+as a key already seen, of score the sink and value zero (``_initial_state``): the state's
+max is the sink, its sum one. Split decode keeps them out of the splits and puts them in the
+merge, once.
+
 The new tokens' K and V must be in the cache (``rotary_store_kv``) before either runs.
 """
 
@@ -79,6 +84,7 @@ _STEP_ARGUMENTS = [
 # Scores below any real one: a row whose keys are all masked keeps a finite max, so its
 # rescaling factors stay exp2(0) = 1 instead of exp2(-inf - -inf) = NaN.
 _NO_SCORE = tl.constexpr(-1.0e30)
+_LOG2E = tl.constexpr(1.4426950408889634)  # sinks are natural logits; scores here base 2
 # The split workspace's strides follow the step's split count (a head's row is
 # num_splits * (head_dim + 2) floats), and so does their divisibility by 16: specialized, a
 # split count the warm-up did not use would compile another variant mid-run.
@@ -99,6 +105,24 @@ def _group_rows(
     head_in_group = rows % GROUP_PAD
     valid = (token < num_tokens) & (head_in_group < GROUP)
     return token, kv_head * GROUP + head_in_group, valid
+
+
+@triton.jit
+def _initial_state(
+    sinks_ptr,
+    heads,
+    valid,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):
+    """The online softmax's (output, max, sum) before any key: empty, or with each row's
+    head's sink as a key seen, of value zero (max: the sink, base 2; sum: exp2(0) = 1)."""
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=valid, other=0.0).to(tl.float32) * _LOG2E
+        return acc, sink, tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    return acc, tl.full([BLOCK_M], _NO_SCORE, dtype=tl.float32), tl.zeros([BLOCK_M], tl.float32)
 
 
 @triton.jit
@@ -179,6 +203,7 @@ def _decode_kernel(
     context_lens_ptr,
     out_ptr,
     workspace_ptr,
+    sinks_ptr,
     window,
     scale_log2,
     stride_q_seq,
@@ -202,6 +227,7 @@ def _decode_kernel(
     USE_WINDOW: tl.constexpr,
     MASK_WINDOW: tl.constexpr,  # USE_WINDOW with several queries: each has its own window
     WRITE_PARTIAL: tl.constexpr,
+    HAS_SINKS: tl.constexpr,  # and not WRITE_PARTIAL: split, the merge adds them
     DOT_PRECISION: tl.constexpr,
 ):
     """Program (kv head, sequence, split): its part of the context, for the group's heads
@@ -235,11 +261,12 @@ def _decode_kernel(
     # with fewer drafts than others, at the front) ask again for earlier ones; never below
     # 0, so that each sees a key and its (ignored) output stays finite.
     query_pos = tl.maximum(context_len - QUERY_LEN + token.to(tl.int64), 0)
+    acc, row_max, row_sum = _initial_state(sinks_ptr, heads, valid, BLOCK_M, BLOCK_D, HAS_SINKS)
     acc, row_max, row_sum = _attend_keys(
         q,
-        tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32),
-        tl.full([BLOCK_M], _NO_SCORE, dtype=tl.float32),
-        tl.zeros([BLOCK_M], dtype=tl.float32),
+        acc,
+        row_max,
+        row_sum,
         query_pos,
         key_cache_ptr,
         value_cache_ptr,
@@ -284,6 +311,7 @@ def _decode_kernel(
 def _decode_merge_kernel(
     workspace_ptr,
     out_ptr,
+    sinks_ptr,
     num_splits,
     stride_ws_seq,
     stride_ws_head,
@@ -293,11 +321,13 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """Program (query token, query head): every split's partial sums rescaled to a common
     max, in one pass of BLOCK_S splits at a time (one compiled variant for every split
     count): each chunk's max, sum and partial sums are loaded together, and the state so far
-    is rescaled to the new max, so the loads of a chunk wait on nothing before them."""
+    is rescaled to the new max, so the loads of a chunk wait on nothing before them. The
+    head's sink, if any, is the state before the first split (``_initial_state``)."""
     wait_for_previous_kernel()  # launched dependent (dependent_launch.py)
     let_next_kernel_start()
     seq = tl.program_id(0)
@@ -306,9 +336,13 @@ def _decode_merge_kernel(
     dim_mask = dims < HEAD_DIM
     row_ptr = workspace_ptr + seq * stride_ws_seq + head * stride_ws_head
     # An empty split holds max _NO_SCORE and sum 0: its weight is 0 once any split is not.
-    top_max = _NO_SCORE
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    total = tl.zeros([BLOCK_S], dtype=tl.float32)
+    if HAS_SINKS:  # its sum, 1, in the first slot of the running sums
+        top_max = tl.load(sinks_ptr + head).to(tl.float32) * _LOG2E
+        total = tl.where(tl.arange(0, BLOCK_S) == 0, 1.0, 0.0)
+    else:
+        top_max = _NO_SCORE
+        total = tl.zeros([BLOCK_S], dtype=tl.float32)
     for first in range(0, num_splits, BLOCK_S):
         splits = first + tl.arange(0, BLOCK_S)
         split_mask = splits < num_splits
@@ -344,6 +378,7 @@ def _prefill_kernel(
     query_lens_ptr,
     query_starts_ptr,
     out_ptr,
+    sinks_ptr,
     window,
     scale_log2,
     stride_q_token,
@@ -361,6 +396,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Program (sequence, block of BLOCK_Q new tokens, kv head), causal over the cache."""
@@ -389,11 +425,14 @@ def _prefill_kernel(
     key_start = 0
     if USE_WINDOW:
         key_start = tl.maximum(first_pos - window + 1, 0)
+    acc, row_max, row_sum = _initial_state(
+        sinks_ptr, heads, valid, BLOCK_Q * GROUP_PAD, BLOCK_D, HAS_SINKS
+    )
     acc, _, row_sum = _attend_keys(
         q,
-        tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_D], dtype=tl.float32),
-        tl.full([BLOCK_Q * GROUP_PAD], _NO_SCORE, dtype=tl.float32),
-        tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32),
+        acc,
+        row_max,
+        row_sum,
         first_pos + token,
         key_cache_ptr,
         value_cache_ptr,
@@ -440,7 +479,11 @@ def decode_num_splits(
 
 
 def default_decode_splits(
-    q: torch.Tensor, key_cache: torch.Tensor, block_tables: torch.Tensor, query_len: int
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_len: int,
+    has_sinks: bool = False,
 ) -> int:
     """The split count ``paged_decode_attention`` takes when given none: ``decode_num_splits``
     for the kernel these arguments run, block_tables' capacity as the longest context (known
@@ -448,7 +491,7 @@ def default_decode_splits(
     _, block_size, num_kv_heads, _ = key_cache.shape
     batch, max_blocks = block_tables.shape
     rule: dict[str, int] = {}
-    if uses_fp8_decode_kernel(q, key_cache, query_len):
+    if uses_fp8_decode_kernel(q, key_cache, query_len) and not has_sinks:
         rule = {
             "programs_per_sm": FP8_DECODE_PROGRAMS_PER_SM,
             "min_split_tokens": FP8_DECODE_MIN_SPLIT_TOKENS,
@@ -495,6 +538,7 @@ def decode_constants(
     query_len: int,
     sliding_window: int | None,
     num_splits: int,
+    has_sinks: bool = False,
 ) -> dict[str, int | bool | str]:
     """The decode kernel's compile-time arguments for a step of this shape: what picks its
     compiled variant (also for ``scripts/kernel_resources.py``, which compiles it without a
@@ -513,6 +557,7 @@ def decode_constants(
         "USE_WINDOW": sliding_window is not None,
         "MASK_WINDOW": sliding_window is not None and query_len > 1,
         "WRITE_PARTIAL": num_splits > 1,
+        "HAS_SINKS": has_sinks and num_splits == 1,  # split: the merge adds them
         "DOT_PRECISION": dot_precision(dtype),
     }
 
@@ -539,9 +584,11 @@ def paged_decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``query_len`` new tokens per sequence, its last ones, to its cached
-    context, causal among them.
+    context, causal among them; with ``sinks`` [num_heads] (any float dtype), each head's
+    sink logit in its softmax's denominator.
 
     q: [B * query_len, num_heads, head_dim], sequence b's tokens at rows b * query_len
     onwards, at positions context_lens[b] - query_len, ... (a position below 0 reads as 0:
@@ -557,7 +604,8 @@ def paged_decode_attention(
     assert context_lens.shape[0] == batch and num_tokens == batch * query_len
     assert batch <= _MAX_GRID_Y, "the sequences are the grid's second axis"
     if num_splits is None:
-        num_splits = default_decode_splits(q, key_cache, block_tables, query_len)
+        num_splits = default_decode_splits(q, key_cache, block_tables, query_len, sinks is not None)
+    assert sinks is None or sinks.shape == (num_heads,)
     assert 1 <= num_splits <= _MAX_SPLITS
     if out is None:
         out = torch.empty_like(q)
@@ -571,8 +619,9 @@ def paged_decode_attention(
     else:
         workspace, ws_strides = out, (0, 0, 0)  # unused: the kernel writes out directly
 
-    # One query a sequence over an fp8 cache: the Gluon kernel (fp8_decode.py), where it runs.
-    if uses_fp8_decode_kernel(q, key_cache, query_len):
+    # One query a sequence over an fp8 cache: the Gluon kernel (fp8_decode.py), where it runs
+    # (without sinks: they are this kernel's).
+    if uses_fp8_decode_kernel(q, key_cache, query_len) and sinks is None:
         fp8_paged_decode(
             q,
             key_cache,
@@ -600,22 +649,27 @@ def paged_decode_attention(
             workspace,
             ws_strides,
             num_splits,
+            sinks,
         )
     if num_splits > 1:
-        merge_splits(workspace, out)
+        merge_splits(workspace, out, sinks)
     return out
 
 
-def merge_splits(workspace: torch.Tensor, out: torch.Tensor) -> None:
+def merge_splits(
+    workspace: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor | None = None
+) -> None:
     """Split decode's second kernel: each query head's splits in ``workspace`` (float32
     [tokens, heads, splits, head_dim + 2]: unnormalized output, max, sum; see
-    ``decode_workspace``) weighed to a common max into ``out`` [tokens, heads, head_dim]."""
+    ``decode_workspace``) weighed to a common max into ``out`` [tokens, heads, head_dim],
+    each head's sink logit (``sinks`` [heads]) in the sum if given."""
     num_tokens, num_heads, num_splits, row = workspace.shape
     head_dim = row - 2
     assert out.shape == (num_tokens, num_heads, head_dim) and out.stride(-1) == 1
     _decode_merge_kernel[(num_tokens, num_heads)](
         workspace,
         out,
+        workspace if sinks is None else sinks,  # unread without sinks
         num_splits,
         *workspace.stride()[:3],
         out.stride(0),
@@ -623,6 +677,7 @@ def merge_splits(workspace: torch.Tensor, out: torch.Tensor) -> None:
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_S=_MERGE_BLOCK_S,
+        HAS_SINKS=sinks is not None,
         **launch_options(out.device),
     )
 
@@ -640,6 +695,7 @@ def _launch_decode_kernel(
     workspace: torch.Tensor,
     ws_strides: tuple[int, ...],
     num_splits: int,
+    sinks: torch.Tensor | None,
 ) -> None:
     """``_decode_kernel``'s launch, into ``out`` or (split) ``workspace``."""
     num_heads, head_dim = q.shape[1:]
@@ -655,6 +711,7 @@ def _launch_decode_kernel(
         query_len,
         sliding_window,
         num_splits,
+        sinks is not None,
     )
     # The KV heads of a cache block lie side by side in memory (each token's heads in one
     # row), and programs start in grid order, first axis fastest: with the heads first, the
@@ -669,6 +726,7 @@ def _launch_decode_kernel(
         context_lens,
         out,
         workspace,
+        q if sinks is None else sinks,  # unread without sinks
         _window(sliding_window),
         scale * math.log2(math.e),
         q.stride(0),
@@ -698,8 +756,10 @@ def paged_prefill_attention(
     *,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of a packed batch of new tokens to their sequences' caches.
+    """Causal attention of a packed batch of new tokens to their sequences' caches; with
+    ``sinks`` [num_heads], each head's sink logit in its softmax's denominator.
 
     q: [T, num_heads, head_dim], sequence b's tokens at rows
     [query_starts[b], query_starts[b] + query_lens[b]) and positions
@@ -730,6 +790,7 @@ def paged_prefill_attention(
         query_lens,
         query_starts,
         out,
+        q if sinks is None else sinks,  # unread without sinks
         _window(sliding_window),
         scale * math.log2(math.e),
         q.stride(0),
@@ -747,6 +808,7 @@ def paged_prefill_attention(
         BLOCK_N=_BLOCK_N,
         BLOCK_SIZE=block_size,
         USE_WINDOW=sliding_window is not None,
+        HAS_SINKS=sinks is not None,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=4 if block_d <= 128 else 8,
     )

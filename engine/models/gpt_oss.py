@@ -1,0 +1,242 @@
+"""gpt-oss (gpt-oss-20b, gpt-oss-120b): a mixture of experts with attention sinks.
+
+What it does differently from Qwen3-MoE and Mixtral:
+
+- attention: biases on Q, K, V and O; a learned sink logit a head (``SinkAttention``,
+  ``AttentionBackend.forward``'s ``sinks``); sliding-window and full layers alternating
+  (config.json's ``layer_types``); YaRN-scaled RoPE (``engine.models.yarn``);
+- router: a linear layer with a bias; each token's top 4 logits, then a softmax over those
+  four: the same weights as the other families' softmax renormalized over its top k
+  (``norm_topk_prob``), so the layer ops' ``moe_route`` routes it;
+- experts: biases on the gate/up and the down projections, and a clamped SwiGLU
+  (``ClampedSwiGLU``); the checkpoint stores each layer's experts in two tensors, the
+  gate and up features interleaved (gate even, up odd) and both transposed ([E, H, 2I],
+  [E, I, H]), or, as published, in MXFP4 (``*_blocks`` and ``*_scales``, [E, 2I, ...] and
+  [E, H, ...]: ``engine.checkpoint.mxfp4``), which is dequantized as it loads.
+
+Its norms round as Llama's (normalized in float32, rounded, then times the weight; transformers'
+rounds once after the product): the difference is below bfloat16's rounding, and vLLM's
+kernels round the same way. Under tensor parallelism a rank reads only its share of each
+expert's intermediate features (``GptOssExperts.load_tensor``), as Qwen3-MoE's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.backends.attention import AttentionBackend
+from engine.backends.layer_ops import ClampedSwiGLU, LayerOps
+from engine.checkpoint.checkpoint import TensorSlices
+from engine.checkpoint.hf_checkpoint import hf_config_fields
+from engine.checkpoint.mxfp4 import BLOCK, dequantize_mxfp4
+from engine.distributed.parallel import TensorParallel
+from engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from engine.models.family import ModelFamily
+from engine.models.layers import Attention, RotaryEmbedding
+from engine.models.moe import FusedExperts, MoECausalLM, MoEConfig, SparseMoeBlock
+from engine.models.parallel_layers import PerHeadVector, Rows, read_slice
+
+_ROPE_THETA = 150_000.0  # transformers' default for gpt-oss
+
+
+@dataclass(kw_only=True)
+class GptOssConfig(MoEConfig):
+    swiglu_alpha: float  # the experts' activation's sigmoid gain
+    swiglu_limit: float  # and its clamp
+
+
+class SinkAttention(Attention):
+    """Biased Q, K, V and O projections, and each head's sink logit (``sinks``: this rank's
+    heads')."""
+
+    qkv_bias = True
+    o_bias = True
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        ops: LayerOps,
+        tp: TensorParallel,
+        rotary: RotaryEmbedding,
+        sliding_window: int | None,
+    ) -> None:
+        super().__init__(config, backend, ops, tp, rotary, sliding_window)
+        self.sinks = PerHeadVector(
+            Rows(self.first_head, self.num_heads, config.num_attention_heads)
+        )
+
+    def sink_logits(self) -> torch.Tensor:
+        return self.sinks.weight
+
+
+# The experts' checkpoint tensors: interleaved gate/up features first ("gate_up_proj"),
+# then the down projection; each stored as a matrix (and its bias), or in MXFP4.
+_BIASES = {"gate_up_proj_bias": "w13_bias", "down_proj_bias": "w2_bias"}
+_MATRICES = {"gate_up_proj": "w13", "down_proj": "w2"}
+_MXFP4_PARTS = ("_blocks", "_scales")
+
+
+class GptOssExperts(FusedExperts):
+    """``FusedExperts`` with biases (``w13_bias`` [E, 2 * I_rank], gate then up as ``w13``;
+    ``w2_bias`` [E, H], added by the first rank only, the ranks' outputs being summed) and
+    the clamped SwiGLU, loaded from gpt-oss's tensors."""
+
+    def __init__(self, config: MoEConfig, ops: LayerOps, tp: TensorParallel) -> None:
+        super().__init__(config, ops, tp)
+        assert isinstance(config, GptOssConfig)
+        experts, length = config.num_experts, self.rows.length
+        self.w13_bias = nn.Parameter(torch.empty(experts, 2 * length), requires_grad=False)
+        self.w2_bias = nn.Parameter(torch.empty(experts, config.hidden_size), requires_grad=False)
+        self.adds_down_bias = tp.rank == 0
+        self.activation = ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit)
+        # An MXFP4 matrix's blocks or scales, this rank's part read, until the other comes.
+        self._pending: dict[str, dict[str, torch.Tensor]] = {}
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.ops.moe_experts(
+            x,
+            weights,
+            ids,
+            self.w13,
+            self.w2,
+            self.w13_scale,
+            self.w2_scale,
+            w13_bias=self.w13_bias,
+            w2_bias=self.w2_bias if self.adds_down_bias else None,
+            activation=self.activation,
+        )
+
+    def load_tensor(self, name: str, source: TensorSlices, hf_name: str) -> list[str]:
+        experts, hidden, start, length = (
+            self.num_experts,
+            self.w2.shape[1],
+            self.rows.start,
+            self.rows.length,
+        )
+        intermediate = self.rows.total
+        # The rank's gate/up features are interleaved pairs: 2 * length of them from 2 * start.
+        pairs = Rows(2 * start, 2 * length, 2 * intermediate)
+        if name == "gate_up_proj_bias":
+            bias = read_slice(source, [experts, 2 * length], hf_name, 1, pairs)
+            self.w13_bias.copy_(_deinterleave(bias, dim=1))
+        elif name == "down_proj_bias":
+            self.w2_bias.copy_(read_slice(source, [experts, hidden], hf_name))
+        elif name == "gate_up_proj":  # [E, H, 2I]
+            weight = read_slice(source, [experts, hidden, 2 * length], hf_name, 2, pairs)
+            self._store("w13", slice(None), slice(None), _deinterleave(weight.transpose(1, 2), 1))
+        elif name == "down_proj":  # [E, I, H]
+            weight = read_slice(source, [experts, length, hidden], hf_name, 1, self.rows)
+            self._store("w2", slice(None), slice(None), weight.transpose(1, 2).contiguous())
+        elif name.endswith(_MXFP4_PARTS) and name.rpartition("_")[0] in _MATRICES:
+            return self._load_mxfp4(name, source, hf_name)
+        else:
+            raise ValueError(f"checkpoint has a tensor the model does not: {hf_name}")
+        return [_BIASES.get(name) or _MATRICES[name]]
+
+    def _load_mxfp4(self, name: str, source: TensorSlices, hf_name: str) -> list[str]:
+        """Read this rank's part of an MXFP4 matrix's blocks or scales; once both are read,
+        dequantize them into the matrix."""
+        matrix, _, part = name.rpartition("_")
+        experts, hidden, start, length = (
+            self.num_experts,
+            self.w2.shape[1],
+            self.rows.start,
+            self.rows.length,
+        )
+        intermediate = self.rows.total
+        if matrix == "gate_up_proj":  # rows: the interleaved features; columns H
+            rows, groups = Rows(2 * start, 2 * length, 2 * intermediate), hidden // BLOCK
+            shape, dim = [experts, 2 * length, groups], 1
+        else:  # rows H; columns: the whole blocks that hold this rank's features
+            first, end = start // BLOCK, -(-(start + length) // BLOCK)
+            rows, shape, dim = (
+                Rows(first, end - first, intermediate // BLOCK),
+                [experts, hidden, end - first],
+                2,
+            )
+        if part == "blocks":
+            shape = [*shape, BLOCK // 2]
+        pending = self._pending.setdefault(matrix, {})
+        pending[part] = read_slice(source, shape, hf_name, dim, rows)
+        if len(pending) < 2:
+            return []
+        del self._pending[matrix]
+        # On the model's device, in bfloat16, which holds every MXFP4 value exactly: a
+        # layer's experts are GBs in float32 (gpt-oss-120b's gate/up: 8.5 GB).
+        device = self.w13.device
+        blocks, scales = pending["blocks"].to(device), pending["scales"].to(device)
+        weight = dequantize_mxfp4(blocks, scales, torch.bfloat16)
+        if matrix == "gate_up_proj":
+            self._store("w13", slice(None), slice(None), _deinterleave(weight, dim=1))
+        else:
+            offset = start - rows.start * BLOCK
+            self._store(
+                "w2", slice(None), slice(None), weight[..., offset : offset + length].contiguous()
+            )
+        return [_MATRICES[matrix]]
+
+    def missing(self, loaded: set[str]) -> list[str]:
+        return [key for key in ("w13", "w2", "w13_bias", "w2_bias") if key not in loaded]
+
+    def load_random(self, generator: torch.Generator, std: float) -> None:
+        super().load_random(generator, std)
+        self.w13_bias.zero_()
+        self.w2_bias.zero_()
+
+
+def _deinterleave(features: torch.Tensor, dim: int) -> torch.Tensor:
+    """Interleaved gate/up features along ``dim`` (gate even, up odd) as the gate's, then
+    the up's, contiguous."""
+    pairs = features.unflatten(dim, (-1, 2))
+    return torch.cat([pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)], dim=dim)
+
+
+class GptOssMoeBlock(SparseMoeBlock):
+    router_bias = True
+    experts_class = GptOssExperts
+
+
+class GptOssForCausalLM(MoECausalLM):
+    attention_class = SinkAttention
+    moe_block_class = GptOssMoeBlock
+    checkpoint_renames: Mapping[str, str] = {
+        "router": "gate",
+        # A head's sink is a parameter of the attention in the checkpoint; here the
+        # vector of this rank's heads (``PerHeadVector``).
+        "sinks": "sinks.weight",
+    }
+
+
+def _gpt_oss_config(config: Mapping[str, Any], path: Path) -> GptOssConfig:
+    if not config.get("attention_bias", True):
+        raise ValueError(f"{path}: gpt-oss without attention biases is not supported")
+    quantization = config.get("quantization_config") or {}
+    if quantization.get("quant_method") == "mxfp4":
+        # The published experts: dequantized to the model's dtype as they load.
+        config = {key: value for key, value in config.items() if key != "quantization_config"}
+    window = config.get("sliding_window")
+    layer_types = config.get("layer_types") or [
+        SLIDING_ATTENTION if layer % 2 == 0 else FULL_ATTENTION
+        for layer in range(config["num_hidden_layers"])
+    ]
+    return GptOssConfig(
+        **hf_config_fields(config, path, _ROPE_THETA),
+        sliding_window=window,
+        layer_types=layer_types if window is not None else None,
+        num_experts=config["num_local_experts"],
+        num_experts_per_tok=config["num_experts_per_tok"],
+        moe_intermediate_size=config["intermediate_size"],  # the experts' own
+        norm_topk_prob=True,  # a softmax over the top k sums to one
+        swiglu_alpha=float(config.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(config.get("swiglu_limit", 7.0)),
+    )
+
+
+GPT_OSS = ModelFamily(GptOssForCausalLM, _gpt_oss_config)
