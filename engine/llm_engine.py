@@ -579,6 +579,7 @@ class LLMEngine:
             output = self._output(request, tokens, None, logprobs, prompt_logprobs)
         if first and request.first_scheduled_time is not None:
             output.queue_time = request.first_scheduled_time - request.arrival_time
+            output.prefill_time = time.monotonic() - request.first_scheduled_time
         return output
 
     def _refuse_dead_end(self, request: Request, token: int) -> RequestOutput | None:
