@@ -23,7 +23,9 @@ given), computes each prompt's greedy answer at each length one request at a tim
    rate for ``--overload-seconds``, whatever the answers (an open loop), from
    ``--client-processes`` processes: the admitted streams' TTFT against the unloaded one's
    (p50 and p99), how fast the refusals (429) came, how late the arrivals went out (the
-   client keeping up), and /health's answer times meanwhile (the engine needs a small
+   client keeping up), the first token's hops as the servers' /metrics time them (server
+   in, the engine's round trip with its queue and prefill, server out; unloaded and
+   overloaded), and /health's answer times meanwhile (the engine needs a small
    ``--max-queued-requests`` for the admitted to keep their latency, e.g.
    ``-- --max-queued-requests 0``);
 4. slowloris: ``--silent`` connections to one server that never send a byte, and
@@ -61,6 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.testing.processes import free_port, spawn, stop, tail, wait_for_cache_free, wait_healthy
 from tandem.testing.random_checkpoint import save_tiny_word_model
@@ -402,6 +405,68 @@ async def finish_rate(
     return (last - first) / (last_at - first_at)
 
 
+# A first token's hops as the servers time them (their /metrics; docs/operations.md), in order:
+# (name in the table, histogram). The engine's queue and prefill are parts of its round trip.
+FIRST_TOKEN_HOPS = (
+    ("server in", "tandem:request_arrival_to_engine_seconds"),
+    ("engine round trip", "tandem:time_to_first_token_seconds"),
+    ("of it queue", "tandem:request_queue_time_seconds"),
+    ("prefill", "tandem:request_prefill_time_seconds"),
+    ("server out", "tandem:first_token_to_client_seconds"),
+)
+# The hops that follow one another from a request's arrival at a server to its first text out.
+_SERVER_PATH = ("server in", "engine round trip", "server out")
+
+
+async def hop_buckets(client: httpx.AsyncClient, urls: list[str]) -> dict[str, Counter[float]]:
+    """Each first-token hop's cumulative bucket counts (by upper bound), summed over the
+    servers."""
+    histograms = {histogram: name for name, histogram in FIRST_TOKEN_HOPS}
+    buckets: dict[str, Counter[float]] = {name: Counter() for name, _ in FIRST_TOKEN_HOPS}
+    for url in urls:
+        text = (await client.get(f"{url}/metrics")).text
+        for family in text_string_to_metric_families(text):
+            name = histograms.get(family.name)
+            if name is None:
+                continue
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    buckets[name][float(sample.labels["le"])] += sample.value
+    return buckets
+
+
+def bucket_quantile(before: Counter[float], after: Counter[float], quantile: float) -> float:
+    """The quantile of what was observed between two scrapes of a histogram, interpolated
+    within its bucket as Prometheus' histogram_quantile does (NaN if nothing was)."""
+    bounds = sorted(after)
+    counts = [after[bound] - before[bound] for bound in bounds]
+    if not counts or not counts[-1]:
+        return float("nan")
+    rank = quantile * counts[-1]
+    lower, below = 0.0, 0.0
+    for bound, count in zip(bounds, counts, strict=True):
+        if count >= rank:
+            if bound == float("inf"):
+                return lower
+            return lower + (bound - lower) * (rank - below) / max(count - below, 1e-9)
+        lower, below = bound, count
+    return lower
+
+
+def hop_summary(
+    before: dict[str, Counter[float]], after: dict[str, Counter[float]], client: Latencies
+) -> str:
+    """The first token's hops between two scrapes, p50 / p99 in ms, and what the client
+    measured beyond the servers' path (p50 against p50: its own lag, the connection)."""
+    p50 = {name: bucket_quantile(before[name], after[name], 0.5) for name in before}
+    p99 = {name: bucket_quantile(before[name], after[name], 0.99) for name in before}
+    parts = [f"{name} {p50[name] * 1000:.1f} / {p99[name] * 1000:.1f}" for name in p50]
+    if client.values:
+        rest = statistics.median(client.values) - sum(p50[name] for name in _SERVER_PATH)
+        parts.append(f"client and connection (p50 beyond the servers) {rest * 1000:.1f}")
+    return ", ".join(parts) + " ms (p50 / p99)"
+
+
 async def overload(
     client: httpx.AsyncClient, deployment: Deployment, prompts: list[list[int]], length: int,
     references: dict[tuple[int, int], str], args: argparse.Namespace,
@@ -410,12 +475,14 @@ async def overload(
     url = deployment.urls[0]
     failures: list[str] = []
     unloaded = Latencies()
+    unloaded_hops = [await hop_buckets(client, deployment.urls)]
     for turn in range(args.unloaded_streams):
         which = turn % len(prompts)
         status, ttft, text, _ = await timed_stream(client, url, body(prompts[which], length))
         if status != 200 or text != references[which, length]:
             failures.append(f"unloaded stream {turn}: HTTP {status}")
         unloaded.values.append(ttft)
+    unloaded_hops.append(await hop_buckets(client, deployment.urls))
     places = args.places
     busy = asyncio.Event()
     rate_watch = asyncio.create_task(finish_rate(client, url, places, busy))
@@ -432,10 +499,12 @@ async def overload(
     health = Latencies()
     done = asyncio.Event()
     watcher = asyncio.create_task(watch_health(client, url, done, health))
+    overloaded_hops = [await hop_buckets(client, deployment.urls)]
     overloaded = await load(
         deployment, prompts, length, references, args.overload_seconds,
         args.client_processes, rate=rate,
     )  # fmt: skip
+    overloaded_hops.append(await hop_buckets(client, deployment.urls))
     done.set()
     await watcher
     lost = saturated.lost + overloaded.lost
@@ -465,6 +534,9 @@ async def overload(
          admitted.summary(),
          f"p50 {times_unloaded(0.5)}, p99 {times_unloaded(0.99)} unloaded"
          + ("" if within else " (ABOVE 2x)")),
+        ("overload: first token's hops, unloaded", hop_summary(*unloaded_hops, unloaded), "-"),
+        (f"overload: first token's hops at {args.overload_factor:g}x",
+         hop_summary(*overloaded_hops, admitted), "-"),
         ("overload: 429s", refused.summary(),
          "ok" if refused.values and refused.p(0.99) < 0.05 else "SLOW"),
         ("overload: outcomes", f"{len(overloaded.admitted)} served, "
