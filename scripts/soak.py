@@ -68,6 +68,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tandem.testing.processes import free_port, spawn, stop, tail, wait_for_cache_free, wait_healthy
 from tandem.testing.random_checkpoint import save_tiny_word_model
 from tandem.testing.streams import Balancer, StreamResult
+from tandem.testing.timed_stream import timed_stream
 
 ROOT = Path(__file__).resolve().parent.parent
 _RSS_TOLERANCE = 1.10  # within 10% of the baseline, plus:
@@ -261,31 +262,6 @@ class Latencies:
         return ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
 
 
-async def timed_stream(
-    client: httpx.AsyncClient, url: str, body: dict
-) -> tuple[int, float, str, float]:
-    """A stream's status, its time to the first text (or to the refusal), its text, and its
-    whole time."""
-    started = time.monotonic()
-    first = 0.0
-    text = ""
-    async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
-        if r.status_code != 200:
-            await r.aread()
-            took = time.monotonic() - started
-            return r.status_code, took, "", took
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line.removeprefix("data: "))
-            if "error" in chunk:
-                return 599, time.monotonic() - started, text, time.monotonic() - started
-            if not first:
-                first = time.monotonic() - started
-            text += chunk["choices"][0]["text"]
-    return 200, first, text, time.monotonic() - started
-
-
 async def watch_health(
     client: httpx.AsyncClient, url: str, done: asyncio.Event, times: Latencies
 ) -> None:
@@ -319,41 +295,37 @@ async def _load(
     ``seconds``; every stream started is waited for."""
     share = LoadShare()
     rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     started = time.monotonic()
 
-    async def one(turn: int, client: httpx.AsyncClient) -> int:
+    async def one(turn: int) -> int:
         which = turn % len(prompts)
-        status, ttft, text, _ = await timed_stream(
-            client, urls[turn % len(urls)], body(prompts[which], length)
-        )
-        if status == 429:
-            share.refused.append(ttft)
-        elif status == 200 and text == references[which, length]:
-            share.admitted.append(ttft)
+        stream = await timed_stream(urls[turn % len(urls)], body(prompts[which], length))
+        if stream.status == 429:
+            share.refused.append(stream.first)
+        elif stream.status == 200 and stream.text == references[which, length]:
+            share.admitted.append(stream.first)
         else:
-            share.lost.append(f"prompt {which}: HTTP {status}")
-        return status
+            share.lost.append(f"prompt {which}: HTTP {stream.status}")
+        return stream.status
 
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        if rate is None:
+    if rate is None:
 
-            async def closed(index: int) -> None:
-                turn = index
-                while time.monotonic() - started < seconds:
-                    if await one(turn, client) == 429:
-                        await asyncio.sleep(0.1)
-                    turn += clients
+        async def closed(index: int) -> None:
+            turn = index
+            while time.monotonic() - started < seconds:
+                if await one(turn) == 429:
+                    await asyncio.sleep(0.1)
+                turn += clients
 
-            await asyncio.gather(*(closed(index) for index in range(clients)))
-            return share
-        tasks = []
-        due = 0.0
-        while (due := due + rng.expovariate(rate)) < seconds:
-            await asyncio.sleep(max(0.0, started + due - time.monotonic()))
-            share.lag.append(time.monotonic() - started - due)
-            tasks.append(asyncio.create_task(one(len(tasks), client)))
-        await asyncio.gather(*tasks)
+        await asyncio.gather(*(closed(index) for index in range(clients)))
+        return share
+    tasks = []
+    due = 0.0
+    while (due := due + rng.expovariate(rate)) < seconds:
+        await asyncio.sleep(max(0.0, started + due - time.monotonic()))
+        share.lag.append(time.monotonic() - started - due)
+        tasks.append(asyncio.create_task(one(len(tasks))))
+    await asyncio.gather(*tasks)
     return share
 
 
@@ -478,10 +450,10 @@ async def overload(
     unloaded_hops = [await hop_buckets(client, deployment.urls)]
     for turn in range(args.unloaded_streams):
         which = turn % len(prompts)
-        status, ttft, text, _ = await timed_stream(client, url, body(prompts[which], length))
-        if status != 200 or text != references[which, length]:
-            failures.append(f"unloaded stream {turn}: HTTP {status}")
-        unloaded.values.append(ttft)
+        stream = await timed_stream(url, body(prompts[which], length))
+        if stream.status != 200 or stream.text != references[which, length]:
+            failures.append(f"unloaded stream {turn}: HTTP {stream.status}")
+        unloaded.values.append(stream.first)
     unloaded_hops.append(await hop_buckets(client, deployment.urls))
     places = args.places
     busy = asyncio.Event()
@@ -609,10 +581,10 @@ async def slowloris(
     done = asyncio.Event()
     watcher = asyncio.create_task(watch_health(client, url, done, health))
     while any(thread.is_alive() for thread in threads):
-        status, _, text, took = await timed_stream(client, url, body(prompt, length))
-        if status != 200 or text != reference:
-            failures.append(f"slowloris: a completion failed meanwhile: HTTP {status}")
-        served.values.append(took)
+        stream = await timed_stream(url, body(prompt, length))
+        if stream.status != 200 or stream.text != reference:
+            failures.append(f"slowloris: a completion failed meanwhile: HTTP {stream.status}")
+        served.values.append(stream.took)
         await asyncio.sleep(0.5)
         if time.monotonic() - started > 300:
             failures.append("slowloris: connections still open after 300 s")
