@@ -45,6 +45,8 @@ MAX_GENERATED_TOKENS = 64
 # The engine runs two requests at once and lets two more wait.
 MAX_NUM_SEQS = 2
 MAX_QUEUED = 2
+# The prioritized engine's bound on prompt tokens left to compute.
+MAX_QUEUED_PROMPT_TOKENS = 64
 # How much later than its timeout a cut may come on two shared CPU cores.
 SLACK_S = 2.0
 
@@ -101,9 +103,16 @@ def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 @pytest.fixture(scope="module")
 def prioritized(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """An engine ordering its queue by priority, whose queue is bounded in prompt tokens
+    (far above what the tests of priorities queue)."""
     yield from _serve(
-        tmp_path_factory.mktemp("prioritized"), ["--scheduling-policy", "priority"], []
-    )
+        tmp_path_factory.mktemp("prioritized"),
+        [
+            "--scheduling-policy", "priority",
+            "--max-queued-prompt-tokens", str(MAX_QUEUED_PROMPT_TOKENS),
+        ],
+        [],
+    )  # fmt: skip
 
 
 def _completion(prompt: str, max_tokens: int, **extra: object) -> dict:
@@ -111,7 +120,9 @@ def _completion(prompt: str, max_tokens: int, **extra: object) -> dict:
     return {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **extra}
 
 
-def _create_kwargs(prompt: str, max_tokens: int, priority: int = 0, **extra: object) -> dict:
+def _create_kwargs(
+    prompt: str | list[int], max_tokens: int, priority: int = 0, **extra: object
+) -> dict:
     """The openai client's arguments for the same (vLLM's fields go in extra_body)."""
     extra_body = {"ignore_eos": True, "priority": priority}
     return {
@@ -441,6 +452,39 @@ def test_one_users_many_choices_do_not_starve_another_user(prioritized: Served) 
     )
     # First come first served, the small one would start after all six of big's choices.
     assert order == ["small", "big"]
+    wait_for_cache_free(prioritized.url)
+
+
+def test_prompt_tokens_past_the_bound_are_refused_and_those_within_it_taken(
+    prioritized: Served,
+) -> None:
+    client = prioritized.client()
+    # Both places taken for hundreds of steps; then a long prompt waits for one.
+    blocker = _create_kwargs("w5 w6", 400)
+    waiting = _create_kwargs([7] * 40, 4)
+    with ThreadPoolExecutor(4) as pool:
+        blockers = [pool.submit(client.completions.create, **blocker) for _ in range(2)]
+        deadline = time.monotonic() + 30
+        while engine_stats(prioritized.url)["num_running"] < 2:
+            assert time.monotonic() < deadline, engine_stats(prioritized.url)
+        long_one = pool.submit(client.completions.create, **waiting)
+        while engine_stats(prioritized.url)["num_waiting"] < 1:
+            assert time.monotonic() < deadline, engine_stats(prioritized.url)
+        # 40 + 30 is past the bound: refused, though one request waits of the default 1,024.
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.completions.create(**_create_kwargs([8] * 30, 4))
+        # 40 + 20 is within it: taken (it waits too), and served once a place frees.
+        fits = pool.submit(client.completions.create, **_create_kwargs([9] * 20, 4))
+        while engine_stats(prioritized.url)["num_waiting"] < 2:
+            assert time.monotonic() < deadline, engine_stats(prioritized.url)
+        # Both judged while the blockers held the places.
+        assert engine_stats(prioritized.url)["num_running"] == 2
+        results = [future.result() for future in (*blockers, long_one, fits)]
+    error = refused.value.response.json()["error"]
+    assert error["code"] == "rate_limit_exceeded"
+    assert "--max-queued-prompt-tokens" in error["message"], error
+    assert refused.value.response.headers["retry-after"] == "1"
+    assert [r.choices[0].finish_reason for r in results] == ["length"] * 4
     wait_for_cache_free(prioritized.url)
 
 
