@@ -33,6 +33,8 @@
 # out, what the client adds). Then profile_step.py's decode step at batch 256 replayed as a
 # CUDA graph and run eagerly (a step that admits a request mixes its prompt in, and such a
 # step runs eagerly): what a step costs while requests are admitted. A table last.
+# OVERLOAD_ENGINE_ARGS adds engine flags to the soak's (--no-overlap-steps: the first token
+# read in its own step, not the next one's).
 # restart-gpu (issue 40, about 5 minutes): the soak's rolling restart of 2 servers under 150
 # streams sized to last 60 s each on OVERLOAD_MODEL (float32): failed and cut streams (0, 0).
 #
@@ -422,8 +424,8 @@ PY
       [ -f "$m" ] || { echo "no model at $m: set OVERLOAD_MODEL"; continue; }
       timeout 220 python3 scripts/soak.py --model "$m" --device cuda --servers 4 \
         --phases overload --lengths 128 --unloaded-streams 50 --capacity-seconds 15 \
-        --overload-seconds 40 --client-processes 8 -- --max-queued-requests 0 --dtype float32 2>&1 \
-        | tee "$out/overload.log" | grep -vE '^(INFO|WARNING)' | tail -16
+        --overload-seconds 40 --client-processes 8 -- --max-queued-requests 0 --dtype float32 \
+        ${OVERLOAD_ENGINE_ARGS:-} 2>&1 | tee "$out/overload.log" | grep -vE '^(INFO|WARNING)' | tail -16
       for eager in "" --enforce-eager; do
         timeout 150 python3 scripts/profile_step.py --model "$m" --batch 256 --context 128 \
           --steps 20 --rounds 3 $eager 2>&1 | tee "$out/overload-step${eager:+-eager}.log" \
