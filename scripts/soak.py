@@ -378,13 +378,15 @@ async def finish_rate(
 
 
 # A first token's hops as the servers time them (their /metrics; docs/operations.md), in order:
-# (name in the table, histogram). The engine's queue and prefill are parts of its round trip.
+# (name in the table, histogram). The engine's queue and prefill are parts of its round trip;
+# the servers' event loop lag (sampled), what each hop through a server may wait.
 FIRST_TOKEN_HOPS = (
     ("server in", "tandem:request_arrival_to_engine_seconds"),
     ("engine round trip", "tandem:time_to_first_token_seconds"),
     ("of it queue", "tandem:request_queue_time_seconds"),
     ("prefill", "tandem:request_prefill_time_seconds"),
     ("server out", "tandem:first_token_to_client_seconds"),
+    ("server loop lag", "tandem:event_loop_lag_seconds"),
 )
 # The hops that follow one another from a request's arrival at a server to its first text out.
 _SERVER_PATH = ("server in", "engine round trip", "server out")

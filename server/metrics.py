@@ -7,7 +7,8 @@ Two sources:
   latency, queue and prefill time, one observation per engine request), requests by finish
   reason, and HTTP responses by status; and the two hops of a first token that are this
   server's own (its arrival to its send to the engine; the first token's arrival to its
-  text passed on), so that a request's time to first token can be told apart hop by hop;
+  text passed on), so that a request's time to first token can be told apart hop by hop,
+  and how late its event loop runs (server/loop_lag.py);
 - each engine replica's state (``ENGINE_METRICS``), asked fresh at each scrape and labelled
   with the replica's index (``replica="0"``, …): its gauges and counters since it started,
   so a restarted engine shows as a counter reset, which Prometheus handles.
@@ -196,6 +197,14 @@ class ServerMetrics:
             "tandem:first_token_to_client_seconds",
             "Seconds from a request's first token's arrival from the engine to its handler "
             "passing the text on (streamed: written to the client's connection).",
+            labels,
+            buckets=_HOP_BUCKETS,
+            registry=self.registry,
+        )
+        self.event_loop_lag = Histogram(
+            "tandem:event_loop_lag_seconds",
+            "Seconds this server's event loop ran a task later than asked, sampled 20 times a "
+            "second (every request's hops through this server wait in that loop).",
             labels,
             buckets=_HOP_BUCKETS,
             registry=self.registry,

@@ -355,6 +355,8 @@ def test_metrics_time_each_request_and_count_statuses(deployment: Deployment) ->
         for hop in ("request_arrival_to_engine", "time_to_first_token", "first_token_to_client")
     )
     assert server_hops <= took
+    # The event loop's lag, sampled 20 times a second since the server started.
+    assert after[("tandem:event_loop_lag_seconds_count", (("model_name", model),))] >= 1
     assert grew("tandem:request_success_total", finished_reason="length") == 1
     assert grew("tandem:http_requests_total", method="POST", status="200") == 1
     assert grew("tandem:http_requests_total", method="POST", status="400") == 1
