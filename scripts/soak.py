@@ -377,6 +377,24 @@ async def finish_rate(
     return (last - first) / (last_at - first_at)
 
 
+async def engine_use(
+    client: httpx.AsyncClient, url: str, seconds: float, done: asyncio.Event
+) -> tuple[float, float]:
+    """The requests the engine finished a second, and the places busy on average, from its
+    /stats sampled five times a second for ``seconds`` from its first running request (the
+    client processes' start left out) or until ``done`` (0s if sampled less than twice)."""
+    samples: list[tuple[float, int, int]] = []
+    while not done.is_set() and (not samples or time.monotonic() - samples[0][0] < seconds):
+        stats = (await client.get(f"{url}/stats")).json()
+        if samples or stats["num_running"]:
+            samples.append((time.monotonic(), stats["num_finished"], stats["num_running"]))
+        await asyncio.sleep(0.2)
+    if len(samples) < 2:
+        return 0.0, 0.0
+    (first_at, first, _), (last_at, last, _) = samples[0], samples[-1]
+    return (last - first) / (last_at - first_at), statistics.mean(s[2] for s in samples)
+
+
 # A first token's hops as the servers time them (their /metrics; docs/operations.md), in order:
 # (name in the table, histogram). The engine's queue and prefill are parts of its round trip;
 # the servers' event loop lag (sampled), what each hop through a server may wait.
@@ -473,6 +491,7 @@ async def overload(
     health = Latencies()
     done = asyncio.Event()
     watcher = asyncio.create_task(watch_health(client, url, done, health))
+    use_watch = asyncio.create_task(engine_use(client, url, args.overload_seconds, done))
     overloaded_hops = [await hop_buckets(client, deployment.urls)]
     overloaded = await load(
         deployment, prompts, length, references, args.overload_seconds,
@@ -481,6 +500,7 @@ async def overload(
     overloaded_hops.append(await hop_buckets(client, deployment.urls))
     done.set()
     await watcher
+    finished_rate, busy_places = await use_watch
     lost = saturated.lost + overloaded.lost
     failures += [f"overload stream ({why})" for why in lost]
     if not overloaded.refused:
@@ -511,6 +531,9 @@ async def overload(
         ("overload: first token's hops, unloaded", hop_summary(*unloaded_hops, unloaded), "-"),
         (f"overload: first token's hops at {args.overload_factor:g}x",
          hop_summary(*overloaded_hops, admitted), "-"),
+        (f"overload: the engine at {args.overload_factor:g}x",
+         f"{finished_rate:.1f} streams finished a second ({finished_rate / capacity:.0%} of "
+         f"the capacity), {busy_places:.1f} of {places} places busy on average", "-"),
         ("overload: 429s", refused.summary(),
          "ok" if refused.values and refused.p(0.99) < 0.05 else "SLOW"),
         ("overload: outcomes", f"{len(overloaded.admitted)} served, "
