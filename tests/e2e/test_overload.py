@@ -459,33 +459,54 @@ def test_prompt_tokens_past_the_bound_are_refused_and_those_within_it_taken(
     prioritized: Served,
 ) -> None:
     client = prioritized.client()
-    # Both places taken for hundreds of steps; then a long prompt waits for one.
-    blocker = _create_kwargs("w5 w6", 400)
-    waiting = _create_kwargs([7] * 40, 4)
-    with ThreadPoolExecutor(4) as pool:
-        blockers = [pool.submit(client.completions.create, **blocker) for _ in range(2)]
+    url = prioritized.url
+
+    def in_flight() -> int:
+        return httpx.get(f"{url}/health").json()["requests_in_flight"]
+
+    def until(condition: Callable[[], object]) -> None:
         deadline = time.monotonic() + 30
-        while engine_stats(prioritized.url)["num_running"] < 2:
-            assert time.monotonic() < deadline, engine_stats(prioritized.url)
-        long_one = pool.submit(client.completions.create, **waiting)
-        while engine_stats(prioritized.url)["num_waiting"] < 1:
-            assert time.monotonic() < deadline, engine_stats(prioritized.url)
-        # 40 + 30 is past the bound: refused, though one request waits of the default 1,024.
+        while not condition():
+            assert time.monotonic() < deadline, engine_stats(url)
+            time.sleep(0.01)
+
+    with ThreadPoolExecutor(4) as pool:
+        # Both places taken for hundreds of steps, until their clients leave.
+        blockers = [
+            client.completions.create(stream=True, **_create_kwargs("w5 w6", 400)) for _ in range(2)
+        ]
+        until(lambda: engine_stats(url)["num_running"] == 2)
+        # Stopped, the engine reads nothing: the server forwards these in the order sent, and
+        # the engine, resumed, judges them in one read of its socket, the places still taken.
+        os.kill(prioritized.engine.pid, signal.SIGSTOP)
+        try:
+            judged = {}
+            for length in (40, 30, 20, 4):
+                sent = in_flight()
+                body = _create_kwargs([7] * length, 4)
+                judged[length] = pool.submit(client.completions.create, **body)
+                until(lambda sent=sent: in_flight() > sent)
+                time.sleep(0.2)  # its prompt tokenized and sent on
+        finally:
+            os.kill(prioritized.engine.pid, signal.SIGCONT)
+        # 40 waits; 40 + 30 is past the bound, though 1 request waits of the default 1,024;
+        # 40 + 20 is within it, and 60 + 4 reaches it: from then on the server refuses by
+        # itself, before reading a body (this one is not even JSON).
+        until(lambda: (httpx.get(f"{url}/health").json()["engine"] or {}).get("queue_full"))
+        at_the_door = httpx.post(f"{url}/v1/completions", content=b"not json")
+        assert engine_stats(url)["num_running"] == 2  # judged while the blockers ran
+        for stream in blockers:
+            stream.close()
         with pytest.raises(openai.RateLimitError) as refused:
-            client.completions.create(**_create_kwargs([8] * 30, 4))
-        # 40 + 20 is within it: taken (it waits too), and served once a place frees.
-        fits = pool.submit(client.completions.create, **_create_kwargs([9] * 20, 4))
-        while engine_stats(prioritized.url)["num_waiting"] < 2:
-            assert time.monotonic() < deadline, engine_stats(prioritized.url)
-        # Both judged while the blockers held the places.
-        assert engine_stats(prioritized.url)["num_running"] == 2
-        results = [future.result() for future in (*blockers, long_one, fits)]
+            judged.pop(30).result()
+        results = [future.result() for future in judged.values()]
     error = refused.value.response.json()["error"]
     assert error["code"] == "rate_limit_exceeded"
     assert "--max-queued-prompt-tokens" in error["message"], error
     assert refused.value.response.headers["retry-after"] == "1"
-    assert [r.choices[0].finish_reason for r in results] == ["length"] * 4
-    wait_for_cache_free(prioritized.url)
+    assert at_the_door.status_code == 429, at_the_door.text
+    assert [r.choices[0].finish_reason for r in results] == ["length"] * 3
+    wait_for_cache_free(url)
 
 
 def test_a_drain_that_runs_out_of_time_tells_its_clients(
