@@ -67,7 +67,12 @@ async def timed_stream(url: str, body: dict[str, Any]) -> TimedStream:
                 if not first:
                     first = time.monotonic() - started
                 text += chunk["choices"][0]["text"]
-        return TimedStream(200, first, text, time.monotonic() - started)
+        took = time.monotonic() - started
+        # The server closes first (Connection: close), so that the TIME_WAIT is its own:
+        # a client closing first holds an ephemeral port a minute for each request, and
+        # a GPU's overload run sends tens of thousands in that time.
+        await reader.read()
+        return TimedStream(200, first, text, took)
     finally:
         writer.close()
 
