@@ -398,7 +398,7 @@ async def engine_use(
 # A first token's hops as the servers time them (their /metrics; docs/operations.md), in order:
 # (name in the table, histogram). The engine's queue and prefill are parts of its round trip;
 # the servers' event loop lag (sampled), what each hop through a server may wait.
-FIRST_TOKEN_HOPS = (
+HOP_HISTOGRAMS = (
     ("server in", "tandem:request_arrival_to_engine_seconds"),
     ("engine round trip", "tandem:time_to_first_token_seconds"),
     ("of it queue", "tandem:request_queue_time_seconds"),
@@ -411,10 +411,10 @@ _SERVER_PATH = ("server in", "engine round trip", "server out")
 
 
 async def hop_buckets(client: httpx.AsyncClient, urls: list[str]) -> dict[str, Counter[float]]:
-    """Each first-token hop's cumulative bucket counts (by upper bound), summed over the
+    """Each hop histogram's cumulative bucket counts (by upper bound), summed over the
     servers."""
-    histograms = {histogram: name for name, histogram in FIRST_TOKEN_HOPS}
-    buckets: dict[str, Counter[float]] = {name: Counter() for name, _ in FIRST_TOKEN_HOPS}
+    histograms = {histogram: name for name, histogram in HOP_HISTOGRAMS}
+    buckets: dict[str, Counter[float]] = {name: Counter() for name, _ in HOP_HISTOGRAMS}
     for url in urls:
         text = (await client.get(f"{url}/metrics")).text
         for family in text_string_to_metric_families(text):
