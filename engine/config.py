@@ -248,6 +248,15 @@ class ServiceConfig:
         "request waits for those ahead of it: 0 (only as many as there are free places) keeps "
         "the admitted requests' time to first token",
     )
+    max_queued_prompt_tokens: int | None = option(
+        None,
+        "prompt tokens left to compute (of requests waiting for a place, and of prompts being "
+        "prefilled in chunks) past which a new request is refused (HTTP 429 with "
+        "Retry-After): every step computes a share of them, so a burst of long prompts slows "
+        "the first token of every request admitted after it. A request's own prompt counts: "
+        "one longer than the bound is taken only when no other prompt tokens wait "
+        "(default: no bound)",
+    )
     drain_timeout: float = option(
         10.0,
         "on SIGTERM, seconds the requests in flight may take to finish (new ones are refused) "

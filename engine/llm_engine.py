@@ -246,6 +246,17 @@ class LLMEngine:
         free = self.scheduler.max_num_seqs - len(self.scheduler.running)
         return max(0, len(self.scheduler.waiting) + len(self.compiling) + arriving - free)
 
+    def num_prompt_tokens_to_compute(self) -> int:
+        """Tokens that requests not yet decoding must compute before their next token: the
+        prompts (with a preempted request, its output so far too) of those waiting for a
+        place, grammars compiling included, and what is left of the prompts being
+        prefilled."""
+        waiting = sum(r.num_tokens for r in self.scheduler.waiting) + sum(
+            r.num_tokens for r in self.compiling
+        )
+        left = (r.num_tokens - r.num_cached_tokens for r in self.scheduler.running)
+        return waiting + sum(n for n in left if n > 1)  # 1: a decode
+
     def stats(self) -> EngineStats:
         return EngineStats(
             engine_pid=os.getpid(),
@@ -579,6 +590,7 @@ class LLMEngine:
             output = self._output(request, tokens, None, logprobs, prompt_logprobs)
         if first and request.first_scheduled_time is not None:
             output.queue_time = request.first_scheduled_time - request.arrival_time
+            output.prefill_time = time.monotonic() - request.first_scheduled_time
         return output
 
     def _refuse_dead_end(self, request: Request, token: int) -> RequestOutput | None:

@@ -39,7 +39,8 @@ from protocol.codec import Message, by_position
 # 9: StructuredOutputKind.STRUCTURAL_TAG (a grammar composed of parts: reasoning, tool calls,
 #    a response format).
 # 10: EngineStats.queue_full, sent whenever it changes (servers refuse by themselves while full).
-PROTOCOL_VERSION = 10
+# 11: RequestOutput.prefill_time (the servers' request_prefill_time histogram).
+PROTOCOL_VERSION = 11
 # The most alternatives a request may ask log-probabilities of, as OpenAI's top_logprobs.
 MAX_TOP_LOGPROBS = 20
 # The most token sequences a request's bad words may tokenize to, and their total tokens
@@ -366,6 +367,10 @@ class RequestOutput:
     # With the first output: seconds from the engine's receipt of the request to its first
     # step (vLLM's queue time). None on the others.
     queue_time: float | None = None
+    # With the first output: seconds from the request's first step to this output's making,
+    # just before it is sent (vLLM's prefill time): its prompt's steps and, with overlapped
+    # steps, the step after them, which reads the token. None on the others.
+    prefill_time: float | None = None
 
 
 @dataclass

@@ -27,7 +27,23 @@
 # the gpt-oss-20b shape (--load-format dummy) bench_latency's batch-1 TPOT and bench_offline's
 # throughput (one run); a table last.
 #   SPEC_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh spec-adapt  # adaptive speculation (issue 37)
-#   OVERLOAD_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh overload  # admission and restarts (issue 40)
+#   OVERLOAD_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh overload-gpu restart-gpu  # issue 40
+#
+# overload-gpu (issue 40, about 5 minutes): scripts/soak.py's overload run on OVERLOAD_MODEL
+# (default /tmp/smollm2.gguf, SmolLM2-135M-Instruct), float32 (each stream served is checked
+# against its greedy reference computed alone: the correctness check; in bf16 a batch's
+# rounding may turn a near-tie), the engine's default batch of 256 places, 4 servers,
+# --max-queued-requests 0: unloaded TTFT, the capacity (streams of 128 tokens a second with
+# every place busy), then Poisson arrivals at twice it for 40 s from 8 client processes:
+# admitted TTFT p50/p99 against unloaded, 429 times, nothing lost, and a first token's hops
+# unloaded and at 2x (server in, the engine's round trip with its queue and prefill, server
+# out, what the client adds). Then profile_step.py's decode step at batch 256 replayed as a
+# CUDA graph and run eagerly (a step that admits a request mixes its prompt in, and such a
+# step runs eagerly): what a step costs while requests are admitted. A table last.
+# OVERLOAD_ENGINE_ARGS adds engine flags to the soak's (--no-overlap-steps: the first token
+# read in its own step, not the next one's).
+# restart-gpu (issue 40, about 5 minutes): the soak's rolling restart of 2 servers under 150
+# streams sized to last 60 s each on OVERLOAD_MODEL (float32): failed and cut streams (0, 0).
 #
 # spec (issue 12, a few minutes): the float32 GPU test (n-gram and draft-model tokens equal to
 # plain decoding's, verify graphs replayed, a verify graph's logits equal eager ones), then
@@ -426,26 +442,31 @@ PY
     tp-check|tp-8b|tp-70b)  # each within one call's 10 minutes
       timeout 590 python3 scripts/bench_tensor_parallel.py --part "${stage#tp-}" \
         --tensor-parallel-size "${TP:-2}" 2>&1 | tee "$out/$stage.log" | tail -12 ;;
-    overload)  # issue 40, about 7 minutes: scripts/soak.py on OVERLOAD_MODEL (default
-      # /tmp/smollm2.gguf, the default SmolLM2-135M-Instruct), the engine's default batch (256
-      # places). 1) overload, 4 servers: unloaded TTFT, the capacity (streams of 128 tokens a
-      # second with every place busy), then Poisson arrivals at twice it for 40 s from 8 client
-      # processes, --max-queued-requests 0: admitted TTFT p50/p99 against unloaded, 429 times,
-      # nothing lost (each stream equal to its greedy reference, computed alone: float32, since
-      # in bf16 a batch's rounding may turn a near-tie). 2) a rolling restart of 2 servers under
-      # 150 streams sized to last 60 s each: 0 failed, 0 cut. A table of both last.
+    overload-gpu)  # issue 40 (header)
       m=${OVERLOAD_MODEL:-/tmp/smollm2.gguf}
       [ -f "$m" ] || { echo "no model at $m: set OVERLOAD_MODEL"; continue; }
-      timeout 200 python3 scripts/soak.py --model "$m" --device cuda --servers 4 \
+      timeout 220 python3 scripts/soak.py --model "$m" --device cuda --servers 4 \
         --phases overload --lengths 128 --unloaded-streams 50 --capacity-seconds 15 \
-        --overload-seconds 40 --client-processes 8 -- --max-queued-requests 0 --dtype float32 2>&1 \
-        | tee "$out/overload.log" | grep -vE '^(INFO|WARNING)' | tail -14
+        --overload-seconds 40 --client-processes 8 -- --max-queued-requests 0 --dtype float32 \
+        ${OVERLOAD_ENGINE_ARGS:-} 2>&1 | tee "$out/overload.log" | grep -vE '^(INFO|WARNING)' | tail -16
+      for eager in "" --enforce-eager; do
+        timeout 150 python3 scripts/profile_step.py --model "$m" --batch 256 --context 128 \
+          --steps 20 --rounds 3 $eager 2>&1 | tee "$out/overload-step${eager:+-eager}.log" \
+          | grep -E "^batch|host busy|device kernels"
+      done
+      echo "=== overload-gpu summary"
+      grep -hE "^(overload|KV blocks|FAILURE)|^(PASS|FAIL)$" "$out/overload.log"
+      for log in "$out/overload-step.log" "$out/overload-step-eager.log"; do
+        echo "$(basename "$log" .log): $(grep -hE '^batch' "$log")"
+      done ;;
+    restart-gpu)  # issue 40 (header)
+      m=${OVERLOAD_MODEL:-/tmp/smollm2.gguf}
+      [ -f "$m" ] || { echo "no model at $m: set OVERLOAD_MODEL"; continue; }
       timeout 330 python3 scripts/soak.py --model "$m" --device cuda --servers 2 \
-        --phases restart --lengths 128 --restart-streams 150 --restart-stream-seconds 60 2>&1 \
-        | tee "$out/overload-restart.log" | grep -vE '^(INFO|WARNING)' | tail -8
-      echo "=== overload summary"
-      grep -hE "^(overload|rolling restart|KV blocks|FAILURE)|^(PASS|FAIL)$" \
-        "$out/overload.log" "$out/overload-restart.log" ;;
+        --phases restart --lengths 128 --restart-streams 150 --restart-stream-seconds 60 \
+        -- --dtype float32 2>&1 | tee "$out/restart.log" | grep -vE '^(INFO|WARNING)' | tail -8
+      echo "=== restart-gpu summary"
+      grep -hE "^(rolling restart|KV blocks|FAILURE)|^(PASS|FAIL)$" "$out/restart.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -23,7 +23,9 @@ given), computes each prompt's greedy answer at each length one request at a tim
    rate for ``--overload-seconds``, whatever the answers (an open loop), from
    ``--client-processes`` processes: the admitted streams' TTFT against the unloaded one's
    (p50 and p99), how fast the refusals (429) came, how late the arrivals went out (the
-   client keeping up), and /health's answer times meanwhile (the engine needs a small
+   client keeping up), the first token's hops as the servers' /metrics time them (server
+   in, the engine's round trip with its queue and prefill, server out; unloaded and
+   overloaded), and /health's answer times meanwhile (the engine needs a small
    ``--max-queued-requests`` for the admitted to keep their latency, e.g.
    ``-- --max-queued-requests 0``);
 4. slowloris: ``--silent`` connections to one server that never send a byte, and
@@ -61,10 +63,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.testing.processes import free_port, spawn, stop, tail, wait_for_cache_free, wait_healthy
 from tandem.testing.random_checkpoint import save_tiny_word_model
 from tandem.testing.streams import Balancer, StreamResult
+from tandem.testing.timed_stream import timed_stream
 
 ROOT = Path(__file__).resolve().parent.parent
 _RSS_TOLERANCE = 1.10  # within 10% of the baseline, plus:
@@ -258,31 +262,6 @@ class Latencies:
         return ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
 
 
-async def timed_stream(
-    client: httpx.AsyncClient, url: str, body: dict
-) -> tuple[int, float, str, float]:
-    """A stream's status, its time to the first text (or to the refusal), its text, and its
-    whole time."""
-    started = time.monotonic()
-    first = 0.0
-    text = ""
-    async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
-        if r.status_code != 200:
-            await r.aread()
-            took = time.monotonic() - started
-            return r.status_code, took, "", took
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line.removeprefix("data: "))
-            if "error" in chunk:
-                return 599, time.monotonic() - started, text, time.monotonic() - started
-            if not first:
-                first = time.monotonic() - started
-            text += chunk["choices"][0]["text"]
-    return 200, first, text, time.monotonic() - started
-
-
 async def watch_health(
     client: httpx.AsyncClient, url: str, done: asyncio.Event, times: Latencies
 ) -> None:
@@ -316,41 +295,37 @@ async def _load(
     ``seconds``; every stream started is waited for."""
     share = LoadShare()
     rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     started = time.monotonic()
 
-    async def one(turn: int, client: httpx.AsyncClient) -> int:
+    async def one(turn: int) -> int:
         which = turn % len(prompts)
-        status, ttft, text, _ = await timed_stream(
-            client, urls[turn % len(urls)], body(prompts[which], length)
-        )
-        if status == 429:
-            share.refused.append(ttft)
-        elif status == 200 and text == references[which, length]:
-            share.admitted.append(ttft)
+        stream = await timed_stream(urls[turn % len(urls)], body(prompts[which], length))
+        if stream.status == 429:
+            share.refused.append(stream.first)
+        elif stream.status == 200 and stream.text == references[which, length]:
+            share.admitted.append(stream.first)
         else:
-            share.lost.append(f"prompt {which}: HTTP {status}")
-        return status
+            share.lost.append(f"prompt {which}: HTTP {stream.status}")
+        return stream.status
 
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        if rate is None:
+    if rate is None:
 
-            async def closed(index: int) -> None:
-                turn = index
-                while time.monotonic() - started < seconds:
-                    if await one(turn, client) == 429:
-                        await asyncio.sleep(0.1)
-                    turn += clients
+        async def closed(index: int) -> None:
+            turn = index
+            while time.monotonic() - started < seconds:
+                if await one(turn) == 429:
+                    await asyncio.sleep(0.1)
+                turn += clients
 
-            await asyncio.gather(*(closed(index) for index in range(clients)))
-            return share
-        tasks = []
-        due = 0.0
-        while (due := due + rng.expovariate(rate)) < seconds:
-            await asyncio.sleep(max(0.0, started + due - time.monotonic()))
-            share.lag.append(time.monotonic() - started - due)
-            tasks.append(asyncio.create_task(one(len(tasks), client)))
-        await asyncio.gather(*tasks)
+        await asyncio.gather(*(closed(index) for index in range(clients)))
+        return share
+    tasks = []
+    due = 0.0
+    while (due := due + rng.expovariate(rate)) < seconds:
+        await asyncio.sleep(max(0.0, started + due - time.monotonic()))
+        share.lag.append(time.monotonic() - started - due)
+        tasks.append(asyncio.create_task(one(len(tasks))))
+    await asyncio.gather(*tasks)
     return share
 
 
@@ -402,6 +377,88 @@ async def finish_rate(
     return (last - first) / (last_at - first_at)
 
 
+async def engine_use(
+    client: httpx.AsyncClient, url: str, seconds: float, done: asyncio.Event
+) -> tuple[float, float]:
+    """The requests the engine finished a second, and the places busy on average, from its
+    /stats sampled five times a second for ``seconds`` from its first running request (the
+    client processes' start left out) or until ``done`` (0s if sampled less than twice)."""
+    samples: list[tuple[float, int, int]] = []
+    while not done.is_set() and (not samples or time.monotonic() - samples[0][0] < seconds):
+        stats = (await client.get(f"{url}/stats")).json()
+        if samples or stats["num_running"]:
+            samples.append((time.monotonic(), stats["num_finished"], stats["num_running"]))
+        await asyncio.sleep(0.2)
+    if len(samples) < 2:
+        return 0.0, 0.0
+    (first_at, first, _), (last_at, last, _) = samples[0], samples[-1]
+    return (last - first) / (last_at - first_at), statistics.mean(s[2] for s in samples)
+
+
+# A first token's hops as the servers time them (their /metrics; docs/operations.md), in order:
+# (name in the table, histogram). The engine's queue and prefill are parts of its round trip;
+# the servers' event loop lag (sampled), what each hop through a server may wait.
+HOP_HISTOGRAMS = (
+    ("server in", "tandem:request_arrival_to_engine_seconds"),
+    ("engine round trip", "tandem:time_to_first_token_seconds"),
+    ("of it queue", "tandem:request_queue_time_seconds"),
+    ("prefill", "tandem:request_prefill_time_seconds"),
+    ("server out", "tandem:first_token_to_client_seconds"),
+    ("server loop lag", "tandem:event_loop_lag_seconds"),
+)
+# The hops that follow one another from a request's arrival at a server to its first text out.
+_SERVER_PATH = ("server in", "engine round trip", "server out")
+
+
+async def hop_buckets(client: httpx.AsyncClient, urls: list[str]) -> dict[str, Counter[float]]:
+    """Each hop histogram's cumulative bucket counts (by upper bound), summed over the
+    servers."""
+    histograms = {histogram: name for name, histogram in HOP_HISTOGRAMS}
+    buckets: dict[str, Counter[float]] = {name: Counter() for name, _ in HOP_HISTOGRAMS}
+    for url in urls:
+        text = (await client.get(f"{url}/metrics")).text
+        for family in text_string_to_metric_families(text):
+            name = histograms.get(family.name)
+            if name is None:
+                continue
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    buckets[name][float(sample.labels["le"])] += sample.value
+    return buckets
+
+
+def bucket_quantile(before: Counter[float], after: Counter[float], quantile: float) -> float:
+    """The quantile of what was observed between two scrapes of a histogram, interpolated
+    within its bucket as Prometheus' histogram_quantile does (NaN if nothing was)."""
+    bounds = sorted(after)
+    counts = [after[bound] - before[bound] for bound in bounds]
+    if not counts or not counts[-1]:
+        return float("nan")
+    rank = quantile * counts[-1]
+    lower, below = 0.0, 0.0
+    for bound, count in zip(bounds, counts, strict=True):
+        if count >= rank:
+            if bound == float("inf"):
+                return lower
+            return lower + (bound - lower) * (rank - below) / max(count - below, 1e-9)
+        lower, below = bound, count
+    return lower
+
+
+def hop_summary(
+    before: dict[str, Counter[float]], after: dict[str, Counter[float]], client: Latencies
+) -> str:
+    """The first token's hops between two scrapes, p50 / p99 in ms, and what the client
+    measured beyond the servers' path (p50 against p50: its own lag, the connection)."""
+    p50 = {name: bucket_quantile(before[name], after[name], 0.5) for name in before}
+    p99 = {name: bucket_quantile(before[name], after[name], 0.99) for name in before}
+    parts = [f"{name} {p50[name] * 1000:.1f} / {p99[name] * 1000:.1f}" for name in p50]
+    if client.values:
+        rest = statistics.median(client.values) - sum(p50[name] for name in _SERVER_PATH)
+        parts.append(f"client and connection (p50 beyond the servers) {rest * 1000:.1f}")
+    return ", ".join(parts) + " ms (p50 / p99)"
+
+
 async def overload(
     client: httpx.AsyncClient, deployment: Deployment, prompts: list[list[int]], length: int,
     references: dict[tuple[int, int], str], args: argparse.Namespace,
@@ -410,12 +467,14 @@ async def overload(
     url = deployment.urls[0]
     failures: list[str] = []
     unloaded = Latencies()
+    unloaded_hops = [await hop_buckets(client, deployment.urls)]
     for turn in range(args.unloaded_streams):
         which = turn % len(prompts)
-        status, ttft, text, _ = await timed_stream(client, url, body(prompts[which], length))
-        if status != 200 or text != references[which, length]:
-            failures.append(f"unloaded stream {turn}: HTTP {status}")
-        unloaded.values.append(ttft)
+        stream = await timed_stream(url, body(prompts[which], length))
+        if stream.status != 200 or stream.text != references[which, length]:
+            failures.append(f"unloaded stream {turn}: HTTP {stream.status}")
+        unloaded.values.append(stream.first)
+    unloaded_hops.append(await hop_buckets(client, deployment.urls))
     places = args.places
     busy = asyncio.Event()
     rate_watch = asyncio.create_task(finish_rate(client, url, places, busy))
@@ -432,12 +491,16 @@ async def overload(
     health = Latencies()
     done = asyncio.Event()
     watcher = asyncio.create_task(watch_health(client, url, done, health))
+    use_watch = asyncio.create_task(engine_use(client, url, args.overload_seconds, done))
+    overloaded_hops = [await hop_buckets(client, deployment.urls)]
     overloaded = await load(
         deployment, prompts, length, references, args.overload_seconds,
         args.client_processes, rate=rate,
     )  # fmt: skip
+    overloaded_hops.append(await hop_buckets(client, deployment.urls))
     done.set()
     await watcher
+    finished_rate, busy_places = await use_watch
     lost = saturated.lost + overloaded.lost
     failures += [f"overload stream ({why})" for why in lost]
     if not overloaded.refused:
@@ -465,6 +528,12 @@ async def overload(
          admitted.summary(),
          f"p50 {times_unloaded(0.5)}, p99 {times_unloaded(0.99)} unloaded"
          + ("" if within else " (ABOVE 2x)")),
+        ("overload: first token's hops, unloaded", hop_summary(*unloaded_hops, unloaded), "-"),
+        (f"overload: first token's hops at {args.overload_factor:g}x",
+         hop_summary(*overloaded_hops, admitted), "-"),
+        (f"overload: the engine at {args.overload_factor:g}x",
+         f"{finished_rate:.1f} streams finished a second ({finished_rate / capacity:.0%} of "
+         f"the capacity), {busy_places:.1f} of {places} places busy on average", "-"),
         ("overload: 429s", refused.summary(),
          "ok" if refused.values and refused.p(0.99) < 0.05 else "SLOW"),
         ("overload: outcomes", f"{len(overloaded.admitted)} served, "
@@ -537,10 +606,10 @@ async def slowloris(
     done = asyncio.Event()
     watcher = asyncio.create_task(watch_health(client, url, done, health))
     while any(thread.is_alive() for thread in threads):
-        status, _, text, took = await timed_stream(client, url, body(prompt, length))
-        if status != 200 or text != reference:
-            failures.append(f"slowloris: a completion failed meanwhile: HTTP {status}")
-        served.values.append(took)
+        stream = await timed_stream(url, body(prompt, length))
+        if stream.status != 200 or stream.text != reference:
+            failures.append(f"slowloris: a completion failed meanwhile: HTTP {stream.status}")
+        served.values.append(stream.took)
         await asyncio.sleep(0.5)
         if time.monotonic() - started > 300:
             failures.append("slowloris: connections still open after 300 s")

@@ -26,6 +26,7 @@ from server.cors import add_cors_arguments, cors_options
 from server.drain import Drain, DrainingServer
 from server.engine_client import CurveKeys, HandshakeError
 from server.engine_pool import EnginePool
+from server.loop_lag import sample_loop_lag
 from server.reasoning_parsers import REASONING_PARSERS
 from server.response_store import DEFAULT_MAX_RESPONSES, DEFAULT_TTL_S, ResponseStore
 from server.served_model import ChatOptions, load_chat_template
@@ -253,8 +254,12 @@ async def _serve(args: argparse.Namespace) -> int:
             # Our logging is configured in main(); keep uvicorn's from replacing it.
             log_config=None,
         )
-        # uvicorn exits by itself (status 1) when it cannot listen on the port.
-        await DrainingServer(config, drain).serve()
+        lag = asyncio.create_task(sample_loop_lag(client.metrics), name="loop-lag")
+        try:
+            # uvicorn exits by itself (status 1) when it cannot listen on the port.
+            await DrainingServer(config, drain).serve()
+        finally:
+            lag.cancel()
         return 0
     finally:
         await client.close()

@@ -108,6 +108,7 @@ async def generate_text(
                     finish_reason = FinishReason.STOP
                     # Leaving this block closes ``outputs``, which aborts the request.
                     yield delta(text, FinishReason.STOP, output.num_output_tokens)
+                    timer.text_passed()
                     return
                 if output.finish_reason == FinishReason.ABORT:
                     finish_reason = FinishReason.ABORT
@@ -120,9 +121,12 @@ async def generate_text(
                         text += detokenizer.push([output.stop_token_id])
                     text += detokenizer.finish()
                     yield delta(text, output.finish_reason, output.num_output_tokens)
+                    timer.text_passed()
                     return
                 if text:
                     yield delta(text, None, output.num_output_tokens)
+                    # The consumer asks for the next delta once it passed this one on.
+                    timer.text_passed()
     except (GeneratorExit, asyncio.CancelledError):
         # Closed or cancelled before its end (after it, the reason is already set): the
         # client went away.

@@ -4,8 +4,11 @@ Two sources:
 
 - this server's own measurements (``ServerMetrics``): vLLM's latency histograms under
   ``tandem:`` names of the same shape (time to first token, inter-token latency, end-to-end
-  latency, queue time, one observation per engine request), requests by finish reason, and
-  HTTP responses by status;
+  latency, queue and prefill time, one observation per engine request), requests by finish
+  reason, and HTTP responses by status; and the two hops of a first token that are this
+  server's own (its arrival to its send to the engine; the first token's arrival to its
+  text passed on), so that a request's time to first token can be told apart hop by hop,
+  and how late its event loop runs (server/loop_lag.py);
 - each engine replica's state (``ENGINE_METRICS``), asked fresh at each scrape and labelled
   with the replica's index (``replica="0"``, …): its gauges and counters since it started,
   so a restarted engine shows as a counter reset, which Prometheus handles.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextvars import ContextVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -37,14 +41,23 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # them, and they double the text.
 disable_created_metrics()
 
-# vLLM's buckets for the same histograms, so that its dashboards read these alike.
+# vLLM's buckets for the same histograms, so that its dashboards read these alike; time to
+# first token's with a few more below 0.1 s, where a GPU's are, to tell its hops apart
+# (histogram_quantile reads any buckets).
 _TTFT_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+    0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08,
+    0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+    2560.0,
 )  # fmt: skip
 _ITL_BUCKETS = (
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
     10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+# The hops of a first token that take milliseconds unloaded (this server's, the engine's
+# prefill): fine enough to tell 1 ms from 3 and 20 from 30.
+_HOP_BUCKETS = (
+    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05,
+    0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
 _REQUEST_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
@@ -93,6 +106,11 @@ ENGINE_METRICS = [
         "num_free_blocks",
     ),
 ]
+
+
+# When the HTTP request being handled reached this server (time.monotonic()), set by
+# HttpStatusCounter, the outermost middleware: the handlers' tasks inherit it.
+_ARRIVED: ContextVar[float | None] = ContextVar("tandem_request_arrived", default=None)
 
 
 class EngineCollector(Collector):
@@ -152,11 +170,43 @@ class ServerMetrics:
             buckets=_REQUEST_BUCKETS,
             registry=self.registry,
         )
+        # Finer than vLLM's below 0.3 s: with --max-queued-requests 0 it is milliseconds.
         self.request_queue_time = Histogram(
             "tandem:request_queue_time_seconds",
             "Seconds a request waited in the engine before its first step.",
             labels,
-            buckets=_REQUEST_BUCKETS,
+            buckets=_HOP_BUCKETS[:16] + _REQUEST_BUCKETS,
+            registry=self.registry,
+        )
+        self.request_prefill_time = Histogram(
+            "tandem:request_prefill_time_seconds",
+            "Seconds from a request's first step in the engine to its first token's output.",
+            labels,
+            buckets=_HOP_BUCKETS,
+            registry=self.registry,
+        )
+        self.request_arrival_to_engine = Histogram(
+            "tandem:request_arrival_to_engine_seconds",
+            "Seconds from a request's arrival at this server to its send to the engine "
+            "(its body read, its prompt rendered and tokenized, waits for this server).",
+            labels,
+            buckets=_HOP_BUCKETS,
+            registry=self.registry,
+        )
+        self.first_token_to_client = Histogram(
+            "tandem:first_token_to_client_seconds",
+            "Seconds from a request's first token's arrival from the engine to its handler "
+            "passing the text on (streamed: written to the client's connection).",
+            labels,
+            buckets=_HOP_BUCKETS,
+            registry=self.registry,
+        )
+        self.event_loop_lag = Histogram(
+            "tandem:event_loop_lag_seconds",
+            "Seconds this server's event loop ran a task later than asked, sampled 20 times a "
+            "second (every request's hops through this server wait in that loop).",
+            labels,
+            buckets=_HOP_BUCKETS,
             registry=self.registry,
         )
         self.request_success = Counter(
@@ -185,29 +235,57 @@ class ServerMetrics:
 
 
 class RequestTimer:
-    """Observes one engine request's latencies as its outputs arrive."""
+    """Observes one engine request's latencies as its outputs arrive; started as the request
+    is sent to the engine."""
 
-    __slots__ = ("_inter_token_latency", "_last", "_metrics", "_start")
+    __slots__ = (
+        "_first_text_passed",
+        "_first_token",
+        "_inter_token_latency",
+        "_last",
+        "_metrics",
+        "_start",
+    )
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self._metrics = metrics
         # Its labelled child found once: an output arrives per token and step.
         self._inter_token_latency = metrics.inter_token_latency.labels(metrics.model_name)
         self._start = time.monotonic()
-        self._last: float | None = None
+        self._first_token: float | None = None  # when its first token arrived
+        self._last: float | None = None  # when its last token arrived
+        self._first_text_passed = False
+        arrived = _ARRIVED.get()
+        if arrived is not None:  # None: not sent from an HTTP request's handler
+            metrics.request_arrival_to_engine.labels(metrics.model_name).observe(
+                self._start - arrived
+            )
 
     def output(self, output: RequestOutput) -> None:
         metrics, model = self._metrics, self._metrics.model_name
         if output.queue_time is not None:
             metrics.request_queue_time.labels(model).observe(output.queue_time)
+        if output.prefill_time is not None:
+            metrics.request_prefill_time.labels(model).observe(output.prefill_time)
         if not output.new_token_ids:
             return
         now = time.monotonic()
         if self._last is None:
+            self._first_token = now
             metrics.time_to_first_token.labels(model).observe(now - self._start)
         else:
             self._inter_token_latency.observe(now - self._last)
         self._last = now
+
+    def text_passed(self) -> None:
+        """The request's handler passed text on (streamed: wrote it to the connection); the
+        first time, how long after the first token's arrival."""
+        if self._first_text_passed or self._first_token is None:
+            return
+        self._first_text_passed = True
+        self._metrics.first_token_to_client.labels(self._metrics.model_name).observe(
+            time.monotonic() - self._first_token
+        )
 
     def finish(self, reason: str) -> None:
         model = self._metrics.model_name
@@ -216,7 +294,8 @@ class RequestTimer:
 
 
 class HttpStatusCounter:
-    """ASGI middleware: counts every response by method and status."""
+    """ASGI middleware: counts every response by method and status, and notes when each
+    request arrived (``RequestTimer``)."""
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
         self.app = app
@@ -226,6 +305,7 @@ class HttpStatusCounter:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        _ARRIVED.set(time.monotonic())
 
         async def counted_send(message: Message) -> None:
             if message["type"] == "http.response.start":

@@ -68,4 +68,5 @@ def merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
         ),
         stop_token_id=then.stop_token_id,
         queue_time=first.queue_time if first.queue_time is not None else then.queue_time,
+        prefill_time=first.prefill_time if first.prefill_time is not None else then.prefill_time,
     )

@@ -25,7 +25,7 @@ import logging
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor, Future
 
 import tokenizers
@@ -211,6 +211,9 @@ class CompilingRequests:
 
     def __len__(self) -> int:
         return len(self._waiting)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._waiting)
 
     def add(self, request: Request) -> None:
         """Start compiling the request's grammar (n requests of one constraint share one

@@ -1,14 +1,16 @@
-"""Admission control (``--max-queued-requests``): whether the engine takes a new request now,
-and noticing the moment that answer changes.
+"""Admission control: whether the engine takes a new request now (``--max-queued-requests``,
+``--max-queued-prompt-tokens``), and noticing the moment that answer changes.
 
-Past the limit a new request is refused (``overloaded``; the servers answer HTTP 429), so that
-the requests admitted keep their latency. The servers also refuse by themselves while the
-engine's last stats say its queue is full (``EngineStats.queue_full``, server/admission_gate.py),
-before they read a body, render a template or tokenize: such a refusal costs a server a
-millisecond, where the engine's own answer waits for the step under way. So that the servers'
-word is never staler than a step, the engine sends its stats to every server as soon as the
-answer changes (``changed``), not only at its heartbeat: when a step frees places, and when
-arrivals fill them.
+Past either limit a new request is refused (``overloaded``; the servers answer HTTP 429), so
+that the requests admitted keep their latency: the count bounds how long an admitted request
+waits for a place; the prompt tokens bound how much prefill the steps must do before the
+first tokens of the requests admitted next (a burst of long prompts would slow every step).
+The servers also refuse by themselves while the engine's last stats say its queue is full
+(``EngineStats.queue_full``, server/admission_gate.py), before they read a body, render a
+template or tokenize: such a refusal costs a server a millisecond, where the engine's own
+answer waits for the step under way. So that the servers' word is never staler than a step,
+the engine sends its stats to every server as soon as the answer changes (``changed``), not
+only at its heartbeat: when a step frees places, and when arrivals fill them.
 """
 
 from __future__ import annotations
@@ -17,24 +19,48 @@ from engine.llm_engine import LLMEngine
 
 
 class Admission:
-    def __init__(self, engine: LLMEngine, max_queued_requests: int) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_queued_requests: int,
+        max_queued_prompt_tokens: int | None = None,
+    ) -> None:
         self.engine = engine
         self.max_queued_requests = max_queued_requests
+        self.max_queued_prompt_tokens = max_queued_prompt_tokens
         self._announced_full = False  # what the servers were last told
 
     @property
     def full(self) -> bool:
-        """Whether a request arriving now would be refused."""
-        return self.engine.num_waiting_for_a_place(arriving=1) > self.max_queued_requests
+        """Whether any request arriving now would be refused (its prompt, at least a token,
+        unknown to the servers that ask)."""
+        if self.engine.num_waiting_for_a_place(arriving=1) > self.max_queued_requests:
+            return True
+        bound = self.max_queued_prompt_tokens
+        if bound is None:
+            return False
+        waiting = self.engine.num_prompt_tokens_to_compute()
+        return waiting > 0 and waiting >= bound
 
-    def refusal(self) -> str | None:
-        """Why a request arriving now is refused, or None if it is taken."""
-        if not self.full:
+    def refusal(self, num_prompt_tokens: int | None = None) -> str | None:
+        """Why a request arriving now is refused, or None if it is taken. A request with
+        ``num_prompt_tokens`` (a generation's) counts against the bound in prompt tokens too;
+        one with None (an embedding's, pooled in steps of its own) does not."""
+        if self.engine.num_waiting_for_a_place(arriving=1) > self.max_queued_requests:
+            return (
+                f"{self.max_queued_requests} requests already wait for a place in the batch "
+                "(--max-queued-requests)"
+            )
+        bound = self.max_queued_prompt_tokens
+        if bound is None or num_prompt_tokens is None:
             return None
-        return (
-            f"{self.max_queued_requests} requests already wait for a place in the batch "
-            "(--max-queued-requests)"
-        )
+        waiting = self.engine.num_prompt_tokens_to_compute()
+        if waiting and waiting + num_prompt_tokens > bound:
+            return (
+                f"{waiting} prompt tokens already wait to be computed, and this request's "
+                f"{num_prompt_tokens} would make more than {bound} (--max-queued-prompt-tokens)"
+            )
+        return None
 
     def changed(self) -> bool:
         """Whether ``full`` differs from what the servers were last told; from now on they

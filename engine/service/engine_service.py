@@ -6,8 +6,9 @@ reading) is forgotten and its requests are aborted, so one bad peer cannot stall
 the others.
 
 Admission control: past ``--max-queued-requests`` requests waiting for a place in the batch,
-a new request is refused at once (``overloaded``; the servers answer HTTP 429), so that the
-requests admitted keep their latency (engine/service/admission.py). Every second the engine
+or ``--max-queued-prompt-tokens`` prompt tokens left to compute, a new request is refused at
+once (``overloaded``; the servers answer HTTP 429), so that the requests admitted keep their
+latency (engine/service/admission.py). Every second the engine
 sends each server its stats unasked, between two steps: its heartbeat, from which the servers'
 /health and /ready say whether it is alive without asking (an answer would wait behind the
 step); and it sends them at once whenever its queue fills or frees, from which the servers
@@ -72,7 +73,9 @@ class EngineService:
         build_codecs()  # not on the first request's way to its first token
         self.throughput_log = ThroughputLog(engine, config.stats_interval)
         self.drain_timeout_s = config.drain_timeout
-        self.admission = Admission(engine, config.max_queued_requests)
+        self.admission = Admission(
+            engine, config.max_queued_requests, config.max_queued_prompt_tokens
+        )
         self.next_heartbeat = time.monotonic()
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
@@ -252,7 +255,10 @@ class EngineService:
                 ErrorReply(request.request_id, ErrorCode.NOT_READY, "handshake first"),
             )
             return
-        refusal = self.admission.refusal()
+        prompt_tokens = (
+            len(request.prompt_token_ids) if isinstance(request, GenerateRequest) else None
+        )
+        refusal = self.admission.refusal(prompt_tokens)
         if refusal is not None:
             self._send(client, ErrorReply(request.request_id, ErrorCode.OVERLOADED, refusal))
             return

@@ -324,7 +324,9 @@ def test_metrics_time_each_request_and_count_statuses(deployment: Deployment) ->
         }
 
     before = scrape()
+    started = time.monotonic()
     reply = httpx.post(f"{url}/v1/completions", json=_body(PROMPTS[0]), timeout=60)
+    took = time.monotonic() - started
     assert reply.status_code == 200
     assert httpx.post(f"{url}/v1/completions", json={"prompt": 5}, timeout=60).status_code == 400
     after = scrape()
@@ -339,6 +341,22 @@ def test_metrics_time_each_request_and_count_statuses(deployment: Deployment) ->
     assert grew("tandem:inter_token_latency_seconds_count") == STREAM_TOKENS - 1
     assert grew("tandem:e2e_request_latency_seconds_count") == 1
     assert grew("tandem:request_queue_time_seconds_count") == 1
+    # The first token's hops, each timed once: this server's two and the engine's prefill,
+    # within the engine's round trip (its queue too), all within what the client waited.
+    for hop in ("request_arrival_to_engine", "request_prefill_time", "first_token_to_client"):
+        assert grew(f"tandem:{hop}_seconds_count") == 1
+        assert grew(f"tandem:{hop}_seconds_sum") > 0
+    engine_hops = grew("tandem:request_queue_time_seconds_sum") + grew(
+        "tandem:request_prefill_time_seconds_sum"
+    )
+    assert engine_hops <= grew("tandem:time_to_first_token_seconds_sum")
+    server_hops = sum(
+        grew(f"tandem:{hop}_seconds_sum")
+        for hop in ("request_arrival_to_engine", "time_to_first_token", "first_token_to_client")
+    )
+    assert server_hops <= took
+    # The event loop's lag, sampled 20 times a second since the server started.
+    assert after[("tandem:event_loop_lag_seconds_count", (("model_name", model),))] >= 1
     assert grew("tandem:request_success_total", finished_reason="length") == 1
     assert grew("tandem:http_requests_total", method="POST", status="200") == 1
     assert grew("tandem:http_requests_total", method="POST", status="400") == 1

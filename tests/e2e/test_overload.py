@@ -45,6 +45,8 @@ MAX_GENERATED_TOKENS = 64
 # The engine runs two requests at once and lets two more wait.
 MAX_NUM_SEQS = 2
 MAX_QUEUED = 2
+# The prioritized engine's bound on prompt tokens left to compute.
+MAX_QUEUED_PROMPT_TOKENS = 64
 # How much later than its timeout a cut may come on two shared CPU cores.
 SLACK_S = 2.0
 
@@ -101,9 +103,16 @@ def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 @pytest.fixture(scope="module")
 def prioritized(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """An engine ordering its queue by priority, whose queue is bounded in prompt tokens
+    (far above what the tests of priorities queue)."""
     yield from _serve(
-        tmp_path_factory.mktemp("prioritized"), ["--scheduling-policy", "priority"], []
-    )
+        tmp_path_factory.mktemp("prioritized"),
+        [
+            "--scheduling-policy", "priority",
+            "--max-queued-prompt-tokens", str(MAX_QUEUED_PROMPT_TOKENS),
+        ],
+        [],
+    )  # fmt: skip
 
 
 def _completion(prompt: str, max_tokens: int, **extra: object) -> dict:
@@ -111,7 +120,9 @@ def _completion(prompt: str, max_tokens: int, **extra: object) -> dict:
     return {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **extra}
 
 
-def _create_kwargs(prompt: str, max_tokens: int, priority: int = 0, **extra: object) -> dict:
+def _create_kwargs(
+    prompt: str | list[int], max_tokens: int, priority: int = 0, **extra: object
+) -> dict:
     """The openai client's arguments for the same (vLLM's fields go in extra_body)."""
     extra_body = {"ignore_eos": True, "priority": priority}
     return {
@@ -442,6 +453,60 @@ def test_one_users_many_choices_do_not_starve_another_user(prioritized: Served) 
     # First come first served, the small one would start after all six of big's choices.
     assert order == ["small", "big"]
     wait_for_cache_free(prioritized.url)
+
+
+def test_prompt_tokens_past_the_bound_are_refused_and_those_within_it_taken(
+    prioritized: Served,
+) -> None:
+    client = prioritized.client()
+    url = prioritized.url
+
+    def in_flight() -> int:
+        return httpx.get(f"{url}/health").json()["requests_in_flight"]
+
+    def until(condition: Callable[[], object]) -> None:
+        deadline = time.monotonic() + 30
+        while not condition():
+            assert time.monotonic() < deadline, engine_stats(url)
+            time.sleep(0.01)
+
+    with ThreadPoolExecutor(4) as pool:
+        # Both places taken for hundreds of steps, until their clients leave.
+        blockers = [
+            client.completions.create(stream=True, **_create_kwargs("w5 w6", 400)) for _ in range(2)
+        ]
+        until(lambda: engine_stats(url)["num_running"] == 2)
+        # Stopped, the engine reads nothing: the server forwards these in the order sent, and
+        # the engine, resumed, judges them in one read of its socket, the places still taken.
+        os.kill(prioritized.engine.pid, signal.SIGSTOP)
+        try:
+            judged = {}
+            for length in (40, 30, 20, 4):
+                sent = in_flight()
+                body = _create_kwargs([7] * length, 4)
+                judged[length] = pool.submit(client.completions.create, **body)
+                until(lambda sent=sent: in_flight() > sent)
+                time.sleep(0.2)  # its prompt tokenized and sent on
+        finally:
+            os.kill(prioritized.engine.pid, signal.SIGCONT)
+        # 40 waits; 40 + 30 is past the bound, though 1 request waits of the default 1,024;
+        # 40 + 20 is within it, and 60 + 4 reaches it: from then on the server refuses by
+        # itself, before reading a body (this one is not even JSON).
+        until(lambda: (httpx.get(f"{url}/health").json()["engine"] or {}).get("queue_full"))
+        at_the_door = httpx.post(f"{url}/v1/completions", content=b"not json")
+        assert engine_stats(url)["num_running"] == 2  # judged while the blockers ran
+        for stream in blockers:
+            stream.close()
+        with pytest.raises(openai.RateLimitError) as refused:
+            judged.pop(30).result()
+        results = [future.result() for future in judged.values()]
+    error = refused.value.response.json()["error"]
+    assert error["code"] == "rate_limit_exceeded"
+    assert "--max-queued-prompt-tokens" in error["message"], error
+    assert refused.value.response.headers["retry-after"] == "1"
+    assert at_the_door.status_code == 429, at_the_door.text
+    assert [r.choices[0].finish_reason for r in results] == ["length"] * 3
+    wait_for_cache_free(url)
 
 
 def test_a_drain_that_runs_out_of_time_tells_its_clients(

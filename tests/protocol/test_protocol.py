@@ -51,6 +51,7 @@ MESSAGES = [
                 1,
                 prompt_logprobs=[PromptTokenLogprobs(-1.5, 2, [4, 8], [-0.2, -1.5])],
                 queue_time=0.25,
+                prefill_time=0.125,
             )
         ]
     ),
@@ -162,8 +163,11 @@ def test_outputs_go_by_position_without_their_unset_tail() -> None:
     ("output", "problem"),
     [
         ({"request_id": "r1", "new_token_ids": [5]}, "outputs[0]: expected an array"),
-        (["r1", [5], None, 3], "expected 5 to 9 values, got 4"),
-        (["r1", [5], None, 3, 1, None, None, None, None, None], "expected 5 to 9 values, got 10"),
+        (["r1", [5], None, 3], "expected 5 to 10 values, got 4"),
+        (
+            ["r1", [5], None, 3, 1, None, None, None, None, None, None],
+            "expected 5 to 10 values, got 11",
+        ),
         (["r1", [5], None, "3", 1], "outputs[0].num_prompt_tokens: expected int"),
         (["r1", [5], None, 3, 1, [[-0.5, [6], "x"]]], "outputs[0].logprobs[0].top_logprobs"),
     ],

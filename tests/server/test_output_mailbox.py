@@ -20,13 +20,13 @@ def test_outputs_waiting_for_a_busy_handler_arrive_as_one() -> None:
     async def run() -> None:
         seen: list[RequestOutput] = []
         mailbox = OutputMailbox(merge=True, observe=seen.append)
-        mailbox.put(output([1], 1, queue_time=0.25, logprobs=[logprobs(1)]))
+        mailbox.put(output([1], 1, queue_time=0.25, prefill_time=0.125, logprobs=[logprobs(1)]))
         mailbox.put(output([2, 3], 3, logprobs=[logprobs(2), logprobs(3)]))
         mailbox.put(output([], 3, "stop", stop_token_id=9))
         first = await mailbox.get()
         assert first.new_token_ids == [1, 2, 3]
         assert (first.num_output_tokens, first.finish_reason) == (3, "stop")
-        assert (first.queue_time, first.stop_token_id) == (0.25, 9)
+        assert (first.queue_time, first.prefill_time, first.stop_token_id) == (0.25, 0.125, 9)
         assert [p.top_token_ids[0] for p in first.logprobs or []] == [1, 2, 3]
         assert len(seen) == 3  # the latency metrics still see every step
 
