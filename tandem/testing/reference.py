@@ -53,16 +53,21 @@ def stepwise_agreement(
 
 def with_weights_as_fp8_codes(model: PreTrainedModel) -> PreTrainedModel:
     """A copy of ``model`` holding the weights ``--quantization fp8`` multiplies by: each
-    decoder layer's projection (experts' stacked ones too; not a MoE router, norms,
+    decoder layer's projection (experts' stacked ones too; not a MoE router, norms, biases,
     embeddings or the LM head) rounded to float8 e4m3 codes times one scale per output
     channel, as the engine quantizes them on load. The reference for the quantized path's
     arithmetic, apart from what rounding the weights alone does to a model's choices."""
     rounded = copy.deepcopy(model)
+    # transformers' gpt-oss experts multiply x @ W: their projections are stored [E, in, out].
+    inputs_first = getattr(model.config, "model_type", None) == "gpt_oss"
     with torch.no_grad():
         for name, weight in rounded.named_parameters():
-            if ".layers." not in name or weight.dim() < 2 or name.endswith("mlp.gate.weight"):
+            router = name.endswith("mlp.gate.weight") or ".router." in name
+            if ".layers." not in name or weight.dim() < 2 or router:
                 continue
-            rows = weight.reshape(-1, weight.shape[-1])  # [..., out, in]: a row per output
-            codes, scale = quantize_per_channel(rows, torch.float8_e4m3fn)
-            weight.copy_((codes.float() * scale[:, None]).reshape(weight.shape))
+            rows = weight.transpose(-1, -2) if inputs_first and ".experts." in name else weight
+            codes, scale = quantize_per_channel(
+                rows.reshape(-1, rows.shape[-1]), torch.float8_e4m3fn
+            )
+            rows.copy_((codes.float() * scale[:, None]).reshape(rows.shape))
     return rounded
