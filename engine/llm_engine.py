@@ -200,7 +200,10 @@ class LLMEngine:
                 draft_graphs = draft.decode_graphs or draft.catch_up_graphs
             costs.seed(runner.decode_graphs, verify_graphs, draft_graphs)
         max_batch = None if verify_graphs is None else verify_graphs.batch_sizes[-1]
-        return AdaptiveDrafting(config.num_speculative_tokens, costs, max_batch)
+        assert self.proposer is not None
+        return AdaptiveDrafting(
+            config.num_speculative_tokens, costs, max_batch, self.proposer.preview
+        )
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (the engine serves no more)."""
