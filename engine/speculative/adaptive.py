@@ -37,9 +37,9 @@ beats plain decoding, so:
   (a draft model), the request probes: it drafts once whatever the estimates. A probe costs
   beyond the plain steps it replaces (``step_costs.py`` measures it: a draft model's
   catch-up over the pause's tokens, the lost overlap), so probes wait until the plain steps
-  since the last one earned it: they take at most ``PROBE_SHARE`` of the time, and the
-  requests due then probe together, one verify step for the batch. Requests due ride along,
-  free, where others' drafts pay.
+  since the last one earned it: they take at most ``PROBE_SHARE`` of the time (each charged
+  what it was measured to cost once it is), and the requests due then probe together, one
+  verify step for the batch. Requests due ride along, free, where others' drafts pay.
 
 Two decisions a step: before the step in flight is read (``plan``: who may draft, and k, from
 the estimates for each request's latest source), and once the drafts are proposed
@@ -85,8 +85,11 @@ class AdaptiveDrafting:
         self.costs = costs
         self.max_batch = max_batch
         self.preview = preview
-        # Seconds of probing that plain steps earned (``PROBE_SHARE`` of theirs).
+        # Seconds of probing that plain steps earned (``PROBE_SHARE`` of theirs) and probes
+        # did not spend; below 0 when probes cost more than foreseen.
         self.probe_credit = 0.0
+        # What the probes launched but not yet measured were foreseen to cost.
+        self.probes_foreseen = 0.0
         self.engine_acceptance = DraftAcceptance(memory=ENGINE_MEMORY)
         self.widths = np.arange(1, max_drafts + 1)
 
@@ -119,6 +122,10 @@ class AdaptiveDrafting:
                 active.append(request)
             else:  # nothing to draft from: paused again, at the cost of a lookup
                 pause.pause()
+        spent = self.costs.take_probe_seconds()
+        if spent:  # probes measured: charge what they cost, not what was foreseen
+            self.probe_credit += self.probes_foreseen - spent
+            self.probes_foreseen = 0.0
         costs = self.costs.costs(batch_size)
         if active:
             alphas = [self._alpha(r, r.draft_acceptance.key) for r in active + due]
@@ -132,11 +139,13 @@ class AdaptiveDrafting:
                 request.draft_pause.pause()
         if due and self.probe_credit >= costs.probe:
             self.probe_credit -= costs.probe
+            self.probes_foreseen += costs.probe
             alphas = [self._alpha(r, r.draft_acceptance.key) for r in due]
             width, _ = self._best_width(np.asarray(alphas), batch_size)
             return due, width
         # A plain step: it earns the probes their share of its time (a probe at most
-        # banked, so that probes after a long run of drafting do not come in a burst).
+        # banked, so that probes after a long run of drafting do not come in a burst; a
+        # debt, when a probe cost more than foreseen, is paid off first).
         self.probe_credit = min(self.probe_credit + PROBE_SHARE * costs.plain, costs.probe)
         return [], 0
 

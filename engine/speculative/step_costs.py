@@ -101,6 +101,8 @@ class StepCosts:
         self.counts = [[0] * size for _ in range(4)]
         self.since_plain = [0] * size  # steps at each batch size since its last plain one
         self.seeded = [[math.nan] * size for _ in range(3)]
+        # What the probes measured since ``take_probe_seconds`` was last called cost.
+        self.probe_seconds = 0.0
         # The last three steps, the newest last; steps before the first are "other" (0).
         self._steps = [_Step(0.0, 0, -1, 0.0, 0) for _ in range(3)]
 
@@ -150,7 +152,9 @@ class StepCosts:
             and not math.isnan(plain)
         ):
             # A probe between plain steps: its wait falls in the step after it.
-            self._add(PROBE, last.bucket, max(started - previous.started - 2 * plain, 0.0))
+            excess = max(started - previous.started - 2 * plain, 0.0)
+            self._add(PROBE, last.bucket, excess)
+            self.probe_seconds += excess
         if kind != 1:
             self.since_plain[self.bucket(batch_size)] += 1
         self._steps = [
@@ -166,11 +170,16 @@ class StepCosts:
         self.counts[kind][bucket] = count + 1
         if math.isnan(old):
             estimates[bucket] = seconds
-        elif count < FIRST_MEASUREMENTS:
+        elif count < FIRST_MEASUREMENTS and kind != PROBE:
             estimates[bucket] = min(old, seconds)
         else:
             seconds = min(seconds, MOST_OVER_ESTIMATE * old)
             estimates[bucket] = old + NEW_WEIGHT * (seconds - old)
+
+    def take_probe_seconds(self) -> float:
+        """The seconds the probes measured since the last call cost beyond plain steps."""
+        seconds, self.probe_seconds = self.probe_seconds, 0.0
+        return seconds
 
     def knows_plain(self, batch_size: int) -> bool:
         """Whether a plain step at ``batch_size`` was measured (``FIRST_MEASUREMENTS`` times)
