@@ -160,8 +160,8 @@ class EngineConfig:
     num_speculative_tokens: int = option(
         16,
         "with --speculative-method: tokens drafted for each request a step, at most (adaptive: "
-        "the policy drafts fewer where fewer pay; on CUDA, verify steps of up to 576 tokens "
-        "run as graphs: at 16, batches of up to 32 requests are drafted for)",
+        "the policy drafts fewer where fewer pay, and on CUDA only for batches whose verify "
+        "steps run as graphs: up to 576 tokens, 32 requests at 16)",
     )
     speculative_adaptive: bool = option(
         True,
