@@ -26,14 +26,15 @@ beats plain decoding, so:
   again once drafting pays), and a paused request decodes as it would without speculation.
   The step in flight is read early only when someone drafts, so a batch that drafts for no
   one overlaps its steps as plain decoding does;
-- nothing is drafted at a batch size until a plain step was measured there (two plain steps):
-  the plain step is what drafting must beat, and one inferred from other steps made a draft
-  as costly as the target itself seem to pay;
+- nothing is drafted at a batch size until a plain step was measured there (the plain steps
+  of ``StepCosts.knows_plain``): the plain step is what drafting must beat, and one inferred
+  from other steps made a draft as costly as the target itself seem to pay;
 - after a pause a request's drafting is weighed again. Where the proposer can tell from the
   tokens the host has what it would draft from (``Proposer.preview``: prompt lookup's n-gram
   length), it is weighed by the acceptance the engine measured for that source (the
-  request's own counts are of text before its pause), and paused again at no cost when it
-  would not pay, so that text that starts repeating itself is found at once. Where it cannot
+  request's own counts are of text before its pause), and paused again at the cost of a
+  lookup when it would not pay: text that starts repeating itself is found when the pause
+  ends, and no verify step is spent where nothing repeats. Where it cannot
   (a draft model), the request probes: it drafts once whatever the estimates. A probe costs
   beyond the plain steps it replaces (``step_costs.py`` measures it: a draft model's
   catch-up over the pause's tokens, the lost overlap), so probes wait until the plain steps
