@@ -107,7 +107,9 @@ def test_speculation_equals_plain_decoding_on_cuda(tmp_path: Path) -> None:
         del engine
         gc.collect()
         torch.cuda.empty_cache()
-    assert counts["ngram"][0] > 0 and counts["ngram fixed"][0] > counts["ngram"][0]
+    # Adaptive prompt lookup (k up to 16) drafts for the repeating prompt and has drafts
+    # accepted; the random ones it pauses.
+    assert counts["ngram"][1] > 0
     drafts, accepted = counts["draft=self"]
     # The greedy requests accept all but near-ties (float32); the seeded one samples.
     assert drafts > 0 and accepted >= 0.8 * drafts
