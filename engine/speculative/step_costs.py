@@ -30,7 +30,7 @@ stand for. It holds what a probe adds: a draft model's catch-up over the tokens 
 A plain step is what drafting must beat, so it is never inferred: until a batch size has it
 measured, the policy drafts for no one there (``knows_plain``: the periods of three plain
 steps that each followed one, the estimate starting at their least; one again after
-``PLAIN_REFRESH_STEPS`` other steps there). (Inferred from a verify step and the graphs'
+``PLAIN_REFRESH_STEPS`` verify steps there). (Inferred from a verify step and the graphs'
 device times, as before, a host-bound plain step came out at twice its cost, and a draft as
 costly as the target's own pass seemed to pay.) A verify step or a draft pass counts once
 measured three times, also from their least: one slow step must not stop drafting for good.
@@ -63,9 +63,11 @@ MOST_OVER_ESTIMATE = 4.0
 # only upward outliers (the first steps after a prompt, a collection), and one such as the
 # first plain step would make drafting seem to pay until plain steps were measured again.
 FIRST_MEASUREMENTS = 3
-# A batch size's plain step is measured again after this many other steps there: drafting
-# that pays runs no plain steps, and the host's pace drifts.
+# A batch size's plain step is measured again after this many verify steps there: drafting
+# that pays runs no plain steps, and the host's pace drifts. If this many steps then pass
+# without two plain ones in a row (prompts arriving all the time), the old estimate stands.
 PLAIN_REFRESH_STEPS = 512
+REFRESH_PATIENCE = 8
 
 PLAIN, VERIFY, DRAFT_PASS, PROBE = range(4)
 
@@ -99,7 +101,7 @@ class StepCosts:
         size = len(CAPTURE_BATCH_SIZES)
         self.measured = [[math.nan] * size for _ in range(4)]
         self.counts = [[0] * size for _ in range(4)]
-        self.since_plain = [0] * size  # steps at each batch size since its last plain one
+        self.since_plain = [0] * size  # verify steps at each batch size since a plain one
         self.seeded = [[math.nan] * size for _ in range(3)]
         # What the probes measured since ``take_probe_seconds`` was last called cost.
         self.probe_seconds = 0.0
@@ -155,8 +157,11 @@ class StepCosts:
             excess = max(started - previous.started - 2 * plain, 0.0)
             self._add(PROBE, last.bucket, excess)
             self.probe_seconds += excess
-        if kind != 1:
-            self.since_plain[self.bucket(batch_size)] += 1
+        bucket = self.bucket(batch_size)
+        if kind > 1 or self.since_plain[bucket] >= PLAIN_REFRESH_STEPS:
+            self.since_plain[bucket] += 1
+            if self.since_plain[bucket] >= PLAIN_REFRESH_STEPS + REFRESH_PATIENCE:
+                self.since_plain[bucket] = 0
         self._steps = [
             previous,
             last,

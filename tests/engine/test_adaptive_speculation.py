@@ -279,3 +279,29 @@ def test_a_draft_that_never_pays_costs_at_most_its_probes_share() -> None:
     seconds, tokens, verify_steps = device.run(3000)
     plain_rate = 1 / device.plain_host
     assert tokens / seconds > 0.97 * plain_rate, (tokens / seconds / plain_rate, verify_steps)
+
+
+def test_the_plain_step_is_measured_again_after_long_drafting() -> None:
+    """Drafting that pays runs no plain steps: after 512 verify steps at a batch size the
+    plain step there counts as unknown until two plain steps in a row measure it again, or,
+    where prompts keep coming (no such pair), for 8 steps at most."""
+    costs = measured_costs(1.0, 1.2, 0.2)
+    assert costs.knows_plain(1)
+    clock = 100.0
+    for _ in range(512):
+        costs.observe(clock, 2, 1, 0.2, 1)
+        clock += 1.4
+    assert not costs.knows_plain(1)
+    for kind in (1, 1, 1):  # the second's period measures the plain step
+        costs.observe(clock, kind, 1, 0.0, 0)
+        clock += 0.9
+    assert costs.knows_plain(1) and costs.costs(1).plain < 1.0
+    for _ in range(512):
+        costs.observe(clock, 2, 1, 0.2, 1)
+        clock += 1.4
+    steps = 0
+    while not costs.knows_plain(1) and steps < 100:  # steps with prompts: no plain pair
+        costs.observe(clock, 0, 1, 0.0, 0)
+        clock += 2.0
+        steps += 1
+    assert steps == 8
