@@ -70,12 +70,16 @@ PLAIN_REFRESH_STEPS = 512
 REFRESH_PATIENCE = 8
 
 PLAIN, VERIFY, DRAFT_PASS, PROBE = range(4)
+# A step's kind when it read the step before it early to propose, and verifies nothing (the
+# proposer found nothing, or a draft model only caught up): a probe's cost all the same.
+PROPOSED_NOTHING = -1
 
 
 @dataclass
 class _Step:
     started: float
-    kind: int  # 1: a plain decode step; q > 1: a verify step of q tokens a row; 0: other
+    kind: int  # 1: a plain decode step; q > 1: a verify step of q tokens a row;
+    # PROPOSED_NOTHING; 0: other
     bucket: int
     propose_seconds: float
     width: int  # the most drafts of a row
@@ -132,12 +136,12 @@ class StepCosts:
         self, started: float, kind: int, batch_size: int, propose_seconds: float, width: int
     ) -> None:
         """A step started at ``started`` (``time.perf_counter``): ``kind`` 1 for a plain
-        decode step, q for a verify step of q tokens a row, 0 for any other (a prompt's, a
-        step that proposed and verified nothing); the proposer took ``propose_seconds`` for
-        ``width`` drafts a row at most. Measures the step before it, and a probe two steps
-        before it."""
+        decode step, q for a verify step of q tokens a row, ``PROPOSED_NOTHING`` for a step
+        that proposed and verified nothing, 0 for any other (a prompt's); the proposer took
+        ``propose_seconds`` for ``width`` drafts a row at most. Measures the step before it,
+        and a probe two steps before it."""
         older, previous, last = self._steps
-        if last.kind and last.kind == previous.kind and last.bucket == previous.bucket:
+        if last.kind > 0 and last.kind == previous.kind and last.bucket == previous.bucket:
             period = started - last.started
             if last.kind == 1:
                 self._add(PLAIN, last.bucket, period)
@@ -147,13 +151,14 @@ class StepCosts:
                 self._add(DRAFT_PASS, last.bucket, last.propose_seconds / max(last.width, 1))
         plain = self.measured[PLAIN][last.bucket]
         if (
-            previous.kind > 1
+            (previous.kind > 1 or previous.kind == PROPOSED_NOTHING)
             and older.kind == 1
             and last.kind == 1
             and older.bucket == previous.bucket == last.bucket
             and not math.isnan(plain)
         ):
-            # A probe between plain steps: its wait falls in the step after it.
+            # A probe between plain steps (verifying drafts or not: its proposer ran): its
+            # wait falls in the step after it.
             excess = max(started - previous.started - 2 * plain, 0.0)
             self._add(PROBE, last.bucket, excess)
             self.probe_seconds += excess

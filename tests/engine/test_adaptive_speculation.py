@@ -20,7 +20,7 @@ from engine.llm_engine import LLMEngine
 from engine.scheduling.draft_pause import FIRST_PAUSE
 from engine.scheduling.request import Request
 from engine.speculative.adaptive import AdaptiveDrafting
-from engine.speculative.step_costs import StepCosts
+from engine.speculative.step_costs import PROPOSED_NOTHING, StepCosts
 from protocol import SamplingParams
 from tandem.testing.random_checkpoint import random_prompts, save_tiny_llama
 from tandem.testing.reference import hf_greedy
@@ -305,3 +305,15 @@ def test_the_plain_step_is_measured_again_after_long_drafting() -> None:
         clock += 2.0
         steps += 1
     assert steps == 8
+
+
+def test_a_probe_that_verifies_nothing_is_charged_too() -> None:
+    """A probe whose proposer found nothing (or only caught a draft up) still read the step
+    before it early and ran: from its start to the end of the step after it, beyond two plain
+    steps, is its cost."""
+    costs = measured_costs(1.0, 1.2, 0.2)
+    clock = 100.0
+    for kind, seconds in ((1, 1.0), (1, 1.0), (PROPOSED_NOTHING, 2.0), (1, 1.5), (1, 1.0)):
+        costs.observe(clock, kind, 1, 0.0, 0)
+        clock += seconds
+    assert costs.take_probe_seconds() == pytest.approx(1.5)
