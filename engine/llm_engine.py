@@ -33,7 +33,7 @@ from engine.speculative.adaptive import AdaptiveDrafting
 from engine.speculative.draft_model import DraftModelProposer
 from engine.speculative.fixed import FixedDrafting
 from engine.speculative.ngram import NgramProposer
-from engine.speculative.step_costs import StepCosts
+from engine.speculative.step_costs import PROPOSED_NOTHING, StepCosts
 from engine.tensor_parallel import WorkerGroup
 from protocol import (
     PROTOCOL_VERSION,
@@ -200,7 +200,10 @@ class LLMEngine:
                 draft_graphs = draft.decode_graphs or draft.catch_up_graphs
             costs.seed(runner.decode_graphs, verify_graphs, draft_graphs)
         max_batch = None if verify_graphs is None else verify_graphs.batch_sizes[-1]
-        return AdaptiveDrafting(config.num_speculative_tokens, costs, max_batch)
+        assert self.proposer is not None
+        return AdaptiveDrafting(
+            config.num_speculative_tokens, costs, max_batch, self.proposer.preview
+        )
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (the engine serves no more)."""
@@ -402,7 +405,7 @@ class LLMEngine:
         # A step that read the last one early and verifies nothing is no plain step.
         kind = forwarded.uniform_query_len
         if drafting and forwarded.num_drafts is None:
-            kind = 0
+            kind = PROPOSED_NOTHING
         self._observe_step(started, kind, len(batch), propose_seconds, width)
         if self.step_shapes is not None:
             self.step_shapes.append(StepShape.of(batch, forwarded.logits.shape[0]))

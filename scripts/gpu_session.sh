@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests and/or benchmarks, logs under $OUT (or /tmp).
 #
-#   scripts/gpu_session.sh tests|ab-1b|perf|perf-fp8|fp8-widen|quant|quant-speed|matmul-rules|serving|spec|spec-adapt|bench-1b|bench-8b|bench-qwen3|structured-1b|profile-1b|profile-8b|profile-8b-fp8|profile-ttft|profile-qwen3|profile-qwen3-fp8 ...
+#   scripts/gpu_session.sh tests|ab-1b|perf|perf-fp8|fp8-widen|quant|quant-speed|matmul-rules|serving|spec|spec-f32|bench-1b|bench-8b|bench-qwen3|structured-1b|profile-1b|profile-8b|profile-8b-fp8|profile-ttft|profile-qwen3|profile-qwen3-fp8 ...
 #   scripts/gpu_session.sh tp-check tp-8b tp-70b   # tensor parallelism, on 2 GPUs (TP=4/8: TP=N)
 #   scripts/gpu_session.sh bench-dp|bench-dp-smoke|layouts-8b|tp-layouts-8b  # data parallelism (layouts: 4 GPUs)
 #   scripts/gpu_session.sh moe-kernel  # the fused MoE kernel (issue 39): its tests, then its timings
 #   MOE_SHAPE=mixtral-8x7b scripts/gpu_session.sh moe-sweep  # its rule against neighbouring configurations
-#   SPEC_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh spec spec-f32  # speculative decoding
+#   SPEC_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh spec spec-f32  # speculative decoding (issue 37)
 #   scripts/gpu_session.sh moe                           # mixtures of experts, one GPU
 #   scripts/gpu_session.sh moe-235b moe-235b-offline     # Qwen3-235B-A22B shape, fp8, 4 GPUs
 #   scripts/gpu_session.sh gpt-oss                       # gpt-oss, one GPU
@@ -26,7 +26,6 @@
 # reference and replayed in CUDA graphs; the sinks and epilogue CPU tests natively), then at
 # the gpt-oss-20b shape (--load-format dummy) bench_latency's batch-1 TPOT and bench_offline's
 # throughput (one run); a table last.
-#   SPEC_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh spec-adapt  # adaptive speculation (issue 37)
 #   OVERLOAD_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh overload-gpu restart-gpu  # issue 40
 #
 # overload-gpu (issue 40, about 5 minutes): scripts/soak.py's overload run on OVERLOAD_MODEL
@@ -45,22 +44,18 @@
 # restart-gpu (issue 40, about 5 minutes): the soak's rolling restart of 2 servers under 150
 # streams sized to last 60 s each on OVERLOAD_MODEL (float32): failed and cut streams (0, 0).
 #
-# spec (issue 12, a few minutes): the float32 GPU test (n-gram and draft-model tokens equal to
-# plain decoding's, verify graphs replayed, a verify graph's logits equal eager ones), then
-# scripts/bench_speculative.py on SPEC_MODEL (default /tmp/smollm2.gguf, the
-# SmolLM2-135M-Instruct GGUF): plain, n-gram, the target as its own draft model (the
-# mechanism's cost) and, with SPEC_DRAFT set, that draft; bf16, 256 tokens; SPEC_K sets k;
-# SPEC_NGRAM="4:4 8:8" runs n-gram once per k:longest-n-gram.
+# spec (issue 37 item 5, about 7 minutes): the float32 GPU test of speculation (n-gram and
+# draft-model tokens equal to plain decoding's, adaptive and at a fixed k; the target as its
+# own draft paused when adaptive; verify graphs replayed, a verify graph's logits equal eager
+# ones), then scripts/bench_speculative.py on SPEC_MODEL (default /tmp/smollm2.gguf, the
+# SmolLM2-135M-Instruct GGUF, copied there before the call: the machine has no network), bf16,
+# 256 tokens: plain, n-gram at the defaults (adaptive), fixed 4:4 and 8:8, the target as its
+# own draft (adaptive: it must pause); then the 8B shape with a 1B-shape draft (random
+# weights, --load-format dummy, 128 tokens: the draft accepts nothing, so "draft fixed" times
+# a rejected draft's step against plain, and "draft" must come back to ~1.0x). Each engine's
+# measured step costs at batch 1, then the speed-ups last.
 # spec-f32: the benchmark alone in float32 and 64 tokens, where greedy tokens must equal plain
 # decoding's exactly.
-#
-# spec-adapt (issue 37 item 5, about 7 minutes): the float32 GPU test of speculation (adaptive
-# and fixed k: tokens equal to plain decoding's), then bench_speculative on SPEC_MODEL (the
-# SmolLM2 GGUF, copied to /tmp/smollm2.gguf before the call: the machine has no network) with
-# the defaults (adaptive) and fixed 4:4 and 8:8, then the 8B shape with a 1B-shape draft
-# (random weights, --load-format dummy: the draft accepts nothing, so "draft fixed" times a
-# rejected draft's step against plain, and "draft" must come back to ~1.0x); a summary of the
-# speed-ups last.
 #
 # perf (issue 14, about 7 minutes on an H100): the kernels' tests on CUDA, decode attention's
 # share of copy bandwidth (scripts/bench_kernels.py), bench_offline at the 1B and Qwen3 0.6B
@@ -228,37 +223,32 @@ PY
       m=$(checkpoint llama-3.2-1b)
       timeout 300 python3 scripts/bench_offline.py --model "$m" $(peer --peer-requests 64) 2>&1 | tee "$out/offline-1b.log" | tail -6
       timeout 300 python3 scripts/bench_latency.py --model "$m" $(peer) 2>&1 | tee "$out/latency-1b.log" | tail -7 ;;
-    spec|spec-f32)
-      if [ "$stage" = spec ]; then
-        timeout 300 python3 -m pytest -q -rs -s tests/gpu/test_speculative_cuda.py -p no:cacheprovider 2>&1 \
-          | tee "$out/spec-tests.log" | grep -E "replayed|drafts|passed|failed|Error" | tail -10
-      fi
-      m=${SPEC_MODEL:-/tmp/smollm2.gguf}
-      [ -f "$m" ] || { echo "no model at $m: set SPEC_MODEL to a GGUF file"; continue; }
-      flags=(--num-speculative-tokens "${SPEC_K:-4}")
-      for variant in ${SPEC_NGRAM:-}; do flags+=(--ngram "$variant"); done  # e.g. "4:4 8:8"
-      [ -n "${SPEC_DRAFT:-}" ] && flags+=(--speculative-model "$SPEC_DRAFT")
-      [ "$stage" = spec-f32 ] && flags+=(--dtype float32 --max-tokens 64)
-      timeout 540 python3 scripts/bench_speculative.py --model "$m" "${flags[@]}" 2>&1 \
-        | tee "$out/$stage.log" | grep -vE "^(plain|ngram|draft)" | tail -18 ;;
-    spec-adapt)
-      timeout 300 python3 -m pytest -q -rs -s tests/gpu/test_speculative_cuda.py -p no:cacheprovider 2>&1 \
-        | tee "$out/spec-adapt-tests.log" | grep -E "replayed|drafts|passed|failed|Error" | tail -14
+    spec)
+      timeout 240 python3 -m pytest -q -rs -s tests/gpu/test_speculative_cuda.py -p no:cacheprovider 2>&1 \
+        | tee "$out/spec-tests.log" | grep -E "replayed|drafts|passed|failed|Error" | tail -16
       m=${SPEC_MODEL:-/tmp/smollm2.gguf}
       if [ -f "$m" ]; then
-        timeout 240 python3 scripts/bench_speculative.py --model "$m" --ngram 4:4 --ngram 8:8 2>&1 \
-          | tee "$out/spec-adapt-smollm2.log" | grep -vE "^(plain|ngram|draft)" | tail -22
+        timeout 200 python3 scripts/bench_speculative.py --model "$m" --ngram 4:4 --ngram 8:8 2>&1 \
+          | tee "$out/spec-smollm2.log" | grep -E "^(step costs|MISMATCH|a rejected)" | tail -12
       else
         echo "no model at $m: set SPEC_MODEL to the SmolLM2 GGUF file"
       fi
       t=$(config_only llama-3.1-8b); d=$(config_only llama-3.2-1b)
-      timeout 300 python3 scripts/bench_speculative.py --model "$t" --speculative-model "$d" \
+      timeout 200 python3 scripts/bench_speculative.py --model "$t" --speculative-model "$d" \
         --load-format dummy --max-tokens 128 2>&1 \
-        | tee "$out/spec-adapt-8b.log" | grep -vE "^(plain|ngram|draft)" | tail -24
-      echo "--- speed-ups against plain decoding (>= 1.00x everywhere; code edit >= 2.5x with ngram)"
-      grep -hE "^(code edit|summary|mixed)" "$out"/spec-adapt-smollm2.log "$out"/spec-adapt-8b.log 2>/dev/null \
-        | sed -E 's/^(.{20}) (.{11}) +[0-9]+ +[0-9.]+ +([0-9.]+x).*/\1 \2 \3/'
-      grep -h "rejected draft" "$out"/spec-adapt-8b.log 2>/dev/null ;;
+        | tee "$out/spec-8b.log" | grep -E "^(step costs|a rejected)" | tail -12
+      echo "--- speed-ups against plain decoding (targets: >= 1.00x everywhere; code edit >= 2.5x with ngram)"
+      for log in "$out"/spec-smollm2.log "$out"/spec-8b.log; do
+        [ -f "$log" ] || continue
+        echo "$(basename "$log" .log):"
+        grep -hE "^(code edit|summary|mixed)" "$log" \
+          | sed -E 's/^(.{20}) (.{11}) +[0-9]+ +[0-9.]+ +([0-9.]+x) +([0-9.]+) +([0-9.]+%).*/\1 \2 \3  \4 ms\/step  \5 accepted/'
+      done ;;
+    spec-f32)
+      m=${SPEC_MODEL:-/tmp/smollm2.gguf}
+      [ -f "$m" ] || { echo "no model at $m: set SPEC_MODEL to a GGUF file"; continue; }
+      timeout 540 python3 scripts/bench_speculative.py --model "$m" --dtype float32 --max-tokens 64 2>&1 \
+        | tee "$out/$stage.log" | grep -vE "^(plain|ngram|draft)" | tail -18 ;;
     bench-8b)
       m=$(checkpoint llama-3.1-8b)
       timeout 300 python3 scripts/bench_latency.py --model "$m" $(peer) 2>&1 | tee "$out/latency-8b.log" | tail -7

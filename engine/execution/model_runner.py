@@ -24,7 +24,7 @@ from engine.backends.attention import AttentionMetadata, LayerKVCache
 from engine.checkpoint import Checkpoint
 from engine.distributed.parallel import SINGLE, TensorParallel
 from engine.execution.batch import StepInputs, pack, sampling_tensors
-from engine.execution.cuda_graphs import StepGraphs
+from engine.execution.cuda_graphs import CAPTURE_BATCH_SIZES, StepGraphs
 from engine.execution.pinned_inputs import PinnedInputs
 from engine.execution.prompt_graphs import PromptGraphs
 from engine.model_config import ModelConfig
@@ -132,19 +132,26 @@ class LaunchedStep:
         return SampledTokens(self.rows, tokens, logprobs, prompt_logprobs)
 
 
-# The largest verify step captured as a CUDA graph (larger ones run eagerly). Each graph
-# keeps its own [batch * (1 + k), vocab] float32 logits in the graph pool, so the verify
-# ladder's sum over batch sizes costs 1 + k times the decode graphs' (Gemma 3's 262k vocab,
-# k = 4, the whole ladder up to 256: 6.6 GB; up to 64: 1 GB); and speculation pays at small
-# batches, where a large one keeps the device busy anyway (--speculative-disable-by-batch-size).
+# The largest verify step captured as a CUDA graph (larger ones run eagerly), in requests and
+# in tokens. Each graph keeps its own [batch * (1 + k), vocab] float32 logits in the graph
+# pool, so the verify ladder's sum over batch sizes costs 1 + k times the decode graphs'
+# (Gemma 3's 262k vocab, k = 4, the whole ladder up to 256: 6.6 GB; up to 64: 1 GB); and
+# speculation pays at small batches, where a large one keeps the device busy anyway
+# (--speculative-disable-by-batch-size). The tokens' limit, 64 requests at k = 8, keeps a
+# larger k's graphs in that memory (k = 16: up to 32 requests).
 MAX_VERIFY_GRAPH_BATCH = 64
+MAX_VERIFY_GRAPH_TOKENS = 64 * 9
 
 
 def max_speculative_batch(config: EngineConfig) -> int:
     """The most requests a step drafts for, as far as CUDA graphs go: steps verify drafts
     only while fewer requests run than --speculative-disable-by-batch-size."""
     limit = config.speculative_disable_by_batch_size
-    return min(limit - 1 if limit else MAX_VERIFY_GRAPH_BATCH, config.max_num_seqs)
+    if limit:
+        return min(limit - 1, config.max_num_seqs)
+    fits = MAX_VERIFY_GRAPH_TOKENS // (1 + config.num_speculative_tokens)
+    largest = max((b for b in CAPTURE_BATCH_SIZES if b <= fits), default=1)
+    return min(largest, MAX_VERIFY_GRAPH_BATCH, config.max_num_seqs)
 
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -38,6 +38,12 @@ class DraftAcceptance:
         self.accepted[key] = self.accepted.get(key, 0.0) * self.memory + num_accepted
         self.key = key
 
+    def forget(self) -> None:
+        """Drop the counts: they measured text the request no longer writes (after a pause),
+        and ``rate`` is the prior's until new drafts are verified."""
+        self.tried.clear()
+        self.accepted.clear()
+
     def rate(self, key: int, prior: float) -> float:
         """The estimated acceptance of drafts from ``key``, ``prior`` where none were tried."""
         tried = self.tried.get(key, 0.0)

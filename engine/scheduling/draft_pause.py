@@ -5,8 +5,10 @@ it costs little.
 A pause lasts 4 steps the first time, twice as many each time the request is paused again,
 up to 64; ``reset`` makes the next one short again. A paused request decodes as it would
 without speculation (and a draft model catches up on its tokens in one forward pass when it
-drafts again). The first step after a pause is a probe: the request drafts then whatever the
-estimates say, so that text that starts repeating itself is found again.
+drafts again). When a pause ends the request is due for a probe (``probing``): at a fixed k
+it drafts then, whatever the estimates say, so that text that starts repeating itself is
+found again; the adaptive policy decides when (a preview of the drafts' source, or a probe
+once plain steps earned it), and a due request stays due until then.
 
 Who pauses a request: with ``--speculative-adaptive`` (the default), the policy of
 ``engine/speculative/adaptive.py``, when the measured acceptance makes a verify step a loss;
@@ -31,7 +33,7 @@ class DraftPause:
     poor_steps: int = 0  # verify steps in a row below the threshold (fixed drafting)
     steps_left: int = 0  # steps it is not drafted for, from now
     next_pause: int = FIRST_PAUSE
-    probing: bool = False  # its pause just ended: it drafts this step whatever the estimates
+    probing: bool = False  # its pause ended: due for a probe
 
     def may_draft(self) -> bool:
         """Whether this step drafts for it; a paused request's pause counts the step."""

@@ -23,6 +23,12 @@ class Proposer(Protocol):
         empty for none; and each one's source, a key its acceptance is measured by."""
         ...
 
+    def preview(self, request: Request) -> int | None:
+        """The source (``propose``'s key) the request's drafts would come from, by the tokens
+        the host has read (not the one in flight), at the cost of a host lookup: 0 where it
+        would draft nothing; None where the proposer cannot tell without proposing."""
+        ...
+
 
 class DraftingPolicy(Protocol):
     def plan(self, candidates: list[Request], batch_size: int) -> tuple[list[Request], int]:

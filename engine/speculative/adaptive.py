@@ -25,9 +25,22 @@ beats plain decoding, so:
   (``engine/scheduling/draft_pause.py``: 4 steps, twice as long each time, up to 64, short
   again once drafting pays), and a paused request decodes as it would without speculation.
   The step in flight is read early only when someone drafts, so a batch that drafts for no
-  one overlaps its steps as plain decoding does. After a pause a request probes: it drafts
-  once whatever the estimates, so that text that starts repeating itself is found, and a
-  draft that never guesses right costs about one step in 64.
+  one overlaps its steps as plain decoding does;
+- nothing is drafted at a batch size until a plain step was measured there (the plain steps
+  of ``StepCosts.knows_plain``): the plain step is what drafting must beat, and one inferred
+  from other steps made a draft as costly as the target itself seem to pay;
+- after a pause a request's drafting is weighed again. Where the proposer can tell from the
+  tokens the host has what it would draft from (``Proposer.preview``: prompt lookup's n-gram
+  length), it is weighed by the acceptance the engine measured for that source (the
+  request's own counts are of text before its pause), and paused again at the cost of a
+  lookup when it would not pay: text that starts repeating itself is found when the pause
+  ends, and no verify step is spent where nothing repeats. Where it cannot
+  (a draft model), the request probes: it drafts once whatever the estimates. A probe costs
+  beyond the plain steps it replaces (``step_costs.py`` measures it: a draft model's
+  catch-up over the pause's tokens, the lost overlap), so probes wait until the plain steps
+  since the last one earned it: they take at most ``PROBE_SHARE`` of the time (each charged
+  what it was measured to cost once it is), and the requests due then probe together, one
+  verify step for the batch. Requests due ride along, free, where others' drafts pay.
 
 Two decisions a step: before the step in flight is read (``plan``: who may draft, and k, from
 the estimates for each request's latest source), and once the drafts are proposed
@@ -37,6 +50,8 @@ a [requests, k] table.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
@@ -49,16 +64,33 @@ FIRST_PRIOR = 0.5
 # The engine's counts keep 0.98 of their weight a verify step: they describe how good a
 # source is for this model and workload, which changes slowly.
 ENGINE_MEMORY = 0.98
+# Probes whose drafts the proposer cannot preview (a draft model's) take at most this share of
+# the time: all that a draft that never pays costs, at any batch size.
+PROBE_SHARE = 0.02
 
 
 class AdaptiveDrafting:
-    def __init__(self, max_drafts: int, costs: StepCosts, max_batch: int | None) -> None:
+    def __init__(
+        self,
+        max_drafts: int,
+        costs: StepCosts,
+        max_batch: int | None,
+        preview: Callable[[Request], int | None] | None = None,
+    ) -> None:
         """Drafts at most ``max_drafts`` tokens a request; no drafting at batches over
         ``max_batch`` (the largest verify step a CUDA graph runs: an eager one costs many
-        times a plain step; None: no such limit)."""
+        times a plain step; None: no such limit). ``preview``: the proposer's
+        (``Proposer.preview``), the source a request's drafts would come from by the tokens
+        the host has (0: none), None where it cannot tell."""
         self.max_drafts = max_drafts
         self.costs = costs
         self.max_batch = max_batch
+        self.preview = preview
+        # Seconds of probing that plain steps earned (``PROBE_SHARE`` of theirs) and probes
+        # did not spend; below 0 when probes cost more than foreseen.
+        self.probe_credit = 0.0
+        # What the probes launched but not yet measured were foreseen to cost.
+        self.probes_foreseen = 0.0
         self.engine_acceptance = DraftAcceptance(memory=ENGINE_MEMORY)
         self.widths = np.arange(1, max_drafts + 1)
 
@@ -69,27 +101,54 @@ class AdaptiveDrafting:
         requests drafting would not pay for are paused."""
         if self.max_batch is not None and batch_size > self.max_batch:
             return [], 0
+        if not self.costs.knows_plain(batch_size):
+            return [], 0  # plain steps first: they measure what drafting must beat
         active: list[Request] = []
-        probing: list[Request] = []
+        due: list[Request] = []  # their pause ended: a probe, unless a preview decides
         for request in candidates:
             pause = request.draft_pause
-            if pause.may_draft():
-                (probing if pause.probing else active).append(request)
-        if not active and not probing:
-            return [], 0
-        drafting = active + probing
-        alphas = [self._alpha(r, r.draft_acceptance.key) for r in drafting]
-        width, pays = self._best_width(np.asarray(alphas), batch_size)
-        if pays:  # their drafts pay: a later pause starts short again
-            for request in drafting:
-                request.draft_pause.reset()
-            return drafting, width
-        for request in active:
-            request.draft_pause.pause()
-        if not probing:
-            return [], 0
-        width, _ = self._best_width(np.asarray(alphas[len(active) :]), batch_size)
-        return probing, width
+            if not pause.may_draft():
+                continue
+            if not pause.probing:
+                active.append(request)
+                continue
+            key = None if self.preview is None else self.preview(request)
+            if key is None:
+                due.append(request)
+            elif key:  # its drafts' source is known: weighed as any other's, by what the
+                # engine measured for it (its own counts are older than its pause)
+                request.draft_acceptance.forget()
+                request.draft_acceptance.key = key
+                pause.probing = False
+                active.append(request)
+            else:  # nothing to draft from: paused again, at the cost of a lookup
+                pause.pause()
+        spent = self.costs.take_probe_seconds()
+        if spent:  # probes measured: charge what they cost, not what was foreseen
+            self.probe_credit += self.probes_foreseen - spent
+            self.probes_foreseen = 0.0
+        costs = self.costs.costs(batch_size)
+        if active:
+            alphas = [self._alpha(r, r.draft_acceptance.key) for r in active + due]
+            width, pays = self._best_width(np.asarray(alphas), batch_size)
+            if pays:  # their drafts pay (those due ride along): a later pause starts short
+                for request in active + due:
+                    request.draft_pause.reset()
+                    request.draft_pause.probing = False  # choose weighs them as the others
+                return active + due, width
+            for request in active:
+                request.draft_pause.pause()
+        if due and self.probe_credit >= costs.probe:
+            self.probe_credit -= costs.probe
+            self.probes_foreseen += costs.probe
+            alphas = [self._alpha(r, r.draft_acceptance.key) for r in due]
+            width, _ = self._best_width(np.asarray(alphas), batch_size)
+            return due, width
+        # A plain step: it earns the probes their share of its time (a probe at most
+        # banked, so that probes after a long run of drafting do not come in a burst; a
+        # debt, when a probe cost more than foreseen, is paid off first).
+        self.probe_credit = min(self.probe_credit + PROBE_SHARE * costs.plain, costs.probe)
+        return [], 0
 
     def choose(
         self,

@@ -200,6 +200,10 @@ class DraftModelProposer:
                 manager.mark_draft_filled(request, start, end)
         return [drafts.get(id(request), []) for request in requests], [0] * len(requests)
 
+    def preview(self, request: Request) -> None:
+        """Unknown until the draft runs: whether it guesses right is the target's to say."""
+        return None
+
     def _run(self, rows: list[tuple[Request, int, int]], counts: list[int]) -> list[list[int]]:
         """The draft passes over ``rows``; each row's first ``counts[i]`` drafts."""
         assert self.block_manager is not None

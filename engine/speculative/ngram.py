@@ -49,6 +49,13 @@ class NgramProposer:
             lengths.append(length)
         return drafts, lengths
 
+    def preview(self, request: Request) -> int:
+        """The length of the n-gram the host's tokens of the request end in that occurred
+        before (0: none): where the lookup would draft from, once the token in flight is
+        read."""
+        _, length = find_continuation(_token_array(request), self.min_n, self.max_n, 1)
+        return length
+
 
 def find_continuation(
     tokens: np.ndarray, min_n: int, max_n: int, count: int

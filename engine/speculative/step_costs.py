@@ -1,5 +1,6 @@
 """What a step costs, measured by the engine itself: the seconds of a plain decode step, of a
-verify step and of one draft pass of the proposer, by batch size, for the adaptive policy
+verify step, of one draft pass of the proposer, and what a probe (one verify step between
+plain ones) costs beyond the plain steps it replaces, by batch size, for the adaptive policy
 (``adaptive.py``) to weigh speculation against plain decoding.
 
 Measured, not modelled, because what a step costs here is mostly not arithmetic: a small
@@ -15,12 +16,31 @@ For a verify step the proposer's time is taken apart: its draft passes cost per 
 draft model's k passes), the rest once a step. The estimates are running averages, each
 new step weighing 1/8, so that they follow the host's pace.
 
-Until a batch size has its measurements, the device's times seed it: at start-up on CUDA
-the engine times a replay of each decode, verify and draft graph (``seed``). They leave the
-host out, so only their ratio is used where the other kind was measured. Before anything is
-measured or seeded (the CPU), a verify step costs as a plain step and a draft the proposer's
-prior (a draft model's pass as a plain step; prompt lookup nothing): the first verify steps
-then measure them.
+Why the host's clock sees the device's work without a synchronization of its own: a step
+launched on an asynchronous device (CUDA) is waited for by the step after it, which reads its
+tokens, so in a run of steps of one kind each period holds one step's device time, whichever
+period the wait falls in. The proposer's time holds its device time for the same reason: it
+returns its drafts in host memory (``Proposer.propose``), so a draft model's passes are done
+when it returns (its one copy of the drafts waits for them). At a change of kind the wait
+falls in the step after the change; so a probe, a verify step between plain steps, is timed
+with the step after it: from its start to that step's end, less the two plain steps they
+stand for. It holds what a probe adds: a draft model's catch-up over the tokens of the pause
+(op by op, not a graph), the overlap both steps lose, the verify step's own cost.
+
+A plain step is what drafting must beat, so it is never inferred: until a batch size has it
+measured, the policy drafts for no one there (``knows_plain``: the periods of three plain
+steps that each followed one, the estimate starting at their least; one again after
+``PLAIN_REFRESH_STEPS`` verify steps there). (Inferred from a verify step and the graphs'
+device times, as before, a host-bound plain step came out at twice its cost, and a draft as
+costly as the target's own pass seemed to pay.) A verify step or a draft pass counts once
+measured three times, also from their least: one slow step must not stop drafting for good.
+Until then the device's times stand in (``seed``: at start-up on CUDA the engine times a
+replay of each decode, verify and draft graph), which leave the host out: a verify step
+costs the measured plain step times the seeds' verify-to-plain ratio, a draft pass its
+device time (at least what it costs: an estimate too low leads to verify steps that measure
+it, one too high to none). Before anything is seeded (the CPU), a verify step costs as a
+plain step and a draft the proposer's prior (a draft model's pass as a plain step; prompt
+lookup nothing): the first verify steps then measure them.
 
 Batch sizes are grouped as the CUDA graphs' ladder groups them (a batch runs as the next
 captured size).
@@ -39,14 +59,27 @@ NEW_WEIGHT = 1 / 8
 # A measurement more than this many times the estimate is taken as this many times it: a
 # garbage collection or the caller's pause is not the step's cost.
 MOST_OVER_ESTIMATE = 4.0
+# An estimate starts as the least of its first few measurements: a step's time has a floor and
+# only upward outliers (the first steps after a prompt, a collection), and one such as the
+# first plain step would make drafting seem to pay until plain steps were measured again.
+FIRST_MEASUREMENTS = 3
+# A batch size's plain step is measured again after this many verify steps there: drafting
+# that pays runs no plain steps, and the host's pace drifts. If this many steps then pass
+# without two plain ones in a row (prompts arriving all the time), the old estimate stands.
+PLAIN_REFRESH_STEPS = 512
+REFRESH_PATIENCE = 8
 
-PLAIN, VERIFY, DRAFT_PASS = range(3)
+PLAIN, VERIFY, DRAFT_PASS, PROBE = range(4)
+# A step's kind when it read the step before it early to propose, and verifies nothing (the
+# proposer found nothing, or a draft model only caught up): a probe's cost all the same.
+PROPOSED_NOTHING = -1
 
 
 @dataclass
 class _Step:
     started: float
-    kind: int  # 1: a plain decode step; q > 1: a verify step of q tokens a row; 0: other
+    kind: int  # 1: a plain decode step; q > 1: a verify step of q tokens a row;
+    # PROPOSED_NOTHING; 0: other
     bucket: int
     propose_seconds: float
     width: int  # the most drafts of a row
@@ -60,6 +93,7 @@ class Costs:
     plain: float
     verify: float  # a verify step, its proposer's passes apart
     draft_pass: float  # the proposer's time per draft
+    probe: float  # a probe's cost beyond the plain steps it replaces
 
 
 class StepCosts:
@@ -69,11 +103,14 @@ class StepCosts:
         prompt lookup, a search on the host)."""
         self.draft_pass_prior = draft_pass_prior
         size = len(CAPTURE_BATCH_SIZES)
-        self.measured = [[math.nan] * size for _ in range(3)]
+        self.measured = [[math.nan] * size for _ in range(4)]
+        self.counts = [[0] * size for _ in range(4)]
+        self.since_plain = [0] * size  # verify steps at each batch size since a plain one
         self.seeded = [[math.nan] * size for _ in range(3)]
-        self._last: _Step | None = None
-        self._kind_before_last = 0
-        self._bucket_before_last = -1
+        # What the probes measured since ``take_probe_seconds`` was last called cost.
+        self.probe_seconds = 0.0
+        # The last three steps, the newest last; steps before the first are "other" (0).
+        self._steps = [_Step(0.0, 0, -1, 0.0, 0) for _ in range(3)]
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -99,52 +136,100 @@ class StepCosts:
         self, started: float, kind: int, batch_size: int, propose_seconds: float, width: int
     ) -> None:
         """A step started at ``started`` (``time.perf_counter``): ``kind`` 1 for a plain
-        decode step, q for a verify step of q tokens a row, 0 for any other (a prompt's, a
-        step that proposed and verified nothing); the proposer took ``propose_seconds`` for
-        ``width`` drafts a row at most. Measures the step before it."""
-        last = self._last
-        if (
-            last is not None
-            and last.kind
-            and last.kind == self._kind_before_last
-            and last.bucket == self._bucket_before_last
-        ):
+        decode step, q for a verify step of q tokens a row, ``PROPOSED_NOTHING`` for a step
+        that proposed and verified nothing, 0 for any other (a prompt's); the proposer took
+        ``propose_seconds`` for ``width`` drafts a row at most. Measures the step before it,
+        and a probe two steps before it."""
+        older, previous, last = self._steps
+        if last.kind > 0 and last.kind == previous.kind and last.bucket == previous.bucket:
             period = started - last.started
             if last.kind == 1:
                 self._add(PLAIN, last.bucket, period)
+                self.since_plain[last.bucket] = 0
             else:
                 self._add(VERIFY, last.bucket, period - last.propose_seconds)
                 self._add(DRAFT_PASS, last.bucket, last.propose_seconds / max(last.width, 1))
-        if last is not None:
-            self._kind_before_last, self._bucket_before_last = last.kind, last.bucket
-        self._last = _Step(started, kind, self.bucket(batch_size), propose_seconds, width)
+        plain = self.measured[PLAIN][last.bucket]
+        if (
+            (previous.kind > 1 or previous.kind == PROPOSED_NOTHING)
+            and older.kind == 1
+            and last.kind == 1
+            and older.bucket == previous.bucket == last.bucket
+            and not math.isnan(plain)
+        ):
+            # A probe between plain steps (verifying drafts or not: its proposer ran): its
+            # wait falls in the step after it.
+            excess = max(started - previous.started - 2 * plain, 0.0)
+            self._add(PROBE, last.bucket, excess)
+            self.probe_seconds += excess
+        bucket = self.bucket(batch_size)
+        if kind > 1 or self.since_plain[bucket] >= PLAIN_REFRESH_STEPS:
+            self.since_plain[bucket] += 1
+            if self.since_plain[bucket] >= PLAIN_REFRESH_STEPS + REFRESH_PATIENCE:
+                self.since_plain[bucket] = 0
+        self._steps = [
+            previous,
+            last,
+            _Step(started, kind, self.bucket(batch_size), propose_seconds, width),
+        ]
 
     def _add(self, kind: int, bucket: int, seconds: float) -> None:
         estimates = self.measured[kind]
         old = estimates[bucket]
+        count = self.counts[kind][bucket]
+        self.counts[kind][bucket] = count + 1
         if math.isnan(old):
             estimates[bucket] = seconds
+        elif count < FIRST_MEASUREMENTS and kind != PROBE:
+            estimates[bucket] = min(old, seconds)
         else:
             seconds = min(seconds, MOST_OVER_ESTIMATE * old)
             estimates[bucket] = old + NEW_WEIGHT * (seconds - old)
 
-    def costs(self, batch_size: int) -> Costs:
-        """The estimates at ``batch_size``: measured where measured; else, for one kind of
-        step, the other's measurement times the seeds' ratio; else the seeds; else equal."""
+    def take_probe_seconds(self) -> float:
+        """The seconds the probes measured since the last call cost beyond plain steps."""
+        seconds, self.probe_seconds = self.probe_seconds, 0.0
+        return seconds
+
+    def knows_plain(self, batch_size: int) -> bool:
+        """Whether a plain step at ``batch_size`` was measured (``FIRST_MEASUREMENTS`` times)
+        and lately: what drafting must beat."""
         bucket = self.bucket(batch_size)
-        plain, verify, draft_pass = (estimates[bucket] for estimates in self.measured)
+        return (
+            self.counts[PLAIN][bucket] >= FIRST_MEASUREMENTS
+            and self.since_plain[bucket] < PLAIN_REFRESH_STEPS
+        )
+
+    def costs(self, batch_size: int) -> Costs:
+        """The estimates at ``batch_size``: each kind measured where measured (verify steps
+        and draft passes ``FIRST_MEASUREMENTS`` times); else from the seeds and the prior, as
+        the module says; before a plain step is measured, the seeds (device times) or 1
+        (``knows_plain`` says which)."""
+        bucket = self.bucket(batch_size)
+        plain, verify, draft_pass, probe = (
+            # A verify step or draft pass counts once measured its first few times: until
+            # then the lower estimates below lead to more of them.
+            estimates[bucket]
+            if kind in (PLAIN, PROBE) or counts[bucket] >= FIRST_MEASUREMENTS
+            else math.nan
+            for kind, (estimates, counts) in enumerate(zip(self.measured, self.counts, strict=True))
+        )
         seeds = [estimates[bucket] for estimates in self.seeded]
-        ratio = seeds[VERIFY] / seeds[PLAIN]  # nan unless both were seeded
-        if math.isnan(ratio):
-            ratio = 1.0
-        if math.isnan(plain) and math.isnan(verify):
-            plain, verify = (1.0, 1.0) if math.isnan(seeds[VERIFY]) else seeds[:2]
-        elif math.isnan(plain):
-            plain = verify / ratio
-        elif math.isnan(verify):
-            verify = plain * ratio
+        if math.isnan(plain):
+            plain = 1.0 if math.isnan(seeds[PLAIN]) else seeds[PLAIN]
+        # Seeds are device times: only their ratios to the plain graph's carry over.
+        scale = plain / seeds[PLAIN] if not math.isnan(seeds[PLAIN]) else math.nan
+        if math.isnan(verify):
+            verify = seeds[VERIFY] * scale
+            if math.isnan(verify):
+                verify = plain
         if math.isnan(draft_pass):
+            # The device's time alone, not scaled: a pass costs at least that, and a low
+            # estimate is corrected by the verify steps it leads to, a high one never.
             draft_pass = seeds[DRAFT_PASS]
             if math.isnan(draft_pass):
                 draft_pass = self.draft_pass_prior * plain
-        return Costs(plain, verify, draft_pass)
+        if math.isnan(probe):
+            # Until one is measured: its verify step and one draft over the plain step.
+            probe = max(verify + draft_pass - plain, 0.0)
+        return Costs(plain, verify, draft_pass, probe)

@@ -242,7 +242,9 @@ def main(argv: list[str] | None = None) -> None:
             at_one = costs.costs(1)
             print(
                 f"step costs {method} measured at batch 1: plain {at_one.plain * 1e3:.3f} ms, "
-                f"verify {at_one.verify * 1e3:.3f} ms, draft pass {at_one.draft_pass * 1e3:.3f} ms",
+                f"verify {at_one.verify * 1e3:.3f} ms, "
+                f"draft pass {at_one.draft_pass * 1e3:.3f} ms, "
+                f"a probe beyond plain {at_one.probe * 1e3:.3f} ms",
                 flush=True,
             )
         del llm, runner

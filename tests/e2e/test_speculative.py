@@ -31,7 +31,14 @@ def test_draft_model_serves_and_its_acceptance_is_in_the_metrics(
     save_tiny_word_model(model)
     address = f"ipc://{tmp_path}/engine.sock"
     log_path = tmp_path / "log.txt"
-    engine_args = ["--model", str(model), "--speculative-model", str(model)]
+    # At a fixed k: adaptive, a draft that costs a target pass a token is paused.
+    engine_args = [
+        "--model",
+        str(model),
+        "--speculative-model",
+        str(model),
+        "--no-speculative-adaptive",
+    ]
     subprocess_cleanup.append(start_engine(address, log_path, *engine_args, *SMALL_KV_CACHE))
     port = free_port()
     subprocess_cleanup.append(start_server(address, port, log_path))

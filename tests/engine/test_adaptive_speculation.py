@@ -20,7 +20,7 @@ from engine.llm_engine import LLMEngine
 from engine.scheduling.draft_pause import FIRST_PAUSE
 from engine.scheduling.request import Request
 from engine.speculative.adaptive import AdaptiveDrafting
-from engine.speculative.step_costs import StepCosts
+from engine.speculative.step_costs import PROPOSED_NOTHING, StepCosts
 from protocol import SamplingParams
 from tandem.testing.random_checkpoint import random_prompts, save_tiny_llama
 from tandem.testing.reference import hf_greedy
@@ -153,14 +153,26 @@ def test_a_draft_that_is_never_right_is_paused(
     assert 0 < drafted[True] < drafted[False] / 4
 
 
+def measured_costs(plain: float, verify: float, draft_pass: float) -> StepCosts:
+    """Step costs as the engine's clock would measure them: plain steps, then verify steps of
+    one draft (a draft model's prior: a pass as a plain step)."""
+    costs = StepCosts(draft_pass_prior=1.0)
+    clock = 0.0
+    for _ in range(6):
+        costs.observe(clock, 1, 1, 0.0, 0)
+        clock += plain
+    for _ in range(6):
+        costs.observe(clock, 2, 1, draft_pass, 1)
+        clock += verify + draft_pass
+    return costs
+
+
 def test_k_follows_the_measured_acceptance() -> None:
     """The policy alone, at costs as measured on a GPU for a small draft model (a verify step
     1.2 plain steps, a draft pass 0.2): a request whose drafts are all accepted starts at a
     small k (acceptance unknown: an even chance) and reaches the most as its acceptance is
     measured; one whose drafts are all rejected gets k = 0, paused."""
-    costs = StepCosts(draft_pass_prior=1.0)
-    costs.measured = [[1.0] * len(CAPTURE_BATCH_SIZES), [1.2] * len(CAPTURE_BATCH_SIZES)]
-    costs.measured.append([0.2] * len(CAPTURE_BATCH_SIZES))
+    costs = measured_costs(1.0, 1.2, 0.2)
     for accepting in (True, False):
         policy = AdaptiveDrafting(MAX_DRAFTS, costs, max_batch=None)
         request = Request(b"t", "r", [1, 2, 3], SamplingParams(), seed=0)
@@ -177,3 +189,131 @@ def test_k_follows_the_measured_acceptance() -> None:
             assert ks == sorted(ks)
         else:
             assert len(ks) < 3 and request.draft_pause.steps_left > 0, ks
+
+
+@dataclass
+class AsyncDevice:
+    """An engine's steps on a simulated asynchronous device, for the policy and the step
+    costs alone: a step's host work takes its seconds, then the device runs the step while
+    the next step's host work goes on, and that step waits for it only when it must (a verify
+    step's tokens; a plain step reads the one before it). A draft model's passes are
+    launches the host does not wait for: their time shows in the next step's time only
+    (``propose_seconds`` is 0). Every draft is accepted (the target as its own draft) or
+    none (a draft that guesses nothing); a draft more tokens behind than a graph's catch-up
+    takes (after a pause) catches up op by op (``catch_up`` seconds). The defaults are
+    SmolLM2-135M's on an H200 (bench_speculative, s23): a plain step 0.54 ms of host work, a
+    verify step 1.47 ms with nothing to overlap, and the graphs' device times the seeds,
+    which make a draft pass look cheaper than it is."""
+
+    draft_pass: float  # one draft pass, on the device
+    plain_host: float = 0.54
+    plain_device: float = 0.25
+    verify_host: float = 1.17
+    verify_device: float = 0.3
+    accepted: bool = True
+    catch_up: float = 0.0
+
+    def run(self, steps: int) -> tuple[float, int, int]:
+        """Decode one request ``steps`` steps as the engine does; the seconds, tokens and
+        verify steps."""
+        costs = StepCosts(draft_pass_prior=1.0)
+        seeds = (self.plain_device, self.verify_device, self.plain_device)
+        for kind, seconds in enumerate(seeds):
+            costs.seeded[kind] = [seconds] * len(CAPTURE_BATCH_SIZES)
+        policy = AdaptiveDrafting(MAX_DRAFTS, costs, max_batch=None)
+        request = Request(b"t", "r", [1, 2, 3], SamplingParams(), seed=0)
+        clock, done, previous_done, tokens, verify_steps = 0.0, 0.0, 0.0, 0, 0
+        behind = 0  # tokens the draft has not seen
+        for _ in range(steps):
+            started = clock
+            drafting, width = policy.plan([request], 1)
+            drafts = [[]]
+            if drafting:
+                clock = max(clock, done)  # proposing reads the step in flight
+                drafts = policy.choose([request], [[7] * width], [0], 1, width)
+            k = len(drafts[0])
+            if k:
+                clock += self.verify_host
+                drafting_seconds = width * self.draft_pass
+                if behind > 1 + MAX_DRAFTS:
+                    drafting_seconds += self.catch_up
+                done = max(clock, done) + self.verify_device + drafting_seconds
+                verify_steps += 1
+                accepted = k if self.accepted else 0
+                policy.record(request, k, accepted)
+                tokens += 1 + accepted
+                behind = 0
+            else:
+                clock += self.plain_host
+                done = max(clock, done) + self.plain_device
+                tokens += 1
+                behind += 1
+                clock = max(clock, previous_done)  # a plain step reads the one before it
+            previous_done = done
+            if k:
+                clock = done  # the next step reads it first
+            costs.observe(started, 1 + k if k else (0 if drafting else 1), 1, 0.0, width)
+        return max(clock, done), tokens, verify_steps
+
+
+def test_a_draft_whose_cost_only_the_next_step_shows_is_paused() -> None:
+    """The target as its own draft, on a device whose passes the host does not wait for:
+    every draft is accepted, but k + 1 tokens cost a verify step and k passes, more than k + 1
+    plain steps. The policy must find that from the steps' times alone (the graphs' device
+    times make a draft pass look cheap) and pause: at least 97% of plain decoding's tokens a
+    second. A draft pass cheap enough pays, by the same mechanism."""
+    plain_rate = 1 / AsyncDevice.plain_host
+    seconds, tokens, verify_steps = AsyncDevice(draft_pass=0.64).run(2000)
+    assert tokens / seconds > 0.97 * plain_rate, (tokens / seconds / plain_rate, verify_steps)
+    assert verify_steps < 2000 * 0.02
+    seconds, tokens, verify_steps = AsyncDevice(draft_pass=0.05).run(2000)
+    assert tokens / seconds > 2 * plain_rate and verify_steps > 1000
+
+
+def test_a_draft_that_never_pays_costs_at_most_its_probes_share() -> None:
+    """A draft that guesses nothing, whose probes after a pause catch up op by op on the
+    tokens it missed, costing 5 plain steps (shown in the step after the probe): the probes
+    wait until plain steps earned them, so it costs at most about 2% of plain decoding's
+    speed. (Probing every 64 steps, as before, cost 13%.)"""
+    device = AsyncDevice(draft_pass=0.2, accepted=False, catch_up=2.7)
+    seconds, tokens, verify_steps = device.run(3000)
+    plain_rate = 1 / device.plain_host
+    assert tokens / seconds > 0.97 * plain_rate, (tokens / seconds / plain_rate, verify_steps)
+
+
+def test_the_plain_step_is_measured_again_after_long_drafting() -> None:
+    """Drafting that pays runs no plain steps: after 512 verify steps at a batch size the
+    plain step there counts as unknown until two plain steps in a row measure it again, or,
+    where prompts keep coming (no such pair), for 8 steps at most."""
+    costs = measured_costs(1.0, 1.2, 0.2)
+    assert costs.knows_plain(1)
+    clock = 100.0
+    for _ in range(512):
+        costs.observe(clock, 2, 1, 0.2, 1)
+        clock += 1.4
+    assert not costs.knows_plain(1)
+    for kind in (1, 1, 1):  # the second's period measures the plain step
+        costs.observe(clock, kind, 1, 0.0, 0)
+        clock += 0.9
+    assert costs.knows_plain(1) and costs.costs(1).plain < 1.0
+    for _ in range(512):
+        costs.observe(clock, 2, 1, 0.2, 1)
+        clock += 1.4
+    steps = 0
+    while not costs.knows_plain(1) and steps < 100:  # steps with prompts: no plain pair
+        costs.observe(clock, 0, 1, 0.0, 0)
+        clock += 2.0
+        steps += 1
+    assert steps == 8
+
+
+def test_a_probe_that_verifies_nothing_is_charged_too() -> None:
+    """A probe whose proposer found nothing (or only caught a draft up) still read the step
+    before it early and ran: from its start to the end of the step after it, beyond two plain
+    steps, is its cost."""
+    costs = measured_costs(1.0, 1.2, 0.2)
+    clock = 100.0
+    for kind, seconds in ((1, 1.0), (1, 1.0), (PROPOSED_NOTHING, 2.0), (1, 1.5), (1, 1.0)):
+        costs.observe(clock, kind, 1, 0.0, 0)
+        clock += seconds
+    assert costs.take_probe_seconds() == pytest.approx(1.5)

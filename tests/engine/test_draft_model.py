@@ -48,7 +48,7 @@ def test_greedy_equals_transformers_in_every_family(
     prompts = [*random_prompts(6), REPETITIVE]
     expected = [hf_greedy(hf_model, p, 20) for p in prompts]
     # The target as its own draft: every draft is the target's greedy token.
-    engine = make_engine(tmp_path, tmp_path)
+    engine = make_engine(tmp_path, tmp_path, **NEVER_PAUSED)
     assert run_engine(engine, prompts, max_tokens=20) == expected
     assert engine.num_draft_tokens > 0
     assert engine.num_accepted_tokens == engine.num_draft_tokens
@@ -114,7 +114,7 @@ def test_the_draft_catches_up_after_steps_without_drafts(
     every draft accepted."""
     directory, hf_model = tiny
     prompts = random_prompts(4)
-    engine = make_engine(directory, directory, speculative_disable_by_batch_size=3)
+    engine = make_engine(directory, directory, speculative_disable_by_batch_size=3, **NEVER_PAUSED)
     sampling = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (6, 8, 30, 30)]
     requests = {str(i): (p, s) for i, (p, s) in enumerate(zip(prompts, sampling, strict=True))}
     outputs = generate(engine, requests)

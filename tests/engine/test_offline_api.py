@@ -134,7 +134,13 @@ def test_stop_strings_end_the_text_as_the_servers_do(
         directory = str(worded[0])
         # vLLM's way to ask for a draft model.
         config = {"model": directory, "num_speculative_tokens": 3}
-        llm = LLM(model=directory, device="cpu", speculative_config=config)
+        # At a fixed k: adaptive, a draft that costs a target pass a token is paused.
+        llm = LLM(
+            model=directory,
+            device="cpu",
+            speculative_config=config,
+            speculative_adaptive=False,
+        )
         assert llm.engine.proposer is not None
         with pytest.raises(ValueError, match="unknown keys \\['draft'\\]"):
             LLM(model=directory, device="cpu", speculative_config={"draft": directory})
