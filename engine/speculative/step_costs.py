@@ -36,11 +36,11 @@ costly as the target's own pass seemed to pay.) A verify step or a draft pass co
 measured three times, also from their least: one slow step must not stop drafting for good.
 Until then the device's times stand in (``seed``: at start-up on CUDA the engine times a
 replay of each decode, verify and draft graph), which leave the host out: a verify step
-costs the measured plain step times the seeds' verify-to-plain ratio, a draft pass its
-device time (at least what it costs: an estimate too low leads to verify steps that measure
-it, one too high to none). Before anything is seeded (the CPU), a verify step costs as a
-plain step and a draft the proposer's prior (a draft model's pass as a plain step; prompt
-lookup nothing): the first verify steps then measure them.
+costs the measured plain step plus the verify graph's device time beyond the plain graph's,
+a draft pass its device time (each at least what it costs, not more: an estimate too low
+leads to verify steps that measure it, one too high to none). Before anything is seeded (the
+CPU), a verify step costs as a plain step and a draft the proposer's prior (a draft model's
+pass as a plain step; prompt lookup nothing): the first verify steps then measure them.
 
 Batch sizes are grouped as the CUDA graphs' ladder groups them (a batch runs as the next
 captured size).
@@ -217,10 +217,12 @@ class StepCosts:
         seeds = [estimates[bucket] for estimates in self.seeded]
         if math.isnan(plain):
             plain = 1.0 if math.isnan(seeds[PLAIN]) else seeds[PLAIN]
-        # Seeds are device times: only their ratios to the plain graph's carry over.
-        scale = plain / seeds[PLAIN] if not math.isnan(seeds[PLAIN]) else math.nan
         if math.isnan(verify):
-            verify = seeds[VERIFY] * scale
+            # Seeds are device times: the verify graph's beyond the plain graph's, added to the
+            # measured plain step (whose host part a verify step has too). Scaled by their
+            # ratio instead, a host-bound plain step made the estimate several times a verify
+            # step's cost, and no verify step ever followed to correct it.
+            verify = plain + max(seeds[VERIFY] - seeds[PLAIN], 0.0)
             if math.isnan(verify):
                 verify = plain
         if math.isnan(draft_pass):
