@@ -192,13 +192,13 @@ class LLMEngine:
         runner = self.runner
         verify_graphs = runner.verify_graphs
         if verify_graphs is not None and self.workers is None:
-            # The device's times of each step's graph: the first estimates of its cost.
+            # The device's times of the decode and draft graphs: the first estimates.
             # (Not under tensor parallelism: a graph replayed on rank 0 alone would wait
             # forever for the other ranks' collectives.)
             draft_graphs = None
             if draft is not None:
                 draft_graphs = draft.decode_graphs or draft.catch_up_graphs
-            costs.seed(runner.decode_graphs, verify_graphs, draft_graphs)
+            costs.seed(runner.decode_graphs, draft_graphs)
         max_batch = None if verify_graphs is None else verify_graphs.batch_sizes[-1]
         assert self.proposer is not None
         return AdaptiveDrafting(

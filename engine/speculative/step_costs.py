@@ -34,13 +34,11 @@ steps that each followed one, the estimate starting at their least; one again af
 device times, as before, a host-bound plain step came out at twice its cost, and a draft as
 costly as the target's own pass seemed to pay.) A verify step or a draft pass counts once
 measured three times, also from their least: one slow step must not stop drafting for good.
-Until then the device's times stand in (``seed``: at start-up on CUDA the engine times a
-replay of each decode, verify and draft graph), which leave the host out: a verify step
-costs the measured plain step plus the verify graph's device time beyond the plain graph's,
-a draft pass its device time (each at least what it costs, not more: an estimate too low
-leads to verify steps that measure it, one too high to none). Before anything is seeded (the
-CPU), a verify step costs as a plain step and a draft the proposer's prior (a draft model's
-pass as a plain step; prompt lookup nothing): the first verify steps then measure them.
+Until then a verify step costs as a plain step, and a draft pass its device time (``seed``:
+at start-up on CUDA the engine times a replay of each decode and draft graph) or, unseeded
+(the CPU), the proposer's prior (a draft model's pass as a plain step; prompt lookup
+nothing): estimates no higher than the costs, since one too low leads to the verify steps
+that measure it, one too high to none.
 
 Batch sizes are grouped as the CUDA graphs' ladder groups them (a batch runs as the next
 captured size).
@@ -116,18 +114,9 @@ class StepCosts:
     def bucket(batch_size: int) -> int:
         return min(bisect_left(CAPTURE_BATCH_SIZES, batch_size), len(CAPTURE_BATCH_SIZES) - 1)
 
-    def seed(
-        self,
-        decode_graphs: StepGraphs | None,
-        verify_graphs: StepGraphs | None,
-        draft_pass_graphs: StepGraphs | None,
-    ) -> None:
+    def seed(self, decode_graphs: StepGraphs | None, draft_pass_graphs: StepGraphs | None) -> None:
         """The device's times of the graphs' replays, at each size they were captured at."""
-        for kind, graphs in (
-            (PLAIN, decode_graphs),
-            (VERIFY, verify_graphs),
-            (DRAFT_PASS, draft_pass_graphs),
-        ):
+        for kind, graphs in ((PLAIN, decode_graphs), (DRAFT_PASS, draft_pass_graphs)):
             if graphs is not None:
                 for size, seconds in graphs.replay_seconds().items():
                     self.seeded[kind][self.bucket(size)] = seconds
@@ -218,13 +207,11 @@ class StepCosts:
         if math.isnan(plain):
             plain = 1.0 if math.isnan(seeds[PLAIN]) else seeds[PLAIN]
         if math.isnan(verify):
-            # Seeds are device times: the verify graph's beyond the plain graph's, added to the
-            # measured plain step (whose host part a verify step has too). Scaled by their
-            # ratio instead, a host-bound plain step made the estimate several times a verify
-            # step's cost, and no verify step ever followed to correct it.
-            verify = plain + max(seeds[VERIFY] - seeds[PLAIN], 0.0)
-            if math.isnan(verify):
-                verify = plain
+            # As cheap as a plain step until measured: a low estimate leads to the verify
+            # steps that measure it, a high one to none. (From the verify graphs' device times
+            # at start-up, scaled by the plain step's or added to it, the estimate read 3.5-5
+            # ms at batch 1 on an H200 for a verify step of about 1.6, and nothing drafted.)
+            verify = plain
         if math.isnan(draft_pass):
             # The device's time alone, not scaled: a pass costs at least that, and a low
             # estimate is corrected by the verify steps it leads to, a high one never.

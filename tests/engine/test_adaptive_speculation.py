@@ -20,7 +20,7 @@ from engine.llm_engine import LLMEngine
 from engine.scheduling.draft_pause import FIRST_PAUSE
 from engine.scheduling.request import Request
 from engine.speculative.adaptive import AdaptiveDrafting
-from engine.speculative.step_costs import PROPOSED_NOTHING, StepCosts
+from engine.speculative.step_costs import DRAFT_PASS, PLAIN, PROPOSED_NOTHING, StepCosts
 from protocol import SamplingParams
 from tandem.testing.random_checkpoint import random_prompts, save_tiny_llama
 from tandem.testing.reference import hf_greedy
@@ -217,9 +217,8 @@ class AsyncDevice:
         """Decode one request ``steps`` steps as the engine does; the seconds, tokens and
         verify steps."""
         costs = StepCosts(draft_pass_prior=1.0)
-        seeds = (self.plain_device, self.verify_device, self.plain_device)
-        for kind, seconds in enumerate(seeds):
-            costs.seeded[kind] = [seconds] * len(CAPTURE_BATCH_SIZES)
+        costs.seeded[PLAIN] = [self.plain_device] * len(CAPTURE_BATCH_SIZES)
+        costs.seeded[DRAFT_PASS] = [self.plain_device] * len(CAPTURE_BATCH_SIZES)
         policy = AdaptiveDrafting(MAX_DRAFTS, costs, max_batch=None)
         request = Request(b"t", "r", [1, 2, 3], SamplingParams(), seed=0)
         clock, done, previous_done, tokens, verify_steps = 0.0, 0.0, 0.0, 0, 0
