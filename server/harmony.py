@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from typing import ClassVar, Literal
 
-from server.reasoning import ParsedReasoning, ReasoningDelta
+from server.reasoning import StreamingReasoningParser
 from server.tool_parsers.base import partial_marker_length
 from server.tool_parsers.harmony import CALL, CALL_HEADER, MESSAGE
 
@@ -39,7 +39,7 @@ _RECIPIENT = re.compile(r"(?:^|\s|>)to=([^\s<]+)")
 _CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*([^\s<]+)")
 
 
-class HarmonyReasoningParser:
+class HarmonyReasoningParser(StreamingReasoningParser):
     """Splits one harmony answer into reasoning and content; one instance per answer."""
 
     name = "openai_gptoss"
@@ -49,25 +49,9 @@ class HarmonyReasoningParser:
     end: ClassVar[str] = f"{END}{START}assistant{CHANNEL}final{MESSAGE}"
 
     def __init__(self, prompt: str) -> None:
+        super().__init__()
         self._state: Literal["first header", "header", "body", "plain"] = "first header"
         self._kind: Literal["reasoning", "content", "call"] = "content"
-        self._pending = ""
-        self._out = ReasoningDelta()
-
-    def feed(self, text: str) -> ReasoningDelta:
-        self._pending += text
-        self._consume(final=False)
-        return self._take()
-
-    def finish(self) -> ReasoningDelta:
-        self._consume(final=True)
-        return self._take()
-
-    def parse(self, text: str) -> ParsedReasoning:
-        """The whole answer at once, on a parser that has not been fed."""
-        deltas = [self.feed(text), self.finish()]
-        reasoning = "".join(delta.reasoning_content for delta in deltas)
-        return ParsedReasoning(reasoning or None, "".join(delta.content for delta in deltas))
 
     def _consume(self, final: bool) -> None:
         while True:
@@ -131,7 +115,3 @@ class HarmonyReasoningParser:
         if self._kind == "call":
             self._out.content += CALL
         self._kind = "content"
-
-    def _take(self) -> ReasoningDelta:
-        out, self._out = self._out, ReasoningDelta()
-        return out

@@ -60,22 +60,12 @@ def prompt_opens_reasoning(prompt: str) -> bool:
     return prompt.rfind(_START) > prompt.rfind(_END)
 
 
-class ThinkReasoningParser:
-    """Splits one answer into reasoning and content; one instance per answer."""
+class StreamingReasoningParser:
+    """What every parser here does alike: text fed in pieces goes to ``_pending``, each
+    piece's split (``_consume``, the parser's own) is gathered in ``_out`` and taken."""
 
-    name = "qwen3"
-    start: ClassVar[str] = _START  # the markers around the reasoning
-    end: ClassVar[str] = _END
-
-    def __init__(self, prompt: str) -> None:
-        # "start": the answer may still open with <think>.
-        self._state: Literal["start", "reasoning", "content"] = (
-            "reasoning" if prompt_opens_reasoning(prompt) else "start"
-        )
+    def __init__(self) -> None:
         self._pending = ""
-        self._newlines = ""  # at the end of the reasoning so far: dropped if it ends there
-        self._reasoning_began = False
-        self._content_began = False
         self._out = ReasoningDelta()
 
     def feed(self, text: str) -> ReasoningDelta:
@@ -92,6 +82,33 @@ class ThinkReasoningParser:
         deltas = [self.feed(text), self.finish()]
         reasoning = "".join(delta.reasoning_content for delta in deltas)
         return ParsedReasoning(reasoning or None, "".join(delta.content for delta in deltas))
+
+    def _consume(self, final: bool) -> None:
+        """Move what ``_pending`` holds, as far as it can be told, into ``_out``; all of it
+        if ``final``."""
+        raise NotImplementedError
+
+    def _take(self) -> ReasoningDelta:
+        out, self._out = self._out, ReasoningDelta()
+        return out
+
+
+class ThinkReasoningParser(StreamingReasoningParser):
+    """Splits one answer into reasoning and content; one instance per answer."""
+
+    name = "qwen3"
+    start: ClassVar[str] = _START  # the markers around the reasoning
+    end: ClassVar[str] = _END
+
+    def __init__(self, prompt: str) -> None:
+        super().__init__()
+        # "start": the answer may still open with <think>.
+        self._state: Literal["start", "reasoning", "content"] = (
+            "reasoning" if prompt_opens_reasoning(prompt) else "start"
+        )
+        self._newlines = ""  # at the end of the reasoning so far: dropped if it ends there
+        self._reasoning_began = False
+        self._content_began = False
 
     def _consume(self, final: bool) -> None:
         pending = self._pending
@@ -132,7 +149,3 @@ class ThinkReasoningParser:
         body = text.rstrip("\n")
         self._newlines = text[len(body) :]
         self._out.reasoning_content += body
-
-    def _take(self) -> ReasoningDelta:
-        out, self._out = self._out, ReasoningDelta()
-        return out

@@ -113,14 +113,14 @@ class GptOssExperts(FusedExperts):
             activation=self.activation,
         )
 
+    def _shape(self) -> tuple[int, int, int, int, int]:
+        """Experts, hidden size, and this rank's first intermediate feature, its count, and
+        every rank's."""
+        rows = self.rows
+        return self.num_experts, self.w2.shape[1], rows.start, rows.length, rows.total
+
     def load_tensor(self, name: str, source: TensorSlices, hf_name: str) -> list[str]:
-        experts, hidden, start, length = (
-            self.num_experts,
-            self.w2.shape[1],
-            self.rows.start,
-            self.rows.length,
-        )
-        intermediate = self.rows.total
+        experts, hidden, start, length, intermediate = self._shape()
         # The rank's gate/up features are interleaved pairs: 2 * length of them from 2 * start.
         pairs = Rows(2 * start, 2 * length, 2 * intermediate)
         if name == "gate_up_proj_bias":
@@ -144,13 +144,7 @@ class GptOssExperts(FusedExperts):
         """Read this rank's part of an MXFP4 matrix's blocks or scales; once both are read,
         dequantize them into the matrix."""
         matrix, _, part = name.rpartition("_")
-        experts, hidden, start, length = (
-            self.num_experts,
-            self.w2.shape[1],
-            self.rows.start,
-            self.rows.length,
-        )
-        intermediate = self.rows.total
+        experts, hidden, start, length, intermediate = self._shape()
         if matrix == "gate_up_proj":  # rows: the interleaved features; columns H
             rows, groups = Rows(2 * start, 2 * length, 2 * intermediate), hidden // BLOCK
             shape, dim = [experts, 2 * length, groups], 1
