@@ -126,8 +126,8 @@ def test_text_that_does_not_repeat_is_paused(tiny: tuple[Path, HFLlama]) -> None
 def test_a_draft_that_is_never_right_is_paused(
     tiny: tuple[Path, HFLlama], other_draft: Path
 ) -> None:
-    """Another model drafting (nearly every draft rejected) drafts a few times, then is
-    paused: far fewer drafts than at a fixed k; the tokens are the target's. The target as
+    """Another model drafting (nearly every draft rejected) drafts a few times or none, then
+    is paused: far fewer drafts than at a fixed k; the tokens are the target's. The target as
     its own draft (every draft accepted) keeps its tokens too."""
     directory, hf_model = tiny
     prompt = random_prompts(2)[1]
@@ -150,7 +150,9 @@ def test_a_draft_that_is_never_right_is_paused(
         if adaptive:  # paused: its steps overlap as without speculation
             second_half = steps[len(steps) // 2 :]
             assert sum(step.overlapped for step in second_half) > 0.8 * len(second_half)
-    assert 0 < drafted[True] < drafted[False] / 4
+    # Drafting not at all is as good: a draft pass as costly as the target's own pays only
+    # if nearly every draft is accepted, which the CPU's measured costs may show at once.
+    assert drafted[True] < drafted[False] / 4
 
 
 def measured_costs(plain: float, verify: float, draft_pass: float) -> StepCosts:
