@@ -165,9 +165,12 @@ class CachelessDecode(TorchPagedAttention):
         sliding_window: int | None = None,
         *,
         rotary: Rotary | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if metadata.max_query_len > 1:
-            return super().forward(q, k, v, cache, metadata, scale, sliding_window, rotary=rotary)
+            return super().forward(
+                q, k, v, cache, metadata, scale, sliding_window, rotary=rotary, sinks=sinks
+            )
         store_kv(k, v, cache.key, cache.value, metadata.slot_mapping)
         return v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)  # softmax of one key
 
