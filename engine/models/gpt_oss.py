@@ -30,17 +30,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.backends.attention import AttentionBackend
 from engine.backends.layer_ops import ClampedSwiGLU, LayerOps
 from engine.checkpoint.checkpoint import TensorSlices
 from engine.checkpoint.hf_checkpoint import hf_config_fields
 from engine.checkpoint.mxfp4 import BLOCK, dequantize_mxfp4
 from engine.distributed.parallel import TensorParallel
-from engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION
 from engine.models.family import ModelFamily
-from engine.models.layers import Attention, RotaryEmbedding
+from engine.models.layers import Attention
 from engine.models.moe import FusedExperts, MoECausalLM, MoEConfig, SparseMoeBlock
-from engine.models.parallel_layers import PerHeadVector, Rows, read_slice
+from engine.models.parallel_layers import Rows, read_slice
 
 _ROPE_THETA = 150_000.0  # transformers' default for gpt-oss
 
@@ -57,23 +56,7 @@ class SinkAttention(Attention):
 
     qkv_bias = True
     o_bias = True
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        backend: AttentionBackend,
-        ops: LayerOps,
-        tp: TensorParallel,
-        rotary: RotaryEmbedding,
-        sliding_window: int | None,
-    ) -> None:
-        super().__init__(config, backend, ops, tp, rotary, sliding_window)
-        self.sinks = PerHeadVector(
-            Rows(self.first_head, self.num_heads, config.num_attention_heads)
-        )
-
-    def sink_logits(self) -> torch.Tensor:
-        return self.sinks.weight
+    attention_sinks = True
 
 
 # The experts' checkpoint tensors: interleaved gate/up features first ("gate_up_proj"),

@@ -22,7 +22,12 @@ from engine.backends.deferred_norm import DeferredNorm, LinearInput
 from engine.backends.layer_ops import LayerOps
 from engine.distributed.parallel import TensorParallel
 from engine.model_config import ModelConfig, RopeScaling, YarnScaling
-from engine.models.parallel_layers import ColumnParallelLinear, RowParallelLinear, Rows
+from engine.models.parallel_layers import (
+    ColumnParallelLinear,
+    PerHeadVector,
+    RowParallelLinear,
+    Rows,
+)
 from engine.models.yarn import yarn_attention_factor, yarn_inverse_frequencies
 from engine.quantization.linear_methods import LinearMethod, linear_method
 
@@ -143,13 +148,14 @@ class Attention(nn.Module):
     Under tensor parallelism a rank computes its share of the query heads with the KV heads
     they attend with (``TensorParallel.kv_heads``), and its cache holds only those.
 
-    Subclasses change ``qkv_bias`` and ``o_bias``, or ``project_qkv`` for what comes between
-    the projection and RoPE, or ``rotary`` for what the backend applies with RoPE, or
-    ``scale``, or ``sink_logits`` (gpt-oss's attention sinks).
+    Subclasses change ``qkv_bias``, ``o_bias`` and ``attention_sinks``, or ``project_qkv`` for
+    what comes between the projection and RoPE, or ``rotary`` for what the backend applies
+    with RoPE, or ``scale``.
     """
 
     qkv_bias = False
     o_bias = False
+    attention_sinks = False  # a learned logit a head in each softmax's denominator (gpt-oss)
 
     def __init__(
         self,
@@ -179,7 +185,12 @@ class Attention(nn.Module):
             config.hidden_size, [q_rows, kv_rows, kv_rows], self.qkv_bias, method
         )
         self.o_proj = RowParallelLinear(q_rows, config.hidden_size, tp, method, self.o_bias)
-        self.q_rows = q_rows
+        # This rank's heads' sinks (``sink_logits``).
+        self.sinks = (
+            PerHeadVector(Rows(self.first_head, self.num_heads, config.num_attention_heads))
+            if self.attention_sinks
+            else None
+        )
         self.scale = self.head_dim**-0.5
         self.sliding_window = sliding_window
         self.backend = backend
@@ -211,7 +222,7 @@ class Attention(nn.Module):
 
     def sink_logits(self) -> torch.Tensor | None:
         """Each of this rank's heads' sink logit (``AttentionBackend.forward``), if any."""
-        return None
+        return None if self.sinks is None else self.sinks.weight
 
     def forward(self, x: LinearInput, metadata: AttentionMetadata) -> torch.Tensor:
         out, _ = self.into_stream(x, metadata, None)
