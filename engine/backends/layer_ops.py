@@ -117,7 +117,8 @@ class LayerOps(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's ``top_k`` experts of router logits [T, E]: their softmax
         probabilities (float32, renormalized to sum to one if ``renormalize``) and ids
-        (int32), [T, top_k] each, the most probable first; ties to the lowest id."""
+        (int32), [T, top_k] each, the most probable first (ties: the Triton kernel takes the
+        lowest id; the reference, torch.topk's order)."""
         ...
 
     def moe_experts(

@@ -280,8 +280,8 @@ class TorchLayerOps:
     def moe_route(
         self, router_logits: torch.Tensor, top_k: int, renormalize: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # transformers' routers: softmax in float32, then torch.topk (the lowest id first
-        # among equal probabilities).
+        # transformers' routers: softmax in float32, then torch.topk (equal probabilities in
+        # torch.topk's order, which is not the lowest id first on the CPU).
         probabilities = torch.softmax(router_logits.float(), dim=-1)
         weights, ids = torch.topk(probabilities, top_k, dim=-1)
         if renormalize:
@@ -322,10 +322,11 @@ class TorchLayerOps:
             start += count
             scales = (None, None) if w13_scale is None else (w13_scale[expert], w2_scale[expert])
             gate_up = self._expert_product(x[tokens[rows]], w13[expert], scales[0])
+            gate_up = with_bias(gate_up, _row(w13_bias, expert))
             if activation is None:
-                hidden = self.silu_and_mul(with_bias(gate_up, _row(w13_bias, expert)))
+                hidden = self.silu_and_mul(gate_up)
             else:
-                hidden = clamped_swiglu(with_bias(gate_up, _row(w13_bias, expert)), activation)
+                hidden = clamped_swiglu(gate_up, activation)
             down = with_bias(
                 self._expert_product(hidden, w2[expert], scales[1]), _row(w2_bias, expert)
             )

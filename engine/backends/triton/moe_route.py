@@ -23,12 +23,11 @@ from engine.backends.triton.dependent_launch import let_next_kernel_start, wait_
 from engine.backends.triton.one_variant import OneVariantKernel
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+@triton.jit
 def _route_kernel(
     logits_ptr,
     weights_ptr,
     ids_ptr,
-    num_tokens,
     NUM_EXPERTS: tl.constexpr,
     TOP_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -48,8 +47,7 @@ def _route_kernel(
     # Each expert's place among the chosen, TOP_K for the others.
     place = tl.full([BLOCK_E], TOP_K, tl.int32)
     for k in tl.static_range(TOP_K):
-        best = tl.max(remaining, axis=0)
-        expert = tl.min(tl.where(valid & (remaining == best), experts, BLOCK_E), axis=0)
+        expert = tl.argmax(remaining, 0, tie_break_left=True)
         place = tl.where(experts == expert, k, place)
         remaining = tl.where(experts == expert, -float("inf"), remaining)
     chosen = place < TOP_K
@@ -82,7 +80,6 @@ def moe_route(
         router_logits,
         weights,
         ids,
-        num_tokens,
         num_experts,
         top_k,
         block,
