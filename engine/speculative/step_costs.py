@@ -208,9 +208,9 @@ class StepCosts:
             plain = 1.0 if math.isnan(seeds[PLAIN]) else seeds[PLAIN]
         if math.isnan(verify):
             # As cheap as a plain step until measured: a low estimate leads to the verify
-            # steps that measure it, a high one to none. (From the verify graphs' device times
-            # at start-up, scaled by the plain step's or added to it, the estimate read 3.5-5
-            # ms at batch 1 on an H200 for a verify step of about 1.6, and nothing drafted.)
+            # steps that measure it, a high one to none. (Estimated from the verify graphs'
+            # device times at start-up, scaled by the plain step's or added to it, it came out
+            # several times a verify step's real cost, and nothing was drafted.)
             verify = plain
         if math.isnan(draft_pass):
             # The device's time alone, not scaled: a pass costs at least that, and a low

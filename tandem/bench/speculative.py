@@ -204,8 +204,8 @@ def main(argv: list[str] | None = None) -> None:
             "speculative_pause_acceptance": 0,
         }
     # Plain decoding again, last: a small model's batch-1 step is bound by the host, whose
-    # pace drifts from one engine to the next by more than some speed-ups (0.57 to 0.76 ms a
-    # step on one H200); the speed-ups are against both plain runs' mean, both shown.
+    # pace drifts from one engine to the next (the first one of a process ran slower) by
+    # more than some speed-ups; the speed-ups are against both plain runs' mean, both shown.
     methods["plain again"] = {}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(

@@ -203,9 +203,9 @@ class AsyncDevice:
     (``propose_seconds`` is 0). Every draft is accepted (the target as its own draft) or
     none (a draft that guesses nothing); a draft more tokens behind than a graph's catch-up
     takes (after a pause) catches up op by op (``catch_up`` seconds). The defaults are
-    SmolLM2-135M's on an H200 (bench_speculative, s23): a plain step 0.54 ms of host work, a
-    verify step 1.47 ms with nothing to overlap, and the graphs' device times the seeds,
-    which make a draft pass look cheaper than it is."""
+    SmolLM2-135M's as bench_speculative measured them on an H200: a plain step 0.54 ms of
+    host work, a verify step 1.47 ms with nothing to overlap, and the graphs' device times
+    the seeds, which make a draft pass look cheaper than it is."""
 
     draft_pass: float  # one draft pass, on the device
     plain_host: float = 0.54

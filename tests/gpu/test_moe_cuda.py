@@ -117,13 +117,11 @@ def test_greedy_decode_matches_transformers_in_float32(
 # Greedy tokens that are the choice of transformers holding the same FP8 weights, after the
 # same tokens. Steps of at most 16 rows read FP8 weights into bf16 products (weight-only):
 # the reference's arithmetic but for bf16 rounding, which alone moves these random models'
-# choices often (a bf16 engine agrees with float32 transformers at 0.7-0.9 of the steps; the
-# weight-only path in float32 on the CPU, at all of them). Longer steps (prompts of 64
-# tokens) quantize activations per token to FP8 (W8A8), three mantissa bits, which flips the
-# near-tied routing of random Mixtral and gpt-oss often (0.45 and 0.29 of their steps agree
-# on the CPU). Both bounds only catch a broken path (scales, layouts: near 0 of 4,096
-# tokens); the kernel's products are checked against the reference by
-# tests/gpu/test_fused_moe_cuda.py.
+# near-tied choices often (the weight-only path in float32 agrees on every step). Longer
+# steps (prompts of 64 tokens) quantize activations per token to FP8 (W8A8), three mantissa
+# bits, which flips the near-tied routing of random Mixtral and gpt-oss more often still.
+# Both bounds only catch a broken path (scales, layouts: near 0 of 4,096 tokens); the
+# kernel's products are checked against the reference by tests/gpu/test_fused_moe_cuda.py.
 FP8_CASES = {"weight-only": (4, 4, 0.5), "w8a8": (24, 64, 0.15)}
 
 
