@@ -32,15 +32,9 @@ class Admission:
 
     @property
     def full(self) -> bool:
-        """Whether any request arriving now would be refused (its prompt, at least a token,
-        unknown to the servers that ask)."""
-        if self.engine.num_waiting_for_a_place(arriving=1) > self.max_queued_requests:
-            return True
-        bound = self.max_queued_prompt_tokens
-        if bound is None:
-            return False
-        waiting = self.engine.num_prompt_tokens_to_compute()
-        return waiting > 0 and waiting >= bound
+        """Whether any request arriving now would be refused: one of the least prompt, a
+        token (the servers that ask know no prompt yet)."""
+        return self.refusal(num_prompt_tokens=1) is not None
 
     def refusal(self, num_prompt_tokens: int | None = None) -> str | None:
         """Why a request arriving now is refused, or None if it is taken. A request with
