@@ -5,10 +5,11 @@ A prompt step launched op by op is well over a hundred kernels from Python; for 
 prompts their launches take the host longer than the kernels take the device, so an idle
 engine's time to first token is the host's (``scripts/profile_step.py --model DIR --prefill
 --context 128 --enforce-eager`` prints device kernel time against the wall time), and so is
-a busy engine's step that admits prompts. A step that computes only prompt tokens (whole
-prompts, or chunks after a cached prefix; a verify step's drafted rows count as such too), of
-at most ``PROMPT_GRAPH_SEQS`` sequences and ``PROMPT_GRAPH_TOKENS[-1]`` tokens, sampling or
-scoring at most ``PROMPT_GRAPH_SEQS`` positions, replays a graph instead:
+a busy engine's step that admits prompts. A step that is not a uniform decode or verify
+step (whole prompts, chunks after a cached prefix, a verify step's drafted rows, a few
+decodes beside them: one-token sequences to the prefill kernel), of at most
+``PROMPT_GRAPH_SEQS`` sequences and ``PROMPT_GRAPH_TOKENS[-1]`` tokens, sampling or scoring at
+most ``PROMPT_GRAPH_SEQS`` positions, replays a graph instead:
 
 - its tokens are padded up to the next captured count; the padding writes no cache slot
   (slot -1), belongs to no sequence, and nothing reads its rows;
@@ -17,8 +18,10 @@ scoring at most ``PROMPT_GRAPH_SEQS`` positions, replays a graph instead:
   sequence and the captured token count), so a padding sequence's programs return at once;
 - the graph computes the logits of ``PROMPT_GRAPH_SEQS`` rows, at indices read from a buffer.
 
-A step of decodes with prompts mixed in replays the decode graph for its decodes and one
-of these for its prompts, where that pays (``engine.execution.mixed_steps``). The graphs
+A step of more decodes with prompts mixed in replays the decode graph for its decodes and
+one of these for its prompts, where that pays (``engine.execution.mixed_steps``): one graph
+per mix of decode rows and prompt tokens would multiply the graphs (and their logits
+buffers) by the decode ladder's length. The graphs
 share the decode graphs' memory pool (steps run one at a time).
 """
 
