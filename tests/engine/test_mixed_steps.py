@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import LlamaForCausalLM as HFLlama
 
@@ -22,7 +23,7 @@ from tests.engine.test_constrained_generation import REGEX, tiny  # noqa: F401 (
 from tests.engine.test_overlap_steps import tokens
 
 
-def make_engine(directory: Path, split: str) -> LLMEngine:
+def make_engine(directory: Path, split: str, tensor_parallel_size: int = 1) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model=str(directory),
@@ -31,6 +32,7 @@ def make_engine(directory: Path, split: str) -> LLMEngine:
             kv_cache_memory_gb=0.01,
             overlap_steps=True,
             split_mixed_steps=split,
+            tensor_parallel_size=tensor_parallel_size,
         )
     )
 
@@ -90,11 +92,18 @@ def _staggered(engine: LLMEngine) -> dict[str, list[RequestOutput]]:
     return outputs
 
 
-def test_split_mixed_steps_generate_what_one_pass_does(tiny: tuple[Path, HFLlama]) -> None:  # noqa: F811
-    split_engine, one_pass_engine = make_engine(tiny[0], "on"), make_engine(tiny[0], "off")
-    split, one_pass = _staggered(split_engine), _staggered(one_pass_engine)
-    assert split_engine.runner.num_split_steps > 0
-    assert one_pass_engine.runner.num_split_steps == 0
+@pytest.fixture(scope="module")
+def one_pass(tiny: tuple[Path, HFLlama]) -> dict[str, list[RequestOutput]]:  # noqa: F811
+    """The staggered requests' outputs with every mixed step run as one pass."""
+    engine = make_engine(tiny[0], "off")
+    outputs = _staggered(engine)
+    assert engine.runner.num_split_steps == 0
+    return outputs
+
+
+def assert_same_outputs(
+    split: dict[str, list[RequestOutput]], one_pass: dict[str, list[RequestOutput]]
+) -> None:
     for request_id, outputs in one_pass.items():
         assert tokens(split[request_id]) == tokens(outputs), request_id
         assert split[request_id][-1].finish_reason == outputs[-1].finish_reason
@@ -107,3 +116,28 @@ def test_split_mixed_steps_generate_what_one_pass_does(tiny: tuple[Path, HFLlama
             for a, b in zip(ours.prompt_logprobs or [], theirs_scored, strict=True):
                 assert (a.rank, a.top_token_ids) == (b.rank, b.top_token_ids)
                 close([a.logprob, *a.top_logprobs], [b.logprob, *b.top_logprobs])
+
+
+def test_split_mixed_steps_generate_what_one_pass_does(
+    tiny: tuple[Path, HFLlama],  # noqa: F811
+    one_pass: dict[str, list[RequestOutput]],
+) -> None:
+    engine = make_engine(tiny[0], "on")
+    split = _staggered(engine)
+    assert engine.runner.num_split_steps > 0
+    assert_same_outputs(split, one_pass)
+
+
+def test_tensor_parallel_workers_split_mixed_steps_alike(
+    tiny: tuple[Path, HFLlama],  # noqa: F811
+    one_pass: dict[str, list[RequestOutput]],
+) -> None:
+    """Two ranks over gloo: the worker splits each mixed step as rank 0 does, from the
+    step's shape alone (the two passes' collectives pair up), and the outputs are the same."""
+    engine = make_engine(tiny[0], "on", tensor_parallel_size=2)
+    try:
+        split = _staggered(engine)
+        assert engine.runner.num_split_steps > 0
+    finally:
+        engine.close()
+    assert_same_outputs(split, one_pass)
