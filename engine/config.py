@@ -109,6 +109,14 @@ class EngineConfig:
     enforce_eager: bool = option(
         False, "CUDA: no CUDA graphs for decode and verify steps (faster start, slower decode)"
     )
+    split_mixed_steps: str = option(
+        "auto",
+        "a step of decodes with prompts mixed in run as two passes, the decodes' and the "
+        "prompts', each a CUDA graph replay, instead of one eager pass: on, off, or auto (on "
+        "where graphs are captured and the model is small enough that reading its weights "
+        "twice costs less than launching a pass op by op; engine/execution/mixed_steps.py)",
+        choices=["auto", "on", "off"],
+    )
     enable_prefix_caching: bool = option(
         True, "reuse the KV cache of prompts' common prefixes (default: on)"
     )

@@ -27,6 +27,18 @@
 # the gpt-oss-20b shape (--load-format dummy) bench_latency's batch-1 TPOT and bench_offline's
 # throughput (one run); a table last.
 #   OVERLOAD_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh overload-gpu restart-gpu  # issue 40
+#   OVERLOAD_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh mixed-graphs  # issue 40: mixed steps
+#
+# mixed-graphs (issue 40, about 7 minutes, one GPU): steps that admit prompts into a decode
+# batch, split into the decode graph and a prompt graph (engine/execution/mixed_steps.py).
+# Their CPU tests natively, then the GPU tests (the 1B shape in float32: prompt graphs of
+# one and of several sequences against eager, a split mixed step's logits against the eager
+# pass's, greedy tokens of arriving requests with mixed steps split equal to eager ones);
+# then scripts/time_mixed_steps.py at the qwen2.5-0.5b shape (random weights, --load-format
+# dummy): a decode batch of 256 at context 128 with 1, 2 and 4 prompts of 30-200 tokens
+# mixed in, split against one eager pass against the decode step alone (host and wall ms);
+# then the overload soak of overload-gpu on OVERLOAD_MODEL (split by --split-mixed-steps
+# auto: a 135M model). A summary last.
 #
 # overload-gpu (issue 40, about 5 minutes): scripts/soak.py's overload run on OVERLOAD_MODEL
 # (default /tmp/smollm2.gguf, SmolLM2-135M-Instruct), float32 (each stream served is checked
@@ -37,8 +49,8 @@
 # admitted TTFT p50/p99 against unloaded, 429 times, nothing lost, and a first token's hops
 # unloaded and at 2x (server in, the engine's round trip with its queue and prefill, server
 # out, what the client adds). Then profile_step.py's decode step at batch 256 replayed as a
-# CUDA graph and run eagerly (a step that admits a request mixes its prompt in, and such a
-# step runs eagerly): what a step costs while requests are admitted. A table last.
+# CUDA graph and run eagerly (a step that admits a request mixes its prompt in; such a step
+# ran eagerly before mixed steps were split: mixed-graphs times it). A table last.
 # OVERLOAD_ENGINE_ARGS adds engine flags to the soak's (--no-overlap-steps: the first token
 # read in its own step, not the next one's).
 # restart-gpu (issue 40, about 5 minutes): the soak's rolling restart of 2 servers under 150
@@ -449,6 +461,31 @@ PY
       for log in "$out/overload-step.log" "$out/overload-step-eager.log"; do
         echo "$(basename "$log" .log): $(grep -hE '^batch' "$log")"
       done ;;
+    mixed-graphs)  # issue 40 (header)
+      python3 -m pytest -q -rs tests/engine/test_mixed_steps.py -p no:cacheprovider 2>&1 \
+        | tee "$out/mixed-cpu-tests.log" | tail -3
+      timeout 200 python3 -m pytest -q -rs -s tests/gpu/test_cuda_engine.py -p no:cacheprovider \
+        -k "prompt_graph or split_mixed or graph_decode_equals_eager_decode" 2>&1 \
+        | tee "$out/mixed-gpu-tests.log" | grep -vE '^\s*$' | tail -12
+      m=$(config_only qwen2.5-0.5b)
+      timeout 120 python3 scripts/time_mixed_steps.py --model "$m" --load-format dummy \
+        --batch 256 --context 128 --prompts 1 2 4 2>&1 | tee "$out/mixed-steps.log" \
+        | grep -vE '^(INFO|WARNING)' | tail -6
+      m=${OVERLOAD_MODEL:-/tmp/smollm2.gguf}
+      if [ -f "$m" ]; then
+        timeout 220 python3 scripts/soak.py --model "$m" --device cuda --servers 4 \
+          --phases overload --lengths 128 --unloaded-streams 50 --capacity-seconds 15 \
+          --overload-seconds 40 --client-processes 8 -- --max-queued-requests 0 --dtype float32 \
+          ${OVERLOAD_ENGINE_ARGS:-} 2>&1 | tee "$out/mixed-overload.log" \
+          | grep -vE '^(INFO|WARNING)' | tail -16
+      else
+        echo "no model at $m: set OVERLOAD_MODEL (the soak is left out)"
+      fi
+      echo "=== mixed-graphs summary"
+      grep -hE "passed|failed|error" "$out/mixed-cpu-tests.log" "$out/mixed-gpu-tests.log" | tail -2
+      grep -hE "^(batch|step|[0-9]+ \+)" "$out/mixed-steps.log"
+      [ -f "$out/mixed-overload.log" ] && grep -hE "^(overload|KV blocks|FAILURE)|^(PASS|FAIL)$" \
+        "$out/mixed-overload.log" ;;
     restart-gpu)  # issue 40 (header)
       m=${OVERLOAD_MODEL:-/tmp/smollm2.gguf}
       [ -f "$m" ] || { echo "no model at $m: set OVERLOAD_MODEL"; continue; }

@@ -44,8 +44,10 @@ class StepShape:
     # decode step, 1 + k for a verify step in the uniform layout (``pad_verify``); such a
     # step may replay a CUDA graph of q tokens a row. 0: any other step.
     uniform_query_len: int = 0
-    # In any other step, how many sequences at the batch's front compute one token each
-    # (the scheduler puts decodes first): their attention is a decode's.
+    # In any other step, how many sequences at the batch's front are decodes (the scheduler
+    # puts them first): each computes one token, its last, sampled (one logits row each,
+    # the first ones). Their attention is a decode's, and they may run as a decode step of
+    # their own (``engine.execution.mixed_steps``).
     num_leading_decodes: int = 0
 
     def split(self, packed: torch.Tensor) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
@@ -217,7 +219,7 @@ def pack(
         max_query_len=int(query_lens.max()),
         num_rows=logits_index.size,
         uniform_query_len=uniform_query_len,
-        num_leading_decodes=0 if uniform_query_len else _leading_ones(query_lens),
+        num_leading_decodes=0 if uniform_query_len else _leading_decodes(query_lens, completes),
     )
     packed, pending_index, pending_source = on_device.split(
         [shape.packed_size, num_pending, num_pending]
@@ -249,9 +251,10 @@ def block_tables(batch: list[Request]) -> np.ndarray:
     return tables
 
 
-def _leading_ones(query_lens: np.ndarray) -> int:
-    """How many sequences at the front compute one token each."""
-    others = np.flatnonzero(query_lens != 1)
+def _leading_decodes(query_lens: np.ndarray, completes: np.ndarray) -> int:
+    """How many sequences at the front compute one token each, their last (a prompt's
+    one-token chunk before its end is not a decode: it samples nothing)."""
+    others = np.flatnonzero((query_lens != 1) | ~completes)
     return int(others[0]) if others.size else query_lens.size
 
 

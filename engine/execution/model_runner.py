@@ -25,6 +25,7 @@ from engine.checkpoint import Checkpoint
 from engine.distributed.parallel import SINGLE, TensorParallel
 from engine.execution.batch import StepInputs, pack, sampling_tensors
 from engine.execution.cuda_graphs import CAPTURE_BATCH_SIZES, StepGraphs
+from engine.execution.mixed_steps import is_mixed, split_mixed_step, splits_mixed_steps
 from engine.execution.pinned_inputs import PinnedInputs
 from engine.execution.prompt_graphs import PromptGraphs
 from engine.model_config import ModelConfig
@@ -315,6 +316,10 @@ class ModelRunner:
                     "decode steps run eagerly: the %s backend cannot run in CUDA graphs",
                     self.backend.name,
                 )
+        self.split_mixed_steps = splits_mixed_steps(
+            config.split_mixed_steps, self.decode_graphs is not None, self.model
+        )
+        self.num_split_steps = 0  # mixed steps run as two passes (tests count them)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d",
             self.num_kv_blocks,
@@ -486,9 +491,10 @@ class ModelRunner:
         )
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
-        """The step's logits: a pure decode, a verify step of decodes alone, or one short
-        prompt step on CUDA by graph replay, else op by op. (What a tensor-parallel worker
-        runs for each step it receives.)"""
+        """The step's logits: a pure decode, a verify step of decodes alone, or a step of a
+        few short prompts on CUDA by graph replay; a step of decodes with prompts mixed in as
+        two passes, its decodes' and the rest's, where that is taken (``mixed_steps``); else
+        op by op. (What a tensor-parallel worker runs for each step it receives.)"""
         graphs = None
         if inputs.uniform_query_len == 1:
             graphs = self.decode_graphs
@@ -498,7 +504,21 @@ class ModelRunner:
             return graphs.run(inputs)
         if self.prompt_graphs is not None and self.prompt_graphs.fits(inputs.shape):
             return self.prompt_graphs.run(inputs)
+        if self.split_mixed_steps and is_mixed(inputs.shape):
+            decodes, prompts = split_mixed_step(inputs)
+            if self._replays(decodes) and self._replays(prompts):
+                self.num_split_steps += 1
+                return torch.cat([self.run_model(decodes), self.run_model(prompts)])
         return self.forward_eager(inputs)
+
+    def _replays(self, part: StepInputs) -> bool:
+        """Whether a mixed step's part replays a graph; on a device without graphs, (where
+        --split-mixed-steps on splits) as good as: it runs op by op either way."""
+        if self.decode_graphs is None:
+            return True
+        if part.uniform_query_len:
+            return self.decode_graphs.fits(part.num_seqs)
+        return self.prompt_graphs is not None and self.prompt_graphs.fits(part.shape)
 
     @torch.inference_mode()
     def last_hidden_states(self, inputs: StepInputs) -> torch.Tensor:

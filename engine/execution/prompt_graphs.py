@@ -1,22 +1,28 @@
-"""CUDA graphs of one sequence's prompt chunk, captured at start-up at a ladder of lengths.
+"""CUDA graphs of steps that compute prompts: the chunks of up to ``PROMPT_GRAPH_SEQS``
+sequences, captured at start-up at a ladder of token counts.
 
-An idle engine's first token waits for its prompt's forward pass, which launched op by op
-is well over a hundred kernels from Python; for a short prompt their launches take the host
-longer than the kernels take the device, so the time to first token of a short prompt is
-the host's (``scripts/profile_step.py --model DIR --prefill --context 128 --enforce-eager``
-prints device kernel time against the wall time). A step that computes the tokens of one
-sequence alone (a whole prompt, or a chunk of one after a cached prefix), at most
-``PROMPT_GRAPH_TOKENS[-1]`` of them, and samples at most its last one, replays a graph
-instead:
+A prompt step launched op by op is well over a hundred kernels from Python; for short
+prompts their launches take the host longer than the kernels take the device, so an idle
+engine's time to first token is the host's (``scripts/profile_step.py --model DIR --prefill
+--context 128 --enforce-eager`` prints device kernel time against the wall time), and so is
+a busy engine's step that admits prompts. A step that is not a uniform decode or verify
+step (whole prompts, chunks after a cached prefix, a verify step's drafted rows, a few
+decodes beside them: one-token sequences to the prefill kernel), of at most
+``PROMPT_GRAPH_SEQS`` sequences and ``PROMPT_GRAPH_TOKENS[-1]`` tokens, sampling or scoring at
+most ``PROMPT_GRAPH_SEQS`` positions, replays a graph instead:
 
-- its tokens are padded up to the next captured length; the padding writes no cache slot
-  (slot -1) and the prefill kernel, which reads the real length from the device, masks
-  it out of attention;
-- the graph computes the logits of one row, at an index read from a buffer.
+- its tokens are padded up to the next captured count; the padding writes no cache slot
+  (slot -1), belongs to no sequence, and nothing reads its rows;
+- its sequences are padded up to ``PROMPT_GRAPH_SEQS`` with sequences of no tokens: the
+  prefill kernel reads each one's length and start from the device (its grid covers every
+  sequence and the captured token count), so a padding sequence's programs return at once;
+- the graph computes the logits of ``PROMPT_GRAPH_SEQS`` rows, at indices read from a buffer.
 
-Steps of several sequences, or with decodes mixed in, stay op by op: their host time
-overlaps the device's work, and they would need a graph per mix. The graphs share the
-decode graphs' memory pool (steps run one at a time).
+A step of more decodes with prompts mixed in replays the decode graph for its decodes and
+one of these for its prompts, where that pays (``engine.execution.mixed_steps``): one graph
+per mix of decode rows and prompt tokens would multiply the graphs (and their logits
+buffers) by the decode ladder's length. The graphs
+share the decode graphs' memory pool (steps run one at a time).
 """
 
 from __future__ import annotations
@@ -34,6 +40,10 @@ from engine.models.causal_lm import CausalLM
 logger = logging.getLogger(__name__)
 
 PROMPT_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512)
+# Sequences a graph computes at most, and logits rows: a busy engine admits a prompt or two a
+# step. Each padding sequence costs its programs' launch in the prefill kernel's grid (they
+# return at once) and a logits row.
+PROMPT_GRAPH_SEQS = 8
 
 
 class PromptGraphs:
@@ -46,13 +56,14 @@ class PromptGraphs:
         device: torch.device,
         pool: tuple[int, int] | None,
     ) -> None:
-        """Capture graphs of one sequence's steps of up to ``max_tokens`` tokens (the
-        lengths of the ladder up to it) in ``pool``."""
+        """Capture graphs of prompt steps of up to ``max_tokens`` tokens (the counts of the
+        ladder up to it) in ``pool``."""
         started = time.perf_counter()
         self.lengths = [n for n in PROMPT_GRAPH_TOKENS if n <= max_tokens]
         self.max_blocks = max_blocks
         self.num_replays = 0  # how many steps ran as a replay (tests count them)
         largest = self.lengths[-1]
+        seqs = PROMPT_GRAPH_SEQS
 
         def buffer(*shape: int) -> torch.Tensor:
             return torch.zeros(*shape, dtype=torch.int64, device=device)
@@ -60,15 +71,15 @@ class PromptGraphs:
         self.input_ids = buffer(largest)
         self.positions = buffer(largest)
         self.slot_mapping = buffer(largest)
-        self.seq_index = buffer(largest)  # one sequence: all 0
-        self.block_tables = buffer(1, max_blocks)
-        self.context_lens = buffer(1)
-        self.query_lens = buffer(1)
-        self.query_starts = buffer(1)  # 0
-        self.logits_index = buffer(1)
+        self.seq_index = buffer(largest)
+        self.block_tables = buffer(seqs, max_blocks)
+        self.context_lens = buffer(seqs)
+        self.query_lens = buffer(seqs)
+        self.query_starts = buffer(seqs)
+        self.logits_index = buffer(seqs)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        with attention.graph_capture(1):
+        with attention.graph_capture(seqs):
             for length in reversed(self.lengths):  # largest first: the others fit its pool
                 metadata = AttentionMetadata(
                     positions=self.positions[:length],
@@ -78,11 +89,13 @@ class PromptGraphs:
                     context_lens=self.context_lens,
                     query_lens=self.query_lens,
                     query_starts=self.query_starts,
-                    max_query_len=length,  # the prefill kernel's grid; the real length is read
+                    max_query_len=length,  # the prefill kernel's grid; the real lengths are read
                 )
-                self._pad(0, length)  # captured over padding alone: nothing written
-                self.context_lens.fill_(length)
-                self.query_lens.fill_(length)
+                # Captured over one sequence of padding alone: nothing written.
+                self._pad(0, length)
+                self.query_lens.zero_()
+                self.query_lens[0] = length
+                self.context_lens.copy_(self.query_lens)
                 args = (self.input_ids[:length], metadata, self.logits_index)
                 graph, self.logits[length] = capture_forward(model, attention, args, pool)
                 pool = graph.pool()
@@ -90,37 +103,45 @@ class PromptGraphs:
             replay_once(self.graphs)
         torch.cuda.synchronize(device)
         logger.info(
-            "captured CUDA graphs of one sequence's prompt steps of %s tokens in %.1f s",
+            "captured CUDA graphs of prompt steps of up to %d sequences and %s tokens in %.1f s",
+            seqs,
             self.lengths,
             time.perf_counter() - started,
         )
 
     def fits(self, shape: StepShape) -> bool:
-        """One sequence's tokens (not a uniform decode or verify step), at most the largest
-        length, at most one logits row."""
+        """A step that is not a uniform decode or verify step, of at most the largest count of
+        tokens and ``PROMPT_GRAPH_SEQS`` sequences and logits rows (a decode among them is a
+        one-token sequence to the prefill kernel)."""
         return (
-            shape.num_seqs == 1
-            and not shape.uniform_query_len
+            not shape.uniform_query_len
+            and shape.num_seqs <= PROMPT_GRAPH_SEQS
             and shape.num_tokens <= self.lengths[-1]
-            and shape.num_logits <= 1
+            and shape.num_logits <= PROMPT_GRAPH_SEQS
             and shape.max_blocks <= self.max_blocks
         )
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
-        """The step's logits (its one sampled row, or none), by graph replay."""
+        """The step's logits (its sampled rows and scored positions), by graph replay."""
         shape = inputs.shape
         assert self.fits(shape)
-        count = shape.num_tokens
+        count, seqs = shape.num_tokens, shape.num_seqs
         length = next(n for n in self.lengths if n >= count)
         metadata = inputs.metadata
         self.input_ids[:count].copy_(inputs.input_ids)
         self.positions[:count].copy_(metadata.positions)
         self.slot_mapping[:count].copy_(metadata.slot_mapping)
-        self.block_tables[:, : shape.max_blocks].copy_(metadata.block_tables)
-        self.context_lens.copy_(metadata.context_lens)
-        self.query_lens.copy_(metadata.query_lens)
-        if shape.num_logits:
-            self.logits_index.copy_(inputs.logits_index)
+        self.seq_index[:count].copy_(metadata.token_seq_index)
+        self.block_tables[:seqs, : shape.max_blocks].copy_(metadata.block_tables)
+        self.context_lens[:seqs].copy_(metadata.context_lens)
+        self.query_lens[:seqs].copy_(metadata.query_lens)
+        self.query_starts[:seqs].copy_(metadata.query_starts)
+        if seqs < PROMPT_GRAPH_SEQS:
+            self.query_lens[seqs:].zero_()  # padding sequences: no tokens
+        # Rows past the step's logits index token 0: a stale index could lie past this
+        # graph's tokens.
+        self.logits_index[: shape.num_logits].copy_(inputs.logits_index)
+        self.logits_index[shape.num_logits :].zero_()
         if count < length:
             self._pad(count, length)
         self.graphs[length].replay()

@@ -162,30 +162,33 @@ def test_graph_decode_equals_eager_decode(engine_fp32: LLMEngine) -> None:
     torch.testing.assert_close(graphed, eager, rtol=1e-3, atol=1e-3)
 
 
-def _graph_and_eager_prompt(engine: LLMEngine, prompt: list[int]) -> tuple[torch.Tensor, ...]:
-    """Logits of ``prompt``'s step alone (after whatever prefix the cache holds): replayed
-    from a prompt graph (tokens padded to a captured length), and op by op."""
+def _graph_and_eager_prompt(engine: LLMEngine, *prompts: list[int]) -> tuple[torch.Tensor, ...]:
+    """Logits of ``prompts``' step together (after whatever prefix the cache holds):
+    replayed from a prompt graph (tokens padded to a captured count, sequences to the
+    graph's), and op by op."""
     assert engine.runner.prompt_graphs is not None
     engine.sync()
-    engine.add_request(b"gpu", "prompt", prompt, SamplingParams(max_tokens=4))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(b"gpu", f"prompt{i}", prompt, SamplingParams(max_tokens=4))
     batch = engine.scheduler.schedule()
     inputs = engine.runner.step_inputs(batch)
-    assert len(batch) == 1 and engine.runner.prompt_graphs.fits(inputs.shape)
+    assert len(batch) == len(prompts) and engine.runner.prompt_graphs.fits(inputs.shape)
     with torch.inference_mode():
         eager = engine.runner.forward_eager(inputs).clone()
         replays = engine.runner.prompt_graphs.num_replays
         graphed = engine.runner.prompt_graphs.run(inputs).clone()
         assert engine.runner.prompt_graphs.num_replays == replays + 1
-    engine.abort(b"gpu", "prompt")
+    for i in range(len(prompts)):
+        engine.abort(b"gpu", f"prompt{i}")
     return graphed, eager, inputs.metadata.context_lens, inputs.metadata.query_lens
 
 
 def test_prompt_graph_equals_eager_prompt(engine_fp32: LLMEngine) -> None:
-    """One sequence's prompt step replayed from a graph of 16-512 tokens gives the eager
-    step's logits: whole prompts of several lengths (one exactly a captured length, the
-    others padded), and the new tokens after a cached prefix (context longer than the
-    step). Each prompt alone then generates what it does in a batch, whose steps run op by
-    op (the test above)."""
+    """A prompt step replayed from a graph of 16-512 tokens gives the eager step's logits:
+    whole prompts of several lengths (one exactly a captured length, the others padded),
+    several prompts in one step (sequences padded to the graph's), and the new tokens after
+    a cached prefix (context longer than the step). Each prompt alone then generates what
+    it does in a batch, whose steps run op by op (the test above)."""
     engine = engine_fp32
     prompts = [*_prompts(4), [7] * 16, [9] * 45]
     for prompt in prompts:
@@ -193,11 +196,90 @@ def test_prompt_graph_equals_eager_prompt(engine_fp32: LLMEngine) -> None:
         assert graphed.shape == eager.shape == (1, engine.vocab_size)
         torch.testing.assert_close(graphed, eager, rtol=1e-3, atol=1e-3)
         assert context_lens.tolist() == query_lens.tolist() == [len(prompt)]
+    several = [[11] * 30, [12] * 77, [13] * 5]
+    graphed, eager, context_lens, _ = _graph_and_eager_prompt(engine, *several)
+    assert graphed.shape == eager.shape == (3, engine.vocab_size)
+    torch.testing.assert_close(graphed, eager, rtol=1e-3, atol=1e-3)
+    assert context_lens.tolist() == [30, 77, 5]
     prefix = list(range(100, 164))
     run_engine(engine, [prefix], max_tokens=2)  # leaves its full blocks in the prefix cache
     graphed, eager, context_lens, query_lens = _graph_and_eager_prompt(engine, prefix + [5] * 20)
     torch.testing.assert_close(graphed, eager, rtol=1e-3, atol=1e-3)
     assert context_lens.item() == 84 and query_lens.item() < 84  # after the cached prefix
+
+
+@pytest.fixture(scope="module")
+def engine_split(llama_1b: Path) -> LLMEngine:
+    """engine_fp32's model with every mixed step split (its 5 GB of float32 weights are past
+    ``auto``'s limit): the decode graph and a prompt graph replayed for each."""
+    return LLMEngine(
+        EngineConfig(
+            model=str(llama_1b),
+            device="cuda",
+            dtype="float32",
+            max_model_len=4096,
+            kv_cache_memory_gb=4,
+            split_mixed_steps="on",
+        )
+    )
+
+
+def test_split_mixed_step_equals_eager_mixed_step(engine_split: LLMEngine) -> None:
+    """Nine decodes (padded to the decode graph of 16), then two prompts: replayed as the
+    decode graph and a prompt graph, the step's logits are the eager pass's."""
+    engine, runner = engine_split, engine_split.runner
+    assert runner.decode_graphs is not None and runner.prompt_graphs is not None
+    engine.sync()
+    for i, prompt in enumerate(_prompts(9)):
+        engine.add_request(b"gpu", f"decode{i}", prompt, SamplingParams(max_tokens=8))
+    while any(not r.output_token_ids for r in engine.requests.values()):
+        engine.step()
+    engine.sync()
+    engine.add_request(b"gpu", "new0", [21] * 40, SamplingParams(max_tokens=2))
+    engine.add_request(b"gpu", "new1", [22] * 130, SamplingParams(max_tokens=2))
+    batch = engine.scheduler.schedule()
+    inputs = runner.step_inputs(batch)
+    assert inputs.shape.num_leading_decodes == 9 and inputs.shape.num_seqs == 11
+    graphs = (runner.decode_graphs, runner.prompt_graphs)
+    before = [runner.num_split_steps, *(g.num_replays for g in graphs)]
+    with torch.inference_mode():
+        eager = runner.forward_eager(inputs).clone()
+        split = runner.run_model(inputs).clone()
+    assert [runner.num_split_steps, *(g.num_replays for g in graphs)] == [n + 1 for n in before]
+    assert split.shape == eager.shape == (11, engine.vocab_size)
+    torch.testing.assert_close(split, eager, rtol=1e-3, atol=1e-3)
+    for request_id in list(engine.requests):
+        engine.abort(b"gpu", request_id)
+
+
+def _arriving(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, list[int]]:
+    """Each prompt's greedy tokens, the prompts arriving one or two a step while the earlier
+    ones decode (overlapped steps: almost every step mixes a prompt into decodes)."""
+    sampling = SamplingParams(max_tokens=24, ignore_eos=True)
+    outputs: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        outputs[str(i)] = []
+        engine.add_request(b"gpu", str(i), prompt, sampling)
+        if i % 3 != 2:
+            for _, output in engine.step():
+                outputs[output.request_id].extend(output.new_token_ids)
+    while engine.has_work:
+        for _, output in engine.step():
+            outputs[output.request_id].extend(output.new_token_ids)
+    return outputs
+
+
+def test_split_mixed_steps_generate_what_eager_ones_do(
+    engine_split: LLMEngine, engine_fp32: LLMEngine
+) -> None:
+    """Greedy tokens in float32 with mixed steps split and replayed equal those with them
+    run op by op (engine_fp32's model is past ``auto``'s limit: it does not split)."""
+    assert not engine_fp32.runner.split_mixed_steps
+    prompts = _prompts(24, max_len=200)
+    split_steps = engine_split.runner.num_split_steps
+    split = _arriving(engine_split, prompts)
+    assert engine_split.runner.num_split_steps > split_steps + 10
+    assert split == _arriving(engine_fp32, prompts)
 
 
 def test_sampling_parameters_batched_and_overlapped_equal_one_at_a_time(
