@@ -270,9 +270,9 @@ class TritonLayerOps(TorchLayerOps):
         w2_bias: torch.Tensor | None = None,
         activation: ClampedSwiGLU | None = None,
     ) -> torch.Tensor:
-        # Align, two grouped GEMMs with the activation (and biases) and the routing weights
-        # in their epilogues, combine: five kernels, no host sync (CUDA graphs replay any
-        # routing).
+        # A decode step's few pairs by pair, two kernels (moe_decode.py); otherwise align,
+        # two grouped GEMMs with the activation (and biases) and the routing weights in their
+        # epilogues, combine: four or five. No host sync (CUDA graphs replay any routing).
         experts = (x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, expert_offset)
         variant = {"w13_bias": w13_bias, "w2_bias": w2_bias, "activation": activation}
         if x.is_cuda:
