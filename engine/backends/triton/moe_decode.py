@@ -60,6 +60,10 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Products a program step: 32 a thread of 8 warps (the one-row kernel's 4 rows x 4 KiB).
 _STEP_PRODUCTS = 8192
 _WARPS = 8
+# Registers a thread, at most: 4 programs of 8 warps an SM (64K registers), a step's 16 KiB
+# in flight each. Left to itself ptxas gives the gate/up kernel 72 (3 programs) where 64
+# spill nothing in bf16 (4 bytes with fp8 codes' widening; sm_90, both kernels, K 2 to 8).
+_MAX_REGISTERS = 64
 
 
 @dataclass(frozen=True)
@@ -309,6 +313,7 @@ def moe_decode_experts(
         BLOCK_K=config.gate_up_depth,
         num_warps=config.warps,
         num_stages=1,
+        maxnreg=_MAX_REGISTERS,
         **launch_options(x.device),
     )
     _down_token_kernel[(triton.cdiv(hidden, config.down_rows), num_tokens)](
@@ -337,5 +342,6 @@ def moe_decode_experts(
         BLOCK_K=config.down_depth,
         num_warps=config.warps,
         num_stages=1,
+        maxnreg=_MAX_REGISTERS,
         **launch_options(x.device),
     )
