@@ -16,8 +16,9 @@ floor). Here:
 2. Down (``_down_token_kernel``): a program per (token, BLOCK_N output channels) reads all of
    its K picks' rows at once, a [K, BLOCK_N, BLOCK_K] load a step: K experts' bytes in flight
    together rather than one expert after another (a first by-pair path looped over the picks
-   and was slower than the grouped kernels, latency-bound: 4 KiB in flight a program). Each
-   pick's float32 sums are scaled by its routing weight (and FP8 scales; a bias, times the
+   and was slower than the grouped kernels, latency-bound: 4 KiB in flight a program),
+   reduced a step at a time within each warp into float32 sums per (pick, channel). Each
+   pick's sums are scaled by its routing weight (and FP8 scales; a bias, times the
    weight), summed over the picks in a fixed order and written once in x's dtype: the
    combine, without partial sums or atomics, the same bits run to run. Another rank's picks
    are masked off (their activations never written) and add nothing.
