@@ -6,6 +6,7 @@
 #   scripts/gpu_session.sh bench-dp|bench-dp-smoke|layouts-8b|tp-layouts-8b  # data parallelism (layouts: 4 GPUs)
 #   scripts/gpu_session.sh moe-kernel  # the fused MoE kernel (issue 39): its tests, then its timings
 #   scripts/gpu_session.sh moe-decode  # its decode path by pair: tests, kernel and batch-1 timings
+#   scripts/gpu_session.sh moe-decode-parity  # batch-1 decode parity of Qwen3 (QK-norm) and the MoEs
 #   MOE_SHAPE=mixtral-8x7b scripts/gpu_session.sh moe-sweep  # its rule against neighbouring configurations
 #   SPEC_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh spec spec-f32  # speculative decoding (issue 37)
 #   scripts/gpu_session.sh moe                           # mixtures of experts, one GPU
@@ -82,7 +83,11 @@
 # shapes), then one layer's experts at one token (`bench_kernels.py --moe --moe-sweep`: the
 # rule's path beside its neighbours, the grouped kernels among them), bench_latency's
 # batch-1 TPOT (--runs 3) and profile_step's batch-1 step (--rounds 3) at Qwen3-30B-A3B,
-# bench_latency at Mixtral-8x7B and gpt-oss-20b (--runs 2); a table last.
+# bench_latency at Mixtral-8x7B and gpt-oss-20b (--runs 2); a table last. Its tests include the
+# one-row QKV kernel's (Qwen3's per-head norms in its epilogue at batch 1) natively on CUDA.
+# moe-decode-parity (about 3 minutes): greedy decode against transformers in float32 with the
+# triton backend, batch 1 included: Qwen3 0.6B (per-head norms in the one-row QKV kernel) and
+# the small Qwen3-MoE, Mixtral and gpt-oss (the decode path by pair).
 # moe-sweep: the same timings at MOE_SHAPE (default qwen3-30b-a3b), each T with the rule's
 # neighbours timed too (--moe-sweep: about 100 configurations a shape, minutes of compiling),
 # bf16 then fp8; where the fastest candidate beats the rule, the rule wants refitting.
@@ -431,8 +436,8 @@ PY
       head -1 "$out/moe-kernel-bf16.log"
       for weights in bf16 fp8; do grep -hE "^ +(shape|qwen|mixtral)" "$out/moe-kernel-$weights.log"; done ;;
     moe-decode)
-      timeout 150 python3 -m pytest -q -rs tests/gpu/test_fused_moe_cuda.py -k "decode or graph" \
-        -p no:cacheprovider 2>&1 | tee "$out/moe-decode-tests.log" | tail -6
+      timeout 150 python3 -m pytest -q -rs tests/gpu/test_fused_moe_cuda.py tests/engine/test_one_row_qkv.py \
+        -k "decode or graph or one_row_qkv" -p no:cacheprovider 2>&1 | tee "$out/moe-decode-tests.log" | tail -6
       timeout 100 python3 scripts/bench_kernels.py --moe qwen3-30b-a3b mixtral-8x7b gpt-oss-20b \
         --moe-tokens 1 --moe-sweep 2>&1 | tee "$out/moe-decode-kernel.log" | tail -5
       m=$(config_only qwen3-30b-a3b)
@@ -457,6 +462,11 @@ PY
           END {printf "%-15s %-26s %s\n", s, m " (" r ")", f " (" fr ")"}' \
           "$out/moe-decode-latency-$shape.log"
       done ;;
+    moe-decode-parity)
+      checkpoint qwen3-0.6b > /dev/null
+      timeout 300 python3 -m pytest -q -rs -s -p no:cacheprovider tests/gpu/test_decode_parity.py \
+        tests/gpu/test_moe_cuda.py -k "greedy and (qwen3-0.6b or triton)" 2>&1 \
+        | tee "$out/moe-decode-parity.log" | grep -E "worst logprob|passed|failed|Error" | tail -8 ;;
     moe-sweep)
       for weights in bf16 fp8; do
         flags=(); [ $weights = fp8 ] && flags=(--quantization fp8)
