@@ -5,6 +5,8 @@
 #   scripts/gpu_session.sh tp-check tp-8b tp-70b   # tensor parallelism, on 2 GPUs (TP=4/8: TP=N)
 #   scripts/gpu_session.sh bench-dp|bench-dp-smoke|layouts-8b|tp-layouts-8b  # data parallelism (layouts: 4 GPUs)
 #   scripts/gpu_session.sh moe-kernel  # the fused MoE kernel (issue 39): its tests, then its timings
+#   scripts/gpu_session.sh moe-decode  # its decode path by pair: tests, kernel and batch-1 timings
+#   scripts/gpu_session.sh moe-decode-parity  # batch-1 decode parity of Qwen3 (QK-norm) and the MoEs
 #   MOE_SHAPE=mixtral-8x7b scripts/gpu_session.sh moe-sweep  # its rule against neighbouring configurations
 #   SPEC_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh spec spec-f32  # speculative decoding (issue 37)
 #   scripts/gpu_session.sh moe                           # mixtures of experts, one GPU
@@ -88,6 +90,16 @@
 # Qwen3-30B-A3B, Mixtral-8x7B, Qwen3-235B-A22B's TP=4 rank (expert-parallel and split) and
 # gpt-oss-20b (the kernel's gpt-oss variant),
 # T = 1 to 2048 tokens, bf16 and fp8 weights; the tables last.
+# moe-decode (issue 39, about 6 minutes, one GPU): the decode path by pair (moe_decode.py)
+# first checked (tests/gpu/test_fused_moe_cuda.py's decode and CUDA-graph cases at the real
+# shapes), then one layer's experts at one token (`bench_kernels.py --moe --moe-sweep`: the
+# rule's path beside its neighbours, the grouped kernels among them), bench_latency's
+# batch-1 TPOT (--runs 3) and profile_step's batch-1 step (--rounds 3) at Qwen3-30B-A3B,
+# bench_latency at Mixtral-8x7B and gpt-oss-20b (--runs 2); a table last. Its tests include the
+# one-row QKV kernel's (Qwen3's per-head norms in its epilogue at batch 1) natively on CUDA.
+# moe-decode-parity (about 3 minutes): greedy decode against transformers in float32 with the
+# triton backend, batch 1 included: Qwen3 0.6B (per-head norms in the one-row QKV kernel) and
+# the small Qwen3-MoE, Mixtral and gpt-oss (the decode path by pair).
 # moe-sweep: the same timings at MOE_SHAPE (default qwen3-30b-a3b), each T with the rule's
 # neighbours timed too (--moe-sweep: about 100 configurations a shape, minutes of compiling),
 # bf16 then fp8; where the fastest candidate beats the rule, the rule wants refitting.
@@ -435,6 +447,38 @@ PY
       grep -hE "passed|failed" "$out/moe-kernel-tests.log" | tail -1
       head -1 "$out/moe-kernel-bf16.log"
       for weights in bf16 fp8; do grep -hE "^ +(shape|qwen|mixtral)" "$out/moe-kernel-$weights.log"; done ;;
+    moe-decode)
+      timeout 150 python3 -m pytest -q -rs tests/gpu/test_fused_moe_cuda.py tests/engine/test_one_row_qkv.py \
+        -k "decode or graph or one_row_qkv" -p no:cacheprovider 2>&1 | tee "$out/moe-decode-tests.log" | tail -6
+      timeout 100 python3 scripts/bench_kernels.py --moe qwen3-30b-a3b mixtral-8x7b gpt-oss-20b \
+        --moe-tokens 1 --moe-sweep 2>&1 | tee "$out/moe-decode-kernel.log" | tail -5
+      m=$(config_only qwen3-30b-a3b)
+      timeout 150 python3 scripts/bench_latency.py --model "$m" --load-format dummy --runs 3 2>&1 \
+        | tee "$out/moe-decode-latency-qwen3-30b-a3b.log" | grep -hE "^tandem, |^roofline"
+      timeout 150 python3 scripts/profile_step.py --model "$m" --load-format dummy --batch 1 \
+        --rounds 3 --top 16 2>&1 | grep -v USDT | tee "$out/moe-decode-profile.log" \
+        | grep -vE '^INFO|WARNING' | tail -24
+      for shape in mixtral-8x7b gpt-oss-20b; do
+        m=$(config_only $shape)
+        timeout 150 python3 scripts/bench_latency.py --model "$m" --load-format dummy --runs 2 2>&1 \
+          | tee "$out/moe-decode-latency-$shape.log" | grep -hE "^tandem, |^roofline"
+      done
+      echo "=== moe-decode summary"
+      grep -hE "passed|failed|error" "$out/moe-decode-tests.log" | tail -1
+      grep -hE "^ +(shape|qwen|mixtral|gpt)" "$out/moe-decode-kernel.log"
+      grep -hE "ms per decode step|device kernels" "$out/moe-decode-profile.log"
+      printf '%-15s %-26s %s\n' shape "TPOT ms (median, range)" "% of floor (median, range)"
+      for shape in qwen3-30b-a3b mixtral-8x7b gpt-oss-20b; do
+        awk -v s="$shape" '/^tandem, median/ {m = $(NF-3); f = $NF}
+          /^tandem, range/ {r = $(NF-3); fr = $NF}
+          END {printf "%-15s %-26s %s\n", s, m " (" r ")", f " (" fr ")"}' \
+          "$out/moe-decode-latency-$shape.log"
+      done ;;
+    moe-decode-parity)
+      checkpoint qwen3-0.6b > /dev/null
+      timeout 300 python3 -m pytest -q -rs -s -p no:cacheprovider tests/gpu/test_decode_parity.py \
+        tests/gpu/test_moe_cuda.py -k "greedy and (qwen3-0.6b or triton)" 2>&1 \
+        | tee "$out/moe-decode-parity.log" | grep -E "worst logprob|passed|failed|Error" | tail -8 ;;
     moe-sweep)
       for weights in bf16 fp8; do
         flags=(); [ $weights = fp8 ] && flags=(--quantization fp8)

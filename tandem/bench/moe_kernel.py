@@ -13,8 +13,10 @@ products' FLOPs (2 per weight per routed pair, at the measured dense GEMM rate, 
 one where the kernel quantizes the activations too: W8A8, past 16 tokens) over the time.
 Each case's output is checked against the expert-by-expert float32 reference first.
 "config" is the rule's (``moe_config``): tile rows / gate-up columns x depth / down columns x
-depth, x splits of the down projection's depth. With --moe-sweep, each case also times the
-rule's neighbours (``candidates``) and prints the fastest, for fitting the rule.
+depth, x splits of the down projection's depth; or, where it takes the decode path by pair
+(``moe_decode``), "pair" / gate-up columns x depth / down channels x depth. With --moe-sweep,
+each case also times the rule's neighbours (``candidates``; on the decode path, the grouped
+kernels' configuration among them) and prints the fastest, for fitting the rule.
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ from engine.backends.triton.fused_moe import (
     MoeConfig,
     MoeGemmConfig,
     fused_moe,
+    grouped_config,
     moe_config,
     quantizes_activations,
 )
+from engine.backends.triton.moe_decode import MoeDecodeConfig
 from engine.quantization.linear_methods import quantize_per_channel
 from engine.roofline import DeviceRates, StepTraffic, traffic_bound
 from tandem.testing.kernel_reference import moe_experts_reference
@@ -84,8 +88,14 @@ class MoeResult:
     best: tuple[str, float] | None  # --moe-sweep: the fastest candidate and its time
 
 
-def describe(config: MoeConfig) -> str:
-    """tile rows / gate-up columns x depth / down columns x depth, x splits"""
+def describe(config: MoeConfig | MoeDecodeConfig) -> str:
+    """tile rows / gate-up columns x depth / down columns x depth, x splits; by pair: "pair" /
+    gate-up columns x depth / down channels x depth"""
+    if isinstance(config, MoeDecodeConfig):
+        return (
+            f"pair/{config.gate_up_columns}x{config.gate_up_depth}"
+            f"/{config.down_rows}x{config.down_depth}"
+        )
     gate_up, down = config.gate_up, config.down
     return (
         f"{config.block_m}/{gate_up.block_n}x{gate_up.block_k}/{down.block_n}x{down.block_k}"
@@ -93,10 +103,23 @@ def describe(config: MoeConfig) -> str:
     )
 
 
-def candidates(rule: MoeConfig, weight_dtype: torch.dtype) -> list[MoeConfig]:
-    """Neighbours of the rule's configuration, for ``--moe-sweep``: at decode tiles (16 or 32
-    rows) other column widths, depths and splits; at prefill tiles the other height and
-    widths and warps."""
+def candidates(
+    rule: MoeConfig | MoeDecodeConfig, grouped: MoeConfig
+) -> list[MoeConfig | MoeDecodeConfig]:
+    """Neighbours of the rule's configuration, for ``--moe-sweep``: by pair, the grouped
+    kernels' (``grouped``) and narrower and wider blocks of the same products a step; at
+    decode tiles (16 or 32 rows) other column widths, depths and splits; at prefill tiles
+    the other height and widths and warps."""
+    if isinstance(rule, MoeDecodeConfig):
+        step = 2 * rule.gate_up_columns * rule.gate_up_depth
+        down_step = rule.down_rows * rule.down_depth
+        return [
+            grouped,
+            *(
+                MoeDecodeConfig(columns, step // (2 * columns), rows, down_step // rows, 8)
+                for columns, rows in ((2, 2), (8, 8), (2, 8), (8, 2))
+            ),
+        ]
     if rule.block_m <= 32:
         depth = rule.gate_up.block_k
         return [
@@ -207,7 +230,7 @@ def moe_case(
     weight_bytes = touched * 3 * shape.hidden * shape.intermediate * w13.dtype.itemsize
     flops = 2 * local.numel() * 3 * shape.hidden * shape.intermediate
     w8a8 = quantizes_activations(num_tokens, w13.dtype)
-    rule = moe_config(
+    shape_args = (
         num_tokens,
         shape.top_k,
         shape.local_experts,
@@ -217,8 +240,9 @@ def moe_case(
         w13.dtype,
         FP8 if w8a8 else DTYPE,
     )
+    rule = moe_config(*shape_args)
 
-    def timed(config: MoeConfig) -> float:
+    def timed(config: MoeConfig | MoeDecodeConfig) -> float:
         def run() -> None:
             fused_moe(x, weights, ids, **layer, config=config)
 
@@ -231,7 +255,7 @@ def moe_case(
     best = None
     if sweep:
         best = min(
-            ((describe(c), timed(c) * 1e3) for c in candidates(rule, w13.dtype)),
+            ((describe(c), timed(c) * 1e3) for c in candidates(rule, grouped_config(*shape_args))),
             key=lambda b: b[1],
         )
     seconds = ms / 1e3

@@ -5,7 +5,9 @@ float32 reference (tandem/testing/kernel_reference.py), and against the torch ba
 Runs natively on CUDA and, without it, in Triton's interpreter (tests/conftest.py), where
 the configuration is small on purpose: 16-row tiles, the down projection's depth split in
 two, the alignment's pairs cut into chunks of a few and its tiles labelled by several
-programs, so that these small shapes take every path the real ones do. FP8 weights past 16
+programs, so that these small shapes take every path the real ones do. A decode step's few
+pairs take the by-pair path (engine/backends/triton/moe_decode.py) by the rule; its tests
+also give it more tokens (its configuration passed), where pairs share experts. FP8 weights past 16
 tokens take the W8A8 path (activations quantized per row, FP8 x FP8 products), which the
 interpreter runs too. Triton's interpreter multiplies bfloat16 wrongly, so off CUDA the
 16-bit case is float16.
@@ -20,7 +22,8 @@ import torch
 
 from engine.backends.layer_ops import ClampedSwiGLU
 from engine.backends.pytorch import TorchLayerOps
-from engine.backends.triton.fused_moe import fused_moe, quantizes_activations
+from engine.backends.triton.fused_moe import fused_moe, moe_config, quantizes_activations
+from engine.backends.triton.moe_decode import MoeDecodeConfig, moe_decode_config
 from engine.quantization.linear_methods import quantize_per_channel
 from tandem.testing.kernel_reference import moe_experts_reference
 
@@ -66,6 +69,7 @@ def assert_matches_reference(
     ids: torch.Tensor,
     layer: dict[str, torch.Tensor | None],
     expert_offset: int = 0,
+    config: MoeDecodeConfig | None = None,
     **gpt_oss: Any,
 ) -> torch.Tensor:
     """The kernel's output in x's dtype is within two units of x's dtype's rounding of the
@@ -73,8 +77,9 @@ def assert_matches_reference(
     the kernel quantizes them), overall and element by element (float32: a few epsilons, the
     sums' order); and within as much of the torch backend's where both multiply alike (it
     reads FP8 weights weight-only at any size). ``gpt_oss``: its biases and activation
-    (``LayerOps.moe_experts``' keywords)."""
-    out = fused_moe(x, weights, ids, **layer, expert_offset=expert_offset, **gpt_oss)
+    (``LayerOps.moe_experts``' keywords). ``config``: the decode path's, whatever the rule
+    would take."""
+    out = fused_moe(x, weights, ids, **layer, expert_offset=expert_offset, config=config, **gpt_oss)
     assert out.dtype == x.dtype and out.shape == x.shape
     w8a8 = quantizes_activations(x.shape[0], layer["w13"].dtype)
     reference = moe_experts_reference(
@@ -136,12 +141,15 @@ def gpt_oss_variant(num_experts: int, dtype: torch.dtype) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize(("num_tokens", "fp8"), [(1, False), (20, True)], ids=["1", "20-w8a8"])
+@pytest.mark.parametrize(
+    ("num_tokens", "fp8"), [(1, False), (1, True), (20, True)], ids=["1", "1-fp8", "20-w8a8"]
+)
 def test_fused_moe_gpt_oss_epilogue(num_tokens: int, fp8: bool) -> None:
     """gpt-oss's variant: the gate/up biases and the clamped SwiGLU in the first kernel's
-    epilogue, the down bias added once however the depth is split, times the routing
-    weight; top-4 of 8, float16 (FP8 at 20 tokens: W8A8, the bias apart from the
-    activation's scale). Its biases and clamp change the output (the variant is used)."""
+    epilogue, the down bias added once however the depth is split (or once a pick, by
+    pair), times the routing weight; top-4 of 8, float16 (one token: by pair, FP8 widened;
+    FP8 at 20 tokens: W8A8, the bias apart from the activation's scale). Its biases and
+    clamp change the output (the variant is used)."""
     x = torch.randn(num_tokens, HIDDEN, device=DEVICE).to(HALF)
     weights, ids = route(torch.randn(num_tokens, 8, device=DEVICE), top_k=4)
     layer = experts(8, HALF, fp8)
@@ -181,3 +189,62 @@ def test_fused_moe_all_picks_elsewhere_gives_exact_zeros(num_tokens: int, fp8: b
     x = torch.randn(num_tokens, HIDDEN, device=DEVICE)
     out = fused_moe(x, weights, ids, **layer, expert_offset=0)
     assert torch.equal(out, torch.zeros_like(x))
+
+
+def test_decode_path_is_the_rule_at_a_few_pairs() -> None:
+    """One token's picks always (distinct experts); more tokens while their pairs are at most
+    E / 8 (duplicates rare): Qwen3-30B-A3B's shape up to 2 tokens, Mixtral's and
+    gpt-oss-20b's at one; never W8A8."""
+
+    def by_pair(num_tokens: int, top_k: int, experts: int, dtype: torch.dtype) -> bool:
+        config = moe_config(num_tokens, top_k, experts, 2048, 768, 132, dtype, dtype)
+        return isinstance(config, MoeDecodeConfig)
+
+    assert by_pair(1, 8, 128, HALF) and by_pair(2, 8, 128, HALF) and not by_pair(3, 8, 128, HALF)
+    assert by_pair(1, 2, 8, HALF) and not by_pair(2, 2, 8, HALF)
+    assert by_pair(1, 4, 32, HALF) and not by_pair(2, 4, 32, HALF)
+    assert by_pair(1, 8, 128, FP8) and not by_pair(64, 8, 4096, FP8)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, HALF], ids=str)
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_decode_path_matches_reference(num_tokens: int, dtype: torch.dtype, fp8: bool) -> None:
+    """By pair, top-3 of 8 (the picks padded to 4 in the down kernel's block): one token, and
+    five whose 15 pairs share experts (each pair reads its expert's weights, each token's
+    program sums its own picks)."""
+    x = torch.randn(num_tokens, HIDDEN, device=DEVICE).to(dtype)
+    weights, ids = route(torch.randn(num_tokens, 8, device=DEVICE), top_k=3)
+    layer = experts(8, dtype, fp8)
+    out = assert_matches_reference(x, weights, ids, layer, config=moe_decode_config(3))
+    # No atomics, no partial sums: the same bits run to run.
+    assert torch.equal(out, fused_moe(x, weights, ids, **layer, config=moe_decode_config(3)))
+
+
+def test_decode_path_ties_and_experts_no_token_picks() -> None:
+    """The ties test's routing (expert 3 first, a tie of 11 and 12 second, thirteen of 16
+    experts unpicked) by pair at 6 tokens."""
+    logits = torch.zeros(6, 16, device=DEVICE)
+    logits[:, 3] = 2.0
+    logits[:, 11] = logits[:, 12] = 1.0
+    weights, ids = route(logits, top_k=2)
+    x = torch.randn(6, HIDDEN, device=DEVICE)
+    layer = experts(16, torch.float32, fp8=False)
+    assert_matches_reference(x, weights, ids, layer, config=moe_decode_config(2))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype", "fp8"])
+def test_decode_path_leaves_out_other_ranks_experts(fp8: bool) -> None:
+    """Experts 4-7 of 12 here, by pair at 4 tokens of top-3: a token with no local pick comes
+    out exact zeros, one with every pick local and two mixed match the reference."""
+    weights, ids = route(torch.randn(4, 12, device=DEVICE), top_k=3)
+    ids[0] = torch.tensor([0, 9, 11])  # no local pick
+    ids[1] = torch.tensor([4, 5, 7])  # every pick local
+    ids[2] = torch.tensor([5, 9, 7])
+    ids[3] = torch.tensor([1, 6, 8])
+    x = torch.randn(4, HIDDEN, device=DEVICE)
+    layer = experts(4, torch.float32, fp8)
+    out = assert_matches_reference(
+        x, weights, ids, layer, expert_offset=4, config=moe_decode_config(3)
+    )
+    assert (out[0] == 0).all()

@@ -2,7 +2,9 @@
 SHAPES: Qwen3-30B-A3B, Mixtral-8x7B, Qwen3-235B-A22B's TP=4 rank, both splits, and
 gpt-oss-20b with its biases and clamped SwiGLU), bf16 and FP8 weights: against the
 expert-by-expert float32 reference at a decode's and a prefill's token counts, and inside a
-CUDA graph, captured for one routing and replayed for others."""
+CUDA graph, captured for one routing and replayed for others. The decode path by pair
+(``moe_decode``: the rule's at one token) also at 2 and 4 tokens, its configuration given,
+where pairs share experts."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pytest
 import torch
 
 from engine.backends.triton.fused_moe import fused_moe
+from engine.backends.triton.moe_decode import moe_decode_config, takes_decode_path
 from tandem.bench.moe_kernel import (
     SHAPES,
     MoeShape,
@@ -37,8 +40,26 @@ def test_fused_moe_at_real_shapes(shape: MoeShape, fp8: bool) -> None:
         assert torch.equal(out, fused_moe(x, weights, ids, **layer))
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_decode_path_at_real_shapes(shape: MoeShape, fp8: bool) -> None:
+    """By pair at 1, 2 and 4 tokens (FP8 weight-only): against the reference, the same bits
+    run to run (no atomics, no partial sums); at one token it is the rule's path."""
+    torch.manual_seed(2)
+    layer = random_layer(shape, fp8)
+    assert takes_decode_path(1, shape.top_k, shape.local_experts)
+    config = moe_decode_config(shape.top_k)
+    for num_tokens in (1, 2, 4):
+        x = torch.randn(num_tokens, shape.hidden, device="cuda", dtype=torch.bfloat16)
+        weights, ids = random_routing(num_tokens, shape)
+        out = fused_moe(x, weights, ids, **layer, config=config)
+        assert_matches_reference(out, x, weights, ids, layer)
+        assert torch.equal(out, fused_moe(x, weights, ids, **layer, config=config))
+
+
 @pytest.mark.parametrize(
-    ("num_tokens", "fp8"), [(1, False), (64, False), (64, True)], ids=["1", "64", "64-w8a8"]
+    ("num_tokens", "fp8"),
+    [(1, False), (1, True), (64, False), (64, True)],
+    ids=["1", "1-fp8", "64", "64-w8a8"],
 )
 def test_fused_moe_replays_in_a_cuda_graph_for_any_routing(
     shape: MoeShape, num_tokens: int, fp8: bool
@@ -46,8 +67,9 @@ def test_fused_moe_replays_in_a_cuda_graph_for_any_routing(
     """Captured for one random routing, replayed for another and for the most uneven one
     (every token's picks the same K experts: one expert's pairs over several tiles, the
     others' none): each replay's output equals an eager run's on the same inputs, bit for
-    bit, and the reference's. Nothing in the captured launches depends on the routing. FP8
-    weights at 64 tokens: W8A8, the activations' quantization kernels captured too."""
+    bit, and the reference's. Nothing in the captured launches depends on the routing. One
+    token: the decode path by pair (bf16, FP8 widened). FP8 weights at 64 tokens: W8A8, the
+    activations' quantization kernels captured too."""
     torch.manual_seed(1)
     layer = random_layer(shape, fp8)
     x = torch.randn(num_tokens, shape.hidden, device="cuda", dtype=torch.bfloat16)

@@ -1,4 +1,5 @@
-"""SiLU-and-multiply, the gated MLP's activation on the fused gate/up projection."""
+"""SiLU-and-multiply, the gated MLP's activation on the fused gate/up projection; and the
+experts' activation as the MoE kernels' epilogues compute it (``gated_activation``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,18 @@ import triton
 import triton.language as tl
 
 _BLOCK = 1024
+
+
+@triton.jit
+def gated_activation(gate, up, alpha, limit, CLAMPED_SWIGLU: tl.constexpr):
+    """float32 gate and up sums -> silu(gate) * up, or gpt-oss's clamped SwiGLU (gate
+    clamped above at ``limit``, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha *
+    gate); ``LayerOps.moe_experts``), in float32."""
+    if CLAMPED_SWIGLU:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        return (up + 1) * gate * tl.sigmoid(alpha * gate)
+    return gate * tl.sigmoid(gate) * up
 
 
 @triton.jit

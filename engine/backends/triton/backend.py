@@ -2,8 +2,8 @@
 interfaces.
 
 Before attending, one kernel applies the Q/K norms and RoPE and writes K and V into the
-cache (``rotary_store_kv``); at one row without Q/K norms (a batch-1 decode step of a Llama),
-the QKV projection's one-row kernel does that in its epilogue (``one_row_qkv``).
+cache (``rotary_store_kv``); at one row (a batch-1 decode step of a Llama or a Qwen3), the
+QKV projection's one-row kernel does that in its epilogue (``one_row_qkv``).
 Pure-decode steps (every sequence adds one token, as in a captured CUDA graph) and
 speculative verify steps in the uniform layout (every sequence adds 1 + k tokens, padded)
 then take the split-K decode kernel; steps with any prefill take
@@ -100,9 +100,9 @@ class TritonPagedAttention(AttentionBackend):
         rotary: Rotary,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        # One row (a batch-1 decode step): the one-row kernel projects, rotates and stores.
-        # Per-head Q/K norms need a whole head's sums, which its programs do not share.
-        if not takes_one_row(x) or rotary.q_norm is not None:
+        # One row (a batch-1 decode step): the one-row kernel projects, norms each head (its
+        # last program, Qwen3's), rotates and stores.
+        if not takes_one_row(x):
             return None
         row, weight, weight_scale = qkv_proj.one_row_operands(x)
         q = one_row_qkv_rotary_store(
@@ -114,8 +114,7 @@ class TritonPagedAttention(AttentionBackend):
             cache.value,
             metadata.slot_mapping,
             metadata.positions,
-            rotary.cos,
-            rotary.sin,
+            rotary,
         )
         return self._attend(q, cache, metadata, scale, sliding_window, sinks)
 
@@ -270,9 +269,9 @@ class TritonLayerOps(TorchLayerOps):
         w2_bias: torch.Tensor | None = None,
         activation: ClampedSwiGLU | None = None,
     ) -> torch.Tensor:
-        # Align, two grouped GEMMs with the activation (and biases) and the routing weights
-        # in their epilogues, combine: five kernels, no host sync (CUDA graphs replay any
-        # routing).
+        # A decode step's few pairs by pair, two kernels (moe_decode.py); otherwise align,
+        # two grouped GEMMs with the activation (and biases) and the routing weights in their
+        # epilogues, combine: four or five. No host sync (CUDA graphs replay any routing).
         experts = (x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, expert_offset)
         variant = {"w13_bias": w13_bias, "w2_bias": w2_bias, "activation": activation}
         if x.is_cuda:

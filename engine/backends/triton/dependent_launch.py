@@ -15,7 +15,10 @@ kernel of a forward pass writes may be read before: a weight, the RoPE tables, a
 step's inputs (positions, cache slots, context lengths), which are written before the
 forward pass's first kernel starts. The one-row GEMV reads its first chunk of the weight,
 then waits; the fused QKV kernel reads its position, slot and angles too, and decode
-attention its context length. Kernels launched without it (PyTorch's,
+attention its context length. What a kernel two back wrote may be read before too, where the
+kernel between waits before it lets this one start (all here do, first thing): that kernel's
+wait returned, so the one before it is complete. The MoE decode path's down kernel reads
+the routing so (``moe_decode``), behind its gate/up kernel. Kernels launched without it (PyTorch's,
 cuBLAS') start after their predecessor finishes, as always; calling
 ``let_next_kernel_start`` is harmless anywhere. The decode step's other kernels (RMSNorm,
 the Q/K rotary and K/V store, the split merge, the argmax, and those that fill a step's

@@ -1,7 +1,11 @@
-"""The mixture-of-experts layer's experts as four or five kernels (four for a step of a few
-tokens, whose alignment is one): ``moe_experts`` of the layer ops.
+"""The mixture-of-experts layer's experts as two, four or five kernels: ``moe_experts`` of
+the layer ops.
 
-Each token's top-k picks are (token, k) *pairs*; pair p = token * K + k. The kernels:
+Each token's top-k picks are (token, k) *pairs*; pair p = token * K + k. A decode step of
+a few pairs (one token's, or up to E / 8: ``takes_decode_path``) goes by pair in two
+kernels, without alignment or combine (``moe_decode``: gate/up a program per pair and
+columns, down a program per token and channels summing its picks). Otherwise the grouped
+kernels (four for a step of a few tokens, whose alignment is one):
 
 1. Align (``_count_kernel``, ``_place_kernel``): the pairs of each local expert are placed
    side by side in ``sorted_pairs``, each expert's run padded to a multiple of BLOCK_M, so
@@ -51,9 +55,10 @@ float32, so a sum carried through them across the whole depth (H, or I) drifts b
 units of bf16's rounding; summed a step (128 of depth) at a time, as FP8 GEMMs promote
 theirs, it does not.
 
-Tiles and splits are chosen by a rule over the shape (``moe_config``), not timed: decode
-steps take 16-row tiles and narrow columns, or split I, to fill the SMs; prefills, large
-tiles (the same regimes as vLLM's and SGLang's tuned tables for these shapes).
+The path, tiles and splits are chosen by a rule over the shape (``moe_config``), not timed:
+a few pairs go by pair; other decode steps take 16-row tiles and narrow columns, or split I,
+to fill the SMs; prefills, large tiles (the same regimes as vLLM's and SGLang's tuned tables
+for these shapes).
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ import triton.language as tl
 
 from engine.backends.fp8 import FP8, WEIGHT_ONLY_MAX_TOKENS
 from engine.backends.layer_ops import ClampedSwiGLU
+from engine.backends.triton.activation import gated_activation
 from engine.backends.triton.dependent_launch import (
     launch_options,
     let_next_kernel_start,
@@ -75,6 +81,12 @@ from engine.backends.triton.dependent_launch import (
 from engine.backends.triton.device import sm_count
 from engine.backends.triton.fp8_quantize import quantize_rows_fp8
 from engine.backends.triton.fp8_widen import widen, widen_factor
+from engine.backends.triton.moe_decode import (
+    MoeDecodeConfig,
+    moe_decode_config,
+    moe_decode_experts,
+    takes_decode_path,
+)
 from engine.backends.triton.paged_attention import dot_precision
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -120,12 +132,31 @@ def moe_config(
     processors: int,
     weight_dtype: torch.dtype,
     dtype: torch.dtype,
-) -> MoeConfig:
-    """The kernels' configuration for ``num_tokens`` tokens' ``top_k`` picks each over
+) -> MoeConfig | MoeDecodeConfig:
+    """The path and its configuration for ``num_tokens`` tokens' ``top_k`` picks each over
     ``num_experts`` local experts of [2 * intermediate, hidden] and [hidden, intermediate]
     in ``weight_dtype``, activations in ``dtype`` (FP8: W8A8), on a GPU of ``processors``
-    SMs; chosen by shape, never timed (timed choices would differ between processes, and so
-    would their sums).
+    SMs: by pair at a decode step's few pairs (``moe_decode``), the grouped GEMMs otherwise;
+    chosen by shape, never timed (timed choices would differ between processes, and so would
+    their sums)."""
+    if takes_decode_path(num_tokens, top_k, num_experts):
+        return moe_decode_config(top_k)
+    return grouped_config(
+        num_tokens, top_k, num_experts, hidden, intermediate, processors, weight_dtype, dtype
+    )
+
+
+def grouped_config(
+    num_tokens: int,
+    top_k: int,
+    num_experts: int,
+    hidden: int,
+    intermediate: int,
+    processors: int,
+    weight_dtype: torch.dtype,
+    dtype: torch.dtype,
+) -> MoeConfig:
+    """The grouped GEMMs' configuration (``moe_config``'s arguments):
 
     - The tile height follows the rows an expert gets when routing is even,
       ``num_pairs / min(E, num_pairs)``: 16 up to 8 rows, 32 up to 16, 64 up to 32, 128
@@ -363,12 +394,7 @@ def _gate_up_kernel(
         bias_ptrs = bias_ptr + expert * stride_be + cols
         gate += tl.load(bias_ptrs, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         up += tl.load(bias_ptrs + intermediate, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    if CLAMPED_SWIGLU:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        activation = (up + 1) * gate * tl.sigmoid(alpha * gate)
-    else:
-        activation = gate * tl.sigmoid(gate) * up
+    activation = gated_activation(gate, up, alpha, limit, CLAMPED_SWIGLU)
     tl.store(
         hidden_ptr + pairs[:, None] * stride_hidden + cols[None, :],
         activation.to(hidden_ptr.dtype.element_ty),
@@ -505,7 +531,7 @@ def fused_moe(
     w13_scale: torch.Tensor | None,
     w2_scale: torch.Tensor | None,
     expert_offset: int = 0,
-    config: MoeConfig | None = None,
+    config: MoeConfig | MoeDecodeConfig | None = None,
     *,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
@@ -550,10 +576,28 @@ def fused_moe(
         w13.dtype,
         FP8 if w8a8 else x.dtype,
     )
-    block_m = config.block_m
     ids = topk_ids.reshape(num_pairs)  # a view of contiguous ids: no copy under a graph
     weights = topk_weights.reshape(num_pairs)
     assert ids.stride(0) == 1 and weights.stride(0) == 1 and weights.dtype == torch.float32
+    if isinstance(config, MoeDecodeConfig):
+        assert not w8a8, "the decode path reads FP8 weights weight-only"
+        moe_decode_experts(
+            x,
+            weights,
+            ids,
+            w13,
+            w2,
+            w13_scale,
+            w2_scale,
+            expert_offset,
+            config,
+            out,
+            w13_bias,
+            w2_bias,
+            activation,
+        )
+        return out
+    block_m = config.block_m
     # 1. Align. At most min(E, T*K) experts have pairs; each pads to whole tiles.
     max_tiles = num_pairs // block_m + min(num_experts, num_pairs)
     sorted_pairs = ids.new_empty(max_tiles * block_m, dtype=torch.int32)

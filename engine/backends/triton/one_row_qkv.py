@@ -16,19 +16,31 @@ sums, two loads one after the other made each program's tail about as long as th
 kernel it replaced. ``scripts/profile_step.py --model DIR --batch 1 --rounds 3`` times the
 batch-1 step (run on two trees to compare them).
 
-Only for what needs nothing else between the projection and RoPE: no per-head norm (Qwen3's
-needs a whole head's sums, across programs), no family's own step between them (Gemma 3's,
-OLMo 2's); the caller asks (``TritonPagedAttention.project_and_attend``).
+Per-head Q/K norms (Qwen3's, ``Rotary.q_norm``) need a whole head's sums, across programs
+(a head of 128 is 32 of them at 4 channels a program; a program a head would leave most SMs
+idle). So each q or k program stores its rounded sums to ``head_values`` and counts itself done on
+its head's counter (``head_counts``; the stores first, then a barrier, then the count's
+release); the program that finds itself its head's last reads the whole head back from L2
+(after the count's acquire), normalizes, rotates and stores it as ``rotary_store_kv`` does
+(the same ``norm_and_rotate``), and sets the counter back to zero for the next layer. Only
+the counts are atomic: the values, and so the result, do not depend on which program came
+last. v's programs store as before.
+
+Only for what needs nothing else between the projection and RoPE: no family's own step
+between them (Gemma 3's, OLMo 2's); the caller asks
+(``TritonPagedAttention.project_and_attend``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
+from engine.backends.attention import Rotary
 from engine.backends.deferred_norm import LinearInput
 from engine.backends.triton.dependent_launch import launch_options
 from engine.backends.triton.one_row_matmul import (
@@ -48,9 +60,47 @@ _MAX_REGISTERS = 80
 
 
 @triton.jit
-def _store_pair(ptr, dims, first, second, HALF: tl.constexpr):
-    tl.store(ptr + dims, first)
-    tl.store(ptr + dims + HALF, second)
+def _store_pair(ptr, dims, first, second, mask, HALF: tl.constexpr):
+    tl.store(ptr + dims, first, mask=mask)
+    tl.store(ptr + dims + HALF, second, mask=mask)
+
+
+@triton.jit
+def _store_head_values(
+    first,
+    second,
+    dims,
+    mask,
+    head,
+    slot,
+    q_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    num_heads,
+    num_kv_heads,
+    stride_cache_slot,
+    stride_cache_head,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    """Channels ``dims`` and ``dims + HALF`` of ``head`` (q's heads, then k's, then v's), in
+    float32: q's into q, k's and v's into the cache at ``slot`` (none if negative)."""
+    dtype = q_ptr.dtype.element_ty
+    if head < num_heads:
+        _store_pair(q_ptr + head * HEAD_DIM, dims, first.to(dtype), second.to(dtype), mask, HALF)
+    else:
+        if slot >= 0:  # none for a CUDA graph's padding row
+            # K rounded to the model's dtype, as the reference rounds it, then to the cache's.
+            cache_dtype = key_cache_ptr.dtype.element_ty
+            cached_first = first.to(dtype).to(cache_dtype)
+            cached_second = second.to(dtype).to(cache_dtype)
+            kv_head = head - num_heads
+            if kv_head < num_kv_heads:
+                at = slot * stride_cache_slot + kv_head * stride_cache_head
+                _store_pair(key_cache_ptr + at, dims, cached_first, cached_second, mask, HALF)
+            else:
+                at = slot * stride_cache_slot + (kv_head - num_kv_heads) * stride_cache_head
+                _store_pair(value_cache_ptr + at, dims, cached_first, cached_second, mask, HALF)
 
 
 # The positions and slots are views of the step's packed inputs, at any alignment: one
@@ -71,15 +121,22 @@ def _one_row_qkv_kernel(
     positions_ptr,
     cos_ptr,
     sin_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    head_values_ptr,
+    head_counts_ptr,
     K,
     stride_weight,
     eps,
+    head_norm_eps,
     num_heads,
     num_kv_heads,
     stride_cache_slot,
     stride_cache_head,
     stride_table,
     HEAD_DIM: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    HEAD_NORM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     GATED: tl.constexpr,
@@ -103,7 +160,8 @@ def _one_row_qkv_kernel(
     # What the epilogue reads, read before the wait too, as the weight is: the step's
     # position and slot, written before its forward pass, and the RoPE tables, never.
     slot = tl.load(slot_mapping_ptr)
-    table = tl.load(positions_ptr) * stride_table + dims  # read by v's programs too: no branch
+    position_row = tl.load(positions_ptr) * stride_table
+    table = position_row + dims  # read by v's programs too: no branch
     cos_first = tl.load(cos_ptr + table)
     sin_first = tl.load(sin_ptr + table)
     cos_second = tl.load(cos_ptr + table + HALF)
@@ -132,37 +190,101 @@ def _one_row_qkv_kernel(
     out = out.to(dtype)
     if HAS_BIAS:
         out = (out.to(tl.float32) + tl.load(bias_ptr + cols).to(tl.float32)).to(dtype)
-    first, second = tl.split(tl.reshape(out.to(tl.float32), (PAIRS, 2)))
-    if head < num_heads + num_kv_heads:  # q or k: rotate-half RoPE, as rotary_store_kv does
-        first, second = norm_and_rotate(
+    if HEAD_NORM and head < num_heads + num_kv_heads:
+        # q or k under a per-head norm: the head's last program to finish norms it whole.
+        tl.store(head_values_ptr + cols, out)
+        tl.debug_barrier()  # every thread's values stored before the count releases them
+        finished = tl.atomic_add(head_counts_ptr + head, 1, sem="acq_rel")
+        if finished == programs_per_head - 1:
+            whole = tl.arange(0, BLOCK_HALF)
+            mask = whole < HALF
+            row = head_values_ptr + head * HEAD_DIM + whole
+            # From L2 (".cg"): another SM wrote them; this SM's L1 may hold an earlier layer's.
+            first = tl.load(row, mask=mask, other=0.0, cache_modifier=".cg")
+            second = tl.load(row + HALF, mask=mask, other=0.0, cache_modifier=".cg")
+            angles = position_row + whole
+            norm_ptr = k_norm_ptr
+            if head < num_heads:
+                norm_ptr = q_norm_ptr
+            first, second = norm_and_rotate(
+                first.to(tl.float32)[None, :],
+                second.to(tl.float32)[None, :],
+                tl.load(cos_ptr + angles, mask=mask, other=0.0)[None, :],
+                tl.load(sin_ptr + angles, mask=mask, other=0.0)[None, :],
+                tl.load(cos_ptr + angles + HALF, mask=mask, other=0.0)[None, :],
+                tl.load(sin_ptr + angles + HALF, mask=mask, other=0.0)[None, :],
+                norm_ptr,
+                head_norm_eps,
+                whole,
+                mask,
+                HALF,
+                True,
+            )
+            _store_head_values(
+                tl.reshape(first, (BLOCK_HALF,)),
+                tl.reshape(second, (BLOCK_HALF,)),
+                whole,
+                mask,
+                head,
+                slot,
+                q_ptr,
+                key_cache_ptr,
+                value_cache_ptr,
+                num_heads,
+                num_kv_heads,
+                stride_cache_slot,
+                stride_cache_head,
+                HEAD_DIM,
+                HALF,
+            )
+            tl.store(head_counts_ptr + head, 0)  # zero again for the next layer's kernel
+    else:
+        first, second = tl.split(tl.reshape(out.to(tl.float32), (PAIRS, 2)))
+        if head < num_heads + num_kv_heads:  # q or k: rotate-half RoPE, as rotary_store_kv
+            first, second = norm_and_rotate(
+                first,
+                second,
+                cos_first,
+                sin_first,
+                cos_second,
+                sin_second,
+                cos_ptr,  # no norm: unread
+                0.0,
+                dims,
+                dims < HALF,
+                HALF,
+                False,
+            )
+        _store_head_values(
             first,
             second,
-            cos_first,
-            sin_first,
-            cos_second,
-            sin_second,
-            cos_ptr,  # no norm: unread
-            0.0,
             dims,
             dims < HALF,
+            head,
+            slot,
+            q_ptr,
+            key_cache_ptr,
+            value_cache_ptr,
+            num_heads,
+            num_kv_heads,
+            stride_cache_slot,
+            stride_cache_head,
+            HEAD_DIM,
             HALF,
-            False,
         )
-    if head < num_heads:
-        _store_pair(q_ptr + head * HEAD_DIM, dims, first.to(dtype), second.to(dtype), HALF)
-    else:
-        if slot >= 0:  # none for a CUDA graph's padding row
-            # K rounded to the model's dtype, as the reference rounds it, then to the cache's.
-            cache_dtype = key_cache_ptr.dtype.element_ty
-            cached_first = first.to(dtype).to(cache_dtype)
-            cached_second = second.to(dtype).to(cache_dtype)
-            kv_head = head - num_heads
-            if kv_head < num_kv_heads:
-                at = slot * stride_cache_slot + kv_head * stride_cache_head
-                _store_pair(key_cache_ptr + at, dims, cached_first, cached_second, HALF)
-            else:
-                at = slot * stride_cache_slot + (kv_head - num_kv_heads) * stride_cache_head
-                _store_pair(value_cache_ptr + at, dims, cached_first, cached_second, HALF)
+
+
+@functools.cache
+def head_counts(device: torch.device, num_heads: int) -> torch.Tensor:
+    """int32 [num_heads], zeros: each q and k head's programs that have stored their values,
+    counted up by the kernel and set back to zero by each head's last program, so zero
+    between launches. One a device (its kernels run one after another on the step's
+    stream), made the first time, eagerly: a CUDA graph's capture runs the forward pass once
+    first (``capture_forward``), and a buffer made inside the capture would not be zeroed
+    until that graph replayed."""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    assert not capturing, "made eagerly, before any capture"
+    return torch.zeros(num_heads, dtype=torch.int32, device=device)
 
 
 def one_row_qkv_rotary_store(
@@ -174,15 +296,16 @@ def one_row_qkv_rotary_store(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    rotary: Rotary,
 ) -> torch.Tensor:
     """q [1, num_heads, head_dim] of one row x (or a deferred norm of it) times the fused QKV
     weight [(num_heads + 2 * num_kv_heads) * head_dim, K] (x's dtype, or codes with float32
-    ``scale``; plus ``bias``), rotated by rotate-half RoPE at ``positions`` [1] (float32
-    tables [max_positions, head_dim]); k, rotated, and v stored at cache slot
-    ``slot_mapping`` [1] (none if negative), in the cache's dtype. What ``one_row_matmul``,
-    ``with_bias`` and ``rotary_store_kv`` compute, to the bit."""
+    ``scale``; plus ``bias``), each head normalized if ``rotary`` has per-head norms, rotated
+    by rotate-half RoPE at ``positions`` [1] (its float32 tables [max_positions, head_dim]);
+    k, likewise, and v stored at cache slot ``slot_mapping`` [1] (none if negative), in the
+    cache's dtype. What ``one_row_matmul``, ``with_bias`` and ``rotary_store_kv`` compute, to
+    the bit (with norms, their sums of squares may be added in another order on CUDA)."""
+    cos, sin = rotary.cos, rotary.sin
     _, _, num_kv_heads, head_dim = key_cache.shape
     assert key_cache.shape == value_cache.shape and key_cache.stride() == value_cache.stride()
     assert key_cache[0, 0].is_contiguous()
@@ -200,6 +323,13 @@ def one_row_qkv_rotary_store(
     # multiple of them (a power of two, as the rule's are).
     pairs = math.gcd(max(config.rows // 2, 1), head_dim // 2)
     q = operands.x.new_empty(1, num_heads, head_dim)
+    head_norm = rotary.q_norm is not None
+    if head_norm:
+        assert rotary.q_norm.shape == rotary.k_norm.shape == (head_dim,)
+        head_values = q.new_empty((num_heads + num_kv_heads) * head_dim)
+        counts = head_counts(q.device, num_heads + num_kv_heads)
+    else:
+        head_values = counts = q  # unread without norms
     _one_row_qkv_kernel[(channels // (2 * pairs),)](
         *operands.pointers,
         weight if bias is None else bias,  # unread without a bias
@@ -210,15 +340,22 @@ def one_row_qkv_rotary_store(
         positions,
         cos,
         sin,
+        rotary.q_norm if head_norm else cos,
+        rotary.k_norm if head_norm else cos,
+        head_values,
+        counts,
         depth,
         weight.stride(0),
         operands.eps,
+        rotary.eps,
         num_heads,
         num_kv_heads,
         key_cache.stride(1),
         key_cache.stride(2),
         cos.stride(0),
         HEAD_DIM=head_dim,
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        HEAD_NORM=head_norm,
         HAS_BIAS=bias is not None,
         **operands.flags,
         BLOCK_N=2 * pairs,

@@ -1,0 +1,348 @@
+"""A mixture-of-experts layer's experts at a decode step's few (token, pick) pairs: two
+matrix-vector kernels, no alignment and no combine (``fused_moe`` takes this path where
+``takes_decode_path`` says; the grouped GEMMs otherwise).
+
+At one token the K picks are K distinct experts: there is nothing to group, and the grouped
+path's four kernels (align, gate/up, down, combine) cost more in their chain of launches
+than in reading (Qwen3-30B-A3B: 12 kernels a layer at batch 1, each a few percent of its
+floor). Here:
+
+1. Gate/up (``_gate_up_pair_kernel``): a program per (pair, BLOCK_N columns of each half)
+   reads its expert id from ``topk_ids`` itself and multiplies the token's row of x with
+   those gate and up rows on the CUDA cores, as the one-row kernel does (the weight straight
+   into registers, float32 products, one reduction at the end); the epilogue as the grouped
+   kernel's (FP8 codes' scales, gpt-oss's biases and clamped SwiGLU), rounded to x's dtype
+   into ``hidden[pair]``. A pair of another rank's expert returns at once.
+2. Down (``_down_token_kernel``): a program per (token, BLOCK_N output channels) reads all of
+   its K picks' rows at once, a [K, BLOCK_N, BLOCK_K] load a step: K experts' bytes in flight
+   together rather than one expert after another (a first by-pair path looped over the picks
+   and was slower than the grouped kernels, latency-bound: 4 KiB in flight a program),
+   reduced a step at a time within each warp into float32 sums per (pick, channel). Each
+   pick's sums are scaled by its routing weight (and FP8 scales; a bias, times the
+   weight), summed over the picks in a fixed order and written once in x's dtype: the
+   combine, without partial sums or atomics, the same bits run to run. Another rank's picks
+   are masked off (their activations never written) and add nothing.
+
+Duplicate experts among the pairs (two tokens picking one expert) are read once a pair here,
+once in all by the grouped kernels; so this path stops where duplicates stop being rare
+(``takes_decode_path``). Each kernel's step is 8192 products (16 KiB of bf16 weights, 8 of
+fp8) over 8 warps, as the one-row kernel's best bf16 configurations read: enough bytes in
+flight for a few programs an SM to keep the memory busy, and at one token hundreds of
+programs or more (Qwen3-30B-A3B 1,536 and 512, Mixtral 7,168 and 1,024).
+
+Launched dependent as every MoE kernel. The down kernel reads its picks' ids, routing
+weights and first chunk of weights before waiting for the gate/up kernel: the routing was
+written by a kernel before that one, which the gate/up programs waited for before letting
+this kernel start (``dependent_launch``), so it is complete; the weights are never written.
+The read then overlaps the gate/up kernel's last programs. Nothing is read back to the
+host and the grids follow from T, K, H and I: captured in CUDA graphs for any routing.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.backends.fp8 import FP8, WEIGHT_ONLY_MAX_TOKENS
+from engine.backends.layer_ops import ClampedSwiGLU
+from engine.backends.triton.activation import gated_activation
+from engine.backends.triton.dependent_launch import (
+    launch_options,
+    let_next_kernel_start,
+    wait_for_previous_kernel,
+)
+from engine.backends.triton.fp8_widen import widen
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Products a program step: 32 a thread of 8 warps (the one-row kernel's 4 rows x 4 KiB).
+_STEP_PRODUCTS = 8192
+_WARPS = 8
+# Registers a thread, at most: 4 programs of 8 warps an SM (64K registers), a step's 16 KiB
+# in flight each. Left to itself ptxas gives the gate/up kernel 72 (3 programs) where 64
+# spill nothing in bf16 (4 bytes with fp8 codes' widening; sm_90, both kernels, K 2 to 8).
+_MAX_REGISTERS = 64
+
+
+@dataclass(frozen=True)
+class MoeDecodeConfig:
+    """The two kernels' blocks: gate/up ``gate_up_columns`` of each half a program,
+    ``gate_up_depth`` of H a step; down ``down_rows`` output channels a program,
+    ``down_depth`` of I a step (of every pick at once)."""
+
+    gate_up_columns: int
+    gate_up_depth: int
+    down_rows: int
+    down_depth: int
+    warps: int
+
+
+def takes_decode_path(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether ``fused_moe`` takes this path for ``num_tokens`` tokens' ``top_k`` picks over
+    ``num_experts`` local experts: one token (its picks are distinct experts: nothing to
+    group), or up to E / 8 pairs. P pairs spread over E experts repeat about P^2 / 2E of them,
+    so there this path reads at most 1/16 more weight bytes than the grouped kernels, less than
+    the two kernels it saves in the chain cost (each is a few percent of a step at batch 1).
+    Qwen3-30B-A3B (E 128, K 8): up to 2 tokens; Mixtral (8, 2) and gpt-oss-20b (32, 4): one.
+    FP8 weights stay weight-only here (at most ``WEIGHT_ONLY_MAX_TOKENS`` tokens)."""
+    num_pairs = num_tokens * top_k
+    return num_tokens <= WEIGHT_ONLY_MAX_TOKENS and num_pairs <= max(top_k, num_experts // 8)
+
+
+def moe_decode_config(top_k: int) -> MoeDecodeConfig:
+    """By shape, never timed: ``_STEP_PRODUCTS`` a step, gate/up as 4 columns of each half (8
+    weight rows) by 1024 of H, down as 4 channels of each of the K picks (rounded up to a
+    power of two) by what is left of I (Qwen3-30B-A3B's K 8: 256, three steps of its 768).
+    Interpreted (the CPU tests), small: several column blocks and steps, last ones masked."""
+    if _INTERPRETED:
+        return MoeDecodeConfig(16, 32, 32, 16, 4)
+    picks = triton.next_power_of_2(top_k)
+    gate_up_columns, down_rows = 4, 4
+    return MoeDecodeConfig(
+        gate_up_columns,
+        _STEP_PRODUCTS // (2 * gate_up_columns),
+        down_rows,
+        max(16, _STEP_PRODUCTS // (picks * down_rows)),
+        _WARPS,
+    )
+
+
+@triton.jit
+def _gate_up_pair_kernel(
+    x_ptr,  # [T, H]
+    ids_ptr,  # [T*K] global expert ids
+    w_ptr,  # [E, 2I, H]
+    scale_ptr,  # [E, 2I] float32 (HAS_SCALE)
+    bias_ptr,  # [E, 2I] in x's dtype (HAS_BIAS)
+    hidden_ptr,  # [T*K, I] out: the activation, a row a local pair
+    expert_offset,
+    num_experts,
+    depth,  # H
+    intermediate,  # I
+    top_k,
+    alpha,  # CLAMPED_SWIGLU's
+    limit,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_be,
+    stride_hidden,
+    HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    CLAMPED_SWIGLU: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Program per (BLOCK_N columns of each half, pair)."""
+    wait_for_previous_kernel()  # the routing and x come from the kernels just before
+    let_next_kernel_start()
+    pair = tl.program_id(1)
+    expert = tl.load(ids_ptr + pair) - expert_offset
+    if (expert < 0) | (expert >= num_experts):
+        return
+    expert = expert.to(tl.int64)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < intermediate
+    gate_rows = w_ptr + expert * stride_we + cols[:, None] * stride_wn
+    up_rows = gate_rows + intermediate * stride_wn
+    x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_x
+    gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for start in range(0, depth, BLOCK_K):
+        ks = start + tl.arange(0, BLOCK_K)
+        k_mask = ks < depth
+        x = tl.load(x_row + ks, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        w_mask = col_mask[:, None] & k_mask[None, :]
+        gate += widen(tl.load(gate_rows + ks[None, :], mask=w_mask, other=0.0), tl.float32) * x
+        up += widen(tl.load(up_rows + ks[None, :], mask=w_mask, other=0.0), tl.float32) * x
+    gate_sums = tl.sum(gate, axis=1)
+    up_sums = tl.sum(up, axis=1)
+    if HAS_SCALE:  # widened to float32 exactly (fp8_widen): the codes' scales alone
+        scale_ptrs = scale_ptr + expert * stride_se + cols
+        gate_sums *= tl.load(scale_ptrs, mask=col_mask, other=0.0)
+        up_sums *= tl.load(scale_ptrs + intermediate, mask=col_mask, other=0.0)
+    if HAS_BIAS:
+        bias_ptrs = bias_ptr + expert * stride_be + cols
+        gate_sums += tl.load(bias_ptrs, mask=col_mask, other=0.0).to(tl.float32)
+        up_sums += tl.load(bias_ptrs + intermediate, mask=col_mask, other=0.0).to(tl.float32)
+    activation = gated_activation(gate_sums, up_sums, alpha, limit, CLAMPED_SWIGLU)
+    tl.store(
+        hidden_ptr + pair.to(tl.int64) * stride_hidden + cols,
+        activation.to(hidden_ptr.dtype.element_ty),
+        mask=col_mask,
+    )
+
+
+@triton.jit
+def _down_step(sums, weight, ks, hidden_rows, local, depth):
+    """Add one step of every pick's weight rows (``weight`` [PICKS, BLOCK_N, BLOCK_K], I's
+    columns ``ks``) times its activation to the sums [PICKS, BLOCK_N]. Reduced a step at a
+    time, within each warp (its threads hold one row's step): no [PICKS, BLOCK_N, BLOCK_K]
+    float32 accumulator held across the loop, so more programs fit an SM."""
+    h_mask = local[:, None] & (ks < depth)[None, :]
+    h = tl.load(hidden_rows + ks[None, :], mask=h_mask, other=0.0).to(tl.float32)
+    return sums + tl.sum(widen(weight, tl.float32) * h[:, None, :], axis=2)
+
+
+@triton.jit
+def _down_token_kernel(
+    hidden_ptr,  # [T*K, I]
+    ids_ptr,  # [T*K] global expert ids
+    topk_weights_ptr,  # [T*K] float32
+    w_ptr,  # [E, H, I]
+    scale_ptr,  # [E, H] float32 (HAS_SCALE)
+    bias_ptr,  # [E, H] in the activation's dtype (HAS_BIAS)
+    out_ptr,  # [T, H]
+    expert_offset,
+    num_experts,
+    depth,  # I
+    channels,  # H
+    stride_hidden,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_be,
+    stride_out,
+    TOP_K: tl.constexpr,
+    PICKS: tl.constexpr,  # TOP_K rounded up to a power of two
+    HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Program per (BLOCK_N output channels, token): the sum over its picks of routing weight
+    x (activation @ those rows of the pick's down projection, + its bias)."""
+    token = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < channels
+    picks = tl.arange(0, PICKS)
+    pairs = token.to(tl.int64) * TOP_K + picks
+    # Read before waiting (module docstring): the routing, complete before this kernel
+    # starts, and the weights' first step.
+    expert = tl.load(ids_ptr + pairs, mask=picks < TOP_K, other=0) - expert_offset
+    local = (picks < TOP_K) & (expert >= 0) & (expert < num_experts)
+    routing_weight = tl.load(topk_weights_ptr + pairs, mask=local, other=0.0)
+    expert = tl.where(local, expert, 0).to(tl.int64)
+    weight_rows = w_ptr + expert[:, None, None] * stride_we + cols[None, :, None] * stride_wn
+    rows_mask = local[:, None, None] & col_mask[None, :, None]
+    ks = tl.arange(0, BLOCK_K)
+    weight = tl.load(
+        weight_rows + ks[None, None, :], mask=rows_mask & (ks < depth)[None, None, :], other=0.0
+    )
+    wait_for_previous_kernel()  # the activations are the gate/up kernel's
+    let_next_kernel_start()
+    hidden_rows = hidden_ptr + pairs[:, None] * stride_hidden
+    # The first step peeled, as the one-row kernel's (its weight read before the wait).
+    sums = _down_step(
+        tl.zeros((PICKS, BLOCK_N), dtype=tl.float32), weight, ks, hidden_rows, local, depth
+    )
+    for start in range(BLOCK_K, depth, BLOCK_K):
+        ks = start + tl.arange(0, BLOCK_K)
+        weight = tl.load(
+            weight_rows + ks[None, None, :],
+            mask=rows_mask & (ks < depth)[None, None, :],
+            other=0.0,
+        )
+        sums = _down_step(sums, weight, ks, hidden_rows, local, depth)
+    pick_mask = local[:, None] & col_mask[None, :]
+    if HAS_SCALE:
+        scale_ptrs = scale_ptr + expert[:, None] * stride_se + cols[None, :]
+        sums *= tl.load(scale_ptrs, mask=pick_mask, other=0.0)
+    sums *= routing_weight[:, None]
+    if HAS_BIAS:
+        bias_ptrs = bias_ptr + expert[:, None] * stride_be + cols[None, :]
+        sums += routing_weight[:, None] * tl.load(bias_ptrs, mask=pick_mask, other=0.0).to(
+            tl.float32
+        )
+    total = tl.sum(sums, axis=0)  # over the picks, in one order whatever the routing
+    tl.store(out_ptr + token * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+def moe_decode_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    expert_offset: int,
+    config: MoeDecodeConfig,
+    out: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    activation: ClampedSwiGLU | None,
+) -> None:
+    """``fused_moe`` by pair into ``out`` [T, H] (its arguments checked there; ``weights``
+    and ``ids`` flattened to [T*K]): each pair's gate/up and activation, then each token's
+    down products summed over its picks. FP8 weights weight-only, whatever T."""
+    num_tokens, hidden = x.shape
+    num_experts, double_intermediate, _ = w13.shape
+    intermediate = double_intermediate // 2
+    num_pairs = ids.numel()
+    top_k = num_pairs // num_tokens
+    quantized = w13.dtype == FP8
+    hidden_states = x.new_empty(num_pairs, intermediate)
+    _gate_up_pair_kernel[(triton.cdiv(intermediate, config.gate_up_columns), num_pairs)](
+        x,
+        ids,
+        w13,
+        w13_scale if quantized else w13,  # unread without a scale
+        w13 if w13_bias is None else w13_bias,  # unread without a bias
+        hidden_states,
+        expert_offset,
+        num_experts,
+        hidden,
+        intermediate,
+        top_k,
+        0.0 if activation is None else activation.alpha,
+        0.0 if activation is None else activation.limit,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        w13_scale.stride(0) if quantized else 0,
+        0 if w13_bias is None else w13_bias.stride(0),
+        hidden_states.stride(0),
+        HAS_SCALE=quantized,
+        HAS_BIAS=w13_bias is not None,
+        CLAMPED_SWIGLU=activation is not None,
+        BLOCK_N=config.gate_up_columns,
+        BLOCK_K=config.gate_up_depth,
+        num_warps=config.warps,
+        num_stages=1,
+        maxnreg=_MAX_REGISTERS,
+        **launch_options(x.device),
+    )
+    _down_token_kernel[(triton.cdiv(hidden, config.down_rows), num_tokens)](
+        hidden_states,
+        ids,
+        weights,
+        w2,
+        w2_scale if quantized else w2,
+        w2 if w2_bias is None else w2_bias,
+        out,
+        expert_offset,
+        num_experts,
+        intermediate,
+        hidden,
+        hidden_states.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        w2_scale.stride(0) if quantized else 0,
+        0 if w2_bias is None else w2_bias.stride(0),
+        out.stride(0),
+        TOP_K=top_k,
+        PICKS=triton.next_power_of_2(top_k),
+        HAS_SCALE=quantized,
+        HAS_BIAS=w2_bias is not None,
+        BLOCK_N=config.down_rows,
+        BLOCK_K=config.down_depth,
+        num_warps=config.warps,
+        num_stages=1,
+        maxnreg=_MAX_REGISTERS,
+        **launch_options(x.device),
+    )
