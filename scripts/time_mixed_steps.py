@@ -7,8 +7,8 @@ engine/execution/mixed_steps.py) and as one pass op by op, on the same inputs.
                                        [--repeats 20]
 
 BATCH requests of CONTEXT random tokens are prefilled and decoding; then for each count in
---prompts, that many new prompts of 30-200 random tokens arrive and the scheduler makes the
-step that admits them. First the check: the split step's logits against the one pass's
+--prompts, that many new prompts of 30-200 random tokens arrive (at most the largest prompt
+graph's tokens together) and the scheduler makes the step that admits them. First the check: the split step's logits against the one pass's
 (the largest difference; the rows whose argmax agree). Then each way's time, the median of
 REPEATS: the host's (until the call returns: its launches) and the wall's (until the device
 is done, the device synchronized after each), and the decode step alone (its graph) for
@@ -29,6 +29,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.execution.mixed_steps import is_mixed, split_mixed_step
+from engine.execution.prompt_graphs import PROMPT_GRAPH_TOKENS
 from engine.llm_engine import LLMEngine
 from protocol import SamplingParams
 
@@ -96,7 +97,9 @@ def main() -> None:
     print(f"batch {args.batch} decoding at context ~{args.context}; times in ms, host / wall")
     print(f"{'step':34} {'split':>15} {'one pass':>15} {'decodes alone':>15}  check")
     for count in args.prompts:
-        lengths = torch.randint(30, 201, (count,), generator=generator).tolist()
+        # Prompts that fit the largest prompt graph together (more run op by op, unsplit).
+        longest = min(200, PROMPT_GRAPH_TOKENS[-1] // count)
+        lengths = torch.randint(30, longest + 1, (count,), generator=generator).tolist()
         for j, length in enumerate(lengths):
             engine.add_request(b"mix", f"new{j}", tokens(length), SamplingParams(max_tokens=1))
         inputs = runner.step_inputs(engine.scheduler.schedule())

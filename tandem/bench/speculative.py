@@ -12,8 +12,7 @@ of an older architecture document's opening, so that editing the docs leaves the
 it was). For each, and for a batch of --batch-size requests alternating the two (each with
 its own change to make), the engine runs:
 
-- without speculation (plain), first and again last (``plain again``): the speed-ups are
-  against both runs' mean, since a host-bound step's pace drifts from engine to engine;
+- without speculation (plain), first and again last (``plain again``);
 - with ``--speculative-method ngram`` at the engine's defaults (adaptive:
   engine/speculative/adaptive.py);
 - at a fixed k once per ``--ngram K:MAX_N`` (k drafts every step and the longest n-gram
@@ -24,6 +23,12 @@ its own change to make), the engine runs:
 - with ``--speculative-model``, that draft at the defaults, and at a fixed k that never
   pauses (``draft fixed``): with a draft that guesses nothing, as random weights do, every
   step is a rejected draft's, and its ms/step against plain's is that cost (printed last).
+
+All of that ``--rounds`` times (default 3), every engine started again each round. A small
+model's batch-1 step is bound by the host, whose pace drifts from one engine to the next,
+first or later, by more than some speed-ups: so each round's speed-ups are against that
+round's two plain runs' mean, and the table shows each figure's median over the rounds and
+the speed-ups' range.
 
 Correctness first: the greedy tokens must be equal with and without speculation (the script
 exits 1 if not; in bfloat16 a verify pass rounds differently from a decode step, so near-ties
@@ -46,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import statistics
 import sys
 import time
@@ -143,6 +149,9 @@ def main(argv: list[str] | None = None) -> None:
         "tokens (repeatable; default: none, only the adaptive run)",
     )
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="every engine's runs, this many times (medians)"
+    )
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument(
@@ -203,9 +212,9 @@ def main(argv: list[str] | None = None) -> None:
             **fixed,
             "speculative_pause_acceptance": 0,
         }
-    # Plain decoding again, last: a small model's batch-1 step is bound by the host, whose
-    # pace drifts from one engine to the next (the first one of a process ran slower) by
-    # more than some speed-ups; the speed-ups are against both plain runs' mean, both shown.
+    # Plain decoding again, last: a small model's step is bound by the host, whose pace
+    # drifts from one engine to the next; each round's speed-ups are against both its plain
+    # runs' mean.
     methods["plain again"] = {}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(
@@ -214,10 +223,13 @@ def main(argv: list[str] | None = None) -> None:
     rates = measure_rates(device, dtype)
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    runs: dict[str, dict[str, Run]] = {name: {} for name in workloads}
+    # Each workload's runs by method, a run a round.
+    runs: dict[str, dict[str, list[Run]]] = {
+        name: {method: [] for method in methods} for name in workloads
+    }
     cost: ModelCost | None = None
     starts: list[str] = []  # each engine's start, and its verify graphs'
-    for method, options in methods.items():
+    for _, (method, options) in itertools.product(range(args.rounds), methods.items()):
         # Each engine takes under half the GPU: the last one's memory may not all be back.
         started = time.perf_counter()
         llm = LLM(
@@ -239,8 +251,8 @@ def main(argv: list[str] | None = None) -> None:
             )
         cost = cost or ModelCost.of_model(runner.model, runner.kv_dtype)
         for name, conversations in workloads.items():
-            runs[name][method] = run_workload(llm, conversations, sampling)
-            print(f"{method} {name}: {runs[name][method].seconds:.2f} s", flush=True)
+            runs[name][method].append(run_workload(llm, conversations, sampling))
+            print(f"{method} {name}: {runs[name][method][-1].seconds:.2f} s", flush=True)
         if runner.verify_graphs is not None:
             starts[-1] += f", verify graphs replayed {runner.verify_graphs.num_replays} times"
         costs = llm.engine.step_costs
@@ -264,15 +276,22 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def report(
-    args: argparse.Namespace, runs: dict[str, dict[str, Run]], cost: ModelCost, rates: DeviceRates
+    args: argparse.Namespace,
+    runs: dict[str, dict[str, list[Run]]],
+    cost: ModelCost,
+    rates: DeviceRates,
 ) -> int:
-    """Print the mismatches, then the table; the exit status (1: a mismatch)."""
-    failed = [
-        (name, method)
-        for name, by_method in runs.items()
-        for method, run in by_method.items()
-        if run.tokens != by_method["plain"].tokens
-    ]
+    """Print the mismatches, then the table of medians over the rounds; the exit status (1:
+    a mismatch)."""
+    failed = sorted(
+        {
+            (name, method)
+            for name, by_method in runs.items()
+            for method, rounds in by_method.items()
+            for run, plain in zip(rounds, by_method["plain"], strict=True)
+            if run.tokens != plain.tokens
+        }
+    )
     for name, method in failed:
         print(f"MISMATCH: {name}, {method}: greedy tokens differ from plain decoding's")
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
@@ -281,37 +300,48 @@ def report(
         f"at the engine's defaults (adaptive); fixed k runs: {' '.join(args.ngram or ['-'])}, "
         f"draft fixed k = {args.num_speculative_tokens}; n-grams from "
         f"{args.prompt_lookup_min}; draft {args.speculative_model or '-'}, {device}, "
-        f"{rates.describe()}"
+        f"{rates.describe()}; medians of {args.rounds} rounds (range), each round's "
+        "speed-up against its plain runs' mean"
     )
     print(
-        f"{'workload':20} {'method':11} {'tokens':>7} {'tok/s':>9} {'speed-up':>9} "
+        f"{'workload':20} {'method':11} {'tokens':>7} {'tok/s':>9} {'speed-up':>19} "
         f"{'ms/step':>8} {'accepted':>9} {'from drafts':>12} {'% roofline':>11} "
         f"{'plain ceiling':>14}"
     )
     for name, by_method in runs.items():
-        plain = by_method["plain"]
-        plain_rate = statistics.mean(
-            by_method[m].num_tokens / by_method[m].seconds for m in ("plain", "plain again")
-        )
+        plain_rates = [
+            statistics.mean(run.num_tokens / run.seconds for run in pair)
+            for pair in zip(by_method["plain"], by_method["plain again"], strict=True)
+        ]
+        plain = by_method["plain"][0]
         ceiling = plain.num_tokens / run_bound(plain.steps, cost, rates)
-        for method, run in by_method.items():
-            rate = run.num_tokens / run.seconds
-            acceptance = run.num_accepted / run.num_drafts if run.num_drafts else 0.0
+        for method, rounds in by_method.items():
+            rates_of = [run.num_tokens / run.seconds for run in rounds]
+            speed_ups = [rate / base for rate, base in zip(rates_of, plain_rates, strict=True)]
+            drafts = sum(run.num_drafts for run in rounds)
+            accepted = sum(run.num_accepted for run in rounds)
+            tokens = sum(run.num_tokens for run in rounds)
+            # The median round's run (the lower of two middle ones) for its steps' figures.
+            order = sorted(range(len(rounds)), key=rates_of.__getitem__)
+            run = rounds[order[(len(order) - 1) // 2]]
             bound = run_bound(run.steps, cost, rates)
             print(
-                f"{name:20} {method:11} {run.num_tokens:7d} {rate:9.1f} "
-                f"{rate / plain_rate:8.2f}x {run.seconds * 1e3 / len(run.steps):8.3f} "
-                f"{acceptance:9.1%} {run.num_accepted / run.num_tokens:12.1%} "
+                f"{name:20} {method:11} {run.num_tokens:7d} {statistics.median(rates_of):9.1f} "
+                f"{statistics.median(speed_ups):8.2f}x ({min(speed_ups):.2f}-"
+                f"{max(speed_ups):.2f}) {run.seconds * 1e3 / len(run.steps):8.3f} "
+                f"{accepted / drafts if drafts else 0.0:9.1%} {accepted / tokens:12.1%} "
                 f"{share_of_roofline(bound, run.seconds):>11} {ceiling:10.0f} t/s"
             )
-    rejected = [
-        (name, by_method["draft fixed"], (by_method["plain"], by_method["plain again"]))
-        for name, by_method in runs.items()
-        if "draft fixed" in by_method and by_method["draft fixed"].num_accepted == 0
-    ]
-    for name, run, plain in rejected:  # every draft rejected: each step a rejected draft's
-        step = run.seconds * 1e3 / len(run.steps)
-        plain_step = statistics.mean(r.seconds * 1e3 / len(r.steps) for r in plain)
+    for name, by_method in runs.items():  # every draft rejected: each step a rejected draft's
+        if "draft fixed" not in by_method or any(r.num_accepted for r in by_method["draft fixed"]):
+            continue
+        step = statistics.median(
+            run.seconds * 1e3 / len(run.steps) for run in by_method["draft fixed"]
+        )
+        plain_step = statistics.median(
+            run.seconds * 1e3 / len(run.steps)
+            for run in by_method["plain"] + by_method["plain again"]
+        )
         print(
             f"a rejected draft's step ({name}, k = {args.num_speculative_tokens}): "
             f"{step:.3f} ms against plain decoding's {plain_step:.3f} ms "

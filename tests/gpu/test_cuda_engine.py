@@ -248,8 +248,8 @@ def test_split_mixed_step_equals_eager_mixed_step(engine_split: LLMEngine) -> No
     assert [runner.num_split_steps, *(g.num_replays for g in graphs)] == [n + 1 for n in before]
     assert split.shape == eager.shape == (11, engine.vocab_size)
     torch.testing.assert_close(split, eager, rtol=1e-3, atol=1e-3)
-    for request_id in list(engine.requests):
-        engine.abort(b"gpu", request_id)
+    for client, request_id in list(engine.requests):  # keyed by (client, request id)
+        engine.abort(client, request_id)
 
 
 def _arriving(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, list[int]]:
