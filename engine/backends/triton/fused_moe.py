@@ -139,7 +139,7 @@ def moe_config(
     SMs: by pair at a decode step's few pairs (``moe_decode``), the grouped GEMMs otherwise;
     chosen by shape, never timed (timed choices would differ between processes, and so would
     their sums)."""
-    if takes_decode_path(num_tokens, top_k, num_experts):
+    if takes_decode_path(num_tokens, top_k, num_experts, hidden, intermediate):
         return moe_decode_config(top_k)
     return grouped_config(
         num_tokens, top_k, num_experts, hidden, intermediate, processors, weight_dtype, dtype

@@ -28,7 +28,7 @@ once in all by the grouped kernels; so this path stops where duplicates stop bei
 (``takes_decode_path``). Each kernel's step is 8192 products (16 KiB of bf16 weights, 8 of
 fp8) over 8 warps, as the one-row kernel's best bf16 configurations read: enough bytes in
 flight for a few programs an SM to keep the memory busy, and at one token hundreds of
-programs or more (Qwen3-30B-A3B 1,536 and 512, Mixtral 7,168 and 1,024).
+programs or more (Qwen3-30B-A3B 3,072 and 256, Mixtral 14,336 and 512).
 
 Launched dependent as every MoE kernel. The down kernel reads its picks' ids, routing
 weights and first chunk of weights before waiting for the gate/up kernel: the routing was
@@ -65,6 +65,9 @@ _WARPS = 8
 # in flight each. Left to itself ptxas gives the gate/up kernel 72 (3 programs) where 64
 # spill nothing in bf16 (4 bytes with fp8 codes' widening; sm_90, both kernels, K 2 to 8).
 _MAX_REGISTERS = 64
+# The weight bytes a depth's steps may read, at most, over its own: beyond, the grouped
+# kernels' short steps (``takes_decode_path``).
+_MOST_MASKED = 1.125
 
 
 @dataclass(frozen=True)
@@ -80,27 +83,41 @@ class MoeDecodeConfig:
     warps: int
 
 
-def takes_decode_path(num_tokens: int, top_k: int, num_experts: int) -> bool:
+def takes_decode_path(
+    num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int
+) -> bool:
     """Whether ``fused_moe`` takes this path for ``num_tokens`` tokens' ``top_k`` picks over
-    ``num_experts`` local experts: one token (its picks are distinct experts: nothing to
-    group), or up to E / 8 pairs. P pairs spread over E experts repeat about P^2 / 2E of them,
-    so there this path reads at most 1/16 more weight bytes than the grouped kernels, less than
-    the two kernels it saves in the chain cost (each is a few percent of a step at batch 1).
-    Qwen3-30B-A3B (E 128, K 8): up to 2 tokens; Mixtral (8, 2) and gpt-oss-20b (32, 4): one.
-    FP8 weights stay weight-only here (at most ``WEIGHT_ONLY_MAX_TOKENS`` tokens)."""
+    ``num_experts`` local experts of [2 * intermediate, hidden]: one token (its picks are
+    distinct experts: nothing to group), or up to E / 8 pairs. P pairs spread over E experts
+    repeat about P^2 / 2E of them, so there this path reads at most 1/16 more weight bytes than
+    the grouped kernels, less than the two kernels it saves in the chain cost (each is a few
+    percent of a step at batch 1). And only where its long steps divide the depths nearly
+    evenly (``_MOST_MASKED``): a last step partly masked costs a whole one, so gpt-oss-20b's H
+    of 2880 in steps of 2048 would read 1.4 times its gate/up weights' bytes. Qwen3-30B-A3B
+    (E 128, K 8): up to 2 tokens; Mixtral (8, 2): one; gpt-oss-20b: never. FP8 weights stay
+    weight-only here (at most ``WEIGHT_ONLY_MAX_TOKENS`` tokens)."""
     num_pairs = num_tokens * top_k
-    return num_tokens <= WEIGHT_ONLY_MAX_TOKENS and num_pairs <= max(top_k, num_experts // 8)
+    if num_tokens > WEIGHT_ONLY_MAX_TOKENS or num_pairs > max(top_k, num_experts // 8):
+        return False
+    config = moe_decode_config(top_k)
+    return all(
+        triton.cdiv(depth, step) * step <= _MOST_MASKED * depth
+        for depth, step in ((hidden, config.gate_up_depth), (intermediate, config.down_depth))
+    )
 
 
 def moe_decode_config(top_k: int) -> MoeDecodeConfig:
-    """By shape, never timed: ``_STEP_PRODUCTS`` a step, gate/up as 4 columns of each half (8
-    weight rows) by 1024 of H, down as 4 channels of each of the K picks (rounded up to a
-    power of two) by what is left of I (Qwen3-30B-A3B's K 8: 256, three steps of its 768).
-    Interpreted (the CPU tests), small: several column blocks and steps, last ones masked."""
+    """By shape, never timed: ``_STEP_PRODUCTS`` a step, gate/up as 2 columns of each half (4
+    weight rows) by 2048 of H, down as 8 channels of each of the K picks (rounded up to a
+    power of two) by what is left of I (Qwen3-30B-A3B's K 8: 128, six steps of its 768).
+    Fitted to ``bench_kernels.py --moe --moe-sweep`` at one and two tokens, where these
+    blocks beat 4 and 4 at Qwen3-30B-A3B and Mixtral (the narrower gate/up programs: more of
+    them, each a longer stream of its rows). Interpreted (the CPU tests), small: several
+    column blocks and steps, last ones masked."""
     if _INTERPRETED:
         return MoeDecodeConfig(16, 32, 32, 16, 4)
     picks = triton.next_power_of_2(top_k)
-    gate_up_columns, down_rows = 4, 4
+    gate_up_columns, down_rows = 2, 8
     return MoeDecodeConfig(
         gate_up_columns,
         _STEP_PRODUCTS // (2 * gate_up_columns),
