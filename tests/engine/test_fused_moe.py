@@ -221,6 +221,18 @@ def test_decode_path_matches_reference(num_tokens: int, dtype: torch.dtype, fp8:
     assert torch.equal(out, fused_moe(x, weights, ids, **layer, config=moe_decode_config(3)))
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype", "fp8"])
+def test_decode_path_in_the_cuda_rules_blocks(fp8: bool) -> None:
+    """The CUDA rule's block shapes (2 gate/up columns of each half, 8 down channels a
+    program), at depths the interpreter takes quickly: one token and five of top-3."""
+    config = MoeDecodeConfig(2, 32, 8, 16, 4)
+    layer = experts(8, torch.float32, fp8)
+    for num_tokens in (1, 5):
+        x = torch.randn(num_tokens, HIDDEN, device=DEVICE)
+        weights, ids = route(torch.randn(num_tokens, 8, device=DEVICE), top_k=3)
+        assert_matches_reference(x, weights, ids, layer, config=config)
+
+
 def test_decode_path_ties_and_experts_no_token_picks() -> None:
     """The ties test's routing (expert 3 first, a tie of 11 and 12 second, thirteen of 16
     experts unpicked) by pair at 6 tokens."""
