@@ -48,7 +48,10 @@ def spawn(args: list[str], log_path: Path) -> subprocess.Popen:
         cwd=REPO_ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        # One intra-op thread unless told otherwise: a test's engine shares the machine's few
+        # cores with its servers and the test itself, and torch's threads spin on the cores
+        # they need (a loaded 2-core machine ran a step many times slower with two).
+        env={"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"},
         start_new_session=True,  # so stop() can signal the whole group
     )
 

@@ -195,7 +195,7 @@ HEAD_SHAPES = [(4, 4, 64), (8, 2, 128), (16, 2, 64), (6, 2, 80), (4, 1, 256)]
         (HEAD_SHAPES[2], 4, 40),
         (HEAD_SHAPES[3], 2, None),
         (HEAD_SHAPES[4], 2, 100),
-        (HEAD_SHAPES[1], 70, None),  # more splits than the merge reads at once; most empty
+        ((2, 1, 64), 70, None),  # more splits than the merge reads at once; most empty
     ],
 )
 def test_decode_attention(

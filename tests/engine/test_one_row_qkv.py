@@ -47,7 +47,7 @@ def unfused(
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "input_kind", "bias", "cache_dtype", "slot"),
     [
-        (4, 2, 64, "deferred norm", False, None, 21),
+        (2, 1, 64, "deferred norm", False, None, 21),
         (4, 2, 32, "row", True, None, 3),
         (6, 2, 32, "deferred norm, no residual", True, FP8, 30),
         (4, 4, 16, "fp8 weight", False, None, 17),
