@@ -8,8 +8,9 @@ engine/execution/mixed_steps.py) and as one pass op by op, on the same inputs.
 
 BATCH requests of CONTEXT random tokens are prefilled and decoding; then for each count in
 --prompts, that many new prompts of 30-200 random tokens arrive (at most the largest prompt
-graph's tokens together) and the scheduler makes the step that admits them. First the check: the split step's logits against the one pass's
-(the largest difference; the rows whose argmax agree). Then each way's time, the median of
+graph's tokens together) and the scheduler makes the step that admits them. First the
+check: the split step's logits against the one pass's (the largest difference; the rows
+whose argmax agree). Then each way's time, the median of
 REPEATS: the host's (until the call returns: its launches) and the wall's (until the device
 is done, the device synchronized after each), and the decode step alone (its graph) for
 reference: what a busy engine's step costs when it admits nobody. Overlapped serving pays
