@@ -105,6 +105,10 @@ class Run:
     def num_tokens(self) -> int:
         return sum(len(t) for t in self.tokens)
 
+    @property
+    def step_ms(self) -> float:
+        return self.seconds * 1e3 / len(self.steps)
+
 
 def run_workload(
     llm: LLM, conversations: list[list[dict[str, str]]], sampling: SamplingParams
@@ -328,19 +332,16 @@ def report(
             print(
                 f"{name:20} {method:11} {run.num_tokens:7d} {statistics.median(rates_of):9.1f} "
                 f"{statistics.median(speed_ups):8.2f}x ({min(speed_ups):.2f}-"
-                f"{max(speed_ups):.2f}) {run.seconds * 1e3 / len(run.steps):8.3f} "
+                f"{max(speed_ups):.2f}) {run.step_ms:8.3f} "
                 f"{accepted / drafts if drafts else 0.0:9.1%} {accepted / tokens:12.1%} "
                 f"{share_of_roofline(bound, run.seconds):>11} {ceiling:10.0f} t/s"
             )
     for name, by_method in runs.items():  # every draft rejected: each step a rejected draft's
         if "draft fixed" not in by_method or any(r.num_accepted for r in by_method["draft fixed"]):
             continue
-        step = statistics.median(
-            run.seconds * 1e3 / len(run.steps) for run in by_method["draft fixed"]
-        )
+        step = statistics.median(run.step_ms for run in by_method["draft fixed"])
         plain_step = statistics.median(
-            run.seconds * 1e3 / len(run.steps)
-            for run in by_method["plain"] + by_method["plain again"]
+            run.step_ms for run in by_method["plain"] + by_method["plain again"]
         )
         print(
             f"a rejected draft's step ({name}, k = {args.num_speculative_tokens}): "

@@ -275,8 +275,8 @@ def test_a_full_queue_answers_429_at_once_and_the_admitted_finish(guarded: Serve
 
     def one(index: int) -> tuple[str, float, str | None]:
         started = time.monotonic()
-        # Long enough that a refusal beats every finish on a loaded machine too (at 12
-        # tokens the fastest finish came in 0.11 s and a refusal in 0.12 under load).
+        # Long enough that a refusal beats every finish on a loaded machine too: a few
+        # tokens of the tiny model finish about as fast as a refusal comes back.
         body = _create_kwargs(f"w{5 + index} w6", 48)
         try:
             if index % 2:
