@@ -49,8 +49,8 @@ def spawn(args: list[str], log_path: Path) -> subprocess.Popen:
         stdout=log,
         stderr=subprocess.STDOUT,
         # One intra-op thread unless told otherwise: a test's engine shares the machine's few
-        # cores with its servers and the test itself, and torch's threads spin on the cores
-        # they need (a loaded 2-core machine ran a step many times slower with two).
+        # cores with its servers and the test itself, and torch's threads spin waiting on
+        # the cores those need.
         env={"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"},
         start_new_session=True,  # so stop() can signal the whole group
     )
