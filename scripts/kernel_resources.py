@@ -143,7 +143,8 @@ def compile_decode_kernel(
 
 def resources(kernel: triton.compiler.CompiledKernel) -> tuple[int, int, str]:
     """(registers a thread, local memory bytes a thread: spills, SASS) of a compiled kernel,
-    read from its cubin by Triton's own cuobjdump."""
+    read from its cubin by Triton's own cuobjdump. Spilled registers live in the thread's
+    stack frame (``STACK``; ``LOCAL`` counts other local arrays): both are local memory."""
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as directory:
         cubin = Path(directory, "kernel.cubin")
@@ -155,9 +156,9 @@ def resources(kernel: triton.compiler.CompiledKernel) -> tuple[int, int, str]:
 
         usage, sass = dump("-res-usage"), dump("-sass")
     registers = re.search(r"REG:(\d+)", usage)
-    local = re.search(r"LOCAL:(\d+)", usage)
-    assert registers is not None and local is not None, usage
-    return int(registers.group(1)), int(local.group(1)), sass
+    stack, local = re.search(r"STACK:(\d+)", usage), re.search(r"LOCAL:(\d+)", usage)
+    assert registers is not None and stack is not None and local is not None, usage
+    return int(registers.group(1)), int(stack.group(1)) + int(local.group(1)), sass
 
 
 def instruction_mix(sass: str) -> collections.Counter[str]:
@@ -220,7 +221,7 @@ def main() -> None:
     if args.block_n is not None:
         constants["BLOCK_N"] = args.block_n
     if args.num_warps is None:
-        args.num_warps = decode_num_warps(args.head_dim, kv_dtype)
+        args.num_warps = decode_num_warps(args.head_dim, kv_dtype, int(constants["BLOCK_M"]))
     integers = engine_arguments(num_heads, num_kv_heads, args.head_dim, args.sliding_window)
     kernel = compile_decode_kernel(constants, integers, kv_dtype, args.num_warps, args.num_stages)
     print(

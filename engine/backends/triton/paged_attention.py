@@ -562,13 +562,18 @@ def decode_constants(
     }
 
 
-def decode_num_warps(head_dim: int, kv_dtype: torch.dtype) -> int:
-    """Warps a decode program takes. Over a bf16 cache at head_dim 64, two: they read a large
-    batch's cache (128-256 sequences) closer to copy bandwidth than four, and tie at smaller
-    batches; at head_dim 128 two and four tie. The other cases keep Triton's default, four.
-    ``scripts/bench_kernels.py --head-dims 64 128 --batches 1 64 128 256`` measures the share
-    of copy bandwidth (change this rule to compare)."""
-    return 2 if head_dim <= 64 and kv_dtype.itemsize == 2 else 4
+def decode_num_warps(head_dim: int, kv_dtype: torch.dtype, block_m: int) -> int:
+    """Warps a decode program takes for a tile of ``block_m`` query rows. Over a bf16 cache
+    at head_dim 64, two where the tile has at most 64 rows: they read a large batch's cache
+    (128-256 sequences) closer to copy bandwidth than four, and tie at smaller batches; at
+    head_dim 128 two and four tie. A verify step's taller tile (1 + k tokens a row times the
+    query heads of a KV head, 128 rows at k = 16 for three or four of them) does not fit two
+    warps' registers: compiled so, it spills to local memory (``scripts/kernel_resources.py
+    --query-len 17`` shows the LDL/STL) and runs several times slower than at 64 rows. The
+    other cases keep Triton's default, four. ``scripts/bench_kernels.py --head-dims 64 128
+    --batches 1 64 128 256`` measures the share of copy bandwidth (change this rule to
+    compare)."""
+    return 2 if head_dim <= 64 and kv_dtype.itemsize == 2 and block_m <= 64 else 4
 
 
 def paged_decode_attention(
@@ -738,7 +743,7 @@ def _launch_decode_kernel(
         out.stride(1),
         *ws_strides,
         **constants,
-        num_warps=decode_num_warps(head_dim, key_cache.dtype),
+        num_warps=decode_num_warps(head_dim, key_cache.dtype, int(constants["BLOCK_M"])),
         **launch_options(q.device),
     )
 
