@@ -3,7 +3,9 @@ where speculation cannot win (a draft that guesses badly, text that does not rep
 it costs little.
 
 A pause lasts 4 steps the first time, twice as many each time the request is paused again,
-up to 64; ``reset`` makes the next one short again. A paused request decodes as it would
+up to 64; ``reset`` makes the next one short again. Where the drafts' source can be looked at
+from the host (prompt lookup), a request with nothing to draft from ``wait``s a few steps
+instead, without growing the back-off. A paused request decodes as it would
 without speculation (and a draft model catches up on its tokens in one forward pass when it
 drafts again). When a pause ends the request is due for a probe (``probing``): at a fixed k
 it drafts then, whatever the estimates say, so that text that starts repeating itself is
@@ -47,6 +49,14 @@ class DraftPause:
         """Draft nothing for it for the next pause's steps; the one after is twice as long."""
         self.steps_left = self.next_pause
         self.next_pause = min(2 * self.next_pause, LONGEST_PAUSE)
+        self.probing = False
+
+    def wait(self, steps: int) -> None:
+        """Nothing to draft from now (prompt lookup found no earlier copy of the request's
+        latest tokens): draft nothing for ``steps`` steps, then look again. The back-off does
+        not grow: looking costs a lookup, not a verify step, and text that starts copying
+        its input is found within those steps."""
+        self.steps_left = steps
         self.probing = False
 
     def reset(self) -> None:

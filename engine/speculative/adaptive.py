@@ -51,11 +51,14 @@ a [requests, k] table.
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
 
 import numpy as np
 
 from engine.scheduling.draft_acceptance import DraftAcceptance
+from engine.scheduling.draft_pause import LONGEST_PAUSE
 from engine.scheduling.request import Request
 from engine.speculative.step_costs import StepCosts
 
@@ -64,6 +67,9 @@ FIRST_PRIOR = 0.5
 # The engine's counts keep 0.98 of their weight a verify step: they describe how good a
 # source is for this model and workload, which changes slowly.
 ENGINE_MEMORY = 0.98
+# The lookups of requests waiting for something to draft from (``Proposer.preview``) take at
+# most this share of the time.
+LOOKUP_SHARE = 0.05
 # Probes whose drafts the proposer cannot preview (a draft model's) take at most this share of
 # the time: all that a draft that never pays costs, at any batch size.
 PROBE_SHARE = 0.02
@@ -93,6 +99,8 @@ class AdaptiveDrafting:
         self.probes_foreseen = 0.0
         self.engine_acceptance = DraftAcceptance(memory=ENGINE_MEMORY)
         self.widths = np.arange(1, max_drafts + 1)
+        # A preview's seconds (a running average of the lookups timed in ``plan``).
+        self.preview_seconds = 0.0
 
     def plan(self, candidates: list[Request], batch_size: int) -> tuple[list[Request], int]:
         """Before the step in flight is read: of ``candidates`` (the running requests that
@@ -105,6 +113,9 @@ class AdaptiveDrafting:
             return [], 0  # plain steps first: they measure what drafting must beat
         active: list[Request] = []
         due: list[Request] = []  # their pause ended: a probe, unless a preview decides
+        waiting: list[Request] = []  # nothing to draft from, in the preview
+        previews_started = time.perf_counter()
+        num_previews = 0
         for request in candidates:
             pause = request.draft_pause
             if not pause.may_draft():
@@ -113,6 +124,7 @@ class AdaptiveDrafting:
                 active.append(request)
                 continue
             key = None if self.preview is None else self.preview(request)
+            num_previews += key is not None
             if key is None:
                 due.append(request)
             elif key:  # its drafts' source is known: weighed as any other's, by what the
@@ -121,8 +133,12 @@ class AdaptiveDrafting:
                 request.draft_acceptance.key = key
                 pause.probing = False
                 active.append(request)
-            else:  # nothing to draft from: paused again, at the cost of a lookup
-                pause.pause()
+            else:  # nothing to draft from: it looks again in a few steps
+                waiting.append(request)
+        if num_previews:
+            seconds = (time.perf_counter() - previews_started) / num_previews
+            self.preview_seconds += (seconds - self.preview_seconds) / 8
+        self._wait(waiting, batch_size)
         spent = self.costs.take_probe_seconds()
         if spent:  # probes measured: charge what they cost, not what was foreseen
             self.probe_credit += self.probes_foreseen - spent
@@ -175,6 +191,9 @@ class AdaptiveDrafting:
             gain = (_expected_tokens(alphas, width)[np.arange(len(requests)), lengths] - 1).sum()
             if probes or (batch_size + gain) * costs.plain > batch_size * costs.verify:
                 return drafts
+        elif self.preview is not None:  # nothing found to draft from: not the drafts' fault
+            self._wait(requests, batch_size)
+            return [[] for _ in requests]
         for request in requests:
             request.draft_pause.pause()
         return [[] for _ in requests]
@@ -186,6 +205,15 @@ class AdaptiveDrafting:
         key = request.draft_acceptance.key
         request.draft_acceptance.add(key, num_drafts, num_accepted)
         self.engine_acceptance.add(key, num_drafts, num_accepted)
+
+    def _wait(self, requests: list[Request], batch_size: int) -> None:
+        """``requests`` have nothing to draft from: each looks again after as many steps as
+        keep the batch's lookups within ``LOOKUP_SHARE`` of a plain step's time."""
+        if requests:
+            lookups = self.preview_seconds * batch_size
+            steps = math.ceil(lookups / (LOOKUP_SHARE * self.costs.costs(batch_size).plain))
+            for request in requests:
+                request.draft_pause.wait(min(max(steps, 1), LONGEST_PAUSE))
 
     def _alpha(self, request: Request, key: int) -> float:
         prior = self.engine_acceptance.rate(key, FIRST_PRIOR)

@@ -64,20 +64,25 @@ def find_continuation(
     suffix of ``tokens`` (between ``max_n`` and ``min_n`` long) that occurred before, and
     that suffix's length (0: none occurred)."""
     length = tokens.size
-    last = tokens[-1]
-    # Where an occurrence could end: at an earlier copy of the last token.
-    ends = np.flatnonzero(tokens[:-1] == last)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        candidates = ends[ends >= n - 1]
-        if candidates.size == 0:
-            continue
-        offsets = np.arange(n - 1, -1, -1)
-        windows = tokens[candidates[:, None] - offsets]
-        matched = candidates[(windows == tokens[length - n :]).all(axis=1)]
-        if matched.size:
-            start = matched[-1] + 1
-            return tokens[start : start + count], n
-    return tokens[:0], 0
+    # Where an occurrence of the shortest suffix ends (filtered back from the earlier
+    # copies of the last token one token at a time: text that does not repeat is told
+    # apart in a step or two), then how far back each of those matches, all at once: the
+    # longer suffixes' occurrences are among the shorter's. (Trying each length from the
+    # longest down cost several times as much where nothing matched.)
+    shortest = min(min_n, length - 1)
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+    for n in range(2, shortest + 1):
+        ends = ends[ends >= n - 1]
+        ends = ends[tokens[ends - (n - 1)] == tokens[length - n]]
+    if shortest < min_n or ends.size == 0:
+        return tokens[:0], 0
+    back = np.arange(min_n, min(max_n, length - 1))  # how far back each further token lies
+    positions = ends[:, None] - back
+    matches = (tokens[np.maximum(positions, 0)] == tokens[length - 1 - back]) & (positions >= 0)
+    lengths = min_n + np.cumprod(matches, axis=1).sum(axis=1)
+    found = int(lengths.max())
+    latest = ends[lengths == found][-1]
+    return tokens[latest + 1 : latest + 1 + count], found
 
 
 def _token_array(request: Request) -> np.ndarray:
