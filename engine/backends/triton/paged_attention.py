@@ -69,9 +69,19 @@ _MIN_DOT_ROWS = 16
 _DECODE_PROGRAMS_PER_SM = 4
 _MIN_SPLIT_TOKENS = 128
 _MAX_SPLITS = 256
-# Splits a merge reads at a time: a batch-1 step's 66 (8 KV heads on 132 SMs) in two
-# chunks; at 16 they would take five, each waiting on the one before.
+# Splits the merge kernel (after the fp8 kernel's splits) reads at a time, for one query
+# head: a batch-1 step's 66 (8 KV heads on 132 SMs) in two chunks; at 16 they would take
+# five, each waiting on the one before.
 _MERGE_BLOCK_S = tl.constexpr(64)
+# The split decode kernel's last program merges its group's rows together, as many splits at
+# a time as keep this many values of a chunk a thread (powers of two; at least one split): at
+# 8, no split variant of the models' head shapes takes more registers than before the merge
+# moved in (sm_90, Triton 3.9: 110 at head_dim 128, 105 at 64, against 105 and 136), so
+# the merge costs no program its place on an SM; at 16 and 32 some take 134-239
+# (``scripts/kernel_resources.py --split`` prints them). It reads one split a step at the
+# group of 8 and head_dim 128: a long context's many splits are a serial tail of the last
+# program (``scripts/bench_kernels.py --contexts 32768`` times it).
+_MERGE_VALUES_PER_THREAD = 8
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second and third axes
 # Arguments that change from step to step in eager steps (views of the step's one packed
 # input buffer, block tables of any width): Triton would otherwise compile a variant per
@@ -230,6 +240,8 @@ def _decode_kernel(
     USE_WINDOW: tl.constexpr,
     MASK_WINDOW: tl.constexpr,  # USE_WINDOW with several queries: each has its own window
     WRITE_PARTIAL: tl.constexpr,
+    MERGE_ROWS: tl.constexpr,
+    MERGE_SPLITS: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -310,21 +322,29 @@ def _decode_kernel(
         count_ptr = split_counts_ptr + seq * tl.num_programs(0) + kv_head
         finished = tl.atomic_add(count_ptr, 1, sem="acq_rel")
         if finished == num_splits - 1:
-            # One (token, query head) of the group at a time: its splits are one read.
-            for row in range(QUERY_LEN * GROUP):
-                token_row = seq * QUERY_LEN + row // GROUP
-                head = kv_head * GROUP + row % GROUP
-                _merge_head_splits(
-                    workspace_ptr + token_row * stride_ws_seq + head * stride_ws_head,
-                    out_ptr + token_row * stride_out_seq + head * stride_out_head,
-                    sinks_ptr,
-                    head,
-                    num_splits,
-                    stride_ws_split,
-                    HEAD_DIM,
-                    BLOCK_D,
-                    HAS_SINKS,
-                )
+            # The group's rows (each a token's query head) merged together, in tiles of their
+            # own size: without a tile's 16-row minimum.
+            group_tokens, group_heads, group_valid = _group_rows(
+                kv_head, QUERY_LEN, GROUP, GROUP_PAD, MERGE_ROWS
+            )
+            group_rows = seq * QUERY_LEN + group_tokens
+            # Only the splits that start inside the context hold keys: the block tables' width
+            # (a CUDA graph's: the longest context the engine takes) sets the split count,
+            # and a short context leaves most of them empty, weighing nothing.
+            _merge_splits(
+                workspace_ptr + group_rows * stride_ws_seq + group_heads * stride_ws_head,
+                out_ptr + group_rows * stride_out_seq + group_heads * stride_out_head,
+                sinks_ptr,
+                group_heads,
+                group_valid,
+                tl.cdiv(context_len - first_key, tl.maximum(split_len, 1)),
+                stride_ws_split,
+                HEAD_DIM,
+                BLOCK_D,
+                MERGE_ROWS,
+                MERGE_SPLITS,
+                HAS_SINKS,
+            )
             tl.store(count_ptr, 0)  # zero again for the next launch
     else:
         out = acc / row_sum[:, None]
@@ -339,39 +359,43 @@ def _decode_kernel(
 
 
 @triton.jit
-def _merge_head_splits(
+def _merge_splits(
     row_ptr,
     out_ptr,
     sinks_ptr,
-    head,
+    heads,
+    valid,
     num_splits,
     stride_ws_split,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
-    """One query head's output at one token (to ``out_ptr``) from its splits' partial results
-    (from ``row_ptr``, the first split's row of the workspace): every split's partial sums
-    rescaled to a common max, in one pass of _MERGE_BLOCK_S splits at a time (one compiled
-    variant for every split count): each chunk's max, sum and partial sums are loaded
-    together, and the state so far is rescaled to the new max, so the loads of a chunk wait
-    on nothing before them. The head's sink, if any, is the state before the first split
-    (``_initial_state``). Read from L2 (".cg"): other SMs wrote them, and this SM's L1 may
-    hold an earlier layer's."""
+    """BLOCK_R rows' outputs (to ``out_ptr``, each row's) from the partial results of their
+    first ``num_splits`` splits (from ``row_ptr``, each row's first split in the workspace;
+    ``heads``: their query heads, ``valid``: which are real; the splits after hold no keys):
+    every split's partial sums rescaled to a common max, in one pass of BLOCK_S splits at a
+    time (one compiled variant for every split count): each chunk's maxima, sums and partial
+    sums are loaded together, for every row at once, and the state so far is rescaled to the
+    new max, so the loads of a chunk wait on nothing before them. A head's sink, if any, is
+    the state before the first split (``_initial_state``). Read from L2 (".cg"): other SMs
+    wrote them, and this SM's L1 may hold an earlier layer's."""
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
     # An empty split holds max _NO_SCORE and sum 0: its weight is 0 once any split is not.
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    total = tl.zeros([BLOCK_R, BLOCK_S], dtype=tl.float32)
     if HAS_SINKS:  # its sum, 1, in the first slot of the running sums
-        top_max = tl.load(sinks_ptr + head).to(tl.float32) * _LOG2E
-        total = tl.where(tl.arange(0, _MERGE_BLOCK_S) == 0, 1.0, 0.0)
+        top_max = tl.load(sinks_ptr + heads, mask=valid, other=0.0).to(tl.float32) * _LOG2E
+        total = tl.where(tl.arange(0, BLOCK_S)[None, :] == 0, 1.0, total)
     else:
-        top_max = _NO_SCORE
-        total = tl.zeros([_MERGE_BLOCK_S], dtype=tl.float32)
-    for first in range(0, num_splits, _MERGE_BLOCK_S):
-        splits = first + tl.arange(0, _MERGE_BLOCK_S)
-        split_mask = splits < num_splits
-        split_ptr = row_ptr + splits * stride_ws_split
+        top_max = tl.full([BLOCK_R], _NO_SCORE, dtype=tl.float32)
+    for first in range(0, num_splits, BLOCK_S):
+        splits = first + tl.arange(0, BLOCK_S)
+        split_mask = valid[:, None] & (splits < num_splits)[None, :]
+        split_ptr = row_ptr[:, None] + splits[None, :] * stride_ws_split
         row_max = tl.load(
             split_ptr + HEAD_DIM, mask=split_mask, other=_NO_SCORE, cache_modifier=".cg"
         )
@@ -379,19 +403,20 @@ def _merge_head_splits(
             split_ptr + HEAD_DIM + 1, mask=split_mask, other=0.0, cache_modifier=".cg"
         )
         partial = tl.load(
-            split_ptr[:, None] + dims[None, :],
-            mask=split_mask[:, None] & dim_mask[None, :],
+            split_ptr[:, :, None] + dims[None, None, :],
+            mask=split_mask[:, :, None] & dim_mask[None, None, :],
             other=0.0,
             cache_modifier=".cg",
         )
-        new_max = tl.maximum(top_max, tl.max(row_max, 0))
+        new_max = tl.maximum(top_max, tl.max(row_max, 1))
         rescale = tl.exp2(top_max - new_max)
-        weight = tl.exp2(row_max - new_max)
-        acc = acc * rescale + tl.sum(partial * weight[:, None], 0)
-        total = total * rescale + row_sum * weight
+        weight = tl.exp2(row_max - new_max[:, None])
+        acc = acc * rescale[:, None] + tl.sum(partial * weight[:, :, None], 1)
+        total = total * rescale[:, None] + row_sum * weight
         top_max = new_max
-    out = acc / tl.sum(total, 0)
-    tl.store(out_ptr + dims, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
+    out = acc / tl.sum(total, 1)[:, None]
+    out_mask = valid[:, None] & dim_mask[None, :]
+    tl.store(out_ptr[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit(
@@ -410,21 +435,24 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Program (query token, query head): ``_merge_head_splits``, for the fp8 decode kernel's
-    splits (``fp8_decode``; the Triton decode kernel merges its own)."""
+    """Program (query token, query head): its splits merged (``_merge_splits``), for the
+    fp8 decode kernel's (``fp8_decode``; the Triton decode kernel merges its own)."""
     wait_for_previous_kernel()  # launched dependent (dependent_launch.py)
     let_next_kernel_start()
     seq = tl.program_id(0)
-    head = tl.program_id(1)
-    _merge_head_splits(
-        workspace_ptr + seq * stride_ws_seq + head * stride_ws_head,
-        out_ptr + seq * stride_out_seq + head * stride_out_head,
+    heads = tl.program_id(1) + tl.arange(0, 1)
+    _merge_splits(
+        workspace_ptr + seq * stride_ws_seq + heads * stride_ws_head,
+        out_ptr + seq * stride_out_seq + heads * stride_out_head,
         out_ptr,  # no sinks: unread
-        head,
+        heads,
+        heads >= 0,
         num_splits,
         stride_ws_split,
         HEAD_DIM,
         BLOCK_D,
+        1,
+        _MERGE_BLOCK_S,
         False,
     )
 
@@ -625,18 +653,23 @@ def decode_constants(
     GPU)."""
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
+    block_d = triton.next_power_of_2(head_dim)
+    merge_rows = triton.next_power_of_2(query_len * group_pad)
+    merge_values = _MERGE_VALUES_PER_THREAD * 32 * decode_num_warps(head_dim, kv_dtype)
     return {
         "QUERY_LEN": query_len,
         "GROUP": group,
         "GROUP_PAD": group_pad,
         "BLOCK_M": max(triton.next_power_of_2(query_len * group_pad), _MIN_DOT_ROWS),
         "HEAD_DIM": head_dim,
-        "BLOCK_D": triton.next_power_of_2(head_dim),
+        "BLOCK_D": block_d,
         "BLOCK_N": _FP8_DECODE_BLOCK_N if kv_dtype.itemsize == 1 else _BLOCK_N,
         "BLOCK_SIZE": block_size,
         "USE_WINDOW": sliding_window is not None,
         "MASK_WINDOW": sliding_window is not None and query_len > 1,
         "WRITE_PARTIAL": num_splits > 1,
+        "MERGE_ROWS": merge_rows,
+        "MERGE_SPLITS": max(merge_values // (merge_rows * block_d), 1),
         "HAS_SINKS": has_sinks,
         "DOT_PRECISION": dot_precision(dtype),
     }
