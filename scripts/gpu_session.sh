@@ -12,6 +12,7 @@
 #   scripts/gpu_session.sh moe                           # mixtures of experts, one GPU
 #   scripts/gpu_session.sh moe-235b moe-235b-offline     # Qwen3-235B-A22B shape, fp8, 4 GPUs
 #   scripts/gpu_session.sh gpt-oss                       # gpt-oss, one GPU
+#   scripts/gpu_session.sh merge-fold  # split decode merged in its own launch (issues 37/39)
 #
 # moe (issue 39, about 8 minutes): tests/gpu/test_moe_cuda.py (small Qwen3-MoE and Mixtral
 # against transformers in float32, torch and triton backends; fp8 experts), then at the
@@ -28,6 +29,15 @@
 # reference and replayed in CUDA graphs; the sinks and epilogue CPU tests natively), then at
 # the gpt-oss-20b shape (--load-format dummy) bench_latency's batch-1 TPOT and bench_offline's
 # throughput (one run); a table last.
+# merge-fold (issues 37/39, about 8 minutes, one GPU): split decode attention without its
+# second launch (the last split program of each KV head merges, paged_attention.py). First
+# correct: tests/gpu/test_split_decode_cuda.py (graph capture and replays against the
+# reference at real head shapes, bf16 and fp8 caches, sinks) with the decode kernels' tests
+# natively, then Qwen3 0.6B's greedy decode parity; then scripts/bench_kernels.py's decode
+# attention at batches 1, 8 and 64 and contexts 512, 4096 and 32768 (the 1B's heads at
+# head_dim 64, Qwen3 0.6B's and Qwen3-30B-A3B's at 128), bench_latency's batch-1 TPOT at the
+# Qwen3-30B-A3B, 1B and 8B shapes (--load-format dummy, 3 runs) and profile_step's batch-1
+# step at Qwen3-30B-A3B (3 rounds: no _decode_merge_kernel left); a table last.
 #   OVERLOAD_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh overload-gpu restart-gpu  # issue 40
 #   OVERLOAD_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh mixed-graphs  # issue 40: mixed steps
 #
@@ -487,6 +497,37 @@ PY
         flags=(); [ $weights = fp8 ] && flags=(--quantization fp8)
         timeout 280 python3 scripts/bench_kernels.py --moe "${MOE_SHAPE:-qwen3-30b-a3b}" --moe-sweep \
           "${flags[@]}" 2>&1 | tee "$out/moe-sweep-$weights.log" | grep -E "^ +(shape|qwen|mixtral)"
+      done ;;
+    merge-fold)  # issues 37/39 (header)
+      checkpoint qwen3-0.6b > /dev/null
+      timeout 240 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_split_decode_cuda.py \
+        tests/engine/test_kernels.py -k "split or decode or sinks or merge or counts" 2>&1 \
+        | tee "$out/merge-fold-tests.log" | tail -4
+      timeout 200 python3 -m pytest -q -rs -s -p no:cacheprovider tests/gpu/test_decode_parity.py \
+        -k "greedy and qwen3-0.6b" 2>&1 | tee "$out/merge-fold-parity.log" \
+        | grep -E "worst logprob|passed|failed|Error" | tail -4
+      for heads in default 32:4; do
+        flags=(--head-dims 64 128); [ $heads = default ] || flags=(--head-dims 128 --heads $heads)
+        timeout 150 python3 scripts/bench_kernels.py "${flags[@]}" --batches 1 8 64 \
+          --contexts 512 4096 32768 2>&1 | tee "$out/merge-fold-kernels-$heads.log" | tail -3
+      done
+      for shape in qwen3-30b-a3b llama-3.2-1b llama-3.1-8b; do
+        m=$(config_only $shape)
+        timeout 150 python3 scripts/bench_latency.py --model "$m" --load-format dummy --runs 3 2>&1 \
+          | tee "$out/merge-fold-latency-$shape.log" | grep -hE "^tandem, |^roofline"
+      done
+      m=$(config_only qwen3-30b-a3b)
+      timeout 150 python3 scripts/profile_step.py --model "$m" --load-format dummy --batch 1 \
+        --rounds 3 --top 16 2>&1 | grep -v USDT | tee "$out/merge-fold-profile.log" \
+        | grep -vE '^INFO|WARNING' | tail -20
+      echo "=== merge-fold summary"
+      grep -hE "passed|failed|error" "$out/merge-fold-tests.log" "$out/merge-fold-parity.log" | tail -2
+      grep -hE "^ *(head_dim|64|128) " "$out"/merge-fold-kernels-*.log
+      grep -hE "ms per decode step|device kernels|_decode" "$out/merge-fold-profile.log"
+      printf '%-15s %s\n' shape "batch-1 TPOT ms (median, range)"
+      for shape in qwen3-30b-a3b llama-3.2-1b llama-3.1-8b; do
+        awk -v s="$shape" '/^tandem, median/ {m = $(NF-3)} /^tandem, range/ {r = $(NF-3)}
+          END {printf "%-15s %s\n", s, m " (" r ")"}' "$out/merge-fold-latency-$shape.log"
       done ;;
     tp-check|tp-8b|tp-70b)  # each within one call's 10 minutes
       timeout 590 python3 scripts/bench_tensor_parallel.py --part "${stage#tp-}" \

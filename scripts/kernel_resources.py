@@ -107,6 +107,7 @@ def compile_decode_kernel(
         "block_tables_ptr": "*i64",
         "context_lens_ptr": "*i64",
         "workspace_ptr": "*fp32",
+        "split_counts_ptr": "*i32",
         "sinks_ptr": "*bf16",  # q when the model has no sinks (unread)
     }
     fixed = dict(constants)

@@ -44,7 +44,7 @@ from engine.backends.triton.fp8_decode import (
 )
 from engine.backends.triton.fp8_widen import widen, widen_factor
 from engine.backends.triton.one_row_matmul import one_row_matmul
-from engine.backends.triton.paged_attention import merge_splits
+from engine.backends.triton.paged_attention import decode_split_counts, merge_splits
 from engine.execution.batch import pad_verify
 from engine.quantization.linear_methods import quantize_per_channel
 from tandem.testing.kernel_reference import paged_attention_reference
@@ -220,11 +220,34 @@ def test_decode_attention(
     assert_rounding_close(out, attention_reference(q, batch, sliding_window))
 
 
+def test_split_decode_resets_its_counts() -> None:
+    """Split decode's last program of each (KV head, sequence) merges the group's splits and
+    sets its count back to zero: launched twice on the same counts, each launch's output is
+    whole (it starts as NaN) and right, and the counts are zero after. Sequences of one
+    split's keys and of every split's, and windowed: the merge reads only the splits that
+    hold keys."""
+    num_heads, num_kv_heads, head_dim, num_splits, window = 8, 2, 32, 3, 100
+    lens = [1, 70, 300]
+    batch = paged_batch(lens, [1] * len(lens), num_kv_heads, head_dim, fill=float("nan"))
+    m = batch.metadata
+    for _ in range(2):
+        q = randn(len(lens), num_heads, head_dim)
+        out = paged_decode_attention(
+            *(q, batch.key_cache, batch.value_cache, m.block_tables, m.context_lens),
+            head_dim**-0.5,
+            sliding_window=window,
+            num_splits=num_splits,
+            out=torch.full_like(q, float("nan")),
+        )
+        assert_rounding_close(out, attention_reference(q, batch, window))
+    assert not decode_split_counts(DEVICE, len(lens) * num_kv_heads).any()
+
+
 def test_decode_merge_rescales_across_chunks() -> None:
-    """The split merge reads 64 splits at a time and rescales what it has summed to each
-    chunk's larger max: 70 splits' partial results, the largest maxima in the second chunk
-    and some splits empty (max _NO_SCORE, sum 0, weighing nothing), against their
-    softmax-weighted sum in float32."""
+    """The merge kernel (after the fp8 kernel's splits) reads 64 splits at a time and
+    rescales what it has summed to each chunk's larger max: 70 splits' partial results, the
+    largest maxima in the second chunk and some splits empty (max _NO_SCORE, sum 0, weighing
+    nothing), against their softmax-weighted sum in float32."""
     tokens, heads, splits, head_dim = 3, 4, 70, 64
     workspace = torch.randn(tokens, heads, splits, head_dim + 2, device=DEVICE)
     maxima = torch.randn(tokens, heads, splits, device=DEVICE) * 4

@@ -21,8 +21,9 @@ reaches). Here the layouts are ours to choose:
 - Scores, softmax and the accumulator stay in float32, as in the Triton kernel; P enters PV
   in float16 (the Triton kernel: bfloat16).
 
-It writes what the Triton decode kernel writes (the output, or a split's unnormalized output
-with its max and sum for ``_decode_merge_kernel``), for one query token a sequence, head
+It writes the output, or a split's unnormalized output with its max and sum for
+``_decode_merge_kernel`` (a second launch: the Triton decode kernel merges its own splits,
+its last program of each KV head's), for one query token a sequence, head
 dims 64 and 128 and up to 16 query heads a KV head; anything else takes the Triton kernel.
 """
 

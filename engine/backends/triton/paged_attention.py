@@ -9,8 +9,9 @@ is online, in float32 and base 2 (scores are pre-multiplied by log2(e)).
   its last positions: one for a decode step, 1 + k for a speculative verify step (the
   sequence's last token and its k drafts, fewer drafts padded at the front), causal among
   them. The context is split into ``num_splits`` parts computed by separate programs
-  (flash-decoding), so a few sequences with long contexts still fill the GPU; a second
-  kernel merges the partial results. Its launch grid depends on the batch and the block
+  (flash-decoding), so a few sequences with long contexts still fill the GPU; the last of a
+  (KV head, sequence)'s split programs to finish merges their partial results, in the same
+  launch (``decode_split_counts``). Its launch grid depends on the batch and the block
   tables' width alone, so CUDA graphs capture it for both kinds of step.
 - ``paged_prefill_attention``: the packed new tokens of sequences of any lengths whose
   earlier tokens are already cached (chunked prefill, prefix caching), causal; decodes are
@@ -26,6 +27,7 @@ The new tokens' K and V must be in the cache (``rotary_store_kv``) before either
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -67,9 +69,19 @@ _MIN_DOT_ROWS = 16
 _DECODE_PROGRAMS_PER_SM = 4
 _MIN_SPLIT_TOKENS = 128
 _MAX_SPLITS = 256
-# Splits the merge kernel reads at a time: a batch-1 step's 66 (8 KV heads on 132 SMs) in
-# two chunks; at 16 they would take five, each waiting on the one before.
-_MERGE_BLOCK_S = 64
+# Splits the merge kernel (after the fp8 kernel's splits) reads at a time, for one query
+# head: a batch-1 step's 66 (8 KV heads on 132 SMs) in two chunks; at 16 they would take
+# five, each waiting on the one before.
+_MERGE_BLOCK_S = tl.constexpr(64)
+# The split decode kernel's last program merges its group's rows together, as many splits at
+# a time as keep this many values of a chunk a thread (powers of two; at least one split): at
+# 8, no split variant of the models' head shapes takes more registers than before the merge
+# moved in (sm_90, Triton 3.9: 110 at head_dim 128, 105 at 64, against 105 and 136), so
+# the merge costs no program its place on an SM; at 16 and 32 some take 134-239
+# (``scripts/kernel_resources.py --split`` prints them). It reads one split a step at the
+# group of 8 and head_dim 128: a long context's many splits are a serial tail of the last
+# program (``scripts/bench_kernels.py --contexts 32768`` times it).
+_MERGE_VALUES_PER_THREAD = 8
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second and third axes
 # Arguments that change from step to step in eager steps (views of the step's one packed
 # input buffer, block tables of any width): Triton would otherwise compile a variant per
@@ -203,6 +215,7 @@ def _decode_kernel(
     context_lens_ptr,
     out_ptr,
     workspace_ptr,
+    split_counts_ptr,
     sinks_ptr,
     window,
     scale_log2,
@@ -227,11 +240,21 @@ def _decode_kernel(
     USE_WINDOW: tl.constexpr,
     MASK_WINDOW: tl.constexpr,  # USE_WINDOW with several queries: each has its own window
     WRITE_PARTIAL: tl.constexpr,
-    HAS_SINKS: tl.constexpr,  # and not WRITE_PARTIAL: split, the merge adds them
+    MERGE_ROWS: tl.constexpr,
+    MERGE_SPLITS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Program (kv head, sequence, split): its part of the context, for the group's heads
-    at each of the sequence's QUERY_LEN query tokens (rows seq * QUERY_LEN + token)."""
+    at each of the sequence's QUERY_LEN query tokens (rows seq * QUERY_LEN + token).
+
+    Split (WRITE_PARTIAL), each program stores its partial results to the workspace and
+    counts itself done on its (kv head, sequence)'s counter in ``split_counts_ptr`` (the
+    stores first, then a barrier, then the count's release); the program that finds itself
+    the last (after the count's acquire) merges the group's rows from the workspace
+    (``_merge_head_splits``, the sinks there, once) and sets the counter back to zero for the
+    next launch. Only the counts are atomic: the result does not depend on which program
+    came last."""
     kv_head = tl.program_id(0)  # fastest: a sequence's KV heads run side by side
     seq = tl.program_id(1)
     split = tl.program_id(2)
@@ -261,7 +284,10 @@ def _decode_kernel(
     # with fewer drafts than others, at the front) ask again for earlier ones; never below
     # 0, so that each sees a key and its (ignored) output stays finite.
     query_pos = tl.maximum(context_len - QUERY_LEN + token.to(tl.int64), 0)
-    acc, row_max, row_sum = _initial_state(sinks_ptr, heads, valid, BLOCK_M, BLOCK_D, HAS_SINKS)
+    # Split, the sinks are the merge's.
+    acc, row_max, row_sum = _initial_state(
+        sinks_ptr, heads, valid, BLOCK_M, BLOCK_D, HAS_SINKS and not WRITE_PARTIAL
+    )
     acc, row_max, row_sum = _attend_keys(
         q,
         acc,
@@ -286,12 +312,40 @@ def _decode_kernel(
         DOT_PRECISION,
     )
     if WRITE_PARTIAL:
-        # Unnormalized output, then the row's max and sum, for the merge kernel.
+        # Unnormalized output, then the row's max and sum, for the merge.
         row_ptr = workspace_ptr + rows * stride_ws_seq + heads * stride_ws_head
         row_ptr += split * stride_ws_split
         tl.store(row_ptr[:, None] + dims[None, :], acc, mask=mask)
         tl.store(row_ptr + HEAD_DIM, row_max, mask=valid)
         tl.store(row_ptr + HEAD_DIM + 1, row_sum, mask=valid)
+        tl.debug_barrier()  # every thread's partial stored before the count releases them
+        count_ptr = split_counts_ptr + seq * tl.num_programs(0) + kv_head
+        finished = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+        if finished == num_splits - 1:
+            # The group's rows (each a token's query head) merged together, in tiles of their
+            # own size: without a tile's 16-row minimum.
+            group_tokens, group_heads, group_valid = _group_rows(
+                kv_head, QUERY_LEN, GROUP, GROUP_PAD, MERGE_ROWS
+            )
+            group_rows = seq * QUERY_LEN + group_tokens
+            # Only the splits that start inside the context hold keys: the block tables' width
+            # (a CUDA graph's: the longest context the engine takes) sets the split count,
+            # and a short context leaves most of them empty, weighing nothing.
+            _merge_splits(
+                workspace_ptr + group_rows * stride_ws_seq + group_heads * stride_ws_head,
+                out_ptr + group_rows * stride_out_seq + group_heads * stride_out_head,
+                sinks_ptr,
+                group_heads,
+                group_valid,
+                tl.cdiv(context_len - first_key, tl.maximum(split_len, 1)),
+                stride_ws_split,
+                HEAD_DIM,
+                BLOCK_D,
+                MERGE_ROWS,
+                MERGE_SPLITS,
+                HAS_SINKS,
+            )
+            tl.store(count_ptr, 0)  # zero again for the next launch
     else:
         out = acc / row_sum[:, None]
         tl.store(
@@ -304,6 +358,67 @@ def _decode_kernel(
         )
 
 
+@triton.jit
+def _merge_splits(
+    row_ptr,
+    out_ptr,
+    sinks_ptr,
+    heads,
+    valid,
+    num_splits,
+    stride_ws_split,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):
+    """BLOCK_R rows' outputs (to ``out_ptr``, each row's) from the partial results of their
+    first ``num_splits`` splits (from ``row_ptr``, each row's first split in the workspace;
+    ``heads``: their query heads, ``valid``: which are real; the splits after hold no keys):
+    every split's partial sums rescaled to a common max, in one pass of BLOCK_S splits at a
+    time (one compiled variant for every split count): each chunk's maxima, sums and partial
+    sums are loaded together, for every row at once, and the state so far is rescaled to the
+    new max, so the loads of a chunk wait on nothing before them. A head's sink, if any, is
+    the state before the first split (``_initial_state``). Read from L2 (".cg"): other SMs
+    wrote them, and this SM's L1 may hold an earlier layer's."""
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    # An empty split holds max _NO_SCORE and sum 0: its weight is 0 once any split is not.
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    total = tl.zeros([BLOCK_R, BLOCK_S], dtype=tl.float32)
+    if HAS_SINKS:  # its sum, 1, in the first slot of the running sums
+        top_max = tl.load(sinks_ptr + heads, mask=valid, other=0.0).to(tl.float32) * _LOG2E
+        total = tl.where(tl.arange(0, BLOCK_S)[None, :] == 0, 1.0, total)
+    else:
+        top_max = tl.full([BLOCK_R], _NO_SCORE, dtype=tl.float32)
+    for first in range(0, num_splits, BLOCK_S):
+        splits = first + tl.arange(0, BLOCK_S)
+        split_mask = valid[:, None] & (splits < num_splits)[None, :]
+        split_ptr = row_ptr[:, None] + splits[None, :] * stride_ws_split
+        row_max = tl.load(
+            split_ptr + HEAD_DIM, mask=split_mask, other=_NO_SCORE, cache_modifier=".cg"
+        )
+        row_sum = tl.load(
+            split_ptr + HEAD_DIM + 1, mask=split_mask, other=0.0, cache_modifier=".cg"
+        )
+        partial = tl.load(
+            split_ptr[:, :, None] + dims[None, None, :],
+            mask=split_mask[:, :, None] & dim_mask[None, None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        new_max = tl.maximum(top_max, tl.max(row_max, 1))
+        rescale = tl.exp2(top_max - new_max)
+        weight = tl.exp2(row_max - new_max[:, None])
+        acc = acc * rescale[:, None] + tl.sum(partial * weight[:, :, None], 1)
+        total = total * rescale[:, None] + row_sum * weight
+        top_max = new_max
+    out = acc / tl.sum(total, 1)[:, None]
+    out_mask = valid[:, None] & dim_mask[None, :]
+    tl.store(out_ptr[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
 @triton.jit(
     do_not_specialize=["num_splits", *_WORKSPACE_STRIDES],
     do_not_specialize_on_alignment=["num_splits", *_WORKSPACE_STRIDES],
@@ -311,7 +426,6 @@ def _decode_kernel(
 def _decode_merge_kernel(
     workspace_ptr,
     out_ptr,
-    sinks_ptr,
     num_splits,
     stride_ws_seq,
     stride_ws_head,
@@ -320,51 +434,26 @@ def _decode_merge_kernel(
     stride_out_head,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
 ):
-    """Program (query token, query head): every split's partial sums rescaled to a common
-    max, in one pass of BLOCK_S splits at a time (one compiled variant for every split
-    count): each chunk's max, sum and partial sums are loaded together, and the state so far
-    is rescaled to the new max, so the loads of a chunk wait on nothing before them. The
-    head's sink, if any, is the state before the first split (``_initial_state``)."""
+    """Program (query token, query head): its splits merged (``_merge_splits``), for the
+    fp8 decode kernel's (``fp8_decode``; the Triton decode kernel merges its own)."""
     wait_for_previous_kernel()  # launched dependent (dependent_launch.py)
     let_next_kernel_start()
     seq = tl.program_id(0)
-    head = tl.program_id(1)
-    dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < HEAD_DIM
-    row_ptr = workspace_ptr + seq * stride_ws_seq + head * stride_ws_head
-    # An empty split holds max _NO_SCORE and sum 0: its weight is 0 once any split is not.
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    if HAS_SINKS:  # its sum, 1, in the first slot of the running sums
-        top_max = tl.load(sinks_ptr + head).to(tl.float32) * _LOG2E
-        total = tl.where(tl.arange(0, BLOCK_S) == 0, 1.0, 0.0)
-    else:
-        top_max = _NO_SCORE
-        total = tl.zeros([BLOCK_S], dtype=tl.float32)
-    for first in range(0, num_splits, BLOCK_S):
-        splits = first + tl.arange(0, BLOCK_S)
-        split_mask = splits < num_splits
-        split_ptr = row_ptr + splits * stride_ws_split
-        row_max = tl.load(split_ptr + HEAD_DIM, mask=split_mask, other=_NO_SCORE)
-        row_sum = tl.load(split_ptr + HEAD_DIM + 1, mask=split_mask, other=0.0)
-        partial = tl.load(
-            split_ptr[:, None] + dims[None, :],
-            mask=split_mask[:, None] & dim_mask[None, :],
-            other=0.0,
-        )
-        new_max = tl.maximum(top_max, tl.max(row_max, 0))
-        rescale = tl.exp2(top_max - new_max)
-        weight = tl.exp2(row_max - new_max)
-        acc = acc * rescale + tl.sum(partial * weight[:, None], 0)
-        total = total * rescale + row_sum * weight
-        top_max = new_max
-    out = acc / tl.sum(total, 0)
-    tl.store(
-        out_ptr + seq * stride_out_seq + head * stride_out_head + dims,
-        out.to(out_ptr.dtype.element_ty),
-        mask=dim_mask,
+    heads = tl.program_id(1) + tl.arange(0, 1)
+    _merge_splits(
+        workspace_ptr + seq * stride_ws_seq + heads * stride_ws_head,
+        out_ptr + seq * stride_out_seq + heads * stride_out_head,
+        out_ptr,  # no sinks: unread
+        heads,
+        heads >= 0,
+        num_splits,
+        stride_ws_split,
+        HEAD_DIM,
+        BLOCK_D,
+        1,
+        _MERGE_BLOCK_S,
+        False,
     )
 
 
@@ -510,6 +599,25 @@ def decode_workspace(
     )
 
 
+@functools.cache
+def _split_counts(device: torch.device, programs: int) -> torch.Tensor:
+    """int32 [programs], zeros, for ``decode_split_counts``."""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    assert not capturing, "made eagerly, before any capture"
+    return torch.zeros(programs, dtype=torch.int32, device=device)
+
+
+def decode_split_counts(device: torch.device, programs: int) -> torch.Tensor:
+    """int32 [programs], zeros: each (KV head, sequence)'s split programs that have stored
+    their partial results, counted up by the decode kernel and set back to zero by each one's
+    last program, so zero between launches. One buffer a device and size, rounded up to a
+    power of two so that the steps' many batch sizes share few (its kernels run one after
+    another on the step's stream), made the first time, eagerly: a CUDA graph's capture runs
+    the forward pass once first (``capture_forward``), and a buffer made inside the capture
+    would not be zeroed until that graph replayed."""
+    return _split_counts(device, triton.next_power_of_2(programs))[:programs]
+
+
 def _check_cache(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
     assert key_cache.shape == value_cache.shape and key_cache.stride() == value_cache.stride()
     assert key_cache.dim() == 4 and key_cache[0, 0].is_contiguous()
@@ -545,19 +653,24 @@ def decode_constants(
     GPU)."""
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
+    block_d = triton.next_power_of_2(head_dim)
+    merge_rows = triton.next_power_of_2(query_len * group_pad)
+    merge_values = _MERGE_VALUES_PER_THREAD * 32 * decode_num_warps(head_dim, kv_dtype)
     return {
         "QUERY_LEN": query_len,
         "GROUP": group,
         "GROUP_PAD": group_pad,
         "BLOCK_M": max(triton.next_power_of_2(query_len * group_pad), _MIN_DOT_ROWS),
         "HEAD_DIM": head_dim,
-        "BLOCK_D": triton.next_power_of_2(head_dim),
+        "BLOCK_D": block_d,
         "BLOCK_N": _FP8_DECODE_BLOCK_N if kv_dtype.itemsize == 1 else _BLOCK_N,
         "BLOCK_SIZE": block_size,
         "USE_WINDOW": sliding_window is not None,
         "MASK_WINDOW": sliding_window is not None and query_len > 1,
         "WRITE_PARTIAL": num_splits > 1,
-        "HAS_SINKS": has_sinks and num_splits == 1,  # split: the merge adds them
+        "MERGE_ROWS": merge_rows,
+        "MERGE_SPLITS": max(merge_values // (merge_rows * block_d), 1),
+        "HAS_SINKS": has_sinks,
         "DOT_PRECISION": dot_precision(dtype),
     }
 
@@ -640,6 +753,8 @@ def paged_decode_attention(
             ws_strides,
             num_splits,
         )
+        if num_splits > 1:
+            merge_splits(workspace, out)
     else:
         _launch_decode_kernel(
             q,
@@ -656,33 +771,26 @@ def paged_decode_attention(
             num_splits,
             sinks,
         )
-    if num_splits > 1:
-        merge_splits(workspace, out, sinks)
     return out
 
 
-def merge_splits(
-    workspace: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor | None = None
-) -> None:
-    """Split decode's second kernel: each query head's splits in ``workspace`` (float32
-    [tokens, heads, splits, head_dim + 2]: unnormalized output, max, sum; see
-    ``decode_workspace``) weighed to a common max into ``out`` [tokens, heads, head_dim],
-    each head's sink logit (``sinks`` [heads]) in the sum if given."""
+def merge_splits(workspace: torch.Tensor, out: torch.Tensor) -> None:
+    """The fp8 decode kernel's second one: each query head's splits in ``workspace``
+    (float32 [tokens, heads, splits, head_dim + 2]: unnormalized output, max, sum; see
+    ``decode_workspace``) weighed to a common max into ``out`` [tokens, heads, head_dim], as
+    the Triton decode kernel's last split program weighs its group's."""
     num_tokens, num_heads, num_splits, row = workspace.shape
     head_dim = row - 2
     assert out.shape == (num_tokens, num_heads, head_dim) and out.stride(-1) == 1
     _decode_merge_kernel[(num_tokens, num_heads)](
         workspace,
         out,
-        workspace if sinks is None else sinks,  # unread without sinks
         num_splits,
         *workspace.stride()[:3],
         out.stride(0),
         out.stride(1),
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_S=_MERGE_BLOCK_S,
-        HAS_SINKS=sinks is not None,
         **launch_options(out.device),
     )
 
@@ -702,10 +810,12 @@ def _launch_decode_kernel(
     num_splits: int,
     sinks: torch.Tensor | None,
 ) -> None:
-    """``_decode_kernel``'s launch, into ``out`` or (split) ``workspace``."""
+    """``_decode_kernel``'s launch, into ``out``, through ``workspace`` when split."""
     num_heads, head_dim = q.shape[1:]
     _, block_size, num_kv_heads, _ = key_cache.shape
     batch = block_tables.shape[0]
+    # Unread unsplit.
+    split_counts = decode_split_counts(q.device, batch * num_kv_heads) if num_splits > 1 else q
     constants = decode_constants(
         q.dtype,
         key_cache.dtype,
@@ -731,6 +841,7 @@ def _launch_decode_kernel(
         context_lens,
         out,
         workspace,
+        split_counts,
         q if sinks is None else sinks,  # unread without sinks
         _window(sliding_window),
         scale * math.log2(math.e),
