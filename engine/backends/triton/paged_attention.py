@@ -82,6 +82,10 @@ _MERGE_BLOCK_S = tl.constexpr(64)
 # group of 8 and head_dim 128: a long context's many splits are a serial tail of the last
 # program (``scripts/bench_kernels.py --contexts 32768`` times it).
 _MERGE_VALUES_PER_THREAD = 8
+# Rows the merge takes at a time: a decode step's group (up to 16 query heads a KV head) at
+# once; a verify step's 1 + k tokens of it in rounds of this many (merged all at once, the
+# tile of 17 tokens at head_dim 128 spilled hundreds of bytes a thread).
+_MOST_MERGE_ROWS = 16
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second and third axes
 # Arguments that change from step to step in eager steps (views of the step's one packed
 # input buffer, block tables of any width): Triton would otherwise compile a variant per
@@ -110,9 +114,11 @@ def _group_rows(
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    first_row=0,
 ):
-    """Tile row -> (token within the tile, query head, row holds a real query)."""
-    rows = tl.arange(0, BLOCK_M)
+    """Tile row -> (token within the tile, query head, row holds a real query), for the
+    BLOCK_M rows from ``first_row`` on."""
+    rows = first_row + tl.arange(0, BLOCK_M)
     token = rows // GROUP_PAD
     head_in_group = rows % GROUP_PAD
     valid = (token < num_tokens) & (head_in_group < GROUP)
@@ -322,29 +328,32 @@ def _decode_kernel(
         count_ptr = split_counts_ptr + seq * tl.num_programs(0) + kv_head
         finished = tl.atomic_add(count_ptr, 1, sem="acq_rel")
         if finished == num_splits - 1:
-            # The group's rows (each a token's query head) merged together, in tiles of their
-            # own size: without a tile's 16-row minimum.
-            group_tokens, group_heads, group_valid = _group_rows(
-                kv_head, QUERY_LEN, GROUP, GROUP_PAD, MERGE_ROWS
-            )
-            group_rows = seq * QUERY_LEN + group_tokens
             # Only the splits that start inside the context hold keys: the block tables' width
             # (a CUDA graph's: the longest context the engine takes) sets the split count,
             # and a short context leaves most of them empty, weighing nothing.
-            _merge_splits(
-                workspace_ptr + group_rows * stride_ws_seq + group_heads * stride_ws_head,
-                out_ptr + group_rows * stride_out_seq + group_heads * stride_out_head,
-                sinks_ptr,
-                group_heads,
-                group_valid,
-                tl.cdiv(context_len - first_key, tl.maximum(split_len, 1)),
-                stride_ws_split,
-                HEAD_DIM,
-                BLOCK_D,
-                MERGE_ROWS,
-                MERGE_SPLITS,
-                HAS_SINKS,
-            )
+            splits_with_keys = tl.cdiv(context_len - first_key, tl.maximum(split_len, 1))
+            # The group's rows (each a token's query head) merged together, MERGE_ROWS at a
+            # time: a verify step's taller tile in several rounds, so that the merge takes no
+            # more registers than a decode step's.
+            for first_row in range(0, QUERY_LEN * GROUP_PAD, MERGE_ROWS):
+                group_tokens, group_heads, group_valid = _group_rows(
+                    kv_head, QUERY_LEN, GROUP, GROUP_PAD, MERGE_ROWS, first_row
+                )
+                group_rows = seq * QUERY_LEN + group_tokens
+                _merge_splits(
+                    workspace_ptr + group_rows * stride_ws_seq + group_heads * stride_ws_head,
+                    out_ptr + group_rows * stride_out_seq + group_heads * stride_out_head,
+                    sinks_ptr,
+                    group_heads,
+                    group_valid,
+                    splits_with_keys,
+                    stride_ws_split,
+                    HEAD_DIM,
+                    BLOCK_D,
+                    MERGE_ROWS,
+                    MERGE_SPLITS,
+                    HAS_SINKS,
+                )
             tl.store(count_ptr, 0)  # zero again for the next launch
     else:
         out = acc / row_sum[:, None]
@@ -654,13 +663,15 @@ def decode_constants(
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     block_d = triton.next_power_of_2(head_dim)
-    merge_rows = triton.next_power_of_2(query_len * group_pad)
-    merge_values = _MERGE_VALUES_PER_THREAD * 32 * decode_num_warps(head_dim, kv_dtype)
+    rows = triton.next_power_of_2(query_len * group_pad)
+    block_m = max(rows, _MIN_DOT_ROWS)
+    merge_rows = min(rows, _MOST_MERGE_ROWS)
+    merge_values = _MERGE_VALUES_PER_THREAD * 32 * decode_num_warps(head_dim, kv_dtype, block_m)
     return {
         "QUERY_LEN": query_len,
         "GROUP": group,
         "GROUP_PAD": group_pad,
-        "BLOCK_M": max(triton.next_power_of_2(query_len * group_pad), _MIN_DOT_ROWS),
+        "BLOCK_M": block_m,
         "HEAD_DIM": head_dim,
         "BLOCK_D": block_d,
         "BLOCK_N": _FP8_DECODE_BLOCK_N if kv_dtype.itemsize == 1 else _BLOCK_N,
