@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import gc
 import logging
 import os
 import resource
@@ -254,6 +255,12 @@ async def _serve(args: argparse.Namespace) -> int:
             # Our logging is configured in main(); keep uvicorn's from replacing it.
             log_config=None,
         )
+        # What start-up built (the model's tokenizer and template, the routes, the schemas)
+        # lives as long as the process: out of the collector's reach, a full collection does
+        # not walk it again each time the garbage of streamed chunks sets one off (vLLM's
+        # server does the same).
+        gc.collect()
+        gc.freeze()
         lag = asyncio.create_task(sample_loop_lag(client.metrics), name="loop-lag")
         try:
             # uvicorn exits by itself (status 1) when it cannot listen on the port.

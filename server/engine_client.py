@@ -1,10 +1,10 @@
 """The server's one connection to the engine: a ZeroMQ DEALER socket speaking the protocol.
 
-One background task receives every frame and routes each request's outputs to that
-request's mailbox, so any number of HTTP requests share the socket without locks. A
-second task watches the connection: on every (re)connection it performs the
-handshake (a restarted engine knows nothing of this server), and on disconnection
-it fails the requests in flight at once instead of letting them wait forever.
+Every frame is received as it comes, in the event loop's thread (server/engine_socket.py),
+and each request's outputs go to that request's mailbox, so any number of HTTP requests share
+the socket without locks. A background task watches the connection: on every (re)connection
+it performs the handshake (a restarted engine knows nothing of this server), and on
+disconnection it fails the requests in flight at once instead of letting them wait forever.
 
 The engine sends its stats every second unasked (its heartbeat); the last ones, and when
 the engine was last heard from, say whether it is alive without asking it (/health,
@@ -19,7 +19,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
-from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -47,6 +46,7 @@ from protocol import (
     decode_message,
 )
 from protocol.curve import make_curve_client
+from server.engine_socket import EngineSocket
 from server.output_mailbox import OutputMailbox
 
 logger = logging.getLogger(__name__)
@@ -100,7 +100,10 @@ class EngineClient:
         self._client_name = client_name
         build_codecs()  # not on the first request's way to its first token
         self._context = zmq.asyncio.Context()
-        self._socket = self._context.socket(zmq.DEALER)
+        # A plain socket, read and written by EngineSocket; its monitor, made by the asyncio
+        # context, is an asyncio socket (a few events in its whole life).
+        self._socket: zmq.Socket = self._context.socket(zmq.DEALER, socket_class=zmq.Socket)
+        self._engine_socket = EngineSocket(self._socket, self._on_frame)
         if curve is not None:
             make_curve_client(self._socket, curve.secret_key_file, curve.engine_public_key_file)
         self._socket.setsockopt(zmq.LINGER, _LINGER_MS)
@@ -148,8 +151,8 @@ class EngineClient:
             | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
             | zmq.EVENT_HANDSHAKE_FAILED_AUTH
         )
+        self._engine_socket.start()
         self._tasks = [
-            asyncio.create_task(self._receive_loop(), name="engine-receive"),
             asyncio.create_task(self._monitor_loop(self._monitor), name="engine-monitor"),
         ]
         self._socket.connect(self.address)
@@ -173,6 +176,7 @@ class EngineClient:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        self._engine_socket.stop()
         if self._monitor is not None:
             self._socket.disable_monitor()
             self._monitor.close(linger=0)
@@ -267,26 +271,23 @@ class EngineClient:
                 self._stats_waiters.remove(waiter)
 
     def _send(self, message: Message) -> None:
-        # pyzmq sends at once unless the high-water mark is reached (the engine has
-        # stopped reading); then it finishes later, in order. Either way nobody needs
-        # to wait, which lets abort() run inside a cancelled task.
-        sent = asyncio.ensure_future(self._socket.send(message.encode()))
-        sent.add_done_callback(_log_send_failure)
+        # Sent at once unless the high-water mark is reached (the engine has stopped
+        # reading); then later, in order. Either way nobody waits, which lets abort() run
+        # inside a cancelled task.
+        self._engine_socket.send(message.encode())
 
-    async def _receive_loop(self) -> None:
-        while True:
-            frame = await self._socket.recv()
-            self.last_heard = time.monotonic()
-            try:
-                message = decode_message(frame)
-            except ProtocolError as exc:
-                logger.error("dropped a malformed frame from the engine: %s", exc)
-                continue
-            try:
-                self._dispatch(message)
-            except Exception:
-                # A bug in handling one message must not stop all future deliveries.
-                logger.exception("failed to handle %s from the engine", type(message).__name__)
+    def _on_frame(self, frame: bytes) -> None:
+        self.last_heard = time.monotonic()
+        try:
+            message = decode_message(frame)
+        except ProtocolError as exc:
+            logger.error("dropped a malformed frame from the engine: %s", exc)
+            return
+        try:
+            self._dispatch(message)
+        except Exception:
+            # A bug in handling one message must not stop all future deliveries.
+            logger.exception("failed to handle %s from the engine", type(message).__name__)
 
     def _dispatch(self, message: Message) -> None:
         if isinstance(message, TokenOutputs):
@@ -411,8 +412,3 @@ def model_differences(first: HandshakeReply, second: HandshakeReply) -> list[str
         for field in dataclasses.fields(HandshakeReply)
         if field.name not in process and getattr(first, field.name) != getattr(second, field.name)
     ]
-
-
-def _log_send_failure(sent: asyncio.Future[Any]) -> None:
-    if not sent.cancelled() and sent.exception() is not None:
-        logger.error("failed to send to the engine: %s", sent.exception())

@@ -28,7 +28,10 @@ class OutputMailbox:
         self._merge = merge
         self._observe = observe
         self._items: deque[RequestOutput | Exception] = deque()
-        self._ready = asyncio.Event()
+        # The handler's wait for the next item, while it waits: a bare future, not an
+        # asyncio.Event, whose wait builds a future and a list of waiters each time and whose
+        # set walks that list: an item arrives per token.
+        self._waiter: asyncio.Future[None] | None = None
 
     def put(self, item: RequestOutput | Exception) -> None:
         if isinstance(item, RequestOutput):
@@ -39,12 +42,17 @@ class OutputMailbox:
                 self._items[-1] = merged(last, item)
                 return
         self._items.append(item)
-        self._ready.set()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def get(self) -> RequestOutput | Exception:
         while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         return self._items.popleft()
 
 

@@ -304,25 +304,30 @@ async def event_stream(
 
     The response status is already sent when an error happens here, so the error
     goes into the stream as an event, as OpenAI and vLLM do.
+
+    The events ready together go out as one piece (one socket write, one pass through the
+    ASGI send chain): the start's, a delta's (its content and finish chunks), and the last.
     """
     completion_tokens = [0] * len(choices)
+    ready: list[str] = []
     try:
-        for item in events.start():
-            yield item
+        start = events.start()
+        if start:
+            yield "".join(start)
         deltas = merged(choices)
         async with aclosing(deltas):
             async for index, delta in deltas:
                 completion_tokens[index] = delta.completion_tokens
-                for item in events.render(index, delta):
-                    yield item
-        for item in events.finish(sum(completion_tokens)):
-            yield item
+                ready += events.render(index, delta)
+                if ready:
+                    yield "".join(ready)
+                    ready = []
+        ready += events.finish(sum(completion_tokens))
     except ApiError as exc:
-        for item in events.error(exc):
-            yield item
+        ready += events.error(exc)
     except Exception:
         logger.exception("streaming %s failed", events.answer.id)
-        for item in events.error(internal_error()):
-            yield item
-    for item in events.end():
-        yield item
+        ready += events.error(internal_error())
+    last = "".join(ready + events.end())
+    if last:
+        yield last

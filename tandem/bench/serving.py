@@ -4,7 +4,7 @@
     tandem bench serving --url http://127.0.0.1:8000 [--url ...]
         [--workload random|chat] [--rates 4 16 64 inf | --concurrency 1 16 64]
         [--num-requests 256] [--runs 1] [--client-processes 8]
-        [--slo-ttft-ms 500] [--slo-tpot-ms 50] [--json FILE] [--plot FILE.png]
+        [--slo-ttft-ms 500] [--slo-tpot-ms 50] [--json FILE] [--plot FILE.png] [--profile DIR]
 
 It starts an engine and N servers itself (for each N of --servers, against the same engine)
 or takes the URLs of running servers; requests go to the servers in turn.
@@ -41,6 +41,12 @@ httpx, which this script used before (its HTTP/1.1 stack and the event loop), an
 the client, not the servers, capped a small model's throughput at a few servers; the two
 columns above measure it on any machine.
 
+The servers' own cost, where this script starts them: their CPU per streamed chunk ("server
+us/chunk") and per output token ("us/tok"; fewer chunks than tokens where a busy server merged
+a request's waiting outputs into one chunk), and the busiest one's CPU over the level's time.
+--profile DIR records them with py-spy during each run (DIR/SERVERS-servers-LEVEL-RUN-server-I.txt,
+raw stacks for a flame graph) and prints the functions their CPU went to.
+
 --json writes every run's figures ("levels") and each level's medians over its runs
 ("medians": each figure's median, errors summed over the runs, and output_tok_s_median,
 output_tok_s_min, output_tok_s_max); --plot draws the medians' TTFT and TPOT against output
@@ -52,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import multiprocessing
@@ -62,13 +69,14 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 import httpx
 
+from tandem.bench.py_spy import Recording, print_top_functions
 from tandem.testing.processes import free_port, spawn, stop, tail, wait_healthy
 
 
@@ -347,16 +355,40 @@ def cpu_seconds(pids: list[int]) -> list[float]:
     return seconds
 
 
-def server_cost(before: list[float], after: list[float], seconds: float, chunks: int) -> dict:
-    """The servers' CPU per streamed chunk, and the busiest one's CPU over the level's time
-    (near 100%: the servers set the figures). NaN for servers this script did not start."""
+def server_cost(
+    before: list[float], after: list[float], seconds: float, chunks: int, tokens: int
+) -> dict:
+    """The servers' CPU per streamed chunk and per output token (a chunk carries several
+    tokens where a server fell behind and merged them: server/output_mailbox.py), and the
+    busiest one's CPU over the level's time (near 100%: the servers set the figures). NaN for
+    servers this script did not start."""
     if not before:
-        return {"server_us_per_chunk": math.nan, "server_busy": math.nan}
+        return {
+            "server_us_per_chunk": math.nan,
+            "server_us_per_token": math.nan,
+            "server_busy": math.nan,
+        }
     used = [b - a for a, b in zip(before, after, strict=True)]
     return {
         "server_us_per_chunk": sum(used) / max(chunks, 1) * 1e6,
+        "server_us_per_token": sum(used) / max(tokens, 1) * 1e6,
         "server_busy": max(used) / seconds,
     }
+
+
+@contextlib.contextmanager
+def profiled(folder: Path | None, name: str, pids: list[int]) -> Iterator[list[Path]]:
+    """With ``folder``, py-spy records each process of ``pids`` for the block's time, into
+    ``folder``/``name``-server-I.txt: the files' paths, written once the block is left."""
+    if folder is None:
+        yield []
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / f"{name}-server-{i}.txt" for i in range(len(pids))]
+    with contextlib.ExitStack() as recordings:
+        for pid, path in zip(pids, paths, strict=True):
+            recordings.enter_context(Recording(pid, path))
+        yield paths
 
 
 def engine_prompt_tokens(url: str) -> tuple[int, int]:
@@ -377,7 +409,7 @@ def print_level(servers: int, level: str, s: dict) -> None:
         f"{s['goodput_request_s']:7.2f} {trio('ttft_ms')} {trio('tpot_ms')} {trio('itl_ms')} "
         f"{trio('e2e_ms')} {s['prefix_cache_hit']:7.0%} {s['client_busy']:7.0%} "
         f"{s['client_us_per_chunk']:7.1f} {s['server_busy']:7.0%} "
-        f"{s['server_us_per_chunk']:7.1f}{errors}"
+        f"{s['server_us_per_chunk']:7.1f} {s['server_us_per_token']:7.1f}{errors}"
     )
 
 
@@ -409,12 +441,12 @@ def print_header() -> None:
     print(
         f"\n{'':7} {'':>11} {'output':>9} {'goodput':>9} {'goodput':>7} "
         f"{'TTFT (ms)':^26} {'TPOT (ms)':^26} {'ITL (ms)':^26} {'E2E (ms)':^26} {'prefix':>7} "
-        f"{'client':>7} {'client':>7} {'server':>7} {'server':>7}"
+        f"{'client':>7} {'client':>7} {'server':>7} {'server':>7} {'server':>7}"
     )
     print(
         f"{'servers':>7} {'level':>11} {'tok/s':>9} {'tok/s':>9} {'req/s':>7} "
         + (trio + " ") * 4
-        + f"{'cached':>7} {'busy':>7} {'us/chunk':>7} {'busy':>7} {'us/chunk':>7}"
+        + f"{'cached':>7} {'busy':>7} {'us/chunk':>7} {'busy':>7} {'us/chunk':>7} {'us/tok':>7}"
     )
 
 
@@ -521,11 +553,19 @@ def main(argv: list[str] | None = None) -> None:
         "when they are too few",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        help="record the servers this script starts with py-spy during each run, into this "
+        "folder (raw stacks, for flame graphs), and print where their CPU went",
+    )
     parser.add_argument("--json", type=Path, help="write every run's figures here")
     parser.add_argument("--plot", type=Path, help="write a PNG of latency against throughput")
     args = parser.parse_args(argv)
     if bool(args.url) == bool(args.model):
         parser.error("give --url (running servers) or --model (start them here), not both")
+    if args.profile and not args.model:
+        parser.error("--profile records the servers this script starts (--model)")
     if args.runs < 1:
         parser.error("--runs must be at least 1")
     # Here, not at the top: every client process imports this module, and tandem.bench.offline
@@ -560,21 +600,38 @@ def main(argv: list[str] | None = None) -> None:
                     ids = random.Random(f"{key}, run {run}")
                     sessions = workload(args, lengths, ids)
                     before = engine_prompt_tokens(urls[0])
-                    servers_cpu = cpu_seconds(server_pids)
-                    clients, seconds = run_level(
-                        urls, model, sessions, rate, concurrency, args.client_processes, args.seed
+                    name = (
+                        f"{servers}-servers-{level.replace(' ', '-').replace('/s', '')}-{run + 1}"
                     )
+                    with profiled(args.profile, name, server_pids) as profiles:
+                        servers_cpu = cpu_seconds(server_pids)
+                        clients, seconds = run_level(
+                            urls,
+                            model,
+                            sessions,
+                            rate,
+                            concurrency,
+                            args.client_processes,
+                            args.seed,
+                        )
+                        servers_cpu_after = cpu_seconds(server_pids)
                     summary = summarize(
                         clients, seconds, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3
                     )
                     summary |= server_cost(
-                        servers_cpu, cpu_seconds(server_pids), seconds, summary["chunks"]
+                        servers_cpu,
+                        servers_cpu_after,
+                        seconds,
+                        summary["chunks"],
+                        summary["output_tokens"],
                     )
                     after = engine_prompt_tokens(urls[0])
                     computed, cached = (b - a for a, b in zip(before, after, strict=True))
                     looked_up = computed + cached
                     summary["prefix_cache_hit"] = cached / looked_up if looked_up else 0.0
                     print_level(servers, level, summary)
+                    if profiles:
+                        print_top_functions(profiles)
                     runs.append({"servers": servers, "level": level, "run": run + 1, **summary})
                 rows += runs
                 medians.append(median_row(runs, extremes))

@@ -60,6 +60,7 @@ def test_random_workload_at_two_rates_through_two_servers_twice(
         # The client's and the servers' cost, from their processes' CPU time.
         assert run["client_us_per_chunk"] > 0 and 0 < run["client_busy"] <= 2
         assert run["server_us_per_chunk"] > 0 and 0 < run["server_busy"] <= 2
+        assert run["server_us_per_token"] > 0
         # Prompts of every run's own (each at least a block of 16): none found in the cache.
         assert run["prefix_cache_hit"] == 0
     for level, (first, second) in zip(figures["medians"], (runs[:2], runs[2:]), strict=True):
