@@ -81,7 +81,13 @@ def test_speculation_equals_plain_decoding_on_cuda(tmp_path: Path) -> None:
     for method, speculative in methods.items():
         engine = float32_engine(tmp_path, **speculative)
         assert engine.overlap_steps and engine.runner.decode_graphs is not None
-        results[method] = generate(engine, requests)
+        # The greedy requests first, alone: their drafts are what the counts below weigh
+        # (a sampled request's self-drafts are rejected as often as its samples differ from
+        # the greedy draft, and at a fixed k of 16 never paused they outnumbered the rest).
+        greedy = {key: value for key, value in requests.items() if key.startswith("greedy")}
+        results[method] = generate(engine, greedy)
+        counts[method] = (engine.num_draft_tokens, engine.num_accepted_tokens)
+        results[method] |= generate(engine, {k: v for k, v in requests.items() if k not in greedy})
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
         assert engine.runner.decode_graphs.num_replays > 0
         verify_graphs = engine.runner.verify_graphs
@@ -103,15 +109,15 @@ def test_speculation_equals_plain_decoding_on_cuda(tmp_path: Path) -> None:
             # passes. (Adaptive, a draft that does not pay only probes now and then, with one
             # draft and, after a long pause, a catch-up longer than a graph's: eagerly.)
             assert all(graphs.num_replays > 0 for graphs in draft)
-        counts[method] = (engine.num_draft_tokens, engine.num_accepted_tokens)
-        print(f"\n{method}: drafts {counts[method][0]}, accepted {counts[method][1]}")
+        drafts, accepted = counts[method]
+        print(f"\n{method}: the greedy requests' drafts {drafts}, accepted {accepted}")
         del engine
         gc.collect()
         torch.cuda.empty_cache()
     # Prompt lookup drafts only where the output repeats its context, which a random model's
     # may not: its drafts are not counted on.
     drafts, accepted = counts["draft=self"]
-    # The greedy requests accept all but near-ties (float32); the seeded one samples.
+    # The greedy requests accept all but near-ties (float32).
     assert drafts > 0 and accepted >= 0.8 * drafts
     # Adaptive, the policy measures that and pauses it: a probe now and then.
     assert counts["draft=self adaptive"][0] < 0.25 * counts["draft=self"][0]
