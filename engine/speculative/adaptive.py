@@ -40,7 +40,10 @@ beats plain decoding, so:
   catch-up over the pause's tokens, the lost overlap), so probes wait until the plain steps
   since the last one earned it: they take at most ``PROBE_SHARE`` of the time (each charged
   what it was measured to cost once it is), and the requests due then probe together, one
-  verify step for the batch. Requests due ride along, free, where others' drafts pay.
+  verify step for the batch. Requests due ride along, free, where others' drafts pay. Where
+  not even drafts all accepted would pay at the measured costs (a draft whose pass costs as
+  much as the target's), there is nothing a probe could find: the requests pause again
+  instead, and such a draft costs nothing once its costs are measured.
 
 Two decisions a step: before the step in flight is read (``plan``: who may draft, and k, from
 the estimates for each request's latest source), and once the drafts are proposed
@@ -155,11 +158,16 @@ class AdaptiveDrafting:
             for request in active:
                 request.draft_pause.pause()
         if due and self.probe_credit >= costs.probe:
-            self.probe_credit -= costs.probe
-            self.probes_foreseen += costs.probe
-            alphas = [self._alpha(r, r.draft_acceptance.key) for r in due]
-            width, _ = self._best_width(np.asarray(alphas), batch_size)
-            return due, width
+            if self._best_width(np.ones(len(due)), batch_size)[1]:
+                self.probe_credit -= costs.probe
+                self.probes_foreseen += costs.probe
+                alphas = [self._alpha(r, r.draft_acceptance.key) for r in due]
+                width, _ = self._best_width(np.asarray(alphas), batch_size)
+                return due, width
+            # Not even drafts all accepted would pay at the costs measured here (a draft as
+            # costly as the target's own pass): a probe could show nothing that changes it.
+            for request in due:
+                request.draft_pause.pause()
         # A plain step: it earns the probes their share of its time (a probe at most
         # banked, so that probes after a long run of drafting do not come in a burst; a
         # debt, when a probe cost more than foreseen, is paid off first).

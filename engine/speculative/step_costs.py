@@ -34,7 +34,9 @@ steps that each followed one, the estimate starting at their least; one again af
 device times, as before, a host-bound plain step came out at twice its cost, and a draft as
 costly as the target's own pass seemed to pay.) A verify step or a draft pass counts once
 measured three times, also from their least: one slow step must not stop drafting for good.
-Until then a verify step costs as a plain step, and a draft pass its device time (``seed``:
+Until then they cost as at the nearest batch size where they were measured, in proportion to
+the plain steps (learnt once, not again at every size); where none was, a verify step costs
+as a plain step, and a draft pass its device time (``seed``:
 at start-up on CUDA the engine times a replay of each decode and draft graph) or, unseeded
 (the CPU), the proposer's prior (a draft model's pass as a plain step; prompt lookup
 nothing): estimates no higher than the costs, since one too low leads to the verify steps
@@ -189,6 +191,19 @@ class StepCosts:
             and self.since_plain[bucket] < PLAIN_REFRESH_STEPS
         )
 
+    def _nearest_measured(self, bucket: int) -> int | None:
+        """The batch size nearest ``bucket`` where plain and verify steps and draft passes
+        were all measured (``FIRST_MEASUREMENTS`` times each); None if none."""
+        sizes = [
+            other
+            for other in range(len(CAPTURE_BATCH_SIZES))
+            if all(
+                self.counts[kind][other] >= FIRST_MEASUREMENTS
+                for kind in (PLAIN, VERIFY, DRAFT_PASS)
+            )
+        ]
+        return min(sizes, key=lambda other: abs(other - bucket), default=None)
+
     def costs(self, batch_size: int) -> Costs:
         """The estimates at ``batch_size``: each kind measured where measured (verify steps
         and draft passes ``FIRST_MEASUREMENTS`` times); else from the seeds and the prior, as
@@ -206,6 +221,18 @@ class StepCosts:
         seeds = [estimates[bucket] for estimates in self.seeded]
         if math.isnan(plain):
             plain = 1.0 if math.isnan(seeds[PLAIN]) else seeds[PLAIN]
+        elif math.isnan(verify) or math.isnan(draft_pass):
+            # Not measured at this batch size: as at the nearest one where they were, in
+            # proportion to the plain steps (the host's share and the draft's cost against
+            # the target's change little from one size to the next), so that what was learnt
+            # at one size is not learnt again with verify steps at every other.
+            near = self._nearest_measured(bucket)
+            if near is not None:
+                scale = plain / self.measured[PLAIN][near]
+                if math.isnan(verify):
+                    verify = self.measured[VERIFY][near] * scale
+                if math.isnan(draft_pass):
+                    draft_pass = self.measured[DRAFT_PASS][near] * scale
         if math.isnan(verify):
             # As cheap as a plain step until measured: a low estimate leads to the verify
             # steps that measure it, a high one to none. (Estimated from the verify graphs'

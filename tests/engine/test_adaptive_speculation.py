@@ -304,6 +304,34 @@ def test_a_draft_that_never_pays_costs_at_most_its_probes_share() -> None:
     assert tokens / seconds > 0.97 * plain_rate, (tokens / seconds / plain_rate, verify_steps)
 
 
+def test_a_draft_that_cannot_pay_is_not_probed() -> None:
+    """The target as its own draft, whose probe after a pause first catches up op by op (30
+    plain steps' time): once its costs are measured, not even every draft accepted would pay,
+    so its requests are not probed again: 99% of plain decoding's tokens a second over 3,000
+    steps, all its verify steps in the first few. (Probed within the 2% budget, it ran 97%.)"""
+    device = AsyncDevice(draft_pass=0.64, catch_up=30.0)
+    seconds, tokens, verify_steps = device.run(3000)
+    assert tokens / seconds > 0.99 / device.plain_host, tokens * device.plain_host / seconds
+    assert verify_steps < 10
+
+
+def test_costs_not_measured_at_a_batch_size_follow_the_nearest_measured() -> None:
+    """A verify step and a draft pass measured at batch 1 only: at batch 8, where only plain
+    steps were measured, they cost as at batch 1 in proportion to the plain steps (not as a
+    plain step and the graphs' device time, which made every batch size learn them again
+    with verify steps of its own)."""
+    costs = StepCosts(draft_pass_prior=1.0)
+    clock = 0.0
+    # (kind, batch size, seconds, the proposer's): plain and verify steps at 1, plain at 8.
+    steps = [(1, 1, 1.0, 0.0)] * 6 + [(2, 1, 1.4, 0.2)] * 6 + [(1, 8, 1.5, 0.0)] * 5
+    for kind, batch_size, seconds, propose_seconds in steps:
+        costs.observe(clock, kind, batch_size, propose_seconds, kind - 1)
+        clock += seconds
+    at_eight = costs.costs(8)
+    assert at_eight.plain == pytest.approx(1.5)
+    assert at_eight.verify == pytest.approx(1.2 * 1.5) and at_eight.draft_pass == pytest.approx(0.3)
+
+
 def test_the_plain_step_is_measured_again_after_long_drafting() -> None:
     """Drafting that pays runs no plain steps: after 512 verify steps at a batch size the
     plain step there counts as unknown until two plain steps in a row measure it again, or,
