@@ -12,12 +12,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Under pytest-xdist (`pytest -n N`, the README's command) N workers share the machine's cores:
-# each takes its share of torch's intra-op threads, or their threads spin against one another.
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if _WORKERS > 1:
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
-
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -36,6 +30,12 @@ from tandem.testing.processes import (
     tail,
     wait_healthy,
 )
+
+# Under pytest-xdist (`pytest -n N`, the README's command) N workers share the machine's cores:
+# each takes its share of torch's intra-op threads, or their threads spin against one another.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
 
 
 @dataclass
