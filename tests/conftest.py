@@ -31,6 +31,12 @@ from tandem.testing.processes import (
     wait_healthy,
 )
 
+# Under pytest-xdist (`pytest -n N`, the README's command) N workers share the machine's cores:
+# each takes its share of torch's intra-op threads, or their threads spin against one another.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+
 
 @dataclass
 class Cluster:
