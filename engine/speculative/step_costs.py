@@ -107,6 +107,8 @@ class StepCosts:
         self.counts = [[0] * size for _ in range(4)]
         self.since_plain = [0] * size  # verify steps at each batch size since a plain one
         self.seeded = [[math.nan] * size for _ in range(3)]
+        # The batch sizes where plain and verify steps and draft passes were all measured.
+        self.fully_measured: list[int] = []
         # What the probes measured since ``take_probe_seconds`` was last called cost.
         self.probe_seconds = 0.0
         # The last three steps, the newest last; steps before the first are "other" (0).
@@ -169,6 +171,11 @@ class StepCosts:
         old = estimates[bucket]
         count = self.counts[kind][bucket]
         self.counts[kind][bucket] = count + 1
+        if bucket not in self.fully_measured and all(
+            self.counts[measured][bucket] >= FIRST_MEASUREMENTS
+            for measured in (PLAIN, VERIFY, DRAFT_PASS)
+        ):
+            self.fully_measured.append(bucket)
         if math.isnan(old):
             estimates[bucket] = seconds
         elif count < FIRST_MEASUREMENTS and kind != PROBE:
@@ -194,15 +201,7 @@ class StepCosts:
     def _nearest_measured(self, bucket: int) -> int | None:
         """The batch size nearest ``bucket`` where plain and verify steps and draft passes
         were all measured (``FIRST_MEASUREMENTS`` times each); None if none."""
-        sizes = [
-            other
-            for other in range(len(CAPTURE_BATCH_SIZES))
-            if all(
-                self.counts[kind][other] >= FIRST_MEASUREMENTS
-                for kind in (PLAIN, VERIFY, DRAFT_PASS)
-            )
-        ]
-        return min(sizes, key=lambda other: abs(other - bucket), default=None)
+        return min(self.fully_measured, key=lambda other: abs(other - bucket), default=None)
 
     def costs(self, batch_size: int) -> Costs:
         """The estimates at ``batch_size``: each kind measured where measured (verify steps
