@@ -308,7 +308,7 @@ def test_a_draft_that_cannot_pay_is_not_probed() -> None:
     """The target as its own draft, whose probe after a pause first catches up op by op (30
     plain steps' time): once its costs are measured, not even every draft accepted would pay,
     so its requests are not probed again: 99% of plain decoding's tokens a second over 3,000
-    steps, all its verify steps in the first few. (Probed within the 2% budget, it ran 97%.)"""
+    steps, all its verify steps in the first few (probed within the 2% budget, it fell short)."""
     device = AsyncDevice(draft_pass=0.64, catch_up=30.0)
     seconds, tokens, verify_steps = device.run(3000)
     assert tokens / seconds > 0.99 / device.plain_host, tokens * device.plain_host / seconds

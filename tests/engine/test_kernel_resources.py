@@ -51,7 +51,7 @@ def test_gluon_fp8_kernel_holds_only_its_tiles_in_shared_memory() -> None:
 def test_verify_tile_fits_its_warps_registers() -> None:
     """A verify step of 16 drafts over three query heads a KV head (SmolLM2-135M's 9/3 at
     head_dim 64) is a tile of 128 rows: in the engine's warps it spills nothing (in two warps
-    it spilled 6.5 KB a thread to local memory and ran several times slower)."""
+    it spilled to local memory and ran several times slower)."""
     shape = ("--heads", "9", "3", "--head-dim", "64", "--split", "--query-len", "17")
     registers, local, _, _ = kernel_resources(*shape)
     assert 0 < registers <= 255 and local == 0

@@ -75,16 +75,16 @@ _MAX_SPLITS = 256
 _MERGE_BLOCK_S = tl.constexpr(64)
 # The split decode kernel's last program merges its group's rows together, as many splits at
 # a time as keep this many values of a chunk a thread (powers of two; at least one split): at
-# 8, no split variant of the models' head shapes takes more registers than before the merge
-# moved in (sm_90, Triton 3.9: 110 at head_dim 128, 105 at 64, against 105 and 136), so
-# the merge costs no program its place on an SM; at 16 and 32 some take 134-239
-# (``scripts/kernel_resources.py --split`` prints them). It reads one split a step at the
-# group of 8 and head_dim 128: a long context's many splits are a serial tail of the last
-# program (``scripts/bench_kernels.py --contexts 32768`` times it).
+# 8 no split variant of the models' head shapes takes more registers than the kernel took
+# before the merge moved in, so the merge costs no program its place on an SM; at 16 and 32
+# some take many more (``scripts/kernel_resources.py --split`` prints them). It reads one
+# split a step at the group of 8 and head_dim 128: a long context's many splits are a serial
+# tail of the last program (``scripts/bench_kernels.py --contexts 32768`` times it).
 _MERGE_VALUES_PER_THREAD = 8
 # Rows the merge takes at a time: a decode step's group (up to 16 query heads a KV head) at
-# once; a verify step's 1 + k tokens of it in rounds of this many (merged all at once, the
-# tile of 17 tokens at head_dim 128 spilled hundreds of bytes a thread).
+# once; a verify step's 1 + k tokens of it in rounds of this many, so that its merge needs
+# no more registers than a decode step's (all at once, the taller tiles spill at head_dim
+# 128: ``scripts/kernel_resources.py --split --query-len 17``).
 _MOST_MERGE_ROWS = 16
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second and third axes
 # Arguments that change from step to step in eager steps (views of the step's one packed
@@ -258,7 +258,7 @@ def _decode_kernel(
     counts itself done on its (kv head, sequence)'s counter in ``split_counts_ptr`` (the
     stores first, then a barrier, then the count's release); the program that finds itself
     the last (after the count's acquire) merges the group's rows from the workspace
-    (``_merge_head_splits``, the sinks there, once) and sets the counter back to zero for the
+    (``_merge_splits``, the sinks there, once) and sets the counter back to zero for the
     next launch. Only the counts are atomic: the result does not depend on which program
     came last."""
     kv_head = tl.program_id(0)  # fastest: a sequence's KV heads run side by side
@@ -693,7 +693,7 @@ def decode_num_warps(head_dim: int, kv_dtype: torch.dtype, block_m: int) -> int:
     head_dim 128 two and four tie. A verify step's taller tile (1 + k tokens a row times the
     query heads of a KV head, 128 rows at k = 16 for three or four of them) does not fit two
     warps' registers: compiled so, it spills to local memory (``scripts/kernel_resources.py
-    --query-len 17`` shows the LDL/STL) and runs several times slower than at 64 rows. The
+    --query-len 17`` reports the bytes) and runs several times slower than at 64 rows. The
     other cases keep Triton's default, four. ``scripts/bench_kernels.py --head-dims 64 128
     --batches 1 64 128 256`` measures the share of copy bandwidth (change this rule to
     compare)."""
