@@ -55,15 +55,8 @@ class EngineSocket:
 
     def send(self, frame: bytes) -> None:
         """Sends ``frame`` now, or once the socket takes it (after those waiting before it)."""
-        if self._unsent:
-            self._unsent.append(frame)
-            return
-        try:
-            self._socket.send(frame, zmq.NOBLOCK)
-        except zmq.Again:
-            self._unsent.append(frame)
-        except zmq.ZMQError as exc:
-            logger.error("failed to send to the engine: %s", exc)
+        self._unsent.append(frame)
+        self._send_waiting()
         self._schedule()
 
     def _schedule(self) -> None:
