@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 
 from engine.backends.deferred_norm import DeferredNorm, LinearInput
+from engine.distributed.parallel import OneKernelAllReduce, TensorParallel
 
 
 @dataclass(frozen=True)
@@ -151,4 +152,12 @@ class LayerOps(Protocol):
         gpt-oss's experts (``activation`` a ``ClampedSwiGLU``, None: silu(g) * u) have biases
         in x's dtype: ``w13_bias`` [E_local, 2 * I] added to the gate and up products before
         the activation, ``w2_bias`` [E_local, H] to the down product before its weight."""
+        ...
+
+    def one_kernel_all_reduce(
+        self, tp: TensorParallel, device: torch.device, dtype: torch.dtype, max_bytes: int
+    ) -> OneKernelAllReduce | None:
+        """Tensor parallelism's all-reduce of ``dtype`` tensors up to ``max_bytes`` in one
+        kernel over symmetric memory (``engine.distributed.symmetric_all_reduce``), or None
+        where these ops have none for ``dtype``. Collective: every rank maps its buffer."""
         ...

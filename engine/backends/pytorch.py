@@ -20,6 +20,8 @@ from engine.backends.attention import AttentionBackend, AttentionMetadata, Layer
 from engine.backends.deferred_norm import DeferredNorm, LinearInput, dense
 from engine.backends.fp8 import FP8, FP8_MAX, MIN_SCALE
 from engine.backends.layer_ops import ClampedSwiGLU
+from engine.distributed.parallel import OneKernelAllReduce, TensorParallel
+from engine.distributed.symmetric_all_reduce import torch_one_shot
 
 
 def store_kv(
@@ -332,6 +334,11 @@ class TorchLayerOps:
             )
             out.index_add_(0, tokens[rows], down.float() * weights[rows, None])
         return out.to(x.dtype)
+
+    def one_kernel_all_reduce(
+        self, tp: TensorParallel, device: torch.device, dtype: torch.dtype, max_bytes: int
+    ) -> OneKernelAllReduce | None:
+        return torch_one_shot(tp, device, dtype, max_bytes)
 
     def _expert_product(
         self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None

@@ -21,8 +21,8 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 class OneKernelAllReduce(Protocol):
-    """An all-reduce of small tensors in one kernel
-    (``engine.distributed.symmetric_all_reduce.SymmetricAllReduce``)."""
+    """An all-reduce of small tensors in one kernel over symmetric memory
+    (``engine.distributed.symmetric_all_reduce``: PyTorch's, or the backend's)."""
 
     def accepts(self, x: torch.Tensor) -> bool:
         """Whether it can sum ``x`` (its size and dtype)."""

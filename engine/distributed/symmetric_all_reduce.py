@@ -4,28 +4,36 @@ row-parallel outputs.
 Why: a decode step makes two all-reduces a layer (160 on the 70B shape), each of a few KiB
 at batch 1. At that size NCCL's ring costs its latency, not its bytes: its steps between
 ranks and its proxy thread, however few the bytes (``scripts/bench_all_reduce.py`` times
-both paths by size, eager and in a CUDA graph). PyTorch's symmetric memory
+the paths by size, eager and in a CUDA graph). PyTorch's symmetric memory
 (``torch.distributed._symmetric_memory``) maps every rank's buffer into every other rank's
-address space over CUDA peer-to-peer, and ``one_shot_all_reduce_copy`` is one kernel
-that copies the local input into this rank's buffer, meets the peers at a barrier of signal
-pads, and sums the ranks' copies in rank order: no proxy thread, no ring of steps, the same
-bits on every rank, and capturable in a CUDA graph. Larger tensors (prompt steps, big
-batches) keep NCCL, whose ring moves 2(W-1)/W of the bytes where one shot reads W-1 times
-them.
+address space over CUDA peer-to-peer, so one kernel can sum: no proxy thread, no ring of
+steps, the same bits on every rank, and capturable in a CUDA graph. Larger tensors (prompt
+steps, big batches) keep NCCL, whose ring moves 2(W-1)/W of the bytes where one shot moves
+W-1 times them.
 
-Only peer-to-peer loads: NVLink multicast stays off (``TORCH_SYMM_MEM_DISABLE_MULTICAST``,
-set by ``workers.NO_MULTICAST``), as the GPU machines require.
+Which kernel is the backend's (``LayerOps.one_kernel_all_reduce``): PyTorch's
+``one_shot_all_reduce_copy`` (``torch_one_shot``, the PyTorch backend's) copies the local
+input into this rank's buffer, meets the peers at a barrier of signal pads, then reads and
+sums the ranks' copies in rank order: two trips over NVLink and a launch of its own, which
+cannot overlap the kernels around it. The Triton backend's
+(``engine/backends/triton/push_all_reduce.py``) stores into the peers' buffers and needs no
+barrier.
+
+Only peer-to-peer loads and stores: NVLink multicast stays off
+(``TORCH_SYMM_MEM_DISABLE_MULTICAST``, set by ``workers.NO_MULTICAST``), as the GPU machines
+require.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from engine.distributed.parallel import TensorParallel
+from engine.distributed.parallel import OneKernelAllReduce, TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +57,46 @@ ONE_SHOT_DTYPES = (torch.bfloat16, torch.float32)
 mappings_in_this_process = 0
 
 
-class SymmetricAllReduce:
-    """This rank's symmetric buffer and the group it is mapped into."""
+@dataclasses.dataclass(frozen=True)
+class SymmetricBuffer:
+    """This rank's buffer in symmetric memory and every rank's, as this rank addresses them."""
 
-    def __init__(self, buffer: torch.Tensor, group_name: str) -> None:
-        self.buffer = buffer
-        self.group_name = group_name
+    local: torch.Tensor  # flat, this rank's
+    # int64 [ranks] on the device: each rank's buffer's address in this process's mapping
+    # (this rank's own among them), for kernels that store into the peers' buffers.
+    addresses: torch.Tensor
+    group_name: str
+
+
+# What builds a rank's one-kernel all-reduce: (tp, device, dtype, max_bytes) -> one, or None
+# where it does not sum ``dtype``. PyTorch's one-shot kernel (``torch_one_shot``) by default;
+# a backend may offer its own (``LayerOps.one_kernel_all_reduce``).
+OneKernelAllReduceMaker = Callable[
+    [TensorParallel, torch.device, torch.dtype, int], OneKernelAllReduce | None
+]
+
+
+def map_symmetric_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> SymmetricBuffer:
+    """A buffer of ``numel`` elements in every rank's symmetric memory, mapped into every
+    other rank's address space over CUDA peer-to-peer (collective: every rank calls it alike).
+    Raises RuntimeError (or ImportError) where the GPUs cannot share memory."""
+    import torch.distributed._symmetric_memory as symmetric_memory
+
+    group_name = dist.group.WORLD.group_name
+    if symmetric_memory.get_backend(device) is None:
+        symmetric_memory.set_backend("CUDA")  # peer-to-peer mappings, not NVSHMEM's heap
+    local = symmetric_memory.empty(numel, dtype=dtype, device=device)
+    handle = symmetric_memory.rendezvous(local, group_name)
+    addresses = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
+    return SymmetricBuffer(local, addresses, group_name)
+
+
+class SymmetricAllReduce:
+    """PyTorch's one-shot all-reduce over this rank's symmetric buffer."""
+
+    def __init__(self, buffer: SymmetricBuffer) -> None:
+        self.buffer = buffer.local
+        self.group_name = buffer.group_name
 
     def accepts(self, x: torch.Tensor) -> bool:
         """Whether ``x`` goes through one shot: the buffer's dtype, small enough, dense, in
@@ -75,18 +117,28 @@ class SymmetricAllReduce:
         return summed.view(x.shape)
 
 
+def torch_one_shot(
+    tp: TensorParallel, device: torch.device, dtype: torch.dtype, max_bytes: int
+) -> SymmetricAllReduce | None:
+    """PyTorch's one-shot all-reduce for ``dtype``, or None where its kernel cannot sum it."""
+    if dtype not in ONE_SHOT_DTYPES:
+        return None
+    return SymmetricAllReduce(map_symmetric_buffer(max_bytes // dtype.itemsize, dtype, device))
+
+
 def with_symmetric_all_reduce(
     tp: TensorParallel,
     device: torch.device,
     dtype: torch.dtype,
     max_bytes: int = ONE_SHOT_MAX_BYTES,
+    make: OneKernelAllReduceMaker = torch_one_shot,
 ) -> TensorParallel:
-    """``tp`` whose all-reduces of ``dtype`` up to ``max_bytes`` go through symmetric memory,
-    where every rank could map its buffer (CUDA, several ranks, one of ``ONE_SHOT_DTYPES``);
-    else ``tp`` unchanged (NCCL or gloo for every all-reduce). Collective: every rank calls it,
-    and all of them take the same path."""
+    """``tp`` whose all-reduces of ``dtype`` up to ``max_bytes`` go through one kernel over
+    symmetric memory (``make``'s), where every rank could map its buffer (CUDA, several
+    ranks, a dtype ``make`` sums); else ``tp`` unchanged (NCCL or gloo for every all-reduce).
+    Collective: every rank calls it, and all of them take the same path."""
     global mappings_in_this_process
-    if tp.size == 1 or device.type != "cuda" or dtype not in ONE_SHOT_DTYPES:
+    if tp.size == 1 or device.type != "cuda":
         return tp
     if not _same_on_every_rank(mappings_in_this_process, device):
         logger.warning(
@@ -97,21 +149,16 @@ def with_symmetric_all_reduce(
     mappings_in_this_process += 1
     reducer = None
     try:
-        import torch.distributed._symmetric_memory as symmetric_memory
-
-        group_name = dist.group.WORLD.group_name
-        if symmetric_memory.get_backend(device) is None:
-            symmetric_memory.set_backend("CUDA")  # peer-to-peer mappings, not NVSHMEM's heap
-        buffer = symmetric_memory.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
-        symmetric_memory.rendezvous(buffer, group_name)
-        reducer = SymmetricAllReduce(buffer, group_name)
+        reducer = make(tp, device, dtype, max_bytes)
     except (RuntimeError, ImportError, AttributeError) as error:
         logger.warning("symmetric memory unavailable (%s): every all-reduce through NCCL", error)
     # One rank without it would wait at NCCL while the others wait at the signal pads.
     agreed = _same_on_every_rank(reducer is not None, device)
     if reducer is None or not agreed:
         return tp
-    logger.info("all-reduces up to %d KiB through symmetric memory", max_bytes // 1024)
+    logger.info(
+        "all-reduces up to %d KiB in one kernel (%s)", max_bytes // 1024, type(reducer).__name__
+    )
     return dataclasses.replace(tp, symmetric_all_reduce=reducer)
 
 

@@ -23,6 +23,7 @@ from multiprocessing.process import BaseProcess
 import torch
 import torch.distributed as dist
 
+from engine.backends import create_backend
 from engine.config import EngineConfig
 from engine.distributed.parallel import TensorParallel
 from engine.distributed.symmetric_all_reduce import with_symmetric_all_reduce
@@ -145,7 +146,9 @@ def _join_process_group(config: EngineConfig, store: dist.Store, rank: int) -> T
     dist.init_process_group(backend, store=store, rank=rank, world_size=size)
     tp = TensorParallel(rank, size)
     device = rank_device(config.device, tp)
-    return with_symmetric_all_reduce(tp, device, resolve_dtype(config.dtype, device))
+    dtype = resolve_dtype(config.dtype, device)
+    ops = create_backend(config.backend, device).ops  # the model runner's choice of kernels
+    return with_symmetric_all_reduce(tp, device, dtype, make=ops.one_kernel_all_reduce)
 
 
 def worker_main(

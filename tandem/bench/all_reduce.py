@@ -1,12 +1,13 @@
-"""The tensor-parallel all-reduce on the GPUs: NCCL's ring against one kernel over symmetric
-memory (``engine/distributed/symmetric_all_reduce.py``), by size, eager and in a CUDA
-graph, with their results compared.
+"""The tensor-parallel all-reduce on the GPUs: NCCL's ring against the one-kernel all-reduces
+over symmetric memory (``engine/distributed/symmetric_all_reduce.py``: PyTorch's one shot, the
+PyTorch backend's; the Triton backend's, which pushes into the peers' buffers), by size, eager
+and in a CUDA graph, with their results compared.
 
     tandem bench all-reduce [--tensor-parallel-size 2] [--hidden 4096 8192]
 
 One process per GPU, NCCL (multicast off). Each size is [rows, hidden] bfloat16, rows the
 decode batches 1-256: the row-parallel outputs a decode step reduces twice a layer. Each rank
-holds its own random values; the symmetric result must equal on every rank and match NCCL's
+holds its own random values; each one-kernel result must equal on every rank and match NCCL's
 (exactly on two ranks, where both add the same two numbers; within bf16's rounding of the
 partial sums on more). Sizes past the engine's threshold (ONE_SHOT_MAX_BYTES, where NCCL
 takes over) are measured too, to show where it lies. Times are the median of 5 rounds of 100
@@ -25,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from engine.backends import create_backend
+from engine.backends.pytorch import TorchLayerOps
 from engine.distributed.parallel import TensorParallel
 from engine.distributed.symmetric_all_reduce import with_symmetric_all_reduce
 from engine.tensor_parallel.workers import NO_MULTICAST
@@ -61,27 +64,36 @@ def rank_main(rank: int, size: int, port: int, hidden: list[int], out: mp.Queue)
     device = torch.device("cuda", rank)
     # A buffer for the largest size measured, past the engine's threshold.
     largest = max(ROWS) * max(hidden) * 2
-    tp = with_symmetric_all_reduce(TensorParallel(rank, size), device, torch.bfloat16, largest)
-    reducer = tp.symmetric_all_reduce
-    assert reducer is not None, "symmetric memory unavailable"
+    reducers = []
+    for ops in (TorchLayerOps(), create_backend("triton", device).ops):
+        tp = TensorParallel(rank, size)
+        tp = with_symmetric_all_reduce(
+            tp, device, torch.bfloat16, largest, ops.one_kernel_all_reduce
+        )
+        assert tp.symmetric_all_reduce is not None, "symmetric memory unavailable"
+        reducers.append(tp.symmetric_all_reduce)
     generator = torch.Generator(device).manual_seed(rank)
     rows_out = []
     for width in hidden:
         for rows in ROWS:
             x = torch.randn(rows, width, device=device, generator=generator).bfloat16()
-            if not reducer.accepts(x):
+            if not all(reducer.accepts(x) for reducer in reducers):
                 continue
-            one_shot = reducer(x)
             reference = nccl(x.clone())
-            first = one_shot.clone()
-            dist.broadcast(first, 0)
-            same_on_ranks = torch.equal(first, one_shot)
-            error = (one_shot.float() - reference.float()).abs().max().item()
-            scale = reference.float().abs().max().item()
-            eager_nccl = timed(lambda x=x: [nccl(x) for _ in range(CALLS)])
-            eager_one = timed(lambda x=x: [reducer(x) for _ in range(CALLS)])
+            checks = []
+            for reducer in reducers:
+                summed = reducer(x)
+                first = summed.clone()
+                dist.broadcast(first, 0)
+                error = (summed.float() - reference.float()).abs().max().item()
+                checks.append(
+                    (error / reference.float().abs().max().item(), torch.equal(first, summed))
+                )
+            eager = [
+                timed(lambda x=x, r=r: [r(x) for _ in range(CALLS)]) for r in (nccl, *reducers)
+            ]
             graph_times = []
-            for reduce in (nccl, reducer):
+            for reduce in (nccl, *reducers):
                 graph = torch.cuda.CUDAGraph()
                 y = x.clone()
                 stream = torch.cuda.Stream()
@@ -94,10 +106,9 @@ def rank_main(rank: int, size: int, port: int, hidden: list[int], out: mp.Queue)
                     for _ in range(CALLS):
                         reduce(y)
                 graph_times.append(timed(graph.replay))
-            sizes = (rows, width, x.numel() * 2)
-            rows_out.append(
-                (*sizes, eager_nccl, eager_one, *graph_times, error / scale, same_on_ranks)
-            )
+            worst = max(error for error, _ in checks)
+            same = all(same for _, same in checks)
+            rows_out.append((rows, width, x.numel() * 2, *eager, *graph_times, worst, same))
     if rank == 0:
         out.put(rows_out)
     dist.barrier()
@@ -129,13 +140,15 @@ def main(argv: list[str] | None = None) -> None:
     failed = [p.exitcode for p in ranks if p.exitcode != 0]
     print(f"\nall-reduce, {size} GPUs ({torch.cuda.get_device_name(0)}), bf16, µs a call")
     print(
-        f"{'rows':>5} {'hidden':>6} {'KiB':>6} {'NCCL':>8} {'one shot':>9} "
-        f"{'NCCL graph':>11} {'one shot graph':>15} {'rel. diff':>10} {'same on ranks':>14}"
+        f"{'rows':>5} {'hidden':>6} {'KiB':>6} {'NCCL':>7} {'one shot':>9} {'push':>7} "
+        f"{'graphs: NCCL':>13} {'one shot':>9} {'push':>7} {'rel. diff':>10} {'same on ranks':>14}"
     )
-    for rows_, width, nbytes, e_nccl, e_one, g_nccl, g_one, diff, same in rows:
+    for rows_, width, nbytes, *times, diff, same in rows:
+        eager, graphs = times[:3], times[3:]
         print(
-            f"{rows_:5d} {width:6d} {nbytes / 1024:6.0f} {e_nccl:8.1f} {e_one:9.1f} "
-            f"{g_nccl:11.1f} {g_one:15.1f} {diff:10.1e} {same!s:>14}"
+            f"{rows_:5d} {width:6d} {nbytes / 1024:6.0f} {eager[0]:7.1f} {eager[1]:9.1f} "
+            f"{eager[2]:7.1f} {graphs[0]:13.1f} {graphs[1]:9.1f} {graphs[2]:7.1f} "
+            f"{diff:10.1e} {same!s:>14}"
         )
     exact = size == 2
     wrong = [r for r in rows if not r[-1] or (exact and r[-2] > 0)]

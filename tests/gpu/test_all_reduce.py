@@ -1,9 +1,11 @@
 """The engine's all-reduce (``TensorParallel.all_reduce``: one kernel over symmetric memory up to
 ``ONE_SHOT_MAX_BYTES``, NCCL's ring past it) against NCCL's own, for every size class and the
-model dtypes (float16's through NCCL alone: PyTorch's one-shot kernel does not sum it), eager
-and replayed in a CUDA graph with new values: the same bits on every rank, equal to NCCL's on
-two ranks (both add the same two numbers, rounded once) and within the
-dtype's rounding of the partial sums on four. One process per GPU, as the engine's ranks."""
+model dtypes, with each backend's kernel (PyTorch's one shot, which leaves float16 to NCCL; the
+Triton backend's, which stores into the peers' buffers), eager and replayed in a CUDA graph with
+new values: the same bits on every rank, equal to NCCL's on two ranks (both add the same two
+numbers, rounded once) and within the dtype's rounding of the partial sums on four. Then a
+graph of several all-reduces of changing sizes, as a decode step makes, replayed many times
+between eager calls. One process per GPU, as the engine's ranks."""
 
 from __future__ import annotations
 
@@ -15,10 +17,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from engine.backends import create_backend
 from engine.distributed.parallel import TensorParallel
 from engine.distributed.symmetric_all_reduce import (
     ONE_SHOT_DTYPES,
     ONE_SHOT_MAX_BYTES,
+    torch_one_shot,
     with_symmetric_all_reduce,
 )
 from engine.tensor_parallel.workers import NO_MULTICAST
@@ -41,10 +45,12 @@ def rank_main(rank: int, size: int, port: int, failures: mp.Queue) -> None:
     dist.init_process_group("nccl", store=store, rank=rank, world_size=size)
     device = torch.device("cuda", rank)
     wrong = []
-    for dtype in DTYPES:
-        tp = with_symmetric_all_reduce(TensorParallel(rank, size), device, dtype)
+    push = create_backend("triton", device).ops.one_kernel_all_reduce
+    for make, dtype in [(m, d) for m in (torch_one_shot, push) for d in DTYPES]:
+        tp = with_symmetric_all_reduce(TensorParallel(rank, size), device, dtype, make=make)
         one_shot = tp.symmetric_all_reduce
-        assert (one_shot is not None) == (dtype in ONE_SHOT_DTYPES), "symmetric memory unavailable"
+        summed_here = make is push or dtype in ONE_SHOT_DTYPES
+        assert (one_shot is not None) == summed_here, "symmetric memory unavailable"
         generator = torch.Generator(device).manual_seed(rank)
         for rows, hidden in SHAPES:
             x = torch.randn(rows, hidden, device=device, generator=generator).to(dtype)
@@ -70,10 +76,57 @@ def rank_main(rank: int, size: int, port: int, failures: mp.Queue) -> None:
                 tolerance = 0 if size == 2 else 4 * torch.finfo(dtype).eps
                 error = relative_error(summed, reference)
                 if not torch.equal(first, summed) or error > tolerance:
-                    wrong.append((str(dtype), rows, hidden, path, error))
+                    wrong.append((make.__name__, str(dtype), rows, hidden, path, error))
+        wrong += decode_like_graph(tp, size, dtype, device, make.__name__)
     failures.put((rank, wrong))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def decode_like_graph(
+    tp: TensorParallel, size: int, dtype: torch.dtype, device: torch.device, name: str
+) -> list[tuple]:
+    """A graph of all-reduces of changing sizes, each of new values plus the one before's
+    first sum (a step's layers, one after the other), replayed many times with eager calls
+    between: each replay's results against NCCL's on the same inputs."""
+    generator = torch.Generator(device).manual_seed(100 + tp.rank)
+    shapes = ((1, 4096), (4, 4096), (1, 4096), (2, 8192), (1, 8192), (1, 4096))
+    inputs = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+
+    def step() -> list[torch.Tensor]:
+        outputs, carried = [], None
+        for x in inputs:
+            if carried is not None:
+                x = x + carried.flatten()[0]  # depends on the all-reduce before
+            carried = tp.all_reduce(x)
+            outputs.append(carried)
+        return outputs
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    wrong = []
+    for replay in range(20):
+        for x in inputs:
+            x.copy_(torch.randn(x.shape, device=device, generator=generator).to(dtype))
+        graph.replay()
+        tp.all_reduce(inputs[replay % len(inputs)].clone())  # an eager call between replays
+        for index, x in enumerate(inputs):
+            reference = x.clone()  # the graph's input to this all-reduce
+            if index:
+                reference += outputs[index - 1].flatten()[0]
+            dist.all_reduce(reference)
+            tolerance = 0 if size == 2 else 4 * torch.finfo(dtype).eps
+            error = relative_error(outputs[index], reference)
+            if error > tolerance:
+                wrong.append((name, str(dtype), "graph of several", replay, index, error))
+    return wrong
 
 
 @pytest.mark.parametrize("size", [2, 4])

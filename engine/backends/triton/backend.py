@@ -55,7 +55,9 @@ from engine.backends.triton.graph_inputs import fill_graph_inputs
 from engine.backends.triton.moe_route import moe_route
 from engine.backends.triton.one_row_matmul import one_row_matmul
 from engine.backends.triton.pending_tokens import fill_pending_tokens
+from engine.backends.triton.push_all_reduce import push_all_reduce
 from engine.backends.triton.quantized_matmul import weight_only_matmul
+from engine.distributed.parallel import OneKernelAllReduce, TensorParallel
 
 
 def takes_one_row(x: LinearInput) -> bool:
@@ -277,6 +279,12 @@ class TritonLayerOps(TorchLayerOps):
         if x.is_cuda:
             return fused_moe(*experts, **variant)
         return super().moe_experts(*experts, **variant)  # the torch backend's reference
+
+    def one_kernel_all_reduce(
+        self, tp: TensorParallel, device: torch.device, dtype: torch.dtype, max_bytes: int
+    ) -> OneKernelAllReduce | None:
+        # Stores into the peers' buffers: no barrier, and launched dependent.
+        return push_all_reduce(tp, device, dtype, max_bytes)
 
 
 class TritonStepOps(TorchStepOps):

@@ -1,0 +1,79 @@
+"""The Triton backend's all-reduce that stores into the peers' buffers
+(``engine/backends/triton/push_all_reduce.py``), on the CPU: the ranks are processes running
+the kernel at once in Triton's interpreter, each rank's buffer shared memory that every process
+maps at its own address, as CUDA peer-to-peer maps a peer's buffer on the GPUs. Calls of
+changing sizes (a smaller one after a larger must not read the larger's stale values), inputs
+with -0.0 (the empty mark's bits), every dtype it sums: each result must be the same bits on
+every rank and the sum in rank order, rounded once (bfloat16's within one unit of its last
+place: the interpreter truncates a float32 to bfloat16 where the GPU rounds it).
+``tests/gpu/test_all_reduce.py`` checks it on GPUs, in CUDA graphs, against NCCL."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from engine.distributed.symmetric_all_reduce import SymmetricBuffer
+
+PART = 4096  # elements of a rank's part of a slot
+SIZES = (4096, 100, 3000, 1, 4096, 2048, 7, 1500)  # a call's elements, in order
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def inputs(rank: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Rank ``rank``'s input to each call; some values -0.0."""
+    generator = torch.Generator().manual_seed(rank)
+    calls = []
+    for numel in SIZES:
+        x = torch.randn(numel, generator=generator).to(dtype)
+        x[::5] = -0.0
+        calls.append(x)
+    return calls
+
+
+def rank_main(
+    rank: int, buffers: dict[torch.dtype, list[torch.Tensor]], start: object, failures: mp.Queue
+) -> None:
+    from engine.backends.triton.push_all_reduce import PushAllReduce
+
+    ranks = len(next(iter(buffers.values())))
+    wrong, results = [], []
+    for dtype, every_rank in buffers.items():
+        addresses = torch.tensor([b.data_ptr() for b in every_rank], dtype=torch.int64)
+        reducer = PushAllReduce(SymmetricBuffer(every_rank[rank], addresses, ""), rank, ranks, PART)
+        start.wait()  # every rank's buffer marked empty before any stores into it
+        every_input = [inputs(r, dtype) for r in range(ranks)]
+        for call, x in enumerate(every_input[rank]):
+            assert reducer.accepts(x)
+            summed = reducer(x)
+            results.append(hashlib.sha256(summed.view(torch.uint8).numpy()).hexdigest())
+            exact = sum(inputs_[call].float() for inputs_ in every_input)
+            ulp = exact.abs() * 2**-7 if dtype == torch.bfloat16 else 0
+            if not ((summed.float() - exact.to(dtype).float()).abs() <= ulp).all():
+                wrong.append((str(dtype), call))
+    failures.put((rank, (wrong, results)))
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_push_all_reduce_sums_every_rank(ranks: int) -> None:
+    buffers = {
+        dtype: [torch.empty(3 * ranks * PART, dtype=dtype).share_memory_() for _ in range(ranks)]
+        for dtype in DTYPES
+    }
+    context = mp.get_context("spawn")
+    start, failures = context.Barrier(ranks), context.Queue()
+    processes = [
+        context.Process(target=rank_main, args=(rank, buffers, start, failures))
+        for rank in range(ranks)
+    ]
+    for process in processes:
+        process.start()
+    results = dict(failures.get(timeout=600) for _ in processes)
+    for process in processes:
+        process.join(timeout=60)
+    assert [p.exitcode for p in processes] == [0] * ranks
+    assert [results[rank][0] for rank in range(ranks)] == [[]] * ranks
+    assert all(results[rank][1] == results[0][1] for rank in range(ranks))
