@@ -24,12 +24,16 @@ class OneKernelAllReduce(Protocol):
     """An all-reduce of small tensors in one kernel over symmetric memory
     (``engine.distributed.symmetric_all_reduce``: PyTorch's, or the backend's)."""
 
+    # Whether it adds a residual stream to the sum as it stores it (``__call__``'s stream).
+    adds_stream: bool
+
     def accepts(self, x: torch.Tensor) -> bool:
         """Whether it can sum ``x`` (its size and dtype)."""
         ...
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's ``x``, as a new tensor."""
+    def __call__(self, x: torch.Tensor, stream: torch.Tensor | None = None) -> torch.Tensor:
+        """The sum of every rank's ``x``, as a new tensor; with ``stream`` (only where it
+        ``adds_stream``: x's shape and dtype, dense), the sum rounded to x's dtype plus it."""
         ...
 
 
@@ -81,6 +85,26 @@ class TensorParallel:
             return self.symmetric_all_reduce(x)
         dist.all_reduce(x)
         return x
+
+    def all_reduce_into_stream(
+        self, x: torch.Tensor, stream: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sum of every rank's ``x`` as it joins the residual ``stream``, and what is left
+        of the stream for the next norm to add: nothing where the one-kernel all-reduce adds
+        it (then the next norm reads one vector, not two), else the stream as it came."""
+        one_kernel = self.symmetric_all_reduce
+        if (
+            stream is not None
+            and self.size > 1
+            and one_kernel is not None
+            and one_kernel.adds_stream
+            and one_kernel.accepts(x)
+            and stream.shape == x.shape
+            and stream.dtype == x.dtype
+            and stream.is_contiguous()
+        ):
+            return one_kernel(x, stream), None
+        return self.all_reduce(x), stream
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x`` [T, n] side by side in rank order: [T, size * n]."""

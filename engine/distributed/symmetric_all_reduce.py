@@ -94,6 +94,8 @@ def map_symmetric_buffer(numel: int, dtype: torch.dtype, device: torch.device) -
 class SymmetricAllReduce:
     """PyTorch's one-shot all-reduce over this rank's symmetric buffer."""
 
+    adds_stream = False  # the residual stream is the next norm's to add
+
     def __init__(self, buffer: SymmetricBuffer) -> None:
         self.buffer = buffer.local
         self.group_name = buffer.group_name
@@ -109,8 +111,9 @@ class SymmetricAllReduce:
             and x.is_contiguous()
         )
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, stream: torch.Tensor | None = None) -> torch.Tensor:
         """The sum of every rank's ``x``, as a new tensor."""
+        assert stream is None, "PyTorch's one shot adds no stream"
         summed = torch.ops.symm_mem.one_shot_all_reduce_copy(
             self.buffer[: x.numel()], x.view(-1), "sum", self.group_name
         )

@@ -156,13 +156,19 @@ class RowParallelLinear(ParallelLinear):
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.multiply(x, self.bias if self.tp.rank == 0 else None))
+        return self.tp.all_reduce(self._partial(x, gated=False))
 
     def forward_silu_gated(self, gate_up: torch.Tensor) -> torch.Tensor:
         """forward(silu(gate) * up) of gate_up's halves, the activation fused into the
         product where the method can (``LinearMethod.apply_silu_gated``)."""
-        assert self.bias is None, "no gated layer has a bias"
-        return self.tp.all_reduce(self.method.apply_silu_gated(self, gate_up))
+        return self.tp.all_reduce(self._partial(gate_up, gated=True))
+
+    def _partial(self, x: torch.Tensor, *, gated: bool) -> torch.Tensor:
+        """This rank's share of the product, before the all-reduce (the bias on rank 0)."""
+        if gated:
+            assert self.bias is None, "no gated layer has a bias"
+            return self.method.apply_silu_gated(self, x)
+        return self.multiply(x, self.bias if self.tp.rank == 0 else None)
 
     def into_stream(
         self, x: torch.Tensor, stream: torch.Tensor | None, *, gated: bool = False
@@ -171,8 +177,10 @@ class RowParallelLinear(ParallelLinear):
         ``forward_silu_gated``) as it joins the residual ``stream``, and what is left of the
         stream for the next norm to add. One row on one rank that the layer ops' one-row
         product takes (``LayerOps.takes_one_row``), that product adds the stream and nothing
-        is left (None); otherwise the stream is left as it came. Under tensor parallelism the
-        product is a sum over the ranks, all-reduced before any addition."""
+        is left (None). Under tensor parallelism the product is a sum over the ranks,
+        all-reduced before any addition, which the one-kernel all-reduce makes where it can
+        (``TensorParallel.all_reduce_into_stream``); otherwise the stream is left as it
+        came."""
         if (
             stream is not None
             and self.tp.size == 1
@@ -180,9 +188,7 @@ class RowParallelLinear(ParallelLinear):
             and self.method.ops.takes_one_row(x)
         ):
             return self.method.one_row_into_stream(self, x, stream, gated=gated), None
-        if not gated:
-            return self(x), stream
-        return self.forward_silu_gated(x), stream
+        return self.tp.all_reduce_into_stream(self._partial(x, gated=gated), stream)
 
     def load(self, param: str, part: int, source: TensorSlices, hf_name: str) -> None:
         if param == "bias":

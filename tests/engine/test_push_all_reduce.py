@@ -3,9 +3,10 @@
 the kernel at once in Triton's interpreter, each rank's buffer shared memory that every process
 maps at its own address, as CUDA peer-to-peer maps a peer's buffer on the GPUs. Calls of
 changing sizes (a smaller one after a larger must not read the larger's stale values), inputs
-with -0.0 (the empty mark's bits), every dtype it sums: each result must be the same bits on
-every rank and the sum in rank order, rounded once (bfloat16's within one unit of its last
-place: the interpreter truncates a float32 to bfloat16 where the GPU rounds it).
+with -0.0 (the empty mark's bits), every dtype it sums, every other call adding a residual
+stream: each result must be the same bits on every rank and the sum in rank order, rounded
+once, plus the stream in the dtype (bfloat16's within a unit of its last place or two: the
+interpreter truncates a float32 to bfloat16 where the GPU rounds it).
 ``tests/gpu/test_all_reduce.py`` checks it on GPUs, in CUDA graphs, against NCCL."""
 
 from __future__ import annotations
@@ -48,11 +49,18 @@ def rank_main(
         every_input = [inputs(r, dtype) for r in range(ranks)]
         for call, x in enumerate(every_input[rank]):
             assert reducer.accepts(x)
-            summed = reducer(x)
+            stream = None
+            if call % 2:  # the same on every rank, as the ranks' residual streams are
+                stream = torch.randn(x.numel(), generator=torch.Generator().manual_seed(call))
+                stream = stream.to(dtype)
+            summed = reducer(x, stream)
             results.append(hashlib.sha256(summed.view(torch.uint8).numpy()).hexdigest())
             exact = sum(inputs_[call].float() for inputs_ in every_input)
-            ulp = exact.abs() * 2**-7 if dtype == torch.bfloat16 else 0
-            if not ((summed.float() - exact.to(dtype).float()).abs() <= ulp).all():
+            expected = exact.to(dtype) if stream is None else exact.to(dtype) + stream
+            ulp = 0
+            if dtype == torch.bfloat16:
+                ulp = (exact.abs() + (0 if stream is None else stream.float().abs())) * 2**-6
+            if not ((summed.float() - expected.float()).abs() <= ulp).all():
                 wrong.append((str(dtype), call))
     failures.put((rank, (wrong, results)))
 

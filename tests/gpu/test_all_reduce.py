@@ -3,8 +3,9 @@
 model dtypes, with each backend's kernel (PyTorch's one shot, which leaves float16 to NCCL; the
 Triton backend's, which stores into the peers' buffers), eager and replayed in a CUDA graph with
 new values: the same bits on every rank, equal to NCCL's on two ranks (both add the same two
-numbers, rounded once) and within the dtype's rounding of the partial sums on four. Then a
-graph of several all-reduces of changing sizes, as a decode step makes, replayed many times
+numbers, rounded once) and within the dtype's rounding of the partial sums on four; the sum
+joining a residual stream too (``TensorParallel.all_reduce_into_stream``). Then a graph of
+several all-reduces of changing sizes, as a decode step makes, replayed many times
 between eager calls. One process per GPU, as the engine's ranks."""
 
 from __future__ import annotations
@@ -48,39 +49,56 @@ def rank_main(rank: int, size: int, port: int, failures: mp.Queue) -> None:
     push = create_backend("triton", device).ops.one_kernel_all_reduce
     for make, dtype in [(m, d) for m in (torch_one_shot, push) for d in DTYPES]:
         tp = with_symmetric_all_reduce(TensorParallel(rank, size), device, dtype, make=make)
-        one_shot = tp.symmetric_all_reduce
         summed_here = make is push or dtype in ONE_SHOT_DTYPES
-        assert (one_shot is not None) == summed_here, "symmetric memory unavailable"
+        assert (tp.symmetric_all_reduce is not None) == summed_here, "symmetric memory unavailable"
         generator = torch.Generator(device).manual_seed(rank)
         for rows, hidden in SHAPES:
             x = torch.randn(rows, hidden, device=device, generator=generator).to(dtype)
-            if one_shot is not None:
-                assert one_shot.accepts(x) == (x.numel() * x.element_size() <= ONE_SHOT_MAX_BYTES)
-            graph_input = torch.zeros_like(x)
-            graph = torch.cuda.CUDAGraph()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                tp.all_reduce(graph_input.clone())  # warm-up outside the capture
-            torch.cuda.current_stream().wait_stream(stream)
-            dist.barrier()
-            with torch.cuda.graph(graph):
-                graph_output = tp.all_reduce(graph_input)
-            graph_input.copy_(x)
-            graph.replay()
-            for path, summed in (("eager", tp.all_reduce(x.clone())), ("graph", graph_output)):
-                reference = x.clone()
-                dist.all_reduce(reference)
-                first = summed.clone()
-                dist.broadcast(first, 0)
-                tolerance = 0 if size == 2 else 4 * torch.finfo(dtype).eps
-                error = relative_error(summed, reference)
-                if not torch.equal(first, summed) or error > tolerance:
-                    wrong.append((make.__name__, str(dtype), rows, hidden, path, error))
+            wrong += [(make.__name__, *w) for w in check_shape(tp, size, x)]
         wrong += decode_like_graph(tp, size, dtype, device, make.__name__)
     failures.put((rank, wrong))
+    # Every CUDA graph freed first (each lived in a helper): with one alive the group's
+    # teardown did not return.
+    torch.cuda.synchronize()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def check_shape(tp: TensorParallel, size: int, x: torch.Tensor) -> list[tuple]:
+    """``x``'s all-reduce, eager and replayed in a graph, and added to a residual stream,
+    against NCCL's."""
+    one_kernel = tp.symmetric_all_reduce
+    if one_kernel is not None:
+        assert one_kernel.accepts(x) == (x.numel() * x.element_size() <= ONE_SHOT_MAX_BYTES)
+    graph_input = torch.zeros_like(x)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        tp.all_reduce(graph_input.clone())  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    dist.barrier()
+    with torch.cuda.graph(graph):
+        graph_output = tp.all_reduce(graph_input)
+    graph_input.copy_(x)
+    graph.replay()
+    residual = torch.full_like(x, 0.5)  # the same on every rank, as the residual stream is
+    joined, left = tp.all_reduce_into_stream(x.clone(), residual)
+    paths = [("eager", tp.all_reduce(x.clone()), None), ("graph", graph_output, None)]
+    paths.append(("into stream", joined, left))
+    wrong = []
+    for path, summed, left in paths:
+        reference = x.clone()
+        dist.all_reduce(reference)
+        if path == "into stream" and left is None:  # the one kernel added it
+            reference += residual
+        first = summed.clone()
+        dist.broadcast(first, 0)
+        tolerance = 0 if size == 2 else 4 * torch.finfo(x.dtype).eps
+        error = relative_error(summed, reference)
+        if not torch.equal(first, summed) or error > tolerance:
+            wrong.append((str(x.dtype), *x.shape, path, error))
+    return wrong
 
 
 def decode_like_graph(
@@ -96,8 +114,8 @@ def decode_like_graph(
     def step() -> list[torch.Tensor]:
         outputs, carried = [], None
         for x in inputs:
-            if carried is not None:
-                x = x + carried.flatten()[0]  # depends on the all-reduce before
+            # NCCL's all-reduce sums in place: the graph's inputs stay as written.
+            x = x.clone() if carried is None else x + carried.flatten()[0]
             carried = tp.all_reduce(x)
             outputs.append(carried)
         return outputs

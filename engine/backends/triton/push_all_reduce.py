@@ -61,6 +61,7 @@ _TURN, _FINISHED, _STORED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 def _push_all_reduce_kernel(
     x_ptr,
     out_ptr,
+    stream_ptr,  # the residual stream the sum joins, where ADD
     local_ptr,  # this rank's buffer, its values' bits as integers of their width
     addresses_ptr,
     state_ptr,
@@ -69,6 +70,7 @@ def _push_all_reduce_kernel(
     RANKS: tl.constexpr,
     PART: tl.constexpr,  # elements of one rank's part of a slot
     EMPTY: tl.constexpr,  # -0.0's bits
+    ADD: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     let_next_kernel_start()
@@ -106,7 +108,11 @@ def _push_all_reduce_kernel(
         while tl.max((got == EMPTY).to(tl.int32), axis=0) > 0:
             got = tl.load(arriving, mask=mask, other=0, volatile=True)
         total += got.to(values.dtype, bitcast=True).to(tl.float32)
-    tl.store(out_ptr + offsets, total.to(values.dtype), mask=mask)
+    summed = total.to(values.dtype)
+    if ADD:  # rounded as the sum is stored, then added as PyTorch's ``sum + stream`` adds
+        stream = tl.load(stream_ptr + offsets, mask=mask)
+        summed = (summed.to(tl.float32) + stream.to(tl.float32)).to(values.dtype)
+    tl.store(out_ptr + offsets, summed, mask=mask)
 
     if program == 0:
         tl.store(state_ptr + _STORED + slot, numel)
@@ -117,6 +123,10 @@ def _push_all_reduce_kernel(
 
 class PushAllReduce:
     """This rank's side of the all-reduce that stores into the peers' buffers."""
+
+    # It adds the residual stream to the sum as it stores it: the next norm reads the stream
+    # alone, as a one-rank step's does after its o and down projections add it.
+    adds_stream = True
 
     def __init__(self, buffer: SymmetricBuffer, rank: int, ranks: int, part: int) -> None:
         self.buffer = buffer
@@ -136,12 +146,14 @@ class PushAllReduce:
         Every rank decides alike, since every rank reduces tensors of the same shape."""
         return x.dtype == self.buffer.local.dtype and x.numel() <= self.part and x.is_contiguous()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's ``x``, as a new tensor."""
+    def __call__(self, x: torch.Tensor, stream: torch.Tensor | None = None) -> torch.Tensor:
+        """The sum of every rank's ``x``, as a new tensor; plus ``stream`` (x's shape, dense),
+        the sum rounded to x's dtype first, where given."""
         out = torch.empty_like(x)
         _push_all_reduce_kernel[(triton.cdiv(x.numel(), _BLOCK),)](
             x,
             out,
+            x if stream is None else stream,
             self.local_bits,
             self.buffer.addresses,
             self.state,
@@ -150,6 +162,7 @@ class PushAllReduce:
             RANKS=self.ranks,
             PART=self.part,
             EMPTY=self.empty,
+            ADD=stream is not None,
             BLOCK=_BLOCK,
             num_warps=4,
             **self.launch,
