@@ -3,6 +3,7 @@
 #
 #   scripts/gpu_session.sh tests|ab-1b|perf|perf-fp8|fp8-widen|quant|quant-speed|matmul-rules|serving|spec|spec-f32|bench-1b|bench-8b|bench-qwen3|structured-1b|profile-1b|profile-8b|profile-8b-fp8|profile-ttft|profile-qwen3|profile-qwen3-fp8 ...
 #   scripts/gpu_session.sh tp-check tp-8b tp-70b   # tensor parallelism, on 2 GPUs (TP=4/8: TP=N)
+#   scripts/gpu_session.sh tp-push                  # the push all-reduce: tests, kernels, TP=2 steps
 #   scripts/gpu_session.sh bench-dp|bench-dp-smoke|layouts-8b|tp-layouts-8b  # data parallelism (layouts: 4 GPUs)
 #   scripts/gpu_session.sh moe-kernel  # the fused MoE kernel (issue 39): its tests, then its timings
 #   scripts/gpu_session.sh moe-decode  # its decode path by pair: tests, kernel and batch-1 timings
@@ -371,6 +372,30 @@ PY
         timeout 150 python3 scripts/profile_step.py --model "$m" --load-format dummy --batch 1 \
           --tensor-parallel-size "$n" --steps 50 --rounds 3 --top 24 2>&1 | grep -v USDT \
           | tee "$out/diag-tp$n.log" | grep -vE '^INFO|WARNING' | head -60
+      done ;;
+    tp-push)  # issue 37, TP=2 (TP=N): the push all-reduce. Its tests (each TP family in a process
+      # of its own, so each maps symmetric memory; the 8B's real layer shapes), the all-reduce
+      # kernels by size, then the 8B's and 70B's batch-1 step with it and with PyTorch's one
+      # shot (TANDEM_ONE_SHOT=torch), and their TPOT (about 9 minutes on two H200s)
+      n=${TP:-2}
+      timeout 150 python3 -m pytest -q -x tests/gpu/test_all_reduce.py -p no:cacheprovider --tb=short \
+        2>&1 | tee "$out/tp-push-all-reduce.log" | grep -E '^E|passed|failed' | cut -c1-300 | head -12
+      for c in llama qwen3 gemma3 gpt-oss real_shaped; do
+        timeout 150 python3 -m pytest -q -x tests/gpu/test_tensor_parallel.py -k "$c and not moe" \
+          -p no:cacheprovider --tb=short 2>&1 | grep -E '^E|passed|failed' | cut -c1-300 | head -4
+      done
+      timeout 120 python3 scripts/bench_all_reduce.py --tensor-parallel-size "$n" 2>&1 \
+        | tee "$out/tp-push-bench.log" | grep -vE '^(INFO|WARNING)|UserWarning|return func' | tail -15
+      for shape in llama-3.1-8b llama-3.1-70b; do
+        m=$(config_only $shape)
+        for one_shot in triton torch; do
+          TANDEM_ONE_SHOT=$one_shot timeout 120 python3 scripts/profile_step.py --model "$m" \
+            --load-format dummy --batch 1 --tensor-parallel-size "$n" --steps 30 --rounds 3 --top 5 \
+            2>&1 | grep -v USDT | tee "$out/tp-push-$shape-$one_shot.log" \
+            | grep -E 'per decode step|^ +[0-9.]+ +[0-9]+ ' | head -6
+        done
+        timeout 150 python3 scripts/bench_latency.py --model "$m" --load-format dummy \
+          --tensor-parallel-size "$n" --runs 3 2>&1 | grep -vE '^(INFO|WARNING)|USDT' | tail -5
       done ;;
     profile-8b)
       m=$(checkpoint llama-3.1-8b)

@@ -261,11 +261,14 @@ CHATML = (
 _PRINTABLE = [chr(c) for c in range(0x20, 0x7F)]
 
 
-def save_random_model(directory: Path, shape: str, dtype: torch.dtype) -> PreTrainedModel:
-    """A random model of ``shape`` (a key of SHAPES), saved as safetensors with a word-level
-    tokenizer (``save_word_tokenizer``); returns the transformers model (on the CPU, in
-    ``dtype``)."""
+def save_random_model(
+    directory: Path, shape: str, dtype: torch.dtype, **overrides: Any
+) -> PreTrainedModel:
+    """A random model of ``shape`` (a key of SHAPES; ``overrides`` applied to its config, such
+    as fewer layers), saved as safetensors with a word-level tokenizer
+    (``save_word_tokenizer``); returns the transformers model (on the CPU, in ``dtype``)."""
     config_class, model_class, config = SHAPES[shape]
+    config = config | overrides
     torch.manual_seed(0)
     model = model_class(config_class(**config)).to(dtype).eval()
     model.save_pretrained(directory, safe_serialization=True)
