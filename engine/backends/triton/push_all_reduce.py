@@ -142,9 +142,12 @@ class PushAllReduce:
         self.local_bits.fill_(self.empty)  # every slot empty
 
     def accepts(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` goes through this kernel: the buffer's dtype, small enough, dense.
-        Every rank decides alike, since every rank reduces tensors of the same shape."""
-        return x.dtype == self.buffer.local.dtype and x.numel() <= self.part and x.is_contiguous()
+        """Whether ``x`` goes through this kernel: the buffer's dtype, not empty (a launch of
+        no programs would not move the turn on), small enough, dense. Every rank decides
+        alike, since every rank reduces tensors of the same shape."""
+        return (
+            x.dtype == self.buffer.local.dtype and 0 < x.numel() <= self.part and x.is_contiguous()
+        )
 
     def __call__(self, x: torch.Tensor, stream: torch.Tensor | None = None) -> torch.Tensor:
         """The sum of every rank's ``x``, as a new tensor; plus ``stream`` (x's shape, dense),
