@@ -4,7 +4,7 @@ rule chooses: how much the rule leaves on the table, layer by layer.
 
     python scripts/sweep_matmul_configs.py [--shapes llama-3.2-1b llama-3.1-8b qwen3-0.6b]
                                            [--tensor-parallel 1 2 4] [--repeats 3]
-                                           [--parts one-row tiled chain] [--json FILE]
+                                           [--parts one-row tiled chain qkv] [--json FILE]
 
 - one-row: ``one_row_matmul`` (a batch-1 step's linear layers and LM head), bf16 and fp8
   weights, each of ``ONE_ROW_CANDIDATES`` against ``one_row_config``'s pick; as the engine
@@ -18,7 +18,12 @@ rule chooses: how much the rule leaves on the table, layer by layer.
 - chain: a whole model's one-row products (TP=1) in the engine's order, launched dependent
   in one CUDA graph as in a decode step, with the rule's configurations, then with each
   layer's configuration varied in turn (one pass of coordinate descent): in a chain a kernel
-  overlaps the one before, which a kernel timed alone does not show.
+  overlaps the one before, which a kernel timed alone does not show;
+- qkv (not in the default parts): the batch-1 QKV kernel with RoPE and the cache write
+  (``one_row_qkv_rotary_store``, bf16, a deferred norm's row; Qwen3's per-head norms for
+  the Qwen3 shapes), each candidate with the kernel's register cap and without, against the
+  rule's: its programs fill a whole number of waves or leave a tail, which the cap (how many
+  programs an SM holds) and the channels a program (how many programs) decide together.
 
 Why rules and not a timer: the configurations sum in different orders, and Triton's
 autotuner at start-up picked differently in different processes, so the same model's
@@ -41,6 +46,7 @@ import torch
 import triton
 import triton.testing
 
+from engine.backends.attention import Rotary
 from engine.backends.deferred_norm import DeferredNorm
 from engine.backends.triton.backend import TritonLayerOps
 from engine.backends.triton.device import sm_count
@@ -49,6 +55,7 @@ from engine.backends.triton.one_row_matmul import (
     one_row_config,
     one_row_matmul,
 )
+from engine.backends.triton.one_row_qkv import _MAX_REGISTERS, one_row_qkv_rotary_store
 from engine.backends.triton.quantized_matmul import (
     TiledConfig,
     tiled_config,
@@ -236,6 +243,67 @@ def sweep_tiled(shape_layers: list[tuple[str, Layer]], repeats: int) -> list[dic
     return records
 
 
+def run_qkv(
+    row: Callable[[], DeferredNorm],
+    arguments: tuple,
+    rotary: Rotary,
+    config: OneRowConfig,
+    registers: int | None,
+) -> torch.Tensor:
+    """A deferred norm of the row (a new one a call), then the QKV kernel."""
+    return one_row_qkv_rotary_store(
+        row(), *arguments, rotary, config=config, max_registers=registers
+    )
+
+
+def sweep_qkv(shapes: list[str], tensor_parallel: list[int], repeats: int) -> list[dict]:
+    records = []
+    for shape in shapes:
+        config_class, _, config = SHAPES[shape]
+        hidden, heads = config["hidden_size"], config["num_attention_heads"]
+        head_dim = config.get("head_dim", hidden // heads)
+        head_norms = "Qwen3" in config_class.__name__
+        for size in tensor_parallel:
+            num_heads = heads // size
+            num_kv_heads = max(1, config["num_key_value_heads"] // size)
+            channels = (num_heads + 2 * num_kv_heads) * head_dim
+            codes, _ = weight(channels, hidden, "bf16")
+            x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
+            row = functools.partial(
+                DeferredNorm, x, torch.randn_like(x), x[0], 1e-5, TritonLayerOps()
+            )
+            cache_shape = (4, 16, num_kv_heads, head_dim)
+            caches = [torch.zeros(cache_shape, device="cuda", dtype=torch.bfloat16) for _ in "kv"]
+            tables = torch.rand(256, head_dim, device="cuda")
+            norm = torch.ones(head_dim, device="cuda", dtype=torch.bfloat16) if head_norms else None
+            rotary = Rotary(tables, tables, norm, norm, 1e-6)
+            step = [torch.tensor([value], device="cuda") for value in (5, 100)]  # slot, position
+
+            run = functools.partial(run_qkv, row, (codes, None, None, *caches, *step), rotary)
+            rule = one_row_config(channels, hidden, codes.dtype, True)
+            times = {
+                f"{label(c)}/{registers or 'any'}r": median_us(
+                    functools.partial(run, config=c, registers=registers), repeats
+                )
+                for c in [*ONE_ROW_CANDIDATES, rule]
+                for registers in (_MAX_REGISTERS, None)
+            }
+            record = {
+                "part": "qkv",
+                "dtype": "bf16",
+                "layer": f"{shape} TP={size} qkv",
+                "N": channels,
+                "K": hidden,
+                "gated": False,
+                "rows": 1,
+                "times": times,
+                "rule": f"{label(rule)}/{_MAX_REGISTERS}r",
+            }
+            records.append(record)
+            report(record)
+    return records
+
+
 Policy = dict[str, OneRowConfig]
 
 
@@ -390,7 +458,7 @@ def main() -> None:
         "--parts",
         nargs="+",
         default=["one-row", "tiled", "chain"],
-        choices=["one-row", "tiled", "chain"],
+        choices=["one-row", "tiled", "chain", "qkv"],
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, help="write every timing here")
@@ -400,13 +468,15 @@ def main() -> None:
         (f"{shape} TP={size}", layer)
         for shape in args.shapes
         for size in args.tensor_parallel
-        for layer in layers(shape, size)
+        for layer in (layers(shape, size) if {"one-row", "tiled"} & set(args.parts) else [])
     ]
     records = []
     if "one-row" in args.parts:
         records += sweep_one_row(shape_layers, args.repeats)
     if "tiled" in args.parts:
         records += sweep_tiled(shape_layers, args.repeats)
+    if "qkv" in args.parts:
+        records += sweep_qkv(args.shapes, args.tensor_parallel, args.repeats)
     summarize([r for r in records if r["part"] != "chain"])
     if "chain" in args.parts:
         records += sweep_chains(args.shapes, args.repeats)

@@ -44,6 +44,7 @@ from engine.backends.attention import Rotary
 from engine.backends.deferred_norm import LinearInput
 from engine.backends.triton.dependent_launch import launch_options
 from engine.backends.triton.one_row_matmul import (
+    OneRowConfig,
     first_weight_chunk,
     one_row_config,
     row_operands,
@@ -297,6 +298,9 @@ def one_row_qkv_rotary_store(
     slot_mapping: torch.Tensor,
     positions: torch.Tensor,
     rotary: Rotary,
+    *,
+    config: OneRowConfig | None = None,
+    max_registers: int | None = _MAX_REGISTERS,
 ) -> torch.Tensor:
     """q [1, num_heads, head_dim] of one row x (or a deferred norm of it) times the fused QKV
     weight [(num_heads + 2 * num_kv_heads) * head_dim, K] (x's dtype, or codes with float32
@@ -304,7 +308,9 @@ def one_row_qkv_rotary_store(
     by rotate-half RoPE at ``positions`` [1] (its float32 tables [max_positions, head_dim]);
     k, likewise, and v stored at cache slot ``slot_mapping`` [1] (none if negative), in the
     cache's dtype. What ``one_row_matmul``, ``with_bias`` and ``rotary_store_kv`` compute, to
-    the bit (with norms, their sums of squares may be added in another order on CUDA)."""
+    the bit (with norms, their sums of squares may be added in another order on CUDA).
+    ``config`` (``one_row_config``'s unless given) and ``max_registers`` (a thread's, None: no
+    cap) for ``scripts/sweep_matmul_configs.py --parts qkv``."""
     cos, sin = rotary.cos, rotary.sin
     _, _, num_kv_heads, head_dim = key_cache.shape
     assert key_cache.shape == value_cache.shape and key_cache.stride() == value_cache.stride()
@@ -317,7 +323,7 @@ def one_row_qkv_rotary_store(
     assert cos.dtype == sin.dtype == torch.float32 and cos.stride(1) == 1
     assert bias is None or bias.shape == (channels,)
     operands = row_operands(x, weight, scale)
-    config = one_row_config(channels, depth, weight.dtype, operands.normed)
+    config = config or one_row_config(channels, depth, weight.dtype, operands.normed)
     assert head_dim % 2 == 0
     # The rule's channels a program, in pairs of one head: fewer where half a head is not a
     # multiple of them (a power of two, as the rule's are).
@@ -362,7 +368,7 @@ def one_row_qkv_rotary_store(
         BLOCK_BYTES=config.chunk_bytes,
         num_warps=config.warps,
         num_stages=1,
-        maxnreg=_MAX_REGISTERS,
+        maxnreg=max_registers,
         **launch_options(q.device),
     )
     return q
