@@ -208,8 +208,9 @@ class SparseMoeBlock(nn.Module):
     def into_stream(
         self, x: LinearInput, stream: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The block's output and the residual stream, left for the next norm to add (as
-        ``MLP.into_stream`` leaves it but where its one-row product adds it)."""
+        """The block's output and what is left of the residual stream for the next norm to
+        add: all of it (as ``MLP.into_stream`` leaves it but where its one-row product adds
+        it), but where the ranks' all-reduce adds it (``TensorParallel.all_reduce_into_stream``)."""
         # A norm left to the block, computed with the router's product and the routing, as
         # ``route`` routes (a family's own ``route`` gets the norm's output as a tensor).
         if isinstance(x, DeferredNorm) and type(self).route is SparseMoeBlock.route:
@@ -220,7 +221,7 @@ class SparseMoeBlock(nn.Module):
         else:
             x = dense(x)
             weights, ids = self.route(x)
-        return self.tp.all_reduce(self.experts(x, weights, ids)), stream
+        return self.tp.all_reduce_into_stream(self.experts(x, weights, ids), stream)
 
 
 class MoECausalLM(CausalLM):
