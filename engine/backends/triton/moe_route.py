@@ -11,11 +11,11 @@ At one token whose norm was left to the layer after it (a batch-1 decode step:
 ``engine.backends.deferred_norm``), ``moe_route_norm`` computes the norm, the router's
 product and the routing in one kernel, where the norm's kernel, the router's and this one
 took three, each a launch and a few microseconds for a few kilobytes. Each program reads the
-row whole, normalizes it (as the norm's kernel does, ``add_and_normalize``: the first
-program stores it for the experts, and the stream) and takes a few experts' rows of the
-router, their logits rounded to the model's dtype as the router's product stores them; the
-last program to finish (a counter, as the split decode's merge counts) reads every logit
-back and routes them.
+row whole and normalizes it as the norm's kernel does (``add_and_normalize``, which stores
+the stream: the same values from every program; the first also stores the normalized row
+for the experts), then takes a few experts' rows of the router, their logits rounded to the
+model's dtype as the router's product stores them; the last program to finish (a counter,
+as the split decode's merge counts) reads every logit back and routes them.
 
 The top k are taken one at a time, each the largest logit left (ties to the lowest expert
 id), so the ids come most probable first as ``torch.topk`` gives them. The softmax's
