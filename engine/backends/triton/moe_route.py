@@ -25,8 +25,6 @@ probabilities divided by their sum: the same weights, exponentials of the same l
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -37,6 +35,7 @@ from engine.backends.triton.dependent_launch import (
     let_next_kernel_start,
     wait_for_previous_kernel,
 )
+from engine.backends.triton.device import zeroed_counters
 from engine.backends.triton.norm import add_and_normalize
 from engine.backends.triton.one_variant import OneVariantKernel
 
@@ -189,17 +188,6 @@ def _norm_route_kernel(
         tl.store(count_ptr, 0)  # zero again for the next launch
 
 
-@functools.cache
-def _route_counts(device: torch.device) -> torch.Tensor:
-    """int32 [1], zero between launches: the programs of a launch that have stored their
-    logits. One a device (the layers' kernels run one after another on the step's stream),
-    made the first time, eagerly: a CUDA graph's capture runs the forward pass once first,
-    and a buffer made inside the capture would not be zeroed until that graph replayed."""
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    assert not capturing, "made eagerly, before any capture"
-    return torch.zeros(1, dtype=torch.int32, device=device)
-
-
 def moe_route_norm(
     norm: DeferredNorm,
     router: torch.Tensor,
@@ -231,7 +219,7 @@ def moe_route_norm(
         logits,
         weights,
         ids,
-        _route_counts(x.device),
+        zeroed_counters(x.device, 1, "MoE routing"),  # the programs that stored their logits
         hidden,
         arguments.eps,
         NUM_EXPERTS=num_experts,

@@ -19,12 +19,12 @@ batch-1 step (run on two trees to compare them).
 Per-head Q/K norms (Qwen3's, ``Rotary.q_norm``) need a whole head's sums, across programs
 (a head of 128 is 32 of them at 4 channels a program; a program a head would leave most SMs
 idle). So each q or k program stores its rounded sums to ``head_values`` and counts itself done on
-its head's counter (``head_counts``; the stores first, then a barrier, then the count's
-release); the program that finds itself its head's last reads the whole head back from L2
-(after the count's acquire), normalizes, rotates and stores it as ``rotary_store_kv`` does
-(the same ``norm_and_rotate``), and sets the counter back to zero for the next layer. Only
-the counts are atomic: the values, and so the result, do not depend on which program came
-last. v's programs store as before.
+its head's counter (``head_counts_ptr``, ``zeroed_counters``; the stores first, then a
+barrier, then the count's release); the program that finds itself its head's last reads the
+whole head back from L2 (after the count's acquire), normalizes, rotates and stores it as
+``rotary_store_kv`` does (the same ``norm_and_rotate``), and sets the counter back to zero
+for the next layer. Only the counts are atomic: the values, and so the result, do not depend
+on which program came last. v's programs store as before.
 
 Only for what needs nothing else between the projection and RoPE: no family's own step
 between them (Gemma 3's, OLMo 2's); the caller asks
@@ -33,7 +33,6 @@ between them (Gemma 3's, OLMo 2's); the caller asks
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -43,6 +42,7 @@ import triton.language as tl
 from engine.backends.attention import Rotary
 from engine.backends.deferred_norm import LinearInput
 from engine.backends.triton.dependent_launch import launch_options
+from engine.backends.triton.device import zeroed_counters
 from engine.backends.triton.one_row_matmul import (
     OneRowConfig,
     first_weight_chunk,
@@ -275,19 +275,6 @@ def _one_row_qkv_kernel(
         )
 
 
-@functools.cache
-def head_counts(device: torch.device, num_heads: int) -> torch.Tensor:
-    """int32 [num_heads], zeros: each q and k head's programs that have stored their values,
-    counted up by the kernel and set back to zero by each head's last program, so zero
-    between launches. One a device (its kernels run one after another on the step's
-    stream), made the first time, eagerly: a CUDA graph's capture runs the forward pass once
-    first (``capture_forward``), and a buffer made inside the capture would not be zeroed
-    until that graph replayed."""
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    assert not capturing, "made eagerly, before any capture"
-    return torch.zeros(num_heads, dtype=torch.int32, device=device)
-
-
 def one_row_qkv_rotary_store(
     x: LinearInput,
     weight: torch.Tensor,
@@ -333,7 +320,8 @@ def one_row_qkv_rotary_store(
     if head_norm:
         assert rotary.q_norm.shape == rotary.k_norm.shape == (head_dim,)
         head_values = q.new_empty((num_heads + num_kv_heads) * head_dim)
-        counts = head_counts(q.device, num_heads + num_kv_heads)
+        # Each q and k head's programs that have stored their values.
+        counts = zeroed_counters(q.device, num_heads + num_kv_heads, "QKV head norms")
     else:
         head_values = counts = q  # unread without norms
     _one_row_qkv_kernel[(channels // (2 * pairs),)](

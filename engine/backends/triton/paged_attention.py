@@ -27,7 +27,6 @@ The new tokens' K and V must be in the cache (``rotary_store_kv``) before either
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -39,7 +38,7 @@ from engine.backends.triton.dependent_launch import (
     let_next_kernel_start,
     wait_for_previous_kernel,
 )
-from engine.backends.triton.device import sm_count
+from engine.backends.triton.device import sm_count, zeroed_counters
 from engine.backends.triton.fp8_decode import (
     FP8_DECODE_MIN_SPLIT_TOKENS,
     FP8_DECODE_PROGRAMS_PER_SM,
@@ -608,23 +607,12 @@ def decode_workspace(
     )
 
 
-@functools.cache
-def _split_counts(device: torch.device, programs: int) -> torch.Tensor:
-    """int32 [programs], zeros, for ``decode_split_counts``."""
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    assert not capturing, "made eagerly, before any capture"
-    return torch.zeros(programs, dtype=torch.int32, device=device)
-
-
 def decode_split_counts(device: torch.device, programs: int) -> torch.Tensor:
     """int32 [programs], zeros: each (KV head, sequence)'s split programs that have stored
     their partial results, counted up by the decode kernel and set back to zero by each one's
-    last program, so zero between launches. One buffer a device and size, rounded up to a
-    power of two so that the steps' many batch sizes share few (its kernels run one after
-    another on the step's stream), made the first time, eagerly: a CUDA graph's capture runs
-    the forward pass once first (``capture_forward``), and a buffer made inside the capture
-    would not be zeroed until that graph replayed."""
-    return _split_counts(device, triton.next_power_of_2(programs))[:programs]
+    last program (``zeroed_counters``), rounded up to a power of two so that the steps' many
+    batch sizes share few buffers."""
+    return zeroed_counters(device, triton.next_power_of_2(programs), "split decode")[:programs]
 
 
 def _check_cache(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
