@@ -345,24 +345,28 @@ def test_prefill_attention(heads: tuple[int, int, int], sliding_window: int | No
 
 
 @pytest.mark.parametrize(
-    ("kernel", "num_splits"), [("decode", 1), ("decode", 3), ("prefill", None)]
+    ("kernel", "num_splits"),
+    [("decode", 1), ("decode", 3), ("verify", 3), ("prefill", None)],
 )
 def test_attention_sinks(kernel: str, num_splits: int | None) -> None:
     """gpt-oss's sinks, a logit a head in the softmax's denominator: whole in one decode
-    program, in the merge of split ones (once, not once a split), and in prefill, as the
+    program, in the merge of split ones (once, not once a split: by the decode kernel's last
+    program, or for a verify step's taller tile by the merge kernel), and in prefill, as the
     reference's extra column. Sinks from far below the scores (no effect) to far above
     (most of the weight, the output near zero), at small shapes for the interpreter."""
     num_heads, num_kv_heads, head_dim, window = 4, 2, 32, 24
     sinks = torch.tensor([-30.0, -1.0, 2.0, 8.0], device=DEVICE)
     if kernel == "decode":
         context_lens, query_lens = [1, 17, 70], [1, 1, 1]
+    elif kernel == "verify":  # 9 tokens of 2 heads: a tile of 32 rows, past the kernel's merge
+        context_lens, query_lens = [9, 17, 70], [9, 9, 9]
     else:
         context_lens, query_lens = [17, 40, 33], [17, 8, 1]
     batch = paged_batch(context_lens, query_lens, num_kv_heads, head_dim, fill=float("nan"))
     q = randn(sum(query_lens), num_heads, head_dim)
     m = batch.metadata
     common = dict(sliding_window=window, out=torch.full_like(q, float("nan")), sinks=sinks)
-    if kernel == "decode":
+    if kernel in ("decode", "verify"):
         out = paged_decode_attention(
             q,
             batch.key_cache,
@@ -370,6 +374,7 @@ def test_attention_sinks(kernel: str, num_splits: int | None) -> None:
             m.block_tables,
             m.context_lens,
             head_dim**-0.5,
+            query_len=query_lens[0],
             num_splits=num_splits,
             **common,
         )

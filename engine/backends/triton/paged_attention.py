@@ -80,10 +80,12 @@ _MERGE_BLOCK_S = tl.constexpr(64)
 # split a step at the group of 8 and head_dim 128: a long context's many splits are a serial
 # tail of the last program (``scripts/bench_kernels.py --contexts 32768`` times it).
 _MERGE_VALUES_PER_THREAD = 8
-# Rows the merge takes at a time: a decode step's group (up to 16 query heads a KV head) at
-# once; a verify step's 1 + k tokens of it in rounds of this many, so that its merge needs
-# no more registers than a decode step's (all at once, the taller tiles spill at head_dim
-# 128: ``scripts/kernel_resources.py --split --query-len 17``).
+# The most rows the split decode kernel's last program merges: a decode step's group (up to
+# 16 query heads a KV head), at once. A verify step's taller tile (1 + k tokens of the group)
+# goes to the merge kernel, a program a row: its last program, merging it in rounds of 16
+# rows one split at a time, was a serial tail longer than the attention before it (a verify
+# step's cost: ``scripts/bench_speculative.py`` prints it); merged all at once, the tall tile
+# spills at head_dim 128 (``scripts/kernel_resources.py --split --query-len 17``).
 _MOST_MERGE_ROWS = 16
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second and third axes
 # Arguments that change from step to step in eager steps (views of the step's one packed
@@ -245,6 +247,7 @@ def _decode_kernel(
     USE_WINDOW: tl.constexpr,
     MASK_WINDOW: tl.constexpr,  # USE_WINDOW with several queries: each has its own window
     WRITE_PARTIAL: tl.constexpr,
+    MERGE_HERE: tl.constexpr,
     MERGE_ROWS: tl.constexpr,
     MERGE_SPLITS: tl.constexpr,
     HAS_SINKS: tl.constexpr,
@@ -253,13 +256,15 @@ def _decode_kernel(
     """Program (kv head, sequence, split): its part of the context, for the group's heads
     at each of the sequence's QUERY_LEN query tokens (rows seq * QUERY_LEN + token).
 
-    Split (WRITE_PARTIAL), each program stores its partial results to the workspace and
-    counts itself done on its (kv head, sequence)'s counter in ``split_counts_ptr`` (the
-    stores first, then a barrier, then the count's release); the program that finds itself
-    the last (after the count's acquire) merges the group's rows from the workspace
+    Split (WRITE_PARTIAL), each program stores its partial results to the workspace. Where
+    the tile's rows are few enough to merge at once (MERGE_HERE: a decode step's group), it
+    then counts itself done on its (kv head, sequence)'s counter in ``split_counts_ptr``
+    (the stores first, then a barrier, then the count's release); the program that finds
+    itself the last (after the count's acquire) merges the group's rows from the workspace
     (``_merge_splits``, the sinks there, once) and sets the counter back to zero for the
     next launch. Only the counts are atomic: the result does not depend on which program
-    came last."""
+    came last. A taller tile's rows (a verify step's 1 + k tokens) are merged by
+    ``_decode_merge_kernel``, a program a row, after this kernel."""
     kv_head = tl.program_id(0)  # fastest: a sequence's KV heads run side by side
     seq = tl.program_id(1)
     split = tl.program_id(2)
@@ -323,6 +328,7 @@ def _decode_kernel(
         tl.store(row_ptr[:, None] + dims[None, :], acc, mask=mask)
         tl.store(row_ptr + HEAD_DIM, row_max, mask=valid)
         tl.store(row_ptr + HEAD_DIM + 1, row_sum, mask=valid)
+    if MERGE_HERE:
         tl.debug_barrier()  # every thread's partial stored before the count releases them
         count_ptr = split_counts_ptr + seq * tl.num_programs(0) + kv_head
         finished = tl.atomic_add(count_ptr, 1, sem="acq_rel")
@@ -331,30 +337,27 @@ def _decode_kernel(
             # (a CUDA graph's: the longest context the engine takes) sets the split count,
             # and a short context leaves most of them empty, weighing nothing.
             splits_with_keys = tl.cdiv(context_len - first_key, tl.maximum(split_len, 1))
-            # The group's rows (each a token's query head) merged together, MERGE_ROWS at a
-            # time: a verify step's taller tile in several rounds, so that the merge takes no
-            # more registers than a decode step's.
-            for first_row in range(0, QUERY_LEN * GROUP_PAD, MERGE_ROWS):
-                group_tokens, group_heads, group_valid = _group_rows(
-                    kv_head, QUERY_LEN, GROUP, GROUP_PAD, MERGE_ROWS, first_row
-                )
-                group_rows = seq * QUERY_LEN + group_tokens
-                _merge_splits(
-                    workspace_ptr + group_rows * stride_ws_seq + group_heads * stride_ws_head,
-                    out_ptr + group_rows * stride_out_seq + group_heads * stride_out_head,
-                    sinks_ptr,
-                    group_heads,
-                    group_valid,
-                    splits_with_keys,
-                    stride_ws_split,
-                    HEAD_DIM,
-                    BLOCK_D,
-                    MERGE_ROWS,
-                    MERGE_SPLITS,
-                    HAS_SINKS,
-                )
+            # The group's rows alone (MERGE_ROWS, not the tile's padding to a dot's 16).
+            group_tokens, group_heads, group_valid = _group_rows(
+                kv_head, QUERY_LEN, GROUP, GROUP_PAD, MERGE_ROWS
+            )
+            group_rows = seq * QUERY_LEN + group_tokens
+            _merge_splits(
+                workspace_ptr + group_rows * stride_ws_seq + group_heads * stride_ws_head,
+                out_ptr + group_rows * stride_out_seq + group_heads * stride_out_head,
+                sinks_ptr,
+                group_heads,
+                group_valid,
+                splits_with_keys,
+                stride_ws_split,
+                HEAD_DIM,
+                BLOCK_D,
+                MERGE_ROWS,
+                MERGE_SPLITS,
+                HAS_SINKS,
+            )
             tl.store(count_ptr, 0)  # zero again for the next launch
-    else:
+    if not WRITE_PARTIAL:
         out = acc / row_sum[:, None]
         tl.store(
             out_ptr
@@ -434,6 +437,7 @@ def _merge_splits(
 def _decode_merge_kernel(
     workspace_ptr,
     out_ptr,
+    sinks_ptr,
     num_splits,
     stride_ws_seq,
     stride_ws_head,
@@ -442,9 +446,11 @@ def _decode_merge_kernel(
     stride_out_head,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """Program (query token, query head): its splits merged (``_merge_splits``), for the
-    fp8 decode kernel's (``fp8_decode``; the Triton decode kernel merges its own)."""
+    fp8 decode kernel's splits and for the Triton decode kernel's taller tiles (a verify
+    step's: merged by its last program, their rows would be a serial tail)."""
     wait_for_previous_kernel()  # launched dependent (dependent_launch.py)
     let_next_kernel_start()
     seq = tl.program_id(0)
@@ -452,7 +458,7 @@ def _decode_merge_kernel(
     _merge_splits(
         workspace_ptr + seq * stride_ws_seq + heads * stride_ws_head,
         out_ptr + seq * stride_out_seq + heads * stride_out_head,
-        out_ptr,  # no sinks: unread
+        sinks_ptr,
         heads,
         heads >= 0,
         num_splits,
@@ -461,7 +467,7 @@ def _decode_merge_kernel(
         BLOCK_D,
         1,
         _MERGE_BLOCK_S,
-        False,
+        HAS_SINKS,
     )
 
 
@@ -653,7 +659,6 @@ def decode_constants(
     block_d = triton.next_power_of_2(head_dim)
     rows = triton.next_power_of_2(query_len * group_pad)
     block_m = max(rows, _MIN_DOT_ROWS)
-    merge_rows = min(rows, _MOST_MERGE_ROWS)
     merge_values = _MERGE_VALUES_PER_THREAD * 32 * decode_num_warps(head_dim, kv_dtype, block_m)
     return {
         "QUERY_LEN": query_len,
@@ -667,8 +672,9 @@ def decode_constants(
         "USE_WINDOW": sliding_window is not None,
         "MASK_WINDOW": sliding_window is not None and query_len > 1,
         "WRITE_PARTIAL": num_splits > 1,
-        "MERGE_ROWS": merge_rows,
-        "MERGE_SPLITS": max(merge_values // (merge_rows * block_d), 1),
+        "MERGE_HERE": num_splits > 1 and rows <= _MOST_MERGE_ROWS,
+        "MERGE_ROWS": rows,
+        "MERGE_SPLITS": max(merge_values // (rows * block_d), 1),
         "HAS_SINKS": has_sinks,
         "DOT_PRECISION": dot_precision(dtype),
     }
@@ -773,23 +779,28 @@ def paged_decode_attention(
     return out
 
 
-def merge_splits(workspace: torch.Tensor, out: torch.Tensor) -> None:
-    """The fp8 decode kernel's second one: each query head's splits in ``workspace``
-    (float32 [tokens, heads, splits, head_dim + 2]: unnormalized output, max, sum; see
-    ``decode_workspace``) weighed to a common max into ``out`` [tokens, heads, head_dim], as
-    the Triton decode kernel's last split program weighs its group's."""
+def merge_splits(
+    workspace: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor | None = None
+) -> None:
+    """The second kernel of a split step whose decode kernel does not merge (the fp8
+    kernel's, a verify step's): each query head's splits in ``workspace`` (float32 [tokens,
+    heads, splits, head_dim + 2]: unnormalized output, max, sum; see ``decode_workspace``)
+    weighed to a common max, with its sink if any, into ``out`` [tokens, heads, head_dim],
+    as the Triton decode kernel's last split program weighs its group's."""
     num_tokens, num_heads, num_splits, row = workspace.shape
     head_dim = row - 2
     assert out.shape == (num_tokens, num_heads, head_dim) and out.stride(-1) == 1
     _decode_merge_kernel[(num_tokens, num_heads)](
         workspace,
         out,
+        out if sinks is None else sinks,  # unread without sinks
         num_splits,
         *workspace.stride()[:3],
         out.stride(0),
         out.stride(1),
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
+        HAS_SINKS=sinks is not None,
         **launch_options(out.device),
     )
 
@@ -856,6 +867,8 @@ def _launch_decode_kernel(
         num_warps=decode_num_warps(head_dim, key_cache.dtype, int(constants["BLOCK_M"])),
         **launch_options(q.device),
     )
+    if num_splits > 1 and not constants["MERGE_HERE"]:
+        merge_splits(workspace, out, sinks)
 
 
 def paged_prefill_attention(
