@@ -487,10 +487,9 @@ PY
       for weights in bf16 fp8; do grep -hE "^ +(shape|qwen|mixtral)" "$out/moe-kernel-$weights.log"; done ;;
     moe-decode)
       timeout 150 python3 -m pytest -q -rs tests/gpu/test_fused_moe_cuda.py tests/engine/test_one_row_qkv.py \
-        tests/engine/test_moe.py -k "decode or graph or one_row_qkv or one_kernel" -p no:cacheprovider 2>&1 \
+        tests/engine/test_moe.py -k "decode or graph or one_row_qkv" -p no:cacheprovider 2>&1 \
         | tee "$out/moe-decode-tests.log" | tail -6
-      # The families' batch-1 steps (the norm, router and routing in one kernel) against
-      # transformers in float32.
+      # The families' batch-1 steps against transformers in float32.
       timeout 300 python3 -m pytest -q -rs tests/gpu/test_moe_cuda.py -k "float32 or greedy" \
         -p no:cacheprovider 2>&1 | tee -a "$out/moe-decode-tests.log" | tail -4
       timeout 100 python3 scripts/bench_kernels.py --moe qwen3-30b-a3b mixtral-8x7b gpt-oss-20b \

@@ -154,20 +154,6 @@ class LayerOps(Protocol):
         the activation, ``w2_bias`` [E_local, H] to the down product before its weight."""
         ...
 
-    def moe_route_norm(
-        self,
-        norm: DeferredNorm,
-        router: torch.Tensor,
-        bias: torch.Tensor | None,
-        top_k: int,
-        renormalize: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A deferred norm's rows normalized (its stream written) and routed by the router's
-        weight [E, H] (plus ``bias`` [E]): (``moe_route``'s weights and ids, the normalized
-        rows) as ``normalize``, ``linear`` and ``moe_route`` give them. Only ops that defer
-        norms are asked (they left the norm)."""
-        ...
-
     def one_kernel_all_reduce(
         self, tp: TensorParallel, device: torch.device, dtype: torch.dtype, max_bytes: int
     ) -> OneKernelAllReduce | None:

@@ -335,18 +335,6 @@ class TorchLayerOps:
             out.index_add_(0, tokens[rows], down.float() * weights[rows, None])
         return out.to(x.dtype)
 
-    def moe_route_norm(
-        self,
-        norm: DeferredNorm,
-        router: torch.Tensor,
-        bias: torch.Tensor | None,
-        top_k: int,
-        renormalize: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x = self.normalize(norm)
-        weights, ids = self.moe_route(self.linear(x, router, bias), top_k, renormalize)
-        return weights, ids, x
-
     def one_kernel_all_reduce(
         self, tp: TensorParallel, device: torch.device, dtype: torch.dtype, max_bytes: int
     ) -> OneKernelAllReduce | None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.backends.deferred_norm import DeferredNorm, LinearInput, dense
+from engine.backends.deferred_norm import LinearInput, dense
 from engine.backends.fp8 import FP8
 from engine.backends.layer_ops import LayerOps
 from engine.checkpoint.checkpoint import TensorSlices
@@ -181,8 +181,7 @@ class SparseMoeBlock(nn.Module):
     and the experts, in place of the MLP."""
 
     # The router and the experts read the norm's output as a tensor: no linear layer's
-    # method takes the norm before them (``RMSNorm.reader``). A norm of one row left to the
-    # block (the ops defer norms) is computed with the routing (``LayerOps.moe_route_norm``).
+    # method takes the norm before them (``RMSNorm.reader``).
     input_method = None
     # What a family changes (gpt-oss: a router with a bias, experts with biases).
     router_bias = False
@@ -211,16 +210,8 @@ class SparseMoeBlock(nn.Module):
         """The block's output and what is left of the residual stream for the next norm to
         add: all of it (as ``MLP.into_stream`` leaves it but where its one-row product adds
         it), but where the ranks' all-reduce adds it (``TensorParallel.all_reduce_into_stream``)."""
-        # A norm left to the block, computed with the router's product and the routing, as
-        # ``route`` routes (a family's own ``route`` gets the norm's output as a tensor).
-        if isinstance(x, DeferredNorm) and type(self).route is SparseMoeBlock.route:
-            gate = self.gate
-            weights, ids, x = self.ops.moe_route_norm(
-                x, gate.weight, gate.bias, self.top_k, self.renormalize
-            )
-        else:
-            x = dense(x)
-            weights, ids = self.route(x)
+        x = dense(x)
+        weights, ids = self.route(x)
         return self.tp.all_reduce_into_stream(self.experts(x, weights, ids), stream)
 
 

@@ -30,10 +30,8 @@ from transformers import MixtralConfig, PreTrainedModel, Qwen3MoeConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-from engine.backends.deferred_norm import DeferredNorm
 from engine.backends.pytorch import TorchLayerOps
-from engine.backends.triton.backend import TritonLayerOps
-from engine.backends.triton.moe_route import moe_route, moe_route_norm
+from engine.backends.triton.moe_route import moe_route
 from engine.config import EngineConfig
 from engine.distributed.parallel import TensorParallel
 from engine.llm_engine import LLMEngine
@@ -94,43 +92,6 @@ def test_routing_equals_transformers_ties_included(
     assert torch.equal(ids.long(), indices)
     torch.testing.assert_close(weights, scores.float())
     assert all(len(set(row)) == config.num_experts_per_tok for row in ids.tolist())
-
-
-@pytest.mark.parametrize(
-    ("experts", "hidden", "top_k", "renormalize", "bias", "residual"),
-    [
-        (128, 64, 8, True, False, True),  # Qwen3-MoE's routing: 32 programs
-        (8, 96, 2, True, False, False),  # Mixtral's, a first layer's norm (no residual)
-        (32, 90, 4, True, True, True),  # gpt-oss's router bias; a width no power of two
-        (8, 64, 3, False, False, True),  # the softmax over every expert
-    ],
-)
-def test_norm_router_and_routing_in_one_kernel(
-    experts: int, hidden: int, top_k: int, renormalize: bool, bias: bool, residual: bool
-) -> None:
-    """``moe_route_norm`` (a batch-1 step's norm, router product and routing in one kernel)
-    against the three it replaces, the reference's (normalize, linear, moe_route), in float32
-    (Triton's interpreter on the CPU): the same experts, weights, normalized row and stream;
-    twice, as the counter it keeps must be zero again after a launch. On CUDA it runs in
-    tests/gpu/test_moe_cuda.py's steps of one request alone, for each family."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    generator = torch.Generator().manual_seed(experts + hidden)
-    x, stream_in, norm_weight = (torch.randn(1, hidden, generator=generator) for _ in range(3))
-    router = torch.randn(experts, hidden, generator=generator)
-    router_bias = torch.randn(experts, generator=generator) if bias else None
-    x, stream_in, norm_weight, router = (t.to(device) for t in (x, stream_in, norm_weight, router))
-    router_bias = None if router_bias is None else router_bias.to(device)
-    for _ in range(2):
-        norms = [
-            DeferredNorm(x, stream_in if residual else None, norm_weight[0], 1e-6, ops)
-            for ops in (OPS, TritonLayerOps())
-        ]
-        expected = OPS.moe_route_norm(norms[0], router, router_bias, top_k, renormalize)
-        got = moe_route_norm(norms[1], router, router_bias, top_k, renormalize)
-        assert torch.equal(got[1], expected[1])  # the same experts, most probable first
-        torch.testing.assert_close(got[0], expected[0])
-        torch.testing.assert_close(got[2], expected[2])  # the normalized row
-        torch.testing.assert_close(norms[1].stream, norms[0].stream)
 
 
 def token_by_token(

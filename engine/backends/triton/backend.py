@@ -52,7 +52,7 @@ from engine.backends.triton.argmax import argmax_rows
 from engine.backends.triton.fp8_quantize import quantize_rows_fp8
 from engine.backends.triton.fused_moe import fused_moe
 from engine.backends.triton.graph_inputs import fill_graph_inputs
-from engine.backends.triton.moe_route import moe_route, moe_route_norm
+from engine.backends.triton.moe_route import moe_route
 from engine.backends.triton.one_row_matmul import one_row_matmul
 from engine.backends.triton.pending_tokens import fill_pending_tokens
 from engine.backends.triton.push_all_reduce import push_all_reduce
@@ -279,20 +279,6 @@ class TritonLayerOps(TorchLayerOps):
         if x.is_cuda:
             return fused_moe(*experts, **variant)
         return super().moe_experts(*experts, **variant)  # the torch backend's reference
-
-    def moe_route_norm(
-        self,
-        norm: DeferredNorm,
-        router: torch.Tensor,
-        bias: torch.Tensor | None,
-        top_k: int,
-        renormalize: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # One token on CUDA (a batch-1 step): one kernel where the norm, the router's product
-        # and the routing took three.
-        if norm.x.is_cuda and norm.x.shape[0] == 1:
-            return moe_route_norm(norm, router, bias, top_k, renormalize)
-        return super().moe_route_norm(norm, router, bias, top_k, renormalize)
 
     def one_kernel_all_reduce(
         self, tp: TensorParallel, device: torch.device, dtype: torch.dtype, max_bytes: int
