@@ -30,7 +30,10 @@ autotuner at start-up picked differently in different processes, so the same mod
 replicas gave different greedy tokens (`docs/history/benchmarks-lab-notebook.md`).
 
 Each call is timed by ``triton.testing.do_bench`` after an L2 flush (as a step's other layers
-leave the cache), the median of --repeats such timings, in µs.
+leave the cache), the median of --repeats such timings, in µs. The QKV kernel and the chains,
+which take a few microseconds a launch, are timed as CUDA graph replays instead (launched from
+Python one at a time, they run at the host's pace): the QKV kernel over copies of its weights
+that together exceed the L2 cache, a copy a launch.
 """
 
 from __future__ import annotations
@@ -148,6 +151,28 @@ def median_us(call: Callable[[], object], repeats: int) -> float:
     )
 
 
+def graph_us(forward: Callable[[], object], repeats: int, replays: int = 20) -> float:
+    """µs a replay of ``forward``'s launches captured in one CUDA graph (launched dependent,
+    as in the engine's decode graph), the median of ``repeats`` timings of ``replays``
+    replays: the device's time alone, where a kernel of a few microseconds launched from
+    Python one at a time is timed at the host's pace."""
+    forward()  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / replays)
+    return statistics.median(times)
+
+
 def label(config: OneRowConfig | TiledConfig) -> str:
     if isinstance(config, OneRowConfig):
         return f"{config.rows}/{config.chunk_bytes}/{config.warps}w"
@@ -243,17 +268,25 @@ def sweep_tiled(shape_layers: list[tuple[str, Layer]], repeats: int) -> list[dic
     return records
 
 
+# Bytes of weights the QKV sweep cycles through, one copy a launch: more than an H100's or
+# H200's L2 (50-60 MB), so that each launch reads its weights from memory as a step does.
+_QKV_SWEEP_WEIGHT_BYTES = 256 << 20
+
+
 def run_qkv(
     row: Callable[[], DeferredNorm],
+    copies: list[torch.Tensor],
     arguments: tuple,
     rotary: Rotary,
     config: OneRowConfig,
     registers: int | None,
-) -> torch.Tensor:
-    """A deferred norm of the row (a new one a call), then the QKV kernel."""
-    return one_row_qkv_rotary_store(
-        row(), *arguments, rotary, config=config, max_registers=registers
-    )
+) -> None:
+    """A deferred norm of the row (a new one a launch), then the QKV kernel, over each copy
+    of the weights in turn."""
+    for codes in copies:
+        one_row_qkv_rotary_store(
+            row(), codes, *arguments, rotary, config=config, max_registers=registers
+        )
 
 
 def sweep_qkv(shapes: list[str], tensor_parallel: list[int], repeats: int) -> list[dict]:
@@ -268,6 +301,8 @@ def sweep_qkv(shapes: list[str], tensor_parallel: list[int], repeats: int) -> li
             num_kv_heads = max(1, config["num_key_value_heads"] // size)
             channels = (num_heads + 2 * num_kv_heads) * head_dim
             codes, _ = weight(channels, hidden, "bf16")
+            count = max(2, _QKV_SWEEP_WEIGHT_BYTES // (codes.numel() * codes.element_size()))
+            copies = [codes, *(weight(channels, hidden, "bf16")[0] for _ in range(count - 1))]
             x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
             row = functools.partial(
                 DeferredNorm, x, torch.randn_like(x), x[0], 1e-5, TritonLayerOps()
@@ -279,15 +314,17 @@ def sweep_qkv(shapes: list[str], tensor_parallel: list[int], repeats: int) -> li
             rotary = Rotary(tables, tables, norm, norm, 1e-6)
             step = [torch.tensor([value], device="cuda") for value in (5, 100)]  # slot, position
 
-            run = functools.partial(run_qkv, row, (codes, None, None, *caches, *step), rotary)
+            run = functools.partial(run_qkv, row, copies, (None, None, *caches, *step), rotary)
             rule = one_row_config(channels, hidden, codes.dtype, True)
             times = {
-                f"{label(c)}/{registers or 'any'}r": median_us(
+                f"{label(c)}/{registers or 'any'}r": graph_us(
                     functools.partial(run, config=c, registers=registers), repeats
                 )
+                / len(copies)
                 for c in [*ONE_ROW_CANDIDATES, rule]
                 for registers in (_MAX_REGISTERS, None)
             }
+            del copies
             record = {
                 "part": "qkv",
                 "dtype": "bf16",
@@ -360,22 +397,8 @@ class OneRowChain:
         row, _ = self.input_row("lm_head", x, residual)
         return one_row_matmul(row, self.lm_head, out_dtype=torch.float32, config=policy["lm_head"])
 
-    def time_us(self, policy: Policy, repeats: int, replays: int = 20) -> float:
-        self.forward(policy)  # compiles outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.forward(policy)
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            graph.replay()
-            start.record()
-            for _ in range(replays):
-                graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1000 / replays)
-        return statistics.median(times)
+    def time_us(self, policy: Policy, repeats: int) -> float:
+        return graph_us(functools.partial(self.forward, policy), repeats)
 
 
 def sweep_chains(shapes: list[str], repeats: int) -> list[dict]:
