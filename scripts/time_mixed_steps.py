@@ -33,6 +33,7 @@ from engine.execution.mixed_steps import is_mixed, split_mixed_step
 from engine.execution.prompt_graphs import PROMPT_GRAPH_TOKENS
 from engine.llm_engine import LLMEngine
 from protocol import SamplingParams
+from tandem.bench.engine_arguments import add_engine_arguments
 
 Timing = tuple[float, float]  # host ms, wall ms
 
@@ -62,11 +63,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", required=True)
-    # The CPU has no graphs (both parts run op by op there): a check of the script alone.
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
-    parser.add_argument("--dtype", default="auto")
+    add_engine_arguments(parser)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--prompts", type=int, nargs="+", default=[1, 2, 4])

@@ -29,6 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from protocol import SamplingParams
+from tandem.bench.engine_arguments import add_engine_arguments
 
 
 def replay_ms(replay: Callable[[], object], repeats: int) -> float:
@@ -51,10 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
-    parser.add_argument("--dtype", default="auto")
+    add_engine_arguments(parser)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--drafts", type=int, default=16)
     parser.add_argument("--context", type=int, default=600)

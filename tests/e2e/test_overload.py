@@ -302,15 +302,36 @@ def test_a_full_queue_answers_429_at_once_and_the_admitted_finish(guarded: Serve
     wait_for_cache_free(guarded.url)
 
 
+def _sent_to_engine(url: str) -> float:
+    """Requests the server has sent to an engine: its arrival-to-engine histogram's count."""
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("tandem:request_arrival_to_engine_seconds_count"):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def test_a_full_queue_is_refused_by_the_server_before_the_body_and_reopens_at_once(
     guarded: Served,
 ) -> None:
     url = f"{guarded.url}/v1/completions"
     with ThreadPoolExecutor(MAX_NUM_SEQS + MAX_QUEUED) as pool:
-        blockers = [
-            pool.submit(httpx.post, url, json=_completion(f"w{5 + i}", 64), timeout=120)
-            for i in range(MAX_NUM_SEQS + MAX_QUEUED)
-        ]
+        # Sent while the engine is stopped, the blockers reach it together: sent one by one on
+        # a loaded machine, the first finished before the last arrived, and the queue was
+        # never full.
+        sent = _sent_to_engine(guarded.url)
+        os.kill(guarded.engine.pid, signal.SIGSTOP)
+        try:
+            blockers = [
+                pool.submit(httpx.post, url, json=_completion(f"w{5 + i}", 64), timeout=120)
+                for i in range(MAX_NUM_SEQS + MAX_QUEUED)
+            ]
+            deadline = time.monotonic() + 10
+            while _sent_to_engine(guarded.url) < sent + len(blockers):
+                assert time.monotonic() < deadline, "the server never sent the blockers on"
+                time.sleep(0.01)
+            time.sleep(0.1)  # counted as they are sent: the last one's send done
+        finally:
+            os.kill(guarded.engine.pid, signal.SIGCONT)
         deadline = time.monotonic() + 30
         while not (httpx.get(f"{guarded.url}/health").json()["engine"] or {}).get("queue_full"):
             assert time.monotonic() < deadline, "the engine never said its queue was full"
