@@ -79,7 +79,7 @@
 # 1B-shape draft (random weights, --load-format dummy, 128 tokens, one round: the draft
 # accepts nothing, so "draft fixed" times a rejected draft's step against plain, and "draft"
 # must come back to ~1.0x). Each engine's
-# measured step costs at batch 1, then the speed-ups last.
+# step costs after each workload, then the speed-ups last.
 # spec-f32: the benchmark alone in float32 and 64 tokens, where greedy tokens must equal plain
 # decoding's exactly.
 #

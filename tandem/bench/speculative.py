@@ -254,21 +254,22 @@ def main(argv: list[str] | None = None) -> None:
                 f"{graphs.reserved_bytes / 1024**3:.2f} GiB)"
             )
         cost = cost or ModelCost.of_model(runner.model, runner.kv_dtype)
+        costs = llm.engine.step_costs
         for name, conversations in workloads.items():
             runs[name][method].append(run_workload(llm, conversations, sampling))
             print(f"{method} {name}: {runs[name][method][-1].seconds:.2f} s", flush=True)
+            if costs is not None and isinstance(llm.engine.drafting, AdaptiveDrafting):
+                # What the policy weighed, after each workload (the estimates carry over).
+                at = costs.costs(len(conversations))  # at the workload's batch size
+                print(
+                    f"step costs {method} after {name}: plain "
+                    f"{at.plain * 1e3:.3f} ms, verify {at.verify * 1e3:.3f} ms, "
+                    f"draft pass {at.draft_pass * 1e3:.3f} ms, "
+                    f"a probe beyond plain {at.probe * 1e3:.3f} ms",
+                    flush=True,
+                )
         if runner.verify_graphs is not None:
             starts[-1] += f", verify graphs replayed {runner.verify_graphs.num_replays} times"
-        costs = llm.engine.step_costs
-        if costs is not None and isinstance(llm.engine.drafting, AdaptiveDrafting):
-            at_one = costs.costs(1)
-            print(
-                f"step costs {method} measured at batch 1: plain {at_one.plain * 1e3:.3f} ms, "
-                f"verify {at_one.verify * 1e3:.3f} ms, "
-                f"draft pass {at_one.draft_pass * 1e3:.3f} ms, "
-                f"a probe beyond plain {at_one.probe * 1e3:.3f} ms",
-                flush=True,
-            )
         del llm, runner
         gc.collect()
         if torch.cuda.is_available():
