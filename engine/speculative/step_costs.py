@@ -29,8 +29,9 @@ stand for. It holds what a probe adds: a draft model's catch-up over the tokens 
 
 A plain step is what drafting must beat, so it is never inferred: until a batch size has it
 measured, the policy drafts for no one there (``knows_plain``: the periods of three plain
-steps that each followed one, the estimate starting at their least; one again after
-``PLAIN_REFRESH_STEPS`` verify steps there). (Inferred from a verify step and the graphs'
+steps that each followed one, the estimate starting at their least, falling faster than it
+rises; one again after ``FIRST_PLAIN_REFRESH_STEPS`` verify steps there, then twice as many
+each time up to ``PLAIN_REFRESH_STEPS``). (Inferred from a verify step and the graphs'
 device times, as before, a host-bound plain step came out at twice its cost, and a draft as
 costly as the target's own pass seemed to pay.) A verify step or a draft pass counts once
 measured three times, also from their least: one slow step must not stop drafting for good.
@@ -56,6 +57,11 @@ from engine.execution.cuda_graphs import CAPTURE_BATCH_SIZES, StepGraphs
 
 # Each new measurement's weight in the running average.
 NEW_WEIGHT = 1 / 8
+# A plain step's measurement below its estimate weighs this much: the estimate falls quickly to
+# a faster host (its first steps, while the engine warms, are slow) and rises slowly. An
+# estimate too high makes drafting that does not pay seem to pay; one too low only holds
+# back drafting that pays little.
+PLAIN_FALL_WEIGHT = 1 / 2
 # A measurement more than this many times the estimate is taken as this many times it: a
 # garbage collection or the caller's pause is not the step's cost.
 MOST_OVER_ESTIMATE = 4.0
@@ -66,6 +72,10 @@ FIRST_MEASUREMENTS = 3
 # A batch size's plain step is measured again after this many verify steps there: drafting
 # that pays runs no plain steps, and the host's pace drifts. If this many steps then pass
 # without two plain ones in a row (prompts arriving all the time), the old estimate stands.
+# The first time after FIRST_PLAIN_REFRESH_STEPS, each time after twice as many, up to
+# PLAIN_REFRESH_STEPS: an estimate from an engine's first steps, slower than its later
+# ones, made the target as its own draft seem to pay for the whole of a short run.
+FIRST_PLAIN_REFRESH_STEPS = 16
 PLAIN_REFRESH_STEPS = 512
 REFRESH_PATIENCE = 8
 
@@ -106,6 +116,8 @@ class StepCosts:
         self.measured = [[math.nan] * size for _ in range(4)]
         self.counts = [[0] * size for _ in range(4)]
         self.since_plain = [0] * size  # verify steps at each batch size since a plain one
+        # After how many of them the plain step there is measured again.
+        self.refresh_after = [FIRST_PLAIN_REFRESH_STEPS] * size
         self.seeded = [[math.nan] * size for _ in range(3)]
         # The batch sizes where plain and verify steps and draft passes were all measured.
         self.fully_measured: list[int] = []
@@ -138,6 +150,10 @@ class StepCosts:
             period = started - last.started
             if last.kind == 1:
                 self._add(PLAIN, last.bucket, period)
+                if self.since_plain[last.bucket] >= self.refresh_after[last.bucket]:
+                    self.refresh_after[last.bucket] = min(
+                        2 * self.refresh_after[last.bucket], PLAIN_REFRESH_STEPS
+                    )
                 self.since_plain[last.bucket] = 0
             else:
                 self._add(VERIFY, last.bucket, period - last.propose_seconds)
@@ -156,9 +172,10 @@ class StepCosts:
             self._add(PROBE, last.bucket, excess)
             self.probe_seconds += excess
         bucket = self.bucket(batch_size)
-        if kind > 1 or self.since_plain[bucket] >= PLAIN_REFRESH_STEPS:
+        refresh_after = self.refresh_after[bucket]
+        if kind > 1 or self.since_plain[bucket] >= refresh_after:
             self.since_plain[bucket] += 1
-            if self.since_plain[bucket] >= PLAIN_REFRESH_STEPS + REFRESH_PATIENCE:
+            if self.since_plain[bucket] >= refresh_after + REFRESH_PATIENCE:
                 self.since_plain[bucket] = 0
         self._steps = [
             previous,
@@ -182,7 +199,8 @@ class StepCosts:
             estimates[bucket] = min(old, seconds)
         else:
             seconds = min(seconds, MOST_OVER_ESTIMATE * old)
-            estimates[bucket] = old + NEW_WEIGHT * (seconds - old)
+            weight = PLAIN_FALL_WEIGHT if kind == PLAIN and seconds < old else NEW_WEIGHT
+            estimates[bucket] = old + weight * (seconds - old)
 
     def take_probe_seconds(self) -> float:
         """The seconds the probes measured since the last call cost beyond plain steps."""
@@ -195,7 +213,7 @@ class StepCosts:
         bucket = self.bucket(batch_size)
         return (
             self.counts[PLAIN][bucket] >= FIRST_MEASUREMENTS
-            and self.since_plain[bucket] < PLAIN_REFRESH_STEPS
+            and self.since_plain[bucket] < self.refresh_after[bucket]
         )
 
     def _nearest_measured(self, bucket: int) -> int | None:
