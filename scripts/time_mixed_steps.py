@@ -28,12 +28,11 @@ from functools import partial
 
 import torch
 
-from engine.config import EngineConfig
 from engine.execution.mixed_steps import is_mixed, split_mixed_step
 from engine.execution.prompt_graphs import PROMPT_GRAPH_TOKENS
 from engine.llm_engine import LLMEngine
 from protocol import SamplingParams
-from tandem.bench.engine_arguments import add_engine_arguments
+from tandem.bench.engine_arguments import add_engine_arguments, engine_config
 
 Timing = tuple[float, float]  # host ms, wall ms
 
@@ -70,11 +69,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     engine = LLMEngine(
-        EngineConfig(
-            model=args.model,
-            device=args.device,
-            dtype=args.dtype,
-            load_format=args.load_format,
+        engine_config(
+            args,
             max_num_seqs=args.batch + max(args.prompts),
             max_model_len=args.context + 512,
             split_mixed_steps="on",

@@ -26,10 +26,9 @@ from functools import partial
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from protocol import SamplingParams
-from tandem.bench.engine_arguments import add_engine_arguments
+from tandem.bench.engine_arguments import add_engine_arguments, engine_config
 
 
 def replay_ms(replay: Callable[[], object], repeats: int) -> float:
@@ -61,11 +60,8 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     for batch in args.batches:
         engine = LLMEngine(
-            EngineConfig(
-                model=args.model,
-                device=args.device,
-                load_format=args.load_format,
-                dtype=args.dtype,
+            engine_config(
+                args,
                 max_model_len=max(4096, 2 * args.context),
                 max_num_seqs=max(16, batch),
                 speculative_method="ngram",
