@@ -67,16 +67,16 @@ def time_host_step(engine: LLMEngine, batch: int, context: int, steps: int) -> d
     return {name: seconds * 1e3 / steps for name, seconds in parts.items()}
 
 
-PERIOD = 8  # the verify steps' prompts repeat this many tokens
-
-
 def time_verify_step(engine: LLMEngine, batch: int, context: int, steps: int) -> dict[str, float]:
     """Host milliseconds per verify step (every request K drafts, all accepted), by part."""
     k = engine.runner.verify_query_len - 1
-    cycle = torch.arange(10, 10 + PERIOD)
+    # The prompts repeat a cycle of K + 1 tokens: prompt lookup drafts what followed the
+    # latest earlier occurrence of the last tokens, so a shorter cycle gives fewer than K.
+    period = k + 1
+    cycle = torch.arange(10, 10 + period)
     for i in range(batch):
         sampling = SamplingParams(max_tokens=(steps + 4) * (k + 1), ignore_eos=True)
-        engine.add_request(b"bench", str(i), cycle.repeat(context // PERIOD).tolist(), sampling)
+        engine.add_request(b"bench", str(i), cycle.repeat(context // period).tolist(), sampling)
     runner = engine.runner
 
     def next_in_cycle(inputs: StepInputs) -> torch.Tensor:
@@ -84,7 +84,7 @@ def time_verify_step(engine: LLMEngine, batch: int, context: int, steps: int) ->
         from the repeating prompt are all accepted."""
         tokens = inputs.input_ids[inputs.logits_index]
         logits = torch.zeros(tokens.shape[0], engine.vocab_size)
-        logits[torch.arange(tokens.shape[0]), 10 + (tokens - 10 + 1) % PERIOD] = 1.0
+        logits[torch.arange(tokens.shape[0]), 10 + (tokens - 10 + 1) % period] = 1.0
         return logits
 
     runner.run_model = next_in_cycle  # type: ignore[method-assign]
