@@ -88,7 +88,10 @@ def time_verify_step(engine: LLMEngine, batch: int, context: int, steps: int) ->
         return logits
 
     runner.run_model = next_in_cycle  # type: ignore[method-assign]
-    engine.step()  # the prefills
+    # Until every prompt is computed (a request has its first token), chunks and all: a
+    # batch's prompts over the step's token budget take several steps.
+    while any(not r.output_token_ids for r in engine.requests.values()):
+        engine.step()
     engine.step()  # a verify step left in flight, as every timed step leaves one
     # Each part: the object whose method it is, and the method, wrapped in a timer here.
     parts: dict[str, tuple[object, str]] = {
