@@ -76,7 +76,16 @@ def find_continuation(
         ends = ends[tokens[ends - (n - 1)] == tokens[length - n]]
     if shortest < min_n or ends.size == 0:
         return tokens[:0], 0
-    back = np.arange(min_n, min(max_n, length - 1))  # how far back each further token lies
+    # The latest occurrence, if it matches as far back as any can, is the one: text being
+    # copied finds it so, at the cost of one comparison (a lookup a request a step).
+    longest = min(max_n, length - 1)
+    latest = int(ends[-1])
+    if (
+        latest >= longest - 1
+        and (tokens[latest - longest + 1 : latest + 1] == tokens[length - longest :]).all()
+    ):
+        return tokens[latest + 1 : latest + 1 + count], longest
+    back = np.arange(min_n, longest)  # how far back each further token lies
     positions = ends[:, None] - back
     matches = (tokens[np.maximum(positions, 0)] == tokens[length - 1 - back]) & (positions >= 0)
     lengths = min_n + np.cumprod(matches, axis=1).sum(axis=1)

@@ -61,6 +61,39 @@ def test_find_continuation_takes_the_longest_then_latest_ngram() -> None:
     assert found(np.array([5], np.int64), 1, 3, 2) == ([], 0)
 
 
+def test_find_continuation_equals_a_search_of_every_occurrence() -> None:
+    """Against the rule checked one occurrence at a time (the longest suffix of min_n to max_n
+    tokens that occurred before, of those the latest): sequences of a few distinct tokens, so
+    that suffixes recur, some latest occurrences matching as far back as any can (the lookup's
+    shortcut) and some not."""
+
+    def searched(tokens: list[int], min_n: int, max_n: int, count: int) -> tuple[list[int], int]:
+        best, best_end = 0, -1
+        for end in range(len(tokens) - 1):
+            n = 0
+            while (
+                n < min(max_n, len(tokens) - 1)
+                and n <= end
+                and (tokens[end - n] == tokens[len(tokens) - 1 - n])
+            ):
+                n += 1
+            if n >= min_n and n >= best:
+                best, best_end = n, end
+        return (tokens[best_end + 1 : best_end + 1 + count], best) if best else ([], 0)
+
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        tokens = rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(1, 40))).tolist()
+        min_n = int(rng.integers(1, 4))
+        max_n = min_n + int(rng.integers(0, 5))
+        continuation, length = find_continuation(np.array(tokens, np.int64), min_n, max_n, 3)
+        assert (continuation.tolist(), length) == searched(tokens, min_n, max_n, 3), (
+            tokens,
+            min_n,
+            max_n,
+        )
+
+
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_greedy_equals_transformers_in_every_family(name: str, tmp_path: Path) -> None:
     hf_model = saved_tiny_model(name, tmp_path)
