@@ -324,7 +324,6 @@ def sweep_qkv(shapes: list[str], tensor_parallel: list[int], repeats: int) -> li
                 for c in [*ONE_ROW_CANDIDATES, rule]
                 for registers in (_MAX_REGISTERS, None)
             }
-            del copies
             record = {
                 "part": "qkv",
                 "dtype": "bf16",

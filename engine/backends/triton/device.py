@@ -22,9 +22,8 @@ def sm_count(device: torch.device) -> int:
 def zeroed_counters(device: torch.device, size: int, kernel: str) -> torch.Tensor:
     """int32 [size], zeros between launches: counters that ``kernel``'s programs count
     themselves done on, its last program (the one that finds the count complete) setting
-    them back to zero (split decode's merge, the QKV kernel's per-head norms, MoE's
-    routing). One a device, size and kernel (its launches run one after another on the
-    step's stream), made the first time, eagerly: a CUDA graph's capture runs the forward
+    them back to zero (split decode's merge, the QKV kernel's per-head norms). One a
+    device, size and kernel (its launches run one after another on the step's stream), made the first time, eagerly: a CUDA graph's capture runs the forward
     pass once first (``capture_forward``), and a buffer made inside the capture would not
     be zeroed until that graph replayed."""
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()

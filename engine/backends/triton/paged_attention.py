@@ -824,8 +824,6 @@ def _launch_decode_kernel(
     num_heads, head_dim = q.shape[1:]
     _, block_size, num_kv_heads, _ = key_cache.shape
     batch = block_tables.shape[0]
-    # Unread unsplit.
-    split_counts = decode_split_counts(q.device, batch * num_kv_heads) if num_splits > 1 else q
     constants = decode_constants(
         q.dtype,
         key_cache.dtype,
@@ -838,6 +836,9 @@ def _launch_decode_kernel(
         num_splits,
         sinks is not None,
     )
+    # Unread where the kernel does not merge (unsplit, or a taller tile's merge kernel).
+    merges_here = constants["MERGE_HERE"]
+    split_counts = decode_split_counts(q.device, batch * num_kv_heads) if merges_here else q
     # The KV heads of a cache block lie side by side in memory (each token's heads in one
     # row), and programs start in grid order, first axis fastest: with the heads first, the
     # programs reading one block's rows run together. Slightly faster than with the sequences
@@ -867,7 +868,7 @@ def _launch_decode_kernel(
         num_warps=decode_num_warps(head_dim, key_cache.dtype, int(constants["BLOCK_M"])),
         **launch_options(q.device),
     )
-    if num_splits > 1 and not constants["MERGE_HERE"]:
+    if num_splits > 1 and not merges_here:
         merge_splits(workspace, out, sinks)
 
 
