@@ -21,9 +21,6 @@ host's.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -32,30 +29,7 @@ from engine.execution.mixed_steps import is_mixed, split_mixed_step
 from engine.execution.prompt_graphs import PROMPT_GRAPH_TOKENS
 from engine.llm_engine import LLMEngine
 from protocol import SamplingParams
-from tandem.bench.engine_arguments import add_engine_arguments, engine_config
-
-Timing = tuple[float, float]  # host ms, wall ms
-
-
-def synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(run: Callable[[], object], repeats: int) -> Timing:
-    """The medians of ``run``'s host time (its launches) and wall time (the device done)."""
-    for _ in range(3):
-        run()
-    synchronize()
-    host, wall = [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        launched = time.perf_counter()
-        synchronize()
-        host.append(launched - start)
-        wall.append(time.perf_counter() - start)
-    return statistics.median(host) * 1e3, statistics.median(wall) * 1e3
+from tandem.bench.step_timing import add_engine_arguments, engine_config, timed
 
 
 def main() -> None:

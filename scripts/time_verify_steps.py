@@ -7,20 +7,18 @@ DRAFTS drafts each (1 + DRAFTS query tokens a sequence), and the kernels that ta
 
 For each batch size an engine with fixed-k prompt lookup (k = DRAFTS, verify graphs captured
 at start-up) prefills BATCH requests of CONTEXT random tokens; each is then given DRAFTS
-draft tokens and the scheduler makes the verify step. Its graph is replayed REPEATS times
-(the median of three such timings, ms a replay, the device alone), then once more under the
-torch profiler for the kernels' shares. On the CPU (no graphs) the step runs op by op: a
-check of the script alone. The adaptive policy drafts where a verify step costs
-less than the plain steps its accepted drafts save (``engine/speculative/step_costs.py``): a
-verify step slower than it should be makes drafting pay less, or not at all. CUDA only.
+draft tokens and the scheduler makes the verify step. Its graph is replayed REPEATS times,
+the device synchronized after each (the medians of the host's time, its launch, and the
+wall's, until the device is done, in ms), then once more under the torch profiler for the
+kernels' shares. On the CPU (no graphs) the step runs op by op: a check of the script alone.
+The adaptive policy drafts where a verify step costs less than the plain steps its accepted
+drafts save (``engine/speculative/step_costs.py``): a verify step slower than it should be
+makes drafting pay less, or not at all.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -28,23 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from engine.llm_engine import LLMEngine
 from protocol import SamplingParams
-from tandem.bench.engine_arguments import add_engine_arguments, engine_config
-
-
-def replay_ms(replay: Callable[[], object], repeats: int) -> float:
-    """The median of three timings of ``repeats`` calls, ms a call (until the device is done)."""
-    times = []
-    for _ in range(3):
-        replay()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            replay()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3 / repeats)
-    return statistics.median(times)
+from tandem.bench.step_timing import add_engine_arguments, engine_config, synchronize, timed
 
 
 def main() -> None:
@@ -88,15 +70,14 @@ def main() -> None:
         run = runner.forward_eager if graphs is None else graphs.run
         activities = [ProfilerActivity.CPU if graphs is None else ProfilerActivity.CUDA]
         with torch.inference_mode():
-            verify_ms = replay_ms(partial(run, verify), args.repeats)
+            host_ms, wall_ms = timed(partial(run, verify), args.repeats)
             with profile(activities=activities) as profiled:
                 run(verify)
-                if graphs is not None:
-                    torch.cuda.synchronize()
+                synchronize()
         how = "op by op" if graphs is None else "graph"
         print(
             f"batch {batch}, {args.drafts} drafts, context {args.context}: verify step ({how}) "
-            f"{verify_ms:.3f} ms",
+            f"host {host_ms:.3f} ms, wall {wall_ms:.3f} ms",
             flush=True,
         )
         sort = "self_cpu_time_total" if graphs is None else "self_cuda_time_total"

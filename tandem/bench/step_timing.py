@@ -1,9 +1,13 @@
-"""The options of the scripts that build an engine in their own process to time its steps
-(``scripts/time_mixed_steps.py``, ``scripts/time_verify_steps.py``)."""
+"""What the scripts that build an engine in their own process to time its steps share
+(``scripts/time_mixed_steps.py``, ``scripts/time_verify_steps.py``): their engine options
+and the timer."""
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,3 +33,27 @@ def engine_config(args: argparse.Namespace, **options: Any) -> EngineConfig:
         dtype=args.dtype,
         **options,
     )
+
+
+Timing = tuple[float, float]  # host ms, wall ms
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(run: Callable[[], object], repeats: int) -> Timing:
+    """The medians of ``run``'s host time (its launches) and wall time (the device done)."""
+    for _ in range(3):
+        run()
+    synchronize()
+    host, wall = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        launched = time.perf_counter()
+        synchronize()
+        host.append(launched - start)
+        wall.append(time.perf_counter() - start)
+    return statistics.median(host) * 1e3, statistics.median(wall) * 1e3

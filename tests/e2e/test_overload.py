@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.testing.processes import (
     SMALL_KV_CACHE,
@@ -304,10 +305,13 @@ def test_a_full_queue_answers_429_at_once_and_the_admitted_finish(guarded: Serve
 
 def _sent_to_engine(url: str) -> float:
     """Requests the server has sent to an engine: its arrival-to-engine histogram's count."""
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("tandem:request_arrival_to_engine_seconds_count"):
-            return float(line.split()[-1])
-    return 0.0
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "tandem:request_arrival_to_engine_seconds_count"
+    )
 
 
 def test_a_full_queue_is_refused_by_the_server_before_the_body_and_reopens_at_once(
