@@ -53,6 +53,7 @@ from engine.backends.triton.fp8_decode import (
 from engine.backends.triton.paged_attention import (
     _decode_kernel,
     decode_constants,
+    decode_num_stages,
     decode_num_warps,
 )
 
@@ -196,7 +197,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--block-n", type=int, help="keys a tile (default: the engine's)")
     parser.add_argument("--num-warps", type=int, help="default: the engine's")
-    parser.add_argument("--num-stages", type=int, default=3)
+    parser.add_argument("--num-stages", type=int, help="default: the engine's")
     parser.add_argument(
         "--gluon",
         action="store_true",
@@ -223,6 +224,8 @@ def main() -> None:
         constants["BLOCK_N"] = args.block_n
     if args.num_warps is None:
         args.num_warps = decode_num_warps(args.head_dim, kv_dtype, int(constants["BLOCK_M"]))
+    if args.num_stages is None:
+        args.num_stages = decode_num_stages(args.query_len, kv_dtype)
     integers = engine_arguments(num_heads, num_kv_heads, args.head_dim, args.sliding_window)
     kernel = compile_decode_kernel(constants, integers, kv_dtype, args.num_warps, args.num_stages)
     print(

@@ -21,9 +21,12 @@ rule chooses: how much the rule leaves on the table, layer by layer.
   overlaps the one before, which a kernel timed alone does not show;
 - qkv (not in the default parts): the batch-1 QKV kernel with RoPE and the cache write
   (``one_row_qkv_rotary_store``, bf16, a deferred norm's row; Qwen3's per-head norms for
-  the Qwen3 shapes), each candidate with the kernel's register cap and without, against the
-  rule's: its programs fill a whole number of waves or leave a tail, which the cap (how many
-  programs an SM holds) and the channels a program (how many programs) decide together.
+  the Qwen3 shapes), each candidate with the kernel's register cap and without, against
+  ``one_row_qkv_config``'s pick: its programs fill a whole number of waves or leave a
+  tail, which the cap (how many programs an SM holds) and the channels a program (how
+  many programs) decide together;
+  beside them the plain one-row product over the same weights (the rule's configuration):
+  what the epilogue (RoPE, per-head norms, the cache write) adds.
 
 Why rules and not a timer: the configurations sum in different orders, and Triton's
 autotuner at start-up picked differently in different processes, so the same model's
@@ -58,7 +61,11 @@ from engine.backends.triton.one_row_matmul import (
     one_row_config,
     one_row_matmul,
 )
-from engine.backends.triton.one_row_qkv import _MAX_REGISTERS, one_row_qkv_rotary_store
+from engine.backends.triton.one_row_qkv import (
+    _MAX_REGISTERS,
+    one_row_qkv_config,
+    one_row_qkv_rotary_store,
+)
 from engine.backends.triton.quantized_matmul import (
     TiledConfig,
     tiled_config,
@@ -289,6 +296,14 @@ def run_qkv(
         )
 
 
+def run_product(
+    row: Callable[[], DeferredNorm], copies: list[torch.Tensor], config: OneRowConfig
+) -> None:
+    """A deferred norm of the row, then the one-row product alone, over each copy."""
+    for codes in copies:
+        one_row_matmul(row(), codes, config=config)
+
+
 def sweep_qkv(shapes: list[str], tensor_parallel: list[int], repeats: int) -> list[dict]:
     records = []
     for shape in shapes:
@@ -315,7 +330,7 @@ def sweep_qkv(shapes: list[str], tensor_parallel: list[int], repeats: int) -> li
             step = [torch.tensor([value], device="cuda") for value in (5, 100)]  # slot, position
 
             run = functools.partial(run_qkv, row, copies, (None, None, *caches, *step), rotary)
-            rule = one_row_config(channels, hidden, codes.dtype, True)
+            rule = one_row_qkv_config(channels, hidden, codes.dtype, True, head_norms)
             times = {
                 f"{label(c)}/{registers or 'any'}r": graph_us(
                     functools.partial(run, config=c, registers=registers), repeats
@@ -324,8 +339,13 @@ def sweep_qkv(shapes: list[str], tensor_parallel: list[int], repeats: int) -> li
                 for c in [*ONE_ROW_CANDIDATES, rule]
                 for registers in (_MAX_REGISTERS, None)
             }
+            # The same weights read by the plain one-row product (the rule's configuration,
+            # no RoPE, norms or cache write): what the epilogue adds to the reads.
+            product = functools.partial(run_product, row, copies, rule)
             record = {
                 "part": "qkv",
+                "product_us": graph_us(product, repeats) / len(copies),
+                "weight_bytes": codes.numel() * codes.element_size(),
                 "dtype": "bf16",
                 "layer": f"{shape} TP={size} qkv",
                 "N": channels,
@@ -448,6 +468,9 @@ def report(record: dict) -> None:
     )
     if "one_row_us" in record:
         line += f"; the one-row kernel (the engine's) {record['one_row_us']:.1f} us"
+    if "product_us" in record:
+        gbps = record["weight_bytes"] / times[best] / 1e3
+        line += f"; the product alone {record['product_us']:.1f} us; best reads {gbps:,.0f} GB/s"
     print(line, flush=True)
 
 

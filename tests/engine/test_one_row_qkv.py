@@ -18,6 +18,7 @@ from engine.backends.pytorch import with_bias
 from engine.backends.triton import one_row_qkv_rotary_store, rotary_store_kv
 from engine.backends.triton.backend import TritonLayerOps
 from engine.backends.triton.one_row_matmul import one_row_matmul
+from engine.backends.triton.one_row_qkv import one_row_qkv_config
 from engine.quantization.linear_methods import quantize_per_channel
 from tests.engine.test_kernels import BLOCK_SIZE, CUDA, DEVICE, DTYPE, FP8, make_rotary, randn
 
@@ -36,7 +37,11 @@ def unfused(
     """q as the two kernels leave it: the projection, normed per head (if ``rotary`` says)
     and rotated in place."""
     _, _, num_kv_heads, head_dim = caches[0].shape
-    qkv = with_bias(one_row_matmul(x, weight, scale), bias)
+    # The QKV kernel's configuration, which sums as the product alone then sums.
+    config = one_row_qkv_config(
+        *weight.shape, weight.dtype, isinstance(x, DeferredNorm), rotary.q_norm is not None
+    )
+    qkv = with_bias(one_row_matmul(x, weight, scale, config=config), bias)
     q, k, v = qkv.split([num_heads * head_dim, *[num_kv_heads * head_dim] * 2], dim=-1)
     q = q.view(1, num_heads, head_dim)
     k, v = (t.view(1, num_kv_heads, head_dim) for t in (k, v))

@@ -23,9 +23,10 @@ def zeroed_counters(device: torch.device, size: int, kernel: str) -> torch.Tenso
     """int32 [size], zeros between launches: counters that ``kernel``'s programs count
     themselves done on, its last program (the one that finds the count complete) setting
     them back to zero (split decode's merge, the QKV kernel's per-head norms). One a
-    device, size and kernel (its launches run one after another on the step's stream), made the first time, eagerly: a CUDA graph's capture runs the forward
-    pass once first (``capture_forward``), and a buffer made inside the capture would not
-    be zeroed until that graph replayed."""
+    device, size and kernel (its launches run one after another on the step's stream),
+    made the first time, eagerly: a CUDA graph's capture runs the forward pass once first
+    (``capture_forward``), and a buffer made inside the capture would not be zeroed until
+    that graph replayed."""
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     assert not capturing, "made eagerly, before any capture"
     return torch.zeros(size, dtype=torch.int32, device=device)

@@ -34,6 +34,7 @@ between them (Gemma 3's, OLMo 2's); the caller asks
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -52,12 +53,45 @@ from engine.backends.triton.one_row_matmul import (
 )
 from engine.backends.triton.rotary_store import norm_and_rotate
 
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
 # Registers a thread, at most: those of the one-row kernel it extends, so that the epilogue
 # costs no program its place on an SM. Left to itself ptxas gives the kernel more (bf16, a
 # deferred norm's row, 4 channels a program) where 80 need no spill (sm_90). An SM's 64K
 # registers hold 6 programs of 4 warps at 80 a thread, 5 at the next step up (88), and then
 # a 1B model's 768 QKV programs no longer fit in one wave of a 132-SM GPU.
 _MAX_REGISTERS = 80
+
+
+def one_row_qkv_config(
+    channels: int, depth: int, weight_dtype: torch.dtype, normed: bool, head_norms: bool
+) -> OneRowConfig:
+    """The QKV kernel's configuration for a weight [channels, depth]: ``one_row_config``'s,
+    but where the epilogue or the row's length changes what pays. Fitted to
+    ``scripts/sweep_matmul_configs.py --parts qkv`` (each candidate replayed in a CUDA graph
+    over weights larger than the L2) at the default models' shapes and their TP shards:
+
+    - per-head norms (Qwen3's) over 4,096 channels or more of rows up to 4 KiB (Qwen3 0.6B's
+      and 30B-A3B's whole QKV): 8 channels a program in 1 KiB chunks. Half the programs
+      count on each head's counter, and the head's last program, which normalizes and
+      rotates the whole head, starts sooner;
+    - other rows of a deferred norm up to 2 KiB (hidden 1,024 and below): the whole row in
+      one chunk, 4 channels a program, where ``one_row_config`` reads an LM head's or
+      gate/up's such rows in two.
+
+    Elsewhere in bf16 the one-row rule was the best candidate or within 4% of it, but for
+    shards of 768-1,536 channels at TP=4, where 4 KiB chunks by 8 warps measured 13-18%
+    faster alone (not in 1B's TP=2 shard of 1,536: 7% slower there) and were not taken:
+    no four-GPU step has timed them. fp8 codes were not swept."""
+    config = one_row_config(channels, depth, weight_dtype, normed)
+    row_bytes = depth * weight_dtype.itemsize
+    if _INTERPRETED or weight_dtype.itemsize == 1 or not normed or row_bytes > 4096:
+        return config
+    if head_norms and channels >= 4096:
+        return OneRowConfig(8, 1024, 4)
+    if row_bytes <= 2048:
+        return OneRowConfig(4, 2048, 4)
+    return config
 
 
 @triton.jit
@@ -296,7 +330,7 @@ def one_row_qkv_rotary_store(
     k, likewise, and v stored at cache slot ``slot_mapping`` [1] (none if negative), in the
     cache's dtype. What ``one_row_matmul``, ``with_bias`` and ``rotary_store_kv`` compute, to
     the bit (with norms, their sums of squares may be added in another order on CUDA).
-    ``config`` (``one_row_config``'s unless given) and ``max_registers`` (a thread's, None: no
+    ``config`` (``one_row_qkv_config``'s unless given) and ``max_registers`` (a thread's, None: no
     cap) for ``scripts/sweep_matmul_configs.py --parts qkv``."""
     cos, sin = rotary.cos, rotary.sin
     _, _, num_kv_heads, head_dim = key_cache.shape
@@ -310,13 +344,13 @@ def one_row_qkv_rotary_store(
     assert cos.dtype == sin.dtype == torch.float32 and cos.stride(1) == 1
     assert bias is None or bias.shape == (channels,)
     operands = row_operands(x, weight, scale)
-    config = config or one_row_config(channels, depth, weight.dtype, operands.normed)
+    head_norm = rotary.q_norm is not None
+    config = config or one_row_qkv_config(channels, depth, weight.dtype, operands.normed, head_norm)
     assert head_dim % 2 == 0
     # The rule's channels a program, in pairs of one head: fewer where half a head is not a
     # multiple of them (a power of two, as the rule's are).
     pairs = math.gcd(max(config.rows // 2, 1), head_dim // 2)
     q = operands.x.new_empty(1, num_heads, head_dim)
-    head_norm = rotary.q_norm is not None
     if head_norm:
         assert rotary.q_norm.shape == rotary.k_norm.shape == (head_dim,)
         head_values = q.new_empty((num_heads + num_kv_heads) * head_dim)

@@ -694,6 +694,17 @@ def decode_num_warps(head_dim: int, kv_dtype: torch.dtype, block_m: int) -> int:
     return 2 if head_dim <= 64 and kv_dtype.itemsize == 2 and block_m <= 64 else 4
 
 
+def decode_num_stages(query_len: int, kv_dtype: torch.dtype) -> int:
+    """How many key tiles a decode program's loop loads ahead (Triton's software pipelining).
+    Four for a decode step's one query a sequence over a bf16/fp16 cache: at batch 256 and
+    contexts of 512 keys (a program's eight tiles) they read the cache about 8% faster than
+    Triton's default three, and tie with it at batches 1-64 and longer contexts (two lose
+    there). Three elsewhere (a verify step's taller tile, an fp8 cache here), where four were
+    not timed. ``scripts/bench_kernels.py`` measures the share of copy bandwidth (change this
+    rule to compare)."""
+    return 4 if query_len == 1 and kv_dtype.itemsize == 2 else 3
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -866,6 +877,7 @@ def _launch_decode_kernel(
         *ws_strides,
         **constants,
         num_warps=decode_num_warps(head_dim, key_cache.dtype, int(constants["BLOCK_M"])),
+        num_stages=decode_num_stages(query_len, key_cache.dtype),
         **launch_options(q.device),
     )
     if num_splits > 1 and not merges_here:
