@@ -5,6 +5,8 @@
                          [--kv-cache-dtype auto|fp8]
     tandem bench kernels --moe SHAPE [SHAPE ...] [--moe-tokens 1 8 64 256 2048]
                          [--quantization fp8] [--moe-sweep]
+    tandem bench kernels --prefill [--head-dims 64 128] [--heads Q:KV]
+                         [--prompts 1x8192 16x512 1x32768]
 
 A decode step's attention must read every cached key and value of every sequence once; the
 kernel (``paged_decode_attention``, split-K as the engine runs it: the split count from
@@ -22,7 +24,11 @@ compares with a copy of the same bytes timed alike: small cases (a few MB) are b
 launch and latency, not bandwidth, for any kernel.
 Then the fused Q/K-norm + RoPE + cache-write kernel at a decode and a prefill step.
 With --moe, instead, the fused MoE kernel at the shapes named (tandem/bench/moe_kernel.py
-says what its table shows). CUDA only.
+says what its table shows). With --prefill, instead, prefill attention
+(``paged_prefill_attention``) over whole causal prompts (BATCHxLENGTH: sequences of that
+many tokens, none cached before), checked against PyTorch's scaled_dot_product_attention
+and timed: its FLOPs (4 a query-key pair a head a dimension, the causal half) over its time,
+against the measured GEMM rate. CUDA only.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import torch
 from engine.backends.attention import Rotary
 from engine.backends.triton import (
     paged_decode_attention,
+    paged_prefill_attention,
     rotary_store_kv,
 )
 from engine.backends.triton.paged_attention import default_decode_splits
@@ -136,6 +143,73 @@ def decode_case(
     return splits, ms, kv_bytes / (ms / 1e3) / bandwidth
 
 
+def prefill_case(
+    head_dim: int, heads: tuple[int, int], batch: int, length: int, flops_per_s: float
+) -> tuple[float, float, float]:
+    """(ms, share of the GEMM rate, error against scaled_dot_product_attention relative to
+    its norm) of prefill attention over ``batch`` whole prompts of ``length`` tokens."""
+    num_heads, num_kv_heads = heads
+    blocks_per_seq = -(-length // BLOCK_SIZE)
+    num_blocks = batch * blocks_per_seq + 1
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, device="cuda", dtype=DTYPE)
+    value_cache = torch.randn(shape, device="cuda", dtype=DTYPE)
+    block_tables = (torch.randperm(num_blocks - 1, device="cuda") + 1)[
+        : batch * blocks_per_seq
+    ].view(batch, blocks_per_seq)
+    lengths = torch.full((batch,), length, device="cuda")
+    starts = torch.arange(batch, device="cuda") * length
+    q = torch.randn(batch * length, num_heads, head_dim, device="cuda", dtype=DTYPE)
+    out = torch.empty_like(q)
+
+    def run() -> None:
+        paged_prefill_attention(
+            q,
+            key_cache,
+            value_cache,
+            block_tables,
+            lengths,
+            lengths,
+            starts,
+            length,
+            head_dim**-0.5,
+            out=out,
+        )
+
+    run()
+    group = num_heads // num_kv_heads
+
+    def dense(cache: torch.Tensor) -> torch.Tensor:  # [batch, heads, length, head_dim]
+        rows = cache[block_tables].flatten(1, 2)[:, :length]
+        return rows.transpose(1, 2).repeat_interleave(group, 1)
+
+    queries = q.view(batch, length, num_heads, head_dim).transpose(1, 2)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        queries, dense(key_cache), dense(value_cache), is_causal=True
+    )
+    expected = expected.transpose(1, 2).flatten(0, 1).float()
+    error = ((out.float() - expected).norm() / expected.norm()).item()
+    ms = time_ms(run, repeats=5)
+    flops = 4 * head_dim * num_heads * batch * length * (length + 1) / 2
+    return ms, flops / (ms / 1e3) / flops_per_s, error
+
+
+def run_prefill(args: argparse.Namespace, flops_per_s: float) -> None:
+    print(f"\n{'head_dim':>8} {'heads':>6} {'prompts':>10} {'ms':>9} {'of GEMM':>8} {'error':>8}")
+    for head_dim in args.head_dims:
+        heads = tuple(map(int, args.heads.split(":"))) if args.heads else HEADS[head_dim]
+        for prompts in args.prompts:
+            batch, length = map(int, prompts.split("x"))
+            ms, share, error = prefill_case(head_dim, heads, batch, length, flops_per_s)
+            # bf16 rounding of the output and of the softmax's weights: a few 1e-3 at most.
+            assert error < 1e-2, f"head_dim {head_dim}, {prompts}: error {error:.1e}"
+            print(
+                f"{head_dim:8d} {f'{heads[0]}/{heads[1]}':>6} {prompts:>10} {ms:9.3f} "
+                f"{share:8.0%} {error:8.1e}"
+            )
+            torch.cuda.empty_cache()
+
+
 def rotary_case(num_tokens: int, bandwidth: float) -> tuple[float, float]:
     """(ms, share of copy bandwidth) of the fused Q/K norms + RoPE + cache write at Qwen3
     0.6B's shape: q read and written, k and v read, k and v written to the cache."""
@@ -190,6 +264,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--moe-sweep", action="store_true", help="--moe: time the rule's neighbours too"
     )
+    parser.add_argument(
+        "--prefill", action="store_true", help="time prefill attention instead (--prompts)"
+    )
+    parser.add_argument(
+        "--prompts", nargs="+", default=["16x512", "1x8192", "1x32768"], help="BATCHxLENGTH"
+    )
     args = parser.parse_args(argv)
     kv_dtype = DTYPE if args.kv_cache_dtype == "auto" else torch.float8_e4m3fn
     if not torch.cuda.is_available():
@@ -202,6 +282,10 @@ def main(argv: list[str] | None = None) -> None:
         run_moe(
             args.moe, args.moe_tokens, args.quantization == "fp8", rates, time_ms, args.moe_sweep
         )
+        return
+    if args.prefill:
+        print(f"{torch.cuda.get_device_name()}: measured {rates.describe()}")
+        run_prefill(args, rates.flops_per_s)
         return
     print(f"{torch.cuda.get_device_name()}: measured {rates.describe()}; K/V in {kv_dtype}")
     print(
