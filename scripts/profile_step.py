@@ -15,8 +15,11 @@ bottleneck when it waits for the device less than it works: a large batch's step
 the device's kernel time (from torch.profiler, over as many more steps), the difference
 (host work and launch gaps the GPU waits through), where the device sits idle (its gaps
 between kernels, by the kernel after each), the kernels that take the most device time, and
-the host functions that take the most time under cProfile. On CPU only
-host times exist. With tensor parallelism the kernels are rank 0's (the engine's process),
+the host functions that take the most time under cProfile. Where kernels are launched dependent
+(the Triton backend on compute capability 9.0 and up), each kernel's time includes its wait
+for the one before, so they sum to more than the step and a kernel after a long one looks
+long: ``TANDEM_PDL=0`` launches them plainly, to time each alone. On CPU only host times
+exist. With tensor parallelism the kernels are rank 0's (the engine's process),
 its all-reduces' time including its waits for the other ranks.
 
 --prefill profiles time to first token instead: BATCH requests (default 1) of CONTEXT new
@@ -39,6 +42,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from engine.backends.triton.dependent_launch import launch_options
 from engine.config import EngineConfig
 from engine.execution.model_runner import LaunchedStep
 from engine.llm_engine import LLMEngine
@@ -47,6 +51,11 @@ from protocol import SamplingParams
 # New tokens a request may make: more than prefilling the whole batch and the profiled
 # steps take, so the batch stays whole.
 MAX_NEW_TOKENS = 1024
+
+
+def dependent_launches(device: torch.device) -> bool:
+    """Whether the Triton backend's kernels are launched dependent on this device."""
+    return bool(launch_options(device))
 
 
 def start_requests(engine: LLMEngine, batch: int, context: int) -> None:
@@ -252,6 +261,13 @@ def report(
         key = "self_cpu_time_total"
     if cuda:
         print_idle_gaps(profiler, steps, top)
+        if dependent_launches(torch.device("cuda")):
+            # Kernels launched dependent start before the one ahead ends and wait for it:
+            # their spans overlap and sum to more than the step.
+            print(
+                "  (kernels launched dependent: each one's time includes its wait for the "
+                "kernel before; TANDEM_PDL=0 times them one after another)"
+            )
     print(f"  {'ms per step':>11}  {'calls':>6}  name")
     for event in sorted(events, key=lambda e: getattr(e, key), reverse=True)[:top]:
         print(
