@@ -14,6 +14,7 @@
 #   scripts/gpu_session.sh moe-235b moe-235b-offline     # Qwen3-235B-A22B shape, fp8, 4 GPUs
 #   scripts/gpu_session.sh gpt-oss                       # gpt-oss, one GPU
 #   scripts/gpu_session.sh merge-fold  # split decode merged in its own launch (issues 37/39)
+#   scripts/gpu_session.sh prefill-attn qkv-rules  # prefill attention; the batch-1 QKV kernel's rule
 #
 # moe (issue 39, about 8 minutes): tests/gpu/test_moe_cuda.py (small Qwen3-MoE and Mixtral
 # against transformers in float32, torch and triton backends; fp8 experts), then at the
@@ -325,6 +326,23 @@ PY
     structured-1b)
       m=$(checkpoint llama-3.2-1b)
       timeout 420 python3 scripts/bench_structured_output.py --model "$m" 2>&1 | tee "$out/structured-1b.log" | grep -v Warning | tail -12 ;;
+    prefill-attn)  # issue 37 (about 4 minutes): prefill attention's CUDA tests, the kernel against
+      # the GEMM rate over whole prompts (checked against scaled_dot_product_attention), then
+      # the 8B shape's time to first token for prompts of 8,192 and 32,768 tokens.
+      timeout 120 python3 -m pytest -q tests/engine/test_kernels.py -k "prefill or sinks" \
+        -p no:cacheprovider 2>&1 | tee "$out/prefill-tests.log" | tail -1
+      timeout 200 python3 scripts/bench_kernels.py --prefill --heads 32:8 --head-dims 64 128 \
+        --prompts 16x512 1x8192 1x32768 2>&1 | tee "$out/prefill-kernel.log" | grep -vE "^(INFO|WARNING)"
+      m=$(config_only llama-3.1-8b)
+      for len in 8192 32768; do
+        timeout 200 python3 scripts/bench_latency.py --model "$m" --load-format dummy \
+          --prompt-len $len --output-len 16 --runs 3 2>&1 | tee "$out/prefill-ttft-$len.log" \
+          | grep -hE "^tandem, (median|range)" | sed "s/^/prompt $len: /"
+      done ;;
+    qkv-rules)  # the batch-1 QKV kernel's configurations against one_row_qkv_config (about 3 minutes)
+      timeout 400 python3 scripts/sweep_matmul_configs.py --parts qkv --shapes llama-3.2-1b \
+        llama-3.1-8b llama-3.1-70b qwen3-0.6b qwen3-30b-a3b gpt-oss-20b --tensor-parallel 1 2 4 \
+        --json "$out/qkv-rules.json" 2>&1 | tee "$out/qkv-rules.log" | grep -E "^qkv" ;;
     matmul-rules)  # the matmul kernels' configurations against their rules (about 5 minutes)
       timeout 540 python3 scripts/sweep_matmul_configs.py --json "$out/matmul-rules.json" 2>&1 \
         | tee "$out/matmul-rules.log" | grep -E "^(chain|one-row|tiled) .*rows +[0-9]+: rule|^chain" ;;
