@@ -158,6 +158,7 @@ def _attend_keys(
     block_table_ptr,
     kv_head,
     key_start,
+    masked_start,
     key_end,
     window,
     scale_log2,
@@ -169,48 +170,57 @@ def _attend_keys(
     BLOCK_SIZE: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    MASKED: tl.constexpr = True,
+    UNMASKED_TILES: tl.constexpr,
 ):
     """Fold keys [key_start, key_end) of one sequence into the online-softmax state.
 
     A key is seen by a row when it is at or before the row's position (and within the
     sliding window); keys are gathered through the block table one by one, so a tile may
-    span cache blocks and the block size need not divide the tile. Not ``MASKED``: the
-    caller knows every row sees every key of whole tiles (a prompt's keys before its
-    block's first query), which are then read and weighed without masks.
+    span cache blocks and the block size need not divide the tile. With ``UNMASKED_TILES``
+    the keys before ``masked_start`` are whole tiles that every row sees all of (a prompt's
+    keys before its block's first query), read and weighed without masks; without it (a
+    decode kernel, compiled as one loop) ``masked_start`` must be ``key_start``.
     """
-    dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < HEAD_DIM
     widened = widen_factor(key_cache_ptr.dtype.element_ty, q.dtype)
     scale_log2 *= widened
     acc /= widened  # the state's output is kept in the widened V's units until the end
-    for tile_start in range(key_start, key_end, BLOCK_N):
-        keys = tile_start + tl.arange(0, BLOCK_N)
-        key_mask = keys < key_end
-        if MASKED:
-            blocks = tl.load(block_table_ptr + keys // BLOCK_SIZE, mask=key_mask, other=0)
-        else:
-            blocks = tl.load(block_table_ptr + keys // BLOCK_SIZE)
-        slots = blocks * BLOCK_SIZE + keys % BLOCK_SIZE
-        offsets = slots[:, None] * stride_cache_slot + kv_head * stride_cache_head + dims[None, :]
-        kv_mask = key_mask[:, None] & dim_mask[None, :] if MASKED else dim_mask[None, :]
-        # An fp8 cache is read as q's dtype, divided by the factor (applied below).
-        k = widen(tl.load(key_cache_ptr + offsets, mask=kv_mask, other=0.0), q.dtype)
-        v = widen(tl.load(value_cache_ptr + offsets, mask=kv_mask, other=0.0), q.dtype, True)
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    # Two loops, each compiled for its tiles: the unmasked ones (with UNMASKED_TILES), then
+    # the masked ones. ``masked`` is known at compile time.
+    for masked in tl.static_range(0 if UNMASKED_TILES else 1, 2):
+        start = masked_start if masked else key_start
+        end = key_end if masked else masked_start
+        for tile_start in range(start, end, BLOCK_N):
+            keys = tile_start + tl.arange(0, BLOCK_N)
+            key_mask = keys < key_end
+            if masked:
+                blocks = tl.load(block_table_ptr + keys // BLOCK_SIZE, mask=key_mask, other=0)
+                kv_mask = key_mask[:, None] & dim_mask[None, :]
+            else:
+                blocks = tl.load(block_table_ptr + keys // BLOCK_SIZE)
+                kv_mask = dim_mask[None, :]
+            slots = blocks * BLOCK_SIZE + keys % BLOCK_SIZE
+            offsets = (
+                slots[:, None] * stride_cache_slot + kv_head * stride_cache_head + dims[None, :]
+            )
+            # An fp8 cache is read as q's dtype, divided by the factor (applied below).
+            k = widen(tl.load(key_cache_ptr + offsets, mask=kv_mask, other=0.0), q.dtype)
+            v = widen(tl.load(value_cache_ptr + offsets, mask=kv_mask, other=0.0), q.dtype, True)
 
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        if MASKED:
-            visible = key_mask[None, :] & (keys[None, :] <= query_pos[:, None])
-            if USE_WINDOW:
-                visible &= keys[None, :] > query_pos[:, None] - window
-            scores = tl.where(visible, scores, float("-inf"))
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+            if masked:
+                visible = key_mask[None, :] & (keys[None, :] <= query_pos[:, None])
+                if USE_WINDOW:
+                    visible &= keys[None, :] > query_pos[:, None] - window
+                scores = tl.where(visible, scores, float("-inf"))
 
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
-        rescale = tl.exp2(row_max - new_max)
-        p = tl.exp2(scores - new_max[:, None])
-        row_sum = row_sum * rescale + tl.sum(p, 1)
-        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        row_max = new_max
+            new_max = tl.maximum(row_max, tl.max(scores, 1))
+            rescale = tl.exp2(row_max - new_max)
+            p = tl.exp2(scores - new_max[:, None])
+            row_sum = row_sum * rescale + tl.sum(p, 1)
+            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            row_max = new_max
     return acc * widened, row_max, row_sum
 
 
@@ -318,6 +328,7 @@ def _decode_kernel(
         block_tables_ptr + seq * stride_table,
         kv_head,
         key_start,
+        key_start,  # every tile masked
         key_end,
         window,
         scale_log2,
@@ -329,6 +340,7 @@ def _decode_kernel(
         BLOCK_SIZE,
         MASK_WINDOW,  # one query (a decode): first_key already applies its window
         DOT_PRECISION,
+        False,
     )
     if WRITE_PARTIAL:
         # Unnormalized output, then the row's max and sum, for the merge.
@@ -540,7 +552,6 @@ def _prefill_kernel(
     acc, row_max, row_sum = _initial_state(
         sinks_ptr, heads, valid, BLOCK_Q * GROUP_PAD, BLOCK_D, HAS_SINKS
     )
-    block_table_ptr = block_tables_ptr + seq * stride_table
     # Whole tiles of keys before the block's first query: every row sees them all (without a
     # window), so they go without masks; the rest (the block's own keys, the window's edge)
     # with them.
@@ -551,30 +562,6 @@ def _prefill_kernel(
         masked_start = key_start
     else:
         masked_start = first_pos // BLOCK_N * BLOCK_N
-        acc, row_max, row_sum = _attend_keys(
-            q,
-            acc,
-            row_max,
-            row_sum,
-            first_pos + token,
-            key_cache_ptr,
-            value_cache_ptr,
-            block_table_ptr,
-            kv_head,
-            key_start,
-            masked_start,
-            window,
-            scale_log2,
-            stride_cache_slot,
-            stride_cache_head,
-            HEAD_DIM,
-            BLOCK_D,
-            BLOCK_N,
-            BLOCK_SIZE,
-            USE_WINDOW,
-            DOT_PRECISION,
-            False,
-        )
     acc, _, row_sum = _attend_keys(
         q,
         acc,
@@ -583,8 +570,9 @@ def _prefill_kernel(
         first_pos + token,
         key_cache_ptr,
         value_cache_ptr,
-        block_table_ptr,
+        block_tables_ptr + seq * stride_table,
         kv_head,
+        key_start,
         masked_start,
         tl.minimum(first_pos + BLOCK_Q, context_len),
         window,
@@ -597,6 +585,7 @@ def _prefill_kernel(
         BLOCK_SIZE,
         USE_WINDOW,
         DOT_PRECISION,
+        not USE_WINDOW,
     )
     # Padding rows past the sequence's last token may see no key at all (sliding window):
     # give them a sum of 1 rather than computing 0 / 0; they are not stored anyway.
