@@ -6,9 +6,12 @@ any machine: it is compiled for sm_90 here (Triton's own ptxas and cuobjdump), n
                                        [--block-n N] [--num-warps W] [--num-stages 3]
     python scripts/kernel_resources.py --gluon --kv-cache-dtype fp8 [--heads 32 8]
                                        [--head-dim 64] [--split]
+    python scripts/kernel_resources.py --prefill [--heads 32 8] [--head-dim 128]
+                                       [--sliding-window W] [--block-n N]
+                                       [--num-warps W] [--num-stages S]
 
 (--gluon: the kernel the engine runs over an fp8 cache on sm_89+, ``fp8_decode.py``, with the
-engine's constants.)
+engine's constants; --prefill: the prefill kernel, ``prefill_constants``'s variant.)
 
 A kernel reading K/V at copy bandwidth needs enough bytes in flight on every SM, so it needs
 enough resident programs: the registers a thread takes and the shared memory a program takes
@@ -51,10 +54,14 @@ from engine.backends.triton.fp8_decode import (
     fp8_decode_constants,
 )
 from engine.backends.triton.paged_attention import (
+    PREFILL_STAGES,
     _decode_kernel,
+    _prefill_kernel,
     decode_constants,
     decode_num_stages,
     decode_num_warps,
+    prefill_constants,
+    prefill_num_warps,
 )
 
 # An H100's or H200's SM: 64K 32-bit registers, 228 KB of shared memory (1 KB of it reserved
@@ -71,14 +78,17 @@ def engine_arguments(
 ) -> dict[str, int]:
     """The decode kernel's integer arguments as the engine passes them: q a view of the fused
     QKV projection's output, caches [blocks, block_size, kv_heads, head_dim]."""
+    q_row = (num_heads + 2 * num_kv_heads) * head_dim
     return {
         "window": sliding_window or 0,
-        "stride_q_seq": (num_heads + 2 * num_kv_heads) * head_dim,
+        "stride_q_seq": q_row,
+        "stride_q_token": q_row,  # the prefill kernel's name for it
         "stride_q_head": head_dim,
         "stride_table": 0,  # not specialized
         "stride_cache_slot": num_kv_heads * head_dim,
         "stride_cache_head": head_dim,
         "stride_out_seq": num_heads * head_dim,
+        "stride_out_token": num_heads * head_dim,
         "stride_out_head": head_dim,
         "stride_ws_seq": 0,  # not specialized
         "stride_ws_head": 0,  # not specialized
@@ -107,6 +117,8 @@ def compile_decode_kernel(
         "value_cache_ptr": f"*{_TRITON_TYPES[kv_dtype]}",
         "block_tables_ptr": "*i64",
         "context_lens_ptr": "*i64",
+        "query_lens_ptr": "*i64",
+        "query_starts_ptr": "*i64",
         "workspace_ptr": "*fp32",
         "split_counts_ptr": "*i32",
         "sinks_ptr": "*bf16",  # q when the model has no sinks (unread)
@@ -203,11 +215,15 @@ def main() -> None:
         action="store_true",
         help="the Gluon kernel the engine runs over an fp8 cache on sm_89+ (fp8_decode.py)",
     )
+    parser.add_argument("--prefill", action="store_true", help="the prefill kernel instead")
     args = parser.parse_args()
     num_heads, num_kv_heads = args.heads
     kv_dtype = torch.bfloat16 if args.kv_cache_dtype == "auto" else torch.float8_e4m3fn
     if args.gluon:
         gluon_resources(args, num_heads, num_kv_heads)
+        return
+    if args.prefill:
+        prefill_resources(args, num_heads, num_kv_heads, kv_dtype)
         return
     constants = decode_constants(
         torch.bfloat16,
@@ -235,6 +251,29 @@ def main() -> None:
         f"{', split' if args.split else ''}"
     )
     report(kernel, args.num_warps)
+
+
+def prefill_resources(
+    args: argparse.Namespace, num_heads: int, num_kv_heads: int, kv_dtype: torch.dtype
+) -> None:
+    """The prefill kernel with the engine's constants (or --block-n, --num-warps and
+    --num-stages changed)."""
+    constants = prefill_constants(
+        torch.bfloat16, num_heads, num_kv_heads, args.head_dim, args.block_size, args.sliding_window
+    )
+    if args.block_n is not None:
+        constants["BLOCK_N"] = args.block_n
+    warps = args.num_warps or prefill_num_warps(int(constants["BLOCK_D"]))
+    stages = args.num_stages or PREFILL_STAGES
+    integers = engine_arguments(num_heads, num_kv_heads, args.head_dim, args.sliding_window)
+    kernel = compile_decode_kernel(constants, integers, kv_dtype, warps, stages, _prefill_kernel)
+    rows = int(constants["BLOCK_Q"]) * int(constants["GROUP_PAD"])
+    print(
+        f"prefill kernel, sm_90, Triton {triton.__version__}: heads {num_heads}/{num_kv_heads}, "
+        f"head_dim {args.head_dim}, K/V {kv_dtype}, {rows} rows ({constants['BLOCK_Q']} tokens) "
+        f"x BLOCK_N {constants['BLOCK_N']}, {warps} warps, {stages} stages"
+    )
+    report(kernel, warps)
 
 
 def gluon_resources(args: argparse.Namespace, num_heads: int, num_kv_heads: int) -> None:

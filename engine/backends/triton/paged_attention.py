@@ -50,7 +50,7 @@ from engine.backends.triton.fp8_widen import widen, widen_factor
 # Keys per prefill tile, and key tiles loaded ahead (Triton's software pipelining); its rows
 # are ``prefill_block_m``'s.
 _PREFILL_BLOCK_N = 64
-_PREFILL_STAGES = 3
+PREFILL_STAGES = 3
 _BLOCK_N = 64
 # A decode over an fp8 cache takes twice the keys a tile: the same bytes a load, and half the
 # tiles' fixed costs (its widening and V's pass through shared memory, ``fp8_widen``). At 64
@@ -917,6 +917,34 @@ def _launch_decode_kernel(
         merge_splits(workspace, out, sinks)
 
 
+def prefill_constants(
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    sliding_window: int | None,
+    has_sinks: bool = False,
+) -> dict[str, int | bool | str]:
+    """The prefill kernel's compile-time arguments for heads of this shape (also for
+    ``scripts/kernel_resources.py --prefill``, which compiles it without a GPU)."""
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_d = triton.next_power_of_2(head_dim)
+    return {
+        "GROUP": group,
+        "GROUP_PAD": group_pad,
+        "BLOCK_Q": max(prefill_block_m(block_d) // group_pad, 1),
+        "HEAD_DIM": head_dim,
+        "BLOCK_D": block_d,
+        "BLOCK_N": _PREFILL_BLOCK_N,
+        "BLOCK_SIZE": block_size,
+        "USE_WINDOW": sliding_window is not None,
+        "HAS_SINKS": has_sinks,
+        "DOT_PRECISION": dot_precision(dtype),
+    }
+
+
 def prefill_block_m(block_d: int) -> int:
     """Rows of a prefill tile (query tokens times the group's padded query heads) for heads
     padded to ``block_d``. 128 at head_dim 128: each tile of keys is read once for twice the
@@ -966,11 +994,10 @@ def paged_prefill_attention(
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
 
-    group = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
-    block_d = triton.next_power_of_2(head_dim)
-    block_q = max(prefill_block_m(block_d) // group_pad, 1)
-    grid = (batch, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    constants = prefill_constants(
+        q.dtype, num_heads, num_kv_heads, head_dim, block_size, sliding_window, sinks is not None
+    )
+    grid = (batch, triton.cdiv(max_query_len, int(constants["BLOCK_Q"])), num_kv_heads)
     _prefill_kernel[grid](
         q,
         key_cache,
@@ -990,17 +1017,8 @@ def paged_prefill_attention(
         key_cache.stride(2),
         out.stride(0),
         out.stride(1),
-        GROUP=group,
-        GROUP_PAD=group_pad,
-        BLOCK_Q=block_q,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_N=_PREFILL_BLOCK_N,
-        BLOCK_SIZE=block_size,
-        USE_WINDOW=sliding_window is not None,
-        HAS_SINKS=sinks is not None,
-        DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=prefill_num_warps(block_d),
-        num_stages=_PREFILL_STAGES,
+        **constants,
+        num_warps=prefill_num_warps(int(constants["BLOCK_D"])),
+        num_stages=PREFILL_STAGES,
     )
     return out
