@@ -124,7 +124,7 @@ class LayerOps(Protocol):
 
     def moe_experts(
         self,
-        x: torch.Tensor,
+        x: LinearInput,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
         w13: torch.Tensor,
