@@ -453,19 +453,47 @@ def _finish_order(
 
 
 def test_a_lower_priority_value_runs_first(prioritized: Served) -> None:
-    order = _finish_order(
-        prioritized,
-        [
-            # Both places taken for a hundred steps and more while the other two queue; the
-            # first frees long before the second, so that one of them runs first.
-            ("blocker-a", _create_kwargs("w5 w6", 150), None),
-            ("blocker-b", _create_kwargs("w7 w8", 400), None),
-            ("late", _create_kwargs("w9", 4, priority=5), lambda s: s["num_running"] == 2),
-            ("urgent", _create_kwargs("w9", 4, priority=-1), lambda s: s["num_waiting"] == 1),
-        ],
-    )
+    client, url = prioritized.client(), prioritized.url
+    order: list[str] = []
+
+    def one(name: str, body: dict) -> None:
+        client.completions.create(**body)
+        order.append(name)
+
+    def until_sent(count: float) -> None:
+        deadline = time.monotonic() + 10
+        while _sent_to_engine(url) < count:
+            assert time.monotonic() < deadline, "the server never sent it on"
+            time.sleep(0.01)
+
+    with ThreadPoolExecutor(4) as pool:
+        # Both places taken for a hundred steps and more; the first frees long before the
+        # second, so that one waiting request runs first, for forty steps before the other.
+        futures = [
+            pool.submit(one, "blocker-a", _create_kwargs("w5 w6", 150)),
+            pool.submit(one, "blocker-b", _create_kwargs("w7 w8", 400)),
+        ]
+        deadline = time.monotonic() + 30
+        while engine_stats(url)["num_running"] < 2:
+            assert time.monotonic() < deadline, engine_stats(url)
+            time.sleep(0.01)
+        # Stopped, the engine reads nothing: "late" reaches it first and "urgent" after, both
+        # before a place frees (sent while it ran, on a loaded machine the first place once
+        # freed between the two, and "late", alone in the queue, took it).
+        sent = _sent_to_engine(url)
+        os.kill(prioritized.engine.pid, signal.SIGSTOP)
+        try:
+            futures.append(pool.submit(one, "late", _create_kwargs("w9", 40, priority=5)))
+            until_sent(sent + 1)
+            futures.append(pool.submit(one, "urgent", _create_kwargs("w9", 40, priority=-1)))
+            until_sent(sent + 2)
+            time.sleep(0.1)  # counted as it is sent: the send done
+        finally:
+            os.kill(prioritized.engine.pid, signal.SIGCONT)
+        for future in futures:
+            future.result()
     assert order.index("urgent") < order.index("late"), order
-    wait_for_cache_free(prioritized.url)
+    wait_for_cache_free(url)
 
 
 def test_one_users_many_choices_do_not_starve_another_user(prioritized: Served) -> None:
