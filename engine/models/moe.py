@@ -180,8 +180,9 @@ class SparseMoeBlock(nn.Module):
     """A decoder layer's mixture of experts: the router (``gate``, as checkpoints name it)
     and the experts, in place of the MLP."""
 
-    # The router and the experts read the norm's output as a tensor: no linear layer's
-    # method takes the norm before them (``RMSNorm.reader``).
+    # No linear layer's method decides whether the norm before is left undone
+    # (``RMSNorm.reader``): the ops leave it at one row, where the router's one-row product
+    # and the experts' decode path compute it (``into_stream``), and compute it otherwise.
     input_method = None
     # What a family changes (gpt-oss: a router with a bias, experts with biases).
     router_bias = False
