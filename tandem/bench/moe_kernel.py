@@ -38,7 +38,7 @@ from engine.backends.triton.fused_moe import (
     moe_config,
     quantizes_activations,
 )
-from engine.backends.triton.moe_decode import MoeDecodeConfig
+from engine.backends.triton.moe_decode import MoeDecodeConfig, moe_decode_config
 from engine.quantization.linear_methods import quantize_per_channel
 from engine.roofline import DeviceRates, StepTraffic, traffic_bound
 from tandem.testing.kernel_reference import moe_experts_reference
@@ -103,26 +103,34 @@ def describe(config: MoeConfig | MoeDecodeConfig) -> str:
     )
 
 
+def by_pair_candidates(config: MoeDecodeConfig) -> list[MoeDecodeConfig]:
+    """By-pair blocks of ``config``'s products a step: narrower and wider gate/up programs
+    (so shallower and deeper steps: 4 columns step 1,024 of H, which divides gpt-oss-20b's
+    2,880 in three nearly whole steps where 2,048 takes two, the second 40% masked) and down
+    programs."""
+    step = 2 * config.gate_up_columns * config.gate_up_depth
+    down_step = config.down_rows * config.down_depth
+    return [
+        MoeDecodeConfig(columns, step // (2 * columns), rows, down_step // rows, 8)
+        for columns, rows in ((2, 2), (8, 8), (2, 8), (8, 2), (4, 8))
+    ]
+
+
 def candidates(
-    rule: MoeConfig | MoeDecodeConfig, grouped: MoeConfig
+    rule: MoeConfig | MoeDecodeConfig, grouped: MoeConfig, by_pair: MoeDecodeConfig | None
 ) -> list[MoeConfig | MoeDecodeConfig]:
     """Neighbours of the rule's configuration, for ``--moe-sweep``: by pair, the grouped
     kernels' (``grouped``) and narrower and wider blocks of the same products a step; at
-    decode tiles (16 or 32 rows) other column widths, depths and splits; at prefill tiles
-    the other height and widths and warps."""
+    decode tiles (16 or 32 rows) other column widths, depths and splits, and at 16 rows (a
+    few tokens, where the rule left the by-pair path, for its masked steps) ``by_pair``'s
+    blocks too (None: the by-pair path cannot take these weights); at prefill tiles the
+    other height and widths and warps."""
     if isinstance(rule, MoeDecodeConfig):
-        step = 2 * rule.gate_up_columns * rule.gate_up_depth
-        down_step = rule.down_rows * rule.down_depth
-        return [
-            grouped,
-            *(
-                MoeDecodeConfig(columns, step // (2 * columns), rows, down_step // rows, 8)
-                for columns, rows in ((2, 2), (8, 8), (2, 8), (8, 2))
-            ),
-        ]
+        return [grouped, *by_pair_candidates(rule)]
     if rule.block_m <= 32:
         depth = rule.gate_up.block_k
-        return [
+        near = by_pair_candidates(by_pair) if by_pair and rule.block_m <= 16 else []
+        return near + [
             MoeConfig(
                 rule.block_m,
                 MoeGemmConfig(gate_n, block_k, 1, 4, stages),
@@ -255,7 +263,14 @@ def moe_case(
     best = None
     if sweep:
         best = min(
-            ((describe(c), timed(c) * 1e3) for c in candidates(rule, grouped_config(*shape_args))),
+            (
+                (describe(c), timed(c) * 1e3)
+                for c in candidates(
+                    rule,
+                    grouped_config(*shape_args),
+                    None if w8a8 else moe_decode_config(shape.top_k),  # weight-only by pair
+                )
+            ),
             key=lambda b: b[1],
         )
     seconds = ms / 1e3
