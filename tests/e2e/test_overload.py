@@ -314,6 +314,17 @@ def _sent_to_engine(url: str) -> float:
     )
 
 
+def _until(
+    condition: Callable[[], object], failure: Callable[[], object], timeout_s: float = 30.0
+) -> None:
+    """Poll ``condition`` every 10 ms until it holds; past ``timeout_s``, fail with what
+    ``failure`` says then."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, failure()
+        time.sleep(0.01)
+
+
 def test_a_full_queue_is_refused_by_the_server_before_the_body_and_reopens_at_once(
     guarded: Served,
 ) -> None:
@@ -329,16 +340,18 @@ def test_a_full_queue_is_refused_by_the_server_before_the_body_and_reopens_at_on
                 pool.submit(httpx.post, url, json=_completion(f"w{5 + i}", 64), timeout=120)
                 for i in range(MAX_NUM_SEQS + MAX_QUEUED)
             ]
-            deadline = time.monotonic() + 10
-            while _sent_to_engine(guarded.url) < sent + len(blockers):
-                assert time.monotonic() < deadline, "the server never sent the blockers on"
-                time.sleep(0.01)
+            _until(
+                lambda: _sent_to_engine(guarded.url) >= sent + len(blockers),
+                lambda: "the server never sent the blockers on",
+                timeout_s=10,
+            )
             time.sleep(0.1)  # counted as they are sent: the last one's send done
         finally:
             os.kill(guarded.engine.pid, signal.SIGCONT)
-        deadline = time.monotonic() + 30
-        while not (httpx.get(f"{guarded.url}/health").json()["engine"] or {}).get("queue_full"):
-            assert time.monotonic() < deadline, "the engine never said its queue was full"
+        _until(
+            lambda: (httpx.get(f"{guarded.url}/health").json()["engine"] or {}).get("queue_full"),
+            lambda: "the engine never said its queue was full",
+        )
         # Stopped, the engine reads nothing: only the server can answer, and it has not read
         # the body (which is not even JSON) to do it.
         os.kill(guarded.engine.pid, signal.SIGSTOP)
@@ -387,12 +400,14 @@ def test_health_answers_from_the_heartbeat_while_the_engine_is_busy(guarded: Ser
     assert health.status_code == 200 and ready.status_code == 200, (health.text, ready.text)
     assert health.json()["replicas"][0]["last_heard_s"] >= 2.0
     assert health.json()["engine"]["num_total_blocks"] > 0
-    deadline = time.monotonic() + 10
-    while (
-        httpx.get(f"{guarded.url}/health", timeout=10).json()["replicas"][0]["last_heard_s"] > 1.5
-    ):
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    _until(
+        lambda: (
+            httpx.get(f"{guarded.url}/health", timeout=10).json()["replicas"][0]["last_heard_s"]
+            <= 1.5
+        ),
+        lambda: "the heartbeat was never heard again",
+        timeout_s=10,
+    )
 
 
 def test_a_client_going_away_is_one_info_line(guarded: Served) -> None:
@@ -442,10 +457,11 @@ def _finish_order(
     with ThreadPoolExecutor(len(requests)) as pool:
         futures = []
         for name, body, ready in requests:
-            deadline = time.monotonic() + 30
-            while ready is not None and not ready(engine_stats(served.url)):
-                assert time.monotonic() < deadline, engine_stats(served.url)
-                time.sleep(0.01)
+            if ready is not None:
+                _until(
+                    lambda ready=ready: ready(engine_stats(served.url)),
+                    lambda: engine_stats(served.url),
+                )
             futures.append(pool.submit(one, name, body))
         for future in futures:
             future.result()
@@ -461,10 +477,11 @@ def test_a_lower_priority_value_runs_first(prioritized: Served) -> None:
         order.append(name)
 
     def until_sent(count: float) -> None:
-        deadline = time.monotonic() + 10
-        while _sent_to_engine(url) < count:
-            assert time.monotonic() < deadline, "the server never sent it on"
-            time.sleep(0.01)
+        _until(
+            lambda: _sent_to_engine(url) >= count,
+            lambda: "the server never sent it on",
+            timeout_s=10,
+        )
 
     with ThreadPoolExecutor(4) as pool:
         # Both places taken for a hundred steps and more; the first frees long before the
@@ -473,13 +490,10 @@ def test_a_lower_priority_value_runs_first(prioritized: Served) -> None:
             pool.submit(one, "blocker-a", _create_kwargs("w5 w6", 150)),
             pool.submit(one, "blocker-b", _create_kwargs("w7 w8", 400)),
         ]
-        deadline = time.monotonic() + 30
-        while engine_stats(url)["num_running"] < 2:
-            assert time.monotonic() < deadline, engine_stats(url)
-            time.sleep(0.01)
+        _until(lambda: engine_stats(url)["num_running"] >= 2, lambda: engine_stats(url))
         # Stopped, the engine reads nothing: "late" reaches it first and "urgent" after, both
-        # before a place frees (sent while it ran, on a loaded machine the first place once
-        # freed between the two, and "late", alone in the queue, took it).
+        # before a place frees (sent while it runs, a place could free between the two, and
+        # "late", alone in the queue, take it).
         sent = _sent_to_engine(url)
         os.kill(prioritized.engine.pid, signal.SIGSTOP)
         try:
@@ -520,10 +534,7 @@ def test_prompt_tokens_past_the_bound_are_refused_and_those_within_it_taken(
         return httpx.get(f"{url}/health").json()["requests_in_flight"]
 
     def until(condition: Callable[[], object]) -> None:
-        deadline = time.monotonic() + 30
-        while not condition():
-            assert time.monotonic() < deadline, engine_stats(url)
-            time.sleep(0.01)
+        _until(condition, lambda: engine_stats(url))
 
     with ThreadPoolExecutor(4) as pool:
         # Both places taken for hundreds of steps, until their clients leave.
@@ -583,7 +594,7 @@ def test_a_drain_that_runs_out_of_time_tells_its_clients(
                 lines = stream.iter_lines()
                 first = next(line for line in lines if line.startswith("data: {"))
                 # Stopped, the engine makes no token more, so the drain runs out however fast
-                # the machine: an idle one once streamed all 400 tokens within the second.
+                # the machine (a fast one streams all 400 tokens within the second).
                 os.kill(prioritized.engine.pid, signal.SIGSTOP)
                 try:
                     server.send_signal(signal.SIGTERM)

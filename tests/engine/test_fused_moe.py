@@ -238,7 +238,7 @@ def test_decode_path_computes_a_deferred_norm(num_tokens: int, fp8: bool) -> Non
     layer = experts(8, torch.float32, fp8)
     config = moe_decode_config(3)
     ops = TritonLayerOps()
-    normalized = stream * torch.rsqrt(stream.square().mean(-1, keepdim=True) + 1e-5) * norm_weight
+    normalized = TorchLayerOps().rms_norm(stream, norm_weight, 1e-5)
     out = fused_moe(
         DeferredNorm(stream, None, norm_weight, 1e-5, ops), weights, ids, **layer, config=config
     )
@@ -247,8 +247,7 @@ def test_decode_path_computes_a_deferred_norm(num_tokens: int, fp8: bool) -> Non
     norm = DeferredNorm(x, residual, norm_weight, 1e-5, ops)
     out = fused_moe(norm, weights, ids, **layer, config=config)
     torch.testing.assert_close(norm.stream, x + residual)
-    total = x + residual
-    normalized = total * torch.rsqrt(total.square().mean(-1, keepdim=True) + 1e-5) * norm_weight
+    normalized = TorchLayerOps().rms_norm(x + residual, norm_weight, 1e-5)
     assert_rounding_close(out, moe_experts_reference(normalized, weights, ids, **layer))
 
 
