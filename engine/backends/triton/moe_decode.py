@@ -163,9 +163,8 @@ def _gate_up_pair_kernel(
     """Program per (BLOCK_N columns of each half, pair). ``NORM``: x is the stream of a
     deferred RMSNorm (no residual left to add), multiplied by the norm's weight as it is read,
     the sums scaled by 1/rms at the end, as the one-row kernel computes one; but its squares
-    are summed a step at a time, not held as a vector across the loop (under the register
-    cap, compiled for sm_90, the vector spilled 144 bytes a thread, the step's sum 96,
-    against 80 without a norm)."""
+    are summed a step at a time, not held as a vector across the loop: under the register
+    cap a vector of them spills more."""
     wait_for_previous_kernel()  # the routing and x come from the kernels just before
     let_next_kernel_start()
     pair = tl.program_id(1)

@@ -79,10 +79,10 @@ def one_row_qkv_config(
       one chunk, 4 channels a program, where ``one_row_config`` reads an LM head's or
       gate/up's such rows in two.
 
-    Elsewhere in bf16 the one-row rule was the best candidate or within 4% of it, but for
-    shards of 768-1,536 channels at TP=4, where 4 KiB chunks by 8 warps measured 13-18%
-    faster alone (not in 1B's TP=2 shard of 1,536: 7% slower there) and were not taken:
-    no four-GPU step has timed them. fp8 codes were not swept."""
+    Elsewhere in bf16 the one-row rule was the best candidate or close to it, but for
+    shards of 768-1,536 channels at TP=4, where 4 KiB chunks by 8 warps measured faster
+    alone (not in 1B's TP=2 shard of 1,536) and were not taken: no four-GPU step has timed
+    them. fp8 codes were not swept. docs/benchmarks.md has the figures."""
     config = one_row_config(channels, depth, weight_dtype, normed)
     row_bytes = depth * weight_dtype.itemsize
     if _INTERPRETED or weight_dtype.itemsize == 1 or not normed or row_bytes > 4096:

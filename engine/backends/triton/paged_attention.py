@@ -729,12 +729,12 @@ def decode_num_warps(head_dim: int, kv_dtype: torch.dtype, block_m: int) -> int:
 
 def decode_num_stages(query_len: int, kv_dtype: torch.dtype) -> int:
     """How many key tiles a decode program's loop loads ahead (Triton's software pipelining).
-    Four for a decode step's one query a sequence over a bf16/fp16 cache: at batch 256 and
-    contexts of 512 keys (a program's eight tiles) they read the cache about 8% faster than
-    Triton's default three, and tie with it at batches 1-64 and longer contexts (two lose
-    there). Three elsewhere (a verify step's taller tile, an fp8 cache here), where four were
-    not timed. ``scripts/bench_kernels.py`` measures the share of copy bandwidth (change this
-    rule to compare)."""
+    Four for a decode step's one query a sequence over a bf16/fp16 cache: a large batch's
+    programs of few tiles each (short contexts) start their loads sooner than at Triton's
+    default three, which tie with four at small batches and long contexts (two lose there).
+    Three elsewhere (a verify step's taller tile, an fp8 cache here), where four were not
+    timed. ``scripts/bench_kernels.py`` measures the share of copy bandwidth (change this
+    rule to compare); docs/benchmarks.md has the figures."""
     return 4 if query_len == 1 and kv_dtype.itemsize == 2 else 3
 
 
@@ -948,11 +948,10 @@ def prefill_constants(
 def prefill_block_m(block_d: int) -> int:
     """Rows of a prefill tile (query tokens times the group's padded query heads) for heads
     padded to ``block_d``. 128 at head_dim 128: each tile of keys is read once for twice the
-    queries, and on an H200 a prompt of 8,192 tokens took 22% less time than at 64 rows in
-    the 8B shape's heads (32 / 8), 8% less in Qwen3 0.6B's (16 / 8). 64 at head_dim 64 (the
-    1B shape's heads ran no faster at 128) and at 256 (128 rows of 256 would not fit a
-    program's shared memory). ``scripts/bench_kernels.py --prefill`` times it against the
-    GEMM rate."""
+    queries, which measured faster on long prompts in the 8B shape's and Qwen3 0.6B's heads.
+    64 at head_dim 64 (the 1B shape's heads ran no faster at 128) and at 256 (128 rows of
+    256 would not fit a program's shared memory). ``scripts/bench_kernels.py --prefill``
+    times it against the GEMM rate; docs/benchmarks.md has the figures."""
     return 128 if block_d == 128 else 64
 
 
