@@ -1,4 +1,4 @@
-"""The decode attention kernel's registers, shared memory and instructions on Hopper, from
+"""The attention kernels' registers, shared memory and instructions on Hopper, from
 any machine: it is compiled for sm_90 here (Triton's own ptxas and cuobjdump), no GPU needed.
 
     python scripts/kernel_resources.py [--heads 16 8] [--head-dim 128] [--kv-cache-dtype fp8]
@@ -76,8 +76,8 @@ _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4nv"}
 def engine_arguments(
     num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None
 ) -> dict[str, int]:
-    """The decode kernel's integer arguments as the engine passes them: q a view of the fused
-    QKV projection's output, caches [blocks, block_size, kv_heads, head_dim]."""
+    """The attention kernels' integer arguments as the engine passes them: q a view of the
+    fused QKV projection's output, caches [blocks, block_size, kv_heads, head_dim]."""
     q_row = (num_heads + 2 * num_kv_heads) * head_dim
     return {
         "window": sliding_window or 0,
@@ -96,7 +96,7 @@ def engine_arguments(
     }
 
 
-def compile_decode_kernel(
+def compile_attention_kernel(
     constants: dict[str, int | bool | str],
     integers: dict[str, int],
     kv_dtype: torch.dtype,
@@ -104,9 +104,10 @@ def compile_decode_kernel(
     num_stages: int,
     kernel: triton.runtime.JITFunction = _decode_kernel,
 ) -> triton.compiler.CompiledKernel:
-    """A decode kernel (the Triton one, or the Gluon fp8 one) compiled for sm_90, specialized
-    as Triton specializes a launch: integers equal to 1 become constants, multiples of 16 and
-    pointers are marked divisible by 16, except the arguments the kernel exempts."""
+    """An attention kernel (the Triton decode one, the Gluon fp8 one, or the prefill one)
+    compiled for sm_90, specialized as Triton specializes a launch: integers equal to 1
+    become constants, multiples of 16 and pointers are marked divisible by 16, except the
+    arguments the kernel exempts."""
     names = kernel.arg_names
     exempt = set(kernel.do_not_specialize)
     exempt_alignment = set(kernel.do_not_specialize_on_alignment)
@@ -243,7 +244,8 @@ def main() -> None:
     if args.num_stages is None:
         args.num_stages = decode_num_stages(args.query_len, kv_dtype)
     integers = engine_arguments(num_heads, num_kv_heads, args.head_dim, args.sliding_window)
-    kernel = compile_decode_kernel(constants, integers, kv_dtype, args.num_warps, args.num_stages)
+    warps, stages = args.num_warps, args.num_stages
+    kernel = compile_attention_kernel(constants, integers, kv_dtype, warps, stages)
     print(
         f"decode kernel, sm_90, Triton {triton.__version__}: heads {num_heads}/{num_kv_heads}, "
         f"head_dim {args.head_dim}, K/V {kv_dtype}, BLOCK_N {constants['BLOCK_N']}, "
@@ -266,7 +268,7 @@ def prefill_resources(
     warps = args.num_warps or prefill_num_warps(int(constants["BLOCK_D"]))
     stages = args.num_stages or PREFILL_STAGES
     integers = engine_arguments(num_heads, num_kv_heads, args.head_dim, args.sliding_window)
-    kernel = compile_decode_kernel(constants, integers, kv_dtype, warps, stages, _prefill_kernel)
+    kernel = compile_attention_kernel(constants, integers, kv_dtype, warps, stages, _prefill_kernel)
     rows = int(constants["BLOCK_Q"]) * int(constants["GROUP_PAD"])
     print(
         f"prefill kernel, sm_90, Triton {triton.__version__}: heads {num_heads}/{num_kv_heads}, "
@@ -287,7 +289,7 @@ def gluon_resources(args: argparse.Namespace, num_heads: int, num_kv_heads: int)
     integers = engine_arguments(num_heads, num_kv_heads, args.head_dim, args.sliding_window)
     integers["stride_cache_head"] *= constants["HEADS"]
     warps = FP8_DECODE_NUM_WARPS
-    kernel = compile_decode_kernel(
+    kernel = compile_attention_kernel(
         constants, integers, torch.float8_e4m3fn, warps, 1, _fp8_decode_kernel
     )
     print(
