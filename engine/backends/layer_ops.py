@@ -124,7 +124,7 @@ class LayerOps(Protocol):
 
     def moe_experts(
         self,
-        x: LinearInput,
+        x: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
         w13: torch.Tensor,

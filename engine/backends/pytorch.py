@@ -292,7 +292,7 @@ class TorchLayerOps:
 
     def moe_experts(
         self,
-        x: LinearInput,
+        x: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
         w13: torch.Tensor,
@@ -308,7 +308,6 @@ class TorchLayerOps:
         # The (token, choice) pairs routed to the experts held here, grouped by expert: one
         # product of each expert with all its tokens, gathered by index. Reads the experts'
         # counts back to the host (a synchronization on CUDA, as this backend's attention).
-        x = dense(x)
         num_tokens, top_k = topk_ids.shape
         local = topk_ids.flatten().long() - expert_offset
         held = (local >= 0) & (local < w13.shape[0])

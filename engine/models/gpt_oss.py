@@ -30,7 +30,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.backends.deferred_norm import LinearInput
 from engine.backends.layer_ops import ClampedSwiGLU, LayerOps
 from engine.checkpoint.checkpoint import TensorSlices
 from engine.checkpoint.hf_checkpoint import hf_config_fields
@@ -83,7 +82,7 @@ class GptOssExperts(FusedExperts):
         # An MXFP4 matrix's blocks or scales, this rank's part read, until the other comes.
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
 
-    def forward(self, x: LinearInput, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return self.ops.moe_experts(
             x,
             weights,

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.backends.deferred_norm import LinearInput
+from engine.backends.deferred_norm import LinearInput, dense
 from engine.backends.fp8 import FP8
 from engine.backends.layer_ops import LayerOps
 from engine.checkpoint.checkpoint import TensorSlices
@@ -66,7 +66,7 @@ class Router(nn.Module):
         self.bias = nn.Parameter(torch.empty(config.num_experts)) if bias else None
         self.ops = ops
 
-    def forward(self, x: LinearInput) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(x, self.weight, self.bias)
 
 
@@ -111,7 +111,7 @@ class FusedExperts(nn.Module):
             self.register_buffer("w13_scale", torch.empty(experts, 2 * length, dtype=torch.float32))
             self.register_buffer("w2_scale", torch.empty(experts, hidden, dtype=torch.float32))
 
-    def forward(self, x: LinearInput, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's share of each token's weighed sum over its experts."""
         return self.ops.moe_experts(
             x, weights, ids, self.w13, self.w2, self.w13_scale, self.w2_scale
@@ -180,9 +180,8 @@ class SparseMoeBlock(nn.Module):
     """A decoder layer's mixture of experts: the router (``gate``, as checkpoints name it)
     and the experts, in place of the MLP."""
 
-    # No linear layer's method decides whether the norm before is left undone
-    # (``RMSNorm.reader``): the ops leave it at one row, where the router's one-row product
-    # and the experts' decode path compute it (``into_stream``), and compute it otherwise.
+    # The router and the experts read the norm's output as a tensor: no linear layer's
+    # method takes the norm before them (``RMSNorm.reader``).
     input_method = None
     # What a family changes (gpt-oss: a router with a bias, experts with biases).
     router_bias = False
@@ -201,7 +200,7 @@ class SparseMoeBlock(nn.Module):
         out, _ = self.into_stream(x, None)
         return out
 
-    def route(self, x: LinearInput) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts' float32 weights and int32 ids, [T, top_k] each."""
         return self.ops.moe_route(self.gate(x), self.top_k, self.renormalize)
 
@@ -210,11 +209,8 @@ class SparseMoeBlock(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The block's output and what is left of the residual stream for the next norm to
         add: all of it (as ``MLP.into_stream`` leaves it but where its one-row product adds
-        it), but where the ranks' all-reduce adds it (``TensorParallel.all_reduce_into_stream``).
-        A deferred norm (``RMSNorm.add_and_norm`` leaves one at one row) goes to the router
-        and the experts as it is: a batch-1 step's kernels compute it as they read the row
-        (the router's one-row product; the experts' decode path, which leaves it to its own
-        kernel where it cannot), so no norm kernel runs before them."""
+        it), but where the ranks' all-reduce adds it (``TensorParallel.all_reduce_into_stream``)."""
+        x = dense(x)
         weights, ids = self.route(x)
         return self.tp.all_reduce_into_stream(self.experts(x, weights, ids), stream)
 

@@ -20,10 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine.backends.deferred_norm import DeferredNorm
 from engine.backends.layer_ops import ClampedSwiGLU
 from engine.backends.pytorch import TorchLayerOps
-from engine.backends.triton.backend import TritonLayerOps
 from engine.backends.triton.fused_moe import fused_moe, moe_config, quantizes_activations
 from engine.backends.triton.moe_decode import MoeDecodeConfig, moe_decode_config
 from engine.quantization.linear_methods import quantize_per_channel
@@ -221,34 +219,6 @@ def test_decode_path_matches_reference(num_tokens: int, dtype: torch.dtype, fp8:
     out = assert_matches_reference(x, weights, ids, layer, config=moe_decode_config(3))
     # No atomics, no partial sums: the same bits run to run.
     assert torch.equal(out, fused_moe(x, weights, ids, **layer, config=moe_decode_config(3)))
-
-
-@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype", "fp8"])
-@pytest.mark.parametrize("num_tokens", [1, 2])
-def test_decode_path_computes_a_deferred_norm(num_tokens: int, fp8: bool) -> None:
-    """A batch-1 step hands the experts the post-attention norm uncomputed (``DeferredNorm``,
-    no residual: the output projection added it): the gate/up kernel multiplies by the
-    norm's weight as it reads the stream and scales its sums by 1/rms, in float32, as the
-    one-row kernel computes one. Equal to the reference on the normalized rows (float32: not
-    rounded, as the kernel never rounds them); with a residual left to add, the norm's own
-    kernel computes it first, the stream written."""
-    stream = 3 * torch.randn(num_tokens, HIDDEN, device=DEVICE)
-    norm_weight = 1.0 + 0.5 * torch.randn(HIDDEN, device=DEVICE)
-    weights, ids = route(torch.randn(num_tokens, 8, device=DEVICE), top_k=3)
-    layer = experts(8, torch.float32, fp8)
-    config = moe_decode_config(3)
-    ops = TritonLayerOps()
-    normalized = TorchLayerOps().rms_norm(stream, norm_weight, 1e-5)
-    out = fused_moe(
-        DeferredNorm(stream, None, norm_weight, 1e-5, ops), weights, ids, **layer, config=config
-    )
-    assert_rounding_close(out, moe_experts_reference(normalized, weights, ids, **layer))
-    x, residual = torch.randn_like(stream), stream - 1.0
-    norm = DeferredNorm(x, residual, norm_weight, 1e-5, ops)
-    out = fused_moe(norm, weights, ids, **layer, config=config)
-    torch.testing.assert_close(norm.stream, x + residual)
-    normalized = TorchLayerOps().rms_norm(x + residual, norm_weight, 1e-5)
-    assert_rounding_close(out, moe_experts_reference(normalized, weights, ids, **layer))
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype", "fp8"])

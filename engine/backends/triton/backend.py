@@ -258,7 +258,7 @@ class TritonLayerOps(TorchLayerOps):
 
     def moe_experts(
         self,
-        x: LinearInput,
+        x: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
         w13: torch.Tensor,
@@ -271,13 +271,12 @@ class TritonLayerOps(TorchLayerOps):
         w2_bias: torch.Tensor | None = None,
         activation: ClampedSwiGLU | None = None,
     ) -> torch.Tensor:
-        # A decode step's few pairs by pair, two kernels (moe_decode.py), the gate/up kernel
-        # computing a deferred norm of the row; otherwise align, two grouped GEMMs with the
-        # activation (and biases) and the routing weights in their epilogues, combine: four
-        # or five. No host sync (CUDA graphs replay any routing).
+        # A decode step's few pairs by pair, two kernels (moe_decode.py); otherwise align,
+        # two grouped GEMMs with the activation (and biases) and the routing weights in their
+        # epilogues, combine: four or five. No host sync (CUDA graphs replay any routing).
         experts = (x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, expert_offset)
         variant = {"w13_bias": w13_bias, "w2_bias": w2_bias, "activation": activation}
-        if (x.x if isinstance(x, DeferredNorm) else x).is_cuda:
+        if x.is_cuda:
             return fused_moe(*experts, **variant)
         return super().moe_experts(*experts, **variant)  # the torch backend's reference
 

@@ -70,7 +70,6 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.backends.deferred_norm import DeferredNorm, LinearInput
 from engine.backends.fp8 import FP8, WEIGHT_ONLY_MAX_TOKENS
 from engine.backends.layer_ops import ClampedSwiGLU
 from engine.backends.triton.activation import gated_activation
@@ -524,7 +523,7 @@ def quantizes_activations(num_tokens: int, weight_dtype: torch.dtype) -> bool:
 
 
 def fused_moe(
-    x: LinearInput,
+    x: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     w13: torch.Tensor,
@@ -547,12 +546,7 @@ def fused_moe(
     [expert_offset, expert_offset + E) add nothing. ``moe_config``'s configuration unless
     given (the benchmark's candidates). gpt-oss's experts: ``w13_bias`` [E, 2I] and
     ``w2_bias`` [E, H] in x's dtype, and the clamped SwiGLU (``activation``) in the gate/up
-    kernel's epilogue instead of silu(gate) * up (``LayerOps.moe_experts``). x may be a
-    deferred norm of its rows: the decode path computes one without a residual as it reads
-    the rows, the grouped kernels read the rows its own kernel normalizes."""
-    norm = None
-    if isinstance(x, DeferredNorm):
-        norm, x = (None, x.normalized()) if x.residual is not None else (x, x.x)
+    kernel's epilogue instead of silu(gate) * up (``LayerOps.moe_experts``)."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, double_intermediate, _ = w13.shape
@@ -601,11 +595,8 @@ def fused_moe(
             w13_bias,
             w2_bias,
             activation,
-            norm,
         )
         return out
-    if norm is not None:
-        x = norm.normalized()
     block_m = config.block_m
     # 1. Align. At most min(E, T*K) experts have pairs; each pads to whole tiles.
     max_tiles = num_pairs // block_m + min(num_experts, num_pairs)

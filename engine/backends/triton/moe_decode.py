@@ -12,9 +12,7 @@ floor). Here:
    those gate and up rows on the CUDA cores, as the one-row kernel does (the weight straight
    into registers, float32 products, one reduction at the end); the epilogue as the grouped
    kernel's (FP8 codes' scales, gpt-oss's biases and clamped SwiGLU), rounded to x's dtype
-   into ``hidden[pair]``. A pair of another rank's expert returns at once. At one token the
-   row comes as the post-attention norm left undone (``DeferredNorm``), which each program
-   computes as it reads the row: the norm's own kernel is gone from the layer.
+   into ``hidden[pair]``. A pair of another rank's expert returns at once.
 2. Down (``_down_token_kernel``): a program per (token, BLOCK_N output channels) reads all of
    its K picks' rows at once, a [K, BLOCK_N, BLOCK_K] load a step: K experts' bytes in flight
    together rather than one expert after another (a first by-pair path looped over the picks
@@ -49,7 +47,6 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.backends.deferred_norm import DeferredNorm
 from engine.backends.fp8 import FP8, WEIGHT_ONLY_MAX_TOKENS
 from engine.backends.layer_ops import ClampedSwiGLU
 from engine.backends.triton.activation import gated_activation
@@ -151,20 +148,13 @@ def _gate_up_pair_kernel(
     stride_se,
     stride_be,
     stride_hidden,
-    norm_weight_ptr,  # [H] (NORM)
-    eps,  # NORM's
     HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     CLAMPED_SWIGLU: tl.constexpr,
-    NORM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Program per (BLOCK_N columns of each half, pair). ``NORM``: x is the stream of a
-    deferred RMSNorm (no residual left to add), multiplied by the norm's weight as it is read,
-    the sums scaled by 1/rms at the end, as the one-row kernel computes one; but its squares
-    are summed a step at a time, not held as a vector across the loop: under the register
-    cap a vector of them spills more."""
+    """Program per (BLOCK_N columns of each half, pair)."""
     wait_for_previous_kernel()  # the routing and x come from the kernels just before
     let_next_kernel_start()
     pair = tl.program_id(1)
@@ -179,24 +169,15 @@ def _gate_up_pair_kernel(
     x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_x
     gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    squares = 0.0
     for start in range(0, depth, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
         k_mask = ks < depth
-        x = tl.load(x_row + ks, mask=k_mask, other=0.0).to(tl.float32)
-        if NORM:
-            squares += tl.sum(x * x, axis=0)
-            x *= tl.load(norm_weight_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+        x = tl.load(x_row + ks, mask=k_mask, other=0.0).to(tl.float32)[None, :]
         w_mask = col_mask[:, None] & k_mask[None, :]
-        x_cols = x[None, :]
-        gate += widen(tl.load(gate_rows + ks[None, :], mask=w_mask, other=0.0), tl.float32) * x_cols
-        up += widen(tl.load(up_rows + ks[None, :], mask=w_mask, other=0.0), tl.float32) * x_cols
+        gate += widen(tl.load(gate_rows + ks[None, :], mask=w_mask, other=0.0), tl.float32) * x
+        up += widen(tl.load(up_rows + ks[None, :], mask=w_mask, other=0.0), tl.float32) * x
     gate_sums = tl.sum(gate, axis=1)
     up_sums = tl.sum(up, axis=1)
-    if NORM:
-        inverse_rms = tl.rsqrt(squares / depth + eps)
-        gate_sums *= inverse_rms
-        up_sums *= inverse_rms
     if HAS_SCALE:  # widened to float32 exactly (fp8_widen): the codes' scales alone
         scale_ptrs = scale_ptr + expert * stride_se + cols
         gate_sums *= tl.load(scale_ptrs, mask=col_mask, other=0.0)
@@ -312,14 +293,10 @@ def moe_decode_experts(
     w13_bias: torch.Tensor | None,
     w2_bias: torch.Tensor | None,
     activation: ClampedSwiGLU | None,
-    norm: DeferredNorm | None = None,
 ) -> None:
     """``fused_moe`` by pair into ``out`` [T, H] (its arguments checked there; ``weights``
     and ``ids`` flattened to [T*K]): each pair's gate/up and activation, then each token's
-    down products summed over its picks. FP8 weights weight-only, whatever T. ``norm``: x
-    is the stream of this deferred norm (without a residual), which the gate/up kernel
-    computes as it reads it: no kernel of its own before the experts."""
-    assert norm is None or (norm.residual is None and norm.x is x)
+    down products summed over its picks. FP8 weights weight-only, whatever T."""
     num_tokens, hidden = x.shape
     num_experts, double_intermediate, _ = w13.shape
     intermediate = double_intermediate // 2
@@ -347,12 +324,9 @@ def moe_decode_experts(
         w13_scale.stride(0) if quantized else 0,
         0 if w13_bias is None else w13_bias.stride(0),
         hidden_states.stride(0),
-        x if norm is None else norm.weight,  # unread without a norm
-        0.0 if norm is None else norm.eps,
         HAS_SCALE=quantized,
         HAS_BIAS=w13_bias is not None,
         CLAMPED_SWIGLU=activation is not None,
-        NORM=norm is not None,
         BLOCK_N=config.gate_up_columns,
         BLOCK_K=config.gate_up_depth,
         num_warps=config.warps,
