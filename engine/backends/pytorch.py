@@ -259,6 +259,7 @@ class TorchLayerOps:
         *,
         gated: bool = False,
         add: torch.Tensor | None = None,
+        all_reduce: OneKernelAllReduce | None = None,
     ) -> torch.Tensor:
         raise NotImplementedError("the torch backend takes no row as one (takes_one_row)")
 

@@ -26,6 +26,9 @@ class OneKernelAllReduce(Protocol):
 
     # Whether it adds a residual stream to the sum as it stores it (``__call__``'s stream).
     adds_stream: bool
+    # Whether the backend's one-row product can make it itself, no kernel of its own
+    # (``LayerOps.one_row_matmul``'s ``all_reduce``).
+    fuses_into_one_row: bool
 
     def accepts(self, x: torch.Tensor) -> bool:
         """Whether it can sum ``x`` (its size and dtype)."""
@@ -105,6 +108,21 @@ class TensorParallel:
         ):
             return one_kernel(x, stream), None
         return self.all_reduce(x), stream
+
+    def one_row_all_reduce(self, stream: torch.Tensor) -> OneKernelAllReduce | None:
+        """The all-reduce that a one-row product joining the residual ``stream`` [1, N] (a
+        row-parallel layer's, at batch 1) makes itself, where the one-kernel all-reduce can be
+        made so and takes the row: then no kernel of its own runs between the product and the
+        next layer. None with one rank, or where it cannot."""
+        one_kernel = self.symmetric_all_reduce
+        if (
+            self.size > 1
+            and one_kernel is not None
+            and one_kernel.fuses_into_one_row
+            and one_kernel.accepts(stream)
+        ):
+            return one_kernel
+        return None
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x`` [T, n] side by side in rank order: [T, size * n]."""

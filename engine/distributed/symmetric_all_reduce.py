@@ -95,6 +95,7 @@ class SymmetricAllReduce:
     """PyTorch's one-shot all-reduce over this rank's symmetric buffer."""
 
     adds_stream = False  # the residual stream is the next norm's to add
+    fuses_into_one_row = False  # a kernel of PyTorch's own
 
     def __init__(self, buffer: SymmetricBuffer) -> None:
         self.buffer = buffer.local

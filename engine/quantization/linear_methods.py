@@ -44,6 +44,7 @@ from engine.backends.deferred_norm import DeferredNorm, LinearInput, dense
 from engine.backends.fp8 import FP8, FP8_MAX, MIN_SCALE, WEIGHT_ONLY_MAX_TOKENS
 from engine.backends.layer_ops import LayerOps
 from engine.backends.pytorch import with_bias
+from engine.distributed.parallel import OneKernelAllReduce
 from engine.model_config import Quantization
 
 QUANTIZATION_METHODS = ("fp8", "int8")
@@ -152,15 +153,25 @@ class LinearMethod:
         return self.ops.one_row_matmul(gate_up, layer.weight, gated=True)
 
     def one_row_into_stream(
-        self, layer: nn.Module, x: torch.Tensor, stream: torch.Tensor, *, gated: bool = False
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        stream: torch.Tensor,
+        *,
+        gated: bool = False,
+        all_reduce: OneKernelAllReduce | None = None,
     ) -> torch.Tensor:
         """``stream + apply(layer, x)`` for one row ``x`` that the ops' one-row product takes
         (``gated``: of silu(gate) * up of its halves, as ``apply_silu_gated``), the residual
         stream [1, N] added by that product as it stores it, rounded as the sum of the stored
         product and the stream rounds: a layer's o and down projections, with nothing left
-        for the next norm to add."""
+        for the next norm to add. ``all_reduce``: the product is this rank's share of a sum
+        over the ranks, which the product all-reduces before the stream joins it
+        (``TensorParallel.one_row_all_reduce``)."""
         row, weight, scale = self.one_row_operands(layer, x)
-        return self.ops.one_row_matmul(row, weight, scale, gated=gated, add=stream)
+        return self.ops.one_row_matmul(
+            row, weight, scale, gated=gated, add=stream, all_reduce=all_reduce
+        )
 
     def one_row_operands(
         self, layer: nn.Module, x: LinearInput

@@ -85,3 +85,77 @@ def test_push_all_reduce_sums_every_rank(ranks: int) -> None:
     assert [p.exitcode for p in processes] == [0] * ranks
     assert [results[rank][0] for rank in range(ranks)] == [[]] * ranks
     assert all(results[rank][1] == results[0][1] for rank in range(ranks))
+
+
+# A one-row product that all-reduces its own output (a row-parallel layer's at batch 1):
+# (channels, depth of a rank's share, gated, with a stream), in order, between plain calls.
+PRODUCTS = (
+    (64, 48, False, True),
+    (24, 32, True, True),
+    (64, 48, False, False),
+    (8, 16, True, True),
+)
+
+
+def product_rank_main(
+    rank: int, every_rank: list[torch.Tensor], start: object, failures: mp.Queue
+) -> None:
+    from engine.backends.triton.one_row_matmul import one_row_matmul
+    from engine.backends.triton.push_all_reduce import PushAllReduce
+
+    ranks = len(every_rank)
+    addresses = torch.tensor([b.data_ptr() for b in every_rank], dtype=torch.int64)
+    reducer = PushAllReduce(SymmetricBuffer(every_rank[rank], addresses, ""), rank, ranks, PART)
+    start.wait()
+    wrong, results = [], []
+    for call, (channels, depth, gated, joins) in enumerate(PRODUCTS):
+        shares = []
+        for r in range(ranks):
+            generator = torch.Generator().manual_seed(1000 * call + r)
+            x = torch.randn(1, 2 * depth if gated else depth, generator=generator)
+            weight = torch.randn(channels, depth, generator=generator) / depth**0.5
+            shares.append((x.to(torch.bfloat16), weight.to(torch.bfloat16)))
+        stream = None
+        if joins:
+            generator = torch.Generator().manual_seed(call)
+            stream = torch.randn(1, channels, generator=generator).to(torch.bfloat16)
+        x, weight = shares[rank]
+        fused = one_row_matmul(x, weight, gated=gated, add=stream, all_reduce=reducer)
+        # The same sum as the product, then the all-reduce's own kernel, make it.
+        apart = reducer(one_row_matmul(x, weight, gated=gated), stream)
+        products = [one_row_matmul(xr, wr, gated=gated).float() for xr, wr in shares]
+        exact = sum(products).to(torch.bfloat16)
+        expected = exact if stream is None else exact + stream
+        ulp = (exact.float().abs() + (0 if stream is None else stream.float().abs())) * 2**-6
+        if (
+            not torch.equal(fused, apart)
+            or not ((fused.float() - expected.float()).abs() <= ulp).all()
+        ):
+            wrong.append(call)
+        results.append(hashlib.sha256(fused.view(torch.uint8).numpy()).hexdigest())
+    failures.put((rank, (wrong, results)))
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_one_row_product_all_reduces_its_output(ranks: int) -> None:
+    """The one-row product's ``all_reduce``: each program pushes its channels, the last sums
+    the row and joins the stream, no all-reduce kernel. The same bits on every rank as the
+    product followed by the all-reduce's own kernel, which shares its slots and turn (calls of
+    both kinds alternate, of changing sizes), and the sum in rank order."""
+    every_rank = [
+        torch.empty(3 * ranks * PART, dtype=torch.bfloat16).share_memory_() for _ in range(ranks)
+    ]
+    context = mp.get_context("spawn")
+    start, failures = context.Barrier(ranks), context.Queue()
+    processes = [
+        context.Process(target=product_rank_main, args=(rank, every_rank, start, failures))
+        for rank in range(ranks)
+    ]
+    for process in processes:
+        process.start()
+    results = dict(failures.get(timeout=600) for _ in processes)
+    for process in processes:
+        process.join(timeout=60)
+    assert [p.exitcode for p in processes] == [0] * ranks
+    assert [results[rank][0] for rank in range(ranks)] == [[]] * ranks
+    assert all(results[rank][1] == results[0][1] for rank in range(ranks))

@@ -55,7 +55,7 @@ from engine.backends.triton.graph_inputs import fill_graph_inputs
 from engine.backends.triton.moe_route import moe_route
 from engine.backends.triton.one_row_matmul import one_row_matmul
 from engine.backends.triton.pending_tokens import fill_pending_tokens
-from engine.backends.triton.push_all_reduce import push_all_reduce
+from engine.backends.triton.push_all_reduce import PushAllReduce, push_all_reduce
 from engine.backends.triton.quantized_matmul import weight_only_matmul
 from engine.distributed.parallel import OneKernelAllReduce, TensorParallel
 
@@ -230,8 +230,10 @@ class TritonLayerOps(TorchLayerOps):
         *,
         gated: bool = False,
         add: torch.Tensor | None = None,
+        all_reduce: OneKernelAllReduce | None = None,
     ) -> torch.Tensor:
-        return one_row_matmul(x, weight, scale, gated=gated, add=add)
+        assert all_reduce is None or isinstance(all_reduce, PushAllReduce)
+        return one_row_matmul(x, weight, scale, gated=gated, add=add, all_reduce=all_reduce)
 
     def weight_only_matmul(
         self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, *, gated: bool = False

@@ -60,8 +60,20 @@ from engine.backends.triton.dependent_launch import (
     wait_for_previous_kernel,
 )
 from engine.backends.triton.fp8_widen import widen
+from engine.backends.triton.push_all_reduce import (
+    PushAllReduce,
+    arrived_sum,
+    empty_slot_before,
+    end_turn,
+    joined,
+    push,
+    turn,
+)
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Elements of the row that a reducing product's last program sums at a time: a wider tile has
+# more loads in flight, each waited for, but its registers count against every program's.
+SUM_BLOCK = 4096
 
 
 @dataclass(frozen=True)
@@ -255,6 +267,9 @@ def _one_row_kernel(
     stream_ptr,
     out_ptr,
     addend_ptr,
+    local_ptr,  # REDUCE's: this rank's all-reduce buffer, its values' bits as integers
+    addresses_ptr,  # every rank's buffer
+    state_ptr,  # the all-reduce's turn
     N,
     K,
     stride_weight,
@@ -264,10 +279,18 @@ def _one_row_kernel(
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     ADD: tl.constexpr,
+    REDUCE: tl.constexpr,
+    RANK: tl.constexpr,
+    RANKS: tl.constexpr,
+    PART: tl.constexpr,
+    EMPTY: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_BYTES: tl.constexpr,
+    SUM_BLOCK: tl.constexpr,
 ):
-    """Program per BLOCK_N output channels; float32 sums."""
+    """Program per BLOCK_N output channels; float32 sums. ``REDUCE``: the product is this
+    rank's share of a sum over the ranks (a row-parallel layer's), all-reduced here as the
+    Triton backend's push all-reduce makes it (``push_all_reduce``), the stream joined after."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     weight = first_weight_chunk(cols, col_mask, weight_ptr, K, stride_weight, BLOCK_BYTES)
@@ -291,9 +314,39 @@ def _one_row_kernel(
         BLOCK_BYTES,
     )
     out = out.to(out_ptr.dtype.element_ty)
-    if ADD:  # read after row_sums' wait: the kernels before write the stream
-        out += tl.load(addend_ptr + cols, mask=col_mask, other=0.0)
-    tl.store(out_ptr + cols, out, mask=col_mask)
+    if REDUCE:
+        # This rank's share of the sum goes to every rank's buffer; the last program waits for
+        # the whole row from every rank (no other program waits, so none can hold up one it
+        # waits for), sums it and joins the stream, then moves the all-reduce's turn on: the
+        # ranks' parts of every program have arrived, so each has read the turn.
+        slot = turn(state_ptr)
+        push(out, cols, col_mask, slot, local_ptr, addresses_ptr, RANK, RANKS, PART, EMPTY)
+        program = tl.program_id(0)
+        programs = tl.num_programs(0)
+        empty_slot_before(
+            local_ptr,
+            state_ptr,
+            slot,
+            program * BLOCK_N,
+            programs * BLOCK_N,
+            RANKS,
+            PART,
+            EMPTY,
+            BLOCK_N,
+        )
+        if program == programs - 1:
+            for start in range(0, N, SUM_BLOCK):
+                offsets = start + tl.arange(0, SUM_BLOCK)
+                mask = offsets < N
+                summed = arrived_sum(local_ptr, slot, offsets, mask, out_ptr, RANKS, PART, EMPTY)
+                if ADD:
+                    summed = joined(summed, addend_ptr, offsets, mask)
+                tl.store(out_ptr + offsets, summed, mask=mask)
+            end_turn(state_ptr, slot, N)
+    else:
+        if ADD:  # read after row_sums' wait: the kernels before write the stream
+            out += tl.load(addend_ptr + cols, mask=col_mask, other=0.0)
+        tl.store(out_ptr + cols, out, mask=col_mask)
 
 
 @dataclass(frozen=True)
@@ -354,31 +407,43 @@ def one_row_matmul(
     gated: bool = False,
     out_dtype: torch.dtype | None = None,
     add: torch.Tensor | None = None,
+    all_reduce: PushAllReduce | None = None,
     config: OneRowConfig | None = None,
 ) -> torch.Tensor:
     """x [1, K] (or [1, 2K] gate and up halves, ``gated``; or a deferred norm of a row [1, K])
     and weight [N, K] in x's dtype, or int8 / float8 e4m3 codes with float32 ``scale`` [N]
-    -> [1, N] in ``out_dtype`` (default: x's dtype), plus ``add`` [1, N] in that dtype if
-    given (the residual stream the product joins). ``config``: ``one_row_config``'s unless
-    given (the sweep's candidates)."""
+    -> [1, N] in ``out_dtype`` (default: x's dtype), summed over the ranks by ``all_reduce``
+    if given (this rank's push all-reduce: the product is its share, rounded to the output's
+    dtype as it is pushed), plus ``add`` [1, N] in that dtype if given (the residual stream
+    the product or the sum joins). ``config``: ``one_row_config``'s unless given (the
+    sweep's candidates)."""
     operands = row_operands(x, weight, scale, gated)
     channels, depth = weight.shape
     out = operands.x.new_empty(1, channels, dtype=out_dtype or operands.x.dtype)
     if add is not None:
         assert add.shape == out.shape and add.dtype == out.dtype and add.stride(-1) == 1
+    reduce = {"local_ptr": out, "addresses_ptr": out, "state_ptr": out}  # unread unless REDUCE
+    constants = {"RANK": 0, "RANKS": 1, "PART": 1, "EMPTY": 0}
+    if all_reduce is not None:
+        assert all_reduce.accepts(out)
+        reduce, constants = all_reduce.kernel_operands()
     config = config or one_row_config(channels, depth, weight.dtype, operands.normed)
     _one_row_kernel[(triton.cdiv(channels, config.rows),)](
         *operands.pointers,
         out,
         out if add is None else add,  # unread without an addend
-        channels,
-        depth,
-        weight.stride(0),
-        operands.eps,
+        **reduce,
+        N=channels,
+        K=depth,
+        stride_weight=weight.stride(0),
+        eps=operands.eps,
         **operands.flags,
         ADD=add is not None,
+        REDUCE=all_reduce is not None,
+        **constants,
         BLOCK_N=config.rows,
         BLOCK_BYTES=config.chunk_bytes,
+        SUM_BLOCK=min(triton.next_power_of_2(channels), SUM_BLOCK),
         num_warps=config.warps,
         num_stages=1,
         **launch_options(out.device),

@@ -58,6 +58,73 @@ _TURN, _FINISHED, _STORED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
+def turn(state_ptr):
+    """The slot in turn (read after waiting for the kernels before: the last call's last
+    program moved it on)."""
+    return tl.load(state_ptr + _TURN)
+
+
+@triton.jit
+def push(values, offsets, mask, slot, local_ptr, addresses_ptr, RANK, RANKS, PART, EMPTY):
+    """Store this rank's ``values`` of the elements ``offsets`` into every rank's buffer
+    (its own included) at ``slot``, a -0.0 stored as +0.0 (its bits are the empty mark)."""
+    bits_type = local_ptr.dtype.element_ty
+    bits = values.to(bits_type, bitcast=True)
+    bits = tl.where(bits == EMPTY, 0, bits)
+    part = slot * (RANKS * PART) + RANK * PART + offsets
+    for rank in tl.static_range(RANKS):
+        peer = tl.load(addresses_ptr + rank).to(tl.pointer_type(bits_type))
+        tl.store(peer + part, bits, mask=mask)
+
+
+@triton.jit
+def empty_slot_before(local_ptr, state_ptr, slot, first, step, RANKS, PART, EMPTY, BLOCK):
+    """Mark empty this program's share of the call before's slot: every rank's part, as long
+    as that call's input, from element ``first`` on in strides of ``step`` (the call's
+    programs between them cover it)."""
+    before = (slot + _SLOTS - 1) % _SLOTS
+    stored = tl.load(state_ptr + _STORED + before)
+    empty = tl.full([BLOCK], EMPTY, local_ptr.dtype.element_ty)
+    for start in range(first, stored, step):
+        stale = start + tl.arange(0, BLOCK)
+        for rank in tl.static_range(RANKS):
+            slot_part = local_ptr + before * (RANKS * PART) + rank * PART
+            tl.store(slot_part + stale, empty, mask=stale < stored)
+
+
+@triton.jit
+def arrived_sum(local_ptr, slot, offsets, mask, out_ptr, RANKS, PART, EMPTY):
+    """The sum of every rank's part of the elements ``offsets``, each waited for in this
+    rank's buffer until it has arrived, in float32 in rank order, rounded to ``out_ptr``'s
+    dtype."""
+    dtype = out_ptr.dtype.element_ty
+    total = tl.zeros(offsets.shape, tl.float32)
+    for rank in tl.static_range(RANKS):
+        arriving = local_ptr + slot * (RANKS * PART) + rank * PART + offsets
+        got = tl.load(arriving, mask=mask, other=0, volatile=True)
+        while tl.max((got == EMPTY).to(tl.int32), axis=0) > 0:
+            got = tl.load(arriving, mask=mask, other=0, volatile=True)
+        total += got.to(dtype, bitcast=True).to(tl.float32)
+    return total.to(dtype)
+
+
+@triton.jit
+def joined(summed, stream_ptr, offsets, mask):
+    """``summed`` plus the residual stream, the sum rounded as stored first, then added as
+    PyTorch's ``sum + stream`` adds."""
+    stream = tl.load(stream_ptr + offsets, mask=mask)
+    return (summed.to(tl.float32) + stream.to(tl.float32)).to(summed.dtype)
+
+
+@triton.jit
+def end_turn(state_ptr, slot, numel):
+    """Record the call's size (its slot's to be marked empty a call later) and move the turn
+    on: by the call's last program, once every program of this rank has read the turn."""
+    tl.store(state_ptr + _STORED + slot, numel)
+    tl.store(state_ptr + _TURN, (slot + 1) % _SLOTS)
+
+
+@triton.jit
 def _push_all_reduce_kernel(
     x_ptr,
     out_ptr,
@@ -76,49 +143,24 @@ def _push_all_reduce_kernel(
     let_next_kernel_start()
     # The input is the kernel before's; the state the last all-reduce's, kernels before.
     wait_for_previous_kernel()
-    bits_type = local_ptr.dtype.element_ty
     program = tl.program_id(0)
     programs = tl.num_programs(0)
-    slot = tl.load(state_ptr + _TURN)
+    slot = turn(state_ptr)
     offsets = program * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
-
     values = tl.load(x_ptr + offsets, mask=mask)
-    bits = values.to(bits_type, bitcast=True)
-    bits = tl.where(bits == EMPTY, 0, bits)
-    part = slot * (RANKS * PART) + RANK * PART + offsets
-    for rank in tl.static_range(RANKS):
-        peer = tl.load(addresses_ptr + rank).to(tl.pointer_type(bits_type))
-        tl.store(peer + part, bits, mask=mask)
-
-    # Mark the call before's slot empty: every rank's part, as long as that call's input.
-    before = (slot + _SLOTS - 1) % _SLOTS
-    stored = tl.load(state_ptr + _STORED + before)
-    empty = tl.full([BLOCK], EMPTY, bits_type)
-    for start in range(program * BLOCK, stored, programs * BLOCK):
-        stale = start + tl.arange(0, BLOCK)
-        for rank in tl.static_range(RANKS):
-            slot_part = local_ptr + before * (RANKS * PART) + rank * PART
-            tl.store(slot_part + stale, empty, mask=stale < stored)
-
-    total = tl.zeros([BLOCK], tl.float32)
-    for rank in tl.static_range(RANKS):
-        arriving = local_ptr + slot * (RANKS * PART) + rank * PART + offsets
-        got = tl.load(arriving, mask=mask, other=0, volatile=True)
-        while tl.max((got == EMPTY).to(tl.int32), axis=0) > 0:
-            got = tl.load(arriving, mask=mask, other=0, volatile=True)
-        total += got.to(values.dtype, bitcast=True).to(tl.float32)
-    summed = total.to(values.dtype)
-    if ADD:  # rounded as the sum is stored, then added as PyTorch's ``sum + stream`` adds
-        stream = tl.load(stream_ptr + offsets, mask=mask)
-        summed = (summed.to(tl.float32) + stream.to(tl.float32)).to(values.dtype)
+    push(values, offsets, mask, slot, local_ptr, addresses_ptr, RANK, RANKS, PART, EMPTY)
+    empty_slot_before(
+        local_ptr, state_ptr, slot, program * BLOCK, programs * BLOCK, RANKS, PART, EMPTY, BLOCK
+    )
+    summed = arrived_sum(local_ptr, slot, offsets, mask, out_ptr, RANKS, PART, EMPTY)
+    if ADD:
+        summed = joined(summed, stream_ptr, offsets, mask)
     tl.store(out_ptr + offsets, summed, mask=mask)
-
-    if program == 0:
-        tl.store(state_ptr + _STORED + slot, numel)
+    # Which program ends last is not known: each counts itself in, the last moves the turn.
     if tl.atomic_add(state_ptr + _FINISHED, 1) == programs - 1:
         tl.store(state_ptr + _FINISHED, 0)
-        tl.store(state_ptr + _TURN, (slot + 1) % _SLOTS)
+        end_turn(state_ptr, slot, numel)
 
 
 class PushAllReduce:
@@ -127,6 +169,9 @@ class PushAllReduce:
     # It adds the residual stream to the sum as it stores it: the next norm reads the stream
     # alone, as a one-rank step's does after its o and down projections add it.
     adds_stream = True
+    # The backend's one-row product makes it itself (``one_row_matmul``'s ``all_reduce``):
+    # its programs push their channels, its last program sums, no kernel of its own.
+    fuses_into_one_row = True
 
     def __init__(self, buffer: SymmetricBuffer, rank: int, ranks: int, part: int) -> None:
         self.buffer = buffer
@@ -148,6 +193,17 @@ class PushAllReduce:
         return (
             x.dtype == self.buffer.local.dtype and 0 < x.numel() <= self.part and x.is_contiguous()
         )
+
+    def kernel_operands(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        """What a kernel that makes this all-reduce itself takes (the one-row product's
+        ``REDUCE``): its buffer, every rank's, the turn, then its constants."""
+        pointers = {
+            "local_ptr": self.local_bits,
+            "addresses_ptr": self.buffer.addresses,
+            "state_ptr": self.state,
+        }
+        constants = {"RANK": self.rank, "RANKS": self.ranks, "PART": self.part, "EMPTY": self.empty}
+        return pointers, constants
 
     def __call__(self, x: torch.Tensor, stream: torch.Tensor | None = None) -> torch.Tensor:
         """The sum of every rank's ``x``, as a new tensor; plus ``stream`` (x's shape, dense),
