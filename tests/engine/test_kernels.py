@@ -220,6 +220,29 @@ def test_decode_attention(
     assert_rounding_close(out, attention_reference(q, batch, sliding_window))
 
 
+def test_split_decode_of_long_contexts() -> None:
+    """Long contexts at many splits: each is cut into parts of at least about the square root
+    of its tiles / 8 (at 64 keys a tile: 700 keys in 11 one-tile parts, 2,100 in 17 of 2,
+    3,000 in 16 of 3), the other splits hold no keys, and the merge weighs only those that
+    do."""
+    lens = [700, 2100, 3000]
+    num_heads, num_kv_heads, head_dim = 4, 1, 64
+    batch = paged_batch(lens, [1] * len(lens), num_kv_heads, head_dim, fill=float("nan"))
+    q = randn(len(lens), num_heads, head_dim)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(
+        q,
+        batch.key_cache,
+        batch.value_cache,
+        batch.metadata.block_tables,
+        batch.metadata.context_lens,
+        head_dim**-0.5,
+        num_splits=40,
+        out=out,
+    )
+    assert_rounding_close(out, attention_reference(q, batch, None))
+
+
 def test_split_decode_resets_its_counts() -> None:
     """Split decode's last program of each (KV head, sequence) merges the group's splits and
     sets its count back to zero: launched twice on the same counts, each launch's output is

@@ -68,6 +68,11 @@ _MIN_DOT_ROWS = 16
 # ``scripts/bench_kernels.py`` measures decode attention, split as a step splits it, against
 # copy bandwidth over batches and contexts.
 _DECODE_PROGRAMS_PER_SM = 4
+# Splits a context takes per tile of each split, at most (``_least_split_tiles``): 8 tiles in
+# 8 splits, 32 in 16 of 2, 128 in 32 of 4. In a chain of one-row products and batch-1
+# attentions (the 8B shape's heads, whole and at TP=2) these split counts were the fastest
+# of 1 to 132 at contexts of 512, 2,048 and 8,192 keys, or within 5% of it.
+_SPLITS_PER_SPLIT_TILE = tl.constexpr(8.0)
 _MIN_SPLIT_TOKENS = 128
 _MAX_SPLITS = 256
 # Splits the merge kernel (after the fp8 kernel's splits) reads at a time, for one query
@@ -224,6 +229,18 @@ def _attend_keys(
     return acc * widened, row_max, row_sum
 
 
+@triton.jit
+def _least_split_tiles(tiles):
+    """The fewest tiles of a split of a context of ``tiles``: about the square root of
+    tiles / _SPLITS_PER_SPLIT_TILE, so that there are that many times as many splits as each
+    has tiles. A split's tiles are a serial chain of its program, its partial results one
+    more step of the merge's serial chain (the last program's), so the two chains balance
+    there; the split count alone (``decode_num_splits``: one for the longest context a step
+    may hold) cut a long context at batch 1 into as many one-tile splits as the SMs take,
+    and its merge was the longer wait. ``scripts/bench_kernels.py`` times decode attention."""
+    return tl.ceil(tl.sqrt_rn(tiles.to(tl.float32) / _SPLITS_PER_SPLIT_TILE)).to(tl.int32)
+
+
 @triton.jit(
     do_not_specialize=["stride_table", *_WORKSPACE_STRIDES],
     do_not_specialize_on_alignment=[
@@ -295,8 +312,10 @@ def _decode_kernel(
     first_key = 0
     if USE_WINDOW:  # the first query's window
         first_key = tl.maximum(context_len - QUERY_LEN + 1 - window, 0)
-    # Every sequence divides its own (windowed) context evenly, in whole tiles.
-    split_len = tl.cdiv(tl.cdiv(context_len - first_key, num_splits), BLOCK_N) * BLOCK_N
+    # Every sequence divides its own (windowed) context evenly, in whole tiles, but into
+    # parts of at least _least_split_tiles: the rest of the splits hold no keys.
+    tiles = tl.cdiv(context_len - first_key, BLOCK_N)
+    split_len = tl.maximum(tl.cdiv(tiles, num_splits), _least_split_tiles(tiles)) * BLOCK_N
     key_start = first_key + split * split_len
     key_end = tl.minimum(key_start + split_len, context_len)
 
