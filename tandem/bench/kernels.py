@@ -2,7 +2,7 @@
 
     tandem bench kernels [--head-dims 64 128 256] [--heads Q:KV] [--batches 1 8 64 256]
                          [--contexts 256 1024 4096 16384] [--max-gib 24]
-                         [--kv-cache-dtype auto|fp8]
+                         [--kv-cache-dtype auto|fp8] [--table-tokens 131072]
     tandem bench kernels --moe SHAPE [SHAPE ...] [--moe-tokens 1 8 64 256 2048]
                          [--quantization fp8] [--moe-sweep]
     tandem bench kernels --prefill [--head-dims 64 128] [--heads Q:KV]
@@ -13,7 +13,9 @@ kernel (``paged_decode_attention``, split-K as the engine runs it: the split cou
 the block table's width, a CUDA graph's case, the splits merged in the same launch; an fp8
 cache's Gluon kernel and its merge kernel) is timed over random caches with shuffled
 blocks, each table as wide as its context, so that every split holds keys (an engine's
-graph, wider, leaves a short context's last splits empty and unmerged), and its K/V bytes
+graph, wider, leaves a short context's last splits empty and unmerged; ``--table-tokens``
+makes the tables that wide, as a graph's for contexts up to that many tokens: then the
+split count is the engine's), and its K/V bytes
 over its time are compared with the device-to-device copy bandwidth measured at the start
 (engine/roofline.py). Head shapes are the models': head_dim
 64 as Llama 3.2 1B (32 query heads on 8 KV heads), 128 as Qwen3 0.6B (16 on 8), 256 as
@@ -100,17 +102,21 @@ def decode_case(
     bandwidth: float,
     check: bool,
     kv_dtype: torch.dtype = DTYPE,
+    table_tokens: int = 0,
 ) -> tuple[int, float, float]:
     """(splits, ms, share of copy bandwidth) of one decode step's attention with ``heads``
     (query heads, KV heads), over a cache of ``kv_dtype`` (bf16, or float8 e4m3 as
-    --kv-cache-dtype fp8 stores it)."""
+    --kv-cache-dtype fp8 stores it); block tables as wide as ``table_tokens`` where that is
+    longer than the context (their other entries never read)."""
     num_heads, num_kv_heads = heads
     blocks_per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq + 1
     shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
     key_cache = torch.randn(shape, device="cuda", dtype=DTYPE).to(kv_dtype)
     value_cache = torch.randn(shape, device="cuda", dtype=DTYPE).to(kv_dtype)
-    block_tables = (torch.randperm(num_blocks - 1, device="cuda") + 1)[
+    table_width = max(blocks_per_seq, -(-table_tokens // BLOCK_SIZE))
+    block_tables = torch.zeros(batch, table_width, dtype=torch.int64, device="cuda")
+    block_tables[:, :blocks_per_seq] = (torch.randperm(num_blocks - 1, device="cuda") + 1)[
         : batch * blocks_per_seq
     ].view(batch, blocks_per_seq)
     context_lens = torch.full((batch,), context, device="cuda")
@@ -252,6 +258,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-gib", type=float, default=24, help="largest cache to allocate")
     parser.add_argument("--target", type=float, default=0.85, help="share to reach")
     parser.add_argument(
+        "--table-tokens",
+        type=int,
+        default=0,
+        help="block tables this many tokens wide, as a CUDA graph's (default: the context's)",
+    )
+    parser.add_argument(
         "--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="auto: bfloat16"
     )
     parser.add_argument(
@@ -303,7 +315,14 @@ def main(argv: list[str] | None = None) -> None:
                     continue
                 check = batch * context <= 64 * 1024  # the float32 reference loops in Python
                 splits, ms, share = decode_case(
-                    head_dim, heads, context, batch, rates.bytes_per_s, check, kv_dtype
+                    head_dim,
+                    heads,
+                    context,
+                    batch,
+                    rates.bytes_per_s,
+                    check,
+                    kv_dtype,
+                    args.table_tokens,
                 )
                 # A copy moves each byte twice (read, write): half as many bytes to copy.
                 same_ms = copy_ms(cache_bytes // 2)
