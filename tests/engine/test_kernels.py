@@ -188,21 +188,25 @@ HEAD_SHAPES = [(4, 4, 64), (8, 2, 128), (16, 2, 64), (6, 2, 80), (4, 1, 256)]
 
 
 @pytest.mark.parametrize(
-    ("heads", "num_splits", "sliding_window"),
+    ("heads", "num_splits", "sliding_window", "lens"),
     [
-        (HEAD_SHAPES[0], 1, None),
-        (HEAD_SHAPES[1], 3, None),
-        (HEAD_SHAPES[2], 4, 40),
-        (HEAD_SHAPES[3], 2, None),
-        (HEAD_SHAPES[4], 2, 100),
-        ((2, 1, 64), 70, None),  # more splits than the merge reads at once; most empty
+        (HEAD_SHAPES[0], 1, None, DECODE_CONTEXT_LENS),
+        (HEAD_SHAPES[1], 3, None, DECODE_CONTEXT_LENS),
+        (HEAD_SHAPES[2], 4, 40, DECODE_CONTEXT_LENS),
+        (HEAD_SHAPES[3], 2, None, DECODE_CONTEXT_LENS),
+        (HEAD_SHAPES[4], 2, 100, DECODE_CONTEXT_LENS),
+        # more splits than the merge reads at once; most empty
+        ((2, 1, 64), 70, None, DECODE_CONTEXT_LENS),
+        # long contexts cut into parts of at least about sqrt(tiles / 8) tiles (64 keys a
+        # tile: 700 keys in 6 parts of 2, 2,100 in 11 of 3, 3,000 in 16 of 3), the other
+        # splits empty, and the merge weighs only those that hold keys
+        ((4, 1, 64), 40, None, [700, 2100, 3000]),
     ],
 )
 def test_decode_attention(
-    heads: tuple[int, int, int], num_splits: int, sliding_window: int | None
+    heads: tuple[int, int, int], num_splits: int, sliding_window: int | None, lens: list[int]
 ) -> None:
     num_heads, num_kv_heads, head_dim = heads
-    lens = DECODE_CONTEXT_LENS
     batch = paged_batch(lens, [1] * len(lens), num_kv_heads, head_dim, fill=float("nan"))
     q = randn(len(lens), num_heads, head_dim)
     out = torch.full_like(q, float("nan"))
@@ -218,29 +222,6 @@ def test_decode_attention(
         out=out,
     )
     assert_rounding_close(out, attention_reference(q, batch, sliding_window))
-
-
-def test_split_decode_of_long_contexts() -> None:
-    """Long contexts at many splits: each is cut into parts of at least about the square root
-    of its tiles / 8 (at 64 keys a tile: 700 keys in 11 one-tile parts, 2,100 in 17 of 2,
-    3,000 in 16 of 3), the other splits hold no keys, and the merge weighs only those that
-    do."""
-    lens = [700, 2100, 3000]
-    num_heads, num_kv_heads, head_dim = 4, 1, 64
-    batch = paged_batch(lens, [1] * len(lens), num_kv_heads, head_dim, fill=float("nan"))
-    q = randn(len(lens), num_heads, head_dim)
-    out = torch.full_like(q, float("nan"))
-    paged_decode_attention(
-        q,
-        batch.key_cache,
-        batch.value_cache,
-        batch.metadata.block_tables,
-        batch.metadata.context_lens,
-        head_dim**-0.5,
-        num_splits=40,
-        out=out,
-    )
-    assert_rounding_close(out, attention_reference(q, batch, None))
 
 
 def test_split_decode_resets_its_counts() -> None:
