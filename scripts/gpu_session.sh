@@ -15,6 +15,7 @@
 #   scripts/gpu_session.sh gpt-oss                       # gpt-oss, one GPU
 #   scripts/gpu_session.sh merge-fold  # split decode merged in its own launch (issues 37/39)
 #   scripts/gpu_session.sh prefill-attn qkv-rules  # prefill attention; the batch-1 QKV kernel's rule
+#   scripts/gpu_session.sh decode-splits  # batch-1 decode attention at the engine's split count
 #
 # moe (issue 39, about 8 minutes): tests/gpu/test_moe_cuda.py (small Qwen3-MoE and Mixtral
 # against transformers in float32, torch and triton backends; fp8 experts), then at the
@@ -337,6 +338,23 @@ PY
       for len in 8192 32768; do
         timeout 200 python3 scripts/bench_latency.py --model "$m" --load-format dummy \
           --prompt-len $len --output-len 16 --runs 3 2>&1 | tee "$out/prefill-ttft-$len.log" \
+          | grep -hE "^tandem, (median|range)" | sed "s/^/prompt $len: /"
+      done ;;
+    decode-splits)  # issue 37 (about 4 minutes): split decode's least part (sqrt(tiles / 8) tiles).
+      # Its CUDA tests, then decode attention at batches 1 and 8 over block tables 131,072 tokens
+      # wide (a graph's: the engine's split count), the 8B's heads whole and at TP=2, then the 8B
+      # shape's TPOT after prompts of 8,192 and 32,768 tokens.
+      timeout 120 python3 -m pytest -q tests/engine/test_kernels.py tests/gpu/test_split_decode_cuda.py \
+        -k "decode or split or merge" -p no:cacheprovider 2>&1 | tee "$out/decode-splits-tests.log" | tail -1
+      for heads in 16:4 32:8; do
+        timeout 100 python3 scripts/bench_kernels.py --head-dims 128 --heads $heads --batches 1 8 \
+          --contexts 512 2048 8192 32768 --table-tokens 131072 2>&1 \
+          | tee "$out/decode-splits-$heads.log" | grep -E "^ +128 "
+      done
+      m=$(config_only llama-3.1-8b)
+      for len in 8192 32768; do
+        timeout 150 python3 scripts/bench_latency.py --model "$m" --load-format dummy \
+          --prompt-len $len --output-len 64 --runs 2 2>&1 | tee "$out/decode-splits-ttft-$len.log" \
           | grep -hE "^tandem, (median|range)" | sed "s/^/prompt $len: /"
       done ;;
     qkv-rules)  # the batch-1 QKV kernel's configurations against one_row_qkv_config (about 3 minutes)
