@@ -12,12 +12,13 @@ A decode step's attention must read every cached key and value of every sequence
 kernel (``paged_decode_attention``, split-K as the engine runs it: the split count from
 the block table's width, a CUDA graph's case, the splits merged in the same launch; an fp8
 cache's Gluon kernel and its merge kernel) is timed over random caches with shuffled
-blocks, each table as wide as its context, so that every split holds keys (an engine's
-graph, wider, leaves a short context's last splits empty and unmerged; ``--table-tokens``
-makes the tables that wide, as a graph's for contexts up to that many tokens: then the
-split count is the engine's), and its K/V bytes
-over its time are compared with the device-to-device copy bandwidth measured at the start
-(engine/roofline.py). Head shapes are the models': head_dim
+blocks, each table as wide as its context, so that the split count follows the context
+(an engine's graph, wider, splits every context as its longest; ``--table-tokens`` makes the
+tables that wide, as a graph's for contexts up to that many tokens: then the split count is
+the engine's; either way a long context's parts hold at least about sqrt(tiles / 8) tiles,
+so some splits may hold no keys: the "splits" column counts those launched), and its K/V
+bytes over its time are compared with the device-to-device copy bandwidth measured at the
+start (engine/roofline.py). Head shapes are the models': head_dim
 64 as Llama 3.2 1B (32 query heads on 8 KV heads), 128 as Qwen3 0.6B (16 on 8), 256 as
 Gemma 3 1B (4 on 1); ``--heads 32:8`` sets other counts for every head_dim given (with
 ``--head-dims 128``, Llama 3.1 8B's and 70B's group of 4). Every result is checked against

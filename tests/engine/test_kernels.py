@@ -274,23 +274,29 @@ VERIFY_QUERY_LEN = 5
 
 
 @pytest.mark.parametrize(
-    ("heads", "num_splits", "sliding_window"),
+    ("heads", "num_splits", "sliding_window", "sequences"),
     [
-        (HEAD_SHAPES[0], 1, None),
-        (HEAD_SHAPES[1], 3, None),
-        (HEAD_SHAPES[2], 4, 40),
-        (HEAD_SHAPES[3], 1, 5),
-        (HEAD_SHAPES[4], 37, None),
+        (HEAD_SHAPES[0], 1, None, VERIFY_SEQUENCES),
+        (HEAD_SHAPES[1], 3, None, VERIFY_SEQUENCES),
+        (HEAD_SHAPES[2], 4, 40, VERIFY_SEQUENCES),
+        (HEAD_SHAPES[3], 1, 5, VERIFY_SEQUENCES),
+        (HEAD_SHAPES[4], 37, None, VERIFY_SEQUENCES),
+        # long contexts in parts of at least about sqrt(tiles / 8) tiles, windowed: the merge
+        # kernel reads every split, the empty ones weighing nothing
+        (HEAD_SHAPES[0], 40, 900, [(700, 5), (2100, 5), (3000, 3)]),
     ],
 )
 def test_decode_attention_of_several_queries(
-    heads: tuple[int, int, int], num_splits: int, sliding_window: int | None
+    heads: tuple[int, int, int],
+    num_splits: int,
+    sliding_window: int | None,
+    sequences: list[tuple[int, int]],
 ) -> None:
     """The decode kernel with a verify step's padded queries: each sequence's real queries
     (its last positions) attend causally as the prefill reference does; the padding queries
     in front of them are finite and ignored."""
     num_heads, num_kv_heads, head_dim = heads
-    context_lens, query_lens = (list(x) for x in zip(*VERIFY_SEQUENCES, strict=True))
+    context_lens, query_lens = (list(x) for x in zip(*sequences, strict=True))
     batch = paged_batch(context_lens, query_lens, num_kv_heads, head_dim, fill=float("nan"))
     width = VERIFY_QUERY_LEN
     real = torch.cat(
