@@ -156,6 +156,16 @@ config_only() {  # shape -> its config and tokenizer, no weights (--load-format 
   echo "$dir"
 }
 
+long_prompts() {  # log name, output tokens, runs: the 8B shape's TTFT and TPOT after 8k and 32k prompts
+  local m len
+  m=$(config_only llama-3.1-8b)
+  for len in 8192 32768; do
+    timeout 200 python3 scripts/bench_latency.py --model "$m" --load-format dummy \
+      --prompt-len $len --output-len "$2" --runs "$3" 2>&1 | tee "$out/$1-$len.log" \
+      | grep -hE "^tandem, (median|range)" | sed "s/^/prompt $len: /"
+  done
+}
+
 for stage in "$@"; do
   echo "=== $stage $(date -u +%FT%TZ)"
   case $stage in
@@ -334,12 +344,7 @@ PY
         -p no:cacheprovider 2>&1 | tee "$out/prefill-tests.log" | tail -1
       timeout 200 python3 scripts/bench_kernels.py --prefill --heads 32:8 --head-dims 64 128 \
         --prompts 16x512 1x8192 1x32768 2>&1 | tee "$out/prefill-kernel.log" | grep -vE "^(INFO|WARNING)"
-      m=$(config_only llama-3.1-8b)
-      for len in 8192 32768; do
-        timeout 200 python3 scripts/bench_latency.py --model "$m" --load-format dummy \
-          --prompt-len $len --output-len 16 --runs 3 2>&1 | tee "$out/prefill-ttft-$len.log" \
-          | grep -hE "^tandem, (median|range)" | sed "s/^/prompt $len: /"
-      done ;;
+      long_prompts prefill-ttft 16 3 ;;
     decode-splits)  # issue 37 (about 4 minutes): split decode's least part (sqrt(tiles / 8) tiles).
       # Its CUDA tests, then decode attention at batches 1 and 8 over block tables 131,072 tokens
       # wide (a graph's: the engine's split count), the 8B's heads whole and at TP=2, then the 8B
@@ -351,12 +356,7 @@ PY
           --contexts 512 2048 8192 32768 --table-tokens 131072 2>&1 \
           | tee "$out/decode-splits-$heads.log" | grep -E "^ +128 "
       done
-      m=$(config_only llama-3.1-8b)
-      for len in 8192 32768; do
-        timeout 150 python3 scripts/bench_latency.py --model "$m" --load-format dummy \
-          --prompt-len $len --output-len 64 --runs 2 2>&1 | tee "$out/decode-splits-ttft-$len.log" \
-          | grep -hE "^tandem, (median|range)" | sed "s/^/prompt $len: /"
-      done ;;
+      long_prompts decode-splits-latency 64 2 ;;
     qkv-rules)  # the batch-1 QKV kernel's configurations against one_row_qkv_config (about 3 minutes)
       timeout 400 python3 scripts/sweep_matmul_configs.py --parts qkv --shapes llama-3.2-1b \
         llama-3.1-8b llama-3.1-70b qwen3-0.6b qwen3-30b-a3b gpt-oss-20b --tensor-parallel 1 2 4 \
