@@ -6,7 +6,9 @@ new values: the same bits on every rank, equal to NCCL's on two ranks (both add 
 numbers, rounded once) and within the dtype's rounding of the partial sums on four; the sum
 joining a residual stream too (``TensorParallel.all_reduce_into_stream``). Then a graph of
 several all-reduces of changing sizes, as a decode step makes, replayed many times
-between eager calls. One process per GPU, as the engine's ranks."""
+between eager calls; and the one-row product that all-reduces its own output (a row-parallel
+layer's at batch 1), bf16 and fp8 weights, against the product then NCCL's sum. One process
+per GPU, as the engine's ranks."""
 
 from __future__ import annotations
 
@@ -56,6 +58,8 @@ def rank_main(rank: int, size: int, port: int, failures: mp.Queue) -> None:
             x = torch.randn(rows, hidden, device=device, generator=generator).to(dtype)
             wrong += [(make.__name__, *w) for w in check_shape(tp, size, x)]
         wrong += decode_like_graph(tp, size, dtype, device, make.__name__)
+        if make is push and dtype == torch.bfloat16:
+            wrong += one_row_products(tp, size, device)
     failures.put((rank, wrong))
     # Every CUDA graph freed first (each lived in a helper): with one alive the group's
     # teardown did not return.
@@ -144,6 +148,59 @@ def decode_like_graph(
             error = relative_error(outputs[index], reference)
             if error > tolerance:
                 wrong.append((name, str(dtype), "graph of several", replay, index, error))
+    return wrong
+
+
+# Row-parallel one-row products that all-reduce their own output (o and down projections at
+# batch 1, TP=2 shards of the 8B and 70B shapes): [channels, depth], gated.
+PRODUCTS = (((4096, 2048), False), ((4096, 7168), True), ((8192, 4096), False))
+
+
+def one_row_products(tp: TensorParallel, size: int, device: torch.device) -> list[tuple]:
+    """The one-row product that all-reduces its own output and joins the residual stream
+    (``one_row_matmul``'s ``all_reduce``), bf16 and fp8 weights, eager and replayed in a CUDA
+    graph with new values, between all-reduces of the kernel's own: the product then NCCL's
+    sum then the stream, the same bits on every rank (on two ranks equal: both add the same
+    two numbers, rounded once)."""
+    from engine.backends.triton.one_row_matmul import one_row_matmul
+
+    push = tp.symmetric_all_reduce
+    generator = torch.Generator(device).manual_seed(200 + tp.rank)
+    wrong = []
+    for (channels, depth), gated in PRODUCTS:
+        weight = torch.randn(channels, depth, device=device, generator=generator) / depth**0.5
+        scale = weight.abs().amax(dim=1) / 448
+        weights = {
+            "bf16": (weight.bfloat16(), None),
+            "fp8": ((weight / scale[:, None]).to(torch.float8_e4m3fn), scale),
+        }
+        x = torch.zeros(1, 2 * depth if gated else depth, dtype=torch.bfloat16, device=device)
+        stream = torch.zeros(1, channels, dtype=torch.bfloat16, device=device)
+        for kind, (codes, codes_scale) in weights.items():
+            operands = (x, codes, codes_scale)
+            fused = {"gated": gated, "add": stream, "all_reduce": push}
+            one_row_matmul(*operands, **fused)  # compiles, outside the capture
+            torch.cuda.synchronize()
+            dist.barrier()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                graph_output = one_row_matmul(*operands, **fused)
+            for replay in range(3):
+                x.copy_(torch.randn(x.shape, device=device, generator=generator))
+                stream.copy_(torch.full_like(stream, 0.25 * replay))  # alike on every rank
+                graph.replay()
+                tp.all_reduce(x[:, :depth].clone())  # the kernel's own between replays
+                eager = one_row_matmul(*operands, **fused)
+                for path, summed in (("graph", graph_output), ("eager", eager)):
+                    reference = one_row_matmul(x, codes, codes_scale, gated=gated)
+                    dist.all_reduce(reference)
+                    reference += stream
+                    first = summed.clone()
+                    dist.broadcast(first, 0)
+                    tolerance = 0 if size == 2 else 4 * torch.finfo(torch.bfloat16).eps
+                    error = relative_error(summed, reference)
+                    if not torch.equal(first, summed) or error > tolerance:
+                        wrong.append(("one-row", kind, channels, depth, path, replay, error))
     return wrong
 
 
