@@ -422,11 +422,13 @@ def one_row_matmul(
     out = operands.x.new_empty(1, channels, dtype=out_dtype or operands.x.dtype)
     if add is not None:
         assert add.shape == out.shape and add.dtype == out.dtype and add.stride(-1) == 1
-    reduce = {"local_ptr": out, "addresses_ptr": out, "state_ptr": out}  # unread unless REDUCE
-    constants = {"RANK": 0, "RANKS": 1, "PART": 1, "EMPTY": 0}
+    # Unread unless REDUCE, and alike for every product without it: no variant of their own.
+    reduce = {"local_ptr": out, "addresses_ptr": out, "state_ptr": out}
+    constants = {"RANK": 0, "RANKS": 1, "PART": 1, "EMPTY": 0, "SUM_BLOCK": 1}
     if all_reduce is not None:
         assert all_reduce.accepts(out)
         reduce, constants = all_reduce.kernel_operands()
+        constants["SUM_BLOCK"] = min(triton.next_power_of_2(channels), SUM_BLOCK)
     config = config or one_row_config(channels, depth, weight.dtype, operands.normed)
     _one_row_kernel[(triton.cdiv(channels, config.rows),)](
         *operands.pointers,
@@ -443,7 +445,6 @@ def one_row_matmul(
         **constants,
         BLOCK_N=config.rows,
         BLOCK_BYTES=config.chunk_bytes,
-        SUM_BLOCK=min(triton.next_power_of_2(channels), SUM_BLOCK),
         num_warps=config.warps,
         num_stages=1,
         **launch_options(out.device),
