@@ -41,6 +41,23 @@ def relative_error(x: torch.Tensor, reference: torch.Tensor) -> float:
     return ((x.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
 
 
+def tolerance(size: int, dtype: torch.dtype) -> float:
+    """How far a sum may be from NCCL's: not at all on two ranks (both add the same two
+    numbers, rounded once), within the dtype's rounding of the partial sums on more."""
+    return 0 if size == 2 else 4 * torch.finfo(dtype).eps
+
+
+def disagreement(summed: torch.Tensor, reference: torch.Tensor, size: int) -> float | None:
+    """``summed``'s relative error from NCCL's ``reference`` where it is wrong: other bits
+    than rank 0's (collective: every rank calls it) or past ``tolerance``; None where right."""
+    first = summed.clone()
+    dist.broadcast(first, 0)
+    error = relative_error(summed, reference)
+    if not torch.equal(first, summed) or error > tolerance(size, summed.dtype):
+        return error
+    return None
+
+
 def rank_main(rank: int, size: int, port: int, failures: mp.Queue) -> None:
     os.environ.update(NO_MULTICAST)
     torch.cuda.set_device(rank)
@@ -96,11 +113,8 @@ def check_shape(tp: TensorParallel, size: int, x: torch.Tensor) -> list[tuple]:
         dist.all_reduce(reference)
         if path == "into stream" and left is None:  # the one kernel added it
             reference += residual
-        first = summed.clone()
-        dist.broadcast(first, 0)
-        tolerance = 0 if size == 2 else 4 * torch.finfo(x.dtype).eps
-        error = relative_error(summed, reference)
-        if not torch.equal(first, summed) or error > tolerance:
+        error = disagreement(summed, reference, size)
+        if error is not None:
             wrong.append((str(x.dtype), *x.shape, path, error))
     return wrong
 
@@ -144,9 +158,8 @@ def decode_like_graph(
             if index:
                 reference += outputs[index - 1].flatten()[0]
             dist.all_reduce(reference)
-            tolerance = 0 if size == 2 else 4 * torch.finfo(dtype).eps
             error = relative_error(outputs[index], reference)
-            if error > tolerance:
+            if error > tolerance(size, dtype):
                 wrong.append((name, str(dtype), "graph of several", replay, index, error))
     return wrong
 
@@ -195,11 +208,8 @@ def one_row_products(tp: TensorParallel, size: int, device: torch.device) -> lis
                     reference = one_row_matmul(x, codes, codes_scale, gated=gated)
                     dist.all_reduce(reference)
                     reference += stream
-                    first = summed.clone()
-                    dist.broadcast(first, 0)
-                    tolerance = 0 if size == 2 else 4 * torch.finfo(torch.bfloat16).eps
-                    error = relative_error(summed, reference)
-                    if not torch.equal(first, summed) or error > tolerance:
+                    error = disagreement(summed, reference, size)
+                    if error is not None:
                         wrong.append(("one-row", kind, channels, depth, path, replay, error))
     return wrong
 
