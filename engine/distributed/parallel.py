@@ -84,10 +84,19 @@ class TensorParallel:
         tensor through symmetric memory where it takes ``x``, else ``x`` summed in place."""
         if self.size == 1:
             return x
-        if self.symmetric_all_reduce is not None and self.symmetric_all_reduce.accepts(x):
-            return self.symmetric_all_reduce(x)
+        one_kernel = self.one_kernel_taking(x)
+        if one_kernel is not None:
+            return one_kernel(x)
         dist.all_reduce(x)
         return x
+
+    def one_kernel_taking(self, x: torch.Tensor) -> OneKernelAllReduce | None:
+        """The one-kernel all-reduce where there is one and it takes ``x``, else None (one
+        rank, no symmetric memory, or too large: NCCL's)."""
+        one_kernel = self.symmetric_all_reduce
+        if self.size > 1 and one_kernel is not None and one_kernel.accepts(x):
+            return one_kernel
+        return None
 
     def all_reduce_into_stream(
         self, x: torch.Tensor, stream: torch.Tensor | None
@@ -95,13 +104,11 @@ class TensorParallel:
         """The sum of every rank's ``x`` as it joins the residual ``stream``, and what is left
         of the stream for the next norm to add: nothing where the one-kernel all-reduce adds
         it (then the next norm reads one vector, not two), else the stream as it came."""
-        one_kernel = self.symmetric_all_reduce
+        one_kernel = self.one_kernel_taking(x)
         if (
             stream is not None
-            and self.size > 1
             and one_kernel is not None
             and one_kernel.adds_stream
-            and one_kernel.accepts(x)
             and stream.shape == x.shape
             and stream.dtype == x.dtype
             and stream.is_contiguous()
@@ -114,15 +121,8 @@ class TensorParallel:
         row-parallel layer's, at batch 1) makes itself, where the one-kernel all-reduce can be
         made so and takes the row: then no kernel of its own runs between the product and the
         next layer. None with one rank, or where it cannot."""
-        one_kernel = self.symmetric_all_reduce
-        if (
-            self.size > 1
-            and one_kernel is not None
-            and one_kernel.fuses_into_one_row
-            and one_kernel.accepts(stream)
-        ):
-            return one_kernel
-        return None
+        one_kernel = self.one_kernel_taking(stream)
+        return one_kernel if one_kernel is not None and one_kernel.fuses_into_one_row else None
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x`` [T, n] side by side in rank order: [T, size * n]."""
