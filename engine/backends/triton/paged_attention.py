@@ -69,9 +69,9 @@ _MIN_DOT_ROWS = 16
 # copy bandwidth over batches and contexts.
 _DECODE_PROGRAMS_PER_SM = 4
 # Splits a context takes per tile of each split, at most (``_least_split_tiles``): 8 tiles in
-# 8 splits, 32 in 16 of 2, 128 in 32 of 4. In a chain of one-row products and batch-1
-# attentions (the 8B shape's heads, whole and at TP=2) these split counts were the fastest
-# of 1 to 132 at contexts of 512, 2,048 and 8,192 keys, or within 5% of it.
+# 8 splits, 32 in 16 of 2, 128 in 32 of 4. Timed at batch 1 in a chain of one-row products
+# and attentions, the 8B shape's heads whole and at TP=2, against split counts of 1 to 132:
+# these were the fastest or close to it (docs/benchmarks.md, decode attention at batch 1).
 _SPLITS_PER_SPLIT_TILE = tl.constexpr(8.0)
 _MIN_SPLIT_TOKENS = 128
 _MAX_SPLITS = 256
