@@ -575,7 +575,6 @@ def _prefill_kernel(
     # window), so they go without masks; the rest (the block's own keys, the window's edge)
     # with them.
     key_start = 0
-    masked_start = 0
     if USE_WINDOW:
         key_start = tl.maximum(first_pos - window + 1, 0)
         masked_start = key_start
