@@ -247,6 +247,27 @@ def test_split_decode_resets_its_counts() -> None:
     assert not decode_split_counts(DEVICE, len(lens) * num_kv_heads).any()
 
 
+@pytest.mark.parametrize("decode", [True, False])
+def test_attention_refuses_int32_block_tables(decode: bool) -> None:
+    """A key's cache offset is computed in the block table's dtype: int32 overflows past 2**31
+    elements of a layer's cache (an illegal address on a GPU), so the kernels take int64 only
+    and say so, instead of reading a wrong slot once the cache is large."""
+    batch = paged_batch([20, 5], [1, 1], 2, 32, fill=0.0)
+    m = batch.metadata
+    q = randn(2, 4, 32)
+    tables = m.block_tables.to(torch.int32)
+    with pytest.raises(AssertionError, match="int64"):
+        if decode:
+            paged_decode_attention(
+                q, batch.key_cache, batch.value_cache, tables, m.context_lens, 32**-0.5
+            )
+        else:
+            paged_prefill_attention(
+                *(q, batch.key_cache, batch.value_cache, tables, m.context_lens),
+                *(m.query_lens, m.query_starts, m.max_query_len, 32**-0.5),
+            )
+
+
 def test_decode_merge_rescales_across_chunks() -> None:
     """The merge kernel (after the fp8 kernel's splits) reads 64 splits at a time and
     rescales what it has summed to each chunk's larger max: 70 splits' partial results, the

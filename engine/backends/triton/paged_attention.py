@@ -680,6 +680,13 @@ def _check_cache(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     assert q.shape[-1] == key_cache.shape[-1] and q.shape[-2] % key_cache.shape[-2] == 0
 
 
+def _check_tables(block_tables: torch.Tensor) -> None:
+    # A key's offset is its block number times the cache's slot stride, computed in the
+    # table's dtype: from int32 it overflows past 2**31 elements of one layer's cache (an
+    # illegal address on a large cache, found so), so the engine's int64 is the only one.
+    assert block_tables.dtype == torch.int64, f"block tables are int64, not {block_tables.dtype}"
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     # float32 engines want float32 attention, not TF32's 10-bit mantissa.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -778,12 +785,13 @@ def paged_decode_attention(
     q: [B * query_len, num_heads, head_dim], sequence b's tokens at rows b * query_len
     onwards, at positions context_lens[b] - query_len, ... (a position below 0 reads as 0:
     padding); caches: [num_blocks, block_size, num_kv_heads, head_dim]; block_tables:
-    [B, max_blocks] int; context_lens: [B] int, the new tokens included.
+    [B, max_blocks] int64; context_lens: [B] int, the new tokens included.
     ``num_splits`` defaults to ``default_decode_splits``. For CUDA graphs, pass ``out``
     and, when splitting, ``workspace`` (``decode_workspace``).
     Returns out: [B * query_len, num_heads, head_dim] in q's dtype.
     """
     _check_cache(q, key_cache, value_cache)
+    _check_tables(block_tables)
     num_tokens, num_heads, head_dim = q.shape
     batch = block_tables.shape[0]
     assert context_lens.shape[0] == batch and num_tokens == batch * query_len
@@ -1003,6 +1011,7 @@ def paged_prefill_attention(
     Returns out: [T, num_heads, head_dim] in q's dtype.
     """
     _check_cache(q, key_cache, value_cache)
+    _check_tables(block_tables)
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     batch = block_tables.shape[0]
