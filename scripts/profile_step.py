@@ -82,6 +82,7 @@ def profile_batch(
     if cuda:
         activities.append(ProfilerActivity.CUDA)
     # Wall time unprofiled: the profiler's own bookkeeping slows the host side.
+    timed_from = contexts(engine)
     round_ms = []
     for _ in range(rounds):
         if cuda:
@@ -94,6 +95,7 @@ def profile_batch(
         round_ms.append((time.perf_counter() - started) * 1e3 / steps)
     wall_ms = statistics.median(round_ms)
     phase_ms = host_phases(engine, steps)
+    profiled_from = contexts(engine)
     with profile(activities=activities) as profiler:
         for _ in range(steps):
             engine.step()
@@ -108,6 +110,12 @@ def profile_batch(
         f"\nbatch {batch}, context {context}: {wall_ms:.4f} ms per decode step "
         f"(wall{spread if rounds > 1 else ''})"
     )
+    # Each step adds a token to every context: the kernels below ran at longer contexts than
+    # the prompts' (a decode's attention reads that many more keys).
+    print(
+        f"  contexts: {timed_from} tokens at the timed rounds' start, {profiled_from} at the "
+        f"profiled steps' start, {steps} more at their end"
+    )
     waiting = phase_ms.pop("waiting for the device")
     busy = sum(phase_ms.values())
     print(
@@ -115,6 +123,13 @@ def profile_batch(
         + ", ".join(f"{name} {ms:.3f}" for name, ms in phase_ms.items())
     )
     report(profiler, host_profile, wall_ms, steps, top, cuda)
+
+
+def contexts(engine: LLMEngine) -> str:
+    """The running requests' context lengths (tokens), as "least-most" or one number."""
+    lengths = [request.num_tokens for request in engine.requests.values()]
+    least, most = min(lengths), max(lengths)
+    return str(least) if least == most else f"{least}-{most}"
 
 
 @contextmanager
