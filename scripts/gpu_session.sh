@@ -16,6 +16,7 @@
 #   scripts/gpu_session.sh merge-fold  # split decode merged in its own launch (issues 37/39)
 #   scripts/gpu_session.sh prefill-attn qkv-rules  # prefill attention; the batch-1 QKV kernel's rule
 #   scripts/gpu_session.sh decode-splits  # batch-1 decode attention at the engine's split count
+#   scripts/gpu_session.sh blas-lt  # cuBLASLt's products against cuBLAS', offline (issue 37)
 #
 # moe (issue 39, about 8 minutes): tests/gpu/test_moe_cuda.py (small Qwen3-MoE and Mixtral
 # against transformers in float32, torch and triton backends; fp8 experts), then at the
@@ -357,6 +358,22 @@ PY
           | tee "$out/decode-splits-$heads.log" | grep -E "^ +128 "
       done
       long_prompts decode-splits-latency 64 2 ;;
+    blas-lt)  # issue 37 (about 7 minutes): PyTorch's products through cuBLASLt
+      # (TORCH_BLAS_PREFER_CUBLASLT=1: its kernels, no split-K reduction kernel at 17-128 rows)
+      # against cuBLAS (the default), alternated for ROUNDS rounds (default 2): bench_offline's
+      # throughput at the 8B shape (the prompts repeated run to run), the 1B's and Qwen3 0.6B's,
+      # 3 runs a process; its median and range, and the decode steps by batch size.
+      for round in $(seq "${ROUNDS:-2}"); do
+        for shape in llama-3.1-8b llama-3.2-1b qwen3-0.6b; do
+          repeat=""; [ $shape = llama-3.1-8b ] && repeat=--repeat-prompts
+          for lt in 0 1; do
+            echo "round $round, $shape, TORCH_BLAS_PREFER_CUBLASLT=$lt"
+            TORCH_BLAS_PREFER_CUBLASLT=$lt timeout 150 python3 scripts/bench_offline.py \
+              --model "$(config_only $shape)" --load-format dummy --runs 3 $repeat 2>&1 \
+              | tee "$out/blas-lt-$shape-$lt-$round.log" | grep -E "^tandem, (median|range)|^decode, batch"
+          done
+        done
+      done ;;
     qkv-rules)  # the batch-1 QKV kernel's configurations against one_row_qkv_config (about 3 minutes)
       timeout 400 python3 scripts/sweep_matmul_configs.py --parts qkv --shapes llama-3.2-1b \
         llama-3.1-8b llama-3.1-70b qwen3-0.6b qwen3-30b-a3b gpt-oss-20b --tensor-parallel 1 2 4 \
