@@ -288,6 +288,7 @@ def add_arguments(parser: argparse.ArgumentParser, config_class: type) -> None:
         aliases = kwargs.pop("aliases", ())
         kind = _value_type(hints[config_field.name])
         flag = "--" + config_field.name.replace("_", "-")
+        kwargs["help"] = _with_default(kwargs["help"], config_field.default)
         if kind is bool:
             # --flag and --no-flag; a None default leaves the choice to the engine.
             kwargs["action"] = argparse.BooleanOptionalAction
@@ -296,6 +297,16 @@ def add_arguments(parser: argparse.ArgumentParser, config_class: type) -> None:
         parser.add_argument(
             flag, *aliases, dest=config_field.name, default=config_field.default, **kwargs
         )
+
+
+def _with_default(help_text: str, default: Any) -> str:
+    """The help text with its default, where the text does not already say it (a default
+    of None is the engine's choice, which the text describes)."""
+    if default is None or "default" in help_text:
+        return help_text
+    if isinstance(default, bool):
+        default = "on" if default else "off"
+    return f"{help_text} (default: {default})"
 
 
 def from_arguments(config_class: type, args: argparse.Namespace) -> Any:

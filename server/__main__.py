@@ -54,7 +54,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "one model: the option once for each, or their addresses separated by commas",
     )
     parser.add_argument("--port", type=int, required=True, help="HTTP port to listen on")
-    parser.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="HTTP address to listen on (default: 127.0.0.1)"
+    )
     parser.add_argument(
         "--handshake-timeout",
         type=float,

@@ -461,13 +461,23 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model")
-    parser.add_argument("--servers", type=int, default=1)
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--device", choices=["cpu", "cuda"])
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--servers", type=int, default=1, help="HTTP servers (default: 1)")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=8000,
+        help="the first server's port, the next ones after it (default: 8000)",
+    )
+    parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="the servers' HTTP address (default: 127.0.0.1)"
+    )
     parser.add_argument("--engine-address", help="default: an ipc:// socket in $TMPDIR")
     parser.add_argument(
-        "--tensor-parallel-size", type=int, help="GPUs each engine splits the model over"
+        "--tensor-parallel-size",
+        type=int,
+        help="GPUs each engine splits the model over (default: the engine arguments' "
+        "--tensor-parallel-size, else 1)",
     )
     parser.add_argument(
         "--data-parallel-size",
