@@ -410,13 +410,18 @@ def visible_gpus() -> str:
     return ",".join(line.strip() for line in listed.stdout.splitlines() if line.strip())
 
 
+def engine_option(engine_args: list[str], flag: str, kind: type, default: Any) -> Any:
+    """An engine flag's value among the arguments after ``--``, else ``default``."""
+    engine = argparse.ArgumentParser(add_help=False)
+    engine.add_argument(flag, type=kind, default=default, dest="value")
+    return engine.parse_known_args(engine_args)[0].value
+
+
 def tensor_parallel_size(args: argparse.Namespace, engine_args: list[str]) -> int:
     """The supervisor's --tensor-parallel-size, or the engine's if given after ``--``."""
     if args.tensor_parallel_size:
         return args.tensor_parallel_size
-    engine = argparse.ArgumentParser(add_help=False)
-    engine.add_argument("--tensor-parallel-size", type=int, default=1)
-    return engine.parse_known_args(engine_args)[0].tensor_parallel_size
+    return engine_option(engine_args, "--tensor-parallel-size", int, 1)
 
 
 def build_children(args: argparse.Namespace, engine_args: list[str]) -> Supervisor:
@@ -430,11 +435,17 @@ def build_children(args: argparse.Namespace, engine_args: list[str]) -> Supervis
         engine_argv += ["--device", args.device]
     if args.tensor_parallel_size:
         engine_argv += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    # An engine given a longer --drain-timeout than the time it may take to exit is let
+    # finish its drain: cut at that time, its last requests would end without their answer.
+    drain_s = engine_option(engine_args, "--drain-timeout", float, 0.0)
+    stop_timeout_s = max(Child.stop_timeout_s, drain_s)
     engines = []
     for replica, (address, replica_gpus) in enumerate(zip(addresses, gpus, strict=True)):
         name = "engine" if len(addresses) == 1 else f"engine replica {replica}"
         argv = [*engine_argv, "--address", address, *engine_args]
-        engines.append(Child(name, argv, address=address, gpus=replica_gpus))
+        engines.append(
+            Child(name, argv, address=address, gpus=replica_gpus, stop_timeout_s=stop_timeout_s)
+        )
     connect_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     servers = []
     for index in range(args.servers):
