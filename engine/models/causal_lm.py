@@ -79,7 +79,7 @@ class CausalLM(nn.Module):
     """
 
     attention_class: type[Attention] = Attention
-    # Called as (config, attention, ops); keeps DecoderLayer's (x, residual) convention.
+    # Called as (config, attention, ops, tp); keeps DecoderLayer's (x, residual) convention.
     decoder_layer_class: type[nn.Module] = DecoderLayer
     norm_class: type[RMSNorm] = RMSNorm  # the final norm's
     # The checkpoint's module names that differ from ours, one dot-separated part for another
