@@ -249,6 +249,11 @@ class LLMEngine:
         free = self.scheduler.max_num_seqs - len(self.scheduler.running)
         return max(0, len(self.scheduler.waiting) + len(self.compiling) + arriving - free)
 
+    def num_embeddings_waiting(self, arriving: int = 0) -> int:
+        """Embedding requests that wait for a pooling step, with ``arriving`` more: those
+        queued beyond the next step's sequences."""
+        return max(0, len(self.pooler.waiting) + arriving - self.pooler.max_num_seqs)
+
     def num_prompt_tokens_to_compute(self) -> int:
         """Tokens that requests not yet decoding must compute before their next token: the
         prompts (with a preempted request, its output so far too) of those waiting for a

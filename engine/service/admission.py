@@ -39,14 +39,22 @@ class Admission:
     def refusal(self, num_prompt_tokens: int | None = None) -> str | None:
         """Why a request arriving now is refused, or None if it is taken. A request with
         ``num_prompt_tokens`` (a generation's) counts against the bound in prompt tokens too;
-        one with None (an embedding's, pooled in steps of its own) does not."""
+        one with None (an embedding's, pooled in steps of its own) counts in its own queue,
+        against the same bound in requests."""
         if self.engine.num_waiting_for_a_place(arriving=1) > self.max_queued_requests:
             return (
                 f"{self.max_queued_requests} requests already wait for a place in the batch "
                 "(--max-queued-requests)"
             )
+        if num_prompt_tokens is None:
+            if self.engine.num_embeddings_waiting(arriving=1) > self.max_queued_requests:
+                return (
+                    f"{self.max_queued_requests} embedding requests already wait for a pooling "
+                    "step (--max-queued-requests)"
+                )
+            return None
         bound = self.max_queued_prompt_tokens
-        if bound is None or num_prompt_tokens is None:
+        if bound is None:
             return None
         waiting = self.engine.num_prompt_tokens_to_compute()
         if waiting and waiting + num_prompt_tokens > bound:

@@ -303,6 +303,25 @@ def test_a_full_queue_answers_429_at_once_and_the_admitted_finish(guarded: Serve
     wait_for_cache_free(guarded.url)
 
 
+def test_embeddings_past_the_queue_bound_get_429_and_those_within_it_are_answered(
+    guarded: Served,
+) -> None:
+    """Embeddings wait in a queue of their own (pooling steps beside the generations'), bound
+    as the generations' is: one request of many inputs sends them to the engine together, and
+    those past a pooling step's sequences and --max-queued-requests are refused, so the whole
+    request is a 429 (its other inputs aborted); a request within the bound is answered."""
+    client = guarded.client()
+    many = [f"w{index % 50} w7" for index in range(4 * (MAX_NUM_SEQS + MAX_QUEUED))]
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.embeddings.create(model="model", input=many)
+    assert refused.value.response.json()["error"]["code"] == "rate_limit_exceeded"
+    assert refused.value.response.headers.get("retry-after") == "1"
+    wait_for_cache_free(guarded.url)
+    within = client.embeddings.create(model="model", input=many[: MAX_NUM_SEQS + MAX_QUEUED])
+    assert len(within.data) == MAX_NUM_SEQS + MAX_QUEUED
+    wait_for_cache_free(guarded.url)
+
+
 def _sent_to_engine(url: str) -> float:
     """Requests the server has sent to an engine: its arrival-to-engine histogram's count."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
