@@ -144,7 +144,7 @@ def _template_tool_call(call: Any) -> Any:
     elif isinstance(arguments, str):
         try:
             function["arguments"] = json.loads(arguments)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:  # or nested too deep
             raise ChatTemplateError(
                 f"the arguments of a tool call are not valid JSON: {arguments!r}"
             ) from exc

@@ -205,6 +205,9 @@ class _Mismatch(Exception):
 # one message per engine step and request, so walking the annotations anew per value
 # (get_origin, f-strings for paths never shown) was a quarter of a server's CPU.
 _Checker = typing.Callable[[Any], Any]
+# Every integer the engine takes fits a signed 64-bit one (its tensors' int64): MessagePack
+# also carries unsigned ones up to 2**64 - 1, which would overflow a tensor in a step.
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 @functools.cache
@@ -231,10 +234,20 @@ def _checker(hint: Any) -> _Checker:
             return float(value)
 
         return check_number
-    if hint in (int, str, bool, bytes):
+    if hint is int:
+
+        def check_int(value: Any) -> int:
+            # type() rather than isinstance(): True must not pass as an int.
+            if type(value) is not int:
+                raise _Mismatch(f"expected int, got {type(value).__name__}")
+            if not _INT64_MIN <= value <= _INT64_MAX:
+                raise _Mismatch("an integer out of the 64-bit signed range")
+            return value
+
+        return check_int
+    if hint in (str, bool, bytes):
 
         def check_exact(value: Any) -> Any:
-            # type() rather than isinstance(): True must not pass as an int.
             if type(value) is not hint:
                 raise _Mismatch(f"expected {hint.__name__}, got {type(value).__name__}")
             return value
@@ -276,6 +289,8 @@ def _list_checker(item_hint: Any) -> _Checker:
                 raise _Mismatch("expected a list")
             if not all(type(item) is int for item in value):
                 raise _Mismatch("expected a list of integers")
+            if value and not (min(value) >= _INT64_MIN and max(value) <= _INT64_MAX):
+                raise _Mismatch("an integer out of the 64-bit signed range")
             return value
 
         return check_ints

@@ -108,7 +108,7 @@ class StructuredOutput:
         if self.kind == StructuredOutputKind.CHOICE:
             try:
                 choices = json.loads(self.spec)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested past Python's stack
                 choices = None
             if not (
                 isinstance(choices, list)

@@ -93,12 +93,19 @@ def _plain_messages(messages: Sequence[ChatMessage]) -> Iterator[ChatMessage]:
         if message.role != "assistant" or not calls:
             yield message
             continue
+        if not isinstance(calls, list):
+            raise ApiError(
+                400, "an assistant message's tool_calls must be a list", param="messages"
+            )
         written = []
         for call in calls:
             function = call.get("function") if isinstance(call, dict) else None
             if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
                 raise ApiError(400, "each tool call needs a function with a name", param="messages")
-            names[call.get("id", "")] = function["name"]
+            call_id = call.get("id", "")
+            if not isinstance(call_id, str):
+                raise ApiError(400, "a tool call's id must be a string", param="messages")
+            names[call_id] = function["name"]
             written.append({"name": function["name"], "arguments": _arguments(function)})
         text = json.dumps(written, ensure_ascii=False)
         content = _text(message.content)
@@ -114,7 +121,7 @@ def _arguments(function: dict[str, Any]) -> Any:
         return arguments if arguments is not None else {}
     try:
         return json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deep
         return arguments  # not JSON: shown as the text it is
 
 

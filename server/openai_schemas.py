@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -31,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 _MAX_STOP_STRINGS = 4
 MAX_CHOICES = 128  # n, as OpenAI allows
+# The engine's integers are signed 64-bit (its tensors' int64; the wire refuses larger).
+Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 
 
 def _stop_strings(value: Any) -> list[str]:
@@ -173,6 +176,17 @@ class FunctionDefinition(BaseModel):
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
     strict: bool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _definitions_are_objects(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        # tool_choice "required" moves them to its schema's root (server/json_schema_defs.py).
+        for section in ("$defs", "definitions"):
+            if value is not None and not isinstance(value.get(section, {}), dict):
+                raise PydanticCustomError(
+                    "invalid_type", "{section} must be an object", {"section": section}
+                )
+        return value
+
 
 class Tool(BaseModel):
     type: Literal["function"]
@@ -186,7 +200,7 @@ class SamplingFields(RequestBody):
 
     temperature: Annotated[float | None, Field(ge=0, le=2)] = None
     top_p: Annotated[float | None, Field(gt=0, le=1)] = None
-    top_k: Annotated[int | None, Field(ge=-1)] = None  # vLLM's; -1 or 0: no top-k cut
+    top_k: Annotated[int | None, Field(ge=-1, lt=2**63)] = None  # vLLM's; -1 or 0: no cut
     # Token ids (as strings, JSON's keys) to a bias added to their logits.
     logit_bias: (
         dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100, le=100)]] | None
@@ -264,7 +278,7 @@ class GenerationBody(SamplingFields, PromptTruncation):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's: lower runs earlier, on an engine with --scheduling-policy priority.
-    priority: int = 0
+    priority: Int64 = 0
     frequency_penalty: Annotated[float | None, Field(ge=-2, le=2)] = None
     presence_penalty: Annotated[float | None, Field(ge=-2, le=2)] = None
     # vLLM's extensions, which many clients use.

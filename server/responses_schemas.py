@@ -22,12 +22,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BeforeValidator, Field, model_validator
+from pydantic import BeforeValidator, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 from protocol import MAX_TOP_LOGPROBS, StructuredOutput
 from server.errors import ApiError
-from server.openai_schemas import ChatCompletionRequest, ChatMessage, RequestBody, SamplingFields
+from server.openai_schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    Int64,
+    RequestBody,
+    SamplingFields,
+    Tool,
+)
 from server.structured_output import structured_output_of
 
 # The input roles, as chat templates know them: a developer message is a system one.
@@ -156,11 +163,21 @@ def _tools(value: Any) -> list[Any]:
         return []
     if not isinstance(value, list):
         raise PydanticCustomError("invalid_type", "tools must be a list")
-    for tool in value:
+    for index, tool in enumerate(value):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind == "function":
             if not isinstance(tool.get("name"), str):
                 raise PydanticCustomError("invalid_type", "a function tool needs a string name")
+            try:  # as the chat request made from this one will take it
+                Tool.model_validate(_chat_tool(tool))
+            except ValidationError as exc:
+                error = exc.errors()[0]
+                field = ".".join(str(part) for part in error["loc"][1:])
+                raise PydanticCustomError(
+                    "invalid_value",
+                    "tools[{index}].{field}: {message}",
+                    {"index": index, "field": field, "message": error["msg"]},
+                ) from None
             continue
         raise PydanticCustomError(
             "unsupported_parameter",
@@ -253,7 +270,7 @@ class ResponsesRequest(SamplingFields):
 
     model: str | None = None
     # vLLM's: lower runs earlier, on an engine with --scheduling-policy priority.
-    priority: int = 0
+    priority: Int64 = 0
     input: Annotated[list[ChatMessage], BeforeValidator(_input_messages)]
     instructions: str | None = None  # a system message before the input
     max_output_tokens: Annotated[int | None, Field(ge=1)] = None

@@ -122,7 +122,7 @@ def _constraint(kind: str, value: Any, param: str) -> StructuredOutput:
         if isinstance(value, str):  # the schema as JSON text
             try:
                 value = json.loads(value)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
                 raise ApiError(400, f"{param} is not valid JSON: {exc}", param=param) from None
         if not isinstance(value, dict | bool):
             raise ApiError(400, f"{param} must be a JSON Schema object", param=param)

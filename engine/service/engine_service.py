@@ -189,7 +189,19 @@ class EngineService:
             except ProtocolError as exc:
                 logger.warning("dropped a malformed message from %s: %s", client.hex(), exc)
                 continue
-            self._handle(client, message)
+            try:
+                self._handle(client, message)
+            except Exception:
+                # A message the codec took that still broke its handling: a check missing
+                # somewhere, which must cost that message alone, never the engine and every
+                # request it holds.
+                logger.exception(
+                    "dropped a %s from %s: its handling failed", message.TYPE, client.hex()
+                )
+                request_id = getattr(message, "request_id", None)
+                if isinstance(request_id, str):
+                    reason = "the engine could not take this request"
+                    self._send(client, ErrorReply(request_id, ErrorCode.INVALID_REQUEST, reason))
 
     def _handle(self, client: bytes, message: Message) -> None:
         match message:

@@ -5,10 +5,12 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import msgpack
 import openai
 import pytest
 import zmq
 
+from protocol import PROTOCOL_VERSION, ErrorReply, HandshakeReply, HandshakeRequest, decode_message
 from tandem.testing.processes import engine_stats, wait_for_cache_free
 from tests.conftest import Cluster
 
@@ -195,10 +197,31 @@ def test_garbage_on_the_engine_socket_is_dropped(cluster: Cluster) -> None:
     rogue.send(b"\x81\xa4type\xa8generate")  # a map naming a message, with no fields
     rogue.send_multipart([b"two", b"frames"])
     rogue.send(b"\xc1" * 1000)
+    # Handshaken, requests the codec takes that once took the engine down: a top_k past a
+    # signed 64-bit integer (a step's int64 tensor overflowed) and a choice constraint nested
+    # past Python's stack (its check raised RecursionError out of the loop).
+    rogue.send(HandshakeRequest(PROTOCOL_VERSION, "rogue").encode())
+    assert isinstance(decode_message(rogue.recv()), HandshakeReply)
+    sampling = {"max_tokens": 4, "top_k": 2**63}
+    rogue.send(msgpack.packb(_generate("big-top-k", sampling), use_bin_type=True))
+    choice = {"max_tokens": 4, "structured_output": {"kind": "choice", "spec": "[" * 100_000}}
+    rogue.send(msgpack.packb(_generate("nested", choice), use_bin_type=True))
+    refusal = decode_message(rogue.recv())
+    assert isinstance(refusal, ErrorReply) and refusal.request_id == "nested", refusal
     rogue.close()
     context.term()
     assert "Paris" in _chat(cluster.client(1), QUESTION, temperature=0, max_tokens=32)
     assert "dropped" in cluster.log_path.read_text()
+
+
+def _generate(request_id: str, sampling: dict) -> dict:
+    """A generate message's map, as a server would send it, with these sampling fields."""
+    return {
+        "type": "generate",
+        "request_id": request_id,
+        "prompt_token_ids": [1, 2, 3],
+        "sampling": sampling,
+    }
 
 
 def test_chat_logprobs_streamed_and_not(cluster: Cluster) -> None:

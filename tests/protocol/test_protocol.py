@@ -112,6 +112,28 @@ def _frame(body: dict) -> bytes:
             ]
         ),
         GenerateRequest("r", [1], SamplingParams()).encode()[:-3],  # truncated
+        # Integers past a signed 64-bit one (MessagePack carries unsigned ones to 2**64 - 1),
+        # which would overflow the engine's int64 tensors in a step.
+        _frame(
+            {
+                "type": "generate",
+                "request_id": "a",
+                "prompt_token_ids": [1],
+                "sampling": {"top_k": 2**63},
+            }
+        ),
+        _frame(
+            {"type": "generate", "request_id": "a", "prompt_token_ids": [2**64 - 1], "sampling": {}}
+        ),
+        _frame(
+            {
+                "type": "generate",
+                "request_id": "a",
+                "prompt_token_ids": [1],
+                "sampling": {},
+                "scheduling": {"priority": 2**63},
+            }
+        ),
     ],
 )
 def test_malformed_frames_raise_protocol_error(frame: bytes) -> None:
@@ -210,6 +232,8 @@ def test_structured_output_is_optional_on_the_wire() -> None:
         (StructuredOutput("choice", "yes"), "JSON list of strings"),
         (StructuredOutput("choice", "[]"), "JSON list of strings"),
         (StructuredOutput("choice", '["a", 1]'), "JSON list of strings"),
+        # Nested past Python's recursion limit: a refusal, not a RecursionError.
+        (StructuredOutput("choice", "[" * 100_000), "JSON list of strings"),
     ],
 )
 def test_structured_output_validation_names_the_problem(

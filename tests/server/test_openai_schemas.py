@@ -147,6 +147,9 @@ def test_empty_messages(client: TestClient) -> None:
         ("top_p", 0),
         ("top_p", 1.5),
         ("top_k", -2),
+        # Past a signed 64-bit integer, which the engine's tensors hold (its wire refuses it).
+        ("top_k", 2**63),
+        ("priority", 2**63),
         ("seed", 2**64),
         ("stream", "sometimes"),
     ],
@@ -179,6 +182,7 @@ def test_honest_refusals(client: TestClient) -> None:
         ({"guided_choice": []}, "guided_choice"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
         ({"guided_regex": "a", "guided_json": {}}, "guided_json"),
+        ({"guided_json": "[" * 100_000}, "guided_json"),  # nested past Python's stack
     ],
 )
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
@@ -249,6 +253,29 @@ def test_message_fields(client: TestClient) -> None:
     )
     response = client.post("/v1/chat/completions", json=with_image)
     assert_error(response, 400, "messages[1].content", "unsupported_parameter")
+
+
+def test_malformed_tool_calls_and_tool_schemas_are_400s(client: TestClient) -> None:
+    """Tool calls in the conversation and tool schemas that pass the body's validation but
+    would break the prompt or the call grammar: each a 400 naming its field, none a 500."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    nested = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 100_000}}
+    calls_of = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]
+    # The chat template's way (it shows the calls): arguments nested past Python's stack.
+    calls_of[1]["tool_calls"] = [nested]
+    assert_error(client.post("/v1/chat/completions", json=chat(messages=calls_of)), 400, "messages")
+    # A template that does not show tools gets them in a system message of the server's.
+    for calls in (5, [{"id": [1], "type": "function", "function": {"name": "f"}}]):
+        calls_of[1]["tool_calls"] = calls
+        body = chat(messages=calls_of, tools=[tool], tool_choice="required")
+        assert_error(client.post("/v1/chat/completions", json=body), 400, "messages")
+    defs = {"type": "object", "$defs": [1]}
+    body = chat(
+        tools=[{**tool, "function": {"name": "f", "parameters": defs}}], tool_choice="required"
+    )
+    assert_error(
+        client.post("/v1/chat/completions", json=body), 400, "tools[0].function.parameters"
+    )
 
 
 def test_unknown_model(client: TestClient) -> None:

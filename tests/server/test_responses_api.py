@@ -83,6 +83,15 @@ def test_an_unknown_previous_response_is_not_found(client: TestClient) -> None:
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
         ({"tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": [{"type": "function"}]}, "tools"),
+        # As the chat request made from it takes its tools: a 400, not a 500 there.
+        ({"tools": [{"type": "function", "name": ""}]}, "tools"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": "x"}]}, "tools"),
+        ({"tools": [{"type": "function", "name": "f", "strict": "maybe"}]}, "tools"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": "[" * 100_000}}},
+            "text.format",
+        ),
+        ({"priority": 2**63}, "priority"),
         ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input"),
         ({"tools": [TOOL]}, "tool_choice"),  # "auto": plain ChatML names no parser
         ({"repetition_penalty": 0}, "repetition_penalty"),  # validated as chat's
