@@ -15,6 +15,11 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 _HEADER = "x-request-id"
+# The longest client id taken (a UUID is 36 characters): it names the request in every
+# engine message and output frame and every streamed chunk, so an id of megabytes (a header
+# has no body's size limit) would cost that much again each token, and past the engine's
+# frame limit take the server's connection down with every request on it.
+MAX_REQUEST_ID_CHARS = 128
 
 
 class RequestIdHeader:
@@ -26,7 +31,12 @@ class RequestIdHeader:
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(_HEADER.encode())
-        request_id = given.decode("latin-1") if given else uuid.uuid4().hex
+        # A client's own id as it is, if short and printable; else a new one.
+        taken = given is not None and 0 < len(given) <= MAX_REQUEST_ID_CHARS
+        if taken and given.isascii() and given.decode("ascii").isprintable():
+            request_id = given.decode("ascii")
+        else:
+            request_id = uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
 
         async def send_with_id(message: Message) -> None:

@@ -24,6 +24,7 @@ from server.engine_pool import EnginePool
 from server.errors import ApiError
 from server.openai_schemas import ChatCompletionRequest, CompletionRequest, parse_request
 from server.prompts import chat_generation
+from server.request_id import MAX_REQUEST_ID_CHARS
 from server.served_model import ServedModel
 
 MODEL = "tiny-test-model"
@@ -465,6 +466,16 @@ def test_request_ids_are_echoed_or_made(client: TestClient) -> None:
         assert response.headers["x-request-id"] == "abc-123"
     made = [client.get("/v1/models").headers["x-request-id"] for _ in range(2)]
     assert made[0] != made[1] and all(len(made_id) == 32 for made_id in made)
+    # An id too long to copy into every engine message and streamed chunk, or unprintable,
+    # is replaced by a new one.
+    for given in ("x" * (MAX_REQUEST_ID_CHARS + 1), "a\tb"):
+        replaced = client.get("/v1/models", headers={"X-Request-Id": given})
+        assert len(replaced.headers["x-request-id"]) == 32
+    longest = "x" * MAX_REQUEST_ID_CHARS
+    assert (
+        client.get("/v1/models", headers={"X-Request-Id": longest}).headers["x-request-id"]
+        == longest
+    )
 
 
 def test_version(client: TestClient) -> None:
