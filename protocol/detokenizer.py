@@ -21,6 +21,12 @@ _REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded as context before the first output token, so that the first
 # output token decodes as it does after the prompt (e.g. keeps its leading space).
 _PROMPT_CONTEXT_TOKENS = 5
+# The most steps in a row that may hold their tokens back (UTF-8 takes at most 4 bytes: a
+# character completes within 3 steps of a byte each); after them, what the window decodes to
+# is emitted as it is. Each step decodes the whole window, so a window that never emptied
+# (tokens that end inside a character again and again, as a request allowed only a lead byte
+# makes; special tokens that decode to nothing) made detokenizing quadratic in the length.
+_MOST_HELD_STEPS = 16
 
 
 class IncrementalDetokenizer:
@@ -56,6 +62,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(context)
         self._prefix_text = self._decode(context)
+        self._held_steps = 0  # steps in a row that emitted nothing
         self._stop = _StopStringMatcher(stop, include_stop)
 
     @property
@@ -73,8 +80,12 @@ class IncrementalDetokenizer:
         text = self._decode(self._ids[self._prefix_offset :])
         # A trailing replacement character means the last token ends inside a
         # character: hold these tokens back until the character is complete.
-        if len(text) <= len(self._prefix_text) or text.endswith(_REPLACEMENT_CHAR):
+        if self._held_steps < _MOST_HELD_STEPS and (
+            len(text) <= len(self._prefix_text) or text.endswith(_REPLACEMENT_CHAR)
+        ):
+            self._held_steps += 1
             return ""
+        self._held_steps = 0
         new_text = text[len(self._prefix_text) :]
         self._advance()
         return self._stop.feed(new_text, searched=self._num_tokens > self._min_tokens)

@@ -114,6 +114,40 @@ def test_several_tokens_per_step_equals_decoding_all(tokenizer: Tokenizer, seed:
     assert not any("\ufffd" in piece for piece in pieces)
 
 
+class CountingTokenizer:
+    """A tokenizer that counts the ids it decodes: the detokenizer's work."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.decoded = 0
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        self.decoded += len(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_tokens_that_never_complete_a_character_cost_a_bounded_window(
+    tokenizer: Tokenizer,
+) -> None:
+    """A request that may sample only one token ending inside a character (a UTF-8 lead
+    byte) never completes one; nor do special tokens that decode to nothing. Each step
+    decodes the held window, so held for ever it made detokenizing quadratic in the output's
+    length (a server's event loop blocked for seconds); held for a few steps, the work stays
+    linear, and the text is what decoding them all says."""
+    lead_bytes = [
+        token_id
+        for token_id in range(tokenizer.get_vocab_size())
+        if tokenizer.decode([token_id]) == "\ufffd"
+        and tokenizer.decode([token_id] * 2) == "\ufffd" * 2
+    ]
+    special = tokenizer.token_to_id("<|im_end|>") or tokenizer.token_to_id("</s>")
+    for ids in ([lead_bytes[0]] * 4000, [special] * 4000):
+        counting = CountingTokenizer(tokenizer)
+        pieces = stream(IncrementalDetokenizer(counting, []), one_by_one(ids))  # type: ignore[arg-type]
+        assert "".join(pieces) == tokenizer.decode(ids)
+        assert counting.decoded < 64 * len(ids)
+
+
 @pytest.mark.parametrize("text", TEXTS)
 def test_emitted_text_is_final(tokenizer: Tokenizer, text: str) -> None:
     ids = tokenizer.encode(text).ids
