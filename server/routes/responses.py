@@ -80,37 +80,54 @@ class Responses:
         self, body: ResponsesRequest, history: list[ChatMessage], peer: str
     ) -> tuple[ChatCompletionRequest, ChatGeneration]:
         """The chat request of ``body`` after ``history``, made ready. With truncation auto,
-        a prompt too long for the context loses its oldest items (after the instructions)
-        until it fits, the last one kept."""
+        a prompt too long for the context loses its oldest items (after the instructions),
+        the fewest that make it fit, the last one kept."""
         chat = body.chat_request(history)
-        while True:
+        structured_output = body.structured_output()
+        try:
+            return chat, await chat_generation(self._model, chat, structured_output, peer)
+        except ApiError as exc:
+            if body.truncation != "auto" or exc.code != "context_length_exceeded":
+                raise
+            too_long = exc
+        # Each cut an oldest item shorter than the one before; fewer items never make a longer
+        # prompt. Searched by halves: a try renders and tokenizes the whole prompt, and trying
+        # them one by one made a long conversation's cost quadratic (minutes of a server's CPU
+        # for a body of a few hundred kilobytes).
+        kept = 1 if body.instructions else 0
+        cuts = _oldest_item_cuts(chat.messages[kept:])
+        fits: tuple[ChatCompletionRequest, ChatGeneration] | None = None
+        low, high = 0, len(cuts) - 1
+        while low <= high:
+            middle = (low + high) // 2
+            shorter = chat.model_copy(
+                update={"messages": chat.messages[:kept] + chat.messages[kept + cuts[middle] :]}
+            )
             try:
-                prepared = await chat_generation(self._model, chat, body.structured_output(), peer)
-                return chat, prepared
+                prepared = await chat_generation(self._model, shorter, structured_output, peer)
             except ApiError as exc:
-                shorter = _without_oldest_item(chat, bool(body.instructions))
-                if (
-                    body.truncation != "auto"
-                    or exc.code != "context_length_exceeded"
-                    or shorter is None
-                ):
+                if exc.code != "context_length_exceeded":
                     raise
-                chat = shorter
+                too_long, low = exc, middle + 1  # if none fits, the last tried is the shortest
+                continue
+            fits, high = (shorter, prepared), middle - 1
+        if fits is None:
+            raise too_long
+        return fits
 
 
-def _without_oldest_item(
-    chat: ChatCompletionRequest, has_instructions: bool
-) -> ChatCompletionRequest | None:
-    """``chat`` without its oldest conversation message (and the tool results that would
-    follow it with no call before them); None if only one is left."""
-    start = 1 if has_instructions else 0
-    conversation = chat.messages[start:]
-    if len(conversation) <= 1:
-        return None
-    rest = conversation[1:]
-    while len(rest) > 1 and rest[0].role == "tool":
-        rest = rest[1:]
-    return chat.model_copy(update={"messages": chat.messages[:start] + rest})
+def _oldest_item_cuts(conversation: list[ChatMessage]) -> list[int]:
+    """Where the conversation starts once its oldest item is dropped, then its two oldest,
+    and so on while one is left: each drop also takes the tool results that would follow it
+    with no call before them."""
+    cuts = []
+    start = 0
+    while len(conversation) - start > 1:
+        start += 1
+        while len(conversation) - start > 1 and conversation[start].role == "tool":
+            start += 1
+        cuts.append(start)
+    return cuts
 
 
 def _not_found(response_id: str, param: str, code: str) -> ApiError:

@@ -106,6 +106,27 @@ def test_bad_fields(client: TestClient, fields: dict[str, Any], param: str) -> N
     assert_error(client.post("/v1/responses", json=body(**fields)), 400, param)
 
 
+def test_truncation_auto_finds_its_cut_in_few_renders(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Truncation auto drops the fewest oldest items that make the prompt fit, found by
+    halves: each try renders and tokenizes the whole prompt, and trying one cut after another
+    cost a long conversation quadratic time. (The prompt made, the request goes on to the
+    engine, which this test has none of: a 503.)"""
+    renders = []
+
+    async def counted(*args: Any) -> Any:
+        renders.append(len(args[1].messages))
+        return await chat_generation(*args)
+
+    monkeypatch.setattr("server.routes.responses.chat_generation", counted)
+    items = [{"role": "user", "content": f"hello {index}"} for index in range(256)]
+    response = client.post("/v1/responses", json=body(input=items, truncation="auto"))
+    assert response.status_code == 503, response.text
+    assert len(renders) <= 2 + 8, renders  # the whole, then a halving search over 255 cuts
+    assert renders[0] == 256 and 1 < renders[-1] < MAX_MODEL_LEN
+
+
 def test_missing_input_unknown_model_and_long_prompt(client: TestClient) -> None:
     response = client.post("/v1/responses", json={"model": MODEL})
     assert_error(response, 400, "input", "missing_required_parameter")
