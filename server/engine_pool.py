@@ -35,6 +35,7 @@ from protocol import (
     Scheduling,
 )
 from server.engine_client import (
+    ENGINE_SILENCE_S,
     CurveKeys,
     EngineClient,
     EngineUnavailable,
@@ -198,6 +199,13 @@ class EnginePool:
         if not ready:
             addresses = ", ".join(replica.client.address for replica in self.replicas)
             raise EngineUnavailable(f"no engine is connected (at {addresses})")
+        # An engine connected but silent (stuck, or its host gone without a word) would keep
+        # a request waiting for ever, and its frames piling up unsent: another, else a 503.
+        ready = [replica for replica in ready if replica.client.alive]
+        if not ready:
+            raise EngineUnavailable(
+                f"no engine has been heard from for {ENGINE_SILENCE_S:.0f} s (its heartbeat)"
+            )
         if len(self.replicas) == 1:
             return ready[0]
         # A replica whose queue is full would refuse: another one, if any is not.

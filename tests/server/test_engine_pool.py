@@ -1,8 +1,15 @@
-"""Prefix affinity's memory: which replica was last sent each prompt prefix."""
+"""Prefix affinity's memory: which replica was last sent each prompt prefix; which replica
+a request goes to."""
 
 from __future__ import annotations
 
-from server.engine_pool import AFFINITY_BLOCK_TOKENS, PrefixAffinity
+import asyncio
+import time
+
+import pytest
+
+from server.engine_client import ENGINE_SILENCE_S, EngineUnavailable
+from server.engine_pool import AFFINITY_BLOCK_TOKENS, EnginePool, PrefixAffinity
 
 BLOCK = AFFINITY_BLOCK_TOKENS
 
@@ -31,3 +38,18 @@ def test_the_least_recently_used_prefixes_are_forgotten() -> None:
     assert affinity.lookup(affinity.keys(prompts[0])) == 0
     assert affinity.lookup(affinity.keys(prompts[1])) is None
     assert affinity.lookup(affinity.keys(prompts[2])) == 2
+
+
+def test_a_silent_engine_gets_no_new_request() -> None:
+    """An engine connected but not heard from for ENGINE_SILENCE_S (stuck, or its host gone
+    without closing the connection) would keep a request waiting for ever: the pool refuses
+    it at once (a 503), and sends again once it hears the engine."""
+    pool = EnginePool(["tcp://127.0.0.1:9"])  # never connected: its state set by hand
+    client = pool.replicas[0].client
+    client._ready = True
+    client.last_heard = time.monotonic() - ENGINE_SILENCE_S - 1
+    with pytest.raises(EngineUnavailable, match="heard from"):
+        pool._choose([1, 2, 3])
+    client.last_heard = time.monotonic()  # a heartbeat
+    assert pool._choose([1, 2, 3]) is pool.replicas[0]
+    asyncio.run(pool.close())
