@@ -587,7 +587,10 @@ class LLMEngine:
             request.append_output_token(token)
             if (
                 len(request.output_token_ids) >= sampling.max_tokens
-                or request.num_tokens >= self.max_model_len
+                # Known tokens, not num_tokens: with overlapped steps that counts the next
+                # token too, sampled by the step in flight, and the context's last token was
+                # dropped.
+                or request.num_known_tokens >= self.max_model_len
             ):
                 new_tokens, new_logprobs = _first(count + 1, tokens, logprobs)
                 output = self._finish(

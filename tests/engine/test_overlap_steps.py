@@ -12,7 +12,7 @@ from transformers import LlamaForCausalLM as HFLlama
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from protocol import FinishReason, RequestOutput, SamplingParams
-from tandem.testing.random_checkpoint import random_prompts
+from tandem.testing.random_checkpoint import random_prompts, save_tiny_word_model
 from tandem.testing.reference import hf_greedy, run_engine
 from tests.engine.test_logprobs import generate
 from tests.engine.test_penalties import penalized_greedy
@@ -40,6 +40,21 @@ def untimed(outputs: dict[str, list[RequestOutput]]) -> dict[str, list[RequestOu
 def assert_all_blocks_free(engine: LLMEngine) -> None:
     assert engine.in_flight is None and not engine.requests
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_request_that_fills_the_context_gets_its_last_token(tmp_path: Path) -> None:
+    """A request whose prompt and max_tokens fill the context exactly (what a server asks for
+    a request without max_tokens) gets every token, as one step at a time does: with steps
+    overlapped, the context's end was checked with the token of the step in flight counted,
+    and the last token was dropped."""
+    save_tiny_word_model(tmp_path)
+    counts = []
+    for overlap in (False, True):
+        config = EngineConfig(
+            model=str(tmp_path), device="cpu", max_model_len=32, overlap_steps=overlap
+        )
+        counts.append(len(run_engine(LLMEngine(config), [[5, 6, 7, 8, 9, 10]], 26)[0]))
+    assert counts == [26, 26]
 
 
 def test_greedy_tokens_match_transformers_with_chunks_and_cached_prefixes(
