@@ -47,6 +47,10 @@ MAX_TOP_LOGPROBS = 20
 # (vLLM's limits).
 MAX_BAD_WORDS = 128
 MAX_BAD_WORDS_TOKENS = 1024
+# The sampling values float32 holds finite: a temperature below vLLM's 1e-5 is greedy (the
+# servers send 0), and a repetition penalty divides or multiplies logits.
+MIN_TEMPERATURE = 1e-5
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
 
 
 class FinishReason:
@@ -176,8 +180,14 @@ class SamplingParams:
         """The reason these parameters are unusable, or None."""
         if self.max_tokens < 1:
             return "max_tokens must be at least 1"
-        if self.temperature < 0:
-            return "temperature must be non-negative"
+        # Within float32's reach (the sampler's): a temperature or repetition penalty near 0
+        # overflows the logits it divides to inf, then NaN, and a top_p that rounds to 0 kept
+        # no token; their tokens were garbage. Servers send vLLM's greedy for temperatures
+        # below MIN_TEMPERATURE.
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
+            return (
+                f"temperature must be 0 (greedy) or a finite number of at least {MIN_TEMPERATURE}"
+            )
         if not 0 < self.top_p <= 1:
             return "top_p must be in (0, 1]"
         if self.top_k < 0:
@@ -196,8 +206,11 @@ class SamplingParams:
             return "logit_bias values must be in [-100, 100]"
         if not 0 <= self.min_p <= 1:
             return "min_p must be in [0, 1]"
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            return "repetition_penalty must be a finite number greater than 0"
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            return (
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, "
+                f"{MAX_REPETITION_PENALTY}]"
+            )
         if not 0 <= self.min_tokens <= self.max_tokens:
             return "min_tokens must be in [0, max_tokens]"
         words = self.bad_words_token_ids

@@ -23,7 +23,15 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from protocol import MAX_TOP_LOGPROBS, SamplingParams, Scheduling, context_length_problem
+from protocol import (
+    MAX_REPETITION_PENALTY,
+    MAX_TOP_LOGPROBS,
+    MIN_REPETITION_PENALTY,
+    MIN_TEMPERATURE,
+    SamplingParams,
+    Scheduling,
+    context_length_problem,
+)
 from server.errors import ApiError
 from server.served_model import ServedModel
 from server.structured_output import structured_output_of
@@ -34,6 +42,11 @@ _MAX_STOP_STRINGS = 4
 MAX_CHOICES = 128  # n, as OpenAI allows
 # The engine's integers are signed 64-bit (its tensors' int64; the wire refuses larger).
 Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
+
+
+def _temperature(value: float) -> float:
+    """As vLLM: a temperature below MIN_TEMPERATURE samples greedily (the engine takes 0)."""
+    return 0.0 if value < MIN_TEMPERATURE else value
 
 
 def _stop_strings(value: Any) -> list[str]:
@@ -209,7 +222,9 @@ class SamplingFields(RequestBody):
     # OpenAI takes any 64-bit seed; the engine's are non-negative (see sampling_params).
     seed: Annotated[int | None, Field(ge=-(2**63), lt=2**63)] = None
     ignore_eos: bool = False
-    repetition_penalty: Annotated[float | None, Field(gt=0, allow_inf_nan=False)] = None
+    repetition_penalty: Annotated[
+        float | None, Field(ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
+    ] = None
     include_stop_str_in_output: bool = False  # a stop string or token ends the text
     # vLLM's: False keeps special tokens' text in the answer.
     skip_special_tokens: bool = True
@@ -410,7 +425,7 @@ class GenerationBody(SamplingFields, PromptTruncation):
         self._check_some_token_allowed(model, bad_words_token_ids)
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=_first(self.temperature, defaults.temperature, 1.0),
+            temperature=_temperature(_first(self.temperature, defaults.temperature, 1.0)),
             top_p=_first(self.top_p, defaults.top_p, 1.0),
             # vLLM's -1 and OpenAI's absence: no cut
             top_k=max(_first(self.top_k, defaults.top_k, 0), 0),

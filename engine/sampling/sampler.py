@@ -193,8 +193,9 @@ def _apply_top_k_top_p(
     """Zero the probabilities outside each row's top-k and top-p nucleus."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(probs.shape[1], device=probs.device)
-    # A token stays if the mass ranked above it is below top_p (so the top token always stays).
-    keep = (sorted_probs.cumsum(dim=-1) - sorted_probs) < top_p.unsqueeze(1)
+    # A token stays if the mass ranked above it is below top_p; the top token always stays,
+    # also where top_p rounds to 0 in float32 (it then kept none).
+    keep = ((sorted_probs.cumsum(dim=-1) - sorted_probs) < top_p.unsqueeze(1)) | (rank == 0)
     keep &= (top_k.unsqueeze(1) == 0) | (rank < top_k.unsqueeze(1))
     return torch.zeros_like(probs).scatter_(1, order, sorted_probs * keep)
 

@@ -91,6 +91,14 @@ def test_top_k_and_top_p_keep_only_the_head() -> None:
     assert set(tokens[1000:].tolist()) == {0}  # token 0 alone holds over half the mass
 
 
+def test_a_top_p_that_rounds_to_zero_keeps_the_top_token() -> None:
+    """A top_p below float32's least (1e-50 is 0 there) keeps the likeliest token, as any top_p
+    does: it kept none, and argmax over all zeros took token 0, whatever the logits."""
+    logits = torch.tensor([[0.0, 1.0, 4.0, 2.0]]).expand(100, 4)
+    rows = [(1.0, 1e-50, 0, 7, step) for step in range(100)]
+    assert set(sample(logits, _params(rows), OPS).tolist()) == {2}
+
+
 def test_penalties_lower_the_tokens_already_generated() -> None:
     logits = torch.zeros(2, 4)
     counts = torch.tensor([[0.0, 1.0, 3.0, 0.0], [2.0, 0.0, 0.0, 0.0]])

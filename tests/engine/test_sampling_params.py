@@ -288,8 +288,14 @@ def test_bad_parameters_are_refused(tiny: tuple[Path, HFLlama]) -> None:
     engine = make_engine(directory, overlap=False)
     refusals = {
         "min_p must be in [0, 1]": SamplingParams(min_p=1.5),
-        "repetition_penalty must be a finite number greater than 0": SamplingParams(
-            repetition_penalty=0.0
+        # Past float32's reach, where the sampler's logits overflowed and its tokens were
+        # garbage (a banned token, a grammar broken): refused, the server's way being greedy
+        # below 1e-5.
+        "repetition_penalty must be in [1e-06, 1000000.0]": SamplingParams(
+            repetition_penalty=1e-300
+        ),
+        "temperature must be 0 (greedy) or a finite number of at least 1e-05": SamplingParams(
+            temperature=1e-40
         ),
         "min_tokens must be in [0, max_tokens]": SamplingParams(max_tokens=4, min_tokens=5),
         "allowed_token_ids must not be empty": SamplingParams(allowed_token_ids=[]),
