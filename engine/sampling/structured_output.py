@@ -127,8 +127,10 @@ def grammar_vocabulary(tokenizer: TokenizerInfo, vocab_size: int) -> xgr.Tokeniz
 class GrammarCompiler:
     """Compiled grammars of one model's vocabulary, by constraint: each distinct one is compiled
     once, on ``executor``'s threads (the library releases the GIL, so the step loop runs on),
-    and the ``max_cached`` most recently asked for are kept. Call from one thread: the step
-    loop."""
+    and the most recently asked for are kept: ``max_cached`` at most, of ``max_cached_bytes``
+    at most once compiled (a grammar's size follows its constraint's, which a request body
+    bounds only loosely: a megabyte's choice list compiles to 171 MB). Call from one thread:
+    the step loop."""
 
     def __init__(
         self,
@@ -137,6 +139,7 @@ class GrammarCompiler:
         executor: Executor,
         *,
         max_cached: int = 256,
+        max_cached_bytes: int = 2 * 1024**3,
         threads_per_compile: int = 4,
     ) -> None:
         # Reading the vocabulary takes a second or so, holding the GIL: done on the pool at
@@ -145,6 +148,7 @@ class GrammarCompiler:
         self._compiler: Future[xgr.GrammarCompiler] | None = None
         self._executor = executor
         self._max_cached = max_cached
+        self._max_cached_bytes = max_cached_bytes
         self._cache: OrderedDict[StructuredOutput, Future[xgr.CompiledGrammar]] = OrderedDict()
 
     @staticmethod
@@ -171,9 +175,20 @@ class GrammarCompiler:
             self._compiler = self._executor.submit(self._new_compiler, *self._vocabulary)
         future = self._executor.submit(self._compile, self._compiler, grammar)
         self._cache[constraint] = future
-        if len(self._cache) > self._max_cached:
-            self._cache.popitem(last=False)  # requests compiling it keep their own reference
+        # The least recently asked for go first; requests compiling one keep their reference.
+        while len(self._cache) > self._max_cached or (
+            len(self._cache) > 1 and self._cached_bytes() > self._max_cached_bytes
+        ):
+            self._cache.popitem(last=False)
         return future
+
+    def _cached_bytes(self) -> int:
+        """The compiled grammars' bytes (those still compiling count as none yet)."""
+        return sum(
+            future.result().memory_size_bytes
+            for future in self._cache.values()
+            if future.done() and future.exception() is None
+        )
 
     @staticmethod
     def _compile(

@@ -309,6 +309,22 @@ def test_each_distinct_constraint_is_compiled_once(
     assert isinstance(first_a.result(), xgr.CompiledGrammar)
 
 
+def test_the_cache_keeps_compiled_grammars_within_its_bytes(
+    tokenizer: TokenizerInfo, vocab_size: int, executor: ThreadPoolExecutor
+) -> None:
+    """Compiled grammars are kept by their bytes too, not only by their count: a large choice
+    list compiles to hundreds of megabytes, and 256 of them would hold an engine's memory."""
+    a, b = (StructuredOutput("regex", regex) for regex in ["a+", "b+"])
+    probe = GrammarCompiler(tokenizer, vocab_size, executor)
+    both = sum(probe.compile(x).result().memory_size_bytes for x in (a, b))
+    compiler = GrammarCompiler(tokenizer, vocab_size, executor, max_cached_bytes=both - 1)
+    first_a = compiler.compile(a)
+    first_a.result()
+    compiler.compile(b).result()  # a and b: more than the budget once b is compiled
+    compiler.compile(StructuredOutput("regex", "c+"))  # so the next compile evicts a
+    assert compiler.compile(a) is not first_a
+
+
 def test_compiles_run_on_the_pool_not_the_caller(tokenizer: TokenizerInfo, vocab_size: int) -> None:
     with ThreadPoolExecutor(max_workers=1) as pool:
         compiler = GrammarCompiler(tokenizer, vocab_size, pool)
