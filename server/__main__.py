@@ -152,6 +152,14 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"(default: {limits.max_connections})",
     )
     parser.add_argument(
+        "--send-timeout",
+        type=float,
+        default=limits.send_timeout_s,
+        help="seconds a response's client may read nothing of it while its send buffer is "
+        f"full; then the connection is closed and the request aborted "
+        f"(default: {limits.send_timeout_s:g})",
+    )
+    parser.add_argument(
         "--drain-timeout",
         type=float,
         default=600.0,
@@ -241,6 +249,7 @@ async def _serve(args: argparse.Namespace) -> int:
             min_body_rate=args.min_body_rate,
             keep_alive_timeout_s=args.keep_alive_timeout,
             max_connections=args.max_connections,
+            send_timeout_s=args.send_timeout,
         )
         _allow_open_files(limits.max_connections)
         config = uvicorn.Config(

@@ -15,7 +15,11 @@ or its body a byte a second (slowloris), holds a file descriptor and a parser fo
   closed (the request's handler sees the client go away);
 - ``--max-connections``: past this many open connections, a new one is answered 503 and
   closed at once (nginx's limit_conn), so that no flood of connections takes all the
-  process's file descriptors.
+  process's file descriptors;
+- ``--send-timeout``: a response (a stream above all) whose client reads nothing of it for
+  this long, its send buffer full, is cut (nginx's send_timeout): the connection is aborted,
+  so the handler sees its client go away and the engine drops the request. uvicorn's send
+  waits on a full buffer for ever, and while it waits the request's outputs pile up.
 
 A body's time does not run while the server itself has paused reading it (uvicorn's flow
 control, when the handler has not yet read what came). The timers are the event loop's,
@@ -46,6 +50,7 @@ class ConnectionLimits:
     min_body_rate: float = 1024.0  # bytes per second
     keep_alive_timeout_s: float = 15.0
     max_connections: int = 2048
+    send_timeout_s: float = 60.0
 
 
 def _raw_response(status: int, reason: str, error: ApiError) -> bytes:
@@ -88,6 +93,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._body_started = 0.0  # loop time the body's headers were complete
         self._body_bytes = 0
         self._last_read = 0.0
+        self._send_watch: asyncio.TimerHandle | None = None  # while writing is paused
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -102,7 +108,33 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._unwatch()
+        self._unwatch_send()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        """The send buffer is full: the client must read some within --send-timeout."""
+        super().pause_writing()
+        self._unwatch_send()
+        self._send_watch = self.loop.call_later(self.limits.send_timeout_s, self._send_stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._unwatch_send()
+
+    def _unwatch_send(self) -> None:
+        if self._send_watch is not None:
+            self._send_watch.cancel()
+            self._send_watch = None
+
+    def _send_stalled(self) -> None:
+        self._send_watch = None
+        logger.info(
+            "closed a connection whose client read nothing of its response for %g s (%s)",
+            self.limits.send_timeout_s,
+            self.client,
+        )
+        # Aborted, not closed: a close would keep the unread bytes and wait for the client.
+        self.transport.abort()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()

@@ -9,6 +9,7 @@ goes away is one INFO line. The timeouts are set small here; their defaults are
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -48,6 +49,7 @@ MAX_NUM_SEQS = 2
 MAX_QUEUED = 2
 # The prioritized engine's bound on prompt tokens left to compute.
 MAX_QUEUED_PROMPT_TOKENS = 64
+SEND_TIMEOUT_S = 2.0
 # How much later than its timeout a cut may come on two shared CPU cores.
 SLACK_S = 2.0
 
@@ -485,6 +487,40 @@ def _finish_order(
         for future in futures:
             future.result()
     return order
+
+
+@pytest.fixture(scope="module")
+def impatient(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """A server with a short send timeout, before an engine of many places."""
+    yield from _serve(
+        tmp_path_factory.mktemp("impatient"),
+        ["--max-num-seqs", "32"],
+        ["--send-timeout", str(SEND_TIMEOUT_S), "--max-generated-tokens", "20000"],
+    )
+
+
+def test_a_stream_whose_client_reads_nothing_is_cut(impatient: Served) -> None:
+    """A client that stops reading a stream without closing its connection held it, and the
+    request's outputs piling up in the server, for ever (uvicorn's send waits on a full
+    buffer without end): past --send-timeout the connection is cut, and the server says so."""
+    # More than loopback's send buffer takes (it grows to 4 MB) and uvicorn's 64 KiB.
+    body = _completion("w5 w6", 480, n=24, stream=True, logprobs=20, model="model")
+    body = json.dumps(body).encode()
+    with socket.socket() as sock:
+        # A small receive window, never read: the server's send buffer fills.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", impatient.port))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        _until(
+            lambda: "read nothing of its response" in impatient.server_log.read_text(),
+            lambda: tail(impatient.server_log),
+            timeout_s=SEND_TIMEOUT_S + 40,
+        )
+    wait_for_cache_free(impatient.url)
 
 
 def test_a_lower_priority_value_runs_first(prioritized: Served) -> None:
