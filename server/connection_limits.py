@@ -81,6 +81,11 @@ _TOO_MANY_CONNECTIONS = _raw_response(
 )
 
 
+def _cancel(timer: asyncio.TimerHandle | None) -> None:
+    if timer is not None:
+        timer.cancel()
+
+
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with ``limits``' header and body timeouts and its cap on
     connections (``--keep-alive-timeout`` is uvicorn's own ``timeout_keep_alive``)."""
@@ -122,9 +127,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._unwatch_send()
 
     def _unwatch_send(self) -> None:
-        if self._send_watch is not None:
-            self._send_watch.cancel()
-            self._send_watch = None
+        _cancel(self._send_watch)
+        self._send_watch = None
 
     def _send_stalled(self) -> None:
         self._send_watch = None
@@ -166,9 +170,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._watch = self.loop.call_later(self.limits.header_timeout_s, self._headers_too_slow)
 
     def _unwatch(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            self._watch = None
+        _cancel(self._watch)
+        self._watch = None
 
     def _headers_too_slow(self) -> None:
         self._watch = None
