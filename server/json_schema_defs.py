@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-_DEFINITION_SECTIONS = ("$defs", "definitions")
+DEFINITION_SECTIONS = ("$defs", "definitions")
 # Keywords whose values are data, not schemas: a "$ref" key in them is not a reference.
 _DATA_KEYWORDS = frozenset({"const", "default", "enum", "examples"})
 
@@ -34,13 +34,13 @@ class HoistedDefs:
         references rewritten."""
         renames: dict[tuple[str, str], str] = {}
         bodies: dict[tuple[str, str], Any] = {}
-        for section in _DEFINITION_SECTIONS:
+        for section in DEFINITION_SECTIONS:
             for name, body in (schema.get(section) or {}).items():
                 renames[(section, name)] = self._free_name(name)
                 bodies[(section, name)] = body
         for key, body in bodies.items():
             self.defs[renames[key]] = _rewritten(body, renames, pointer)
-        kept = {key: value for key, value in schema.items() if key not in _DEFINITION_SECTIONS}
+        kept = {key: value for key, value in schema.items() if key not in DEFINITION_SECTIONS}
         return _rewritten(kept, renames, pointer)
 
     def _free_name(self, name: str) -> str:
@@ -78,7 +78,7 @@ def _reference(ref: str, renames: Mapping[tuple[str, str], str], pointer: str) -
         return ref
     parts = ref[1:].split("/")
     # "#/$defs/Name/rest": parts are "", "$defs", "Name", "rest"...
-    if len(parts) >= 3 and parts[0] == "" and parts[1] in _DEFINITION_SECTIONS:
+    if len(parts) >= 3 and parts[0] == "" and parts[1] in DEFINITION_SECTIONS:
         name = _unescape(parts[2])
         renamed = renames.get((parts[1], name))
         if renamed is not None:

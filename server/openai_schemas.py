@@ -33,6 +33,7 @@ from protocol import (
     context_length_problem,
 )
 from server.errors import ApiError
+from server.json_schema_defs import DEFINITION_SECTIONS
 from server.served_model import ServedModel
 from server.structured_output import structured_output_of
 
@@ -193,7 +194,7 @@ class FunctionDefinition(BaseModel):
     @classmethod
     def _definitions_are_objects(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         # tool_choice "required" moves them to its schema's root (server/json_schema_defs.py).
-        for section in ("$defs", "definitions"):
+        for section in DEFINITION_SECTIONS:
             if value is not None and not isinstance(value.get(section, {}), dict):
                 raise PydanticCustomError(
                     "invalid_type", "{section} must be an object", {"section": section}
@@ -220,7 +221,7 @@ class SamplingFields(RequestBody):
     ) = None
     stop: StopStrings = Field(default_factory=list)
     # OpenAI takes any 64-bit seed; the engine's are non-negative (see sampling_params).
-    seed: Annotated[int | None, Field(ge=-(2**63), lt=2**63)] = None
+    seed: Int64 | None = None
     ignore_eos: bool = False
     repetition_penalty: Annotated[
         float | None, Field(ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)

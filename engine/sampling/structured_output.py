@@ -124,13 +124,20 @@ def grammar_vocabulary(tokenizer: TokenizerInfo, vocab_size: int) -> xgr.Tokeniz
     )
 
 
+def _compiled_bytes(future: Future[xgr.CompiledGrammar]) -> int:
+    """A compiled grammar's bytes; none yet while it compiles, none if its compile failed."""
+    if not future.done() or future.exception() is not None:
+        return 0
+    return future.result().memory_size_bytes
+
+
 class GrammarCompiler:
     """Compiled grammars of one model's vocabulary, by constraint: each distinct one is compiled
     once, on ``executor``'s threads (the library releases the GIL, so the step loop runs on),
     and the most recently asked for are kept: ``max_cached`` at most, of ``max_cached_bytes``
-    at most once compiled (a grammar's size follows its constraint's, which a request body
-    bounds only loosely: a megabyte's choice list compiles to 171 MB). Call from one thread:
-    the step loop."""
+    at most once compiled (a grammar's size grows with its constraint's, which a request body
+    bounds only loosely, and a long choice list compiles to many times its own size). Call
+    from one thread: the step loop."""
 
     def __init__(
         self,
@@ -176,19 +183,13 @@ class GrammarCompiler:
         future = self._executor.submit(self._compile, self._compiler, grammar)
         self._cache[constraint] = future
         # The least recently asked for go first; requests compiling one keep their reference.
+        cached_bytes = sum(map(_compiled_bytes, self._cache.values()))
         while len(self._cache) > self._max_cached or (
-            len(self._cache) > 1 and self._cached_bytes() > self._max_cached_bytes
+            len(self._cache) > 1 and cached_bytes > self._max_cached_bytes
         ):
-            self._cache.popitem(last=False)
+            _, evicted = self._cache.popitem(last=False)
+            cached_bytes -= _compiled_bytes(evicted)
         return future
-
-    def _cached_bytes(self) -> int:
-        """The compiled grammars' bytes (those still compiling count as none yet)."""
-        return sum(
-            future.result().memory_size_bytes
-            for future in self._cache.values()
-            if future.done() and future.exception() is None
-        )
 
     @staticmethod
     def _compile(

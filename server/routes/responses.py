@@ -92,8 +92,7 @@ class Responses:
             too_long = exc
         # Each cut an oldest item shorter than the one before; fewer items never make a longer
         # prompt. Searched by halves: a try renders and tokenizes the whole prompt, and trying
-        # them one by one made a long conversation's cost quadratic (minutes of a server's CPU
-        # for a body of a few hundred kilobytes).
+        # them one by one made a long conversation's cost quadratic in its items.
         kept = 1 if body.instructions else 0
         cuts = _oldest_item_cuts(chat.messages[kept:])
         fits: tuple[ChatCompletionRequest, ChatGeneration] | None = None

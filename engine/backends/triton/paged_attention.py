@@ -683,7 +683,7 @@ def _check_cache(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
 def _check_tables(block_tables: torch.Tensor) -> None:
     # A key's offset is its block number times the cache's slot stride, computed in the
     # table's dtype: from int32 it overflows past 2**31 elements of one layer's cache (an
-    # illegal address on a large cache, found so), so the engine's int64 is the only one.
+    # illegal address on a large cache), so the engine's int64 is the only one.
     assert block_tables.dtype == torch.int64, f"block tables are int64, not {block_tables.dtype}"
 
 
