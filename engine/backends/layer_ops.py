@@ -89,15 +89,17 @@ class LayerOps(Protocol):
         scale: torch.Tensor | None = None,
         *,
         gated: bool = False,
+        bias: torch.Tensor | None = None,
         add: torch.Tensor | None = None,
         all_reduce: OneKernelAllReduce | None = None,
     ) -> torch.Tensor:
         """For a row ``takes_one_row`` takes only: x [1, K] (``gated``: [1, 2K], the input
         silu(gate) * up of its halves; or a deferred norm of a row) times weight [N, K] in
         x's dtype, or int8 / float8 codes with float32 ``scale`` [N] -> [1, N] in x's
-        dtype; summed over the ranks by ``all_reduce`` if given (one that
-        ``fuses_into_one_row``: the product makes it); the residual stream ``add`` [1, N]
-        added to the rounded product (or sum) if given."""
+        dtype; ``bias`` [N] added to the rounded product if given, as ``with_bias`` adds it;
+        summed over the ranks by ``all_reduce`` if given (one that ``fuses_into_one_row``:
+        the product makes it); the residual stream ``add`` [1, N] added to the rounded
+        product (or sum) if given."""
         ...
 
     def weight_only_matmul(

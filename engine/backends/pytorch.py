@@ -258,6 +258,7 @@ class TorchLayerOps:
         scale: torch.Tensor | None = None,
         *,
         gated: bool = False,
+        bias: torch.Tensor | None = None,
         add: torch.Tensor | None = None,
         all_reduce: OneKernelAllReduce | None = None,
     ) -> torch.Tensor:

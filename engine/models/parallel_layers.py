@@ -177,15 +177,17 @@ class RowParallelLinear(ParallelLinear):
         ``forward_silu_gated``) as it joins the residual ``stream``, and what is left of the
         stream for the next norm to add. One row that the layer ops' one-row product takes
         (``LayerOps.takes_one_row``), that product adds the stream and nothing is left
-        (None); under tensor parallelism it all-reduces its share first where it can
+        (None), its bias (gpt-oss's o projection) added first as ``_partial`` adds it; under
+        tensor parallelism it all-reduces its share first where it can
         (``TensorParallel.one_row_all_reduce``). Otherwise the product is a sum over the
         ranks, all-reduced before any addition, which the one-kernel all-reduce makes where it
         can (``TensorParallel.all_reduce_into_stream``), or the stream is left as it came."""
-        if stream is not None and self.bias is None and self.method.ops.takes_one_row(x):
+        if stream is not None and self.method.ops.takes_one_row(x):
             all_reduce = self.tp.one_row_all_reduce(stream)
             if self.tp.size == 1 or all_reduce is not None:
+                bias = self.bias if self.tp.rank == 0 else None
                 return self.method.one_row_into_stream(
-                    self, x, stream, gated=gated, all_reduce=all_reduce
+                    self, x, stream, gated=gated, bias=bias, all_reduce=all_reduce
                 ), None
         return self.tp.all_reduce_into_stream(self._partial(x, gated=gated), stream)
 

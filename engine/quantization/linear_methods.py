@@ -159,18 +159,19 @@ class LinearMethod:
         stream: torch.Tensor,
         *,
         gated: bool = False,
+        bias: torch.Tensor | None = None,
         all_reduce: OneKernelAllReduce | None = None,
     ) -> torch.Tensor:
-        """``stream + apply(layer, x)`` for one row ``x`` that the ops' one-row product takes
-        (``gated``: of silu(gate) * up of its halves, as ``apply_silu_gated``), the residual
-        stream [1, N] added by that product as it stores it, rounded as the sum of the stored
-        product and the stream rounds: a layer's o and down projections, with nothing left
-        for the next norm to add. ``all_reduce``: the product is this rank's share of a sum
-        over the ranks, which the product all-reduces before the stream joins it
-        (``TensorParallel.one_row_all_reduce``)."""
+        """``stream + apply(layer, x, bias)`` for one row ``x`` that the ops' one-row product
+        takes (``gated``: of silu(gate) * up of its halves, as ``apply_silu_gated``), the
+        residual stream [1, N] added by that product as it stores it, rounded as the sum of
+        the stored product (and bias) and the stream rounds: a layer's o and down
+        projections, with nothing left for the next norm to add. ``all_reduce``: the product
+        is this rank's share of a sum over the ranks, which the product all-reduces before
+        the stream joins it (``TensorParallel.one_row_all_reduce``)."""
         row, weight, scale = self.one_row_operands(layer, x)
         return self.ops.one_row_matmul(
-            row, weight, scale, gated=gated, add=stream, all_reduce=all_reduce
+            row, weight, scale, gated=gated, bias=bias, add=stream, all_reduce=all_reduce
         )
 
     def one_row_operands(

@@ -136,8 +136,8 @@ def candidates(
                 MoeGemmConfig(gate_n, block_k, 1, 4, stages),
                 MoeGemmConfig(down_n, block_k, split, 4, stages),
             )
-            for gate_n in (32, 64, 128)
-            for down_n, split in ((32, 1), (64, 1), (64, 2), (128, 1), (128, 4))
+            for gate_n in (16, 32, 64, 128)
+            for down_n, split in ((32, 1), (32, 2), (64, 1), (64, 2), (64, 4), (128, 1), (128, 4))
             for block_k, stages in ((depth, 4), (depth // 2, 5))
         ]
     depth = rule.gate_up.block_k

@@ -22,7 +22,13 @@ import torch
 
 from engine.backends.layer_ops import ClampedSwiGLU
 from engine.backends.pytorch import TorchLayerOps
-from engine.backends.triton.fused_moe import fused_moe, moe_config, quantizes_activations
+from engine.backends.triton import fused_moe as fused_moe_module
+from engine.backends.triton.fused_moe import (
+    fused_moe,
+    grouped_config,
+    moe_config,
+    quantizes_activations,
+)
 from engine.backends.triton.moe_decode import MoeDecodeConfig, moe_decode_config
 from engine.quantization.linear_methods import quantize_per_channel
 from tandem.testing.kernel_reference import moe_experts_reference
@@ -204,6 +210,23 @@ def test_decode_path_is_the_rule_at_a_few_pairs() -> None:
     assert by_pair(1, 2, 8, HALF) and not by_pair(2, 2, 8, HALF)
     assert by_pair(1, 4, 32, HALF) and not by_pair(2, 4, 32, HALF)
     assert by_pair(1, 8, 128, FP8) and not by_pair(64, 8, 4096, FP8)
+
+
+def test_grouped_programs_spread_evenly_over_the_sms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A few tokens' grouped kernels narrow their gate/up programs and split the down depth
+    where wider ones would run more on some SMs than on others: gpt-oss-20b at one token
+    (4 pairs: 180 programs of 64 columns on 132 SMs) takes 32 columns and two splits, while
+    Qwen3-30B-A3B at 8 tokens and Mixtral at 2 keep 64 columns and one split. (The GPU's
+    rule: interpreted, the kernels take small tiles whatever the shape.)"""
+    monkeypatch.setattr(fused_moe_module, "_INTERPRETED", False)
+
+    def grouped(tokens: int, top_k: int, experts: int, hidden: int, inter: int) -> tuple:
+        config = grouped_config(tokens, top_k, experts, hidden, inter, 132, HALF, HALF)
+        return config.gate_up.block_n, config.down.split_k
+
+    assert grouped(1, 4, 32, 2880, 2880) == (32, 2)
+    assert grouped(8, 8, 128, 2048, 768) == (64, 1)
+    assert grouped(2, 2, 8, 4096, 14336) == (64, 1)
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype", "fp8"])

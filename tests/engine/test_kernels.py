@@ -24,7 +24,7 @@ import triton.language as tl
 
 from engine.backends.attention import AttentionMetadata, LayerKVCache, Rotary
 from engine.backends.deferred_norm import DeferredNorm
-from engine.backends.pytorch import TorchLayerOps, TorchPagedAttention, apply_rotary
+from engine.backends.pytorch import TorchLayerOps, TorchPagedAttention, apply_rotary, with_bias
 from engine.backends.pytorch import store_kv as store_kv_reference
 from engine.backends.triton import (
     add_rms_norm,
@@ -841,6 +841,24 @@ def test_one_row_matmul_adds_the_stream_in_its_epilogue(weights: str) -> None:
     got = one_row_matmul(x, weight, scale, gated=gated, add=stream)
     assert torch.equal(got, stream + product)
     assert not torch.equal(got, product)
+
+
+@pytest.mark.parametrize("weights", ["model dtype", "fp8 codes"])
+def test_one_row_matmul_adds_its_bias_as_it_stores(weights: str) -> None:
+    # gpt-oss's o projection and router at batch 1: the bias added in the epilogue, bit for
+    # bit as ``with_bias`` adds it to the stored product (and the stream after, if joined).
+    channels, depth = 37, 300
+    x = randn(1, depth)
+    weight, scale = randn(channels, depth), None
+    if weights == "fp8 codes":
+        weight, scale = quantize_per_channel(weight, FP8)
+    bias, stream = randn(channels), randn(1, channels)
+    product = one_row_matmul(x, weight, scale)
+    got = one_row_matmul(x, weight, scale, bias=bias)
+    assert torch.equal(got, with_bias(product.clone(), bias))
+    assert not torch.equal(got, product)
+    joined = one_row_matmul(x, weight, scale, bias=bias, add=stream)
+    assert torch.equal(joined, stream + with_bias(product.clone(), bias))
 
 
 @pytest.mark.parametrize("rows", [1, 4])

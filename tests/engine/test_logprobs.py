@@ -23,14 +23,16 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, HFLlama]:
 
 
 def generate(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
-    """Each request's outputs, without their queue times: a measurement, which differs from
-    run to run (the tests compare runs)."""
+    """Each request's outputs, without their queue and prefill times: measurements, which
+    differ from run to run (the tests compare runs)."""
     for request_id, (prompt, sampling) in requests.items():
         engine.add_request(b"t", request_id, prompt, sampling)
     outputs: dict[str, list[RequestOutput]] = {request_id: [] for request_id in requests}
     while engine.has_work:
         for _, output in engine.step():
-            outputs[output.request_id].append(dataclasses.replace(output, queue_time=None))
+            outputs[output.request_id].append(
+                dataclasses.replace(output, queue_time=None, prefill_time=None)
+            )
     return outputs
 
 

@@ -39,7 +39,7 @@ from engine.backends.attention import (
 )
 from engine.backends.deferred_norm import DeferredNorm, LinearInput
 from engine.backends.layer_ops import ClampedSwiGLU
-from engine.backends.pytorch import TorchLayerOps, TorchStepOps, with_bias
+from engine.backends.pytorch import TorchLayerOps, TorchStepOps
 from engine.backends.triton import (
     add_rms_norm,
     one_row_qkv_rotary_store,
@@ -209,9 +209,10 @@ class TritonLayerOps(TorchLayerOps):
         self, x: LinearInput, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         # One row (a batch-1 decode step, a prompt's LM head): the one-row kernel reads the
-        # weight faster than cuBLAS, and computes a deferred norm of the row as it reads it.
+        # weight faster than cuBLAS, computes a deferred norm of the row as it reads it, and
+        # adds the bias as it stores (no add kernel of its own in the chain of launches).
         if takes_one_row(x):
-            return with_bias(one_row_matmul(x, weight), bias)
+            return one_row_matmul(x, weight, bias=bias)
         return super().linear(x, weight, bias)
 
     def linear_float32(self, x: LinearInput, weight: torch.Tensor) -> torch.Tensor:
@@ -229,11 +230,14 @@ class TritonLayerOps(TorchLayerOps):
         scale: torch.Tensor | None = None,
         *,
         gated: bool = False,
+        bias: torch.Tensor | None = None,
         add: torch.Tensor | None = None,
         all_reduce: OneKernelAllReduce | None = None,
     ) -> torch.Tensor:
         assert all_reduce is None or isinstance(all_reduce, PushAllReduce)
-        return one_row_matmul(x, weight, scale, gated=gated, add=add, all_reduce=all_reduce)
+        return one_row_matmul(
+            x, weight, scale, gated=gated, bias=bias, add=add, all_reduce=all_reduce
+        )
 
     def weight_only_matmul(
         self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, *, gated: bool = False

@@ -64,6 +64,7 @@ for these shapes).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +100,9 @@ _COMBINE_BLOCK = 512
 # Tiles whose programs run side by side, column block by column block (``_tile_and_columns``).
 _GROUP_TILES = tl.constexpr(8)
 _MAX_SPLIT_K = 8
+# A few tokens' grouped programs: spread at least this evenly over the SMs (``_even_share``),
+# or narrower (more of them) where that spreads them more evenly.
+_EVEN_SHARE = 0.85
 
 
 @dataclass(frozen=True)
@@ -162,9 +166,12 @@ def grouped_config(
       ``num_pairs / min(E, num_pairs)``: 16 up to 8 rows, 32 up to 16, 64 up to 32, 128
       beyond (vLLM's and SGLang's tuned tables for these shapes step alike).
     - 16 or 32 rows (decode steps, bound by reading the weights): 256 bytes of each weight
-      row a step (128 of depth in bf16, 256 of fp8 codes); 64 columns a program, or 32 where
-      that leaves SMs idle (gate/up), and the depth split in two, four or eight for the same
-      reason (down, each split keeping at least 512 of I).
+      row a step (128 of depth in bf16, 256 of fp8 codes). Gate/up: 64 columns a program, or
+      32 or 16 where wider programs spread unevenly over the SMs; down: 64 channels, the
+      depth split in two, four or eight for the same reason (each split keeping at least
+      512 of I). Unevenly: where some SMs run one program more than others
+      (``_even_share``), the step waits for those (gpt-oss-20b at one token: its 4 pairs'
+      180 programs of 64 columns run two on 48 SMs, one on 84).
     - 64 or 128 rows (prefills, bound by the products): 64 of depth a step (32 with a float32
       operand, for the stages to fit in shared memory), gate/up 64 or 128 columns of each
       half, down 128.
@@ -178,14 +185,14 @@ def grouped_config(
         block_m = 16 if rows_per_expert <= 8 else 32
         tiles = active * -(-rows_per_expert // block_m)
         block_k = 256 // weight_dtype.itemsize
-        gate_n = 64 if tiles * triton.cdiv(intermediate, 64) >= processors else 32
-        split_k = 1
-        while (
-            split_k < _MAX_SPLIT_K
-            and tiles * triton.cdiv(hidden, 64) * split_k < processors
-            and intermediate >= 2 * split_k * 512
-        ):
-            split_k *= 2
+        gate_n = _most_even(
+            (64, 32, 16), lambda n: _even_share(tiles * triton.cdiv(intermediate, n), processors)
+        )
+        splits = [split for split in (1, 2, 4, _MAX_SPLIT_K) if intermediate >= split * 512]
+        split_k = _most_even(
+            splits or [1],
+            lambda split: _even_share(tiles * triton.cdiv(hidden, 64) * split, processors),
+        )
         return MoeConfig(
             block_m,
             MoeGemmConfig(gate_n, block_k, 1, 4, 4),
@@ -200,6 +207,22 @@ def grouped_config(
         )
     return MoeConfig(
         128, MoeGemmConfig(128, block_k, 1, 8, 3), MoeGemmConfig(128, block_k, 1, 8, 3)
+    )
+
+
+def _even_share(programs: int, processors: int) -> float:
+    """How evenly ``programs`` alike spread over ``processors`` SMs: the programs an SM runs on
+    average over the most any runs (1: every SM runs as many; a weight-bound kernel lasts as
+    long as its busiest SMs)."""
+    return programs / (processors * -(-programs // processors))
+
+
+def _most_even(choices: tuple[int, ...] | list[int], share: Callable[[int], float]) -> int:
+    """The first of ``choices`` (the preferred first: wider programs, fewer splits) whose
+    programs spread evenly enough (``_EVEN_SHARE``), else the most evenly spread."""
+    return next(
+        (choice for choice in choices if share(choice) >= _EVEN_SHARE),
+        max(choices, key=share),
     )
 
 

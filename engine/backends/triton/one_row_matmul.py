@@ -266,6 +266,7 @@ def _one_row_kernel(
     norm_weight_ptr,
     stream_ptr,
     out_ptr,
+    bias_ptr,
     addend_ptr,
     local_ptr,  # REDUCE's: this rank's all-reduce buffer, its values' bits as integers
     addresses_ptr,  # every rank's buffer
@@ -278,6 +279,7 @@ def _one_row_kernel(
     GATED: tl.constexpr,
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     ADD: tl.constexpr,
     REDUCE: tl.constexpr,
     RANK: tl.constexpr,
@@ -314,6 +316,9 @@ def _one_row_kernel(
         BLOCK_BYTES,
     )
     out = out.to(out_ptr.dtype.element_ty)
+    if HAS_BIAS:  # as ``product + bias`` rounds the stored product's sum (``with_bias``)
+        bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        out = (out.to(tl.float32) + bias).to(out_ptr.dtype.element_ty)
     if REDUCE:
         # This rank's share of the sum goes to every rank's buffer; the last program waits for
         # the whole row from every rank (no other program waits, so none can hold up one it
@@ -406,22 +411,26 @@ def one_row_matmul(
     *,
     gated: bool = False,
     out_dtype: torch.dtype | None = None,
+    bias: torch.Tensor | None = None,
     add: torch.Tensor | None = None,
     all_reduce: PushAllReduce | None = None,
     config: OneRowConfig | None = None,
 ) -> torch.Tensor:
     """x [1, K] (or [1, 2K] gate and up halves, ``gated``; or a deferred norm of a row [1, K])
     and weight [N, K] in x's dtype, or int8 / float8 e4m3 codes with float32 ``scale`` [N]
-    -> [1, N] in ``out_dtype`` (default: x's dtype), summed over the ranks by ``all_reduce``
-    if given (this rank's push all-reduce: the product is its share, rounded to the output's
-    dtype as it is pushed), plus ``add`` [1, N] in that dtype if given (the residual stream
-    the product or the sum joins). ``config``: ``one_row_config``'s unless given (the
-    sweep's candidates)."""
+    -> [1, N] in ``out_dtype`` (default: x's dtype), plus ``bias`` [N] in that dtype if given
+    (rounded as ``with_bias`` adds it to the stored product), summed over the ranks by
+    ``all_reduce`` if given (this rank's push all-reduce: the product is its share, rounded to
+    the output's dtype as it is pushed), plus ``add`` [1, N] in that dtype if given (the
+    residual stream the product or the sum joins). ``config``: ``one_row_config``'s unless
+    given (the sweep's candidates)."""
     operands = row_operands(x, weight, scale, gated)
     channels, depth = weight.shape
     out = operands.x.new_empty(1, channels, dtype=out_dtype or operands.x.dtype)
     if add is not None:
         assert add.shape == out.shape and add.dtype == out.dtype and add.stride(-1) == 1
+    if bias is not None:
+        assert bias.shape == (channels,) and bias.dtype == out.dtype and bias.stride(0) == 1
     # Unread unless REDUCE, and alike for every product without it: no variant of their own.
     reduce = {"local_ptr": out, "addresses_ptr": out, "state_ptr": out}
     constants = {"RANK": 0, "RANKS": 1, "PART": 1, "EMPTY": 0, "SUM_BLOCK": 1}
@@ -433,6 +442,7 @@ def one_row_matmul(
     _one_row_kernel[(triton.cdiv(channels, config.rows),)](
         *operands.pointers,
         out,
+        out if bias is None else bias,  # unread without a bias
         out if add is None else add,  # unread without an addend
         **reduce,
         N=channels,
@@ -440,6 +450,7 @@ def one_row_matmul(
         stride_weight=weight.stride(0),
         eps=operands.eps,
         **operands.flags,
+        HAS_BIAS=bias is not None,
         ADD=add is not None,
         REDUCE=all_reduce is not None,
         **constants,
