@@ -266,6 +266,16 @@ class ServiceConfig:
         "one longer than the bound is taken only when no other prompt tokens wait "
         "(default: no bound)",
     )
+    max_compiling_grammars: int = option(
+        32,
+        "distinct grammars (structured outputs: JSON schemas, regexes, choices, grammars) that "
+        "may compile at once, queued on the engine's grammar threads or running; a request "
+        "whose constraint would start one more is refused at once (HTTP 429 with Retry-After), "
+        "one whose grammar is compiled or compiling already never is. Ordinary schemas "
+        "compile in tens of milliseconds, so the default absorbs bursts of them, while a "
+        "flood of large distinct ones queues no more than this for the requests after it to "
+        "wait behind",
+    )
     drain_timeout: float = option(
         10.0,
         "on SIGTERM, seconds the requests in flight may take to finish (new ones are refused) "

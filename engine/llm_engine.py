@@ -48,6 +48,7 @@ from protocol import (
     SamplingDefaults,
     SamplingParams,
     Scheduling,
+    StructuredOutput,
     TokenLogprobs,
     context_length_problem,
 )
@@ -253,6 +254,14 @@ class LLMEngine:
         """Embedding requests that wait for a pooling step, with ``arriving`` more: those
         queued beyond the next step's sequences."""
         return max(0, len(self.pooler.waiting) + arriving - self.pooler.max_num_seqs)
+
+    def num_grammar_compiles(self, arriving: StructuredOutput | None = None) -> int:
+        """Grammars compiling (queued on the grammar threads, or running), with the compile a
+        request of constraint ``arriving`` would start: none if its grammar is cached or
+        compiling already."""
+        compiler = self.compiling.compiler
+        starts_one = arriving is not None and compiler.would_compile(arriving)
+        return compiler.num_compiling + int(starts_one)
 
     def num_prompt_tokens_to_compute(self) -> int:
         """Tokens that requests not yet decoding must compute before their next token: the

@@ -67,7 +67,7 @@ class ErrorCode:
     PROMPT_TOO_LONG = "prompt_too_long"  # prompt + max_tokens can never fit
     NOT_READY = "not_ready"  # a request before the handshake
     SHUTTING_DOWN = "shutting_down"  # the engine is draining (SIGTERM) and takes no more
-    OVERLOADED = "overloaded"  # --max-queued-requests wait already: try again later
+    OVERLOADED = "overloaded"  # past one of the engine's admission bounds: try again later
 
 
 class StructuredOutputKind:

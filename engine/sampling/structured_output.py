@@ -8,7 +8,8 @@ Four parts, used in this order:
   malformed one is refused with the library's own message; compiling it against the
   vocabulary (the token masks of every grammar state) runs on a thread pool, cached.
 - ``CompilingRequests`` holds the requests whose grammars compile, outside the scheduler,
-  until each is ready or fails.
+  until each is ready or fails; a compile that no request waits for any more is cancelled
+  while it has not started.
 - ``new_matcher`` starts a request's own place in its compiled grammar: each token the host
   reads is accepted into it, and it terminates once it accepts a stop token after a complete
   output.
@@ -24,7 +25,7 @@ import json
 import logging
 import re
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor, Future
 
@@ -136,8 +137,9 @@ class GrammarCompiler:
     once, on ``executor``'s threads (the library releases the GIL, so the step loop runs on),
     and the most recently asked for are kept: ``max_cached`` at most, of ``max_cached_bytes``
     at most once compiled (a grammar's size grows with its constraint's, which a request body
-    bounds only loosely, and a long choice list compiles to many times its own size). Call
-    from one thread: the step loop."""
+    bounds only loosely, and a long choice list compiles to many times its own size). The
+    compiles not done yet are counted (``num_compiling``) for the service to bound them: the
+    pool's queue has no bound of its own. Call from one thread: the step loop."""
 
     def __init__(
         self,
@@ -157,6 +159,9 @@ class GrammarCompiler:
         self._max_cached = max_cached
         self._max_cached_bytes = max_cached_bytes
         self._cache: OrderedDict[StructuredOutput, Future[xgr.CompiledGrammar]] = OrderedDict()
+        # The compiles submitted and not done when last counted (one evicted from the cache
+        # still counts until it is done).
+        self._not_done: set[Future[xgr.CompiledGrammar]] = set()
 
     @staticmethod
     def _new_compiler(
@@ -170,6 +175,18 @@ class GrammarCompiler:
             cache_enabled=False,
         )
 
+    @property
+    def num_compiling(self) -> int:
+        """Compiles queued on the pool or running: those submitted and not done (a cancelled
+        one is done)."""
+        self._not_done = {future for future in self._not_done if not future.done()}
+        return len(self._not_done)
+
+    def would_compile(self, constraint: StructuredOutput) -> bool:
+        """Whether ``compile`` would start a compile for this constraint: the cache holds no
+        grammar of it, compiled or compiling."""
+        return constraint not in self._cache
+
     def compile(self, constraint: StructuredOutput) -> Future[xgr.CompiledGrammar]:
         """The constraint's compiled grammar, maybe still compiling; GrammarError at once if
         the library refuses it. A compile that fails anyway holds its GrammarError."""
@@ -181,6 +198,7 @@ class GrammarCompiler:
         if self._compiler is None:
             self._compiler = self._executor.submit(self._new_compiler, *self._vocabulary)
         future = self._executor.submit(self._compile, self._compiler, grammar)
+        self._not_done.add(future)
         self._cache[constraint] = future
         # The least recently asked for go first; requests compiling one keep their reference.
         cached_bytes = sum(map(_compiled_bytes, self._cache.values()))
@@ -190,6 +208,16 @@ class GrammarCompiler:
             _, evicted = self._cache.popitem(last=False)
             cached_bytes -= _compiled_bytes(evicted)
         return future
+
+    def cancel_unstarted(
+        self, constraint: StructuredOutput, future: Future[xgr.CompiledGrammar]
+    ) -> None:
+        """Cancel ``future``, the constraint's compile that no request waits for any more, if
+        it has not started, and forget it: queued, it would delay every compile behind it, for
+        a grammar nobody may ask for again. A running compile cannot be stopped (the library
+        has no way to), so it finishes, for the cache."""
+        if future.cancel() and self._cache.get(constraint) is future:
+            del self._cache[constraint]
 
     @staticmethod
     def _compile(
@@ -224,6 +252,8 @@ class CompilingRequests:
         self.compiler = compiler
         self.timeout_s = timeout_s
         self._waiting: dict[Request, tuple[Future[xgr.CompiledGrammar], float]] = {}
+        # How many of the waiting requests each compile has: once none, it may be cancelled.
+        self._num_waiting_for: Counter[Future[xgr.CompiledGrammar]] = Counter()
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -237,15 +267,23 @@ class CompilingRequests:
         assert request.sampling.structured_output is not None
         future = self.compiler.compile(request.sampling.structured_output)
         self._waiting[request] = (future, time.monotonic() + self.timeout_s)
+        self._num_waiting_for[future] += 1
         request.status = RequestStatus.COMPILING
 
     def remove(self, request: Request) -> None:
-        """Forget an aborted request; its compile goes on, for the cache."""
-        del self._waiting[request]
+        """Forget a request (aborted, or done waiting); a compile that no request waits for
+        any more is cancelled if it has not started."""
+        future, _ = self._waiting.pop(request)
+        self._num_waiting_for[future] -= 1
+        if self._num_waiting_for[future] == 0:
+            del self._num_waiting_for[future]
+            assert request.sampling.structured_output is not None
+            self.compiler.cancel_unstarted(request.sampling.structured_output, future)
 
     def take_done(self) -> tuple[list[Request], list[tuple[Request, str]]]:
         """The requests whose grammars are ready, each with its matcher, and those whose
-        compile failed or ran out of time, each with the message for its user."""
+        compile failed or ran out of time, each with the message for its user. A compile
+        that the requests out of time leave unwaited for is cancelled if it has not started."""
         ready: list[Request] = []
         failed: list[tuple[Request, str]] = []
         now = time.monotonic()
@@ -266,7 +304,7 @@ class CompilingRequests:
                 )
             else:
                 continue
-            del self._waiting[request]
+            self.remove(request)
         return ready, failed
 
 

@@ -8,7 +8,8 @@ the others.
 Admission control: past ``--max-queued-requests`` requests waiting for a place in the batch,
 or ``--max-queued-prompt-tokens`` prompt tokens left to compute, a new request is refused at
 once (``overloaded``; the servers answer HTTP 429), so that the requests admitted keep their
-latency (engine/service/admission.py). Every second the engine
+latency; so is one whose structured output would start a grammar compile past
+``--max-compiling-grammars`` (engine/service/admission.py). Every second the engine
 sends each server its stats unasked, between two steps: its heartbeat, from which the servers'
 /health and /ready say whether it is alive without asking (an answer would wait behind the
 step); and it sends them at once whenever its queue fills or frees, from which the servers
@@ -74,7 +75,10 @@ class EngineService:
         self.throughput_log = ThroughputLog(engine, config.stats_interval)
         self.drain_timeout_s = config.drain_timeout
         self.admission = Admission(
-            engine, config.max_queued_requests, config.max_queued_prompt_tokens
+            engine,
+            config.max_queued_requests,
+            config.max_queued_prompt_tokens,
+            config.max_compiling_grammars,
         )
         self.next_heartbeat = time.monotonic()
         self.context = zmq.Context()
@@ -267,10 +271,12 @@ class EngineService:
                 ErrorReply(request.request_id, ErrorCode.NOT_READY, "handshake first"),
             )
             return
-        prompt_tokens = (
-            len(request.prompt_token_ids) if isinstance(request, GenerateRequest) else None
-        )
-        refusal = self.admission.refusal(prompt_tokens)
+        if isinstance(request, GenerateRequest):
+            refusal = self.admission.refusal(
+                len(request.prompt_token_ids), request.sampling.structured_output
+            )
+        else:
+            refusal = self.admission.refusal()
         if refusal is not None:
             self._send(client, ErrorReply(request.request_id, ErrorCode.OVERLOADED, refusal))
             return

@@ -1,10 +1,10 @@
 """Overload and hostile clients, with real processes: connections that send nothing, or a
 byte at a time, are cut within their timeouts while the server keeps answering; past the
-cap on connections, and past the engine's queue, requests are refused at once (503, 429)
-while those admitted finish; priorities and users' turns order the queue; /health answers
-from the engine's heartbeat; a drain that runs out of time tells its clients; a client that
-goes away is one INFO line. The timeouts are set small here; their defaults are
-``python -m server --help``'s."""
+cap on connections, past the engine's queue, and past its grammars compiling, requests are
+refused at once (503, 429) while those admitted finish; priorities and users' turns order the
+queue; /health answers from the engine's heartbeat; a drain that runs out of time tells its
+clients; a client that goes away is one INFO line. The timeouts are set small here; their
+defaults are ``python -m server --help``'s."""
 
 from __future__ import annotations
 
@@ -50,6 +50,11 @@ MAX_QUEUED = 2
 # The prioritized engine's bound on prompt tokens left to compute.
 MAX_QUEUED_PROMPT_TOKENS = 64
 SEND_TIMEOUT_S = 2.0
+# The engine with a bound on its grammars compiling lets two compile at once.
+MAX_COMPILING_GRAMMARS = 2
+# Strings in each of a burst's distinct choice lists: a compile of about two seconds on the
+# tiny model's vocabulary, where the engine reads the whole burst in a fraction of one.
+LARGE_CHOICE = 20_000
 # How much later than its timeout a cut may come on two shared CPU cores.
 SLACK_S = 2.0
 
@@ -521,6 +526,84 @@ def test_a_stream_whose_client_reads_nothing_is_cut(impatient: Served) -> None:
             timeout_s=SEND_TIMEOUT_S + 40,
         )
     wait_for_cache_free(impatient.url)
+
+
+@pytest.fixture(scope="module")
+def grammar_bound(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """An engine that lets few grammars compile at once, behind a server of default limits
+    (a large choice list needs its bound on a body's bytes)."""
+    yield from _serve(
+        tmp_path_factory.mktemp("grammar-bound"),
+        ["--max-compiling-grammars", str(MAX_COMPILING_GRAMMARS)],
+        [],
+    )
+
+
+def _constrained(choices: list[str]) -> dict:
+    """The openai client's arguments for a completion that is one of ``choices``."""
+    return {
+        "model": "model",
+        "prompt": "w5 w6",
+        "max_tokens": 16,
+        "extra_body": {"guided_choice": choices},
+    }
+
+
+def test_new_grammars_past_the_bound_get_429_while_compiled_ones_run(
+    grammar_bound: Served,
+) -> None:
+    """A client sending many large distinct constraints queued their compiles without bound,
+    and every other user's structured output waited behind them (and timed out) for minutes.
+    Past --max-compiling-grammars a request whose constraint would start one more compile is
+    refused at once (429 with Retry-After); one whose grammar is compiled already is taken,
+    those admitted finish, every block is free after, and a refused request sent again once
+    the compiles are done is taken."""
+    served = grammar_bound
+    client = served.client()
+    compiled = ["yes", "no"]
+    large = [[f"r{k}c{i}" for i in range(LARGE_CHOICE)] for k in range(MAX_COMPILING_GRAMMARS + 3)]
+
+    def one(choices: list[str]) -> str | openai.RateLimitError:
+        """The choice answered (the word tokenizer decodes a space before each character),
+        or the refusal."""
+        try:
+            text = client.completions.create(**_constrained(choices)).choices[0].text
+        except openai.RateLimitError as exc:
+            return exc
+        return text.replace(" ", "")
+
+    assert one(compiled) in compiled
+    with ThreadPoolExecutor(len(large) + 1) as pool:
+        # Sent while the engine is stopped, the burst reaches it together: no compile is done
+        # before the engine has read the last request.
+        sent = _sent_to_engine(served.url)
+        os.kill(served.engine.pid, signal.SIGSTOP)
+        try:
+            futures = [pool.submit(one, choices) for choices in [*large, compiled]]
+            _until(
+                lambda: _sent_to_engine(served.url) >= sent + len(futures),
+                lambda: "the server never sent the burst on",
+            )
+            time.sleep(0.1)  # counted as they are sent: the last one's send done
+        finally:
+            os.kill(served.engine.pid, signal.SIGCONT)
+        *answers, compiled_answer = [future.result() for future in futures]
+    assert compiled_answer in compiled
+    refused = [answer for answer in answers if isinstance(answer, openai.RateLimitError)]
+    taken = [(text, choices) for text, choices in zip(answers, large, strict=True)]
+    taken = [(text, choices) for text, choices in taken if isinstance(text, str)]
+    assert len(taken) == MAX_COMPILING_GRAMMARS, answers
+    assert all(text in choices for text, choices in taken)
+    for exc in refused:
+        assert exc.status_code == 429
+        error = exc.response.json()["error"]
+        assert error["code"] == "rate_limit_exceeded"
+        assert "--max-compiling-grammars" in error["message"], error
+        assert exc.response.headers["retry-after"] == "1"
+    wait_for_cache_free(served.url)
+    again = large[answers.index(refused[0])]
+    assert one(again) in again
+    wait_for_cache_free(served.url)
 
 
 def test_a_lower_priority_value_runs_first(prioritized: Served) -> None:

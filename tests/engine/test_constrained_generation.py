@@ -318,13 +318,17 @@ def test_abort_while_compiling(tiny: tuple[Path, HFLlama]) -> None:
             free += [output for _, output in engine.step()]
         assert engine.requests[(b"t", "waits")].status is RequestStatus.COMPILING
         assert engine.stats().num_waiting == 1
+        assert engine.num_grammar_compiles() == 1
         aborted = engine.abort(b"t", "waits")
         assert aborted is not None and aborted.finish_reason == FinishReason.ABORT
+        # Its compile had not started: cancelled, for no one waits for it.
+        assert engine.num_grammar_compiles() == 0
+        assert engine.num_grammar_compiles(arriving=REGEX) == 1
     finally:
         gate.set()
     assert tokens_and_finish(free) == (hf_greedy(hf_model, prompt, 4), FinishReason.LENGTH)
     assert not engine.has_work and not engine.take_errors()
-    # The compile went on for the cache: the same constraint runs now.
+    # Asked for again, the constraint compiles anew and runs.
     outputs = generate(engine, {"later": (prompt, SamplingParams(structured_output=REGEX))})
     assert outputs["later"][-1].finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
     assert_all_done(engine)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -20,6 +21,7 @@ from engine.backends.pytorch import TorchStepOps
 from engine.model_config import TokenizerInfo
 from engine.models import load_checkpoint
 from engine.sampling.structured_output import (
+    CompilingRequests,
     GrammarBitmask,
     GrammarCompiler,
     GrammarError,
@@ -27,7 +29,8 @@ from engine.sampling.structured_output import (
     grammar_vocabulary,
     new_matcher,
 )
-from protocol import StructuredOutput, StructuredOutputKind
+from engine.scheduling.request import Request
+from protocol import SamplingParams, StructuredOutput, StructuredOutputKind
 
 MAX_TOKENS = 400
 
@@ -334,6 +337,99 @@ def test_compiles_run_on_the_pool_not_the_caller(tokenizer: TokenizerInfo, vocab
         assert not future.done()  # compile() returned without compiling
         gate.set()
         assert isinstance(future.result(timeout=60), xgr.CompiledGrammar)
+
+
+def constrained_request(request_id: str, constraint: StructuredOutput) -> Request:
+    return Request(b"t", request_id, [1, 2, 3], SamplingParams(structured_output=constraint), 0)
+
+
+def test_compiles_not_done_are_counted_and_only_a_new_constraint_starts_one(
+    tokenizer: TokenizerInfo, vocab_size: int
+) -> None:
+    """What the service bounds (--max-compiling-grammars): the compiles queued or running. A
+    constraint cached or compiling already would start none, so it is never refused."""
+    a, b, c = (StructuredOutput("regex", regex) for regex in ["a+", "b+", "c+"])
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        compiler = GrammarCompiler(tokenizer, vocab_size, pool)
+        gate = threading.Event()
+        pool.submit(gate.wait)  # the compiles queue behind it
+        try:
+            assert compiler.num_compiling == 0 and compiler.would_compile(a)
+            futures = [compiler.compile(a), compiler.compile(b), compiler.compile(a)]
+            # Two distinct compiles; the vocabulary's reading, queued first, is not one.
+            assert compiler.num_compiling == 2
+            assert not compiler.would_compile(a) and not compiler.would_compile(b)
+            assert compiler.would_compile(c)
+        finally:
+            gate.set()
+        for future in futures:
+            future.result(timeout=60)
+    assert compiler.num_compiling == 0
+    assert not compiler.would_compile(a)  # compiled: in the cache
+
+
+def test_a_compile_no_request_waits_for_is_cancelled_before_it_starts(
+    tokenizer: TokenizerInfo, vocab_size: int
+) -> None:
+    """A compile whose requests were all aborted, or ran out of time, is cancelled while it is
+    queued and forgotten: it would delay every compile behind it (for minutes, under a flood
+    of large schemas) for a grammar nobody waits for, and count against the bound. While one
+    request still waits for it, it stays."""
+    a, b = StructuredOutput("regex", "a+"), StructuredOutput("regex", "b+")
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        compiler = GrammarCompiler(tokenizer, vocab_size, pool)
+        compiling = CompilingRequests(compiler, timeout_s=0.2)
+        gate = threading.Event()
+        pool.submit(gate.wait)  # the compiles queue behind it
+        try:
+            first, second = constrained_request("first", a), constrained_request("second", a)
+            compiling.add(first)
+            compiling.add(second)  # the same compile
+            compiling.add(constrained_request("slow", b))
+            a_compile, b_compile = compiler.compile(a), compiler.compile(b)
+            compiling.remove(first)  # aborted
+            assert not a_compile.cancelled()  # the second request waits for it
+            compiling.remove(second)
+            assert a_compile.cancelled() and compiler.would_compile(a)
+            assert compiler.num_compiling == 1  # b's
+            time.sleep(0.3)
+            ready, failed = compiling.take_done()
+            assert not ready
+            assert [(r.request_id, why) for r, why in failed] == [
+                ("slow", "the grammar took more than 0.2 s to compile")
+            ]
+            assert b_compile.cancelled() and compiler.would_compile(b)
+            assert compiler.num_compiling == 0 and not compiling
+        finally:
+            gate.set()
+        # Asked for again, the constraint compiles anew.
+        again = compiler.compile(a)
+        assert again is not a_compile
+        assert isinstance(again.result(timeout=60), xgr.CompiledGrammar)
+
+
+def test_a_running_compile_goes_on_for_the_cache_and_counts_until_done(
+    tokenizer: TokenizerInfo, vocab_size: int
+) -> None:
+    """The library cannot stop a compile: one running when its last request is aborted
+    finishes, for the cache, and counts against the bound until then."""
+    # Ten thousand choices: about a second's compile, long enough to be seen running.
+    many = StructuredOutput("choice", json.dumps([f"option {i} of many" for i in range(10_000)]))
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        compiler = GrammarCompiler(tokenizer, vocab_size, pool)
+        compiling = CompilingRequests(compiler)
+        request = constrained_request("aborted", many)
+        compiling.add(request)
+        future = compiler.compile(many)
+        deadline = time.monotonic() + 60
+        while not future.running():
+            assert not future.done() and time.monotonic() < deadline
+            time.sleep(0.001)
+        compiling.remove(request)
+        assert not future.cancelled()
+        assert compiler.num_compiling == 1 and not compiler.would_compile(many)
+        assert isinstance(future.result(timeout=60), xgr.CompiledGrammar)
+    assert compiler.num_compiling == 0 and compiler.compile(many) is future
 
 
 def test_padded_and_special_tokens_are_never_allowed(
