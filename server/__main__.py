@@ -29,7 +29,12 @@ from server.engine_client import CurveKeys, HandshakeError
 from server.engine_pool import EnginePool
 from server.loop_lag import sample_loop_lag
 from server.reasoning_parsers import REASONING_PARSERS
-from server.response_store import DEFAULT_MAX_RESPONSES, DEFAULT_TTL_S, ResponseStore
+from server.response_store import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_RESPONSES,
+    DEFAULT_TTL_S,
+    ResponseStore,
+)
 from server.served_model import ChatOptions, load_chat_template
 from server.tool_parsers import TOOL_PARSERS
 
@@ -177,6 +182,14 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"none (default: {DEFAULT_MAX_RESPONSES})",
     )
     parser.add_argument(
+        "--responses-store-max-bytes",
+        type=int,
+        default=DEFAULT_MAX_BYTES,
+        help="Responses API: the most bytes of stored responses this server keeps, each "
+        "counted as its JSON and its whole conversation's, the oldest forgotten first; one "
+        f"larger on its own is not kept; 0 stores none (default: {DEFAULT_MAX_BYTES}, 256 MiB)",
+    )
+    parser.add_argument(
         "--responses-store-ttl",
         type=float,
         default=DEFAULT_TTL_S,
@@ -241,7 +254,11 @@ async def _serve(args: argparse.Namespace) -> int:
             args.max_request_bytes,
             drain,
             cors_options(args),
-            ResponseStore(args.responses_store_max, args.responses_store_ttl),
+            ResponseStore(
+                args.responses_store_max,
+                args.responses_store_ttl,
+                args.responses_store_max_bytes,
+            ),
         )
         limits = ConnectionLimits(
             header_timeout_s=args.header_timeout,

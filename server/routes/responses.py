@@ -133,8 +133,8 @@ def _not_found(response_id: str, param: str, code: str) -> ApiError:
     return ApiError(
         404,
         f"Response with id '{response_id}' not found. Responses are kept by the server that "
-        "answered them, for a while (this server's --responses-store-max and "
-        "--responses-store-ttl).",
+        "answered them, for a while (this server's --responses-store-max, "
+        "--responses-store-max-bytes and --responses-store-ttl).",
         param=param,
         code=code,
     )
