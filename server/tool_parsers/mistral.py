@@ -108,11 +108,19 @@ class MistralToolParser(ToolParser):
         end, marker = min(ends) if ends else (-1, "")
         if end < 0:
             end = len(pending) - (0 if final else partial_marker_length(pending, _ARGS, _CALL_ID))
-        self._held += pending[:end]
-        self._name += pending[:end]
+        piece = pending[:end]
+        self._held += piece
         self._pending = pending[end:]
-        name = self._name.strip(_WHITESPACE)
-        if not _NAME_SO_FAR.fullmatch(name) or ((marker or final) and not name):
+        if not self._name:
+            piece = piece.lstrip(_WHITESPACE)
+        # Only the new piece is checked, after what stands for the name so far (valid, or it
+        # was rejected): nothing, a name, or a name and whitespace. Checking the whole name
+        # at each delta made a name that never ends cost quadratic time.
+        so_far = "" if not self._name else "a " if self._name[-1] in _WHITESPACE else "a"
+        self._name += piece
+        name_is_valid = _NAME_SO_FAR.fullmatch((so_far + piece).strip(_WHITESPACE))
+        name = self._name.strip(_WHITESPACE) if marker or final else ""
+        if not name_is_valid or ((marker or final) and not name):
             self._reject()
             self._state = "content"
             return True

@@ -33,6 +33,7 @@ from server.tool_parsers import (
     ToolCall,
     ToolChoiceError,
     ToolParser,
+    ToolParserDelta,
     assemble,
     tool_choice_schema,
     tool_parser_for_template,
@@ -181,6 +182,8 @@ MISTRAL_BY_HAND = {
     "no call": ("Sure, here it is.", "Sure, here it is.", []),
     "not a name": ("[TOOL_CALLS]Hello there.", "[TOOL_CALLS]Hello there.", []),
     "an empty array": ("[TOOL_CALLS][]", "[TOOL_CALLS][]", []),
+    "spaces around the name": ("[TOOL_CALLS] a [ARGS]{}", None, ["a"]),
+    "a space inside the name": ("[TOOL_CALLS]a b[ARGS]{}", "[TOOL_CALLS]a b[ARGS]{}", []),
 }
 
 
@@ -193,6 +196,19 @@ def test_mistral_formats_by_hand(case: str) -> None:
     for call in parsed.tool_calls:
         json.loads(call.arguments)
     assert_streams_as_parsed(MistralToolParser, text)
+
+
+def test_a_mistral_name_that_never_ends_streams_in_linear_time() -> None:
+    """A model can be made to write ``[TOOL_CALLS]`` and then name characters for ever;
+    each token's delta checked the whole name so far, which took 8.7 s for 100,000 of them
+    (a server's event loop blocked that long); each checks only its own now (0.6 s)."""
+    parser = MistralToolParser()
+    start = time.perf_counter()
+    assert parser.feed("[TOOL_CALLS]") == ToolParserDelta()
+    for _ in range(100_000):
+        assert parser.feed("a") == ToolParserDelta()
+    assert parser.finish().content == "[TOOL_CALLS]" + "a" * 100_000
+    assert time.perf_counter() - start < 3
 
 
 LLAMA3_ANSWERS = {
