@@ -52,6 +52,9 @@ class HarmonyReasoningParser(StreamingReasoningParser):
         super().__init__()
         self._state: Literal["first header", "header", "body", "plain"] = "first header"
         self._kind: Literal["reasoning", "content", "call"] = "content"
+        # How far the header in _pending was searched for its end: each delta searches only
+        # what came since (a header that never ends cost quadratic time, searched whole).
+        self._header_searched = 0
 
     def _consume(self, final: bool) -> None:
         while True:
@@ -67,12 +70,14 @@ class HarmonyReasoningParser(StreamingReasoningParser):
                 self._pending = ""
                 return
             if self._state == "header":
-                end = self._pending.find(MESSAGE)
+                end = self._pending.find(MESSAGE, self._header_searched)
                 if end < 0:
                     if final and self._pending:  # a header broken off: shown as written
                         self._out.content += self._pending
                         self._pending = ""
+                    self._header_searched = max(0, len(self._pending) - len(MESSAGE) + 1)
                     return
+                self._header_searched = 0
                 self._begin_body(self._pending[:end])
                 self._pending = self._pending[end + len(MESSAGE) :]
                 self._state = "body"

@@ -10,10 +10,13 @@ stop tokens' (``<|return|>``, ``<|call|>``) left out.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from server.chat_output import ChatDelta, ChatOutput, ChatOutputParser, assemble_chat
 from server.harmony import HarmonyReasoningParser
+from server.reasoning import ReasoningDelta
 from server.reasoning_parsers import reasoning_parser_for_template
 from server.tool_parsers import HarmonyToolParser, tool_parser_for_template
 from tandem.testing.harmony import HARMONY_TEMPLATE, harmony_tokenizer
@@ -124,3 +127,16 @@ def test_text_that_is_not_harmony_is_content() -> None:
 def test_the_template_picks_the_harmony_parsers() -> None:
     assert reasoning_parser_for_template(HARMONY_TEMPLATE) == HarmonyReasoningParser.name
     assert tool_parser_for_template(HARMONY_TEMPLATE) == HarmonyToolParser.name
+
+
+def test_a_header_that_never_ends_streams_in_linear_time() -> None:
+    """A model can be made to write a header and never its ``<|message|>``; each token's
+    delta searched the whole header so far for it, which took 8.6 s for 100,000 deltas (a
+    server's event loop blocked that long); each searches only what came since now (0.35 s)."""
+    parser = HarmonyReasoningParser("")
+    start = time.perf_counter()
+    assert parser.feed("<|channel|>analysis") == ReasoningDelta()
+    for _ in range(100_000):
+        assert parser.feed("a<") == ReasoningDelta()
+    assert parser.finish().content == "<|channel|>analysis" + "a<" * 100_000
+    assert time.perf_counter() - start < 3
