@@ -4,6 +4,7 @@ request made ready for the engine."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,7 @@ from server.served_model import ServedModel
 from server.tool_calling import ChatParsing, tool_use
 
 
-def chat_prompt(
+async def chat_prompt(
     model: ServedModel,
     messages: list[ChatMessage],
     param: str,
@@ -31,21 +32,29 @@ def chat_prompt(
 ) -> str:
     """The prompt text of ``messages`` (and ``tools``, ``documents``) through the chat
     template; errors name ``param``, what the request calls its messages.
-    ``add_generation_prompt`` ends the prompt where the assistant's answer starts."""
+    ``add_generation_prompt`` ends the prompt where the assistant's answer starts.
+
+    Rendered in a thread: the template is Python, its time grows with the request (a body of
+    the default 4 MB holding a hundred thousand short messages takes seconds), and on the
+    event loop it would stop every other request's stream meanwhile. In a thread the loop
+    takes the GIL back at each switch interval and keeps streaming."""
     template = model.chat_template
     if template is None:
         assert model.chat_template_problem is not None
         raise ApiError(400, model.chat_template_problem, param=param)
-    dumped = [message.model_dump(exclude_unset=True) for message in messages]
-    try:
+
+    def render() -> str:
         return template.render(
-            dumped,
+            [message.model_dump(exclude_unset=True) for message in messages],
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             tools=tools,
             documents=documents,
             template_kwargs=template_kwargs,
         )
+
+    try:
+        return await asyncio.to_thread(render)
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), param=param) from exc
 
@@ -69,7 +78,7 @@ async def chat_generation(
     read; ``peer``, the client's address, names its user if the body does not. The chat
     endpoint and the Responses API (which maps its requests to chat ones) both start here."""
     tools = tool_use(model, body)
-    prompt = chat_prompt(
+    prompt = await chat_prompt(
         model,
         tools.prompt.messages(body.messages),
         body.prompt_param,

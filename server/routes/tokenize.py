@@ -24,7 +24,7 @@ class Tokenization:
         if body.messages is not None:
             # As the chat endpoint renders them with tool_choice "none" (or "auto").
             tools = prompt_tools(model, declared_tools(body.tools))
-            prompt = chat_prompt(
+            prompt = await chat_prompt(
                 model,
                 tools.messages(body.messages),
                 "messages",
