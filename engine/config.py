@@ -276,6 +276,16 @@ class ServiceConfig:
         "flood of large distinct ones queues no more than this for the requests after it to "
         "wait behind",
     )
+    max_unread_output_bytes: int = option(
+        256 * 2**20,
+        "bytes of output sent a server that it has not yet said it read (it says so each "
+        "second, at the engine's heartbeat): a frame that would pass this is not sent and the "
+        "server is dropped, its requests aborted, so that a server that stopped reading, or a "
+        "peer that never reads, costs the engine about this much memory at most. Keep it "
+        "above a server's largest frame (a long prompt's prompt log-probabilities: a few "
+        "hundred bytes a token; 64 MiB at most) and a second or two of its output "
+        "(default: 256 MiB)",
+    )
     drain_timeout: float = option(
         10.0,
         "on SIGTERM, seconds the requests in flight may take to finish (new ones are refused) "

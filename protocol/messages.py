@@ -3,7 +3,8 @@
 Servers hold a DEALER socket, the engine a ROUTER socket; each ZeroMQ message is
 one frame holding one encoded message (the ROUTER adds the peer identity frame).
 
-Server -> engine: HandshakeRequest, GenerateRequest, EmbedRequest, AbortRequest, StatsRequest.
+Server -> engine: HandshakeRequest, GenerateRequest, EmbedRequest, AbortRequest, StatsRequest,
+ReadReceipt.
 Engine -> server: HandshakeReply, TokenOutputs, Embedding, ErrorReply, EngineStats.
 
 docs/architecture.md walks through the life of a request in these terms.
@@ -40,7 +41,9 @@ from protocol.codec import Message, by_position
 #    a response format).
 # 10: EngineStats.queue_full, sent whenever it changes (servers refuse by themselves while full).
 # 11: RequestOutput.prefill_time (the servers' request_prefill_time histogram).
-PROTOCOL_VERSION = 11
+# 12: ReadReceipt (the bytes a server has read, for the engine's --max-unread-output-bytes),
+#     and ErrorCode.NOT_READY with an empty request id: the engine dropped this server.
+PROTOCOL_VERSION = 12
 # The most alternatives a request may ask log-probabilities of, as OpenAI's top_logprobs.
 MAX_TOP_LOGPROBS = 20
 # The most token sequences a request's bad words may tokenize to, and their total tokens
@@ -65,7 +68,9 @@ class ErrorCode:
     PROTOCOL_VERSION = "protocol_version"  # handshake from an incompatible server
     INVALID_REQUEST = "invalid_request"  # bad parameters or a duplicate request id
     PROMPT_TOO_LONG = "prompt_too_long"  # prompt + max_tokens can never fit
-    NOT_READY = "not_ready"  # a request before the handshake
+    # A request before the handshake; with no request id, the engine dropped this server (its
+    # output unread past the engine's bound): handshake again.
+    NOT_READY = "not_ready"
     SHUTTING_DOWN = "shutting_down"  # the engine is draining (SIGTERM) and takes no more
     OVERLOADED = "overloaded"  # past one of the engine's admission bounds: try again later
 
@@ -333,6 +338,19 @@ class StatsRequest(Message):
     server each second unasked, its heartbeat (/health and /ready)."""
 
     TYPE: ClassVar[str] = "stats"
+
+
+@dataclass
+class ReadReceipt(Message):
+    """The bytes of the engine's frames this server has read since the last HandshakeReply
+    (that reply not counted). The engine drops a server whose output sent and not read by
+    this count would pass its ``--max-unread-output-bytes``. Sent at each EngineStats received
+    (the heartbeat, every second), and before a handshake again once the engine said it
+    dropped this server (else the reply would pass the bound again); a peer that never sends
+    one counts as reading nothing."""
+
+    TYPE: ClassVar[str] = "read_receipt"
+    bytes_read: int
 
 
 @by_position

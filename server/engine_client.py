@@ -8,7 +8,9 @@ disconnection it fails the requests in flight at once instead of letting them wa
 
 The engine sends its stats every second unasked (its heartbeat); the last ones, and when
 the engine was last heard from, say whether it is alive without asking it (/health,
-/ready), since an answer to a question would wait behind the engine's current step.
+/ready), since an answer to a question would wait behind the engine's current step. Each
+stats received is answered with the bytes read so far (a ReadReceipt): the engine drops a
+server that has more than ``--max-unread-output-bytes`` of its output unread.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from protocol import (
     HandshakeRequest,
     Message,
     ProtocolError,
+    ReadReceipt,
     RequestOutput,
     SamplingParams,
     Scheduling,
@@ -119,6 +122,9 @@ class EngineClient:
         # from (time.monotonic()): any frame counts.
         self.last_stats: EngineStats | None = None
         self.last_heard = 0.0
+        # Bytes of the engine's frames read since its last HandshakeReply (not counted), what a
+        # ReadReceipt says.
+        self._bytes_read = 0
         self._monitor: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -278,6 +284,7 @@ class EngineClient:
 
     def _on_frame(self, frame: bytes) -> None:
         self.last_heard = time.monotonic()
+        self._bytes_read += len(frame)  # a malformed one too: the engine counts what it sends
         try:
             message = decode_message(frame)
         except ProtocolError as exc:
@@ -303,6 +310,8 @@ class EngineClient:
         elif isinstance(message, ErrorReply):
             self._on_error(message)
         elif isinstance(message, EngineStats):
+            if self._ready:
+                self._send(ReadReceipt(self._bytes_read))
             self.last_stats = message
             for waiter in self._stats_waiters:
                 if not waiter.done():
@@ -319,6 +328,9 @@ class EngineClient:
             # reading), and with it every request of ours: fail them, then handshake
             # again so that new requests work.
             self._lose_engine(f"the engine dropped this server: {reply.message}")
+            # What was read first: dropped for its output unread, this server would be dropped
+            # again at the handshake's reply until the engine heard it has read it.
+            self._send(ReadReceipt(self._bytes_read))
             self._send(HandshakeRequest(PROTOCOL_VERSION, self._client_name))
             return
         mailbox = self._mailboxes.get(reply.request_id)
@@ -342,6 +354,7 @@ class EngineClient:
 
     def _on_handshake_reply(self, reply: HandshakeReply) -> None:
         assert self._handshake is not None  # replies only come after connect()
+        self._bytes_read = 0  # the engine counts its bytes sent from each reply on too
         if reply.protocol_version != PROTOCOL_VERSION:
             problem = (
                 f"the engine speaks protocol version {reply.protocol_version}, "

@@ -3,7 +3,10 @@
 One thread: drain every waiting message, run one engine step, send each server its
 step's outputs, repeat. Sends never block: a server that went away (or stopped
 reading) is forgotten and its requests are aborted, so one bad peer cannot stall
-the others.
+the others. A server counts as having stopped reading once the output sent to it and not yet
+read (it says what it has read at each heartbeat: ``ReadReceipt``) would pass
+``--max-unread-output-bytes``: ZeroMQ's own bound on what is queued for a peer counts frames,
+and one frame may hold megabytes.
 
 Admission control: past ``--max-queued-requests`` requests waiting for a place in the batch,
 or ``--max-queued-prompt-tokens`` prompt tokens left to compute, a new request is refused at
@@ -47,6 +50,7 @@ from protocol import (
     HandshakeRequest,
     Message,
     ProtocolError,
+    ReadReceipt,
     RequestOutput,
     StatsRequest,
     TokenOutputs,
@@ -56,8 +60,10 @@ from protocol import (
 
 logger = logging.getLogger(__name__)
 
-# Messages queued for one server before it counts as stuck and is dropped. Generous:
-# a busy server reads thousands of messages a second.
+# Messages queued for one server before it counts as stuck and is dropped: a backstop behind
+# --max-unread-output-bytes, for a peer whose receipts claim reads it never made, and for
+# the error replies to peers that never handshook (no receipts). Generous: a busy server reads
+# thousands of messages a second.
 _SEND_HIGH_WATER_MARK = 100_000
 _IDLE_POLL_MS = 100
 # While requests wait only for their grammars to compile: how often to look at them.
@@ -68,12 +74,24 @@ _CLOSE_LINGER_MS = 2_000
 HEARTBEAT_INTERVAL_S = 1.0
 
 
+@dataclasses.dataclass
+class _OutputBytes:
+    """The bytes of the frames sent to one server, and of those how many it has read, as its
+    last ReadReceipt said."""
+
+    sent: int = 0
+    read: int = 0
+    # ``sent`` once its last HandshakeReply went out: its receipts count the bytes since.
+    at_handshake: int = 0
+
+
 class EngineService:
     def __init__(self, engine: LLMEngine, config: ServiceConfig) -> None:
         self.engine = engine
         build_codecs()  # not on the first request's way to its first token
         self.throughput_log = ThroughputLog(engine, config.stats_interval)
         self.drain_timeout_s = config.drain_timeout
+        self.max_unread_output_bytes = config.max_unread_output_bytes
         self.admission = Admission(
             engine,
             config.max_queued_requests,
@@ -107,6 +125,10 @@ class EngineService:
         self.socket.bind(config.address)
         self.address = config.address
         self.handshaken: set[bytes] = set()
+        # Every server handshaken, until a send finds it gone: kept after it is dropped, so
+        # that a handshake again does not start the count of a peer that reads nothing afresh
+        # (one dropped and then gone leaves its three integers here).
+        self.output_bytes: dict[bytes, _OutputBytes] = {}
         # Set by the first stop signal: new requests are refused from then on.
         self.drain_deadline: float | None = None
         self.stop_now = False  # a second signal: abort what runs and exit
@@ -222,7 +244,16 @@ class EngineService:
                     return
                 logger.info("server %r connected (%s)", name, client.hex())
                 self.handshaken.add(client)
+                output_bytes = self.output_bytes.setdefault(client, _OutputBytes())
                 self._send(client, self.engine.handshake_reply())
+                if client in self.handshaken:  # the reply went out (within the bound)
+                    output_bytes.at_handshake = output_bytes.sent
+            case ReadReceipt(bytes_read=bytes_read):
+                output_bytes = self.output_bytes.get(client)
+                if output_bytes is not None:
+                    # Never past what was sent: a count beyond it must not buy a peer room.
+                    read = output_bytes.at_handshake + bytes_read
+                    output_bytes.read = min(read, output_bytes.sent)
             case GenerateRequest() | EmbedRequest():
                 self._add(client, message)
             case AbortRequest(request_id=request_id):
@@ -302,12 +333,42 @@ class EngineService:
             self._send(client, TokenOutputs(client_outputs))
 
     def _send(self, client: bytes, message: Message) -> None:
+        frame = message.encode()
+        output_bytes = self.output_bytes.get(client)
+        if output_bytes is not None and client in self.handshaken:
+            # The frame counts: what is queued for a server stays within the bound, and a frame
+            # larger than the bound is never sent (it drops its server).
+            unread = output_bytes.sent + len(frame) - output_bytes.read
+            if unread > self.max_unread_output_bytes:
+                self._drop_unread(client, unread)
+                return
         try:
-            self.socket.send_multipart([client, message.encode()], zmq.NOBLOCK)
+            self.socket.send_multipart([client, frame], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             # Again: its queue is full (not reading). EHOSTUNREACH: it disconnected.
-            self.handshaken.discard(client)
-            aborted = self.engine.abort_client(client)
-            logger.warning(
-                "server %s unreachable (%s): aborted its %d requests", client.hex(), exc, aborted
-            )
+            if exc.errno == zmq.EHOSTUNREACH:
+                self.output_bytes.pop(client, None)
+            self._drop(client, str(exc))
+            return
+        if output_bytes is not None:
+            output_bytes.sent += len(frame)
+
+    def _drop_unread(self, client: bytes, unread: int) -> None:
+        """Drop a server whose output unread would pass the bound, and tell it so."""
+        bound = self.max_unread_output_bytes
+        reason = (
+            f"its output unread would reach {unread} bytes, past --max-unread-output-bytes {bound}"
+        )
+        self._drop(client, reason)
+        # A few bytes past the bound: a server that reads again comes to this after the rest,
+        # and fails its requests and handshakes again at once (it learns otherwise only from
+        # a request it sends).
+        self._send(client, ErrorReply("", ErrorCode.NOT_READY, reason))
+
+    def _drop(self, client: bytes, reason: str) -> None:
+        """Forget a server that stopped reading or went away, and abort its requests."""
+        self.handshaken.discard(client)
+        aborted = self.engine.abort_client(client)
+        logger.warning(
+            "server %s dropped (%s): aborted its %d requests", client.hex(), reason, aborted
+        )

@@ -3,7 +3,8 @@ byte at a time, are cut within their timeouts while the server keeps answering; 
 cap on connections, past the engine's queue, and past its grammars compiling, requests are
 refused at once (503, 429) while those admitted finish; priorities and users' turns order the
 queue; /health answers from the engine's heartbeat; a drain that runs out of time tells its
-clients; a client that goes away is one INFO line. The timeouts are set small here; their
+clients; a client that goes away is one INFO line; a server or a peer that stops reading the
+engine's outputs is dropped past a bound in bytes. The timeouts are set small here; their
 defaults are ``python -m server --help``'s."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -24,8 +26,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
+from protocol import PROTOCOL_VERSION, GenerateRequest, HandshakeRequest, SamplingParams
 from tandem.testing.processes import (
     SMALL_KV_CACHE,
     engine_stats,
@@ -57,6 +61,9 @@ MAX_COMPILING_GRAMMARS = 2
 LARGE_CHOICE = 20_000
 # How much later than its timeout a cut may come on two shared CPU cores.
 SLACK_S = 2.0
+# The engine with a bound on output unread drops a server past 200 KB: a few of its frames of
+# prompt log-probabilities, or hundreds of a token's 20 likeliest alternatives.
+MAX_UNREAD_OUTPUT_BYTES = 200_000
 
 
 @dataclass
@@ -67,6 +74,7 @@ class Served:
     url: str
     port: int
     server_log: Path
+    engine_log: Path
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
@@ -84,7 +92,9 @@ def _serve(workdir: Path, engine_args: list[str], server_args: list[str]) -> Ite
     try:
         server = start_server(address, port, workdir / "server.log", *server_args)
         url = f"http://127.0.0.1:{port}"
-        yield Served(engine, server, address, url, port, workdir / "server.log")
+        yield Served(
+            engine, server, address, url, port, workdir / "server.log", workdir / "engine.log"
+        )
     finally:
         for process in (server, engine):
             if process is not None:
@@ -748,3 +758,136 @@ def test_a_drain_that_runs_out_of_time_tells_its_clients(
     finally:
         stop(server)
     wait_for_cache_free(prioritized.url)
+
+
+@pytest.fixture(scope="module")
+def output_bound(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """An engine of eight places that drops a server past MAX_UNREAD_OUTPUT_BYTES of output
+    unread."""
+    yield from _serve(
+        tmp_path_factory.mktemp("output-bound"),
+        ["--max-unread-output-bytes", str(MAX_UNREAD_OUTPUT_BYTES), "--max-num-seqs", "8"],
+        [],
+    )
+
+
+def _drops(served: Served) -> list[tuple[int, int]]:
+    """The engine's drops for output unread so far: the bytes unread each would have reached,
+    and the requests it aborted."""
+    pattern = (
+        r"dropped \(its output unread would reach (\d+) bytes, past --max-unread-output-bytes "
+        rf"{MAX_UNREAD_OUTPUT_BYTES}\): aborted its (\d+) requests"
+    )
+    return [
+        (int(unread), int(aborted))
+        for unread, aborted in re.findall(pattern, served.engine_log.read_text())
+    ]
+
+
+def test_a_peer_that_reads_nothing_is_dropped_past_the_bound_on_output_unread(
+    output_bound: Served,
+) -> None:
+    """A peer that handshakes, asks for large outputs and reads none of them had up to 100,000
+    frames queued in the engine (ZeroMQ counts frames, not bytes), each up to 64 MiB: past
+    --max-unread-output-bytes of output sent and not said read, its requests are aborted and it
+    is dropped, within a second or so; every block is free after, and the server on the same
+    engine answers on."""
+    served = output_bound
+    context = zmq.Context()
+    rogue = context.socket(zmq.DEALER)
+    rogue.linger = 0
+    rogue.connect(served.address)
+    # Each token with its 20 likeliest alternatives: about 230 bytes a request and step, so
+    # the bound is reached after some two hundred frames, in the middle of 400 tokens each.
+    sampling = SamplingParams(max_tokens=400, ignore_eos=True, logprobs=20)
+    requests = 4
+    drops = len(_drops(served))
+    try:
+        rogue.send(HandshakeRequest(PROTOCOL_VERSION, "rogue").encode())
+        started = time.monotonic()
+        for index in range(requests):
+            rogue.send(GenerateRequest(f"r{index}", [5 + index, 6, 7], sampling).encode())
+        _until(
+            lambda: len(_drops(served)) > drops,
+            lambda: tail(served.engine_log),
+            timeout_s=10 + SLACK_S,
+        )
+        took = time.monotonic() - started
+        [(unread, aborted)] = _drops(served)[drops:]
+        assert aborted == requests  # none had finished
+        # The frame that would have passed the bound is one step's: the peer's 4 outputs.
+        assert MAX_UNREAD_OUTPUT_BYTES < unread < MAX_UNREAD_OUTPUT_BYTES + 4_000, unread
+        wait_for_cache_free(served.url)
+        reply = served.client().completions.create(**_create_kwargs("w5 w6", 8))
+        assert reply.choices[0].finish_reason == "length"
+        assert len(_drops(served)) == drops + 1, tail(served.engine_log)
+        print(f"the peer was dropped {took:.2f} s after its requests")
+    finally:
+        context.destroy(linger=0)
+
+
+def test_a_server_that_stops_reading_is_dropped_and_serves_again_once_it_reads(
+    output_bound: Served,
+) -> None:
+    """A server that reads what it is sent is never dropped, however much that is in all (its
+    receipts say it read it). Stopped, it is dropped past the bound; resumed, it reads the
+    engine's word that it was dropped after the rest, fails its requests (503) and handshakes
+    again at once, the engine having heard it read everything (else the handshake's reply
+    would drop it again)."""
+    served = output_bound
+    client = served.client()
+    drops = len(_drops(served))
+    # Prompt log-probabilities of 300 tokens: a frame of some 70 KB each, twice the bound in
+    # all; /stats in between (an EngineStats) has the server send its receipt at once.
+    for index in range(6):
+        prompt = [5 + index] + [7] * 299
+        reply = client.completions.create(
+            model="model", prompt=prompt, max_tokens=1, extra_body={"prompt_logprobs": 20}
+        )
+        assert len(reply.choices[0].prompt_logprobs) == 300
+        engine_stats(served.url)
+    assert len(_drops(served)) == drops
+    url = f"{served.url}/v1/completions"
+    with ThreadPoolExecutor(4) as pool:
+        # Sent while the engine is stopped, the requests are all in the engine before the
+        # server stops; their outputs, more than the bound, all come while it is stopped.
+        sent = _sent_to_engine(served.url)
+        os.kill(served.engine.pid, signal.SIGSTOP)
+        try:
+            stuck = [
+                pool.submit(
+                    httpx.post,
+                    url,
+                    json=_completion([5 + index] + [7] * 299, 50, prompt_logprobs=20),
+                    timeout=60,
+                )
+                for index in range(4)
+            ]
+            _until(
+                lambda: _sent_to_engine(served.url) >= sent + len(stuck),
+                lambda: "the server never sent them on",
+                timeout_s=10,
+            )
+            time.sleep(0.1)  # counted as they are sent: the last one's send done
+            os.kill(served.server.pid, signal.SIGSTOP)
+        finally:
+            os.kill(served.engine.pid, signal.SIGCONT)
+        try:
+            _until(
+                lambda: len(_drops(served)) > drops,
+                lambda: tail(served.engine_log),
+                timeout_s=10 + SLACK_S,
+            )
+        finally:
+            os.kill(served.server.pid, signal.SIGCONT)
+        answers = [future.result() for future in stuck]
+    [(_, aborted)] = _drops(served)[drops:]
+    assert aborted >= 1
+    failed = [answer for answer in answers if answer.status_code != 200]
+    assert len(failed) == aborted, [answer.text for answer in answers]
+    for answer in failed:
+        assert answer.status_code == 503, answer.text
+        assert "--max-unread-output-bytes" in answer.json()["error"]["message"]
+    reply = client.completions.create(**_create_kwargs("w5 w6", 8))
+    assert reply.choices[0].finish_reason == "length"
+    wait_for_cache_free(served.url)

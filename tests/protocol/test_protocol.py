@@ -16,6 +16,7 @@ from protocol import (
     Message,
     PromptTokenLogprobs,
     ProtocolError,
+    ReadReceipt,
     RequestOutput,
     SamplingParams,
     StatsRequest,
@@ -40,6 +41,7 @@ MESSAGES = [
     GenerateRequest("r3", [1], SamplingParams(structured_output=StructuredOutput("json_object"))),
     AbortRequest("r1"),
     StatsRequest(),
+    ReadReceipt(3 * 2**40),
     TokenOutputs([RequestOutput("r1", [5], None, 3, 1), RequestOutput("r2", [], "stop", 4, 9)]),
     TokenOutputs(
         [
