@@ -107,12 +107,15 @@ def by_pair_candidates(config: MoeDecodeConfig) -> list[MoeDecodeConfig]:
     """By-pair blocks of ``config``'s products a step: narrower and wider gate/up programs
     (so shallower and deeper steps: 4 columns step 1,024 of H, which divides gpt-oss-20b's
     2,880 in three nearly whole steps where 2,048 takes two, the second 40% masked) and down
-    programs."""
+    programs; each by 8 warps and by 4 (twice the programs an SM holds at the kernels'
+    register cap, each with its own step in flight: a program's start, reading its expert id
+    before its weights, then overlaps another's reads)."""
     step = 2 * config.gate_up_columns * config.gate_up_depth
     down_step = config.down_rows * config.down_depth
     return [
-        MoeDecodeConfig(columns, step // (2 * columns), rows, down_step // rows, 8)
+        MoeDecodeConfig(columns, step // (2 * columns), rows, down_step // rows, warps)
         for columns, rows in ((2, 2), (8, 8), (2, 8), (8, 2), (4, 8))
+        for warps in (8, 4)
     ]
 
 
