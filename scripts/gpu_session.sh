@@ -171,7 +171,8 @@ for stage in "$@"; do
   echo "=== $stage $(date -u +%FT%TZ)"
   case $stage in
     tests)
-      python3 -m pytest -q -rs -s tests/gpu tests/engine/test_kernels.py tests/engine/test_model_parity.py \
+      # -rfEs: the failures' and errors' names in the summary too (the tail below keeps it).
+      python3 -m pytest -q -rfEs -s tests/gpu tests/engine/test_kernels.py tests/engine/test_model_parity.py \
         -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$out/tests.log" | grep -vE '^\s*$' | tail -40 ;;
     perf)
       python3 -m pytest -q -rs tests/engine/test_kernels.py -p no:cacheprovider 2>&1 \
