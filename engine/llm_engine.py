@@ -579,7 +579,7 @@ class LLMEngine:
             ):
                 return self._refuse_dead_end(request, token)
             if (
-                token in sampling.stop_token_ids
+                token in request.stop_token_set
                 or (not sampling.ignore_eos and token in self.eos_token_ids)
                 or (grammar is not None and grammar.is_terminated())
             ):

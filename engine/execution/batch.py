@@ -25,7 +25,9 @@ from engine.sampling.sampler import (
     SamplingTensors,
 )
 from engine.scheduling.request import Request
-from protocol import SamplingParams
+
+# The tokens of a row without a list, where a step packs every row's.
+_NO_TOKENS = np.zeros(0, np.int64)
 
 
 @dataclass(frozen=True)
@@ -344,24 +346,25 @@ def sampling_tensors(
         step=ints[:, 2],
         any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
         penalties=penalties,
-        logit_bias=_logit_bias(params, device) if biased else None,
+        logit_bias=_logit_bias(rows, device) if biased else None,
         min_p=floats[:, 5] if min_p else None,
-        allowed=_allowed_tokens(params, device) if restricted else None,
+        allowed=_allowed_tokens(rows, device) if restricted else None,
         banned=_banned_tokens(rows, eos_token_ids, device, last_sampled) if banning else None,
     )
 
 
-def _logit_bias(params: list[SamplingParams], device: torch.device) -> LogitBias:
-    rows, token_ids = _ragged_to_device([p.logit_bias_token_ids for p in params], device)
-    values = list(chain.from_iterable(p.logit_bias_values for p in params))
-    values_t = torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
-    return LogitBias(rows, token_ids, values_t)
+def _logit_bias(rows: list[Request], device: torch.device) -> LogitBias:
+    row_ids, token_ids = _ragged_to_device([r.logit_bias_token_array for r in rows], device)
+    values = np.concatenate([r.logit_bias_value_array for r in rows])
+    values_t = torch.from_numpy(values).to(device, non_blocking=True)
+    return LogitBias(row_ids, token_ids, values_t)
 
 
-def _allowed_tokens(params: list[SamplingParams], device: torch.device) -> AllowedTokens:
-    restricted = torch.tensor([p.allowed_token_ids is not None for p in params])
-    rows, token_ids = _ragged_to_device([p.allowed_token_ids or [] for p in params], device)
-    return AllowedTokens(restricted.to(device, non_blocking=True), rows, token_ids)
+def _allowed_tokens(rows: list[Request], device: torch.device) -> AllowedTokens:
+    arrays = [r.allowed_token_array for r in rows]
+    restricted = torch.tensor([array is not None for array in arrays])
+    row_ids, token_ids = _ragged_to_device([_NO_TOKENS if a is None else a for a in arrays], device)
+    return AllowedTokens(restricted.to(device, non_blocking=True), row_ids, token_ids)
 
 
 def _banned_tokens(
@@ -374,7 +377,7 @@ def _banned_tokens(
     for row, request in enumerate(rows):
         sampling = request.sampling
         if request.num_output_tokens < sampling.min_tokens:
-            stops = dict.fromkeys([*sampling.stop_token_ids, *eos_token_ids])
+            stops = dict.fromkeys([*request.stop_token_set, *eos_token_ids])
             entries.extend((row, token, []) for token in stops)
         entries.extend((row, word[-1], word[:-1]) for word in sampling.bad_words_token_ids)
     width = max((len(prefix) for _, _, prefix in entries), default=0)
@@ -455,18 +458,13 @@ def _pending(rows: list[Request]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _ragged_to_device(
-    lists: list[list[int]], device: torch.device
+    arrays: list[np.ndarray], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lists of ints, one per row, as two flat int64 tensors on the device, moved in one
+    """int64 arrays, one per row, as two flat int64 tensors on the device, moved in one
     copy: each item's row, and the items."""
-    lengths = [len(items) for items in lists]
-    total = sum(lengths)
+    lengths = [array.size for array in arrays]
     rows, items = to_device(
-        [
-            np.repeat(np.arange(len(lists)), lengths),
-            np.fromiter(chain.from_iterable(lists), np.int64, total),
-        ],
-        device,
+        [np.repeat(np.arange(len(arrays)), lengths), np.concatenate(arrays)], device
     )
     return rows, items
 

@@ -20,6 +20,7 @@ from transformers import (
 )
 
 from engine.backends.pytorch import TorchStepOps
+from engine.execution.batch import sampling_tensors
 from engine.llm_engine import RequestRejected
 from engine.sampling.sampler import (
     AllowedTokens,
@@ -30,6 +31,7 @@ from engine.sampling.sampler import (
     process_logits,
     sample,
 )
+from engine.scheduling.request import Request
 from protocol import FinishReason, SamplingParams
 from tandem.testing.random_checkpoint import VOCAB, random_prompts
 from tandem.testing.reference import hf_greedy
@@ -155,6 +157,25 @@ def test_allowed_tokens_are_the_only_ones_left() -> None:
     assert set(torch.nonzero(ours[2] > float("-inf")).flatten().tolist()) == {17}
     first = [4, 9][int(logits[0, [4, 9]].argmax())]
     assert sample(logits, params, OPS).tolist() == [first, int(logits[1].argmax()), 17]
+
+
+def test_a_steps_token_lists_hold_each_id_once() -> None:
+    """A request body may repeat an id a million times: the step's tensors hold each allowed
+    token once, and a token repeated in the logit bias once with the sum of its values. The
+    request converts its lists when it arrives; every step packs the arrays it made."""
+    sampling = SamplingParams(
+        temperature=1.0,
+        allowed_token_ids=[5, 3] * 500_000,
+        logit_bias_token_ids=[7, 9, 7],
+        logit_bias_values=[1.0, -1.0, 2.0],
+    )
+    request = Request(b"t", "r", [1], sampling, seed=0)
+    no_pending = torch.zeros(0, dtype=torch.int64)
+    params = sampling_tensors([request], VOCAB, torch.device("cpu"), no_pending, [EOS])
+    assert params is not None and params.allowed is not None and params.logit_bias is not None
+    assert params.allowed.token_ids.tolist() == [3, 5]
+    assert params.logit_bias.token_ids.tolist() == [7, 9]
+    assert params.logit_bias.values.tolist() == [3.0, -1.0]
 
 
 # Through the engine, against transformers' generation
