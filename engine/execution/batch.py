@@ -372,30 +372,36 @@ def _banned_tokens(
 ) -> BannedTokens:
     """The tokens each row may not sample now: EOS and its stop tokens while it has fewer
     than min_tokens output tokens, and the last token of each of its bad words, where the
-    word's other tokens are its last output tokens."""
-    entries: list[tuple[int, int, list[int]]] = []  # (row, banned token, prefix)
-    for row, request in enumerate(rows):
-        sampling = request.sampling
-        if request.num_output_tokens < sampling.min_tokens:
-            stops = dict.fromkeys([*request.stop_token_set, *eos_token_ids])
-            entries.extend((row, token, []) for token in stops)
-        entries.extend((row, word[-1], word[:-1]) for word in sampling.bad_words_token_ids)
-    width = max((len(prefix) for _, _, prefix in entries), default=0)
-    prefixes = np.full((len(entries), width), -1, np.int64)
+    word's other tokens are its last output tokens. The stop tokens (up to the vocabulary's
+    size) take no prefix: only the bad words' (a few, and short) are as wide as the longest."""
+    eos = np.asarray(eos_token_ids, np.int64)
+    stops = [
+        np.concatenate([r.stop_token_array, eos])
+        if r.num_output_tokens < r.sampling.min_tokens
+        else _NO_TOKENS
+        for r in rows
+    ]
+    words = [(row, word) for row, r in enumerate(rows) for word in r.sampling.bad_words_token_ids]
+    width = max((len(word) - 1 for _, word in words), default=0)
+    prefixes = np.full((len(words), width), -1, np.int64)
     recent = np.full((len(rows), width), -2, np.int64)
     if width:
-        for index, (_, _, prefix) in enumerate(entries):
-            prefixes[index, width - len(prefix) :] = prefix
+        for index, (_, word) in enumerate(words):
+            prefixes[index, width - len(word) + 1 :] = word[:-1]
         for row, request in enumerate(rows):
             # A pending last token is filled in on the device.
             known = width - request.num_pending_tokens
             tail = request.output_token_ids[-known:] if known else []
             recent[row, known - len(tail) : known] = tail
+    # The stops first, then the words.
+    stop_rows = np.repeat(np.arange(len(rows)), [stop.size for stop in stops])
+    word_rows = np.fromiter((row for row, _ in words), np.int64, len(words))
+    word_tokens = np.fromiter((word[-1] for _, word in words), np.int64, len(words))
     pending_rows, sources = _pending(rows)
     entry_rows, tokens, prefixes_t, recent_t, pending_t, sources_t = to_device(
         [
-            np.fromiter((row for row, _, _ in entries), np.int64, len(entries)),
-            np.fromiter((token for _, token, _ in entries), np.int64, len(entries)),
+            np.concatenate([stop_rows, word_rows]),
+            np.concatenate([*stops, word_tokens]),
             prefixes.ravel(),
             recent.ravel(),
             pending_rows,
@@ -406,7 +412,9 @@ def _banned_tokens(
     recent_t = recent_t.view(len(rows), width)
     if width and pending_rows.size:
         recent_t[:, -1].index_copy_(0, pending_t, last_sampled[sources_t])
-    return BannedTokens(entry_rows, tokens, prefixes_t.view(len(entries), width), recent_t)
+    return BannedTokens(
+        entry_rows, tokens, prefixes_t.view(len(words), width), recent_t, stop_rows.size
+    )
 
 
 def _output_token_counts(

@@ -53,15 +53,17 @@ class AllowedTokens:
 
 @dataclass
 class BannedTokens:
-    """Tokens some rows may not sample now (bad words; EOS and stop tokens before
-    min_tokens), sparse: ``token_ids`` at ``rows``, each where the row's last output tokens
-    are its ``prefixes`` row (right-aligned, -1 matching any token): a bad word's last token
-    is banned right after the rest of the word."""
+    """Tokens some rows may not sample now, sparse: ``token_ids`` at ``rows``. The first
+    ``num_unconditional`` are banned outright (EOS and stop tokens before min_tokens); each
+    of the others (bad words) where the row's last output tokens are its ``prefixes`` row
+    (right-aligned, -1 matching any token): a bad word's last token is banned right after the
+    rest of the word."""
 
     rows: torch.Tensor  # [N] int64
     token_ids: torch.Tensor  # [N] int64
-    prefixes: torch.Tensor  # [N, M] int64
+    prefixes: torch.Tensor  # [N - num_unconditional, M] int64
     recent: torch.Tensor  # [B, M] int64: each row's last M output tokens, -2 where it has fewer
+    num_unconditional: int = 0
 
 
 @dataclass
@@ -144,10 +146,13 @@ def apply_allowed_tokens(logits: torch.Tensor, allowed: AllowedTokens) -> torch.
 
 
 def apply_bans(logits: torch.Tensor, banned: BannedTokens) -> torch.Tensor:
-    """-inf for each banned token whose prefix its row just generated."""
+    """-inf for each banned token: outright, or where its prefix is what its row just
+    generated."""
     prefixes = banned.prefixes
-    matched = ((prefixes == banned.recent[banned.rows]) | (prefixes < 0)).all(dim=1)
-    penalty = torch.where(matched, float("-inf"), 0.0)
+    conditional_rows = banned.rows[banned.num_unconditional :]
+    matched = ((prefixes == banned.recent[conditional_rows]) | (prefixes < 0)).all(dim=1)
+    unconditional = torch.ones(banned.num_unconditional, dtype=torch.bool, device=matched.device)
+    penalty = torch.where(torch.cat([unconditional, matched]), float("-inf"), 0.0)
     return logits.index_put((banned.rows, banned.token_ids), penalty, accumulate=True)
 
 

@@ -178,6 +178,26 @@ def test_a_steps_token_lists_hold_each_id_once() -> None:
     assert params.logit_bias.values.tolist() == [3.0, -1.0]
 
 
+def test_stop_tokens_banned_before_min_tokens_take_no_bad_words_prefix() -> None:
+    """The stop tokens that min_tokens bans (as many as the vocabulary) are banned outright:
+    only the bad words' entries are as wide as the longest word (each stop token's was: some
+    GB a step for a large vocabulary's stop tokens beside a long bad word)."""
+    word = list(range(1, 101))
+    sampling = SamplingParams(
+        max_tokens=4,
+        min_tokens=4,
+        stop_token_ids=list(range(VOCAB - 1)),
+        bad_words_token_ids=[word],
+    )
+    request = Request(b"t", "r", [1], sampling, seed=0)
+    no_pending = torch.zeros(0, dtype=torch.int64)
+    params = sampling_tensors([request], VOCAB, torch.device("cpu"), no_pending, [EOS])
+    assert params is not None and params.banned is not None
+    assert params.banned.prefixes.shape == (1, len(word) - 1)
+    logits = process_logits(torch.zeros(1, VOCAB), params)
+    assert (logits == float("-inf")).all()  # every token stops: min_tokens bans them all
+
+
 # Through the engine, against transformers' generation
 
 
