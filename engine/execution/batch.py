@@ -372,8 +372,7 @@ def _banned_tokens(
 ) -> BannedTokens:
     """The tokens each row may not sample now: EOS and its stop tokens while it has fewer
     than min_tokens output tokens, and the last token of each of its bad words, where the
-    word's other tokens are its last output tokens. The stop tokens (up to the vocabulary's
-    size) take no prefix: only the bad words' (a few, and short) are as wide as the longest."""
+    word's other tokens are its last output tokens."""
     eos = np.asarray(eos_token_ids, np.int64)
     stops = [
         np.concatenate([r.stop_token_array, eos])
@@ -382,12 +381,14 @@ def _banned_tokens(
         for r in rows
     ]
     words = [(row, word) for row, r in enumerate(rows) for word in r.sampling.bad_words_token_ids]
-    width = max((len(word) - 1 for _, word in words), default=0)
-    prefixes = np.full((len(words), width), -1, np.int64)
+    prefix_lengths = np.fromiter((len(word) - 1 for _, word in words), np.int64, len(words))
+    num_prefix_tokens = int(prefix_lengths.sum())
+    width = int(prefix_lengths.max(initial=0))
+    # A prefix is right-aligned in ``recent``: its token i of L at column width - L + i.
+    ends = np.cumsum(prefix_lengths)
+    prefix_columns = np.arange(num_prefix_tokens) + np.repeat(width - ends, prefix_lengths)
     recent = np.full((len(rows), width), -2, np.int64)
     if width:
-        for index, (_, word) in enumerate(words):
-            prefixes[index, width - len(word) + 1 :] = word[:-1]
         for row, request in enumerate(rows):
             # A pending last token is filled in on the device.
             known = width - request.num_pending_tokens
@@ -395,14 +396,23 @@ def _banned_tokens(
             recent[row, known - len(tail) : known] = tail
     # The stops first, then the words.
     stop_rows = np.repeat(np.arange(len(rows)), [stop.size for stop in stops])
-    word_rows = np.fromiter((row for row, _ in words), np.int64, len(words))
-    word_tokens = np.fromiter((word[-1] for _, word in words), np.int64, len(words))
     pending_rows, sources = _pending(rows)
-    entry_rows, tokens, prefixes_t, recent_t, pending_t, sources_t = to_device(
+    (
+        entry_rows,
+        tokens,
+        prefix_tokens,
+        prefix_words,
+        prefix_columns_t,
+        recent_t,
+        pending_t,
+        sources_t,
+    ) = to_device(
         [
-            np.concatenate([stop_rows, word_rows]),
-            np.concatenate([*stops, word_tokens]),
-            prefixes.ravel(),
+            np.concatenate([stop_rows, np.fromiter((row for row, _ in words), np.int64)]),
+            np.concatenate([*stops, np.fromiter((word[-1] for _, word in words), np.int64)]),
+            np.fromiter(chain.from_iterable(w[:-1] for _, w in words), np.int64, num_prefix_tokens),
+            np.repeat(np.arange(len(words)), prefix_lengths),
+            prefix_columns,
             recent.ravel(),
             pending_rows,
             sources,
@@ -413,7 +423,13 @@ def _banned_tokens(
     if width and pending_rows.size:
         recent_t[:, -1].index_copy_(0, pending_t, last_sampled[sources_t])
     return BannedTokens(
-        entry_rows, tokens, prefixes_t.view(len(words), width), recent_t, stop_rows.size
+        entry_rows,
+        tokens,
+        prefix_tokens,
+        prefix_words,
+        prefix_columns_t,
+        recent_t,
+        stop_rows.size,
     )
 
 
