@@ -51,6 +51,7 @@ from protocol import (
     StructuredOutput,
     TokenLogprobs,
     context_length_problem,
+    prompt_logprobs_problem,
 )
 
 logger = logging.getLogger(__name__)
@@ -319,6 +320,9 @@ class LLMEngine:
         problem = context_length_problem(len(prompt), sampling.max_tokens, self.max_model_len)
         if problem:
             raise RequestRejected(ErrorCode.PROMPT_TOO_LONG, problem)
+        problem = prompt_logprobs_problem(len(prompt), sampling.prompt_logprobs)
+        if problem:
+            raise RequestRejected(ErrorCode.INVALID_REQUEST, problem)
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
         request = Request(client, request_id, list(prompt), sampling, seed, scheduling)
         if sampling.structured_output is not None:
@@ -579,7 +583,7 @@ class LLMEngine:
             ):
                 return self._refuse_dead_end(request, token)
             if (
-                token in sampling.stop_token_ids
+                token in request.stop_token_set
                 or (not sampling.ignore_eos and token in self.eos_token_ids)
                 or (grammar is not None and grammar.is_terminated())
             ):

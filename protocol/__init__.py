@@ -1,7 +1,7 @@
 """The messages between HTTP servers and the engine: the one source of truth for the socket."""
 
 from protocol.codec import MAX_FRAME_BYTES, Message, ProtocolError, build_codecs, decode_message
-from protocol.limits import context_length_problem
+from protocol.limits import context_length_problem, prompt_logprobs_problem
 from protocol.messages import (
     MAX_BAD_WORDS,
     MAX_BAD_WORDS_TOKENS,
@@ -68,4 +68,5 @@ __all__ = [
     "build_codecs",
     "context_length_problem",
     "decode_message",
+    "prompt_logprobs_problem",
 ]

@@ -1,4 +1,5 @@
-"""The context-length limit, checked and worded once for the server and the engine.
+"""The context-length limit and the prompt log-probabilities' one, each checked and worded
+once for the server and the engine.
 
 The server checks a request before it sends it; the engine checks again, since any
 process may send it requests. Both answer in the same words, OpenAI's, which the
@@ -6,6 +7,17 @@ server passes on to its client either way.
 """
 
 from __future__ import annotations
+
+from protocol.codec import MAX_FRAME_BYTES
+
+# The most bytes one prompt position's log-probabilities take in MessagePack: the token's
+# log-probability (a float64: 9 bytes) and rank (up to a uint32: 5), each alternative's id
+# and float64 log-probability (14), and the headers of its three arrays (7 at most).
+_POSITION_BYTES = 21
+_ALTERNATIVE_BYTES = 14
+# What the frame leaves for the rest of its step's outputs (each request's new tokens, with
+# their log-probabilities, a few KB).
+_FRAME_ROOM_BYTES = 2 * 2**20
 
 
 def context_length_problem(
@@ -32,4 +44,28 @@ def context_length_problem(
         f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {prompt_name}, "
         f"{max_tokens} in the completion). Please reduce the length of the {prompt_name} or "
         "completion."
+    )
+
+
+def max_prompt_logprobs_tokens(prompt_logprobs: int) -> int:
+    """The longest prompt whose log-probabilities, with ``prompt_logprobs`` alternatives at
+    each position, fit in the one output frame that carries them (the request's first, which
+    the engine cannot split: a larger frame is dropped, and the step's other outputs in it)."""
+    per_position = _POSITION_BYTES + _ALTERNATIVE_BYTES * prompt_logprobs
+    return (MAX_FRAME_BYTES - _FRAME_ROOM_BYTES) // per_position
+
+
+def prompt_logprobs_problem(prompt_tokens: int, prompt_logprobs: int | None) -> str | None:
+    """Why the log-probabilities of a prompt of ``prompt_tokens`` tokens cannot be sent, or
+    None if they can (or are not asked for)."""
+    if prompt_logprobs is None:
+        return None
+    most = max_prompt_logprobs_tokens(prompt_logprobs)
+    if prompt_tokens <= most:
+        return None
+    return (
+        f"The prompt's log-probabilities ({prompt_logprobs} alternatives at each of its "
+        f"{prompt_tokens} tokens) are more than one answer carries: at most {most} prompt "
+        f"tokens with {prompt_logprobs}. Please shorten the prompt or ask for fewer "
+        "(prompt_logprobs, or logprobs with echo)."
     )

@@ -31,6 +31,7 @@ from protocol import (
     SamplingParams,
     Scheduling,
     context_length_problem,
+    prompt_logprobs_problem,
 )
 from server.errors import ApiError
 from server.json_schema_defs import DEFINITION_SECTIONS
@@ -418,6 +419,11 @@ class GenerationBody(SamplingFields, PromptTruncation):
             raise ApiError(
                 400, "prompt_logprobs are not available when stream=True.", param="prompt_logprobs"
             )
+        prompt_logprobs = self.requested_prompt_logprobs()
+        problem = prompt_logprobs_problem(prompt_tokens, prompt_logprobs)
+        if problem:
+            asked_by = "prompt_logprobs" if self.prompt_logprobs is not None else "logprobs"
+            raise ApiError(400, problem, param=asked_by)
         model.check_token_ids(self.stop_token_ids, "stop_token_ids")
         logit_bias = self.logit_bias or {}
         model.check_token_ids(list(logit_bias), "logit_bias")
@@ -444,7 +450,7 @@ class GenerationBody(SamplingFields, PromptTruncation):
             min_tokens=self.min_tokens,
             bad_words_token_ids=bad_words_token_ids,
             allowed_token_ids=self.allowed_token_ids,
-            prompt_logprobs=self.requested_prompt_logprobs(),
+            prompt_logprobs=prompt_logprobs,
             structured_output=structured_output_of(
                 response_format=self.response_format,
                 structured_outputs=self.structured_outputs,

@@ -132,6 +132,15 @@ class ServedModel:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
+    async def decode_in_thread(self, token_ids: list[int]) -> str:
+        """``decode`` for ids of any number (a body holds millions): decode_batch releases
+        the GIL (decode does not), so the event loop keeps streaming other answers."""
+
+        def run() -> str:
+            return self.tokenizer.decode_batch([token_ids], skip_special_tokens=False)[0]
+
+        return await asyncio.to_thread(run)
+
     def check_name(self, name: str | None) -> None:
         """Refuses a request for another model (one that names none is for this one)."""
         if name is not None and name != self.name:

@@ -25,7 +25,9 @@ from engine.sampling.sampler import (
     SamplingTensors,
 )
 from engine.scheduling.request import Request
-from protocol import SamplingParams
+
+# The tokens of a row without a list, where a step packs every row's.
+_NO_TOKENS = np.zeros(0, np.int64)
 
 
 @dataclass(frozen=True)
@@ -344,24 +346,25 @@ def sampling_tensors(
         step=ints[:, 2],
         any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
         penalties=penalties,
-        logit_bias=_logit_bias(params, device) if biased else None,
+        logit_bias=_logit_bias(rows, device) if biased else None,
         min_p=floats[:, 5] if min_p else None,
-        allowed=_allowed_tokens(params, device) if restricted else None,
+        allowed=_allowed_tokens(rows, device) if restricted else None,
         banned=_banned_tokens(rows, eos_token_ids, device, last_sampled) if banning else None,
     )
 
 
-def _logit_bias(params: list[SamplingParams], device: torch.device) -> LogitBias:
-    rows, token_ids = _ragged_to_device([p.logit_bias_token_ids for p in params], device)
-    values = list(chain.from_iterable(p.logit_bias_values for p in params))
-    values_t = torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
-    return LogitBias(rows, token_ids, values_t)
+def _logit_bias(rows: list[Request], device: torch.device) -> LogitBias:
+    row_ids, token_ids = _ragged_to_device([r.logit_bias_token_array for r in rows], device)
+    values = np.concatenate([r.logit_bias_value_array for r in rows])
+    values_t = torch.from_numpy(values).to(device, non_blocking=True)
+    return LogitBias(row_ids, token_ids, values_t)
 
 
-def _allowed_tokens(params: list[SamplingParams], device: torch.device) -> AllowedTokens:
-    restricted = torch.tensor([p.allowed_token_ids is not None for p in params])
-    rows, token_ids = _ragged_to_device([p.allowed_token_ids or [] for p in params], device)
-    return AllowedTokens(restricted.to(device, non_blocking=True), rows, token_ids)
+def _allowed_tokens(rows: list[Request], device: torch.device) -> AllowedTokens:
+    arrays = [r.allowed_token_array for r in rows]
+    restricted = torch.tensor([array is not None for array in arrays])
+    row_ids, token_ids = _ragged_to_device([_NO_TOKENS if a is None else a for a in arrays], device)
+    return AllowedTokens(restricted.to(device, non_blocking=True), row_ids, token_ids)
 
 
 def _banned_tokens(
@@ -370,30 +373,46 @@ def _banned_tokens(
     """The tokens each row may not sample now: EOS and its stop tokens while it has fewer
     than min_tokens output tokens, and the last token of each of its bad words, where the
     word's other tokens are its last output tokens."""
-    entries: list[tuple[int, int, list[int]]] = []  # (row, banned token, prefix)
-    for row, request in enumerate(rows):
-        sampling = request.sampling
-        if request.num_output_tokens < sampling.min_tokens:
-            stops = dict.fromkeys([*sampling.stop_token_ids, *eos_token_ids])
-            entries.extend((row, token, []) for token in stops)
-        entries.extend((row, word[-1], word[:-1]) for word in sampling.bad_words_token_ids)
-    width = max((len(prefix) for _, _, prefix in entries), default=0)
-    prefixes = np.full((len(entries), width), -1, np.int64)
+    eos = np.asarray(eos_token_ids, np.int64)
+    stops = [
+        np.concatenate([r.stop_token_array, eos])
+        if r.num_output_tokens < r.sampling.min_tokens
+        else _NO_TOKENS
+        for r in rows
+    ]
+    words = [(row, word) for row, r in enumerate(rows) for word in r.sampling.bad_words_token_ids]
+    prefix_lengths = np.fromiter((len(word) - 1 for _, word in words), np.int64, len(words))
+    num_prefix_tokens = int(prefix_lengths.sum())
+    width = int(prefix_lengths.max(initial=0))
+    # A prefix is right-aligned in ``recent``: its token i of L at column width - L + i.
+    ends = np.cumsum(prefix_lengths)
+    prefix_columns = np.arange(num_prefix_tokens) + np.repeat(width - ends, prefix_lengths)
     recent = np.full((len(rows), width), -2, np.int64)
     if width:
-        for index, (_, _, prefix) in enumerate(entries):
-            prefixes[index, width - len(prefix) :] = prefix
         for row, request in enumerate(rows):
             # A pending last token is filled in on the device.
             known = width - request.num_pending_tokens
             tail = request.output_token_ids[-known:] if known else []
             recent[row, known - len(tail) : known] = tail
+    # The stops first, then the words.
+    stop_rows = np.repeat(np.arange(len(rows)), [stop.size for stop in stops])
     pending_rows, sources = _pending(rows)
-    entry_rows, tokens, prefixes_t, recent_t, pending_t, sources_t = to_device(
+    (
+        entry_rows,
+        tokens,
+        prefix_tokens,
+        prefix_words,
+        prefix_columns_t,
+        recent_t,
+        pending_t,
+        sources_t,
+    ) = to_device(
         [
-            np.fromiter((row for row, _, _ in entries), np.int64, len(entries)),
-            np.fromiter((token for _, token, _ in entries), np.int64, len(entries)),
-            prefixes.ravel(),
+            np.concatenate([stop_rows, np.fromiter((row for row, _ in words), np.int64)]),
+            np.concatenate([*stops, np.fromiter((word[-1] for _, word in words), np.int64)]),
+            np.fromiter(chain.from_iterable(w[:-1] for _, w in words), np.int64, num_prefix_tokens),
+            np.repeat(np.arange(len(words)), prefix_lengths),
+            prefix_columns,
             recent.ravel(),
             pending_rows,
             sources,
@@ -403,7 +422,15 @@ def _banned_tokens(
     recent_t = recent_t.view(len(rows), width)
     if width and pending_rows.size:
         recent_t[:, -1].index_copy_(0, pending_t, last_sampled[sources_t])
-    return BannedTokens(entry_rows, tokens, prefixes_t.view(len(entries), width), recent_t)
+    return BannedTokens(
+        entry_rows,
+        tokens,
+        prefix_tokens,
+        prefix_words,
+        prefix_columns_t,
+        recent_t,
+        stop_rows.size,
+    )
 
 
 def _output_token_counts(
@@ -455,18 +482,13 @@ def _pending(rows: list[Request]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _ragged_to_device(
-    lists: list[list[int]], device: torch.device
+    arrays: list[np.ndarray], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lists of ints, one per row, as two flat int64 tensors on the device, moved in one
+    """int64 arrays, one per row, as two flat int64 tensors on the device, moved in one
     copy: each item's row, and the items."""
-    lengths = [len(items) for items in lists]
-    total = sum(lengths)
+    lengths = [array.size for array in arrays]
     rows, items = to_device(
-        [
-            np.repeat(np.arange(len(lists)), lengths),
-            np.fromiter(chain.from_iterable(lists), np.int64, total),
-        ],
-        device,
+        [np.repeat(np.arange(len(arrays)), lengths), np.concatenate(arrays)], device
     )
     return rows, items
 

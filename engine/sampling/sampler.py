@@ -53,15 +53,19 @@ class AllowedTokens:
 
 @dataclass
 class BannedTokens:
-    """Tokens some rows may not sample now (bad words; EOS and stop tokens before
-    min_tokens), sparse: ``token_ids`` at ``rows``, each where the row's last output tokens
-    are its ``prefixes`` row (right-aligned, -1 matching any token): a bad word's last token
-    is banned right after the rest of the word."""
+    """Tokens some rows may not sample now, sparse: ``token_ids`` at ``rows``. The first
+    ``num_unconditional`` are banned outright (EOS and stop tokens before min_tokens); each of
+    the others (a bad word's last token) only right after the rest of its word, its prefix:
+    the prefixes' tokens, flat, each with its word (counted from the first conditional entry)
+    and the column of its row's ``recent`` where it must be. A word of one token has none."""
 
     rows: torch.Tensor  # [N] int64
     token_ids: torch.Tensor  # [N] int64
-    prefixes: torch.Tensor  # [N, M] int64
+    prefix_tokens: torch.Tensor  # [P] int64
+    prefix_words: torch.Tensor  # [P] int64, in [0, N - num_unconditional)
+    prefix_columns: torch.Tensor  # [P] int64, in [0, M)
     recent: torch.Tensor  # [B, M] int64: each row's last M output tokens, -2 where it has fewer
+    num_unconditional: int
 
 
 @dataclass
@@ -144,10 +148,16 @@ def apply_allowed_tokens(logits: torch.Tensor, allowed: AllowedTokens) -> torch.
 
 
 def apply_bans(logits: torch.Tensor, banned: BannedTokens) -> torch.Tensor:
-    """-inf for each banned token whose prefix its row just generated."""
-    prefixes = banned.prefixes
-    matched = ((prefixes == banned.recent[banned.rows]) | (prefixes < 0)).all(dim=1)
-    penalty = torch.where(matched, float("-inf"), 0.0)
+    """-inf for each banned token: outright, or where its prefix is what its row just
+    generated. Each prefix token is compared once: the work is the words' total length, not
+    their number times the longest."""
+    word_rows = banned.rows[banned.num_unconditional :]
+    seen = banned.recent[word_rows[banned.prefix_words], banned.prefix_columns]
+    mismatches = torch.zeros_like(word_rows).index_add_(
+        0, banned.prefix_words, (seen != banned.prefix_tokens).long()
+    )
+    unconditional = torch.ones(banned.num_unconditional, dtype=torch.bool, device=logits.device)
+    penalty = torch.where(torch.cat([unconditional, mismatches == 0]), float("-inf"), 0.0)
     return logits.index_put((banned.rows, banned.token_ids), penalty, accumulate=True)
 
 

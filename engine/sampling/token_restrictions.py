@@ -28,7 +28,7 @@ def breaks_restrictions(request: Request, token: int, eos_token_ids: frozenset[i
         return True
     output = request.output_token_ids
     if len(output) < sampling.min_tokens and (
-        token in eos_token_ids or token in sampling.stop_token_ids
+        token in eos_token_ids or token in request.stop_token_set
     ):
         return True
     return any(

@@ -80,9 +80,18 @@ class Request:
     # bias, bans, allowed tokens, min_p): known at arrival, so that a step of requests that
     # do not checks one flag each (engine/execution/batch.py).
     shapes_logits: bool = field(init=False)
-    # sampling.allowed_token_ids as a set, for the host's check of each token it reads
-    # (engine/sampling/token_restrictions.py); None: every token is allowed.
+    # Its sampling parameters' token lists, made once at arrival as the host reads them for
+    # each token (sets) and a step packs them (int64 arrays, each id once): a request's body
+    # holds millions of ids, which scanned or converted every step would slow every step of
+    # the batch. allowed_token_set (engine/sampling/token_restrictions.py) and
+    # allowed_token_array None: every token is allowed. A token repeated in the logit bias
+    # gets the sum of its values, as the sampler's accumulating sum would give it.
+    stop_token_set: frozenset[int] = field(init=False)
+    stop_token_array: np.ndarray = field(init=False)
     allowed_token_set: frozenset[int] | None = field(init=False)
+    allowed_token_array: np.ndarray | None = field(init=False)
+    logit_bias_token_array: np.ndarray = field(init=False)
+    logit_bias_value_array: np.ndarray = field(init=False)  # float32
     # Its structured output's matcher: it has accepted every token of output_token_ids
     # (never a pending one). None: free text.
     grammar: xgr.GrammarMatcher | None = None
@@ -103,8 +112,17 @@ class Request:
             or s.min_tokens
             or s.min_p
         )
+        self.stop_token_set = frozenset(s.stop_token_ids)
+        self.stop_token_array = np.fromiter(self.stop_token_set, np.int64, len(self.stop_token_set))
         allowed = s.allowed_token_ids
         self.allowed_token_set = None if allowed is None else frozenset(allowed)
+        self.allowed_token_array = None if allowed is None else np.unique(_int64(allowed))
+        self.logit_bias_token_array, where = np.unique(
+            _int64(s.logit_bias_token_ids), return_inverse=True
+        )
+        self.logit_bias_value_array = np.bincount(
+            where, s.logit_bias_values, len(self.logit_bias_token_array)
+        ).astype(np.float32)
         self.num_tokens = (
             len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
         )
@@ -168,3 +186,7 @@ class Request:
             return known + [0] * (self.num_scheduled_tokens - len(known))
         # A request with drafts has no pending token: its last step was read to draft them.
         return known + self.draft_token_ids
+
+
+def _int64(token_ids: list[int]) -> np.ndarray:
+    return np.asarray(token_ids, np.int64)

@@ -55,4 +55,4 @@ class Tokenization:
         body = parse_request(DetokenizeRequest, await request.body())
         self._model.check_name(body.model)
         self._model.check_token_ids(body.tokens, "tokens")
-        return JSONResponse({"prompt": self._model.decode(body.tokens)})
+        return JSONResponse({"prompt": await self._model.decode_in_thread(body.tokens)})

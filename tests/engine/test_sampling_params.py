@@ -20,16 +20,17 @@ from transformers import (
 )
 
 from engine.backends.pytorch import TorchStepOps
+from engine.execution.batch import sampling_tensors
 from engine.llm_engine import RequestRejected
 from engine.sampling.sampler import (
     AllowedTokens,
-    BannedTokens,
     Penalties,
     SamplingTensors,
     apply_min_p,
     process_logits,
     sample,
 )
+from engine.scheduling.request import Request
 from protocol import FinishReason, SamplingParams
 from tandem.testing.random_checkpoint import VOCAB, random_prompts
 from tandem.testing.reference import hf_greedy
@@ -114,25 +115,28 @@ def test_repetition_penalty_is_transformers() -> None:
 
 
 def test_bans_are_transformers_bad_words_and_min_new_tokens() -> None:
-    """Rows' last output tokens (recent) against bad words' prefixes, and stop tokens banned
-    outright (min_tokens), as transformers' NoBadWords and MinNewTokensLength do."""
+    """Rows' last output tokens against bad words' prefixes, and stop tokens banned outright
+    (min_tokens), as transformers' NoBadWords and MinNewTokensLength do."""
     torch.manual_seed(2)
     logits = torch.randn(2, 30)
-    recent = torch.tensor([[5, 6], [-2, 9]])  # row 1 has generated one token
     words = [[7], [5, 6, 11], [6, 12], [8, 9, 13], [9, 14]]
-    rows, banned, prefixes = [], [], []
-    for row in range(2):
-        for word in words:
-            rows.append(row)
-            banned.append(word[-1])
-            prefixes.append([-1] * (3 - len(word)) + word[:-1])
-    rows += [1, 1]  # row 1 is before its min_tokens: tokens 0 and 29 stop it
-    banned += [0, 29]
-    prefixes += [[-1, -1]] * 2
-    params = greedy_params(2)
-    params.banned = BannedTokens(
-        torch.tensor(rows), torch.tensor(banned), torch.tensor(prefixes), recent
-    )
+    # Row 1 has generated one token and is before its min_tokens: tokens 0 and 29 stop it.
+    rows = [
+        Request(
+            b"t", "0", [1], SamplingParams(bad_words_token_ids=words), 0, output_token_ids=[5, 6]
+        ),
+        Request(
+            b"t",
+            "1",
+            [1],
+            SamplingParams(min_tokens=2, stop_token_ids=[0], bad_words_token_ids=words),
+            0,
+            output_token_ids=[9],
+        ),
+    ]
+    no_pending = torch.zeros(0, dtype=torch.int64)
+    params = sampling_tensors(rows, 30, torch.device("cpu"), no_pending, [29])
+    assert params is not None
     ours = process_logits(logits, params)
     bad_words = NoBadWordsLogitsProcessor(words)
     theirs = bad_words(torch.tensor([[5, 6]]), logits[:1])
@@ -155,6 +159,58 @@ def test_allowed_tokens_are_the_only_ones_left() -> None:
     assert set(torch.nonzero(ours[2] > float("-inf")).flatten().tolist()) == {17}
     first = [4, 9][int(logits[0, [4, 9]].argmax())]
     assert sample(logits, params, OPS).tolist() == [first, int(logits[1].argmax()), 17]
+
+
+def test_a_steps_token_lists_hold_each_id_once() -> None:
+    """A request body may repeat an id a million times: the step's tensors hold each allowed
+    token once, and a token repeated in the logit bias once with the sum of its values. The
+    request converts its lists when it arrives; every step packs the arrays it made."""
+    sampling = SamplingParams(
+        temperature=1.0,
+        allowed_token_ids=[5, 3] * 500_000,
+        logit_bias_token_ids=[7, 9, 7],
+        logit_bias_values=[1.0, -1.0, 2.0],
+    )
+    request = Request(b"t", "r", [1], sampling, seed=0)
+    no_pending = torch.zeros(0, dtype=torch.int64)
+    params = sampling_tensors([request], VOCAB, torch.device("cpu"), no_pending, [EOS])
+    assert params is not None and params.allowed is not None and params.logit_bias is not None
+    assert params.allowed.token_ids.tolist() == [3, 5]
+    assert params.logit_bias.token_ids.tolist() == [7, 9]
+    assert params.logit_bias.values.tolist() == [3.0, -1.0]
+
+
+def test_bans_cost_the_words_length_not_their_number_times_the_longest() -> None:
+    """A step's bans hold each bad word's prefix tokens once, and none for the stop tokens
+    that min_tokens bans: not, for every entry, a row as wide as the batch's longest word
+    (a vocabulary of stop tokens, or another request's 128 short words, beside a word of
+    1,000 tokens made hundreds of MB to GB a step)."""
+    long_word = list(range(1, 101))
+    short_words = [[1, token] for token in range(2, 130)]
+    stopping = SamplingParams(
+        max_tokens=200,
+        min_tokens=200,
+        stop_token_ids=list(range(VOCAB - 1)),
+        bad_words_token_ids=[long_word],
+    )
+    rows = [
+        Request(b"t", "long", [1], stopping, 0, output_token_ids=long_word[:-1]),
+        Request(
+            b"t",
+            "short",
+            [1],
+            SamplingParams(bad_words_token_ids=short_words),
+            0,
+            output_token_ids=[1],
+        ),
+    ]
+    no_pending = torch.zeros(0, dtype=torch.int64)
+    params = sampling_tensors(rows, VOCAB, torch.device("cpu"), no_pending, [EOS])
+    assert params is not None and params.banned is not None
+    assert params.banned.prefix_tokens.numel() == len(long_word) - 1 + len(short_words)
+    logits = process_logits(torch.zeros(2, VOCAB), params)
+    assert (logits[0] == float("-inf")).all()  # every token stops: min_tokens bans them all
+    assert torch.nonzero(logits[1] == float("-inf")).flatten().tolist() == list(range(2, 130))
 
 
 # Through the engine, against transformers' generation

@@ -221,6 +221,25 @@ def test_bad_choices_penalties_or_logprobs(
 
 
 @pytest.mark.parametrize(
+    ("fields", "param"),
+    [({"prompt_logprobs": 20}, "prompt_logprobs"), ({"echo": True, "logprobs": 20}, "logprobs")],
+)
+def test_prompt_logprobs_past_one_answer_are_refused(fields: dict[str, Any], param: str) -> None:
+    """A long context's prompt log-probabilities (20 alternatives at 250,000 positions: about
+    70 MB) are more than the one engine message that carries them may be: a 400 before the
+    engine, which would send a frame the server drops, with the step's other outputs."""
+    engine = EnginePool(["tcp://127.0.0.1:9"])
+    app = create_app(engine, dataclasses.replace(handshake(CHATML), max_model_len=300_000))
+    try:
+        with TestClient(app, raise_server_exceptions=False) as long_context:
+            body = {"prompt": [5] * 250_000, "max_tokens": 1, **fields}
+            message = assert_error(long_context.post("/v1/completions", json=body), 400, param)
+    finally:
+        asyncio.run(engine.close())
+    assert "250000 tokens" in message
+
+
+@pytest.mark.parametrize(
     ("path", "fields", "param"),
     [
         ("/v1/chat/completions", {"min_p": 1.5}, "min_p"),
