@@ -397,16 +397,8 @@ def _banned_tokens(
     # The stops first, then the words.
     stop_rows = np.repeat(np.arange(len(rows)), [stop.size for stop in stops])
     pending_rows, sources = _pending(rows)
-    (
-        entry_rows,
-        tokens,
-        prefix_tokens,
-        prefix_words,
-        prefix_columns_t,
-        recent_t,
-        pending_t,
-        sources_t,
-    ) = to_device(
+    # BannedTokens' rows, token ids, prefix tokens, words and columns, in its fields' order.
+    *entries, recent_t, pending_t, sources_t = to_device(
         [
             np.concatenate([stop_rows, np.fromiter((row for row, _ in words), np.int64)]),
             np.concatenate([*stops, np.fromiter((word[-1] for _, word in words), np.int64)]),
@@ -422,15 +414,7 @@ def _banned_tokens(
     recent_t = recent_t.view(len(rows), width)
     if width and pending_rows.size:
         recent_t[:, -1].index_copy_(0, pending_t, last_sampled[sources_t])
-    return BannedTokens(
-        entry_rows,
-        tokens,
-        prefix_tokens,
-        prefix_words,
-        prefix_columns_t,
-        recent_t,
-        stop_rows.size,
-    )
+    return BannedTokens(*entries, recent_t, stop_rows.size)
 
 
 def _output_token_counts(
