@@ -17,6 +17,7 @@
 #   scripts/gpu_session.sh prefill-attn qkv-rules  # prefill attention; the batch-1 QKV kernel's rule
 #   scripts/gpu_session.sh decode-splits  # batch-1 decode attention at the engine's split count
 #   scripts/gpu_session.sh blas-lt  # cuBLASLt's products against cuBLAS', offline (issue 37)
+#   scripts/gpu_session.sh fp8-8b   # the 8B shape, fp8 weights and cache: offline as bf16's row, TPOT
 #
 # moe (issue 39, about 8 minutes): tests/gpu/test_moe_cuda.py (small Qwen3-MoE and Mixtral
 # against transformers in float32, torch and triton backends; fp8 experts), then at the
@@ -406,6 +407,14 @@ PY
         | tee "$out/diag-profile-8b.log" | grep -v USDT
       timeout 200 python3 scripts/bench_kernels.py --head-dims 128 --heads 32:8 --batches 1 32 128 256 \
         --contexts 512 1024 2048 8192 32768 2>&1 | tee "$out/diag-attention-8b.log" | tail -30 ;;
+    fp8-8b)  # issue 37 (about 4 minutes): the 8B shape with fp8 weights and cache offline as its
+      # bf16 row is taken (3 runs, the prompts repeated run to run, as the peer's median
+      # found its prompts cached), and its batch-1 TPOT
+      m=$(config_only llama-3.1-8b)
+      timeout 240 python3 scripts/bench_offline.py --model "$m" --load-format dummy --runs 3 --repeat-prompts \
+        --quantization fp8 --kv-cache-dtype fp8 2>&1 | tee "$out/fp8-8b-offline.log" | grep -v '^INFO' | tail -16
+      timeout 120 python3 scripts/bench_latency.py --model "$m" --load-format dummy --runs 3 --quantization fp8 \
+        --kv-cache-dtype fp8 2>&1 | tee "$out/fp8-8b-latency.log" | grep -hE "^tandem, |^roofline" ;;
     diag-8b-2)  # issue 37: the 8B shape with the prompts repeated run to run (prefix cache), a
       # prefill step of 16 x 512 tokens, and fp8 weights and cache offline and at batch 256
       m=$(config_only llama-3.1-8b)
