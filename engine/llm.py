@@ -65,6 +65,8 @@ class SamplingParams(protocol.SamplingParams):
     def engine_params(self, index: int) -> protocol.SamplingParams:
         """The engine's parameters of completion ``index``: the wire fields only."""
         wire = {f.name: getattr(self, f.name) for f in dataclasses.fields(protocol.SamplingParams)}
+        if index:  # the result holds the prompt's log-probabilities once: completion 0's
+            wire["prompt_logprobs"] = None
         return protocol.SamplingParams(**wire).for_choice(index)
 
 
@@ -272,6 +274,8 @@ class LLM:
             if sampling.n < 1:
                 raise ValueError(f"prompt {len(results)}: n must be at least 1, not {sampling.n}")
             result = RequestOutput(str(next(self._request_ids)), text, prompt, [], False)
+            if sampling.prompt_logprobs is not None:
+                result.prompt_logprobs = [None]  # the first token's; the engine's pieces follow
             for index in range(sampling.n):
                 request_id = f"{result.request_id}-{index}"
                 try:
@@ -330,9 +334,15 @@ class _Choice:
         """Add one step's output; whether the completion is over (its request finished, or a
         stop string ended its text: the engine's request must then be aborted)."""
         completion = self.completion
-        if output.prompt_logprobs is not None and self.completion.index == 0:
-            scored = zip(self.result.prompt_token_ids[1:], output.prompt_logprobs, strict=True)
-            self.result.prompt_logprobs = [None, *(_token_logprobs(t, lp) for t, lp in scored)]
+        if output.prompt_logprobs is not None:  # the next piece, of completion 0's request
+            whole = self.result.prompt_logprobs
+            assert whole is not None  # asked for: the request's parameters say so
+            # The piece scores the prompt tokens from the first not yet scored on.
+            scored_ids = self.result.prompt_token_ids[
+                len(whole) : len(whole) + len(output.prompt_logprobs)
+            ]
+            scored = zip(scored_ids, output.prompt_logprobs, strict=True)
+            whole += [_token_logprobs(t, lp) for t, lp in scored]
         # Token by token: a stop string ends the completion at the token that completes it.
         for position, token in enumerate(output.new_token_ids):
             completion.token_ids.append(token)

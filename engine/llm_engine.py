@@ -22,7 +22,7 @@ from engine.execution.pooling import Pooler
 from engine.execution.warm_up import freeze_start_up_objects, warm_up
 from engine.models import load_checkpoint
 from engine.roofline import StepShape
-from engine.sampling.prompt_logprobs import take_scored
+from engine.sampling.prompt_logprobs import take_scored, take_unsent
 from engine.sampling.structured_output import CompilingRequests, GrammarCompiler, GrammarError
 from engine.sampling.token_restrictions import breaks_restrictions, dead_end_message, may_dead_end
 from engine.scheduling.block_manager import BlockManager
@@ -43,7 +43,6 @@ from protocol import (
     ErrorReply,
     FinishReason,
     HandshakeReply,
-    PromptTokenLogprobs,
     RequestOutput,
     SamplingDefaults,
     SamplingParams,
@@ -528,14 +527,16 @@ class LLMEngine:
         for request in step.batch:
             if request.status is not RequestStatus.FINISHED:  # before a finish frees them
                 self.block_manager.cache_computed_blocks(request)
+        finished = RequestStatus.FINISHED
         # Before the tokens: a prompt's last chunk also samples its first token, whose output
         # carries them.
+        scoring = []
         for chunk, entries in sampled.prompt_logprobs:
-            if chunk.request.status is not RequestStatus.FINISHED:
+            if chunk.request.status is not finished:
                 take_scored(chunk.request, chunk.first_token, entries)
+                scoring.append(chunk.request)
         logprobs = sampled.logprobs or [None] * len(sampled.requests)
         outputs = []
-        finished = RequestStatus.FINISHED
         num_read = 0  # tokens of requests still running (not those finished since the launch)
         for request, tokens, token_logprobs in zip(
             sampled.requests, sampled.token_ids, logprobs, strict=True
@@ -549,6 +550,11 @@ class LLMEngine:
                 if output is not None:  # None: refused, its error is in self.errors
                     outputs.append((request.client, output))
         self.num_generated_tokens += num_read
+        # The chunks short of their prompts' ends sampled nothing: their outputs carry only
+        # their prompt log-probabilities.
+        for request in scoring:
+            if request.status is not finished and request.unsent_prompt_logprobs:
+                outputs.append((request.client, self._output(request, [], None)))
         return outputs
 
     def _take_verified(self, request: Request, num_accepted: int) -> None:
@@ -567,11 +573,7 @@ class LLMEngine:
         """Append a step's new tokens to the request, up to the one that finishes it; its
         output (None: refused, its error is in self.errors)."""
         sampling = request.sampling
-        # The first token's output carries the prompt's log-probabilities, now all read.
         first = not request.output_token_ids
-        prompt_logprobs = (
-            request.prompt_logprobs if first and sampling.prompt_logprobs is not None else None
-        )
         grammar = request.grammar
         dead_ends = may_dead_end(request)
         for count, token in enumerate(tokens):
@@ -593,7 +595,6 @@ class LLMEngine:
                     FinishReason.STOP,
                     new_tokens,
                     new_logprobs,
-                    prompt_logprobs,
                     stop_token_id=token,
                 )
                 break
@@ -606,12 +607,10 @@ class LLMEngine:
                 or request.num_known_tokens >= self.max_model_len
             ):
                 new_tokens, new_logprobs = _first(count + 1, tokens, logprobs)
-                output = self._finish(
-                    request, FinishReason.LENGTH, new_tokens, new_logprobs, prompt_logprobs
-                )
+                output = self._finish(request, FinishReason.LENGTH, new_tokens, new_logprobs)
                 break
         else:
-            output = self._output(request, tokens, None, logprobs, prompt_logprobs)
+            output = self._output(request, tokens, None, logprobs)
         if first and request.first_scheduled_time is not None:
             output.queue_time = request.first_scheduled_time - request.arrival_time
             output.prefill_time = time.monotonic() - request.first_scheduled_time
@@ -638,7 +637,6 @@ class LLMEngine:
         reason: str,
         new_tokens: list[int],
         logprobs: list[TokenLogprobs] | None = None,
-        prompt_logprobs: list[PromptTokenLogprobs] | None = None,
         *,
         stop_token_id: int | None = None,
     ) -> RequestOutput:
@@ -650,7 +648,7 @@ class LLMEngine:
             self.scheduler.remove(request)
             del self.requests[request.key]
             self.num_finished += 1
-        output = self._output(request, new_tokens, reason, logprobs, prompt_logprobs)
+        output = self._output(request, new_tokens, reason, logprobs)
         output.stop_token_id = stop_token_id
         return output
 
@@ -660,8 +658,9 @@ class LLMEngine:
         new_tokens: list[int],
         reason: str | None,
         logprobs: list[TokenLogprobs] | None = None,
-        prompt_logprobs: list[PromptTokenLogprobs] | None = None,
     ) -> RequestOutput:
+        """The request's output: ``new_tokens`` and the prompt log-probabilities read since
+        its last one."""
         # By position (request_id, new_token_ids, finish_reason, num_prompt_tokens,
         # num_output_tokens, ...): one per request each step, and keywords cost more.
         return RequestOutput(
@@ -671,7 +670,7 @@ class LLMEngine:
             len(request.prompt_token_ids),
             len(request.output_token_ids),
             logprobs,
-            prompt_logprobs,
+            take_unsent(request),
         )
 
 

@@ -49,8 +49,9 @@ def context_length_problem(
 
 def max_prompt_logprobs_tokens(prompt_logprobs: int) -> int:
     """The longest prompt whose log-probabilities, with ``prompt_logprobs`` alternatives at
-    each position, fit in the one output frame that carries them (the request's first, which
-    the engine cannot split: a larger frame is dropped, and the step's other outputs in it)."""
+    each position, a request may ask for: as many as one output frame holds. The engine now
+    sends them in pieces, each step's, but a server still holds them all to answer; the bound
+    is the one from when one output carried them, not yet reconsidered."""
     per_position = _POSITION_BYTES + _ALTERNATIVE_BYTES * prompt_logprobs
     return (MAX_FRAME_BYTES - _FRAME_ROOM_BYTES) // per_position
 

@@ -43,7 +43,10 @@ from protocol.codec import Message, by_position
 # 11: RequestOutput.prefill_time (the servers' request_prefill_time histogram).
 # 12: ReadReceipt (the bytes a server has read, for the engine's --max-unread-output-bytes),
 #     and ErrorCode.NOT_READY with an empty request id: the engine dropped this server.
-PROTOCOL_VERSION = 12
+# 13: RequestOutput.prompt_logprobs in pieces: each output carries the prompt positions scored
+#     since the request's last one (a prompt prefilled over several steps sends outputs with no
+#     new tokens), not all of them with the first token.
+PROTOCOL_VERSION = 13
 # The most alternatives a request may ask log-probabilities of, as OpenAI's top_logprobs.
 MAX_TOP_LOGPROBS = 20
 # The most token sequences a request's bad words may tokenize to, and their total tokens
@@ -389,18 +392,22 @@ class RequestOutput:
     num_output_tokens: int  # all tokens generated so far, the new ones included
     # One per new token when the request asked for them (SamplingParams.logprobs).
     logprobs: list[TokenLogprobs] | None = None
-    # With the first token, when the request asked (SamplingParams.prompt_logprobs): one
-    # per prompt token after the first.
+    # When the request asked (SamplingParams.prompt_logprobs): the entries of the prompt
+    # tokens scored since its last output, following those sent before (None: none were).
+    # Over its outputs up to the first token's they make one per prompt token after the
+    # first; a prompt prefilled over several steps sends outputs with no new tokens for
+    # them, each step's as it is read (not all in one, which would take the engine, then the
+    # server, seconds to encode and decode for a long prompt, every other request waiting).
     prompt_logprobs: list[PromptTokenLogprobs] | None = None
     # With finish_reason stop: the EOS or stop token that ended the request, which is not
     # among the new tokens (a server shows its text only with include_stop_str_in_output).
     stop_token_id: int | None = None
-    # With the first output: seconds from the engine's receipt of the request to its first
-    # step (vLLM's queue time). None on the others.
+    # With the first token's output: seconds from the engine's receipt of the request to its
+    # first step (vLLM's queue time). None on the others.
     queue_time: float | None = None
-    # With the first output: seconds from the request's first step to this output's making,
-    # just before it is sent (vLLM's prefill time): its prompt's steps and, with overlapped
-    # steps, the step after them, which reads the token. None on the others.
+    # With the first token's output: seconds from the request's first step to this output's
+    # making, just before it is sent (vLLM's prefill time): its prompt's steps and, with
+    # overlapped steps, the step after them, which reads the token. None on the others.
     prefill_time: float | None = None
 
 

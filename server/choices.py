@@ -41,6 +41,9 @@ class PreparedGeneration:
     hidden_token_ids: frozenset[int] | None = None
     # Its place in the engine's queue: priority and user, shared by its choices.
     scheduling: Scheduling = dataclasses.field(default_factory=Scheduling)
+    # The answer shows the prompt's log-probabilities once, the first choice's (chat's, as
+    # vLLM's): the other choices' engine requests do not compute them.
+    prompt_logprobs_once: bool = False
 
     def choices(
         self, client: EnginePool, tokenizer: Tokenizer, request_id: str
@@ -52,7 +55,7 @@ class PreparedGeneration:
                 tokenizer,
                 f"{request_id}-{index}",
                 self.prompt_ids,
-                self.sampling.for_choice(index),
+                self._sampling(index),
                 self.scheduling,
                 self.stop,
                 self.include_stop_str_in_output,
@@ -60,6 +63,12 @@ class PreparedGeneration:
             )
             for index in range(self.num_choices)
         ]
+
+    def _sampling(self, index: int) -> SamplingParams:
+        sampling = self.sampling.for_choice(index)
+        if index and self.prompt_logprobs_once:
+            return dataclasses.replace(sampling, prompt_logprobs=None)
+        return sampling
 
 
 async def collect(request: Request, choices: list[ChoiceDeltas]) -> list[TextDelta] | None:

@@ -79,7 +79,11 @@ async def generate_text(
     )
     token_ids: list[int] = []  # with log-probabilities, not yet in a delta
     logprobs: list[TokenLogprobs] = []
-    prompt_logprobs: list[PromptTokenLogprobs] | None = None  # not yet in a delta
+    # The prompt's log-probabilities, joined from the engine's pieces (each step's of the
+    # prompt's prefill, all before or with the first token), until the first delta takes them.
+    prompt_logprobs: list[PromptTokenLogprobs] | None = (
+        [] if sampling.prompt_logprobs is not None else None
+    )
 
     def delta(text: str, finish_reason: str | None, completion_tokens: int) -> TextDelta:
         nonlocal token_ids, logprobs, prompt_logprobs
@@ -99,7 +103,8 @@ async def generate_text(
         async with aclosing(outputs) as outputs:
             async for output in outputs:
                 if output.prompt_logprobs is not None:
-                    prompt_logprobs = output.prompt_logprobs
+                    assert prompt_logprobs is not None, "prompt log-probabilities after a delta"
+                    prompt_logprobs += output.prompt_logprobs
                 if output.logprobs:
                     token_ids.extend(output.new_token_ids)
                     logprobs.extend(output.logprobs)

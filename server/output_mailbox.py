@@ -17,8 +17,11 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable
+from typing import TypeVar
 
 from protocol import RequestOutput
+
+T = TypeVar("T")
 
 
 class OutputMailbox:
@@ -59,22 +62,20 @@ class OutputMailbox:
 def merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     """Two successive outputs of one request as the one the engine would have sent for both
     steps together."""
-    logprobs = (
-        None
-        if first.logprobs is None and then.logprobs is None
-        else (first.logprobs or []) + (then.logprobs or [])
-    )
     return RequestOutput(
         request_id=first.request_id,
         new_token_ids=first.new_token_ids + then.new_token_ids,
         finish_reason=then.finish_reason,
         num_prompt_tokens=then.num_prompt_tokens,
         num_output_tokens=then.num_output_tokens,
-        logprobs=logprobs,
-        prompt_logprobs=(
-            first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs
-        ),
+        logprobs=_joined(first.logprobs, then.logprobs),
+        prompt_logprobs=_joined(first.prompt_logprobs, then.prompt_logprobs),
         stop_token_id=then.stop_token_id,
         queue_time=first.queue_time if first.queue_time is not None else then.queue_time,
         prefill_time=first.prefill_time if first.prefill_time is not None else then.prefill_time,
     )
+
+
+def _joined(first: list[T] | None, then: list[T] | None) -> list[T] | None:
+    """Two outputs' log-probabilities, of successive tokens or prompt positions, as one's."""
+    return None if first is None and then is None else (first or []) + (then or [])

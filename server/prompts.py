@@ -107,6 +107,7 @@ async def chat_generation(
         body.include_stop_str_in_output,
         hidden_token_ids=body.hidden_token_ids(model, parsing.keeps_special_tokens),
         scheduling=body.scheduling(peer),
+        prompt_logprobs_once=True,
     )
     return ChatGeneration(generation, parsing)
 

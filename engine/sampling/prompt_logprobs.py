@@ -8,7 +8,8 @@ the sampled rows' (their packed indices follow the sampled ones). A request want
 takes no cached prefix (engine/scheduling/block_manager.py) and prefills at most max_num_seqs of
 them a step (engine/scheduling/scheduler.py); its chunks are read in order, and what a chunk
 computed again after a preemption repeats is dropped, so each token's entry reaches the request
-once.
+once. A request's output of each step sends the entries read in it: a chunk short of the
+prompt's end, which samples no token, has an output with no new tokens.
 """
 
 from __future__ import annotations
@@ -84,9 +85,19 @@ def read_scored(
 
 
 def take_scored(request: Request, first_token: int, entries: list[PromptTokenLogprobs]) -> None:
-    """Append to the request's prompt log-probabilities (those of tokens 1, 2, ... so far)
-    what ``entries``, from ``first_token`` on, adds to them."""
-    have = len(request.prompt_logprobs)
-    skip = have + 1 - first_token
+    """Add to the request's unsent prompt log-probabilities what ``entries``, from
+    ``first_token`` on, adds to those read so far (of tokens 1, 2, ...)."""
+    skip = request.num_scored_prompt_tokens + 1 - first_token
     assert skip >= 0, "a chunk of prompt log-probabilities was skipped"
-    request.prompt_logprobs.extend(entries[skip:])
+    new_entries = entries[skip:]
+    request.unsent_prompt_logprobs.extend(new_entries)
+    request.num_scored_prompt_tokens += len(new_entries)
+
+
+def take_unsent(request: Request) -> list[PromptTokenLogprobs] | None:
+    """The prompt log-probabilities the request's next output carries (None: none)."""
+    unsent = request.unsent_prompt_logprobs
+    if not unsent:
+        return None
+    request.unsent_prompt_logprobs = []
+    return unsent

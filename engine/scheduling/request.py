@@ -67,8 +67,11 @@ class Request:
     num_keyed_blocks: int = 0  # leading blocks keyed for prefix caching (BlockManager)
     parent_key: int = 0  # hash of the last keyed block's key
     status: RequestStatus = RequestStatus.WAITING
-    # With sampling.prompt_logprobs: those read so far, of prompt tokens 1, 2, ... in order.
-    prompt_logprobs: list[PromptTokenLogprobs] = field(default_factory=list)
+    # With sampling.prompt_logprobs: how many of prompt tokens 1, 2, ... have their entries
+    # read, and those read since its last output, which sends them (each step's, not all at
+    # once: one output of a long prompt's would hold up every other request's).
+    num_scored_prompt_tokens: int = 0
+    unsent_prompt_logprobs: list[PromptTokenLogprobs] = field(default_factory=list)
     # With a repetition penalty: the prompt's tokens as a [V] bool mask on the device, made
     # once by the first step that needs it (engine/execution/batch.py).
     prompt_token_mask: torch.Tensor | None = None

@@ -128,8 +128,8 @@ def greedy_tokens(engine: LLMEngine, prompts: list[list[int]], tokens: int) -> l
 
 def perplexity(engine: LLMEngine, text_ids: list[int]) -> float:
     sampling = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    (first, *_) = run(engine, [text_ids], sampling)["0"]
-    logprobs = [entry.logprob for entry in first.prompt_logprobs]
+    outputs = run(engine, [text_ids], sampling)["0"]  # the prompt's in pieces, in order
+    logprobs = [entry.logprob for output in outputs for entry in output.prompt_logprobs or []]
     return float(torch.tensor(logprobs).mean().neg().exp())
 
 

@@ -34,6 +34,7 @@ from tandem.testing.random_checkpoint import random_prompts, save_tiny_llama
 from tandem.testing.reference import hf_greedy
 from tests.engine.test_logprobs import generate
 from tests.engine.test_overlap_steps import make_engine, tokens
+from tests.engine.test_prompt_logprobs import prompt_logprobs_of
 
 REGEX = StructuredOutput(StructuredOutputKind.REGEX, r"[a-z]{1,8}(-[0-9]{1,3}){0,4}")
 SCHEMA = {
@@ -396,8 +397,8 @@ def test_prompt_logprobs_beside_a_grammar(tiny: tuple[Path, HFLlama]) -> None:
         with torch.no_grad():
             logits = hf_model(torch.tensor([prompt])).logits[0, :-1].float()
         reference = torch.log_softmax(logits, dim=-1)
-        scored = outputs[name][0].prompt_logprobs
-        assert scored is not None and len(scored) == len(prompt) - 1
+        scored = prompt_logprobs_of(outputs[name])
+        assert len(scored) == len(prompt) - 1
         chosen = reference[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
         ours = torch.tensor([entry.logprob for entry in scored])
         torch.testing.assert_close(ours, chosen, rtol=1e-4, atol=1e-4)

@@ -1,6 +1,8 @@
 """Prompt log-probabilities against transformers' logits at every prompt position: through
 chunked prefill (a few positions a step), past the prefix cache, and through preemption
-with overlapped steps, each prompt token's entry arriving once, with the first token."""
+with overlapped steps, each prompt token's entry arriving once, by the first token's output;
+and sent in pieces, each step's in its output, so that no one message carries a long
+prompt's."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import torch
 from transformers import LlamaForCausalLM as HFLlama
 
 from engine.llm_engine import EngineConfig, LLMEngine
-from protocol import PromptTokenLogprobs, RequestOutput, SamplingParams
+from protocol import PromptTokenLogprobs, RequestOutput, SamplingParams, TokenOutputs
 from tandem.testing.random_checkpoint import random_prompts, save_tiny_llama
 from tests.engine.test_logprobs import generate
 
@@ -29,10 +31,13 @@ def make_engine(directory: Path, **overrides: int | bool) -> LLMEngine:
 
 
 def prompt_logprobs_of(outputs: list[RequestOutput]) -> list[PromptTokenLogprobs]:
-    """The request's prompt log-probabilities, checking they came once, with its first token."""
+    """The request's prompt log-probabilities, joined from its outputs' pieces, checking they
+    all came by its first token's output (those before it with no tokens)."""
+    first_token = next(i for i, output in enumerate(outputs) if output.new_token_ids)
     carrying = [i for i, output in enumerate(outputs) if output.prompt_logprobs is not None]
-    assert carrying == [0]
-    return outputs[0].prompt_logprobs or []
+    assert all(i <= first_token for i in carrying)
+    assert all(not output.new_token_ids for output in outputs[:first_token])
+    return [entry for output in outputs for entry in output.prompt_logprobs or []]
 
 
 def assert_match_transformers(
@@ -111,3 +116,56 @@ def test_preempted_requests_send_them_once(tiny: tuple[Path, HFLlama]) -> None:
     for i, prompt in enumerate(prompts):
         assert_match_transformers(hf_model, prompt, prompt_logprobs_of(outputs[str(i)]), 2)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_prompt_in_chunks_sends_each_steps_scores_in_its_output(
+    tiny: tuple[Path, HFLlama],
+) -> None:
+    """4 positions a step (max_num_seqs): a 64-token prompt's 63 entries come in 16 outputs,
+    the 15 before its first token's with no tokens, and join into the entries that the
+    engine prefilling it in one step sends in one output."""
+    directory, _ = tiny
+    prompt = random_prompts(5)[4]
+    sampling = SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=3)
+    chunked = generate(
+        make_engine(directory, max_num_seqs=4, max_num_batched_tokens=8), {"r": (prompt, sampling)}
+    )["r"]
+    at_once = generate(make_engine(directory), {"r": (prompt, sampling)})["r"]
+    pieces = [output.prompt_logprobs for output in chunked if output.prompt_logprobs is not None]
+    assert [len(piece) for piece in pieces] == [4] * 15 + [3]
+    assert [len(output.new_token_ids) for output in chunked] == [0] * 15 + [1, 1, 1]
+    assert [output.prompt_logprobs is not None for output in at_once] == [True, False, False]
+    assert [t for o in chunked for t in o.new_token_ids] == at_once[0].new_token_ids + [
+        t for o in at_once[1:] for t in o.new_token_ids
+    ]
+    joined = prompt_logprobs_of(chunked)
+    whole = at_once[0].prompt_logprobs or []
+    assert [(e.rank, e.top_token_ids) for e in joined] == [(e.rank, e.top_token_ids) for e in whole]
+    torch.testing.assert_close(
+        torch.tensor([[e.logprob, *e.top_logprobs] for e in joined]),
+        torch.tensor([[e.logprob, *e.top_logprobs] for e in whole]),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+def test_no_frame_carries_a_long_prompts_scores(tiny: tuple[Path, HFLlama]) -> None:
+    """Each step's frame of outputs carries the scores of at most max_num_seqs (16) prompt
+    positions, however long the prompt: one long prompt's, all in one frame, took the engine's
+    loop seconds to encode and a server's event loop seconds to decode, every other request
+    waiting."""
+    directory, _ = tiny
+    engine = make_engine(directory, max_num_seqs=16, max_num_batched_tokens=64, max_model_len=512)
+    long_prompt = (random_prompts(8)[4] * 8)[:500]
+    engine.add_request(b"t", "long", long_prompt, SamplingParams(max_tokens=2, prompt_logprobs=20))
+    engine.add_request(b"t", "short", random_prompts(2)[1], SamplingParams(max_tokens=40))
+    frame_sizes = []
+    scored = []
+    while engine.has_work:
+        outputs = [output for _, output in engine.step()]
+        if outputs:
+            frame_sizes.append(len(TokenOutputs(outputs).encode()))
+            scored += [o for o in outputs if o.request_id == "long" and o.prompt_logprobs]
+    assert len(prompt_logprobs_of(scored)) == len(long_prompt) - 1
+    # A position's entry with 20 alternatives: at most 21 + 14 * 20 bytes (protocol/limits.py).
+    assert max(frame_sizes) < 16 * (21 + 14 * 20) + 1024

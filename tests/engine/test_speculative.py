@@ -23,6 +23,7 @@ from tandem.testing.random_checkpoint import random_prompts, save_tiny_llama
 from tandem.testing.reference import hf_greedy, run_engine
 from tests.engine.test_logprobs import generate
 from tests.engine.test_model_families import FAMILIES, saved_tiny_model
+from tests.engine.test_prompt_logprobs import prompt_logprobs_of
 
 REPETITIVE = [5, 6, 7, 8, 9] * 6 + [5, 6]
 
@@ -234,8 +235,8 @@ def test_mixed_batch_gives_what_it_gives_without_speculation(
     for ours, theirs in zip(logprobs[1], logprobs[0], strict=True):
         assert ours.top_token_ids == theirs.top_token_ids
         assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-4)
-    prompt_logprobs = [out["prompt-logprobs"][0].prompt_logprobs for out in (plain, speculated)]
-    assert prompt_logprobs[0] is not None and prompt_logprobs[1] is not None
+    prompt_logprobs = [prompt_logprobs_of(out["prompt-logprobs"]) for out in (plain, speculated)]
+    assert len(prompt_logprobs[0]) == len(prompts[2]) - 1
     for ours, theirs in zip(prompt_logprobs[1], prompt_logprobs[0], strict=True):
         assert (ours.rank, ours.top_token_ids) == (theirs.rank, theirs.top_token_ids)
         assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-4)

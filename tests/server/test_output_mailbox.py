@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from protocol import RequestOutput, TokenLogprobs
+from protocol import PromptTokenLogprobs, RequestOutput, TokenLogprobs
 from server.output_mailbox import OutputMailbox
 
 
@@ -29,6 +29,26 @@ def test_outputs_waiting_for_a_busy_handler_arrive_as_one() -> None:
         assert (first.queue_time, first.prefill_time, first.stop_token_id) == (0.25, 0.125, 9)
         assert [p.top_token_ids[0] for p in first.logprobs or []] == [1, 2, 3]
         assert len(seen) == 3  # the latency metrics still see every step
+
+    asyncio.run(run())
+
+
+def test_prompt_logprobs_pieces_waiting_arrive_joined_in_order() -> None:
+    """A prompt prefilled over several steps sends its log-probabilities in pieces, the
+    outputs before its first token's with no tokens."""
+
+    def piece(first_rank: int, count: int) -> list[PromptTokenLogprobs]:
+        return [PromptTokenLogprobs(-1.0, rank, [], []) for rank in range(first_rank, count)]
+
+    async def run() -> None:
+        mailbox = OutputMailbox(merge=True)
+        mailbox.put(output([], 0, prompt_logprobs=piece(1, 4)))
+        mailbox.put(output([], 0, prompt_logprobs=piece(4, 6)))
+        mailbox.put(output([5], 1, prompt_logprobs=piece(6, 7)))
+        mailbox.put(output([6], 2))
+        first = await mailbox.get()
+        assert first.new_token_ids == [5, 6]
+        assert [entry.rank for entry in first.prompt_logprobs or []] == [1, 2, 3, 4, 5, 6]
 
     asyncio.run(run())
 
