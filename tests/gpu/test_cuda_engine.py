@@ -21,6 +21,7 @@ from tandem.testing.processes import free_port, start_engine, start_server
 from tandem.testing.random_checkpoint import save_random_model
 from tandem.testing.reference import run_engine
 from tests.engine.test_logprobs import generate
+from tests.engine.test_prompt_logprobs import prompt_logprobs_of
 
 # One shape per family; Gemma 3's prompts run past its 512-token sliding window.
 FAMILY_SHAPES = ["llama-3.2-1b", "qwen3-0.6b", "qwen2.5-0.5b", "gemma3-1b"]
@@ -328,8 +329,8 @@ def test_sampling_parameters_batched_and_overlapped_equal_one_at_a_time(
     assert (plain[3], plain[4]) not in pairwise(banned) and plain[8] not in banned
     assert set(tokens(together["3"])) <= set(range(1000, 1100))
     assert len(tokens(together["5"])) >= 20
-    scored = together["6"][0].prompt_logprobs
-    assert scored is not None and len(scored) == len(prompts[6]) - 1
+    scored = prompt_logprobs_of(together["6"])  # each step's piece, joined
+    assert len(scored) == len(prompts[6]) - 1
     hf = AutoModelForCausalLM.from_pretrained(llama_1b, dtype=torch.float32).cuda().eval()
     with torch.no_grad():
         logits = hf(torch.tensor([prompts[6]], device="cuda")).logits[0, :-1].float()
