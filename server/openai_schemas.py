@@ -8,9 +8,10 @@ them, as vLLM does.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -37,6 +38,9 @@ from server.errors import ApiError
 from server.json_schema_defs import DEFINITION_SECTIONS
 from server.served_model import ServedModel
 from server.structured_output import structured_output_of
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
 
 logger = logging.getLogger(__name__)
 
@@ -670,6 +674,22 @@ class TokenizeRequest(RequestBody):
 class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0)]]
+
+
+# Bodies larger than this are parsed in a thread (``read_request``); smaller ones, nearly every
+# request, on the event loop, where a thread's hand-off would cost more than the parse.
+_PARSED_ON_THE_LOOP_BYTES = 64 * 1024
+
+
+async def read_request(model: type[RequestT], request: Request) -> RequestT:
+    """``parse_request`` of the request's body. A large body is parsed in a thread: its
+    parse takes a time that grows with it (a tenth of a second or more for the default 4 MB
+    limit), and on the event loop it would stop every other request's stream meanwhile; in a
+    thread the loop takes the GIL back at each switch interval."""
+    body = await request.body()
+    if len(body) <= _PARSED_ON_THE_LOOP_BYTES:
+        return parse_request(model, body)
+    return await asyncio.to_thread(parse_request, model, body)
 
 
 def parse_request(model: type[RequestT], body: bytes) -> RequestT:

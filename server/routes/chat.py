@@ -12,7 +12,7 @@ from server.answer import Answer, whole_response
 from server.engine_pool import EnginePool
 from server.generation import TextDelta
 from server.logprobs import chat_logprobs, logprobs_of, prompt_logprobs
-from server.openai_schemas import ChatCompletionRequest, parse_request
+from server.openai_schemas import ChatCompletionRequest, read_request
 from server.prompts import chat_generation
 from server.request_id import client_address, request_id
 from server.served_model import ServedModel
@@ -25,7 +25,7 @@ class ChatCompletions:
         self._model = model
 
     async def create(self, request: Request) -> Response:
-        body = parse_request(ChatCompletionRequest, await request.body())
+        body = await read_request(ChatCompletionRequest, request)
         self._model.check_name(body.model)
         prepared = await chat_generation(self._model, body, peer=client_address(request))
         generation, parsing = prepared.generation, prepared.parsing

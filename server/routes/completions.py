@@ -17,7 +17,7 @@ from server.choices import ChoiceDeltas, PreparedGeneration
 from server.engine_pool import EnginePool
 from server.generation import TextDelta
 from server.logprobs import CompletionLogprobs, joined_logprobs, prompt_logprobs
-from server.openai_schemas import CompletionRequest, parse_request
+from server.openai_schemas import CompletionRequest, read_request
 from server.prompts import completion_prompts
 from server.request_id import client_address, request_id
 from server.served_model import ServedModel
@@ -30,7 +30,7 @@ class Completions:
         self._model = model
 
     async def create(self, request: Request) -> Response:
-        body = parse_request(CompletionRequest, await request.body())
+        body = await read_request(CompletionRequest, request)
         self._model.check_name(body.model)
         prompts = await completion_prompts(self._model, body)
         prompt_tokens = sum(len(prompt.ids) for prompt in prompts)

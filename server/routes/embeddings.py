@@ -19,7 +19,7 @@ from server.engine_client import EngineRequestError, EngineUnavailable
 from server.engine_pool import EnginePool
 from server.errors import ApiError
 from server.generation import engine_refusal, engine_unavailable
-from server.openai_schemas import EmbeddingRequest, parse_request
+from server.openai_schemas import EmbeddingRequest, read_request
 from server.request_id import request_id
 from server.served_model import ServedModel
 
@@ -30,7 +30,7 @@ class Embeddings:
         self._model = model
 
     async def create(self, request: Request) -> Response:
-        body = parse_request(EmbeddingRequest, await request.body())
+        body = await read_request(EmbeddingRequest, request)
         self._model.check_name(body.model)
         prompts = [await self._prompt_ids(body, item) for item in body.input]
         answer_id = f"embd-{request_id(request)}"

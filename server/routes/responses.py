@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 from server.answer import Answer, whole_answer
 from server.engine_pool import EnginePool
 from server.errors import ApiError
-from server.openai_schemas import ChatCompletionRequest, ChatMessage, parse_request
+from server.openai_schemas import ChatCompletionRequest, ChatMessage, read_request
 from server.prompts import ChatGeneration, chat_generation
 from server.request_id import client_address, request_id
 from server.response_store import ResponseStore
@@ -30,7 +30,7 @@ class Responses:
         self._store = store
 
     async def create(self, request: Request) -> Response:
-        body = parse_request(ResponsesRequest, await request.body())
+        body = await read_request(ResponsesRequest, request)
         self._model.check_name(body.model)
         history = self._history(body.previous_response_id)
         chat, prepared = await self._prepared(body, history, client_address(request))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from server.openai_schemas import DetokenizeRequest, TokenizeRequest, parse_request
+from server.openai_schemas import DetokenizeRequest, TokenizeRequest, read_request
 from server.prompts import chat_prompt
 from server.served_model import ServedModel
 from server.tool_calling import declared_tools, prompt_tools
@@ -18,7 +18,7 @@ class Tokenization:
     async def tokenize(self, request: Request) -> Response:
         """The token ids of a prompt, or of messages (and tools) through the chat template,
         as the chat endpoint renders them."""
-        body = parse_request(TokenizeRequest, await request.body())
+        body = await read_request(TokenizeRequest, request)
         model = self._model
         model.check_name(body.model)
         if body.messages is not None:
@@ -52,7 +52,7 @@ class Tokenization:
 
     async def detokenize(self, request: Request) -> Response:
         """The text of token ids."""
-        body = parse_request(DetokenizeRequest, await request.body())
+        body = await read_request(DetokenizeRequest, request)
         self._model.check_name(body.model)
         self._model.check_token_ids(body.tokens, "tokens")
         return JSONResponse({"prompt": await self._model.decode_in_thread(body.tokens)})

@@ -1,4 +1,5 @@
-"""Prompts from request bodies (server/prompts.py)."""
+"""Request bodies and the prompts from them (server/openai_schemas.py's reading,
+server/prompts.py), and what of them runs off the event loop."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 from starlette.requests import Request
 
 from protocol.chat_template import ChatTemplate
-from server.openai_schemas import ChatMessage
+from server import openai_schemas
+from server.openai_schemas import ChatMessage, CompletionRequest, read_request
 from server.prompts import chat_prompt
 from server.routes.tokenize import Tokenization
 from server.served_model import ChatOptions, ServedModel
@@ -71,3 +73,32 @@ def test_detokenize_decodes_off_the_event_loop() -> None:
     answer, loop_thread = asyncio.run(detokenize())
     assert json.loads(answer) == {"prompt": "hello world"}
     assert decoded_on and loop_thread not in decoded_on
+
+
+@pytest.mark.parametrize("prompt_chars", [10, 200_000])
+def test_a_large_body_is_parsed_off_the_event_loop(
+    prompt_chars: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A body's parse grows with it (a tenth of a second or more for a 4 MB one): a large one
+    # on the event loop would stop every other request's stream meanwhile. A small one, nearly
+    # every request, is parsed on the loop, where a thread's hand-off would cost more.
+    parsed_on: list[int] = []
+    parse = openai_schemas.parse_request
+
+    def recorded(model: type[CompletionRequest], body: bytes) -> CompletionRequest:
+        parsed_on.append(threading.get_ident())
+        return parse(model, body)
+
+    monkeypatch.setattr(openai_schemas, "parse_request", recorded)
+    body = json.dumps({"prompt": "w" * prompt_chars}).encode()
+
+    async def receive() -> dict[str, object]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def read() -> tuple[CompletionRequest, int]:
+        request = Request({"type": "http", "method": "POST", "headers": []}, receive)
+        return await read_request(CompletionRequest, request), threading.get_ident()
+
+    completion, loop_thread = asyncio.run(read())
+    assert completion.prompt == ["w" * prompt_chars]
+    assert parsed_on and (loop_thread in parsed_on) == (prompt_chars < 1000)
