@@ -65,9 +65,8 @@ class SamplingParams(protocol.SamplingParams):
     def engine_params(self, index: int) -> protocol.SamplingParams:
         """The engine's parameters of completion ``index``: the wire fields only."""
         wire = {f.name: getattr(self, f.name) for f in dataclasses.fields(protocol.SamplingParams)}
-        if index:  # the result holds the prompt's log-probabilities once: completion 0's
-            wire["prompt_logprobs"] = None
-        return protocol.SamplingParams(**wire).for_choice(index)
+        # The result holds the prompt's log-probabilities once: completion 0's.
+        return protocol.SamplingParams(**wire).for_choice(index, prompt_logprobs_once=True)
 
 
 @dataclass

@@ -16,7 +16,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from protocol.codec import Message, by_position
 
@@ -177,12 +177,17 @@ class SamplingParams:
     # first has none) and the k likeliest tokens' at its position.
     prompt_logprobs: int | None = None
 
-    def for_choice(self, index: int) -> SamplingParams:
+    def for_choice(self, index: int, *, prompt_logprobs_once: bool = False) -> SamplingParams:
         """The parameters of choice ``index`` of a request's n: a seeded request's choices
-        each take a seed of their own, in turn (seed, seed + 1, ...)."""
-        if self.seed is None:
-            return self
-        return dataclasses.replace(self, seed=(self.seed + index) % 2**63)
+        each take a seed of their own, in turn (seed, seed + 1, ...). ``prompt_logprobs_once``:
+        the answer shows the prompt's log-probabilities once, the first choice's, so the
+        others' requests do not compute them."""
+        changes: dict[str, Any] = {}
+        if self.seed is not None:
+            changes["seed"] = (self.seed + index) % 2**63
+        if index and prompt_logprobs_once and self.prompt_logprobs is not None:
+            changes["prompt_logprobs"] = None
+        return dataclasses.replace(self, **changes) if changes else self
 
     def validate(self) -> str | None:
         """The reason these parameters are unusable, or None."""

@@ -55,7 +55,7 @@ class PreparedGeneration:
                 tokenizer,
                 f"{request_id}-{index}",
                 self.prompt_ids,
-                self._sampling(index),
+                self.sampling.for_choice(index, prompt_logprobs_once=self.prompt_logprobs_once),
                 self.scheduling,
                 self.stop,
                 self.include_stop_str_in_output,
@@ -63,12 +63,6 @@ class PreparedGeneration:
             )
             for index in range(self.num_choices)
         ]
-
-    def _sampling(self, index: int) -> SamplingParams:
-        sampling = self.sampling.for_choice(index)
-        if index and self.prompt_logprobs_once:
-            return dataclasses.replace(sampling, prompt_logprobs=None)
-        return sampling
 
 
 async def collect(request: Request, choices: list[ChoiceDeltas]) -> list[TextDelta] | None:
