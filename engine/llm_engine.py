@@ -120,7 +120,7 @@ class LLMEngine:
             # Where kernels compile or load on first use. Rank 0's steps reach the other
             # ranks, which run them too.
             if self.runner.device.type == "cuda":
-                warm_up(self.runner, config.max_num_seqs)
+                warm_up(self.runner, config.max_num_seqs, config.max_num_batched_tokens)
         except BaseException:
             self.close()
             raise

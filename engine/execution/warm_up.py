@@ -15,9 +15,11 @@ steps reach all of them, and every sampling path:
   steps take them (filled in by a kernel of their own, ``pending_tokens``): a replayed CUDA
   graph (captured before, which compiled the decode kernels of each graph's batch size and
   the kernel that fills a graph's inputs, ``graph_inputs``) or the eager decode;
-- a prefill step of one prompt: its last token's row, gathered from the packed batch with
-  its residual, reaches the LM head as one row whose norm adds a residual, which batch-1
-  decode steps no longer do (their o and down projections add the stream themselves);
+- a prefill step of one prompt run op by op (longer than the prompt graphs take, where they
+  are captured and a step may be longer): its last token's row, gathered from the packed
+  batch with its residual, reaches the LM head as one row whose norm adds a residual, which
+  batch-1 decode steps no longer do (their o and down projections add the stream
+  themselves), and a prompt graph never does (its LM head computes its padded rows);
 - where decode may run eagerly (no graphs, or batches beyond the largest one), eager decodes
   of one sequence at the longest context (split-K) and of max_num_seqs at one token; where
   verify steps may (speculative decoding), the same two as verify steps (the decode
@@ -67,7 +69,7 @@ def _request(
 
 
 @torch.inference_mode()
-def warm_up(runner: ModelRunner, max_num_seqs: int) -> None:
+def warm_up(runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens: int) -> None:
     """Run each kind of step once on ``runner``, whose cache is allocated and graphs
     captured; it is left as it was."""
     started = time.perf_counter()
@@ -80,7 +82,11 @@ def warm_up(runner: ModelRunner, max_num_seqs: int) -> None:
     for request in batch:
         request.num_scheduled_tokens = 1
     runner.sample(runner.forward(batch), None).result()  # decode of the pending tokens
-    alone = [_request(2, _PROMPT_LEN, _GREEDY, block_size)]
+    alone_len = _PROMPT_LEN
+    if runner.prompt_graphs is not None:  # one past them, if a step can be that long
+        step_limit = min(max_num_batched_tokens, runner.max_model_len - 1)
+        alone_len = min(runner.prompt_graphs.lengths[-1] + 1, step_limit)
+    alone = [_request(2, alone_len, _GREEDY, block_size)]
     runner.sample(runner.forward(alone), None).result()  # one prompt's prefill
     num_steps = 3
     decode_graphs, verify_graphs = runner.decode_graphs, runner.verify_graphs

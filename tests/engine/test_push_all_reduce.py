@@ -99,13 +99,15 @@ def assert_ranks_agree(target: Callable[..., None], buffers: object, ranks: int)
 
 
 # A one-row product that all-reduces its own output (a row-parallel layer's at batch 1):
-# (channels, depth of a rank's share, gated, with a stream), in order, between plain calls.
+# (channels, depth of a rank's share, gated, with a stream, with a bias), in order, between
+# plain calls. A bias (gpt-oss's o projection's) is rank 0's alone: added once to the sum.
 PRODUCTS = (
-    (64, 48, False, True),
-    (24, 32, True, True),
-    (30, 40, False, True),  # the last program's channels partly past the row
-    (64, 48, False, False),
-    (8, 16, True, True),
+    (64, 48, False, True, False),
+    (24, 32, True, True, False),
+    (30, 40, False, True, True),  # the last program's channels partly past the row
+    (64, 48, False, False, False),
+    (8, 16, True, True, False),
+    (64, 48, False, True, True),
 )
 
 
@@ -131,7 +133,7 @@ def product_rank_main(
     reducer = PushAllReduce(SymmetricBuffer(every_rank[rank], addresses, ""), rank, ranks, PART)
     start.wait()
     wrong, results = [], []
-    for call, (channels, depth, gated, joins) in enumerate(PRODUCTS):
+    for call, (channels, depth, gated, joins, biased) in enumerate(PRODUCTS):
         shares = []
         for r in range(ranks):
             generator = torch.Generator().manual_seed(1000 * call + r)
@@ -142,14 +144,21 @@ def product_rank_main(
         if joins:
             generator = torch.Generator().manual_seed(call)
             stream = torch.randn(1, channels, generator=generator).to(torch.bfloat16)
+        bias = None
+        if biased:
+            generator = torch.Generator().manual_seed(100 + call)
+            bias = torch.randn(channels, generator=generator).to(torch.bfloat16)
         x, weight = shares[rank]
-        fused = one_row_matmul(x, weight, gated=gated, add=stream, all_reduce=reducer)
+        rank_bias = bias if rank == 0 else None
+        fused = one_row_matmul(
+            x, weight, gated=gated, bias=rank_bias, add=stream, all_reduce=reducer
+        )
         stale = stale_values(reducer)
         # The same sum as the product, then the all-reduce's own kernel, make it.
-        apart = reducer(one_row_matmul(x, weight, gated=gated), stream)
+        apart = reducer(one_row_matmul(x, weight, gated=gated, bias=rank_bias), stream)
         stale += stale_values(reducer)
         products = [one_row_matmul(xr, wr, gated=gated).float() for xr, wr in shares]
-        exact = sum(products).to(torch.bfloat16)
+        exact = (sum(products) + (0 if bias is None else bias.float())).to(torch.bfloat16)
         expected = exact if stream is None else exact + stream
         ulp = (exact.float().abs() + (0 if stream is None else stream.float().abs())) * 2**-6
         if (

@@ -39,7 +39,8 @@ def test_greedy_generation_after_warm_up_matches_transformers(
             **speculative,
         )
     )
-    warm_up(engine.runner, max_num_seqs=8)  # CUDA runs it at start-up; the CPU does not
+    # CUDA runs it at start-up; the CPU does not
+    warm_up(engine.runner, max_num_seqs=8, max_num_batched_tokens=128)
     prompts = random_prompts(8)
     assert run_engine(engine, prompts, max_tokens=16) == [
         hf_greedy(hf_model, p, 16) for p in prompts

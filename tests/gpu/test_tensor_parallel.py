@@ -4,8 +4,9 @@ the 8B's real layer shapes (two layers) at TP=2 and TP=1, both equal to transfor
 each other. The small all-reduces go through symmetric memory (one kernel), the rest through
 NCCL. The first
 engine of the process maps symmetric memory; the later ones run on NCCL alone, and start
-(``symmetric_all_reduce.mappings_in_this_process`` says why). Skipped on fewer GPUs than a
-case's ranks."""
+(``symmetric_all_reduce.mappings_in_this_process`` says why): ``-k gpt-oss`` alone in a
+process takes gpt-oss's biased one-row all-reduce. Skipped on fewer GPUs than a case's
+ranks."""
 
 from __future__ import annotations
 
@@ -48,9 +49,15 @@ def test_greedy_tokens_equal_transformers_with_graphs(case: str, tmp_path: Path)
         assert (engine.runner.tp.symmetric_all_reduce is not None) == first_in_process
         prompts = random_prompts(8)
         ours = run_engine(engine, prompts, max_tokens=24)
+        # Alone, its decode steps are one row: the row-parallel products' one-row kernel,
+        # which all-reduces its own output where the one-kernel all-reduce is mapped (a
+        # bias, gpt-oss's o projection's, added once: rank 0's).
+        alone = run_engine(engine, prompts[:1], max_tokens=24)
     finally:
         engine.close()
-    assert ours == [hf_greedy(hf_model, p, 24) for p in prompts]
+    expected = [hf_greedy(hf_model, p, 24) for p in prompts]
+    assert ours == expected
+    assert alone == expected[:1]
 
 
 def test_real_shaped_greedy_tokens_equal_one_gpu_and_transformers(tmp_path: Path) -> None:
