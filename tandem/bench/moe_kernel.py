@@ -73,6 +73,7 @@ SHAPES = {
 # gpt-oss's activation, as its config.json sets it
 GPT_OSS_ACTIVATION = ClampedSwiGLU(alpha=1.702, limit=7.0)
 TOKENS = (1, 8, 64, 256, 2048)
+_SHOWN_CANDIDATES = 6  # --moe-sweep: the fastest and the next five
 # A run's time in ms (``tandem.bench.kernels.time_ms``: a CUDA graph's replay, L2 flushed).
 Timer = Callable[[Callable[[], None]], float]
 
@@ -85,16 +86,20 @@ class MoeResult:
     weight_bytes: int
     copy_share: float
     roofline_share: float
-    best: tuple[str, float] | None  # --moe-sweep: the fastest candidate and its time
+    # --moe-sweep: the fastest candidates and their times, fastest first
+    best: list[tuple[str, float]] | None
 
 
 def describe(config: MoeConfig | MoeDecodeConfig) -> str:
-    """tile rows / gate-up columns x depth / down columns x depth, x splits; by pair: "pair" /
-    gate-up columns x depth / down channels x depth"""
+    """tile rows / gate-up columns x depth / down columns x depth, x splits; by pair: "pair"
+    (or "token", its gate/up programs a token's) / gate-up columns x depth / down channels x
+    depth, then "p" where the loops prefetch, the warps and the register cap ("r-": none)"""
     if isinstance(config, MoeDecodeConfig):
+        registers = config.max_registers or "-"
         return (
-            f"pair/{config.gate_up_columns}x{config.gate_up_depth}"
-            f"/{config.down_rows}x{config.down_depth}"
+            f"{'token' if config.by_token else 'pair'}/{config.gate_up_columns}"
+            f"x{config.gate_up_depth}/{config.down_rows}x{config.down_depth}"
+            f"{'p' if config.prefetch else ''}/w{config.warps}r{registers}"
         )
     gate_up, down = config.gate_up, config.down
     return (
@@ -112,11 +117,32 @@ def by_pair_candidates(config: MoeDecodeConfig) -> list[MoeDecodeConfig]:
     before its weights, then overlaps another's reads)."""
     step = 2 * config.gate_up_columns * config.gate_up_depth
     down_step = config.down_rows * config.down_depth
-    return [
-        MoeDecodeConfig(columns, step // (2 * columns), rows, down_step // rows, warps)
+    by_pair = [
+        MoeDecodeConfig(columns, step // (2 * columns), rows, down_step // rows, warps, **loops)
         for columns, rows in ((2, 2), (8, 8), (2, 8), (8, 2), (4, 8))
         for warps in (8, 4)
+        for loops in ({}, {"prefetch": True, "max_registers": None})
     ]
+    # A gate/up program a token's columns, walking its picks: one wave of programs at one
+    # token, each a stream of K picks' rows; with and without the next step in flight, and
+    # the register cap (the prefetched step's registers) or none.
+    by_token = [
+        MoeDecodeConfig(
+            columns,
+            depth,
+            config.down_rows,
+            config.down_depth,
+            warps,
+            by_token=True,
+            prefetch=prefetch,
+            max_registers=registers,
+        )
+        for columns, depth in ((2, 2048), (4, 1024), (8, 512), (4, 2048), (2, 1024), (1, 2048))
+        for warps in (8, 4)
+        for prefetch in (False, True)
+        for registers in (config.max_registers, None)
+    ]
+    return by_pair + by_token
 
 
 def candidates(
@@ -258,6 +284,9 @@ def moe_case(
             fused_moe(x, weights, ids, **layer, config=config)
 
         try:
+            if isinstance(config, MoeDecodeConfig):  # its variants checked, not only the rule's
+                out = fused_moe(x, weights, ids, **layer, config=config)
+                assert_matches_reference(out, x, weights, ids, layer)
             return time_ms(run)
         except triton.runtime.errors.OutOfResources:  # a candidate's stages overflow
             return float("inf")
@@ -265,7 +294,7 @@ def moe_case(
     ms = timed(rule)
     best = None
     if sweep:
-        best = min(
+        best = sorted(
             (
                 (describe(c), timed(c) * 1e3)
                 for c in candidates(
@@ -275,7 +304,7 @@ def moe_case(
                 )
             ),
             key=lambda b: b[1],
-        )
+        )[:_SHOWN_CANDIDATES]
     seconds = ms / 1e3
     traffic = StepTraffic(weight_bytes, 0, flops) if w8a8 else StepTraffic(weight_bytes, flops, 0)
     bound = traffic_bound(traffic, rates)
@@ -309,7 +338,7 @@ def run_moe(
         layer = random_layer(shape, fp8)
         for num_tokens in tokens:
             result = moe_case(shape, num_tokens, layer, rates, time_ms, sweep)
-            best = f" {result.best[0]:>22} {result.best[1]:9.1f}" if result.best else ""
+            best = f" {result.best[0][0]:>22} {result.best[0][1]:9.1f}" if result.best else ""
             print(
                 f"{name:>24} {'fp8' if fp8 else 'bf16':>7} {num_tokens:5d} "
                 f"{result.touched:7d} {result.config:>22} {result.us:9.1f} "
@@ -317,5 +346,9 @@ def run_moe(
                 f"{result.weight_bytes / (result.us / 1e6) / 1e9:7.0f} "
                 f"{result.copy_share:8.0%} {result.roofline_share:11.0%}{best}"
             )
+            if result.best:
+                print(
+                    "    next fastest: " + ", ".join(f"{d} {us:.1f}" for d, us in result.best[1:])
+                )
         del layer
         torch.cuda.empty_cache()

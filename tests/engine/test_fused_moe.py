@@ -15,6 +15,7 @@ interpreter runs too. Triton's interpreter multiplies bfloat16 wrongly, so off C
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -229,19 +230,37 @@ def test_grouped_programs_spread_evenly_over_the_sms(monkeypatch: pytest.MonkeyP
     assert grouped(2, 2, 8, 4096, 14336) == (64, 1)
 
 
+# The by-pair path's kernel variants: a gate/up program a pair or a token's (walking its
+# picks), each loop's next step loaded before the one loaded is reduced or not.
+DECODE_VARIANTS = {
+    "by-pair": {},
+    "by-token": {"by_token": True},
+    "by-token-prefetch": {"by_token": True, "prefetch": True},
+    "by-pair-prefetch": {"prefetch": True},
+}
+
+
+def decode_config(top_k: int, variant: str) -> MoeDecodeConfig:
+    return replace(moe_decode_config(top_k), **DECODE_VARIANTS[variant])
+
+
+@pytest.mark.parametrize("variant", list(DECODE_VARIANTS))
 @pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, HALF], ids=str)
 @pytest.mark.parametrize("num_tokens", [1, 5])
-def test_decode_path_matches_reference(num_tokens: int, dtype: torch.dtype, fp8: bool) -> None:
+def test_decode_path_matches_reference(
+    num_tokens: int, dtype: torch.dtype, fp8: bool, variant: str
+) -> None:
     """By pair, top-3 of 8 (the picks padded to 4 in the down kernel's block): one token, and
     five whose 15 pairs share experts (each pair reads its expert's weights, each token's
     program sums its own picks)."""
     x = torch.randn(num_tokens, HIDDEN, device=DEVICE).to(dtype)
     weights, ids = route(torch.randn(num_tokens, 8, device=DEVICE), top_k=3)
     layer = experts(8, dtype, fp8)
-    out = assert_matches_reference(x, weights, ids, layer, config=moe_decode_config(3))
+    config = decode_config(3, variant)
+    out = assert_matches_reference(x, weights, ids, layer, config=config)
     # No atomics, no partial sums: the same bits run to run.
-    assert torch.equal(out, fused_moe(x, weights, ids, **layer, config=moe_decode_config(3)))
+    assert torch.equal(out, fused_moe(x, weights, ids, **layer, config=config))
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype", "fp8"])
@@ -266,8 +285,9 @@ def test_decode_path_ties_and_experts_no_token_picks() -> None:
     assert_matches_reference(x, weights, ids, layer, config=moe_decode_config(2))
 
 
+@pytest.mark.parametrize("variant", list(DECODE_VARIANTS))
 @pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype", "fp8"])
-def test_decode_path_leaves_out_other_ranks_experts(fp8: bool) -> None:
+def test_decode_path_leaves_out_other_ranks_experts(fp8: bool, variant: str) -> None:
     """Experts 4-7 of 12 here, by pair at 4 tokens of top-3: a token with no local pick comes
     out exact zeros, one with every pick local and two mixed match the reference."""
     weights, ids = route(torch.randn(4, 12, device=DEVICE), top_k=3)
@@ -278,6 +298,6 @@ def test_decode_path_leaves_out_other_ranks_experts(fp8: bool) -> None:
     x = torch.randn(4, HIDDEN, device=DEVICE)
     layer = experts(4, torch.float32, fp8)
     out = assert_matches_reference(
-        x, weights, ids, layer, expert_offset=4, config=moe_decode_config(3)
+        x, weights, ids, layer, expert_offset=4, config=decode_config(3, variant)
     )
     assert (out[0] == 0).all()

@@ -12,7 +12,12 @@ floor). Here:
    those gate and up rows on the CUDA cores, as the one-row kernel does (the weight straight
    into registers, float32 products, one reduction at the end); the epilogue as the grouped
    kernel's (FP8 codes' scales, gpt-oss's biases and clamped SwiGLU), rounded to x's dtype
-   into ``hidden[pair]``. A pair of another rank's expert returns at once.
+   into ``hidden[pair]``. A pair of another rank's expert returns at once. Or
+   (``_gate_up_token_kernel``, ``MoeDecodeConfig.by_token``) a program per (token, BLOCK_N
+   columns) walks the token's picks one step after another, the next step's rows loaded
+   before the one in hand is reduced: at one token a single wave of programs, each a stream
+   of K experts' rows, against K waves of programs that each wait on an expert id, read one
+   step and end; each pick's activation goes out after its last step.
 2. Down (``_down_token_kernel``): a program per (token, BLOCK_N output channels) reads all of
    its K picks' rows at once, a [K, BLOCK_N, BLOCK_K] load a step: K experts' bytes in flight
    together rather than one expert after another (a first by-pair path looped over the picks
@@ -21,14 +26,16 @@ floor). Here:
    pick's sums are scaled by its routing weight (and FP8 scales; a bias, times the
    weight), summed over the picks in a fixed order and written once in x's dtype: the
    combine, without partial sums or atomics, the same bits run to run. Another rank's picks
-   are masked off (their activations never written) and add nothing.
+   are masked off (their activations never written) and add nothing. With ``prefetch`` its
+   loop, too, loads the next step before reducing the one in hand.
 
 Duplicate experts among the pairs (two tokens picking one expert) are read once a pair here,
 once in all by the grouped kernels; so this path stops where duplicates stop being rare
 (``takes_decode_path``). Each kernel's step is 8192 products (16 KiB of bf16 weights, 8 of
-fp8) over 8 warps, as the one-row kernel's best bf16 configurations read: enough bytes in
-flight for a few programs an SM to keep the memory busy, and at one token hundreds of
-programs or more (Qwen3-30B-A3B 3,072 and 256, Mixtral 14,336 and 512).
+fp8) over 8 warps (4 where a program walks its picks: ``moe_decode_config``), as the one-row
+kernel's best bf16 configurations read: enough bytes in flight for a few programs an SM to
+keep the memory busy, and at one token hundreds of programs or more (Qwen3-30B-A3B 384 a
+token's walking its picks and 256, Mixtral 14,336 and 512).
 
 Launched dependent as every MoE kernel. The down kernel reads its picks' ids, routing
 weights and first chunk of weights before waiting for the gate/up kernel: the routing was
@@ -74,13 +81,19 @@ _MOST_MASKED = 1.125
 class MoeDecodeConfig:
     """The two kernels' blocks: gate/up ``gate_up_columns`` of each half a program,
     ``gate_up_depth`` of H a step; down ``down_rows`` output channels a program,
-    ``down_depth`` of I a step (of every pick at once)."""
+    ``down_depth`` of I a step (of every pick at once). ``by_token``: a gate/up program per
+    token's columns walks its picks (``_gate_up_token_kernel``), not one a pair's.
+    ``prefetch``: each program's loop loads its next step before reducing the one loaded
+    (two steps in flight). ``max_registers``: a thread's (None: ptxas's choice)."""
 
     gate_up_columns: int
     gate_up_depth: int
     down_rows: int
     down_depth: int
     warps: int
+    by_token: bool = False
+    prefetch: bool = False
+    max_registers: int | None = _MAX_REGISTERS
 
 
 def takes_decode_path(
@@ -112,18 +125,27 @@ def moe_decode_config(top_k: int) -> MoeDecodeConfig:
     power of two) by what is left of I (Qwen3-30B-A3B's K 8: 128, six steps of its 768).
     Fitted to ``bench_kernels.py --moe --moe-sweep`` at one and two tokens, where these
     blocks beat 4 and 4 at Qwen3-30B-A3B and Mixtral (the narrower gate/up programs: more of
-    them, each a longer stream of its rows). Interpreted (the CPU tests), small: several
-    column blocks and steps, last ones masked."""
+    them, each a longer stream of its rows). At 4 picks or more (Qwen3-30B-A3B's 8), a
+    gate/up program a token's columns walks its picks with the next step in flight, and so
+    does the down kernel's loop, 4 warps a program, registers uncapped: the pair kernel's
+    waves of programs that each read one step, after waiting on its expert id, kept the
+    bytes in flight low (the sweep's fastest at one token, bf16 and FP8, and no slower at
+    two). Mixtral's 2 picks keep the program a pair (unswept). Interpreted (the CPU tests),
+    small: several column blocks and steps, last ones masked."""
     if _INTERPRETED:
         return MoeDecodeConfig(16, 32, 32, 16, 4)
     picks = triton.next_power_of_2(top_k)
     gate_up_columns, down_rows = 2, 8
+    walks_picks = top_k >= 4
     return MoeDecodeConfig(
         gate_up_columns,
         _STEP_PRODUCTS // (2 * gate_up_columns),
         down_rows,
         max(16, _STEP_PRODUCTS // (picks * down_rows)),
-        _WARPS,
+        4 if walks_picks else _WARPS,
+        by_token=walks_picks,
+        prefetch=walks_picks,
+        max_registers=None if walks_picks else _MAX_REGISTERS,
     )
 
 
@@ -195,6 +217,130 @@ def _gate_up_pair_kernel(
 
 
 @triton.jit
+def _pick_rows(
+    w_ptr,
+    ids_ptr,
+    first_pair,
+    step,  # of the token's picks' steps, in order
+    steps,  # a pick's
+    total,  # the token's: a step past them reads nothing
+    expert_offset,
+    num_experts,
+    cols,
+    col_mask,
+    depth,
+    intermediate,
+    stride_we,
+    stride_wn,
+    BLOCK_K: tl.constexpr,
+):
+    """The gate and up rows ``cols`` of a step of the token's picks: its pick's expert's
+    (nothing of another rank's expert), its slice of H; and that expert, whether local, a
+    value a column (one address, read once: the interpreter takes no scalar in a mask)."""
+    pick = step // steps
+    ks = (step - pick * steps) * BLOCK_K + tl.arange(0, BLOCK_K)
+    valid = (tl.zeros_like(cols) + step) < total
+    expert = tl.load(ids_ptr + first_pair + pick + tl.zeros_like(cols), mask=valid, other=-1)
+    expert -= expert_offset
+    local = valid & (expert >= 0) & (expert < num_experts)
+    expert = tl.where(local, expert, 0).to(tl.int64)
+    gate_rows = w_ptr + expert[:, None] * stride_we + cols[:, None] * stride_wn + ks[None, :]
+    mask = (local & col_mask)[:, None] & (ks < depth)[None, :]
+    gate = tl.load(gate_rows, mask=mask, other=0.0)
+    up = tl.load(gate_rows + intermediate * stride_wn, mask=mask, other=0.0)
+    return gate, up, expert, local
+
+
+@triton.jit
+def _gate_up_token_kernel(
+    x_ptr,  # [T, H]
+    ids_ptr,  # [T*K] global expert ids
+    w_ptr,  # [E, 2I, H]
+    scale_ptr,  # [E, 2I] float32 (HAS_SCALE)
+    bias_ptr,  # [E, 2I] in x's dtype (HAS_BIAS)
+    hidden_ptr,  # [T*K, I] out: the activation, a row a local pair
+    expert_offset,
+    num_experts,
+    depth,  # H
+    intermediate,  # I
+    alpha,  # CLAMPED_SWIGLU's
+    limit,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_be,
+    stride_hidden,
+    TOP_K: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    CLAMPED_SWIGLU: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Program per (BLOCK_N columns of each half, token), over the token's picks in turn:
+    a grid of as many programs as one pick's (at one token, one wave), each a stream of
+    its picks' rows, where a program a pair reads one step and ends (waves of programs, each
+    waiting on its expert id, then its weights). A pick's sums go out as its activation
+    after its last step; another rank's pick reads nothing and is not written."""
+    wait_for_previous_kernel()  # the routing and x come from the kernels just before
+    let_next_kernel_start()
+    token = tl.program_id(1).to(tl.int64)
+    first_pair = token * TOP_K
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < intermediate
+    x_row = x_ptr + token * stride_x
+    steps = tl.cdiv(depth, BLOCK_K)
+    total = TOP_K * steps
+    gate_w, up_w, expert, local = _pick_rows(
+        w_ptr, ids_ptr, first_pair, 0, steps, total, expert_offset, num_experts, cols,
+        col_mask, depth, intermediate, stride_we, stride_wn, BLOCK_K,
+    )  # fmt: skip
+    gate_sums = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    up_sums = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for step in range(0, total):
+        if PREFETCH:  # the next step's rows in flight while this one's are reduced
+            next_gate, next_up, next_expert, next_local = _pick_rows(
+                w_ptr, ids_ptr, first_pair, step + 1, steps, total, expert_offset,
+                num_experts, cols, col_mask, depth, intermediate, stride_we, stride_wn, BLOCK_K,
+            )  # fmt: skip
+        else:
+            next_gate, next_up, next_expert, next_local = gate_w, up_w, expert, local
+        pick = step // steps
+        ks = (step - pick * steps) * BLOCK_K + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + ks, mask=ks < depth, other=0.0).to(tl.float32)[None, :]
+        gate_sums += tl.sum(widen(gate_w, tl.float32) * x, axis=1)
+        up_sums += tl.sum(widen(up_w, tl.float32) * x, axis=1)
+        last = (tl.zeros_like(cols) + step - pick * steps) == steps - 1
+        out_mask = col_mask & last & local
+        gate_out, up_out = gate_sums, up_sums
+        if HAS_SCALE:  # widened to float32 exactly (fp8_widen): the codes' scales alone
+            scale_ptrs = scale_ptr + expert * stride_se + cols
+            gate_out *= tl.load(scale_ptrs, mask=out_mask, other=0.0)
+            up_out *= tl.load(scale_ptrs + intermediate, mask=out_mask, other=0.0)
+        if HAS_BIAS:
+            bias_ptrs = bias_ptr + expert * stride_be + cols
+            gate_out += tl.load(bias_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+            up_out += tl.load(bias_ptrs + intermediate, mask=out_mask, other=0.0).to(tl.float32)
+        activation = gated_activation(gate_out, up_out, alpha, limit, CLAMPED_SWIGLU)
+        tl.store(
+            hidden_ptr + (first_pair + pick) * stride_hidden + cols,
+            activation.to(hidden_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
+        gate_sums = tl.where(last, 0.0, gate_sums)
+        up_sums = tl.where(last, 0.0, up_sums)
+        if PREFETCH:
+            gate_w, up_w, expert, local = next_gate, next_up, next_expert, next_local
+        else:
+            gate_w, up_w, expert, local = _pick_rows(
+                w_ptr, ids_ptr, first_pair, step + 1, steps, total, expert_offset,
+                num_experts, cols, col_mask, depth, intermediate, stride_we, stride_wn, BLOCK_K,
+            )  # fmt: skip
+
+
+@triton.jit
 def _down_step(sums, weight, ks, hidden_rows, local, depth):
     """Add one step of every pick's weight rows (``weight`` [PICKS, BLOCK_N, BLOCK_K], I's
     columns ``ks``) times its activation to the sums [PICKS, BLOCK_N]. Reduced a step at a
@@ -228,6 +374,7 @@ def _down_token_kernel(
     PICKS: tl.constexpr,  # TOP_K rounded up to a power of two
     HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    PREFETCH: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -253,18 +400,31 @@ def _down_token_kernel(
     wait_for_previous_kernel()  # the activations are the gate/up kernel's
     let_next_kernel_start()
     hidden_rows = hidden_ptr + pairs[:, None] * stride_hidden
-    # The first step peeled, as the one-row kernel's (its weight read before the wait).
-    sums = _down_step(
-        tl.zeros((PICKS, BLOCK_N), dtype=tl.float32), weight, ks, hidden_rows, local, depth
-    )
-    for start in range(BLOCK_K, depth, BLOCK_K):
-        ks = start + tl.arange(0, BLOCK_K)
-        weight = tl.load(
-            weight_rows + ks[None, None, :],
-            mask=rows_mask & (ks < depth)[None, None, :],
-            other=0.0,
-        )
+    if PREFETCH:  # the next step's rows in flight while this one's are reduced
+        sums = tl.zeros((PICKS, BLOCK_N), dtype=tl.float32)
+        for start in range(BLOCK_K, depth, BLOCK_K):
+            next_ks = start + tl.arange(0, BLOCK_K)
+            next_weight = tl.load(
+                weight_rows + next_ks[None, None, :],
+                mask=rows_mask & (next_ks < depth)[None, None, :],
+                other=0.0,
+            )
+            sums = _down_step(sums, weight, ks, hidden_rows, local, depth)
+            weight, ks = next_weight, next_ks
         sums = _down_step(sums, weight, ks, hidden_rows, local, depth)
+    else:
+        # The first step peeled, as the one-row kernel's (its weight read before the wait).
+        sums = _down_step(
+            tl.zeros((PICKS, BLOCK_N), dtype=tl.float32), weight, ks, hidden_rows, local, depth
+        )
+        for start in range(BLOCK_K, depth, BLOCK_K):
+            ks = start + tl.arange(0, BLOCK_K)
+            weight = tl.load(
+                weight_rows + ks[None, None, :],
+                mask=rows_mask & (ks < depth)[None, None, :],
+                other=0.0,
+            )
+            sums = _down_step(sums, weight, ks, hidden_rows, local, depth)
     pick_mask = local[:, None] & col_mask[None, :]
     if HAS_SCALE:
         scale_ptrs = scale_ptr + expert[:, None] * stride_se + cols[None, :]
@@ -304,7 +464,7 @@ def moe_decode_experts(
     top_k = num_pairs // num_tokens
     quantized = w13.dtype == FP8
     hidden_states = x.new_empty(num_pairs, intermediate)
-    _gate_up_pair_kernel[(triton.cdiv(intermediate, config.gate_up_columns), num_pairs)](
+    operands = (
         x,
         ids,
         w13,
@@ -315,7 +475,8 @@ def moe_decode_experts(
         num_experts,
         hidden,
         intermediate,
-        top_k,
+    )
+    rest = (
         0.0 if activation is None else activation.alpha,
         0.0 if activation is None else activation.limit,
         x.stride(0),
@@ -324,16 +485,25 @@ def moe_decode_experts(
         w13_scale.stride(0) if quantized else 0,
         0 if w13_bias is None else w13_bias.stride(0),
         hidden_states.stride(0),
-        HAS_SCALE=quantized,
-        HAS_BIAS=w13_bias is not None,
-        CLAMPED_SWIGLU=activation is not None,
-        BLOCK_N=config.gate_up_columns,
-        BLOCK_K=config.gate_up_depth,
-        num_warps=config.warps,
-        num_stages=1,
-        maxnreg=_MAX_REGISTERS,
-        **launch_options(x.device),
     )
+    flags = {
+        "HAS_SCALE": quantized,
+        "HAS_BIAS": w13_bias is not None,
+        "CLAMPED_SWIGLU": activation is not None,
+        "BLOCK_N": config.gate_up_columns,
+        "BLOCK_K": config.gate_up_depth,
+        "num_warps": config.warps,
+        "num_stages": 1,
+        "maxnreg": config.max_registers,
+        **launch_options(x.device),
+    }
+    column_blocks = triton.cdiv(intermediate, config.gate_up_columns)
+    if config.by_token:
+        _gate_up_token_kernel[(column_blocks, num_tokens)](
+            *operands, *rest, TOP_K=top_k, PREFETCH=config.prefetch, **flags
+        )
+    else:
+        _gate_up_pair_kernel[(column_blocks, num_pairs)](*operands, top_k, *rest, **flags)
     _down_token_kernel[(triton.cdiv(hidden, config.down_rows), num_tokens)](
         hidden_states,
         ids,
@@ -356,10 +526,11 @@ def moe_decode_experts(
         PICKS=triton.next_power_of_2(top_k),
         HAS_SCALE=quantized,
         HAS_BIAS=w2_bias is not None,
+        PREFETCH=config.prefetch,
         BLOCK_N=config.down_rows,
         BLOCK_K=config.down_depth,
         num_warps=config.warps,
         num_stages=1,
-        maxnreg=_MAX_REGISTERS,
+        maxnreg=config.max_registers,
         **launch_options(x.device),
     )
