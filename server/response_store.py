@@ -30,9 +30,10 @@ from server.openai_schemas import ChatMessage
 DEFAULT_MAX_RESPONSES = 1_000
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 DEFAULT_TTL_S = 3_600.0
-# What a conversation's message holds in memory besides its text (a pydantic model and its
-# dicts): about 550 bytes measured with tracemalloc, where its JSON is some 30. Without it, a
-# conversation of many short messages would weigh a twentieth of what it holds.
+# An allowance per conversation message for the Python objects around its text (a pydantic
+# model and its dicts), which its JSON does not count: without it, a conversation of many
+# short messages would count for a small part of the memory it holds, and the byte bound
+# would let the store grow far past it.
 _MESSAGE_OVERHEAD_BYTES = 512
 
 

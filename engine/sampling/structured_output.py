@@ -159,6 +159,13 @@ class GrammarCompiler:
         self._max_cached = max_cached
         self._max_cached_bytes = max_cached_bytes
         self._cache: OrderedDict[StructuredOutput, Future[xgr.CompiledGrammar]] = OrderedDict()
+        # The cache's bytes as a running total, each entry's added once its compile is seen
+        # done and taken off as it leaves: summing every entry at each compile would cost the
+        # cache's length. Only the entries not seen done yet are looked at again, and they
+        # are few (the compiles in flight, which the service bounds).
+        self._cached_bytes = 0
+        self._entry_bytes: dict[StructuredOutput, int] = {}
+        self._not_counted: set[StructuredOutput] = set()
         # The compiles submitted and not done when last counted (one evicted from the cache
         # still counts until it is done).
         self._not_done: set[Future[xgr.CompiledGrammar]] = set()
@@ -182,6 +189,20 @@ class GrammarCompiler:
         self._not_done = {future for future in self._not_done if not future.done()}
         return len(self._not_done)
 
+    @property
+    def cached_bytes(self) -> int:
+        """The compiled grammars' bytes in the cache; one still compiling counts none yet."""
+        for constraint in [c for c in self._not_counted if self._cache[c].done()]:
+            self._not_counted.remove(constraint)
+            self._entry_bytes[constraint] = _compiled_bytes(self._cache[constraint])
+            self._cached_bytes += self._entry_bytes[constraint]
+        return self._cached_bytes
+
+    def _forget(self, constraint: StructuredOutput) -> None:
+        """Take the constraint's entry, gone from the cache, off the byte total."""
+        self._not_counted.discard(constraint)
+        self._cached_bytes -= self._entry_bytes.pop(constraint, 0)
+
     def would_compile(self, constraint: StructuredOutput) -> bool:
         """Whether ``compile`` would start a compile for this constraint: the cache holds no
         grammar of it, compiled or compiling."""
@@ -200,13 +221,13 @@ class GrammarCompiler:
         future = self._executor.submit(self._compile, self._compiler, grammar)
         self._not_done.add(future)
         self._cache[constraint] = future
+        self._not_counted.add(constraint)
         # The least recently asked for go first; requests compiling one keep their reference.
-        cached_bytes = sum(map(_compiled_bytes, self._cache.values()))
         while len(self._cache) > self._max_cached or (
-            len(self._cache) > 1 and cached_bytes > self._max_cached_bytes
+            len(self._cache) > 1 and self.cached_bytes > self._max_cached_bytes
         ):
-            _, evicted = self._cache.popitem(last=False)
-            cached_bytes -= _compiled_bytes(evicted)
+            evicted, _ = self._cache.popitem(last=False)
+            self._forget(evicted)
         return future
 
     def cancel_unstarted(
@@ -218,6 +239,7 @@ class GrammarCompiler:
         has no way to), so it finishes, for the cache."""
         if future.cancel() and self._cache.get(constraint) is future:
             del self._cache[constraint]
+            self._forget(constraint)
 
     @staticmethod
     def _compile(

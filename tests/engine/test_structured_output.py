@@ -9,7 +9,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -328,6 +328,38 @@ def test_the_cache_keeps_compiled_grammars_within_its_bytes(
     assert compiler.compile(a) is not first_a
 
 
+def test_the_cache_byte_total_is_its_entries_sizes(
+    tokenizer: TokenizerInfo, vocab_size: int, executor: ThreadPoolExecutor
+) -> None:
+    """The cache keeps its bytes as a running total, not a sum over its entries at each
+    compile: the total must follow every entry in and out, evicted by count or by bytes,
+    or the byte bound drifts from what the cache holds."""
+    small = [StructuredOutput("regex", regex) for regex in ["a+", "b+", "c+", "d+", "e+"]]
+    # About a hundred kilobytes compiled, over the budget alone; a regex is a few kilobytes.
+    large = StructuredOutput("choice", json.dumps([f"option {i}" for i in range(1_000)]))
+    compiler = GrammarCompiler(
+        tokenizer, vocab_size, executor, max_cached=3, max_cached_bytes=20_000
+    )
+    latest: dict[StructuredOutput, Future[xgr.CompiledGrammar]] = {}
+
+    def compile_and_check(constraint: StructuredOutput) -> list[StructuredOutput]:
+        """Compiles the constraint and checks the total against the cached entries, once
+        their compiles are done; returns those entries."""
+        latest[constraint] = compiler.compile(constraint)
+        cached = [c for c in latest if not compiler.would_compile(c)]
+        entry_bytes = [latest[c].result(timeout=60).memory_size_bytes for c in cached]
+        assert compiler.cached_bytes == sum(entry_bytes)
+        return cached
+
+    for constraint in [*small[:4], large]:  # d and the large list each evict one by count
+        compile_and_check(constraint)
+    # The large list compiled, e's compile evicts the oldest by count and the rest by bytes.
+    assert compile_and_check(small[4]) == [small[4]]
+    for constraint in small[:2]:  # back after their eviction
+        compile_and_check(constraint)
+    assert compiler.cached_bytes > 0
+
+
 def test_compiles_run_on_the_pool_not_the_caller(tokenizer: TokenizerInfo, vocab_size: int) -> None:
     with ThreadPoolExecutor(max_workers=1) as pool:
         compiler = GrammarCompiler(tokenizer, vocab_size, pool)
@@ -400,6 +432,7 @@ def test_a_compile_no_request_waits_for_is_cancelled_before_it_starts(
             ]
             assert b_compile.cancelled() and compiler.would_compile(b)
             assert compiler.num_compiling == 0 and not compiling
+            assert compiler.cached_bytes == 0  # the cancelled entries are off the total too
         finally:
             gate.set()
         # Asked for again, the constraint compiles anew.
