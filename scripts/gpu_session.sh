@@ -9,6 +9,7 @@
 #   scripts/gpu_session.sh moe-decode  # its decode path by pair: tests, kernel and batch-1 timings
 #   scripts/gpu_session.sh moe-decode-parity  # batch-1 decode parity of Qwen3 (QK-norm) and the MoEs
 #   MOE_SHAPE=mixtral-8x7b scripts/gpu_session.sh moe-sweep  # its rule against neighbouring configurations
+#   BASE=/tmp/base scripts/gpu_session.sh moe-latency-ab  # MoE batch-1 TPOT against a base tree
 #   SPEC_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh spec spec-f32  # speculative decoding (issue 37)
 #   scripts/gpu_session.sh moe                           # mixtures of experts, one GPU
 #   scripts/gpu_session.sh moe-235b moe-235b-offline     # Qwen3-235B-A22B shape, fp8, 4 GPUs
@@ -597,6 +598,25 @@ PY
       timeout 300 python3 -m pytest -q -rs -s -p no:cacheprovider tests/gpu/test_decode_parity.py \
         tests/gpu/test_moe_cuda.py -k "greedy and (qwen3-0.6b or triton)" 2>&1 \
         | tee "$out/moe-decode-parity.log" | grep -E "worst logprob|passed|failed|Error" | tail -8 ;;
+    moe-latency-ab)  # issue 39 (about 6 minutes): the MoE decode path against a base tree
+      # (BASE=dir, e.g. `git archive REV -o base.tar` carried and untarred): the by-pair
+      # kernels' GPU tests and the tiny Qwen3-MoE's parity first, then batch-1 TPOT at the
+      # Qwen3-30B-A3B and Mixtral-8x7B shapes (--load-format dummy, 2 runs), the trees
+      # alternated ROUNDS times (default 2)
+      base=${BASE:?set BASE to the other tree}
+      timeout 150 python3 -m pytest -q -rfEs -p no:cacheprovider tests/gpu/test_fused_moe_cuda.py \
+        tests/gpu/test_moe_cuda.py -k "decode or qwen3" 2>&1 | tee "$out/moe-ab-tests.log" | tail -3
+      for round in $(seq "${ROUNDS:-2}"); do
+        for shape in qwen3-30b-a3b mixtral-8x7b; do
+          m=$(config_only $shape)
+          for tree in "$base" .; do
+            name=head; [ "$tree" = . ] || name=base
+            echo "$shape $name round $round: $(cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 100 \
+              python3 scripts/bench_latency.py --model "$m" --load-format dummy --runs 2 2>&1 \
+              | tee "$out/moe-ab-$shape-$name-$round.log" | grep -E "^tandem, median")"
+          done
+        done
+      done ;;
     moe-sweep)
       for weights in bf16 fp8; do
         flags=(); [ $weights = fp8 ] && flags=(--quantization fp8)
