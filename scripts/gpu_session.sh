@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests and/or benchmarks, logs under $OUT (or /tmp).
 #
-#   scripts/gpu_session.sh tests|tests-models|tests-kernels|ab-1b|perf|perf-fp8|fp8-widen|quant|quant-speed|matmul-rules|serving|spec|spec-f32|bench-1b|bench-8b|bench-qwen3|structured-1b|profile-1b|profile-8b|profile-8b-fp8|profile-ttft|profile-qwen3|profile-qwen3-fp8 ...
+#   scripts/gpu_session.sh tests|tests-models|tests-engine|tests-kernels|ab-1b|perf|perf-fp8|fp8-widen|quant|quant-speed|matmul-rules|serving|spec|spec-f32|bench-1b|bench-8b|bench-qwen3|structured-1b|profile-1b|profile-8b|profile-8b-fp8|profile-ttft|profile-qwen3|profile-qwen3-fp8 ...
 #   scripts/gpu_session.sh tp-check tp-8b tp-70b   # tensor parallelism, on 2 GPUs (TP=4/8: TP=N)
 #   scripts/gpu_session.sh tp-push                  # the push all-reduce: tests, kernels, TP=2 steps
 #   scripts/gpu_session.sh bench-dp|bench-dp-smoke|layouts-8b|tp-layouts-8b  # data parallelism (layouts: 4 GPUs)
@@ -172,15 +172,17 @@ long_prompts() {  # log name, output tokens, runs: the 8B shape's TTFT and TPOT 
 for stage in "$@"; do
   echo "=== $stage $(date -u +%FT%TZ)"
   case $stage in
-    tests|tests-models|tests-kernels)
-      # All of them take about ten minutes on an H200, one call's limit: tests-models (the
-      # engine's models, graphs and sampling against transformers and eager) and
-      # tests-kernels (the MoE, split-decode and all-reduce kernels, the kernels' own tests)
-      # are the two halves, a call each.
+    tests|tests-models|tests-engine|tests-kernels)
+      # All of them take longer than one call's ten minutes on an H200: tests-models (the
+      # engine's models, graphs and sampling against transformers and eager; about 6
+      # minutes), tests-engine (speculation, the warm-up, two engines' equal tokens, the
+      # model parity; about 4) and tests-kernels (the MoE, split-decode and all-reduce
+      # kernels, the kernels' own tests) are its parts, a call each.
       case $stage in
         tests-models) files=(tests/gpu/test_backend_kernels.py tests/gpu/test_cuda_engine.py
-          tests/gpu/test_decode_parity.py tests/gpu/test_pinned_inputs.py tests/gpu/test_reproducible.py
-          tests/gpu/test_speculative_cuda.py tests/gpu/test_warm_up.py tests/engine/test_model_parity.py) ;;
+          tests/gpu/test_decode_parity.py tests/gpu/test_pinned_inputs.py) ;;
+        tests-engine) files=(tests/gpu/test_reproducible.py tests/gpu/test_speculative_cuda.py
+          tests/gpu/test_warm_up.py tests/engine/test_model_parity.py) ;;
         tests-kernels) files=(tests/gpu/test_all_reduce.py tests/gpu/test_fused_moe_cuda.py
           tests/gpu/test_moe_cuda.py tests/gpu/test_split_decode_cuda.py tests/gpu/test_tensor_parallel.py
           tests/engine/test_kernels.py) ;;
