@@ -49,9 +49,10 @@ def context_length_problem(
 
 def max_prompt_logprobs_tokens(prompt_logprobs: int) -> int:
     """The longest prompt whose log-probabilities, with ``prompt_logprobs`` alternatives at
-    each position, a request may ask for: as many as one output frame holds. The engine now
-    sends them in pieces, each step's, but a server still holds them all to answer; the bound
-    is the one from when one output carried them, not yet reconsidered."""
+    each position, a request may ask for: as many as one output frame holds. The engine
+    sends them in pieces, a step's at a time, but a server holds them all until it answers
+    (the answer carries them in one body), so the bound keeps what one request makes a
+    server hold to a frame's bytes: past 200,000 positions even at 20 alternatives."""
     per_position = _POSITION_BYTES + _ALTERNATIVE_BYTES * prompt_logprobs
     return (MAX_FRAME_BYTES - _FRAME_ROOM_BYTES) // per_position
 
