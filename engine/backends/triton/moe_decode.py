@@ -198,22 +198,44 @@ def _gate_up_pair_kernel(
         w_mask = col_mask[:, None] & k_mask[None, :]
         gate += widen(tl.load(gate_rows + ks[None, :], mask=w_mask, other=0.0), tl.float32) * x
         up += widen(tl.load(up_rows + ks[None, :], mask=w_mask, other=0.0), tl.float32) * x
-    gate_sums = tl.sum(gate, axis=1)
-    up_sums = tl.sum(up, axis=1)
+    _store_activation(
+        tl.sum(gate, axis=1), tl.sum(up, axis=1), expert, cols, col_mask, scale_ptr, bias_ptr,
+        hidden_ptr + pair.to(tl.int64) * stride_hidden, intermediate, alpha, limit, stride_se,
+        stride_be, HAS_SCALE, HAS_BIAS, CLAMPED_SWIGLU,
+    )  # fmt: skip
+
+
+@triton.jit
+def _store_activation(
+    gate_sums,
+    up_sums,
+    expert,
+    cols,
+    mask,
+    scale_ptr,
+    bias_ptr,
+    hidden_row,
+    intermediate,
+    alpha,
+    limit,
+    stride_se,
+    stride_be,
+    HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    CLAMPED_SWIGLU: tl.constexpr,
+):
+    """A pair's gate and up sums over H, columns ``cols``, as its activation in ``hidden_row``
+    (where ``mask``): its FP8 scales and biases applied, as the grouped kernel's epilogue."""
     if HAS_SCALE:  # widened to float32 exactly (fp8_widen): the codes' scales alone
         scale_ptrs = scale_ptr + expert * stride_se + cols
-        gate_sums *= tl.load(scale_ptrs, mask=col_mask, other=0.0)
-        up_sums *= tl.load(scale_ptrs + intermediate, mask=col_mask, other=0.0)
+        gate_sums *= tl.load(scale_ptrs, mask=mask, other=0.0)
+        up_sums *= tl.load(scale_ptrs + intermediate, mask=mask, other=0.0)
     if HAS_BIAS:
         bias_ptrs = bias_ptr + expert * stride_be + cols
-        gate_sums += tl.load(bias_ptrs, mask=col_mask, other=0.0).to(tl.float32)
-        up_sums += tl.load(bias_ptrs + intermediate, mask=col_mask, other=0.0).to(tl.float32)
+        gate_sums += tl.load(bias_ptrs, mask=mask, other=0.0).to(tl.float32)
+        up_sums += tl.load(bias_ptrs + intermediate, mask=mask, other=0.0).to(tl.float32)
     activation = gated_activation(gate_sums, up_sums, alpha, limit, CLAMPED_SWIGLU)
-    tl.store(
-        hidden_ptr + pair.to(tl.int64) * stride_hidden + cols,
-        activation.to(hidden_ptr.dtype.element_ty),
-        mask=col_mask,
-    )
+    tl.store(hidden_row + cols, activation.to(hidden_row.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -313,22 +335,11 @@ def _gate_up_token_kernel(
         gate_sums += tl.sum(widen(gate_w, tl.float32) * x, axis=1)
         up_sums += tl.sum(widen(up_w, tl.float32) * x, axis=1)
         last = (tl.zeros_like(cols) + step - pick * steps) == steps - 1
-        out_mask = col_mask & last & local
-        gate_out, up_out = gate_sums, up_sums
-        if HAS_SCALE:  # widened to float32 exactly (fp8_widen): the codes' scales alone
-            scale_ptrs = scale_ptr + expert * stride_se + cols
-            gate_out *= tl.load(scale_ptrs, mask=out_mask, other=0.0)
-            up_out *= tl.load(scale_ptrs + intermediate, mask=out_mask, other=0.0)
-        if HAS_BIAS:
-            bias_ptrs = bias_ptr + expert * stride_be + cols
-            gate_out += tl.load(bias_ptrs, mask=out_mask, other=0.0).to(tl.float32)
-            up_out += tl.load(bias_ptrs + intermediate, mask=out_mask, other=0.0).to(tl.float32)
-        activation = gated_activation(gate_out, up_out, alpha, limit, CLAMPED_SWIGLU)
-        tl.store(
-            hidden_ptr + (first_pair + pick) * stride_hidden + cols,
-            activation.to(hidden_ptr.dtype.element_ty),
-            mask=out_mask,
-        )
+        _store_activation(
+            gate_sums, up_sums, expert, cols, col_mask & last & local, scale_ptr, bias_ptr,
+            hidden_ptr + (first_pair + pick) * stride_hidden, intermediate, alpha, limit,
+            stride_se, stride_be, HAS_SCALE, HAS_BIAS, CLAMPED_SWIGLU,
+        )  # fmt: skip
         gate_sums = tl.where(last, 0.0, gate_sums)
         up_sums = tl.where(last, 0.0, up_sums)
         if PREFETCH:
