@@ -36,6 +36,7 @@ from server.routes.stats import Stats
 from server.routes.tokenize import Tokenization
 from server.routes.version import server_version
 from server.served_model import ChatOptions, ServedModel
+from server.sse import server_send
 from server.web_ui import web_ui_routes
 
 
@@ -108,5 +109,6 @@ def create_app(
     if drain is not None:
         app = DrainGate(app, drain)
     # Outside Starlette's own error middleware, so that every response, the 500s too,
-    # carries the id and is counted.
-    return RequestIdHeader(HttpStatusCounter(app, client.metrics))
+    # carries the id and is counted. Every middleware here acts on a response's start
+    # alone: an event stream sends its bodies past them (server_send).
+    return server_send(RequestIdHeader(HttpStatusCounter(app, client.metrics)))
