@@ -77,18 +77,32 @@ class IncrementalDetokenizer:
         if self._hidden_ids:
             token_ids = [token_id for token_id in token_ids if token_id not in self._hidden_ids]
         self._ids.extend(token_ids)
+        end = len(self._ids)
         text = self._decode(self._ids[self._prefix_offset :])
-        # A trailing replacement character means the last token ends inside a
-        # character: hold these tokens back until the character is complete.
-        if self._held_steps < _MOST_HELD_STEPS and (
-            len(text) <= len(self._prefix_text) or text.endswith(_REPLACEMENT_CHAR)
-        ):
+        # A trailing replacement character means the last token ends inside a character:
+        # the tokens from the one that starts it wait until it is complete. Those before it,
+        # if they complete characters of their own, go out now (a step of several tokens can
+        # end inside a character step after step: a run of emoji).
+        if self._held_steps < _MOST_HELD_STEPS and text.endswith(_REPLACEMENT_CHAR):
+            end, text = self._last_complete(end - len(token_ids), end - 1)
+        if self._held_steps < _MOST_HELD_STEPS and len(text) <= len(self._prefix_text):
             self._held_steps += 1
             return ""
         self._held_steps = 0
         new_text = text[len(self._prefix_text) :]
-        self._advance()
+        self._advance(end)
         return self._stop.feed(new_text, searched=self._num_tokens > self._min_tokens)
+
+    def _last_complete(self, first: int, last: int) -> tuple[int, str]:
+        """The window's longest prefix ending at one of ids[first:last] (exclusive ends
+        ``first + 1`` to ``last``, the step's tokens but its last) whose text ends on a
+        whole character, and that text; else the window up to ``first``. A step is a few
+        tokens: a few decodes, only in a step that ends inside a character."""
+        for end in range(last, max(first, self._read_offset), -1):
+            text = self._decode(self._ids[self._prefix_offset : end])
+            if not text.endswith(_REPLACEMENT_CHAR):
+                return end, text
+        return self._read_offset, self._prefix_text
 
     def finish(self) -> str:
         """Everything still held back, once the engine has finished the request."""
@@ -101,13 +115,14 @@ class IncrementalDetokenizer:
         self._advance()
         return self._stop.feed(new_text) + self._stop.release()
 
-    def _advance(self) -> None:
-        # The emitted tokens become the next step's context; older ones are dropped,
-        # which keeps the window (and so the decode cost) small.
+    def _advance(self, end: int | None = None) -> None:
+        # The tokens emitted (those before ``end``; all by default) become the next step's
+        # context, the rest wait; older ones are dropped, which keeps the window (and so the
+        # decode cost) small.
         del self._ids[: self._read_offset]
         self._prefix_offset = 0
-        self._read_offset = len(self._ids)
-        self._prefix_text = self._decode(self._ids)
+        self._read_offset = len(self._ids) if end is None else end - self._read_offset
+        self._prefix_text = self._decode(self._ids[: self._read_offset])
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)

@@ -114,6 +114,19 @@ def test_several_tokens_per_step_equals_decoding_all(tokenizer: Tokenizer, seed:
     assert not any("\ufffd" in piece for piece in pieces)
 
 
+@pytest.mark.parametrize("step_size", [2, 3, 5])
+def test_steps_that_each_end_inside_a_character(tokenizer: Tokenizer, step_size: int) -> None:
+    """A run of emoji in steps of several tokens (verified drafts, or outputs merged while a
+    server falls behind) ends step after step inside a character. The characters completed
+    within a step go out with it, the incomplete one waits: held whole, such steps reached
+    the bound on held steps and a U+FFFD went out mid-stream."""
+    ids = tokenizer.encode("😀🎉👍🏽🇯🇵" * 40).ids
+    steps = [ids[start : start + step_size] for start in range(0, len(ids), step_size)]
+    pieces = stream(IncrementalDetokenizer(tokenizer, []), steps)
+    assert "".join(pieces) == tokenizer.decode(ids)
+    assert not any("\ufffd" in piece for piece in pieces)
+
+
 class CountingTokenizer:
     """A tokenizer that counts the ids it decodes: the detokenizer's work."""
 
