@@ -13,6 +13,7 @@
 #   SPEC_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh spec spec-f32  # speculative decoding (issue 37)
 #   scripts/gpu_session.sh moe                           # mixtures of experts, one GPU
 #   scripts/gpu_session.sh moe-235b moe-235b-offline     # Qwen3-235B-A22B shape, fp8, 4 GPUs
+#   MOE_TP=2 scripts/gpu_session.sh moe-235b             # the same on two, where four are not lent
 #   scripts/gpu_session.sh gpt-oss                       # gpt-oss, one GPU
 #   scripts/gpu_session.sh merge-fold  # split decode merged in its own launch (issues 37/39)
 #   scripts/gpu_session.sh prefill-attn qkv-rules  # prefill attention; the batch-1 QKV kernel's rule
@@ -513,10 +514,12 @@ PY
       echo "gpt-oss-20b latency (batch-1 TPOT):"; grep -hE "^tandem, |^roofline" "$out/gpt-oss-latency.log"
       echo "gpt-oss-20b offline:"; grep -hE "^tandem, |engine start" "$out/gpt-oss-offline.log" ;;
     moe-235b)  # 4 GPUs: load at TP=4 with fp8 experts, one HTTP request, batch-1 TPOT
+      # (MOE_TP=2 on two H200s: about 120 GB of fp8 weights a GPU, a few GB left for the cache)
+      tp=${MOE_TP:-4}
       m=$(config_only qwen3-235b-a22b)
       port=8391
       scripts/start_distributed.sh --model "$m" --device cuda --port $port \
-        --engine-address "ipc:///tmp/moe-235b.sock" --tensor-parallel-size 4 \
+        --engine-address "ipc:///tmp/moe-235b.sock" --tensor-parallel-size $tp \
         -- --load-format dummy --quantization fp8 > "$out/moe-235b-serve.log" 2>&1 &
       serve=$!
       timeout 300 python3 - "$port" <<'PY' 2>&1 | tee "$out/moe-235b-http.log"
@@ -543,14 +546,14 @@ print(f"chat completion in {time.time() - started:.2f} s: {reply['usage']}")
 print(repr(reply["choices"][0]["message"]["content"]))
 PY
       kill -TERM $serve; wait $serve
-      grep -hE "loaded|rank [0-9] of 4|Error" "$out/moe-235b-serve.log" | head -8
+      grep -hE "loaded|rank [0-9] of $tp|Error" "$out/moe-235b-serve.log" | head -8
       timeout 280 python3 scripts/bench_latency.py --model "$m" --load-format dummy --quantization fp8 \
-        --tensor-parallel-size 4 --runs 2 --output-len 128 2>&1 | tee "$out/moe-235b-latency.log" \
+        --tensor-parallel-size $tp --runs 2 --output-len 128 2>&1 | tee "$out/moe-235b-latency.log" \
         | grep -hE "^tandem, |^roofline" ;;
-    moe-235b-offline)  # 4 GPUs: offline throughput at TP=4, fp8 experts, one run
+    moe-235b-offline)  # 4 GPUs: offline throughput at TP=4 (MOE_TP), fp8 experts, one run
       m=$(config_only qwen3-235b-a22b)
       timeout 560 python3 scripts/bench_offline.py --model "$m" --load-format dummy --quantization fp8 \
-        --tensor-parallel-size 4 --runs 1 2>&1 | tee "$out/moe-235b-offline.log" | grep -v '^INFO' | tail -8 ;;
+        --tensor-parallel-size "${MOE_TP:-4}" --runs 1 2>&1 | tee "$out/moe-235b-offline.log" | grep -v '^INFO' | tail -8 ;;
     moe-kernel)
       timeout 360 python3 -m pytest -q -rs tests/engine/test_fused_moe.py tests/gpu/test_fused_moe_cuda.py \
         -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$out/moe-kernel-tests.log" | tail -15
