@@ -175,10 +175,10 @@ for stage in "$@"; do
   case $stage in
     tests|tests-models|tests-engine|tests-kernels)
       # All of them take longer than one call's ten minutes on an H200: tests-models (the
-      # engine's models, graphs and sampling against transformers and eager; about 6
-      # minutes), tests-engine (speculation, the warm-up, two engines' equal tokens, the
-      # model parity; about 4) and tests-kernels (the MoE, split-decode and all-reduce
-      # kernels, the kernels' own tests) are its parts, a call each.
+      # engine's models, graphs and sampling against transformers and eager),
+      # tests-engine (speculation, the warm-up, two engines' equal tokens, the model
+      # parity) and tests-kernels (the MoE, split-decode and all-reduce kernels, the
+      # kernels' own tests) are its parts, a call each.
       case $stage in
         tests-models) files=(tests/gpu/test_backend_kernels.py tests/gpu/test_cuda_engine.py
           tests/gpu/test_decode_parity.py tests/gpu/test_pinned_inputs.py) ;;
