@@ -64,6 +64,9 @@ class IncrementalDetokenizer:
         self._prefix_text = self._decode(context)
         self._held_steps = 0  # steps in a row that emitted nothing
         self._stop = _StopStringMatcher(stop, include_stop)
+        # Of the last step's tokens, those its text was made of: all of them, but those
+        # after the token a stop string ended in.
+        self.tokens_taken = 0
 
     @property
     def stopped(self) -> bool:
@@ -71,6 +74,23 @@ class IncrementalDetokenizer:
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Adds the new tokens of one engine step; returns the text that became final."""
+        if not self._stop.watching or len(token_ids) < 2:
+            self.tokens_taken = len(token_ids)
+            return self._push(token_ids)
+        # With stop strings, the tokens of a step of several (verified drafts) are read one
+        # at a time, as if each were a step: a stop string counts only if it ends in the
+        # text of a token after the first ``min_tokens``, and the step's tokens after the one
+        # it ends in are no part of the answer (its text, usage and log-probabilities).
+        pieces = []
+        self.tokens_taken = 0
+        for token_id in token_ids:
+            pieces.append(self._push([token_id]))
+            self.tokens_taken += 1
+            if self._stop.stopped:
+                break
+        return "".join(pieces)
+
+    def _push(self, token_ids: Sequence[int]) -> str:
         if self._stop.stopped:
             return ""
         self._num_tokens += len(token_ids)  # the engine's count, hidden ones included
@@ -137,6 +157,11 @@ class _StopStringMatcher:
         self._include_stop = include_stop
         self._held = ""  # a suffix of the text so far that some stop string starts with
         self.stopped = False
+
+    @property
+    def watching(self) -> bool:
+        """There are stop strings, none found yet."""
+        return bool(self._stop) and not self.stopped
 
     def feed(self, text: str, searched: bool = True) -> str:
         """Returns the part of ``text`` (after what was held) that is final. Only a stop

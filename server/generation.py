@@ -105,14 +105,18 @@ async def generate_text(
                 if output.prompt_logprobs is not None:
                     assert prompt_logprobs is not None, "prompt log-probabilities after a delta"
                     prompt_logprobs += output.prompt_logprobs
-                if output.logprobs:
-                    token_ids.extend(output.new_token_ids)
-                    logprobs.extend(output.logprobs)
                 text = detokenizer.push(output.new_token_ids)
+                # A stop string that ends in a step of several tokens leaves out those after
+                # the one it ends in, as a step of one token each would.
+                taken = detokenizer.tokens_taken
+                if output.logprobs:
+                    token_ids.extend(output.new_token_ids[:taken])
+                    logprobs.extend(output.logprobs[:taken])
                 if detokenizer.stopped:
                     finish_reason = FinishReason.STOP
+                    untaken = len(output.new_token_ids) - taken
                     # Leaving this block closes ``outputs``, which aborts the request.
-                    yield delta(text, FinishReason.STOP, output.num_output_tokens)
+                    yield delta(text, FinishReason.STOP, output.num_output_tokens - untaken)
                     timer.text_passed()
                     return
                 if output.finish_reason == FinishReason.ABORT:

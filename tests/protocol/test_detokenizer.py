@@ -267,9 +267,10 @@ def test_stop_string_included_ends_the_text(tokenizer: Tokenizer) -> None:
     pieces, detokenizer, _ = run_with_stop(tokenizer, text, ["lazy", "n fox j"], True)
     assert detokenizer.stopped
     assert "".join(pieces) == "The quick brown fox j"
-    # Of two stop strings that start together in one step, the first listed ends the text.
+    # A step of several tokens is read as steps of one: of two stop strings that start
+    # together, the one that ends in an earlier token ends the text, whichever is listed first.
     detokenizer = IncrementalDetokenizer(tokenizer, [], ["fox jumps", "fox"], include_stop=True)
-    assert detokenizer.push(tokenizer.encode(text).ids) == "The quick brown fox jumps"
+    assert detokenizer.push(tokenizer.encode(text).ids) == "The quick brown fox"
 
 
 def test_possible_stop_string_is_held_then_released(tokenizer: Tokenizer) -> None:
@@ -340,3 +341,44 @@ def test_stop_strings_count_after_min_tokens(tokenizer: Tokenizer, min_tokens: i
             break
     assert detokenizer.stopped
     assert "".join(pieces) == vllm_stop_cut(tokenizer, ids, stops, min_tokens)
+
+
+def steps_of(ids: list[int], sizes: str) -> list[list[int]]:
+    """``ids`` cut into steps of ``sizes`` tokens each ("2", "3", ...), or of 1 to 5 at
+    random ("random")."""
+    rng = random.Random(len(ids))
+    steps, start = [], 0
+    while start < len(ids):
+        size = rng.randint(1, 5) if sizes == "random" else int(sizes)
+        steps.append(ids[start : start + size])
+        start += size
+    return steps
+
+
+def stopped_stream(detokenizer: IncrementalDetokenizer, steps: list[list[int]]) -> tuple[str, int]:
+    """The text up to the stop string and the number of tokens it took."""
+    pieces, taken = [], 0
+    for step in steps:
+        pieces.append(detokenizer.push(step))
+        taken += detokenizer.tokens_taken
+        if detokenizer.stopped:
+            return "".join(pieces), taken
+    raise AssertionError("no stop")
+
+
+@pytest.mark.parametrize("sizes", ["2", "3", "5", "random"])
+@pytest.mark.parametrize("include_stop", [False, True])
+@pytest.mark.parametrize("stop", ["o", "own fox j", "世界", "😀", ". 你"])
+def test_stop_strings_in_steps_of_several_tokens_as_in_steps_of_one(
+    tokenizer: Tokenizer, stop: str, include_stop: bool, sizes: str
+) -> None:
+    """A step of verified drafts holds several tokens. The text it cuts at a stop string, and
+    the tokens that text took (the answer's usage and log-probabilities), are those of one
+    token per step, ``min_tokens`` included: a stop string that ends in the text of one of
+    the first ``min_tokens`` tokens did not count when a later token of the step passed them."""
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. 你好世界 🎉😀 end").ids
+    for min_tokens in range(14):
+        options = {"stop": [stop], "include_stop": include_stop, "min_tokens": min_tokens}
+        expected = stopped_stream(IncrementalDetokenizer(tokenizer, [], **options), one_by_one(ids))
+        got = stopped_stream(IncrementalDetokenizer(tokenizer, [], **options), steps_of(ids, sizes))
+        assert got == expected, min_tokens
