@@ -25,7 +25,7 @@ from server.responses_schemas import ResponsesRequest
 from server.served_model import ServedModel
 from server.sse import event
 from server.tool_calling import ChatParsing
-from server.tool_parsers import ToolCall
+from server.tool_parsers import ToolCall, ToolCallDelta
 
 
 class ResponseObject:
@@ -221,11 +221,26 @@ class ResponseEvents:
             events.append(
                 self._event(delta_event, **self._reasoning_place(), delta=split.reasoning_content)
             )
+        calls = split.tool_calls
+        # The open call's last arguments come before any text after it in the answer: they
+        # go to that call before the text's message closes it.
+        continuing = 0
+        while continuing < len(calls) and calls[continuing].id is None:
+            continuing += 1
+        events += self._call_arguments(calls[:continuing])
         if split.content:
             events += self._open_item("message")
             self._text.append(split.content)
             events.append(self._text_delta(split.content))
-        for call in split.tool_calls:
+        events += self._call_arguments(calls[continuing:])
+        if not events and self._open == "message" and delta.token_ids:
+            events.append(self._text_delta(""))  # tokens held back: their logprobs go now
+        return events
+
+    def _call_arguments(self, calls: list[ToolCallDelta]) -> list[str]:
+        """The events of tool-call pieces: a new call's item, its arguments' deltas."""
+        events = []
+        for call in calls:
             if call.id is not None:
                 assert call.name is not None
                 events += self._open_item("function_call")
@@ -249,8 +264,6 @@ class ResponseEvents:
                         delta=call.arguments,
                     )
                 )
-        if not events and self._open == "message" and delta.token_ids:
-            events.append(self._text_delta(""))  # tokens held back: their logprobs go now
         return events
 
     def finish(self, completion_tokens: int) -> list[str]:

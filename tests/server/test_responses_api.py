@@ -397,3 +397,34 @@ def test_function_call_items_in_the_input_become_chat_tool_messages() -> None:
     schema = {"type": "json_schema", "name": "x", "schema": {"type": "object"}}
     request = parse_request(ResponsesRequest, json.dumps(body(text={"format": schema})).encode())
     assert json.loads(request.structured_output().spec) == {"type": "object"}
+
+
+def test_a_calls_last_arguments_stay_its_own_with_text_after_it_in_one_step() -> None:
+    """A step that ends a call's arguments and brings text after it: the arguments went to
+    the message the text opened (its output index), and the call ended without them."""
+    request = parse_request(
+        ResponsesRequest, json.dumps(body(tools=[TOOL], tool_choice="auto")).encode()
+    )
+    model = ServedModel.from_handshake(handshake(CHATML_TOOLS.read_text()))
+    parsing = ChatParsing("", None, tool_use(model, request.chat_request()))
+    response = ResponseObject(
+        Answer.new("resp_", "response", MODEL, "t", 4), request, model, parsing
+    )
+    events = ResponseEvents(response)
+    pieces = ['Hi <tool_call>\n{"name": "f", "arguments": {"a": 1', "}}\n</tool_call> Done"]
+    written = events.start()
+    written += events.render(0, TextDelta(pieces[0], None, 1))
+    written += events.render(0, TextDelta(pieces[1], FinishReason.STOP, 2))
+    parsed = parse_events("".join(written + events.finish(2)))
+    for event in parsed:
+        TypeAdapter(ResponseStreamEvent).validate_python(event)
+    added = {
+        e["item"]["id"]: e["output_index"]
+        for e in parsed
+        if e["type"] == "response.output_item.added" and e["item"]["type"] == "function_call"
+    }
+    (call_index,) = added.values()
+    call_deltas = [e for e in parsed if e["type"] == "response.function_call_arguments.delta"]
+    assert {e["output_index"] for e in call_deltas} == {call_index}
+    calls = [item for item in parsed[-1]["response"]["output"] if item["type"] == "function_call"]
+    assert [json.loads(call["arguments"]) for call in calls] == [{"a": 1}]
