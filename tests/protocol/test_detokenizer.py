@@ -121,8 +121,7 @@ def test_steps_that_each_end_inside_a_character(tokenizer: Tokenizer, step_size:
     within a step go out with it, the incomplete one waits: held whole, such steps reached
     the bound on held steps and a U+FFFD went out mid-stream."""
     ids = tokenizer.encode("😀🎉👍🏽🇯🇵" * 40).ids
-    steps = [ids[start : start + step_size] for start in range(0, len(ids), step_size)]
-    pieces = stream(IncrementalDetokenizer(tokenizer, []), steps)
+    pieces = stream(IncrementalDetokenizer(tokenizer, []), steps_of(ids, str(step_size)))
     assert "".join(pieces) == tokenizer.decode(ids)
     assert not any("\ufffd" in piece for piece in pieces)
 

@@ -7,7 +7,6 @@ span tokens, the tokens cut into steps in several ways."""
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +19,7 @@ from server.generation import TextDelta, generate_text
 from server.logprobs import CompletionLogprobs, chat_logprobs
 from server.reasoning import ThinkReasoningParser
 from server.tool_parsers import HermesToolParser
-from tests.protocol.test_detokenizer import byte_level_bpe
+from tests.protocol.test_detokenizer import byte_level_bpe, steps_of
 
 TOKENIZER = byte_level_bpe()
 # Markers the tokenizer was not trained on, so that each spans several tokens.
@@ -85,16 +84,6 @@ class Engine:
                 logprobs if sampling.logprobs is not None else None,
                 stop_token_id=self.stop_token_id if last else None,
             )
-
-
-def steps_of(ids: list[int], sizes: str) -> list[list[int]]:
-    rng = random.Random(len(ids))
-    steps, start = [], 0
-    while start < len(ids):
-        size = rng.randint(1, 5) if sizes == "random" else int(sizes)
-        steps.append(ids[start : start + size])
-        start += size
-    return steps
 
 
 def deltas(

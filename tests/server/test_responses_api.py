@@ -335,16 +335,19 @@ def test_an_error_mid_stream_fails_the_response() -> None:
     assert failed["response"]["error"] == {"code": "engine_unavailable", "message": "gone"}
 
 
-def test_a_function_call_streams_as_its_events_and_ends_as_the_whole() -> None:
+def tool_response_object() -> ResponseObject:
+    """A response to a request with function ``f`` on the tool-calling template."""
     request = parse_request(
         ResponsesRequest, json.dumps(body(tools=[TOOL], tool_choice="auto")).encode()
     )
     model = ServedModel.from_handshake(handshake(CHATML_TOOLS.read_text()))
     # The prompt with the tools is beyond the tiny model's context: only the parsing is made.
     parsing = ChatParsing("", None, tool_use(model, request.chat_request()))
-    response = ResponseObject(
-        Answer.new("resp_", "response", MODEL, "t", 4), request, model, parsing
-    )
+    return ResponseObject(Answer.new("resp_", "response", MODEL, "t", 4), request, model, parsing)
+
+
+def test_a_function_call_streams_as_its_events_and_ends_as_the_whole() -> None:
+    response = tool_response_object()
     text = 'Let me see.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
     events = ResponseEvents(response)
     written = events.start()
@@ -402,15 +405,7 @@ def test_function_call_items_in_the_input_become_chat_tool_messages() -> None:
 def test_a_calls_last_arguments_stay_its_own_with_text_after_it_in_one_step() -> None:
     """A step that ends a call's arguments and brings text after it: the arguments went to
     the message the text opened (its output index), and the call ended without them."""
-    request = parse_request(
-        ResponsesRequest, json.dumps(body(tools=[TOOL], tool_choice="auto")).encode()
-    )
-    model = ServedModel.from_handshake(handshake(CHATML_TOOLS.read_text()))
-    parsing = ChatParsing("", None, tool_use(model, request.chat_request()))
-    response = ResponseObject(
-        Answer.new("resp_", "response", MODEL, "t", 4), request, model, parsing
-    )
-    events = ResponseEvents(response)
+    events = ResponseEvents(tool_response_object())
     pieces = ['Hi <tool_call>\n{"name": "f", "arguments": {"a": 1', "}}\n</tool_call> Done"]
     written = events.start()
     written += events.render(0, TextDelta(pieces[0], None, 1))
