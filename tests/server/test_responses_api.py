@@ -397,3 +397,35 @@ def test_function_call_items_in_the_input_become_chat_tool_messages() -> None:
     schema = {"type": "json_schema", "name": "x", "schema": {"type": "object"}}
     request = parse_request(ResponsesRequest, json.dumps(body(text={"format": schema})).encode())
     assert json.loads(request.structured_output().spec) == {"type": "object"}
+
+
+def test_text_after_a_function_call_in_its_last_step_stays_in_the_message() -> None:
+    """A step that ends a call's arguments and brings text after it: the arguments went to
+    the message reopened for the text (its id again, its earlier text again) and were lost
+    from the call."""
+    request = parse_request(
+        ResponsesRequest, json.dumps(body(tools=[TOOL], tool_choice="auto")).encode()
+    )
+    model = ServedModel.from_handshake(handshake(CHATML_TOOLS.read_text()))
+    parsing = ChatParsing("", None, tool_use(model, request.chat_request()))
+    response = ResponseObject(
+        Answer.new("resp_", "response", MODEL, "t", 4), request, model, parsing
+    )
+    events = ResponseEvents(response)
+    pieces = ['Hi <tool_call>\n{"name": "f", "arguments": {"a": 1', "}}\n</tool_call> Done"]
+    written = events.start()
+    written += events.render(0, TextDelta(pieces[0], None, 1))
+    written += events.render(0, TextDelta(pieces[1], FinishReason.STOP, 2))
+    parsed = parse_events("".join(written + events.finish(2)))
+    for event in parsed:
+        TypeAdapter(ResponseStreamEvent).validate_python(event)
+    added = [e["item"] for e in parsed if e["type"] == "response.output_item.added"]
+    assert [item["type"] for item in added] == ["message", "function_call"]
+    call_deltas = [e for e in parsed if e["type"] == "response.function_call_arguments.delta"]
+    assert {e["output_index"] for e in call_deltas} == {1}
+    final = parsed[-1]["response"]
+    assert final["output"][0]["content"][0]["text"] == "Hi Done"
+    assert json.loads(final["output"][1]["arguments"]) == {"a": 1}
+    whole = response.final(TextDelta("".join(pieces), FinishReason.STOP, 2))
+    assert [item["type"] for item in whole["output"]] == ["message", "function_call"]
+    assert whole["output"][0]["content"][0]["text"] == "Hi Done"
