@@ -147,7 +147,8 @@ class ResponseObject:
         items = []
         if output.reasoning_content is not None:
             items.append(self.reasoning("completed", output.reasoning_content))
-        if output.content is not None or not output.tool_calls:
+        # As the stream makes it: an empty message only when the answer is nothing else.
+        if output.content is not None or not (items or output.tool_calls):
             part = self.output_text(output.content or "", whole.token_ids, whole.logprobs)
             items.append(self.message(status, [part]))
         items += [function_call(call, "completed") for call in output.tool_calls]
@@ -181,15 +182,21 @@ class ResponseEvents:
     an SSE event named by its type, numbered in order; no [DONE] ends them.
 
     Output items open as the answer reaches them (its reasoning, its text, each tool
-    call) and are done when the next one opens or the answer ends."""
+    call). The reasoning and each tool call are done when the next of them opens or the
+    answer ends; the message stays open until the answer ends, so that it holds all the
+    answer's text and tokens, as the whole response's message does, also text that comes
+    after a tool call (in the same engine step as the call's last arguments, or later)."""
 
     def __init__(self, response: ResponseObject) -> None:
         self.answer = response.answer
         self._response = response
         self._parser = response.parsing.parser()
         self._sequence_number = 0
-        self._items: list[dict[str, Any]] = []  # the output items done
-        self._open: Literal["reasoning", "message", "function_call"] | None = None
+        # The output items added, in order; the message's is its in-progress item until the
+        # answer ends.
+        self._items: list[dict[str, Any]] = []
+        self._open: Literal["reasoning", "function_call"] | None = None  # its item is last
+        self._message_index: int | None = None  # the message's place, once added
         self._reasoning: list[str] = []
         self._text: list[str] = []
         self._call: ToolCall | None = None  # the open function call, its arguments so far
@@ -215,7 +222,7 @@ class ResponseEvents:
             split.extend(self._parser.finish())
         events = []
         if split.reasoning_content:
-            events += self._open_item("reasoning")
+            events += self._open_reasoning()
             self._reasoning.append(split.reasoning_content)
             delta_event = "response.reasoning_text.delta"
             events.append(
@@ -223,17 +230,17 @@ class ResponseEvents:
             )
         calls = split.tool_calls
         # The open call's last arguments come before any text after it in the answer: they
-        # go to that call before the text's message closes it.
+        # go to that call before a message the text opens closes it.
         continuing = 0
         while continuing < len(calls) and calls[continuing].id is None:
             continuing += 1
         events += self._call_arguments(calls[:continuing])
         if split.content:
-            events += self._open_item("message")
+            events += self._open_message()
             self._text.append(split.content)
             events.append(self._text_delta(split.content))
         events += self._call_arguments(calls[continuing:])
-        if not events and self._open == "message" and delta.token_ids:
+        if not events and self._message_open() and delta.token_ids:
             events.append(self._text_delta(""))  # tokens held back: their logprobs go now
         return events
 
@@ -243,14 +250,9 @@ class ResponseEvents:
         for call in calls:
             if call.id is not None:
                 assert call.name is not None
-                events += self._open_item("function_call")
+                events += self._close()
                 self._call = ToolCall(call.id, call.name, "")
-                item = function_call(self._call, "in_progress")
-                events.append(
-                    self._event(
-                        "response.output_item.added", output_index=len(self._items), item=item
-                    )
-                )
+                events += self._add("function_call", function_call(self._call, "in_progress"))
             assert self._call is not None
             if call.arguments:
                 self._call = ToolCall(
@@ -260,7 +262,7 @@ class ResponseEvents:
                     self._event(
                         "response.function_call_arguments.delta",
                         item_id=function_call(self._call, "")["id"],
-                        output_index=len(self._items),
+                        output_index=len(self._items) - 1,
                         delta=call.arguments,
                     )
                 )
@@ -269,9 +271,25 @@ class ResponseEvents:
     def finish(self, completion_tokens: int) -> list[str]:
         status = _status(self._finish_reason)
         events = []
-        if not self._items and self._open is None:
-            events += self._open_item("message")  # an empty answer: an empty message
-        events += self._close(status)
+        if not self._items:
+            events += self._open_message()  # an empty answer: an empty message
+        events += self._close()
+        if self._message_open():
+            part = self._part()
+            item = self._response.message(status, [part])
+            self._items[self._message_index] = item
+            events += [
+                self._event(
+                    "response.output_text.done",
+                    **self._part_place(),
+                    text=part["text"],
+                    logprobs=part["logprobs"],
+                ),
+                self._event("response.content_part.done", **self._part_place(), part=part),
+                self._event(
+                    "response.output_item.done", output_index=self._message_index, item=item
+                ),
+            ]
         response = self._response.done(status, self._items, completion_tokens)
         return [*events, self._event(f"response.{status}", response=response)]
 
@@ -286,47 +304,48 @@ class ResponseEvents:
     def end(self) -> list[str]:
         return []
 
-    def _open_item(self, kind: Literal["reasoning", "message", "function_call"]) -> list[str]:
-        """Opens an item of ``kind`` unless one is open (a function call always opens)."""
-        if self._open == kind and kind != "function_call":
-            return []
-        events = self._close("completed")
-        self._open = kind
-        output_index = len(self._items)
-        if kind == "reasoning":
-            item = self._response.reasoning("in_progress", "")
-            events.append(
-                self._event("response.output_item.added", output_index=output_index, item=item)
-            )
-        elif kind == "message":
-            item = self._response.message("in_progress", [])
-            events += [
-                self._event("response.output_item.added", output_index=output_index, item=item),
-                self._event("response.content_part.added", **self._part_place(), part=self._part()),
-            ]
-        return events  # a function call's item is added with its name
+    def _message_open(self) -> bool:
+        return self._message_index is not None
 
-    def _close(self, status: str) -> list[str]:
-        """The events that end the open item, if any; the item joins the output."""
+    def _open_message(self) -> list[str]:
+        """Adds the message, once: it stays open until the answer ends."""
+        if self._message_open():
+            return []
+        events = self._close()
+        self._message_index = len(self._items)
+        events += self._add("message", self._response.message("in_progress", []))
+        events.append(
+            self._event("response.content_part.added", **self._part_place(), part=self._part())
+        )
+        return events
+
+    def _open_reasoning(self) -> list[str]:
+        """Opens the reasoning item unless it is open."""
+        if self._open == "reasoning":
+            return []
+        events = self._close()
+        return events + self._add("reasoning", self._response.reasoning("in_progress", ""))
+
+    def _add(
+        self, kind: Literal["reasoning", "message", "function_call"], item: dict[str, Any]
+    ) -> list[str]:
+        """Adds ``item``, in progress, as the last output item."""
+        self._open = None if kind == "message" else kind
+        self._items.append(item)
+        added = self._event(
+            "response.output_item.added", output_index=len(self._items) - 1, item=item
+        )
+        return [added]
+
+    def _close(self) -> list[str]:
+        """The events that end the open reasoning or function call, if any (the last item)."""
         kind, self._open = self._open, None
-        output_index = len(self._items)
+        output_index = len(self._items) - 1
         if kind == "reasoning":
             text = "".join(self._reasoning)
             item = self._response.reasoning("completed", text)
             events = [
                 self._event("response.reasoning_text.done", **self._reasoning_place(), text=text)
-            ]
-        elif kind == "message":
-            part = self._part()
-            item = self._response.message(status, [part])
-            events = [
-                self._event(
-                    "response.output_text.done",
-                    **self._part_place(),
-                    text=part["text"],
-                    logprobs=part["logprobs"],
-                ),
-                self._event("response.content_part.done", **self._part_place(), part=part),
             ]
         elif kind == "function_call":
             assert self._call is not None
@@ -342,7 +361,7 @@ class ResponseEvents:
             ]
         else:
             return []
-        self._items.append(item)
+        self._items[output_index] = item
         return [
             *events,
             self._event("response.output_item.done", output_index=output_index, item=item),
@@ -362,14 +381,14 @@ class ResponseEvents:
     def _part_place(self) -> dict[str, Any]:
         return {
             "item_id": self._response.message_id,
-            "output_index": len(self._items),
+            "output_index": self._message_index,
             "content_index": 0,
         }
 
     def _reasoning_place(self) -> dict[str, Any]:
         return {
             "item_id": self._response.reasoning_id,
-            "output_index": len(self._items),
+            "output_index": len(self._items) - 1,
             "content_index": 0,
         }
 

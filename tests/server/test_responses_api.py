@@ -402,24 +402,29 @@ def test_function_call_items_in_the_input_become_chat_tool_messages() -> None:
     assert json.loads(request.structured_output().spec) == {"type": "object"}
 
 
-def test_a_calls_last_arguments_stay_its_own_with_text_after_it_in_one_step() -> None:
+@pytest.mark.parametrize("before", ["Hi ", ""])
+def test_text_after_a_function_call_in_its_last_step_stays_in_the_message(before: str) -> None:
     """A step that ends a call's arguments and brings text after it: the arguments went to
-    the message the text opened (its output index), and the call ended without them."""
-    events = ResponseEvents(tool_response_object())
-    pieces = ['Hi <tool_call>\n{"name": "f", "arguments": {"a": 1', "}}\n</tool_call> Done"]
+    the message reopened for the text (its id again, its earlier text again, or, with no
+    text before the call, to the message the text opened) and were lost from the call."""
+    response = tool_response_object()
+    events = ResponseEvents(response)
+    pieces = [before + '<tool_call>\n{"name": "f", "arguments": {"a": 1', "}}\n</tool_call> Done"]
     written = events.start()
     written += events.render(0, TextDelta(pieces[0], None, 1))
     written += events.render(0, TextDelta(pieces[1], FinishReason.STOP, 2))
     parsed = parse_events("".join(written + events.finish(2)))
     for event in parsed:
         TypeAdapter(ResponseStreamEvent).validate_python(event)
-    added = {
-        e["item"]["id"]: e["output_index"]
-        for e in parsed
-        if e["type"] == "response.output_item.added" and e["item"]["type"] == "function_call"
-    }
-    (call_index,) = added.values()
+    added = [e["item"] for e in parsed if e["type"] == "response.output_item.added"]
+    kinds = ["message", "function_call"] if before else ["function_call", "message"]
+    assert [item["type"] for item in added] == kinds
+    call_index = kinds.index("function_call")
     call_deltas = [e for e in parsed if e["type"] == "response.function_call_arguments.delta"]
     assert {e["output_index"] for e in call_deltas} == {call_index}
-    calls = [item for item in parsed[-1]["response"]["output"] if item["type"] == "function_call"]
-    assert [json.loads(call["arguments"]) for call in calls] == [{"a": 1}]
+    final = parsed[-1]["response"]["output"]
+    assert final[1 - call_index]["content"][0]["text"] == before + "Done"
+    assert json.loads(final[call_index]["arguments"]) == {"a": 1}
+    whole = response.final(TextDelta("".join(pieces), FinishReason.STOP, 2))
+    assert [item["type"] for item in whole["output"]] == ["message", "function_call"]
+    assert whole["output"][0]["content"][0]["text"] == before + "Done"
