@@ -45,8 +45,8 @@
 # head_dim 64, Qwen3 0.6B's and Qwen3-30B-A3B's at 128), bench_latency's batch-1 TPOT at the
 # Qwen3-30B-A3B, 1B and 8B shapes (--load-format dummy, 3 runs) and profile_step's batch-1
 # step at Qwen3-30B-A3B (3 rounds: no _decode_merge_kernel left); a table last.
-#   OVERLOAD_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh overload-gpu restart-gpu  # issue 40
-#   OVERLOAD_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh mixed-graphs  # issue 40: mixed steps
+#   scripts/gpu_session.sh overload-gpu restart-gpu  # issue 40 (OVERLOAD_MODEL: another model)
+#   scripts/gpu_session.sh mixed-graphs  # issue 40: mixed steps
 #
 # mixed-graphs (issue 40, about 7 minutes, one GPU): steps that admit prompts into a decode
 # batch, split into the decode graph and a prompt graph (engine/execution/mixed_steps.py).
@@ -60,7 +60,8 @@
 # auto: a 135M model). A summary last.
 #
 # overload-gpu (issue 40, about 5 minutes): scripts/soak.py's overload run on OVERLOAD_MODEL
-# (default /tmp/smollm2.gguf, SmolLM2-135M-Instruct), float32 (each stream served is checked
+# (default: random weights in SmolLM2-135M's shape with a word tokenizer, made on the machine:
+# the 98 MB GGUF is over what a call carries; the steps cost what the real model's do), float32 (each stream served is checked
 # against its greedy reference computed alone: the correctness check; in bf16 a batch's
 # rounding may turn a near-tie), the engine's default batch of 256 places, 4 servers,
 # --max-queued-requests 0: unloaded TTFT, the capacity (streams of 128 tokens a second with
@@ -663,8 +664,7 @@ PY
       timeout 590 python3 scripts/bench_tensor_parallel.py --part "${stage#tp-}" \
         --tensor-parallel-size "${TP:-2}" 2>&1 | tee "$out/$stage.log" | tail -12 ;;
     overload-gpu)  # issue 40 (header)
-      m=${OVERLOAD_MODEL:-/tmp/smollm2.gguf}
-      [ -f "$m" ] || { echo "no model at $m: set OVERLOAD_MODEL"; continue; }
+      m=${OVERLOAD_MODEL:-$(checkpoint smollm2-135m)}
       timeout 220 python3 scripts/soak.py --model "$m" --device cuda --servers 4 \
         --phases overload --lengths 128 --unloaded-streams 50 --capacity-seconds 15 \
         --overload-seconds 40 --client-processes 8 -- --max-queued-requests 0 --dtype float32 \
@@ -689,8 +689,8 @@ PY
       timeout 120 python3 scripts/time_mixed_steps.py --model "$m" --load-format dummy \
         --batch 256 --context 128 --prompts 1 2 4 2>&1 | tee "$out/mixed-steps.log" \
         | grep -vE '^(INFO|WARNING)' | tail -6
-      m=${OVERLOAD_MODEL:-/tmp/smollm2.gguf}
-      if [ -f "$m" ]; then
+      m=${OVERLOAD_MODEL:-$(checkpoint smollm2-135m)}
+      if [ -e "$m" ]; then
         timeout 220 python3 scripts/soak.py --model "$m" --device cuda --servers 4 \
           --phases overload --lengths 128 --unloaded-streams 50 --capacity-seconds 15 \
           --overload-seconds 40 --client-processes 8 -- --max-queued-requests 0 --dtype float32 \
@@ -705,8 +705,7 @@ PY
       [ -f "$out/mixed-overload.log" ] && grep -hE "^(overload|KV blocks|FAILURE)|^(PASS|FAIL)$" \
         "$out/mixed-overload.log" ;;
     restart-gpu)  # issue 40 (header)
-      m=${OVERLOAD_MODEL:-/tmp/smollm2.gguf}
-      [ -f "$m" ] || { echo "no model at $m: set OVERLOAD_MODEL"; continue; }
+      m=${OVERLOAD_MODEL:-$(checkpoint smollm2-135m)}
       timeout 330 python3 scripts/soak.py --model "$m" --device cuda --servers 2 \
         --phases restart --lengths 128 --restart-streams 150 --restart-stream-seconds 60 \
         -- --dtype float32 2>&1 | tee "$out/restart.log" | grep -vE '^(INFO|WARNING)' | tail -8

@@ -142,6 +142,20 @@ QWEN2_5_0_5B = dict(
     rms_norm_eps=1e-6,
     **_SPECIAL_IDS,
 )
+SMOLLM2_135M = dict(  # HuggingFaceTB/SmolLM2-135M-Instruct: the default model's shape
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    rope_theta=100000.0,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
+    **_SPECIAL_IDS,
+)
 GEMMA3_1B = dict(  # google/gemma-3-1b-it: five sliding layers to one global, head_dim 256
     vocab_size=262144,
     hidden_size=1152,
@@ -245,6 +259,7 @@ SHAPES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[str,
     "llama-3.1-70b": (LlamaConfig, LlamaForCausalLM, LLAMA_3_1_70B),
     "qwen3-0.6b": (Qwen3Config, Qwen3ForCausalLM, QWEN3_0_6B),
     "qwen2.5-0.5b": (Qwen2Config, Qwen2ForCausalLM, QWEN2_5_0_5B),
+    "smollm2-135m": (LlamaConfig, LlamaForCausalLM, SMOLLM2_135M),
     "gemma3-1b": (Gemma3TextConfig, Gemma3ForCausalLM, GEMMA3_1B),
     "qwen3-30b-a3b": (Qwen3MoeConfig, Qwen3MoeForCausalLM, QWEN3_30B_A3B),
     "qwen3-235b-a22b": (Qwen3MoeConfig, Qwen3MoeForCausalLM, QWEN3_235B_A22B),
