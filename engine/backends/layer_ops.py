@@ -159,27 +159,6 @@ class LayerOps(Protocol):
         the activation, ``w2_bias`` [E_local, H] to the down product before its weight."""
         ...
 
-    def routed_moe_experts(
-        self,
-        x: torch.Tensor,
-        router_logits: torch.Tensor,
-        top_k: int,
-        renormalize: bool,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        w13_scale: torch.Tensor | None,
-        w2_scale: torch.Tensor | None,
-        expert_offset: int = 0,
-        *,
-        w13_bias: torch.Tensor | None = None,
-        w2_bias: torch.Tensor | None = None,
-        activation: ClampedSwiGLU | None = None,
-    ) -> torch.Tensor:
-        """``moe_experts`` of each token's picks of router logits [T, E] (every rank's
-        experts) as ``moe_route`` takes them: the two in one op, so that a backend may route
-        in its experts' kernels (the Triton backend's decode path)."""
-        ...
-
     def one_kernel_all_reduce(
         self, tp: TensorParallel, device: torch.device, dtype: torch.dtype, max_bytes: int
     ) -> OneKernelAllReduce | None:

@@ -292,27 +292,6 @@ class TorchLayerOps:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids.to(torch.int32)
 
-    def routed_moe_experts(
-        self,
-        x: torch.Tensor,
-        router_logits: torch.Tensor,
-        top_k: int,
-        renormalize: bool,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        w13_scale: torch.Tensor | None,
-        w2_scale: torch.Tensor | None,
-        expert_offset: int = 0,
-        *,
-        w13_bias: torch.Tensor | None = None,
-        w2_bias: torch.Tensor | None = None,
-        activation: ClampedSwiGLU | None = None,
-    ) -> torch.Tensor:
-        weights, ids = self.moe_route(router_logits, top_k, renormalize)
-        experts = (w13, w2, w13_scale, w2_scale, expert_offset)
-        variant = {"w13_bias": w13_bias, "w2_bias": w2_bias, "activation": activation}
-        return self.moe_experts(x, weights, ids, *experts, **variant)
-
     def moe_experts(
         self,
         x: torch.Tensor,

@@ -82,10 +82,11 @@ class GptOssExperts(FusedExperts):
         # An MXFP4 matrix's blocks or scales, this rank's part read, until the other comes.
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        return self.ops.routed_moe_experts(
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.ops.moe_experts(
             x,
-            *self.routing(router_logits),
+            weights,
+            ids,
             self.w13,
             self.w2,
             self.w13_scale,

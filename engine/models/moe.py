@@ -6,9 +6,7 @@ its own, and the token's output is their outputs weighed by the router (Qwen3-Mo
   ``moe_route``;
 - ``FusedExperts``: every expert's gate/up rows stacked into ``w13`` [E, 2 * I, H] and its
   down projection into ``w2`` [E, H, I], multiplied by the layer ops' ``moe_experts`` (a
-  fused kernel in the Triton backend, the reference in the torch one); both through
-  ``routed_moe_experts``, given the router's logits, so that the Triton backend's decode
-  kernels may route for themselves;
+  fused kernel in the Triton backend, the reference in the torch one);
 - ``SparseMoeBlock``: the router and the experts, in a decoder layer in place of the MLP;
 - ``MoECausalLM``: the decoder whose layers take one, or the MLP on the layers that a config
   leaves dense.
@@ -99,7 +97,6 @@ class FusedExperts(nn.Module):
         self.rows = Rows(start, length, config.moe_intermediate_size)
         self.num_experts = experts
         self.experts_per_token = config.num_experts_per_tok
-        self.renormalize = config.norm_topk_prob
         self.ops = ops
         dtype = None if quantization is None else FP8  # None: the model's
         self.w13 = nn.Parameter(
@@ -114,16 +111,11 @@ class FusedExperts(nn.Module):
             self.register_buffer("w13_scale", torch.empty(experts, 2 * length, dtype=torch.float32))
             self.register_buffer("w2_scale", torch.empty(experts, hidden, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """This rank's share of each token's weighed sum over its experts, routed by the
-        router's logits [T, E]."""
-        return self.ops.routed_moe_experts(
-            x, *self.routing(router_logits), self.w13, self.w2, self.w13_scale, self.w2_scale
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's share of each token's weighed sum over its experts."""
+        return self.ops.moe_experts(
+            x, weights, ids, self.w13, self.w2, self.w13_scale, self.w2_scale
         )
-
-    def routing(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
-        """``LayerOps.routed_moe_experts``' routing arguments."""
-        return router_logits, self.experts_per_token, self.renormalize
 
     def load_tensor(self, name: str, source: TensorSlices, hf_name: str) -> list[str]:
         """Load checkpoint tensor ``name`` (relative to this module: one expert's or all of
@@ -199,12 +191,18 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.gate = Router(config, ops, self.router_bias)
         self.experts = self.experts_class(config, ops, tp)
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
         self.ops = ops
         self.tp = tp
 
     def forward(self, x: LinearInput) -> torch.Tensor:
         out, _ = self.into_stream(x, None)
         return out
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts' float32 weights and int32 ids, [T, top_k] each."""
+        return self.ops.moe_route(self.gate(x), self.top_k, self.renormalize)
 
     def into_stream(
         self, x: LinearInput, stream: torch.Tensor | None
@@ -213,7 +211,8 @@ class SparseMoeBlock(nn.Module):
         add: all of it (as ``MLP.into_stream`` leaves it but where its one-row product adds
         it), but where the ranks' all-reduce adds it (``TensorParallel.all_reduce_into_stream``)."""
         x = dense(x)
-        return self.tp.all_reduce_into_stream(self.experts(x, self.gate(x)), stream)
+        weights, ids = self.route(x)
+        return self.tp.all_reduce_into_stream(self.experts(x, weights, ids), stream)
 
 
 class MoECausalLM(CausalLM):

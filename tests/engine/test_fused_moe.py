@@ -29,10 +29,8 @@ from engine.backends.triton.fused_moe import (
     grouped_config,
     moe_config,
     quantizes_activations,
-    routed_fused_moe,
 )
 from engine.backends.triton.moe_decode import MoeDecodeConfig, moe_decode_config
-from engine.backends.triton.moe_route import moe_route
 from engine.quantization.linear_methods import quantize_per_channel
 from tandem.testing.kernel_reference import moe_experts_reference
 
@@ -303,28 +301,3 @@ def test_decode_path_leaves_out_other_ranks_experts(fp8: bool, variant: str) -> 
         x, weights, ids, layer, expert_offset=4, config=decode_config(3, variant)
     )
     assert (out[0] == 0).all()
-
-
-@pytest.mark.parametrize("variant", ["by-token", "by-token-prefetch"])
-@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype", "fp8"])
-@pytest.mark.parametrize("renormalize", [True, False], ids=["renormalized", "softmax"])
-@pytest.mark.parametrize("num_tokens", [1, 3])
-def test_decode_kernels_route_as_moe_route(
-    num_tokens: int, renormalize: bool, fp8: bool, variant: str
-) -> None:
-    """The decode kernels that walk a token's picks route it from its router logits
-    themselves: the same bits as ``moe_route``'s kernel, then the kernels given its picks.
-    Top-3 of 12 logits, a tie for each token's first pick, experts 4-7 held here (the other
-    picks add nothing)."""
-    logits = torch.randn(num_tokens, 12, device=DEVICE)
-    top = logits.max(dim=1).values
-    logits[:, 9] = logits[:, 2] = top + 1.0  # a tie for the first pick, another rank's experts
-    logits[:, 5] = top + 0.5  # the third pick one of these
-    x = torch.randn(num_tokens, HIDDEN, device=DEVICE)
-    layer = experts(4, torch.float32, fp8)
-    config = decode_config(3, variant)
-    weights, ids = moe_route(logits, 3, renormalize)
-    given = fused_moe(x, weights, ids, **layer, expert_offset=4, config=config)
-    routed = routed_fused_moe(x, logits, 3, renormalize, **layer, expert_offset=4, config=config)
-    assert torch.equal(routed, given)
-    assert_matches_reference(x, weights, ids, layer, expert_offset=4, config=config)

@@ -4,17 +4,15 @@ gpt-oss-20b with its biases and clamped SwiGLU), bf16 and FP8 weights: against t
 expert-by-expert float32 reference at a decode's and a prefill's token counts, and inside a
 CUDA graph, captured for one routing and replayed for others. The decode path by pair
 (``moe_decode``: the rule's at one token) also at 2 and 4 tokens, its configuration given,
-where pairs share experts; where its programs walk a token's picks (Qwen3-MoE's top-8), routed
-in its kernels from the router's logits, eager and replayed."""
+where pairs share experts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.backends.triton.fused_moe import fused_moe, routed_fused_moe
+from engine.backends.triton.fused_moe import fused_moe
 from engine.backends.triton.moe_decode import moe_decode_config, takes_decode_path
-from engine.backends.triton.moe_route import moe_route
 from tandem.bench.moe_kernel import (
     SHAPES,
     MoeShape,
@@ -97,45 +95,3 @@ def test_fused_moe_replays_in_a_cuda_graph_for_any_routing(
         eager = fused_moe(x, weights, ids, **layer)
         assert torch.equal(captured, eager)
         assert_matches_reference(captured, x, weights, ids, layer)
-
-
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_decode_kernels_route_from_the_logits(shape: MoeShape, fp8: bool) -> None:
-    """Where the rule's decode path walks each token's picks, its kernels route from the
-    router's logits (``routed_fused_moe``): the same bits as ``moe_route``'s kernel and then
-    the kernels given its picks, at 1 and 2 tokens, eager and in a CUDA graph captured for
-    one row of logits and replayed for others."""
-    config = moe_decode_config(shape.top_k)
-    if not (
-        config.by_token
-        and takes_decode_path(1, shape.top_k, shape.local_experts, shape.hidden, shape.intermediate)
-    ):
-        pytest.skip("its decode path reads routing given to it")
-    torch.manual_seed(3)
-    layer = random_layer(shape, fp8)
-
-    def given(x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = moe_route(logits, shape.top_k, True)
-        return fused_moe(x, weights, ids, **layer, config=config)
-
-    for num_tokens in (1, 2):
-        x = torch.randn(num_tokens, shape.hidden, device="cuda", dtype=torch.bfloat16)
-        logits = torch.randn(num_tokens, shape.experts, device="cuda", dtype=torch.bfloat16)
-        routed = routed_fused_moe(x, logits, shape.top_k, True, **layer, config=config)
-        assert torch.equal(routed, given(x, logits))
-
-    x = torch.randn(1, shape.hidden, device="cuda", dtype=torch.bfloat16)
-    logits = torch.randn(1, shape.experts, device="cuda", dtype=torch.bfloat16)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        routed_fused_moe(x, logits, shape.top_k, True, **layer, config=config)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = routed_fused_moe(x, logits, shape.top_k, True, **layer, config=config)
-    for _ in range(3):
-        x.copy_(torch.randn_like(x))
-        logits.copy_(torch.randn_like(logits))
-        graph.replay()
-        assert torch.equal(captured, given(x, logits))

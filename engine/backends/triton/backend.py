@@ -50,7 +50,7 @@ from engine.backends.triton import (
 )
 from engine.backends.triton.argmax import argmax_rows
 from engine.backends.triton.fp8_quantize import quantize_rows_fp8
-from engine.backends.triton.fused_moe import fused_moe, routed_fused_moe
+from engine.backends.triton.fused_moe import fused_moe
 from engine.backends.triton.graph_inputs import fill_graph_inputs
 from engine.backends.triton.moe_route import moe_route
 from engine.backends.triton.one_row_matmul import one_row_matmul
@@ -285,31 +285,6 @@ class TritonLayerOps(TorchLayerOps):
         if x.is_cuda:
             return fused_moe(*experts, **variant)
         return super().moe_experts(*experts, **variant)  # the torch backend's reference
-
-    def routed_moe_experts(
-        self,
-        x: torch.Tensor,
-        router_logits: torch.Tensor,
-        top_k: int,
-        renormalize: bool,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        w13_scale: torch.Tensor | None,
-        w2_scale: torch.Tensor | None,
-        expert_offset: int = 0,
-        *,
-        w13_bias: torch.Tensor | None = None,
-        w2_bias: torch.Tensor | None = None,
-        activation: ClampedSwiGLU | None = None,
-    ) -> torch.Tensor:
-        # At a decode step's few tokens the experts' kernels route each token themselves:
-        # no routing kernel between the router's product and theirs.
-        routing = (router_logits, top_k, renormalize)
-        experts = (w13, w2, w13_scale, w2_scale, expert_offset)
-        variant = {"w13_bias": w13_bias, "w2_bias": w2_bias, "activation": activation}
-        if x.is_cuda:
-            return routed_fused_moe(x, *routing, *experts, **variant)
-        return super().routed_moe_experts(x, *routing, *experts, **variant)
 
     def one_kernel_all_reduce(
         self, tp: TensorParallel, device: torch.device, dtype: torch.dtype, max_bytes: int

@@ -84,12 +84,10 @@ from engine.backends.triton.fp8_quantize import quantize_rows_fp8
 from engine.backends.triton.fp8_widen import widen, widen_factor
 from engine.backends.triton.moe_decode import (
     MoeDecodeConfig,
-    RouterLogits,
     moe_decode_config,
     moe_decode_experts,
     takes_decode_path,
 )
-from engine.backends.triton.moe_route import moe_route
 from engine.backends.triton.paged_attention import dot_precision
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -547,88 +545,6 @@ def quantizes_activations(num_tokens: int, weight_dtype: torch.dtype) -> bool:
     return weight_dtype == FP8 and num_tokens > WEIGHT_ONLY_MAX_TOKENS
 
 
-def _new_output(
-    x: torch.Tensor,
-    top_k: int,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    w13_scale: torch.Tensor | None,
-    w2_scale: torch.Tensor | None,
-    w13_bias: torch.Tensor | None,
-    w2_bias: torch.Tensor | None,
-) -> torch.Tensor:
-    """The experts' operands checked (``fused_moe``'s); the output [T, H], unwritten."""
-    num_tokens, hidden = x.shape
-    num_experts, double_intermediate, _ = w13.shape
-    intermediate = double_intermediate // 2
-    assert w13.shape == (num_experts, 2 * intermediate, hidden)
-    assert w2.shape == (num_experts, hidden, intermediate)
-    assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1 and top_k > 0
-    quantized = w13.dtype == FP8
-    assert (w13_scale is not None) == quantized == (w2_scale is not None)
-    if not quantized:
-        assert w13.dtype == w2.dtype == x.dtype
-    for bias, rows in ((w13_bias, 2 * intermediate), (w2_bias, hidden)):
-        assert bias is None or (bias.shape == (num_experts, rows) and bias.stride(1) == 1)
-    return x.new_empty(num_tokens, hidden)
-
-
-def _rule(x: torch.Tensor, top_k: int, w13: torch.Tensor) -> MoeConfig | MoeDecodeConfig:
-    """``moe_config``'s configuration for x [T, H]'s picks among ``w13``'s experts."""
-    num_tokens = x.shape[0]
-    num_experts, double_intermediate, hidden = w13.shape
-    w8a8 = quantizes_activations(num_tokens, w13.dtype)
-    return moe_config(
-        num_tokens,
-        top_k,
-        num_experts,
-        hidden,
-        double_intermediate // 2,
-        sm_count(x.device),
-        w13.dtype,
-        FP8 if w8a8 else x.dtype,
-    )
-
-
-def routed_fused_moe(
-    x: torch.Tensor,
-    router_logits: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    w13_scale: torch.Tensor | None,
-    w2_scale: torch.Tensor | None,
-    expert_offset: int = 0,
-    config: MoeConfig | MoeDecodeConfig | None = None,
-    *,
-    w13_bias: torch.Tensor | None = None,
-    w2_bias: torch.Tensor | None = None,
-    activation: ClampedSwiGLU | None = None,
-) -> torch.Tensor:
-    """``LayerOps.routed_moe_experts``: ``fused_moe`` of router logits [T, E] (every
-    rank's experts), each token's ``top_k`` picks taken as ``moe_route`` takes them. Where
-    the decode path's gate/up programs walk a token's picks (``MoeDecodeConfig.by_token``),
-    its two kernels route for themselves (at batch 1, one launch fewer in each layer's
-    chain of dependent kernels); otherwise ``moe_route``'s kernel, then ``fused_moe``.
-    ``config`` as ``fused_moe``'s."""
-    config = config or _rule(x, top_k, w13)
-    if not (isinstance(config, MoeDecodeConfig) and config.by_token):
-        weights, ids = moe_route(router_logits.contiguous(), top_k, renormalize)
-        experts = (w13, w2, w13_scale, w2_scale, expert_offset, config)
-        variant = {"w13_bias": w13_bias, "w2_bias": w2_bias, "activation": activation}
-        return fused_moe(x, weights, ids, *experts, **variant)
-    out = _new_output(x, top_k, w13, w2, w13_scale, w2_scale, w13_bias, w2_bias)
-    if x.shape[0] == 0:
-        return out
-    routing = RouterLogits(router_logits.contiguous(), top_k, renormalize)
-    moe_decode_experts(
-        x, routing, w13, w2, w13_scale, w2_scale, expert_offset, config, out, w13_bias,
-        w2_bias, activation,
-    )  # fmt: skip
-    return out
-
-
 def fused_moe(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -658,23 +574,51 @@ def fused_moe(
     top_k = topk_ids.shape[1]
     num_experts, double_intermediate, _ = w13.shape
     intermediate = double_intermediate // 2
+    assert w13.shape == (num_experts, 2 * intermediate, hidden)
+    assert w2.shape == (num_experts, hidden, intermediate)
     assert topk_weights.shape == topk_ids.shape == (num_tokens, top_k)
-    out = _new_output(x, top_k, w13, w2, w13_scale, w2_scale, w13_bias, w2_bias)
+    assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
     quantized = w13.dtype == FP8
+    assert (w13_scale is not None) == quantized == (w2_scale is not None)
+    if not quantized:
+        assert w13.dtype == w2.dtype == x.dtype
+    for bias, rows in ((w13_bias, 2 * intermediate), (w2_bias, hidden)):
+        assert bias is None or (bias.shape == (num_experts, rows) and bias.stride(1) == 1)
+    out = x.new_empty(num_tokens, hidden)
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return out
     w8a8 = quantizes_activations(num_tokens, w13.dtype)
-    config = config or _rule(x, top_k, w13)
+    config = config or moe_config(
+        num_tokens,
+        top_k,
+        num_experts,
+        hidden,
+        intermediate,
+        sm_count(x.device),
+        w13.dtype,
+        FP8 if w8a8 else x.dtype,
+    )
     ids = topk_ids.reshape(num_pairs)  # a view of contiguous ids: no copy under a graph
     weights = topk_weights.reshape(num_pairs)
     assert ids.stride(0) == 1 and weights.stride(0) == 1 and weights.dtype == torch.float32
     if isinstance(config, MoeDecodeConfig):
         assert not w8a8, "the decode path reads FP8 weights weight-only"
         moe_decode_experts(
-            x, (weights, ids), w13, w2, w13_scale, w2_scale, expert_offset, config, out,
-            w13_bias, w2_bias, activation,
-        )  # fmt: skip
+            x,
+            weights,
+            ids,
+            w13,
+            w2,
+            w13_scale,
+            w2_scale,
+            expert_offset,
+            config,
+            out,
+            w13_bias,
+            w2_bias,
+            activation,
+        )
         return out
     block_m = config.block_m
     # 1. Align. At most min(E, T*K) experts have pairs; each pads to whole tiles.

@@ -63,7 +63,6 @@ from engine.backends.triton.dependent_launch import (
     wait_for_previous_kernel,
 )
 from engine.backends.triton.fp8_widen import widen
-from engine.backends.triton.moe_route import chosen_in_order, router_logits, top_k_places
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Products a program step: 32 a thread of 8 warps (the one-row kernel's 4 rows x 4 KiB).
@@ -240,37 +239,10 @@ def _store_activation(
 
 
 @triton.jit
-def _token_picks(
-    routing_ptr,
-    weights_ptr,
-    token,
-    TOP_K: tl.constexpr,
-    PICKS: tl.constexpr,
-    ROUTE: tl.constexpr,
-    NUM_ROUTED: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-):
-    """Token ``token``'s picks in order as [PICKS] vectors, global expert ids and routing
-    weights (past TOP_K: id 0, weight 0): routed here from its row of router logits
-    [T, NUM_ROUTED] (``ROUTE``: ``moe_route``'s code, its bits), or read as ``moe_route``
-    wrote them ([T*K] each)."""
-    if ROUTE:
-        logits, experts = router_logits(routing_ptr, token, NUM_ROUTED, BLOCK_E)
-        place, weights = top_k_places(logits, experts, TOP_K, RENORMALIZE)
-        ids, pick_weights = chosen_in_order(place, weights, experts, PICKS)
-    else:
-        picks = tl.arange(0, PICKS)
-        pairs = token * TOP_K + picks
-        ids = tl.load(routing_ptr + pairs, mask=picks < TOP_K, other=0)
-        pick_weights = tl.load(weights_ptr + pairs, mask=picks < TOP_K, other=0.0)
-    return ids, pick_weights
-
-
-@triton.jit
 def _pick_rows(
     w_ptr,
-    pick_experts,  # [PICKS] the token's picks' global ids, in order
+    ids_ptr,
+    first_pair,
     step,  # of the token's picks' steps, in order
     steps,  # a pick's
     total,  # the token's: a step past them reads nothing
@@ -282,18 +254,16 @@ def _pick_rows(
     intermediate,
     stride_we,
     stride_wn,
-    PICKS: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """The gate and up rows ``cols`` of a step of the token's picks: its pick's expert's
     (nothing of another rank's expert), its slice of H; and that expert, whether local, a
-    value a column (the interpreter takes no scalar in a mask). The expert comes from
-    registers: no load waits before the rows'."""
+    value a column (one address, read once: the interpreter takes no scalar in a mask)."""
     pick = step // steps
     ks = (step - pick * steps) * BLOCK_K + tl.arange(0, BLOCK_K)
     valid = (tl.zeros_like(cols) + step) < total
-    chosen = tl.sum(tl.where(tl.arange(0, PICKS) == pick, pick_experts, 0), axis=0)
-    expert = tl.zeros_like(cols) + chosen - expert_offset
+    expert = tl.load(ids_ptr + first_pair + pick + tl.zeros_like(cols), mask=valid, other=-1)
+    expert -= expert_offset
     local = valid & (expert >= 0) & (expert < num_experts)
     expert = tl.where(local, expert, 0).to(tl.int64)
     gate_rows = w_ptr + expert[:, None] * stride_we + cols[:, None] * stride_wn + ks[None, :]
@@ -306,7 +276,7 @@ def _pick_rows(
 @triton.jit
 def _gate_up_token_kernel(
     x_ptr,  # [T, H]
-    routing_ptr,  # [T*K] global expert ids, or (ROUTE) the router's logits [T, NUM_ROUTED]
+    ids_ptr,  # [T*K] global expert ids
     w_ptr,  # [E, 2I, H]
     scale_ptr,  # [E, 2I] float32 (HAS_SCALE)
     bias_ptr,  # [E, 2I] in x's dtype (HAS_BIAS)
@@ -324,10 +294,6 @@ def _gate_up_token_kernel(
     stride_be,
     stride_hidden,
     TOP_K: tl.constexpr,
-    PICKS: tl.constexpr,  # TOP_K rounded up to a power of two
-    ROUTE: tl.constexpr,
-    NUM_ROUTED: tl.constexpr,  # every rank's experts (ROUTE)
-    BLOCK_E: tl.constexpr,  # NUM_ROUTED rounded up to a power of two
     HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     CLAMPED_SWIGLU: tl.constexpr,
@@ -339,31 +305,27 @@ def _gate_up_token_kernel(
     a grid of as many programs as one pick's (at one token, one wave), each a stream of
     its picks' rows, where a program a pair reads one step and ends (waves of programs, each
     waiting on its expert id, then its weights). A pick's sums go out as its activation
-    after its last step; another rank's pick reads nothing and is not written. Its picks
-    come first, all of them (``ROUTE``: routed from the logits by every program alike)."""
-    wait_for_previous_kernel()  # the routing (or logits) and x come from the kernels before
+    after its last step; another rank's pick reads nothing and is not written."""
+    wait_for_previous_kernel()  # the routing and x come from the kernels just before
     let_next_kernel_start()
     token = tl.program_id(1).to(tl.int64)
     first_pair = token * TOP_K
-    pick_experts, _ = _token_picks(
-        routing_ptr, routing_ptr, token, TOP_K, PICKS, ROUTE, NUM_ROUTED, BLOCK_E, False
-    )
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < intermediate
     x_row = x_ptr + token * stride_x
     steps = tl.cdiv(depth, BLOCK_K)
     total = TOP_K * steps
     gate_w, up_w, expert, local = _pick_rows(
-        w_ptr, pick_experts, 0, steps, total, expert_offset, num_experts, cols, col_mask,
-        depth, intermediate, stride_we, stride_wn, PICKS, BLOCK_K,
+        w_ptr, ids_ptr, first_pair, 0, steps, total, expert_offset, num_experts, cols,
+        col_mask, depth, intermediate, stride_we, stride_wn, BLOCK_K,
     )  # fmt: skip
     gate_sums = tl.zeros((BLOCK_N,), dtype=tl.float32)
     up_sums = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for step in range(0, total):
         if PREFETCH:  # the next step's rows in flight while this one's are reduced
             next_gate, next_up, next_expert, next_local = _pick_rows(
-                w_ptr, pick_experts, step + 1, steps, total, expert_offset, num_experts,
-                cols, col_mask, depth, intermediate, stride_we, stride_wn, PICKS, BLOCK_K,
+                w_ptr, ids_ptr, first_pair, step + 1, steps, total, expert_offset,
+                num_experts, cols, col_mask, depth, intermediate, stride_we, stride_wn, BLOCK_K,
             )  # fmt: skip
         else:
             next_gate, next_up, next_expert, next_local = gate_w, up_w, expert, local
@@ -384,8 +346,8 @@ def _gate_up_token_kernel(
             gate_w, up_w, expert, local = next_gate, next_up, next_expert, next_local
         else:
             gate_w, up_w, expert, local = _pick_rows(
-                w_ptr, pick_experts, step + 1, steps, total, expert_offset, num_experts,
-                cols, col_mask, depth, intermediate, stride_we, stride_wn, PICKS, BLOCK_K,
+                w_ptr, ids_ptr, first_pair, step + 1, steps, total, expert_offset,
+                num_experts, cols, col_mask, depth, intermediate, stride_we, stride_wn, BLOCK_K,
             )  # fmt: skip
 
 
@@ -403,8 +365,8 @@ def _down_step(sums, weight, ks, hidden_rows, local, depth):
 @triton.jit
 def _down_token_kernel(
     hidden_ptr,  # [T*K, I]
-    routing_ptr,  # [T*K] global expert ids, or (ROUTE) the router's logits [T, NUM_ROUTED]
-    topk_weights_ptr,  # [T*K] float32 (unread with ROUTE)
+    ids_ptr,  # [T*K] global expert ids
+    topk_weights_ptr,  # [T*K] float32
     w_ptr,  # [E, H, I]
     scale_ptr,  # [E, H] float32 (HAS_SCALE)
     bias_ptr,  # [E, H] in the activation's dtype (HAS_BIAS)
@@ -421,10 +383,6 @@ def _down_token_kernel(
     stride_out,
     TOP_K: tl.constexpr,
     PICKS: tl.constexpr,  # TOP_K rounded up to a power of two
-    ROUTE: tl.constexpr,
-    NUM_ROUTED: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PREFETCH: tl.constexpr,
@@ -438,14 +396,11 @@ def _down_token_kernel(
     col_mask = cols < channels
     picks = tl.arange(0, PICKS)
     pairs = token.to(tl.int64) * TOP_K + picks
-    # Read before waiting (module docstring): the routing (or the logits), complete before
-    # this kernel starts, and the weights' first step.
-    expert, routing_weight = _token_picks(
-        routing_ptr, topk_weights_ptr, token, TOP_K, PICKS, ROUTE, NUM_ROUTED, BLOCK_E,
-        RENORMALIZE,
-    )  # fmt: skip
-    expert -= expert_offset
+    # Read before waiting (module docstring): the routing, complete before this kernel
+    # starts, and the weights' first step.
+    expert = tl.load(ids_ptr + pairs, mask=picks < TOP_K, other=0) - expert_offset
     local = (picks < TOP_K) & (expert >= 0) & (expert < num_experts)
+    routing_weight = tl.load(topk_weights_ptr + pairs, mask=local, other=0.0)
     expert = tl.where(local, expert, 0).to(tl.int64)
     weight_rows = w_ptr + expert[:, None, None] * stride_we + cols[None, :, None] * stride_wn
     rows_mask = local[:, None, None] & col_mask[None, :, None]
@@ -495,20 +450,10 @@ def _down_token_kernel(
     tl.store(out_ptr + token * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
-@dataclass(frozen=True)
-class RouterLogits:
-    """Routing left to the decode kernels that walk a token's picks (``by_token``): each
-    token's router logits [T, E] over every rank's experts, contiguous, routed in the
-    kernels as ``moe_route`` routes them (its code: the same picks and weights)."""
-
-    logits: torch.Tensor
-    top_k: int
-    renormalize: bool
-
-
 def moe_decode_experts(
     x: torch.Tensor,
-    routing: RouterLogits | tuple[torch.Tensor, torch.Tensor],
+    weights: torch.Tensor,
+    ids: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     w13_scale: torch.Tensor | None,
@@ -520,31 +465,19 @@ def moe_decode_experts(
     w2_bias: torch.Tensor | None,
     activation: ClampedSwiGLU | None,
 ) -> None:
-    """``fused_moe`` by pair into ``out`` [T, H] (its arguments checked there): each pair's
-    gate/up and activation, then each token's down products summed over its picks. The
-    routing: (weights, ids), flattened to [T*K], or the router's logits for the kernels to
-    route (``RouterLogits``: two kernels route each token for themselves, where
-    ``moe_route``'s kernel would be one more launch in the chain). FP8 weights weight-only,
-    whatever T."""
+    """``fused_moe`` by pair into ``out`` [T, H] (its arguments checked there; ``weights``
+    and ``ids`` flattened to [T*K]): each pair's gate/up and activation, then each token's
+    down products summed over its picks. FP8 weights weight-only, whatever T."""
     num_tokens, hidden = x.shape
     num_experts, double_intermediate, _ = w13.shape
     intermediate = double_intermediate // 2
-    routed = isinstance(routing, RouterLogits)
-    if routed:
-        assert config.by_token, "a program a pair reads its routing"
-        logits = routing.logits
-        assert logits.shape[0] == num_tokens and logits.is_contiguous()
-        top_k, num_routed, renormalize = routing.top_k, logits.shape[1], routing.renormalize
-        routing_ids, routing_weights = logits, logits  # the logits, or unread
-    else:
-        routing_weights, routing_ids = routing
-        top_k, num_routed, renormalize = routing_ids.numel() // num_tokens, 1, False
-    num_pairs = num_tokens * top_k
+    num_pairs = ids.numel()
+    top_k = num_pairs // num_tokens
     quantized = w13.dtype == FP8
     hidden_states = x.new_empty(num_pairs, intermediate)
     operands = (
         x,
-        routing_ids,
+        ids,
         w13,
         w13_scale if quantized else w13,  # unread without a scale
         w13 if w13_bias is None else w13_bias,  # unread without a bias
@@ -564,13 +497,6 @@ def moe_decode_experts(
         0 if w13_bias is None else w13_bias.stride(0),
         hidden_states.stride(0),
     )
-    routing_flags = {
-        "TOP_K": top_k,
-        "PICKS": triton.next_power_of_2(top_k),
-        "ROUTE": routed,
-        "NUM_ROUTED": num_routed,
-        "BLOCK_E": triton.next_power_of_2(num_routed),
-    }
     flags = {
         "HAS_SCALE": quantized,
         "HAS_BIAS": w13_bias is not None,
@@ -585,14 +511,14 @@ def moe_decode_experts(
     column_blocks = triton.cdiv(intermediate, config.gate_up_columns)
     if config.by_token:
         _gate_up_token_kernel[(column_blocks, num_tokens)](
-            *operands, *rest, **routing_flags, PREFETCH=config.prefetch, **flags
+            *operands, *rest, TOP_K=top_k, PREFETCH=config.prefetch, **flags
         )
     else:
         _gate_up_pair_kernel[(column_blocks, num_pairs)](*operands, top_k, *rest, **flags)
     _down_token_kernel[(triton.cdiv(hidden, config.down_rows), num_tokens)](
         hidden_states,
-        routing_ids,
-        routing_weights,
+        ids,
+        weights,
         w2,
         w2_scale if quantized else w2,
         w2 if w2_bias is None else w2_bias,
@@ -607,8 +533,8 @@ def moe_decode_experts(
         w2_scale.stride(0) if quantized else 0,
         0 if w2_bias is None else w2_bias.stride(0),
         out.stride(0),
-        **routing_flags,
-        RENORMALIZE=renormalize,
+        TOP_K=top_k,
+        PICKS=triton.next_power_of_2(top_k),
         HAS_SCALE=quantized,
         HAS_BIAS=w2_bias is not None,
         PREFETCH=config.prefetch,

@@ -24,50 +24,6 @@ from engine.backends.triton.one_variant import OneVariantKernel
 
 
 @triton.jit
-def router_logits(logits_ptr, token, NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Token ``token``'s row of router logits [T, NUM_EXPERTS] as float32 [BLOCK_E], -inf past
-    the experts, and the experts' ids [BLOCK_E]."""
-    experts = tl.arange(0, BLOCK_E)
-    logits = tl.load(
-        logits_ptr + token * NUM_EXPERTS + experts,
-        mask=experts < NUM_EXPERTS,
-        other=-float("inf"),
-    ).to(tl.float32)
-    return logits, experts
-
-
-@triton.jit
-def top_k_places(logits, experts, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr):
-    """Each expert's place among a token's ``TOP_K`` chosen (``TOP_K`` for the others) and its
-    routing weight, of its logits and ids [BLOCK_E] (``router_logits``): the routing of
-    ``moe_route``, and of the decode kernels that route for themselves (``moe_decode``), the
-    same bits in both."""
-    exponentials = tl.exp(logits - tl.max(logits, axis=0))  # 0 past the experts
-    remaining = logits
-    place = tl.full(logits.shape, TOP_K, tl.int32)
-    for k in tl.static_range(TOP_K):
-        expert = tl.argmax(remaining, 0, tie_break_left=True)
-        place = tl.where(experts == expert, k, place)
-        remaining = tl.where(experts == expert, -float("inf"), remaining)
-    chosen = place < TOP_K
-    if RENORMALIZE:
-        denominator = tl.sum(tl.where(chosen, exponentials, 0.0), axis=0)
-    else:
-        denominator = tl.sum(exponentials, axis=0)
-    return place, exponentials / denominator
-
-
-@triton.jit
-def chosen_in_order(place, weights, experts, PICKS: tl.constexpr):
-    """``top_k_places``' choice as [PICKS] vectors in pick order, the ids and their weights
-    (a place past the chosen: id 0, weight 0). Each is one matching term summed with zeros:
-    the weights' bits unchanged."""
-    match = place[None, :] == tl.arange(0, PICKS)[:, None]
-    ids = tl.sum(tl.where(match, experts[None, :], 0), axis=1)
-    return ids, tl.sum(tl.where(match, weights[None, :], 0.0), axis=1)
-
-
-@triton.jit
 def _route_kernel(
     logits_ptr,
     weights_ptr,
@@ -81,11 +37,26 @@ def _route_kernel(
     wait_for_previous_kernel()  # launched dependent (dependent_launch.py)
     let_next_kernel_start()
     token = tl.program_id(0)
-    logits, experts = router_logits(logits_ptr, token, NUM_EXPERTS, BLOCK_E)
-    place, weights = top_k_places(logits, experts, TOP_K, RENORMALIZE)
+    experts = tl.arange(0, BLOCK_E)
+    valid = experts < NUM_EXPERTS
+    logits = tl.load(
+        logits_ptr + token * NUM_EXPERTS + experts, mask=valid, other=-float("inf")
+    ).to(tl.float32)
+    exponentials = tl.exp(logits - tl.max(logits, axis=0))  # 0 past the experts
+    remaining = logits
+    # Each expert's place among the chosen, TOP_K for the others.
+    place = tl.full([BLOCK_E], TOP_K, tl.int32)
+    for k in tl.static_range(TOP_K):
+        expert = tl.argmax(remaining, 0, tie_break_left=True)
+        place = tl.where(experts == expert, k, place)
+        remaining = tl.where(experts == expert, -float("inf"), remaining)
     chosen = place < TOP_K
+    if RENORMALIZE:
+        denominator = tl.sum(tl.where(chosen, exponentials, 0.0), axis=0)
+    else:
+        denominator = tl.sum(exponentials, axis=0)
     out = token * TOP_K + place
-    tl.store(weights_ptr + out, weights, mask=chosen)
+    tl.store(weights_ptr + out, exponentials / denominator, mask=chosen)
     tl.store(ids_ptr + out, experts, mask=chosen)
 
 
