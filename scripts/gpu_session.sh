@@ -9,6 +9,7 @@
 #   scripts/gpu_session.sh moe-decode  # its decode path by pair: tests, kernel and batch-1 timings
 #   scripts/gpu_session.sh moe-decode-parity  # batch-1 decode parity of Qwen3 (QK-norm) and the MoEs
 #   MOE_SHAPE=mixtral-8x7b scripts/gpu_session.sh moe-sweep  # its rule against neighbouring configurations
+#   scripts/gpu_session.sh moe-ncu  # Nsight Compute on the MoE decode kernels (where they wait)
 #   BASE=/tmp/base scripts/gpu_session.sh moe-latency-ab  # MoE batch-1 TPOT against a base tree
 #   SPEC_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh spec spec-f32  # speculative decoding (issue 37)
 #   scripts/gpu_session.sh moe                           # mixtures of experts, one GPU
@@ -73,8 +74,12 @@
 # ran eagerly before mixed steps were split: mixed-graphs times it). A table last.
 # OVERLOAD_ENGINE_ARGS adds engine flags to the soak's (--no-overlap-steps: the first token
 # read in its own step, not the next one's).
-# restart-gpu (issue 40, about 5 minutes): the soak's rolling restart of 2 servers under 150
-# streams sized to last 60 s each on OVERLOAD_MODEL (float32): failed and cut streams (0, 0).
+# restart-gpu (issue 40, up to 9 minutes: a call of its own): the soak's rolling restart of 2
+# servers under 150 streams sized to last 60 s each (on a GPU the model's 8,192-token context
+# caps them first) on OVERLOAD_MODEL (float32): failed and cut streams (0, 0). Each server's
+# drain waits for its streams to end, and the next waits until the restarted one has taken new
+# ones, which come as streams end: about four streams' lengths, then the last streams' end
+# (s34 call 4 cut it at 330 s before its table).
 #
 # spec (issue 37 item 5, about 7 minutes): the float32 GPU test of speculation (n-gram and
 # draft-model tokens equal to plain decoding's, adaptive and at a fixed k; the target as its
@@ -623,6 +628,23 @@ PY
           done
         done
       done ;;
+    moe-ncu)  # issue 39 (about 3 minutes): Nsight Compute on the decode path's two kernels at
+      # one token (MOE_SHAPE, default Qwen3-30B-A3B, bf16; the rule's configuration, as
+      # bench_kernels times it): throughput against the DRAM's, achieved occupancy, and what
+      # the warps wait on (memory latency, barriers, dependencies), to say why they read at
+      # about half of copy bandwidth (MOE_NCU_KERNELS: others, gate_up_pair for Mixtral's)
+      for kernel in ${MOE_NCU_KERNELS:-gate_up_token down_token}; do
+        timeout 170 ncu --clock-control none --kernel-name "regex:$kernel" --launch-skip 20 \
+          --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+          --section Occupancy --section LaunchStats --section WarpStateStats \
+          --section SchedulerStats python3 scripts/bench_kernels.py --moe \
+          "${MOE_SHAPE:-qwen3-30b-a3b}" --moe-tokens 1 > "$out/moe-ncu-$kernel.log" 2>&1
+        echo "--- $kernel"
+        grep -E "^ +(Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical \
+Occupancy|Registers Per Thread|Grid Size|Block Size|Warp Cycles Per Issued Instruction|\
+Issued Warp Per Scheduler|No Eligible|Avg. Active Threads)" "$out/moe-ncu-$kernel.log" | head -16
+        grep -iE "stall|long scoreboard|barrier" "$out/moe-ncu-$kernel.log" | head -8
+      done ;;
     moe-sweep)
       for weights in bf16 fp8; do
         flags=(); [ $weights = fp8 ] && flags=(--quantization fp8)
@@ -706,7 +728,7 @@ PY
         "$out/mixed-overload.log" ;;
     restart-gpu)  # issue 40 (header)
       m=${OVERLOAD_MODEL:-$(checkpoint smollm2-135m)}
-      timeout 330 python3 scripts/soak.py --model "$m" --device cuda --servers 2 \
+      timeout 540 python3 scripts/soak.py --model "$m" --device cuda --servers 2 \
         --phases restart --lengths 128 --restart-streams 150 --restart-stream-seconds 60 \
         -- --dtype float32 2>&1 | tee "$out/restart.log" | grep -vE '^(INFO|WARNING)' | tail -8
       echo "=== restart-gpu summary"
