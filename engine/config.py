@@ -106,6 +106,13 @@ class EngineConfig:
         "of a priority take turns (engine/scheduling/waiting_queue.py)",
         choices=list(SCHEDULING_POLICIES),
     )
+    separate_prefill_steps: bool = option(
+        False,
+        "a step that admits waiting requests computes their prompts alone, not the running "
+        "requests' decodes, which wait for the next step (SGLang's default, where vLLM mixes "
+        "them): a new request's first token comes sooner under load, each admission costs "
+        "the running requests a step (docs/serving.md, Scheduling and the KV cache)",
+    )
     enforce_eager: bool = option(
         False, "CUDA: no CUDA graphs for decode and verify steps (faster start, slower decode)"
     )

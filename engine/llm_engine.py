@@ -140,6 +140,7 @@ class LLMEngine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.scheduling_policy,
+            config.separate_prefill_steps,
         )
         self.requests: dict[tuple[bytes, str], Request] = {}
         # Embeddings: prompts pooled in steps of their own (engine/execution/pooling.py).

@@ -27,10 +27,13 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         policy: str = "fcfs",
+        separate_prefill_steps: bool = False,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.separate_prefill_steps = separate_prefill_steps
+        self._decodes_waited = False  # the last step was one of prompts alone
         self.waiting = WaitingQueue(policy)
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -51,6 +54,11 @@ class Scheduler:
         come first, then prefills under way, then newly admitted requests; a prompt longer
         than what is left of the budget is prefilled a chunk a step. When the cache runs out,
         the newest running requests are preempted for the older ones, and no one is admitted.
+        With ``separate_prefill_steps``, a step that admits waiting requests computes prompts
+        alone (theirs, with the whole budget, then those under way): the decodes wait for the
+        next step, so that a new request's first token waits for no step of theirs. Never two
+        such steps in a row: arrivals every step would starve the decodes until the batch
+        filled; the step after one mixes as the default does.
 
         One pass over the running requests grows each one's blocks and schedules its decode:
         the host runs it for every request each step, a large batch's step bound by it among
@@ -92,15 +100,31 @@ class Scheduler:
                 batch.append(request)
                 budget -= num_tokens
         self.running = kept
-        for request in prefilling:
+        admits = self.num_preemptions == num_preemptions  # none preempted: there may be room
+        decodes_wait = self.separate_prefill_steps and not self._decodes_waited
+        self._decodes_waited = False
+        if admits and decodes_wait and self.waiting:
+            prompts: list[Request] = []
+            budget_left = self._admit_waiting(prompts, self.max_num_batched_tokens)
+            if prompts:  # a step of prompts alone: the decodes scheduled above wait for the next
+                self._schedule_prefills(prefilling, budget_left, prompts)
+                self._decodes_waited = True
+                return prompts
+            admits = False  # none admitted with the whole budget: none would be with less
+        budget = self._schedule_prefills(prefilling, budget, batch)
+        if admits:
+            self._admit_waiting(batch, budget)
+        return batch
+
+    def _schedule_prefills(self, requests: list[Request], budget: int, batch: list[Request]) -> int:
+        """Schedule the prompts under way into ``batch`` as the budget allows; what is left."""
+        for request in requests:
             if not budget:
                 break
             if self._schedule_prefill(request, budget):
                 budget -= request.num_scheduled_tokens
                 batch.append(request)
-        if self.num_preemptions == num_preemptions:  # none: there may be room
-            self._admit_waiting(batch, budget)
-        return batch
+        return budget
 
     def _schedule_prefill(self, request: Request, budget: int) -> bool:
         """Schedule as much of the request's prompt as the budget allows; whether any."""
@@ -112,7 +136,9 @@ class Scheduler:
         self.num_prefill_tokens += chunk
         return chunk > 0
 
-    def _admit_waiting(self, batch: list[Request], budget: int) -> None:
+    def _admit_waiting(self, batch: list[Request], budget: int) -> int:
+        """Admit waiting requests into ``batch`` (their prompts' first chunks) while the budget,
+        the places and the blocks allow; the budget left."""
         # A waiting request has no pending token: one preempted with a token in flight was
         # preempted in this call, which admits no one, and the token is read before the next.
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
@@ -129,6 +155,7 @@ class Scheduler:
             self._schedule_prefill(request, budget)
             budget -= request.num_scheduled_tokens
             batch.append(request)
+        return budget
 
     def _preempt(self, request: Request) -> None:
         self.num_preemptions += 1

@@ -1,0 +1,91 @@
+"""``--separate-prefill-steps``: a step that admits waiting requests computes prompts alone,
+the running requests' decodes wait for the next step (never two), and every answer is what
+the mixed steps give (engine/scheduling/scheduler.py)."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.scheduling.request import Request
+from protocol import SamplingParams
+from tandem.testing.random_checkpoint import save_tiny_llama
+
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny")
+    save_tiny_llama(directory, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    return directory
+
+
+def _run(
+    model_dir: Path, separate: bool, overlap: bool
+) -> tuple[dict[str, list[int]], list[list[tuple[str, int, bool]]]]:
+    """Greedy answers of requests arriving two a step while earlier ones decode, and each
+    step's batch: (request, tokens it computes, whether it decodes: its prompt computed)."""
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model_dir), device="cpu", max_num_seqs=8, max_model_len=128,
+            max_num_batched_tokens=64, separate_prefill_steps=separate, overlap_steps=overlap,
+        )
+    )  # fmt: skip
+    steps: list[list[tuple[str, int, bool]]] = []
+    schedule = engine.scheduler.schedule
+
+    def recorded() -> list[Request]:
+        batch = schedule()
+        if batch:  # decoding: its prompt computed
+            prompt = [r.num_cached_tokens >= len(r.prompt_token_ids) for r in batch]
+            steps.append(
+                [
+                    (r.request_id, r.num_scheduled_tokens, p)
+                    for r, p in zip(batch, prompt, strict=True)
+                ]
+            )
+        return batch
+
+    engine.scheduler.schedule = recorded  # type: ignore[method-assign]
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    answers: dict[str, list[int]] = {}
+    prompts = {f"r{i}": [3 + i, 9, 4 + 2 * i] * (2 + i % 3) for i in range(10)}
+    arriving = list(prompts)
+    while arriving or engine.has_work:
+        for request_id in arriving[:2]:
+            engine.add_request(b"c", request_id, prompts[request_id], sampling)
+        arriving = arriving[2:]
+        for _, output in engine.step():
+            answers.setdefault(output.request_id, []).extend(output.new_token_ids)
+    for _, output in engine.sync():
+        answers.setdefault(output.request_id, []).extend(output.new_token_ids)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return answers, steps
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["steps-in-turn", "overlapped"])
+def test_prompts_run_alone_and_answers_equal_mixed_steps(model_dir: Path, overlap: bool) -> None:
+    mixed_answers, mixed_steps = _run(model_dir, separate=False, overlap=overlap)
+    answers, steps = _run(model_dir, separate=True, overlap=overlap)
+    assert answers == mixed_answers
+    assert all(len(tokens) == MAX_TOKENS for tokens in answers.values())
+    # Mixed: prompts and decodes share steps. Separate: no step admitting a prompt decodes.
+    assert any(
+        any(decoding for *_, decoding in step) and any(not d for *_, d in step)
+        for step in mixed_steps
+    )
+    alone = [step for step in steps if not any(decoding for *_, decoding in step)]
+    # A step of prompts alone, then one with the decodes (two arrive every step here).
+    assert alone[0] == steps[0] and len(alone) > 1
+    for before, after in itertools.pairwise(steps):
+        assert not (before in alone and after in alone), "the decodes waited two steps"
+    # Every other step that admits a prompt comes right after a step of prompts alone.
+    for index, step in enumerate(steps[1:], start=1):
+        if any(not decoding for *_, decoding in step) and step not in alone:
+            assert steps[index - 1] in alone
+    assert len(steps) > len(mixed_steps)  # admissions cost the running requests steps
