@@ -107,6 +107,8 @@ class Scheduler:
             prompts: list[Request] = []
             budget_left = self._admit_waiting(prompts, self.max_num_batched_tokens)
             if prompts:  # a step of prompts alone: the decodes scheduled above wait for the next
+                for request in batch:
+                    request.draft_token_ids = []  # drafted for this step: drafted anew
                 self._schedule_prefills(prefilling, budget_left, prompts)
                 self._decodes_waited = True
                 return prompts

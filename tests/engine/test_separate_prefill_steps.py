@@ -26,7 +26,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _run(
-    model_dir: Path, separate: bool, overlap: bool
+    model_dir: Path, separate: bool, overlap: bool, ngram: bool = False
 ) -> tuple[dict[str, list[int]], list[list[tuple[str, int, bool]]]]:
     """Greedy answers of requests arriving two a step while earlier ones decode, and each
     step's batch: (request, tokens it computes, whether it decodes: its prompt computed)."""
@@ -34,6 +34,8 @@ def _run(
         EngineConfig(
             model=str(model_dir), device="cpu", max_num_seqs=8, max_model_len=128,
             max_num_batched_tokens=64, separate_prefill_steps=separate, overlap_steps=overlap,
+            speculative_method="ngram" if ngram else None, num_speculative_tokens=3,
+            speculative_adaptive=False,
         )
     )  # fmt: skip
     steps: list[list[tuple[str, int, bool]]] = []
@@ -68,10 +70,18 @@ def _run(
     return answers, steps
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["steps-in-turn", "overlapped"])
-def test_prompts_run_alone_and_answers_equal_mixed_steps(model_dir: Path, overlap: bool) -> None:
-    mixed_answers, mixed_steps = _run(model_dir, separate=False, overlap=overlap)
-    answers, steps = _run(model_dir, separate=True, overlap=overlap)
+@pytest.mark.parametrize(
+    ("overlap", "ngram"),
+    [(False, False), (True, False), (True, True)],
+    ids=["steps-in-turn", "overlapped", "speculative"],
+)
+def test_prompts_run_alone_and_answers_equal_mixed_steps(
+    model_dir: Path, overlap: bool, ngram: bool
+) -> None:
+    """Speculative: n-gram drafts of the repeating prompts, verified in the decode steps; a
+    step of prompts alone drops the drafts made for it."""
+    mixed_answers, mixed_steps = _run(model_dir, separate=False, overlap=overlap, ngram=ngram)
+    answers, steps = _run(model_dir, separate=True, overlap=overlap, ngram=ngram)
     assert answers == mixed_answers
     assert all(len(tokens) == MAX_TOKENS for tokens in answers.values())
     # Mixed: prompts and decodes share steps. Separate: no step admitting a prompt decodes.
