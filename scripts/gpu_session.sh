@@ -48,6 +48,7 @@
 # step at Qwen3-30B-A3B (3 rounds: no _decode_merge_kernel left); a table last.
 #   scripts/gpu_session.sh overload-gpu restart-gpu  # issue 40 (OVERLOAD_MODEL: another model)
 #   scripts/gpu_session.sh mixed-graphs  # issue 40: mixed steps
+#   scripts/gpu_session.sh overload-ab  # issue 40: the overload soak without and with --separate-prefill-steps
 #
 # mixed-graphs (issue 40, about 7 minutes, one GPU): steps that admit prompts into a decode
 # batch, split into the decode graph and a prompt graph (engine/execution/mixed_steps.py).
@@ -700,6 +701,22 @@ Issued Warp Per Scheduler|No Eligible|Avg. Active Threads)" "$out/moe-ncu-$kerne
       grep -hE "^(overload|KV blocks|FAILURE)|^(PASS|FAIL)$" "$out/overload.log"
       for log in "$out/overload-step.log" "$out/overload-step-eager.log"; do
         echo "$(basename "$log" .log): $(grep -hE '^batch' "$log")"
+      done ;;
+    overload-ab)  # issue 40 (about 5 minutes): overload-gpu's soak alone, twice: with
+      # OVERLOAD_ENGINE_ARGS (default "--max-num-seqs 64 --no-overlap-steps"), then with
+      # OVERLOAD_AB_ARGS added (default --separate-prefill-steps); the admitted TTFT, the
+      # hops, the capacity and the outcomes of each
+      m=${OVERLOAD_MODEL:-$(checkpoint smollm2-135m)}
+      base_args=${OVERLOAD_ENGINE_ARGS:---max-num-seqs 64 --no-overlap-steps}
+      for variant in a b; do
+        extra=(); [ $variant = b ] && read -ra extra <<< "${OVERLOAD_AB_ARGS:---separate-prefill-steps}"
+        read -ra engine_args <<< "$base_args"
+        echo "--- $variant: ${engine_args[*]} ${extra[*]}"
+        timeout 200 python3 scripts/soak.py --model "$m" --device cuda --servers 4 \
+          --phases overload --lengths 128 --unloaded-streams 50 --capacity-seconds 15 \
+          --overload-seconds 40 --client-processes 8 -- --max-queued-requests 0 \
+          --dtype float32 "${engine_args[@]}" "${extra[@]}" > "$out/overload-$variant.log" 2>&1
+        grep -hE "^(overload|KV blocks|FAILURE)|^(PASS|FAIL)$" "$out/overload-$variant.log"
       done ;;
     mixed-graphs)  # issue 40 (header)
       python3 -m pytest -q -rs tests/engine/test_mixed_steps.py -p no:cacheprovider 2>&1 \
