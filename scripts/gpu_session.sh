@@ -133,9 +133,10 @@
 #
 # Expects the wheels the GPU image lacks in .whl/: shared/tools/device-wheels.sh xgrammar
 # apache-tvm-ffi httpx2 httpcore2 truststore h11 idna anyio prometheus-client aiohttp
-# aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl (the engine imports
-# xgrammar; a server, prometheus-client; the openai client of the tests needs httpx2;
-# bench_serving's client, aiohttp).
+# aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl httptools (the engine
+# imports xgrammar; a server, prometheus-client and httptools, uvicorn's C parser that its
+# connection limits wrap; the openai client of the tests needs httpx2; bench_serving's
+# client, aiohttp).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/tandem-gpu}
