@@ -33,6 +33,11 @@ class Completions:
         body = await read_request(CompletionRequest, request)
         self._model.check_name(body.model)
         prompts = await completion_prompts(self._model, body)
+        self._model.check_requests_at_once(
+            len(prompts) * body.num_candidates,
+            "choices to generate (its prompts times n, or best_of)",
+            "prompt" if len(prompts) > 1 else "n",
+        )
         prompt_tokens = sum(len(prompt.ids) for prompt in prompts)
         answer = Answer.new(
             "cmpl-", "text_completion", self._model.name, request_id(request), prompt_tokens

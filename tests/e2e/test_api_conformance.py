@@ -23,6 +23,7 @@ import httpx
 import openai
 import pytest
 
+from engine.config import ServiceConfig, default_max_num_seqs
 from tandem.testing.processes import free_port, start_server, stop
 from tests.conftest import Cluster
 
@@ -445,3 +446,20 @@ def test_truncation_auto_drops_the_oldest_items(server: Server) -> None:
     assert truncated.truncation == "auto"
     assert truncated.usage.input_tokens == kept.usage.input_tokens
     assert truncated.output_text == kept.output_text
+
+
+def test_a_request_no_idle_engine_takes_is_a_400(server: Server) -> None:
+    """A request of more engine requests (choices, embedding inputs) than an idle engine takes
+    at once (--max-num-seqs plus --max-queued-requests, the session engine's defaults) can
+    never be admitted: a 400 naming the field, not a 429 whose retries all fail."""
+    places = default_max_num_seqs(1) + ServiceConfig().max_queued_requests
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as completions:
+        client.completions.create(
+            model=server.model, prompt=["a"] * (places // 128 + 1), n=128, max_tokens=1
+        )
+    assert completions.value.body["param"] == "prompt"
+    assert str(places) in completions.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as embeddings:
+        client.embeddings.create(model=server.model, input=["a"] * (places + 1))
+    assert embeddings.value.body["param"] == "input"
