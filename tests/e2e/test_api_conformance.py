@@ -384,6 +384,27 @@ def test_echo_with_logprobs_scores_the_prompt_first(server: Server) -> None:
     )
 
 
+def test_echo_with_max_tokens_0_answers_the_prompt_alone(server: Server) -> None:
+    """OpenAI's and vLLM's way to score a prompt: echo, logprobs and max_tokens 0 answer
+    the prompt and its log-probabilities, and no completion, streamed or not."""
+    client = server.client()
+    request = dict(model=server.model, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    answer = client.completions.create(**request)
+    (choice,) = answer.choices
+    assert choice.text == PROMPT and "".join(choice.logprobs.tokens) == PROMPT
+    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.finish_reason == "length" and answer.usage.completion_tokens == 0
+    stream = client.completions.create(
+        stream=True, stream_options={"include_usage": True}, **request
+    )
+    chunks = list(stream)
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == PROMPT
+    assert chunks[-1].usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(**{**request, "echo": False})
+    assert refused.value.body["param"] == "max_tokens"
+
+
 def test_stored_responses_go_on_and_are_forgotten(server: Server, cluster: Cluster) -> None:
     client = server.client()
     request = dict(model=server.model, temperature=0, max_output_tokens=8)
