@@ -46,7 +46,7 @@ from protocol.codec import Message, by_position
 # 13: RequestOutput.prompt_logprobs in pieces: each output carries the prompt positions scored
 #     since the request's last one (a prompt prefilled over several steps sends outputs with no
 #     new tokens), not all of them with the first token.
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 # The most alternatives a request may ask log-probabilities of, as OpenAI's top_logprobs.
 MAX_TOP_LOGPROBS = 20
 # The most token sequences a request's bad words may tokenize to, and their total tokens
@@ -286,6 +286,11 @@ class HandshakeReply(Message):
     engine_started_at: float  # unix time the engine process started
     # For the fields a request leaves out (the engine's --generation-config).
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    # The most requests (choices, embedding inputs) the engine takes at once when idle, its
+    # places and its queue (--max-num-seqs + --max-queued-requests): a server refuses an HTTP
+    # request of more with a 400, since the engine would refuse the excess every time it is
+    # tried (a 429 whose retries all fail). None: no bound known.
+    max_requests_at_once: int | None = None
 
 
 @dataclass(frozen=True)

@@ -418,8 +418,9 @@ class EngineClient:
 
 
 def model_differences(first: HandshakeReply, second: HandshakeReply) -> list[str]:
-    """The handshake fields in which two engines' models differ (their process aside)."""
-    process = {"engine_pid", "engine_started_at"}
+    """The handshake fields in which two engines' models differ (their process, and what
+    each admits at once, aside)."""
+    process = {"engine_pid", "engine_started_at", "max_requests_at_once"}
     return [
         field.name
         for field in dataclasses.fields(HandshakeReply)

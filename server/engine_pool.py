@@ -137,7 +137,11 @@ class EnginePool:
                     f"{reply.model_name}); start every replica with the same model and options"
                 )
         self.metrics.model_name = first.model_name
-        return first
+        # A request's choices may spread over the replicas, so only more than they all take
+        # at once is never admitted.
+        bounds = [reply.max_requests_at_once for reply in replies]
+        total = sum(bound for bound in bounds if bound is not None)
+        return dataclasses.replace(first, max_requests_at_once=None if None in bounds else total)
 
     async def close(self) -> None:
         await asyncio.gather(*(replica.client.close() for replica in self.replicas))

@@ -563,6 +563,8 @@ class CompletionRequest(GenerationBody):
 
     prompt: Prompts
     echo: bool = False  # each choice's text starts with its prompt's
+    # 0 only with echo: the prompt alone, OpenAI's and vLLM's way to score a prompt.
+    max_tokens: Annotated[int | None, Field(ge=0)] = None
     logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
     # Fill in the middle: the text that follows the completion (server/fill_in_middle.py).
     suffix: str | None = None
@@ -573,6 +575,12 @@ class CompletionRequest(GenerationBody):
     @model_validator(mode="after")
     def _check_combinations(self) -> CompletionRequest:
         # ApiError, not a validation error: it names the field (pydantic lets it through).
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError(
+                400,
+                "max_tokens must be at least 1, or 0 with echo (the prompt alone).",
+                param="max_tokens",
+            )
         if self.best_of is not None and self.best_of < self.num_choices:
             raise ApiError(400, "best_of must be at least n.", param="best_of")
         if self.best_of is not None and self.best_of > 1 and self.stream:
@@ -590,6 +598,17 @@ class CompletionRequest(GenerationBody):
     def num_candidates(self) -> int:
         """How many choices each prompt generates, of which the ``n`` best are answered."""
         return self.best_of or self.num_choices
+
+    @property
+    def prompt_only(self) -> bool:
+        """Echo with max_tokens 0: each choice is its prompt alone (with the prompt's
+        log-probabilities), as OpenAI and vLLM answer it."""
+        return self.echo and self.max_tokens == 0
+
+    def requested_max_tokens(self) -> int | None:
+        # As vLLM: the engine generates one token (the prompt's log-probabilities come with
+        # it), which the answer leaves out.
+        return 1 if self.prompt_only else self.max_tokens
 
     def requested_prompt_logprobs(self) -> int | None:
         # As vLLM: echo with logprobs scores the echoed prompt's tokens as the completion's.

@@ -77,6 +77,7 @@ async def chat_generation(
     answer: ``server/answer_grammar.py``), stop strings and choices, and how its answers are
     read; ``peer``, the client's address, names its user if the body does not. The chat
     endpoint and the Responses API (which maps its requests to chat ones) both start here."""
+    model.check_requests_at_once(body.num_candidates, "choices", "n")
     tools = tool_use(model, body)
     prompt = await chat_prompt(
         model,

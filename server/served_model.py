@@ -77,6 +77,9 @@ class ServedModel:
     # The most tokens one request may generate over all its choices (n × max_tokens):
     # --max-generated-tokens, by default as many as four whole contexts.
     max_generated_tokens: int = 0
+    # The most engine requests (choices, embedding inputs) the engines take at once when
+    # idle (the handshake's); None: no bound known.
+    max_requests_at_once: int | None = None
 
     @classmethod
     def from_handshake(
@@ -119,6 +122,7 @@ class ServedModel:
             spaces_between_added_tokens=_spaces_between_added_tokens(tokenizer),
             max_generated_tokens=options.max_generated_tokens
             or _DEFAULT_GENERATED_CONTEXTS * reply.max_model_len,
+            max_requests_at_once=reply.max_requests_at_once,
         )
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -149,6 +153,20 @@ class ServedModel:
                 f"The model `{name}` does not exist. This server serves `{self.name}`.",
                 param="model",
                 code="model_not_found",
+            )
+
+    def check_requests_at_once(self, count: int, what: str, param: str) -> None:
+        """Refuses an HTTP request of ``count`` engine requests (``what``: its choices, its
+        inputs) if that is more than the engines take at once when idle: the engine would
+        refuse the excess as overloaded (429) however often the request were retried."""
+        bound = self.max_requests_at_once
+        if bound is not None and count > bound:
+            raise ApiError(
+                400,
+                f"This request has {count} {what}, more than the engine takes at once "
+                f"({bound}: --max-num-seqs plus --max-queued-requests). Please send fewer.",
+                param=param,
+                code="invalid_value",
             )
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:

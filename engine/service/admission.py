@@ -40,6 +40,15 @@ class Admission:
         self._announced_full = False  # what the servers were last told
 
     @property
+    def max_requests_at_once(self) -> int:
+        """The most requests an idle engine takes at once, the places of a step and the
+        queue beyond them, of generations and of embeddings alike: a request arriving among
+        more of its own HTTP request's (its choices, its inputs) is refused however long
+        they wait."""
+        places = min(self.engine.scheduler.max_num_seqs, self.engine.pooler.max_num_seqs)
+        return places + self.max_queued_requests
+
+    @property
     def full(self) -> bool:
         """Whether any request arriving now would be refused: one of the least prompt, a
         token (the servers that ask know no prompt yet)."""

@@ -245,7 +245,11 @@ class EngineService:
                 logger.info("server %r connected (%s)", name, client.hex())
                 self.handshaken.add(client)
                 output_bytes = self.output_bytes.setdefault(client, _OutputBytes())
-                self._send(client, self.engine.handshake_reply())
+                reply = dataclasses.replace(
+                    self.engine.handshake_reply(),
+                    max_requests_at_once=self.admission.max_requests_at_once,
+                )
+                self._send(client, reply)
                 if client in self.handshaken:  # the reply went out (within the bound)
                     output_bytes.at_handshake = output_bytes.sent
             case ReadReceipt(bytes_read=bytes_read):

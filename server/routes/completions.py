@@ -7,6 +7,7 @@ generates that many candidates and its ``n`` likeliest answer.
 
 from __future__ import annotations
 
+from contextlib import aclosing
 from typing import Any
 
 from starlette.requests import Request
@@ -33,6 +34,11 @@ class Completions:
         body = await read_request(CompletionRequest, request)
         self._model.check_name(body.model)
         prompts = await completion_prompts(self._model, body)
+        self._model.check_requests_at_once(
+            len(prompts) * body.num_candidates,
+            "choices to generate (its prompts times n, or best_of)",
+            "prompt" if len(prompts) > 1 else "n",
+        )
         prompt_tokens = sum(len(prompt.ids) for prompt in prompts)
         answer = Answer.new(
             "cmpl-", "text_completion", self._model.name, request_id(request), prompt_tokens
@@ -51,6 +57,8 @@ class Completions:
             choices += generation.choices(
                 self._client, self._model.tokenizer, f"{answer.engine_id}-{index}"
             )
+        if body.prompt_only:
+            choices = [_prompt_only(deltas) for deltas in choices]
         # Each choice's prompt text, for echo, in the order of the choices.
         echoes = [prompt.echo or "" for prompt in prompts for _ in range(body.num_choices)]
 
@@ -116,6 +124,16 @@ class Completions:
             }
 
         return await whole_answer(request, choices, render)
+
+
+async def _prompt_only(deltas: ChoiceDeltas) -> ChoiceDeltas:
+    """A choice's deltas without what it generated (echo with max_tokens 0): the first's
+    prompt log-probabilities, and the end, at its length, as OpenAI's and vLLM's."""
+    async with aclosing(deltas):
+        async for delta in deltas:
+            if delta.prompt_logprobs is not None or delta.finish_reason is not None:
+                finish_reason = None if delta.finish_reason is None else "length"
+                yield TextDelta("", finish_reason, 0, prompt_logprobs=delta.prompt_logprobs)
 
 
 def _likeliest(wholes: list[TextDelta], candidates: int, n: int) -> list[TextDelta]:

@@ -32,6 +32,7 @@ class Embeddings:
     async def create(self, request: Request) -> Response:
         body = await read_request(EmbeddingRequest, request)
         self._model.check_name(body.model)
+        self._model.check_requests_at_once(len(body.input), "inputs", "input")
         prompts = [await self._prompt_ids(body, item) for item in body.input]
         answer_id = f"embd-{request_id(request)}"
         embeddings = await unless_disconnected(request, self._embed_all(answer_id, prompts))

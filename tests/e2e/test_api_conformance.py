@@ -23,6 +23,7 @@ import httpx
 import openai
 import pytest
 
+from engine.config import ServiceConfig, default_max_num_seqs
 from tandem.testing.processes import free_port, start_server, stop
 from tests.conftest import Cluster
 
@@ -383,6 +384,27 @@ def test_echo_with_logprobs_scores_the_prompt_first(server: Server) -> None:
     )
 
 
+def test_echo_with_max_tokens_0_answers_the_prompt_alone(server: Server) -> None:
+    """OpenAI's and vLLM's way to score a prompt: echo, logprobs and max_tokens 0 answer
+    the prompt and its log-probabilities, and no completion, streamed or not."""
+    client = server.client()
+    request = dict(model=server.model, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    answer = client.completions.create(**request)
+    (choice,) = answer.choices
+    assert choice.text == PROMPT and "".join(choice.logprobs.tokens) == PROMPT
+    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.finish_reason == "length" and answer.usage.completion_tokens == 0
+    stream = client.completions.create(
+        stream=True, stream_options={"include_usage": True}, **request
+    )
+    chunks = list(stream)
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == PROMPT
+    assert chunks[-1].usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(**{**request, "echo": False})
+    assert refused.value.body["param"] == "max_tokens"
+
+
 def test_stored_responses_go_on_and_are_forgotten(server: Server, cluster: Cluster) -> None:
     client = server.client()
     request = dict(model=server.model, temperature=0, max_output_tokens=8)
@@ -445,3 +467,20 @@ def test_truncation_auto_drops_the_oldest_items(server: Server) -> None:
     assert truncated.truncation == "auto"
     assert truncated.usage.input_tokens == kept.usage.input_tokens
     assert truncated.output_text == kept.output_text
+
+
+def test_a_request_no_idle_engine_takes_is_a_400(server: Server) -> None:
+    """A request of more engine requests (choices, embedding inputs) than an idle engine takes
+    at once (--max-num-seqs plus --max-queued-requests, the session engine's defaults) can
+    never be admitted: a 400 naming the field, not a 429 whose retries all fail."""
+    places = default_max_num_seqs(1) + ServiceConfig().max_queued_requests
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as completions:
+        client.completions.create(
+            model=server.model, prompt=["a"] * (places // 128 + 1), n=128, max_tokens=1
+        )
+    assert completions.value.body["param"] == "prompt"
+    assert str(places) in completions.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as embeddings:
+        client.embeddings.create(model=server.model, input=["a"] * (places + 1))
+    assert embeddings.value.body["param"] == "input"
