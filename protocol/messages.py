@@ -46,6 +46,8 @@ from protocol.codec import Message, by_position
 # 13: RequestOutput.prompt_logprobs in pieces: each output carries the prompt positions scored
 #     since the request's last one (a prompt prefilled over several steps sends outputs with no
 #     new tokens), not all of them with the first token.
+# 14: HandshakeReply.max_requests_at_once: the most requests an idle engine takes at once, so
+#     that a server refuses an HTTP request of more choices or inputs with a 400.
 PROTOCOL_VERSION = 14
 # The most alternatives a request may ask log-probabilities of, as OpenAI's top_logprobs.
 MAX_TOP_LOGPROBS = 20
