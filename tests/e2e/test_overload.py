@@ -327,18 +327,32 @@ def test_embeddings_past_the_queue_bound_get_429_and_those_within_it_are_answere
     guarded: Served,
 ) -> None:
     """Embeddings wait in a queue of their own (pooling steps beside the generations'), bound
-    as the generations' is: one request of many inputs sends them to the engine together, and
-    those past a pooling step's sequences and --max-queued-requests are refused, so the whole
-    request is a 429 (its other inputs aborted); a request within the bound is answered."""
+    as the generations' is. One request of more inputs than an idle engine takes at once is a
+    400 naming ``input``, sent nowhere (no retry would get it in). Two that each fit but not
+    together, reaching the engine at once (stopped while they arrive): the second's inputs
+    past a pooling step's sequences and --max-queued-requests are refused, so that request is
+    a 429 (its other inputs aborted), and the first is answered."""
     client = guarded.client()
-    many = [f"w{index % 50} w7" for index in range(4 * (MAX_NUM_SEQS + MAX_QUEUED))]
-    with pytest.raises(openai.RateLimitError) as refused:
+    bound = MAX_NUM_SEQS + MAX_QUEUED
+    many = [f"w{index % 50} w7" for index in range(4 * bound)]
+    with pytest.raises(openai.BadRequestError) as too_many:
         client.embeddings.create(model="model", input=many)
+    assert too_many.value.body["param"] == "input" and str(bound) in too_many.value.body["message"]
+    os.kill(guarded.engine.pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(client.embeddings.create, model="model", input=many[:bound])
+            time.sleep(0.3)  # its inputs reach the engine's socket first
+            second = pool.submit(client.embeddings.create, model="model", input=many[:bound])
+            time.sleep(0.3)
+            os.kill(guarded.engine.pid, signal.SIGCONT)
+            assert len(first.result(timeout=60).data) == bound
+            with pytest.raises(openai.RateLimitError) as refused:
+                second.result(timeout=60)
+    finally:
+        os.kill(guarded.engine.pid, signal.SIGCONT)
     assert refused.value.response.json()["error"]["code"] == "rate_limit_exceeded"
     assert refused.value.response.headers.get("retry-after") == "1"
-    wait_for_cache_free(guarded.url)
-    within = client.embeddings.create(model="model", input=many[: MAX_NUM_SEQS + MAX_QUEUED])
-    assert len(within.data) == MAX_NUM_SEQS + MAX_QUEUED
     wait_for_cache_free(guarded.url)
 
 
@@ -415,8 +429,10 @@ def test_n_times_max_tokens_is_bounded_and_priority_needs_the_priority_policy(
     guarded: Served,
 ) -> None:
     client = guarded.client()
+    # Within the choices an idle engine takes at once (MAX_NUM_SEQS + MAX_QUEUED), past the
+    # tokens a request may generate.
     with pytest.raises(openai.BadRequestError) as refused:
-        client.completions.create(n=5, **_create_kwargs("w5", 20))
+        client.completions.create(n=4, **_create_kwargs("w5", 20))
     assert refused.value.body["param"] == "n"
     assert str(MAX_GENERATED_TOKENS) in refused.value.body["message"]
     with pytest.raises(openai.BadRequestError) as refused:
