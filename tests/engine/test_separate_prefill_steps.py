@@ -26,16 +26,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _run(
-    model_dir: Path, separate: bool, overlap: bool, ngram: bool = False
-) -> tuple[dict[str, list[int]], list[list[tuple[str, int, bool]]]]:
-    """Greedy answers of requests arriving two a step while earlier ones decode, and each
-    step's batch: (request, tokens it computes, whether it decodes: its prompt computed)."""
+    model_dir: Path, separate: bool, overlap: bool, speculation: str | None = None
+) -> tuple[dict[str, list[int]], list[list[tuple[str, int, bool]]], LLMEngine]:
+    """Greedy answers of requests arriving two a step while earlier ones decode, each step's
+    batch: (request, tokens it computes, whether it decodes: its prompt computed), and the
+    engine. ``speculation``: ngram, draft_model (the target as its own draft), or None."""
     engine = LLMEngine(
         EngineConfig(
             model=str(model_dir), device="cpu", max_num_seqs=8, max_model_len=128,
             max_num_batched_tokens=64, separate_prefill_steps=separate, overlap_steps=overlap,
-            speculative_method="ngram" if ngram else None, num_speculative_tokens=3,
-            speculative_adaptive=False,
+            speculative_method=speculation, num_speculative_tokens=3, speculative_adaptive=False,
+            speculative_model=str(model_dir) if speculation == "draft_model" else None,
         )
     )  # fmt: skip
     steps: list[list[tuple[str, int, bool]]] = []
@@ -67,22 +68,25 @@ def _run(
     for _, output in engine.sync():
         answers.setdefault(output.request_id, []).extend(output.new_token_ids)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    return answers, steps
+    return answers, steps, engine
 
 
 @pytest.mark.parametrize(
-    ("overlap", "ngram"),
-    [(False, False), (True, False), (True, True)],
-    ids=["steps-in-turn", "overlapped", "speculative"],
+    ("overlap", "speculation"),
+    [(False, None), (True, None), (True, "ngram"), (False, "draft_model"), (True, "draft_model")],
+    ids=["steps-in-turn", "overlapped", "ngram", "draft-model", "draft-model-overlapped"],
 )
 def test_prompts_run_alone_and_answers_equal_mixed_steps(
-    model_dir: Path, overlap: bool, ngram: bool
+    model_dir: Path, overlap: bool, speculation: str | None
 ) -> None:
-    """Speculative: n-gram drafts of the repeating prompts, verified in the decode steps; a
-    step of prompts alone drops the drafts made for it."""
-    mixed_answers, mixed_steps = _run(model_dir, separate=False, overlap=overlap, ngram=ngram)
-    answers, steps = _run(model_dir, separate=True, overlap=overlap, ngram=ngram)
+    """Speculative: n-gram drafts of the repeating prompts, or the target's own (a draft
+    model), verified in the decode steps; a step of prompts alone drops the drafts made for
+    it, and its decodes are drafted for again from the same tokens."""
+    mixed_answers, mixed_steps, _ = _run(model_dir, False, overlap, speculation)
+    answers, steps, engine = _run(model_dir, True, overlap, speculation)
     assert answers == mixed_answers
+    if speculation == "draft_model":  # the target drafts its own tokens: none is rejected
+        assert 0 < engine.num_accepted_tokens == engine.num_draft_tokens
     assert all(len(tokens) == MAX_TOKENS for tokens in answers.values())
     # Mixed: prompts and decodes share steps. Separate: no step admitting a prompt decodes.
     assert any(
