@@ -130,7 +130,9 @@ class TensorParallel:
             return x
         gathered = torch.empty(self.size * x.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
         _all_gather(gathered, x.contiguous())
-        return gathered.view(self.size, *x.shape).transpose(0, 1).reshape(x.shape[0], -1)
+        # The width named: a step of prompt chunks alone gathers no rows, whose -1 is ambiguous.
+        gathered = gathered.view(self.size, *x.shape).transpose(0, 1)
+        return gathered.reshape(x.shape[0], self.size * x.shape[1])
 
 
 SINGLE = TensorParallel()  # one process, the whole model

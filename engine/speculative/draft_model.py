@@ -16,10 +16,10 @@ takes a cached prefix starts the draft after the part of it the draft holds.
 Proposing for a batch is k forward passes of the draft over every drafting request at once:
 one over the tokens its cache lacks (after a verify step, the accepted drafts and the token
 after them; a request's prompt the first time, past what a cached prefix brings, chunked by
-the step's token budget), whose last logits give the first draft, then k - 1 one-token
-decode steps, each taking the last step's argmax on the device. The attention metadata of
-all k passes is packed on the host in numpy and moved in one copy; the drafts come back in
-one copy at the end.
+the step's token budget; its last token again when its drafts were dropped unverified),
+whose last logits give the first draft, then k - 1 one-token decode steps, each taking the
+last step's argmax on the device. The attention metadata of all k passes is packed on the
+host in numpy and moved in one copy; the drafts come back in one copy at the end.
 
 On CUDA the passes replay CUDA graphs (``engine/execution/cuda_graphs.py``), captured at start-up
 up to the batch the target's verify graphs reach: a draft of 30 layers launched op by op
@@ -182,7 +182,13 @@ class DraftModelProposer:
             if count < 1 or not budget or not manager.reserve(request, request.num_tokens):
                 continue
             # A request new to the draft may hold a cached prefix the draft computed before.
-            start = request.num_draft_cached_tokens or manager.draft_filled_tokens(request)
+            # Its last token is computed again if the draft holds it already: its logits give
+            # the first draft, and drafts dropped unverified (a step of prompts alone skipped
+            # its decode) leave a request with no token since its last proposal.
+            start = min(
+                request.num_draft_cached_tokens or manager.draft_filled_tokens(request),
+                request.num_tokens - 1,
+            )
             end = min(request.num_tokens, start + budget)
             budget -= end - start
             if end < request.num_tokens:
