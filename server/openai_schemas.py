@@ -186,6 +186,20 @@ class ChatMessage(BaseModel):
     role: Annotated[str, Field(min_length=1)]
     content: Content = None
 
+    @model_validator(mode="after")
+    def _content_where_required(self) -> ChatMessage:
+        # As OpenAI: only an assistant's message (its tool calls) may leave it out; without
+        # it a chat template fails on the missing field with an error that names neither.
+        if self.content is None and self.role in _ROLES_WITH_CONTENT:
+            raise PydanticCustomError(
+                "invalid_value", "a {role} message needs its content", {"role": self.role}
+            )
+        return self
+
+
+# The roles whose messages carry content: all of OpenAI's but the assistant's.
+_ROLES_WITH_CONTENT = frozenset({"system", "developer", "user", "tool"})
+
 
 class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="allow")

@@ -319,10 +319,12 @@ class ResponsesRequest(SamplingFields):
         """The chat completion request that generates this response after ``history`` (a
         previous response's conversation; its instructions are not carried over, as
         OpenAI's)."""
-        instructions = [ChatMessage(role="system", content=self.instructions)]
+        instructions = (
+            [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
+        )
         return _ChatForResponses(
             model=self.model,
-            messages=(instructions if self.instructions else []) + (history or []) + self.input,
+            messages=instructions + (history or []) + self.input,
             max_completion_tokens=self.max_output_tokens,
             **{name: getattr(self, name) for name in SamplingFields.model_fields},
             logprobs=self.wants_logprobs,

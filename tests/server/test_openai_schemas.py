@@ -136,6 +136,18 @@ def test_empty_messages(client: TestClient) -> None:
     assert_error(response, 400, "messages")
 
 
+@pytest.mark.parametrize("role", ["user", "system", "tool"])
+def test_a_message_without_content_is_refused_by_its_place(client: TestClient, role: str) -> None:
+    """Only an assistant's message (its tool calls) may leave content out, as OpenAI says; a
+    chat template failed on others, with an error that named neither the message nor the
+    field."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant"}, {"role": role}]
+    message = assert_error(
+        client.post("/v1/chat/completions", json=chat(messages=messages)), 400, "messages[2]"
+    )
+    assert f"a {role} message needs its content" in message
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [
@@ -318,7 +330,9 @@ def test_prompt_plus_max_tokens_longer_than_the_context(client: TestClient) -> N
 
 def test_template_refusal_is_a_400() -> None:
     for client in make_client(STRICT):
-        response = client.post("/v1/chat/completions", json=chat(messages=[{"role": "system"}]))
+        response = client.post(
+            "/v1/chat/completions", json=chat(messages=[{"role": "system", "content": "x"}])
+        )
         assert "first must be user" in assert_error(response, 400, "messages")
 
 
