@@ -459,6 +459,8 @@ class LLMEngine:
         limit = self.speculative_disable_by_batch_size
         if policy is None or not running or (limit and len(running) >= limit):
             return [], 0
+        if self.scheduler.computes_prompts_alone_next():
+            return [], 0  # its decodes wait a step: drafts for it would be dropped
         candidates = [
             request
             for request in running

@@ -101,9 +101,9 @@ class Scheduler:
                 budget -= num_tokens
         self.running = kept
         admits = self.num_preemptions == num_preemptions  # none preempted: there may be room
-        decodes_wait = self.separate_prefill_steps and not self._decodes_waited
+        prompts_alone = admits and self.computes_prompts_alone_next()
         self._decodes_waited = False
-        if admits and decodes_wait and self.waiting:
+        if prompts_alone:
             prompts: list[Request] = []
             budget_left = self._admit_waiting(prompts, self.max_num_batched_tokens)
             if prompts:  # a step of prompts alone: the decodes scheduled above wait for the next
@@ -117,6 +117,17 @@ class Scheduler:
         if admits:
             self._admit_waiting(batch, budget)
         return batch
+
+    def computes_prompts_alone_next(self) -> bool:
+        """Whether the next step, with ``separate_prefill_steps``, is likely one of prompts
+        alone: requests wait, a place is free, and the last step was not one (the blocks may
+        still refuse them, which ``schedule`` alone finds out)."""
+        return (
+            self.separate_prefill_steps
+            and not self._decodes_waited
+            and bool(self.waiting)
+            and len(self.running) < self.max_num_seqs
+        )
 
     def _schedule_prefills(self, requests: list[Request], budget: int, batch: list[Request]) -> int:
         """Schedule the prompts under way into ``batch`` as the budget allows; what is left."""
