@@ -456,7 +456,8 @@ class GenerationBody(SamplingFields, PromptTruncation):
             top_k=max(_first(self.top_k, defaults.top_k, 0), 0),
             # The engine takes seeds in [0, 2**63); this maps OpenAI's signed ones there.
             seed=None if self.seed is None else self.seed % 2**63,
-            stop_token_ids=self.stop_token_ids,
+            stop_token_ids=self.stop_token_ids
+            + ([] if self.ignore_eos else sorted(model.template_eos_token_ids)),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             presence_penalty=self.presence_penalty or 0.0,

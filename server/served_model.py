@@ -12,6 +12,7 @@ from tokenizers import Tokenizer
 
 from protocol import MAX_BAD_WORDS, MAX_BAD_WORDS_TOKENS, HandshakeReply, SamplingDefaults
 from protocol.chat_template import ChatTemplate, ChatTemplateError
+from protocol.eos import eos_token_ids
 from server.errors import ApiError
 from server.fill_in_middle import FillInMiddle
 from server.reasoning_parsers import REASONING_PARSERS, reasoning_parser_for_template
@@ -68,6 +69,9 @@ class ServedModel:
     reasoning_parser: str | None = None  # a REASONING_PARSERS name, or None: no reasoning
     # Tokens whose text never shows in an answer, even where special tokens are kept.
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    # Of those, the end-of-turn tokens of --chat-template that the engine does not stop on (it
+    # knows the checkpoint's template only): each request asks for them as stop tokens.
+    template_eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     # For the sampling fields a request leaves out (the model's generation_config.json).
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     # Whether the tokenizer's decoder puts spaces between added tokens (WordPiece's does;
@@ -89,8 +93,11 @@ class ServedModel:
         tokenizer = Tokenizer.from_str(reply.tokenizer_json)
         template, problem = None, None
         source = reply.chat_template
+        engine_eos = frozenset(reply.eos_token_ids)
+        template_eos: frozenset[int] = frozenset()
         if options.chat_template is not None:
             source = load_chat_template(options.chat_template)
+            template_eos = frozenset(eos_token_ids([], source, tokenizer.token_to_id)) - engine_eos
         if source is None:
             problem = (
                 f"The model {reply.model_name} has no chat template, so this server cannot "
@@ -117,7 +124,8 @@ class ServedModel:
             reasoning_parser=_parser_name(
                 options.reasoning_parser, REASONING_PARSERS, reasoning_parser_for_template, source
             ),
-            eos_token_ids=frozenset(reply.eos_token_ids),
+            eos_token_ids=engine_eos | template_eos,
+            template_eos_token_ids=template_eos,
             sampling_defaults=reply.sampling_defaults,
             spaces_between_added_tokens=_spaces_between_added_tokens(tokenizer),
             max_generated_tokens=options.max_generated_tokens

@@ -28,8 +28,8 @@ from tokenizers import (
     processors,
 )
 
-from engine.checkpoint.eos import eos_token_ids
 from engine.model_config import TokenizerInfo
+from protocol.eos import eos_token_ids
 
 logger = logging.getLogger("engine.checkpoint")
 

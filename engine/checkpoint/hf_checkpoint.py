@@ -17,7 +17,6 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from engine.checkpoint.checkpoint import SliceStream
-from engine.checkpoint.eos import eos_token_ids
 from engine.checkpoint.generation_config import read_sampling_defaults
 from engine.checkpoint.pooling_config import read_pooling
 from engine.model_config import (
@@ -29,6 +28,7 @@ from engine.model_config import (
     YarnScaling,
 )
 from protocol import SamplingDefaults
+from protocol.eos import eos_token_ids
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import importlib.metadata
 import logging
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,7 +26,7 @@ from server.errors import ApiError
 from server.openai_schemas import ChatCompletionRequest, CompletionRequest, parse_request
 from server.prompts import chat_generation
 from server.request_id import MAX_REQUEST_ID_CHARS
-from server.served_model import ServedModel
+from server.served_model import ChatOptions, ServedModel
 
 MODEL = "tiny-test-model"
 MAX_MODEL_LEN = 64
@@ -603,6 +604,29 @@ def test_model_defaults_fill_only_what_the_request_leaves_out() -> None:
     plain = ServedModel.from_handshake(handshake(CHATML))  # a model with no defaults: vLLM's
     vllm = parse_request(CompletionRequest, b'{"prompt": "hi"}').sampling_params(1, plain)
     assert (vllm.temperature, vllm.top_p, vllm.top_k, vllm.repetition_penalty) == (1, 1, 0, 1)
+
+
+def test_a_chat_template_of_the_servers_ends_answers_at_its_end_of_turn(tmp_path: Path) -> None:
+    """The engine stops on the end-of-turn token of the checkpoint's template only: a model
+    served with --chat-template of ChatML ends its answers at <|im_end|> (id 1) too, as EOS
+    (ignore_eos goes past it), or they ran on into a turn the model made up."""
+    template = tmp_path / "chatml.jinja"
+    template.write_text(CHATML)
+    # A checkpoint without a template whose EOS is another token (here id 0).
+    reply = dataclasses.replace(handshake(None), eos_token="<|im_start|>", eos_token_ids=[0])
+    model = ServedModel.from_handshake(reply, ChatOptions(chat_template=str(template)))
+    assert model.eos_token_ids == {0, 1}
+    request = parse_request(
+        ChatCompletionRequest, b'{"messages": [{"role": "user", "content": "hi"}]}'
+    )
+    assert 1 in request.sampling_params(1, model).stop_token_ids
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "ignore_eos": true}'
+    assert (
+        1 not in parse_request(ChatCompletionRequest, body).sampling_params(1, model).stop_token_ids
+    )
+    # The checkpoint's own template: its end-of-turn token is the engine's to stop on already.
+    own = ServedModel.from_handshake(dataclasses.replace(reply, chat_template=CHATML))
+    assert request.sampling_params(1, own).stop_token_ids == []
 
 
 def test_bad_words_are_tokenized_as_vllm_does() -> None:

@@ -1,4 +1,6 @@
-"""Which token ids end generation, shared by every checkpoint format."""
+"""Which token ids end generation: shared by every checkpoint format (the engine's EOS ids)
+and by the server, whose own --chat-template may end turns with a token the engine does not
+stop on."""
 
 from __future__ import annotations
 
