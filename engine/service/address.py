@@ -37,6 +37,8 @@ def check_address_free(address: str) -> None:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind(("" if host == "*" else host, int(port)))
+            except socket.gaierror:
+                return  # an interface's name (tcp://eth0:5555), which ZeroMQ resolves itself
             except OSError as exc:
                 raise AddressUnavailableError(f"--address {address}: {exc.strerror}") from None
 
