@@ -10,9 +10,17 @@ import argparse
 import logging
 import signal
 import sys
+from typing import NoReturn
 
 from engine.config import EngineConfig, ServiceConfig, add_arguments, from_arguments
+from engine.service.address import (
+    AddressUnavailableError,
+    check_address_free,
+    remove_socket_file,
+)
 from engine.service.curve_auth import SocketSecurityError, check_security
+
+logger = logging.getLogger("engine")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,26 +60,42 @@ def main(argv: list[str] | None = None) -> None:
     _configure_logging(args.log_level)
     service_config = from_arguments(ServiceConfig, args)
     try:
-        check_security(service_config)  # before minutes of loading weights
-    except SocketSecurityError as exc:
-        logging.getLogger("engine").error("cannot serve: %s", exc)
-        sys.exit(2)
+        # Before minutes of loading weights.
+        check_security(service_config)
+        check_address_free(service_config.address)
+    except (SocketSecurityError, AddressUnavailableError) as exc:
+        _refuse(exc)
     from engine.llm_engine import LLMEngine
     from engine.roofline import save_steps
     from engine.service.engine_service import EngineService
 
-    engine = LLMEngine(from_arguments(EngineConfig, args))
+    try:
+        engine = LLMEngine(from_arguments(EngineConfig, args))
+    except ValueError as exc:
+        # The engine's word for options it cannot run with (a model path that is none, a
+        # KV cache too small for one block, options that contradict each other): the
+        # message names them, so a traceback says nothing more to the operator.
+        logger.debug("refused at start-up", exc_info=True)
+        _refuse(exc)
     if args.step_record:
         engine.step_shapes = []
     service = EngineService(engine, service_config)
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: service.request_stop())
-    service.serve_forever()
+    try:
+        service.serve_forever()
+    finally:
+        remove_socket_file(service_config.address)
     engine.close()
     if engine.step_shapes is not None:
         save_steps(args.step_record, engine.step_shapes)
-    logging.getLogger("engine").info("engine stopped")
+    logger.info("engine stopped")
     sys.exit(0)
+
+
+def _refuse(problem: Exception) -> NoReturn:
+    logger.error("cannot serve: %s", problem)
+    sys.exit(2)
 
 
 def generate(args: argparse.Namespace) -> None:

@@ -21,6 +21,7 @@ from engine.backends import BACKENDS
 from engine.checkpoint.resolve import DEFAULT_MODEL
 from engine.quantization.linear_methods import QUANTIZATION_METHODS
 from engine.scheduling.waiting_queue import SCHEDULING_POLICIES
+from protocol.flags import bounded
 
 # A GPU's batch: each GPU that tensor parallelism adds holds 1/N of the weights and of the
 # K/V, so its share of a step at N times the batch is one GPU's step at this one; at the same
@@ -35,8 +36,9 @@ def default_max_num_seqs(tensor_parallel_size: int) -> int:
 
 
 def option(default: Any, help: str, **argparse_kwargs: Any) -> Any:
-    """A field with a default and the command line's help text (and choices, if any; and
-    ``aliases``, more flags for it, such as its old name)."""
+    """A field with a default and the command line's help text (and choices, if any;
+    ``aliases``, more flags for it, such as its old name; and a ``type``, ``bounded``, for a
+    number with bounds)."""
     return field(default=default, metadata={"help": help, **argparse_kwargs})
 
 
@@ -77,27 +79,37 @@ class EngineConfig:
         choices=list(QUANTIZATION_METHODS),
     )
     max_model_len: int | None = option(
-        None, "context length (default: the model's, capped by what the KV cache holds)"
+        None,
+        "context length (default: the model's, capped by what the KV cache holds)",
+        type=bounded(int, at_least=1),
     )
-    block_size: int = option(16, "tokens per KV cache block")
+    block_size: int = option(16, "tokens per KV cache block", type=bounded(int, at_least=1))
     kv_cache_memory_gb: float | None = option(
         None,
         "memory for the KV cache (default: 1 GiB on CPU; on CUDA, what "
         "--gpu-memory-utilization leaves)",
+        type=bounded(float, above=0),
     )
     num_kv_blocks: int | None = option(
-        None, "exact KV cache size in blocks; overrides the memory budget"
+        None,
+        "exact KV cache size in blocks; overrides the memory budget",
+        type=bounded(int, at_least=1),
     )
     gpu_memory_utilization: float = option(
-        0.9, "share of the GPU's memory for weights, activations and the KV cache"
+        0.9,
+        "share of the GPU's memory for weights, activations and the KV cache",
+        type=bounded(float, above=0, at_most=1),
     )
     max_num_seqs: int | None = option(
         None,
         "requests decoded together at most (default: 256 a GPU, 256 x --tensor-parallel-size, "
         "so that each GPU's share of a step stays as large as one GPU's)",
+        type=bounded(int, at_least=1),
     )
     max_num_batched_tokens: int = option(
-        8192, "tokens one step computes at most; longer prompts are prefilled in chunks"
+        8192,
+        "tokens one step computes at most; longer prompts are prefilled in chunks",
+        type=bounded(int, at_least=1),
     )
     scheduling_policy: str = option(
         "fcfs",
@@ -144,6 +156,7 @@ class EngineConfig:
         1,
         "GPUs the model is split over (tensor parallelism, NCCL; gloo on CPU): the engine "
         "starts a worker process for each but the first, which it drives itself",
+        type=bounded(int, at_least=1),
     )
     load_format: str = option(
         "auto",
@@ -177,6 +190,7 @@ class EngineConfig:
         "with --speculative-method: tokens drafted for each request a step, at most (adaptive: "
         "the policy drafts fewer where fewer pay, and on CUDA only for batches whose verify "
         "steps run as graphs: up to 576 tokens, 32 requests at 16)",
+        type=bounded(int, at_least=1),
     )
     speculative_adaptive: bool = option(
         True,
@@ -191,18 +205,24 @@ class EngineConfig:
         "with --no-speculative-adaptive: a request whose last 2 verify steps each accepted "
         "fewer than this share of their drafts is not drafted for its next 4 steps, twice as "
         "many each time again, up to 64 (0: never paused)",
+        type=bounded(float, at_least=0, at_most=1),
     )
     speculative_disable_by_batch_size: int = option(
         0,
         "with --speculative-method: steps draft nothing (and overlap) while this many "
         "requests or more run (0: no such limit; the adaptive policy weighs each batch size's "
         "measured costs, and on CUDA drafts only for batches that verify graphs run)",
+        type=bounded(int, at_least=0),
     )
     prompt_lookup_max: int = option(
-        8, "ngram speculation: the longest n-gram looked up in the request's tokens"
+        8,
+        "ngram speculation: the longest n-gram looked up in the request's tokens",
+        type=bounded(int, at_least=1),
     )
     prompt_lookup_min: int = option(
-        2, "ngram speculation: the shortest n-gram looked up in the request's tokens"
+        2,
+        "ngram speculation: the shortest n-gram looked up in the request's tokens",
+        type=bounded(int, at_least=1),
     )
     # ``backend``'s old name, still taken as a keyword (``EngineConfig(attention_backend=...)``,
     # ``LLM(attention_backend=...)``); no field of its own, and no flag but --backend's alias.
@@ -263,6 +283,7 @@ class ServiceConfig:
         "absorbs bursts; under a sustained overload the queue stays full and each admitted "
         "request waits for those ahead of it: 0 (only as many as there are free places) keeps "
         "the admitted requests' time to first token",
+        type=bounded(int, at_least=0),
     )
     max_queued_prompt_tokens: int | None = option(
         None,
@@ -272,6 +293,7 @@ class ServiceConfig:
         "the first token of every request admitted after it. A request's own prompt counts: "
         "one longer than the bound is taken only when no other prompt tokens wait "
         "(default: no bound)",
+        type=bounded(int, at_least=1),
     )
     max_compiling_grammars: int = option(
         32,
@@ -282,6 +304,7 @@ class ServiceConfig:
         "compile in tens of milliseconds, so the default absorbs bursts of them, while a "
         "flood of large distinct ones queues no more than this for the requests after it to "
         "wait behind",
+        type=bounded(int, at_least=1),
     )
     max_unread_output_bytes: int = option(
         256 * 2**20,
@@ -292,13 +315,17 @@ class ServiceConfig:
         "above a server's largest frame (a long prompt's prompt log-probabilities: a few "
         "hundred bytes a token; 64 MiB at most) and a second or two of its output "
         "(default: 256 MiB)",
+        type=bounded(int, at_least=1),
     )
     drain_timeout: float = option(
         10.0,
         "on SIGTERM, seconds the requests in flight may take to finish (new ones are refused) "
         "before the rest are aborted",
+        type=bounded(float, at_least=0),
     )
-    stats_interval: float = option(10.0, "seconds between throughput log lines (0: none)")
+    stats_interval: float = option(
+        10.0, "seconds between throughput log lines (0: none)", type=bounded(float, at_least=0)
+    )
     log_level: str = option("info", "logging level")
     step_record: str | None = option(
         None,
@@ -320,7 +347,8 @@ def add_arguments(parser: argparse.ArgumentParser, config_class: type) -> None:
             # --flag and --no-flag; a None default leaves the choice to the engine.
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            kwargs["type"] = kind
+            # A field's own ``type`` (a ``bounded`` one) converts to the same kind.
+            kwargs.setdefault("type", kind)
         parser.add_argument(
             flag, *aliases, dest=config_field.name, default=config_field.default, **kwargs
         )

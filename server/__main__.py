@@ -21,6 +21,7 @@ import sys
 
 import uvicorn
 
+from protocol.flags import bounded
 from server.app import create_app
 from server.connection_limits import ConnectionLimits, GuardedHttpToolsProtocol
 from server.cors import add_cors_arguments, cors_options
@@ -58,13 +59,18 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the engine's ZeroMQ address, e.g. tcp://127.0.0.1:5555; data-parallel replicas of "
         "one model: the option once for each, or their addresses separated by commas",
     )
-    parser.add_argument("--port", type=int, required=True, help="HTTP port to listen on")
+    parser.add_argument(
+        "--port",
+        type=bounded(int, at_least=1, at_most=65535),
+        required=True,
+        help="HTTP port to listen on",
+    )
     parser.add_argument(
         "--host", default="127.0.0.1", help="HTTP address to listen on (default: 127.0.0.1)"
     )
     parser.add_argument(
         "--handshake-timeout",
-        type=float,
+        type=bounded(float, above=0),
         default=600.0,
         help="seconds to wait for the engine to answer the handshake (default: 600)",
     )
@@ -107,13 +113,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--max-request-bytes",
-        type=int,
+        type=bounded(int, at_least=1),
         help="refuse larger request bodies with 413 (default: 4 MiB plus 32 bytes per token "
         "of the model's context)",
     )
     parser.add_argument(
         "--max-generated-tokens",
-        type=int,
+        type=bounded(int, at_least=1),
         help="refuse requests that may generate more tokens in all (n times max_tokens, or "
         "n times what the context leaves without max_tokens) with 400 (default: 4 times the "
         "model's context)",
@@ -121,7 +127,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     limits = ConnectionLimits()
     parser.add_argument(
         "--header-timeout",
-        type=float,
+        type=bounded(float, above=0),
         default=limits.header_timeout_s,
         help="seconds a connection may take to send a request's headers (from its opening, "
         "or from a keep-alive request's first byte); then 408 and closed "
@@ -129,7 +135,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--body-timeout",
-        type=float,
+        type=bounded(float, above=0),
         default=limits.body_timeout_s,
         help="seconds a request body may pause between two reads; also how long into the "
         f"body --min-body-rate starts to hold; then 408 and closed "
@@ -137,28 +143,28 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--min-body-rate",
-        type=float,
+        type=bounded(float, at_least=0),
         default=limits.min_body_rate,
         help="bytes a second a request body must come at on average, from --body-timeout "
         f"into it (default: {limits.min_body_rate:g})",
     )
     parser.add_argument(
         "--keep-alive-timeout",
-        type=float,
+        type=bounded(float, above=0),
         default=limits.keep_alive_timeout_s,
         help="seconds a keep-alive connection may stay idle between two requests "
         f"(default: {limits.keep_alive_timeout_s:g})",
     )
     parser.add_argument(
         "--max-connections",
-        type=int,
+        type=bounded(int, at_least=1),
         default=limits.max_connections,
         help="open connections at most; past it a new one gets 503 and is closed "
         f"(default: {limits.max_connections})",
     )
     parser.add_argument(
         "--send-timeout",
-        type=float,
+        type=bounded(float, above=0),
         default=limits.send_timeout_s,
         help="seconds a response's client may read nothing of it while its send buffer is "
         f"full; then the connection is closed and the request aborted "
@@ -166,7 +172,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--drain-timeout",
-        type=float,
+        type=bounded(float, at_least=0),
         default=600.0,
         help="on SIGTERM, seconds that requests in flight may take to finish while new ones "
         "are refused; then streams end with a server_draining error event and the others "
@@ -175,7 +181,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_cors_arguments(parser)
     parser.add_argument(
         "--responses-store-max",
-        type=int,
+        type=bounded(int, at_least=0),
         default=DEFAULT_MAX_RESPONSES,
         help="Responses API: the most stored responses this server keeps for "
         f"previous_response_id and GET /v1/responses/ID, the oldest forgotten first; 0 stores "
@@ -183,7 +189,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--responses-store-max-bytes",
-        type=int,
+        type=bounded(int, at_least=0),
         default=DEFAULT_MAX_BYTES,
         help="Responses API: the most bytes of stored responses this server keeps, each "
         "counted as its JSON and its whole conversation's, the oldest forgotten first; one "
@@ -191,7 +197,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--responses-store-ttl",
-        type=float,
+        type=bounded(float, above=0),
         default=DEFAULT_TTL_S,
         help=f"Responses API: seconds a stored response is kept (default: {DEFAULT_TTL_S:g})",
     )

@@ -18,13 +18,14 @@ _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 class ApiKeyCheck:
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            # compare_digest: the time taken says nothing about how much of the key matched.
-            if not hmac.compare_digest(given, self._expected):
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            # The scheme is case-insensitive (RFC 9110), as vLLM reads it. compare_digest: the
+            # time taken says nothing about how much of the key matched.
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given, self._expected):
                 error = ApiError(
                     401,
                     "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.",

@@ -114,7 +114,8 @@ async def generate_text(
                     logprobs.extend(output.logprobs[:taken])
                 if detokenizer.stopped:
                     finish_reason = FinishReason.STOP
-                    untaken = len(output.new_token_ids) - taken
+                    # The step's tokens after the stop string's last, and its stop token.
+                    untaken = len(output.new_token_ids) - taken + (output.stop_token_id is not None)
                     # Leaving this block closes ``outputs``, which aborts the request.
                     yield delta(text, FinishReason.STOP, output.num_output_tokens - untaken)
                     timer.text_passed()

@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from protocol.flags import bounded
 from tandem import REPO_ROOT
 
 logger = logging.getLogger("supervisor")
@@ -472,10 +473,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model")
-    parser.add_argument("--servers", type=int, default=1, help="HTTP servers (default: 1)")
+    parser.add_argument(
+        "--servers", type=bounded(int, at_least=1), default=1, help="HTTP servers (default: 1)"
+    )
     parser.add_argument(
         "--port",
-        type=int,
+        type=bounded(int, at_least=1, at_most=65535),
         default=8000,
         help="the first server's port, the next ones after it (default: 8000)",
     )
@@ -486,13 +489,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--engine-address", help="default: an ipc:// socket in $TMPDIR")
     parser.add_argument(
         "--tensor-parallel-size",
-        type=int,
+        type=bounded(int, at_least=1),
         help="GPUs each engine splits the model over (default: the engine arguments' "
         "--tensor-parallel-size, else 1)",
     )
     parser.add_argument(
         "--data-parallel-size",
-        type=positive_int,
+        type=bounded(int, at_least=1),
         default=1,
         help="engine replicas of the model, each on its own GPUs (default: 1)",
     )
@@ -503,13 +506,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument(
         "--drain-timeout",
-        type=float,
+        type=bounded(float, at_least=0),
         default=600.0,
         help="seconds a stopped server's requests may take to finish (default: 600)",
     )
     parser.add_argument(
         "--share-timeout",
-        type=float,
+        type=bounded(float, at_least=0),
         default=120.0,
         help="rolling restart: seconds to wait for a restarted server to take its share of "
         "the requests before the next one drains (default: 120)",
@@ -520,12 +523,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     action.add_argument("--rolling-restart", action="store_true")
     action.add_argument("--status", action="store_true")
     return parser.parse_args(argv), engine_args
-
-
-def positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
-    return int(text)
 
 
 async def main_async(args: argparse.Namespace, engine_args: list[str]) -> int:

@@ -108,9 +108,11 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     finally:
         stop(script, signal.SIGTERM)
         print(tail(log_path))
-    # The supervisor stops its servers and its engine, then exits cleanly.
+    # The supervisor stops its servers and its engine, then exits cleanly, the engine's
+    # socket file gone with it.
     assert script.returncode == 0
     assert "engine stopped" in log_path.read_text()
+    assert not Path(address.removeprefix("ipc://")).exists()
 
 
 def _body(prompt: str) -> dict:
@@ -363,3 +365,73 @@ def test_metrics_time_each_request_and_count_statuses(deployment: Deployment) ->
     # The engine's series stay, from its fresh stats, labelled with its replica index.
     assert after[("tandem_engine_up", (("replica", "0"),))] == 1
     assert after[("tandem_kv_cache_blocks", (("model", model), ("replica", "0")))] > 0
+
+    # The engine's token counters agree with the usage its clients were told, with a request
+    # that ends on a stop token, its third: generated, so counted.
+    stop_token = {"stop_token_ids": [7], "logit_bias": {"7": 100}, "min_tokens": 2}
+    stopped = httpx.post(
+        f"{url}/v1/completions",
+        json={"prompt": PROMPTS[1], "max_tokens": 8, **stop_token},
+        timeout=60,
+    ).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["usage"]["completion_tokens"] == 3
+    last = scrape()
+
+    def engine_grew(name: str) -> float:
+        key = (name, (("model", model), ("replica", "0")))
+        return last[key] - before[key]
+
+    usages = [reply.json()["usage"], stopped["usage"]]
+    assert engine_grew("tandem_requests_finished_total") == 2
+    assert engine_grew("tandem_generation_tokens_total") == sum(
+        usage["completion_tokens"] for usage in usages
+    )
+    assert engine_grew("tandem_prompt_tokens_total") + engine_grew(
+        "tandem_prefix_cache_hit_tokens_total"
+    ) == sum(usage["prompt_tokens"] for usage in usages)
+
+
+def test_an_engine_at_a_live_engines_address_refuses_to_start(deployment: Deployment) -> None:
+    """At once and in one line, before loading weights: ZeroMQ would take the live engine's
+    socket file over, leaving it unreachable to its servers."""
+    started = _run(
+        sys.executable, "-m", "engine", "--model", str(deployment.model),
+        "--device", "cpu", "--address", deployment.engine_address,
+    )  # fmt: skip
+    assert started.returncode == 2, started.stderr[-2000:]
+    assert started.stderr.strip().endswith("another process listens there")
+    assert httpx.get(f"{deployment.urls[0]}/ready", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("command", "flag"),
+    [
+        (["-m", "engine", "--max-num-seqs", "0"], "--max-num-seqs"),
+        (["-m", "server", "--engine", "ipc:///x", "--port", "1", "--max-connections", "-1"],
+         "--max-connections"),
+        (["-m", "tandem", "serve", "--servers", "0"], "--servers"),
+    ],
+)  # fmt: skip
+def test_an_option_out_of_bounds_is_refused_naming_it(command: list[str], flag: str) -> None:
+    """Where the engine would crash in a traceback after loading (or run at 0 requests a
+    step) and a server would refuse every connection."""
+    refused = _run(sys.executable, *command)
+    assert refused.returncode == 2
+    assert f"argument {flag}: must be at least 1, got" in refused.stderr.splitlines()[-1]
+
+
+def test_a_model_that_is_not_there_is_one_line(tmp_path: Path) -> None:
+    started = _run(
+        sys.executable, "-m", "engine", "--model", str(tmp_path / "none"),
+        "--address", f"ipc://{tmp_path}/engine.sock",
+    )  # fmt: skip
+    assert started.returncode == 2
+    assert "Traceback" not in started.stderr
+    assert f"cannot serve: cannot load model '{tmp_path / 'none'}'" in started.stderr
+
+
+def _run(*command: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False
+    )

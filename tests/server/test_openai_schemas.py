@@ -714,6 +714,10 @@ def test_api_key_guards_the_api_but_not_the_page() -> None:
         assert wrong.status_code == 401
         allowed = client.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
         assert allowed.json()["data"][0]["id"] == MODEL
+        # The scheme's case is the client's (RFC 9110), as vLLM reads it; the key's is not.
+        assert client.get("/v1/models", headers={"Authorization": "bearer s3cret"}).is_success
+        for other in ("Basic s3cret", "Bearer S3CRET", "s3cret"):
+            assert client.get("/v1/models", headers={"Authorization": other}).status_code == 401
         assert client.get("/").status_code == 200
         assert client.get("/health").status_code == 503  # open; no engine behind this one
     asyncio.run(engine.close())
