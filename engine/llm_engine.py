@@ -652,12 +652,7 @@ class LLMEngine:
             del self.requests[request.key]
             self.num_finished += 1
         output = self._output(request, new_tokens, reason, logprobs)
-        if stop_token_id is not None:
-            output.stop_token_id = stop_token_id
-            # Generated, and counted as vLLM counts it (the usage's completion_tokens, as the
-            # engine's generated tokens): not among the request's output tokens, which only
-            # its next steps would read.
-            output.num_output_tokens += 1
+        output.stop_token_id = stop_token_id
         return output
 
     @staticmethod

@@ -114,8 +114,7 @@ async def generate_text(
                     logprobs.extend(output.logprobs[:taken])
                 if detokenizer.stopped:
                     finish_reason = FinishReason.STOP
-                    # The step's tokens after the stop string's last, and its stop token.
-                    untaken = len(output.new_token_ids) - taken + (output.stop_token_id is not None)
+                    untaken = len(output.new_token_ids) - taken
                     # Leaving this block closes ``outputs``, which aborts the request.
                     yield delta(text, FinishReason.STOP, output.num_output_tokens - untaken)
                     timer.text_passed()
