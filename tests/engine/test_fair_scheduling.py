@@ -7,11 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from transformers import LlamaForCausalLM
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from protocol import SamplingParams, Scheduling
-from tandem.testing.random_checkpoint import save_tiny_llama
 
 FLOOD = 16
 LIGHT = 2
@@ -19,10 +19,9 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny")
-    save_tiny_llama(directory, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    return directory
+def model_dir(tiny: tuple[Path, LlamaForCausalLM]) -> Path:
+    """The engine tests' tiny Llama (tests/engine/conftest.py)."""
+    return tiny[0]
 
 
 def _finish_order(model_dir: Path, light_user: str) -> tuple[list[str], int]:

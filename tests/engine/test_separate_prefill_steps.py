@@ -9,12 +9,12 @@ import itertools
 from pathlib import Path
 
 import pytest
+from transformers import LlamaForCausalLM
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.scheduling.request import Request
 from protocol import SamplingParams
-from tandem.testing.random_checkpoint import save_tiny_llama
 from tandem.testing.reference import hf_greedy
 from tests.engine.test_model_families import saved_tiny_model
 
@@ -22,10 +22,9 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny")
-    save_tiny_llama(directory, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    return directory
+def model_dir(tiny: tuple[Path, LlamaForCausalLM]) -> Path:
+    """The engine tests' tiny Llama (tests/engine/conftest.py)."""
+    return tiny[0]
 
 
 def _run(
