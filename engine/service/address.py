@@ -45,8 +45,10 @@ def check_address_free(address: str) -> None:
 
 def remove_socket_file(address: str) -> None:
     """Removes an ipc:// address's file, once the engine's socket is closed."""
-    if address.startswith("ipc://") and not address.startswith("ipc://@"):
-        Path(address.removeprefix("ipc://")).unlink(missing_ok=True)
+    if address.startswith("ipc://"):
+        path = _unix_path(address)
+        if not path.startswith("\0"):  # an abstract name is no file
+            Path(path).unlink(missing_ok=True)
 
 
 def _unix_path(address: str) -> str:
