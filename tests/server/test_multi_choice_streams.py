@@ -122,6 +122,14 @@ def data(chunks: list[str]) -> list[dict[str, Any]]:
     return [json.loads(chunk.removeprefix("data: ")) for chunk in chunks[:-1]]
 
 
+def streamed_with_usage(
+    client: TestClient, path: str, sizes: str, order: int, **body: Any
+) -> list[dict[str, Any]]:
+    """The data chunks of a stream whose last chunk is the usage."""
+    options = {"stream_options": {"include_usage": True}}
+    return data(post(client, path, sizes, order, **body, stream=True, **options))
+
+
 def usage_of(chunks: list[dict[str, Any]]) -> dict[str, Any]:
     """The usage chunk: last, once, with no choices; null usage in every other chunk."""
     assert chunks[-1]["choices"] == []
@@ -197,17 +205,7 @@ CHAT = {
 
 def test_chat_choices_whatever_the_steps_and_their_order(client: TestClient) -> None:
     def streamed(sizes: str, order: int) -> tuple[dict[int, Any], dict[str, Any]]:
-        chunks = data(
-            post(
-                client,
-                "/v1/chat/completions",
-                sizes,
-                order,
-                **CHAT,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
-        )
+        chunks = streamed_with_usage(client, "/v1/chat/completions", sizes, order, **CHAT)
         return without_call_ids(choices_of(chunks, join_chat)), usage_of(chunks)
 
     expected, usage = streamed("1", 0)
@@ -253,17 +251,7 @@ def test_completion_choices_whatever_the_steps_and_their_order(
     body = {"prompt": "hi", "n": 3, "max_tokens": 200, **fields}
 
     def streamed(sizes: str, order: int) -> tuple[dict[int, Any], dict[str, Any]]:
-        chunks = data(
-            post(
-                client,
-                "/v1/completions",
-                sizes,
-                order,
-                **body,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
-        )
+        chunks = streamed_with_usage(client, "/v1/completions", sizes, order, **body)
         return choices_of(chunks, join_completion), usage_of(chunks)
 
     expected, usage = streamed("1", 0)
