@@ -162,6 +162,13 @@ checkpoint() {  # shape -> directory, made once per machine
   [ -f "$dir/config.json" ] || python3 scripts/make_random_checkpoint.py --shape "$1" --out "$dir" >&2
   echo "$dir"
 }
+overload_soak() {  # seconds, model, engine flags...: the overload run at 2x (overload-gpu's)
+  local seconds=$1 model=$2
+  shift 2
+  timeout "$seconds" python3 scripts/soak.py --model "$model" --device cuda --servers 4 \
+    --phases overload --lengths 128 --unloaded-streams 50 --capacity-seconds 15 \
+    --overload-seconds 40 --client-processes 8 -- --max-queued-requests 0 --dtype float32 "$@"
+}
 config_only() {  # shape -> its config and tokenizer, no weights (--load-format dummy: no GBs to write)
   local dir=/tmp/cfg-$1
   [ -f "$dir/config.json" ] || python3 scripts/make_random_checkpoint.py --shape "$1" --config-only --out "$dir" >&2
@@ -689,10 +696,8 @@ Issued Warp Per Scheduler|No Eligible|Avg. Active Threads)" "$out/moe-ncu-$kerne
         --tensor-parallel-size "${TP:-2}" 2>&1 | tee "$out/$stage.log" | tail -12 ;;
     overload-gpu)  # issue 40 (header)
       m=${OVERLOAD_MODEL:-$(checkpoint smollm2-135m)}
-      timeout 220 python3 scripts/soak.py --model "$m" --device cuda --servers 4 \
-        --phases overload --lengths 128 --unloaded-streams 50 --capacity-seconds 15 \
-        --overload-seconds 40 --client-processes 8 -- --max-queued-requests 0 --dtype float32 \
-        ${OVERLOAD_ENGINE_ARGS:-} 2>&1 | tee "$out/overload.log" | grep -vE '^(INFO|WARNING)' | tail -16
+      overload_soak 220 "$m" ${OVERLOAD_ENGINE_ARGS:-} 2>&1 | tee "$out/overload.log" \
+        | grep -vE '^(INFO|WARNING)' | tail -16
       for eager in "" --enforce-eager; do
         timeout 150 python3 scripts/profile_step.py --model "$m" --batch 256 --context 128 \
           --steps 20 --rounds 3 $eager 2>&1 | tee "$out/overload-step${eager:+-eager}.log" \
@@ -713,10 +718,7 @@ Issued Warp Per Scheduler|No Eligible|Avg. Active Threads)" "$out/moe-ncu-$kerne
         extra=(); [ $variant = b ] && read -ra extra <<< "${OVERLOAD_AB_ARGS:---separate-prefill-steps}"
         read -ra engine_args <<< "$base_args"
         echo "--- $variant: ${engine_args[*]} ${extra[*]}"
-        timeout 200 python3 scripts/soak.py --model "$m" --device cuda --servers 4 \
-          --phases overload --lengths 128 --unloaded-streams 50 --capacity-seconds 15 \
-          --overload-seconds 40 --client-processes 8 -- --max-queued-requests 0 \
-          --dtype float32 "${engine_args[@]}" "${extra[@]}" > "$out/overload-$variant.log" 2>&1
+        overload_soak 200 "$m" "${engine_args[@]}" "${extra[@]}" > "$out/overload-$variant.log" 2>&1
         grep -hE "^(overload|KV blocks|FAILURE)|^(PASS|FAIL)$" "$out/overload-$variant.log"
       done ;;
     mixed-graphs)  # issue 40 (header)
@@ -731,10 +733,7 @@ Issued Warp Per Scheduler|No Eligible|Avg. Active Threads)" "$out/moe-ncu-$kerne
         | grep -vE '^(INFO|WARNING)' | tail -6
       m=${OVERLOAD_MODEL:-$(checkpoint smollm2-135m)}
       if [ -e "$m" ]; then
-        timeout 220 python3 scripts/soak.py --model "$m" --device cuda --servers 4 \
-          --phases overload --lengths 128 --unloaded-streams 50 --capacity-seconds 15 \
-          --overload-seconds 40 --client-processes 8 -- --max-queued-requests 0 --dtype float32 \
-          ${OVERLOAD_ENGINE_ARGS:-} 2>&1 | tee "$out/mixed-overload.log" \
+        overload_soak 220 "$m" ${OVERLOAD_ENGINE_ARGS:-} 2>&1 | tee "$out/mixed-overload.log" \
           | grep -vE '^(INFO|WARNING)' | tail -16
       else
         echo "no model at $m: set OVERLOAD_MODEL (the soak is left out)"
