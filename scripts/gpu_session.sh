@@ -63,9 +63,10 @@
 #
 # overload-gpu (issue 40, about 5 minutes): scripts/soak.py's overload run on OVERLOAD_MODEL
 # (default: random weights in SmolLM2-135M's shape with a word tokenizer, made on the machine:
-# the 98 MB GGUF is over what a call carries; the steps cost what the real model's do), float32 (each stream served is checked
-# against its greedy reference computed alone: the correctness check; in bf16 a batch's
-# rounding may turn a near-tie), the engine's default batch of 256 places, 4 servers,
+# the 98 MB GGUF is over what a call carries; the steps cost what the real model's do),
+# float32 (each stream served is checked against its greedy reference computed alone: the
+# correctness check; in bf16 a batch's rounding may turn a near-tie), the engine's default
+# batch of 256 places, 4 servers,
 # --max-queued-requests 0: unloaded TTFT, the capacity (streams of 128 tokens a second with
 # every place busy), then Poisson arrivals at twice it for 40 s from 8 client processes:
 # admitted TTFT p50/p99 against unloaded, 429 times, nothing lost, and a first token's hops
@@ -79,8 +80,7 @@
 # servers under 150 streams sized to last 60 s each (on a GPU the model's 8,192-token context
 # caps them first) on OVERLOAD_MODEL (float32): failed and cut streams (0, 0). Each server's
 # drain waits for its streams to end, and the next waits until the restarted one has taken new
-# ones, which come as streams end: about four streams' lengths, then the last streams' end
-# (s34 call 4 cut it at 330 s before its table).
+# ones, which come as streams end: about four streams' lengths, then the last streams' end.
 #
 # spec (issue 37 item 5, about 7 minutes): the float32 GPU test of speculation (n-gram and
 # draft-model tokens equal to plain decoding's, adaptive and at a fixed k; the target as its
@@ -640,8 +640,8 @@ PY
     moe-ncu)  # issue 39 (about 3 minutes): Nsight Compute on the decode path's two kernels at
       # one token (MOE_SHAPE, default Qwen3-30B-A3B, bf16; the rule's configuration, as
       # bench_kernels times it): throughput against the DRAM's, achieved occupancy, and what
-      # the warps wait on (memory latency, barriers, dependencies), to say why they read at
-      # about half of copy bandwidth (MOE_NCU_KERNELS: others, gate_up_pair for Mixtral's)
+      # the warps wait on (memory latency, barriers, dependencies), to say why they read
+      # below copy bandwidth (MOE_NCU_KERNELS: others, gate_up_pair for Mixtral's)
       for kernel in ${MOE_NCU_KERNELS:-gate_up_token down_token}; do
         timeout 170 ncu --clock-control none --kernel-name "regex:$kernel" --launch-skip 20 \
           --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
