@@ -48,7 +48,7 @@
 # step at Qwen3-30B-A3B (3 rounds: no _decode_merge_kernel left); a table last.
 #   scripts/gpu_session.sh overload-gpu restart-gpu  # issue 40 (OVERLOAD_MODEL: another model)
 #   scripts/gpu_session.sh mixed-graphs  # issue 40: mixed steps
-#   scripts/gpu_session.sh overload-ab  # issue 40: the overload soak without and with --separate-prefill-steps
+#   scripts/gpu_session.sh overload-ab  # issue 40: the overload soak under several engine settings (OVERLOAD_VARIANTS)
 #
 # mixed-graphs (issue 40, about 7 minutes, one GPU): steps that admit prompts into a decode
 # batch, split into the decode graph and a prompt graph (engine/execution/mixed_steps.py).
@@ -708,18 +708,18 @@ Issued Warp Per Scheduler|No Eligible|Avg. Active Threads)" "$out/moe-ncu-$kerne
       for log in "$out/overload-step.log" "$out/overload-step-eager.log"; do
         echo "$(basename "$log" .log): $(grep -hE '^batch' "$log")"
       done ;;
-    overload-ab)  # issue 40 (about 5 minutes): overload-gpu's soak alone, twice: with
-      # OVERLOAD_ENGINE_ARGS (default "--max-num-seqs 64 --no-overlap-steps"), then with
-      # OVERLOAD_AB_ARGS added (default --separate-prefill-steps); the admitted TTFT, the
-      # hops, the capacity and the outcomes of each
+    overload-ab)  # issue 40 (about 2.5 minutes a variant): overload-gpu's soak alone, once
+      # for each engine setting in OVERLOAD_VARIANTS (separated by ";"; default: 64 places
+      # without overlapped steps, then the same with --separate-prefill-steps); the admitted
+      # TTFT, the hops, the capacity and the outcomes of each
       m=${OVERLOAD_MODEL:-$(checkpoint smollm2-135m)}
-      base_args=${OVERLOAD_ENGINE_ARGS:---max-num-seqs 64 --no-overlap-steps}
-      for variant in a b; do
-        extra=(); [ $variant = b ] && read -ra extra <<< "${OVERLOAD_AB_ARGS:---separate-prefill-steps}"
-        read -ra engine_args <<< "$base_args"
-        echo "--- $variant: ${engine_args[*]} ${extra[*]}"
-        overload_soak 200 "$m" "${engine_args[@]}" "${extra[@]}" > "$out/overload-$variant.log" 2>&1
-        grep -hE "^(overload|KV blocks|FAILURE)|^(PASS|FAIL)$" "$out/overload-$variant.log"
+      IFS=';' read -ra variants <<< "${OVERLOAD_VARIANTS:---max-num-seqs 64 --no-overlap-steps;\
+--max-num-seqs 64 --no-overlap-steps --separate-prefill-steps}"
+      for i in "${!variants[@]}"; do
+        read -ra engine_args <<< "${variants[$i]}"
+        echo "--- $i: ${engine_args[*]}"
+        overload_soak 190 "$m" "${engine_args[@]}" > "$out/overload-$i.log" 2>&1
+        grep -hE "^(overload|KV blocks|FAILURE)|^(PASS|FAIL)$" "$out/overload-$i.log"
       done ;;
     mixed-graphs)  # issue 40 (header)
       python3 -m pytest -q -rs tests/engine/test_mixed_steps.py -p no:cacheprovider 2>&1 \
