@@ -222,7 +222,9 @@ class EnginePool:
         if preferred is not None:
             candidate = self.replicas[preferred]
             allowed = max(_AFFINITY_MAX_EXTRA_REQUESTS, least.in_flight // 4)
-            if candidate.client.ready and candidate.in_flight - least.in_flight <= allowed:
+            # Only among the replicas left above: not a silent one, nor a full one while
+            # another is not.
+            if candidate in ready and candidate.in_flight - least.in_flight <= allowed:
                 chosen = candidate
         self._affinity.record(keys, chosen.index)
         return chosen

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from protocol import EngineStats
 from server.engine_client import ENGINE_SILENCE_S, EngineUnavailable
 from server.engine_pool import AFFINITY_BLOCK_TOKENS, EnginePool, PrefixAffinity
 
@@ -52,4 +53,23 @@ def test_a_silent_engine_gets_no_new_request() -> None:
         pool._choose([1, 2, 3])
     client.last_heard = time.monotonic()  # a heartbeat
     assert pool._choose([1, 2, 3]) is pool.replicas[0]
+    asyncio.run(pool.close())
+
+
+def test_prefix_affinity_never_chooses_a_silent_or_full_replica() -> None:
+    """The replica that last saw a prompt's prefix gets it again only if it could take it:
+    not one silent past its heartbeat, nor one whose queue is full while another's is not."""
+    pool = EnginePool(["tcp://127.0.0.1:9", "tcp://127.0.0.1:10"])  # states set by hand
+    first, second = (replica.client for replica in pool.replicas)
+    for client in (first, second):
+        client._ready = True
+        client.last_heard = time.monotonic()
+    prompt = list(range(2 * BLOCK))
+    pool._affinity.record(pool._affinity.keys(prompt), 0)
+    assert pool._choose(prompt) is pool.replicas[0]  # its prefix's replica, both idle
+    first.last_heard = time.monotonic() - ENGINE_SILENCE_S - 1
+    assert pool._choose(prompt) is pool.replicas[1]
+    first.last_heard = time.monotonic()
+    first.last_stats = EngineStats(1, 0.0, "m", "cpu", 16, 64, 64, 0, 8, 0, queue_full=True)
+    assert pool._choose(prompt) is pool.replicas[1]
     asyncio.run(pool.close())
