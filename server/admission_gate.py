@@ -37,7 +37,9 @@ class AdmissionGate:
             and scope["path"] in GATED_PATHS
             and self.pool.queue_full
         ):
-            error = overloaded("the engine's queue is full (--max-queued-requests)")
+            error = overloaded(
+                "the engine's queue is full (--max-queued-requests or --max-queued-prompt-tokens)"
+            )
             await error.response()(scope, receive, send)
             return
         await self.app(scope, receive, send)

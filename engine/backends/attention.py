@@ -103,8 +103,8 @@ class AttentionBackend(ABC):
 
     @contextlib.contextmanager
     def graph_capture(self, max_batch_size: int) -> Iterator[None]:
-        """Held while the decode graphs are captured, for batches of up to
-        ``max_batch_size`` sequences: where a backend allocates buffers that must stay at
+        """Held while the step graphs (decode, verify, prompt) are captured, for batches of
+        up to ``max_batch_size`` sequences: where a backend allocates buffers that must stay at
         one address for every replay."""
         yield
 

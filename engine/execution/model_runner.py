@@ -418,7 +418,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _capture_graphs(self, max_batch: int, max_verify_batch: int, max_step_tokens: int) -> None:
         """Record the decode step, with speculative decoding the verify step (of up to
-        ``max_verify_batch`` sequences), and one sequence's prompt steps, as CUDA graphs;
+        ``max_verify_batch`` sequences), and the prompt steps of up to a few sequences
+        (``prompt_graphs.py``), as CUDA graphs;
         the cache must be allocated. The verify graphs first: their steps are the larger,
         and the decode graphs fit in the memory pool they made. (Each graph keeps its
         logits in the pool: the verify graphs' take 1 + k times the decode graphs' memory

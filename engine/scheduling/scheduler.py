@@ -62,7 +62,7 @@ class Scheduler:
 
         One pass over the running requests grows each one's blocks and schedules its decode:
         the host runs it for every request each step, a large batch's step bound by it among
-        others (docs/architecture.md)."""
+        others (docs/internals.md)."""
         budget = self.max_num_batched_tokens
         # Prompt positions whose logits are all computed for their log-probabilities: at
         # most as many as the logits rows sizing the KV cache left room for (max_num_seqs).

@@ -59,9 +59,11 @@ class Admission:
     ) -> str | None:
         """Why a request arriving now is refused, or None if it is taken. A request with
         ``num_prompt_tokens`` (a generation's) counts against the bound in prompt tokens too;
-        one with None (an embedding's, pooled in steps of its own) counts in its own queue,
-        against the same bound in requests. One with a ``constraint`` whose grammar would
-        start compiling counts against the bound in grammars compiling."""
+        one with None (an embedding's, pooled in steps of its own) counts in its own queue
+        too, against the same bound in requests (a full generation queue refuses it as well,
+        as the servers' gate does, which knows only that the engine is full). One with a
+        ``constraint`` whose grammar would start compiling counts against the bound in
+        grammars compiling."""
         if self.engine.num_waiting_for_a_place(arriving=1) > self.max_queued_requests:
             return (
                 f"{self.max_queued_requests} requests already wait for a place in the batch "
