@@ -74,8 +74,10 @@ class EngineConfig:
         None,
         "the linear layers' weights, quantized at load with one scale per output channel: fp8 "
         "(float8 e4m3, compute capability >= 8.9; activations quantized per token) or int8 "
-        "(weight-only, any GPU or the CPU). Default: as the checkpoint stores them (a "
-        "pre-quantized FP8 checkpoint loads as fp8)",
+        "(weight-only, any GPU or the CPU). mxfp4: gpt-oss's MXFP4 experts stay MXFP4 in "
+        "memory and the Triton backend's MoE kernels read them (untimed on a GPU); the other "
+        "layers load as without it. Default: as the checkpoint stores them (a pre-quantized "
+        "FP8 checkpoint loads as fp8; gpt-oss's MXFP4 experts dequantized to the model's dtype)",
         choices=list(QUANTIZATION_METHODS),
     )
     max_model_len: int | None = option(

@@ -104,9 +104,7 @@ class LLMEngine:
             )
             self.proposer = draft
         # Tensor parallelism: this process is rank 0 and drives the workers it starts here.
-        self.workers = (
-            WorkerGroup(config, checkpoint.config) if config.tensor_parallel_size > 1 else None
-        )
+        self.workers = WorkerGroup(config, checkpoint) if config.tensor_parallel_size > 1 else None
         try:
             if self.workers is None:
                 self.runner = ModelRunner(

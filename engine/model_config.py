@@ -38,7 +38,8 @@ class YarnScaling:
 @dataclass(frozen=True)
 class Quantization:
     """How the linear layers' weights (QKV, O, gate/up, down) are stored: ``method`` "fp8"
-    (float8 e4m3) or "int8", one float32 scale per output channel.
+    (float8 e4m3) or "int8", one float32 scale per output channel; or "mxfp4": gpt-oss's
+    experts kept in MXFP4 as published, the linear layers in the model's dtype.
 
     ``checkpoint_scales``: the checkpoint holds the quantized weights and their scales (a
     pre-quantized checkpoint); otherwise its float weights are quantized as they load."""

@@ -14,7 +14,9 @@ do its arithmetic; it takes no less than the larger of the two:
   logits row, and four a (query, key) pair a head a
   dimension in attention (QK^T and PV), causal and within a layer's sliding window. The
   products of FP8 weights (``--quantization fp8``, multiplied in FP8 past a few tokens) count
-  at the measured FP8 GEMM rate, about twice as fast on Hopper.
+  at the measured FP8 GEMM rate, about twice as fast on Hopper. MXFP4 experts
+  (``--quantization mxfp4``) weigh half a byte a value and a scale byte a block of 32, and
+  multiply at the bf16 rate (the kernels widen them to bf16).
 
 A step's new tokens attend to K/V they wrote themselves, which a fused kernel need not read
 back: only the keys cached before the step count as read. Activations count for nothing, so
@@ -127,6 +129,8 @@ class ModelCost:
         layers = model.layers
         experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
         expert_params = [p for m in experts for p in (m.w13, m.w2)]
+        # MXFP4 experts' scales (buffers) are read with their matrices.
+        expert_scales = [s for m in experts if m.mxfp4 for s in (m.w13_scale, m.w2_scale)]
         in_experts = {id(p) for p in expert_params}
         layer_params = [
             p for layer in layers for p in layer.parameters() if id(p) not in in_experts
@@ -147,14 +151,21 @@ class ModelCost:
             kv_bytes_per_token=2 * attention.num_kv_heads * attention.head_dim * kv_dtype.itemsize,
             attention_flops_per_pair=4 * attention.num_heads * attention.head_dim,
             windows=tuple(layer.self_attn.sliding_window for layer in layers),
-            expert_weight_bytes=sum(p.numel() * p.element_size() for p in expert_params),
-            expert_matmul_params=sum(p.numel() for p in expert_params),
+            expert_weight_bytes=sum(
+                p.numel() * p.element_size() for p in [*expert_params, *expert_scales]
+            ),
+            expert_matmul_params=sum(_matrix_values(p) for p in expert_params),
             fp8_expert_matmul_params=sum(
                 p.numel() for p in expert_params if p.dtype == torch.float8_e4m3fn
             ),
             num_experts=experts[0].num_experts if experts else 1,
             experts_per_token=experts[0].experts_per_token if experts else 0,
         )
+
+
+def _matrix_values(matrix: torch.Tensor) -> int:
+    """The values an expert matrix holds: two a byte in MXFP4 (uint8), else one an element."""
+    return matrix.numel() * (2 if matrix.dtype == torch.uint8 else 1)
 
 
 def _visible_keys_below(n: np.ndarray, window: int | None) -> np.ndarray:

@@ -111,7 +111,7 @@
 #
 # moe-kernel (issue 39, about 5 minutes, one GPU): the fused MoE kernel's tests on CUDA (the
 # CPU tests natively, then tests/gpu/test_fused_moe_cuda.py: the real shapes against the
-# reference, CUDA graph capture and replay), then `scripts/bench_kernels.py --moe` at
+# reference, CUDA graph capture and replay; the MXFP4 kernels' alike), then `scripts/bench_kernels.py --moe` at
 # Qwen3-30B-A3B, Mixtral-8x7B, Qwen3-235B-A22B's TP=4 rank (expert-parallel and split) and
 # gpt-oss-20b (the kernel's gpt-oss variant),
 # T = 1 to 2048 tokens, bf16 and fp8 weights; the tables last.
@@ -200,7 +200,7 @@ for stage in "$@"; do
         tests-engine) files=(tests/gpu/test_reproducible.py tests/gpu/test_speculative_cuda.py
           tests/gpu/test_warm_up.py tests/engine/test_model_parity.py) ;;
         tests-kernels) files=(tests/gpu/test_all_reduce.py tests/gpu/test_fused_moe_cuda.py
-          tests/gpu/test_moe_cuda.py tests/gpu/test_split_decode_cuda.py tests/gpu/test_tensor_parallel.py
+          tests/gpu/test_mxfp4_moe_cuda.py tests/gpu/test_moe_cuda.py tests/gpu/test_split_decode_cuda.py tests/gpu/test_tensor_parallel.py
           tests/engine/test_kernels.py) ;;
         *) files=(tests/gpu tests/engine/test_kernels.py tests/engine/test_model_parity.py) ;;
       esac
@@ -571,7 +571,7 @@ PY
         --tensor-parallel-size "${MOE_TP:-4}" --runs 1 2>&1 | tee "$out/moe-235b-offline.log" | grep -v '^INFO' | tail -8 ;;
     moe-kernel)
       timeout 360 python3 -m pytest -q -rs tests/engine/test_fused_moe.py tests/gpu/test_fused_moe_cuda.py \
-        -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$out/moe-kernel-tests.log" | tail -15
+        tests/engine/test_mxfp4_moe.py tests/gpu/test_mxfp4_moe_cuda.py -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$out/moe-kernel-tests.log" | tail -15
       shapes="qwen3-30b-a3b mixtral-8x7b qwen3-235b-a22b-tp4-ep qwen3-235b-a22b-tp4 gpt-oss-20b"
       for weights in bf16 fp8; do
         flags=(); [ $weights = fp8 ] && flags=(--quantization fp8)

@@ -151,8 +151,15 @@ class LayerOps(Protocol):
         expert's gate rows g_e then its up rows u_e, and ``w2`` [E_local, H, I], its down
         projection d_e; in x's dtype, or float8 e4m3 codes with float32 scales per output
         channel ``w13_scale`` [E_local, 2 * I] and ``w2_scale`` [E_local, H] (None
-        otherwise). Local expert 0 is global expert ``expert_offset``: an id outside
-        [expert_offset, expert_offset + E_local) adds nothing (another rank's expert).
+        otherwise), or MXFP4, which a uint8 ``w13`` means (``engine.backends.mxfp4``; gpt-oss's
+        experts under ``--quantization mxfp4``): ``w13`` uint8 [E_local, 2 * I, H / 2] and
+        ``w2`` uint8 [E_local, H, I / 2], two 4-bit e2m1 values a byte along each row, the
+        lower-indexed one in the low nibble (a checkpoint's ``*_blocks`` with its last two
+        dimensions flattened), with uint8 e8m0 scales (the exponent plus 127), one a block of
+        32 values of a row: ``w13_scale`` [E_local, 2 * I, H / 32] and ``w2_scale`` [E_local,
+        H, I / 32]; H and I whole blocks. Local expert 0 is global expert ``expert_offset``:
+        an id outside [expert_offset, expert_offset + E_local) adds nothing (another rank's
+        expert).
 
         gpt-oss's experts (``activation`` a ``ClampedSwiGLU``, None: silu(g) * u) have biases
         in x's dtype: ``w13_bias`` [E_local, 2 * I] added to the gate and up products before

@@ -20,6 +20,7 @@ from engine.backends.attention import AttentionBackend, AttentionMetadata, Layer
 from engine.backends.deferred_norm import DeferredNorm, LinearInput, dense
 from engine.backends.fp8 import FP8, FP8_MAX, MIN_SCALE
 from engine.backends.layer_ops import ClampedSwiGLU
+from engine.backends.mxfp4 import BLOCK, dequantize_mxfp4
 from engine.distributed.parallel import OneKernelAllReduce, TensorParallel
 from engine.distributed.symmetric_all_reduce import torch_one_shot
 
@@ -324,15 +325,20 @@ class TorchLayerOps:
                 continue
             rows = slice(start, start + count)
             start += count
+            gate_up_weight, down_weight = w13[expert], w2[expert]
             scales = (None, None) if w13_scale is None else (w13_scale[expert], w2_scale[expert])
-            gate_up = self._expert_product(x[tokens[rows]], w13[expert], scales[0])
+            if w13.dtype == torch.uint8:  # MXFP4: this expert dequantized, exact in x's dtype
+                gate_up_weight = _dequantize_expert(gate_up_weight, scales[0], x.dtype)
+                down_weight = _dequantize_expert(down_weight, scales[1], x.dtype)
+                scales = (None, None)
+            gate_up = self._expert_product(x[tokens[rows]], gate_up_weight, scales[0])
             gate_up = with_bias(gate_up, _row(w13_bias, expert))
             if activation is None:
                 hidden = self.silu_and_mul(gate_up)
             else:
                 hidden = clamped_swiglu(gate_up, activation)
             down = with_bias(
-                self._expert_product(hidden, w2[expert], scales[1]), _row(w2_bias, expert)
+                self._expert_product(hidden, down_weight, scales[1]), _row(w2_bias, expert)
             )
             out.index_add_(0, tokens[rows], down.float() * weights[rows, None])
         return out.to(x.dtype)
@@ -349,6 +355,14 @@ class TorchLayerOps:
         return (
             self.linear(x, weight) if scale is None else self.weight_only_matmul(x, weight, scale)
         )
+
+
+def _dequantize_expert(
+    packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """One expert's MXFP4 matrix, packed [rows, columns / 2] with scales [rows, columns / 32]
+    (``LayerOps.moe_experts``), as [rows, columns] in ``dtype``."""
+    return dequantize_mxfp4(packed.unflatten(-1, (-1, BLOCK // 2)), scales, dtype)
 
 
 class TorchStepOps:

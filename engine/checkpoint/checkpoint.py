@@ -49,6 +49,7 @@ class Checkpoint:
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     # How its hidden states pool into an embedding (engine/checkpoint/pooling_config.py).
     pooling: str = LAST
+    gguf: bool = False  # read from llama.cpp's GGUF file (else a Hugging Face directory)
 
     def weights(self) -> WeightStream:
         """Yield (Hugging Face name, CPU tensor) pairs, one tensor in memory at a time.

@@ -31,6 +31,7 @@ from engine.execution.prompt_graphs import PromptGraphs
 from engine.model_config import ModelConfig
 from engine.models import build_model
 from engine.models.causal_lm import CausalLM
+from engine.models.gpt_oss import check_mxfp4_experts
 from engine.quantization.linear_methods import resolve_quantization
 from engine.sampling.prompt_logprobs import ScoredChunk, ScoredPositions, read_scored
 from engine.sampling.rejection_sampler import (
@@ -178,10 +179,12 @@ def rank_device(device: str, tp: TensorParallel) -> torch.device:
 
 
 def quantized_config(
-    config: EngineConfig, checkpoint: Checkpoint, device: torch.device
+    config: EngineConfig, checkpoint: Checkpoint, device: torch.device, tp_size: int = 1
 ) -> ModelConfig:
     """The checkpoint's model config with the quantization its linear layers will have:
-    --quantization's, or the checkpoint's own (pre-quantized)."""
+    --quantization's, or the checkpoint's own (pre-quantized); --quantization mxfp4 refused
+    where it cannot keep the experts as published over ``tp_size`` ranks."""
+    check_mxfp4_experts(config.quantization, checkpoint, tp_size)
     quantization = resolve_quantization(config.quantization, checkpoint.config.quantization, device)
     return dataclasses.replace(checkpoint.config, quantization=quantization)
 
@@ -271,7 +274,7 @@ class ModelRunner:
         self.device = rank_device(config.device, tp)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        self.model_config = quantized_config(config, checkpoint, self.device)
+        self.model_config = quantized_config(config, checkpoint, self.device, tp.size)
         self.num_kv_heads = tp.kv_heads(checkpoint.config.num_key_value_heads)[1]
         # Not to be sampled before a request's min_tokens, with its stop tokens.
         self.eos_token_ids = list(checkpoint.tokenizer.eos_token_ids)

@@ -127,4 +127,5 @@ class ModelFamily:
             tokenizer=file.tokenizer(),
             weight_source=lambda: gguf_weights(file, names, restore),
             tensor_count=len(names),
+            gguf=True,
         )

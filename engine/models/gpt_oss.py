@@ -12,7 +12,9 @@ What it does differently from Qwen3-MoE and Mixtral:
   (``ClampedSwiGLU``); the checkpoint stores each layer's experts in two tensors, the
   gate and up features interleaved (gate even, up odd) and both transposed ([E, H, 2I],
   [E, I, H]), or, as published, in MXFP4 (``*_blocks`` and ``*_scales``, [E, 2I, ...] and
-  [E, H, ...]: ``engine.checkpoint.mxfp4``), which is dequantized as it loads.
+  [E, H, ...]: ``engine.backends.mxfp4``), which is dequantized as it loads, or, under
+  ``--quantization mxfp4``, kept as published for the MoE kernels to read
+  (``LayerOps.moe_experts``; ``check_mxfp4_experts`` says where it cannot be).
 
 Its norms round as Llama's (normalized in float32, rounded, then times the weight; transformers'
 rounds once after the product): the difference is below bfloat16's rounding, and vLLM's
@@ -31,15 +33,16 @@ import torch
 from torch import nn
 
 from engine.backends.layer_ops import ClampedSwiGLU, LayerOps
-from engine.checkpoint.checkpoint import TensorSlices
+from engine.backends.mxfp4 import BLOCK, dequantize_mxfp4
+from engine.checkpoint.checkpoint import Checkpoint, TensorSlices
 from engine.checkpoint.hf_checkpoint import hf_config_fields
-from engine.checkpoint.mxfp4 import BLOCK, dequantize_mxfp4
 from engine.distributed.parallel import TensorParallel
 from engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION
 from engine.models.family import ModelFamily
 from engine.models.layers import Attention
 from engine.models.moe import FusedExperts, MoECausalLM, MoEConfig, SparseMoeBlock
 from engine.models.parallel_layers import Rows, read_slice
+from engine.quantization.linear_methods import MXFP4
 
 _ROPE_THETA = 150_000.0  # transformers' default for gpt-oss
 
@@ -48,6 +51,7 @@ _ROPE_THETA = 150_000.0  # transformers' default for gpt-oss
 class GptOssConfig(MoEConfig):
     swiglu_alpha: float  # the experts' activation's sigmoid gain
     swiglu_limit: float  # and its clamp
+    mxfp4_experts: bool = False  # the checkpoint's experts are MXFP4 (*_blocks, *_scales)
 
 
 class SinkAttention(Attention):
@@ -69,7 +73,10 @@ _MXFP4_PARTS = ("_blocks", "_scales")
 class GptOssExperts(FusedExperts):
     """``FusedExperts`` with biases (``w13_bias`` [E, 2 * I_rank], gate then up as ``w13``;
     ``w2_bias`` [E, H], added by the first rank only, the ranks' outputs being summed) and
-    the clamped SwiGLU, loaded from gpt-oss's tensors."""
+    the clamped SwiGLU, loaded from gpt-oss's tensors; MXFP4 ones kept packed under
+    ``--quantization mxfp4``, their rows in the order the dequantized ones take."""
+
+    loads_mxfp4 = True
 
     def __init__(self, config: MoEConfig, ops: LayerOps, tp: TensorParallel) -> None:
         super().__init__(config, ops, tp)
@@ -125,7 +132,7 @@ class GptOssExperts(FusedExperts):
 
     def _load_mxfp4(self, name: str, source: TensorSlices, hf_name: str) -> list[str]:
         """Read this rank's part of an MXFP4 matrix's blocks or scales; once both are read,
-        dequantize them into the matrix."""
+        dequantize them into the matrix, or (MXFP4 experts) store them as they are."""
         matrix, _, part = name.rpartition("_")
         experts, hidden, start, length, intermediate = self._shape()
         if matrix == "gate_up_proj":  # rows: the interleaved features; columns H
@@ -145,6 +152,9 @@ class GptOssExperts(FusedExperts):
         if len(pending) < 2:
             return []
         del self._pending[matrix]
+        if self.mxfp4:
+            self._store_mxfp4(matrix, pending["blocks"], pending["scales"])
+            return [_MATRICES[matrix]]
         # On the model's device, in bfloat16, which holds every MXFP4 value exactly: a
         # layer's experts are GBs in float32 (gpt-oss-120b's gate/up: 8.5 GB).
         device = self.w13.device
@@ -158,6 +168,17 @@ class GptOssExperts(FusedExperts):
                 "w2", slice(None), slice(None), weight[..., offset : offset + length].contiguous()
             )
         return [_MATRICES[matrix]]
+
+    def _store_mxfp4(self, matrix: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+        """A rank's blocks [E, rows, G, 16] and scales [E, rows, G] of ``matrix`` into the
+        packed experts: the gate/up rows in the order the dequantized ones take (gate, then
+        up); the down projection's columns whole blocks of this rank's features alone
+        (``check_mxfp4_experts``)."""
+        param = _MATRICES[matrix]
+        if matrix == "gate_up_proj":
+            blocks, scales = _deinterleave(blocks, dim=1), _deinterleave(scales, dim=1)
+        getattr(self, param).copy_(blocks.flatten(-2))
+        getattr(self, f"{param}_scale").copy_(scales)
 
     def missing(self, loaded: set[str]) -> list[str]:
         return [key for key in ("w13", "w2", "w13_bias", "w2_bias") if key not in loaded]
@@ -195,8 +216,10 @@ def _gpt_oss_config(config: Mapping[str, Any], path: Path) -> GptOssConfig:
     if not config.get("attention_bias", True):
         raise ValueError(f"{path}: gpt-oss without attention biases is not supported")
     quantization = config.get("quantization_config") or {}
-    if quantization.get("quant_method") == "mxfp4":
-        # The published experts: dequantized to the model's dtype as they load.
+    mxfp4_experts = quantization.get("quant_method") == "mxfp4"
+    if mxfp4_experts:
+        # The published experts: dequantized to the model's dtype as they load, unless
+        # --quantization mxfp4 keeps them; the linear layers are not quantized either way.
         config = {key: value for key, value in config.items() if key != "quantization_config"}
     window = config.get("sliding_window")
     layer_types = config.get("layer_types") or [
@@ -213,7 +236,43 @@ def _gpt_oss_config(config: Mapping[str, Any], path: Path) -> GptOssConfig:
         norm_topk_prob=True,  # a softmax over the top k sums to one
         swiglu_alpha=float(config.get("swiglu_alpha", 1.702)),
         swiglu_limit=float(config.get("swiglu_limit", 7.0)),
+        mxfp4_experts=mxfp4_experts,
     )
+
+
+def check_mxfp4_experts(requested: str | None, checkpoint: Checkpoint, tp_size: int) -> None:
+    """Refuse ``--quantization mxfp4`` (``requested``) at start, in one line saying why and
+    what to use instead, unless the checkpoint is gpt-oss's from Hugging Face with MXFP4
+    experts whose packed dimensions split over ``tp_size`` ranks in whole 32-value blocks
+    (the down projection's is the intermediate features: gpt-oss's 2880, 90 blocks, split
+    over 2 ranks but not 4)."""
+    if requested != MXFP4:
+        return
+    config = checkpoint.config
+    if checkpoint.gguf:
+        raise ValueError(
+            f"--quantization mxfp4 reads gpt-oss's MXFP4 experts from its Hugging Face "
+            f"checkpoint, not from a GGUF file ({checkpoint.name}): leave --quantization out"
+        )
+    if not isinstance(config, GptOssConfig):
+        raise ValueError(
+            f"--quantization mxfp4 keeps gpt-oss's MXFP4 experts as published; "
+            f"{config.architecture} is not gpt-oss: use --quantization fp8 or int8, or leave "
+            "it out"
+        )
+    if not config.mxfp4_experts:
+        raise ValueError(
+            f"--quantization mxfp4: {checkpoint.name}'s experts are not MXFP4 (its "
+            "quantization_config is not mxfp4): leave --quantization out, or use fp8"
+        )
+    intermediate = config.moe_intermediate_size
+    if intermediate % (tp_size * BLOCK):
+        raise ValueError(
+            f"--quantization mxfp4 over {tp_size} ranks: a rank's share of the {intermediate} "
+            f"intermediate features ({intermediate // BLOCK} blocks of {BLOCK}) is not whole "
+            "blocks; use a tensor-parallel size that divides the blocks, or leave "
+            "--quantization out (the experts dequantized as they load)"
+        )
 
 
 GPT_OSS = ModelFamily(GptOssForCausalLM, _gpt_oss_config)

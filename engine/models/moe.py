@@ -21,11 +21,13 @@ Checkpoints store one tensor an expert and a projection (``experts.3.gate_proj.w
 llama.cpp's GGUF files one an projection for all experts (``ffn_gate_exps``, which the family
 names ``experts.gate_proj.weight``); either is read a slice at a time into the stacked
 matrices (``FusedExperts.load_tensor``), quantized to FP8 per output channel as it loads
-under ``--quantization fp8``.
+under ``--quantization fp8``. Under ``--quantization mxfp4`` the matrices hold MXFP4 as
+``LayerOps.moe_experts`` takes it, which only gpt-oss's loader fills (``loads_mxfp4``).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -35,13 +37,14 @@ from torch import nn
 from engine.backends.deferred_norm import LinearInput, dense
 from engine.backends.fp8 import FP8
 from engine.backends.layer_ops import LayerOps
+from engine.backends.mxfp4 import BLOCK, E2M1_VALUES
 from engine.checkpoint.checkpoint import TensorSlices
 from engine.distributed.parallel import TensorParallel
 from engine.model_config import ModelConfig
 from engine.models.causal_lm import CausalLM
 from engine.models.layers import MLP, Attention, DecoderLayer
 from engine.models.parallel_layers import Rows, read_slice
-from engine.quantization.linear_methods import quantize_per_channel
+from engine.quantization.linear_methods import MXFP4, quantize_per_channel
 
 
 @dataclass(kw_only=True)
@@ -80,13 +83,28 @@ _PROJECTIONS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w
 class FusedExperts(nn.Module):
     """Every expert of a layer, stacked: ``w13`` [E, 2 * I_rank, H] and ``w2`` [E, H,
     I_rank], a rank's ``I_rank`` of each expert's intermediate features; in the model's dtype,
-    or FP8 codes with float32 scales per output channel (``w13_scale``, ``w2_scale``)."""
+    or FP8 codes with float32 scales per output channel (``w13_scale``, ``w2_scale``), or
+    MXFP4 (``--quantization mxfp4``, a family whose loader reads it: ``loads_mxfp4``): uint8
+    ``w13`` [E, 2 * I_rank, H / 2] and ``w2`` [E, H, I_rank / 2], two values a byte, with
+    uint8 e8m0 scales ``w13_scale`` [E, 2 * I_rank, H / 32] and ``w2_scale`` [E, H,
+    I_rank / 32] (``LayerOps.moe_experts``)."""
+
+    # Whether the family's ``load_tensor`` fills MXFP4 experts (gpt-oss's, as published).
+    loads_mxfp4 = False
 
     def __init__(self, config: MoEConfig, ops: LayerOps, tp: TensorParallel) -> None:
         super().__init__()
         quantization = config.quantization
-        if quantization is not None and (
-            quantization.method != "fp8" or quantization.checkpoint_scales
+        self.mxfp4 = quantization is not None and quantization.method == MXFP4
+        if self.mxfp4 and not self.loads_mxfp4:
+            raise ValueError(
+                "--quantization mxfp4 keeps gpt-oss's MXFP4 experts as published; this "
+                "model's experts are not: use --quantization fp8, or leave it out"
+            )
+        if (
+            not self.mxfp4
+            and quantization is not None
+            and (quantization.method != "fp8" or quantization.checkpoint_scales)
         ):
             raise ValueError(
                 "expert weights load as stored or quantized to fp8 as they load "
@@ -98,6 +116,9 @@ class FusedExperts(nn.Module):
         self.num_experts = experts
         self.experts_per_token = config.num_experts_per_tok
         self.ops = ops
+        if self.mxfp4:
+            self._create_mxfp4(experts, hidden, length)
+            return
         dtype = None if quantization is None else FP8  # None: the model's
         self.w13 = nn.Parameter(
             torch.empty(experts, 2 * length, hidden, dtype=dtype), requires_grad=False
@@ -110,6 +131,21 @@ class FusedExperts(nn.Module):
         else:
             self.register_buffer("w13_scale", torch.empty(experts, 2 * length, dtype=torch.float32))
             self.register_buffer("w2_scale", torch.empty(experts, hidden, dtype=torch.float32))
+
+    def _create_mxfp4(self, experts: int, hidden: int, length: int) -> None:
+        """MXFP4 matrices and their scales, as ``LayerOps.moe_experts`` takes them; the scales
+        are buffers, as FP8's are (the roofline counts them with the experts)."""
+        self.w13 = nn.Parameter(
+            torch.empty(experts, 2 * length, hidden // 2, dtype=torch.uint8), requires_grad=False
+        )
+        self.w2 = nn.Parameter(
+            torch.empty(experts, hidden, length // 2, dtype=torch.uint8), requires_grad=False
+        )
+        for name, shape in (
+            ("w13_scale", (experts, 2 * length, hidden // BLOCK)),
+            ("w2_scale", (experts, hidden, length // BLOCK)),
+        ):
+            self.register_buffer(name, torch.empty(shape, dtype=torch.uint8))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's share of each token's weighed sum over its experts."""
@@ -154,12 +190,30 @@ class FusedExperts(nn.Module):
         return [key for key in expected if key not in loaded]
 
     def load_random(self, generator: torch.Generator, std: float) -> None:
-        """Weights drawn from N(0, std), in float32, then stored as ``load_tensor`` stores."""
+        """Weights drawn from N(0, std), in float32, then stored as ``load_tensor`` stores;
+        MXFP4: random codes, every block scaled to about std."""
+        if self.mxfp4:
+            self._load_random_mxfp4(generator, std)
+            return
         for param in ("w13", "w2"):
             target = getattr(self, param)
             weight = torch.empty(target.shape, dtype=torch.float32, device=target.device)
             weight.normal_(0.0, std, generator=generator)
             self._store(param, slice(None), slice(None), weight)
+
+    def _load_random_mxfp4(self, generator: torch.Generator, std: float) -> None:
+        """Uniformly random bytes, every scale the power of two nearest to std over the
+        codes' root mean square (in units of their block's scale)."""
+        code_rms = (sum(value**2 for value in E2M1_VALUES) / len(E2M1_VALUES)) ** 0.5
+        exponent = 127 + round(math.log2(std / code_rms))
+        for param in ("w13", "w2"):
+            codes = getattr(self, param)
+            codes.copy_(
+                torch.randint(
+                    0, 256, codes.shape, generator=generator, dtype=torch.uint8, device=codes.device
+                )
+            )
+            getattr(self, f"{param}_scale").fill_(exponent)
 
     def _store(self, param: str, experts: slice, rows: slice, weight: torch.Tensor) -> None:
         """``weight`` [experts, rows, columns] (or one expert's [rows, columns]) into

@@ -19,6 +19,8 @@ PyTorch's ops in the torch backend, on any device) is the backend's choice, neve
   that dequantizes it as it goes (the ops' ``weight_only_matmul``).
 - ``Int8Linear`` (``--quantization int8``): int8 weights, one scale per output channel,
   activations in the model's dtype (W8A16), dequantized inside the GEMM.
+- ``--quantization mxfp4`` leaves every linear layer as ``LinearMethod`` has it: it keeps
+  gpt-oss's MXFP4 experts as published (``engine.models.gpt_oss``), not the linear layers.
 
 Why ``WEIGHT_ONLY_MAX_TOKENS = 16``: at a few tokens a GEMM is bound by the weight's bytes,
 which both paths read once at one byte an element, so the weight-only path wins by skipping
@@ -47,7 +49,8 @@ from engine.backends.pytorch import with_bias
 from engine.distributed.parallel import OneKernelAllReduce
 from engine.model_config import Quantization
 
-QUANTIZATION_METHODS = ("fp8", "int8")
+MXFP4 = "mxfp4"  # gpt-oss's experts kept in MXFP4 for the MoE kernels to read
+QUANTIZATION_METHODS = ("fp8", "int8", MXFP4)
 INT8_MAX = 127
 # Scales of FP8 checkpoints that nothing here reads: static activation scales (activations
 # are quantized per token) and the KV cache's (stored unscaled, --kv-cache-dtype).
@@ -89,7 +92,7 @@ def require_fp8(device: torch.device) -> None:
 def linear_method(quantization: Quantization | None, ops: LayerOps) -> LinearMethod:
     """The method of every quantized linear layer of a model so quantized, multiplying with
     the model's layer ops."""
-    if quantization is None:
+    if quantization is None or quantization.method == MXFP4:
         return LinearMethod(ops)
     if quantization.method == "fp8":
         return Fp8Linear(ops, quantization.checkpoint_scales)

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from engine.backends import create_backend
+from engine.checkpoint import Checkpoint
 from engine.config import EngineConfig
 from engine.distributed.parallel import TensorParallel
 from engine.distributed.symmetric_all_reduce import with_symmetric_all_reduce
@@ -31,6 +32,7 @@ from engine.execution.model_runner import ModelRunner, rank_device, resolve_dtyp
 from engine.execution.warm_up import freeze_start_up_objects
 from engine.model_config import ModelConfig
 from engine.models import load_checkpoint
+from engine.models.gpt_oss import check_mxfp4_experts
 from engine.tensor_parallel.step_channel import StepReceiver, StepSender
 
 logger = logging.getLogger(__name__)
@@ -52,9 +54,10 @@ class WorkerGroup:
     If a worker dies, every collective would wait for it forever: the engine logs which one
     and exits, stopping the others (a supervisor, or the user, restarts it)."""
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint) -> None:
         size = config.tensor_parallel_size
-        check_splits(model_config, size)
+        check_splits(checkpoint.config, size)
+        check_mxfp4_experts(config.quantization, checkpoint, size)
         if config.device == "cuda" and torch.cuda.device_count() < size:
             raise ValueError(
                 f"--tensor-parallel-size {size} needs {size} GPUs; "

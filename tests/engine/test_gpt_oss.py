@@ -7,11 +7,17 @@
 - a sharded MXFP4 checkpoint, as published, loads and generates as transformers does with
   the same dequantized weights;
 - a rank reads only its slice of MXFP4 experts, its features' blocks (which need not start
-  at a block's edge) and no others.
+  at a block's edge) and no others;
+- under ``--quantization mxfp4`` the experts stay MXFP4 (uint8) and the Triton backend's
+  MXFP4 kernels (in the interpreter off CUDA) generate as transformers does, at TP=1 and
+  TP=2; the roofline counts them at half a byte a value and a byte a scale; and the option
+  is refused, in one line, for another family, experts not in MXFP4, a GGUF file, and a
+  tensor-parallel split that cuts a block.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -24,21 +30,25 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
 
+from engine.backends import create_backend
+from engine.backends.mxfp4 import dequantize_mxfp4
 from engine.backends.pytorch import TorchLayerOps
 from engine.backends.triton.moe_route import moe_route
 from engine.checkpoint.hf_checkpoint import hf_config_fields
-from engine.checkpoint.mxfp4 import dequantize_mxfp4
 from engine.config import EngineConfig
 from engine.distributed.parallel import TensorParallel
+from engine.execution.model_runner import quantized_config
 from engine.llm_engine import LLMEngine
-from engine.models import load_checkpoint
-from engine.models.gpt_oss import GptOssExperts
+from engine.models import build_model, load_checkpoint
+from engine.models.gpt_oss import GptOssExperts, check_mxfp4_experts
 from engine.models.yarn import yarn_attention_factor, yarn_inverse_frequencies
+from engine.roofline import ModelCost
 from tandem.testing.random_checkpoint import random_prompts
 from tandem.testing.reference import hf_greedy, run_engine
 from tests.engine.test_model_families import saved_tiny_model
 from tests.engine.test_model_parity import engine_prefill_logits, hf_prefill_logits
 from tests.engine.test_moe import Slices
+from tests.engine.test_tensor_parallel import prefill_logits
 
 
 @pytest.mark.parametrize(
@@ -204,3 +214,119 @@ def test_a_rank_reads_its_slice_of_mxfp4_experts(tmp_path: Path) -> None:
     gate, up = whole.w13[:, :inter], whole.w13[:, inter:]
     assert torch.equal(rank1.w13, torch.cat([gate[:, half], up[:, half]], dim=1))
     assert torch.equal(rank1.w2, whole.w2[:, :, half])
+
+
+def mxfp4_engine(directory: Path, tensor_parallel_size: int = 1) -> LLMEngine:
+    """The engine on the Triton backend with --quantization mxfp4."""
+    return LLMEngine(
+        EngineConfig(
+            model=str(directory),
+            device="cpu",
+            backend="triton",
+            quantization="mxfp4",
+            block_size=4,
+            kv_cache_memory_gb=0.01,
+            tensor_parallel_size=tensor_parallel_size,
+        )
+    )
+
+
+def assert_generates_as_transformers(engine: LLMEngine, hf_model: torch.nn.Module) -> None:
+    """Packed prefill's last-token logits within the dequantizing path's tolerance of
+    transformers', and greedy generations token for token."""
+    prompts = random_prompts(4, seed=2)
+    last_tokens = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+    torch.testing.assert_close(
+        prefill_logits(engine, prompts),
+        hf_prefill_logits(hf_model, prompts)[last_tokens],
+        rtol=1e-4,
+        atol=1e-4,
+    )
+    prompts = random_prompts(2)
+    assert run_engine(engine, prompts, max_tokens=6) == [hf_greedy(hf_model, p, 6) for p in prompts]
+
+
+def test_mxfp4_experts_stay_packed_and_generate_as_transformers(tmp_path: Path) -> None:
+    hf_model = write_mxfp4_checkpoint(tmp_path)
+    engine = mxfp4_engine(tmp_path)
+    experts = [m for m in engine.runner.model.modules() if isinstance(m, GptOssExperts)]
+    assert len(experts) == hf_model.config.num_hidden_layers
+    for module in experts:  # as published: not dequantized on load
+        tensors = (module.w13, module.w2, module.w13_scale, module.w2_scale)
+        assert all(tensor.dtype == torch.uint8 for tensor in tensors)
+        assert module.w13.shape == (8, 2 * 64, 64 // 2) and module.w2_scale.shape == (8, 64, 2)
+    assert_generates_as_transformers(engine, hf_model)
+
+
+def test_mxfp4_experts_at_two_ranks_generate_as_transformers(tmp_path: Path) -> None:
+    """Each rank's 32 of the 64 intermediate features: one block of the down projection."""
+    hf_model = write_mxfp4_checkpoint(tmp_path)
+    engine = mxfp4_engine(tmp_path, tensor_parallel_size=2)
+    try:
+        assert_generates_as_transformers(engine, hf_model)
+    finally:
+        engine.close()
+
+
+def test_random_mxfp4_experts_load_format_dummy(tmp_path: Path) -> None:
+    """--load-format dummy: random codes, every scale 2 ** -7 (0.02 over the codes' root mean
+    square, 2.9, to the nearest power of two), and the engine generates."""
+    write_mxfp4_checkpoint(tmp_path)
+    config = EngineConfig(
+        model=str(tmp_path),
+        device="cpu",
+        backend="triton",
+        quantization="mxfp4",
+        load_format="dummy",
+        block_size=4,
+        kv_cache_memory_gb=0.01,
+    )
+    engine = LLMEngine(config)
+    for module in engine.runner.model.modules():
+        if isinstance(module, GptOssExperts):
+            assert (module.w13_scale == 127 - 7).all() and (module.w2_scale == 127 - 7).all()
+            assert module.w13.unique().numel() > 200
+    assert len(run_engine(engine, random_prompts(1), max_tokens=3)[0]) == 3
+
+
+def test_the_roofline_counts_mxfp4_experts_at_half_a_byte_a_value(tmp_path: Path) -> None:
+    write_mxfp4_checkpoint(tmp_path)
+    checkpoint = load_checkpoint(str(tmp_path))
+    meta = torch.device("meta")
+
+    def cost(quantization: str | None) -> ModelCost:
+        config = EngineConfig(model=str(tmp_path), device="cpu", quantization=quantization)
+        model_config = quantized_config(config, checkpoint, meta)
+        model = build_model(model_config, create_backend("torch", meta), 16, meta, torch.bfloat16)
+        return ModelCost.of_model(model, torch.bfloat16)
+
+    bf16, mxfp4 = cost(None), cost("mxfp4")
+    values = 3 * 8 * 3 * 64 * 64  # layers, experts, gate + up + down, hidden x intermediate
+    assert bf16.expert_matmul_params == mxfp4.expert_matmul_params == values
+    assert bf16.expert_weight_bytes == 2 * values
+    assert mxfp4.expert_weight_bytes == values // 2 + values // 32
+
+
+def test_mxfp4_is_refused_where_the_experts_cannot_stay_mxfp4(tmp_path: Path) -> None:
+    """Another family, gpt-oss with bf16 experts, a GGUF file, and a split that cuts a block
+    (64 features over 4 ranks, before any worker starts; gpt-oss-20b's 90 blocks over 4 but
+    not over 2): each refused in one line saying what to do instead."""
+    saved_tiny_model("mixtral", tmp_path / "mixtral")
+    with pytest.raises(ValueError, match="MixtralForCausalLM is not gpt-oss") as refused:
+        mxfp4_engine(tmp_path / "mixtral")
+    assert "\n" not in str(refused.value)
+    saved_tiny_model("gpt-oss", tmp_path / "bf16")
+    with pytest.raises(ValueError, match=r"experts are not MXFP4.*leave --quantization out"):
+        mxfp4_engine(tmp_path / "bf16")
+    write_mxfp4_checkpoint(tmp_path / "mxfp4")
+    with pytest.raises(ValueError, match=r"over 4 ranks.*not whole blocks"):
+        mxfp4_engine(tmp_path / "mxfp4", tensor_parallel_size=4)
+    checkpoint = load_checkpoint(str(tmp_path / "mxfp4"))
+    with pytest.raises(ValueError, match="not from a GGUF file"):
+        check_mxfp4_experts("mxfp4", dataclasses.replace(checkpoint, gguf=True), 1)
+    config = dataclasses.replace(checkpoint.config, moe_intermediate_size=2880)
+    gpt_oss_20b = dataclasses.replace(checkpoint, config=config)
+    check_mxfp4_experts("mxfp4", gpt_oss_20b, 2)
+    with pytest.raises(ValueError, match="over 4 ranks"):
+        check_mxfp4_experts("mxfp4", gpt_oss_20b, 4)
+    check_mxfp4_experts(None, dataclasses.replace(checkpoint, gguf=True), 4)  # not asked

@@ -20,8 +20,8 @@ The layer ops multiply one contiguous CUDA row with the one-row kernel (``takes_
 and leave it the norm before (``engine.backends.deferred_norm``). The weight-only GEMM, FP8
 activations' quantization (a deferred norm's rows too, on any device), the argmax and the
 pending tokens' fill are kernels on CUDA tensors and the torch backend's ops on others: on
-the CPU, in Triton's interpreter (for tests), attention, the norms and the activation are
-interpreted kernels and the products PyTorch's.
+the CPU, in Triton's interpreter (for tests), attention, the norms, the activation and MXFP4
+experts' products are interpreted kernels and the other products PyTorch's.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from engine.backends.triton.fp8_quantize import quantize_rows_fp8
 from engine.backends.triton.fused_moe import fused_moe
 from engine.backends.triton.graph_inputs import fill_graph_inputs
 from engine.backends.triton.moe_route import moe_route
+from engine.backends.triton.mxfp4_moe import mxfp4_moe
 from engine.backends.triton.one_row_matmul import one_row_matmul
 from engine.backends.triton.pending_tokens import fill_pending_tokens
 from engine.backends.triton.push_all_reduce import PushAllReduce, push_all_reduce
@@ -282,6 +283,11 @@ class TritonLayerOps(TorchLayerOps):
         # epilogues, combine: four or five. No host sync (CUDA graphs replay any routing).
         experts = (x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, expert_offset)
         variant = {"w13_bias": w13_bias, "w2_bias": w2_bias, "activation": activation}
+        if w13.dtype == torch.uint8:
+            # MXFP4 (--quantization mxfp4): its kernels read it, on any device (on the CPU in
+            # Triton's interpreter, as attention's kernels run there), so that a model's
+            # tests run them.
+            return mxfp4_moe(*experts, **variant)
         if x.is_cuda:
             return fused_moe(*experts, **variant)
         return super().moe_experts(*experts, **variant)  # the torch backend's reference

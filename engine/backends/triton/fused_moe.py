@@ -59,6 +59,11 @@ The path, tiles and splits are chosen by a rule over the shape (``moe_config``),
 a few pairs go by pair; other decode steps take 16-row tiles and narrow columns, or split I,
 to fill the SMs; prefills, large tiles (the same regimes as vLLM's and SGLang's tuned tables
 for these shapes).
+
+MXFP4 experts (uint8 weights) go to ``mxfp4_moe`` instead, which shares this module's
+alignment and combine (``align_pairs``, ``combine_partial_sums``) and its kernels' common
+pieces (``program_tile``, ``tile_pairs``, ``split_steps``, ``biased_activation``,
+``with_down_bias``, ``store_rows``).
 """
 
 from __future__ import annotations
@@ -254,6 +259,78 @@ def _tile_and_columns(num_tiles, num_columns, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def program_tile(num_tiles, num_columns, tile_rows_ptr, BLOCK_N: tl.constexpr):
+    """First thing in a grouped GEMM's program: after the kernel before (``_launched_dependent``),
+    its tile and columns (``_tile_and_columns``) and the tile's real rows (0: past the
+    routing's last tile, and the program returns)."""
+    _launched_dependent()
+    tile, cols = _tile_and_columns(num_tiles, num_columns, BLOCK_N)
+    return tile, cols, tl.load(tile_rows_ptr + tile)
+
+
+@triton.jit
+def tile_pairs(tile, rows, tile_expert_ptr, sorted_pairs_ptr, BLOCK_M: tl.constexpr):
+    """A tile's local expert (int64, for its weights' offsets), its real rows' mask and the
+    pairs in them."""
+    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    row_mask = tl.arange(0, BLOCK_M) < rows
+    pairs = tl.load(sorted_pairs_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M), mask=row_mask)
+    return expert, row_mask, pairs
+
+
+@triton.jit
+def split_steps(depth, split, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The steps of ``depth`` (BLOCK_K each) that split ``split`` of SPLIT_K sums: an even
+    share, in whole steps (first, past the last)."""
+    steps = tl.cdiv(depth, BLOCK_K)
+    steps_per_split = tl.cdiv(steps, SPLIT_K)
+    first = split * steps_per_split
+    return first, tl.minimum(first + steps_per_split, steps)
+
+
+@triton.jit
+def biased_activation(
+    gate,
+    up,
+    bias_ptrs,
+    col_mask,
+    intermediate,
+    alpha,
+    limit,
+    HAS_BIAS: tl.constexpr,
+    CLAMPED_SWIGLU: tl.constexpr,
+):
+    """The gate/up kernels' epilogue: float32 gate and up [BLOCK_M, BLOCK_N], their biases
+    added if HAS_BIAS (gpt-oss's: the gate's at ``bias_ptrs``, the up's ``intermediate``
+    further), through the activation."""
+    if HAS_BIAS:
+        gate += tl.load(bias_ptrs, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        up += tl.load(bias_ptrs + intermediate, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    return gated_activation(gate, up, alpha, limit, CLAMPED_SWIGLU)
+
+
+@triton.jit
+def with_down_bias(acc, routing_weight, bias_ptrs, col_mask, split, HAS_BIAS: tl.constexpr):
+    """A down kernel's sums ``acc`` (times the routing weights) with, if HAS_BIAS (gpt-oss's),
+    the bias times the routing weight added by the first split only."""
+    if HAS_BIAS:
+        bias = tl.load(bias_ptrs, mask=col_mask, other=0.0)
+        acc += routing_weight[:, None] * tl.where(split == 0, bias.to(tl.float32), 0.0)[None, :]
+    return acc
+
+
+@triton.jit
+def store_rows(out_ptr, stride_out, rows, row_mask, cols, col_mask, values):
+    """``values`` [len(rows), len(cols)] in the output's dtype at rows ``rows`` (a tile's
+    pairs) and columns ``cols`` of ``out_ptr``'s matrix, where both masks hold."""
+    tl.store(
+        out_ptr + rows[:, None] * stride_out + cols[None, :],
+        values.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & col_mask[None, :],
+    )
+
+
+@triton.jit
 def _local_experts(ids_ptr, pairs, num_pairs, expert_offset, num_experts, EXPERTS: tl.constexpr):
     """[len(pairs), EXPERTS] int32: 1 where the pair picked that local expert."""
     expert = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1) - expert_offset
@@ -375,14 +452,10 @@ def _gate_up_kernel(
 ):
     """Program per (BLOCK_N columns of each half, tile of one expert's pairs). The epilogue:
     silu(gate) * up, or (gpt-oss) the biases added and the clamped SwiGLU."""
-    _launched_dependent()
-    tile, cols = _tile_and_columns(num_tiles, intermediate, BLOCK_N)
-    rows = tl.load(tile_rows_ptr + tile)
+    tile, cols, rows = program_tile(num_tiles, intermediate, tile_rows_ptr, BLOCK_N)
     if rows == 0:
         return
-    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
-    row_mask = tl.arange(0, BLOCK_M) < rows
-    pairs = tl.load(sorted_pairs_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M), mask=row_mask)
+    expert, row_mask, pairs = tile_pairs(tile, rows, tile_expert_ptr, sorted_pairs_ptr, BLOCK_M)
     tokens = pairs // top_k
     col_mask = cols < intermediate
     # [BLOCK_K, BLOCK_N] tiles of the gate's and the up's rows, contiguous in H.
@@ -413,16 +486,11 @@ def _gate_up_kernel(
         x_scale = tl.load(x_scale_ptr + tokens, mask=row_mask, other=0.0)[:, None]
         gate *= x_scale
         up *= x_scale
-    if HAS_BIAS:
-        bias_ptrs = bias_ptr + expert * stride_be + cols
-        gate += tl.load(bias_ptrs, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        up += tl.load(bias_ptrs + intermediate, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    activation = gated_activation(gate, up, alpha, limit, CLAMPED_SWIGLU)
-    tl.store(
-        hidden_ptr + pairs[:, None] * stride_hidden + cols[None, :],
-        activation.to(hidden_ptr.dtype.element_ty),
-        mask=row_mask[:, None] & col_mask[None, :],
+    bias_ptrs = bias_ptr + expert * stride_be + cols  # unread without a bias
+    activation = biased_activation(
+        gate, up, bias_ptrs, col_mask, intermediate, alpha, limit, HAS_BIAS, CLAMPED_SWIGLU
     )
+    store_rows(hidden_ptr, stride_hidden, pairs, row_mask, cols, col_mask, activation)
 
 
 @triton.jit
@@ -457,21 +525,13 @@ def _down_kernel(
 ):
     """Program per (BLOCK_N output columns, tile of one expert's pairs; split of I). A bias
     (gpt-oss's) is added by the first split, times the routing weight as the product is."""
-    _launched_dependent()
-    tile, cols = _tile_and_columns(num_tiles, channels, BLOCK_N)
-    rows = tl.load(tile_rows_ptr + tile)
+    tile, cols, rows = program_tile(num_tiles, channels, tile_rows_ptr, BLOCK_N)
     if rows == 0:
         return
-    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    expert, row_mask, pairs = tile_pairs(tile, rows, tile_expert_ptr, sorted_pairs_ptr, BLOCK_M)
     split = tl.program_id(1)
-    row_mask = tl.arange(0, BLOCK_M) < rows
-    pairs = tl.load(sorted_pairs_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M), mask=row_mask)
     col_mask = cols < channels
-    # This split's steps of I: an even share, in whole steps.
-    steps = tl.cdiv(depth, BLOCK_K)
-    steps_per_split = tl.cdiv(steps, SPLIT_K)
-    first = split * steps_per_split
-    last = tl.minimum(first + steps_per_split, steps)
+    first, last = split_steps(depth, split, BLOCK_K, SPLIT_K)
     w_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn
     hidden_ptrs = hidden_ptr + pairs[:, None] * stride_hidden
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -494,15 +554,12 @@ def _down_kernel(
     row_scale = routing_weight
     if W8A8:
         row_scale *= tl.load(hidden_scale_ptr + pairs, mask=row_mask, other=0.0)
-    acc *= row_scale[:, None]
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + expert * stride_be + cols, mask=col_mask, other=0.0)
-        acc += routing_weight[:, None] * tl.where(split == 0, bias.to(tl.float32), 0.0)[None, :]
-    tl.store(
-        partial_ptr + (split * num_pairs + pairs[:, None]) * channels + cols[None, :],
-        acc,
-        mask=row_mask[:, None] & col_mask[None, :],
+    bias_ptrs = bias_ptr + expert * stride_be + cols  # unread without a bias
+    acc = with_down_bias(
+        acc * row_scale[:, None], routing_weight, bias_ptrs, col_mask, split, HAS_BIAS
     )
+    split_ptr = partial_ptr + split * num_pairs * channels
+    store_rows(split_ptr, channels, pairs, row_mask, cols, col_mask, acc)
 
 
 @triton.jit
@@ -620,45 +677,9 @@ def fused_moe(
             activation,
         )
         return out
-    block_m = config.block_m
-    # 1. Align. At most min(E, T*K) experts have pairs; each pads to whole tiles.
-    max_tiles = num_pairs // block_m + min(num_experts, num_pairs)
-    sorted_pairs = ids.new_empty(max_tiles * block_m, dtype=torch.int32)
-    tile_expert = ids.new_empty(max_tiles, dtype=torch.int32)
-    tile_rows = ids.new_empty(max_tiles, dtype=torch.int32)
-    experts_pow2 = triton.next_power_of_2(num_experts)
-    chunk = max(16, min(triton.next_power_of_2(num_pairs), _ALIGN_ELEMENTS // experts_pow2))
-    num_chunks = triton.cdiv(num_pairs, chunk)
-    counts = ids.new_empty(num_chunks * experts_pow2, dtype=torch.int32)
-    if num_chunks > 1:
-        _count_kernel[(num_chunks,)](
-            ids,
-            counts,
-            num_pairs,
-            expert_offset,
-            num_experts,
-            CHUNK=chunk,
-            EXPERTS=experts_pow2,
-            **launch_options(x.device),
-        )
-    _place_kernel[(num_chunks,)](
-        ids,
-        counts,
-        sorted_pairs,
-        tile_expert,
-        tile_rows,
-        num_pairs,
-        expert_offset,
-        num_experts,
-        num_chunks,
-        max_tiles,
-        CHUNK=chunk,
-        EXPERTS=experts_pow2,
-        BLOCK_M=block_m,
-        TILES=_ALIGN_TILES,
-        ONE_CHUNK=num_chunks == 1,
-        **launch_options(x.device),
-    )
+    # 1. Align.
+    aligned = align_pairs(ids, num_experts, expert_offset, config.block_m)
+    max_tiles = aligned.max_tiles
 
     precision = dot_precision(x.dtype)
     # 2. Gate/up and the activation. W8A8: x quantized per token first, the product's rows
@@ -673,9 +694,9 @@ def fused_moe(
         w13_scale if quantized else w13,
         hidden_states,
         w13 if w13_bias is None else w13_bias,  # unread without a bias
-        sorted_pairs,
-        tile_expert,
-        tile_rows,
+        aligned.sorted_pairs,
+        aligned.tile_expert,
+        aligned.tile_rows,
         max_tiles,
         hidden,
         intermediate,
@@ -692,7 +713,7 @@ def fused_moe(
         W8A8=w8a8,
         HAS_BIAS=w13_bias is not None,
         CLAMPED_SWIGLU=activation is not None,
-        BLOCK_M=block_m,
+        BLOCK_M=config.block_m,
         BLOCK_N=gate_up.block_n,
         BLOCK_K=gate_up.block_k,
         DOT_PRECISION=precision,
@@ -718,9 +739,9 @@ def fused_moe(
         weights,
         w2 if w2_bias is None else w2_bias,  # unread without a bias
         partial,
-        sorted_pairs,
-        tile_expert,
-        tile_rows,
+        aligned.sorted_pairs,
+        aligned.tile_expert,
+        aligned.tile_rows,
         max_tiles,
         num_pairs,
         intermediate,
@@ -733,7 +754,7 @@ def fused_moe(
         HAS_SCALE=quantized,
         W8A8=w8a8,
         HAS_BIAS=w2_bias is not None,
-        BLOCK_M=block_m,
+        BLOCK_M=config.block_m,
         BLOCK_N=down.block_n,
         BLOCK_K=down.block_k,
         SPLIT_K=down.split_k,
@@ -744,6 +765,84 @@ def fused_moe(
     )
 
     # 4. Combine.
+    combine_partial_sums(partial, ids, out, num_experts, expert_offset)
+    return out
+
+
+@dataclass(frozen=True)
+class AlignedPairs:
+    """``align_pairs``' output: the pairs of each local expert side by side in
+    ``sorted_pairs`` [max_tiles * BLOCK_M] int32, each expert's run padded to whole tiles;
+    each tile's local expert ``tile_expert`` [max_tiles] and its real rows ``tile_rows``
+    [max_tiles] (0: past the routing's last tile)."""
+
+    sorted_pairs: torch.Tensor
+    tile_expert: torch.Tensor
+    tile_rows: torch.Tensor
+    max_tiles: int
+
+
+def align_pairs(
+    ids: torch.Tensor, num_experts: int, expert_offset: int, block_m: int
+) -> AlignedPairs:
+    """Step 1 of the grouped path (the module's docstring): the pairs of global expert ids
+    ``ids`` [T*K] int32 among ``num_experts`` local experts from ``expert_offset``, in
+    BLOCK_M-row tiles of one expert each. Sized for any routing: at most min(E, T*K)
+    experts have pairs, and each pads to whole tiles."""
+    num_pairs = ids.shape[0]
+    max_tiles = num_pairs // block_m + min(num_experts, num_pairs)
+    sorted_pairs = ids.new_empty(max_tiles * block_m, dtype=torch.int32)
+    tile_expert = ids.new_empty(max_tiles, dtype=torch.int32)
+    tile_rows = ids.new_empty(max_tiles, dtype=torch.int32)
+    experts_pow2 = triton.next_power_of_2(num_experts)
+    chunk = max(16, min(triton.next_power_of_2(num_pairs), _ALIGN_ELEMENTS // experts_pow2))
+    num_chunks = triton.cdiv(num_pairs, chunk)
+    counts = ids.new_empty(num_chunks * experts_pow2, dtype=torch.int32)
+    if num_chunks > 1:
+        _count_kernel[(num_chunks,)](
+            ids,
+            counts,
+            num_pairs,
+            expert_offset,
+            num_experts,
+            CHUNK=chunk,
+            EXPERTS=experts_pow2,
+            **launch_options(ids.device),
+        )
+    _place_kernel[(num_chunks,)](
+        ids,
+        counts,
+        sorted_pairs,
+        tile_expert,
+        tile_rows,
+        num_pairs,
+        expert_offset,
+        num_experts,
+        num_chunks,
+        max_tiles,
+        CHUNK=chunk,
+        EXPERTS=experts_pow2,
+        BLOCK_M=block_m,
+        TILES=_ALIGN_TILES,
+        ONE_CHUNK=num_chunks == 1,
+        **launch_options(ids.device),
+    )
+    return AlignedPairs(sorted_pairs, tile_expert, tile_rows, max_tiles)
+
+
+def combine_partial_sums(
+    partial: torch.Tensor,
+    ids: torch.Tensor,
+    out: torch.Tensor,
+    num_experts: int,
+    expert_offset: int,
+) -> None:
+    """Step 4 of the grouped path: each token's row of ``out`` [T, H], the sum of its pairs'
+    float32 ``partial`` [SPLIT_K, T*K, H] sums over the splits, in a fixed order; a pair of
+    an expert not among the ``num_experts`` local ones from ``expert_offset`` (global ids
+    ``ids`` [T*K]) adds nothing."""
+    split_k, num_pairs, hidden = partial.shape
+    num_tokens = out.shape[0]
     _combine_kernel[(num_tokens, triton.cdiv(hidden, _COMBINE_BLOCK))](
         partial,
         ids,
@@ -753,9 +852,8 @@ def fused_moe(
         expert_offset,
         num_experts,
         out.stride(0),
-        TOP_K=top_k,
-        SPLIT_K=down.split_k,
+        TOP_K=num_pairs // num_tokens,
+        SPLIT_K=split_k,
         BLOCK=_COMBINE_BLOCK,
-        **launch_options(x.device),
+        **launch_options(out.device),
     )
-    return out

@@ -5,6 +5,10 @@ A checkpoint stores a matrix [..., rows, columns] as ``*_blocks`` uint8 [..., ro
 columns / 32, 16], two values a byte (the low nibble first), and ``*_scales`` uint8 [...,
 rows, columns / 32], each the exponent of its block's scale plus 127. The values are
 transformers' (``convert_moe_packed_tensors``): value * 2 ** (scale - 127).
+
+Here, beside the backends, because ``LayerOps.moe_experts`` takes MXFP4 experts as stored
+(``--quantization mxfp4``): the torch backend dequantizes them with ``dequantize_mxfp4``, the
+Triton backend's kernels read them (``engine.backends.triton.mxfp4_moe``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,104 @@
+"""The MXFP4 MoE kernels (engine/backends/triton/mxfp4_moe.py) on CUDA at gpt-oss-20b's
+experts' shape (hidden 2880, intermediate 2880, 32 experts, top 4, its biases and clamped
+SwiGLU): against the float32 reference of the dequantized experts at 1, 8 and 256 tokens
+(each tile rule's regime), the same bits run to run, and inside a CUDA graph captured for
+one routing and replayed for others."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from engine.backends.mxfp4 import BLOCK, dequantize_mxfp4
+from engine.backends.triton.mxfp4_moe import mxfp4_moe
+from tandem.bench.moe_kernel import (
+    GPT_OSS_ACTIVATION,
+    SHAPES,
+    assert_matches_reference,
+    random_routing,
+)
+
+SHAPE = SHAPES["gpt-oss-20b"]
+
+
+def packed(rows: int, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random MXFP4 matrices of the shape's experts, as ``moe_experts`` takes them; scales
+    2 ** -8 to 2 ** -6, for products of about unit size over 2880 of depth."""
+    experts = SHAPE.local_experts
+    codes = torch.randint(0, 256, (experts, rows, columns // 2), device="cuda", dtype=torch.uint8)
+    scales = torch.randint(
+        119, 122, (experts, rows, columns // BLOCK), device="cuda", dtype=torch.uint8
+    )
+    return codes, scales
+
+
+@pytest.fixture(scope="module")
+def layers() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The experts in MXFP4 (``mxfp4_moe``'s keywords) and the same dequantized to bf16 (the
+    reference's), with gpt-oss's biases and activation."""
+    torch.manual_seed(0)
+    hidden, intermediate = SHAPE.hidden, SHAPE.intermediate
+    w13, w13_scale = packed(2 * intermediate, hidden)
+    w2, w2_scale = packed(hidden, intermediate)
+    experts = SHAPE.local_experts
+    variant = {
+        "w13_bias": torch.randn(experts, 2 * intermediate, device="cuda", dtype=torch.bfloat16),
+        "w2_bias": torch.randn(experts, hidden, device="cuda", dtype=torch.bfloat16) * 0.1,
+        "activation": GPT_OSS_ACTIVATION,
+    }
+    mxfp4 = {"w13": w13, "w2": w2, "w13_scale": w13_scale, "w2_scale": w2_scale} | variant
+    bf16 = {
+        "w13": dequantize_mxfp4(w13.unflatten(-1, (-1, 16)), w13_scale, torch.bfloat16),
+        "w2": dequantize_mxfp4(w2.unflatten(-1, (-1, 16)), w2_scale, torch.bfloat16),
+        "w13_scale": None,
+        "w2_scale": None,
+    } | variant
+    return mxfp4, bf16
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8, 256])
+def test_mxfp4_moe_at_gpt_oss_20b_shape(
+    layers: tuple[dict[str, Any], dict[str, Any]], num_tokens: int
+) -> None:
+    mxfp4, bf16 = layers
+    torch.manual_seed(num_tokens)
+    x = torch.randn(num_tokens, SHAPE.hidden, device="cuda", dtype=torch.bfloat16)
+    weights, ids = random_routing(num_tokens, SHAPE)
+    out = mxfp4_moe(x, weights, ids, **mxfp4)
+    assert_matches_reference(out, x, weights, ids, bf16)
+    # No atomics: the same sums in the same order, run to run.
+    assert torch.equal(out, mxfp4_moe(x, weights, ids, **mxfp4))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8, 256])
+def test_mxfp4_moe_replays_in_a_cuda_graph_for_any_routing(
+    layers: tuple[dict[str, Any], dict[str, Any]], num_tokens: int
+) -> None:
+    """Captured for one random routing, replayed for another and for the most uneven one
+    (every token's picks the same 4 experts): each replay equals an eager run bit for bit,
+    and the reference."""
+    mxfp4, bf16 = layers
+    torch.manual_seed(100 + num_tokens)
+    x = torch.randn(num_tokens, SHAPE.hidden, device="cuda", dtype=torch.bfloat16)
+    weights, ids = random_routing(num_tokens, SHAPE)
+    mxfp4_moe(x, weights, ids, **mxfp4)  # compiles outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        mxfp4_moe(x, weights, ids, **mxfp4)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = mxfp4_moe(x, weights, ids, **mxfp4)
+
+    uneven = torch.arange(SHAPE.top_k, device="cuda", dtype=torch.int32).expand_as(ids)
+    for new_ids in (random_routing(num_tokens, SHAPE)[1], uneven):
+        x.copy_(torch.randn_like(x))
+        weights.copy_(random_routing(num_tokens, SHAPE)[0])
+        ids.copy_(new_ids)
+        graph.replay()
+        eager = mxfp4_moe(x, weights, ids, **mxfp4)
+        assert torch.equal(captured, eager)
+        assert_matches_reference(captured, x, weights, ids, bf16)
