@@ -16,6 +16,7 @@
 #   scripts/gpu_session.sh moe-235b moe-235b-offline     # Qwen3-235B-A22B shape, fp8, 4 GPUs
 #   MOE_TP=2 scripts/gpu_session.sh moe-235b             # the same on two, where four are not lent
 #   scripts/gpu_session.sh gpt-oss                       # gpt-oss, one GPU
+#   scripts/gpu_session.sh mxfp4  # gpt-oss's experts read as MXFP4: GPU tests, TPOT against bf16
 #   scripts/gpu_session.sh merge-fold  # split decode merged in its own launch (issues 37/39)
 #   scripts/gpu_session.sh prefill-attn qkv-rules  # prefill attention; the batch-1 QKV kernel's rule
 #   scripts/gpu_session.sh decode-splits  # batch-1 decode attention at the engine's split count
@@ -528,6 +529,34 @@ PY
       grep -hE "worst logprob|agree" "$out/gpt-oss-tests.log"
       echo "gpt-oss-20b latency (batch-1 TPOT):"; grep -hE "^tandem, |^roofline" "$out/gpt-oss-latency.log"
       echo "gpt-oss-20b offline:"; grep -hE "^tandem, |engine start" "$out/gpt-oss-offline.log" ;;
+    mxfp4)  # gpt-oss's experts kept in MXFP4 (--quantization mxfp4) against dequantized
+      timeout 240 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_mxfp4_moe_cuda.py \
+        tests/engine/test_mxfp4_moe.py 2>&1 | tee "$out/mxfp4-tests.log" | tail -4
+      for shape in gpt-oss-20b gpt-oss-120b; do
+        m=/tmp/cfg-$shape-mxfp4  # the config marked as published: experts in MXFP4
+        [ -f "$m/config.json" ] || { cp -r "$(config_only $shape)" "$m" && python3 - "$m" <<'PY'
+import json, sys
+path = f"{sys.argv[1]}/config.json"
+config = json.load(open(path))
+config["quantization_config"] = {"quant_method": "mxfp4"}
+json.dump(config, open(path, "w"))
+PY
+        }
+        for flags in "" "--quantization mxfp4"; do
+          [ $shape = gpt-oss-120b ] && [ -z "$flags" ] && continue  # bf16: 234 GB, no fit
+          name=$shape${flags:+-mxfp4}
+          timeout 200 python3 scripts/bench_latency.py --model "$m" --load-format dummy --runs 2 \
+            $flags 2>&1 | tee "$out/mxfp4-latency-$name.log" | grep -hE "^tandem, |^roofline"
+        done
+      done
+      timeout 200 python3 scripts/bench_offline.py --model /tmp/cfg-gpt-oss-20b-mxfp4 \
+        --load-format dummy --runs 1 --quantization mxfp4 2>&1 | tee "$out/mxfp4-offline.log" \
+        | grep -v '^INFO' | tail -4
+      echo "=== mxfp4 summary"
+      grep -hE "passed|failed" "$out/mxfp4-tests.log" | tail -1
+      for f in "$out"/mxfp4-latency-*.log; do
+        echo "$(basename "$f" .log): $(grep -hE '^tandem, median' "$f")"
+      done ;;
     moe-235b)  # 4 GPUs: load at TP=4 with fp8 experts, one HTTP request, batch-1 TPOT
       # (MOE_TP=2 on two H200s: about 120 GB of fp8 weights a GPU, a few GB left for the cache)
       tp=${MOE_TP:-4}
