@@ -23,7 +23,7 @@ from engine.execution.warm_up import freeze_start_up_objects, warm_up
 from engine.models import load_checkpoint
 from engine.roofline import StepShape
 from engine.sampling.prompt_logprobs import take_scored, take_unsent
-from engine.sampling.structured_output import CompilingRequests, GrammarCompiler, GrammarError
+from engine.sampling.structured_output import CompilingRequests, GrammarCompiler
 from engine.sampling.token_restrictions import breaks_restrictions, dead_end_message, may_dead_end
 from engine.scheduling.block_manager import BlockManager
 from engine.scheduling.request import Request, RequestStatus
@@ -326,10 +326,8 @@ class LLMEngine:
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
         request = Request(client, request_id, list(prompt), sampling, seed, scheduling)
         if sampling.structured_output is not None:
-            try:
-                self.compiling.add(request)  # scheduled once its grammar is compiled
-            except GrammarError as exc:
-                raise RequestRejected(ErrorCode.INVALID_REQUEST, str(exc)) from None
+            # Scheduled once its grammar is compiled; refused (take_errors) if it fails.
+            self.compiling.add(request)
         else:
             self.scheduler.add(request)
         self.requests[request.key] = request
