@@ -51,6 +51,7 @@ from protocol import (
     TokenLogprobs,
     context_length_problem,
     prompt_logprobs_problem,
+    quoted,
 )
 
 logger = logging.getLogger(__name__)
@@ -625,7 +626,9 @@ class LLMEngine:
         if sampling.allowed_token_ids is None and not (
             sampling.bad_words_token_ids or sampling.min_tokens
         ):
-            logger.error("request %s: token %d breaks its grammar", request.request_id, token)
+            logger.error(
+                "request %s: token %d breaks its grammar", quoted(request.request_id), token
+            )
             return self._finish(request, FinishReason.ABORT, [])
         reply = ErrorReply(request.request_id, ErrorCode.INVALID_REQUEST, dead_end_message(request))
         self._finish(request, FinishReason.ABORT, [])  # its output is not sent: the error is
