@@ -267,6 +267,14 @@ def new_matcher(
     return xgr.GrammarMatcher(compiled, override_stop_tokens=stops)
 
 
+def allows_no_token(matcher: xgr.GrammarMatcher, vocab_size: int) -> bool:
+    """Whether the grammar allows no token at all where ``matcher`` is, not even a stop token:
+    it matches no text (``root ::= root``), or none that the vocabulary can spell."""
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bitmask)
+    return not bool(bitmask.any())
+
+
 class CompilingRequests:
     """Requests whose grammars are compiling. A constrained request waits here, outside the
     scheduler, until its grammar is ready (it gets its matcher then, and is scheduled) or

@@ -258,6 +258,28 @@ def test_restrictions_that_leave_no_token_end_the_request_with_an_error(
     assert_all_done(engine)
 
 
+def test_a_grammar_that_matches_no_text_is_refused(tiny: tuple[Path, HFLlama]) -> None:
+    """A grammar whose mask allows no token (it matches no text) is its user's error: an
+    invalid_request, not an abort (an HTTP 503 that retrying never gets past)."""
+    directory, hf_model = tiny
+    engine = make_engine(directory)
+    nothing = StructuredOutput(StructuredOutputKind.GRAMMAR, "root ::= root")
+    prompts = random_prompts(2)
+    outputs = generate(
+        engine,
+        {
+            "nothing": (prompts[0], SamplingParams(structured_output=nothing)),
+            "free": (prompts[1], SamplingParams(max_tokens=4, ignore_eos=True)),
+        },
+    )
+    ((_, error),) = engine.take_errors()
+    assert error.request_id == "nothing" and error.code == ErrorCode.INVALID_REQUEST
+    assert "output token 1: the structured output allows none" in error.message
+    assert not outputs["nothing"]
+    assert tokens(outputs["free"]) == hf_greedy(hf_model, prompts[1], 4)
+    assert_all_done(engine)
+
+
 def test_logprobs_are_those_of_the_allowed_tokens(tiny: tuple[Path, HFLlama]) -> None:
     """As vLLM's: the log-probabilities of the distribution sampled from, the grammar's
     mask applied; the forbidden alternatives have -inf."""
