@@ -23,7 +23,11 @@ from engine.execution.warm_up import freeze_start_up_objects, warm_up
 from engine.models import load_checkpoint
 from engine.roofline import StepShape
 from engine.sampling.prompt_logprobs import take_scored, take_unsent
-from engine.sampling.structured_output import CompilingRequests, GrammarCompiler, GrammarError
+from engine.sampling.structured_output import (
+    CompilingRequests,
+    GrammarCompiler,
+    allows_no_token,
+)
 from engine.sampling.token_restrictions import breaks_restrictions, dead_end_message, may_dead_end
 from engine.scheduling.block_manager import BlockManager
 from engine.scheduling.request import Request, RequestStatus
@@ -51,6 +55,7 @@ from protocol import (
     TokenLogprobs,
     context_length_problem,
     prompt_logprobs_problem,
+    quoted,
 )
 
 logger = logging.getLogger(__name__)
@@ -324,10 +329,8 @@ class LLMEngine:
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
         request = Request(client, request_id, list(prompt), sampling, seed, scheduling)
         if sampling.structured_output is not None:
-            try:
-                self.compiling.add(request)  # scheduled once its grammar is compiled
-            except GrammarError as exc:
-                raise RequestRejected(ErrorCode.INVALID_REQUEST, str(exc)) from None
+            # Scheduled once its grammar is compiled; refused (take_errors) if it fails.
+            self.compiling.add(request)
         else:
             self.scheduler.add(request)
         self.requests[request.key] = request
@@ -620,13 +623,18 @@ class LLMEngine:
     def _refuse_dead_end(self, request: Request, token: int) -> RequestOutput | None:
         """End a request the sampler found no token for (engine/sampling/token_restrictions.py): its
         user gets an error, not the token it never allowed. Without restrictions of its own,
-        its grammar's mask alone allowed the token: a bug, not the user's doing."""
+        its grammar's mask alone decided: a grammar that allows no token is the user's (it
+        matches no text), one that allowed the token is a bug, not the user's doing."""
         sampling = request.sampling
         if sampling.allowed_token_ids is None and not (
             sampling.bad_words_token_ids or sampling.min_tokens
         ):
-            logger.error("request %s: token %d breaks its grammar", request.request_id, token)
-            return self._finish(request, FinishReason.ABORT, [])
+            assert request.grammar is not None  # may_dead_end: no allowed tokens, a grammar
+            if not allows_no_token(request.grammar, self.vocab_size):
+                logger.error(
+                    "request %s: token %d breaks its grammar", quoted(request.request_id), token
+                )
+                return self._finish(request, FinishReason.ABORT, [])
         reply = ErrorReply(request.request_id, ErrorCode.INVALID_REQUEST, dead_end_message(request))
         self._finish(request, FinishReason.ABORT, [])  # its output is not sent: the error is
         self.errors.append((request.client, reply))

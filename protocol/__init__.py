@@ -1,6 +1,13 @@
 """The messages between HTTP servers and the engine: the one source of truth for the socket."""
 
-from protocol.codec import MAX_FRAME_BYTES, Message, ProtocolError, build_codecs, decode_message
+from protocol.codec import (
+    MAX_FRAME_BYTES,
+    Message,
+    ProtocolError,
+    build_codecs,
+    decode_message,
+    quoted,
+)
 from protocol.limits import context_length_problem, prompt_logprobs_problem
 from protocol.messages import (
     MAX_BAD_WORDS,
@@ -69,4 +76,5 @@ __all__ = [
     "context_length_problem",
     "decode_message",
     "prompt_logprobs_problem",
+    "quoted",
 ]

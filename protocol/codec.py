@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
+import reprlib
 import types
 import typing
 from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -29,6 +30,17 @@ MAX_FRAME_BYTES = 64 * 1024 * 1024
 
 class ProtocolError(ValueError):
     """A frame that is not a valid message of this protocol."""
+
+
+# A peer's values as the messages about them quote them: cut short. The engine logs every
+# frame it drops, and a frame is up to 64 MiB of, say, one message type or field name.
+_QUOTE = reprlib.Repr()
+_QUOTE.maxstring = _QUOTE.maxother = 100
+
+
+def quoted(value: Any) -> str:
+    """``value``'s repr, its strings and containers cut short (reprlib), for a log line."""
+    return _QUOTE.repr(value)
 
 
 M = TypeVar("M", bound="Message")
@@ -92,7 +104,7 @@ def decode_message(frame: bytes) -> Message:
     tag = body.pop("type", None)
     cls = _REGISTRY.get(tag) if isinstance(tag, str) else None
     if cls is None:
-        raise ProtocolError(f"unknown message type {tag!r}")
+        raise ProtocolError(f"unknown message type {quoted(tag)}")
     return _from_wire(cls, body, cls.__name__)
 
 
@@ -336,7 +348,7 @@ def _dataclass_checker(cls: type) -> _Checker:
         if type(body) is not dict:
             raise _Mismatch("expected a map")
         if not body.keys() <= names:
-            raise _Mismatch(f"unknown fields {sorted(body.keys() - names)}")
+            raise _Mismatch(f"unknown fields {quoted(sorted(body.keys() - names))}")
         values = {}
         for name, required, check in fields:
             if name in body:

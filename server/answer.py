@@ -18,6 +18,13 @@ from server.errors import CLIENT_CLOSED_REQUEST
 from server.generation import TextDelta
 
 
+def engine_request_prefix(answer_id: str) -> str:
+    """What the ids of an answer's engine requests start with: its id and a part of its own,
+    since two requests may come with one X-Request-Id and an engine request id must be unique
+    on a server."""
+    return f"{answer_id}-{uuid.uuid4().hex[:8]}"
+
+
 @dataclass(slots=True)
 class Answer:
     """What every response carries about one request, streamed or not."""
@@ -27,9 +34,7 @@ class Answer:
     created: int
     model: str
     prompt_tokens: int
-    # What its engine requests' ids start with: its id and a part of its own, since two
-    # requests may come with one X-Request-Id.
-    engine_id: str
+    engine_id: str  # what its engine requests' ids start with (engine_request_prefix)
 
     @classmethod
     def new(
@@ -38,7 +43,7 @@ class Answer:
         """An answer created now to the request ``request_id`` (server/request_id.py), under
         the id ``id_prefix`` + ``request_id``."""
         answer_id = id_prefix + request_id
-        engine_id = f"{answer_id}-{uuid.uuid4().hex[:8]}"
+        engine_id = engine_request_prefix(answer_id)
         return cls(answer_id, object_type, int(time.time()), model, prompt_tokens, engine_id)
 
     def header(self) -> dict[str, Any]:

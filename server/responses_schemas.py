@@ -90,7 +90,7 @@ def _input_message(where: str, item: Any) -> dict[str, Any]:
             {"where": where, "kind": str(kind)},
         )
     role = item.get("role")
-    if role not in _CHAT_ROLES:
+    if not isinstance(role, str) or role not in _CHAT_ROLES:  # a dict or list is unhashable
         raise PydanticCustomError(
             "invalid_value",
             "{where}.role must be one of user, assistant, system and developer",

@@ -3,10 +3,10 @@ constraint off the step loop, matched token by token, and applied to a step's lo
 
 Four parts, used in this order:
 
-- ``GrammarCompiler.compile`` turns a ``StructuredOutput`` into a future compiled grammar.
-  Building the grammar (parsing the schema, regex or EBNF) is cheap and happens at once, so a
-  malformed one is refused with the library's own message; compiling it against the
-  vocabulary (the token masks of every grammar state) runs on a thread pool, cached.
+- ``GrammarCompiler.compile`` turns a ``StructuredOutput`` into a future compiled grammar:
+  building the grammar (parsing the schema, regex or EBNF) and compiling it against the
+  vocabulary (the token masks of every grammar state) run on a thread pool, cached. A
+  malformed constraint fails its future with the library's own message.
 - ``CompilingRequests`` holds the requests whose grammars compile, outside the scheduler,
   until each is ready or fails; a compile that no request waits for any more is cancelled
   while it has not started.
@@ -53,8 +53,10 @@ class GrammarError(ValueError):
 
 
 def build_grammar(constraint: StructuredOutput) -> xgr.Grammar:
-    """The constraint as a grammar, or GrammarError saying what is wrong with it. Cheap: this
-    parses the schema, regex or grammar but does no work over the vocabulary."""
+    """The constraint as a grammar, or GrammarError saying what is wrong with it. This parses
+    the schema, regex or grammar but does no work over the vocabulary: cheap for most, yet a
+    schema nested a few hundred deep, or a long chain of $refs, takes the library seconds to
+    minutes (it releases the GIL meanwhile)."""
     kind, spec = constraint.kind, constraint.spec
     try:
         if kind == StructuredOutputKind.JSON_SCHEMA:
@@ -209,16 +211,16 @@ class GrammarCompiler:
         return constraint not in self._cache
 
     def compile(self, constraint: StructuredOutput) -> Future[xgr.CompiledGrammar]:
-        """The constraint's compiled grammar, maybe still compiling; GrammarError at once if
-        the library refuses it. A compile that fails anyway holds its GrammarError."""
+        """The constraint's compiled grammar, maybe still compiling. One the library refuses
+        holds its GrammarError. The grammar is built on the pool too: for a deep schema that
+        takes minutes, which on the step loop would stall every request."""
         future = self._cache.get(constraint)
         if future is not None:
             self._cache.move_to_end(constraint)
             return future
-        grammar = build_grammar(constraint)
         if self._compiler is None:
             self._compiler = self._executor.submit(self._new_compiler, *self._vocabulary)
-        future = self._executor.submit(self._compile, self._compiler, grammar)
+        future = self._executor.submit(self._compile, self._compiler, constraint)
         self._not_done.add(future)
         self._cache[constraint] = future
         self._not_counted.add(constraint)
@@ -243,8 +245,9 @@ class GrammarCompiler:
 
     @staticmethod
     def _compile(
-        compiler_future: Future[xgr.GrammarCompiler], grammar: xgr.Grammar
+        compiler_future: Future[xgr.GrammarCompiler], constraint: StructuredOutput
     ) -> xgr.CompiledGrammar:
+        grammar = build_grammar(constraint)
         compiler = compiler_future.result()
         try:
             return compiler.compile_grammar(grammar)
@@ -262,6 +265,14 @@ def new_matcher(
         return xgr.GrammarMatcher(compiled)
     stops = sorted({*compiled.tokenizer_info.stop_token_ids, *stop_token_ids})
     return xgr.GrammarMatcher(compiled, override_stop_tokens=stops)
+
+
+def allows_no_token(matcher: xgr.GrammarMatcher, vocab_size: int) -> bool:
+    """Whether the grammar allows no token at all where ``matcher`` is, not even a stop token:
+    it matches no text (``root ::= root``), or none that the vocabulary can spell."""
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bitmask)
+    return not bool(bitmask.any())
 
 
 class CompilingRequests:
@@ -285,7 +296,7 @@ class CompilingRequests:
 
     def add(self, request: Request) -> None:
         """Start compiling the request's grammar (n requests of one constraint share one
-        compile); GrammarError at once if the library refuses the constraint."""
+        compile); one the library refuses fails in ``take_done``."""
         assert request.sampling.structured_output is not None
         future = self.compiler.compile(request.sampling.structured_output)
         self._waiting[request] = (future, time.monotonic() + self.timeout_s)

@@ -1,5 +1,6 @@
 """Dead ends: a request whose own token restrictions (allowed_token_ids, bad words,
-min_tokens) and grammar together leave no token to sample.
+min_tokens) and grammar together leave no token to sample, or whose grammar alone does (one
+that matches no text).
 
 The sampler cannot tell: every logit is -inf, and the argmax it takes is token 0, whatever
 that is. Checking the step's masks on the device would cost a sync each step; instead the
@@ -52,8 +53,11 @@ def dead_end_message(request: Request) -> str:
         )
         if present
     ]
-    together = " and ".join([", ".join(given[:-1]), given[-1]] if len(given) > 1 else given)
+    if len(given) == 1:
+        allow_none = f"{given[0]} allows none"
+    else:
+        allow_none = f"{', '.join(given[:-1])} and {given[-1]} together allow none"
     return (
         f"No token is left to sample at output token {len(request.output_token_ids) + 1}: "
-        f"{together} together allow none, so the generation cannot go on."
+        f"{allow_none}, so the generation cannot go on."
     )

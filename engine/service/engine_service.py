@@ -56,6 +56,7 @@ from protocol import (
     TokenOutputs,
     build_codecs,
     decode_message,
+    quoted,
 )
 
 logger = logging.getLogger(__name__)
@@ -242,7 +243,7 @@ class EngineService:
                         ),
                     )
                     return
-                logger.info("server %r connected (%s)", name, client.hex())
+                logger.info("server %s connected (%s)", quoted(name), client.hex())
                 self.handshaken.add(client)
                 output_bytes = self.output_bytes.setdefault(client, _OutputBytes())
                 reply = dataclasses.replace(

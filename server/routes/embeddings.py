@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from protocol import Embedding
-from server.answer import CLIENT_CLOSED_REQUEST
+from server.answer import CLIENT_CLOSED_REQUEST, engine_request_prefix
 from server.choices import unless_disconnected
 from server.engine_client import EngineRequestError, EngineUnavailable
 from server.engine_pool import EnginePool
@@ -35,7 +35,8 @@ class Embeddings:
         self._model.check_requests_at_once(len(body.input), "inputs", "input")
         prompts = [await self._prompt_ids(body, item) for item in body.input]
         answer_id = f"embd-{request_id(request)}"
-        embeddings = await unless_disconnected(request, self._embed_all(answer_id, prompts))
+        engine_id = engine_request_prefix(answer_id)
+        embeddings = await unless_disconnected(request, self._embed_all(engine_id, prompts))
         if embeddings is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         num_tokens = sum(embedding.num_prompt_tokens for embedding in embeddings)
@@ -76,13 +77,13 @@ class Embeddings:
             )
         return ids
 
-    async def _embed_all(self, answer_id: str, prompts: list[list[int]]) -> list[Embedding]:
+    async def _embed_all(self, engine_id: str, prompts: list[list[int]]) -> list[Embedding]:
         """Every prompt's embedding, asked for at once; the first refusal fails them all
         (and cancels, so aborts, the others)."""
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = [
-                    group.create_task(self._client.embed(f"{answer_id}-{index}", ids))
+                    group.create_task(self._client.embed(f"{engine_id}-{index}", ids))
                     for index, ids in enumerate(prompts)
                 ]
         except* EngineUnavailable as errors:

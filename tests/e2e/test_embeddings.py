@@ -1,10 +1,12 @@
 """/v1/embeddings through real processes with the openai client: a batch of text and
 token-id inputs, as floats and as base64 (the client's default), each the model's last
 hidden state at the last token, L2-normalized, as transformers computes it on the same
-weights; the usage; and the refusals (dimensions, too long, empty)."""
+weights; the usage; requests that share an X-Request-Id; and the refusals (dimensions, too
+long, empty)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -89,3 +91,25 @@ def test_refusals(served: tuple[Cluster, Path], fields: dict, param: str) -> Non
     with pytest.raises(openai.BadRequestError) as refused:
         cluster.client().embeddings.create(**{"model": cluster.model, "input": "w3", **fields})
     assert refused.value.body["param"] == param
+
+
+def test_requests_with_one_x_request_id_at_once(served: tuple[Cluster, Path]) -> None:
+    # The engine requests' ids are the answer's plus a part of their own: on the answer's id
+    # alone, every request but the first in flight with that X-Request-Id was a 500.
+    cluster, _ = served
+    body = {"model": cluster.model, "input": ["w3 w4 w5"] * 16, "encoding_format": "float"}
+
+    async def embed_at_once() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=cluster.urls[0], timeout=60) as client:
+            headers = {"X-Request-Id": "shared"}
+            return await asyncio.gather(
+                *(client.post("/v1/embeddings", json=body, headers=headers) for _ in range(8))
+            )
+
+    replies = asyncio.run(embed_at_once())
+    assert [reply.status_code for reply in replies] == [200] * 8, [r.text for r in replies]
+    assert {reply.json()["id"] for reply in replies} == {"embd-shared"}
+    first = torch.tensor(replies[0].json()["data"][0]["embedding"])
+    for reply in replies:
+        for item in reply.json()["data"]:
+            torch.testing.assert_close(torch.tensor(item["embedding"]), first)

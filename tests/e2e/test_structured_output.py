@@ -126,8 +126,10 @@ def test_choice_and_n_choices_with_logprobs(cluster: Cluster) -> None:
         ),
         ({"extra_body": {"guided_regex": "a(b"}}, "The parenthesis is not closed."),
         ({"extra_body": {"guided_grammar": "root ::= foo"}}, 'Rule "foo" is not defined'),
+        # Valid, but it matches no text: no token is ever allowed (was a 503, an abort).
+        ({"extra_body": {"guided_grammar": "root ::= root"}}, "the structured output allows"),
     ],
-    ids=["schema", "regex", "grammar"],
+    ids=["schema", "regex", "grammar", "empty grammar"],
 )
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
 def test_a_bad_constraint_is_a_400_with_the_library_message(

@@ -18,7 +18,7 @@ import torch
 from transformers import LlamaForCausalLM as HFLlama
 
 from engine.backends.pytorch import TorchStepOps
-from engine.llm_engine import LLMEngine, RequestRejected
+from engine.llm_engine import LLMEngine
 from engine.models import load_checkpoint
 from engine.sampling.structured_output import GrammarBitmask, new_matcher
 from engine.scheduling.request import RequestStatus
@@ -258,6 +258,28 @@ def test_restrictions_that_leave_no_token_end_the_request_with_an_error(
     assert_all_done(engine)
 
 
+def test_a_grammar_that_matches_no_text_is_refused(tiny: tuple[Path, HFLlama]) -> None:
+    """A grammar whose mask allows no token (it matches no text) is its user's error: an
+    invalid_request, not an abort (an HTTP 503 that retrying never gets past)."""
+    directory, hf_model = tiny
+    engine = make_engine(directory)
+    nothing = StructuredOutput(StructuredOutputKind.GRAMMAR, "root ::= root")
+    prompts = random_prompts(2)
+    outputs = generate(
+        engine,
+        {
+            "nothing": (prompts[0], SamplingParams(structured_output=nothing)),
+            "free": (prompts[1], SamplingParams(max_tokens=4, ignore_eos=True)),
+        },
+    )
+    ((_, error),) = engine.take_errors()
+    assert error.request_id == "nothing" and error.code == ErrorCode.INVALID_REQUEST
+    assert "output token 1: the structured output allows none" in error.message
+    assert not outputs["nothing"]
+    assert tokens(outputs["free"]) == hf_greedy(hf_model, prompts[1], 4)
+    assert_all_done(engine)
+
+
 def test_logprobs_are_those_of_the_allowed_tokens(tiny: tuple[Path, HFLlama]) -> None:
     """As vLLM's: the log-probabilities of the distribution sampled from, the grammar's
     mask applied; the forbidden alternatives have -inf."""
@@ -288,21 +310,42 @@ def test_logprobs_are_those_of_the_allowed_tokens(tiny: tuple[Path, HFLlama]) ->
         assert matcher.accept_token(token)
 
 
-def test_a_bad_constraint_is_refused_at_once(tiny: tuple[Path, HFLlama]) -> None:
-    engine = make_engine(tiny[0])
-    bad = StructuredOutput(StructuredOutputKind.REGEX, "a(b")
-    with pytest.raises(RequestRejected, match="The parenthesis is not closed") as refused:
-        engine.add_request(b"t", "bad", [1, 2, 3], SamplingParams(structured_output=bad))
-    assert refused.value.code == ErrorCode.INVALID_REQUEST
-    assert not engine.requests and not engine.compiling
-
-
 def block_the_grammar_pool(engine: LLMEngine) -> threading.Event:
     """Keep both of the engine's grammar threads busy until the returned event is set."""
     gate = threading.Event()
     for _ in range(2):
         engine.grammar_pool.submit(gate.wait)
     return gate
+
+
+def test_a_bad_constraint_is_refused_from_the_grammar_pool(tiny: tuple[Path, HFLlama]) -> None:
+    # The grammar is built on the pool, not in add_request: a schema nested a few hundred
+    # deep (or a long chain of $refs) takes the library seconds to minutes to build, which
+    # on the step loop stalled every request. Its refusal comes once the pool gets to it.
+    directory, hf_model = tiny
+    engine = make_engine(directory)
+    gate = block_the_grammar_pool(engine)
+    prompt = random_prompts(2)[1]
+    bad = StructuredOutput(StructuredOutputKind.REGEX, "a(b")
+    try:
+        engine.add_request(b"t", "bad", prompt, SamplingParams(structured_output=bad))
+        engine.add_request(b"t", "free", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+        free = []
+        while engine.requests.get((b"t", "free")):  # the free request runs meanwhile
+            free += [output for _, output in engine.step()]
+        assert engine.requests[(b"t", "bad")].status is RequestStatus.COMPILING
+    finally:
+        gate.set()
+    assert tokens_and_finish(free) == (hf_greedy(hf_model, prompt, 4), FinishReason.LENGTH)
+    deadline = time.monotonic() + 30
+    while not (errors := engine.take_errors()) and time.monotonic() < deadline:
+        engine.step()
+        time.sleep(0.01)
+    ((client, error),) = errors
+    assert client == b"t" and error.request_id == "bad"
+    assert error.code == ErrorCode.INVALID_REQUEST
+    assert "The parenthesis is not closed" in error.message
+    assert_all_done(engine)
 
 
 def test_abort_while_compiling(tiny: tuple[Path, HFLlama]) -> None:

@@ -143,6 +143,19 @@ def test_malformed_frames_raise_protocol_error(frame: bytes) -> None:
         decode_message(frame)
 
 
+@pytest.mark.parametrize(
+    "body",
+    [{"type": "x" * 1_000_000}, {"type": "abort", "request_id": "r", "x" * 1_000_000: 1}],
+    ids=["type", "field name"],
+)
+def test_a_protocol_error_quotes_the_frame_short(body: dict) -> None:
+    # The engine logs every ProtocolError: one that quoted a frame's string whole put up to
+    # 64 MiB in its log a frame.
+    with pytest.raises(ProtocolError) as refused:
+        decode_message(_frame(body))
+    assert "xxxx...xxxx" in str(refused.value) and len(str(refused.value)) < 200
+
+
 def test_oversized_frame_is_rejected_before_parsing() -> None:
     with pytest.raises(ProtocolError, match="exceeds"):
         decode_message(b"\x00" * (MAX_FRAME_BYTES + 1))

@@ -75,6 +75,8 @@ def test_an_unknown_previous_response_is_not_found(client: TestClient) -> None:
     [
         ({"input": []}, "input"),
         ({"input": [{"role": "robot", "content": "hi"}]}, "input"),
+        ({"input": [{"role": {"user": 1}, "content": "hi"}]}, "input"),  # unhashable: was a 500
+        ({"input": [{"role": ["user"], "content": "hi"}]}, "input"),
         ({"input": 5}, "input"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"temperature": 3}, "temperature"),
