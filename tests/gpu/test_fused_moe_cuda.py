@@ -20,6 +20,7 @@ from tandem.bench.moe_kernel import (
     random_layer,
     random_routing,
 )
+from tandem.testing.cuda_graphs import captured_graph
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))
@@ -76,15 +77,7 @@ def test_fused_moe_replays_in_a_cuda_graph_for_any_routing(
     layer = random_layer(shape, fp8)
     x = torch.randn(num_tokens, shape.hidden, device="cuda", dtype=torch.bfloat16)
     weights, ids = random_routing(num_tokens, shape)
-    fused_moe(x, weights, ids, **layer)  # compiles outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fused_moe(x, weights, ids, **layer)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = fused_moe(x, weights, ids, **layer)
+    graph, captured = captured_graph(lambda: fused_moe(x, weights, ids, **layer))
 
     uneven = torch.arange(shape.top_k, device="cuda", dtype=torch.int32).expand_as(ids)
     for new_ids in (random_routing(num_tokens, shape)[1], uneven):

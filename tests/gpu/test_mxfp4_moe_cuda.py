@@ -19,6 +19,7 @@ from tandem.bench.moe_kernel import (
     assert_matches_reference,
     random_routing,
 )
+from tandem.testing.cuda_graphs import captured_graph
 
 SHAPE = SHAPES["gpt-oss-20b"]
 
@@ -83,15 +84,7 @@ def test_mxfp4_moe_replays_in_a_cuda_graph_for_any_routing(
     torch.manual_seed(100 + num_tokens)
     x = torch.randn(num_tokens, SHAPE.hidden, device="cuda", dtype=torch.bfloat16)
     weights, ids = random_routing(num_tokens, SHAPE)
-    mxfp4_moe(x, weights, ids, **mxfp4)  # compiles outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        mxfp4_moe(x, weights, ids, **mxfp4)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = mxfp4_moe(x, weights, ids, **mxfp4)
+    graph, captured = captured_graph(lambda: mxfp4_moe(x, weights, ids, **mxfp4))
 
     uneven = torch.arange(SHAPE.top_k, device="cuda", dtype=torch.int32).expand_as(ids)
     for new_ids in (random_routing(num_tokens, SHAPE)[1], uneven):
