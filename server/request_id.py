@@ -1,7 +1,8 @@
 """X-Request-Id: every response carries one, the client's own or a new one, as vLLM does.
 
 A client's id also starts the id of its answer (``chatcmpl-<id>``, ``cmpl-<id>``,
-``resp_<id>``), so that its logs and ours name the same request. A pure ASGI middleware
+``resp_<id>-<random>``, a stored response's key being unique), so that its logs and
+ours name the same request. A pure ASGI middleware
 around the whole application, so that streamed answers pass through untouched and
 even the 500s of unexpected errors carry the header. ``client_address`` says who sent it.
 """

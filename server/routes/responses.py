@@ -4,6 +4,7 @@ DELETE /v1/responses/{id} for the responses this server stored (server/response_
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from starlette.requests import Request
@@ -35,8 +36,11 @@ class Responses:
         history = self._history(body.previous_response_id)
         chat, prepared = await self._prepared(body, history, client_address(request))
         generation = prepared.generation
+        # Unique, though it starts with the client's X-Request-Id: a response's id is the key
+        # it is stored under and continued from, and a client may send one id twice.
+        unique_id = f"{request_id(request)}-{uuid.uuid4().hex[:8]}"
         answer = Answer.new(
-            "resp_", "response", self._model.name, request_id(request), len(generation.prompt_ids)
+            "resp_", "response", self._model.name, unique_id, len(generation.prompt_ids)
         )
         choices = generation.choices(self._client, self._model.tokenizer, answer.engine_id)
         store = None

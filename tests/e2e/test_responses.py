@@ -78,7 +78,7 @@ def test_instructions_request_ids_and_refusals(cluster: Cluster) -> None:
         extra_headers={"X-Request-Id": "my-request-7"},
     )
     assert reply.headers["x-request-id"] == "my-request-7"
-    assert reply.parse().id == "resp_my-request-7"
+    assert reply.parse().id.startswith("resp_my-request-7-")
     with pytest.raises(openai.NotFoundError) as refused:
         client.responses.create(model=cluster.model, input=QUESTION, previous_response_id="resp_1")
     assert refused.value.body["param"] == "previous_response_id"
@@ -91,6 +91,28 @@ def test_instructions_request_ids_and_refusals(cluster: Cluster) -> None:
         )
     assert refused.value.body["param"] == "tools"
     assert "not supported" in refused.value.body["message"]
+
+
+def test_one_x_request_id_twice_stores_two_responses(cluster: Cluster) -> None:
+    """A response's id is the key it is stored and continued under: two requests that come
+    with one X-Request-Id get two ids, each retrieved as it was answered."""
+    client = cluster.client()
+    responses = [
+        client.responses.create(
+            model=cluster.model,
+            input=question,
+            temperature=0,
+            max_output_tokens=4,
+            extra_headers={"X-Request-Id": "sent-twice"},
+        )
+        for question in (QUESTION, "Name a colour.")
+    ]
+    assert responses[0].id != responses[1].id
+    for response in responses:
+        assert response.id.startswith("resp_sent-twice-")
+        stored = client.responses.retrieve(response.id)
+        assert stored.output_text == response.output_text
+        assert stored.usage.input_tokens == response.usage.input_tokens
 
 
 def test_vllms_sampling_fields_as_the_chat_endpoint_takes_them(cluster: Cluster) -> None:
