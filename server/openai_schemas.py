@@ -33,6 +33,7 @@ from protocol import (
     Scheduling,
     context_length_problem,
     prompt_logprobs_problem,
+    quoted,
 )
 from server.errors import ApiError
 from server.json_schema_defs import DEFINITION_SECTIONS
@@ -736,9 +737,10 @@ def parse_request(model: type[RequestT], body: bytes) -> RequestT:
         raise _to_api_error(exc) from None
     unknown = _undeclared_fields(request)
     if unknown:
+        # Each name cut short: a body's field name may be megabytes.
         logger.warning(
             "The following fields were present in the request but ignored: %s",
-            ", ".join(unknown),
+            ", ".join(quoted(name) for name in unknown),
         )
     return request
 
