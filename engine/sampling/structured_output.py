@@ -48,6 +48,15 @@ _JSON_OBJECT_SCHEMA = '{"type": "object"}'
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
 
+# Bounds on a JSON schema (or a structural tag's schemas), past which the library takes
+# seconds to minutes to build its grammar, its time growing about as the cube of either
+# (nesting 128 JSON levels, a schema 64 deep: tens of milliseconds; 1,400 levels: about a
+# minute). A build cannot be cancelled, so a few such schemas would hold every grammar thread.
+# OpenAI's structured outputs allow 10 levels of a schema's nesting.
+MAX_SCHEMA_NESTING = 128  # levels of the schema's JSON document (a schema level takes two)
+MAX_SCHEMA_REFS = 1000  # "$ref"s in it
+
+
 class GrammarError(ValueError):
     """A constraint the grammar library refuses; the message is the library's, for the user."""
 
@@ -58,6 +67,8 @@ def build_grammar(constraint: StructuredOutput) -> xgr.Grammar:
     schema nested a few hundred deep, or a long chain of $refs, takes the library seconds to
     minutes (it releases the GIL meanwhile)."""
     kind, spec = constraint.kind, constraint.spec
+    if kind in (StructuredOutputKind.JSON_SCHEMA, StructuredOutputKind.STRUCTURAL_TAG):
+        _check_schema_size(spec)
     try:
         if kind == StructuredOutputKind.JSON_SCHEMA:
             # Any whitespace, as vLLM: small models pretty-print their JSON, and forced
@@ -76,6 +87,34 @@ def build_grammar(constraint: StructuredOutput) -> xgr.Grammar:
     except (RuntimeError, ValueError) as exc:
         raise GrammarError(_LOG_PREFIX.sub("", str(exc)).strip()) from None
     raise GrammarError(f"unknown structured output kind {kind!r}")
+
+
+def _check_schema_size(spec: str) -> None:
+    """GrammarError if the JSON document ``spec`` nests deeper than MAX_SCHEMA_NESTING or
+    holds more than MAX_SCHEMA_REFS "$ref"s; a document that is not JSON is left to the
+    library's own message."""
+    too_deep = GrammarError(
+        f"the JSON schema nests deeper than {MAX_SCHEMA_NESTING} levels of JSON "
+        f"(about {MAX_SCHEMA_NESTING // 2} of objects, arrays or properties)"
+    )
+    try:
+        document = json.loads(spec)
+    except RecursionError:  # deeper than Python's own parser goes
+        raise too_deep from None
+    except ValueError:
+        return
+    refs, level = 0, [(document, 1)]
+    while level:
+        value, depth = level.pop()
+        if depth > MAX_SCHEMA_NESTING:
+            raise too_deep
+        if isinstance(value, dict):
+            refs += "$ref" in value
+            level.extend((child, depth + 1) for child in value.values())
+        elif isinstance(value, list):
+            level.extend((child, depth + 1) for child in value)
+    if refs > MAX_SCHEMA_REFS:
+        raise GrammarError(f"the JSON schema holds {refs} $refs, more than {MAX_SCHEMA_REFS}")
 
 
 def grammar_problem(constraint: StructuredOutput) -> str | None:

@@ -21,6 +21,8 @@ from engine.backends.pytorch import TorchStepOps
 from engine.model_config import TokenizerInfo
 from engine.models import load_checkpoint
 from engine.sampling.structured_output import (
+    MAX_SCHEMA_NESTING,
+    MAX_SCHEMA_REFS,
     CompilingRequests,
     GrammarBitmask,
     GrammarCompiler,
@@ -286,6 +288,33 @@ def test_a_bad_constraint_gets_the_library_message(
     with pytest.raises(GrammarError, match=re.escape(problem)):
         refusal.result(timeout=30)
     assert compiler.compile(constraint) is refusal  # asked again: the same refusal
+
+
+def _nested_schema(levels: int) -> str:
+    """An object in an object ``levels`` deep (written as text: json.dumps recurses)."""
+    head = '{"type": "object", "required": ["a"], "properties": {"a": '
+    return head * levels + '{"type": "string"}' + "}}" * levels
+
+
+def _reference_chain(links: int) -> str:
+    definitions: dict[str, Any] = {f"a{i}": {"$ref": f"#/$defs/a{i + 1}"} for i in range(links)}
+    definitions[f"a{links}"] = {"type": "string"}
+    return json.dumps({"$defs": definitions, "$ref": "#/$defs/a0"})
+
+
+def test_a_schema_the_library_would_take_minutes_over_is_refused_at_once() -> None:
+    """Nested or chained past the bounds, a schema is refused before the library builds it
+    (which would take it seconds to minutes, holding a grammar thread); within them, built."""
+    deep = grammar_problem(StructuredOutput("json_schema", _nested_schema(700)))
+    assert deep is not None and f"deeper than {MAX_SCHEMA_NESTING}" in deep
+    chained = grammar_problem(StructuredOutput("json_schema", _reference_chain(3000)))
+    assert chained is not None and f"more than {MAX_SCHEMA_REFS}" in chained
+    tag = structural_tag({"type": "json_schema", "json_schema": json.loads(_nested_schema(100))})
+    assert "deeper than" in (grammar_problem(tag) or "")
+    beyond_python = grammar_problem(StructuredOutput("json_schema", _nested_schema(5000)))
+    assert beyond_python is not None and "deeper than" in beyond_python
+    assert grammar_problem(StructuredOutput("json_schema", _nested_schema(40))) is None
+    assert grammar_problem(StructuredOutput("json_schema", _reference_chain(300))) is None
 
 
 def test_good_constraints_have_no_problem() -> None:
