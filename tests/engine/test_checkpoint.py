@@ -5,6 +5,7 @@ from __future__ import annotations
 import filecmp
 import json
 import logging
+import re
 import struct
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from engine.checkpoint.gguf_dequantize import dequantize
 from engine.checkpoint.gguf_file import read_gguf
 from engine.model_config import ModelConfig, RopeScaling
 from engine.models import hf_model_config, load_checkpoint
+from tandem.testing.random_checkpoint import save_tiny_llama
 
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -591,6 +593,31 @@ def test_hf_directory_without_tokenizer_json_is_refused(
     hf_model.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"tokenizer\.json"):
         load_checkpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("contents", "message"),
+    [("{nope", "not valid JSON"), (b"\xff\xfe", "not valid JSON"), ("[1]", "not list")],
+)
+def test_hf_config_that_is_no_json_object_is_refused(
+    tmp_path: Path, contents: str | bytes, message: str
+) -> None:
+    config = tmp_path / "config.json"
+    config.write_bytes(contents if isinstance(contents, bytes) else contents.encode())
+    with pytest.raises(ValueError, match=f"{re.escape(str(config))}: .*{message}"):
+        load_checkpoint(str(tmp_path))
+
+
+def test_hf_unreadable_safetensors_is_refused_by_name(tmp_path: Path) -> None:
+    save_tiny_llama(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    with weights.open("r+b") as file:
+        file.write(struct.pack("<Q", 2**62))  # the header's length
+    checkpoint = load_checkpoint(str(tmp_path))
+    with pytest.raises(
+        ValueError, match=f"{re.escape(str(weights))}: not a readable safetensors file"
+    ):
+        next(checkpoint.weights())
 
 
 # --- a Hugging Face hub name ----------------------------------------------------------------
