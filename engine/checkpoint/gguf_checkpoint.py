@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from engine.checkpoint.checkpoint import SliceStream
-from engine.checkpoint.gguf_dequantize import dequantize
+from engine.checkpoint.gguf_dequantize import can_dequantize, dequantize
 from engine.checkpoint.gguf_file import GGUFTensor, read_gguf
 from engine.checkpoint.gguf_tokenizer import gguf_tokenizer_info
 from engine.model_config import RopeScaling, TokenizerInfo
@@ -35,6 +35,9 @@ ROPE_FREQS = "rope_freqs.weight"
 _LLAMA3_LOW_FREQ_FACTOR = 1.0
 _LLAMA3_HIGH_FREQ_FACTOR = 4.0
 _LLAMA3_ORIGINAL_CONTEXT = 8192
+
+# The special tokens the tokenizer is built with, by id.
+_SPECIAL_TOKEN_IDS = [f"tokenizer.ggml.{name}_token_id" for name in ("bos", "eos")]
 
 _TOP_LEVEL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -59,6 +62,18 @@ class GGUFMetadata:
     def optional(self, suffix: str, default: Any = None) -> Any:
         return self.metadata.get(f"{self.arch}.{suffix}", default)
 
+    def size(self, suffix: str, required: bool = True) -> Any:
+        """A count or length: a positive integer (None when optional and missing or 0)."""
+        value = self.required(suffix) if required else self.optional(suffix)
+        if not required and not value:
+            return None
+        if type(value) is not int or value <= 0:
+            key = f"{self.arch}.{suffix}"
+            raise ValueError(
+                f"{self.path}: GGUF metadata {key!r} is {value!r}, not a positive integer"
+            )
+        return value
+
 
 def decimal(value: float) -> float:
     """The value config.json had, from the float32 that llama.cpp wrote of it.
@@ -81,7 +96,18 @@ class GGUFModelFile:
 
     def tokenizer(self) -> TokenizerInfo:
         """The tokenizer and chat template, rebuilt from the metadata."""
-        return gguf_tokenizer_info(self.metadata.metadata)
+        metadata = self.metadata.metadata
+        vocab_size = len(metadata.get("tokenizer.ggml.tokens") or ())
+        for key in _SPECIAL_TOKEN_IDS:
+            token_id = metadata.get(key)
+            if token_id is not None and (
+                type(token_id) is not int or not 0 <= token_id < vocab_size
+            ):
+                raise ValueError(
+                    f"{self.path}: GGUF metadata {key!r} is {token_id!r}, not a token id of the "
+                    f"{vocab_size}-token vocabulary"
+                )
+        return gguf_tokenizer_info(metadata)
 
 
 def read_gguf_model(path: Path, name: str | None = None) -> GGUFModelFile:
@@ -99,19 +125,26 @@ def read_gguf_model(path: Path, name: str | None = None) -> GGUFModelFile:
 def gguf_config_fields(file: GGUFModelFile) -> dict[str, Any]:
     """The ``ModelConfig`` fields every architecture's metadata holds, as config.json has them."""
     keys, tensors = file.metadata, file.tensors
-    hidden_size = keys.required("embedding_length")
-    num_heads = keys.required("attention.head_count")
-    head_dim = keys.optional("attention.key_length") or hidden_size // num_heads
+    hidden_size = keys.size("embedding_length")
+    num_heads = keys.size("attention.head_count")
+    head_dim = keys.size("attention.key_length", required=False) or hidden_size // num_heads
+    num_layers = keys.size("block_count")
+    # Every block has tensors: a larger count is a corrupt file, not one to loop over.
+    if num_layers > len(tensors):
+        raise ValueError(
+            f"{file.path}: GGUF metadata '{keys.arch}.block_count' is {num_layers}, more than "
+            f"the file's {len(tensors)} tensors"
+        )
     rope_theta = decimal(keys.optional("rope.freq_base", 10000.0))
     return {
         "vocab_size": len(keys.metadata["tokenizer.ggml.tokens"]),
         "hidden_size": hidden_size,
-        "intermediate_size": keys.required("feed_forward_length"),
-        "num_hidden_layers": keys.required("block_count"),
+        "intermediate_size": keys.size("feed_forward_length"),
+        "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads,
-        "num_key_value_heads": keys.optional("attention.head_count_kv") or num_heads,
+        "num_key_value_heads": keys.size("attention.head_count_kv", required=False) or num_heads,
         "head_dim": head_dim,
-        "max_position_embeddings": keys.required("context_length"),
+        "max_position_embeddings": keys.size("context_length"),
         "rms_norm_eps": decimal(keys.required("attention.layer_norm_rms_epsilon")),
         "rope_theta": rope_theta,
         # llama.cpp leaves the output projection out when it is the embedding matrix.
@@ -135,6 +168,11 @@ def _rope_scaling(
     if ROPE_FREQS not in tensors:
         return {}
     divisors = dequantize(tensors[ROPE_FREQS])
+    if divisors.shape != (head_dim // 2,):
+        raise ValueError(
+            f"{keys.path}: its {ROPE_FREQS} tensor has shape {divisors.shape}, not one divisor "
+            f"for each of the {head_dim // 2} RoPE frequencies of head size {head_dim}"
+        )
     scaling = RopeScaling(
         factor=float(divisors.max()),
         low_freq_factor=_LLAMA3_LOW_FREQ_FACTOR,
@@ -205,6 +243,12 @@ def check_tensors(file: GGUFModelFile, expected: Mapping[str, str]) -> None:
                 f" and {len(tensors) - 5} more" if tensors[5:] else ""
             )
             raise ValueError(f"{file.path}: the GGUF file {problem}: {shown}")
+    for tensor in file.tensors.values():
+        if not can_dequantize(tensor.type):
+            raise ValueError(
+                f"{file.path}: tensor {tensor.name!r} is of GGML type {tensor.type.name}, "
+                "which cannot be dequantized"
+            )
 
 
 def gguf_weights(

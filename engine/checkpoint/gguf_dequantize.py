@@ -8,6 +8,7 @@ as fast. Other types (F32, F16, BF16 and the rarer quantizations) go to gguf's o
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,18 @@ from engine.checkpoint.gguf_file import GGUFTensor
 
 _Blocks = np.ndarray[Any, np.dtype[np.uint8]]  # one quantized block a row
 _Floats = np.ndarray[Any, np.dtype[np.float32]]
+
+
+@functools.cache
+def can_dequantize(tensor_type: GGMLQuantizationType) -> bool:
+    """Whether `dequantize` reads this type: gguf's own code lacks some (I8, F64, ...)."""
+    if tensor_type in _WHOLE_TENSOR:
+        return True
+    try:
+        gguf_dequantize(np.zeros((1, GGML_QUANT_SIZES[tensor_type][1]), np.uint8), tensor_type)
+    except NotImplementedError:
+        return False
+    return True
 
 
 def dequantize(tensor: GGUFTensor) -> _Floats:

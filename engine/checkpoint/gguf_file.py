@@ -26,6 +26,9 @@ _MAGIC = b"GGUF"
 # Version 1 had 32-bit counts and lengths; llama.cpp has not written it since 2023.
 _SUPPORTED_VERSIONS = (2, 3)
 
+# Arrays of arrays are allowed; real files nest one level at most.
+_MAX_ARRAY_DEPTH = 16
+
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 # Each scalar type: how one reads alone (struct) and how an array of them reads (numpy).
@@ -143,13 +146,18 @@ class _Parser:
         except ValueError:
             raise ValueError(f"{self.path}: unknown GGUF value type {raw_type}") from None
 
-    def array(self) -> list[Any]:
+    def array(self, depth: int = 1) -> list[Any]:
         item_type = self.value_type(self.scalar(_U32))
         count = self.scalar(_U64)
         if item_type == GGUFValueType.STRING:
             return self.strings(count)
         if item_type == GGUFValueType.ARRAY:
-            return [self.array() for _ in range(count)]
+            # Each level costs a hostile file 12 bytes and the reader a Python stack frame.
+            if depth >= _MAX_ARRAY_DEPTH:
+                raise ValueError(
+                    f"{self.path}: GGUF arrays nested more than {_MAX_ARRAY_DEPTH} deep"
+                )
+            return [self.array(depth + 1) for _ in range(count)]
         dtype = _ARRAY_DTYPES[item_type]
         end = self.position + count * dtype.itemsize
         if end > len(self.buffer):

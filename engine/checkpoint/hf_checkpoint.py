@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 
 from engine.checkpoint.checkpoint import SliceStream
@@ -55,9 +55,18 @@ class HFDirectory:
         without them still serves a model of random weights (``--load-format dummy``)."""
         for file in safetensors_files(self.path):
             # safe_open memory-maps the file; a slice reads only its own rows into memory.
-            with safe_open(file, framework="pt") as shard:
+            with _open_safetensors(file) as shard:
                 for name in shard.keys():  # noqa: SIM118 -- safe_open is no dict
                     yield name, SafetensorsSlices(shard.get_slice(name))
+
+
+def _open_safetensors(file: Path) -> Any:
+    """``safe_open(file)``; a header it cannot read (truncated, corrupt, offsets or shapes that
+    do not fit) is refused naming the file, which safetensors' own error does not."""
+    try:
+        return safe_open(file, framework="pt")
+    except SafetensorError as error:
+        raise ValueError(f"{file}: not a readable safetensors file: {error}") from None
 
 
 class SafetensorsSlices:
@@ -289,8 +298,15 @@ def _ids(value: int | list[int] | None) -> list[int]:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    with path.open(encoding="utf-8") as file:
-        return json.load(file)
+    """``path``'s JSON object; a file that is no JSON object is refused by name."""
+    try:
+        with path.open(encoding="utf-8") as file:
+            value = json.load(file)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, not {type(value).__name__}")
+    return value
 
 
 def _read_json_if_present(path: Path) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import filecmp
 import json
 import logging
+import re
 import struct
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from engine.checkpoint.gguf_dequantize import dequantize
 from engine.checkpoint.gguf_file import read_gguf
 from engine.model_config import ModelConfig, RopeScaling
 from engine.models import hf_model_config, load_checkpoint
+from tandem.testing.random_checkpoint import save_tiny_llama
 
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -368,6 +370,53 @@ def test_gguf_of_another_architecture_is_refused(
         load_checkpoint(str(path))
 
 
+def patched_gguf(contents: bytes, name: str, offset: int, form: str, value: Any) -> bytes:
+    """``contents`` with ``value`` written ``offset`` bytes after the key or tensor ``name``."""
+    key = name.encode()
+    at = contents.index(struct.pack("<Q", len(key)) + key) + 8 + len(key) + offset
+    return contents[:at] + struct.pack(form, value) + contents[at + struct.calcsize(form) :]
+
+
+U32, F32 = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32
+
+
+@pytest.mark.timeout(60)  # two of them hung, growing without bound, before they were refused
+@pytest.mark.parametrize(
+    ("key", "value_type", "form", "value", "message"),
+    [
+        # Each of these hung (4 billion layers' or RoPE frequencies' loop) or raised a bare
+        # TypeError, ZeroDivisionError or IndexError.
+        ("llama.block_count", U32, "<I", 2**32 - 1, "block_count' is 4294967295, more than"),
+        ("llama.embedding_length", U32, "<I", 2**32 - 1, "rope_freqs.weight tensor has shape"),
+        ("llama.attention.head_count", U32, "<I", 0, "head_count' is 0, not a positive integer"),
+        ("llama.feed_forward_length", F32, "<f", 160.0, "is 160.0, not a positive integer"),
+        ("tokenizer.ggml.bos_token_id", U32, "<I", 2**32 - 1, "not a token id of the 260-token"),
+    ],
+)
+def test_gguf_with_impossible_metadata_is_refused(
+    tmp_path: Path, tiny_gguf: Path, key: str, value_type: Any, form: str, value: Any, message: str
+) -> None:
+    contents = patched_gguf(tiny_gguf.read_bytes(), key, 0, "<I", value_type)
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(patched_gguf(contents, key, 4, form, value))
+    with pytest.raises(ValueError, match=f"{re.escape(str(path))}: .*{message}"):
+        load_checkpoint(str(path))
+
+
+def test_gguf_tensor_of_a_type_without_dequantization_is_refused(
+    tmp_path: Path, tiny_gguf: Path
+) -> None:
+    # After the name: its dimension count, two dimensions, then its type. I8 failed mid-load with
+    # gguf's NotImplementedError, naming neither file nor tensor.
+    contents = patched_gguf(tiny_gguf.read_bytes(), "output_norm.weight", 4 + 8, "<I", 24)
+    path = tmp_path / "i8.gguf"
+    path.write_bytes(contents)
+    with pytest.raises(
+        ValueError, match=f"{re.escape(str(path))}: tensor 'output_norm.weight' is of GGML type I8"
+    ):
+        load_checkpoint(str(path))
+
+
 # --- the GGUF reader and dequantization, against the gguf package ---------------------------
 
 VALUE_TYPE = gguf.GGUFValueType
@@ -486,6 +535,16 @@ def gguf_header(version: int, byte_order: str = "<", metadata_count: int = 0) ->
         (gguf_header(3, ">"), "big-endian"),
         (gguf_header(3)[:-3], "truncated"),
         (gguf_header(3, metadata_count=1) + struct.pack("<Q", 1) + b"\xff", "not UTF-8"),
+        # An array of arrays 100,000 deep took Python's stack (RecursionError).
+        (
+            gguf_header(3, metadata_count=1)
+            + struct.pack("<Q", 1)
+            + b"k"
+            + struct.pack("<I", VALUE_TYPE.ARRAY)
+            + struct.pack("<IQ", VALUE_TYPE.ARRAY, 1) * 100_000
+            + struct.pack("<IQ", VALUE_TYPE.UINT8, 0),
+            "arrays nested more than 16 deep",
+        ),
     ],
 )
 def test_not_a_readable_gguf_is_refused(tmp_path: Path, contents: bytes, message: str) -> None:
@@ -591,6 +650,31 @@ def test_hf_directory_without_tokenizer_json_is_refused(
     hf_model.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"tokenizer\.json"):
         load_checkpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("contents", "message"),
+    [("{nope", "not valid JSON"), (b"\xff\xfe", "not valid JSON"), ("[1]", "not list")],
+)
+def test_hf_config_that_is_no_json_object_is_refused(
+    tmp_path: Path, contents: str | bytes, message: str
+) -> None:
+    config = tmp_path / "config.json"
+    config.write_bytes(contents if isinstance(contents, bytes) else contents.encode())
+    with pytest.raises(ValueError, match=f"{re.escape(str(config))}: .*{message}"):
+        load_checkpoint(str(tmp_path))
+
+
+def test_hf_unreadable_safetensors_is_refused_by_name(tmp_path: Path) -> None:
+    save_tiny_llama(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    with weights.open("r+b") as file:
+        file.write(struct.pack("<Q", 2**62))  # the header's length
+    checkpoint = load_checkpoint(str(tmp_path))
+    with pytest.raises(
+        ValueError, match=f"{re.escape(str(weights))}: not a readable safetensors file"
+    ):
+        next(checkpoint.weights())
 
 
 # --- a Hugging Face hub name ----------------------------------------------------------------
