@@ -41,6 +41,7 @@ from engine.backends.triton.fused_moe import (
 from engine.backends.triton.moe_decode import MoeDecodeConfig, moe_decode_config
 from engine.quantization.linear_methods import quantize_per_channel
 from engine.roofline import DeviceRates, StepTraffic, traffic_bound
+from tandem.testing.cuda_graphs import captured_graph
 from tandem.testing.kernel_reference import moe_experts_reference
 
 DTYPE = torch.bfloat16
@@ -244,6 +245,31 @@ def assert_matches_reference(
     assert error <= 2 * rounding + allowance, (
         f"{num_tokens} tokens: error {error:.3g} > 2 x rounding {rounding:.3g} + {allowance:.3g}"
     )
+
+
+def assert_replays_for_any_routing(
+    experts: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    reference_layer: dict[str, Any],
+    shape: MoeShape,
+    num_tokens: int,
+) -> None:
+    """``experts(x, weights, ids)`` captured in a CUDA graph for one random routing of
+    ``num_tokens`` tokens, replayed for another and for the most uneven one (every token's
+    picks the same K experts: one expert's pairs over several tiles, the others' none): each
+    replay's output equals an eager run's on the same inputs, bit for bit, and the reference's
+    of ``reference_layer``. Nothing in the captured launches may depend on the routing."""
+    x = torch.randn(num_tokens, shape.hidden, device="cuda", dtype=DTYPE)
+    weights, ids = random_routing(num_tokens, shape)
+    graph, captured = captured_graph(lambda: experts(x, weights, ids))
+    uneven = torch.arange(shape.top_k, device="cuda", dtype=torch.int32).expand_as(ids)
+    for new_ids in (random_routing(num_tokens, shape)[1], uneven):
+        x.copy_(torch.randn_like(x))
+        weights.copy_(random_routing(num_tokens, shape)[0])
+        ids.copy_(new_ids)
+        graph.replay()
+        eager = experts(x, weights, ids)
+        assert torch.equal(captured, eager)
+        assert_matches_reference(captured, x, weights, ids, reference_layer)
 
 
 def moe_case(

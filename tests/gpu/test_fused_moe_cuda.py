@@ -8,6 +8,8 @@ where pairs share experts."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -17,10 +19,10 @@ from tandem.bench.moe_kernel import (
     SHAPES,
     MoeShape,
     assert_matches_reference,
+    assert_replays_for_any_routing,
     random_layer,
     random_routing,
 )
-from tandem.testing.cuda_graphs import captured_graph
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))
@@ -67,24 +69,10 @@ def test_decode_path_at_real_shapes(shape: MoeShape, fp8: bool) -> None:
 def test_fused_moe_replays_in_a_cuda_graph_for_any_routing(
     shape: MoeShape, num_tokens: int, fp8: bool
 ) -> None:
-    """Captured for one random routing, replayed for another and for the most uneven one
-    (every token's picks the same K experts: one expert's pairs over several tiles, the
-    others' none): each replay's output equals an eager run's on the same inputs, bit for
-    bit, and the reference's. Nothing in the captured launches depends on the routing. One
-    token: the decode path by pair (bf16, FP8 widened). FP8 weights at 64 tokens: W8A8, the
-    activations' quantization kernels captured too."""
+    """``assert_replays_for_any_routing``. One token: the decode path by pair (bf16, FP8
+    widened). FP8 weights at 64 tokens: W8A8, the activations' quantization kernels captured
+    too."""
     torch.manual_seed(1)
     layer = random_layer(shape, fp8)
-    x = torch.randn(num_tokens, shape.hidden, device="cuda", dtype=torch.bfloat16)
-    weights, ids = random_routing(num_tokens, shape)
-    graph, captured = captured_graph(lambda: fused_moe(x, weights, ids, **layer))
-
-    uneven = torch.arange(shape.top_k, device="cuda", dtype=torch.int32).expand_as(ids)
-    for new_ids in (random_routing(num_tokens, shape)[1], uneven):
-        x.copy_(torch.randn_like(x))
-        weights.copy_(random_routing(num_tokens, shape)[0])
-        ids.copy_(new_ids)
-        graph.replay()
-        eager = fused_moe(x, weights, ids, **layer)
-        assert torch.equal(captured, eager)
-        assert_matches_reference(captured, x, weights, ids, layer)
+    experts = functools.partial(fused_moe, **layer)
+    assert_replays_for_any_routing(experts, layer, shape, num_tokens)

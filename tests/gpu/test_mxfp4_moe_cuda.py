@@ -6,6 +6,7 @@ one routing and replayed for others."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -17,9 +18,9 @@ from tandem.bench.moe_kernel import (
     GPT_OSS_ACTIVATION,
     SHAPES,
     assert_matches_reference,
+    assert_replays_for_any_routing,
     random_routing,
 )
-from tandem.testing.cuda_graphs import captured_graph
 
 SHAPE = SHAPES["gpt-oss-20b"]
 
@@ -77,21 +78,9 @@ def test_mxfp4_moe_at_gpt_oss_20b_shape(
 def test_mxfp4_moe_replays_in_a_cuda_graph_for_any_routing(
     layers: tuple[dict[str, Any], dict[str, Any]], num_tokens: int
 ) -> None:
-    """Captured for one random routing, replayed for another and for the most uneven one
-    (every token's picks the same 4 experts): each replay equals an eager run bit for bit,
-    and the reference."""
+    """``assert_replays_for_any_routing``, against the reference of the dequantized
+    experts."""
     mxfp4, bf16 = layers
     torch.manual_seed(100 + num_tokens)
-    x = torch.randn(num_tokens, SHAPE.hidden, device="cuda", dtype=torch.bfloat16)
-    weights, ids = random_routing(num_tokens, SHAPE)
-    graph, captured = captured_graph(lambda: mxfp4_moe(x, weights, ids, **mxfp4))
-
-    uneven = torch.arange(SHAPE.top_k, device="cuda", dtype=torch.int32).expand_as(ids)
-    for new_ids in (random_routing(num_tokens, SHAPE)[1], uneven):
-        x.copy_(torch.randn_like(x))
-        weights.copy_(random_routing(num_tokens, SHAPE)[0])
-        ids.copy_(new_ids)
-        graph.replay()
-        eager = mxfp4_moe(x, weights, ids, **mxfp4)
-        assert torch.equal(captured, eager)
-        assert_matches_reference(captured, x, weights, ids, bf16)
+    experts = functools.partial(mxfp4_moe, **mxfp4)
+    assert_replays_for_any_routing(experts, bf16, SHAPE, num_tokens)
