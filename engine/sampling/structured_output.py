@@ -48,11 +48,10 @@ _JSON_OBJECT_SCHEMA = '{"type": "object"}'
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
 
-# Bounds on a JSON schema (or a structural tag's schemas), past which the library takes
-# seconds to minutes to build its grammar, its time growing about as the cube of either
-# (nesting 128 JSON levels, a schema 64 deep: tens of milliseconds; 1,400 levels: about a
-# minute). A build cannot be cancelled, so a few such schemas would hold every grammar thread.
-# OpenAI's structured outputs allow 10 levels of a schema's nesting.
+# Bounds on a JSON schema (or a structural tag's schemas): the library's time to build a
+# grammar grows about as the cube of its nesting and of its chain of $refs, and a build
+# cannot be cancelled, so a few schemas far past these would hold every grammar thread.
+# Within them a build is quick; OpenAI's structured outputs allow 10 levels of nesting.
 MAX_SCHEMA_NESTING = 128  # levels of the schema's JSON document (a schema level takes two)
 MAX_SCHEMA_REFS = 1000  # "$ref"s in it
 
