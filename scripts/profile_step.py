@@ -46,6 +46,7 @@ from engine.backends.triton.dependent_launch import launch_options
 from engine.config import EngineConfig
 from engine.execution.model_runner import LaunchedStep
 from engine.llm_engine import LLMEngine
+from engine.quantization.linear_methods import QUANTIZATION_METHODS
 from protocol import SamplingParams
 
 # New tokens a request may make: more than prefilling the whole batch and the profiled
@@ -349,7 +350,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
-    parser.add_argument("--quantization", choices=["fp8", "int8"], help="the engine's")
+    parser.add_argument("--quantization", choices=QUANTIZATION_METHODS, help="the engine's")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
     parser.add_argument("--prefill", action="store_true", help="time to first token instead")
     parser.add_argument(

@@ -44,6 +44,7 @@ import zmq
 from tokenizers import Tokenizer
 
 from engine.execution.model_runner import resolve_kv_cache_dtype
+from engine.quantization.linear_methods import QUANTIZATION_METHODS
 from engine.roofline import (
     DeviceRates,
     ModelCost,
@@ -276,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peer", action="store_true", help="also time transformers")
     parser.add_argument("--enforce-eager", action="store_true", help="engine without CUDA graphs")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
-    parser.add_argument("--quantization", choices=["fp8", "int8"], help="the engine's")
+    parser.add_argument("--quantization", choices=QUANTIZATION_METHODS, help="the engine's")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (engine's)")
     parser.add_argument(
         "--load-format", default="auto", choices=["auto", "dummy"], help="the engine's"

@@ -75,6 +75,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.quantization.linear_methods import QUANTIZATION_METHODS
 from engine.roofline import (
     DeviceRates,
     ModelCost,
@@ -340,7 +341,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--enforce-eager", action="store_true", help="engine without CUDA graphs")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
-    parser.add_argument("--quantization", choices=["fp8", "int8"], help="the engine's")
+    parser.add_argument("--quantization", choices=QUANTIZATION_METHODS, help="the engine's")
     parser.add_argument(
         "--structured-fraction",
         type=float,

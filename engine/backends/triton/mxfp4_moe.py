@@ -76,11 +76,14 @@ def e2m1_values(codes):
     bits, one mantissa bit. A normal code (exponent bits e >= 1, mantissa m) is
     (1 + m / 2) * 2 ** (e - 1): float32's bits with exponent field e + 126 and m as the top
     mantissa bit, which is (code & 7) + 252 shifted to the mantissa's top; the subnormal
-    ones (e = 0) are m / 2."""
-    magnitude = codes.to(tl.int32) & 7
+    ones (e = 0) are m / 2. The sign bit is set in the bits, not by negating: compiled for a
+    GPU, -0.0 comes out as 0 - 0.0, which is +0.0, and code 8 is -0.0."""
+    codes = codes.to(tl.int32)
+    magnitude = codes & 7
     normal = ((magnitude + 252) << 22).to(tl.float32, bitcast=True)
     value = tl.where(magnitude < 2, magnitude.to(tl.float32) * 0.5, normal)
-    return tl.where(codes.to(tl.int32) >= 8, -value, value)
+    sign = (codes & 8) << 28
+    return (value.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
