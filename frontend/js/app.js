@@ -787,6 +787,9 @@ enginePanel = new EnginePanel((online) => {
 });
 enginePanel.start();
 conversations = await ConversationStore.open((error, c) => showNotice(describeStorageError(error, c)));
+// Disabled in index.html until now: a question sent before the conversations were read had
+// nowhere to be saved, and the conversation opened next replaced it.
+ui.input.disabled = ui.send.disabled = false;
 const current = localStorage.getItem("tandem.current");
 if (current) openConversation(current);
 else startNewConversation();

@@ -50,6 +50,10 @@ def open_chat(
     page.goto(url)
     # The first /stats answer: the page polls once a second, more on a busy machine.
     expect(page.locator("#status-dot.online")).to_be_attached(timeout=30_000)
+    # The message field opens once the page has read its stored conversations and opened one;
+    # the status poll starts before that, so without this wait a test that changes the storage
+    # could race the page's own start (which writes `tandem.current`).
+    expect(page.locator("#input")).to_be_enabled()
     return page
 
 
