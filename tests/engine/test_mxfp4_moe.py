@@ -21,9 +21,12 @@ import triton.language as tl
 from engine.backends.layer_ops import ClampedSwiGLU
 from engine.backends.mxfp4 import BLOCK, E2M1_VALUES, dequantize_mxfp4
 from engine.backends.pytorch import TorchLayerOps
+from engine.backends.triton import moe_decode
 from engine.backends.triton import mxfp4_moe as mxfp4_moe_module
 from engine.backends.triton.fused_moe import MoeConfig
-from engine.backends.triton.mxfp4_moe import e2m1_values, mxfp4_moe, mxfp4_moe_config, widened_tile
+from engine.backends.triton.moe_decode import MoeDecodeConfig
+from engine.backends.triton.mxfp4_moe import mxfp4_moe, mxfp4_moe_config
+from engine.backends.triton.mxfp4_widen import e2m1_halves, widened_tile
 from tandem.testing.kernel_reference import moe_experts_reference
 from tests.engine.test_fused_moe import assert_rounding_close, route
 
@@ -77,7 +80,7 @@ def assert_matches_reference(
     ids: torch.Tensor,
     layer: dict[str, torch.Tensor],
     expert_offset: int = 0,
-    config: MoeConfig | None = None,
+    config: MoeConfig | MoeDecodeConfig | None = None,
     **gpt_oss: Any,
 ) -> torch.Tensor:
     """The kernels' output (``config``'s tiles if given, else the rule's) is within two
@@ -116,7 +119,7 @@ def test_mxfp4_moe_matches_reference(num_tokens: int, dtype: torch.dtype, num_ex
     assert torch.equal(out, mxfp4_moe(x, weights, ids, **layer, **variant))
 
 
-@pytest.mark.parametrize("rule_tokens", [1, 40, 1000])
+@pytest.mark.parametrize("rule_tokens", [8, 40, 1000])
 def test_mxfp4_moe_in_the_cuda_rules_tiles(
     rule_tokens: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -124,13 +127,60 @@ def test_mxfp4_moe_in_the_cuda_rules_tiles(
     128 rows and 128 columns at a prefill's), given to 40 tokens' top 4 of 8 here: tiles
     taller than an expert's pairs and steps deeper than H."""
     monkeypatch.setattr(mxfp4_moe_module, "_INTERPRETED", False)
-    config = mxfp4_moe_config(rule_tokens, 4, 8)
-    assert config.block_m == {1: 16, 40: 64, 1000: 128}[rule_tokens]
+    config = mxfp4_moe_config(rule_tokens, 4, 8, 2880, 2880)
+    assert isinstance(config, MoeConfig)
+    assert config.block_m == {8: 16, 40: 64, 1000: 128}[rule_tokens]
     monkeypatch.undo()
     x = torch.randn(40, HIDDEN, device=DEVICE)
     weights, ids = route(torch.randn(40, 8, device=DEVICE), top_k=4)
     layer, variant = experts(8), gpt_oss_variant(8, x.dtype)
     assert_matches_reference(x, weights, ids, layer, config=config, **variant)
+
+
+# The decode path's steps: the interpreted rule's (a block a step); 64 deep, each row's
+# second step half masked, with and without the next step in flight; the CUDA rule's (a
+# step deeper than the rows).
+DECODE_CONFIGS = {
+    "rule": None,
+    "masked": MoeDecodeConfig(32, 64, 16, 64, 4, by_token=True, prefetch=True),
+    "masked-unfetched": MoeDecodeConfig(32, 64, 16, 64, 4, by_token=True),
+    "cuda-rule": "cuda",
+}
+
+
+@pytest.mark.parametrize("name", list(DECODE_CONFIGS))
+@pytest.mark.parametrize("num_tokens", [1, 2])
+def test_mxfp4_decode_path_matches_reference(
+    num_tokens: int, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At one token of gpt-oss's top 4 of 32 the rule takes the decode path by token
+    (``moe_decode``), its MXFP4 steps widened in the kernels: against the reference with
+    gpt-oss's biases and clamp, without them, and with other ranks' experts (offset 8 of
+    32: a pick elsewhere adds nothing; a token none of whose picks is here comes out zero)."""
+    if DECODE_CONFIGS[name] == "cuda":
+        monkeypatch.setattr(moe_decode, "_INTERPRETED", False)
+        config = moe_decode.moe_decode_config(4, mxfp4=True)
+        monkeypatch.undo()
+    else:
+        config = DECODE_CONFIGS[name] or mxfp4_moe_config(1, 4, 32, HIDDEN, INTERMEDIATE)
+    assert isinstance(config, MoeDecodeConfig) and config.by_token
+    x = torch.randn(num_tokens, HIDDEN, device=DEVICE)
+    weights, ids = route(torch.randn(num_tokens, 32, device=DEVICE), top_k=4)
+    layer = experts(32)
+    variant = gpt_oss_variant(32, x.dtype)
+    out = assert_matches_reference(x, weights, ids, layer, config=config, **variant)
+    assert torch.equal(out, mxfp4_moe(x, weights, ids, **layer, config=config, **variant))
+    assert_matches_reference(x, weights, ids, layer, config=config)
+    local = experts(8)
+    ids[0] = torch.tensor([0, 9, 20, 15])  # 9 and 15 here
+    if num_tokens > 1:
+        ids[1] = torch.tensor([0, 1, 2, 3])  # none here
+    local_variant = gpt_oss_variant(8, x.dtype)
+    out = assert_matches_reference(
+        x, weights, ids, local, expert_offset=8, config=config, **local_variant
+    )
+    if num_tokens > 1:
+        assert (out[1] == 0).all()
 
 
 def test_mxfp4_moe_without_biases_is_silu_gated() -> None:
@@ -180,7 +230,7 @@ def _widen_kernel(w_ptr, s_ptr, out_ptr, DTYPE: tl.constexpr, ROWS: tl.constexpr
 @triton.jit
 def _e2m1_kernel(out_ptr) -> None:  # noqa: ANN001 (a pointer)
     codes = tl.arange(0, 16)
-    tl.store(out_ptr + codes, e2m1_values(codes))
+    tl.store(out_ptr + codes, e2m1_halves(codes) * 16384.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -202,7 +252,8 @@ def test_widening_covers_every_code_and_extreme_scales_exactly(dtype: torch.dtyp
 
 
 def test_e2m1_values_are_the_format_table() -> None:
-    """The bit arithmetic's 16 values, signed zeros included, are the format's table."""
+    """The bit arithmetic's 16 values (times the 2 ** 14 it leaves to the scales), signed
+    zeros included, are the format's table."""
     out = torch.empty(16, dtype=torch.float32, device=DEVICE)
     _e2m1_kernel[(1,)](out)
     expected = torch.tensor(E2M1_VALUES, dtype=torch.float32)

@@ -63,6 +63,12 @@ from engine.backends.triton.dependent_launch import (
     wait_for_previous_kernel,
 )
 from engine.backends.triton.fp8_widen import widen
+from engine.backends.triton.mxfp4_widen import (
+    MXFP4_BLOCK,
+    block_scales,
+    load_mxfp4_rows,
+    nibble_products,
+)
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Products a program step: 32 a thread of 8 warps (the one-row kernel's 4 rows x 4 KiB).
@@ -97,7 +103,12 @@ class MoeDecodeConfig:
 
 
 def takes_decode_path(
-    num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int
+    num_tokens: int,
+    top_k: int,
+    num_experts: int,
+    hidden: int,
+    intermediate: int,
+    mxfp4: bool = False,
 ) -> bool:
     """Whether ``fused_moe`` takes this path for ``num_tokens`` tokens' ``top_k`` picks over
     ``num_experts`` local experts of [2 * intermediate, hidden]: one token (its picks are
@@ -107,19 +118,22 @@ def takes_decode_path(
     percent of a step at batch 1). And only where its long steps divide the depths nearly
     evenly (``_MOST_MASKED``): a last step partly masked costs a whole one, so gpt-oss-20b's H
     of 2880 in steps of 2048 would read 1.4 times its gate/up weights' bytes. Qwen3-30B-A3B
-    (E 128, K 8): up to 2 tokens; Mixtral (8, 2): one; gpt-oss-20b: never. FP8 weights stay
-    weight-only here (at most ``WEIGHT_ONLY_MAX_TOKENS`` tokens)."""
+    (E 128, K 8): up to 2 tokens; Mixtral (8, 2): one; gpt-oss-20b: never in bf16, at one
+    token in MXFP4 (``mxfp4``: its own steps, by token only; gpt-oss-120b up to 4 tokens).
+    FP8 weights stay weight-only here (at most ``WEIGHT_ONLY_MAX_TOKENS`` tokens)."""
     num_pairs = num_tokens * top_k
     if num_tokens > WEIGHT_ONLY_MAX_TOKENS or num_pairs > max(top_k, num_experts // 8):
         return False
-    config = moe_decode_config(top_k)
+    config = moe_decode_config(top_k, mxfp4)
+    if mxfp4 and not config.by_token:
+        return False
     return all(
         triton.cdiv(depth, step) * step <= _MOST_MASKED * depth
         for depth, step in ((hidden, config.gate_up_depth), (intermediate, config.down_depth))
     )
 
 
-def moe_decode_config(top_k: int) -> MoeDecodeConfig:
+def moe_decode_config(top_k: int, mxfp4: bool = False) -> MoeDecodeConfig:
     """By shape, never timed: ``_STEP_PRODUCTS`` a step, gate/up as 2 columns of each half (4
     weight rows) by 2048 of H, down as 8 channels of each of the K picks (rounded up to a
     power of two) by what is left of I (Qwen3-30B-A3B's K 8: 128, six steps of its 768).
@@ -130,13 +144,19 @@ def moe_decode_config(top_k: int) -> MoeDecodeConfig:
     does the down kernel's loop, 4 warps a program, registers uncapped: the pair kernel's
     waves of programs that each read one step, after waiting on its expert id, kept the
     bytes in flight low (the sweep's fastest at one token, bf16 and FP8, and no slower at
-    two). Mixtral's 2 picks keep the program a pair (unswept). Interpreted (the CPU tests),
-    small: several column blocks and steps, last ones masked."""
+    two). Mixtral's 2 picks keep the program a pair (unswept). MXFP4 (``mxfp4``, gpt-oss:
+    H = I = 2880, 4 picks) by token only, its steps whole scale blocks: gate/up as 4 columns
+    of each half by 1024 (three steps of 2880, the last part-masked; 2048 would read 1.4
+    times the bytes), down as the bf16 rule's 8 channels by 256; untimed on a GPU.
+    Interpreted (the CPU tests), small: several column blocks and steps, last ones masked
+    (MXFP4: a block a step)."""
+    walks_picks = top_k >= 4
     if _INTERPRETED:
+        if mxfp4:
+            return MoeDecodeConfig(16, 32, 32, 32, 4, walks_picks, walks_picks, None)
         return MoeDecodeConfig(16, 32, 32, 16, 4)
     picks = triton.next_power_of_2(top_k)
-    gate_up_columns, down_rows = 2, 8
-    walks_picks = top_k >= 4
+    gate_up_columns, down_rows = (4, 8) if mxfp4 else (2, 8)
     return MoeDecodeConfig(
         gate_up_columns,
         _STEP_PRODUCTS // (2 * gate_up_columns),
@@ -241,6 +261,7 @@ def _store_activation(
 @triton.jit
 def _pick_rows(
     w_ptr,
+    mx_scale_ptr,
     ids_ptr,
     first_pair,
     step,  # of the token's picks' steps, in order
@@ -254,23 +275,76 @@ def _pick_rows(
     intermediate,
     stride_we,
     stride_wn,
+    stride_me,
+    stride_mn,
+    MXFP4: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """The gate and up rows ``cols`` of a step of the token's picks: its pick's expert's
-    (nothing of another rank's expert), its slice of H; and that expert, whether local, a
-    value a column (one address, read once: the interpreter takes no scalar in a mask)."""
+    (nothing of another rank's expert), its slice of H, as stored (MXFP4: bytes, and their
+    scales from ``mx_scale_ptr``; otherwise the scales returned are the rows again, unread);
+    and that expert, whether local, a value a column (one address, read once: the
+    interpreter takes no scalar in a mask)."""
     pick = step // steps
-    ks = (step - pick * steps) * BLOCK_K + tl.arange(0, BLOCK_K)
+    start = (step - pick * steps) * BLOCK_K
     valid = (tl.zeros_like(cols) + step) < total
     expert = tl.load(ids_ptr + first_pair + pick + tl.zeros_like(cols), mask=valid, other=-1)
     expert -= expert_offset
     local = valid & (expert >= 0) & (expert < num_experts)
     expert = tl.where(local, expert, 0).to(tl.int64)
-    gate_rows = w_ptr + expert[:, None] * stride_we + cols[:, None] * stride_wn + ks[None, :]
-    mask = (local & col_mask)[:, None] & (ks < depth)[None, :]
-    gate = tl.load(gate_rows, mask=mask, other=0.0)
-    up = tl.load(gate_rows + intermediate * stride_wn, mask=mask, other=0.0)
-    return gate, up, expert, local
+    if MXFP4:
+        gate_rows = w_ptr + expert * stride_we + cols * stride_wn
+        gate_scale_rows = mx_scale_ptr + expert * stride_me + cols * stride_mn
+        rows_mask = local & col_mask
+        gate, gate_scales = load_mxfp4_rows(
+            gate_rows[:, None], gate_scale_rows[:, None], rows_mask[:, None], start, depth, BLOCK_K
+        )
+        up, up_scales = load_mxfp4_rows(
+            (gate_rows + intermediate * stride_wn)[:, None],
+            (gate_scale_rows + intermediate * stride_mn)[:, None],
+            rows_mask[:, None],
+            start,
+            depth,
+            BLOCK_K,
+        )
+    else:
+        ks = start + tl.arange(0, BLOCK_K)
+        gate_rows = w_ptr + expert[:, None] * stride_we + cols[:, None] * stride_wn + ks[None, :]
+        mask = (local & col_mask)[:, None] & (ks < depth)[None, :]
+        gate = tl.load(gate_rows, mask=mask, other=0.0)
+        up = tl.load(gate_rows + intermediate * stride_wn, mask=mask, other=0.0)
+        gate_scales, up_scales = gate, up
+    return gate, gate_scales, up, up_scales, expert, local
+
+
+@triton.jit
+def _step_columns(start, MXFP4: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The activations' columns a step multiplies: ``start`` to ``start + BLOCK_K``; MXFP4,
+    the even ones, each odd one next to its even one (``nibble_products``)."""
+    return start + (2 * tl.arange(0, BLOCK_K // 2) if MXFP4 else tl.arange(0, BLOCK_K))
+
+
+@triton.jit
+def _row_sums(
+    weight,
+    mx_scales,
+    x,
+    x_odd,
+    MXFP4: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """[ROWS] sums over a step of each weight row (as loaded: [ROWS, BLOCK_K] FP8 codes or
+    x's dtype; MXFP4 bytes [ROWS, BLOCK_K / 2] and their scales) times the activations ``x``
+    (MXFP4: the even columns', ``x_odd`` the odd ones'), in float32. MXFP4's are summed a
+    block, then scaled."""
+    if MXFP4:
+        products = nibble_products(weight, x[None, :], x_odd[None, :])
+        blocks = tl.reshape(products, (ROWS, BLOCK_K // MXFP4_BLOCK, MXFP4_BLOCK // 2))
+        sums = tl.sum(tl.sum(blocks, axis=2) * block_scales(mx_scales), axis=1)
+    else:
+        sums = tl.sum(widen(weight, tl.float32) * x[None, :], axis=1)
+    return sums
 
 
 @triton.jit
@@ -293,11 +367,15 @@ def _gate_up_token_kernel(
     stride_se,
     stride_be,
     stride_hidden,
+    mx_scale_ptr,  # [E, 2I, H / 32] uint8 e8m0 (MXFP4: w_ptr [E, 2I, H / 2] uint8)
+    stride_me,
+    stride_mn,
     TOP_K: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     CLAMPED_SWIGLU: tl.constexpr,
     PREFETCH: tl.constexpr,
+    MXFP4: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -315,25 +393,30 @@ def _gate_up_token_kernel(
     x_row = x_ptr + token * stride_x
     steps = tl.cdiv(depth, BLOCK_K)
     total = TOP_K * steps
-    gate_w, up_w, expert, local = _pick_rows(
-        w_ptr, ids_ptr, first_pair, 0, steps, total, expert_offset, num_experts, cols,
-        col_mask, depth, intermediate, stride_we, stride_wn, BLOCK_K,
+    gate_w, gate_s, up_w, up_s, expert, local = _pick_rows(
+        w_ptr, mx_scale_ptr, ids_ptr, first_pair, 0, steps, total, expert_offset, num_experts,
+        cols, col_mask, depth, intermediate, stride_we, stride_wn, stride_me, stride_mn, MXFP4,
+        BLOCK_K,
     )  # fmt: skip
     gate_sums = tl.zeros((BLOCK_N,), dtype=tl.float32)
     up_sums = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for step in range(0, total):
         if PREFETCH:  # the next step's rows in flight while this one's are reduced
-            next_gate, next_up, next_expert, next_local = _pick_rows(
-                w_ptr, ids_ptr, first_pair, step + 1, steps, total, expert_offset,
-                num_experts, cols, col_mask, depth, intermediate, stride_we, stride_wn, BLOCK_K,
+            next_gate, next_gate_s, next_up, next_up_s, next_expert, next_local = _pick_rows(
+                w_ptr, mx_scale_ptr, ids_ptr, first_pair, step + 1, steps, total,
+                expert_offset, num_experts, cols, col_mask, depth, intermediate, stride_we,
+                stride_wn, stride_me, stride_mn, MXFP4, BLOCK_K,
             )  # fmt: skip
         else:
-            next_gate, next_up, next_expert, next_local = gate_w, up_w, expert, local
+            next_gate, next_gate_s, next_up, next_up_s = gate_w, gate_s, up_w, up_s
+            next_expert, next_local = expert, local
         pick = step // steps
-        ks = (step - pick * steps) * BLOCK_K + tl.arange(0, BLOCK_K)
-        x = tl.load(x_row + ks, mask=ks < depth, other=0.0).to(tl.float32)[None, :]
-        gate_sums += tl.sum(widen(gate_w, tl.float32) * x, axis=1)
-        up_sums += tl.sum(widen(up_w, tl.float32) * x, axis=1)
+        ks = _step_columns((step - pick * steps) * BLOCK_K, MXFP4, BLOCK_K)
+        x = tl.load(x_row + ks, mask=ks < depth, other=0.0).to(tl.float32)
+        # MXFP4: the odd columns' too (``_step_columns`` gives the even ones)
+        x_odd = tl.load(x_row + ks + 1, mask=ks < depth, other=0.0).to(tl.float32) if MXFP4 else x
+        gate_sums += _row_sums(gate_w, gate_s, x, x_odd, MXFP4, BLOCK_N, BLOCK_K)
+        up_sums += _row_sums(up_w, up_s, x, x_odd, MXFP4, BLOCK_N, BLOCK_K)
         last = (tl.zeros_like(cols) + step - pick * steps) == steps - 1
         _store_activation(
             gate_sums, up_sums, expert, cols, col_mask & last & local, scale_ptr, bias_ptr,
@@ -343,23 +426,70 @@ def _gate_up_token_kernel(
         gate_sums = tl.where(last, 0.0, gate_sums)
         up_sums = tl.where(last, 0.0, up_sums)
         if PREFETCH:
-            gate_w, up_w, expert, local = next_gate, next_up, next_expert, next_local
+            gate_w, gate_s, up_w, up_s = next_gate, next_gate_s, next_up, next_up_s
+            expert, local = next_expert, next_local
         else:
-            gate_w, up_w, expert, local = _pick_rows(
-                w_ptr, ids_ptr, first_pair, step + 1, steps, total, expert_offset,
-                num_experts, cols, col_mask, depth, intermediate, stride_we, stride_wn, BLOCK_K,
+            gate_w, gate_s, up_w, up_s, expert, local = _pick_rows(
+                w_ptr, mx_scale_ptr, ids_ptr, first_pair, step + 1, steps, total,
+                expert_offset, num_experts, cols, col_mask, depth, intermediate, stride_we,
+                stride_wn, stride_me, stride_mn, MXFP4, BLOCK_K,
             )  # fmt: skip
 
 
 @triton.jit
-def _down_step(sums, weight, ks, hidden_rows, local, depth):
-    """Add one step of every pick's weight rows (``weight`` [PICKS, BLOCK_N, BLOCK_K], I's
-    columns ``ks``) times its activation to the sums [PICKS, BLOCK_N]. Reduced a step at a
-    time, within each warp (its threads hold one row's step): no [PICKS, BLOCK_N, BLOCK_K]
-    float32 accumulator held across the loop, so more programs fit an SM."""
+def _down_rows(
+    weight_rows,
+    scale_rows,
+    rows_mask,
+    start,
+    depth,
+    MXFP4: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """A step of every pick's weight rows, I's columns ``start`` to ``start + BLOCK_K``, as
+    stored (``weight_rows`` and ``rows_mask`` [PICKS, BLOCK_N, 1]): [PICKS, BLOCK_N,
+    BLOCK_K]; MXFP4, bytes and the scales from ``scale_rows`` (``load_mxfp4_rows``). Without
+    MXFP4 the scales returned are the rows again, unread."""
+    if MXFP4:
+        weight, scales = load_mxfp4_rows(weight_rows, scale_rows, rows_mask, start, depth, BLOCK_K)
+    else:
+        ks = start + tl.arange(0, BLOCK_K)
+        weight = tl.load(
+            weight_rows + ks[None, None, :], mask=rows_mask & (ks < depth)[None, None, :], other=0.0
+        )
+        scales = weight
+    return weight, scales
+
+
+@triton.jit
+def _down_step(
+    sums,
+    weight,
+    mx_scales,
+    ks,
+    hidden_rows,
+    local,
+    depth,
+    MXFP4: tl.constexpr,
+    PICKS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Add one step of every pick's weight rows (``_down_rows``', I's columns
+    ``_step_columns``) times its activation to the sums [PICKS, BLOCK_N]. Reduced a step at
+    a time, within each warp (its threads hold one row's step): no [PICKS, BLOCK_N, BLOCK_K]
+    float32 accumulator held across the loop, so more programs fit an SM. MXFP4's are
+    summed a block, then scaled."""
     h_mask = local[:, None] & (ks < depth)[None, :]
     h = tl.load(hidden_rows + ks[None, :], mask=h_mask, other=0.0).to(tl.float32)
-    return sums + tl.sum(widen(weight, tl.float32) * h[:, None, :], axis=2)
+    if MXFP4:
+        h_odd = tl.load(hidden_rows + ks[None, :] + 1, mask=h_mask, other=0.0).to(tl.float32)
+        products = nibble_products(weight, h[:, None, :], h_odd[:, None, :])
+        blocks = tl.reshape(products, (PICKS, BLOCK_N, BLOCK_K // MXFP4_BLOCK, MXFP4_BLOCK // 2))
+        step_sums = tl.sum(tl.sum(blocks, axis=3) * block_scales(mx_scales), axis=2)
+    else:
+        step_sums = tl.sum(widen(weight, tl.float32) * h[:, None, :], axis=2)
+    return sums + step_sums
 
 
 @triton.jit
@@ -381,11 +511,15 @@ def _down_token_kernel(
     stride_se,
     stride_be,
     stride_out,
+    mx_scale_ptr,  # [E, H, I / 32] uint8 e8m0 (MXFP4: w_ptr [E, H, I / 2] uint8)
+    stride_me,
+    stride_mn,
     TOP_K: tl.constexpr,
     PICKS: tl.constexpr,  # TOP_K rounded up to a power of two
     HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PREFETCH: tl.constexpr,
+    MXFP4: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -403,39 +537,44 @@ def _down_token_kernel(
     routing_weight = tl.load(topk_weights_ptr + pairs, mask=local, other=0.0)
     expert = tl.where(local, expert, 0).to(tl.int64)
     weight_rows = w_ptr + expert[:, None, None] * stride_we + cols[None, :, None] * stride_wn
+    scale_rows = mx_scale_ptr + expert[:, None, None] * stride_me + cols[None, :, None] * stride_mn
     rows_mask = local[:, None, None] & col_mask[None, :, None]
-    ks = tl.arange(0, BLOCK_K)
-    weight = tl.load(
-        weight_rows + ks[None, None, :], mask=rows_mask & (ks < depth)[None, None, :], other=0.0
-    )
+    ks = _step_columns(0, MXFP4, BLOCK_K)
+    weight, mx_scales = _down_rows(weight_rows, scale_rows, rows_mask, 0, depth, MXFP4, BLOCK_K)
     wait_for_previous_kernel()  # the activations are the gate/up kernel's
     let_next_kernel_start()
     hidden_rows = hidden_ptr + pairs[:, None] * stride_hidden
     if PREFETCH:  # the next step's rows in flight while this one's are reduced
         sums = tl.zeros((PICKS, BLOCK_N), dtype=tl.float32)
         for start in range(BLOCK_K, depth, BLOCK_K):
-            next_ks = start + tl.arange(0, BLOCK_K)
-            next_weight = tl.load(
-                weight_rows + next_ks[None, None, :],
-                mask=rows_mask & (next_ks < depth)[None, None, :],
-                other=0.0,
+            next_ks = _step_columns(start, MXFP4, BLOCK_K)
+            next_weight, next_mx_scales = _down_rows(
+                weight_rows, scale_rows, rows_mask, start, depth, MXFP4, BLOCK_K
             )
-            sums = _down_step(sums, weight, ks, hidden_rows, local, depth)
-            weight, ks = next_weight, next_ks
-        sums = _down_step(sums, weight, ks, hidden_rows, local, depth)
+            sums = _down_step(
+                sums, weight, mx_scales, ks, hidden_rows, local, depth, MXFP4, PICKS, BLOCK_N,
+                BLOCK_K,
+            )  # fmt: skip
+            weight, mx_scales, ks = next_weight, next_mx_scales, next_ks
+        sums = _down_step(
+            sums, weight, mx_scales, ks, hidden_rows, local, depth, MXFP4, PICKS, BLOCK_N,
+            BLOCK_K,
+        )  # fmt: skip
     else:
         # The first step peeled, as the one-row kernel's (its weight read before the wait).
         sums = _down_step(
-            tl.zeros((PICKS, BLOCK_N), dtype=tl.float32), weight, ks, hidden_rows, local, depth
-        )
+            tl.zeros((PICKS, BLOCK_N), dtype=tl.float32), weight, mx_scales, ks, hidden_rows,
+            local, depth, MXFP4, PICKS, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
         for start in range(BLOCK_K, depth, BLOCK_K):
-            ks = start + tl.arange(0, BLOCK_K)
-            weight = tl.load(
-                weight_rows + ks[None, None, :],
-                mask=rows_mask & (ks < depth)[None, None, :],
-                other=0.0,
+            ks = _step_columns(start, MXFP4, BLOCK_K)
+            weight, mx_scales = _down_rows(
+                weight_rows, scale_rows, rows_mask, start, depth, MXFP4, BLOCK_K
             )
-            sums = _down_step(sums, weight, ks, hidden_rows, local, depth)
+            sums = _down_step(
+                sums, weight, mx_scales, ks, hidden_rows, local, depth, MXFP4, PICKS, BLOCK_N,
+                BLOCK_K,
+            )  # fmt: skip
     pick_mask = local[:, None] & col_mask[None, :]
     if HAS_SCALE:
         scale_ptrs = scale_ptr + expert[:, None] * stride_se + cols[None, :]
@@ -465,15 +604,18 @@ def moe_decode_experts(
     w2_bias: torch.Tensor | None,
     activation: ClampedSwiGLU | None,
 ) -> None:
-    """``fused_moe`` by pair into ``out`` [T, H] (its arguments checked there; ``weights``
-    and ``ids`` flattened to [T*K]): each pair's gate/up and activation, then each token's
-    down products summed over its picks. FP8 weights weight-only, whatever T."""
+    """``fused_moe`` (or ``mxfp4_moe``) by pair into ``out`` [T, H] (its arguments checked
+    there; ``weights`` and ``ids`` flattened to [T*K]): each pair's gate/up and activation,
+    then each token's down products summed over its picks. FP8 weights weight-only, whatever
+    T. MXFP4 weights (uint8, ``w13_scale`` and ``w2_scale`` their block scales) by token."""
     num_tokens, hidden = x.shape
     num_experts, double_intermediate, _ = w13.shape
     intermediate = double_intermediate // 2
     num_pairs = ids.numel()
     top_k = num_pairs // num_tokens
     quantized = w13.dtype == FP8
+    mxfp4 = w13.dtype == torch.uint8
+    assert config.by_token or not mxfp4, "MXFP4 weights are read by the by-token kernel"
     hidden_states = x.new_empty(num_pairs, intermediate)
     operands = (
         x,
@@ -511,7 +653,13 @@ def moe_decode_experts(
     column_blocks = triton.cdiv(intermediate, config.gate_up_columns)
     if config.by_token:
         _gate_up_token_kernel[(column_blocks, num_tokens)](
-            *operands, *rest, TOP_K=top_k, PREFETCH=config.prefetch, **flags
+            *operands,
+            *rest,
+            *_block_scales(w13, w13_scale if mxfp4 else None),
+            TOP_K=top_k,
+            PREFETCH=config.prefetch,
+            MXFP4=mxfp4,
+            **flags,
         )
     else:
         _gate_up_pair_kernel[(column_blocks, num_pairs)](*operands, top_k, *rest, **flags)
@@ -533,11 +681,13 @@ def moe_decode_experts(
         w2_scale.stride(0) if quantized else 0,
         0 if w2_bias is None else w2_bias.stride(0),
         out.stride(0),
+        *_block_scales(w2, w2_scale if mxfp4 else None),
         TOP_K=top_k,
         PICKS=triton.next_power_of_2(top_k),
         HAS_SCALE=quantized,
         HAS_BIAS=w2_bias is not None,
         PREFETCH=config.prefetch,
+        MXFP4=mxfp4,
         BLOCK_N=config.down_rows,
         BLOCK_K=config.down_depth,
         num_warps=config.warps,
@@ -545,3 +695,13 @@ def moe_decode_experts(
         maxnreg=config.max_registers,
         **launch_options(x.device),
     )
+
+
+def _block_scales(
+    weight: torch.Tensor, block_scales: torch.Tensor | None
+) -> tuple[torch.Tensor, int, int]:
+    """A kernel's MXFP4 scale arguments: the scales and their expert and row strides, or
+    (without them) the weight and zeros, unread."""
+    if block_scales is None:
+        return weight, 0, 0
+    return block_scales, block_scales.stride(0), block_scales.stride(1)

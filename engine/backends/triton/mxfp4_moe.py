@@ -3,21 +3,19 @@
 
 The weights are read as stored, half a byte a value and a scale byte a block of 32
 (``engine.backends.mxfp4``; ``LayerOps.moe_experts`` gives the layout), and widened in
-registers: each weight tile is loaded as bytes [BLOCK_N, BLOCK_K / 2] and scales
-[BLOCK_N, BLOCK_K / 32], each nibble's e2m1 code turned into its value by bit arithmetic
-(``e2m1_values``), times its block's power of two, the low and high nibbles interleaved
-back into the order of the depth (``tl.join``, ``tl.reshape``), then rounded to the
-activations' dtype, which holds every MXFP4 value exactly in bfloat16 and float32 (float16
-only for scales within its range). The products are on the tensor cores with float32 sums.
+registers a step at a time (``mxfp4_widen``), exactly.
 
-The same grouped path as ``fused_moe``'s at every token count (no by-pair decode path): its
-alignment (``align_pairs``: each local expert's pairs side by side in tiles of BLOCK_M
-rows), a gate/up kernel whose epilogue adds the biases and applies the activation (the
-clamped SwiGLU, gpt-oss's) as the bf16 kernel's does (``biased_activation``), a down
-kernel that multiplies the routing weights into its float32 sums and adds the down bias
-once (``with_down_bias``), and its combine (``combine_partial_sums``). Nothing is read back
-to the host, every buffer being sized for the worst routing, so a step replays in a CUDA
-graph for any routing.
+At a decode step's few pairs (``mxfp4_moe_config``), ``moe_decode``'s by-token kernels
+multiply the widened float32 steps on the CUDA cores. Otherwise the same grouped path as
+``fused_moe``'s, its products on the tensor cores with float32 sums, each weight tile
+rounded to the activations' dtype first (which holds every MXFP4 value in bfloat16 and
+float32; float16 only for scales within its range): its alignment (``align_pairs``: each
+local expert's pairs side by side in tiles of BLOCK_M rows), a gate/up kernel whose
+epilogue adds the biases and applies the activation (the clamped SwiGLU, gpt-oss's) as the
+bf16 kernel's does (``biased_activation``), a down kernel that multiplies the routing
+weights into its float32 sums and adds the down bias once (``with_down_bias``), and its
+combine (``combine_partial_sums``). Nothing is read back to the host, every buffer being
+sized for the worst routing, so a step replays in a CUDA graph for any routing.
 
 The tiles follow a rule over the shape (``mxfp4_moe_config``), untimed on a GPU.
 """
@@ -45,20 +43,32 @@ from engine.backends.triton.fused_moe import (
     tile_pairs,
     with_down_bias,
 )
+from engine.backends.triton.moe_decode import (
+    MoeDecodeConfig,
+    moe_decode_config,
+    moe_decode_experts,
+    takes_decode_path,
+)
+from engine.backends.triton.mxfp4_widen import widened_tile
 from engine.backends.triton.paged_attention import dot_precision
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-MXFP4_BLOCK = tl.constexpr(BLOCK)  # values a scale covers, in the kernels
 
 
-def mxfp4_moe_config(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
-    """The tiles for ``num_tokens`` tokens' ``top_k`` picks each over ``num_experts`` local
+def mxfp4_moe_config(
+    num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int
+) -> MoeConfig | MoeDecodeConfig:
+    """The decode path by token where it takes MXFP4 (``takes_decode_path``: gpt-oss-20b at
+    one token, 120b up to four), as ``fused_moe``'s bf16 layers take theirs. Otherwise the
+    tiles for ``num_tokens`` tokens' ``top_k`` picks each over ``num_experts`` local
     experts, by the rows an expert gets when routing is even (as ``grouped_config`` steps):
     up to 16 (decode steps, bound by reading the weights), 16-row tiles and 128 of depth a
     step (64 bytes and 4 scales of each weight row); up to 64, 64-row tiles; beyond
     (prefills, bound by the products and the widening), 128-row tiles, whose widened weight
     tile serves twice the rows. A simple rule, untimed on a GPU. BLOCK_K is a whole number
     of scale blocks."""
+    if takes_decode_path(num_tokens, top_k, num_experts, hidden, intermediate, mxfp4=True):
+        return moe_decode_config(top_k, mxfp4=True)
     if _INTERPRETED:  # small tiles, split: the edge masks and the partial sums' combine
         return MoeConfig(16, MoeGemmConfig(64, 64, 1, 4, 1), MoeGemmConfig(64, 64, 2, 4, 1))
     num_pairs = num_tokens * top_k
@@ -68,58 +78,6 @@ def mxfp4_moe_config(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig
     if rows_per_expert <= 64:
         return MoeConfig(64, MoeGemmConfig(64, 64, 1, 4, 3), MoeGemmConfig(64, 64, 1, 4, 3))
     return MoeConfig(128, MoeGemmConfig(128, 64, 1, 8, 3), MoeGemmConfig(128, 64, 1, 8, 3))
-
-
-@triton.jit
-def e2m1_values(codes):
-    """float32 values of 4-bit e2m1 codes (any integer type, 0 to 15): sign, two exponent
-    bits, one mantissa bit. A normal code (exponent bits e >= 1, mantissa m) is
-    (1 + m / 2) * 2 ** (e - 1): float32's bits with exponent field e + 126 and m as the top
-    mantissa bit, which is (code & 7) + 252 shifted to the mantissa's top; the subnormal
-    ones (e = 0) are m / 2. The sign bit is set in the bits, not by negating: compiled for a
-    GPU, -0.0 comes out as 0 - 0.0, which is +0.0, and code 8 is -0.0."""
-    codes = codes.to(tl.int32)
-    magnitude = codes & 7
-    normal = ((magnitude + 252) << 22).to(tl.float32, bitcast=True)
-    value = tl.where(magnitude < 2, magnitude.to(tl.float32) * 0.5, normal)
-    sign = (codes & 8) << 28
-    return (value.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def widened_tile(
-    row_ptrs,
-    scale_row_ptrs,
-    row_mask,
-    start,
-    depth,
-    dtype: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """[BLOCK_K, BLOCK_N] in ``dtype``: values ``start`` to ``start + BLOCK_K`` (of ``depth``,
-    whole blocks) of BLOCK_N MXFP4 rows, each row's bytes from ``row_ptrs`` and its e8m0
-    scales from ``scale_row_ptrs``; zero past the depth and in masked rows. A scale byte s
-    is 2 ** (s - 127) as float32's bits s << 23 (0: zero, 255: infinity; gpt-oss's are far
-    from both)."""
-    bytes_ = start // 2 + tl.arange(0, BLOCK_K // 2)
-    packed = tl.load(
-        row_ptrs[:, None] + bytes_[None, :],
-        mask=row_mask[:, None] & (bytes_ < depth // 2)[None, :],
-        other=0,
-    )
-    blocks = start // MXFP4_BLOCK + tl.arange(0, BLOCK_K // MXFP4_BLOCK)
-    exponents = tl.load(
-        scale_row_ptrs[:, None] + blocks[None, :],
-        mask=row_mask[:, None] & (blocks < depth // MXFP4_BLOCK)[None, :],
-        other=0,
-    )
-    scales = (exponents.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    # Each byte's low nibble is the even value, its high nibble the odd one.
-    values = tl.join(e2m1_values(packed & 0xF), e2m1_values(packed >> 4))
-    values = tl.reshape(values, (BLOCK_N, BLOCK_K // MXFP4_BLOCK, MXFP4_BLOCK))
-    values = values * scales[:, :, None]
-    return tl.trans(tl.reshape(values, (BLOCK_N, BLOCK_K)).to(dtype))
 
 
 @triton.jit
@@ -267,7 +225,7 @@ def mxfp4_moe(
     w13_scale: torch.Tensor,
     w2_scale: torch.Tensor,
     expert_offset: int = 0,
-    config: MoeConfig | None = None,
+    config: MoeConfig | MoeDecodeConfig | None = None,
     *,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
@@ -297,10 +255,27 @@ def mxfp4_moe(
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return out
-    config = config or mxfp4_moe_config(num_tokens, top_k, num_experts)
+    config = config or mxfp4_moe_config(num_tokens, top_k, num_experts, hidden, intermediate)
     ids = topk_ids.reshape(num_pairs)  # views of contiguous tensors: no copy under a graph
     weights = topk_weights.reshape(num_pairs)
     assert ids.stride(0) == 1 and weights.stride(0) == 1 and weights.dtype == torch.float32
+    if isinstance(config, MoeDecodeConfig):
+        moe_decode_experts(
+            x,
+            weights,
+            ids,
+            w13,
+            w2,
+            w13_scale,
+            w2_scale,
+            expert_offset,
+            config,
+            out,
+            w13_bias,
+            w2_bias,
+            activation,
+        )
+        return out
     aligned = align_pairs(ids, num_experts, expert_offset, config.block_m)
     precision = dot_precision(x.dtype)
     hidden_states = x.new_empty(num_pairs, intermediate)
