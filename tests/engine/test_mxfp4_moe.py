@@ -137,7 +137,7 @@ def test_mxfp4_moe_in_the_cuda_rules_tiles(
     assert_matches_reference(x, weights, ids, layer, config=config, **variant)
 
 
-# The decode path's steps: the interpreted rule's (a block a step); 64 deep, each row's
+# The decode path's steps: the rule's here (interpreted, a block a step); 64 deep, each row's
 # second step half masked, with and without the next step in flight; the CUDA rule's (a
 # step deeper than the rows).
 DECODE_CONFIGS = {
@@ -146,6 +146,26 @@ DECODE_CONFIGS = {
     "masked-unfetched": MoeDecodeConfig(32, 64, 16, 64, 4, by_token=True),
     "cuda-rule": "cuda",
 }
+
+
+def test_mxfp4_rule_takes_the_decode_path_at_a_few_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA rule at gpt-oss's experts (H = I = 2880, top 4): by token at up to E / 8
+    pairs (20b's 32 experts: one token; 120b's 128: four), the grouped tiles beyond; steps
+    of whole scale blocks that divide 2880 with little masked."""
+    monkeypatch.setattr(moe_decode, "_INTERPRETED", False)
+    monkeypatch.setattr(mxfp4_moe_module, "_INTERPRETED", False)
+    for num_tokens, num_experts, decode in (
+        (1, 32, True),
+        (2, 32, False),
+        (4, 128, True),
+        (5, 128, False),
+    ):
+        config = mxfp4_moe_config(num_tokens, 4, num_experts, 2880, 2880)
+        assert isinstance(config, MoeDecodeConfig) == decode
+        if isinstance(config, MoeDecodeConfig):
+            assert config.by_token and config.prefetch
+            for step in (config.gate_up_depth, config.down_depth):
+                assert step % 32 == 0 and -(-2880 // step) * step <= 1.125 * 2880
 
 
 @pytest.mark.parametrize("name", list(DECODE_CONFIGS))
@@ -161,6 +181,8 @@ def test_mxfp4_decode_path_matches_reference(
         monkeypatch.setattr(moe_decode, "_INTERPRETED", False)
         config = moe_decode.moe_decode_config(4, mxfp4=True)
         monkeypatch.undo()
+    elif CUDA:  # the small shape here is not where the CUDA rule takes this path
+        config = DECODE_CONFIGS[name] or moe_decode.moe_decode_config(4, mxfp4=True)
     else:
         config = DECODE_CONFIGS[name] or mxfp4_moe_config(1, 4, 32, HIDDEN, INTERMEDIATE)
     assert isinstance(config, MoeDecodeConfig) and config.by_token
