@@ -103,7 +103,12 @@ def generate(args: argparse.Namespace) -> None:
     from engine.llm import LLM
 
     config = from_arguments(EngineConfig, args)
-    llm = LLM(**vars(config))
+    try:
+        llm = LLM(**vars(config))
+    except ValueError as exc:
+        # As when serving: a model or options the engine cannot run with, named in one line.
+        logger.debug("refused at start-up", exc_info=True)
+        _refuse(exc)
     sampling = llm.default_sampling_params()
     sampling.max_tokens = args.max_tokens
     if args.temperature is not None:

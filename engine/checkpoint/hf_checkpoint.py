@@ -18,6 +18,12 @@ from tokenizers import Tokenizer
 
 from engine.checkpoint.checkpoint import SliceStream
 from engine.checkpoint.generation_config import read_sampling_defaults
+from engine.checkpoint.hf_config import (
+    CONFIG_JSON,
+    MAX_LAYERS,
+    MAX_POSITIONS,
+    ConfigValues,
+)
 from engine.checkpoint.pooling_config import read_pooling
 from engine.model_config import (
     FULL_ATTENTION,
@@ -29,6 +35,8 @@ from engine.model_config import (
 )
 from protocol import SamplingDefaults
 from protocol.eos import eos_token_ids
+
+_INDEX = "model.safetensors.index.json"  # a sharded checkpoint's tensor -> shard map
 
 
 @dataclass(frozen=True)
@@ -87,7 +95,13 @@ class SafetensorsSlices:
 
 
 def read_hf_directory(path: Path, name: str | None = None) -> HFDirectory:
-    """The directory's config and weight files; ``name`` overrides the directory's."""
+    """The directory's config and weight files; ``name`` overrides the directory's.
+
+    A safetensors index is checked now, not when the weights stream: a broken one is refused
+    before the engine allocates the model."""
+    index = path / _INDEX
+    if index.is_file():
+        _index_shards(index)
     return HFDirectory(
         name=name or path.resolve().name,
         path=path,
@@ -97,7 +111,12 @@ def read_hf_directory(path: Path, name: str | None = None) -> HFDirectory:
 
 def hf_architecture(config: Mapping[str, Any]) -> str | None:
     """The model class config.json names, e.g. "LlamaForCausalLM"."""
-    return (config.get("architectures") or [None])[0]
+    architectures = config.get("architectures")
+    if not architectures:
+        return None
+    if not isinstance(architectures, list) or not isinstance(architectures[0], str):
+        raise ValueError(f"'architectures' is {architectures!r}, not a list of model class names")
+    return architectures[0]
 
 
 def hf_config_fields(
@@ -107,27 +126,44 @@ def hf_config_fields(
     default_local_rope_theta: float | None = None,
 ) -> dict[str, Any]:
     """The ``ModelConfig`` fields that config.json spells alike for every family, in
-    transformers' older format or in that of v5.
+    transformers' older format or in that of v5; a value missing, mistyped or of an impossible
+    size is refused by key (``ConfigValues``).
 
     ``default_local_rope_theta`` not None: sliding layers have a RoPE base of their own, with
     this default. The defaults are transformers' for the family, where a config leaves them out.
     """
-    num_heads = config["num_attention_heads"]
+    values = ConfigValues(config, path)
+    hidden_size = values.size("hidden_size")
+    num_heads = values.size("num_attention_heads")
+    head_dim = values.optional_size("head_dim")
+    if head_dim is None and hidden_size % num_heads:
+        # The heads split the hidden size between them when config.json gives no head size.
+        raise ValueError(
+            f"{values.file}: 'num_attention_heads' is {num_heads}, which does not divide "
+            f"'hidden_size' {hidden_size} (and no 'head_dim' is given)"
+        )
+    num_kv_heads = values.optional_size("num_key_value_heads", num_heads)
+    if num_heads % num_kv_heads:
+        # Grouped-query attention: each KV head serves the same number of query heads.
+        raise ValueError(
+            f"{values.file}: 'num_key_value_heads' is {num_kv_heads}, which does not divide "
+            f"'num_attention_heads' {num_heads}"
+        )
     return {
         "architecture": hf_architecture(config),
-        "vocab_size": config["vocab_size"],
-        "hidden_size": config["hidden_size"],
-        "intermediate_size": config["intermediate_size"],
-        "num_hidden_layers": config["num_hidden_layers"],
+        "vocab_size": values.size("vocab_size"),
+        "hidden_size": hidden_size,
+        "intermediate_size": values.size("intermediate_size"),
+        "num_hidden_layers": values.size("num_hidden_layers", MAX_LAYERS),
         "num_attention_heads": num_heads,
-        "num_key_value_heads": config.get("num_key_value_heads") or num_heads,
-        "head_dim": config.get("head_dim") or config["hidden_size"] // num_heads,
-        "max_position_embeddings": config["max_position_embeddings"],
-        "rms_norm_eps": float(config["rms_norm_eps"]),
-        "tie_word_embeddings": config.get("tie_word_embeddings", False),
-        "hidden_act": config.get("hidden_act", "silu"),
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim or hidden_size // num_heads,
+        "max_position_embeddings": values.size("max_position_embeddings", MAX_POSITIONS),
+        "rms_norm_eps": values.number("rms_norm_eps"),
+        "tie_word_embeddings": values.flag("tie_word_embeddings", False),
+        "hidden_act": values.name("hidden_act", "silu"),
         "quantization": hf_quantization(config, path),
-        **_rope_fields(config, path, default_rope_theta, default_local_rope_theta),
+        **_rope_fields(values, default_rope_theta, default_local_rope_theta),
     }
 
 
@@ -138,9 +174,9 @@ def hf_quantization(config: Mapping[str, Any], path: Path) -> Quantization | Non
 
     Activations are quantized per token as they come, whatever ``activation_scheme`` says (a
     static scheme's ``*.input_scale`` are not read). Anything else is refused by name."""
-    quantization = config.get("quantization_config")
-    if quantization is None:
+    if config.get("quantization_config") is None:
         return None
+    quantization = ConfigValues(config, path).section("quantization_config")
     method = quantization.get("quant_method")
     if method != "fp8":
         raise ValueError(
@@ -159,7 +195,9 @@ def hf_quantization(config: Mapping[str, Any], path: Path) -> Quantization | Non
     # Layers left in the model's dtype: the LM head is (it always is here); any other would
     # need a second kind of linear layer.
     ignored = quantization.get("ignored_layers") or quantization.get("modules_to_not_convert")
-    kept = [name for name in ignored or [] if not name.endswith("lm_head")]
+    if ignored is not None and not isinstance(ignored, list):
+        raise ValueError(f"{path / CONFIG_JSON}: ignored_layers {ignored!r} is not a list")
+    kept = [name for name in ignored or [] if not str(name).endswith("lm_head")]
     if kept:
         raise ValueError(
             f"{path}: FP8 checkpoints whose linear layers are partly unquantized "
@@ -172,94 +210,129 @@ def check_layer_types(layer_types: list[str] | None, num_layers: int, path: Path
     if layer_types is None:
         return
     known = {FULL_ATTENTION, SLIDING_ATTENTION}
-    if len(layer_types) != num_layers or not set(layer_types) <= known:
+    # Checked as a list of strings first: a number has no len(), a list of objects no set().
+    if (
+        not isinstance(layer_types, list)
+        or not all(isinstance(kind, str) for kind in layer_types)
+        or len(layer_types) != num_layers
+        or not set(layer_types) <= known
+    ):
+        shown = repr(layer_types)
+        shown = shown if len(shown) <= 200 else f"{shown[:197]}..."
         raise ValueError(
-            f"{path}: layer_types must name {FULL_ATTENTION!r} or {SLIDING_ATTENTION!r} for each "
-            f"of the {num_layers} layers, not {layer_types}"
+            f"{path / CONFIG_JSON}: 'layer_types' must name {FULL_ATTENTION!r} or "
+            f"{SLIDING_ATTENTION!r} for each of the {num_layers} layers, not {shown}"
         )
 
 
 def _rope_fields(
-    config: Mapping[str, Any], path: Path, full_theta: float, local_theta: float | None
+    values: ConfigValues, full_theta: float, local_theta: float | None
 ) -> dict[str, Any]:
     """RoPE of the full layers (base, Llama 3 or linear scaling) and of sliding layers that
     have their own (``local_theta`` not None), from the older format or transformers 5's."""
-    parameters = config.get("rope_parameters") or {}
+    path = values.path
+    parameters = values.section("rope_parameters")
     if FULL_ATTENTION in parameters:  # transformers 5, per layer type (Gemma 3)
-        full, sliding = parameters[FULL_ATTENTION], parameters.get(SLIDING_ATTENTION) or {}
+        nested = ConfigValues(parameters, path, "rope_parameters")
+        full = ConfigValues(
+            nested.section(FULL_ATTENTION), path, f"rope_parameters.{FULL_ATTENTION}"
+        )
+        sliding = ConfigValues(
+            nested.section(SLIDING_ATTENTION), path, f"rope_parameters.{SLIDING_ATTENTION}"
+        )
+        theta = full.optional_number("rope_theta", full_theta)
+        sliding_theta = sliding.optional_number("rope_theta", local_theta)
     else:  # transformers 5 for all layers, or older: rope_theta beside rope_scaling
-        full = {"rope_theta": config.get("rope_theta", full_theta)}
-        full |= config.get("rope_scaling") or parameters
-        sliding = {"rope_theta": config.get("rope_local_base_freq", local_theta)}
-    fields: dict[str, Any] = {"rope_theta": float(full.get("rope_theta", full_theta))}
-    rope_type = full.get("rope_type", full.get("type", "default"))
+        scaling = values.section("rope_scaling")
+        full = ConfigValues(
+            scaling or parameters, path, "rope_scaling" if scaling else "rope_parameters"
+        )
+        theta = full.optional_number("rope_theta") or values.optional_number(
+            "rope_theta", full_theta
+        )
+        sliding = ConfigValues({}, path)
+        sliding_theta = values.optional_number("rope_local_base_freq", local_theta)
+    fields: dict[str, Any] = {"rope_theta": theta}
+    rope_type = full.name("rope_type", full.name("type", "default"))
     if rope_type == "llama3":
         fields["rope_scaling"] = RopeScaling(
-            factor=float(full["factor"]),
-            low_freq_factor=float(full["low_freq_factor"]),
-            high_freq_factor=float(full["high_freq_factor"]),
-            original_max_position_embeddings=full["original_max_position_embeddings"],
+            factor=full.number("factor"),
+            low_freq_factor=full.number("low_freq_factor"),
+            high_freq_factor=full.number("high_freq_factor"),
+            original_max_position_embeddings=full.size(
+                "original_max_position_embeddings", MAX_POSITIONS
+            ),
         )
     elif rope_type == "linear":
-        fields["rope_linear_factor"] = float(full["factor"])
+        fields["rope_linear_factor"] = full.number("factor")
     elif rope_type == "yarn":
-        if "original_max_position_embeddings" not in full:
-            raise ValueError(f"{path}: YaRN RoPE scaling needs original_max_position_embeddings")
-        fields["rope_yarn"] = _yarn(full, config)
+        fields["rope_yarn"] = _yarn(full, values)
     elif rope_type != "default":
         raise ValueError(
             f"{path}: RoPE scaling {rope_type!r} is not supported, only 'llama3', 'linear' "
             "and 'yarn'"
         )
     if local_theta is not None:
-        if sliding.get("rope_type", "default") != "default":
+        if sliding.name("rope_type", "default") != "default":
             raise ValueError(f"{path}: RoPE scaling of sliding-window layers is not supported")
-        fields["rope_local_theta"] = float(sliding.get("rope_theta", local_theta))
+        fields["rope_local_theta"] = sliding_theta
     return fields
 
 
-def _yarn(parameters: Mapping[str, Any], config: Mapping[str, Any]) -> YarnScaling:
+def _yarn(parameters: ConfigValues, config: ConfigValues) -> YarnScaling:
     """YaRN's settings, with transformers' defaults for those left out."""
-    original = parameters["original_max_position_embeddings"]
-    factor = parameters.get("factor") or config["max_position_embeddings"] / original
-
-    def optional(key: str) -> float | None:
-        value = parameters.get(key)
-        return None if value is None else float(value)
-
+    original = parameters.size("original_max_position_embeddings", MAX_POSITIONS)
+    factor = parameters.optional_number("factor") or (
+        config.size("max_position_embeddings", MAX_POSITIONS) / original
+    )
     return YarnScaling(
-        factor=float(factor),
+        factor=factor,
         original_max_position_embeddings=original,
-        beta_fast=float(parameters.get("beta_fast") or 32.0),
-        beta_slow=float(parameters.get("beta_slow") or 1.0),
-        truncate=bool(parameters.get("truncate", True)),
-        attention_factor=optional("attention_factor"),
-        mscale=optional("mscale"),
-        mscale_all_dim=optional("mscale_all_dim"),
+        beta_fast=parameters.optional_number("beta_fast") or 32.0,
+        beta_slow=parameters.optional_number("beta_slow") or 1.0,
+        truncate=parameters.flag("truncate", True),
+        attention_factor=parameters.optional_number("attention_factor", positive=False),
+        mscale=parameters.optional_number("mscale", positive=False),
+        mscale_all_dim=parameters.optional_number("mscale_all_dim", positive=False),
     )
 
 
 def safetensors_files(path: Path) -> list[Path]:
     """The checkpoint's safetensors files: the shards an index names, or the single file."""
-    index = path / "model.safetensors.index.json"
+    index = path / _INDEX
     if index.is_file():
-        shards = sorted(set(_read_json(index)["weight_map"].values()))
-        return [path / shard for shard in shards]
+        return [path / shard for shard in _index_shards(index)]
     single = path / "model.safetensors"
     if single.is_file():
         return [single]
     raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 
+def _index_shards(index: Path) -> list[str]:
+    """The shard files a model.safetensors.index.json names in its ``weight_map`` (tensor name
+    -> file), refused by file and key where there is none or it is no such map."""
+    weight_map = _read_json(index).get("weight_map")
+    if weight_map is None:
+        raise ValueError(f"{index}: 'weight_map' is missing")
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(shard, str) for shard in weight_map.values()
+    ):
+        shown = repr(weight_map)
+        shown = shown if len(shown) <= 80 else f"{shown[:77]}..."
+        raise ValueError(
+            f"{index}: 'weight_map' is {shown}, not a JSON object of tensor names to file names"
+        )
+    return sorted(set(weight_map.values()))
+
+
 def hf_tokenizer_info(path: Path, config: Mapping[str, Any]) -> TokenizerInfo:
     tokenizer_file = path / "tokenizer.json"
     if not tokenizer_file.is_file():
         raise ValueError(f"{path}: no tokenizer.json (other tokenizer formats are not supported)")
-    tokenizer_json = tokenizer_file.read_text(encoding="utf-8")
+    tokenizer_json, tokenizer = _read_tokenizer(tokenizer_file)
     tokenizer_config = _read_json_if_present(path / "tokenizer_config.json")
     chat_template = _chat_template(path, tokenizer_config)
     eos_token = _token_content(tokenizer_config.get("eos_token"))
-    tokenizer = Tokenizer.from_str(tokenizer_json)
     declared_eos = [
         *_ids(config.get("eos_token_id")),
         *_ids(_read_json_if_present(path / "generation_config.json").get("eos_token_id")),
@@ -272,6 +345,19 @@ def hf_tokenizer_info(path: Path, config: Mapping[str, Any]) -> TokenizerInfo:
         eos_token=eos_token,
         eos_token_ids=eos_token_ids(declared_eos, chat_template, tokenizer.token_to_id),
     )
+
+
+def _read_tokenizer(file: Path) -> tuple[str, Tokenizer]:
+    """tokenizer.json's text and the tokenizer it builds; a file that is not UTF-8, not JSON or
+    not a tokenizer is refused naming the file, which the tokenizers library's error does not."""
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{file}: not UTF-8 text: {error}") from None
+    try:
+        return text, Tokenizer.from_str(text)
+    except Exception as error:  # tokenizers raises Exception itself, of no narrower class
+        raise ValueError(f"{file}: not a tokenizer the tokenizers library reads: {error}") from None
 
 
 def _chat_template(path: Path, tokenizer_config: Mapping[str, Any]) -> str | None:
@@ -302,7 +388,9 @@ def _read_json(path: Path) -> dict[str, Any]:
     try:
         with path.open(encoding="utf-8") as file:
             value = json.load(file)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    # ValueError: not UTF-8, not JSON, or an integer of more digits than Python converts;
+    # RecursionError: arrays or objects nested deeper than Python's stack.
+    except (ValueError, RecursionError) as error:
         raise ValueError(f"{path}: not valid JSON: {error}") from None
     if not isinstance(value, dict):
         raise ValueError(f"{path}: expected a JSON object, not {type(value).__name__}")

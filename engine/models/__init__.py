@@ -16,6 +16,7 @@ import torch
 from engine.backends import Backend
 from engine.checkpoint import Checkpoint, GGUFModelFile, read_checkpoint
 from engine.checkpoint.hf_checkpoint import hf_architecture
+from engine.checkpoint.hf_config import CONFIG_JSON
 from engine.distributed.parallel import SINGLE, TensorParallel
 from engine.model_config import ModelConfig
 from engine.models import gemma3, gpt_oss, llama, mixtral, olmo2, qwen2, qwen3, qwen3_moe
@@ -88,7 +89,8 @@ def _hf_family(config: Mapping[str, Any], path: Path) -> ModelFamily:
     try:
         return model_family(hf_architecture(config))
     except ValueError as error:
-        raise ValueError(f"{path}: {error}") from None
+        # The architecture is config.json's: the message names that file.
+        raise ValueError(f"{path / CONFIG_JSON}: {error}") from None
 
 
 def _gguf_family(file: GGUFModelFile) -> ModelFamily:

@@ -22,6 +22,7 @@ from engine.backends.deferred_norm import LinearInput
 from engine.backends.layer_ops import LayerOps
 from engine.checkpoint.gguf_checkpoint import GGUFMetadata, decimal
 from engine.checkpoint.hf_checkpoint import hf_config_fields
+from engine.checkpoint.hf_config import MAX_LAYERS, ConfigValues
 from engine.distributed.parallel import TensorParallel
 from engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from engine.models.causal_lm import CausalLM
@@ -140,23 +141,24 @@ def _gemma3_config(config: Mapping[str, Any], path: Path) -> Gemma3Config:
     for unsupported in ("attn_logit_softcapping", "use_bidirectional_attention"):
         if config.get(unsupported):
             raise ValueError(f"{path}: Gemma 3 with {unsupported} is not supported")
+    fields = hf_config_fields(config, path, _ROPE_THETA, _LOCAL_ROPE_THETA)
+    values = ConfigValues(config, path)
     # Configs before transformers 5 give the pattern instead: every Nth layer is global.
-    pattern = config.get("sliding_window_pattern", _SLIDING_WINDOW_PATTERN)
+    pattern = values.optional_size("sliding_window_pattern", _SLIDING_WINDOW_PATTERN, MAX_LAYERS)
     layer_types = config.get("layer_types") or [
         FULL_ATTENTION if (i + 1) % pattern == 0 else SLIDING_ATTENTION
-        for i in range(config["num_hidden_layers"])
+        for i in range(fields["num_hidden_layers"])
     ]
-    softcap = config.get("final_logit_softcapping")
-    fields = hf_config_fields(config, path, _ROPE_THETA, _LOCAL_ROPE_THETA) | {
-        "tie_word_embeddings": config.get("tie_word_embeddings", True),
-        "hidden_act": config.get("hidden_activation", "gelu_pytorch_tanh"),
+    fields |= {
+        "tie_word_embeddings": values.flag("tie_word_embeddings", True),
+        "hidden_act": values.name("hidden_activation", "gelu_pytorch_tanh"),
         "layer_types": layer_types,
-        "sliding_window": config["sliding_window"],
+        "sliding_window": values.size("sliding_window"),
     }
     return Gemma3Config(
         **fields,
-        query_pre_attn_scalar=float(config["query_pre_attn_scalar"]),
-        final_logit_softcapping=None if softcap is None else float(softcap),
+        query_pre_attn_scalar=values.number("query_pre_attn_scalar"),
+        final_logit_softcapping=values.optional_number("final_logit_softcapping"),
     )
 
 

@@ -36,6 +36,7 @@ from engine.backends.layer_ops import ClampedSwiGLU, LayerOps
 from engine.backends.mxfp4 import BLOCK, dequantize_mxfp4
 from engine.checkpoint.checkpoint import Checkpoint, TensorSlices
 from engine.checkpoint.hf_checkpoint import hf_config_fields
+from engine.checkpoint.hf_config import ConfigValues, expert_counts
 from engine.distributed.parallel import TensorParallel
 from engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION
 from engine.models.family import ModelFamily
@@ -215,27 +216,30 @@ class GptOssForCausalLM(MoECausalLM):
 def _gpt_oss_config(config: Mapping[str, Any], path: Path) -> GptOssConfig:
     if not config.get("attention_bias", True):
         raise ValueError(f"{path}: gpt-oss without attention biases is not supported")
-    quantization = config.get("quantization_config") or {}
+    values = ConfigValues(config, path)
+    quantization = values.section("quantization_config")
     mxfp4_experts = quantization.get("quant_method") == "mxfp4"
     if mxfp4_experts:
         # The published experts: dequantized to the model's dtype as they load, unless
         # --quantization mxfp4 keeps them; the linear layers are not quantized either way.
         config = {key: value for key, value in config.items() if key != "quantization_config"}
-    window = config.get("sliding_window")
+    fields = hf_config_fields(config, path, _ROPE_THETA)
+    window = values.optional_size("sliding_window")
     layer_types = config.get("layer_types") or [
         SLIDING_ATTENTION if layer % 2 == 0 else FULL_ATTENTION
-        for layer in range(config["num_hidden_layers"])
+        for layer in range(fields["num_hidden_layers"])
     ]
+    num_experts, experts_per_token = expert_counts(values, "num_local_experts")
     return GptOssConfig(
-        **hf_config_fields(config, path, _ROPE_THETA),
+        **fields,
         sliding_window=window,
         layer_types=layer_types if window is not None else None,
-        num_experts=config["num_local_experts"],
-        num_experts_per_tok=config["num_experts_per_tok"],
-        moe_intermediate_size=config["intermediate_size"],  # the experts' own
+        num_experts=num_experts,
+        num_experts_per_tok=experts_per_token,
+        moe_intermediate_size=fields["intermediate_size"],  # the experts' own
         norm_topk_prob=True,  # a softmax over the top k sums to one
-        swiglu_alpha=float(config.get("swiglu_alpha", 1.702)),
-        swiglu_limit=float(config.get("swiglu_limit", 7.0)),
+        swiglu_alpha=values.optional_number("swiglu_alpha", 1.702),
+        swiglu_limit=values.optional_number("swiglu_limit", 7.0),
         mxfp4_experts=mxfp4_experts,
     )
 

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from engine.checkpoint.hf_checkpoint import hf_config_fields
+from engine.checkpoint.hf_config import MAX_LAYERS, ConfigValues
 from engine.model_config import SLIDING_ATTENTION, ModelConfig
 from engine.models.causal_lm import CausalLM
 from engine.models.family import GGUF_LLAMA_NORMS, GGUF_PROJECTIONS, GGUFLayout, ModelFamily
@@ -35,19 +36,20 @@ def llama_config(config: Mapping[str, Any], path: Path) -> ModelConfig:
     return ModelConfig(**hf_config_fields(config, path))
 
 
-def mistral_sliding_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+def mistral_sliding_fields(config: Mapping[str, Any], path: Path) -> dict[str, Any]:
     # Mistral 7B v0.1 slides a window over every layer; later versions set it to null.
-    window = config.get("sliding_window")
+    values = ConfigValues(config, path)
+    window = values.optional_size("sliding_window")
     if window is None:
         return {}
     return {
         "sliding_window": window,
-        "layer_types": [SLIDING_ATTENTION] * config["num_hidden_layers"],
+        "layer_types": [SLIDING_ATTENTION] * values.size("num_hidden_layers", MAX_LAYERS),
     }
 
 
 def _mistral_config(config: Mapping[str, Any], path: Path) -> ModelConfig:
-    return ModelConfig(**hf_config_fields(config, path), **mistral_sliding_fields(config))
+    return ModelConfig(**hf_config_fields(config, path), **mistral_sliding_fields(config, path))
 
 
 def unpermute_qk(name: str, array: np.ndarray, config: ModelConfig) -> np.ndarray:

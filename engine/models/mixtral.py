@@ -9,6 +9,7 @@ from typing import Any
 
 from engine.checkpoint.gguf_checkpoint import GGUFMetadata
 from engine.checkpoint.hf_checkpoint import hf_config_fields
+from engine.checkpoint.hf_config import ConfigValues, expert_counts
 from engine.models.family import GGUF_ATTENTION, GGUF_LLAMA_NORMS, GGUFLayout, ModelFamily
 from engine.models.llama import mistral_sliding_fields, refuse_biases, unpermute_qk
 from engine.models.moe import MoECausalLM, MoEConfig
@@ -30,12 +31,14 @@ class MixtralForCausalLM(MoECausalLM):
 
 def _mixtral_config(config: Mapping[str, Any], path: Path) -> MoEConfig:
     refuse_biases(config, path)
+    fields = hf_config_fields(config, path, _ROPE_THETA)
+    num_experts, experts_per_token = expert_counts(ConfigValues(config, path), "num_local_experts")
     return MoEConfig(
-        **hf_config_fields(config, path, _ROPE_THETA),
-        **mistral_sliding_fields(config),
-        num_experts=config["num_local_experts"],
-        num_experts_per_tok=config["num_experts_per_tok"],
-        moe_intermediate_size=config["intermediate_size"],  # the experts' own
+        **fields,
+        **mistral_sliding_fields(config, path),
+        num_experts=num_experts,
+        num_experts_per_tok=experts_per_token,
+        moe_intermediate_size=fields["intermediate_size"],  # the experts' own
         norm_topk_prob=True,
     )
 

@@ -30,7 +30,7 @@ class Qwen3ForCausalLM(CausalLM):
 
 def _qwen3_config(config: Mapping[str, Any], path: Path) -> ModelConfig:
     refuse_biases(config, path)
-    return ModelConfig(**hf_config_fields(config, path), **qwen_sliding_fields(config))
+    return ModelConfig(**hf_config_fields(config, path), **qwen_sliding_fields(config, path))
 
 
 QWEN3 = ModelFamily(

@@ -9,6 +9,7 @@ from typing import Any
 
 from engine.checkpoint.gguf_checkpoint import GGUFMetadata
 from engine.checkpoint.hf_checkpoint import hf_config_fields
+from engine.checkpoint.hf_config import MAX_LAYERS, ConfigValues, expert_counts
 from engine.models.family import (
     GGUF_ATTENTION,
     GGUF_EXPERTS,
@@ -32,19 +33,28 @@ class Qwen3MoeForCausalLM(MoECausalLM):
 
 def _qwen3_moe_config(config: Mapping[str, Any], path: Path) -> MoEConfig:
     refuse_biases(config, path)
-    step = config.get("decoder_sparse_step", 1)
-    mlp_only = set(config.get("mlp_only_layers") or [])
+    fields = hf_config_fields(config, path)
+    values = ConfigValues(config, path)
+    step = values.optional_size("decoder_sparse_step", 1, MAX_LAYERS)
+    mlp_only = set(values.sizes("mlp_only_layers", MAX_LAYERS))
+    # transformers 5 saves num_experts under Mixtral's name; a config of neither is refused
+    # naming Qwen's own.
+    experts_key = (
+        "num_local_experts"
+        if config.get("num_experts") is None and "num_local_experts" in config
+        else "num_experts"
+    )
+    num_experts, experts_per_token = expert_counts(values, experts_key)
     return MoEConfig(
-        **hf_config_fields(config, path),
-        **qwen_sliding_fields(config),
-        # transformers 5 saves num_experts under Mixtral's name
-        num_experts=config.get("num_experts", config.get("num_local_experts")),
-        num_experts_per_tok=config["num_experts_per_tok"],
-        moe_intermediate_size=config["moe_intermediate_size"],
-        norm_topk_prob=config.get("norm_topk_prob", False),  # transformers' default
+        **fields,
+        **qwen_sliding_fields(config, path),
+        num_experts=num_experts,
+        num_experts_per_tok=experts_per_token,
+        moe_intermediate_size=values.size("moe_intermediate_size"),
+        norm_topk_prob=values.flag("norm_topk_prob", False),  # transformers' default
         dense_layers=tuple(
             layer
-            for layer in range(config["num_hidden_layers"])
+            for layer in range(fields["num_hidden_layers"])
             if layer in mlp_only or (layer + 1) % step
         ),
     )

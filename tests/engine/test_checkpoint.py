@@ -6,7 +6,10 @@ import filecmp
 import json
 import logging
 import re
+import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +23,14 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    Gemma3TextConfig,
+    GptOssConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
     PretrainedConfig,
     PreTrainedTokenizerBase,
+    Qwen3MoeConfig,
 )
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -675,6 +682,222 @@ def test_hf_unreadable_safetensors_is_refused_by_name(tmp_path: Path) -> None:
         ValueError, match=f"{re.escape(str(weights))}: not a readable safetensors file"
     ):
         next(checkpoint.weights())
+
+
+# --- a Hugging Face directory whose config.json, index or tokenizer.json is broken ------------
+# Each was a bare KeyError, TypeError or ZeroDivisionError, a tokenizers error naming no file,
+# or loaded silently; each is now a ValueError naming the file and the key, raised by
+# load_checkpoint, before any weight is read.
+
+MISSING = object()  # a change that deletes the key
+TINY_SHAPE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+# A config.json of each family whose config has keys of its own, as transformers writes it.
+FAMILY_CONFIGS: dict[str, PretrainedConfig] = {
+    "llama": LlamaConfig(**TINY_SHAPE),
+    "mixtral": MixtralConfig(**TINY_SHAPE, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": Qwen3MoeConfig(
+        **TINY_SHAPE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+    ),
+    "gpt_oss": GptOssConfig(**TINY_SHAPE, num_local_experts=4, num_experts_per_tok=2),
+    "gemma3": Gemma3TextConfig(**TINY_SHAPE, sliding_window=16),
+}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama's directory: its weights and tokenizer.json, copied into each test's own."""
+    directory = tmp_path_factory.mktemp("tiny-hf")
+    save_tiny_llama(directory)
+    return directory
+
+
+def hf_directory_of(
+    tiny_hf_files: Path, directory: Path, family: str = "llama", **changes: Any
+) -> Path:
+    """``tiny_hf_files`` copied to ``directory``, its config.json the family's with
+    ``changes`` (a value of MISSING deletes the key). Only the config is the family's: the
+    weights stay the tiny Llama's, which load_checkpoint does not read."""
+    shutil.copytree(tiny_hf_files, directory)
+    config = FAMILY_CONFIGS[family].to_dict() | {"architectures": [ARCHITECTURES[family]]}
+    for key, value in changes.items():
+        if value is MISSING:
+            del config[key]
+        else:
+            config[key] = value
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.mark.parametrize("family", list(FAMILY_CONFIGS))
+def test_each_family_config_loads_unchanged(
+    tmp_path: Path, tiny_hf_files: Path, family: str
+) -> None:
+    # What the cases below change, unchanged: the refusals are the changes', nothing else's.
+    directory = hf_directory_of(tiny_hf_files, tmp_path / "model", family)
+    assert load_checkpoint(str(directory)).config.architecture == ARCHITECTURES[family]
+
+
+@pytest.mark.timeout(60)  # a layer count of 2**40 would loop for ever; some of these did hang
+@pytest.mark.parametrize(
+    ("family", "changes", "message"),
+    [
+        # 1. A required key missing: each was a bare KeyError.
+        *(
+            ("llama", {key: MISSING}, f"'{key}' is missing")
+            for key in (
+                "hidden_size",
+                "num_attention_heads",
+                "vocab_size",
+                "num_hidden_layers",
+                "intermediate_size",
+                "max_position_embeddings",
+                "rms_norm_eps",
+            )
+        ),
+        ("mixtral", {"num_local_experts": MISSING}, "'num_local_experts' is missing"),
+        # transformers 5 writes Qwen3-MoE's num_experts under Mixtral's name: neither given,
+        # Qwen's own is named.
+        ("qwen3_moe", {"num_local_experts": MISSING}, "'num_experts' is missing"),
+        ("qwen3_moe", {"moe_intermediate_size": MISSING}, "'moe_intermediate_size' is missing"),
+        ("gpt_oss", {"num_experts_per_tok": MISSING}, "'num_experts_per_tok' is missing"),
+        ("gemma3", {"query_pre_attn_scalar": MISSING}, "'query_pre_attn_scalar' is missing"),
+        ("gemma3", {"sliding_window": MISSING}, "'sliding_window' is missing"),
+        (
+            "llama",
+            {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+            "rope_scaling's 'low_freq_factor' is missing",
+        ),
+        # 2. A value of the wrong type: a bare TypeError or ValueError, or (a string for a
+        # flag, a float for a count) loaded silently.
+        ("llama", {"num_attention_heads": "abc"}, "'num_attention_heads' is 'abc', not a positive"),
+        ("llama", {"hidden_size": [64]}, r"'hidden_size' is \[64\], not a positive integer"),
+        ("llama", {"vocab_size": None}, "'vocab_size' is None, not a positive integer"),
+        ("llama", {"num_hidden_layers": True}, "'num_hidden_layers' is True, not a positive"),
+        ("llama", {"intermediate_size": 160.0}, r"'intermediate_size' is 160\.0, not a positive"),
+        ("llama", {"rms_norm_eps": "1e-5"}, "'rms_norm_eps' is '1e-5', not a finite number"),
+        (
+            "llama",
+            {"rope_parameters": {"rope_type": "default", "rope_theta": "1e4"}},
+            "rope_parameters's 'rope_theta' is '1e4', not a finite number",
+        ),
+        ("llama", {"tie_word_embeddings": "false"}, "'tie_word_embeddings' is 'false', not true"),
+        ("llama", {"hidden_act": ["silu"]}, r"'hidden_act' is \['silu'\], not a string"),
+        ("llama", {"rope_scaling": "llama3"}, "'rope_scaling' is 'llama3', not a JSON object"),
+        ("llama", {"architectures": "LlamaForCausalLM"}, "'architectures' is 'LlamaForCausalLM'"),
+        ("mixtral", {"num_experts_per_tok": "2"}, "'num_experts_per_tok' is '2', not a positive"),
+        ("qwen3_moe", {"mlp_only_layers": "1"}, "'mlp_only_layers' is '1', not a list"),
+        ("gpt_oss", {"swiglu_limit": "7"}, "'swiglu_limit' is '7', not a finite number"),
+        ("gemma3", {"layer_types": 3}, "'layer_types' must name"),
+        # 3. Sizes no model has: divisions by zero, loops or allocations without end, or
+        # (a KV head count of 0) loaded silently as another.
+        ("llama", {"hidden_size": 0}, "'hidden_size' is 0, not a positive integer"),
+        ("llama", {"num_attention_heads": 0}, "'num_attention_heads' is 0, not a positive"),
+        ("llama", {"num_attention_heads": -4}, "'num_attention_heads' is -4, not a positive"),
+        ("llama", {"num_key_value_heads": 0}, "'num_key_value_heads' is 0, not a positive"),
+        ("llama", {"head_dim": 0}, "'head_dim' is 0, not a positive integer"),
+        ("llama", {"intermediate_size": -1}, "'intermediate_size' is -1, not a positive"),
+        ("llama", {"vocab_size": 2**40}, "'vocab_size' is 1099511627776, more than any model"),
+        ("llama", {"num_hidden_layers": 2**40}, "'num_hidden_layers' is 1099511627776, more"),
+        ("llama", {"max_position_embeddings": 2**40}, "'max_position_embeddings' is 109951"),
+        ("llama", {"rms_norm_eps": -1e-5}, r"'rms_norm_eps' is -1e-05, not a positive number"),
+        ("llama", {"rope_theta": 0, "rope_parameters": None}, "'rope_theta' is 0, not a positive"),
+        (
+            "llama",
+            {"num_attention_heads": 5, "num_key_value_heads": 5, "head_dim": MISSING},
+            "'num_attention_heads' is 5, which does not divide 'hidden_size' 64",
+        ),
+        ("llama", {"num_key_value_heads": 3}, "'num_key_value_heads' is 3, which does not divide"),
+        ("mixtral", {"num_local_experts": 2**40}, "'num_local_experts' is 1099511627776, more"),
+        ("mixtral", {"num_experts_per_tok": 5}, "'num_experts_per_tok' is 5, more than 'num_loc"),
+        ("qwen3_moe", {"decoder_sparse_step": 0}, "'decoder_sparse_step' is 0, not a positive"),
+        ("gemma3", {"sliding_window_pattern": 0}, "'sliding_window_pattern' is 0, not a positive"),
+    ],
+)
+def test_hf_config_with_a_missing_mistyped_or_impossible_value_is_refused(
+    tmp_path: Path, tiny_hf_files: Path, family: str, changes: dict[str, Any], message: str
+) -> None:
+    directory = hf_directory_of(tiny_hf_files, tmp_path / "model", family, **changes)
+    config = directory / "config.json"
+    with pytest.raises(ValueError, match=f"^{re.escape(str(config))}: {message}"):
+        load_checkpoint(str(directory))
+
+
+@pytest.mark.parametrize(
+    ("index", "message"),
+    [
+        ({"metadata": {}}, "'weight_map' is missing"),
+        ({"weight_map": ["model.safetensors"]}, r"'weight_map' is \['model\.safetensors'\], not"),
+        ({"weight_map": {"lm_head.weight": 1}}, "'weight_map' is {'lm_head.weight': 1}, not"),
+    ],
+)
+def test_hf_safetensors_index_without_a_weight_map_is_refused_at_start(
+    tmp_path: Path, tiny_hf_files: Path, index: dict[str, Any], message: str
+) -> None:
+    directory = hf_directory_of(tiny_hf_files, tmp_path / "model")
+    index_file = directory / "model.safetensors.index.json"
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"^{re.escape(str(index_file))}: {message}"):
+        load_checkpoint(str(directory))  # before the weights stream
+
+
+@pytest.mark.parametrize(
+    ("contents", "message"),
+    [
+        (b"{nope", "not a tokenizer the tokenizers library reads: key must be a string"),
+        (b"", "not a tokenizer the tokenizers library reads: EOF while parsing"),
+        (b"[1]", "not a tokenizer the tokenizers library reads: invalid type"),
+        (b"\xff\xfe", "not UTF-8 text"),
+    ],
+)
+def test_hf_tokenizer_json_that_is_no_tokenizer_is_refused_by_name(
+    tmp_path: Path, tiny_hf_files: Path, contents: bytes, message: str
+) -> None:
+    directory = hf_directory_of(tiny_hf_files, tmp_path / "model")
+    tokenizer = directory / "tokenizer.json"
+    tokenizer.write_bytes(contents)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(tokenizer))}: {message}"):
+        load_checkpoint(str(directory))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_broken_hf_config_stops_the_engine_in_one_line(
+    tmp_path: Path, tiny_hf_files: Path, command: str
+) -> None:
+    # The engine's start reports a ValueError as "cannot serve: ...", without a traceback.
+    directory = hf_directory_of(tiny_hf_files, tmp_path / "model", num_attention_heads="abc")
+    arguments = (
+        ["--address", f"ipc://{tmp_path}/engine.sock"]
+        if command == "serve"
+        else ["generate", "--prompt", "hi"]
+    )
+    started = subprocess.run(
+        [sys.executable, "-m", "engine", *arguments, "--model", str(directory), "--device",
+         "cpu"],
+        capture_output=True, text=True, timeout=150, check=False,
+    )  # fmt: skip
+    assert started.returncode == 2, started.stderr
+    assert "Traceback" not in started.stderr
+    last = started.stderr.splitlines()[-1]
+    assert last.endswith(
+        f"cannot serve: {directory / 'config.json'}: 'num_attention_heads' is 'abc', "
+        "not a positive integer"
+    )
 
 
 # --- a Hugging Face hub name ----------------------------------------------------------------

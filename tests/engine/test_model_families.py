@@ -358,7 +358,10 @@ def test_qwen2_config_ignores_an_unused_window() -> None:
         (GEMMA3_4B_TEXT | {"layer_types": [SLIDING] * 3}, "each of the 34 layers"),
         (GEMMA3_4B_TEXT | {"layer_types": ["chunked_attention"] * 34}, "layer_types"),
         (QWEN25_7B | {"rope_scaling": {"type": "dynamic", "factor": 4.0}}, "'dynamic'"),
-        (QWEN25_7B | {"rope_scaling": {"type": "yarn", "factor": 4.0}}, "needs"),
+        (
+            QWEN25_7B | {"rope_scaling": {"type": "yarn", "factor": 4.0}},
+            r"config\.json: rope_scaling's 'original_max_position_embeddings' is missing",
+        ),
         (QWEN25_7B | {"architectures": ["Qwen3ForCausalLM"], "attention_bias": True}, "bias"),
     ],
 )
