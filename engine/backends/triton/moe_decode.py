@@ -147,7 +147,7 @@ def moe_decode_config(top_k: int, mxfp4: bool = False) -> MoeDecodeConfig:
     two). Mixtral's 2 picks keep the program a pair (unswept). MXFP4 (``mxfp4``, gpt-oss:
     H = I = 2880, 4 picks) by token only, its steps whole scale blocks: gate/up as 4 columns
     of each half by 1024 (three steps of 2880, the last part-masked; 2048 would read 1.4
-    times the bytes), down as the bf16 rule's 8 channels by 256; untimed on a GPU.
+    times the bytes), down as the bf16 rule's 8 channels by 256; not swept on a GPU.
     Interpreted (the CPU tests), small: several column blocks and steps, last ones masked
     (MXFP4: a block a step)."""
     walks_picks = top_k >= 4

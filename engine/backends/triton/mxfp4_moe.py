@@ -17,7 +17,8 @@ weights into its float32 sums and adds the down bias once (``with_down_bias``), 
 combine (``combine_partial_sums``). Nothing is read back to the host, every buffer being
 sized for the worst routing, so a step replays in a CUDA graph for any routing.
 
-The tiles follow a rule over the shape (``mxfp4_moe_config``), untimed on a GPU.
+The path and the tiles follow a rule over the shape (``mxfp4_moe_config``), not swept on a
+GPU.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def mxfp4_moe_config(
     up to 16 (decode steps, bound by reading the weights), 16-row tiles and 128 of depth a
     step (64 bytes and 4 scales of each weight row); up to 64, 64-row tiles; beyond
     (prefills, bound by the products and the widening), 128-row tiles, whose widened weight
-    tile serves twice the rows. A simple rule, untimed on a GPU. BLOCK_K is a whole number
+    tile serves twice the rows. A simple rule, not swept on a GPU. BLOCK_K is a whole number
     of scale blocks."""
     if takes_decode_path(num_tokens, top_k, num_experts, hidden, intermediate, mxfp4=True):
         return moe_decode_config(top_k, mxfp4=True)
