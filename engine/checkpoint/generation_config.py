@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
+from engine.checkpoint.hf_config import read_json_object
 from protocol import SamplingDefaults, SamplingParams
 
 logger = logging.getLogger("engine.checkpoint")
@@ -30,7 +30,7 @@ def read_sampling_defaults(directory: Path) -> SamplingDefaults:
     path = directory / "generation_config.json"
     if not path.is_file():
         return SamplingDefaults()
-    config = json.loads(path.read_text(encoding="utf-8"))
+    config = read_json_object(path)
     values: dict[str, float | int] = {}
     for name, transformers_default in _TRANSFORMERS_DEFAULTS.items():
         value = config.get(name)

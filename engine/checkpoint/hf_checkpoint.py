@@ -6,7 +6,6 @@ config.json stays a dict here: each family in ``engine.models`` reads it, with
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,8 @@ from engine.checkpoint.hf_config import (
     MAX_LAYERS,
     MAX_POSITIONS,
     ConfigValues,
+    read_json_object,
+    read_json_object_if_present,
 )
 from engine.checkpoint.pooling_config import read_pooling
 from engine.model_config import (
@@ -37,6 +38,8 @@ from protocol import SamplingDefaults
 from protocol.eos import eos_token_ids
 
 _INDEX = "model.safetensors.index.json"  # a sharded checkpoint's tensor -> shard map
+_TOKENIZER_CONFIG = "tokenizer_config.json"
+_GENERATION_CONFIG = "generation_config.json"
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,7 @@ def read_hf_directory(path: Path, name: str | None = None) -> HFDirectory:
     return HFDirectory(
         name=name or path.resolve().name,
         path=path,
-        config=_read_json(path / "config.json"),
+        config=read_json_object(path / CONFIG_JSON),
     )
 
 
@@ -176,32 +179,38 @@ def hf_quantization(config: Mapping[str, Any], path: Path) -> Quantization | Non
     static scheme's ``*.input_scale`` are not read). Anything else is refused by name."""
     if config.get("quantization_config") is None:
         return None
-    quantization = ConfigValues(config, path).section("quantization_config")
+    values = ConfigValues(config, path)
+    quantization = values.section("quantization_config")
     method = quantization.get("quant_method")
     if method != "fp8":
         raise ValueError(
-            f"{path}: quantization_config's quant_method {method!r} is not supported; "
+            f"{values.file}: quantization_config's quant_method {method!r} is not supported; "
             "pre-quantized checkpoints load only as 'fp8' (float weights can be quantized "
             "at load with --quantization fp8 or int8)"
         )
     if quantization.get("weight_block_size") is not None:
         raise ValueError(
-            f"{path}: block-wise FP8 (weight_block_size "
+            f"{values.file}: block-wise FP8 (quantization_config's weight_block_size "
             f"{quantization['weight_block_size']}) is not supported, only per-tensor or "
             "per-channel weight scales"
         )
     if quantization.get("fmt", "e4m3") != "e4m3":
-        raise ValueError(f"{path}: FP8 format {quantization['fmt']!r}: only e4m3 is supported")
+        raise ValueError(
+            f"{values.file}: quantization_config's fmt {quantization['fmt']!r} is not "
+            "supported, only 'e4m3'"
+        )
     # Layers left in the model's dtype: the LM head is (it always is here); any other would
     # need a second kind of linear layer.
     ignored = quantization.get("ignored_layers") or quantization.get("modules_to_not_convert")
     if ignored is not None and not isinstance(ignored, list):
-        raise ValueError(f"{path / CONFIG_JSON}: ignored_layers {ignored!r} is not a list")
+        raise ValueError(
+            f"{values.file}: quantization_config's ignored_layers {ignored!r} is not a list"
+        )
     kept = [name for name in ignored or [] if not str(name).endswith("lm_head")]
     if kept:
         raise ValueError(
-            f"{path}: FP8 checkpoints whose linear layers are partly unquantized "
-            f"(ignored_layers {kept[:3]}) are not supported"
+            f"{values.file}: FP8 checkpoints whose linear layers are partly unquantized "
+            f"(quantization_config's ignored_layers {kept[:3]}) are not supported"
         )
     return Quantization("fp8", checkpoint_scales=True)
 
@@ -269,12 +278,15 @@ def _rope_fields(
         fields["rope_yarn"] = _yarn(full, values)
     elif rope_type != "default":
         raise ValueError(
-            f"{path}: RoPE scaling {rope_type!r} is not supported, only 'llama3', 'linear' "
-            "and 'yarn'"
+            f"{values.file}: RoPE scaling {rope_type!r} ({full.within}'s rope_type) is not "
+            "supported, only 'llama3', 'linear' and 'yarn'"
         )
     if local_theta is not None:
         if sliding.name("rope_type", "default") != "default":
-            raise ValueError(f"{path}: RoPE scaling of sliding-window layers is not supported")
+            raise ValueError(
+                f"{values.file}: RoPE scaling of sliding-window layers ({sliding.within}'s "
+                "rope_type) is not supported"
+            )
         fields["rope_local_theta"] = sliding_theta
     return fields
 
@@ -311,7 +323,7 @@ def safetensors_files(path: Path) -> list[Path]:
 def _index_shards(index: Path) -> list[str]:
     """The shard files a model.safetensors.index.json names in its ``weight_map`` (tensor name
     -> file), refused by file and key where there is none or it is no such map."""
-    weight_map = _read_json(index).get("weight_map")
+    weight_map = read_json_object(index).get("weight_map")
     if weight_map is None:
         raise ValueError(f"{index}: 'weight_map' is missing")
     if not isinstance(weight_map, dict) or not all(
@@ -326,22 +338,38 @@ def _index_shards(index: Path) -> list[str]:
 
 
 def hf_tokenizer_info(path: Path, config: Mapping[str, Any]) -> TokenizerInfo:
+    """The tokenizer, chat template and end-of-generation ids of ``path``'s tokenizer.json,
+    tokenizer_config.json, config.json (``config``) and generation_config.json; a value of
+    the wrong shape in any of them is refused by file and key."""
     tokenizer_file = path / "tokenizer.json"
     if not tokenizer_file.is_file():
         raise ValueError(f"{path}: no tokenizer.json (other tokenizer formats are not supported)")
     tokenizer_json, tokenizer = _read_tokenizer(tokenizer_file)
-    tokenizer_config = _read_json_if_present(path / "tokenizer_config.json")
+    tokenizer_config = ConfigValues(
+        read_json_object_if_present(path / _TOKENIZER_CONFIG),
+        path,
+        file_name=_TOKENIZER_CONFIG,
+    )
     chat_template = _chat_template(path, tokenizer_config)
-    eos_token = _token_content(tokenizer_config.get("eos_token"))
+    eos_token = _token_content(tokenizer_config, "eos_token")
+    # The ids are the model's: config.json's vocab_size bounds them, as the GGUF vocabulary
+    # bounds a GGUF file's.
+    model_config = ConfigValues(config, path)
+    vocab_size = model_config.size("vocab_size")
+    generation_config = ConfigValues(
+        read_json_object_if_present(path / _GENERATION_CONFIG),
+        path,
+        file_name=_GENERATION_CONFIG,
+    )
     declared_eos = [
-        *_ids(config.get("eos_token_id")),
-        *_ids(_read_json_if_present(path / "generation_config.json").get("eos_token_id")),
+        *model_config.token_ids("eos_token_id", vocab_size),
+        *generation_config.token_ids("eos_token_id", vocab_size),
         None if eos_token is None else tokenizer.token_to_id(eos_token),
     ]
     return TokenizerInfo(
         tokenizer_json=tokenizer_json,
         chat_template=chat_template,
-        bos_token=_token_content(tokenizer_config.get("bos_token")),
+        bos_token=_token_content(tokenizer_config, "bos_token"),
         eos_token=eos_token,
         eos_token_ids=eos_token_ids(declared_eos, chat_template, tokenizer.token_to_id),
     )
@@ -360,42 +388,36 @@ def _read_tokenizer(file: Path) -> tuple[str, Tokenizer]:
         raise ValueError(f"{file}: not a tokenizer the tokenizers library reads: {error}") from None
 
 
-def _chat_template(path: Path, tokenizer_config: Mapping[str, Any]) -> str | None:
+def _chat_template(path: Path, tokenizer_config: ConfigValues) -> str | None:
     # Newer transformers save the template to its own file; like transformers, prefer that file.
     template_file = path / "chat_template.jinja"
     if template_file.is_file():
         return template_file.read_text(encoding="utf-8")
-    template = tokenizer_config.get("chat_template")
-    if isinstance(template, list):  # named templates, e.g. "default" and "tool_use"
-        named = {entry["name"]: entry["template"] for entry in template}
-        return named.get("default")
-    return template
+    template = tokenizer_config.values.get("chat_template")
+    if template is None or isinstance(template, str):
+        return template
+    if not isinstance(template, list):
+        raise tokenizer_config.refused(
+            "chat_template", template, "not a string or a list of named templates"
+        )
+    # Named templates, e.g. "default" and "tool_use", each {"name": ..., "template": ...}.
+    named: dict[str, str] = {}
+    for number, entry in enumerate(template):
+        if not isinstance(entry, dict):
+            raise tokenizer_config.refused(
+                "chat_template", template, f"whose entry {number} is not a JSON object"
+            )
+        values = ConfigValues(entry, path, f"chat_template[{number}]", _TOKENIZER_CONFIG)
+        name = values.text("name")
+        named[name] = values.text("template")
+    return named.get("default")
 
 
-def _token_content(token: str | Mapping[str, Any] | None) -> str | None:
+def _token_content(tokenizer_config: ConfigValues, key: str) -> str | None:
     # tokenizer_config.json spells a special token as a string or as a serialized AddedToken.
-    return token["content"] if isinstance(token, Mapping) else token
-
-
-def _ids(value: int | list[int] | None) -> list[int]:
-    if value is None:
-        return []
-    return value if isinstance(value, list) else [value]
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    """``path``'s JSON object; a file that is no JSON object is refused by name."""
-    try:
-        with path.open(encoding="utf-8") as file:
-            value = json.load(file)
-    # ValueError: not UTF-8, not JSON, or an integer of more digits than Python converts;
-    # RecursionError: arrays or objects nested deeper than Python's stack.
-    except (ValueError, RecursionError) as error:
-        raise ValueError(f"{path}: not valid JSON: {error}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path}: expected a JSON object, not {type(value).__name__}")
-    return value
-
-
-def _read_json_if_present(path: Path) -> dict[str, Any]:
-    return _read_json(path) if path.is_file() else {}
+    token = tokenizer_config.values.get(key)
+    if token is None or isinstance(token, str):
+        return token
+    if not isinstance(token, dict):
+        raise tokenizer_config.refused(key, token, "not a string or a JSON object with 'content'")
+    return ConfigValues(token, tokenizer_config.path, key, _TOKENIZER_CONFIG).text("content")

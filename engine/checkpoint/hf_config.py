@@ -3,11 +3,14 @@ is missing, of another type, or of a size no model has.
 
 A family reads its config.json through ``ConfigValues`` rather than indexing the dict, so a
 corrupt or hand-edited file fails at start, in one line naming the file and the key, instead of
-with a bare KeyError or TypeError, a division by zero, or an allocation that never ends.
+with a bare KeyError or TypeError, a division by zero, or an allocation that never ends. The
+checkpoint's other JSON files (tokenizer_config.json, generation_config.json, modules.json) are
+read through it too, named as ``file_name``.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,17 +37,54 @@ MAX_EXPERTS = 2**16
 _FLOAT_BITS = 1000  # an integer of more bits than this may not convert to a float
 
 
+def shown(value: Any) -> str:
+    """``value``'s repr for a message, cut short: a hostile file could hold megabytes under
+    one key."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
+def read_json(path: Path) -> Any:
+    """``path``'s JSON value; a file that is not JSON is refused by name."""
+    try:
+        with path.open(encoding="utf-8") as file:
+            return json.load(file)
+    # ValueError: not UTF-8, not JSON, or an integer of more digits than Python converts;
+    # RecursionError: arrays or objects nested deeper than Python's stack.
+    except (ValueError, RecursionError) as error:
+        raise ValueError(f"{path}: not valid JSON: {error}") from None
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """``path``'s JSON object; a file that is no JSON object is refused by name."""
+    value = read_json(path)
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, not {type(value).__name__}")
+    return value
+
+
+def read_json_object_if_present(path: Path) -> dict[str, Any]:
+    return read_json_object(path) if path.is_file() else {}
+
+
 class ConfigValues:
     """config.json's values, or those of a section of it (``within``, e.g. "rope_scaling", names
-    it in messages); ``path`` is the checkpoint directory. Each read is refused with a ValueError
+    it in messages); ``path`` is the checkpoint directory, ``file_name`` the file within it
+    (another JSON file of the checkpoint's, read alike). Each read is refused with a ValueError
     naming the file and the key, in the words of ``GGUFMetadata``'s for a GGUF file."""
 
-    def __init__(self, values: Mapping[str, Any], path: Path, within: str | None = None) -> None:
-        self.values, self.path, self.within = values, path, within
+    def __init__(
+        self,
+        values: Mapping[str, Any],
+        path: Path,
+        within: str | None = None,
+        file_name: str = CONFIG_JSON,
+    ) -> None:
+        self.values, self.path, self.within, self.file_name = values, path, within, file_name
 
     @property
     def file(self) -> Path:
-        return self.path / CONFIG_JSON
+        return self.path / self.file_name
 
     def size(
         self, key: str, at_most: int = MAX_WIDTH, at_least: int = 1, bound: str | None = None
@@ -92,7 +132,7 @@ class ConfigValues:
         if value is None:
             return default
         if type(value) is not bool:
-            raise self._refused(key, value, "not true or false")
+            raise self.refused(key, value, "not true or false")
         return value
 
     def name(self, key: str, default: str) -> str:
@@ -101,8 +141,29 @@ class ConfigValues:
         if value is None:
             return default
         if not isinstance(value, str):
-            raise self._refused(key, value, "not a string")
+            raise self.refused(key, value, "not a string")
         return value
+
+    def text(self, key: str) -> str:
+        """A string, required (a named chat template's name, a special token's content)."""
+        value = self._required(key)
+        if not isinstance(value, str):
+            raise self.refused(key, value, "not a string")
+        return value
+
+    def token_ids(self, key: str, vocab_size: int) -> list[int]:
+        """An id of the ``vocab_size``-token vocabulary or a list of them (eos_token_id), []
+        when missing or null. An id outside it could never be sampled, or would index past the
+        logits where the engine bans it."""
+        value = self.values.get(key)
+        if value is None:
+            return []
+        ids = value if isinstance(value, list) else [value]
+        # bool is an int to Python: true is no token id.
+        if not all(type(item) is int and 0 <= item < vocab_size for item in ids):
+            problem = f"not a token id of the {vocab_size}-token vocabulary, or a list of them"
+            raise self.refused(key, value, problem)
+        return ids
 
     def sizes(self, key: str, at_most: int, at_least: int = 0) -> list[int]:
         """A list of counts or indices, [] when missing or null."""
@@ -110,7 +171,7 @@ class ConfigValues:
         if value is None:
             return []
         if not isinstance(value, list):
-            raise self._refused(key, value, "not a list of integers")
+            raise self.refused(key, value, "not a list of integers")
         return [self._size(key, item, at_least, at_most) for item in value]
 
     def section(self, key: str) -> dict[str, Any]:
@@ -119,7 +180,7 @@ class ConfigValues:
         if value is None:
             return {}
         if not isinstance(value, dict):
-            raise self._refused(key, value, "not a JSON object")
+            raise self.refused(key, value, "not a JSON object")
         return value
 
     def _required(self, key: str) -> Any:
@@ -136,10 +197,10 @@ class ConfigValues:
             expected = (
                 "a positive integer" if at_least == 1 else f"an integer of {at_least} or more"
             )
-            raise self._refused(key, value, f"not {expected}")
+            raise self.refused(key, value, f"not {expected}")
         if value > at_most:
             limit = f"any model has (at most {at_most})" if bound is None else f"{bound}, {at_most}"
-            raise self._refused(key, value, f"more than {limit}")
+            raise self.refused(key, value, f"more than {limit}")
         return value
 
     def _number(self, key: str, value: Any, positive: bool) -> float:
@@ -150,16 +211,14 @@ class ConfigValues:
             or (type(value) is int and value.bit_length() > _FLOAT_BITS)
             or not math.isfinite(value)
         ):
-            raise self._refused(key, value, "not a finite number")
+            raise self.refused(key, value, "not a finite number")
         if positive and value <= 0:
-            raise self._refused(key, value, "not a positive number")
+            raise self.refused(key, value, "not a positive number")
         return float(value)
 
-    def _refused(self, key: str, value: Any, problem: str) -> ValueError:
-        # The value's repr, cut short: a hostile file could hold megabytes under one key.
-        shown = repr(value)
-        shown = shown if len(shown) <= 80 else f"{shown[:77]}..."
-        return ValueError(f"{self.file}: {self._label(key)} is {shown}, {problem}")
+    def refused(self, key: str, value: Any, problem: str) -> ValueError:
+        """The error of ``key``'s ``value``, named by file and key, with what is wrong with it."""
+        return ValueError(f"{self.file}: {self._label(key)} is {shown(value)}, {problem}")
 
     def _label(self, key: str) -> str:
         return repr(key) if self.within is None else f"{self.within}'s {key!r}"

@@ -5,9 +5,10 @@ language model."""
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
+
+from engine.checkpoint.hf_config import ConfigValues, read_json, read_json_object, shown
 
 logger = logging.getLogger("engine.checkpoint")
 
@@ -19,20 +20,26 @@ _MODES = {
     "pooling_mode_cls_token": CLS,
 }
 _POOLING_MODULE = "sentence_transformers.models.Pooling"
+_MODULES = "modules.json"
 
 
 def read_pooling(directory: Path) -> str:
     """LAST, MEAN or CLS: what ``directory``'s sentence-transformers config says, else LAST.
     A mode this engine does not pool by (max, weighted mean) is warned about and LAST used."""
-    modules_path = directory / "modules.json"
+    modules_path = directory / _MODULES
     if not modules_path.is_file():
         return LAST
-    modules = json.loads(modules_path.read_text())
-    folders = [m.get("path", "") for m in modules if m.get("type") == _POOLING_MODULE]
+    # Every module's type and folder are read, the Pooling module's or not: a file of the
+    # wrong shape is refused whichever module holds the fault.
+    modules = [
+        (module.name("type", ""), module.name("path", ""))
+        for module in _modules(directory, read_json(modules_path))
+    ]
+    folders = [folder for kind, folder in modules if kind == _POOLING_MODULE]
     config_path = directory / folders[0] / "config.json" if folders else None
     if config_path is None or not config_path.is_file():
         return LAST
-    config = json.loads(config_path.read_text())
+    config = read_json_object(config_path)
     chosen = [pooling for mode, pooling in _MODES.items() if config.get(mode)]
     if len(chosen) == 1:
         return chosen[0]
@@ -42,3 +49,23 @@ def read_pooling(directory: Path) -> str:
         {key: value for key, value in config.items() if key.startswith("pooling_mode")},
     )
     return LAST
+
+
+def _modules(directory: Path, modules: object) -> list[ConfigValues]:
+    """modules.json's entries, a list of JSON objects as sentence-transformers writes it
+    ({"idx": 1, "name": "1", "path": "1_Pooling", "type": "..."}); another shape is refused by
+    name."""
+    if not isinstance(modules, list):
+        raise ValueError(
+            f"{directory / _MODULES}: expected a JSON array of modules, not "
+            f"{type(modules).__name__}"
+        )
+    for number, module in enumerate(modules):
+        if not isinstance(module, dict):
+            raise ValueError(
+                f"{directory / _MODULES}: module {number} is {shown(module)}, not a JSON object"
+            )
+    return [
+        ConfigValues(module, directory, f"module {number}", _MODULES)
+        for number, module in enumerate(modules)
+    ]

@@ -22,7 +22,7 @@ from engine.backends.deferred_norm import LinearInput
 from engine.backends.layer_ops import LayerOps
 from engine.checkpoint.gguf_checkpoint import GGUFMetadata, decimal
 from engine.checkpoint.hf_checkpoint import hf_config_fields
-from engine.checkpoint.hf_config import MAX_LAYERS, ConfigValues
+from engine.checkpoint.hf_config import CONFIG_JSON, MAX_LAYERS, ConfigValues
 from engine.distributed.parallel import TensorParallel
 from engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from engine.models.causal_lm import CausalLM
@@ -140,7 +140,7 @@ class Gemma3ForCausalLM(CausalLM):
 def _gemma3_config(config: Mapping[str, Any], path: Path) -> Gemma3Config:
     for unsupported in ("attn_logit_softcapping", "use_bidirectional_attention"):
         if config.get(unsupported):
-            raise ValueError(f"{path}: Gemma 3 with {unsupported} is not supported")
+            raise ValueError(f"{path / CONFIG_JSON}: Gemma 3 with {unsupported} is not supported")
     fields = hf_config_fields(config, path, _ROPE_THETA, _LOCAL_ROPE_THETA)
     values = ConfigValues(config, path)
     # Configs before transformers 5 give the pattern instead: every Nth layer is global.

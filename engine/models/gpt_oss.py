@@ -36,7 +36,7 @@ from engine.backends.layer_ops import ClampedSwiGLU, LayerOps
 from engine.backends.mxfp4 import BLOCK, dequantize_mxfp4
 from engine.checkpoint.checkpoint import Checkpoint, TensorSlices
 from engine.checkpoint.hf_checkpoint import hf_config_fields
-from engine.checkpoint.hf_config import ConfigValues, expert_counts
+from engine.checkpoint.hf_config import CONFIG_JSON, ConfigValues, expert_counts
 from engine.distributed.parallel import TensorParallel
 from engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION
 from engine.models.family import ModelFamily
@@ -215,7 +215,10 @@ class GptOssForCausalLM(MoECausalLM):
 
 def _gpt_oss_config(config: Mapping[str, Any], path: Path) -> GptOssConfig:
     if not config.get("attention_bias", True):
-        raise ValueError(f"{path}: gpt-oss without attention biases is not supported")
+        raise ValueError(
+            f"{path / CONFIG_JSON}: gpt-oss without attention biases (attention_bias false) is "
+            "not supported"
+        )
     values = ConfigValues(config, path)
     quantization = values.section("quantization_config")
     mxfp4_experts = quantization.get("quant_method") == "mxfp4"

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from engine.checkpoint.hf_checkpoint import hf_config_fields
-from engine.checkpoint.hf_config import MAX_LAYERS, ConfigValues
+from engine.checkpoint.hf_config import CONFIG_JSON, MAX_LAYERS, ConfigValues
 from engine.model_config import SLIDING_ATTENTION, ModelConfig
 from engine.models.causal_lm import CausalLM
 from engine.models.family import GGUF_LLAMA_NORMS, GGUF_PROJECTIONS, GGUFLayout, ModelFamily
@@ -27,7 +27,7 @@ class MistralForCausalLM(LlamaForCausalLM):
 def refuse_biases(config: Mapping[str, Any], path: Path) -> None:
     # Llama's attention_bias also puts a bias on o_proj, which no model here has.
     if config.get("attention_bias") or config.get("mlp_bias"):
-        raise ValueError(f"{path}: attention_bias and mlp_bias are not supported")
+        raise ValueError(f"{path / CONFIG_JSON}: attention_bias and mlp_bias are not supported")
 
 
 def llama_config(config: Mapping[str, Any], path: Path) -> ModelConfig:

@@ -874,6 +874,180 @@ def test_hf_tokenizer_json_that_is_no_tokenizer_is_refused_by_name(
         load_checkpoint(str(directory))
 
 
+POOLING_MODULE = {
+    "idx": 1,
+    "name": "1",
+    "path": "1_Pooling",
+    "type": "sentence_transformers.models.Pooling",
+}
+
+
+@pytest.mark.parametrize(
+    ("contents", "message"),
+    [
+        # Each was a bare JSONDecodeError, AttributeError or TypeError.
+        ("[{nope", "not valid JSON"),
+        ('{"path": "1_Pooling"}', "expected a JSON array of modules, not dict"),
+        ('["1_Pooling"]', "module 0 is '1_Pooling', not a JSON object"),
+        (json.dumps([POOLING_MODULE | {"path": 1}]), "module 0's 'path' is 1, not a string"),
+        (json.dumps([POOLING_MODULE | {"type": None, "path": 2}]), "module 0's 'path' is 2"),
+        (json.dumps([{"type": ["Pooling"]}]), r"module 0's 'type' is \['Pooling'\], not a"),
+    ],
+)
+def test_hf_modules_json_of_the_wrong_shape_is_refused_by_name(
+    tmp_path: Path, tiny_hf_files: Path, contents: str, message: str
+) -> None:
+    directory = hf_directory_of(tiny_hf_files, tmp_path / "model")
+    modules = directory / "modules.json"
+    modules.write_text(contents)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(modules))}: {message}"):
+        load_checkpoint(str(directory))
+
+
+def test_hf_pooling_config_that_is_no_json_object_is_refused_by_name(
+    tmp_path: Path, tiny_hf_files: Path
+) -> None:
+    directory = hf_directory_of(tiny_hf_files, tmp_path / "model")
+    (directory / "modules.json").write_text(json.dumps([POOLING_MODULE]))
+    (directory / "1_Pooling").mkdir()
+    pooling = directory / "1_Pooling" / "config.json"
+    pooling.write_text("{nope")
+    with pytest.raises(ValueError, match=f"^{re.escape(str(pooling))}: not valid JSON"):
+        load_checkpoint(str(directory))
+    pooling.write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    assert load_checkpoint(str(directory)).pooling == "mean"
+
+
+@pytest.mark.parametrize(
+    ("tokenizer_config", "message"),
+    [
+        # Each was a bare KeyError or TypeError, or (a number for the template) loaded silently
+        # to fail at the first chat request.
+        ({"chat_template": [{"name": "default"}]}, r"chat_template\[0\]'s 'template' is missing"),
+        ({"chat_template": [{"template": CHATML}]}, r"chat_template\[0\]'s 'name' is missing"),
+        (
+            {"chat_template": [{"name": "default", "template": CHATML}, {"name": 1}]},
+            r"chat_template\[1\]'s 'name' is 1, not a string",
+        ),
+        ({"chat_template": ["x"]}, r"'chat_template' is \['x'\], whose entry 0 is not a JSON"),
+        ({"chat_template": 5}, "'chat_template' is 5, not a string or a list of named templates"),
+        ({"chat_template": {"default": CHATML}}, "'chat_template' is {'default': .*, not a str"),
+        ({"eos_token": {"special": True}}, "eos_token's 'content' is missing"),
+        ({"bos_token": {"content": 1}}, "bos_token's 'content' is 1, not a string"),
+        ({"eos_token": 2}, "'eos_token' is 2, not a string or a JSON object with 'content'"),
+    ],
+)
+def test_hf_tokenizer_config_of_the_wrong_shape_is_refused_by_name(
+    tmp_path: Path, tiny_hf_files: Path, tokenizer_config: dict[str, Any], message: str
+) -> None:
+    directory = hf_directory_of(tiny_hf_files, tmp_path / "model")
+    file = directory / "tokenizer_config.json"
+    file.write_text(json.dumps(tokenizer_config))
+    with pytest.raises(ValueError, match=f"^{re.escape(str(file))}: {message}"):
+        load_checkpoint(str(directory))
+
+
+@pytest.mark.parametrize("file_name", ["config.json", "generation_config.json"])
+@pytest.mark.parametrize(
+    ("eos_token_id", "shown"),
+    [
+        # Each was loaded silently: a string or a list never matched a sampled token, a float
+        # or a bool matched one by accident (True == 1), an id past the vocabulary indexed past
+        # the logits where a request banned EOS.
+        ("2", "'2'"),
+        ([[2]], r"\[\[2\]\]"),
+        (2.0, "2.0"),
+        (True, "True"),
+        (-1, "-1"),
+        ([2, -1], r"\[2, -1\]"),
+        (256, "256"),  # the tiny vocabulary is 256 tokens: 0 to 255
+    ],
+)
+def test_hf_eos_token_id_that_is_no_token_id_is_refused_by_name(
+    tmp_path: Path, tiny_hf_files: Path, file_name: str, eos_token_id: Any, shown: str
+) -> None:
+    directory = hf_directory_of(tiny_hf_files, tmp_path / "model")
+    file = directory / file_name
+    file.write_text(json.dumps(json.loads(file.read_text()) | {"eos_token_id": eos_token_id}))
+    with pytest.raises(
+        ValueError,
+        match=f"^{re.escape(str(file))}: 'eos_token_id' is {shown}, not a token id of the "
+        "256-token vocabulary, or a list of them",
+    ):
+        load_checkpoint(str(directory))
+
+
+@pytest.mark.parametrize("eos_token_id", [None, 255, [0, 255], []])
+def test_hf_eos_token_ids_in_the_vocabulary_load(
+    tmp_path: Path, tiny_hf_files: Path, eos_token_id: int | list[int] | None
+) -> None:
+    directory = hf_directory_of(tiny_hf_files, tmp_path / "model", eos_token_id=eos_token_id)
+    (directory / "generation_config.json").unlink()
+    expected = (
+        [] if eos_token_id is None else [eos_token_id] if eos_token_id == 255 else eos_token_id
+    )
+    assert load_checkpoint(str(directory)).tokenizer.eos_token_ids == expected
+
+
+@pytest.mark.parametrize(
+    ("family", "changes", "message"),
+    [
+        # Each named the directory, not the file.
+        (
+            "llama",
+            {"quantization_config": {"quant_method": "gptq"}},
+            "quantization_config's quant_method 'gptq' is not supported",
+        ),
+        (
+            "llama",
+            {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+            r"block-wise FP8 \(quantization_config's weight_block_size \[128, 128\]\) is not",
+        ),
+        (
+            "llama",
+            {"quantization_config": {"quant_method": "fp8", "fmt": "e5m2"}},
+            "quantization_config's fmt 'e5m2' is not supported, only 'e4m3'",
+        ),
+        (
+            "llama",
+            {"quantization_config": {"quant_method": "fp8", "ignored_layers": "lm_head"}},
+            "quantization_config's ignored_layers 'lm_head' is not a list",
+        ),
+        (
+            "llama",
+            {"quantization_config": {"quant_method": "fp8", "ignored_layers": ["model.norm"]}},
+            r"FP8 checkpoints whose linear layers are partly unquantized \(quantization_config's",
+        ),
+        ("llama", {"attention_bias": True}, "attention_bias and mlp_bias are not supported"),
+        ("qwen3_moe", {"mlp_bias": True}, "attention_bias and mlp_bias are not supported"),
+        ("gemma3", {"attn_logit_softcapping": 50.0}, "Gemma 3 with attn_logit_softcapping is"),
+        ("gpt_oss", {"attention_bias": False}, r"gpt-oss without attention biases \(attention_b"),
+        (
+            "llama",
+            {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}},
+            r"RoPE scaling 'longrope' \(rope_scaling's rope_type\) is not supported",
+        ),
+        (
+            "gemma3",
+            {
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "default"},
+                    "sliding_attention": {"rope_type": "linear", "factor": 2.0},
+                }
+            },
+            r"RoPE scaling of sliding-window layers \(rope_parameters\.sliding_attention's",
+        ),
+    ],
+)
+def test_hf_config_not_supported_is_refused_naming_config_json(
+    tmp_path: Path, tiny_hf_files: Path, family: str, changes: dict[str, Any], message: str
+) -> None:
+    directory = hf_directory_of(tiny_hf_files, tmp_path / "model", family, **changes)
+    config = directory / "config.json"
+    with pytest.raises(ValueError, match=f"^{re.escape(str(config))}: {message}"):
+        load_checkpoint(str(directory))
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("command", ["serve", "generate"])
 def test_broken_hf_config_stops_the_engine_in_one_line(

@@ -314,7 +314,8 @@ def test_a_prequantized_checkpoint_without_its_scales_is_refused(
         ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not supported"),
         (
             {"quant_method": "fp8", "weight_block_size": [128, 128]},
-            r"block-wise FP8 \(weight_block_size \[128, 128\]\) is not supported",
+            r"block-wise FP8 \(quantization_config's weight_block_size \[128, 128\]\) is not "
+            "supported",
         ),
         (
             {"quant_method": "fp8", "ignored_layers": ["model.layers.0.mlp.down_proj"]},
