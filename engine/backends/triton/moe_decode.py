@@ -37,6 +37,11 @@ kernel's best bf16 configurations read: enough bytes in flight for a few program
 keep the memory busy, and at one token hundreds of programs or more (Qwen3-30B-A3B 384 a
 token's walking its picks and 256, Mixtral 14,336 and 512).
 
+MXFP4 weights (``mxfp4_moe``'s decode steps, gpt-oss's 4 picks) take the by-token kernels'
+``MXFP4`` variant: a step is loaded as bytes and block scales, each nibble widened in
+registers and multiplied by the activation it meets (the even and odd columns loaded apart),
+summed a block of 32, then scaled (``mxfp4_widen``); steps of whole blocks.
+
 Launched dependent as every MoE kernel. The down kernel reads its picks' ids, routing
 weights and first chunk of weights before waiting for the gate/up kernel: the routing was
 written by a kernel before that one, which the gate/up programs waited for before letting
