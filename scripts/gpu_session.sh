@@ -17,6 +17,7 @@
 #   MOE_TP=2 scripts/gpu_session.sh moe-235b             # the same on two, where four are not lent
 #   scripts/gpu_session.sh gpt-oss                       # gpt-oss, one GPU
 #   scripts/gpu_session.sh mxfp4  # gpt-oss's experts read as MXFP4: GPU tests, TPOT against bf16
+#   scripts/gpu_session.sh mxfp4-sweep  # MXFP4's kernels at gpt-oss's shapes against their rule's neighbours
 #   scripts/gpu_session.sh merge-fold  # split decode merged in its own launch (issues 37/39)
 #   scripts/gpu_session.sh prefill-attn qkv-rules  # prefill attention; the batch-1 QKV kernel's rule
 #   scripts/gpu_session.sh decode-splits  # batch-1 decode attention at the engine's split count
@@ -683,6 +684,10 @@ Occupancy|Registers Per Thread|Grid Size|Block Size|Warp Cycles Per Issued Instr
 Issued Warp Per Scheduler|No Eligible|Avg. Active Threads)" "$out/moe-ncu-$kernel.log" | head -16
         grep -iE "stall|long scoreboard|barrier" "$out/moe-ncu-$kernel.log" | head -8
       done ;;
+    mxfp4-sweep)  # MXFP4's decode path (about 5 minutes): gpt-oss-20b and 120b's experts at
+      # 1, 2 and 4 tokens, the rule against its by-token neighbours and the grouped tiles
+      timeout 500 python3 scripts/bench_kernels.py --moe gpt-oss-20b gpt-oss-120b --moe-tokens 1 2 4 \
+        --quantization mxfp4 --moe-sweep 2>&1 | tee "$out/mxfp4-sweep.log" | grep -vE "^(INFO|WARNING)" ;;
     moe-sweep)
       for weights in bf16 fp8; do
         flags=(); [ $weights = fp8 ] && flags=(--quantization fp8)

@@ -4,7 +4,7 @@
                          [--contexts 256 1024 4096 16384] [--max-gib 24]
                          [--kv-cache-dtype auto|fp8] [--table-tokens 131072]
     tandem bench kernels --moe SHAPE [SHAPE ...] [--moe-tokens 1 8 64 256 2048]
-                         [--quantization fp8] [--moe-sweep]
+                         [--quantization fp8|mxfp4] [--moe-sweep]
     tandem bench kernels --prefill [--head-dims 64 128] [--heads Q:KV]
                          [--prompts 1x8192 16x512 1x32768]
 
@@ -272,7 +272,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--moe-tokens", type=int, nargs="+", default=list(MOE_TOKENS))
     parser.add_argument(
-        "--quantization", choices=["fp8"], help="--moe: FP8 weights (default: bf16)"
+        "--quantization",
+        choices=["fp8", "mxfp4"],
+        help="--moe: FP8 weights, or MXFP4 ones (mxfp4_moe's kernels) (default: bf16)",
     )
     parser.add_argument(
         "--moe-sweep", action="store_true", help="--moe: time the rule's neighbours too"
@@ -292,9 +294,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.cuda.empty_cache()
     if args.moe:
         print(f"{torch.cuda.get_device_name()}: measured {rates.describe()}")
-        run_moe(
-            args.moe, args.moe_tokens, args.quantization == "fp8", rates, time_ms, args.moe_sweep
-        )
+        weights = args.quantization or "bf16"
+        run_moe(args.moe, args.moe_tokens, weights, rates, time_ms, args.moe_sweep)
         return
     if args.prefill:
         print(f"{torch.cuda.get_device_name()}: measured {rates.describe()}")

@@ -17,6 +17,11 @@ depth, x splits of the down projection's depth; or, where it takes the decode pa
 (``moe_decode``), "pair" / gate-up columns x depth / down channels x depth. With --moe-sweep,
 each case also times the rule's neighbours (``candidates``; on the decode path, the grouped
 kernels' configuration among them) and prints the fastest, for fitting the rule.
+
+``--quantization mxfp4``: the experts as random MXFP4 bytes and scales, run by ``mxfp4_moe``
+under its rule (``mxfp4_moe_config``) and checked against the same experts dequantized; their
+bytes half a byte a value and a scale byte a block; the sweep's neighbours at a decode step's
+pairs the by-token blocks of ``mxfp4_decode_candidates`` and the grouped tiles.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import torch
 import triton
 
 from engine.backends.layer_ops import ClampedSwiGLU
+from engine.backends.mxfp4 import BLOCK as MXFP4_BLOCK
+from engine.backends.mxfp4 import dequantize_mxfp4
 from engine.backends.triton.device import sm_count
 from engine.backends.triton.fused_moe import (
     MoeConfig,
@@ -39,6 +46,7 @@ from engine.backends.triton.fused_moe import (
     quantizes_activations,
 )
 from engine.backends.triton.moe_decode import MoeDecodeConfig, moe_decode_config
+from engine.backends.triton.mxfp4_moe import grouped_mxfp4_config, mxfp4_moe, mxfp4_moe_config
 from engine.quantization.linear_methods import quantize_per_channel
 from engine.roofline import DeviceRates, StepTraffic, traffic_bound
 from tandem.testing.cuda_graphs import captured_graph
@@ -46,6 +54,7 @@ from tandem.testing.kernel_reference import moe_experts_reference
 
 DTYPE = torch.bfloat16
 FP8 = torch.float8_e4m3fn
+DEVICE = torch.device("cuda")  # the CPU tests' interpreter runs the MXFP4 sweep on "cpu"
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,7 @@ SHAPES = {
     "qwen3-235b-a22b-tp4-ep": MoeShape(4096, 1536, 128, 32, 8),
     "qwen3-235b-a22b-tp4": MoeShape(4096, 384, 128, 128, 8),
     "gpt-oss-20b": MoeShape(2880, 2880, 32, 32, 4, gpt_oss=True),
+    "gpt-oss-120b": MoeShape(2880, 2880, 128, 128, 4, gpt_oss=True),
 }
 # gpt-oss's activation, as its config.json sets it
 GPT_OSS_ACTIVATION = ClampedSwiGLU(alpha=1.702, limit=7.0)
@@ -183,24 +193,65 @@ def candidates(
     ]
 
 
+def mxfp4_decode_candidates() -> list[MoeDecodeConfig]:
+    """MXFP4's by-token blocks around its rule's (``moe_decode_config(mxfp4=True)``): gate/up
+    columns by depths of whole scale blocks (1,024 and 512 divide gpt-oss's 2,880 with little
+    masked, 2,048 not), down channels by depth, 4 or 8 warps, the next step in flight."""
+    return [
+        MoeDecodeConfig(columns, depth, rows, down_depth, warps, True, True, None)
+        for columns, depth in ((4, 1024), (2, 1024), (8, 1024), (8, 512), (4, 512), (2, 2048))
+        for rows, down_depth in ((8, 256), (4, 512), (16, 128), (8, 512))
+        for warps in (4, 8)
+    ]
+
+
+def random_mxfp4_layers(shape: MoeShape) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The rank's experts as MXFP4 bytes and scales (``mxfp4_moe``'s keywords; scales 2 ** -8
+    to 2 ** -6, for products of about unit size over thousands of depth), and the same
+    dequantized to bf16 (the reference's); a gpt-oss shape's with their biases and
+    activation."""
+    experts, hidden, intermediate = shape.local_experts, shape.hidden, shape.intermediate
+
+    def packed(rows: int, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+        codes = torch.randint(0, 256, (experts, rows, columns // 2), dtype=torch.uint8)
+        scales = torch.randint(119, 122, (experts, rows, columns // MXFP4_BLOCK), dtype=torch.uint8)
+        return codes.to(DEVICE), scales.to(DEVICE)
+
+    w13, w13_scale = packed(2 * intermediate, hidden)
+    w2, w2_scale = packed(hidden, intermediate)
+    variant: dict[str, Any] = {}
+    if shape.gpt_oss:
+        variant["w13_bias"] = torch.randn(experts, 2 * intermediate, device=DEVICE, dtype=DTYPE)
+        variant["w2_bias"] = torch.randn(experts, hidden, device=DEVICE, dtype=DTYPE) * 0.1
+        variant["activation"] = GPT_OSS_ACTIVATION
+    mxfp4 = {"w13": w13, "w2": w2, "w13_scale": w13_scale, "w2_scale": w2_scale} | variant
+    bf16 = {
+        "w13": dequantize_mxfp4(w13.unflatten(-1, (-1, 16)), w13_scale, DTYPE),
+        "w2": dequantize_mxfp4(w2.unflatten(-1, (-1, 16)), w2_scale, DTYPE),
+        "w13_scale": None,
+        "w2_scale": None,
+    } | variant
+    return mxfp4, bf16
+
+
 def random_layer(shape: MoeShape, fp8: bool) -> dict[str, Any]:
     """The rank's experts, random, in bf16 or as FP8 codes with per-channel scales; a
     gpt-oss shape's with their biases and activation (``fused_moe``'s keywords)."""
     experts, hidden, intermediate = shape.local_experts, shape.hidden, shape.intermediate
-    w13 = torch.randn(experts, 2 * intermediate, hidden, device="cuda", dtype=DTYPE)
-    w2 = torch.randn(experts, hidden, intermediate, device="cuda", dtype=DTYPE)
+    w13 = torch.randn(experts, 2 * intermediate, hidden, device=DEVICE, dtype=DTYPE)
+    w2 = torch.randn(experts, hidden, intermediate, device=DEVICE, dtype=DTYPE)
     w13 *= hidden**-0.5
     w2 *= intermediate**-0.5
     layer: dict[str, Any] = {}
     if shape.gpt_oss:
-        layer["w13_bias"] = torch.randn(experts, 2 * intermediate, device="cuda", dtype=DTYPE)
-        layer["w2_bias"] = torch.randn(experts, hidden, device="cuda", dtype=DTYPE) * 0.1
+        layer["w13_bias"] = torch.randn(experts, 2 * intermediate, device=DEVICE, dtype=DTYPE)
+        layer["w2_bias"] = torch.randn(experts, hidden, device=DEVICE, dtype=DTYPE) * 0.1
         layer["activation"] = GPT_OSS_ACTIVATION
     if not fp8:
         return layer | {"w13": w13, "w2": w2, "w13_scale": None, "w2_scale": None}
     for name, weight in (("w13", w13), ("w2", w2)):
-        codes = torch.empty(weight.shape, dtype=FP8, device="cuda")
-        scale = torch.empty(weight.shape[:2], device="cuda")
+        codes = torch.empty(weight.shape, dtype=FP8, device=DEVICE)
+        scale = torch.empty(weight.shape[:2], device=DEVICE)
         for expert in range(experts):  # one at a time: float32 copies of a few at most
             codes[expert], scale[expert] = quantize_per_channel(weight[expert], FP8)
         layer[name], layer[f"{name}_scale"] = codes, scale
@@ -209,7 +260,7 @@ def random_layer(shape: MoeShape, fp8: bool) -> dict[str, Any]:
 
 def random_routing(num_tokens: int, shape: MoeShape) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax top-k of random logits over all the model's experts, renormalized."""
-    logits = torch.randn(num_tokens, shape.experts, device="cuda")
+    logits = torch.randn(num_tokens, shape.experts, device=DEVICE)
     weights, ids = logits.softmax(-1).topk(shape.top_k)
     return weights / weights.sum(-1, keepdim=True), ids.to(torch.int32)
 
@@ -258,10 +309,10 @@ def assert_replays_for_any_routing(
     picks the same K experts: one expert's pairs over several tiles, the others' none): each
     replay's output equals an eager run's on the same inputs, bit for bit, and the reference's
     of ``reference_layer``. Nothing in the captured launches may depend on the routing."""
-    x = torch.randn(num_tokens, shape.hidden, device="cuda", dtype=DTYPE)
+    x = torch.randn(num_tokens, shape.hidden, device=DEVICE, dtype=DTYPE)
     weights, ids = random_routing(num_tokens, shape)
     graph, captured = captured_graph(lambda: experts(x, weights, ids))
-    uneven = torch.arange(shape.top_k, device="cuda", dtype=torch.int32).expand_as(ids)
+    uneven = torch.arange(shape.top_k, device=DEVICE, dtype=torch.int32).expand_as(ids)
     for new_ids in (random_routing(num_tokens, shape)[1], uneven):
         x.copy_(torch.randn_like(x))
         weights.copy_(random_routing(num_tokens, shape)[0])
@@ -279,40 +330,50 @@ def moe_case(
     rates: DeviceRates,
     time_ms: Timer,
     sweep: bool = False,
+    reference_layer: dict[str, Any] | None = None,
 ) -> MoeResult:
     """Check, then time one layer's experts at ``num_tokens`` tokens with the rule's
-    configuration (and, sweeping, each candidate's)."""
-    x = torch.randn(num_tokens, shape.hidden, device="cuda", dtype=DTYPE)
+    configuration (and, sweeping, each candidate's). MXFP4 experts (a uint8 ``w13``) run
+    ``mxfp4_moe``, checked against ``reference_layer`` (theirs dequantized)."""
+    reference_layer = reference_layer or layer
+    x = torch.randn(num_tokens, shape.hidden, device=DEVICE, dtype=DTYPE)
     weights, ids = random_routing(num_tokens, shape)
-    assert_matches_reference(fused_moe(x, weights, ids, **layer), x, weights, ids, layer)
+    w13 = layer["w13"]
+    assert w13 is not None
+    mxfp4 = w13.dtype == torch.uint8
+    experts = mxfp4_moe if mxfp4 else fused_moe
+    assert_matches_reference(experts(x, weights, ids, **layer), x, weights, ids, reference_layer)
 
     local = ids[ids < shape.local_experts]
     touched = local.unique().numel()
-    w13 = layer["w13"]
-    assert w13 is not None
-    weight_bytes = touched * 3 * shape.hidden * shape.intermediate * w13.dtype.itemsize
+    # MXFP4: half a byte a value and a scale byte a block
+    value_bytes = 0.5 + 1 / MXFP4_BLOCK if mxfp4 else w13.dtype.itemsize
+    weight_bytes = int(touched * 3 * shape.hidden * shape.intermediate * value_bytes)
     flops = 2 * local.numel() * 3 * shape.hidden * shape.intermediate
     w8a8 = quantizes_activations(num_tokens, w13.dtype)
-    shape_args = (
-        num_tokens,
-        shape.top_k,
-        shape.local_experts,
-        shape.hidden,
-        shape.intermediate,
-        sm_count(x.device),
-        w13.dtype,
-        FP8 if w8a8 else DTYPE,
-    )
-    rule = moe_config(*shape_args)
+    sizes = (num_tokens, shape.top_k, shape.local_experts, shape.hidden, shape.intermediate)
+    if mxfp4:
+        rule: MoeConfig | MoeDecodeConfig = mxfp4_moe_config(*sizes)
+        grouped = grouped_mxfp4_config(*sizes[:3])
+        neighbours = (
+            [grouped, *mxfp4_decode_candidates()]
+            if isinstance(rule, MoeDecodeConfig)
+            else candidates(rule, grouped, None)
+        )
+    else:
+        shape_args = (*sizes, sm_count(x.device), w13.dtype, FP8 if w8a8 else DTYPE)
+        rule = moe_config(*shape_args)
+        by_pair = None if w8a8 else moe_decode_config(shape.top_k)  # weight-only by pair
+        neighbours = candidates(rule, grouped_config(*shape_args), by_pair)
 
     def timed(config: MoeConfig | MoeDecodeConfig) -> float:
         def run() -> None:
-            fused_moe(x, weights, ids, **layer, config=config)
+            experts(x, weights, ids, **layer, config=config)
 
         try:
             if isinstance(config, MoeDecodeConfig):  # its variants checked, not only the rule's
-                out = fused_moe(x, weights, ids, **layer, config=config)
-                assert_matches_reference(out, x, weights, ids, layer)
+                out = experts(x, weights, ids, **layer, config=config)
+                assert_matches_reference(out, x, weights, ids, reference_layer)
             return time_ms(run)
         except triton.runtime.errors.OutOfResources:  # a candidate's stages overflow
             return float("inf")
@@ -320,17 +381,9 @@ def moe_case(
     ms = timed(rule)
     best = None
     if sweep:
-        best = sorted(
-            (
-                (describe(c), timed(c) * 1e3)
-                for c in candidates(
-                    rule,
-                    grouped_config(*shape_args),
-                    None if w8a8 else moe_decode_config(shape.top_k),  # weight-only by pair
-                )
-            ),
-            key=lambda b: b[1],
-        )[:_SHOWN_CANDIDATES]
+        best = sorted(((describe(c), timed(c) * 1e3) for c in neighbours), key=lambda b: b[1])[
+            :_SHOWN_CANDIDATES
+        ]
     seconds = ms / 1e3
     traffic = StepTraffic(weight_bytes, 0, flops) if w8a8 else StepTraffic(weight_bytes, flops, 0)
     bound = traffic_bound(traffic, rates)
@@ -348,12 +401,13 @@ def moe_case(
 def run_moe(
     shape_names: list[str],
     tokens: list[int],
-    fp8: bool,
+    weights: str,
     rates: DeviceRates,
     time_ms: Timer,
     sweep: bool = False,
 ) -> None:
-    """Print the table for each shape (sweeping: with the fastest candidate's time)."""
+    """Print the table for each shape, its experts' ``weights`` "bf16", "fp8" or "mxfp4"
+    (sweeping: with the fastest candidate's time)."""
     print(
         f"\n{'shape':>24} {'weights':>7} {'T':>5} {'experts':>7} {'config':>22} "
         f"{'us':>9} {'MB':>8} {'GB/s':>7} {'of copy':>8} {'of roofline':>11}"
@@ -361,12 +415,15 @@ def run_moe(
     )
     for name in shape_names:
         shape = SHAPES[name]
-        layer = random_layer(shape, fp8)
+        if weights == "mxfp4":
+            layer, reference_layer = random_mxfp4_layers(shape)
+        else:
+            layer = reference_layer = random_layer(shape, weights == "fp8")
         for num_tokens in tokens:
-            result = moe_case(shape, num_tokens, layer, rates, time_ms, sweep)
+            result = moe_case(shape, num_tokens, layer, rates, time_ms, sweep, reference_layer)
             best = f" {result.best[0][0]:>22} {result.best[0][1]:9.1f}" if result.best else ""
             print(
-                f"{name:>24} {'fp8' if fp8 else 'bf16':>7} {num_tokens:5d} "
+                f"{name:>24} {weights:>7} {num_tokens:5d} "
                 f"{result.touched:7d} {result.config:>22} {result.us:9.1f} "
                 f"{result.weight_bytes / 1e6:8.1f} "
                 f"{result.weight_bytes / (result.us / 1e6) / 1e9:7.0f} "
@@ -376,5 +433,5 @@ def run_moe(
                 print(
                     "    next fastest: " + ", ".join(f"{d} {us:.1f}" for d, us in result.best[1:])
                 )
-        del layer
+        del layer, reference_layer
         torch.cuda.empty_cache()

@@ -11,6 +11,7 @@ bfloat16 wrongly, so off CUDA the 16-bit case is float16 (whose range holds thes
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -27,6 +28,8 @@ from engine.backends.triton.fused_moe import MoeConfig
 from engine.backends.triton.moe_decode import MoeDecodeConfig
 from engine.backends.triton.mxfp4_moe import mxfp4_moe, mxfp4_moe_config
 from engine.backends.triton.mxfp4_widen import e2m1_halves, widened_tile
+from engine.roofline import DeviceRates
+from tandem.bench import moe_kernel
 from tandem.testing.kernel_reference import moe_experts_reference
 from tests.engine.test_fused_moe import assert_rounding_close, route
 
@@ -280,3 +283,39 @@ def test_e2m1_values_are_the_format_table() -> None:
     _e2m1_kernel[(1,)](out)
     expected = torch.tensor(E2M1_VALUES, dtype=torch.float32)
     assert torch.equal(out.cpu().view(torch.int32), expected.view(torch.int32))
+
+
+def test_the_kernel_benchmarks_mxfp4_case(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench_kernels.py --moe SHAPE --quantization mxfp4 --moe-sweep``'s case, on the CPU
+    (the GPU's timer replaced by a count): at one token of top 4 of 32 the rule's
+    decode path by token, checked against the dequantized experts with each candidate; the
+    bytes counted as MXFP4's. The sweep's by-token blocks are whole scale blocks a step."""
+    for config in moe_kernel.mxfp4_decode_candidates():
+        assert config.by_token and config.gate_up_depth % 32 == 0 and config.down_depth % 32 == 0
+    monkeypatch.setattr(moe_kernel, "DEVICE", DEVICE)
+    monkeypatch.setattr(moe_kernel, "DTYPE", HALF)  # float16 here: the interpreter's bf16 is off
+    monkeypatch.setattr(
+        moe_kernel, "mxfp4_decode_candidates", lambda: DECODE_CONFIGS_TIMED
+    )  # a few: each is checked in the interpreter
+    shape = moe_kernel.MoeShape(HIDDEN, INTERMEDIATE, 32, 32, 4, gpt_oss=True)
+    layer, reference_layer = moe_kernel.random_mxfp4_layers(shape)
+    assert layer["w13"].dtype == torch.uint8 and reference_layer["w13"].dtype == HALF
+    runs: list[int] = []
+
+    def count(run: Callable[[], None]) -> float:
+        run()
+        runs.append(1)
+        return 1.0
+
+    rates = DeviceRates(bytes_per_s=1e12, flops_per_s=1e15)
+    result = moe_kernel.moe_case(shape, 1, layer, rates, count, True, reference_layer)
+    assert result.config.startswith("token/")
+    assert result.weight_bytes == int(result.touched * 3 * HIDDEN * INTERMEDIATE * (0.5 + 1 / 32))
+    assert result.best is not None and len(result.best) == len(DECODE_CONFIGS_TIMED) + 1
+    assert len(runs) == len(DECODE_CONFIGS_TIMED) + 2  # the rule, the grouped tiles, the rest
+
+
+DECODE_CONFIGS_TIMED = [
+    MoeDecodeConfig(32, 64, 16, 64, 4, by_token=True, prefetch=True),
+    MoeDecodeConfig(16, 32, 32, 32, 8, by_token=True, prefetch=True),
+]

@@ -1,6 +1,6 @@
 """The fused MoE kernels on CUDA at the real models' shapes (tandem/bench/moe_kernel.py's
 SHAPES: Qwen3-30B-A3B, Mixtral-8x7B, Qwen3-235B-A22B's TP=4 rank, both splits, and
-gpt-oss-20b with its biases and clamped SwiGLU), bf16 and FP8 weights: against the
+gpt-oss-20b and 120b with their biases and clamped SwiGLU), bf16 and FP8 weights: against the
 expert-by-expert float32 reference at a decode's and a prefill's token counts, and inside a
 CUDA graph, captured for one routing and replayed for others. The decode path by pair
 (``moe_decode``: the rule's at one token) also at 2 and 4 tokens, its configuration given,

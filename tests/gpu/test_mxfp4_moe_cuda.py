@@ -12,28 +12,16 @@ from typing import Any
 import pytest
 import torch
 
-from engine.backends.mxfp4 import BLOCK, dequantize_mxfp4
 from engine.backends.triton.mxfp4_moe import mxfp4_moe
 from tandem.bench.moe_kernel import (
-    GPT_OSS_ACTIVATION,
     SHAPES,
     assert_matches_reference,
     assert_replays_for_any_routing,
+    random_mxfp4_layers,
     random_routing,
 )
 
 SHAPE = SHAPES["gpt-oss-20b"]
-
-
-def packed(rows: int, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random MXFP4 matrices of the shape's experts, as ``moe_experts`` takes them; scales
-    2 ** -8 to 2 ** -6, for products of about unit size over 2880 of depth."""
-    experts = SHAPE.local_experts
-    codes = torch.randint(0, 256, (experts, rows, columns // 2), device="cuda", dtype=torch.uint8)
-    scales = torch.randint(
-        119, 122, (experts, rows, columns // BLOCK), device="cuda", dtype=torch.uint8
-    )
-    return codes, scales
 
 
 @pytest.fixture(scope="module")
@@ -41,23 +29,7 @@ def layers() -> tuple[dict[str, Any], dict[str, Any]]:
     """The experts in MXFP4 (``mxfp4_moe``'s keywords) and the same dequantized to bf16 (the
     reference's), with gpt-oss's biases and activation."""
     torch.manual_seed(0)
-    hidden, intermediate = SHAPE.hidden, SHAPE.intermediate
-    w13, w13_scale = packed(2 * intermediate, hidden)
-    w2, w2_scale = packed(hidden, intermediate)
-    experts = SHAPE.local_experts
-    variant = {
-        "w13_bias": torch.randn(experts, 2 * intermediate, device="cuda", dtype=torch.bfloat16),
-        "w2_bias": torch.randn(experts, hidden, device="cuda", dtype=torch.bfloat16) * 0.1,
-        "activation": GPT_OSS_ACTIVATION,
-    }
-    mxfp4 = {"w13": w13, "w2": w2, "w13_scale": w13_scale, "w2_scale": w2_scale} | variant
-    bf16 = {
-        "w13": dequantize_mxfp4(w13.unflatten(-1, (-1, 16)), w13_scale, torch.bfloat16),
-        "w2": dequantize_mxfp4(w2.unflatten(-1, (-1, 16)), w2_scale, torch.bfloat16),
-        "w13_scale": None,
-        "w2_scale": None,
-    } | variant
-    return mxfp4, bf16
+    return random_mxfp4_layers(SHAPE)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 8, 256])

@@ -60,16 +60,21 @@ def mxfp4_moe_config(
     num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int
 ) -> MoeConfig | MoeDecodeConfig:
     """The decode path by token where it takes MXFP4 (``takes_decode_path``: gpt-oss-20b at
-    one token, 120b up to four), as ``fused_moe``'s bf16 layers take theirs. Otherwise the
-    tiles for ``num_tokens`` tokens' ``top_k`` picks each over ``num_experts`` local
-    experts, by the rows an expert gets when routing is even (as ``grouped_config`` steps):
-    up to 16 (decode steps, bound by reading the weights), 16-row tiles and 128 of depth a
-    step (64 bytes and 4 scales of each weight row); up to 64, 64-row tiles; beyond
-    (prefills, bound by the products and the widening), 128-row tiles, whose widened weight
-    tile serves twice the rows. A simple rule, not swept on a GPU. BLOCK_K is a whole number
-    of scale blocks."""
+    one token, 120b up to four), as ``fused_moe``'s bf16 layers take theirs; otherwise the
+    grouped kernels' tiles (``grouped_mxfp4_config``)."""
     if takes_decode_path(num_tokens, top_k, num_experts, hidden, intermediate, mxfp4=True):
         return moe_decode_config(top_k, mxfp4=True)
+    return grouped_mxfp4_config(num_tokens, top_k, num_experts)
+
+
+def grouped_mxfp4_config(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
+    """The grouped kernels' tiles for ``num_tokens`` tokens' ``top_k`` picks each over
+    ``num_experts`` local experts, by the rows an expert gets when routing is even (as
+    ``grouped_config`` steps): up to 16 (decode steps, bound by reading the weights), 16-row
+    tiles and 128 of depth a step (64 bytes and 4 scales of each weight row); up to 64,
+    64-row tiles; beyond (prefills, bound by the products and the widening), 128-row tiles,
+    whose widened weight tile serves twice the rows. A simple rule, not swept on a GPU.
+    BLOCK_K is a whole number of scale blocks."""
     if _INTERPRETED:  # small tiles, split: the edge masks and the partial sums' combine
         return MoeConfig(16, MoeGemmConfig(64, 64, 1, 4, 1), MoeGemmConfig(64, 64, 2, 4, 1))
     num_pairs = num_tokens * top_k
