@@ -684,6 +684,12 @@ def test_hf_unreadable_safetensors_is_refused_by_name(tmp_path: Path) -> None:
         next(checkpoint.weights())
 
 
+def refused_naming(path: Path, message: str) -> pytest.RaisesExc:
+    """The ValueError that refuses a checkpoint at start, its message naming ``path`` first,
+    then ``message`` (a regular expression)."""
+    return pytest.raises(ValueError, match=f"^{re.escape(str(path))}: {message}")
+
+
 # --- a Hugging Face directory whose config.json, index or tokenizer.json is broken ------------
 # Each was a bare KeyError, TypeError or ZeroDivisionError, a tokenizers error naming no file,
 # or loaded silently; each is now a ValueError naming the file and the key, raised by
@@ -833,7 +839,7 @@ def test_hf_config_with_a_missing_mistyped_or_impossible_value_is_refused(
 ) -> None:
     directory = hf_directory_of(tiny_hf_files, tmp_path / "model", family, **changes)
     config = directory / "config.json"
-    with pytest.raises(ValueError, match=f"^{re.escape(str(config))}: {message}"):
+    with refused_naming(config, message):
         load_checkpoint(str(directory))
 
 
@@ -851,7 +857,7 @@ def test_hf_safetensors_index_without_a_weight_map_is_refused_at_start(
     directory = hf_directory_of(tiny_hf_files, tmp_path / "model")
     index_file = directory / "model.safetensors.index.json"
     index_file.write_text(json.dumps(index))
-    with pytest.raises(ValueError, match=f"^{re.escape(str(index_file))}: {message}"):
+    with refused_naming(index_file, message):
         load_checkpoint(str(directory))  # before the weights stream
 
 
@@ -870,7 +876,7 @@ def test_hf_tokenizer_json_that_is_no_tokenizer_is_refused_by_name(
     directory = hf_directory_of(tiny_hf_files, tmp_path / "model")
     tokenizer = directory / "tokenizer.json"
     tokenizer.write_bytes(contents)
-    with pytest.raises(ValueError, match=f"^{re.escape(str(tokenizer))}: {message}"):
+    with refused_naming(tokenizer, message):
         load_checkpoint(str(directory))
 
 
@@ -900,7 +906,7 @@ def test_hf_modules_json_of_the_wrong_shape_is_refused_by_name(
     directory = hf_directory_of(tiny_hf_files, tmp_path / "model")
     modules = directory / "modules.json"
     modules.write_text(contents)
-    with pytest.raises(ValueError, match=f"^{re.escape(str(modules))}: {message}"):
+    with refused_naming(modules, message):
         load_checkpoint(str(directory))
 
 
@@ -912,7 +918,7 @@ def test_hf_pooling_config_that_is_no_json_object_is_refused_by_name(
     (directory / "1_Pooling").mkdir()
     pooling = directory / "1_Pooling" / "config.json"
     pooling.write_text("{nope")
-    with pytest.raises(ValueError, match=f"^{re.escape(str(pooling))}: not valid JSON"):
+    with refused_naming(pooling, "not valid JSON"):
         load_checkpoint(str(directory))
     pooling.write_text(json.dumps({"pooling_mode_mean_tokens": True}))
     assert load_checkpoint(str(directory)).pooling == "mean"
@@ -943,7 +949,7 @@ def test_hf_tokenizer_config_of_the_wrong_shape_is_refused_by_name(
     directory = hf_directory_of(tiny_hf_files, tmp_path / "model")
     file = directory / "tokenizer_config.json"
     file.write_text(json.dumps(tokenizer_config))
-    with pytest.raises(ValueError, match=f"^{re.escape(str(file))}: {message}"):
+    with refused_naming(file, message):
         load_checkpoint(str(directory))
 
 
@@ -1044,7 +1050,7 @@ def test_hf_config_not_supported_is_refused_naming_config_json(
 ) -> None:
     directory = hf_directory_of(tiny_hf_files, tmp_path / "model", family, **changes)
     config = directory / "config.json"
-    with pytest.raises(ValueError, match=f"^{re.escape(str(config))}: {message}"):
+    with refused_naming(config, message):
         load_checkpoint(str(directory))
 
 
