@@ -198,11 +198,33 @@ def mxfp4_decode_candidates() -> list[MoeDecodeConfig]:
     columns by depths of whole scale blocks (1,024 and 512 divide gpt-oss's 2,880 with little
     masked, 2,048 not), down channels by depth, 4 or 8 warps, the next step in flight."""
     return [
-        MoeDecodeConfig(columns, depth, rows, down_depth, warps, True, True, None)
+        MoeDecodeConfig(
+            columns,
+            depth,
+            rows,
+            down_depth,
+            warps,
+            by_token=True,
+            prefetch=True,
+            max_registers=None,
+        )
         for columns, depth in ((4, 1024), (2, 1024), (8, 1024), (8, 512), (4, 512), (2, 2048))
         for rows, down_depth in ((8, 256), (4, 512), (16, 128), (8, 512))
         for warps in (4, 8)
     ]
+
+
+def gpt_oss_variant(shape: MoeShape) -> dict[str, Any]:
+    """A gpt-oss shape's random biases and its activation (the experts' keywords); none for
+    another shape."""
+    if not shape.gpt_oss:
+        return {}
+    experts, hidden, intermediate = shape.local_experts, shape.hidden, shape.intermediate
+    return {
+        "w13_bias": torch.randn(experts, 2 * intermediate, device=DEVICE, dtype=DTYPE),
+        "w2_bias": torch.randn(experts, hidden, device=DEVICE, dtype=DTYPE) * 0.1,
+        "activation": GPT_OSS_ACTIVATION,
+    }
 
 
 def random_mxfp4_layers(shape: MoeShape) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -213,17 +235,16 @@ def random_mxfp4_layers(shape: MoeShape) -> tuple[dict[str, Any], dict[str, Any]
     experts, hidden, intermediate = shape.local_experts, shape.hidden, shape.intermediate
 
     def packed(rows: int, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
-        codes = torch.randint(0, 256, (experts, rows, columns // 2), dtype=torch.uint8)
-        scales = torch.randint(119, 122, (experts, rows, columns // MXFP4_BLOCK), dtype=torch.uint8)
-        return codes.to(DEVICE), scales.to(DEVICE)
+        codes = torch.randint(
+            0, 256, (experts, rows, columns // 2), dtype=torch.uint8, device=DEVICE
+        )
+        blocks = (experts, rows, columns // MXFP4_BLOCK)
+        scales = torch.randint(119, 122, blocks, dtype=torch.uint8, device=DEVICE)
+        return codes, scales
 
     w13, w13_scale = packed(2 * intermediate, hidden)
     w2, w2_scale = packed(hidden, intermediate)
-    variant: dict[str, Any] = {}
-    if shape.gpt_oss:
-        variant["w13_bias"] = torch.randn(experts, 2 * intermediate, device=DEVICE, dtype=DTYPE)
-        variant["w2_bias"] = torch.randn(experts, hidden, device=DEVICE, dtype=DTYPE) * 0.1
-        variant["activation"] = GPT_OSS_ACTIVATION
+    variant = gpt_oss_variant(shape)
     mxfp4 = {"w13": w13, "w2": w2, "w13_scale": w13_scale, "w2_scale": w2_scale} | variant
     bf16 = {
         "w13": dequantize_mxfp4(w13.unflatten(-1, (-1, 16)), w13_scale, DTYPE),
@@ -242,11 +263,7 @@ def random_layer(shape: MoeShape, fp8: bool) -> dict[str, Any]:
     w2 = torch.randn(experts, hidden, intermediate, device=DEVICE, dtype=DTYPE)
     w13 *= hidden**-0.5
     w2 *= intermediate**-0.5
-    layer: dict[str, Any] = {}
-    if shape.gpt_oss:
-        layer["w13_bias"] = torch.randn(experts, 2 * intermediate, device=DEVICE, dtype=DTYPE)
-        layer["w2_bias"] = torch.randn(experts, hidden, device=DEVICE, dtype=DTYPE) * 0.1
-        layer["activation"] = GPT_OSS_ACTIVATION
+    layer = gpt_oss_variant(shape)
     if not fp8:
         return layer | {"w13": w13, "w2": w2, "w13_scale": None, "w2_scale": None}
     for name, weight in (("w13", w13), ("w2", w2)):

@@ -158,7 +158,9 @@ def moe_decode_config(top_k: int, mxfp4: bool = False) -> MoeDecodeConfig:
     walks_picks = top_k >= 4
     if _INTERPRETED:
         if mxfp4:
-            return MoeDecodeConfig(16, 32, 32, 32, 4, walks_picks, walks_picks, None)
+            return MoeDecodeConfig(
+                16, 32, 32, 32, 4, by_token=walks_picks, prefetch=walks_picks, max_registers=None
+            )
         return MoeDecodeConfig(16, 32, 32, 16, 4)
     picks = triton.next_power_of_2(top_k)
     gate_up_columns, down_rows = (4, 8) if mxfp4 else (2, 8)
