@@ -684,10 +684,17 @@ def test_hf_unreadable_safetensors_is_refused_by_name(tmp_path: Path) -> None:
         next(checkpoint.weights())
 
 
-def refused_naming(path: Path, message: str) -> pytest.RaisesExc:
-    """The ValueError that refuses a checkpoint at start, its message naming ``path`` first,
-    then ``message`` (a regular expression)."""
-    return pytest.raises(ValueError, match=f"^{re.escape(str(path))}: {message}")
+def assert_refused_naming(
+    directory: Path, name: str, message: str, contents: str | bytes | None = None
+) -> None:
+    """The checkpoint in ``directory`` (its file ``name`` first written with ``contents``,
+    if given) is refused by ``load_checkpoint``, before any weight is read, with a
+    ValueError naming that file first, then ``message`` (a regular expression)."""
+    file = directory / name
+    if contents is not None:
+        file.write_bytes(contents if isinstance(contents, bytes) else contents.encode())
+    with pytest.raises(ValueError, match=f"^{re.escape(str(file))}: {message}"):
+        load_checkpoint(str(directory))
 
 
 # --- a Hugging Face directory whose config.json, index or tokenizer.json is broken ------------
@@ -838,9 +845,7 @@ def test_hf_config_with_a_missing_mistyped_or_impossible_value_is_refused(
     tmp_path: Path, tiny_hf_files: Path, family: str, changes: dict[str, Any], message: str
 ) -> None:
     directory = hf_directory_of(tiny_hf_files, tmp_path / "model", family, **changes)
-    config = directory / "config.json"
-    with refused_naming(config, message):
-        load_checkpoint(str(directory))
+    assert_refused_naming(directory, "config.json", message)
 
 
 @pytest.mark.parametrize(
@@ -855,10 +860,7 @@ def test_hf_safetensors_index_without_a_weight_map_is_refused_at_start(
     tmp_path: Path, tiny_hf_files: Path, index: dict[str, Any], message: str
 ) -> None:
     directory = hf_directory_of(tiny_hf_files, tmp_path / "model")
-    index_file = directory / "model.safetensors.index.json"
-    index_file.write_text(json.dumps(index))
-    with refused_naming(index_file, message):
-        load_checkpoint(str(directory))  # before the weights stream
+    assert_refused_naming(directory, "model.safetensors.index.json", message, json.dumps(index))
 
 
 @pytest.mark.parametrize(
@@ -874,10 +876,7 @@ def test_hf_tokenizer_json_that_is_no_tokenizer_is_refused_by_name(
     tmp_path: Path, tiny_hf_files: Path, contents: bytes, message: str
 ) -> None:
     directory = hf_directory_of(tiny_hf_files, tmp_path / "model")
-    tokenizer = directory / "tokenizer.json"
-    tokenizer.write_bytes(contents)
-    with refused_naming(tokenizer, message):
-        load_checkpoint(str(directory))
+    assert_refused_naming(directory, "tokenizer.json", message, contents)
 
 
 POOLING_MODULE = {
@@ -904,10 +903,7 @@ def test_hf_modules_json_of_the_wrong_shape_is_refused_by_name(
     tmp_path: Path, tiny_hf_files: Path, contents: str, message: str
 ) -> None:
     directory = hf_directory_of(tiny_hf_files, tmp_path / "model")
-    modules = directory / "modules.json"
-    modules.write_text(contents)
-    with refused_naming(modules, message):
-        load_checkpoint(str(directory))
+    assert_refused_naming(directory, "modules.json", message, contents)
 
 
 def test_hf_pooling_config_that_is_no_json_object_is_refused_by_name(
@@ -915,12 +911,10 @@ def test_hf_pooling_config_that_is_no_json_object_is_refused_by_name(
 ) -> None:
     directory = hf_directory_of(tiny_hf_files, tmp_path / "model")
     (directory / "modules.json").write_text(json.dumps([POOLING_MODULE]))
-    (directory / "1_Pooling").mkdir()
-    pooling = directory / "1_Pooling" / "config.json"
-    pooling.write_text("{nope")
-    with refused_naming(pooling, "not valid JSON"):
-        load_checkpoint(str(directory))
-    pooling.write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    pooling = directory / "1_Pooling"
+    pooling.mkdir()
+    assert_refused_naming(directory, "1_Pooling/config.json", "not valid JSON", "{nope")
+    (pooling / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
     assert load_checkpoint(str(directory)).pooling == "mean"
 
 
@@ -947,10 +941,7 @@ def test_hf_tokenizer_config_of_the_wrong_shape_is_refused_by_name(
     tmp_path: Path, tiny_hf_files: Path, tokenizer_config: dict[str, Any], message: str
 ) -> None:
     directory = hf_directory_of(tiny_hf_files, tmp_path / "model")
-    file = directory / "tokenizer_config.json"
-    file.write_text(json.dumps(tokenizer_config))
-    with refused_naming(file, message):
-        load_checkpoint(str(directory))
+    assert_refused_naming(directory, "tokenizer_config.json", message, json.dumps(tokenizer_config))
 
 
 @pytest.mark.parametrize("file_name", ["config.json", "generation_config.json"])
@@ -1049,9 +1040,7 @@ def test_hf_config_not_supported_is_refused_naming_config_json(
     tmp_path: Path, tiny_hf_files: Path, family: str, changes: dict[str, Any], message: str
 ) -> None:
     directory = hf_directory_of(tiny_hf_files, tmp_path / "model", family, **changes)
-    config = directory / "config.json"
-    with refused_naming(config, message):
-        load_checkpoint(str(directory))
+    assert_refused_naming(directory, "config.json", message)
 
 
 @pytest.mark.timeout(180)
