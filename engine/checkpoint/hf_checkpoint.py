@@ -24,6 +24,7 @@ from engine.checkpoint.hf_config import (
     ConfigValues,
     read_json_object,
     read_json_object_if_present,
+    shown,
 )
 from engine.checkpoint.pooling_config import read_pooling
 from engine.model_config import (
@@ -226,11 +227,10 @@ def check_layer_types(layer_types: list[str] | None, num_layers: int, path: Path
         or len(layer_types) != num_layers
         or not set(layer_types) <= known
     ):
-        shown = repr(layer_types)
-        shown = shown if len(shown) <= 200 else f"{shown[:197]}..."
         raise ValueError(
             f"{path / CONFIG_JSON}: 'layer_types' must name {FULL_ATTENTION!r} or "
-            f"{SLIDING_ATTENTION!r} for each of the {num_layers} layers, not {shown}"
+            f"{SLIDING_ATTENTION!r} for each of the {num_layers} layers, not "
+            f"{shown(layer_types, 200)}"
         )
 
 
@@ -329,10 +329,9 @@ def _index_shards(index: Path) -> list[str]:
     if not isinstance(weight_map, dict) or not all(
         isinstance(shard, str) for shard in weight_map.values()
     ):
-        shown = repr(weight_map)
-        shown = shown if len(shown) <= 80 else f"{shown[:77]}..."
         raise ValueError(
-            f"{index}: 'weight_map' is {shown}, not a JSON object of tensor names to file names"
+            f"{index}: 'weight_map' is {shown(weight_map)}, not a JSON object of tensor names "
+            "to file names"
         )
     return sorted(set(weight_map.values()))
 

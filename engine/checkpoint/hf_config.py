@@ -37,11 +37,11 @@ MAX_EXPERTS = 2**16
 _FLOAT_BITS = 1000  # an integer of more bits than this may not convert to a float
 
 
-def shown(value: Any) -> str:
-    """``value``'s repr for a message, cut short: a hostile file could hold megabytes under
-    one key."""
+def shown(value: Any, limit: int = 80) -> str:
+    """``value``'s repr for a message, cut to ``limit`` characters: a hostile file could hold
+    megabytes under one key."""
     text = repr(value)
-    return text if len(text) <= 80 else f"{text[:77]}..."
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def read_json(path: Path) -> Any:
