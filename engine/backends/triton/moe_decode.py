@@ -150,11 +150,14 @@ def moe_decode_config(top_k: int, mxfp4: bool = False) -> MoeDecodeConfig:
     waves of programs that each read one step, after waiting on its expert id, kept the
     bytes in flight low (the sweep's fastest at one token, bf16 and FP8, and no slower at
     two). Mixtral's 2 picks keep the program a pair (unswept). MXFP4 (``mxfp4``, gpt-oss:
-    H = I = 2880, 4 picks) by token only, its steps whole scale blocks: gate/up as 4 columns
-    of each half by 1024 (three steps of 2880, the last part-masked; 2048 would read 1.4
-    times the bytes), down as the bf16 rule's 8 channels by 256; not swept on a GPU.
-    Interpreted (the CPU tests), small: several column blocks and steps, last ones masked
-    (MXFP4: a block a step)."""
+    H = I = 2880, 4 picks) by token only, twice the products a step (the same bytes: half a
+    byte a value), its steps whole scale blocks: gate/up as 8 columns of each half by 1024
+    (three steps of 2880, the last part-masked; 2048 would read 1.4 times the bytes), down as
+    8 channels by 512 (six steps). Fitted to ``bench_kernels.py --moe gpt-oss-20b
+    gpt-oss-120b --quantization mxfp4 --moe-sweep``: the fastest of its 48 neighbours at one
+    token, within a few percent of the fastest at two and four (120b). Interpreted (the CPU
+    tests), small: several column blocks and steps, last ones masked (MXFP4: a block a
+    step)."""
     walks_picks = top_k >= 4
     if _INTERPRETED:
         if mxfp4:
@@ -163,12 +166,14 @@ def moe_decode_config(top_k: int, mxfp4: bool = False) -> MoeDecodeConfig:
             )
         return MoeDecodeConfig(16, 32, 32, 16, 4)
     picks = triton.next_power_of_2(top_k)
-    gate_up_columns, down_rows = (4, 8) if mxfp4 else (2, 8)
+    step_products = 2 * _STEP_PRODUCTS if mxfp4 else _STEP_PRODUCTS
+    gate_up_columns = 8 if mxfp4 else 2
+    down_rows = 8
     return MoeDecodeConfig(
         gate_up_columns,
-        _STEP_PRODUCTS // (2 * gate_up_columns),
+        step_products // (2 * gate_up_columns),
         down_rows,
-        max(16, _STEP_PRODUCTS // (picks * down_rows)),
+        max(16, step_products // (picks * down_rows)),
         4 if walks_picks else _WARPS,
         by_token=walks_picks,
         prefetch=walks_picks,

@@ -17,8 +17,8 @@ weights into its float32 sums and adds the down bias once (``with_down_bias``), 
 combine (``combine_partial_sums``). Nothing is read back to the host, every buffer being
 sized for the worst routing, so a step replays in a CUDA graph for any routing.
 
-The path and the tiles follow a rule over the shape (``mxfp4_moe_config``), not swept on a
-GPU.
+The path and the tiles follow a rule over the shape (``mxfp4_moe_config``), fitted at
+decode steps' few tokens to ``bench_kernels.py --moe --quantization mxfp4 --moe-sweep``.
 """
 
 from __future__ import annotations
@@ -70,17 +70,20 @@ def mxfp4_moe_config(
 def grouped_mxfp4_config(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
     """The grouped kernels' tiles for ``num_tokens`` tokens' ``top_k`` picks each over
     ``num_experts`` local experts, by the rows an expert gets when routing is even (as
-    ``grouped_config`` steps): up to 16 (decode steps, bound by reading the weights), 16-row
-    tiles and 128 of depth a step (64 bytes and 4 scales of each weight row); up to 64,
-    64-row tiles; beyond (prefills, bound by the products and the widening), 128-row tiles,
-    whose widened weight tile serves twice the rows. A simple rule, not swept on a GPU.
-    BLOCK_K is a whole number of scale blocks."""
+    ``grouped_config`` steps): up to 16 (decode steps, bound by reading and widening the
+    weights), 16-row tiles, 128 of depth a step (64 bytes and 4 scales of each weight row),
+    gate/up 32 columns of each half and down 64 split in two: twice the programs of 64 and
+    64 whole, each with less to widen (fitted to ``bench_kernels.py --moe gpt-oss-20b
+    --quantization mxfp4 --moe-sweep`` at two and four tokens, the fastest there or within 2%
+    of it); up to 64, 64-row tiles; beyond (prefills, bound by the products and the
+    widening), 128-row tiles, whose widened weight tile serves twice the rows: those two
+    unswept. BLOCK_K is a whole number of scale blocks."""
     if _INTERPRETED:  # small tiles, split: the edge masks and the partial sums' combine
         return MoeConfig(16, MoeGemmConfig(64, 64, 1, 4, 1), MoeGemmConfig(64, 64, 2, 4, 1))
     num_pairs = num_tokens * top_k
     rows_per_expert = -(-num_pairs // max(1, min(num_experts, num_pairs)))
     if rows_per_expert <= 16:
-        return MoeConfig(16, MoeGemmConfig(64, 128, 1, 4, 3), MoeGemmConfig(64, 128, 1, 4, 3))
+        return MoeConfig(16, MoeGemmConfig(32, 128, 1, 4, 4), MoeGemmConfig(64, 128, 2, 4, 4))
     if rows_per_expert <= 64:
         return MoeConfig(64, MoeGemmConfig(64, 64, 1, 4, 3), MoeGemmConfig(64, 64, 1, 4, 3))
     return MoeConfig(128, MoeGemmConfig(128, 64, 1, 8, 3), MoeGemmConfig(128, 64, 1, 8, 3))
