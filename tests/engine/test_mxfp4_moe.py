@@ -292,6 +292,9 @@ def test_the_kernel_benchmarks_mxfp4_case(monkeypatch: pytest.MonkeyPatch) -> No
     bytes counted as MXFP4's. The sweep's by-token blocks are whole scale blocks a step."""
     for config in moe_kernel.mxfp4_decode_candidates():
         assert config.by_token and config.gate_up_depth % 32 == 0 and config.down_depth % 32 == 0
+    # The interpreter's rule on a GPU too: the CUDA rule's steps are deeper than this shape.
+    monkeypatch.setattr(moe_decode, "_INTERPRETED", True)
+    monkeypatch.setattr(mxfp4_moe_module, "_INTERPRETED", True)
     monkeypatch.setattr(moe_kernel, "DEVICE", DEVICE)
     monkeypatch.setattr(moe_kernel, "DTYPE", HALF)  # float16 here: the interpreter's bf16 is off
     monkeypatch.setattr(
