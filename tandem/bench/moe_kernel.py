@@ -102,9 +102,10 @@ class MoeResult:
 
 
 def describe(config: MoeConfig | MoeDecodeConfig) -> str:
-    """tile rows / gate-up columns x depth / down columns x depth, x splits; by pair: "pair"
-    (or "token", its gate/up programs a token's) / gate-up columns x depth / down channels x
-    depth, then "p" where the loops prefetch, the warps and the register cap ("r-": none)"""
+    """tile rows / gate-up columns x depth / down columns x depth, x splits / warps and
+    stages (gate/up's, then down's where they differ); by pair: "pair" (or "token", its
+    gate/up programs a token's) / gate-up columns x depth / down channels x depth, then "p"
+    where the loops prefetch, the warps and the register cap ("r-": none)"""
     if isinstance(config, MoeDecodeConfig):
         registers = config.max_registers or "-"
         return (
@@ -113,9 +114,12 @@ def describe(config: MoeConfig | MoeDecodeConfig) -> str:
             f"{'p' if config.prefetch else ''}/w{config.warps}r{registers}"
         )
     gate_up, down = config.gate_up, config.down
+    launch = f"w{gate_up.warps}s{gate_up.stages}"
+    if (down.warps, down.stages) != (gate_up.warps, gate_up.stages):
+        launch += f",w{down.warps}s{down.stages}"
     return (
         f"{config.block_m}/{gate_up.block_n}x{gate_up.block_k}/{down.block_n}x{down.block_k}"
-        f"x{down.split_k}"
+        f"x{down.split_k}/{launch}"
     )
 
 
@@ -426,9 +430,9 @@ def run_moe(
     """Print the table for each shape, its experts' ``weights`` "bf16", "fp8" or "mxfp4"
     (sweeping: with the fastest candidate's time)."""
     print(
-        f"\n{'shape':>24} {'weights':>7} {'T':>5} {'experts':>7} {'config':>22} "
+        f"\n{'shape':>24} {'weights':>7} {'T':>5} {'experts':>7} {'config':>27} "
         f"{'us':>9} {'MB':>8} {'GB/s':>7} {'of copy':>8} {'of roofline':>11}"
-        + (f" {'best candidate':>22} {'us':>9}" if sweep else "")
+        + (f" {'best candidate':>27} {'us':>9}" if sweep else "")
     )
     for name in shape_names:
         shape = SHAPES[name]
@@ -438,10 +442,10 @@ def run_moe(
             layer = reference_layer = random_layer(shape, weights == "fp8")
         for num_tokens in tokens:
             result = moe_case(shape, num_tokens, layer, rates, time_ms, sweep, reference_layer)
-            best = f" {result.best[0][0]:>22} {result.best[0][1]:9.1f}" if result.best else ""
+            best = f" {result.best[0][0]:>27} {result.best[0][1]:9.1f}" if result.best else ""
             print(
                 f"{name:>24} {weights:>7} {num_tokens:5d} "
-                f"{result.touched:7d} {result.config:>22} {result.us:9.1f} "
+                f"{result.touched:7d} {result.config:>27} {result.us:9.1f} "
                 f"{result.weight_bytes / 1e6:8.1f} "
                 f"{result.weight_bytes / (result.us / 1e6) / 1e9:7.0f} "
                 f"{result.copy_share:8.0%} {result.roofline_share:11.0%}{best}"

@@ -127,8 +127,8 @@ def test_mxfp4_moe_in_the_cuda_rules_tiles(
     rule_tokens: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The CUDA rule's tiles (16 rows and 128 of depth at a decode step's tokens, 64 rows,
-    128 rows and 128 columns at a prefill's), given to 40 tokens' top 4 of 8 here: tiles
-    taller than an expert's pairs and steps deeper than H."""
+    128 rows at a prefill's), given to 40 tokens' top 4 of 8 here: tiles taller than an
+    expert's pairs and steps deeper than H."""
     monkeypatch.setattr(mxfp4_moe_module, "_INTERPRETED", False)
     config = mxfp4_moe_config(rule_tokens, 4, 8, 2880, 2880)
     assert isinstance(config, MoeConfig)

@@ -75,9 +75,11 @@ def grouped_mxfp4_config(num_tokens: int, top_k: int, num_experts: int) -> MoeCo
     gate/up 32 columns of each half and down 64 split in two: twice the programs of 64 and
     64 whole, each with less to widen (fitted to ``bench_kernels.py --moe gpt-oss-20b
     --quantization mxfp4 --moe-sweep`` at two and four tokens, the fastest there or within 2%
-    of it); up to 64, 64-row tiles; beyond (prefills, bound by the products and the
-    widening), 128-row tiles, whose widened weight tile serves twice the rows: those two
-    unswept. BLOCK_K is a whole number of scale blocks."""
+    of it); up to 64, 64-row tiles (the fastest at gpt-oss-20b's 512 tokens); beyond
+    (prefills, bound by the products and the widening), 128-row tiles, whose widened weight
+    tile serves twice the rows, gate/up 64 columns of each half and down 128, 4 warps and 4
+    stages (the fastest at 1,024-4,096 tokens of gpt-oss-20b and 4,096 of 120b, by about a
+    fifth over 128 columns and 8 warps). BLOCK_K is a whole number of scale blocks."""
     if _INTERPRETED:  # small tiles, split: the edge masks and the partial sums' combine
         return MoeConfig(16, MoeGemmConfig(64, 64, 1, 4, 1), MoeGemmConfig(64, 64, 2, 4, 1))
     num_pairs = num_tokens * top_k
@@ -86,7 +88,7 @@ def grouped_mxfp4_config(num_tokens: int, top_k: int, num_experts: int) -> MoeCo
         return MoeConfig(16, MoeGemmConfig(32, 128, 1, 4, 4), MoeGemmConfig(64, 128, 2, 4, 4))
     if rows_per_expert <= 64:
         return MoeConfig(64, MoeGemmConfig(64, 64, 1, 4, 3), MoeGemmConfig(64, 64, 1, 4, 3))
-    return MoeConfig(128, MoeGemmConfig(128, 64, 1, 8, 3), MoeGemmConfig(128, 64, 1, 8, 3))
+    return MoeConfig(128, MoeGemmConfig(64, 64, 1, 4, 4), MoeGemmConfig(128, 64, 1, 4, 4))
 
 
 @triton.jit
