@@ -5,15 +5,19 @@
                          [--structured-fraction F [--schema FILE|builtin]]
                          [--tensor-parallel-size N] [--load-format dummy]
                          [--kv-cache-dtype fp8] [--quantization fp8|int8]
-                         [--repeat-prompts] [--json-out FILE]
+                         [--repeat-prompts] [--num-kv-blocks N] [--json-out FILE]
 
 256 requests with input and output lengths uniform in [100, 1024] (random token
 ids; the lengths from seed 0, each run's prompts from a seed of its own, so that no run
 finds another's prompts in the prefix cache), ignore_eos, all submitted at once to an
 in-process engine, --runs times in one process, with no warm-up of its own: the first run
 shows what a fresh engine's first users get. Prints each run's output tokens, seconds and
-output tokens per second, then a table of the first run, the median run and the range (least
-to greatest over the runs, a figure alike in every run printed once) of each figure.
+output tokens per second and how many times the scheduler preempted a request (its blocks
+freed for an older one's, its tokens computed again later: a cache that cannot hold the
+batch, whose cost the figures then include; the header gives the cache's tokens), then a
+table of the first run, the median run and the range (least to greatest over the runs, a
+figure alike in every run printed once) of each figure. --num-kv-blocks sizes the cache
+exactly (the engine's option).
 
 With --repeat-prompts every run submits the first run's prompts, so the runs after the first
 find them in the prefix cache and compute one token of each: a benchmark that drives an
@@ -56,9 +60,10 @@ when the host is.
 --json-out writes the engine's figures to FILE too: its start-up (the in-process
 engine's construction: load, cache sizing, graphs), load time, the median run's figures, their
 least and greatest over the runs (seconds_min, seconds_max, tok_s_min, tok_s_max,
-roofline_share_min, roofline_share_max), the first run's speed and time (first_tok_s,
-first_seconds), and the median and first runs' steps by kind ("steps", "first_steps": kind ->
-steps, seconds, bound_s, slowest_s).
+roofline_share_min, roofline_share_max), the median run's preemptions and their range
+(preemptions_min, preemptions_max), the cache's tokens (kv_cache_tokens), the first run's
+speed and time (first_tok_s, first_seconds), and the median and first runs' steps by kind
+("steps", "first_steps": kind -> steps, seconds, bound_s, slowest_s).
 """
 
 from __future__ import annotations
@@ -146,6 +151,8 @@ class Run:
     step_seconds: list[float]
     # The workload's own roofline (``workload_bound``), whatever steps the engine chose.
     needed_s: float = 0.0
+    # Requests the scheduler preempted during the run (their tokens computed again).
+    preemptions: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -198,6 +205,7 @@ def bench_engine(
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     engine.step_shapes = []
+    preempted_before = engine.scheduler.num_preemptions
     started = time.perf_counter()
     submit(engine, requests, constrained, constraint, prefix=f"{run}-")
     generated = 0
@@ -210,7 +218,9 @@ def bench_engine(
     seconds = time.perf_counter() - started
     steps, engine.step_shapes = engine.step_shapes, None
     step_seconds = [b - a for a, b in itertools.pairwise(read_at)]
-    return Run(generated, seconds, run_bound(steps, cost, rates), steps, step_seconds)
+    preemptions = engine.scheduler.num_preemptions - preempted_before
+    bound_s = run_bound(steps, cost, rates)
+    return Run(generated, seconds, bound_s, steps, step_seconds, preemptions=preemptions)
 
 
 # Decode steps are grouped by their batch: at most this many sequences.
@@ -360,6 +370,9 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="every run submits the first run's prompts (the later runs find them cached)",
     )
+    parser.add_argument(
+        "--num-kv-blocks", type=int, help="the engine's: the KV cache's size in blocks"
+    )
     parser.add_argument("--json-out", type=Path, help="also write the engine's figures here")
     args = parser.parse_args(argv)
     if not 0 <= args.structured_fraction <= 1:
@@ -381,6 +394,7 @@ def main(argv: list[str] | None = None) -> None:
             load_format=args.load_format,
             kv_cache_dtype=args.kv_cache_dtype,
             quantization=args.quantization,
+            num_kv_blocks=args.num_kv_blocks,
         )
     )
     start_s = time.perf_counter() - started
@@ -412,9 +426,10 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"run {run + 1}: {r.tokens} tokens in {r.seconds:.2f} s, {r.tokens_per_s:.1f} tok/s; "
             f"roofline {r.bound_s:.2f} s ({r.bound_s / r.seconds:.0%}), the workload's "
-            f"{r.needed_s:.2f} s ({r.needed_s / r.seconds:.0%})"
+            f"{r.needed_s:.2f} s ({r.needed_s / r.seconds:.0%}); {r.preemptions} preemptions"
         )
     median = sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
+    cache_tokens = engine.block_manager.num_blocks * engine.block_manager.block_size
     breakdown = step_breakdown(median, cost, rates)
     first_breakdown = step_breakdown(runs[0], cost, rates)
     if args.json_out is not None:  # the median run's, their range, the first's, both by kind
@@ -422,6 +437,8 @@ def main(argv: list[str] | None = None) -> None:
         figures |= {"output_tokens": median.tokens, "seconds": median.seconds}
         figures |= {"tok_s": median.tokens_per_s, "roofline_share": median.bound_s / median.seconds}
         figures |= {"workload_roofline_share": median.needed_s / median.seconds}
+        figures |= {"preemptions": median.preemptions, "kv_cache_tokens": cache_tokens}
+        figures |= extremes("preemptions", [r.preemptions for r in runs])
         figures |= extremes("seconds", [r.seconds for r in runs])
         figures |= extremes("tok_s", [r.tokens_per_s for r in runs])
         figures |= extremes("roofline_share", [r.bound_s / r.seconds for r in runs])
@@ -442,7 +459,7 @@ def main(argv: list[str] | None = None) -> None:
         f"\n{args.model}: {args.num_requests} requests, lengths uniform in "
         f"[{args.min_len}, {args.max_len}], ignore_eos{structured}, device {args.device}, "
         f"tensor parallel {args.tensor_parallel_size}; engine start {start_s:.1f} s; "
-        f"measured {rates.describe()}"
+        f"KV cache {cache_tokens} tokens; measured {rates.describe()}"
     )
     print(
         f"{'':28} {'output tokens':>14} {'seconds':>11} {'tok/s':>15} {'% of roofline':>14} "

@@ -1,6 +1,7 @@
 """scripts/bench_offline.py on a tiny model (CPU): every requested token generated, and the
 median run's steps by kind add up to the run (its time and its roofline), as the first run's
-add up to the first run; each kind's slowest step is one of its steps."""
+add up to the first run; each kind's slowest step is one of its steps. A cache too small for
+the batch shows as preemptions, every token still generated."""
 
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ def test_steps_by_kind_add_up_to_the_run(tmp_path: Path) -> None:
     print(completed.stdout)
     figures = json.loads(out.read_text())
     assert 20 * 10 <= figures["output_tokens"] <= 20 * 40  # ignore_eos: every length in full
+    # The default cache (1 GiB on CPU) holds the batch: nothing preempted.
+    assert figures["kv_cache_tokens"] >= 16 * 80 and figures["preemptions_max"] == 0
+    assert "; 0 preemptions" in completed.stdout
     steps = figures["steps"]
     kinds = list(steps)
     # 20 prompts prefill first; 16 sequences at most decode at once, then fewer as they end.
@@ -56,3 +60,23 @@ def test_steps_by_kind_add_up_to_the_run(tmp_path: Path) -> None:
     assert figures["first_tok_s"] == pytest.approx(
         figures["output_tokens"] / figures["first_seconds"], rel=1e-9
     )
+
+
+def test_a_cache_too_small_for_the_batch_shows_as_preemptions(tmp_path: Path) -> None:
+    """12 blocks of 16 tokens hold two of the 16 sequences' up to 80 tokens at once: the
+    scheduler preempts, the run says so, and every requested token is still generated."""
+    model = tmp_path / "model"
+    save_tiny_llama(model, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    out = tmp_path / "figures.json"
+    command = [sys.executable, "scripts/bench_offline.py", "--model", str(model)]
+    command += ["--device", "cpu", "--num-requests", "20", "--min-len", "10", "--max-len", "40"]
+    command += ["--max-num-seqs", "16", "--runs", "1", "--num-kv-blocks", "12"]
+    command += ["--json-out", str(out)]
+    completed = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert figures["kv_cache_tokens"] == 12 * 16
+    assert figures["preemptions"] > 0
+    assert f"; {figures['preemptions']} preemptions" in completed.stdout
+    assert "KV cache 192 tokens" in completed.stdout
+    assert 20 * 10 <= figures["output_tokens"] <= 20 * 40
