@@ -20,6 +20,7 @@
 #   scripts/gpu_session.sh mxfp4-sweep  # MXFP4's kernels at gpt-oss's shapes against their rule's neighbours
 #   scripts/gpu_session.sh merge-fold  # split decode merged in its own launch (issues 37/39)
 #   scripts/gpu_session.sh prefill-attn qkv-rules  # prefill attention; the batch-1 QKV kernel's rule
+#   scripts/gpu_session.sh qkv-fp8-rules  # the QKV kernel's rule over fp8 codes (8B, Qwen3 MoE shards)
 #   scripts/gpu_session.sh decode-splits  # batch-1 decode attention at the engine's split count
 #   scripts/gpu_session.sh blas-lt  # cuBLASLt's products against cuBLAS', offline (issue 37)
 #   scripts/gpu_session.sh fp8-8b   # the 8B shape, fp8 weights and cache: offline as bf16's row, TPOT
@@ -414,6 +415,10 @@ PY
       timeout 400 python3 scripts/sweep_matmul_configs.py --parts qkv --shapes llama-3.2-1b \
         llama-3.1-8b llama-3.1-70b qwen3-0.6b qwen3-30b-a3b gpt-oss-20b --tensor-parallel 1 2 4 \
         --json "$out/qkv-rules.json" 2>&1 | tee "$out/qkv-rules.log" | grep -E "^qkv" ;;
+    qkv-fp8-rules)  # the same over fp8 codes (never swept), the fp8 MoE shapes' shards too
+      timeout 400 python3 scripts/sweep_matmul_configs.py --parts qkv --qkv-weights fp8 --shapes \
+        llama-3.1-8b qwen3-30b-a3b qwen3-235b-a22b --tensor-parallel 1 2 4 \
+        --json "$out/qkv-fp8-rules.json" 2>&1 | tee "$out/qkv-fp8-rules.log" | grep -E "^qkv" ;;
     matmul-rules)  # the matmul kernels' configurations against their rules (about 5 minutes)
       timeout 540 python3 scripts/sweep_matmul_configs.py --json "$out/matmul-rules.json" 2>&1 \
         | tee "$out/matmul-rules.log" | grep -E "^(chain|one-row|tiled) .*rows +[0-9]+: rule|^chain" ;;

@@ -5,6 +5,7 @@ rule chooses: how much the rule leaves on the table, layer by layer.
     python scripts/sweep_matmul_configs.py [--shapes llama-3.2-1b llama-3.1-8b qwen3-0.6b]
                                            [--tensor-parallel 1 2 4] [--repeats 3]
                                            [--parts one-row tiled chain qkv] [--json FILE]
+                                           [--qkv-weights bf16 fp8]
 
 - one-row: ``one_row_matmul`` (a batch-1 step's linear layers and LM head), bf16 and fp8
   weights, each of ``ONE_ROW_CANDIDATES`` against ``one_row_config``'s pick; as the engine
@@ -20,11 +21,12 @@ rule chooses: how much the rule leaves on the table, layer by layer.
   layer's configuration varied in turn (one pass of coordinate descent): in a chain a kernel
   overlaps the one before, which a kernel timed alone does not show;
 - qkv (not in the default parts): the batch-1 QKV kernel with RoPE and the cache write
-  (``one_row_qkv_rotary_store``, bf16, a deferred norm's row; Qwen3's per-head norms for
-  the Qwen3 shapes), each candidate with the kernel's register cap and without, against
-  ``one_row_qkv_config``'s pick: its programs fill a whole number of waves or leave a
-  tail, which the cap (how many programs an SM holds) and the channels a program (how
-  many programs) decide together;
+  (``one_row_qkv_rotary_store``; bf16 weights read a deferred norm's row, fp8 codes
+  (``--qkv-weights fp8``) a normed row, as the engine hands them; Qwen3's per-head norms for
+  the Qwen3 shapes, the MoE ones included), each candidate with the kernel's register cap
+  and without, against ``one_row_qkv_config``'s pick: its programs fill a whole number of
+  waves or leave a tail, which the cap (how many programs an SM holds) and the channels a
+  program (how many programs) decide together;
   beside them the plain one-row product over the same weights (the rule's configuration):
   what the epilogue (RoPE, per-head norms, the cache write) adds.
 
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import statistics
 from collections.abc import Callable
@@ -297,16 +300,22 @@ def run_qkv(
 
 
 def run_product(
-    row: Callable[[], DeferredNorm], copies: list[torch.Tensor], config: OneRowConfig
+    row: Callable[[], DeferredNorm | torch.Tensor],
+    copies: list[torch.Tensor],
+    scale: torch.Tensor | None,
+    config: OneRowConfig,
 ) -> None:
-    """A deferred norm of the row, then the one-row product alone, over each copy."""
+    """The row (a deferred norm of it in bf16), then the one-row product alone, over each
+    copy."""
     for codes in copies:
-        one_row_matmul(row(), codes, config=config)
+        one_row_matmul(row(), codes, scale, config=config)
 
 
-def sweep_qkv(shapes: list[str], tensor_parallel: list[int], repeats: int) -> list[dict]:
+def sweep_qkv(
+    shapes: list[str], tensor_parallel: list[int], repeats: int, weight_dtypes: list[str]
+) -> list[dict]:
     records = []
-    for shape in shapes:
+    for shape, dtype in itertools.product(shapes, weight_dtypes):
         config_class, _, config = SHAPES[shape]
         hidden, heads = config["hidden_size"], config["num_attention_heads"]
         head_dim = config.get("head_dim", hidden // heads)
@@ -315,12 +324,16 @@ def sweep_qkv(shapes: list[str], tensor_parallel: list[int], repeats: int) -> li
             num_heads = heads // size
             num_kv_heads = max(1, config["num_key_value_heads"] // size)
             channels = (num_heads + 2 * num_kv_heads) * head_dim
-            codes, _ = weight(channels, hidden, "bf16")
+            codes, scale = weight(channels, hidden, dtype)
             count = max(2, _QKV_SWEEP_WEIGHT_BYTES // (codes.numel() * codes.element_size()))
-            copies = [codes, *(weight(channels, hidden, "bf16")[0] for _ in range(count - 1))]
+            copies = [codes, *(weight(channels, hidden, dtype)[0] for _ in range(count - 1))]
             x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
-            row = functools.partial(
-                DeferredNorm, x, torch.randn_like(x), x[0], 1e-5, TritonLayerOps()
+            normed = takes_deferred_norm("qkv", codes.dtype)
+            residual = torch.randn_like(x)
+            row: Callable[[], DeferredNorm | torch.Tensor] = (
+                functools.partial(DeferredNorm, x, residual, x[0], 1e-5, TritonLayerOps())
+                if normed
+                else functools.partial(torch.Tensor.clone, x)
             )
             cache_shape = (4, 16, num_kv_heads, head_dim)
             caches = [torch.zeros(cache_shape, device="cuda", dtype=torch.bfloat16) for _ in "kv"]
@@ -329,8 +342,8 @@ def sweep_qkv(shapes: list[str], tensor_parallel: list[int], repeats: int) -> li
             rotary = Rotary(tables, tables, norm, norm, 1e-6)
             step = [torch.tensor([value], device="cuda") for value in (5, 100)]  # slot, position
 
-            run = functools.partial(run_qkv, row, copies, (None, None, *caches, *step), rotary)
-            rule = one_row_qkv_config(channels, hidden, codes.dtype, True, head_norms)
+            run = functools.partial(run_qkv, row, copies, (scale, None, *caches, *step), rotary)
+            rule = one_row_qkv_config(channels, hidden, codes.dtype, normed, head_norms)
             times = {
                 f"{label(c)}/{registers or 'any'}r": graph_us(
                     functools.partial(run, config=c, registers=registers), repeats
@@ -341,12 +354,12 @@ def sweep_qkv(shapes: list[str], tensor_parallel: list[int], repeats: int) -> li
             }
             # The same weights read by the plain one-row product (the rule's configuration,
             # no RoPE, norms or cache write): what the epilogue adds to the reads.
-            product = functools.partial(run_product, row, copies, rule)
+            product = functools.partial(run_product, row, copies, scale, rule)
             record = {
                 "part": "qkv",
                 "product_us": graph_us(product, repeats) / len(copies),
                 "weight_bytes": codes.numel() * codes.element_size(),
-                "dtype": "bf16",
+                "dtype": dtype,
                 "layer": f"{shape} TP={size} qkv",
                 "N": channels,
                 "K": hidden,
@@ -507,6 +520,9 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, help="write every timing here")
+    parser.add_argument(
+        "--qkv-weights", nargs="+", default=["bf16"], choices=["bf16", "fp8"], help="qkv's"
+    )
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}")
     shape_layers = [
@@ -521,7 +537,7 @@ def main() -> None:
     if "tiled" in args.parts:
         records += sweep_tiled(shape_layers, args.repeats)
     if "qkv" in args.parts:
-        records += sweep_qkv(args.shapes, args.tensor_parallel, args.repeats)
+        records += sweep_qkv(args.shapes, args.tensor_parallel, args.repeats, args.qkv_weights)
     summarize([r for r in records if r["part"] != "chain"])
     if "chain" in args.parts:
         records += sweep_chains(args.shapes, args.repeats)
