@@ -21,6 +21,7 @@
 #   scripts/gpu_session.sh merge-fold  # split decode merged in its own launch (issues 37/39)
 #   scripts/gpu_session.sh prefill-attn qkv-rules  # prefill attention; the batch-1 QKV kernel's rule
 #   scripts/gpu_session.sh qkv-fp8-rules  # the QKV kernel's rule over fp8 codes (8B, Qwen3 MoE shards)
+#   BASE=/tmp/base SHAPE=llama-3.1-8b scripts/gpu_session.sh ab-offline  # offline, two trees alternated
 #   scripts/gpu_session.sh decode-splits  # batch-1 decode attention at the engine's split count
 #   scripts/gpu_session.sh blas-lt  # cuBLASLt's products against cuBLAS', offline (issue 37)
 #   scripts/gpu_session.sh fp8-8b   # the 8B shape, fp8 weights and cache: offline as bf16's row, TPOT
@@ -305,6 +306,19 @@ for name in ("base", "head"):
               f" floor {d['floor_share']:.0%}")
 PY
       ;;
+    ab-offline)  # BASE=dir: bench_offline at SHAPE (default the 8B; config only, random weights,
+      # OFFLINE_FLAGS, default --repeat-prompts) on BASE and on this tree, alternated ROUNDS times
+      m=$(config_only "${SHAPE:-llama-3.1-8b}")
+      base=${BASE:?set BASE to the other tree}
+      for round in $(seq "${ROUNDS:-2}"); do
+        for tree in "$base" .; do
+          name=head; [ "$tree" = . ] || name=base
+          echo "$name round $round: $(cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 240 \
+            python3 scripts/bench_offline.py --model "$m" --load-format dummy --runs 3 \
+            ${OFFLINE_FLAGS---repeat-prompts} 2>&1 | tee "$out/ab-offline-$name-$round.log" \
+            | grep -E "^tandem, (median|range)" | tr -s ' ' | paste -sd ';')"
+        done
+      done ;;
     bench-1b)
       m=$(checkpoint llama-3.2-1b)
       timeout 300 python3 scripts/bench_offline.py --model "$m" $(peer --peer-requests 64) 2>&1 | tee "$out/offline-1b.log" | tail -6
