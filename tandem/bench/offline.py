@@ -91,6 +91,7 @@ from engine.roofline import (
     workload_bound,
 )
 from protocol import SamplingParams, StructuredOutput, StructuredOutputKind
+from protocol.flags import bounded
 
 BUILTIN_SCHEMA = {
     "type": "object",
@@ -371,7 +372,9 @@ def main(argv: list[str] | None = None) -> None:
         help="every run submits the first run's prompts (the later runs find them cached)",
     )
     parser.add_argument(
-        "--num-kv-blocks", type=int, help="the engine's: the KV cache's size in blocks"
+        "--num-kv-blocks",
+        type=bounded(int, at_least=1),
+        help="the engine's: the KV cache's size in blocks",
     )
     parser.add_argument("--json-out", type=Path, help="also write the engine's figures here")
     args = parser.parse_args(argv)
