@@ -656,9 +656,7 @@ def fused_moe(
         w13.dtype,
         FP8 if w8a8 else x.dtype,
     )
-    ids = topk_ids.reshape(num_pairs)  # a view of contiguous ids: no copy under a graph
-    weights = topk_weights.reshape(num_pairs)
-    assert ids.stride(0) == 1 and weights.stride(0) == 1 and weights.dtype == torch.float32
+    weights, ids = flat_routing(topk_weights, topk_ids)
     if isinstance(config, MoeDecodeConfig):
         assert not w8a8, "the decode path reads FP8 weights weight-only"
         moe_decode_experts(
@@ -780,6 +778,18 @@ class AlignedPairs:
     tile_expert: torch.Tensor
     tile_rows: torch.Tensor
     max_tiles: int
+
+
+def flat_routing(
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing [T, K] as the kernels read it, [T*K] a pair: views of contiguous tensors,
+    so no copy under a graph; float32 weights."""
+    num_pairs = topk_ids.numel()
+    ids = topk_ids.reshape(num_pairs)
+    weights = topk_weights.reshape(num_pairs)
+    assert ids.stride(0) == 1 and weights.stride(0) == 1 and weights.dtype == torch.float32
+    return weights, ids
 
 
 def align_pairs(

@@ -154,8 +154,8 @@ def moe_decode_config(top_k: int, mxfp4: bool = False) -> MoeDecodeConfig:
     byte a value), its steps whole scale blocks: gate/up as 8 columns of each half by 1024
     (three steps of 2880, the last part-masked; 2048 would read 1.4 times the bytes), down as
     8 channels by 512 (six steps). Fitted to ``bench_kernels.py --moe gpt-oss-20b
-    gpt-oss-120b --quantization mxfp4 --moe-sweep``: the fastest of its 48 neighbours at one
-    token, within a few percent of the fastest at two and four (120b). Interpreted (the CPU
+    gpt-oss-120b --quantization mxfp4 --moe-sweep``: the fastest of its neighbours at one
+    token, close to the fastest at two and four (120b). Interpreted (the CPU
     tests), small: several column blocks and steps, last ones masked (MXFP4: a block a
     step)."""
     walks_picks = top_k >= 4

@@ -38,6 +38,7 @@ from engine.backends.triton.fused_moe import (
     align_pairs,
     biased_activation,
     combine_partial_sums,
+    flat_routing,
     program_tile,
     split_steps,
     store_rows,
@@ -74,12 +75,13 @@ def grouped_mxfp4_config(num_tokens: int, top_k: int, num_experts: int) -> MoeCo
     weights), 16-row tiles, 128 of depth a step (64 bytes and 4 scales of each weight row),
     gate/up 32 columns of each half and down 64 split in two: twice the programs of 64 and
     64 whole, each with less to widen (fitted to ``bench_kernels.py --moe gpt-oss-20b
-    --quantization mxfp4 --moe-sweep`` at two and four tokens, the fastest there or within 2%
-    of it); up to 64, 64-row tiles (the fastest at gpt-oss-20b's 512 tokens); beyond
-    (prefills, bound by the products and the widening), 128-row tiles, whose widened weight
-    tile serves twice the rows, gate/up 64 columns of each half and down 128, 4 warps and 4
-    stages (the fastest at 1,024-4,096 tokens of gpt-oss-20b and 4,096 of 120b, by about a
-    fifth over 128 columns and 8 warps). BLOCK_K is a whole number of scale blocks."""
+    --quantization mxfp4 --moe-sweep`` at two and four tokens: the fastest there or close to
+    it); up to 64, 64-row tiles (the fastest at gpt-oss-20b's 512 tokens); beyond (prefills,
+    bound by the products and the widening), 128-row tiles, whose widened weight tile serves
+    twice the rows, gate/up 64 columns of each half and down 128, 4 warps and 4 stages (the
+    fastest at 1,024-4,096 tokens of gpt-oss-20b and 4,096 of 120b, ahead of 128 columns and
+    8 warps; docs/benchmarks.md has the figures). BLOCK_K is a whole number of scale
+    blocks."""
     if _INTERPRETED:  # small tiles, split: the edge masks and the partial sums' combine
         return MoeConfig(16, MoeGemmConfig(64, 64, 1, 4, 1), MoeGemmConfig(64, 64, 2, 4, 1))
     num_pairs = num_tokens * top_k
@@ -267,9 +269,7 @@ def mxfp4_moe(
     if num_pairs == 0:
         return out
     config = config or mxfp4_moe_config(num_tokens, top_k, num_experts, hidden, intermediate)
-    ids = topk_ids.reshape(num_pairs)  # views of contiguous tensors: no copy under a graph
-    weights = topk_weights.reshape(num_pairs)
-    assert ids.stride(0) == 1 and weights.stride(0) == 1 and weights.dtype == torch.float32
+    weights, ids = flat_routing(topk_weights, topk_ids)
     if isinstance(config, MoeDecodeConfig):
         moe_decode_experts(
             x,
