@@ -28,7 +28,9 @@ from engine.models.causal_lm import CausalLM
 
 logger = logging.getLogger(__name__)
 
-CAPTURE_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+# Every 16 from 128 on: there a step's products are compute-bound, so each row of padding
+# costs as much as a real one; smaller batches' steps are bound by the weights' bytes.
+CAPTURE_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, *range(144, 257, 16))
 # Past one GPU's batch (tensor parallelism's larger max_num_seqs), coarser steps: each graph
 # costs start-up time, and a step padded by up to 1/8 costs less than an eager one's launches.
 CAPTURE_BATCH_SIZES += (320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
