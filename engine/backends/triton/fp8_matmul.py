@@ -2,14 +2,14 @@
 output channel, through cuBLAS, with the scales applied where its kernels are fastest.
 
 ``torch._scaled_mm`` multiplies FP8 codes either with one scale a tensor (cuBLAS) or with
-rowwise scales (a kernel of its own). At a decode batch's rows (a few hundred) and a narrow
-output (the o and down projections' hidden size), the rowwise kernel's tiles leave much of
-the GPU idle and the tensor-wide product is much faster (``scripts/bench_kernels.py
---fp8-products`` times both at a model's shapes). There the product is taken with scales of
-one, into float32, and one more kernel multiplies each value by its token's and channel's
-scales as it rounds to the output's dtype: a pass over the [T, N] output, small against what
-it saves. Wide outputs and prompts' many rows keep the rowwise product, which is as fast or
-faster there and needs no second pass.
+rowwise scales (a kernel of its own). Where the output is small, a decode batch's rows (a few
+hundred) by a narrow layer's outputs (the o and down projections' hidden size), the rowwise
+kernel's tiles leave much of the GPU idle and the tensor-wide product is much faster
+(``scripts/bench_kernels.py --fp8-products`` times both at a model's shapes). There the
+product is taken with scales of one, into float32, and one more kernel multiplies each value
+by its token's and channel's scales as it rounds to the output's dtype: a pass over the
+[T, N] output, small against what it saves. Larger outputs (wide layers, prompts' many rows)
+keep the rowwise product, as fast or faster there with no second pass.
 
 Both accumulate fast (``use_fast_accum``): Hopper's FP8 tensor cores add in reduced precision,
 and a kernel that promotes its partial sums to float32 every few steps runs slower. vLLM's
@@ -31,10 +31,11 @@ from engine.backends.triton.dependent_launch import (
     wait_for_previous_kernel,
 )
 
-# Where the unscaled product and its scaling kernel beat the rowwise product: at most this
-# many tokens and output channels (``scripts/bench_kernels.py --fp8-products``).
-UNSCALED_MAX_ROWS = 512
-UNSCALED_MAX_COLUMNS = 8192
+# Where the unscaled product and its scaling kernel beat the rowwise product: outputs of at
+# most this many values, 64 of the rowwise kernel's 128 x 128 tiles, too few to fill an H100's
+# or H200's 132 SMs. Past it the rowwise kernel keeps up, and the scaling pass, which grows
+# with the output, costs more than it saves (``scripts/bench_kernels.py --fp8-products``).
+UNSCALED_MAX_OUTPUTS = 1 << 20
 _BLOCK = 1024  # a program's output values
 
 
@@ -70,7 +71,7 @@ def _unit_scale(device: torch.device) -> torch.Tensor:
 
 def takes_unscaled_product(num_rows: int, num_columns: int) -> bool:
     """Whether ``fp8_matmul`` takes the product unscaled, then scales it."""
-    return num_rows <= UNSCALED_MAX_ROWS and num_columns <= UNSCALED_MAX_COLUMNS
+    return num_rows * num_columns <= UNSCALED_MAX_OUTPUTS
 
 
 def fp8_matmul(
