@@ -118,6 +118,19 @@ class LayerOps(Protocol):
         [T, 1]: a W8A8 product's first operand."""
         ...
 
+    def fp8_matmul(
+        self,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """The W8A8 product ``(codes * scale) @ (weight * weight_scale[:, None]).T`` of
+        ``quantize_fp8``'s codes [T, K] and scales [T, 1] and an FP8 weight [N, K] with float32
+        scales [N], in ``out_dtype``."""
+        ...
+
     def moe_route(
         self, router_logits: torch.Tensor, top_k: int, renormalize: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:

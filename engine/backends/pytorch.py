@@ -282,6 +282,22 @@ class TorchLayerOps:
         x = dense(x)
         return quantize_per_token_fp8(self.silu_and_mul(x) if gated else x)
 
+    def fp8_matmul(
+        self,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        return torch._scaled_mm(
+            codes,
+            weight.t(),  # column-major, as _scaled_mm takes its second operand
+            scale_a=scale,
+            scale_b=weight_scale.view(1, -1),
+            out_dtype=out_dtype,
+        )
+
     def moe_route(
         self, router_logits: torch.Tensor, top_k: int, renormalize: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,9 +14,9 @@ PyTorch's ops in the torch backend, on any device) is the backend's choice, neve
   weights with one float32 scale per output channel. A step of more than
   ``WEIGHT_ONLY_MAX_TOKENS`` tokens quantizes its activations per token, dynamically (the
   ops' ``quantize_fp8``, a gated MLP's activation and a deferred norm included where the
-  ops compute them in the same kernel), and multiplies in FP8 through ``torch._scaled_mm``
-  (rowwise scales); smaller ones, decode at small batch, read the FP8 weight into a GEMM
-  that dequantizes it as it goes (the ops' ``weight_only_matmul``).
+  ops compute them in the same kernel), and multiplies in FP8 (the ops' ``fp8_matmul``,
+  ``torch._scaled_mm``); smaller ones, decode at small batch, read the FP8 weight into a
+  GEMM that dequantizes it as it goes (the ops' ``weight_only_matmul``).
 - ``Int8Linear`` (``--quantization int8``): int8 weights, one scale per output channel,
   activations in the model's dtype (W8A16), dequantized inside the GEMM.
 - ``--quantization mxfp4`` leaves every linear layer as ``LinearMethod`` has it: it keeps
@@ -270,7 +270,7 @@ class Fp8Linear(QuantizedLinear):
             # A deferred norm computed first, by the norm's kernel (QuantizedLinear).
             return self.weight_only(layer, dense(x), bias)
         codes, scale = self.ops.quantize_fp8(x)  # a deferred norm's rows in the same kernel
-        return with_bias(w8a8_matmul(layer, codes, scale, rows.dtype), bias)
+        return with_bias(self.w8a8_matmul(layer, codes, scale, rows.dtype), bias)
 
     def takes_deferred_norm(self, num_rows: int) -> bool:
         # The W8A8 product's quantization kernel computes the norm as it reads the rows.
@@ -282,7 +282,15 @@ class Fp8Linear(QuantizedLinear):
         if not takes_w8a8(layer, gate_up.shape[0]):
             return super().apply_silu_gated(layer, gate_up)
         codes, scale = self.ops.quantize_fp8(gate_up, gated=True)
-        return w8a8_matmul(layer, codes, scale, gate_up.dtype)
+        return self.w8a8_matmul(layer, codes, scale, gate_up.dtype)
+
+    def w8a8_matmul(
+        self, layer: nn.Module, codes: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Per-token FP8 activations [T, K] (codes, scales [T, 1]) times the layer's FP8
+        weight, by the ops' FP8 product. A bias is added after: _scaled_mm takes none with
+        rowwise scales."""
+        return self.ops.fp8_matmul(codes, scale, layer.weight, layer.weight_scale, out_dtype)
 
 
 def takes_w8a8(layer: nn.Module, num_tokens: int) -> bool:
@@ -291,18 +299,3 @@ def takes_w8a8(layer: nn.Module, num_tokens: int) -> bool:
     layouts)."""
     output_size, input_size = layer.weight.shape
     return num_tokens > WEIGHT_ONLY_MAX_TOKENS and (output_size | input_size) % 16 == 0
-
-
-def w8a8_matmul(
-    layer: nn.Module, codes: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype
-) -> torch.Tensor:
-    """Per-token FP8 activations [T, K] (codes, scales [T, 1]) times the layer's FP8 weight,
-    rowwise scales on both sides. A bias is added after: _scaled_mm takes none with rowwise
-    scales."""
-    return torch._scaled_mm(
-        codes,
-        layer.weight.t(),  # column-major, as _scaled_mm takes its second operand
-        scale_a=scale,
-        scale_b=layer.weight_scale.view(1, -1),
-        out_dtype=out_dtype,
-    )

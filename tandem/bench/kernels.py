@@ -7,6 +7,7 @@
                          [--quantization fp8|mxfp4] [--moe-sweep]
     tandem bench kernels --prefill [--head-dims 64 128] [--heads Q:KV]
                          [--prompts 1x8192 16x512 1x32768]
+    tandem bench kernels --fp8-products SHAPE [SHAPE ...] [--rows 32 64 128 256 2048]
 
 A decode step's attention must read every cached key and value of every sequence once; the
 kernel (``paged_decode_attention``, split-K as the engine runs it: the split count from
@@ -31,7 +32,8 @@ says what its table shows). With --prefill, instead, prefill attention
 (``paged_prefill_attention``) over whole causal prompts (BATCHxLENGTH: sequences of that
 many tokens, none cached before), checked against PyTorch's scaled_dot_product_attention
 and timed: its FLOPs (4 a query-key pair a head a dimension, the causal half) over its time,
-against the measured GEMM rate. CUDA only.
+against the measured GEMM rate. With --fp8-products, instead, the W8A8 FP8 products of the
+shapes' linear layers (tandem/bench/fp8_products.py says what its table shows). CUDA only.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ from engine.backends.triton import (
 )
 from engine.backends.triton.paged_attention import default_decode_splits
 from engine.roofline import measure_rates
+from tandem.bench.fp8_products import ROWS as FP8_ROWS
+from tandem.bench.fp8_products import run_fp8_products
 from tandem.bench.moe_kernel import SHAPES as MOE_SHAPES
 from tandem.bench.moe_kernel import TOKENS as MOE_TOKENS
 from tandem.bench.moe_kernel import run_moe
@@ -283,6 +287,10 @@ def main(argv: list[str] | None = None) -> None:
         "--prefill", action="store_true", help="time prefill attention instead (--prompts)"
     )
     parser.add_argument(
+        "--fp8-products", nargs="+", metavar="SHAPE", help="time the W8A8 products instead"
+    )
+    parser.add_argument("--rows", type=int, nargs="+", default=list(FP8_ROWS))
+    parser.add_argument(
         "--prompts", nargs="+", default=["16x512", "1x8192", "1x32768"], help="BATCHxLENGTH"
     )
     args = parser.parse_args(argv)
@@ -296,6 +304,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{torch.cuda.get_device_name()}: measured {rates.describe()}")
         weights = args.quantization or "bf16"
         run_moe(args.moe, args.moe_tokens, weights, rates, time_ms, args.moe_sweep)
+        return
+    if args.fp8_products:
+        print(f"{torch.cuda.get_device_name()}: measured {rates.describe()}")
+        run_fp8_products(args.fp8_products, args.rows, time_ms)
         return
     if args.prefill:
         print(f"{torch.cuda.get_device_name()}: measured {rates.describe()}")

@@ -49,6 +49,7 @@ from engine.backends.triton import (
     silu_and_mul,
 )
 from engine.backends.triton.argmax import argmax_rows
+from engine.backends.triton.fp8_matmul import fp8_matmul
 from engine.backends.triton.fp8_quantize import quantize_rows_fp8
 from engine.backends.triton.fused_moe import fused_moe
 from engine.backends.triton.graph_inputs import fill_graph_inputs
@@ -255,6 +256,18 @@ class TritonLayerOps(TorchLayerOps):
         if isinstance(x, DeferredNorm) or x.is_cuda:
             return quantize_rows_fp8(x, gated=gated)
         return super().quantize_fp8(x, gated=gated)
+
+    def fp8_matmul(
+        self,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        if codes.is_cuda:
+            return fp8_matmul(codes, scale, weight, weight_scale, out_dtype)
+        return super().fp8_matmul(codes, scale, weight, weight_scale, out_dtype)
 
     def moe_route(
         self, router_logits: torch.Tensor, top_k: int, renormalize: bool
