@@ -124,6 +124,28 @@ def test_triton_weight_only_kernel_is_within_its_formats_rounding(
     torch.testing.assert_close(out, exact, rtol=4 * torch.finfo(DTYPE).eps, atol=1e-4)
 
 
+@pytest.mark.parametrize("product", ["rowwise", "scaled_after"])
+def test_triton_fp8_products_are_within_their_formats_rounding(product: str) -> None:
+    """Both W8A8 products the Triton backend chooses between (``fp8_matmul.py``; the scaling
+    kernel in Triton's interpreter on the CPU), as the layer's bound holds them, and against
+    the dequantized operands' product within bf16's rounding."""
+    from engine.backends.triton import fp8_matmul
+
+    torch.manual_seed(2)
+    x = torch.randn(37, 96, device=DEVICE)
+    weight = torch.randn(48, 96, device=DEVICE) * torch.rand(48, 1, device=DEVICE)
+    codes, scale = quantize_per_channel(weight, FP8)
+    x_codes, x_scale = quantize_per_token_fp8(x.to(DTYPE))
+    multiply = getattr(fp8_matmul, f"{product}_product")
+    out = multiply(x_codes, x_scale, codes, scale, DTYPE)
+    assert out.dtype == DTYPE and out.shape == (37, 48)
+    out = out.float()
+    error = (out - x @ weight.T).abs()
+    assert (error <= product_bound(x, weight, FP8, w8a8=True)).all()
+    exact = (x_codes.float() * x_scale) @ (codes.float() * scale[:, None]).T
+    torch.testing.assert_close(out, exact, rtol=4 * torch.finfo(DTYPE).eps, atol=1e-4)
+
+
 def test_per_token_activation_codes_reconstruct_within_fp8s_rounding() -> None:
     x = torch.randn(5, 64) * torch.tensor([1.0, 1e-3, 10.0, 0.0, 1.0])[:, None]
     codes, scale = quantize_per_token_fp8(x)
