@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from engine.backends.attention import AttentionBackend, AttentionMetadata, LayerKVCache, Rotary
 from engine.backends.deferred_norm import DeferredNorm, LinearInput, dense
-from engine.backends.fp8 import FP8, FP8_MAX, MIN_SCALE
+from engine.backends.fp8 import FP8, FP8_MAX, MIN_SCALE, rowwise_scaled_mm
 from engine.backends.layer_ops import ClampedSwiGLU
 from engine.backends.mxfp4 import BLOCK, dequantize_mxfp4
 from engine.distributed.parallel import OneKernelAllReduce, TensorParallel
@@ -290,13 +290,7 @@ class TorchLayerOps:
         weight_scale: torch.Tensor,
         out_dtype: torch.dtype,
     ) -> torch.Tensor:
-        return torch._scaled_mm(
-            codes,
-            weight.t(),  # column-major, as _scaled_mm takes its second operand
-            scale_a=scale,
-            scale_b=weight_scale.view(1, -1),
-            out_dtype=out_dtype,
-        )
+        return rowwise_scaled_mm(codes, scale, weight, weight_scale, out_dtype)
 
     def moe_route(
         self, router_logits: torch.Tensor, top_k: int, renormalize: bool

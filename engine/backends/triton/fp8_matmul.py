@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.backends.fp8 import rowwise_scaled_mm
 from engine.backends.triton.dependent_launch import (
     launch_options,
     let_next_kernel_start,
@@ -98,13 +99,8 @@ def rowwise_product(
 ) -> torch.Tensor:
     """``fp8_matmul``'s product with the scales in its kernel (``_scaled_mm``'s rowwise
     scales)."""
-    return torch._scaled_mm(
-        codes,
-        weight.t(),  # column-major, as _scaled_mm takes its second operand
-        scale_a=token_scale,
-        scale_b=channel_scale.view(1, -1),
-        out_dtype=out_dtype,
-        use_fast_accum=True,
+    return rowwise_scaled_mm(
+        codes, token_scale, weight, channel_scale, out_dtype, fast_accumulation=True
     )
 
 
