@@ -12,9 +12,9 @@ by its token's and channel's scales as it rounds to the output's dtype: a pass o
 keep the rowwise product, as fast or faster there with no second pass.
 
 Both accumulate fast (``use_fast_accum``): Hopper's FP8 tensor cores add in reduced precision,
-and a kernel that promotes its partial sums to float32 every few steps runs slower. vLLM's
-and TensorRT-LLM's FP8 GEMMs skip the promotion too; the activations' own rounding to FP8
-errs more than the accumulation does.
+and a kernel that promotes its partial sums to float32 every few steps runs slower; vLLM's
+and TensorRT-LLM's FP8 GEMMs skip the promotion too. The tests bound the error against the
+float32 product (``tests/gpu/test_fp8_matmul_cuda.py``).
 """
 
 from __future__ import annotations
