@@ -25,6 +25,7 @@
 #   scripts/gpu_session.sh decode-splits  # batch-1 decode attention at the engine's split count
 #   scripts/gpu_session.sh blas-lt  # cuBLASLt's products against cuBLAS', offline (issue 37)
 #   scripts/gpu_session.sh fp8-8b   # the 8B shape, fp8 weights and cache: offline as bf16's row, TPOT
+#   scripts/gpu_session.sh overlap  # a decode batch's halves on two streams against it whole
 #
 # moe (issue 39, about 8 minutes): tests/gpu/test_moe_cuda.py (small Qwen3-MoE and Mixtral
 # against transformers in float32, torch and triton backends; fp8 experts), then at the
@@ -429,6 +430,12 @@ PY
       timeout 400 python3 scripts/sweep_matmul_configs.py --parts qkv --shapes llama-3.2-1b \
         llama-3.1-8b llama-3.1-70b qwen3-0.6b qwen3-30b-a3b gpt-oss-20b --tensor-parallel 1 2 4 \
         --json "$out/qkv-rules.json" 2>&1 | tee "$out/qkv-rules.log" | grep -E "^qkv" ;;
+    overlap)  # issue 37 (about 2 minutes): would two half-batches on two streams beat one
+      # batch? The products and attentions of 4 layers at batch 256 (tandem/bench/overlap.py)
+      timeout 300 python3 scripts/bench_kernels.py --overlap llama-3.2-1b qwen3-0.6b llama-3.1-8b \
+        2>&1 | tee "$out/overlap.log" | tail -6
+      timeout 200 python3 scripts/bench_kernels.py --overlap llama-3.2-1b qwen3-0.6b \
+        --overlap-batch 128 2>&1 | tee "$out/overlap-128.log" | tail -4 ;;
     qkv-fp8-rules)  # the same over fp8 codes (never swept), the fp8 MoE shapes' shards too
       timeout 400 python3 scripts/sweep_matmul_configs.py --parts qkv --qkv-weights fp8 --shapes \
         llama-3.1-8b qwen3-30b-a3b qwen3-235b-a22b --tensor-parallel 1 2 4 \

@@ -8,6 +8,8 @@
     tandem bench kernels --prefill [--head-dims 64 128] [--heads Q:KV]
                          [--prompts 1x8192 16x512 1x32768]
     tandem bench kernels --fp8-products SHAPE [SHAPE ...] [--rows 32 64 128 256 2048]
+    tandem bench kernels --overlap SHAPE [SHAPE ...] [--overlap-batch 256]
+                         [--overlap-context 700]
 
 A decode step's attention must read every cached key and value of every sequence once; the
 kernel (``paged_decode_attention``, split-K as the engine runs it: the split count from
@@ -33,7 +35,9 @@ says what its table shows). With --prefill, instead, prefill attention
 many tokens, none cached before), checked against PyTorch's scaled_dot_product_attention
 and timed: its FLOPs (4 a query-key pair a head a dimension, the causal half) over its time,
 against the measured GEMM rate. With --fp8-products, instead, the W8A8 FP8 products of the
-shapes' linear layers (tandem/bench/fp8_products.py says what its table shows). CUDA only.
+shapes' linear layers (tandem/bench/fp8_products.py says what its table shows). With
+--overlap, instead, a large decode batch's products and attentions whole against two halves
+on two streams (tandem/bench/overlap.py). CUDA only.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from tandem.bench.fp8_products import run_fp8_products
 from tandem.bench.moe_kernel import SHAPES as MOE_SHAPES
 from tandem.bench.moe_kernel import TOKENS as MOE_TOKENS
 from tandem.bench.moe_kernel import run_moe
+from tandem.bench.overlap import run_overlap
 from tandem.testing.kernel_reference import paged_attention_reference
 
 # head_dim: (query heads, KV heads)
@@ -291,6 +296,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--rows", type=int, nargs="+", default=list(FP8_ROWS))
     parser.add_argument(
+        "--overlap", nargs="+", metavar="SHAPE", help="time two half-batches' overlap instead"
+    )
+    parser.add_argument("--overlap-batch", type=int, default=256)
+    parser.add_argument("--overlap-context", type=int, default=700)
+    parser.add_argument(
         "--prompts", nargs="+", default=["16x512", "1x8192", "1x32768"], help="BATCHxLENGTH"
     )
     args = parser.parse_args(argv)
@@ -304,6 +314,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{torch.cuda.get_device_name()}: measured {rates.describe()}")
         weights = args.quantization or "bf16"
         run_moe(args.moe, args.moe_tokens, weights, rates, time_ms, args.moe_sweep)
+        return
+    if args.overlap:
+        print(f"{torch.cuda.get_device_name()}: measured {rates.describe()}")
+        run_overlap(args.overlap, args.overlap_batch, args.overlap_context, time_ms)
         return
     if args.fp8_products:
         print(f"{torch.cuda.get_device_name()}: measured {rates.describe()}")
