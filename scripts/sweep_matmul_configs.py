@@ -74,7 +74,7 @@ from engine.backends.triton.quantized_matmul import (
     tiled_config,
     tiled_matmul,
 )
-from tandem.testing.random_checkpoint import SHAPES
+from tandem.testing.random_checkpoint import SHAPES, shape_dims
 
 # (rows a program, bytes of a row a chunk, warps): 16 to 64 bytes a thread a chunk.
 ONE_ROW_CANDIDATES = [
@@ -124,18 +124,16 @@ def tiled_candidates(rows: int) -> list[TiledConfig]:
 def layers(shape: str, tensor_parallel: int) -> list[Layer]:
     """(name, N, K, gated) of one rank's linear layers: Q/K/V and gate/up split by columns,
     o and down by rows, the LM head by vocabulary."""
-    config = SHAPES[shape][2]
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    head_dim = config.get("head_dim", hidden // heads)
-    kv_heads = max(1, config["num_key_value_heads"] // tensor_parallel)
-    q_width = heads * head_dim // tensor_parallel
-    intermediate = config["intermediate_size"] // tensor_parallel
+    d = shape_dims(shape)
+    kv_heads = max(1, d.kv_heads // tensor_parallel)
+    q_width = d.heads * d.head_dim // tensor_parallel
+    intermediate = d.intermediate // tensor_parallel
     return [
-        ("qkv", q_width + 2 * kv_heads * head_dim, hidden, False),
-        ("o", hidden, q_width, False),
-        ("gate_up", 2 * intermediate, hidden, False),
-        ("down", hidden, intermediate, True),
-        ("lm_head", config["vocab_size"] // tensor_parallel, hidden, False),
+        ("qkv", q_width + 2 * kv_heads * d.head_dim, d.hidden, False),
+        ("o", d.hidden, q_width, False),
+        ("gate_up", 2 * intermediate, d.hidden, False),
+        ("down", d.hidden, intermediate, True),
+        ("lm_head", SHAPES[shape][2]["vocab_size"] // tensor_parallel, d.hidden, False),
     ]
 
 
@@ -316,13 +314,13 @@ def sweep_qkv(
 ) -> list[dict]:
     records = []
     for shape, dtype in itertools.product(shapes, weight_dtypes):
-        config_class, _, config = SHAPES[shape]
-        hidden, heads = config["hidden_size"], config["num_attention_heads"]
-        head_dim = config.get("head_dim", hidden // heads)
+        config_class = SHAPES[shape][0]
+        d = shape_dims(shape)
+        hidden, head_dim = d.hidden, d.head_dim
         head_norms = "Qwen3" in config_class.__name__
         for size in tensor_parallel:
-            num_heads = heads // size
-            num_kv_heads = max(1, config["num_key_value_heads"] // size)
+            num_heads = d.heads // size
+            num_kv_heads = max(1, d.kv_heads // size)
             channels = (num_heads + 2 * num_kv_heads) * head_dim
             codes, scale = weight(channels, hidden, dtype)
             count = max(2, _QKV_SWEEP_WEIGHT_BYTES // (codes.numel() * codes.element_size()))

@@ -20,22 +20,20 @@ from engine.backends.triton.fp8_matmul import (
     scaled_after_product,
     takes_unscaled_product,
 )
-from tandem.testing.random_checkpoint import SHAPES
+from tandem.testing.random_checkpoint import shape_dims
 
 ROWS = (32, 64, 128, 192, 256, 512, 2048)
 
 
 def layer_shapes(shape: str) -> list[tuple[str, int, int]]:
     """(name, N, K) of the shape's linear layers at TP=1."""
-    config = SHAPES[shape][2]
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    head_dim = config.get("head_dim", hidden // heads)
-    q_width = heads * head_dim
+    d = shape_dims(shape)
+    q_width = d.heads * d.head_dim
     return [
-        ("qkv", q_width + 2 * config["num_key_value_heads"] * head_dim, hidden),
-        ("o", hidden, q_width),
-        ("gate_up", 2 * config["intermediate_size"], hidden),
-        ("down", hidden, config["intermediate_size"]),
+        ("qkv", q_width + 2 * d.kv_heads * d.head_dim, d.hidden),
+        ("o", d.hidden, q_width),
+        ("gate_up", 2 * d.intermediate, d.hidden),
+        ("down", d.hidden, d.intermediate),
     ]
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.backends.triton import paged_decode_attention
-from tandem.testing.random_checkpoint import SHAPES
+from tandem.testing.random_checkpoint import shape_dims
 
 LAYERS = 4
 BLOCK_SIZE = 16
@@ -60,30 +60,22 @@ class Layer:
     value_cache: torch.Tensor
 
 
-def shape_dims(shape: str) -> tuple[int, int, int, int, int]:
-    """(hidden, query heads, KV heads, head_dim, intermediate) of the shape."""
-    config = SHAPES[shape][2]
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    head_dim = config.get("head_dim", hidden // heads)
-    return hidden, heads, config["num_key_value_heads"], head_dim, config["intermediate_size"]
-
-
 def make_layers(shape: str, batch: int, context: int) -> list[Layer]:
-    hidden, heads, kv_heads, head_dim, intermediate = shape_dims(shape)
+    d = shape_dims(shape)
     blocks = batch * -(-context // BLOCK_SIZE) + 1
 
     def weight(rows: int, columns: int) -> torch.Tensor:
         return torch.randn(rows, columns, device="cuda", dtype=DTYPE) * columns**-0.5
 
     def cache() -> torch.Tensor:
-        return torch.randn(blocks, BLOCK_SIZE, kv_heads, head_dim, device="cuda", dtype=DTYPE)
+        return torch.randn(blocks, BLOCK_SIZE, d.kv_heads, d.head_dim, device="cuda", dtype=DTYPE)
 
     return [
         Layer(
-            weight((heads + 2 * kv_heads) * head_dim, hidden),
-            weight(hidden, heads * head_dim),
-            weight(2 * intermediate, hidden),
-            weight(hidden, intermediate),
+            weight((d.heads + 2 * d.kv_heads) * d.head_dim, d.hidden),
+            weight(d.hidden, d.heads * d.head_dim),
+            weight(2 * d.intermediate, d.hidden),
+            weight(d.hidden, d.intermediate),
             cache(),
             cache(),
         )
@@ -93,22 +85,22 @@ def make_layers(shape: str, batch: int, context: int) -> list[Layer]:
 
 def make_half(shape: str, rows: int, context: int, first_block: int) -> Half:
     """Inputs of ``rows`` sequences whose cache blocks start at ``first_block``."""
-    hidden, heads, kv_heads, head_dim, intermediate = shape_dims(shape)
+    d = shape_dims(shape)
     per_sequence = -(-context // BLOCK_SIZE)
     blocks = torch.arange(rows * per_sequence, device="cuda") + first_block
 
     def rows_of(width: int) -> torch.Tensor:
         return torch.randn(rows, width, device="cuda", dtype=DTYPE)
 
-    q = torch.randn(rows, heads, head_dim, device="cuda", dtype=DTYPE)
+    q = torch.randn(rows, d.heads, d.head_dim, device="cuda", dtype=DTYPE)
     return Half(
-        x=rows_of(hidden),
+        x=rows_of(d.hidden),
         q=q,
         attention_out=torch.empty_like(q),
-        activation=rows_of(intermediate),
-        qkv_out=rows_of((heads + 2 * kv_heads) * head_dim),
-        hidden_out=rows_of(hidden),
-        gate_up_out=rows_of(2 * intermediate),
+        activation=rows_of(d.intermediate),
+        qkv_out=rows_of((d.heads + 2 * d.kv_heads) * d.head_dim),
+        hidden_out=rows_of(d.hidden),
+        gate_up_out=rows_of(2 * d.intermediate),
         block_tables=blocks.view(rows, per_sequence),
         context_lens=torch.full((rows,), context, device="cuda"),
     )

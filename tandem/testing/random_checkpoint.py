@@ -9,6 +9,7 @@ numerical error do not depend on the weights' values, so these stand in for the 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -267,6 +268,32 @@ SHAPES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[str,
     "gpt-oss-20b": (GptOssConfig, GptOssForCausalLM, GPT_OSS_20B),
     "gpt-oss-120b": (GptOssConfig, GptOssForCausalLM, GPT_OSS_120B),
 }
+
+
+@dataclass(frozen=True)
+class ShapeDims:
+    """A shape's attention and MLP sizes, as its benchmarks build its layers from them."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+
+
+def shape_dims(shape: str) -> ShapeDims:
+    """The sizes of ``shape`` (a key of SHAPES), head_dim hidden / heads where unset."""
+    config = SHAPES[shape][2]
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    return ShapeDims(
+        hidden,
+        heads,
+        config["num_key_value_heads"],
+        config.get("head_dim", hidden // heads),
+        config["intermediate_size"],
+    )
+
+
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
