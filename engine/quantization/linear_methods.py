@@ -270,7 +270,8 @@ class Fp8Linear(QuantizedLinear):
             # A deferred norm computed first, by the norm's kernel (QuantizedLinear).
             return self.weight_only(layer, dense(x), bias)
         codes, scale = self.ops.quantize_fp8(x)  # a deferred norm's rows in the same kernel
-        return with_bias(self.w8a8_matmul(layer, codes, scale, rows.dtype), bias)
+        product = self.ops.fp8_matmul(codes, scale, layer.weight, layer.weight_scale, rows.dtype)
+        return with_bias(product, bias)  # after: _scaled_mm takes none with rowwise scales
 
     def takes_deferred_norm(self, num_rows: int) -> bool:
         # The W8A8 product's quantization kernel computes the norm as it reads the rows.
@@ -282,15 +283,7 @@ class Fp8Linear(QuantizedLinear):
         if not takes_w8a8(layer, gate_up.shape[0]):
             return super().apply_silu_gated(layer, gate_up)
         codes, scale = self.ops.quantize_fp8(gate_up, gated=True)
-        return self.w8a8_matmul(layer, codes, scale, gate_up.dtype)
-
-    def w8a8_matmul(
-        self, layer: nn.Module, codes: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype
-    ) -> torch.Tensor:
-        """Per-token FP8 activations [T, K] (codes, scales [T, 1]) times the layer's FP8
-        weight, by the ops' FP8 product. A bias is added after: _scaled_mm takes none with
-        rowwise scales."""
-        return self.ops.fp8_matmul(codes, scale, layer.weight, layer.weight_scale, out_dtype)
+        return self.ops.fp8_matmul(codes, scale, layer.weight, layer.weight_scale, gate_up.dtype)
 
 
 def takes_w8a8(layer: nn.Module, num_tokens: int) -> bool:
