@@ -70,6 +70,10 @@ def _unit_scale(device: torch.device) -> torch.Tensor:
     return torch.ones((), dtype=torch.float32, device=device)
 
 
+# ``fp8_matmul``'s product with the scales in its kernel (``_scaled_mm``'s rowwise scales).
+rowwise_product = functools.partial(rowwise_scaled_mm, fast_accumulation=True)
+
+
 def takes_unscaled_product(num_rows: int, num_columns: int) -> bool:
     """Whether ``fp8_matmul`` takes the product unscaled, then scales it."""
     return num_rows * num_columns <= UNSCALED_MAX_OUTPUTS
@@ -88,20 +92,6 @@ def fp8_matmul(
     if takes_unscaled_product(codes.shape[0], weight.shape[0]):
         return scaled_after_product(codes, token_scale, weight, channel_scale, out_dtype)
     return rowwise_product(codes, token_scale, weight, channel_scale, out_dtype)
-
-
-def rowwise_product(
-    codes: torch.Tensor,
-    token_scale: torch.Tensor,
-    weight: torch.Tensor,
-    channel_scale: torch.Tensor,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """``fp8_matmul``'s product with the scales in its kernel (``_scaled_mm``'s rowwise
-    scales)."""
-    return rowwise_scaled_mm(
-        codes, token_scale, weight, channel_scale, out_dtype, fast_accumulation=True
-    )
 
 
 def scaled_after_product(
