@@ -27,12 +27,13 @@ from engine.execution.batch import StepInputs, pack, sampling_tensors
 from engine.execution.cuda_graphs import CAPTURE_BATCH_SIZES, StepGraphs
 from engine.execution.mixed_steps import is_mixed, split_mixed_step, splits_mixed_steps
 from engine.execution.pinned_inputs import PinnedInputs
-from engine.execution.prompt_graphs import PromptGraphs
+from engine.execution.prompt_graphs import PromptGraphs, prompt_graph_lengths
 from engine.model_config import ModelConfig
 from engine.models import build_model
 from engine.models.causal_lm import CausalLM
 from engine.models.gpt_oss import check_mxfp4_experts
 from engine.quantization.linear_methods import resolve_quantization
+from engine.roofline import ModelCost
 from engine.sampling.prompt_logprobs import ScoredChunk, ScoredPositions, read_scored
 from engine.sampling.rejection_sampler import (
     VerifyLayout,
@@ -286,6 +287,20 @@ class ModelRunner:
             config, self.model_config, checkpoint, self.device, self.dtype, model_len, tp
         )
         self.extra_kv_bytes_per_token = extra_kv_bytes_per_token
+        self.captures_graphs = (
+            self.device.type == "cuda"
+            and not config.enforce_eager
+            and self.backend.attention.supports_cuda_graphs
+        )
+        # Known before the cache is sized: the largest one's activations stay in the graphs'
+        # pool.
+        self.prompt_graph_lengths = (
+            prompt_graph_lengths(
+                config.max_num_batched_tokens, ModelCost.of_model(self.model, self.kv_dtype)
+            )
+            if self.captures_graphs
+            else []
+        )
         self.num_kv_blocks = self._num_kv_blocks(config, model_len)
         capacity = self.num_kv_blocks * self.block_size
         if config.max_model_len is None:
@@ -307,18 +322,13 @@ class ModelRunner:
         self.decode_graphs: StepGraphs | None = None
         self.verify_graphs: StepGraphs | None = None
         self.prompt_graphs: PromptGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
-            if self.backend.attention.supports_cuda_graphs:
-                self._capture_graphs(
-                    config.max_num_seqs,
-                    max_speculative_batch(config),
-                    config.max_num_batched_tokens,
-                )
-            else:
-                logger.info(
-                    "decode steps run eagerly: the %s backend cannot run in CUDA graphs",
-                    self.backend.name,
-                )
+        if self.captures_graphs:
+            self._capture_graphs(config.max_num_seqs, max_speculative_batch(config))
+        elif self.device.type == "cuda" and not config.enforce_eager:
+            logger.info(
+                "decode steps run eagerly: the %s backend cannot run in CUDA graphs",
+                self.backend.name,
+            )
         self.split_mixed_steps = splits_mixed_steps(
             config.split_mixed_steps, self.decode_graphs is not None, self.model
         )
@@ -359,6 +369,11 @@ class ModelRunner:
             # Leave room for the largest step's activations, measured by running one.
             step_tokens = min(config.max_num_batched_tokens, model_len)
             activations = self._measure_activation_bytes(step_tokens, config.max_logits_rows)
+            if self.prompt_graph_lengths:
+                # The prompt graphs' pool keeps their largest step's activations apart from
+                # the eager steps' (the caching allocator's): about its share of those measured.
+                graphed = min(self.prompt_graph_lengths[-1], step_tokens)
+                activations += activations * graphed // step_tokens
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free  # our weights and anything else on the GPU
             budget = int(total * config.gpu_memory_utilization) - used - activations
@@ -419,7 +434,7 @@ class ModelRunner:
         return peak
 
     @torch.inference_mode()
-    def _capture_graphs(self, max_batch: int, max_verify_batch: int, max_step_tokens: int) -> None:
+    def _capture_graphs(self, max_batch: int, max_verify_batch: int) -> None:
         """Record the decode step, with speculative decoding the verify step (of up to
         ``max_verify_batch`` sequences), and the prompt steps of up to a few sequences
         (``prompt_graphs.py``), as CUDA graphs;
@@ -439,7 +454,7 @@ class ModelRunner:
         self.prompt_graphs = PromptGraphs(
             self.model,
             self.backend.attention,
-            max_step_tokens,
+            self.prompt_graph_lengths,
             max_blocks,
             self.device,
             self.decode_graphs.pool,

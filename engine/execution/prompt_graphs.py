@@ -1,5 +1,5 @@
 """CUDA graphs of steps that compute prompts: the chunks of up to ``PROMPT_GRAPH_SEQS``
-sequences, captured at start-up at a ladder of token counts.
+sequences, captured at start-up at a ladder of token counts (``prompt_graph_lengths``).
 
 A prompt step launched op by op is well over a hundred kernels from Python; for short
 prompts their launches take the host longer than the kernels take the device, so an idle
@@ -23,6 +23,14 @@ one of these for its prompts, where that pays (``engine.execution.mixed_steps``)
 per mix of decode rows and prompt tokens would multiply the graphs (and their logits
 buffers) by the decode ladder's length. The graphs
 share the decode graphs' memory pool (steps run one at a time).
+
+Past ``ALWAYS_CAPTURED_TOKENS`` the ladder goes on only for a small model: one whose step of
+that many tokens the device computes sooner than the host launches it op by op. A busy
+engine's steps that admit prompts fill the step's token budget (8,192 by default); op by op
+such a step is a few hundred launches from Python whatever its tokens, which for a model of
+a few hundred million parameters takes the host well over the device's time for the step,
+so every step that admits prompts waited on the host. For a larger model the device's time
+hides the launches, and a graph would only add its padding tokens' products.
 """
 
 from __future__ import annotations
@@ -36,14 +44,44 @@ from engine.backends.attention import AttentionBackend, AttentionMetadata
 from engine.execution.batch import StepInputs, StepShape
 from engine.execution.cuda_graphs import capture_forward, replay_once
 from engine.models.causal_lm import CausalLM
+from engine.roofline import ModelCost
 
 logger = logging.getLogger(__name__)
 
-PROMPT_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512)
-# Sequences a graph computes at most, and logits rows: a busy engine admits a prompt or two a
-# step. Each padding sequence costs its programs' launch in the prefill kernel's grid (they
-# return at once) and a logits row.
-PROMPT_GRAPH_SEQS = 8
+# Doubling: a step pads to the next count. Past 512 a count is captured only where its step
+# takes the device less time than the host's eager launches (``PROMPT_GRAPH_MAX_FLOPS``), so
+# padding up to it still beats running op by op, and each graph costs start-up time.
+PROMPT_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# Counts captured for every model: a step this short takes the device less than its eager
+# launches take the host, whatever the model.
+ALWAYS_CAPTURED_TOKENS = 512
+# Past them, a count is captured while a step of it computes at most this many FLOPs in its
+# products: about 10 ms at an H200's bf16 product rate, under the host's time to launch a
+# small model's prompt step op by op (``scripts/profile_step.py --prefill --enforce-eager``
+# prints the device's kernel time against the wall).
+PROMPT_GRAPH_MAX_FLOPS = 8e12
+# Sequences a graph computes at most, and logits rows: a step that fills the token budget
+# admits a dozen prompts or more (plus a chunk); an idle engine's, one. Each padding sequence
+# costs its programs' launch in the prefill kernel's grid (they return at once) and a
+# logits row.
+PROMPT_GRAPH_SEQS = 32
+
+
+def prompt_graph_lengths(max_tokens: int, cost: ModelCost) -> list[int]:
+    """The token counts whose prompt steps are captured: the ladder up to ``max_tokens`` (a
+    step's budget), past ``ALWAYS_CAPTURED_TOKENS`` only while a step of the count stays
+    within ``PROMPT_GRAPH_MAX_FLOPS`` (the layers' products and the experts' a token uses;
+    under tensor parallelism a rank's share, which its device computes while its host
+    launches as many kernels)."""
+
+    def flops(tokens: int) -> int:
+        return 2 * tokens * cost.layer_matmul_params + sum(cost.expert_flops(tokens))
+
+    return [
+        n
+        for n in PROMPT_GRAPH_TOKENS
+        if n <= max_tokens and (n <= ALWAYS_CAPTURED_TOKENS or flops(n) <= PROMPT_GRAPH_MAX_FLOPS)
+    ]
 
 
 class PromptGraphs:
@@ -51,15 +89,15 @@ class PromptGraphs:
         self,
         model: CausalLM,
         attention: AttentionBackend,
-        max_tokens: int,
+        lengths: list[int],
         max_blocks: int,
         device: torch.device,
         pool: tuple[int, int] | None,
     ) -> None:
-        """Capture graphs of prompt steps of up to ``max_tokens`` tokens (the counts of the
-        ladder up to it) in ``pool``."""
+        """Capture graphs of prompt steps of each of ``lengths`` tokens (``prompt_graph_lengths``)
+        in ``pool``."""
         started = time.perf_counter()
-        self.lengths = [n for n in PROMPT_GRAPH_TOKENS if n <= max_tokens]
+        self.lengths = lengths
         self.max_blocks = max_blocks
         self.num_replays = 0  # how many steps ran as a replay (tests count them)
         largest = self.lengths[-1]

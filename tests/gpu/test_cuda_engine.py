@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig
+from engine.execution.prompt_graphs import PROMPT_GRAPH_SEQS
 from engine.llm_engine import LLMEngine
 from protocol import RequestOutput, SamplingParams, StructuredOutput, StructuredOutputKind
 from tandem.testing.processes import free_port, start_engine, start_server
@@ -185,13 +186,16 @@ def _graph_and_eager_prompt(engine: LLMEngine, *prompts: list[int]) -> tuple[tor
 
 
 def test_prompt_graph_equals_eager_prompt(engine_fp32: LLMEngine) -> None:
-    """A prompt step replayed from a graph of 16-512 tokens gives the eager step's logits:
-    whole prompts of several lengths (one exactly a captured length, the others padded),
-    several prompts in one step (sequences padded to the graph's), and the new tokens after
-    a cached prefix (context longer than the step). Each prompt alone then generates what
-    it does in a batch, whose steps run op by op (the test above)."""
+    """A prompt step replayed from a graph of 16 to 4,096 tokens (a 1B model's ladder)
+    gives the eager step's logits: whole prompts of several lengths (one exactly a captured
+    length, the others padded; past 512 tokens too), several prompts in one step (sequences
+    padded to the graph's; twenty of them, 2,000 tokens), and the new tokens after a cached
+    prefix (context longer than the step)."""
     engine = engine_fp32
-    prompts = [*_prompts(4), [7] * 16, [9] * 45]
+    assert engine.runner.prompt_graphs is not None
+    assert engine.runner.prompt_graphs.lengths[-1] == 4096
+    long_prompt = [3 + i % 1000 for i in range(1500)]
+    prompts = [*_prompts(4), [7] * 16, [9] * 45, long_prompt, long_prompt[:1024]]
     for prompt in prompts:
         graphed, eager, context_lens, query_lens = _graph_and_eager_prompt(engine, prompt)
         assert graphed.shape == eager.shape == (1, engine.vocab_size)
@@ -202,6 +206,10 @@ def test_prompt_graph_equals_eager_prompt(engine_fp32: LLMEngine) -> None:
     assert graphed.shape == eager.shape == (3, engine.vocab_size)
     torch.testing.assert_close(graphed, eager, rtol=1e-3, atol=1e-3)
     assert context_lens.tolist() == [30, 77, 5]
+    twenty = [[20 + i] * 100 for i in range(20)]
+    graphed, eager, context_lens, _ = _graph_and_eager_prompt(engine, *twenty)
+    assert graphed.shape == eager.shape == (20, engine.vocab_size)
+    torch.testing.assert_close(graphed, eager, rtol=1e-3, atol=1e-3)
     prefix = list(range(100, 164))
     run_engine(engine, [prefix], max_tokens=2)  # leaves its full blocks in the prefix cache
     graphed, eager, context_lens, query_lens = _graph_and_eager_prompt(engine, prefix + [5] * 20)
@@ -226,12 +234,14 @@ def engine_split(llama_1b: Path) -> LLMEngine:
 
 
 def test_split_mixed_step_equals_eager_mixed_step(engine_split: LLMEngine) -> None:
-    """Nine decodes (padded to the decode graph of 16), then two prompts: replayed as the
-    decode graph and a prompt graph, the step's logits are the eager pass's."""
+    """More decodes than a prompt graph takes sequences (33, padded to the decode graph of
+    48), then two prompts: replayed as the decode graph and a prompt graph, the step's
+    logits are the eager pass's."""
     engine, runner = engine_split, engine_split.runner
     assert runner.decode_graphs is not None and runner.prompt_graphs is not None
     engine.sync()
-    for i, prompt in enumerate(_prompts(9)):
+    num_decodes = PROMPT_GRAPH_SEQS + 1
+    for i, prompt in enumerate(_prompts(num_decodes)):
         engine.add_request(b"gpu", f"decode{i}", prompt, SamplingParams(max_tokens=8))
     while any(not r.output_token_ids for r in engine.requests.values()):
         engine.step()
@@ -240,14 +250,15 @@ def test_split_mixed_step_equals_eager_mixed_step(engine_split: LLMEngine) -> No
     engine.add_request(b"gpu", "new1", [22] * 130, SamplingParams(max_tokens=2))
     batch = engine.scheduler.schedule()
     inputs = runner.step_inputs(batch)
-    assert inputs.shape.num_leading_decodes == 9 and inputs.shape.num_seqs == 11
+    assert inputs.shape.num_leading_decodes == num_decodes
+    assert inputs.shape.num_seqs == num_decodes + 2
     graphs = (runner.decode_graphs, runner.prompt_graphs)
     before = [runner.num_split_steps, *(g.num_replays for g in graphs)]
     with torch.inference_mode():
         eager = runner.forward_eager(inputs).clone()
         split = runner.run_model(inputs).clone()
     assert [runner.num_split_steps, *(g.num_replays for g in graphs)] == [n + 1 for n in before]
-    assert split.shape == eager.shape == (11, engine.vocab_size)
+    assert split.shape == eager.shape == (num_decodes + 2, engine.vocab_size)
     torch.testing.assert_close(split, eager, rtol=1e-3, atol=1e-3)
     for client, request_id in list(engine.requests):  # keyed by (client, request id)
         engine.abort(client, request_id)
@@ -274,9 +285,11 @@ def test_split_mixed_steps_generate_what_eager_ones_do(
     engine_split: LLMEngine, engine_fp32: LLMEngine
 ) -> None:
     """Greedy tokens in float32 with mixed steps split and replayed equal those with them
-    run op by op (engine_fp32's model is past ``auto``'s limit: it does not split)."""
+    run op by op (engine_fp32's model is past ``auto``'s limit: it does not split). Enough
+    prompts that the steps come to mix more sequences than a prompt graph takes, which then
+    split (fewer replay one prompt graph)."""
     assert not engine_fp32.runner.split_mixed_steps
-    prompts = _prompts(24, max_len=200)
+    prompts = _prompts(2 * PROMPT_GRAPH_SEQS, max_len=200)
     split_steps = engine_split.runner.num_split_steps
     split = _arriving(engine_split, prompts)
     assert engine_split.runner.num_split_steps > split_steps + 10
