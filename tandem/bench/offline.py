@@ -6,6 +6,7 @@
                          [--tensor-parallel-size N] [--load-format dummy]
                          [--kv-cache-dtype fp8] [--quantization fp8|int8]
                          [--repeat-prompts] [--num-kv-blocks N] [--json-out FILE]
+                         [--profile-steps]
 
 256 requests with input and output lengths uniform in [100, 1024] (random token
 ids; the lengths from seed 0, each run's prompts from a seed of its own, so that no run
@@ -57,6 +58,13 @@ A step's time is the wall time from the previous step's results being read to it
 overlapped steps, the device's time for it while the device is the bottleneck, the host's
 when the host is.
 
+With --profile-steps, one more run follows under the torch profiler (a fresh seed's prompts,
+untimed: the profiler slows the host), and a last table says which: for each kind of step,
+its wall time a step, the time its kernels kept the device busy and the time from its first
+kernel to its last (each kernel charged to the step whose host call launched it,
+``tandem/bench/step_kernels.py``), and its costliest kernels. Device busy well under the wall
+time is a step that waited on the host.
+
 --json-out writes the engine's figures to FILE too: its start-up (the in-process
 engine's construction: load, cache sizing, graphs), load time, the median run's figures, their
 least and greatest over the runs (seconds_min, seconds_max, tok_s_min, tok_s_max,
@@ -71,8 +79,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import tempfile
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,6 +102,7 @@ from engine.roofline import (
 )
 from protocol import SamplingParams, StructuredOutput, StructuredOutputKind
 from protocol.flags import bounded
+from tandem.bench.step_kernels import device_time_by_step, label_step, load_trace
 
 BUILTIN_SCHEMA = {
     "type": "object",
@@ -202,7 +213,10 @@ def bench_engine(
     cost: ModelCost,
     rates: DeviceRates,
     run: int,
+    label_steps: bool = False,
 ) -> Run:
+    """One run of ``requests``; with ``label_steps``, each step's host call labelled for the
+    profiler (``step_kernels.label_step``)."""
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     engine.step_shapes = []
@@ -212,7 +226,9 @@ def bench_engine(
     generated = 0
     read_at = [started]  # when each step's results were read, after the run's start
     while engine.has_work:
-        for _, output in engine.step():
+        with label_step(len(engine.step_shapes)) if label_steps else nullcontext():
+            outputs = engine.step()
+        for _, output in outputs:
             generated += len(output.new_token_ids)
         num_read = len(engine.step_shapes) - (engine.in_flight is not None)
         read_at += [time.perf_counter()] * (num_read + 1 - len(read_at))
@@ -223,6 +239,9 @@ def bench_engine(
     bound_s = run_bound(steps, cost, rates)
     return Run(generated, seconds, bound_s, steps, step_seconds, preemptions=preemptions)
 
+
+# Kernels named a step kind under --profile-steps, the costliest first.
+PROFILED_KERNELS = 4
 
 # Decode steps are grouped by their batch: at most this many sequences.
 BATCH_BUCKETS = (1, 16, 64, 128, 256)
@@ -287,6 +306,54 @@ def print_step_breakdown(
             f"{t.bound_s / t.seconds:14.0%} {1e3 * t.seconds / t.steps:10.3f} "
             f"{1e3 * t.slowest_s:11.3f} {t.seconds - t.bound_s:7.3f} {first_s}"
         )
+
+
+def profile_steps(
+    engine: LLMEngine,
+    requests: list[tuple[list[int], int]],
+    constrained: set[int],
+    constraint: StructuredOutput | None,
+    cost: ModelCost,
+    rates: DeviceRates,
+    run: int,
+) -> str:
+    """One more run under the torch profiler, and a table of where each kind of step's device
+    time went (``--profile-steps``): its wall time a step (profiled, so slower than the timed
+    runs'), how long its kernels kept the device busy, how long from its first kernel to its
+    last, and its costliest kernels."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        profiled = bench_engine(
+            engine, requests, constrained, constraint, cost, rates, run, label_steps=True
+        )
+    with tempfile.TemporaryDirectory() as directory:
+        trace = Path(directory) / "trace.json"
+        profiler.export_chrome_trace(str(trace))
+        device = device_time_by_step(load_trace(trace))
+    kinds: dict[str, list[int]] = {}
+    for index, step in enumerate(profiled.steps):
+        kinds.setdefault(step_kind(step), []).append(index)
+    lines = [
+        f"\n{'device time, a profiled run':28} {'steps':>6} {'wall ms':>8} {'busy ms':>8} "
+        f"{'span ms':>8} {'busy / wall':>12}  costliest kernels, ms a step"
+    ]
+    for kind in sorted(kinds, key=lambda k: (not k.startswith("prefill"), len(k), k)):
+        indices = kinds[kind]
+        times = [device[i] for i in indices if i in device]
+        wall_ms = 1e3 * sum(profiled.step_seconds[i] for i in indices) / len(indices)
+        busy_ms = sum(t.busy_us for t in times) / 1e3 / len(indices)
+        span_ms = sum(t.span_us for t in times) / 1e3 / len(indices)
+        by_kernel: dict[str, float] = {}
+        for t in times:
+            for name, us in t.by_kernel.items():
+                by_kernel[name] = by_kernel.get(name, 0.0) + us
+        costliest = sorted(by_kernel.items(), key=lambda item: -item[1])[:PROFILED_KERNELS]
+        kernels = "; ".join(f"{name[:40]} {us / 1e3 / len(indices):.3f}" for name, us in costliest)
+        lines.append(
+            f"{kind:28} {len(indices):6d} {wall_ms:8.3f} {busy_ms:8.3f} {span_ms:8.3f} "
+            f"{busy_ms / wall_ms:12.0%}  {kernels}"
+        )
+    return "\n".join(lines)
 
 
 def warm_up_grammar(engine: LLMEngine, prompt: list[int], constraint: StructuredOutput) -> None:
@@ -377,6 +444,11 @@ def main(argv: list[str] | None = None) -> None:
         help="the engine's: the KV cache's size in blocks",
     )
     parser.add_argument("--json-out", type=Path, help="also write the engine's figures here")
+    parser.add_argument(
+        "--profile-steps",
+        action="store_true",
+        help="then one more run under the torch profiler: each kind of step's device time",
+    )
     args = parser.parse_args(argv)
     if not 0 <= args.structured_fraction <= 1:
         parser.error("--structured-fraction must be in [0, 1]")
@@ -449,6 +521,15 @@ def main(argv: list[str] | None = None) -> None:
         figures |= {"steps": {kind: vars(t) for kind, t in breakdown.items()}}
         figures |= {"first_steps": {kind: vars(t) for kind, t in first_breakdown.items()}}
         args.json_out.write_text(json.dumps(figures))
+    profile_table = None
+    if args.profile_steps:
+        prompt_seed = 0 if args.repeat_prompts else args.runs
+        requests = workload(
+            args.num_requests, engine.vocab_size, args.min_len, args.max_len, prompt_seed
+        )
+        profile_table = profile_steps(
+            engine, requests, constrained, constraint, cost, rates, args.runs
+        )
     engine.close()
     peer = None
     if args.peer:
@@ -485,6 +566,8 @@ def main(argv: list[str] | None = None) -> None:
         tokens, seconds = peer
         print(f"{'transformers generate':28} {tokens:14d} {seconds:11.2f} {tokens / seconds:15.1f}")
     print_step_breakdown(breakdown, first_breakdown)
+    if profile_table is not None:
+        print(profile_table)
 
 
 if __name__ == "__main__":

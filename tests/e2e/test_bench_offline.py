@@ -1,6 +1,7 @@
 """scripts/bench_offline.py on a tiny model (CPU): every requested token generated, and the
 median run's steps by kind add up to the run (its time and its roofline), as the first run's
-add up to the first run; each kind's slowest step is one of its steps. A cache too small for
+add up to the first run; each kind's slowest step is one of its steps; --profile-steps adds
+a profiled run's table of the same kinds (on the CPU, no device time). A cache too small for
 the batch shows as preemptions, every token still generated."""
 
 from __future__ import annotations
@@ -22,11 +23,19 @@ def test_steps_by_kind_add_up_to_the_run(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
     command = [sys.executable, "scripts/bench_offline.py", "--model", str(model)]
     command += ["--device", "cpu", "--num-requests", "20", "--min-len", "10", "--max-len", "40"]
-    command += ["--max-num-seqs", "16", "--runs", "2", "--json-out", str(out)]
+    command += ["--max-num-seqs", "16", "--runs", "2", "--json-out", str(out), "--profile-steps"]
     completed = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     print(completed.stdout)
     figures = json.loads(out.read_text())
+    # The profiled run's table comes last: a row of each kind (the same lengths, the same
+    # steps), each with its wall time; no kernel on the CPU.
+    profiled = completed.stdout.split("device time, a profiled run")[1].splitlines()[1:]
+    rows = {line[:28].strip(): line[28:].split() for line in profiled if line.strip()}
+    assert set(rows) == set(figures["steps"])
+    for kind, cells in rows.items():
+        assert int(cells[0]) == figures["steps"][kind]["steps"]
+        assert float(cells[1]) > 0 and float(cells[2]) == 0
     assert 20 * 10 <= figures["output_tokens"] <= 20 * 40  # ignore_eos: every length in full
     # The default cache (1 GiB on CPU) holds the batch: nothing preempted.
     assert figures["kv_cache_tokens"] >= 16 * 80 and figures["preemptions_max"] == 0
