@@ -81,7 +81,7 @@ import itertools
 import json
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -308,24 +308,15 @@ def print_step_breakdown(
         )
 
 
-def profile_steps(
-    engine: LLMEngine,
-    requests: list[tuple[list[int], int]],
-    constrained: set[int],
-    constraint: StructuredOutput | None,
-    cost: ModelCost,
-    rates: DeviceRates,
-    run: int,
-) -> str:
-    """One more run under the torch profiler, and a table of where each kind of step's device
-    time went (``--profile-steps``): its wall time a step (profiled, so slower than the timed
-    runs'), how long its kernels kept the device busy, how long from its first kernel to its
-    last, and its costliest kernels."""
+def profile_steps(labelled_run: Callable[[], Run]) -> str:
+    """``labelled_run`` (a run whose steps are labelled, ``bench_engine``'s ``label_steps``)
+    under the torch profiler, and a table of where each kind of step's device time went
+    (``--profile-steps``): its wall time a step (profiled, so slower than the timed runs'),
+    how long its kernels kept the device busy, how long from its first kernel to its last,
+    and its costliest kernels."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profiler:
-        profiled = bench_engine(
-            engine, requests, constrained, constraint, cost, rates, run, label_steps=True
-        )
+        profiled = labelled_run()
     with tempfile.TemporaryDirectory() as directory:
         trace = Path(directory) / "trace.json"
         profiler.export_chrome_trace(str(trace))
@@ -528,7 +519,9 @@ def main(argv: list[str] | None = None) -> None:
             args.num_requests, engine.vocab_size, args.min_len, args.max_len, prompt_seed
         )
         profile_table = profile_steps(
-            engine, requests, constrained, constraint, cost, rates, args.runs
+            lambda: bench_engine(
+                engine, requests, constrained, constraint, cost, rates, args.runs, label_steps=True
+            )
         )
     engine.close()
     peer = None
