@@ -26,6 +26,8 @@
 #   scripts/gpu_session.sh blas-lt  # cuBLASLt's products against cuBLAS', offline (issue 37)
 #   scripts/gpu_session.sh fp8-8b   # the 8B shape, fp8 weights and cache: offline as bf16's row, TPOT
 #   scripts/gpu_session.sh overlap  # a decode batch's halves on two streams against it whole
+#   scripts/gpu_session.sh profile-offline  # each kind of offline step: device busy against wall
+#   scripts/gpu_session.sh mixed-8b  # the 8B's steps that admit prompts: split, one pass, decodes
 #
 # moe (issue 39, about 8 minutes): tests/gpu/test_moe_cuda.py (small Qwen3-MoE and Mixtral
 # against transformers in float32, torch and triton backends; fp8 experts), then at the
@@ -430,6 +432,22 @@ PY
       timeout 400 python3 scripts/sweep_matmul_configs.py --parts qkv --shapes llama-3.2-1b \
         llama-3.1-8b llama-3.1-70b qwen3-0.6b qwen3-30b-a3b gpt-oss-20b --tensor-parallel 1 2 4 \
         --json "$out/qkv-rules.json" 2>&1 | tee "$out/qkv-rules.log" | grep -E "^qkv" ;;
+    profile-offline)  # issue 37 (about 3 minutes): bench_offline's run, then a profiled one
+      # whose table says which kinds of step wait on the host (device busy well under the
+      # wall time), at PROFILE_SHAPES (default the 1B, Qwen3-0.6B and the 8B)
+      for shape in ${PROFILE_SHAPES:-llama-3.2-1b qwen3-0.6b llama-3.1-8b}; do
+        m=$(config_only "$shape")
+        timeout 200 python3 scripts/bench_offline.py --model "$m" --load-format dummy --runs 1 \
+          --profile-steps 2>&1 | tee "$out/profile-offline-$shape.log" \
+          | sed -n '/^device time, a profiled run/,$p' | sed "s/^/$shape: /"
+      done ;;
+    mixed-8b)  # issue 37 (about 2 minutes): should the 8B split its steps that admit prompts?
+      # (--split-mixed-steps auto splits only models of at most 4 GiB a GPU.) A decode batch of
+      # 256 at context 512 with 1, 2 and 4 prompts mixed in: split, one pass op by op, and the
+      # decodes alone, host and wall ms (overlapped serving pays about the larger of the two)
+      m=$(config_only llama-3.1-8b)
+      timeout 300 python3 scripts/time_mixed_steps.py --model "$m" --load-format dummy \
+        --batch 256 --context 512 --prompts 1 2 4 2>&1 | tee "$out/mixed-8b.log" | tail -5 ;;
     overlap)  # issue 37 (about 2 minutes): would two half-batches on two streams beat one
       # batch? The products and attentions of 4 layers at batch 256 (tandem/bench/overlap.py)
       timeout 300 python3 scripts/bench_kernels.py --overlap llama-3.2-1b qwen3-0.6b llama-3.1-8b \

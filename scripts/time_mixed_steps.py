@@ -26,7 +26,7 @@ from functools import partial
 import torch
 
 from engine.execution.mixed_steps import is_mixed, split_mixed_step
-from engine.execution.prompt_graphs import PROMPT_GRAPH_TOKENS
+from engine.execution.prompt_graphs import ALWAYS_CAPTURED_TOKENS
 from engine.llm_engine import LLMEngine
 from protocol import SamplingParams
 from tandem.bench.step_timing import add_engine_arguments, engine_config, timed
@@ -65,8 +65,9 @@ def main() -> None:
     print(f"batch {args.batch} decoding at context ~{args.context}; times in ms, host / wall")
     print(f"{'step':34} {'split':>15} {'one pass':>15} {'decodes alone':>15}  check")
     for count in args.prompts:
-        # Prompts that fit the largest prompt graph together (more run op by op, unsplit).
-        longest = min(200, PROMPT_GRAPH_TOKENS[-1] // count)
+        # Prompts that fit a prompt graph together, whatever the model (more run op by op,
+        # unsplit).
+        longest = min(200, ALWAYS_CAPTURED_TOKENS // count)
         lengths = torch.randint(30, longest + 1, (count,), generator=generator).tolist()
         for j, length in enumerate(lengths):
             engine.add_request(b"mix", f"new{j}", tokens(length), SamplingParams(max_tokens=1))
