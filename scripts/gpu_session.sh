@@ -27,6 +27,7 @@
 #   scripts/gpu_session.sh fp8-8b   # the 8B shape, fp8 weights and cache: offline as bf16's row, TPOT
 #   scripts/gpu_session.sh overlap  # a decode batch's halves on two streams against it whole
 #   scripts/gpu_session.sh profile-offline  # each kind of offline step: device busy against wall
+#   scripts/gpu_session.sh l2-prefetch  # batch 1: the o weights pulled into L2 during attention?
 #   scripts/gpu_session.sh mixed-8b  # the 8B's steps that admit prompts: split, one pass, decodes
 #
 # moe (issue 39, about 8 minutes): tests/gpu/test_moe_cuda.py (small Qwen3-MoE and Mixtral
@@ -441,6 +442,11 @@ PY
           --profile-steps 2>&1 | tee "$out/profile-offline-$shape.log" \
           | sed -n '/^device time, a profiled run/,$p' | sed "s/^/$shape: /"
       done ;;
+    l2-prefetch)  # issue 37 (about 2 minutes): would a batch-1 step gain from the o projection's
+      # weights prefetched into L2 while attention runs? (tandem/bench/l2_prefetch.py: the 8B
+      # and 1B shapes, whole and a TP=2 rank's share, context 512)
+      timeout 300 python3 scripts/bench_kernels.py --l2-prefetch llama-3.1-8b llama-3.2-1b \
+        --l2-prefetch-tp 1 2 2>&1 | tee "$out/l2-prefetch.log" | tail -6 ;;
     mixed-8b)  # issue 37 (about 2 minutes): should the 8B split its steps that admit prompts?
       # (--split-mixed-steps auto splits only models of at most 4 GiB a GPU.) A decode batch of
       # 256 at context 512 with 1, 2 and 4 prompts mixed in: split, one pass op by op, and the

@@ -10,6 +10,8 @@
     tandem bench kernels --fp8-products SHAPE [SHAPE ...] [--rows 32 64 128 256 2048]
     tandem bench kernels --overlap SHAPE [SHAPE ...] [--overlap-batch 256]
                          [--overlap-context 700]
+    tandem bench kernels --l2-prefetch SHAPE [SHAPE ...] [--l2-prefetch-tp 1 2]
+                         [--l2-prefetch-context 512]
 
 A decode step's attention must read every cached key and value of every sequence once; the
 kernel (``paged_decode_attention``, split-K as the engine runs it: the split count from
@@ -37,7 +39,9 @@ and timed: its FLOPs (4 a query-key pair a head a dimension, the causal half) ov
 against the measured GEMM rate. With --fp8-products, instead, the W8A8 FP8 products of the
 shapes' linear layers (tandem/bench/fp8_products.py says what its table shows). With
 --overlap, instead, a large decode batch's products and attentions whole against two halves
-on two streams (tandem/bench/overlap.py). CUDA only.
+on two streams (tandem/bench/overlap.py). --l2-prefetch, a batch-1 step's chain of
+attention and one-row products with and without the o projection's weights pulled into L2
+during attention (tandem/bench/l2_prefetch.py). CUDA only.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from engine.backends.triton.paged_attention import default_decode_splits
 from engine.roofline import measure_rates
 from tandem.bench.fp8_products import ROWS as FP8_ROWS
 from tandem.bench.fp8_products import run_fp8_products
+from tandem.bench.l2_prefetch import run_l2_prefetch
 from tandem.bench.moe_kernel import SHAPES as MOE_SHAPES
 from tandem.bench.moe_kernel import TOKENS as MOE_TOKENS
 from tandem.bench.moe_kernel import run_moe
@@ -301,6 +306,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--overlap-batch", type=int, default=256)
     parser.add_argument("--overlap-context", type=int, default=700)
     parser.add_argument(
+        "--l2-prefetch",
+        nargs="+",
+        metavar="SHAPE",
+        help="time a batch-1 chain with the o weights prefetched into L2 instead",
+    )
+    parser.add_argument("--l2-prefetch-tp", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--l2-prefetch-context", type=int, default=512)
+    parser.add_argument(
         "--prompts", nargs="+", default=["16x512", "1x8192", "1x32768"], help="BATCHxLENGTH"
     )
     args = parser.parse_args(argv)
@@ -318,6 +331,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.overlap:
         print(f"{torch.cuda.get_device_name()}: measured {rates.describe()}")
         run_overlap(args.overlap, args.overlap_batch, args.overlap_context, time_ms)
+        return
+    if args.l2_prefetch:
+        print(f"{torch.cuda.get_device_name()}: measured {rates.describe()}")
+        run_l2_prefetch(args.l2_prefetch, args.l2_prefetch_tp, args.l2_prefetch_context, time_ms)
         return
     if args.fp8_products:
         print(f"{torch.cuda.get_device_name()}: measured {rates.describe()}")
