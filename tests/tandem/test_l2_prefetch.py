@@ -1,0 +1,61 @@
+"""The L2 prefetch probe's kernels (tandem/bench/l2_prefetch.py) compile for sm_90 on this CPU
+machine, and each keeps its prefetch instructions (PTX that nothing reads from could be
+dropped as dead code): the probe's first GPU call then times, rather than fails to build.
+Compiled in a process of their own: the tests' interpreter (TRITON_INTERPRET) compiles
+nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tandem.testing.processes import REPO_ROOT
+
+COMPILE = """
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tandem.bench import l2_prefetch as probe
+
+def ptx(kernel, signature, **constants):
+    names = list(signature)
+    constexprs = {(names.index(name),): value for name, value in constants.items()}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+lines = ptx(
+    probe._prefetch_kernel,
+    {"weight_ptr": "*bf16", "num_lines": "i32", "LINES": "constexpr", "LINE_ELEMENTS": "constexpr"},
+    LINES=1024,
+    LINE_ELEMENTS=64,
+).splitlines()
+bulk = ptx(
+    probe._bulk_prefetch_kernel,
+    {"weight_ptr": "*bf16", "num_bytes": "i64", "CHUNKS": "constexpr", "CHUNK_BYTES": "constexpr"},
+    CHUNKS=128,
+    CHUNK_BYTES=4096,
+).splitlines()
+print(json.dumps({
+    "lines": sum("prefetch.global.L2 [" in line for line in lines),
+    "bulk": sum("cp.async.bulk.prefetch.L2.global [" in line and "4096;" in line for line in bulk),
+}))
+"""
+
+
+def test_prefetch_kernels_compile_for_sm90_and_keep_their_prefetches() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    completed = subprocess.run(
+        [sys.executable, "-c", COMPILE],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    counts = json.loads(completed.stdout.splitlines()[-1])
+    # 1,024 lines over a program's 128 threads: 8 each; 128 chunks: one each.
+    assert counts == {"lines": 8, "bulk": 1}
