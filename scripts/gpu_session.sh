@@ -444,9 +444,10 @@ PY
       done ;;
     l2-prefetch)  # issue 37 (about 2 minutes): would a batch-1 step gain from the o projection's
       # weights prefetched into L2 while attention runs? (tandem/bench/l2_prefetch.py: the 8B
-      # and 1B shapes, whole and a TP=2 rank's share, context 512)
-      timeout 300 python3 scripts/bench_kernels.py --l2-prefetch llama-3.1-8b llama-3.2-1b \
-        --l2-prefetch-tp 1 2 2>&1 | tee "$out/l2-prefetch.log" | tail -6 ;;
+      # and 1B shapes and Qwen3-30B-A3B's attention with a dense stand-in for its 8 active
+      # experts, whole and a TP=2 rank's share, context 512)
+      timeout 400 python3 scripts/bench_kernels.py --l2-prefetch llama-3.1-8b llama-3.2-1b \
+        qwen3-30b-a3b --l2-prefetch-tp 1 2 2>&1 | tee "$out/l2-prefetch.log" | tail -8 ;;
     mixed-8b)  # issue 37 (about 2 minutes): should the 8B split its steps that admit prompts?
       # (--split-mixed-steps auto splits only models of at most 4 GiB a GPU.) A decode batch of
       # 256 at context 512 with 1, 2 and 4 prompts mixed in: split, one pass op by op, and the
