@@ -56,9 +56,10 @@ PROMPT_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 # launches take the host, whatever the model.
 ALWAYS_CAPTURED_TOKENS = 512
 # Past them, a count is captured while a step of it computes at most this many FLOPs in its
-# products: about 10 ms at an H200's bf16 product rate, under the host's time to launch a
-# small model's prompt step op by op (``scripts/profile_step.py --prefill --enforce-eager``
-# prints the device's kernel time against the wall).
+# products: about 10 ms at an H100's or H200's bf16 product rate, under the host's time to
+# launch a small model's prompt step op by op (``scripts/profile_step.py --prefill
+# --enforce-eager`` prints the device's kernel time against the wall). On a GPU several
+# times slower a step padded up to a count would take longer than those launches.
 PROMPT_GRAPH_MAX_FLOPS = 8e12
 # Sequences a graph computes at most, and logits rows: a step that fills the token budget
 # admits a dozen prompts or more (plus a chunk); an idle engine's, one. Each padding sequence
