@@ -16,7 +16,8 @@ steps reach all of them, and every sampling path:
   graph (captured before, which compiled the decode kernels of each graph's batch size and
   the kernel that fills a graph's inputs, ``graph_inputs``) or the eager decode;
 - a prefill step of one prompt run op by op (longer than the prompt graphs take, where they
-  are captured and a step may be longer): its last token's row, gathered from the packed
+  are captured and a step may be longer; where a small model's graphs take a step's whole
+  budget, its forward pass alone, op by op): its last token's row, gathered from the packed
   batch with its residual, reaches the LM head as one row whose norm adds a residual, which
   batch-1 decode steps no longer do (their o and down projections add the stream
   themselves), and a prompt graph never does (its LM head computes its padded rows);
@@ -83,11 +84,16 @@ def warm_up(runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens: int)
         request.num_scheduled_tokens = 1
     runner.sample(runner.forward(batch), None).result()  # decode of the pending tokens
     alone_len = _PROMPT_LEN
-    if runner.prompt_graphs is not None:  # one past them, if a step can be that long
+    prompt_graphs = runner.prompt_graphs
+    if prompt_graphs is not None:  # one past them, if a step can be that long
         step_limit = min(max_num_batched_tokens, runner.max_model_len - 1)
-        alone_len = min(runner.prompt_graphs.lengths[-1] + 1, step_limit)
+        alone_len = min(prompt_graphs.lengths[-1] + 1, step_limit)
     alone = [_request(2, alone_len, _GREEDY, block_size)]
-    runner.sample(runner.forward(alone), None).result()  # one prompt's prefill
+    if prompt_graphs is None or not prompt_graphs.fits(runner.step_inputs(alone).shape):
+        runner.sample(runner.forward(alone), None).result()  # one prompt's prefill
+    elif runner.send_step is None:  # (not sent: as the eager decodes below)
+        # A small model's graphs take a step's whole budget: its prompt run op by op alone.
+        runner.forward_eager(runner.step_inputs([_request(2, _PROMPT_LEN, _GREEDY, block_size)]))
     num_steps = 3
     decode_graphs, verify_graphs = runner.decode_graphs, runner.verify_graphs
     eager_decodes = decode_graphs is None or not decode_graphs.fits(max_num_seqs)
