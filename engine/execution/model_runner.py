@@ -451,14 +451,15 @@ class ModelRunner:
             )
             pool = self.verify_graphs.pool
         self.decode_graphs = StepGraphs(*args, max_batch, max_blocks, self.device, pool=pool)
-        self.prompt_graphs = PromptGraphs(
-            self.model,
-            self.backend.attention,
-            self.prompt_graph_lengths,
-            max_blocks,
-            self.device,
-            self.decode_graphs.pool,
-        )
+        if self.prompt_graph_lengths:  # none under a step budget of fewer than 16 tokens
+            self.prompt_graphs = PromptGraphs(
+                self.model,
+                self.backend.attention,
+                self.prompt_graph_lengths,
+                max_blocks,
+                self.device,
+                self.decode_graphs.pool,
+            )
 
     def release_graphs(self) -> None:
         """Free the CUDA graphs (the runner steps eagerly after this): before a
