@@ -1,5 +1,5 @@
-"""CUDA graphs of steps that compute prompts: the chunks of up to ``PROMPT_GRAPH_SEQS``
-sequences, captured at start-up at a ladder of token counts (``prompt_graph_lengths``).
+"""CUDA graphs of steps that compute prompts: the chunks of a few sequences (``graph_seqs``),
+captured at start-up at a ladder of token counts (``prompt_graph_lengths``).
 
 A prompt step launched op by op is well over a hundred kernels from Python; for short
 prompts their launches take the host longer than the kernels take the device, so an idle
@@ -7,16 +7,17 @@ engine's time to first token is the host's (``scripts/profile_step.py --model DI
 --context 128 --enforce-eager`` prints device kernel time against the wall time), and so is
 a busy engine's step that admits prompts. A step that is not a uniform decode or verify
 step (whole prompts, chunks after a cached prefix, a verify step's drafted rows, a few
-decodes beside them: one-token sequences to the prefill kernel), of at most
-``PROMPT_GRAPH_SEQS`` sequences and ``PROMPT_GRAPH_TOKENS[-1]`` tokens, sampling or scoring at
-most ``PROMPT_GRAPH_SEQS`` positions, replays a graph instead:
+decodes beside them: one-token sequences to the prefill kernel) replays the graph of the
+least captured count that holds its tokens and whose sequences (``graph_seqs``) hold its
+sequences and the positions it samples or scores:
 
-- its tokens are padded up to the next captured count; the padding writes no cache slot
+- its tokens are padded up to the graph's count; the padding writes no cache slot
   (slot -1), belongs to no sequence, and nothing reads its rows;
-- its sequences are padded up to ``PROMPT_GRAPH_SEQS`` with sequences of no tokens: the
-  prefill kernel reads each one's length and start from the device (its grid covers every
-  sequence and the captured token count), so a padding sequence's programs return at once;
-- the graph computes the logits of ``PROMPT_GRAPH_SEQS`` rows, at indices read from a buffer.
+- its sequences are padded up to the graph's with sequences of no tokens: the prefill
+  kernel reads each one's length and start from the device (its grid covers every sequence
+  and the captured token count), so a padding sequence's programs return at once;
+- the graph computes the logits of as many rows as it has sequences, at indices read from a
+  buffer.
 
 A step of more decodes with prompts mixed in replays the decode graph for its decodes and
 one of these for its prompts, where that pays (``engine.execution.mixed_steps``): one graph
@@ -61,11 +62,24 @@ ALWAYS_CAPTURED_TOKENS = 512
 # --enforce-eager`` prints the device's kernel time against the wall). On a GPU several
 # times slower a step padded up to a count would take longer than those launches.
 PROMPT_GRAPH_MAX_FLOPS = 8e12
-# Sequences a graph computes at most, and logits rows: a step that fills the token budget
-# admits a dozen prompts or more (plus a chunk); an idle engine's, one. Each padding sequence
+# Sequences a graph computes at most, and logits rows: up to ALWAYS_CAPTURED_TOKENS, an
+# idle engine's prompt or a busy one's prompt or two among a few decodes; past them, a step
+# that fills the token budget, a dozen prompts or more (plus a chunk). Each padding sequence
 # costs its programs' launch in the prefill kernel's grid (they return at once) and a
-# logits row.
-PROMPT_GRAPH_SEQS = 32
+# logits row, which a short prompt's first token would wait for.
+PROMPT_GRAPH_SEQS = 8
+LARGE_PROMPT_GRAPH_SEQS = 32
+
+
+def graph_seqs(length: int) -> int:
+    """The sequences (and logits rows) the graph of ``length`` tokens computes at most."""
+    return PROMPT_GRAPH_SEQS if length <= ALWAYS_CAPTURED_TOKENS else LARGE_PROMPT_GRAPH_SEQS
+
+
+def least_graph(lengths: list[int], num_tokens: int, rows: int) -> int | None:
+    """The least of the captured ``lengths`` whose graph holds ``num_tokens`` tokens and
+    ``rows`` sequences and logits rows; None if none does."""
+    return next((n for n in lengths if n >= num_tokens and graph_seqs(n) >= rows), None)
 
 
 def prompt_graph_lengths(max_tokens: int, cost: ModelCost) -> list[int]:
@@ -102,7 +116,7 @@ class PromptGraphs:
         self.max_blocks = max_blocks
         self.num_replays = 0  # how many steps ran as a replay (tests count them)
         largest = self.lengths[-1]
-        seqs = PROMPT_GRAPH_SEQS
+        most_seqs = max(graph_seqs(length) for length in self.lengths)
 
         def buffer(*shape: int) -> torch.Tensor:
             return torch.zeros(*shape, dtype=torch.int64, device=device)
@@ -111,23 +125,24 @@ class PromptGraphs:
         self.positions = buffer(largest)
         self.slot_mapping = buffer(largest)
         self.seq_index = buffer(largest)
-        self.block_tables = buffer(seqs, max_blocks)
-        self.context_lens = buffer(seqs)
-        self.query_lens = buffer(seqs)
-        self.query_starts = buffer(seqs)
-        self.logits_index = buffer(seqs)
+        self.block_tables = buffer(most_seqs, max_blocks)
+        self.context_lens = buffer(most_seqs)
+        self.query_lens = buffer(most_seqs)
+        self.query_starts = buffer(most_seqs)
+        self.logits_index = buffer(most_seqs)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        with attention.graph_capture(seqs):
+        with attention.graph_capture(most_seqs):
             for length in reversed(self.lengths):  # largest first: the others fit its pool
+                seqs = graph_seqs(length)
                 metadata = AttentionMetadata(
                     positions=self.positions[:length],
                     slot_mapping=self.slot_mapping[:length],
                     token_seq_index=self.seq_index[:length],
-                    block_tables=self.block_tables,
-                    context_lens=self.context_lens,
-                    query_lens=self.query_lens,
-                    query_starts=self.query_starts,
+                    block_tables=self.block_tables[:seqs],
+                    context_lens=self.context_lens[:seqs],
+                    query_lens=self.query_lens[:seqs],
+                    query_starts=self.query_starts[:seqs],
                     max_query_len=length,  # the prefill kernel's grid; the real lengths are read
                 )
                 # Captured over one sequence of padding alone: nothing written.
@@ -135,37 +150,41 @@ class PromptGraphs:
                 self.query_lens.zero_()
                 self.query_lens[0] = length
                 self.context_lens.copy_(self.query_lens)
-                args = (self.input_ids[:length], metadata, self.logits_index)
+                args = (self.input_ids[:length], metadata, self.logits_index[:seqs])
                 graph, self.logits[length] = capture_forward(model, attention, args, pool)
                 pool = graph.pool()
                 self.graphs[length] = graph
             replay_once(self.graphs)
         torch.cuda.synchronize(device)
         logger.info(
-            "captured CUDA graphs of prompt steps of up to %d sequences and %s tokens in %.1f s",
-            seqs,
+            "captured CUDA graphs of prompt steps of %s tokens (up to %d sequences, %d past %d "
+            "tokens) in %.1f s",
             self.lengths,
+            PROMPT_GRAPH_SEQS,
+            LARGE_PROMPT_GRAPH_SEQS,
+            ALWAYS_CAPTURED_TOKENS,
             time.perf_counter() - started,
         )
 
+    def graph_for(self, shape: StepShape) -> int | None:
+        """The token count of the graph that replays a step of ``shape``: the least that
+        holds its tokens, sequences and logits rows (a decode among them is a one-token
+        sequence to the prefill kernel); None for a uniform decode or verify step, or where
+        none holds it."""
+        if shape.uniform_query_len or shape.max_blocks > self.max_blocks:
+            return None
+        return least_graph(self.lengths, shape.num_tokens, max(shape.num_seqs, shape.num_logits))
+
     def fits(self, shape: StepShape) -> bool:
-        """A step that is not a uniform decode or verify step, of at most the largest count of
-        tokens and ``PROMPT_GRAPH_SEQS`` sequences and logits rows (a decode among them is a
-        one-token sequence to the prefill kernel)."""
-        return (
-            not shape.uniform_query_len
-            and shape.num_seqs <= PROMPT_GRAPH_SEQS
-            and shape.num_tokens <= self.lengths[-1]
-            and shape.num_logits <= PROMPT_GRAPH_SEQS
-            and shape.max_blocks <= self.max_blocks
-        )
+        """Whether a graph replays a step of ``shape`` (``graph_for``)."""
+        return self.graph_for(shape) is not None
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """The step's logits (its sampled rows and scored positions), by graph replay."""
         shape = inputs.shape
-        assert self.fits(shape)
+        length = self.graph_for(shape)
+        assert length is not None
         count, seqs = shape.num_tokens, shape.num_seqs
-        length = next(n for n in self.lengths if n >= count)
         metadata = inputs.metadata
         self.input_ids[:count].copy_(inputs.input_ids)
         self.positions[:count].copy_(metadata.positions)
@@ -175,7 +194,7 @@ class PromptGraphs:
         self.context_lens[:seqs].copy_(metadata.context_lens)
         self.query_lens[:seqs].copy_(metadata.query_lens)
         self.query_starts[:seqs].copy_(metadata.query_starts)
-        if seqs < PROMPT_GRAPH_SEQS:
+        if seqs < graph_seqs(length):
             self.query_lens[seqs:].zero_()  # padding sequences: no tokens
         # Rows past the step's logits index token 0: a stale index could lie past this
         # graph's tokens.

@@ -1,7 +1,8 @@
 """Which prompt steps are captured as CUDA graphs (engine/execution/prompt_graphs.py), by the
 model's size: the whole ladder up to a step's budget for a small model, whose eager prompt
 steps wait on the host's launches; up to 512 tokens for a large one, whose device time hides
-them. The graphs themselves run in tests/gpu/test_cuda_engine.py."""
+them. And which graph a step replays. The graphs themselves run in
+tests/gpu/test_cuda_engine.py."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ import torch
 from engine.backends import create_backend
 from engine.execution.prompt_graphs import (
     ALWAYS_CAPTURED_TOKENS,
+    LARGE_PROMPT_GRAPH_SEQS,
     PROMPT_GRAPH_MAX_FLOPS,
+    PROMPT_GRAPH_SEQS,
     PROMPT_GRAPH_TOKENS,
+    least_graph,
     prompt_graph_lengths,
 )
 from engine.models import build_model, load_checkpoint
@@ -57,3 +61,16 @@ def test_a_mixture_of_experts_counts_the_experts_a_token_uses(tmp_path: Path) ->
     lengths = prompt_graph_lengths(8192, cost)
     assert lengths[-1] == 1024
     assert 2 * 1024 * (cost.layer_matmul_params + cost.expert_matmul_params) > 8e12
+
+
+def test_a_step_takes_the_least_graph_that_holds_its_tokens_and_sequences() -> None:
+    """Up to 512 tokens a graph takes 8 sequences (and logits rows), past it 32: a step of
+    few tokens but many sequences takes a longer graph, one of too many none."""
+    lengths = [16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert least_graph(lengths, 100, 3) == 128
+    assert least_graph(lengths, 512, PROMPT_GRAPH_SEQS) == 512
+    assert least_graph(lengths, 100, PROMPT_GRAPH_SEQS + 1) == 1024
+    assert least_graph(lengths, 1500, LARGE_PROMPT_GRAPH_SEQS) == 2048
+    assert least_graph(lengths, 100, LARGE_PROMPT_GRAPH_SEQS + 1) is None
+    assert least_graph(lengths, 2049, 1) is None
+    assert least_graph(lengths[:6], 100, PROMPT_GRAPH_SEQS + 1) is None  # a large model's

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig
-from engine.execution.prompt_graphs import PROMPT_GRAPH_SEQS
+from engine.execution.prompt_graphs import LARGE_PROMPT_GRAPH_SEQS
 from engine.llm_engine import LLMEngine
 from protocol import RequestOutput, SamplingParams, StructuredOutput, StructuredOutputKind
 from tandem.testing.processes import free_port, start_engine, start_server
@@ -189,8 +189,9 @@ def test_prompt_graph_equals_eager_prompt(engine_fp32: LLMEngine) -> None:
     """A prompt step replayed from a graph of 16 to 4,096 tokens (a 1B model's ladder)
     gives the eager step's logits: whole prompts of several lengths (one exactly a captured
     length, the others padded; past 512 tokens too), several prompts in one step (sequences
-    padded to the graph's; twenty of them, 2,000 tokens), and the new tokens after a cached
-    prefix (context longer than the step)."""
+    padded to the graph's; twenty of them, 2,000 tokens; twelve of 30 tokens, in a graph of
+    1,024 for their count), and the new tokens after a cached prefix (context longer than the
+    step)."""
     engine = engine_fp32
     assert engine.runner.prompt_graphs is not None
     assert engine.runner.prompt_graphs.lengths[-1] == 4096
@@ -206,10 +207,13 @@ def test_prompt_graph_equals_eager_prompt(engine_fp32: LLMEngine) -> None:
     assert graphed.shape == eager.shape == (3, engine.vocab_size)
     torch.testing.assert_close(graphed, eager, rtol=1e-3, atol=1e-3)
     assert context_lens.tolist() == [30, 77, 5]
-    twenty = [[20 + i] * 100 for i in range(20)]
-    graphed, eager, context_lens, _ = _graph_and_eager_prompt(engine, *twenty)
-    assert graphed.shape == eager.shape == (20, engine.vocab_size)
-    torch.testing.assert_close(graphed, eager, rtol=1e-3, atol=1e-3)
+    # Twenty prompts: 2,000 tokens; twelve short ones, more than the graphs of up to 512
+    # tokens take, in the graph of 1,024.
+    for count, length in ((20, 100), (12, 30)):
+        prompts = [[20 + i] * length for i in range(count)]
+        graphed, eager, context_lens, _ = _graph_and_eager_prompt(engine, *prompts)
+        assert graphed.shape == eager.shape == (count, engine.vocab_size)
+        torch.testing.assert_close(graphed, eager, rtol=1e-3, atol=1e-3)
     prefix = list(range(100, 164))
     run_engine(engine, [prefix], max_tokens=2)  # leaves its full blocks in the prefix cache
     graphed, eager, context_lens, query_lens = _graph_and_eager_prompt(engine, prefix + [5] * 20)
@@ -234,13 +238,13 @@ def engine_split(llama_1b: Path) -> LLMEngine:
 
 
 def test_split_mixed_step_equals_eager_mixed_step(engine_split: LLMEngine) -> None:
-    """More decodes than a prompt graph takes sequences (33, padded to the decode graph of
+    """More decodes than any prompt graph takes sequences (33, padded to the decode graph of
     48), then two prompts: replayed as the decode graph and a prompt graph, the step's
     logits are the eager pass's."""
     engine, runner = engine_split, engine_split.runner
     assert runner.decode_graphs is not None and runner.prompt_graphs is not None
     engine.sync()
-    num_decodes = PROMPT_GRAPH_SEQS + 1
+    num_decodes = LARGE_PROMPT_GRAPH_SEQS + 1
     for i, prompt in enumerate(_prompts(num_decodes)):
         engine.add_request(b"gpu", f"decode{i}", prompt, SamplingParams(max_tokens=8))
     while any(not r.output_token_ids for r in engine.requests.values()):
@@ -289,7 +293,7 @@ def test_split_mixed_steps_generate_what_eager_ones_do(
     prompts that the steps come to mix more sequences than a prompt graph takes, which then
     split (fewer replay one prompt graph)."""
     assert not engine_fp32.runner.split_mixed_steps
-    prompts = _prompts(2 * PROMPT_GRAPH_SEQS, max_len=200)
+    prompts = _prompts(2 * LARGE_PROMPT_GRAPH_SEQS, max_len=200)
     split_steps = engine_split.runner.num_split_steps
     split = _arriving(engine_split, prompts)
     assert engine_split.runner.num_split_steps > split_steps + 10
