@@ -28,6 +28,7 @@
 #   scripts/gpu_session.sh overlap  # a decode batch's halves on two streams against it whole
 #   scripts/gpu_session.sh profile-offline  # each kind of offline step: device busy against wall
 #   scripts/gpu_session.sh l2-prefetch  # batch 1: the o weights pulled into L2 during attention?
+#   scripts/gpu_session.sh prompt-graphs  # prompt graphs past 512 tokens: GPU tests, Qwen3 offline
 #   scripts/gpu_session.sh mixed-8b  # the 8B's steps that admit prompts: split, one pass, decodes
 #
 # moe (issue 39, about 8 minutes): tests/gpu/test_moe_cuda.py (small Qwen3-MoE and Mixtral
@@ -442,6 +443,17 @@ PY
           --profile-steps 2>&1 | tee "$out/profile-offline-$shape.log" \
           | sed -n '/^device time, a profiled run/,$p' | sed "s/^/$shape: /"
       done ;;
+    prompt-graphs)  # issue 37 (about 5 minutes): prompt graphs to the step budget for small
+      # models (engine/execution/prompt_graphs.py): the graph tests against eager steps, the
+      # warm-up's no-compile-after-start test, then Qwen3-0.6B offline (its prompt steps)
+      timeout 300 python3 -m pytest -q tests/gpu/test_cuda_engine.py -p no:cacheprovider \
+        -k "prompt_graph or split_mixed or batched_greedy" 2>&1 | tee "$out/prompt-graphs-tests.log" \
+        | grep -E "passed|failed|Error" | tail -4
+      timeout 300 python3 -m pytest -q tests/gpu/test_warm_up.py -p no:cacheprovider 2>&1 \
+        | tee "$out/warm-up-tests.log" | grep -E "passed|failed|Error" | tail -4
+      m=$(config_only qwen3-0.6b)
+      timeout 200 python3 scripts/bench_offline.py --model "$m" --load-format dummy --runs 3 2>&1 \
+        | tee "$out/offline-qwen3.log" | grep -E "engine start|^tandem, (median|range)|^prefill" ;;
     l2-prefetch)  # issue 37 (about 2 minutes): would a batch-1 step gain from the o projection's
       # weights prefetched into L2 while attention runs? (tandem/bench/l2_prefetch.py: the 8B
       # and 1B shapes and Qwen3-30B-A3B's attention with a dense stand-in for its 8 active
