@@ -279,8 +279,12 @@ def step_breakdown(run: Run, cost: ModelCost, rates: DeviceRates) -> dict[str, S
         totals.seconds += seconds
         totals.bound_s += step_bound(step, cost, rates)
         totals.slowest_s = max(totals.slowest_s, seconds)
-    order = sorted(kinds, key=lambda k: (not k.startswith("prefill"), len(k), k))
-    return {kind: kinds[kind] for kind in order}
+    return {kind: kinds[kind] for kind in sorted(kinds, key=kind_order)}
+
+
+def kind_order(kind: str) -> tuple[bool, int, str]:
+    """The breakdown's order of step kinds: prefill first, then decodes by batch."""
+    return not kind.startswith("prefill"), len(kind), kind
 
 
 def print_step_breakdown(
@@ -328,7 +332,7 @@ def profile_steps(labelled_run: Callable[[], Run]) -> str:
         f"\n{'device time, a profiled run':28} {'steps':>6} {'wall ms':>8} {'busy ms':>8} "
         f"{'span ms':>8} {'busy / wall':>12}  costliest kernels, ms a step"
     ]
-    for kind in sorted(kinds, key=lambda k: (not k.startswith("prefill"), len(k), k)):
+    for kind in sorted(kinds, key=kind_order):
         indices = kinds[kind]
         times = [device[i] for i in indices if i in device]
         wall_ms = 1e3 * sum(profiled.step_seconds[i] for i in indices) / len(indices)
