@@ -19,7 +19,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +51,8 @@ MAX_GENERATED_TOKENS = 64
 # The engine runs two requests at once and lets two more wait.
 MAX_NUM_SEQS = 2
 MAX_QUEUED = 2
+# Tries at seeing the engine's queue full (a window of a fraction of a second).
+QUEUE_FULL_ATTEMPTS = 3
 # The prioritized engine's bound on prompt tokens left to compute.
 MAX_QUEUED_PROMPT_TOKENS = 64
 SEND_TIMEOUT_S = 2.0
@@ -378,36 +380,71 @@ def _until(
         time.sleep(0.01)
 
 
+def _send_blockers_together(
+    guarded: Served, pool: ThreadPoolExecutor, url: str
+) -> list[Future[httpx.Response]]:
+    """As many requests as the engine runs and queues, sent while it is stopped, so that
+    they reach it together: sent one by one on a loaded machine, the first finished before
+    the last arrived, and the queue was never full."""
+    sent = _sent_to_engine(guarded.url)
+    os.kill(guarded.engine.pid, signal.SIGSTOP)
+    try:
+        blockers = [
+            pool.submit(httpx.post, url, json=_completion(f"w{5 + i}", 64), timeout=120)
+            for i in range(MAX_NUM_SEQS + MAX_QUEUED)
+        ]
+        _until(
+            lambda: _sent_to_engine(guarded.url) >= sent + len(blockers),
+            lambda: "the server never sent the blockers on",
+            timeout_s=10,
+        )
+        time.sleep(0.1)  # counted as they are sent: the last one's send done
+    finally:
+        os.kill(guarded.engine.pid, signal.SIGCONT)
+    return blockers
+
+
+def _queue_full(url: str) -> bool:
+    """Whether the server says its engine's queue is full."""
+    return bool((httpx.get(f"{url}/health").json()["engine"] or {}).get("queue_full"))
+
+
+def _seen_before(condition: Callable[[], object], ended: Callable[[], bool]) -> bool:
+    """Whether ``condition`` held at some poll before ``ended`` did (polled back to back)."""
+    deadline = time.monotonic() + 60
+    while not ended():
+        if condition():
+            return True
+        assert time.monotonic() < deadline, "the blockers never finished"
+    return bool(condition())
+
+
 def test_a_full_queue_is_refused_by_the_server_before_the_body_and_reopens_at_once(
     guarded: Served,
 ) -> None:
     url = f"{guarded.url}/v1/completions"
     with ThreadPoolExecutor(MAX_NUM_SEQS + MAX_QUEUED) as pool:
-        # Sent while the engine is stopped, the blockers reach it together: sent one by one on
-        # a loaded machine, the first finished before the last arrived, and the queue was
-        # never full.
-        sent = _sent_to_engine(guarded.url)
-        os.kill(guarded.engine.pid, signal.SIGSTOP)
-        try:
-            blockers = [
-                pool.submit(httpx.post, url, json=_completion(f"w{5 + i}", 64), timeout=120)
-                for i in range(MAX_NUM_SEQS + MAX_QUEUED)
-            ]
-            _until(
-                lambda: _sent_to_engine(guarded.url) >= sent + len(blockers),
-                lambda: "the server never sent the blockers on",
-                timeout_s=10,
+        # The queue is full until the running blockers' 64 tokens are done, a fraction of a
+        # second of the tiny model's steps: a poller descheduled that long on a loaded
+        # machine misses it (or the engine, stopped once it was seen, had just emptied it),
+        # and the blockers are sent again.
+        for _ in range(QUEUE_FULL_ATTEMPTS):
+            blockers = _send_blockers_together(guarded, pool, url)
+            seen = _seen_before(
+                lambda: _queue_full(guarded.url),
+                lambda blockers=blockers: all(blocker.done() for blocker in blockers),
             )
-            time.sleep(0.1)  # counted as they are sent: the last one's send done
-        finally:
-            os.kill(guarded.engine.pid, signal.SIGCONT)
-        _until(
-            lambda: (httpx.get(f"{guarded.url}/health").json()["engine"] or {}).get("queue_full"),
-            lambda: "the engine never said its queue was full",
-        )
+            if seen:
+                # Stopped, the engine sends no stats: full now, it stays so.
+                os.kill(guarded.engine.pid, signal.SIGSTOP)
+                if _queue_full(guarded.url):
+                    break
+                os.kill(guarded.engine.pid, signal.SIGCONT)
+            assert [blocker.result().status_code for blocker in blockers] == [200] * len(blockers)
+        else:
+            raise AssertionError("the engine never said its queue was full")
         # Stopped, the engine reads nothing: only the server can answer, and it has not read
         # the body (which is not even JSON) to do it.
-        os.kill(guarded.engine.pid, signal.SIGSTOP)
         try:
             refused = httpx.post(url, content=b"not json", timeout=5)
         finally:
@@ -725,7 +762,7 @@ def test_prompt_tokens_past_the_bound_are_refused_and_those_within_it_taken(
         # 40 waits; 40 + 30 is past the bound, though 1 request waits of the default 1,024;
         # 40 + 20 is within it, and 60 + 4 reaches it: from then on the server refuses by
         # itself, before reading a body (this one is not even JSON).
-        until(lambda: (httpx.get(f"{url}/health").json()["engine"] or {}).get("queue_full"))
+        until(lambda: _queue_full(url))
         at_the_door = httpx.post(f"{url}/v1/completions", content=b"not json")
         assert engine_stats(url)["num_running"] == 2  # judged while the blockers ran
         for stream in blockers:
