@@ -29,11 +29,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
-
 from engine.backends.attention import AttentionMetadata
 from engine.execution.batch import StepInputs, StepShape
-from engine.models.causal_lm import CausalLM
 from engine.roofline import ModelCost
 
 # The weights of a pass (a rank's) up to which ``auto`` splits mixed steps. Read again in
@@ -44,15 +41,15 @@ from engine.roofline import ModelCost
 SPLIT_MAX_WEIGHT_BYTES = 4 * 1024**3
 
 
-def splits_mixed_steps(setting: str, graphs_captured: bool, model: CausalLM) -> bool:
+def splits_mixed_steps(setting: str, graphs_captured: bool, cost: ModelCost) -> bool:
     """Whether mixed steps are split, by ``--split-mixed-steps``: ``auto`` where CUDA graphs
-    are captured and the weights a pass reads are small enough. (Every rank of a
-    tensor-parallel group comes to the same: their shares of the weights are equal.)"""
+    are captured and the weights a pass reads (``cost``'s, the model's) are small enough.
+    (Every rank of a tensor-parallel group comes to the same: their shares of the weights
+    are equal.)"""
     if setting != "auto":
         return setting == "on"
     if not graphs_captured:
         return False
-    cost = ModelCost.of_model(model, torch.float32)  # the weights; the cache's dtype unused
     weight_bytes = cost.layer_weight_bytes + cost.head_weight_bytes + cost.expert_weight_bytes
     return weight_bytes <= SPLIT_MAX_WEIGHT_BYTES
 

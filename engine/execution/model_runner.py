@@ -292,12 +292,13 @@ class ModelRunner:
             and not config.enforce_eager
             and self.backend.attention.supports_cuda_graphs
         )
+        # What a step of the model reads and computes (under tensor parallelism, a rank's
+        # share): the prompt graphs' ladder and the mixed steps' split go by it.
+        self.model_cost = ModelCost.of_model(self.model, self.kv_dtype)
         # Known before the cache is sized: the largest one's activations stay in the graphs'
         # pool.
         self.prompt_graph_lengths = (
-            prompt_graph_lengths(
-                config.max_num_batched_tokens, ModelCost.of_model(self.model, self.kv_dtype)
-            )
+            prompt_graph_lengths(config.max_num_batched_tokens, self.model_cost)
             if self.captures_graphs
             else []
         )
@@ -330,7 +331,7 @@ class ModelRunner:
                 self.backend.name,
             )
         self.split_mixed_steps = splits_mixed_steps(
-            config.split_mixed_steps, self.decode_graphs is not None, self.model
+            config.split_mixed_steps, self.decode_graphs is not None, self.model_cost
         )
         self.num_split_steps = 0  # mixed steps run as two passes (tests count them)
         logger.info(

@@ -84,12 +84,11 @@ def warm_up(runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens: int)
         request.num_scheduled_tokens = 1
     runner.sample(runner.forward(batch), None).result()  # decode of the pending tokens
     alone_len = _PROMPT_LEN
-    prompt_graphs = runner.prompt_graphs
-    if prompt_graphs is not None:  # one past them, if a step can be that long
+    if runner.prompt_graphs is not None:  # one past them, if a step can be that long
         step_limit = min(max_num_batched_tokens, runner.max_model_len - 1)
-        alone_len = min(prompt_graphs.lengths[-1] + 1, step_limit)
-    alone = [_request(2, alone_len, _GREEDY, block_size)]
-    if prompt_graphs is None or not prompt_graphs.fits(runner.step_inputs(alone).shape):
+        alone_len = min(runner.prompt_graphs.lengths[-1] + 1, step_limit)
+    if runner.prompt_graphs is None or alone_len > runner.prompt_graphs.lengths[-1]:
+        alone = [_request(2, alone_len, _GREEDY, block_size)]
         runner.sample(runner.forward(alone), None).result()  # one prompt's prefill
     elif runner.send_step is None:  # (not sent: as the eager decodes below)
         # A small model's graphs take a step's whole budget: its prompt run op by op alone.

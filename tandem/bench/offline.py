@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     start_s = time.perf_counter() - started
     # Under tensor parallelism rank 0's share of the model: each GPU's bound, run in parallel.
-    cost = ModelCost.of_model(engine.runner.model, engine.runner.kv_dtype)
+    cost = engine.runner.model_cost
     constrained = constrained_indices(args.num_requests, args.structured_fraction)
     constraint = None
     if constrained:

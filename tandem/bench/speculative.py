@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
                 f" (verify graphs captured in {graphs.capture_seconds:.1f} s, "
                 f"{graphs.reserved_bytes / 1024**3:.2f} GiB)"
             )
-        cost = cost or ModelCost.of_model(runner.model, runner.kv_dtype)
+        cost = cost or runner.model_cost
         costs = llm.engine.step_costs
         for name, conversations in workloads.items():
             runs[name][method].append(run_workload(llm, conversations, sampling))
