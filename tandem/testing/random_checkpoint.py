@@ -56,10 +56,10 @@ def save_tiny_llama(directory: Path, **overrides: Any) -> LlamaForCausalLM:
     return model
 
 
-def save_tiny_word_model(directory: Path) -> None:
+def save_tiny_word_model(directory: Path, **overrides: Any) -> None:
     """``save_tiny_llama`` with a tokenizer of words and a ChatML template
     (``save_word_tokenizer``): the fastest model a server can chat with; the text is nonsense."""
-    save_tiny_llama(directory)
+    save_tiny_llama(directory, **overrides)
     save_word_tokenizer(directory, VOCAB)
 
 

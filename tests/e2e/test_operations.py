@@ -57,6 +57,7 @@ from tandem.testing.streams import Balancer
 CONCURRENT_STREAMS = 64
 STREAM_TOKENS = 24
 PROMPTS = [f"w{a} w{a + 1} w{a + 7}" for a in range(2, 130, 16)]
+CONTEXT_TOKENS = 4096
 
 
 @dataclass
@@ -82,9 +83,10 @@ class Deployment:
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    """The tiny model behind two supervised servers."""
+    """The tiny model behind two supervised servers, with a context long enough for a stream
+    that outlasts the drain test's checks."""
     workdir = tmp_path_factory.mktemp("deployment")
-    save_tiny_word_model(workdir / "model")
+    save_tiny_word_model(workdir / "model", max_position_embeddings=CONTEXT_TOKENS)
     log_path = workdir / "deployment.log"
     port = free_port(2)
     address = f"ipc://{workdir}/engine.sock"
@@ -202,9 +204,10 @@ def test_a_draining_server_finishes_its_streams_and_takes_nothing_new(
     log = tmp_path / "server.log"
     server = start_server(deployment.engine_address, port, log, "--drain-timeout", "60")
     url = f"http://127.0.0.1:{port}"
-    # Long enough to outlast the checks below: 160 tokens took 0.24 s on a CPU, and the
-    # server, drained, had exited by the time a fixed 0.3 s wait ended.
-    body = {**_body(PROMPTS[0]), "max_tokens": 480, "stream": True}
+    # Long enough to outlast the checks below, which take milliseconds unless the test's
+    # process waits for a core: 480 tokens (0.7 s) were not, on CI's two loaded cores (the
+    # server had drained and exited before the first check). 3,000 take some 4.5 s.
+    body = {**_body(PROMPTS[0]), "max_tokens": 3000, "stream": True}
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as stream:
             lines = stream.iter_lines()
@@ -241,7 +244,7 @@ def _ready_once_draining(url: str) -> httpx.Response:
 
 def test_an_oversized_body_gets_413_unread(deployment: Deployment) -> None:
     url = f"{deployment.urls[0]}/v1/completions"
-    # Over the default: 4 MiB above the context's 512 tokens at 32 bytes each.
+    # Over the default: 4 MiB above the context's 4,096 tokens at 32 bytes each.
     body = b'{"prompt": "' + b"w5 " * (5 * 2**20 // 3) + b'"}'
     headers = {"content-type": "application/json"}
     declared = httpx.post(url, content=body, headers=headers, timeout=60)
