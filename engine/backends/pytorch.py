@@ -21,6 +21,7 @@ from engine.backends.deferred_norm import DeferredNorm, LinearInput, dense
 from engine.backends.fp8 import FP8, FP8_MAX, MIN_SCALE, rowwise_scaled_mm
 from engine.backends.layer_ops import ClampedSwiGLU
 from engine.backends.mxfp4 import BLOCK, dequantize_mxfp4
+from engine.backends.sampling_noise import race_sample
 from engine.distributed.parallel import OneKernelAllReduce, TensorParallel
 from engine.distributed.symmetric_all_reduce import torch_one_shot
 
@@ -378,6 +379,15 @@ def _dequantize_expert(
 class TorchStepOps:
     def argmax_rows(self, values: torch.Tensor) -> torch.Tensor:
         return values.argmax(dim=-1)
+
+    def sample_rows(
+        self,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        seed: torch.Tensor,
+        step: torch.Tensor,
+    ) -> torch.Tensor:
+        return race_sample(logits, temperature, seed, step)
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         # xgrammar's C++ loop on the CPU; on other devices its PyTorch ops (its "auto" would

@@ -1,4 +1,4 @@
-"""The step's operations around the model: the interface. Sampling's argmax, the grammar
+"""The step's operations around the model: the interface. Sampling's draw, the grammar
 masks of structured outputs, and the placing of a step's inputs on the device (a step's
 pending tokens, a CUDA graph's static buffers).
 
@@ -18,6 +18,20 @@ import torch
 class StepOps(Protocol):
     def argmax_rows(self, values: torch.Tensor) -> torch.Tensor:
         """``values.argmax(dim=-1)`` of float32 [B, V]: int64 [B], ties to the lowest index."""
+        ...
+
+    def sample_rows(
+        self,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        seed: torch.Tensor,
+        step: torch.Tensor,
+    ) -> torch.Tensor:
+        """A token [B] (int64) of each row of float32 ``logits`` [B, V]: its argmax where its
+        ``temperature`` [B] (float32) is 0, else a draw from the softmax at that temperature:
+        the exponential race of ``engine/backends/sampling_noise.py`` (``race_sample``) over
+        the random numbers of the row's ``seed`` and output index ``step`` [B] (int64). Tokens
+        at -inf are never drawn."""
         ...
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:

@@ -1,11 +1,12 @@
 """Choosing the next token of every sequence in the batch at once.
 
-Randomness is a pure function of (request seed, output index, token id): a counter-
-based hash instead of a generator per request, so a seeded request gives the same
-tokens whatever else shares its batch, and the whole batch samples in a few tensor
-operations with no Python loop over rows. Its argmaxes are the backend's
-(``StepOps.argmax_rows``): a kernel of the Triton backend's on CUDA, PyTorch's in the torch
-backend.
+Randomness is a pure function of (request seed, output index, token id)
+(``engine/backends/sampling_noise.py``), so a seeded request gives the same tokens whatever
+else shares its batch, and the whole batch samples with no Python loop over rows. The draw
+itself is the backend's (``StepOps.sample_rows``, the exponential race, and
+``StepOps.argmax_rows`` for an all-greedy step): one kernel of the Triton backend's on CUDA
+that computes the random numbers in registers as it reads the logits once, PyTorch's
+tensors in the torch backend.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ from dataclasses import dataclass
 import torch
 
 from engine.backends.step_ops import StepOps
-
-_MASK32 = 0xFFFFFFFF
 
 
 @dataclass
@@ -89,22 +88,30 @@ class SamplingTensors:
 
 def sample(logits: torch.Tensor, params: SamplingTensors | None, ops: StepOps) -> torch.Tensor:
     """Token ids [B] (int64) from float32 logits [B, V]; ``params`` None: all rows greedy.
-    ``ops``: the backend's, whose argmax picks each row's token."""
+    ``ops``: the backend's, whose ``sample_rows`` draws each row's token (the argmax of a
+    greedy row) in one pass over the logits; what the parameters cut or change before it
+    costs only where a row asks for it."""
     if params is None:
         return ops.argmax_rows(logits)
     logits = process_logits(logits, params)
-    greedy_tokens = ops.argmax_rows(logits)
+    if params.min_p is not None or params.any_top_k_or_p:
+        logits = apply_cuts(logits, params)
+    return ops.sample_rows(logits, params.temperature, params.seed, params.step)
+
+
+def apply_cuts(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """-inf for each token that a sampled row's min_p, top-k or top-p cut from its
+    distribution at its temperature (then the race draws from what is left, renormalized, as
+    vLLM samples); greedy rows as they were, their argmax never cut."""
     is_greedy = params.temperature == 0
     temperature = torch.where(is_greedy, torch.ones_like(params.temperature), params.temperature)
     probs = torch.softmax(logits / temperature.unsqueeze(1), dim=-1)
     if params.min_p is not None:
         probs = apply_min_p(probs, params.min_p)
-    # Exponential race: argmax(p / E) with E ~ Exp(1) draws index i with probability p_i.
-    race = uniform_noise(params.seed, params.step, logits.shape[1]).log_().neg_()
     if params.any_top_k_or_p:
         probs = _apply_top_k_top_p(probs, params.top_k, params.top_p)
-    sampled_tokens = ops.argmax_rows(probs / race)
-    return torch.where(is_greedy, greedy_tokens, sampled_tokens)
+    cut = (probs == 0) & ~is_greedy.unsqueeze(1)
+    return logits.masked_fill(cut, float("-inf"))
 
 
 def process_logits(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
@@ -208,33 +215,3 @@ def _apply_top_k_top_p(
     keep = ((sorted_probs.cumsum(dim=-1) - sorted_probs) < top_p.unsqueeze(1)) | (rank == 0)
     keep &= (top_k.unsqueeze(1) == 0) | (rank < top_k.unsqueeze(1))
     return torch.zeros_like(probs).scatter_(1, order, sorted_probs * keep)
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (Wellons' two-round multiply-xorshift), on int64 lanes.
-
-    The multiplier is under 2**27 and lanes under 2**32, so products never overflow int64.
-    """
-    x = x ^ (x >> 16)
-    x = (x * 0x45D9F3B) & _MASK32
-    x = x ^ (x >> 16)
-    x = (x * 0x45D9F3B) & _MASK32
-    return x ^ (x >> 16)
-
-
-def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, V] float32 in (0, 1), determined by each row's (seed, step) and the column."""
-    row_key = _mix32(seed & _MASK32) ^ _mix32((seed >> 32) & _MASK32 ^ 0x5BD1E995)
-    row_key = _mix32((row_key + _mix32(step & _MASK32)) & _MASK32)
-    column = torch.arange(vocab_size, device=seed.device, dtype=torch.int64)
-    column_key = (column * 0x9E3779B1) & _MASK32
-    bits = _mix32(_mix32(row_key.unsqueeze(1) ^ column_key.unsqueeze(0)))
-    return unit_interval(bits)
-
-
-def unit_interval(bits: torch.Tensor) -> torch.Tensor:
-    """32-bit hashes as float32 in (0, 1), both ends excluded: the top 23 bits k give
-    (k + 0.5) / 2^23, exact in float32. (With 24 bits the largest, 1 - 2^-25, rounds to 1.0:
-    its exponential race is 0, a forbidden token's 0 / 0 is NaN, and argmax picks the NaN.
-    About one sampled row in 340 of a 49k vocabulary broke its grammar that way.)"""
-    return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))

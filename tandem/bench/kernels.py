@@ -12,6 +12,7 @@
                          [--overlap-context 700]
     tandem bench kernels --l2-prefetch SHAPE [SHAPE ...] [--l2-prefetch-tp 1 2]
                          [--l2-prefetch-context 512]
+    tandem bench kernels --sampler [--batches 1 8 64 256]
 
 A decode step's attention must read every cached key and value of every sequence once; the
 kernel (``paged_decode_attention``, split-K as the engine runs it: the split count from
@@ -41,7 +42,8 @@ shapes' linear layers (tandem/bench/fp8_products.py says what its table shows). 
 --overlap, instead, a large decode batch's products and attentions whole against two halves
 on two streams (tandem/bench/overlap.py). --l2-prefetch, a batch-1 step's chain of
 attention and one-row products with and without the o projection's weights pulled into L2
-during attention (tandem/bench/l2_prefetch.py). CUDA only.
+during attention (tandem/bench/l2_prefetch.py). --sampler, a sampled step's draw: the
+Triton kernel against PyTorch's tensors (tandem/bench/sampler_kernel.py). CUDA only.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from tandem.bench.moe_kernel import SHAPES as MOE_SHAPES
 from tandem.bench.moe_kernel import TOKENS as MOE_TOKENS
 from tandem.bench.moe_kernel import run_moe
 from tandem.bench.overlap import run_overlap
+from tandem.bench.sampler_kernel import run_sampler
 from tandem.testing.kernel_reference import paged_attention_reference
 
 # head_dim: (query heads, KV heads)
@@ -314,6 +317,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--l2-prefetch-tp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--l2-prefetch-context", type=int, default=512)
     parser.add_argument(
+        "--sampler", action="store_true", help="time a sampled step's draw instead (--batches)"
+    )
+    parser.add_argument(
         "--prompts", nargs="+", default=["16x512", "1x8192", "1x32768"], help="BATCHxLENGTH"
     )
     args = parser.parse_args(argv)
@@ -335,6 +341,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.l2_prefetch:
         print(f"{torch.cuda.get_device_name()}: measured {rates.describe()}")
         run_l2_prefetch(args.l2_prefetch, args.l2_prefetch_tp, args.l2_prefetch_context, time_ms)
+        return
+    if args.sampler:
+        print(f"{torch.cuda.get_device_name()}: measured {rates.describe()}")
+        run_sampler(args.batches, rates.bytes_per_s, time_ms)
         return
     if args.fp8_products:
         print(f"{torch.cuda.get_device_name()}: measured {rates.describe()}")

@@ -6,7 +6,7 @@
                          [--tensor-parallel-size N] [--load-format dummy]
                          [--kv-cache-dtype fp8] [--quantization fp8|int8]
                          [--repeat-prompts] [--num-kv-blocks N] [--json-out FILE]
-                         [--profile-steps]
+                         [--profile-steps] [--temperature T [--top-p P]]
 
 256 requests with input and output lengths uniform in [100, 1024] (random token
 ids; the lengths from seed 0, each run's prompts from a seed of its own, so that no run
@@ -34,6 +34,10 @@ an engine that split the work into more steps (more weight reads) would raise it
 The workload's roofline (``workload_bound``), the least any schedule can take (the weights
 read once a token position of the longest request, every K/V byte, every FLOP, reading and
 computing overlapped across the run), and the run's share of it are printed beside it.
+
+Greedy by default; with --temperature T every token is sampled at T (and within top-p P
+with --top-p), each request seeded by the engine: what a served model's clients get, whose
+OpenAI API samples at temperature 1 unless a request says otherwise.
 
 With --peer, Hugging Face transformers' own batched generate() runs on the same weights
 and GPU in the same run: prompts left-padded in batches of --peer-batch-size, each batch
@@ -83,7 +87,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -104,6 +108,8 @@ from protocol import SamplingParams, StructuredOutput, StructuredOutputKind
 from protocol.flags import bounded
 from tandem.bench.step_kernels import device_time_by_step, label_step, load_trace
 
+GREEDY = SamplingParams()  # the requests' sampling unless --temperature says otherwise
+
 BUILTIN_SCHEMA = {
     "type": "object",
     "properties": {
@@ -118,9 +124,12 @@ BUILTIN_SCHEMA = {
 }
 
 
+Requests = list[tuple[list[int], int]]  # each request's prompt and output length
+
+
 def workload(
     num_requests: int, vocab_size: int, low: int, high: int, prompt_seed: int = 0
-) -> list[tuple[list[int], int]]:
+) -> Requests:
     """Requests of lengths uniform in [low, high] (always the same), prompts of random ids
     drawn with ``prompt_seed``."""
     lengths = torch.randint(low, high + 1, (num_requests, 2), generator=_seeded(0)).tolist()
@@ -195,11 +204,12 @@ def submit(
     constrained: set[int],
     constraint: StructuredOutput | None,
     prefix: str = "",
+    sampling_template: SamplingParams = GREEDY,
 ) -> None:
-    """Add every request (ignore_eos; those in ``constrained`` under ``constraint``), request
-    i's id ``prefix`` + i."""
+    """Add every request (ignore_eos, sampled as ``sampling_template`` says; those in
+    ``constrained`` under ``constraint``), request i's id ``prefix`` + i."""
     for i, (prompt, output_len) in enumerate(requests):
-        sampling = SamplingParams(max_tokens=output_len, ignore_eos=True)
+        sampling = replace(sampling_template, max_tokens=output_len, ignore_eos=True)
         if i in constrained:
             sampling.structured_output = constraint
         engine.add_request(b"bench", f"{prefix}{i}", prompt, sampling)
@@ -214,15 +224,16 @@ def bench_engine(
     rates: DeviceRates,
     run: int,
     label_steps: bool = False,
+    sampling_template: SamplingParams = GREEDY,
 ) -> Run:
-    """One run of ``requests``; with ``label_steps``, each step's host call labelled for the
-    profiler (``step_kernels.label_step``)."""
+    """One run of ``requests`` (sampled as ``submit`` samples them); with ``label_steps``,
+    each step's host call labelled for the profiler (``step_kernels.label_step``)."""
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     engine.step_shapes = []
     preempted_before = engine.scheduler.num_preemptions
     started = time.perf_counter()
-    submit(engine, requests, constrained, constraint, prefix=f"{run}-")
+    submit(engine, requests, constrained, constraint, f"{run}-", sampling_template)
     generated = 0
     read_at = [started]  # when each step's results were read, after the run's start
     while engine.has_work:
@@ -438,6 +449,16 @@ def main(argv: list[str] | None = None) -> None:
         type=bounded(int, at_least=1),
         help="the engine's: the KV cache's size in blocks",
     )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sample every token at this temperature (default 0: greedy); 1 is what an OpenAI "
+        "client gets from a server when it names none",
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, help="and within this nucleus (default 1: all)"
+    )
     parser.add_argument("--json-out", type=Path, help="also write the engine's figures here")
     parser.add_argument(
         "--profile-steps",
@@ -470,6 +491,7 @@ def main(argv: list[str] | None = None) -> None:
     start_s = time.perf_counter() - started
     # Under tensor parallelism rank 0's share of the model: each GPU's bound, run in parallel.
     cost = engine.runner.model_cost
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p)
     constrained = constrained_indices(args.num_requests, args.structured_fraction)
     constraint = None
     if constrained:
@@ -479,16 +501,24 @@ def main(argv: list[str] | None = None) -> None:
             f"structured outputs: {len(constrained)} of {args.num_requests} requests; reading "
             f"the vocabulary {vocabulary_s:.3f} s, compiling the schema (cold) {schema_s:.3f} s"
         )
-    runs = []
-    for run in range(args.runs):
+
+    def run_workload(run: int, label_steps: bool = False) -> tuple[Requests, Run]:
+        """Run ``run``'s requests (the first run's again with --repeat-prompts)."""
         prompt_seed = 0 if args.repeat_prompts else run
         requests = workload(
             args.num_requests, engine.vocab_size, args.min_len, args.max_len, prompt_seed
         )
         if constraint is not None and run == 0:
             warm_up_grammar(engine, requests[0][0], constraint)
-        runs.append(bench_engine(engine, requests, constrained, constraint, cost, rates, run))
-        r = runs[-1]
+        timed = bench_engine(
+            engine, requests, constrained, constraint, cost, rates, run, label_steps, sampling
+        )
+        return requests, timed
+
+    runs = []
+    for run in range(args.runs):
+        requests, r = run_workload(run)
+        runs.append(r)
         lengths = [len(prompt) for prompt, _ in requests], [n for _, n in requests]
         cached = args.repeat_prompts and run > 0
         batch = engine.scheduler.max_num_seqs
@@ -518,15 +548,7 @@ def main(argv: list[str] | None = None) -> None:
         args.json_out.write_text(json.dumps(figures))
     profile_table = None
     if args.profile_steps:
-        prompt_seed = 0 if args.repeat_prompts else args.runs
-        requests = workload(
-            args.num_requests, engine.vocab_size, args.min_len, args.max_len, prompt_seed
-        )
-        profile_table = profile_steps(
-            lambda: bench_engine(
-                engine, requests, constrained, constraint, cost, rates, args.runs, label_steps=True
-            )
-        )
+        profile_table = profile_steps(lambda: run_workload(args.runs, label_steps=True)[1])
     engine.close()
     peer = None
     if args.peer:
@@ -536,6 +558,9 @@ def main(argv: list[str] | None = None) -> None:
         requests = workload(args.num_requests, vocab_size, args.min_len, args.max_len)
         peer = bench_transformers(args.model, requests[: args.peer_requests], args.peer_batch_size)
     structured = f", {len(constrained)} constrained by a JSON schema" if constrained else ""
+    if sampling.temperature > 0:
+        structured += f", sampled at temperature {sampling.temperature:g}"
+        structured += f" within top-p {sampling.top_p:g}" if sampling.top_p < 1 else ""
     print(
         f"\n{args.model}: {args.num_requests} requests, lengths uniform in "
         f"[{args.min_len}, {args.max_len}], ignore_eos{structured}, device {args.device}, "

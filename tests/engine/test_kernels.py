@@ -26,6 +26,7 @@ from engine.backends.attention import AttentionMetadata, LayerKVCache, Rotary
 from engine.backends.deferred_norm import DeferredNorm
 from engine.backends.pytorch import TorchLayerOps, TorchPagedAttention, apply_rotary, with_bias
 from engine.backends.pytorch import store_kv as store_kv_reference
+from engine.backends.sampling_noise import race_sample
 from engine.backends.triton import (
     add_rms_norm,
     decode_num_splits,
@@ -35,7 +36,7 @@ from engine.backends.triton import (
     rotary_store_kv,
     silu_and_mul,
 )
-from engine.backends.triton.argmax import argmax_rows
+from engine.backends.triton.argmax import argmax_rows, sample_rows
 from engine.backends.triton.backend import TritonLayerOps, TritonPagedAttention
 from engine.backends.triton.fp8_decode import (
     FP8_DECODE_MIN_SPLIT_TOKENS,
@@ -917,3 +918,29 @@ def test_argmax_rows() -> None:
     # column stride (above), another vocabulary, rows that start 4 bytes past alignment.
     for view in (logits[:, :5000], logits[:, 1:]):
         assert torch.equal(argmax_rows(view), view.argmax(dim=-1))
+
+
+def test_sample_rows_draws_the_reference_race_tokens() -> None:
+    """The kernel hashes the random numbers the reference computes as tensors: the same
+    token for every row (the scores agree but for float32 rounding, and no two random rows'
+    best two are that close). Greedy rows take the argmax; seeds past 32 bits and negative
+    ones, steps past 32 bits, three chunks, the last partial, tokens at -inf."""
+    rows = 12
+    logits = torch.randn(rows, 9000, device=DEVICE) * 3
+    logits[1, 4500:] = -float("inf")  # cut, as top-k or a grammar cuts
+    # Columns of packed parameters, as sampling_tensors makes them: strided views.
+    floats = torch.zeros(rows, 6, device=DEVICE)
+    floats[:, 0] = torch.tensor([0.0, 1.0, 0.7, 1.3, 0.0, 2.0] * 2)
+    ints = torch.zeros(rows, 3, dtype=torch.int64, device=DEVICE)
+    ints[:, 1] = torch.tensor([0, 1, -1, 2**40 + 3, 7, -(2**62), 5, 6, 2**33, 9, 10, 11])
+    ints[:, 2] = torch.tensor([0, 0, 3, 1, 2**35, 9, 100, 0, 1, 2, 3, 2**32 + 1])
+    temperature, seed, step = floats[:, 0], ints[:, 1], ints[:, 2]
+    expected = race_sample(logits, temperature, seed, step)
+    got = sample_rows(logits, temperature, seed, step)
+    assert torch.equal(got, expected)
+    assert got[1] < 4500
+    assert torch.equal(got[temperature == 0], logits[temperature == 0].argmax(dim=-1))
+    # The draws depend on the step: a row's next output index draws other tokens.
+    moved = sample_rows(logits, temperature, seed, step + 1)
+    assert not torch.equal(moved[temperature > 0], got[temperature > 0])
+    assert torch.equal(moved, race_sample(logits, temperature, seed, step + 1))

@@ -3,13 +3,12 @@
 import torch
 
 from engine.backends.pytorch import TorchStepOps
+from engine.backends.sampling_noise import uniform_noise, unit_interval
 from engine.sampling.sampler import (
     Penalties,
     SamplingTensors,
     apply_penalties,
     sample,
-    uniform_noise,
-    unit_interval,
 )
 
 OPS = TorchStepOps()  # the CPU's argmax (the torch backend's)

@@ -18,10 +18,11 @@ and a decode step runs as a CUDA graph whose launches were fixed at capture.
 
 The layer ops multiply one contiguous CUDA row with the one-row kernel (``takes_one_row``)
 and leave it the norm before (``engine.backends.deferred_norm``). The weight-only GEMM, FP8
-activations' quantization (a deferred norm's rows too, on any device), the argmax and the
-pending tokens' fill are kernels on CUDA tensors and the torch backend's ops on others: on
-the CPU, in Triton's interpreter (for tests), attention, the norms, the activation and MXFP4
-experts' products are interpreted kernels and the other products PyTorch's.
+activations' quantization (a deferred norm's rows too, on any device), the argmax and
+sampling's draw, and the pending tokens' fill are kernels on CUDA tensors and the torch
+backend's ops on others: on the CPU, in Triton's interpreter (for tests), attention, the
+norms, the activation and MXFP4 experts' products are interpreted kernels and the other
+products PyTorch's.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from engine.backends.triton import (
     rotary_store_kv,
     silu_and_mul,
 )
-from engine.backends.triton.argmax import argmax_rows
+from engine.backends.triton.argmax import argmax_rows, sample_rows
 from engine.backends.triton.fp8_matmul import fp8_matmul
 from engine.backends.triton.fp8_quantize import quantize_rows_fp8
 from engine.backends.triton.fused_moe import fused_moe
@@ -314,13 +315,25 @@ class TritonLayerOps(TorchLayerOps):
 
 class TritonStepOps(TorchStepOps):
     """A kernel each where PyTorch launches several or reduces a row in one thread block
-    (``argmax``, ``pending_tokens``, ``graph_inputs``; the grammar library's for its masks):
+    (``argmax``, its sampling too, ``pending_tokens``, ``graph_inputs``; the grammar
+    library's for its masks):
     between two steps' CUDA graphs each launch leaves the device a gap."""
 
     def argmax_rows(self, values: torch.Tensor) -> torch.Tensor:
         if values.is_cuda:
             return argmax_rows(values)
         return super().argmax_rows(values)
+
+    def sample_rows(
+        self,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        seed: torch.Tensor,
+        step: torch.Tensor,
+    ) -> torch.Tensor:
+        if logits.is_cuda:
+            return sample_rows(logits, temperature, seed, step)
+        return super().sample_rows(logits, temperature, seed, step)
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         if not logits.is_cuda:

@@ -1,0 +1,100 @@
+"""What a sampled step's draw costs: ``tandem bench kernels --sampler``.
+
+A step whose rows sample (temperature above 0: an OpenAI client's default) draws each row's
+token by the exponential race over float32 logits [B, V] (``StepOps.sample_rows``). The
+torch backend's reference (``sampling_noise.race_sample``) hashes the random numbers as
+int64 tensors, some thirty [B, V] passes and as many kernel launches; the Triton backend's
+kernel hashes them in registers while it reads the logits once (``triton/argmax.py``). Both,
+and the greedy argmax beside them, at the vocabularies of the default shapes and batch sizes
+1-256:
+
+- device: the draw replayed from a CUDA graph after an L2 flush (``time_ms``), and its
+  logits' bytes over that time against the measured copy bandwidth;
+- wall: the draw launched eagerly and waited for, as the engine launches it after each
+  step's graph (the host's launches included), median of ``WALL_REPEATS``.
+
+Each case first checks that the kernel draws the reference's tokens.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine.backends.sampling_noise import race_sample
+from engine.backends.triton.argmax import argmax_rows, sample_rows
+
+# Llama 3's (the 1B and 8B shapes), Qwen3's and SmolLM2's vocabularies.
+VOCABULARIES = (128256, 151936, 49152)
+WALL_REPEATS = 20
+CUDA = torch.device("cuda")
+
+
+def _wall_ms(run: Callable[[], object], device: torch.device) -> float:
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    run()
+    timings = []
+    for _ in range(WALL_REPEATS):
+        synchronize()
+        started = time.perf_counter()
+        run()
+        synchronize()
+        timings.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(timings)
+
+
+def sampler_case(
+    vocab: int,
+    batch: int,
+    bytes_per_s: float,
+    time_ms: Callable[[Callable[[], None]], float],
+    device: torch.device = CUDA,
+) -> str:
+    """One row of the table: the draw of ``batch`` rows of ``vocab`` logits, checked first
+    (on the CPU, in Triton's interpreter, for a test)."""
+    logits = torch.randn(batch, vocab, device=device) * 4
+    params = (
+        torch.ones(batch, device=device),  # temperature
+        torch.arange(batch, device=device) * 7919 + 1,  # seed
+        torch.full((batch,), 100, device=device),  # step
+    )
+    got, expected = sample_rows(logits, *params), race_sample(logits, *params)
+    # Equal but where two scores tie within float32 rounding: none should, at random.
+    assert torch.equal(got, expected), (vocab, batch, (got != expected).sum().item())
+
+    def reference() -> None:
+        race_sample(logits, *params)
+
+    def kernel() -> None:
+        sample_rows(logits, *params)
+
+    greedy_us = time_ms(lambda: argmax_rows(logits)) * 1e3
+    torch_us, kernel_us = time_ms(reference) * 1e3, time_ms(kernel) * 1e3
+    share = logits.numel() * logits.element_size() / (kernel_us / 1e6) / bytes_per_s
+    torch_wall, kernel_wall = _wall_ms(reference, device) * 1e3, _wall_ms(kernel, device) * 1e3
+    return (
+        f"{vocab:7d} {batch:6d} {greedy_us:10.1f} {torch_us:9.1f} {kernel_us:10.1f} "
+        f"{share:8.0%} {torch_wall:9.0f}us {kernel_wall:10.0f}us"
+    )
+
+
+def run_sampler(
+    batches: list[int],
+    bytes_per_s: float,
+    time_ms: Callable[[Callable[[], None]], float],
+) -> None:
+    print("\nsampling's draw, every row at temperature 1 (greedy: the argmax alone)")
+    print(
+        f"{'vocab':>7} {'batch':>6} {'greedy us':>10} {'torch us':>9} {'kernel us':>10} "
+        f"{'of copy':>8} {'torch wall':>11} {'kernel wall':>12}"
+    )
+    for vocab in VOCABULARIES:
+        for batch in batches:
+            print(sampler_case(vocab, batch, bytes_per_s, time_ms), flush=True)
+            torch.cuda.empty_cache()
