@@ -454,22 +454,26 @@ PY
       m=$(config_only qwen3-0.6b)
       timeout 200 python3 scripts/bench_offline.py --model "$m" --load-format dummy --runs 3 2>&1 \
         | tee "$out/offline-qwen3.log" | grep -E "engine start|^tandem, (median|range)|^prefill" ;;
-    sampler)  # issue 37 (about 4 minutes): a sampled step's draw in one kernel
-      # (engine/backends/triton/argmax.py's race): its test against the reference natively,
-      # the draw timed against PyTorch's tensors, then the 1B's offline workload sampled at
-      # temperature 1 (BASE=dir runs it on that tree too: the engine before the kernel, with
+    sampler)  # issue 37 (about 5 minutes): a sampled step's draw in Triton kernels
+      # (engine/backends/triton/argmax.py's race; nucleus.py's within min-p/top-k/top-p, no
+      # sort): their tests against the reference natively, the draws timed against PyTorch's
+      # tensors, then the 1B's offline workload sampled at temperature 1, and within top-p 0.9
+      # and top-k 20 (BASE=dir runs it on that tree too: the engine before the kernels, with
       # this tree's tandem/bench/offline.py, which --temperature needs)
       timeout 200 python3 -m pytest -q tests/engine/test_kernels.py -p no:cacheprovider \
-        -k "argmax or sample_rows" 2>&1 | tee "$out/sampler-tests.log" | grep -E "passed|failed|Error" | tail -4
+        -k "argmax or sample_rows or sampling_within" 2>&1 | tee "$out/sampler-tests.log" \
+        | grep -E "passed|failed|Error" | tail -4
       timeout 300 python3 scripts/bench_kernels.py --sampler --batches 1 8 64 256 2>&1 \
-        | tee "$out/sampler.log" | tail -14
+        | tee "$out/sampler.log" | grep -E "^ *[0-9]|cut:" | tail -40
       m=$(config_only "${SHAPE:-llama-3.2-1b}")
-      for tree in ${BASE:+"$BASE"} .; do
-        name=head; [ "$tree" = . ] || name=base
-        echo "$name: $(cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 240 python3 \
-          scripts/bench_offline.py --model "$m" --load-format dummy --runs 2 --temperature 1 2>&1 \
-          | tee "$out/sampled-offline-$name.log" | grep -E "^tandem, (median|range)" | tr -s ' ' \
-          | paste -sd ';')"
+      for flags in "--temperature 1" "--temperature 1 --top-p 0.9 --top-k 20"; do
+        for tree in ${BASE:+"$BASE"} .; do
+          name=head; [ "$tree" = . ] || name=base
+          echo "$name $flags: $(cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 240 python3 \
+            scripts/bench_offline.py --model "$m" --load-format dummy --runs 2 $flags 2>&1 \
+            | tee "$out/sampled-offline-$name-${flags// /}.log" \
+            | grep -E "^tandem, (median|range)" | tr -s ' ' | paste -sd ';')"
+        done
       done ;;
     l2-prefetch)  # issue 37 (about 2 minutes): would a batch-1 step gain from the o projection's
       # weights prefetched into L2 while attention runs? (tandem/bench/l2_prefetch.py: the 8B

@@ -14,6 +14,8 @@ from typing import Protocol
 
 import torch
 
+from engine.backends.sampling_draw import Cuts
+
 
 class StepOps(Protocol):
     def argmax_rows(self, values: torch.Tensor) -> torch.Tensor:
@@ -26,12 +28,14 @@ class StepOps(Protocol):
         temperature: torch.Tensor,
         seed: torch.Tensor,
         step: torch.Tensor,
+        cuts: Cuts | None,
     ) -> torch.Tensor:
         """A token [B] (int64) of each row of float32 ``logits`` [B, V]: its argmax where its
-        ``temperature`` [B] (float32) is 0, else a draw from the softmax at that temperature:
-        the exponential race of ``engine/backends/sampling_noise.py`` (``race_sample``) over
-        the random numbers of the row's ``seed`` and output index ``step`` [B] (int64). Tokens
-        at -inf are never drawn."""
+        ``temperature`` [B] (float32) is 0, else a draw from the softmax at that temperature
+        over what its ``cuts`` keep (None: nothing cut): the exponential race of
+        ``engine/backends/sampling_draw.py`` (``race_sample``) over the random numbers of the
+        row's ``seed`` and output index ``step`` [B] (int64). Tokens at -inf are never
+        drawn."""
         ...
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:

@@ -21,6 +21,9 @@ steps reach all of them, and every sampling path:
   batch with its residual, reaches the LM head as one row whose norm adds a residual, which
   batch-1 decode steps no longer do (their o and down projections add the stream
   themselves), and a prompt graph never does (its LM head computes its padded rows);
+- the sampled rows' draws the steps did not make, a kernel variant each: the uncut race,
+  and the races within min-p alone and with top-p (the steps drew within top-k and top-p),
+  over logits of zeros (``sample``: nothing but the draw);
 - where decode may run eagerly (no graphs, or batches beyond the largest one), eager decodes
   of one sequence at the longest context (split-K) and of max_num_seqs at one token; where
   verify steps may (speculative decoding), the same two as verify steps (the decode
@@ -43,6 +46,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.execution.batch import sampling_tensors
+from engine.sampling.sampler import sample
 from engine.scheduling.request import Request, RequestStatus
 from protocol import SamplingParams
 
@@ -54,6 +59,11 @@ logger = logging.getLogger(__name__)
 _PROMPT_LEN = 37  # odd, and beyond a block: nothing in the variants depends on it anyway
 _GREEDY = SamplingParams(max_tokens=2, temperature=0.0)
 _SAMPLED = SamplingParams(max_tokens=2, temperature=0.8, top_p=0.9, top_k=20, logprobs=2)
+_OTHER_DRAWS = [
+    SamplingParams(temperature=0.8),
+    SamplingParams(temperature=0.8, min_p=0.1),
+    SamplingParams(temperature=0.8, min_p=0.1, top_p=0.9),
+]
 
 
 def _request(
@@ -94,6 +104,13 @@ def warm_up(runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens: int)
         # A small model's graphs take a step's whole budget: its prompt run op by op alone.
         runner.forward_eager(runner.step_inputs([_request(2, _PROMPT_LEN, _GREEDY, block_size)]))
     num_steps = 3
+    vocab_size = runner.model_config.vocab_size
+    logits = torch.zeros(1, vocab_size, device=runner.device)
+    no_pending = torch.empty(0, dtype=torch.int64, device=runner.device)
+    for index, sampling in enumerate(_OTHER_DRAWS):
+        row = [_request(3 + index, 1, sampling, block_size)]
+        params = sampling_tensors(row, vocab_size, runner.device, no_pending, runner.eos_token_ids)
+        sample(logits, params, runner.backend.step_ops)
     decode_graphs, verify_graphs = runner.decode_graphs, runner.verify_graphs
     eager_decodes = decode_graphs is None or not decode_graphs.fits(max_num_seqs)
     num_drafts = max(runner.verify_query_len - 1, 0)

@@ -1,7 +1,7 @@
 """Choosing the next token of every sequence in the batch at once.
 
 Randomness is a pure function of (request seed, output index, token id)
-(``engine/backends/sampling_noise.py``), so a seeded request gives the same tokens whatever
+(``engine/backends/sampling_draw.py``), so a seeded request gives the same tokens whatever
 else shares its batch, and the whole batch samples with no Python loop over rows. The draw
 itself is the backend's (``StepOps.sample_rows``, the exponential race, and
 ``StepOps.argmax_rows`` for an all-greedy step): one kernel of the Triton backend's on CUDA
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.backends.sampling_draw import Cuts
 from engine.backends.step_ops import StepOps
 
 
@@ -94,24 +95,11 @@ def sample(logits: torch.Tensor, params: SamplingTensors | None, ops: StepOps) -
     if params is None:
         return ops.argmax_rows(logits)
     logits = process_logits(logits, params)
+    cuts = None
     if params.min_p is not None or params.any_top_k_or_p:
-        logits = apply_cuts(logits, params)
-    return ops.sample_rows(logits, params.temperature, params.seed, params.step)
-
-
-def apply_cuts(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-    """-inf for each token that a sampled row's min_p, top-k or top-p cut from its
-    distribution at its temperature (then the race draws from what is left, renormalized, as
-    vLLM samples); greedy rows as they were, their argmax never cut."""
-    is_greedy = params.temperature == 0
-    temperature = torch.where(is_greedy, torch.ones_like(params.temperature), params.temperature)
-    probs = torch.softmax(logits / temperature.unsqueeze(1), dim=-1)
-    if params.min_p is not None:
-        probs = apply_min_p(probs, params.min_p)
-    if params.any_top_k_or_p:
-        probs = _apply_top_k_top_p(probs, params.top_k, params.top_p)
-    cut = (probs == 0) & ~is_greedy.unsqueeze(1)
-    return logits.masked_fill(cut, float("-inf"))
+        top = (params.top_p, params.top_k) if params.any_top_k_or_p else (None, None)
+        cuts = Cuts(*top, params.min_p)
+    return ops.sample_rows(logits, params.temperature, params.seed, params.step, cuts)
 
 
 def process_logits(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
@@ -168,14 +156,6 @@ def apply_bans(logits: torch.Tensor, banned: BannedTokens) -> torch.Tensor:
     return logits.index_put((banned.rows, banned.token_ids), penalty, accumulate=True)
 
 
-def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Zero each row's probabilities below min_p times its largest, and renormalize (so that
-    top-p, after it, measures what is left)."""
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-    kept = probs.masked_fill(probs < threshold, 0.0)
-    return kept / kept.sum(dim=-1, keepdim=True)
-
-
 def token_logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, num_top: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -202,16 +182,3 @@ def _chosen_and_top(
     chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
     top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
     return chosen, top_logprobs, top_ids
-
-
-def _apply_top_k_top_p(
-    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    """Zero the probabilities outside each row's top-k and top-p nucleus."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(probs.shape[1], device=probs.device)
-    # A token stays if the mass ranked above it is below top_p; the top token always stays,
-    # also where top_p rounds to 0 in float32 (it then kept none).
-    keep = ((sorted_probs.cumsum(dim=-1) - sorted_probs) < top_p.unsqueeze(1)) | (rank == 0)
-    keep &= (top_k.unsqueeze(1) == 0) | (rank < top_k.unsqueeze(1))
-    return torch.zeros_like(probs).scatter_(1, order, sorted_probs * keep)

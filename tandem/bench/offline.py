@@ -6,7 +6,7 @@
                          [--tensor-parallel-size N] [--load-format dummy]
                          [--kv-cache-dtype fp8] [--quantization fp8|int8]
                          [--repeat-prompts] [--num-kv-blocks N] [--json-out FILE]
-                         [--profile-steps] [--temperature T [--top-p P]]
+                         [--profile-steps] [--temperature T [--top-p P] [--top-k K]]
 
 256 requests with input and output lengths uniform in [100, 1024] (random token
 ids; the lengths from seed 0, each run's prompts from a seed of its own, so that no run
@@ -36,8 +36,9 @@ read once a token position of the longest request, every K/V byte, every FLOP, r
 computing overlapped across the run), and the run's share of it are printed beside it.
 
 Greedy by default; with --temperature T every token is sampled at T (and within top-p P
-with --top-p), each request seeded by the engine: what a served model's clients get, whose
-OpenAI API samples at temperature 1 unless a request says otherwise.
+and top-k K with --top-p and --top-k), each request seeded by the engine: what a served
+model's clients get, whose OpenAI API samples at temperature 1 unless a request says
+otherwise, within the model's generation config's top-p and top-k where it sets them.
 
 With --peer, Hugging Face transformers' own batched generate() runs on the same weights
 and GPU in the same run: prompts left-padded in batches of --peer-batch-size, each batch
@@ -459,6 +460,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--top-p", type=float, default=1.0, help="and within this nucleus (default 1: all)"
     )
+    parser.add_argument(
+        "--top-k", type=int, default=0, help="and among this many tokens (default 0: all)"
+    )
     parser.add_argument("--json-out", type=Path, help="also write the engine's figures here")
     parser.add_argument(
         "--profile-steps",
@@ -491,7 +495,7 @@ def main(argv: list[str] | None = None) -> None:
     start_s = time.perf_counter() - started
     # Under tensor parallelism rank 0's share of the model: each GPU's bound, run in parallel.
     cost = engine.runner.model_cost
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     constrained = constrained_indices(args.num_requests, args.structured_fraction)
     constraint = None
     if constrained:
@@ -561,6 +565,7 @@ def main(argv: list[str] | None = None) -> None:
     if sampling.temperature > 0:
         structured += f", sampled at temperature {sampling.temperature:g}"
         structured += f" within top-p {sampling.top_p:g}" if sampling.top_p < 1 else ""
+        structured += f" and top-k {sampling.top_k}" if sampling.top_k else ""
     print(
         f"\n{args.model}: {args.num_requests} requests, lengths uniform in "
         f"[{args.min_len}, {args.max_len}], ignore_eos{structured}, device {args.device}, "

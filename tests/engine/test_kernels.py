@@ -26,7 +26,7 @@ from engine.backends.attention import AttentionMetadata, LayerKVCache, Rotary
 from engine.backends.deferred_norm import DeferredNorm
 from engine.backends.pytorch import TorchLayerOps, TorchPagedAttention, apply_rotary, with_bias
 from engine.backends.pytorch import store_kv as store_kv_reference
-from engine.backends.sampling_noise import race_sample
+from engine.backends.sampling_draw import Cuts, race_sample
 from engine.backends.triton import (
     add_rms_norm,
     decode_num_splits,
@@ -44,6 +44,7 @@ from engine.backends.triton.fp8_decode import (
     uses_fp8_decode_kernel,
 )
 from engine.backends.triton.fp8_widen import widen, widen_factor
+from engine.backends.triton.nucleus import sample_within_cuts
 from engine.backends.triton.one_row_matmul import one_row_matmul
 from engine.backends.triton.paged_attention import decode_split_counts, merge_splits
 from engine.execution.batch import pad_verify
@@ -944,3 +945,40 @@ def test_sample_rows_draws_the_reference_race_tokens() -> None:
     moved = sample_rows(logits, temperature, seed, step + 1)
     assert not torch.equal(moved[temperature > 0], got[temperature > 0])
     assert torch.equal(moved, race_sample(logits, temperature, seed, step + 1))
+
+
+@pytest.mark.parametrize("with_min_p", [False, True])
+def test_sampling_within_cuts_draws_the_reference_tokens_without_a_sort(with_min_p: bool) -> None:
+    """The sort-free kernel draws the reference's token (which sorts each row) for rows
+    cut by top-p alone, top-k alone, both, min-p, and by nothing beside them, greedy rows
+    too; at several output indices, so that races are rejected and run again (a token
+    past top-p or top-k wins the first race of some rows). Logits of a language model's
+    spread: a few likely tokens, a long tail."""
+    rows = 16
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(rows, 5000, generator=generator) * 2.5
+    logits[:, :12] += 6.0  # a head of likely tokens
+    logits[3, 100:] = -float("inf")  # a grammar's or a ban's cut
+    logits = logits.to(DEVICE)
+    floats = torch.zeros(rows, 6, device=DEVICE)  # packed, as sampling_tensors packs them
+    floats[:, 0] = torch.tensor([1.0, 0.7, 1.5, 1.0, 0.0, 1.0, 2.0, 0.9] * 2)  # temperature
+    floats[:, 1] = torch.tensor([0.9, 1.0, 0.5, 0.95, 0.9, 1.0, 0.8, 0.3] * 2)  # top-p
+    floats[:, 5] = torch.tensor([0.0, 0.1, 0.0, 0.05, 0.2, 0.0, 0.02, 0.0] * 2)  # min-p
+    ints = torch.zeros(rows, 3, dtype=torch.int64, device=DEVICE)
+    ints[:, 0] = torch.tensor([0, 20, 5, 0, 3, 0, 50, 1] * 2)  # top-k
+    ints[:, 1] = torch.arange(rows) * 7919 - 5  # seed
+    min_p = floats[:, 5] if with_min_p else None
+    cuts = Cuts(floats[:, 1], ints[:, 0], min_p)
+    temperature, seed = floats[:, 0], ints[:, 1]
+    rejected = 0
+    for output_index in range(12):
+        step = ints[:, 2] + output_index
+        expected = race_sample(logits, temperature, seed, step, cuts)
+        got = sample_within_cuts(logits, temperature, seed, step, cuts)
+        assert torch.equal(got, expected), (output_index, got, expected)
+        rejected += int((race_sample(logits, temperature, seed, step) != expected).sum())
+    assert rejected > 0  # some rows' uncut draws fell outside their cuts
+    # No cut but min-p: nothing sorted in the reference either.
+    only_min_p = Cuts(None, None, floats[:, 5])
+    args = (logits, temperature, seed, ints[:, 2], only_min_p)
+    assert torch.equal(sample_within_cuts(*args), race_sample(*args))

@@ -3,7 +3,7 @@
 import torch
 
 from engine.backends.pytorch import TorchStepOps
-from engine.backends.sampling_noise import uniform_noise, unit_interval
+from engine.backends.sampling_draw import uniform_noise, unit_interval
 from engine.sampling.sampler import (
     Penalties,
     SamplingTensors,

@@ -167,7 +167,8 @@ def test_the_triton_backend_launches_its_kernels(tiny: Path, quantization: str |
     print(f"\n{quantization or 'bf16'}: {sum(launches.values())} Triton launches, {dict(launches)}")
     expected = {
         "_one_row_kernel",  # batch-1 linear layers
-        "_chunk_argmax_kernel",  # the sampler's argmax
+        "_chunk_argmax_kernel",  # the sampler's argmax, and its uncut race
+        "_nucleus_kernel",  # the draw within top-k, top-p and min-p (nucleus.py)
         "_fill_pending_tokens_kernel",  # overlapped steps' inputs
         "_fill_graph_inputs_kernel",  # the decode graphs' inputs
     }

@@ -19,6 +19,7 @@ import engine.backends.triton.fp8_decode
 import engine.backends.triton.fp8_quantize
 import engine.backends.triton.graph_inputs
 import engine.backends.triton.norm
+import engine.backends.triton.nucleus
 import engine.backends.triton.one_row_matmul
 import engine.backends.triton.one_row_qkv
 import engine.backends.triton.paged_attention
@@ -36,6 +37,7 @@ KERNEL_MODULES = [
     engine.backends.triton.fp8_quantize,
     engine.backends.triton.graph_inputs,
     engine.backends.triton.norm,
+    engine.backends.triton.nucleus,
     engine.backends.triton.one_row_matmul,
     engine.backends.triton.one_row_qkv,
     engine.backends.triton.paged_attention,
@@ -75,8 +77,9 @@ def forget_compiled_variants() -> None:
 
 def varied_workload(engine: LLMEngine) -> float:
     """Prompts of odd and even lengths, chunked and mixed with decodes, batches of every
-    size as requests come and go, greedy and sampled, with and without log-probabilities,
-    and one long prompt decoded alone at the end; the first request's TTFT in seconds."""
+    size as requests come and go, greedy and sampled (uncut, within top-p, min-p or both),
+    with and without log-probabilities, and one long prompt decoded alone at the end; the
+    first request's TTFT in seconds."""
     generator = torch.Generator().manual_seed(5)
     first = SamplingParams(max_tokens=1)
     started = time.perf_counter()
@@ -91,7 +94,8 @@ def varied_workload(engine: LLMEngine) -> float:
             max_tokens=1 + i % 37,
             ignore_eos=True,
             temperature=0.0 if i % 2 else 0.7,
-            top_p=0.9,
+            top_p=0.9 if i % 4 else 1.0,  # steps drawn within top-p, and uncut
+            min_p=0.05 if i % 5 == 0 else 0.0,
             logprobs=2 if i % 3 == 0 else None,
         )
         engine.add_request(b"gpu", str(i), prompt, sampling)

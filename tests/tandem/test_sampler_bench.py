@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from tandem.bench.sampler_kernel import sampler_case
+from tandem.bench.sampler_kernel import CUTS, sampler_case
 
 
 def test_sampler_case_checks_the_kernel_against_the_reference_then_times_both() -> None:
@@ -18,6 +18,7 @@ def test_sampler_case_checks_the_kernel_against_the_reference_then_times_both() 
         timed.append(run)
         return 0.01
 
-    row = sampler_case(5000, 3, 1e12, time_ms, torch.device("cpu"))
-    assert len(timed) == 3  # greedy, the reference, the kernel
-    assert row.split()[:2] == ["5000", "3"]
+    for cut in CUTS.values():
+        row = sampler_case(5000, 3, cut, 1e12, time_ms, torch.device("cpu"))
+        assert row.split()[:2] == ["5000", "3"]
+    assert len(timed) == 3 * len(CUTS)  # greedy, the reference, the kernel

@@ -9,7 +9,7 @@ and the second picks each row's winner among its chunks'. Ties go to the lowest 
 what they specialize on is the same for every step of a model.
 
 Sampling (``sample_rows``) is the same two passes over a score: a sampled row's token is the
-exponential race's winner, argmax_i p_i / E_i (``sampling_noise.race_sample``), which is
+exponential race's winner, argmax_i p_i / E_i (``sampling_draw.race_sample``), which is
 argmax_i logit_i / T - log E_i, the softmax's sum and max being the row's constants. The
 first pass hashes each token's random number in registers, the bits ``uniform_noise``
 gives, as it reads the logits: one read of them, where PyTorch's ops (the torch backend's)
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.backends.sampling_noise import (
+from engine.backends.sampling_draw import (
     COLUMN_MULTIPLIER,
     MASK32,
     MIX_MULTIPLIER,
@@ -42,7 +42,7 @@ _LOW_BITS = tl.constexpr(MASK32)
 
 @triton.jit
 def _mix32(x):
-    """``sampling_noise.mix32`` on uint32 lanes: their products wrap at 2**32, as its masks
+    """``sampling_draw.mix32`` on uint32 lanes: their products wrap at 2**32, as its masks
     make the int64 lanes' do."""
     x = x ^ (x >> 16)
     x = x * _MIX
@@ -52,25 +52,35 @@ def _mix32(x):
 
 
 @triton.jit
+def row_key(seed, step):
+    """``sampling_draw.row_keys`` of one row's seed and output index (int64), as uint32."""
+    low = (seed & _LOW_BITS).to(tl.uint32)
+    high = ((seed >> 32) & _LOW_BITS).to(tl.uint32)
+    key = _mix32(low) ^ _mix32(high ^ _SALT)
+    return _mix32(key + _mix32((step & _LOW_BITS).to(tl.uint32)))
+
+
+@triton.jit
+def log_race(key, cols):
+    """log E at token ids ``cols`` of the row of ``key``: E = -log U, U ``uniform_noise``'s
+    (its bits, then ``unit_interval``'s float). The race's score is logit / T - log E."""
+    bits = _mix32(_mix32(key ^ (cols.to(tl.uint32) * _COLUMN)))
+    uniform = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608)
+    return tl.log(-tl.log(uniform))
+
+
+@triton.jit
 def _race_scores(logits, cols, row, temperature_ptr, seed_ptr, step_ptr, param_strides):
-    """logits / T - log E over a chunk of a sampled row (``race_sample``'s order), E = -log U
-    of its random numbers; a greedy row's logits as they are. ``param_strides``: the three
-    row parameters' strides (columns of the step's packed parameters)."""
+    """logits / T - log E over a chunk of a sampled row (``race_sample``'s order); a greedy
+    row's logits as they are. ``param_strides``: the three row parameters' strides (columns
+    of the step's packed parameters)."""
     stride_temperature, stride_seed, stride_step = param_strides
     temperature = tl.load(temperature_ptr + row * stride_temperature)
     scores = logits
     if temperature != 0:
         seed = tl.load(seed_ptr + row * stride_seed)
-        # sampling_noise.row_keys, on uint32 lanes.
-        low = (seed & _LOW_BITS).to(tl.uint32)
-        high = ((seed >> 32) & _LOW_BITS).to(tl.uint32)
-        key = _mix32(low) ^ _mix32(high ^ _SALT)
-        step = (tl.load(step_ptr + row * stride_step) & _LOW_BITS).to(tl.uint32)
-        key = _mix32(key + _mix32(step))
-        bits = _mix32(_mix32(key ^ (cols.to(tl.uint32) * _COLUMN)))
-        uniform = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608)  # unit_interval's
-        race = -tl.log(uniform)
-        scores = logits / temperature - tl.log(race)
+        key = row_key(seed, tl.load(step_ptr + row * stride_step))
+        scores = logits / temperature - log_race(key, cols)
     return scores
 
 

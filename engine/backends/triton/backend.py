@@ -41,6 +41,7 @@ from engine.backends.attention import (
 from engine.backends.deferred_norm import DeferredNorm, LinearInput
 from engine.backends.layer_ops import ClampedSwiGLU
 from engine.backends.pytorch import TorchLayerOps, TorchStepOps
+from engine.backends.sampling_draw import Cuts
 from engine.backends.triton import (
     add_rms_norm,
     one_row_qkv_rotary_store,
@@ -49,13 +50,14 @@ from engine.backends.triton import (
     rotary_store_kv,
     silu_and_mul,
 )
-from engine.backends.triton.argmax import argmax_rows, sample_rows
+from engine.backends.triton.argmax import argmax_rows
 from engine.backends.triton.fp8_matmul import fp8_matmul
 from engine.backends.triton.fp8_quantize import quantize_rows_fp8
 from engine.backends.triton.fused_moe import fused_moe
 from engine.backends.triton.graph_inputs import fill_graph_inputs
 from engine.backends.triton.moe_route import moe_route
 from engine.backends.triton.mxfp4_moe import mxfp4_moe
+from engine.backends.triton.nucleus import draw_tokens
 from engine.backends.triton.one_row_matmul import one_row_matmul
 from engine.backends.triton.pending_tokens import fill_pending_tokens
 from engine.backends.triton.push_all_reduce import PushAllReduce, push_all_reduce
@@ -330,10 +332,11 @@ class TritonStepOps(TorchStepOps):
         temperature: torch.Tensor,
         seed: torch.Tensor,
         step: torch.Tensor,
+        cuts: Cuts | None,
     ) -> torch.Tensor:
         if logits.is_cuda:
-            return sample_rows(logits, temperature, seed, step)
-        return super().sample_rows(logits, temperature, seed, step)
+            return draw_tokens(logits, temperature, seed, step, cuts)
+        return super().sample_rows(logits, temperature, seed, step, cuts)
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         if not logits.is_cuda:

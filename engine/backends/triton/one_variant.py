@@ -35,8 +35,10 @@ from engine.backends.triton.dependent_launch import launch_options
 
 
 class OneVariantKernel:
-    def __init__(self, kernel: triton.JITFunction) -> None:
+    def __init__(self, kernel: triton.JITFunction, num_warps: int | None = None) -> None:
+        """``num_warps``: the kernel's, where not Triton's default."""
         self.kernel = kernel
+        self._options = {} if num_warps is None else {"num_warps": num_warps}
         self._compiled: dict[tuple[int | None, Hashable], CompiledKernel] = {}
 
     def launch(
@@ -48,7 +50,7 @@ class OneVariantKernel:
         key = (device.index, variant)
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = self.kernel[grid](*args, **launch_options(device))
+            compiled = self.kernel[grid](*args, **self._options, **launch_options(device))
             if isinstance(compiled, CompiledKernel):  # not under the interpreter
                 self._compiled[key] = compiled
             return
