@@ -422,13 +422,18 @@ def _output_token_counts(
 ) -> torch.Tensor:
     """[B, V] float32: how often each request has generated each token, its pending one
     included."""
-    lengths = [len(r.output_token_ids) for r in rows]
+    histories = []
+    for request in rows:  # each request's tokens since the last step, not its whole output
+        history = request.penalized_token_array
+        history.extend(request.output_token_ids[len(history) :])
+        histories.append(np.frombuffer(history, np.int64))
+    lengths = [history.size for history in histories]
     total = sum(lengths)
     pending_rows, sources = _pending(rows)
     known_rows, known_tokens, pending_t, sources_t = to_device(
         [
             np.repeat(np.arange(len(rows)), lengths),
-            np.fromiter(chain.from_iterable(r.output_token_ids for r in rows), np.int64, total),
+            np.concatenate(histories) if histories else np.empty(0, np.int64),
             pending_rows,
             sources,
         ],

@@ -75,6 +75,10 @@ class Request:
     # With a repetition penalty: the prompt's tokens as a [V] bool mask on the device, made
     # once by the first step that needs it (engine/execution/batch.py).
     prompt_token_mask: torch.Tensor | None = None
+    # With a presence, frequency or repetition penalty: its output tokens as int64, which
+    # each step's penalties extend by the tokens since (engine/execution/batch.py), so that
+    # a batch's histories join by buffer rather than token by token.
+    penalized_token_array: array[int] = field(default_factory=lambda: array("q"))
     # Its prompt and output as one array, token_array[:num_arrayed_tokens], which the n-gram
     # proposer (speculative decoding) extends as the output grows.
     token_array: np.ndarray | None = None
