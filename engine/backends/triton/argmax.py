@@ -32,7 +32,7 @@ from engine.backends.sampling_draw import (
 from engine.backends.triton.dependent_launch import let_next_kernel_start, wait_for_previous_kernel
 from engine.backends.triton.one_variant import OneVariantKernel
 
-_BLOCK = 4096
+CHUNK = 4096  # tokens a program of the first pass reads
 # A kernel reads only constexpr globals.
 _MIX = tl.constexpr(MIX_MULTIPLIER)
 _SALT = tl.constexpr(SEED_HIGH_SALT)
@@ -89,6 +89,7 @@ def _chunk_argmax_kernel(
     logits_ptr,
     values_ptr,
     indices_ptr,
+    maxes_ptr,
     temperature_ptr,
     seed_ptr,
     step_ptr,
@@ -100,23 +101,27 @@ def _chunk_argmax_kernel(
     stride_step,
     BLOCK: tl.constexpr,
     RACE: tl.constexpr,
+    STORE_MAX: tl.constexpr,
 ):
     """Program per (row, chunk): the chunk's largest logit (its largest race score where
-    ``RACE``) and its index."""
+    ``RACE``) and its index; where ``STORE_MAX``, its largest logit too (a race's)."""
     wait_for_previous_kernel()  # launched dependent (dependent_launch.py)
     let_next_kernel_start()
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     row_ptr = logits_ptr + row * stride_row
-    scores = tl.load(row_ptr + cols * stride_col, mask=cols < vocab_size, other=-float("inf"))
+    logits = tl.load(row_ptr + cols * stride_col, mask=cols < vocab_size, other=-float("inf"))
+    scores = logits
     if RACE:
         strides = (stride_temperature, stride_seed, stride_step)
-        scores = _race_scores(scores, cols, row, temperature_ptr, seed_ptr, step_ptr, strides)
+        scores = _race_scores(logits, cols, row, temperature_ptr, seed_ptr, step_ptr, strides)
     best = tl.argmax(scores, 0, tie_break_left=True)
     slot = row * tl.num_programs(1) + chunk
     tl.store(values_ptr + slot, tl.max(scores, 0))
     tl.store(indices_ptr + slot, chunk * BLOCK + best)
+    if STORE_MAX:
+        tl.store(maxes_ptr + slot, tl.max(logits, 0))
 
 
 @triton.jit
@@ -155,41 +160,9 @@ def sample_rows(
 def _two_passes(
     logits: torch.Tensor, race: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
 ) -> torch.Tensor:
-    num_rows, vocab_size = logits.shape
-    num_chunks = triton.cdiv(vocab_size, _BLOCK)
-    # New allocations, aligned as any the caching allocator makes: their pointers need no key.
-    values = logits.new_empty(num_rows, num_chunks)
-    indices = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=logits.device)
+    values, indices, _ = race_chunks(logits, race, store_max=False)
+    num_rows, num_chunks = values.shape
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-    stride_row, stride_col = logits.stride()
-    # Without a race its row parameters are not read: any pointers do. With one they are
-    # columns of a step's packed parameters (``sampling_tensors``): strided views.
-    params = race if race is not None else (logits, logits, logits)
-    param_strides = tuple(t.stride(0) for t in params)
-    _CHUNK_ARGMAX.launch(
-        (num_rows, num_chunks),
-        logits.device,
-        logits,
-        values,
-        indices,
-        *params,
-        vocab_size,
-        stride_row,
-        stride_col,
-        *param_strides,
-        _BLOCK,
-        race is not None,
-        # Its integers whole, whether its pointers are aligned and whether it races: all
-        # Triton specializes on.
-        variant=(
-            vocab_size,
-            stride_row,
-            stride_col,
-            param_strides,
-            tuple(t.data_ptr() % 16 == 0 for t in (logits, *params)),
-            race is not None,
-        ),
-    )
     _ROW_ARGMAX.launch(
         (num_rows,),
         logits.device,
@@ -201,3 +174,53 @@ def _two_passes(
         variant=num_chunks,
     )
     return out
+
+
+def race_chunks(
+    logits: torch.Tensor,
+    race: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    store_max: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The first pass over float32 logits [B, V] in chunks of ``CHUNK`` tokens: each chunk's
+    largest logit, or race score where ``race`` gives the rows' temperature, seed and step,
+    and its token, [B, chunks] each (float32, int32); with ``store_max``, each chunk's
+    largest logit too (else None)."""
+    num_rows, vocab_size = logits.shape
+    num_chunks = triton.cdiv(vocab_size, CHUNK)
+    # New allocations, aligned as any the caching allocator makes: their pointers need no key.
+    values = logits.new_empty(num_rows, num_chunks)
+    indices = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=logits.device)
+    maxes = logits.new_empty(num_rows, num_chunks) if store_max else None
+    stride_row, stride_col = logits.stride()
+    # Without a race its row parameters are not read: any pointers do. With one they are
+    # columns of a step's packed parameters (``sampling_tensors``): strided views.
+    params = race if race is not None else (logits, logits, logits)
+    param_strides = tuple(t.stride(0) for t in params)
+    _CHUNK_ARGMAX.launch(
+        (num_rows, num_chunks),
+        logits.device,
+        logits,
+        values,
+        indices,
+        values if maxes is None else maxes,
+        *params,
+        vocab_size,
+        stride_row,
+        stride_col,
+        *param_strides,
+        CHUNK,
+        race is not None,
+        store_max,
+        # Its integers whole, whether its pointers are aligned, whether it races and stores
+        # the maxima: all Triton specializes on.
+        variant=(
+            vocab_size,
+            stride_row,
+            stride_col,
+            param_strides,
+            tuple(t.data_ptr() % 16 == 0 for t in (logits, *params)),
+            race is not None,
+            store_max,
+        ),
+    )
+    return values, indices, maxes

@@ -1,5 +1,4 @@
-"""Sampling with cuts (min-p, top-k, top-p) without sorting the vocabulary: each row's token
-in one program, in a few passes over its logits.
+"""Sampling with cuts (min-p, top-k, top-p) without sorting the vocabulary.
 
 The reference (``sampling_draw.race_sample``) sorts each row's probabilities to find what its
 top-k and top-p keep, then races over that. A sort of [B, V] with its cumulative sum is most
@@ -9,24 +8,23 @@ The race needs no sort. The kept set N is the most probable tokens: a token is i
 min-p keeps it, fewer than top-k tokens are more probable, and their mass is below top-p of
 what min-p keeps. So, over the logits scaled by the temperature:
 
-1. race over every token min-p keeps and above a bound (none at first): the winner w, the
-   argmax of logit / T - log E as the uncut draw's (``argmax.py``);
-2. count the tokens more probable than w, and their mass: where these are within top-k and
-   top-p, w is in N, and since N lies within what was raced over, w is N's winner: done;
-3. otherwise no token of N is as improbable as w: race again over the tokens more
-   probable than w.
+1. race over every token (``argmax.race_chunks``, the uncut draw's first pass, split over
+   the row's chunks, keeping each chunk's largest logit too): the winner w;
+2. count the tokens min-p keeps that are more probable than w, and their mass, split over
+   the chunks again (``_chunk_mass_kernel``): where w is kept and these are within top-k and
+   top-p, w is in N, and since N lies within what was raced over, w is N's winner;
+3. otherwise (``_finish_kernel``, a program a row) no token of N is as improbable as w:
+   race again over the kept tokens more probable than w, count again, and so on.
 
 The most probable token is always in N, so it ends. A winner over the whole distribution is
-in N about as often as N's mass, and a winner over the tokens above a rejected one more often
-still: a row takes about one to three races, two passes each, after a pass for the largest
-logit. The token is the reference's but where tokens tie at N's boundary (its sort orders
-them arbitrarily; here a tie is kept or cut whole) or float32 sums of the masses fall on
-either side of top-p. A greedy row takes its argmax, min-p's cut of a row its
+in N about as often as N's mass (top-p, or more), and a winner over the tokens above a
+rejected one more often still, so most rows end at step 2 with the row split over the
+GPU, and the rest take a race or two more in one program. The token is the reference's but
+where tokens tie at N's boundary (its sort orders them arbitrarily; here a tie is kept or
+cut whole) or float32 sums of the masses fall on either side of top-p. A greedy row takes
+its argmax (the first pass races it without noise), min-p's cut of a row its
 ``exp(logit / T - max) >= min_p`` (the reference's probabilities against min-p times the
 largest).
-
-One program a row: a large batch fills the GPU; a small one leaves most SMs idle, each
-pass one SM's read of the row (a sampled step at batch 1 pays some tens of microseconds).
 """
 
 from __future__ import annotations
@@ -36,12 +34,16 @@ import triton
 import triton.language as tl
 
 from engine.backends.sampling_draw import Cuts
-from engine.backends.triton.argmax import log_race, row_key, sample_rows
+from engine.backends.triton.argmax import CHUNK, log_race, race_chunks, row_key, sample_rows
 from engine.backends.triton.dependent_launch import let_next_kernel_start, wait_for_previous_kernel
 from engine.backends.triton.one_variant import OneVariantKernel
 
-_BLOCK = 4096
-_NUM_WARPS = 8  # 16 logits a thread a pass: more bytes in flight for a row's one SM
+_LOOP_BLOCK = 4096  # tokens an iteration of a row's program reads
+# Races a row at most: each races only above the last one's winner, so the count is about the
+# log of the tokens between the first winner and N (top-k 1 over a flat row: some 17 of
+# 128k); a bound that a kernel cannot spin past, whatever its inputs (its last winner, kept).
+_MAX_RACES = tl.constexpr(64)
+_LOOP_WARPS = 8  # 16 logits a thread an iteration: more bytes in flight for a row's one SM
 
 
 @triton.jit
@@ -51,9 +53,110 @@ def _scaled_logits(row_ptr, cols, vocab_size, stride_col, scale):
 
 
 @triton.jit
-def _nucleus_kernel(
+def _row_cuts(row, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, strides, HAS_TOP, HAS_MIN_P):
+    """A row's temperature as a divisor (1 for a greedy row), top-p, top-k and min-p (a greedy
+    row's none: its argmax is kept), and whether anything cuts its draw."""
+    stride_temperature, stride_top_p, stride_top_k, stride_min_p = strides
+    temperature = tl.load(temperature_ptr + row * stride_temperature)
+    sampled = temperature != 0
+    top_p = 1.0
+    top_k = 0
+    min_p = 0.0
+    if HAS_TOP:
+        top_p = tl.load(top_p_ptr + row * stride_top_p)
+        top_k = tl.load(top_k_ptr + row * stride_top_k)
+    if HAS_MIN_P:
+        min_p = tl.load(min_p_ptr + row * stride_min_p)
+    min_p = tl.where(sampled, min_p, 0.0)
+    cut = sampled & ((top_p < 1.0) | (top_k > 0) | (min_p > 0.0))
+    return tl.where(sampled, temperature, 1.0), top_p, top_k, min_p, cut
+
+
+@triton.jit
+def _race_winner(values_ptr, indices_ptr, maxes_ptr, row, num_chunks, BLOCK_CHUNKS):
+    """The first pass's winner of a row from its chunks' (the first chunk wins a tie, as
+    torch's argmax), and the row's largest logit."""
+    chunks = tl.arange(0, BLOCK_CHUNKS)
+    mask = chunks < num_chunks
+    at = row * num_chunks + chunks
+    values = tl.load(values_ptr + at, mask=mask, other=-float("inf"))
+    best = tl.argmax(values, 0, tie_break_left=True)
+    largest = tl.max(tl.load(maxes_ptr + at, mask=mask, other=-float("inf")), 0)
+    return tl.load(indices_ptr + row * num_chunks + best), largest
+
+
+@triton.jit
+def _masses_above(x, largest, min_p, bound):
+    """Over a block of scaled logits: the mass (relative to the largest's) of the tokens
+    min-p keeps that are above ``bound``, how many they are, and the mass min-p keeps."""
+    mass = tl.exp(x - largest)  # 0 at -inf
+    kept = mass >= min_p
+    above = kept & (x > bound)
+    return (
+        tl.sum(tl.where(above, mass, 0.0), 0),
+        tl.sum(above.to(tl.int32), 0),
+        tl.sum(tl.where(kept, mass, 0.0), 0),
+    )
+
+
+@triton.jit
+def _chunk_mass_kernel(
+    logits_ptr,
+    values_ptr,
+    indices_ptr,
+    maxes_ptr,
+    partials_ptr,
+    temperature_ptr,
+    top_p_ptr,
+    top_k_ptr,
+    min_p_ptr,
+    vocab_size,
+    stride_row,
+    stride_col,
+    stride_temperature,
+    stride_top_p,
+    stride_top_k,
+    stride_min_p,
+    HAS_TOP: tl.constexpr,
+    HAS_MIN_P: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_CHUNKS: tl.constexpr,
+):
+    """Program per (row, chunk) of a row its cuts may reject the winner of: the chunk's
+    ``_masses_above`` the winner, [3, B, chunks] in ``partials`` (the count as a float)."""
+    wait_for_previous_kernel()  # launched dependent (dependent_launch.py)
+    let_next_kernel_start()
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    num_chunks = tl.num_programs(1)
+    strides = (stride_temperature, stride_top_p, stride_top_k, stride_min_p)
+    scale, _, _, min_p, cut = _row_cuts(
+        row, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, strides, HAS_TOP, HAS_MIN_P
+    )
+    if cut:
+        winner, largest = _race_winner(
+            values_ptr, indices_ptr, maxes_ptr, row, num_chunks, BLOCK_CHUNKS
+        )
+        row_ptr = logits_ptr + row * stride_row
+        winner_x = tl.load(row_ptr + winner * stride_col) / scale
+        cols = chunk * BLOCK + tl.arange(0, BLOCK)
+        x = _scaled_logits(row_ptr, cols, vocab_size, stride_col, scale)
+        above_mass, above_count, kept_mass = _masses_above(x, largest / scale, min_p, winner_x)
+        slot = row * num_chunks + chunk
+        size = tl.num_programs(0) * num_chunks
+        tl.store(partials_ptr + slot, above_mass)
+        tl.store(partials_ptr + size + slot, above_count.to(tl.float32))
+        tl.store(partials_ptr + 2 * size + slot, kept_mass)
+
+
+@triton.jit
+def _finish_kernel(
     logits_ptr,
     out_ptr,
+    values_ptr,
+    indices_ptr,
+    maxes_ptr,
+    partials_ptr,
     temperature_ptr,
     seed_ptr,
     step_ptr,
@@ -61,6 +164,7 @@ def _nucleus_kernel(
     top_k_ptr,
     min_p_ptr,
     vocab_size,
+    num_chunks,
     stride_row,
     stride_col,
     stride_temperature,
@@ -72,80 +176,71 @@ def _nucleus_kernel(
     HAS_TOP: tl.constexpr,
     HAS_MIN_P: tl.constexpr,
     BLOCK: tl.constexpr,
+    BLOCK_CHUNKS: tl.constexpr,
 ):
-    """Program per row: its token, raced within its cuts (the module's docstring)."""
+    """Program per row: the first race's winner where the row's cuts keep it, else the
+    races above it until one's winner is kept (the module's docstring)."""
     wait_for_previous_kernel()  # launched dependent (dependent_launch.py)
     let_next_kernel_start()
     row = tl.program_id(0)
-    row_ptr = logits_ptr + row * stride_row
-    offsets = tl.arange(0, BLOCK)
-    temperature = tl.load(temperature_ptr + row * stride_temperature)
-    sampled = temperature != 0
-    scale = tl.where(sampled, temperature, 1.0)  # a greedy row: its logits, raced noiselessly
-    key = row_key(tl.load(seed_ptr + row * stride_seed), tl.load(step_ptr + row * stride_step))
-    top_p = 1.0
-    top_k = 0
-    min_p = 0.0
-    if HAS_TOP:
-        top_p = tl.load(top_p_ptr + row * stride_top_p)
-        top_k = tl.load(top_k_ptr + row * stride_top_k)
-    if HAS_MIN_P:
-        min_p = tl.load(min_p_ptr + row * stride_min_p)
-    min_p = tl.where(sampled, min_p, 0.0)
-    cut = sampled & ((top_p < 1.0) | (top_k > 0) | (min_p > 0.0))
-
-    # The largest scaled logit: the probabilities' common factor, which min-p compares with.
-    largest = tl.full((), -float("inf"), tl.float32)
+    strides = (stride_temperature, stride_top_p, stride_top_k, stride_min_p)
+    scale, top_p, top_k, min_p, cut = _row_cuts(
+        row, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, strides, HAS_TOP, HAS_MIN_P
+    )
+    token, largest = _race_winner(values_ptr, indices_ptr, maxes_ptr, row, num_chunks, BLOCK_CHUNKS)
     if cut:
-        for start in range(0, vocab_size, BLOCK):
-            x = _scaled_logits(row_ptr, start + offsets, vocab_size, stride_col, scale)
-            largest = tl.maximum(largest, tl.max(x, 0))
-
-    bound = tl.full((), -float("inf"), tl.float32)  # race over the tokens above it
-    token = tl.zeros((), tl.int32)
-    done = tl.zeros((), tl.int32)
-    while done == 0:
-        best_score = tl.full((), -float("inf"), tl.float32)
-        best_col = tl.zeros((), tl.int32)
-        best_x = tl.full((), -float("inf"), tl.float32)
-        for start in range(0, vocab_size, BLOCK):
-            cols = start + offsets
-            x = _scaled_logits(row_ptr, cols, vocab_size, stride_col, scale)
-            candidate = x > bound
-            if min_p > 0.0:  # then ``cut``: the largest logit was found
-                candidate = candidate & (tl.exp(x - largest) >= min_p)
-            noise = tl.where(sampled, log_race(key, cols), 0.0)
-            score = tl.where(candidate, x - noise, -float("inf"))
-            chunk_best = tl.argmax(score, 0, tie_break_left=True)
-            chunk_score = tl.max(score, 0)
-            # Strictly greater: the first chunk's token wins a tie, as torch's argmax.
-            better = chunk_score > best_score
-            chunk_x = tl.max(tl.where(offsets == chunk_best, x, -float("inf")), 0)
-            best_col = tl.where(better, start + chunk_best, best_col)
-            best_x = tl.where(better, chunk_x, best_x)
-            best_score = tl.where(better, chunk_score, best_score)
-        token = best_col
-        done = tl.where(cut, 0, 1)
-        if cut:
-            above_mass = tl.zeros((), tl.float32)
-            above_count = tl.zeros((), tl.int32)
-            kept_mass = tl.zeros((), tl.float32)
-            for start in range(0, vocab_size, BLOCK):
-                x = _scaled_logits(row_ptr, start + offsets, vocab_size, stride_col, scale)
-                mass = tl.exp(x - largest)  # 0 at -inf
-                kept = mass >= min_p
-                above = kept & (x > best_x)
-                above_mass += tl.sum(tl.where(above, mass, 0.0), 0)
-                above_count += tl.sum(above.to(tl.int32), 0)
-                kept_mass += tl.sum(tl.where(kept, mass, 0.0), 0)
+        row_ptr = logits_ptr + row * stride_row
+        largest = largest / scale
+        key = row_key(tl.load(seed_ptr + row * stride_seed), tl.load(step_ptr + row * stride_step))
+        offsets = tl.arange(0, BLOCK)
+        # The first race's counts, from its chunks'.
+        chunks = tl.arange(0, BLOCK_CHUNKS)
+        at = row * num_chunks + chunks
+        mask = chunks < num_chunks
+        size = tl.num_programs(0) * num_chunks
+        above_mass = tl.sum(tl.load(partials_ptr + at, mask=mask, other=0.0), 0)
+        above_count = tl.sum(tl.load(partials_ptr + size + at, mask=mask, other=0.0), 0)
+        kept_mass = tl.sum(tl.load(partials_ptr + 2 * size + at, mask=mask, other=0.0), 0)
+        best_x = tl.load(row_ptr + token * stride_col) / scale
+        kept = tl.exp(best_x - largest) >= min_p
+        done = tl.zeros((), tl.int32)
+        races = tl.full((), 1, tl.int32)
+        while done == 0:
             in_top_p = (top_p >= 1.0) | (above_mass < top_p * kept_mass)
             in_top_k = (top_k == 0) | (above_count < top_k)
-            done = tl.where((in_top_p & in_top_k) | (above_count == 0), 1, 0)
-            bound = best_x
+            done = tl.where((kept & in_top_p & in_top_k) | (above_count == 0), 1, 0)
+            done = tl.where(races >= _MAX_RACES, 1, done)
+            if done == 0:
+                races += 1
+                # Race again over the kept tokens above the rejected winner.
+                bound = best_x
+                best_score = tl.full((), -float("inf"), tl.float32)
+                for start in range(0, vocab_size, BLOCK):
+                    cols = start + offsets
+                    x = _scaled_logits(row_ptr, cols, vocab_size, stride_col, scale)
+                    candidate = (x > bound) & (tl.exp(x - largest) >= min_p)
+                    score = tl.where(candidate, x - log_race(key, cols), -float("inf"))
+                    chunk_best = tl.argmax(score, 0, tie_break_left=True)
+                    chunk_score = tl.max(score, 0)
+                    # Strictly greater: the first chunk's token wins a tie, as torch's argmax.
+                    better = chunk_score > best_score
+                    chunk_x = tl.max(tl.where(offsets == chunk_best, x, -float("inf")), 0)
+                    token = tl.where(better, start + chunk_best, token)
+                    best_x = tl.where(better, chunk_x, best_x)
+                    best_score = tl.where(better, chunk_score, best_score)
+                kept = best_score > -float("inf")  # raced among the kept only
+                above_mass = tl.zeros((), tl.float32)
+                above_count = tl.zeros((), tl.float32)
+                for start in range(0, vocab_size, BLOCK):
+                    x = _scaled_logits(row_ptr, start + offsets, vocab_size, stride_col, scale)
+                    mass, count, _ = _masses_above(x, largest, min_p, best_x)
+                    above_mass += mass
+                    above_count += count.to(tl.float32)
     tl.store(out_ptr + row, token.to(tl.int64))
 
 
-_NUCLEUS = OneVariantKernel(_nucleus_kernel, num_warps=_NUM_WARPS)
+_CHUNK_MASS = OneVariantKernel(_chunk_mass_kernel)
+_FINISH = OneVariantKernel(_finish_kernel, num_warps=_LOOP_WARPS)
 
 
 def draw_tokens(
@@ -171,6 +266,10 @@ def sample_within_cuts(
 ) -> torch.Tensor:
     """``StepOps.sample_rows`` of a step whose rows cut (``cuts``): token ids [B], int64."""
     num_rows, vocab_size = logits.shape
+    values, indices, maxes = race_chunks(logits, (temperature, seed, step), store_max=True)
+    assert maxes is not None
+    num_chunks = values.shape[1]
+    partials = logits.new_empty(3, num_rows, num_chunks)
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     has_top = cuts.top_p is not None and cuts.top_k is not None
     # Parameters a row does not read: any pointer does. The others are columns of a step's
@@ -178,32 +277,68 @@ def sample_within_cuts(
     top_p = cuts.top_p if cuts.top_p is not None else temperature
     top_k = cuts.top_k if cuts.top_k is not None else seed
     min_p = cuts.min_p if cuts.min_p is not None else temperature
-    params = (temperature, seed, step, top_p, top_k, min_p)
-    param_strides = tuple(t.stride(0) for t in params)
+    cut_params = (top_p, top_k, min_p)
+    strides = tuple(t.stride(0) for t in (temperature, *cut_params))
+    block_chunks = triton.next_power_of_2(num_chunks)
     stride_row, stride_col = logits.stride()
-    _NUCLEUS.launch(
+    # What the kernels specialize on besides: their integers whole, whether their pointers
+    # are aligned, and what the step cuts.
+    variant = (
+        vocab_size,
+        stride_row,
+        stride_col,
+        strides,
+        seed.stride(0),
+        step.stride(0),
+        tuple(t.data_ptr() % 16 == 0 for t in (logits, temperature, seed, step, *cut_params)),
+        has_top,
+        cuts.min_p is not None,
+    )
+    _CHUNK_MASS.launch(
+        (num_rows, num_chunks),
+        logits.device,
+        logits,
+        values,
+        indices,
+        maxes,
+        partials,
+        temperature,
+        *cut_params,
+        vocab_size,
+        stride_row,
+        stride_col,
+        *strides,
+        has_top,
+        cuts.min_p is not None,
+        CHUNK,
+        block_chunks,
+        variant=variant,
+    )
+    _FINISH.launch(
         (num_rows,),
         logits.device,
         logits,
         out,
-        *params,
+        values,
+        indices,
+        maxes,
+        partials,
+        temperature,
+        seed,
+        step,
+        *cut_params,
         vocab_size,
+        num_chunks,
         stride_row,
         stride_col,
-        *param_strides,
+        strides[0],
+        seed.stride(0),
+        step.stride(0),
+        *strides[1:],
         has_top,
         cuts.min_p is not None,
-        _BLOCK,
-        # Its integers whole, whether its pointers are aligned, and what it cuts: all Triton
-        # specializes on.
-        variant=(
-            vocab_size,
-            stride_row,
-            stride_col,
-            param_strides,
-            tuple(t.data_ptr() % 16 == 0 for t in (logits, *params)),
-            has_top,
-            cuts.min_p is not None,
-        ),
+        _LOOP_BLOCK,
+        block_chunks,
+        variant=variant,
     )
     return out
