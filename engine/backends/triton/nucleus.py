@@ -14,7 +14,8 @@ what min-p keeps. So, over the logits scaled by the temperature:
    the chunks again (``_chunk_mass_kernel``): where w is kept and these are within top-k and
    top-p, w is in N, and since N lies within what was raced over, w is N's winner;
 3. otherwise (``_finish_kernel``, a program a row) no token of N is as improbable as w:
-   race again over the kept tokens more probable than w, count again, and so on.
+   race again over the kept tokens more probable than w, count again, and so on, reading
+   only the chunks whose largest logit (the first pass's) lies above w's.
 
 The most probable token is always in N, so it ends. A winner over the whole distribution is
 in N about as often as N's mass (top-p, or more), and a winner over the tokens above a
@@ -38,12 +39,11 @@ from engine.backends.triton.argmax import CHUNK, log_race, race_chunks, row_key,
 from engine.backends.triton.dependent_launch import let_next_kernel_start, wait_for_previous_kernel
 from engine.backends.triton.one_variant import OneVariantKernel
 
-_LOOP_BLOCK = 4096  # tokens an iteration of a row's program reads
 # Races a row at most: each races only above the last one's winner, so the count is about the
 # log of the tokens between the first winner and N (top-k 1 over a flat row: some 17 of
 # 128k); a bound that a kernel cannot spin past, whatever its inputs (its last winner, kept).
 _MAX_RACES = tl.constexpr(64)
-_LOOP_WARPS = 8  # 16 logits a thread an iteration: more bytes in flight for a row's one SM
+_LOOP_WARPS = 8  # 16 logits a thread a chunk: more bytes in flight for a row's one SM
 
 
 @triton.jit
@@ -215,27 +215,31 @@ def _finish_kernel(
                 # Race again over the kept tokens above the rejected winner.
                 bound = best_x
                 best_score = tl.full((), -float("inf"), tl.float32)
-                for start in range(0, vocab_size, BLOCK):
-                    cols = start + offsets
-                    x = _scaled_logits(row_ptr, cols, vocab_size, stride_col, scale)
-                    candidate = (x > bound) & (tl.exp(x - largest) >= min_p)
-                    score = tl.where(candidate, x - log_race(key, cols), -float("inf"))
-                    chunk_best = tl.argmax(score, 0, tie_break_left=True)
-                    chunk_score = tl.max(score, 0)
-                    # Strictly greater: the first chunk's token wins a tie, as torch's argmax.
-                    better = chunk_score > best_score
-                    chunk_x = tl.max(tl.where(offsets == chunk_best, x, -float("inf")), 0)
-                    token = tl.where(better, start + chunk_best, token)
-                    best_x = tl.where(better, chunk_x, best_x)
-                    best_score = tl.where(better, chunk_score, best_score)
+                for chunk in range(0, num_chunks):
+                    # Only the chunks whose largest logit is above the bound hold candidates.
+                    if tl.load(maxes_ptr + row * num_chunks + chunk) / scale > bound:
+                        cols = chunk * BLOCK + offsets
+                        x = _scaled_logits(row_ptr, cols, vocab_size, stride_col, scale)
+                        candidate = (x > bound) & (tl.exp(x - largest) >= min_p)
+                        score = tl.where(candidate, x - log_race(key, cols), -float("inf"))
+                        chunk_best = tl.argmax(score, 0, tie_break_left=True)
+                        chunk_score = tl.max(score, 0)
+                        # Strictly greater: the first chunk's token wins a tie, as torch's.
+                        better = chunk_score > best_score
+                        chunk_x = tl.max(tl.where(offsets == chunk_best, x, -float("inf")), 0)
+                        token = tl.where(better, chunk * BLOCK + chunk_best, token)
+                        best_x = tl.where(better, chunk_x, best_x)
+                        best_score = tl.where(better, chunk_score, best_score)
                 kept = best_score > -float("inf")  # raced among the kept only
                 above_mass = tl.zeros((), tl.float32)
                 above_count = tl.zeros((), tl.float32)
-                for start in range(0, vocab_size, BLOCK):
-                    x = _scaled_logits(row_ptr, start + offsets, vocab_size, stride_col, scale)
-                    mass, count, _ = _masses_above(x, largest, min_p, best_x)
-                    above_mass += mass
-                    above_count += count.to(tl.float32)
+                for chunk in range(0, num_chunks):
+                    if tl.load(maxes_ptr + row * num_chunks + chunk) / scale > best_x:
+                        cols = chunk * BLOCK + offsets
+                        x = _scaled_logits(row_ptr, cols, vocab_size, stride_col, scale)
+                        mass, count, _ = _masses_above(x, largest, min_p, best_x)
+                        above_mass += mass
+                        above_count += count.to(tl.float32)
     tl.store(out_ptr + row, token.to(tl.int64))
 
 
@@ -337,7 +341,7 @@ def sample_within_cuts(
         *strides[1:],
         has_top,
         cuts.min_p is not None,
-        _LOOP_BLOCK,
+        CHUNK,
         block_chunks,
         variant=variant,
     )

@@ -1,0 +1,72 @@
+"""The sampling draw's kernels (engine/backends/triton/argmax.py, nucleus.py) compile for
+sm_90 on this CPU machine, in every variant the engine launches, without spilling: the
+interpreter the other tests run them in executes them as Python and numpy, and says nothing
+of what Triton's compiler makes of their loops and branches, or of their registers, before
+a GPU call does. Compiled in a process of its own: the tests' interpreter (TRITON_INTERPRET)
+compiles nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tandem.testing.processes import REPO_ROOT
+
+COMPILE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+sys.path.insert(0, "scripts")
+from kernel_resources import resources
+from engine.backends.triton import argmax, nucleus
+
+def compile(kernel, signature, num_warps, **constants):
+    names = list(signature)
+    constexprs = {(names.index(name),): value for name, value in constants.items()}
+    for name in constants:
+        signature[name] = "constexpr"
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    target = GPUTarget("cuda", 90, 32)
+    compiled = triton.compile(source, target=target, options={"num_warps": num_warps})
+    return resources(compiled)[:2]
+
+def signature(kernel, types):
+    return {name: types.get(name, "i32") for name in kernel.arg_names}
+
+types = {"logits_ptr": "*fp32", "values_ptr": "*fp32", "indices_ptr": "*i32", "maxes_ptr": "*fp32",
+         "partials_ptr": "*fp32", "out_ptr": "*i64", "temperature_ptr": "*fp32", "seed_ptr": "*i64",
+         "step_ptr": "*i64", "top_p_ptr": "*fp32", "top_k_ptr": "*i64", "min_p_ptr": "*fp32"}
+results = {}
+for race, store_max in ((False, False), (True, False), (True, True)):
+    results[f"chunk {race} {store_max}"] = compile(
+        argmax._chunk_argmax_kernel, signature(argmax._chunk_argmax_kernel, types), 4,
+        BLOCK=argmax.CHUNK, RACE=race, STORE_MAX=store_max)
+for has_top, has_min_p in ((True, False), (False, True), (True, True)):
+    cuts = dict(HAS_TOP=has_top, HAS_MIN_P=has_min_p, BLOCK=argmax.CHUNK, BLOCK_CHUNKS=64)
+    results[f"mass {has_top} {has_min_p}"] = compile(
+        nucleus._chunk_mass_kernel, signature(nucleus._chunk_mass_kernel, types), 4, **cuts)
+    finish = nucleus._finish_kernel
+    results[f"finish {has_top} {has_min_p}"] = compile(
+        finish, signature(finish, types), nucleus._LOOP_WARPS, **cuts)
+print(json.dumps(results))
+"""
+
+
+def test_sampling_kernels_compile_for_sm90_without_spilling() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    completed = subprocess.run(
+        [sys.executable, "-c", COMPILE],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    results = json.loads(completed.stdout.splitlines()[-1])
+    assert len(results) == 9
+    for variant, (registers, spilled) in results.items():
+        assert 0 < registers <= 255 and spilled == 0, (variant, registers, spilled)
