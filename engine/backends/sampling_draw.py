@@ -82,6 +82,10 @@ def race_sample(
     at its temperature over what its ``cuts`` keep, E_i = -log U_i of ``uniform_noise``:
     token i wins with probability p_i renormalized."""
     greedy_tokens = logits.argmax(dim=-1)
+    if logits.device.type == "cpu" and not temperature.any():
+        # Greedy rows shaped by penalties or bans: no random numbers. (On the CPU reading a
+        # tensor waits for nothing; on a GPU it would, and the race costs little there.)
+        return greedy_tokens
     is_greedy = temperature == 0
     temperature = torch.where(is_greedy, torch.ones_like(temperature), temperature)
     probs = torch.softmax(logits / temperature.unsqueeze(1), dim=-1)
