@@ -1,12 +1,13 @@
 """Choosing the next token of every sequence in the batch at once.
 
-Randomness is a pure function of (request seed, output index, token id)
-(``engine/backends/sampling_draw.py``), so a seeded request gives the same tokens whatever
-else shares its batch, and the whole batch samples with no Python loop over rows. The draw
-itself is the backend's (``StepOps.sample_rows``, the exponential race, and
-``StepOps.argmax_rows`` for an all-greedy step): one kernel of the Triton backend's on CUDA
-that computes the random numbers in registers as it reads the logits once, PyTorch's
-tensors in the torch backend.
+Here the logits are processed (allowed tokens, bans, bias, penalties) and the cuts named;
+the draw itself is the backend's (``StepOps.sample_rows``: the exponential race within
+min-p, top-k and top-p, and ``StepOps.argmax_rows`` for an all-greedy step). Randomness is a
+pure function of (request seed, output index, token id) (``engine/backends/sampling_draw.py``,
+also the torch backend's draw), so a seeded request gives the same tokens whatever else
+shares its batch, and the whole batch samples with no Python loop over rows. On CUDA the
+Triton backend's kernels compute the random numbers in registers as they read the logits
+and cut without sorting them.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class SamplingTensors:
     top_k: torch.Tensor  # [B] int64, 0 for no cut
     seed: torch.Tensor  # [B] int64
     step: torch.Tensor  # [B] int64, index of the token being sampled in the request's output
-    any_top_k_or_p: bool  # a host-side fact that lets a step skip the sort
+    any_top_k_or_p: bool  # a host-side fact: some row cuts by top-k or top-p (else none is sought)
     penalties: Penalties | None = None
     logit_bias: LogitBias | None = None
     min_p: torch.Tensor | None = None  # [B] float32, 0 for none
@@ -90,8 +91,7 @@ class SamplingTensors:
 def sample(logits: torch.Tensor, params: SamplingTensors | None, ops: StepOps) -> torch.Tensor:
     """Token ids [B] (int64) from float32 logits [B, V]; ``params`` None: all rows greedy.
     ``ops``: the backend's, whose ``sample_rows`` draws each row's token (the argmax of a
-    greedy row) in one pass over the logits; what the parameters cut or change before it
-    costs only where a row asks for it."""
+    greedy row); what the parameters change before it costs only where a row asks for it."""
     if params is None:
         return ops.argmax_rows(logits)
     logits = process_logits(logits, params)
