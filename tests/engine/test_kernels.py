@@ -14,6 +14,7 @@ about as close as rounding that reference to bf16 is, not within a flat 2e-2.
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,7 +45,7 @@ from engine.backends.triton.fp8_decode import (
     uses_fp8_decode_kernel,
 )
 from engine.backends.triton.fp8_widen import widen, widen_factor
-from engine.backends.triton.nucleus import sample_within_cuts
+from engine.backends.triton.nucleus import draw_tokens, sample_within_cuts
 from engine.backends.triton.one_row_matmul import one_row_matmul
 from engine.backends.triton.paged_attention import decode_split_counts, merge_splits
 from engine.execution.batch import pad_verify
@@ -982,3 +983,33 @@ def test_sampling_within_cuts_draws_the_reference_tokens_without_a_sort(with_min
     only_min_p = Cuts(None, None, floats[:, 5])
     args = (logits, temperature, seed, ints[:, 2], only_min_p)
     assert torch.equal(sample_within_cuts(*args), race_sample(*args))
+
+
+def test_the_draw_agrees_with_the_reference_over_random_cuts() -> None:
+    """The Triton backend's draw (``draw_tokens``) against the reference over random rows:
+    vocabularies under one chunk, at a chunk's edge and over several; tokens masked to -inf;
+    temperatures from peaked to flat; top-p from 0.01, top-k from 1, min-p up to 1 (only the
+    most probable token kept), each with and without the others."""
+    generator = random.Random(7)
+    torch.manual_seed(7)
+    for _ in range(120):
+        rows, vocab = generator.choice([1, 3, 7]), generator.choice([17, 4096, 4097, 9000])
+        logits = torch.randn(rows, vocab) * generator.choice([0.5, 2.0, 6.0])
+        if generator.random() < 0.3:
+            logits[:, torch.rand(vocab) < 0.5] = -float("inf")
+
+        def column(*values: float, rows: int = rows) -> torch.Tensor:
+            return torch.tensor([generator.choice(values) for _ in range(rows)])
+
+        temperature = column(0.0, 0.05, 0.5, 1.0, 5.0)
+        top = (column(1.0, 0.01, 0.5, 0.9, 0.99), column(0, 1, 2, 20, 5000).long())
+        if generator.random() < 0.2:
+            top = (None, None)
+        min_p = column(0.0, 0.05, 0.5, 1.0) if generator.random() < 0.5 else None
+        cuts = None if top[0] is None and min_p is None else Cuts(*top, min_p)
+        seed = torch.randint(-(2**40), 2**40, (rows,))
+        step = torch.randint(0, 1000, (rows,))
+        args = [t.to(DEVICE) for t in (logits, temperature, seed, step)]
+        if cuts is not None:
+            cuts = Cuts(*(None if t is None else t.to(DEVICE) for t in vars(cuts).values()))
+        assert torch.equal(draw_tokens(*args, cuts), race_sample(*args, cuts))
