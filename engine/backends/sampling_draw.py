@@ -15,8 +15,12 @@ draw the same token for a seeded request up to float32 rounding near a tie.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
+import numpy as np
 import torch
+
+Lanes = TypeVar("Lanes", torch.Tensor, np.ndarray)
 
 MASK32 = 0xFFFFFFFF
 # The hash's constants, which the Triton kernel repeats.
@@ -25,10 +29,12 @@ SEED_HIGH_SALT = 0x5BD1E995
 COLUMN_MULTIPLIER = 0x9E3779B1
 
 
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (Wellons' two-round multiply-xorshift), on int64 lanes.
+def mix32(x: Lanes) -> Lanes:
+    """A 32-bit integer hash (Wellons' two-round multiply-xorshift), on torch's int64 lanes
+    or numpy's uint32 ones.
 
-    The multiplier is under 2**27 and lanes under 2**32, so products never overflow int64.
+    The multiplier is under 2**27 and lanes under 2**32, so int64 products never overflow;
+    uint32 ones wrap, as the masks make the int64 ones do.
     """
     x = x ^ (x >> 16)
     x = (x * MIX_MULTIPLIER) & MASK32
@@ -45,10 +51,15 @@ def row_keys(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
 
 def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[B, V] float32 in (0, 1), determined by each row's (seed, step) and the column."""
-    column = torch.arange(vocab_size, device=seed.device, dtype=torch.int64)
-    column_key = (column * COLUMN_MULTIPLIER) & MASK32
-    bits = mix32(mix32(row_keys(seed, step).unsqueeze(1) ^ column_key.unsqueeze(0)))
-    return unit_interval(bits)
+    keys = row_keys(seed, step).unsqueeze(1)
+    if keys.device.type == "cpu":
+        # numpy's uint32 lanes: the same bits several times faster than torch's int64 lanes
+        # on a CPU (torch shifts no uint32), where the torch backend draws in production.
+        columns = np.arange(vocab_size, dtype=np.uint32) * COLUMN_MULTIPLIER
+        bits = mix32(mix32(keys.numpy().astype(np.uint32) ^ columns))
+        return torch.from_numpy(((bits >> 9).astype(np.float32) + 0.5) * (1.0 / (1 << 23)))
+    columns = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)
+    return unit_interval(mix32(mix32(keys ^ ((columns * COLUMN_MULTIPLIER) & MASK32))))
 
 
 def unit_interval(bits: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,14 @@
 import torch
 
 from engine.backends.pytorch import TorchStepOps
-from engine.backends.sampling_draw import uniform_noise, unit_interval
+from engine.backends.sampling_draw import (
+    COLUMN_MULTIPLIER,
+    MASK32,
+    mix32,
+    row_keys,
+    uniform_noise,
+    unit_interval,
+)
 from engine.sampling.sampler import (
     Penalties,
     SamplingTensors,
@@ -56,6 +63,17 @@ def test_noise_depends_on_seed_and_step_and_is_uniform() -> None:
     assert noise.min() > 0 and noise.max() < 1
     assert abs(noise.mean().item() - 0.5) < 0.01
     assert torch.equal(noise, uniform_noise(seed, step, 100_000))
+
+
+def test_noise_on_the_cpu_has_the_bits_of_int64_lanes() -> None:
+    """On the CPU the hash runs on numpy's uint32 lanes, whose products wrap: the bits of
+    torch's int64 lanes, masked, as the torch backend on a GPU computes them."""
+    seed = torch.tensor([0, 1, -1, 2**40 + 3, -(2**62)])
+    step = torch.tensor([0, 5, 2**35, 1, 9])
+    columns = torch.arange(70_000, dtype=torch.int64)
+    keys = row_keys(seed, step).unsqueeze(1)
+    bits = mix32(mix32(keys ^ ((columns * COLUMN_MULTIPLIER) & MASK32)))
+    assert torch.equal(uniform_noise(seed, step, 70_000), unit_interval(bits))
 
 
 def test_noise_stays_inside_the_unit_interval_at_its_extreme_hashes() -> None:
