@@ -786,7 +786,11 @@ enginePanel = new EnginePanel((online) => {
   if (online && !modelName) loadModel();
 });
 enginePanel.start();
-conversations = await ConversationStore.open((error, c) => showNotice(describeStorageError(error, c)));
+conversations = await ConversationStore.open(
+  (error, c) => showNotice(describeStorageError(error, c)),
+  (saving) => document.documentElement.toggleAttribute("data-saving", saving),
+);
+addEventListener("pagehide", () => conversations.flush());
 // Disabled in index.html until now: a question sent before the conversations were read had
 // nowhere to be saved, and the conversation opened next replaced it.
 ui.input.disabled = ui.send.disabled = false;

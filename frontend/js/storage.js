@@ -6,7 +6,9 @@
 // and opens them without waiting. A save writes in the background: the page never waits for
 // it, and a failed one (the storage is full, or the browser refuses IndexedDB) is handed to
 // `onError` for the page to say so, while the chat goes on. The newest version of each
-// conversation is written; saves of one that is still being written wait and coalesce.
+// conversation is written; saves of one that is still being written wait and coalesce, until
+// the page goes away (`flush`). `onSaving` hears whether any write is pending: the page marks
+// itself (`data-saving`) until what it shows is what a reload would read.
 //
 // Conversations that an older page kept in localStorage (`tandem.conversation.<id>`) move
 // here once: copied in one transaction, then removed from localStorage.
@@ -52,8 +54,8 @@ export function describeStorageError(error, conversation) {
 
 export class ConversationStore {
   /** Opens the database, moves localStorage's conversations in, and reads them all. */
-  static async open(onError) {
-    const store = new ConversationStore(onError);
+  static async open(onError, onSaving) {
+    const store = new ConversationStore(onError, onSaving);
     try {
       store.db = await openDatabase();
     } catch (error) {
@@ -68,8 +70,9 @@ export class ConversationStore {
     return store;
   }
 
-  constructor(onError) {
+  constructor(onError, onSaving = () => {}) {
     this.onError = onError; // (error, conversation | null) => void
+    this.onSaving = onSaving; // (saving) => void: whether a write is in flight or queued
     this.db = null;
     this.cache = new Map(); // id -> conversation: every conversation, as the page has it
     this.writing = new Map(); // id -> the write in flight
@@ -116,9 +119,22 @@ export class ConversationStore {
     if (!this.db) return;
     if (this.writing.has(conversation.id)) {
       this.queued.add(conversation.id);
+      this.notify();
       return;
     }
     this.write(conversation.id);
+  }
+
+  /** Starts every queued write now, not after the one before it: the page is going away. */
+  flush() {
+    for (const id of this.queued) {
+      this.queued.delete(id);
+      this.write(id);
+    }
+  }
+
+  notify() {
+    this.onSaving(this.writing.size > 0 || this.queued.size > 0);
   }
 
   async write(id) {
@@ -129,6 +145,7 @@ export class ConversationStore {
     transaction.objectStore(STORE).put(conversation);
     const done = committed(transaction);
     this.writing.set(id, done);
+    this.notify();
     try {
       await done;
     } catch (error) {
@@ -137,11 +154,13 @@ export class ConversationStore {
       this.writing.delete(id);
     }
     if (this.queued.delete(id)) this.write(id);
+    this.notify();
   }
 
   delete(id) {
     this.cache.delete(id);
     this.queued.delete(id);
+    this.notify();
     if (!this.db) return;
     const transaction = this.db.transaction(STORE, "readwrite");
     transaction.objectStore(STORE).delete(id);

@@ -31,6 +31,7 @@ from tests.e2e.web_chat_page import (
     open_chat,
     wait_answered,
     wait_idle,
+    wait_saved,
 )
 
 PAYLOADS = [
@@ -91,6 +92,7 @@ def test_send_streams_an_answer_with_stats_and_survives_reload(
     assert "tokens" in meta and "TTFT" in meta and ("length" in meta or "stop" in meta), meta
     expect(page.locator(".conversation-title")).to_have_text(["What is the capital of France?"])
 
+    wait_saved(page)
     page.reload()
     expect(page.locator(".message.user .content")).to_have_text("What is the capital of France?")
     expect(answers(page).locator(".meta")).to_contain_text("tokens")
@@ -120,6 +122,12 @@ def test_escape_stops_an_answer_and_the_engine_frees_it(cluster: Cluster, browse
 
 def test_regenerate_and_edit_make_branches(cluster: Cluster, browser: Browser) -> None:
     page = open_chat(browser, cluster.urls[0])
+    # How often the page marked itself saving: what wait_saved waits out before a reload.
+    page.evaluate(
+        "window.savingMarks = 0; new MutationObserver(() => {"
+        " if (document.documentElement.hasAttribute('data-saving')) window.savingMarks++; })"
+        ".observe(document.documentElement, {attributes: true, attributeFilter: ['data-saving']})"
+    )
     ask(page, "Say hello.")
     wait_answered(page)
     page.get_by_role("button", name="Regenerate answer").click()
@@ -139,6 +147,8 @@ def test_regenerate_and_edit_make_branches(cluster: Cluster, browser: Browser) -
     question.get_by_role("button", name="Previous version").click()
     expect(question.locator(".content")).to_have_text("Say hello.")
     expect(answers(page).locator(".branch-position")).to_have_text("2/2")  # its latest answer
+    wait_saved(page)
+    assert page.evaluate("window.savingMarks") > 0
     page.reload()
     expect(page.locator(".message.user .content")).to_have_text("Say hello.")
     page.context.close()
@@ -265,6 +275,7 @@ def test_answers_stream_on_in_their_conversation_while_another_is_open(
     expect(meta).to_contain_text("12 tokens")
     expect(meta).to_contain_text("length")
     expect(page.locator(".conversation-title.streaming")).to_have_count(0)
+    wait_saved(page)
     page.reload()  # both were saved whole
     expect(answers(page).locator(".meta")).to_contain_text("12 tokens")
     expect(page.locator(".conversation-title")).to_have_count(2)

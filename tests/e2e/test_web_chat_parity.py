@@ -23,6 +23,7 @@ from tests.e2e.web_chat_page import (
     not_pwned,
     open_chat,
     wait_answered,
+    wait_saved,
 )
 
 # The tiny model's generation_config.json: the defaults the page must show.
@@ -88,6 +89,7 @@ def test_text_files_are_attached_with_their_names(
     shown = page.locator(".message.user")
     expect(shown.locator(".content")).to_have_text("When is the meeting?")
     expect(shown.locator(".attachment summary")).to_contain_text("notes.md")
+    wait_saved(page)
     page.reload()  # kept with the conversation
     expect(page.locator(".message.user .attachment summary")).to_contain_text("notes.md")
     not_pwned(page)
@@ -260,6 +262,7 @@ def test_tools_calls_and_results(tools_server_url: str, browser: Browser) -> Non
         "content": '{"sky": "sunny", "celsius": 21}',
     }
     expect(answers(page).nth(1).locator(".meta")).not_to_have_class("meta error")
+    wait_saved(page)
     page.reload()
     expect(page.locator(".message.tool")).to_have_count(1)
     not_pwned(page)

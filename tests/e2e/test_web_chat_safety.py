@@ -25,6 +25,7 @@ from tests.e2e.web_chat_page import (
     not_pwned,
     open_chat,
     wait_answered,
+    wait_saved,
 )
 
 # A 1x1 PNG: what the remote image host answers.
@@ -226,6 +227,7 @@ def test_hostile_markdown_from_an_import_and_the_renderer_is_inert(
     expect(image).to_have_count(1)
     expect(image).to_have_js_property("naturalWidth", 1)
     assert sorted(requested) == ["https://images.test/pixel.png", "https://images.test/tag.png"]
+    wait_saved(page)
     page.reload()
     expect(answers(page).first.locator("img[src='https://images.test/pixel.png']")).to_have_count(1)
     page.keyboard.press("Control+Shift+O")

@@ -17,6 +17,7 @@ from tests.e2e.web_chat_page import (
     not_pwned,
     open_chat,
     wait_answered,
+    wait_saved,
 )
 
 # A conversation as the localStorage page saved it (no attachments, formats or tool fields).
@@ -84,6 +85,7 @@ def test_localstorage_conversations_move_to_indexeddb_once(
         " localStorage.setItem('tandem.current', 'legacy-1'); }",
         json.dumps(LEGACY),
     )
+    wait_saved(page)
     page.reload()
     expect(page.locator(".message.user .content")).to_have_text("Old question")
     expect(answers(page).locator("strong")).to_have_text("answer")
@@ -95,6 +97,7 @@ def test_localstorage_conversations_move_to_indexeddb_once(
     # Asked again, it is saved where it now lives; a reload finds it once, with the answer.
     ask(page, "And now?")
     wait_answered(page, 2)
+    wait_saved(page)
     page.reload()
     expect(page.locator(".conversation-title")).to_have_text(["From localStorage"])
     expect(answers(page)).to_have_count(2)

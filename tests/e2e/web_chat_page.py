@@ -72,6 +72,12 @@ def wait_answered(page: Page, count: int = 1, timeout_s: float = 60) -> None:
     )
 
 
+def wait_saved(page: Page) -> None:
+    """Until the page has written every conversation it shows (it saves in the background,
+    and marks itself ``data-saving`` meanwhile): then a reload reads what it showed."""
+    expect(page.locator("html[data-saving]")).to_have_count(0)
+
+
 def wait_idle(url: str, timeout_s: float = 10) -> None:
     """Until the engine runs no request (an abort crosses from the server to the engine)."""
     deadline = time.monotonic() + timeout_s
