@@ -117,13 +117,20 @@ def kept_by_cuts(probs: torch.Tensor, cuts: Cuts) -> torch.Tensor:
         probs = probs / probs.sum(dim=-1, keepdim=True)
     if cuts.top_p is None or cuts.top_k is None:
         return kept
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(probs.shape[1], device=probs.device)
+    top_p, top_k = cuts.top_p.unsqueeze(1), cuts.top_k.unsqueeze(1)
+    uncut = (top_k == 0) & (top_p >= 1)  # rows that neither top-k nor top-p cut
+    if probs.device.type == "cpu" and bool((uncut | (top_k > 0)).all()):
+        # Every row that cuts keeps at most its top-k: only the largest k of a row need an
+        # order (a sort of the whole vocabulary took most of a CPU's draw). On a GPU asking
+        # would wait for the device; the Triton backend sorts nothing there anyway.
+        sorted_probs, order = probs.topk(min(max(int(top_k.max()), 1), probs.shape[1]), dim=-1)
+    else:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(sorted_probs.shape[1], device=probs.device)
     # A token stays if the mass ranked above it is below top_p; the top token always stays,
     # also where top_p rounds to 0 in float32 (it then kept none). A row of top_p 1 keeps
     # its tail too, which a float32 sum can reach 1 before.
-    top_p = cuts.top_p.unsqueeze(1)
     mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
     in_top = (top_p >= 1) | (mass_above < top_p) | (rank == 0)
-    in_top &= (cuts.top_k.unsqueeze(1) == 0) | (rank < cuts.top_k.unsqueeze(1))
-    return kept & torch.zeros_like(kept).scatter_(1, order, in_top)
+    in_top &= (top_k == 0) | (rank < top_k)
+    return kept & (torch.zeros_like(kept).scatter_(1, order, in_top) | uncut)
