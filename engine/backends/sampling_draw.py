@@ -7,7 +7,8 @@ tokens whatever else shares its batch, and a whole batch's numbers come at once 
 Python loop over rows. A row's token is the race's winner, argmax_i p_i / E_i over the
 tokens its cuts keep (min-p, then top-k and top-p, vLLM's order), E_i = -log U_i: token i
 wins with probability p_i renormalized over them. The torch backend computes it all here as
-tensors (a sort of the vocabulary for top-k and top-p); the Triton backend's kernels hash
+tensors (a sort of the vocabulary for top-p, on a CPU of each row's largest k where every
+cutting row has a top-k); the Triton backend's kernels hash
 the same bits in registers (``engine/backends/triton/argmax.py``, ``nucleus.py``), so both
 draw the same token for a seeded request up to float32 rounding near a tie.
 """
