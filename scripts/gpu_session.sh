@@ -461,7 +461,7 @@ PY
       # and top-k 20 (BASE=dir runs it on that tree too: the engine before the kernels, with
       # this tree's tandem/bench/offline.py, which --temperature needs)
       timeout 200 python3 -m pytest -q tests/engine/test_kernels.py -p no:cacheprovider \
-        -k "argmax or sample_rows or sampling_within" 2>&1 | tee "$out/sampler-tests.log" \
+        -k "argmax or sample_rows or sampling_within or random_cuts" 2>&1 | tee "$out/sampler-tests.log" \
         | grep -E "passed|failed|Error" | tail -4
       timeout 300 python3 scripts/bench_kernels.py --sampler --batches 1 8 64 256 2>&1 \
         | tee "$out/sampler.log" | grep -E "^ *[0-9]|cut:" | tail -40
