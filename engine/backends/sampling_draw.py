@@ -24,6 +24,8 @@ import torch
 Lanes = TypeVar("Lanes", torch.Tensor, np.ndarray)
 
 MASK32 = 0xFFFFFFFF
+# The largest probabilities a CPU's top-p first orders (``_largest_holding_cuts``).
+FIRST_LARGEST = 64
 # The hash's constants, which the Triton kernel repeats.
 MIX_MULTIPLIER = 0x45D9F3B
 SEED_HIGH_SALT = 0x5BD1E995
@@ -120,11 +122,8 @@ def kept_by_cuts(probs: torch.Tensor, cuts: Cuts) -> torch.Tensor:
         return kept
     top_p, top_k = cuts.top_p.unsqueeze(1), cuts.top_k.unsqueeze(1)
     uncut = (top_k == 0) & (top_p >= 1)  # rows that neither top-k nor top-p cut
-    if probs.device.type == "cpu" and bool((uncut | (top_k > 0)).all()):
-        # Every row that cuts keeps at most its top-k: only the largest k of a row need an
-        # order (a sort of the whole vocabulary took most of a CPU's draw). On a GPU asking
-        # would wait for the device; the Triton backend sorts nothing there anyway.
-        sorted_probs, order = probs.topk(min(max(int(top_k.max()), 1), probs.shape[1]), dim=-1)
+    if probs.device.type == "cpu":
+        sorted_probs, order = _largest_holding_cuts(probs, top_p, top_k, uncut)
     else:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(sorted_probs.shape[1], device=probs.device)
@@ -135,3 +134,25 @@ def kept_by_cuts(probs: torch.Tensor, cuts: Cuts) -> torch.Tensor:
     in_top = (top_p >= 1) | (mass_above < top_p) | (rank == 0)
     in_top &= (top_k == 0) | (rank < top_k)
     return kept & (torch.zeros_like(kept).scatter_(1, order, in_top) | uncut)
+
+
+def _largest_holding_cuts(
+    probs: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, uncut: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's largest probabilities, descending, and their tokens: as many as hold what
+    every row's top-k and top-p keep. A row's are held by its largest n where n is at least
+    its top-k, or where their mass reaches its top-p (the tokens past them have at least that
+    much above them). n starts at the largest top-k (at least ``FIRST_LARGEST``) and grows
+    fourfold until every row's are held: on a CPU, where asking waits for nothing, a nucleus
+    of hundreds of tokens costs a fraction of a sort of the vocabulary, which took most of a
+    CPU's draw. (On a GPU asking would wait for the device; the Triton backend sorts
+    nothing there anyway.)"""
+    vocab_size = probs.shape[1]
+    count = min(max(int(top_k.max()), FIRST_LARGEST), vocab_size)
+    while True:
+        largest, order = probs.topk(count, dim=-1)
+        by_top_k = (top_k > 0) & (top_k <= count)
+        held = uncut | by_top_k | (largest.sum(dim=-1, keepdim=True) >= top_p)
+        if count == vocab_size or bool(held.all()):
+            return largest, order
+        count = min(4 * count, vocab_size)

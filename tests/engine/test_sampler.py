@@ -130,20 +130,21 @@ def test_penalties_lower_the_tokens_already_generated() -> None:
     assert sample(logits, params, OPS).tolist() == [0, 0]  # greedy rows see the penalties too
 
 
-def test_top_k_rows_on_the_cpu_keep_what_the_whole_sort_keeps() -> None:
-    """Where every row that cuts has a top-k, the CPU orders only each row's largest k
-    (torch.topk); a row cut by top-p alone makes it sort the whole vocabulary. Both keep the
-    same tokens of the same rows, min-p before them or not."""
+def test_top_k_and_top_p_on_the_cpu_keep_what_the_whole_sort_keeps() -> None:
+    """The CPU orders only each row's largest probabilities, as many as hold its cuts
+    (torch.topk); a row of a flat distribution cut by top-p 0.999 makes it order the whole
+    vocabulary. Both keep the same tokens of the same rows, min-p before them or not: rows
+    cut by top-k, top-p alone (a nucleus past the first 64 tokens too), both, and neither."""
     torch.manual_seed(4)
-    probs = torch.softmax(torch.randn(5, 3000) * 3, dim=-1)
-    top_p = torch.tensor([0.9, 1.0, 0.5, 1.0, 0.3])
-    top_k = torch.tensor([20, 0, 3, 50, 1])
-    only_top_p = torch.softmax(torch.randn(1, 3000), dim=-1)  # top-k 0, top-p 0.5
-    for min_p in (None, torch.tensor([0.0, 0.05, 0.1, 0.0, 0.2])):
+    probs = torch.softmax(torch.randn(6, 3000) * torch.tensor([[3], [3], [3], [3], [3], [1]]), -1)
+    top_p = torch.tensor([0.9, 1.0, 0.5, 1.0, 0.3, 0.9])
+    top_k = torch.tensor([20, 0, 3, 50, 0, 0])
+    flat = torch.full((1, 3000), 1 / 3000)
+    for min_p in (None, torch.tensor([0.0, 0.05, 0.1, 0.0, 0.2, 0.0])):
         ordered = kept_by_cuts(probs, Cuts(top_p, top_k, min_p))
-        with_sort = torch.cat([top_p, torch.tensor([0.5])]), torch.cat([top_k, torch.tensor([0])])
-        min_p_sorted = None if min_p is None else torch.cat([min_p, torch.tensor([0.0])])
-        sorted_all = kept_by_cuts(torch.cat([probs, only_top_p]), Cuts(*with_sort, min_p_sorted))
-        assert torch.equal(ordered, sorted_all[:5])
+        whole = torch.cat([top_p, torch.tensor([0.999])]), torch.cat([top_k, torch.tensor([0])])
+        min_p_whole = None if min_p is None else torch.cat([min_p, torch.tensor([0.0])])
+        sorted_all = kept_by_cuts(torch.cat([probs, flat]), Cuts(*whole, min_p_whole))
+        assert torch.equal(ordered, sorted_all[:6])
         assert ordered[1].all() == (min_p is None)  # uncut: all kept, but for min-p
-        assert ordered[4].sum() == 1 and ordered[3].sum() <= 50
+        assert ordered[3].sum() <= 50 and ordered[5].sum() > 64  # a nucleus past the first 64
