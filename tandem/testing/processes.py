@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -11,6 +12,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -141,3 +143,20 @@ def wait_for_cache_free(url: str, timeout_s: float = 30) -> dict:
         if time.monotonic() > deadline:
             raise AssertionError(f"cache not freed in {timeout_s} s: {stats}")
         time.sleep(0.2)
+
+
+def compiled_in_a_process(code: str, timeout_s: float = 600) -> Any:
+    """The JSON that Python ``code`` prints last, run from the repository's root in a process
+    of its own without Triton's interpreter (the tests' TRITON_INTERPRET compiles nothing):
+    what it found of the kernels it compiled for a GPU, on a machine without one."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    completed = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return json.loads(completed.stdout.splitlines()[-1])

@@ -7,12 +7,7 @@ compiles nothing."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
-from tandem.testing.processes import REPO_ROOT
+from tandem.testing.processes import compiled_in_a_process
 
 COMPILE = """
 import json, sys
@@ -56,17 +51,7 @@ print(json.dumps(results))
 
 
 def test_sampling_kernels_compile_for_sm90_without_spilling() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    completed = subprocess.run(
-        [sys.executable, "-c", COMPILE],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    results = json.loads(completed.stdout.splitlines()[-1])
+    results = compiled_in_a_process(COMPILE)
     assert len(results) == 9
     for variant, (registers, spilled) in results.items():
         assert 0 < registers <= 255 and spilled == 0, (variant, registers, spilled)

@@ -6,12 +6,7 @@ nothing."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
-from tandem.testing.processes import REPO_ROOT
+from tandem.testing.processes import compiled_in_a_process
 
 COMPILE = """
 import json
@@ -46,16 +41,6 @@ print(json.dumps({
 
 
 def test_prefetch_kernels_compile_for_sm90_and_keep_their_prefetches() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    completed = subprocess.run(
-        [sys.executable, "-c", COMPILE],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    counts = json.loads(completed.stdout.splitlines()[-1])
+    counts = compiled_in_a_process(COMPILE, timeout_s=300)
     # 1,024 lines over a program's 128 threads: 8 each; 128 chunks: one each.
     assert counts == {"lines": 8, "bulk": 1}
