@@ -60,17 +60,20 @@ def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab_size: int) -> to
         # on a CPU (torch shifts no uint32), where the torch backend draws in production.
         columns = np.arange(vocab_size, dtype=np.uint32) * COLUMN_MULTIPLIER
         bits = mix32(mix32(keys.numpy().astype(np.uint32) ^ columns))
-        return torch.from_numpy(((bits >> 9).astype(np.float32) + 0.5) * (1.0 / (1 << 23)))
+        return torch.from_numpy(unit_interval(bits))
     columns = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)
     return unit_interval(mix32(mix32(keys ^ ((columns * COLUMN_MULTIPLIER) & MASK32))))
 
 
-def unit_interval(bits: torch.Tensor) -> torch.Tensor:
-    """32-bit hashes as float32 in (0, 1), both ends excluded: the top 23 bits k give
-    (k + 0.5) / 2^23, exact in float32. (With 24 bits the largest, 1 - 2^-25, rounds to 1.0:
-    its exponential race is 0, a forbidden token's 0 / 0 is NaN, and argmax picks the NaN.
-    About one sampled row in 340 of a 49k vocabulary broke its grammar that way.)"""
-    return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
+def unit_interval(bits: Lanes) -> Lanes:
+    """32-bit hashes (``mix32``'s lanes) as float32 in (0, 1), both ends excluded: the top 23
+    bits k give (k + 0.5) / 2^23, exact in float32. (With 24 bits the largest, 1 - 2^-25,
+    rounds to 1.0: its exponential race is 0, a forbidden token's 0 / 0 is NaN, and argmax
+    picks the NaN. About one sampled row in 340 of a 49k vocabulary broke its grammar that
+    way.)"""
+    top = bits >> 9
+    top = top.float() if isinstance(top, torch.Tensor) else top.astype(np.float32)
+    return (top + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass(frozen=True)
