@@ -11,22 +11,13 @@ from tandem.testing.processes import compiled_in_a_process
 
 COMPILE = """
 import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 sys.path.insert(0, "scripts")
 from kernel_resources import resources
 from engine.backends.triton import argmax, nucleus
+from tandem.testing.sm90 import compile_for_sm90
 
 def compile(kernel, signature, num_warps, **constants):
-    names = list(signature)
-    constexprs = {(names.index(name),): value for name, value in constants.items()}
-    for name in constants:
-        signature[name] = "constexpr"
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    target = GPUTarget("cuda", 90, 32)
-    compiled = triton.compile(source, target=target, options={"num_warps": num_warps})
-    return resources(compiled)[:2]
+    return resources(compile_for_sm90(kernel, signature, num_warps, **constants))[:2]
 
 def signature(kernel, types):
     return {name: types.get(name, "i32") for name in kernel.arg_names}

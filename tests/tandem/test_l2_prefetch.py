@@ -10,16 +10,11 @@ from tandem.testing.processes import compiled_in_a_process
 
 COMPILE = """
 import json
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from tandem.bench import l2_prefetch as probe
+from tandem.testing.sm90 import compile_for_sm90
 
 def ptx(kernel, signature, **constants):
-    names = list(signature)
-    constexprs = {(names.index(name),): value for name, value in constants.items()}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    return compile_for_sm90(kernel, signature, **constants).asm["ptx"]
 
 lines = ptx(
     probe._prefetch_kernel,
