@@ -561,14 +561,14 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.empty_cache()
         requests = workload(args.num_requests, vocab_size, args.min_len, args.max_len)
         peer = bench_transformers(args.model, requests[: args.peer_requests], args.peer_batch_size)
-    structured = f", {len(constrained)} constrained by a JSON schema" if constrained else ""
+    how_sampled = f", {len(constrained)} constrained by a JSON schema" if constrained else ""
     if sampling.temperature > 0:
-        structured += f", sampled at temperature {sampling.temperature:g}"
-        structured += f" within top-p {sampling.top_p:g}" if sampling.top_p < 1 else ""
-        structured += f" and top-k {sampling.top_k}" if sampling.top_k else ""
+        how_sampled += f", sampled at temperature {sampling.temperature:g}"
+        how_sampled += f" within top-p {sampling.top_p:g}" if sampling.top_p < 1 else ""
+        how_sampled += f" and top-k {sampling.top_k}" if sampling.top_k else ""
     print(
         f"\n{args.model}: {args.num_requests} requests, lengths uniform in "
-        f"[{args.min_len}, {args.max_len}], ignore_eos{structured}, device {args.device}, "
+        f"[{args.min_len}, {args.max_len}], ignore_eos{how_sampled}, device {args.device}, "
         f"tensor parallel {args.tensor_parallel_size}; engine start {start_s:.1f} s; "
         f"KV cache {cache_tokens} tokens; measured {rates.describe()}"
     )

@@ -317,9 +317,9 @@ class TritonLayerOps(TorchLayerOps):
 
 class TritonStepOps(TorchStepOps):
     """A kernel each where PyTorch launches several or reduces a row in one thread block
-    (``argmax``, its sampling too, ``pending_tokens``, ``graph_inputs``; the grammar
-    library's for its masks):
-    between two steps' CUDA graphs each launch leaves the device a gap."""
+    (``argmax`` and ``nucleus`` for sampling, ``pending_tokens``, ``graph_inputs``; the
+    grammar library's for its masks): between two steps' CUDA graphs each launch leaves the
+    device a gap."""
 
     def argmax_rows(self, values: torch.Tensor) -> torch.Tensor:
         if values.is_cuda:
