@@ -59,7 +59,10 @@ logger = logging.getLogger(__name__)
 _PROMPT_LEN = 37  # odd, and beyond a block: nothing in the variants depends on it anyway
 _GREEDY = SamplingParams(max_tokens=2, temperature=0.0)
 _SAMPLED = SamplingParams(max_tokens=2, temperature=0.8, top_p=0.9, top_k=20, logprobs=2)
+# Each draw a step may make (``sample``): the steps above need not make them all (a small
+# model's one-prompt step is left to its prompt graph, so none may be all greedy).
 _OTHER_DRAWS = [
+    _GREEDY,
     SamplingParams(temperature=0.8),
     SamplingParams(temperature=0.8, min_p=0.1),
     SamplingParams(temperature=0.8, min_p=0.1, top_p=0.9),
