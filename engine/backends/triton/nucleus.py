@@ -14,18 +14,23 @@ what min-p keeps. So, over the logits scaled by the temperature:
    the chunks again (``_chunk_mass_kernel``): where w is kept and these are within top-k and
    top-p, w is in N, and since N lies within what was raced over, w is N's winner;
 3. otherwise (``_finish_kernel``, a program a row) no token of N is as improbable as w:
-   race again over the kept tokens more probable than w, count again, and so on, reading
-   only the chunks whose largest logit (the first pass's) lies above w's.
+   race again over the kept tokens more probable than w, reading only the chunks whose
+   largest logit (the first pass's) lies above w's, and in the same read count the tokens
+   above a few pivots spread between w and the largest logit. A pivot that a token would be
+   cut at bounds N from below (the next race starts above it); one it would be kept at
+   bounds it from above (a winner there is in N without counting). A winner between the
+   two is counted in one more read, with pivots again. So each race narrows N by the
+   pivots as well as by its winner: a flat row's top-k 20 of 128k takes a few reads, not
+   the dozen or more that racing above each winner alone would.
 
 The most probable token is always in N, so it ends. A winner over the whole distribution is
-in N about as often as N's mass (top-p, or more), and a winner over the tokens above a
-rejected one more often still, so most rows end at step 2 with the row split over the
-GPU, and the rest take a race or two more in one program. The token is the reference's but
-where tokens tie at N's boundary (its sort orders them arbitrarily; here a tie is kept or
-cut whole) or float32 sums of the masses fall on either side of top-p. A greedy row takes
-its argmax (the first pass races it without noise), min-p's cut of a row its
-``exp(logit / T - max) >= min_p`` (the reference's probabilities against min-p times the
-largest).
+in N about as often as N's mass (top-p, or more), so most rows end at step 2 with the row
+split over the GPU, and the rest take a race or two more in one program. The token is the
+reference's but where tokens tie at N's boundary (its sort orders them arbitrarily; here a
+tie is kept or cut whole) or float32 sums of the masses fall on either side of top-p. A
+greedy row takes its argmax (the first pass races it without noise), min-p's cut of a row
+its ``exp(logit / T - max) >= min_p`` (the reference's probabilities against min-p times
+the largest).
 """
 
 from __future__ import annotations
@@ -39,11 +44,17 @@ from engine.backends.triton.argmax import CHUNK, log_race, race_chunks, row_key,
 from engine.backends.triton.dependent_launch import let_next_kernel_start, wait_for_previous_kernel
 from engine.backends.triton.one_variant import OneVariantKernel
 
-# Races a row at most: each races only above the last one's winner, so the count is about the
-# log of the tokens between the first winner and N (top-k 1 over a flat row: some 17 of
-# 128k); a bound that a kernel cannot spin past, whatever its inputs (its last winner, kept).
+# Races a row at most: a bound that a kernel cannot spin past, whatever its inputs (its last
+# winner, kept). Each race is over the tokens above the last winner and above the pivots its
+# counts showed cut, so a flat row's top-k 20 of 128k takes a few.
 _MAX_RACES = tl.constexpr(64)
-_LOOP_WARPS = 8  # 16 logits a thread a chunk: more bytes in flight for a row's one SM
+_LOOP_WARPS = 8  # more bytes in flight for a row's one SM
+# Thresholds a pass counts above: more narrow N faster, each costs a compare and two adds a
+# token.
+PIVOTS = tl.constexpr(4)
+# Tokens a lane group takes at once in a pass: its accumulators are [PIVOTS, SUB], held in
+# registers across the pass and reduced once at its end.
+SUB = tl.constexpr(1024)
 
 
 @triton.jit
@@ -97,6 +108,75 @@ def _masses_above(x, largest, min_p, bound):
         tl.sum(above.to(tl.int32), 0),
         tl.sum(tl.where(kept, mass, 0.0), 0),
     )
+
+
+@triton.jit
+def _in_nucleus(above_mass, above_count, kept_mass, top_p, top_k):
+    """Whether a kept token is in N, that min-p keeps ``above_count`` tokens more probable
+    than, of ``above_mass`` (relative to the largest's; ``kept_mass`` all min-p keeps)."""
+    mass_limit = tl.where(top_p < 1.0, top_p * kept_mass, float("inf"))
+    count_limit = tl.where(top_k > 0, top_k.to(tl.float32), float("inf"))
+    return (above_mass < mass_limit) & (above_count < count_limit)
+
+
+@triton.jit
+def _narrowed(lo, hi, thresholds, mass, count, kept_mass, top_p, top_k):
+    """``lo`` raised to the highest of ``thresholds`` that a kept token there would be cut
+    at (N lies above it), ``hi`` lowered to the lowest it would be in N at (every kept token
+    at or above it is), from the mass and count above each."""
+    in_n = _in_nucleus(mass, count, kept_mass, top_p, top_k)
+    lo = tl.maximum(lo, tl.max(tl.where(in_n, -float("inf"), thresholds), 0))
+    hi = tl.minimum(hi, tl.min(tl.where(in_n, thresholds, float("inf")), 0))
+    return lo, hi
+
+
+@triton.jit
+def _pass_above(
+    row_ptr,
+    row_maxes_ptr,
+    num_chunks,
+    vocab_size,
+    stride_col,
+    scale,
+    largest,
+    min_p,
+    bound,
+    thresholds,
+    key,
+    RACE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One read of a row's chunks whose largest logit lies above ``bound``: the mass and
+    count of the kept tokens above each of ``thresholds`` [PIVOTS] (none below ``bound``),
+    and where ``RACE``, the race among the kept tokens above ``bound``: its score (-inf
+    where none is), token and scaled logit. Lane by lane, reduced once at the end."""
+    offsets = tl.arange(0, SUB)
+    lane_score = tl.full((SUB,), -float("inf"), tl.float32)
+    lane_token = tl.zeros((SUB,), tl.int32)
+    lane_mass = tl.zeros((PIVOTS, SUB), tl.float32)
+    lane_count = tl.zeros((PIVOTS, SUB), tl.float32)
+    for chunk in range(0, num_chunks):
+        if tl.load(row_maxes_ptr + chunk) / scale > bound:
+            for part in tl.static_range(BLOCK // SUB):
+                cols = chunk * BLOCK + part * SUB + offsets
+                x = _scaled_logits(row_ptr, cols, vocab_size, stride_col, scale)
+                mass = tl.exp(x - largest)  # 0 at -inf
+                kept = mass >= min_p
+                if RACE:
+                    score = tl.where(kept & (x > bound), x - log_race(key, cols), -float("inf"))
+                    # Strictly greater: a lane's first token wins a tie, as torch's.
+                    better = score > lane_score
+                    lane_token = tl.where(better, cols, lane_token)
+                    lane_score = tl.where(better, score, lane_score)
+                above = kept[None, :] & (x[None, :] > thresholds[:, None])
+                lane_mass += tl.where(above, mass[None, :], 0.0)
+                lane_count += above.to(tl.float32)
+    score = tl.max(lane_score, 0)
+    # The first token of the best score, as torch's argmax.
+    token = tl.min(tl.where(lane_score == score, lane_token, vocab_size), 0)
+    token = tl.minimum(token, vocab_size - 1)
+    best_x = tl.load(row_ptr + token * stride_col) / scale
+    return score, token, best_x, tl.sum(lane_mass, 1), tl.sum(lane_count, 1)
 
 
 @triton.jit
@@ -192,7 +272,6 @@ def _finish_kernel(
         row_ptr = logits_ptr + row * stride_row
         largest = largest / scale
         key = row_key(tl.load(seed_ptr + row * stride_seed), tl.load(step_ptr + row * stride_step))
-        offsets = tl.arange(0, BLOCK)
         # The first race's counts, from its chunks'.
         chunks = tl.arange(0, BLOCK_CHUNKS)
         at = row * num_chunks + chunks
@@ -203,43 +282,63 @@ def _finish_kernel(
         kept_mass = tl.sum(tl.load(partials_ptr + 2 * size + at, mask=mask, other=0.0), 0)
         best_x = tl.load(row_ptr + token * stride_col) / scale
         kept = tl.exp(best_x - largest) >= min_p
-        done = tl.zeros((), tl.int32)
+        in_n = kept & _in_nucleus(above_mass, above_count, kept_mass, top_p, top_k)
+        done = (in_n | (above_count == 0)).to(tl.int32)
+        # N lies above lo (what a pass's thresholds showed cut) and holds every kept token at
+        # or above hi (the largest logit's token is always in N).
+        lo = tl.full((), -float("inf"), tl.float32)
+        hi = largest
+        ranks = tl.arange(0, PIVOTS).to(tl.float32)
         races = tl.full((), 1, tl.int32)
         while done == 0:
-            in_top_p = (top_p >= 1.0) | (above_mass < top_p * kept_mass)
-            in_top_k = (top_k == 0) | (above_count < top_k)
-            done = tl.where((kept & in_top_p & in_top_k) | (above_count == 0), 1, 0)
+            races += 1
+            # Race again over the kept tokens above the rejected winner (and lo), counting
+            # those above pivots spread between that bound and the largest.
+            bound = tl.maximum(best_x, lo)
+            pivots = bound + (ranks + 1.0) * ((largest - bound) / (PIVOTS + 1))
+            score, raced, raced_x, mass, count = _pass_above(
+                row_ptr,
+                maxes_ptr + row * num_chunks,
+                num_chunks,
+                vocab_size,
+                stride_col,
+                scale,
+                largest,
+                min_p,
+                bound,
+                pivots,
+                key,
+                True,
+                BLOCK,
+            )
+            found = score > -float("inf")  # always: the largest's token is above the bound
+            token = tl.where(found, raced, token)
+            best_x = tl.where(found, raced_x, best_x)
+            lo, hi = _narrowed(lo, hi, pivots, mass, count, kept_mass, top_p, top_k)
+            done = tl.where(found & (best_x < hi), 0, 1)
+            if (done == 0) & (best_x > lo):
+                # Between: count above the winner itself (the first threshold), and above
+                # pivots between it and the largest, for the next race should it lose.
+                thresholds = best_x + ranks * ((largest - best_x) / PIVOTS)
+                _, _, _, mass, count = _pass_above(
+                    row_ptr,
+                    maxes_ptr + row * num_chunks,
+                    num_chunks,
+                    vocab_size,
+                    stride_col,
+                    scale,
+                    largest,
+                    min_p,
+                    best_x,
+                    thresholds,
+                    key,
+                    False,
+                    BLOCK,
+                )
+                kept_at = _in_nucleus(mass, count, kept_mass, top_p, top_k).to(tl.int32)
+                done = tl.max(tl.where(ranks == 0.0, kept_at, 0), 0)
+                lo, hi = _narrowed(lo, hi, thresholds, mass, count, kept_mass, top_p, top_k)
             done = tl.where(races >= _MAX_RACES, 1, done)
-            if done == 0:
-                races += 1
-                # Race again over the kept tokens above the rejected winner.
-                bound = best_x
-                best_score = tl.full((), -float("inf"), tl.float32)
-                for chunk in range(0, num_chunks):
-                    # Only the chunks whose largest logit is above the bound hold candidates.
-                    if tl.load(maxes_ptr + row * num_chunks + chunk) / scale > bound:
-                        cols = chunk * BLOCK + offsets
-                        x = _scaled_logits(row_ptr, cols, vocab_size, stride_col, scale)
-                        candidate = (x > bound) & (tl.exp(x - largest) >= min_p)
-                        score = tl.where(candidate, x - log_race(key, cols), -float("inf"))
-                        chunk_best = tl.argmax(score, 0, tie_break_left=True)
-                        chunk_score = tl.max(score, 0)
-                        # Strictly greater: the first chunk's token wins a tie, as torch's.
-                        better = chunk_score > best_score
-                        chunk_x = tl.max(tl.where(offsets == chunk_best, x, -float("inf")), 0)
-                        token = tl.where(better, chunk * BLOCK + chunk_best, token)
-                        best_x = tl.where(better, chunk_x, best_x)
-                        best_score = tl.where(better, chunk_score, best_score)
-                kept = best_score > -float("inf")  # raced among the kept only
-                above_mass = tl.zeros((), tl.float32)
-                above_count = tl.zeros((), tl.float32)
-                for chunk in range(0, num_chunks):
-                    if tl.load(maxes_ptr + row * num_chunks + chunk) / scale > best_x:
-                        cols = chunk * BLOCK + offsets
-                        x = _scaled_logits(row_ptr, cols, vocab_size, stride_col, scale)
-                        mass, count, _ = _masses_above(x, largest, min_p, best_x)
-                        above_mass += mass
-                        above_count += count.to(tl.float32)
     tl.store(out_ptr + row, token.to(tl.int64))
 
 
