@@ -470,7 +470,7 @@ PY
         for tree in ${BASE:+"$BASE"} .; do
           name=head; [ "$tree" = . ] || name=base
           echo "$name $flags: $(cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 240 python3 \
-            scripts/bench_offline.py --model "$m" --load-format dummy --runs 2 $flags 2>&1 \
+            scripts/bench_offline.py --model "$m" --load-format dummy --runs 3 $flags 2>&1 \
             | tee "$out/sampled-offline-$name-${flags// /}.log" \
             | grep -E "^tandem, (median|range)" | tr -s ' ' | paste -sd ';')"
         done
