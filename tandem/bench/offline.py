@@ -7,6 +7,7 @@
                          [--kv-cache-dtype fp8] [--quantization fp8|int8]
                          [--repeat-prompts] [--num-kv-blocks N] [--json-out FILE]
                          [--profile-steps] [--temperature T [--top-p P] [--top-k K]]
+                         [--repetition-penalty R]
 
 256 requests with input and output lengths uniform in [100, 1024] (random token
 ids; the lengths from seed 0, each run's prompts from a seed of its own, so that no run
@@ -39,6 +40,8 @@ Greedy by default; with --temperature T every token is sampled at T (and within 
 and top-k K with --top-p and --top-k), each request seeded by the engine: what a served
 model's clients get, whose OpenAI API samples at temperature 1 unless a request says
 otherwise, within the model's generation config's top-p and top-k where it sets them.
+With --repetition-penalty R each request's prompt and output tokens are penalized (vLLM's
+repetition penalty, greedy or sampled), as Qwen2.5's generation config asks of every request.
 
 With --peer, Hugging Face transformers' own batched generate() runs on the same weights
 and GPU in the same run: prompts left-padded in batches of --peer-batch-size, each batch
@@ -463,6 +466,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--top-k", type=int, default=0, help="and among this many tokens (default 0: all)"
     )
+    parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="vLLM's, on every token of a request's prompt and output (default 1: none; "
+        "Qwen2.5's generation config sets 1.05)",
+    )
     parser.add_argument("--json-out", type=Path, help="also write the engine's figures here")
     parser.add_argument(
         "--profile-steps",
@@ -495,7 +505,12 @@ def main(argv: list[str] | None = None) -> None:
     start_s = time.perf_counter() - started
     # Under tensor parallelism rank 0's share of the model: each GPU's bound, run in parallel.
     cost = engine.runner.model_cost
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    sampling = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        repetition_penalty=args.repetition_penalty,
+    )
     constrained = constrained_indices(args.num_requests, args.structured_fraction)
     constraint = None
     if constrained:
@@ -566,6 +581,8 @@ def main(argv: list[str] | None = None) -> None:
         how_sampled += f", sampled at temperature {sampling.temperature:g}"
         how_sampled += f" within top-p {sampling.top_p:g}" if sampling.top_p < 1 else ""
         how_sampled += f" and top-k {sampling.top_k}" if sampling.top_k else ""
+    if sampling.repetition_penalty != 1:
+        how_sampled += f", repetition penalty {sampling.repetition_penalty:g}"
     print(
         f"\n{args.model}: {args.num_requests} requests, lengths uniform in "
         f"[{args.min_len}, {args.max_len}], ignore_eos{how_sampled}, device {args.device}, "

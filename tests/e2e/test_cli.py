@@ -75,7 +75,9 @@ def test_bench_offline_on_a_tiny_model(tmp_path: Path) -> None:
     assert 20 * 10 <= figures["output_tokens"] <= 20 * 40  # ignore_eos: every length in full
     # Sampled, as a served model's clients sample by default: the same lengths in full.
     sampled = ["--temperature", "1", "--top-p", "0.9", "--top-k", "20", "--num-requests", "6"]
+    sampled += ["--repetition-penalty", "1.05"]
     ran = tandem("bench", "offline", *args, *sampled, "--json-out", str(out))
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
-    assert "sampled at temperature 1 within top-p 0.9 and top-k 20" in ran.stdout
+    header = "sampled at temperature 1 within top-p 0.9 and top-k 20, repetition penalty 1.05"
+    assert header in ran.stdout
     assert 6 * 10 <= json.loads(out.read_text())["output_tokens"] <= 6 * 40
