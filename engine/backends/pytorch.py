@@ -21,6 +21,7 @@ from engine.backends.deferred_norm import DeferredNorm, LinearInput, dense
 from engine.backends.fp8 import FP8, FP8_MAX, MIN_SCALE, rowwise_scaled_mm
 from engine.backends.layer_ops import ClampedSwiGLU
 from engine.backends.mxfp4 import BLOCK, dequantize_mxfp4
+from engine.backends.penalties import Penalties, penalized
 from engine.backends.sampling_draw import Cuts, race_sample
 from engine.distributed.parallel import OneKernelAllReduce, TensorParallel
 from engine.distributed.symmetric_all_reduce import torch_one_shot
@@ -389,6 +390,9 @@ class TorchStepOps:
         cuts: Cuts | None,
     ) -> torch.Tensor:
         return race_sample(logits, temperature, seed, step, cuts)
+
+    def apply_penalties(self, logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
+        return penalized(logits, penalties)
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         # xgrammar's C++ loop on the CPU; on other devices its PyTorch ops (its "auto" would

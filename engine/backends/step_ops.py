@@ -1,5 +1,5 @@
 """The step's operations around the model: the interface. Sampling's draw, the grammar
-masks of structured outputs, and the placing of a step's inputs on the device (a step's
+masks of structured outputs, penalties, and the placing of a step's inputs on the device (a step's
 pending tokens, a CUDA graph's static buffers).
 
 The model runner, its CUDA graphs and the sampler call these rather than any kernel, so the
@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from engine.backends.penalties import Penalties
 from engine.backends.sampling_draw import Cuts
 
 
@@ -36,6 +37,12 @@ class StepOps(Protocol):
         ``engine/backends/sampling_draw.py`` (``race_sample``) over the random numbers of the
         row's ``seed`` and output index ``step`` [B] (int64). Tokens at -inf are never
         drawn."""
+        ...
+
+    def apply_penalties(self, logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
+        """New float32 logits [B, V]: ``logits`` (left as they are: they serve logprobs)
+        with each row's repetition, frequency and presence penalties on the tokens it has
+        seen (``engine/backends/penalties.py``'s ``penalized``)."""
         ...
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:

@@ -66,6 +66,8 @@ _OTHER_DRAWS = [
     SamplingParams(temperature=0.8),
     SamplingParams(temperature=0.8, min_p=0.1),
     SamplingParams(temperature=0.8, min_p=0.1, top_p=0.9),
+    SamplingParams(temperature=0.8, frequency_penalty=0.5),  # penalties' two variants
+    SamplingParams(temperature=0.8, repetition_penalty=1.1),
 ]
 
 

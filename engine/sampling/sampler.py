@@ -16,21 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.backends.penalties import Penalties
 from engine.backends.sampling_draw import Cuts
 from engine.backends.step_ops import StepOps
-
-
-@dataclass
-class Penalties:
-    """The penalties of a step's rows on the tokens they have seen, on the logits' device."""
-
-    counts: torch.Tensor  # [B, V] float32: how often each row has generated each token
-    presence: torch.Tensor  # [B] float32
-    frequency: torch.Tensor  # [B] float32
-    # vLLM's repetition penalty [B] float32 (1 for none) and each row's prompt tokens
-    # [B, V] bool; both None when no row has one.
-    repetition: torch.Tensor | None = None
-    prompt_tokens: torch.Tensor | None = None
 
 
 @dataclass
@@ -94,7 +82,7 @@ def sample(logits: torch.Tensor, params: SamplingTensors | None, ops: StepOps) -
     greedy row); what the parameters change before it costs only where a row asks for it."""
     if params is None:
         return ops.argmax_rows(logits)
-    logits = process_logits(logits, params)
+    logits = process_logits(logits, params, ops)
     cuts = None
     if params.min_p is not None or params.any_top_k_or_p:
         top = (params.top_p, params.top_k) if params.any_top_k_or_p else (None, None)
@@ -102,9 +90,10 @@ def sample(logits: torch.Tensor, params: SamplingTensors | None, ops: StepOps) -
     return ops.sample_rows(logits, params.temperature, params.seed, params.step, cuts)
 
 
-def process_logits(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, params: SamplingTensors, ops: StepOps) -> torch.Tensor:
     """The logits that greedy rows take the argmax of, in vLLM's order: allowed tokens, bans,
-    logit bias, penalties. Each step makes a new tensor: the raw logits serve logprobs."""
+    logit bias, penalties (``ops``': the backend's). Each step makes a new tensor: the raw
+    logits serve logprobs."""
     if params.allowed is not None:
         logits = apply_allowed_tokens(logits, params.allowed)
     if params.banned is not None:
@@ -113,26 +102,8 @@ def process_logits(logits: torch.Tensor, params: SamplingTensors) -> torch.Tenso
         bias = params.logit_bias
         logits = logits.index_put((bias.rows, bias.token_ids), bias.values, accumulate=True)
     if params.penalties is not None:
-        logits = apply_penalties(logits, params.penalties)
+        logits = ops.apply_penalties(logits, params.penalties)
     return logits
-
-
-def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
-    """The logits with each row's repetition penalty on every token of its prompt and output
-    (divided if positive, multiplied if not), then less its frequency penalty times how often
-    it generated each token and its presence penalty for every one it did."""
-    counts = penalties.counts
-    generated = counts > 0
-    if penalties.repetition is not None and penalties.prompt_tokens is not None:
-        seen = penalties.prompt_tokens | generated
-        repetition = penalties.repetition.unsqueeze(1)
-        penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
-        logits = torch.where(seen, penalized, logits)
-    return (
-        logits
-        - penalties.frequency.unsqueeze(1) * counts
-        - penalties.presence.unsqueeze(1) * generated.float()
-    )
 
 
 def apply_allowed_tokens(logits: torch.Tensor, allowed: AllowedTokens) -> torch.Tensor:

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from engine.backends.attention import AttentionMetadata, LayerKVCache, Rotary
 from engine.backends.deferred_norm import DeferredNorm
+from engine.backends.penalties import Penalties, penalized
 from engine.backends.pytorch import TorchLayerOps, TorchPagedAttention, apply_rotary, with_bias
 from engine.backends.pytorch import store_kv as store_kv_reference
 from engine.backends.sampling_draw import Cuts, race_sample
@@ -48,6 +49,7 @@ from engine.backends.triton.fp8_widen import widen, widen_factor
 from engine.backends.triton.nucleus import draw_tokens, sample_within_cuts
 from engine.backends.triton.one_row_matmul import one_row_matmul
 from engine.backends.triton.paged_attention import decode_split_counts, merge_splits
+from engine.backends.triton.penalties import apply_penalties
 from engine.execution.batch import pad_verify
 from engine.quantization.linear_methods import quantize_per_channel
 from tandem.testing.kernel_reference import paged_attention_reference
@@ -1013,3 +1015,35 @@ def test_the_draw_agrees_with_the_reference_over_random_cuts() -> None:
         if cuts is not None:
             cuts = Cuts(*(None if t is None else t.to(DEVICE) for t in vars(cuts).values()))
         assert torch.equal(draw_tokens(*args, cuts), race_sample(*args, cuts))
+
+
+@pytest.mark.parametrize("repetition", [False, True], ids=["frequency-presence", "repetition"])
+def test_the_penalties_kernel_computes_the_reference(repetition: bool) -> None:
+    """The penalties in one kernel against the reference's tensor ops: positive and negative
+    logits, tokens generated never, once and often, prompt tokens never generated, rows with
+    no penalty beside rows with each, a vocabulary past two of its blocks, the logits a view
+    of a wider buffer and the parameters columns of the step's packed ones."""
+    rows, vocab = 5, 5000
+    generator = torch.Generator().manual_seed(11)
+    wider = torch.randn(rows, vocab + 7, generator=generator) * 3
+    logits = wider[:, :vocab]
+    counts = torch.randint(0, 4, (rows, vocab), generator=generator).float()
+    counts[counts < 3] = 0  # a quarter generated
+    floats = torch.zeros(rows, 6)  # packed, as sampling_tensors packs them
+    floats[:, 2] = torch.tensor([0.0, 0.5, -0.3, 0.0, 1.0])  # presence
+    floats[:, 3] = torch.tensor([0.0, 0.2, 0.0, -0.4, 0.7])  # frequency
+    penalties = Penalties(counts, floats[:, 2], floats[:, 3])
+    if repetition:
+        floats[:, 4] = torch.tensor([1.0, 1.05, 1.3, 0.8, 2.0])
+        penalties.repetition = floats[:, 4]
+        penalties.prompt_tokens = torch.rand(rows, vocab, generator=generator) < 0.1
+    expected = penalized(logits, penalties)
+    device_penalties = Penalties(
+        *(t if t is None else t.to(DEVICE) for t in vars(penalties).values())
+    )
+    got = apply_penalties(logits.to(DEVICE), device_penalties).cpu()
+    if CUDA:  # its division may round otherwise
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+    else:
+        assert torch.equal(got, expected)
+    assert not torch.equal(expected, logits)  # the penalties changed something

@@ -2,6 +2,7 @@
 
 import torch
 
+from engine.backends.penalties import Penalties, penalized
 from engine.backends.pytorch import TorchStepOps
 from engine.backends.sampling_draw import (
     COLUMN_MULTIPLIER,
@@ -13,12 +14,7 @@ from engine.backends.sampling_draw import (
     uniform_noise,
     unit_interval,
 )
-from engine.sampling.sampler import (
-    Penalties,
-    SamplingTensors,
-    apply_penalties,
-    sample,
-)
+from engine.sampling.sampler import SamplingTensors, sample
 
 OPS = TorchStepOps()  # the CPU's argmax (the torch backend's)
 
@@ -124,7 +120,7 @@ def test_penalties_lower_the_tokens_already_generated() -> None:
     presence, frequency = torch.tensor([0.5, 0.0]), torch.tensor([1.0, -1.0])
     penalties = Penalties(counts, presence, frequency)
     expected = torch.tensor([[0.0, -1.5, -3.5, 0.0], [2.0, 0.0, 0.0, 0.0]])
-    torch.testing.assert_close(apply_penalties(logits, penalties), expected)
+    torch.testing.assert_close(penalized(logits, penalties), expected)
     params = _params([(0, 1, 0, 1, 0), (0, 1, 0, 1, 0)])
     params.penalties = penalties
     assert sample(logits, params, OPS).tolist() == [0, 0]  # greedy rows see the penalties too

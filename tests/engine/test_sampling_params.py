@@ -19,13 +19,13 @@ from transformers import (
     RepetitionPenaltyLogitsProcessor,
 )
 
+from engine.backends.penalties import Penalties
 from engine.backends.pytorch import TorchStepOps
 from engine.backends.sampling_draw import Cuts, kept_by_cuts
 from engine.execution.batch import sampling_tensors
 from engine.llm_engine import RequestRejected
 from engine.sampling.sampler import (
     AllowedTokens,
-    Penalties,
     SamplingTensors,
     process_logits,
     sample,
@@ -106,7 +106,7 @@ def test_repetition_penalty_is_transformers() -> None:
     prompt_tokens[[[0] * 4, [1] * 4], prompts] = True
     params = greedy_params(2)
     params.penalties = Penalties(counts, torch.zeros(2), torch.zeros(2), penalty, prompt_tokens)
-    ours = process_logits(logits, params)
+    ours = process_logits(logits, params, OPS)
     for row, output in enumerate(outputs):
         seen = torch.cat([prompts[row], torch.tensor(output)]).unsqueeze(0)
         theirs = RepetitionPenaltyLogitsProcessor(penalty[row].item())(seen, logits[row : row + 1])
@@ -136,7 +136,7 @@ def test_bans_are_transformers_bad_words_and_min_new_tokens() -> None:
     no_pending = torch.zeros(0, dtype=torch.int64)
     params = sampling_tensors(rows, 30, torch.device("cpu"), no_pending, [29])
     assert params is not None
-    ours = process_logits(logits, params)
+    ours = process_logits(logits, params, OPS)
     bad_words = NoBadWordsLogitsProcessor(words)
     theirs = bad_words(torch.tensor([[5, 6]]), logits[:1])
     assert torch.equal(ours[0], theirs[0])
@@ -152,7 +152,7 @@ def test_allowed_tokens_are_the_only_ones_left() -> None:
     params.allowed = AllowedTokens(
         torch.tensor([True, False, True]), torch.tensor([0, 0, 2]), torch.tensor([4, 9, 17])
     )
-    ours = process_logits(logits, params)
+    ours = process_logits(logits, params, OPS)
     assert set(torch.nonzero(ours[0] > float("-inf")).flatten().tolist()) == {4, 9}
     assert torch.equal(ours[1], logits[1])
     assert set(torch.nonzero(ours[2] > float("-inf")).flatten().tolist()) == {17}
@@ -207,7 +207,7 @@ def test_bans_cost_the_words_length_not_their_number_times_the_longest() -> None
     params = sampling_tensors(rows, VOCAB, torch.device("cpu"), no_pending, [EOS])
     assert params is not None and params.banned is not None
     assert params.banned.prefix_tokens.numel() == len(long_word) - 1 + len(short_words)
-    logits = process_logits(torch.zeros(2, VOCAB), params)
+    logits = process_logits(torch.zeros(2, VOCAB), params, OPS)
     assert (logits[0] == float("-inf")).all()  # every token stops: min_tokens bans them all
     assert torch.nonzero(logits[1] == float("-inf")).flatten().tolist() == list(range(2, 130))
 

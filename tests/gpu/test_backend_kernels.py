@@ -100,8 +100,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def run(directory: Path, backend: str, quantization: str | None) -> tuple[LLMEngine, dict]:
     """An engine of ``backend`` with n-gram speculation: one request alone (batch-1 prefill
-    and decode steps), then greedy, seeded-sampled, drafting and grammar-constrained
-    requests together."""
+    and decode steps), then greedy, seeded-sampled, penalized, drafting and
+    grammar-constrained requests together."""
     engine = LLMEngine(
         EngineConfig(
             model=str(directory),
@@ -120,6 +120,8 @@ def run(directory: Path, backend: str, quantization: str | None) -> tuple[LLMEng
     outputs = generate(engine, {"alone": (PROMPTS[0], greedy)})
     together = {f"greedy-{i}": (prompt, greedy) for i, prompt in enumerate(PROMPTS)}
     together["sampled"] = (PROMPTS[1], sampled)
+    penalized = SamplingParams(max_tokens=12, ignore_eos=True, repetition_penalty=1.1)
+    together["penalized"] = (PROMPTS[2], penalized)
     together["drafting"] = (REPETITIVE, SamplingParams(max_tokens=24, ignore_eos=True))
     regex = StructuredOutput(StructuredOutputKind.REGEX, REGEX)
     together["constrained"] = (PROMPTS[2], SamplingParams(max_tokens=16, structured_output=regex))
@@ -168,7 +170,9 @@ def test_the_triton_backend_launches_its_kernels(tiny: Path, quantization: str |
     expected = {
         "_one_row_kernel",  # batch-1 linear layers
         "_chunk_argmax_kernel",  # the sampler's argmax, and its uncut race
-        "_nucleus_kernel",  # the draw within top-k, top-p and min-p (nucleus.py)
+        "_chunk_mass_kernel",  # the draw within top-k, top-p and min-p (nucleus.py)
+        "_finish_kernel",
+        "_penalties_kernel",  # the penalized request's (penalties.py)
         "_fill_pending_tokens_kernel",  # overlapped steps' inputs
         "_fill_graph_inputs_kernel",  # the decode graphs' inputs
     }

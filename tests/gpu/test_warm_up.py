@@ -23,6 +23,7 @@ import engine.backends.triton.nucleus
 import engine.backends.triton.one_row_matmul
 import engine.backends.triton.one_row_qkv
 import engine.backends.triton.paged_attention
+import engine.backends.triton.penalties
 import engine.backends.triton.pending_tokens
 import engine.backends.triton.quantized_matmul
 import engine.backends.triton.rotary_store
@@ -41,6 +42,7 @@ KERNEL_MODULES = [
     engine.backends.triton.one_row_matmul,
     engine.backends.triton.one_row_qkv,
     engine.backends.triton.paged_attention,
+    engine.backends.triton.penalties,
     engine.backends.triton.pending_tokens,
     engine.backends.triton.quantized_matmul,
     engine.backends.triton.rotary_store,
@@ -78,8 +80,8 @@ def forget_compiled_variants() -> None:
 def varied_workload(engine: LLMEngine) -> float:
     """Prompts of odd and even lengths, chunked and mixed with decodes, batches of every
     size as requests come and go, greedy and sampled (uncut, within top-p, min-p or both),
-    with and without log-probabilities, and one long prompt decoded alone at the end; the
-    first request's TTFT in seconds."""
+    with and without log-probabilities and penalties, and one long prompt decoded alone at
+    the end; the first request's TTFT in seconds."""
     generator = torch.Generator().manual_seed(5)
     first = SamplingParams(max_tokens=1)
     started = time.perf_counter()
@@ -97,6 +99,8 @@ def varied_workload(engine: LLMEngine) -> float:
             top_p=0.9 if i % 4 else 1.0,  # steps drawn within top-p, and uncut
             min_p=0.05 if i % 5 == 0 else 0.0,
             logprobs=2 if i % 3 == 0 else None,
+            repetition_penalty=1.1 if i % 6 == 1 else 1.0,
+            frequency_penalty=0.2 if i % 7 == 2 else 0.0,
         )
         engine.add_request(b"gpu", str(i), prompt, sampling)
         if i % 4 == 3:

@@ -40,6 +40,7 @@ from engine.backends.attention import (
 )
 from engine.backends.deferred_norm import DeferredNorm, LinearInput
 from engine.backends.layer_ops import ClampedSwiGLU
+from engine.backends.penalties import Penalties
 from engine.backends.pytorch import TorchLayerOps, TorchStepOps
 from engine.backends.sampling_draw import Cuts
 from engine.backends.triton import (
@@ -59,6 +60,7 @@ from engine.backends.triton.moe_route import moe_route
 from engine.backends.triton.mxfp4_moe import mxfp4_moe
 from engine.backends.triton.nucleus import draw_tokens
 from engine.backends.triton.one_row_matmul import one_row_matmul
+from engine.backends.triton.penalties import apply_penalties
 from engine.backends.triton.pending_tokens import fill_pending_tokens
 from engine.backends.triton.push_all_reduce import PushAllReduce, push_all_reduce
 from engine.backends.triton.quantized_matmul import weight_only_matmul
@@ -317,9 +319,9 @@ class TritonLayerOps(TorchLayerOps):
 
 class TritonStepOps(TorchStepOps):
     """A kernel each where PyTorch launches several or reduces a row in one thread block
-    (``argmax`` and ``nucleus`` for sampling, ``pending_tokens``, ``graph_inputs``; the
-    grammar library's for its masks): between two steps' CUDA graphs each launch leaves the
-    device a gap."""
+    (``argmax`` and ``nucleus`` for sampling, ``penalties``, ``pending_tokens``,
+    ``graph_inputs``; the grammar library's for its masks): between two steps' CUDA graphs
+    each launch leaves the device a gap."""
 
     def argmax_rows(self, values: torch.Tensor) -> torch.Tensor:
         if values.is_cuda:
@@ -337,6 +339,11 @@ class TritonStepOps(TorchStepOps):
         if logits.is_cuda:
             return draw_tokens(logits, temperature, seed, step, cuts)
         return super().sample_rows(logits, temperature, seed, step, cuts)
+
+    def apply_penalties(self, logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
+        if logits.is_cuda:
+            return apply_penalties(logits, penalties)
+        return super().apply_penalties(logits, penalties)
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         if not logits.is_cuda:
