@@ -19,23 +19,28 @@ import torch
 class Penalties:
     """The penalties of a step's rows on the tokens they have seen, on the logits' device."""
 
-    counts: torch.Tensor  # [B, V] float32: how often each row has generated each token
+    # [N, V] float32: how often each row has generated each token, in row ``slots[i]`` for
+    # row i (``engine/execution/seen_tokens.py`` keeps them from step to step).
+    counts: torch.Tensor
     presence: torch.Tensor  # [B] float32
     frequency: torch.Tensor  # [B] float32
     # vLLM's repetition penalty [B] float32 (1 for none) and each row's prompt tokens
-    # [B, V] bool; both None when no row has one.
+    # [N, V] bool, in its slot's row; both None when no row has one.
     repetition: torch.Tensor | None = None
     prompt_tokens: torch.Tensor | None = None
+    slots: torch.Tensor | None = None  # [B] int64; None: row i's are row i
 
 
 def penalized(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
     """The logits with each row's repetition penalty on every token of its prompt and output
     (divided if positive, multiplied if not), then less its frequency penalty times how often
     it generated each token and its presence penalty for every one it did."""
-    counts = penalties.counts
+    slots = penalties.slots
+    counts = penalties.counts if slots is None else penalties.counts[slots]
     generated = counts > 0
     if penalties.repetition is not None and penalties.prompt_tokens is not None:
-        seen = penalties.prompt_tokens | generated
+        prompt_tokens = penalties.prompt_tokens
+        seen = (prompt_tokens if slots is None else prompt_tokens[slots]) | generated
         repetition = penalties.repetition.unsqueeze(1)
         penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
         logits = torch.where(seen, penalized, logits)

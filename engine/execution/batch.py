@@ -15,7 +15,9 @@ import torch
 
 from engine.backends.attention import AttentionMetadata
 from engine.backends.step_ops import StepOps
+from engine.execution.host_to_device import pending_rows_and_sources, to_device
 from engine.execution.pinned_inputs import PinnedInputs
+from engine.execution.seen_tokens import SeenTokens, penalizes
 from engine.sampling.prompt_logprobs import ScoredPositions, scored_chunks
 from engine.sampling.sampler import (
     AllowedTokens,
@@ -287,25 +289,21 @@ def pad_verify(
 
 def sampling_tensors(
     rows: list[Request],
-    vocab_size: int,
     device: torch.device,
     last_sampled: torch.Tensor,
     eos_token_ids: list[int],
+    seen_tokens: SeenTokens,
 ) -> SamplingTensors | None:
     """The sampling parameters of the requests sampled in a step, on the device; None when
     every one is greedy with nothing to apply to its logits, which needs none (no tensors, no
     copies). A request's pending token (see ``pack``) is counted where the parameters look
-    at the output so far, taken from ``last_sampled`` on the device: no step waits for it."""
+    at the output so far, taken from ``last_sampled`` on the device: no step waits for it.
+    ``seen_tokens``: the penalized requests' counts and prompts, kept from step to step."""
     params = [r.sampling for r in rows]
     shaping = [r for r in rows if r.shapes_logits]
     if not shaping and all(p.temperature == 0 for p in params):
         return None
-    penalized = any(
-        r.sampling.presence_penalty
-        or r.sampling.frequency_penalty
-        or r.sampling.repetition_penalty != 1
-        for r in shaping
-    )
+    penalized = any(penalizes(r) for r in shaping)
     biased = any(r.sampling.logit_bias_token_ids for r in shaping)
     restricted = any(r.sampling.allowed_token_ids is not None for r in shaping)
     banning = any(
@@ -333,11 +331,12 @@ def sampling_tensors(
     ).to(device, non_blocking=True)
     penalties = None
     if penalized:
-        counts = _output_token_counts(rows, vocab_size, device, last_sampled)
-        penalties = Penalties(counts, floats[:, 2], floats[:, 3])
+        slots = seen_tokens.slots_of(rows, last_sampled)
+        assert seen_tokens.counts is not None
+        penalties = Penalties(seen_tokens.counts, floats[:, 2], floats[:, 3], slots=slots)
         if any(p.repetition_penalty != 1 for p in params):
             penalties.repetition = floats[:, 4]
-            penalties.prompt_tokens = _prompt_token_masks(rows, vocab_size, device)
+            penalties.prompt_tokens = seen_tokens.prompt_tokens
     return SamplingTensors(
         temperature=floats[:, 0],
         top_p=floats[:, 1],
@@ -396,7 +395,7 @@ def _banned_tokens(
             recent[row, known - len(tail) : known] = tail
     # The stops first, then the words.
     stop_rows = np.repeat(np.arange(len(rows)), [stop.size for stop in stops])
-    pending_rows, sources = _pending(rows)
+    pending_rows, sources = pending_rows_and_sources(rows)
     # BannedTokens' rows, token ids, prefix tokens, words and columns, in its fields' order.
     *entries, recent_t, pending_t, sources_t = to_device(
         [
@@ -417,59 +416,6 @@ def _banned_tokens(
     return BannedTokens(*entries, recent_t, stop_rows.size)
 
 
-def _output_token_counts(
-    rows: list[Request], vocab_size: int, device: torch.device, last_sampled: torch.Tensor
-) -> torch.Tensor:
-    """[B, V] float32: how often each request has generated each token, its pending one
-    included."""
-    histories = []
-    for request in rows:  # each request's tokens since the last step, not its whole output
-        history = request.penalized_token_array
-        history.extend(request.output_token_ids[len(history) :])
-        histories.append(np.frombuffer(history, np.int64))
-    lengths = [history.size for history in histories]
-    total = sum(lengths)
-    pending_rows, sources = _pending(rows)
-    known_rows, known_tokens, pending_t, sources_t = to_device(
-        [
-            np.repeat(np.arange(len(rows)), lengths),
-            np.concatenate(histories) if histories else np.empty(0, np.int64),
-            pending_rows,
-            sources,
-        ],
-        device,
-    )
-    counts = torch.zeros(len(rows), vocab_size, device=device)
-    counts.index_put_((known_rows, known_tokens), torch.ones(total, device=device), True)
-    if pending_rows.size:
-        ones = torch.ones(pending_rows.size, device=device)
-        counts.index_put_((pending_t, last_sampled[sources_t]), ones, True)
-    return counts
-
-
-def _prompt_token_masks(rows: list[Request], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[B, V] bool: the tokens of each request's prompt, for those with a repetition penalty
-    (the others' rows are empty: their penalty, 1, changes nothing anyway). A request's row
-    is made once and kept in it."""
-    empty = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-    masks = []
-    for request in rows:
-        if request.sampling.repetition_penalty == 1:
-            masks.append(empty)
-            continue
-        if request.prompt_token_mask is None:
-            (prompt,) = to_device([np.asarray(request.prompt_token_ids, np.int64)], device)
-            request.prompt_token_mask = empty.index_fill(0, prompt, True)
-        masks.append(request.prompt_token_mask)
-    return torch.stack(masks)
-
-
-def _pending(rows: list[Request]) -> tuple[np.ndarray, np.ndarray]:
-    """The rows whose last token is pending, and where it is in the last step's tokens."""
-    pending = [(row, r.pending_row) for row, r in enumerate(rows) if r.num_pending_tokens]
-    return np.array(pending, np.int64).reshape(-1, 2).T
-
-
 def _ragged_to_device(
     arrays: list[np.ndarray], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -480,12 +426,3 @@ def _ragged_to_device(
         [np.repeat(np.arange(len(arrays)), lengths), np.concatenate(arrays)], device
     )
     return rows, items
-
-
-def to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """int64 arrays on the device, moved in one copy; from pinned memory on CUDA, so that
-    the host does not wait for the step in flight (a copy from pageable memory would)."""
-    host = torch.from_numpy(np.concatenate(arrays).astype(np.int64, copy=False))
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return list(host.to(device, non_blocking=True).split([a.size for a in arrays]))

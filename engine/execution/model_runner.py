@@ -28,6 +28,7 @@ from engine.execution.cuda_graphs import CAPTURE_BATCH_SIZES, StepGraphs
 from engine.execution.mixed_steps import is_mixed, split_mixed_step, splits_mixed_steps
 from engine.execution.pinned_inputs import PinnedInputs
 from engine.execution.prompt_graphs import PromptGraphs, prompt_graph_lengths
+from engine.execution.seen_tokens import SeenTokens
 from engine.model_config import ModelConfig
 from engine.models import build_model
 from engine.models.causal_lm import CausalLM
@@ -342,6 +343,10 @@ class ModelRunner:
             self.max_model_len,
         )
         self._last_sampled = torch.empty(0, dtype=torch.int64, device=self.device)
+        # The penalized requests' counts and prompts (made by the first penalized step).
+        self.seen_tokens = SeenTokens(
+            config.max_num_seqs, self.model_config.vocab_size, self.device
+        )
         # Rank 0 samples; the other ranks' processes start faster without the grammar
         # library (and transformers, which it imports).
         self.grammar_bitmask: GrammarBitmask | None = None
@@ -597,7 +602,7 @@ class ModelRunner:
         """Sample each row's next token and make it pending; the tokens and, if any row
         asked, the log-probabilities' values and ids, and what each row asked."""
         params = sampling_tensors(
-            rows, self.model_config.vocab_size, self.device, self._last_sampled, self.eos_token_ids
+            rows, self.device, self._last_sampled, self.eos_token_ids, self.seen_tokens
         )
         next_tokens = sample(logits, params, self.backend.step_ops)
         self._mark_pending(rows, next_tokens)
@@ -625,11 +630,7 @@ class ModelRunner:
                 self.grammar_bitmask.apply(plain_logits, masks)
                 logits[layout.plain_index] = plain_logits  # logprobs: the masked distribution's
             params = sampling_tensors(
-                plain,
-                self.model_config.vocab_size,
-                self.device,
-                self._last_sampled,
-                self.eos_token_ids,
+                plain, self.device, self._last_sampled, self.eos_token_ids, self.seen_tokens
             )
             tokens[layout.plain_index] = sample(plain_logits, params, self.backend.step_ops)
         drafted = [r for r in rows if r.draft_token_ids]

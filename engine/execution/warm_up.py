@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.execution.batch import sampling_tensors
+from engine.execution.seen_tokens import SeenTokens
 from engine.sampling.sampler import sample
 from engine.scheduling.request import Request, RequestStatus
 from protocol import SamplingParams
@@ -112,9 +113,11 @@ def warm_up(runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens: int)
     vocab_size = runner.model_config.vocab_size
     logits = torch.zeros(1, vocab_size, device=runner.device)
     no_pending = torch.empty(0, dtype=torch.int64, device=runner.device)
+    # Tables of one slot: the runner's are made by the first penalized request, if any comes.
+    seen_tokens = SeenTokens(1, vocab_size, runner.device)
     for index, sampling in enumerate(_OTHER_DRAWS):
         row = [_request(3 + index, 1, sampling, block_size)]
-        params = sampling_tensors(row, vocab_size, runner.device, no_pending, runner.eos_token_ids)
+        params = sampling_tensors(row, runner.device, no_pending, runner.eos_token_ids, seen_tokens)
         sample(logits, params, runner.backend.step_ops)
     decode_graphs, verify_graphs = runner.decode_graphs, runner.verify_graphs
     eager_decodes = decode_graphs is None or not decode_graphs.fits(max_num_seqs)

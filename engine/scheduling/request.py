@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from engine.scheduling.draft_acceptance import DraftAcceptance
 from engine.scheduling.draft_pause import DraftPause
@@ -72,13 +71,11 @@ class Request:
     # once: one output of a long prompt's would hold up every other request's).
     num_scored_prompt_tokens: int = 0
     unsent_prompt_logprobs: list[PromptTokenLogprobs] = field(default_factory=list)
-    # With a repetition penalty: the prompt's tokens as a [V] bool mask on the device, made
-    # once by the first step that needs it (engine/execution/batch.py).
-    prompt_token_mask: torch.Tensor | None = None
-    # With a presence, frequency or repetition penalty: its output tokens as int64, which
-    # each step's penalties extend by the tokens since (engine/execution/batch.py), so that
-    # a batch's histories join by buffer rather than token by token.
-    penalized_token_array: array[int] = field(default_factory=lambda: array("q"))
+    # With a presence, frequency or repetition penalty: its slot of the seen tokens' tables
+    # on the device, and how many of its output tokens the slot has counted, a pending one
+    # included (engine/execution/seen_tokens.py).
+    seen_tokens_slot: int | None = None
+    num_seen_tokens: int = 0
     # Its prompt and output as one array, token_array[:num_arrayed_tokens], which the n-gram
     # proposer (speculative decoding) extends as the output grows.
     token_array: np.ndarray | None = None

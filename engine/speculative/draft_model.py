@@ -41,8 +41,9 @@ from engine.backends.attention import AttentionMetadata
 from engine.checkpoint import Checkpoint
 from engine.config import EngineConfig
 from engine.distributed.parallel import SINGLE
-from engine.execution.batch import block_tables, to_device
+from engine.execution.batch import block_tables
 from engine.execution.cuda_graphs import StepGraphs
+from engine.execution.host_to_device import to_device
 from engine.execution.model_runner import (
     allocate_kv_cache,
     kv_bytes_per_token,

@@ -52,7 +52,7 @@ def time_host_step(engine: LLMEngine, batch: int, context: int, steps: int) -> d
         runner.step_inputs(requests)
         t2 = time.perf_counter()
         sampling_tensors(
-            requests, engine.vocab_size, engine.device, next_tokens, runner.eos_token_ids
+            requests, engine.device, next_tokens, runner.eos_token_ids, runner.seen_tokens
         )
         t3 = time.perf_counter()
         for row, request in enumerate(requests):  # as launch() leaves them

@@ -1,4 +1,5 @@
-"""Presence and frequency penalties against a plain loop over transformers' logits."""
+"""Presence and frequency penalties against a plain loop over transformers' logits, and the
+counts they read kept on the device from step to step."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import torch
 from transformers import LlamaForCausalLM as HFLlama
 
 from engine.config import EngineConfig
+from engine.execution.seen_tokens import SeenTokens
 from engine.llm_engine import LLMEngine, RequestRejected
+from engine.scheduling.request import Request
 from protocol import SamplingParams, TokenLogprobs
 from tandem.testing.random_checkpoint import VOCAB, random_prompts, save_tiny_llama
 from tandem.testing.reference import hf_greedy
@@ -93,3 +96,56 @@ def test_logit_bias_outside_the_vocabulary_is_refused(tiny: tuple[Path, HFLlama]
     with pytest.raises(RequestRejected, match=r"token ids must be in \[0, 256\)"):
         engine.add_request(b"t", "r", [1, 2, 3], sampling)
     assert not engine.has_work  # nothing was queued
+
+
+def test_seen_tokens_count_each_output_once_across_steps_and_lost_slots() -> None:
+    """Each penalized request's slot holds its output's counts (the pending token included)
+    and its prompt, added to step by step; a row without penalties reads another's slot; a
+    request whose slot another took while it was out of the steps is counted afresh."""
+    vocab = 12
+    seen = SeenTokens(2, vocab, torch.device("cpu"))
+    penalized = SamplingParams(repetition_penalty=1.2, frequency_penalty=0.5)
+    a, b, c = (Request(b"t", name, [1, 2, 3], penalized, seed=0) for name in "abc")
+    plain = Request(b"t", "plain", [4], SamplingParams(), seed=0)
+
+    def check(rows: list[Request], slots: torch.Tensor, last_sampled: list[int]) -> None:
+        assert seen.counts is not None and seen.prompt_tokens is not None
+        for row, request in enumerate(rows):
+            if request is plain:
+                continue
+            history = list(request.output_token_ids)
+            if request.num_pending_tokens:
+                history.append(last_sampled[request.pending_row])
+            expected = torch.bincount(torch.tensor(history, dtype=torch.int64), minlength=vocab)
+            assert torch.equal(seen.counts[slots[row]], expected.float()), request.request_id
+            prompt = torch.zeros(vocab, dtype=torch.bool)
+            prompt[request.prompt_token_ids] = True
+            assert torch.equal(seen.prompt_tokens[slots[row]], prompt)
+
+    no_pending = torch.empty(0, dtype=torch.int64)
+    a.output_token_ids, b.output_token_ids = [5, 5], [6]
+    rows = [a, plain, b]
+    slots = seen.slots_of(rows, no_pending)
+    check(rows, slots, [])
+    assert slots[1] in (slots[0], slots[2]) and slots[0] != slots[2]
+    # Overlapped steps: each reads the token the step before sampled from the device, and
+    # the host takes it a step later.
+    before: list[int] = []
+    for sampled in ([7, 8, 9], [7, 7, 9]):
+        for row, request in enumerate(rows):
+            if before:
+                request.read_pending_token()
+                request.append_output_token(before[row])
+            request.add_pending_token(row)
+        before = sampled
+        slots = seen.slots_of(rows, torch.tensor(sampled))
+        check(rows, slots, sampled)
+    assert a.output_token_ids == [5, 5, 7] and b.output_token_ids == [6, 9]
+    # c takes the slot of a request out of its step; that one, back, is counted afresh.
+    c.output_token_ids = [9]
+    check([c], seen.slots_of([c], no_pending), [])
+    for row, request in enumerate(rows):
+        request.read_pending_token()
+        request.append_output_token(before[row])
+    rows = [b, a]
+    check(rows, seen.slots_of(rows, no_pending), [])

@@ -26,7 +26,7 @@ def signature(kernel, types):
 types = {"logits_ptr": "*fp32", "values_ptr": "*fp32", "indices_ptr": "*i32", "maxes_ptr": "*fp32",
          "partials_ptr": "*fp32", "out_ptr": "*i64", "temperature_ptr": "*fp32", "seed_ptr": "*i64",
          "step_ptr": "*i64", "top_p_ptr": "*fp32", "top_k_ptr": "*i64", "min_p_ptr": "*fp32",
-         "counts_ptr": "*fp32", "prompt_ptr": "*u8", "presence_ptr": "*fp32",
+         "slots_ptr": "*i64", "counts_ptr": "*fp32", "prompt_ptr": "*u8", "presence_ptr": "*fp32",
          "frequency_ptr": "*fp32", "repetition_ptr": "*fp32"}
 results = {}
 for race, store_max in ((False, False), (True, False), (True, True)):

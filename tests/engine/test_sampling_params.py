@@ -23,6 +23,7 @@ from engine.backends.penalties import Penalties
 from engine.backends.pytorch import TorchStepOps
 from engine.backends.sampling_draw import Cuts, kept_by_cuts
 from engine.execution.batch import sampling_tensors
+from engine.execution.seen_tokens import SeenTokens
 from engine.llm_engine import RequestRejected
 from engine.sampling.sampler import (
     AllowedTokens,
@@ -39,6 +40,7 @@ from tests.engine.test_overlap_steps import make_engine, tokens
 
 EOS = VOCAB - 1  # the tiny checkpoints'
 OPS = TorchStepOps()  # the CPU's argmax (the torch backend's)
+CPU = torch.device("cpu")
 
 
 def greedy_params(batch: int) -> SamplingTensors:
@@ -134,7 +136,7 @@ def test_bans_are_transformers_bad_words_and_min_new_tokens() -> None:
         ),
     ]
     no_pending = torch.zeros(0, dtype=torch.int64)
-    params = sampling_tensors(rows, 30, torch.device("cpu"), no_pending, [29])
+    params = sampling_tensors(rows, CPU, no_pending, [29], SeenTokens(len(rows), 30, CPU))
     assert params is not None
     ours = process_logits(logits, params, OPS)
     bad_words = NoBadWordsLogitsProcessor(words)
@@ -172,7 +174,7 @@ def test_a_steps_token_lists_hold_each_id_once() -> None:
     )
     request = Request(b"t", "r", [1], sampling, seed=0)
     no_pending = torch.zeros(0, dtype=torch.int64)
-    params = sampling_tensors([request], VOCAB, torch.device("cpu"), no_pending, [EOS])
+    params = sampling_tensors([request], CPU, no_pending, [EOS], SeenTokens(1, VOCAB, CPU))
     assert params is not None and params.allowed is not None and params.logit_bias is not None
     assert params.allowed.token_ids.tolist() == [3, 5]
     assert params.logit_bias.token_ids.tolist() == [7, 9]
@@ -204,7 +206,7 @@ def test_bans_cost_the_words_length_not_their_number_times_the_longest() -> None
         ),
     ]
     no_pending = torch.zeros(0, dtype=torch.int64)
-    params = sampling_tensors(rows, VOCAB, torch.device("cpu"), no_pending, [EOS])
+    params = sampling_tensors(rows, CPU, no_pending, [EOS], SeenTokens(len(rows), VOCAB, CPU))
     assert params is not None and params.banned is not None
     assert params.banned.prefix_tokens.numel() == len(long_word) - 1 + len(short_words)
     logits = process_logits(torch.zeros(2, VOCAB), params, OPS)

@@ -1,11 +1,12 @@
 """A step's penalties on the tokens its rows have seen, in one kernel.
 
-The reference (``engine/backends/penalties.py``) is some ten [B, V] tensor ops: masks, two
-``where``s, products and differences, each a pass over float32 logits, which at a batch of
-256 over a 152k vocabulary is some 150 MB apiece. This kernel reads the logits, the counts
-and (where a row has a repetition penalty) the prompt's mask once and writes the penalized
-logits once, with the reference's arithmetic in its order: the same float32 result but for
-the division's rounding.
+The reference (``engine/backends/penalties.py``) is some ten [B, V] tensor ops: gathers of
+the rows' counts and prompt masks, masks, two ``where``s, products and differences, each a
+pass over float32 logits, which at a batch of 256 over a 152k vocabulary is some 150 MB
+apiece. This kernel reads the logits, each row's counts and (where a row has a repetition
+penalty) its prompt's mask once, through the row's slot, and writes the penalized logits
+once, with the reference's arithmetic in its order: the same float32 result but for the
+rounding of a product fused into its difference.
 
 The logits' and counts' rows and the parameters' columns change from step to step (a step's
 rows, views of its packed parameters at their offsets): the kernel specializes on none of
@@ -31,6 +32,7 @@ _BLOCK = 2048  # tokens a program
         "vocab_size",
         "stride_logits",
         "stride_out",
+        "stride_slots",
         "stride_counts",
         "stride_prompt",
         "stride_presence",
@@ -40,6 +42,7 @@ _BLOCK = 2048  # tokens a program
     do_not_specialize_on_alignment=[
         "logits_ptr",
         "out_ptr",
+        "slots_ptr",
         "counts_ptr",
         "prompt_ptr",
         "presence_ptr",
@@ -50,6 +53,7 @@ _BLOCK = 2048  # tokens a program
 def _penalties_kernel(
     logits_ptr,
     out_ptr,
+    slots_ptr,
     counts_ptr,
     prompt_ptr,
     presence_ptr,
@@ -58,6 +62,7 @@ def _penalties_kernel(
     vocab_size,
     stride_logits,
     stride_out,
+    stride_slots,
     stride_counts,
     stride_prompt,
     stride_presence,
@@ -70,13 +75,14 @@ def _penalties_kernel(
     wait_for_previous_kernel()  # launched dependent (dependent_launch.py)
     let_next_kernel_start()
     row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + row * stride_slots)  # the row's row of counts and prompt
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < vocab_size
     logits = tl.load(logits_ptr + row * stride_logits + cols, mask=mask)
-    counts = tl.load(counts_ptr + row * stride_counts + cols, mask=mask)
+    counts = tl.load(counts_ptr + slot * stride_counts + cols, mask=mask)
     generated = counts > 0
     if HAS_REPETITION:
-        prompt = tl.load(prompt_ptr + row * stride_prompt + cols, mask=mask, other=0)
+        prompt = tl.load(prompt_ptr + slot * stride_prompt + cols, mask=mask, other=0)
         repetition = tl.load(repetition_ptr + row * stride_repetition)
         penalized = tl.where(logits > 0, logits / repetition, logits * repetition)
         logits = tl.where((prompt != 0) | generated, penalized, logits)
@@ -94,6 +100,9 @@ def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
     """``StepOps.apply_penalties``: new float32 logits [B, V], ``logits`` left as they are."""
     num_rows, vocab_size = logits.shape
     counts = penalties.counts
+    slots = penalties.slots
+    if slots is None:
+        slots = torch.arange(num_rows, device=logits.device)
     prompt, repetition = penalties.prompt_tokens, penalties.repetition
     has_repetition = prompt is not None and repetition is not None
     if not has_repetition:  # not read: any pointers do
@@ -108,6 +117,7 @@ def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
         logits.device,
         logits,
         out,
+        slots,
         counts,
         prompt,
         penalties.presence,
@@ -116,6 +126,7 @@ def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
         vocab_size,
         logits.stride(0),
         out.stride(0),
+        slots.stride(0),
         counts.stride(0),
         prompt.stride(0),
         penalties.presence.stride(0),

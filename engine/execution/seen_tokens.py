@@ -1,0 +1,133 @@
+"""The tokens each penalized request has seen, kept on the device from step to step.
+
+Penalties (``engine/backends/penalties.py``) need, for each row of a step, how often its
+request has generated each token and, with a repetition penalty, which tokens its prompt
+holds. Made afresh every step, that is every row's whole output copied to the device and
+counted again and every prompt's mask stacked: host work between steps that grows with the
+outputs, where a small model's batch-256 step waits on its host. Here each penalized request
+holds a slot, a row of two [slots, V] tables, while it is sampled: a step adds only its tokens
+since the last (the one pending on the device among them), and the penalties read each row's
+through the step's row-to-slot map.
+
+A request keeps its slot until a step needs one for a request of its own while the holder
+is not in it (the holder finished, was aborted or waits: nothing need tell this module). A
+request that comes back to find its slot taken gets another, counted afresh from its output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from engine.execution.host_to_device import pending_rows_and_sources, to_device
+from engine.scheduling.request import Request
+
+
+def penalizes(request: Request) -> bool:
+    sampling = request.sampling
+    return bool(
+        sampling.presence_penalty or sampling.frequency_penalty or sampling.repetition_penalty != 1
+    )
+
+
+class SeenTokens:
+    def __init__(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
+        """``num_slots``: the most requests a step samples (``max_num_seqs``)."""
+        self.num_slots = num_slots
+        self.vocab_size = vocab_size
+        self.device = device
+        # Made by the first step with a penalty: most deployments have none.
+        self.counts: torch.Tensor | None = None  # [slots, V] float32
+        self.prompt_tokens: torch.Tensor | None = None  # [slots, V] bool
+        self._holders: list[Request | None] = [None] * num_slots
+
+    def slots_of(self, rows: list[Request], last_sampled: torch.Tensor) -> torch.Tensor:
+        """Each row's slot [B] (int64, on the device), its counts brought up to the
+        request's output so far, the token pending in ``last_sampled`` included, and its
+        prompt marked where it has a repetition penalty. Some row must have a penalty."""
+        assert 0 < sum(penalizes(r) for r in rows) <= self.num_slots
+        if self.counts is None:
+            shape = (self.num_slots, self.vocab_size)
+            self.counts = torch.zeros(shape, dtype=torch.float32, device=self.device)
+            self.prompt_tokens = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        assert self.prompt_tokens is not None
+        free = self._free_slots(rows)
+        slots = np.empty(len(rows), np.int64)
+        fresh: list[int] = []
+        # The tokens to count and to mark, as (slot, token) pairs: Python lists, as a row
+        # adds a token or none a step (a fresh slot its whole output).
+        count_slots: list[int] = []
+        count_tokens: list[int] = []
+        prompt_slots: list[int] = []
+        prompt_tokens: list[int] = []
+        neutral = []
+        for row, request in enumerate(rows):
+            if not penalizes(request):
+                neutral.append(row)
+                continue
+            slot = request.seen_tokens_slot
+            outputs = request.output_token_ids
+            held = slot is not None and self._holders[slot] is request
+            # Counted past what the host knows (a pending token it never took): afresh.
+            if not held or request.num_seen_tokens > len(outputs):
+                if not held:
+                    slot = next(free)
+                assert slot is not None
+                self._holders[slot] = request
+                request.seen_tokens_slot = slot
+                request.num_seen_tokens = 0
+                fresh.append(slot)
+                if request.sampling.repetition_penalty != 1:
+                    prompt_slots += [slot] * len(request.prompt_token_ids)
+                    prompt_tokens += request.prompt_token_ids
+            slots[row] = slot
+            new = outputs[request.num_seen_tokens :]
+            count_slots += [slot] * len(new)
+            count_tokens += new
+            # One step in flight at most: a pending token is the newest, taken from the device.
+            assert request.num_pending_tokens <= 1
+            request.num_seen_tokens = len(outputs) + request.num_pending_tokens
+        # A row without penalties changes nothing whatever counts it reads: any slot's.
+        counted = np.ones(len(rows), bool)
+        counted[neutral] = False
+        slots[neutral] = slots[counted.argmax()]
+        pending_rows, sources = pending_rows_and_sources(rows)
+        keep = counted[pending_rows]
+        pending_rows, sources = pending_rows[keep], sources[keep]
+        pairs = (fresh, count_slots, count_tokens, prompt_slots, prompt_tokens)
+        parts = [slots, *(np.array(items, np.int64) for items in pairs), pending_rows, sources]
+        slots_t, fresh_t, count_slots_t, count_tokens_t, *rest = to_device(parts, self.device)
+        prompt_slots_t, prompt_tokens_t, pending_t, sources_t = rest
+        if fresh:
+            self.counts.index_fill_(0, fresh_t, 0.0)
+            self.prompt_tokens.index_fill_(0, fresh_t, False)
+        if prompt_slots_t.numel():
+            self.prompt_tokens.index_put_((prompt_slots_t, prompt_tokens_t), _true(prompt_slots_t))
+        if count_slots_t.numel():
+            self.counts.index_put_((count_slots_t, count_tokens_t), _ones(count_slots_t), True)
+        if pending_t.numel():
+            pending_slots = slots_t[pending_t]
+            self.counts.index_put_(
+                (pending_slots, last_sampled[sources_t]), _ones(pending_slots), True
+            )
+        return slots_t
+
+    def _free_slots(self, rows: list[Request]) -> Iterator[int]:
+        """Slots a request of ``rows`` may take: those no request holds first, then those
+        whose holder is not in the step."""
+        in_step = {id(request) for request in rows}
+        empty = [slot for slot, holder in enumerate(self._holders) if holder is None]
+        yield from empty
+        for slot, holder in enumerate(self._holders):
+            if holder is not None and id(holder) not in in_step:
+                yield slot
+
+
+def _ones(like: torch.Tensor) -> torch.Tensor:
+    return torch.ones(like.shape[0], dtype=torch.float32, device=like.device)
+
+
+def _true(like: torch.Tensor) -> torch.Tensor:
+    return torch.ones(like.shape[0], dtype=torch.bool, device=like.device)
