@@ -132,14 +132,7 @@ def _narrowed(lo, hi, thresholds, mass, count, kept_mass, top_p, top_k):
 
 @triton.jit
 def _pass_above(
-    row_ptr,
-    row_maxes_ptr,
-    num_chunks,
-    vocab_size,
-    stride_col,
-    scale,
-    largest,
-    min_p,
+    row_args,
     bound,
     thresholds,
     key,
@@ -149,7 +142,10 @@ def _pass_above(
     """One read of a row's chunks whose largest logit lies above ``bound``: the mass and
     count of the kept tokens above each of ``thresholds`` [PIVOTS] (none below ``bound``),
     and where ``RACE``, the race among the kept tokens above ``bound``: its score (-inf
-    where none is), token and scaled logit. Lane by lane, reduced once at the end."""
+    where none is), token and scaled logit. Lane by lane, reduced once at the end.
+    ``row_args``: the row's logits, its chunks' largest logits and the rest of what every
+    pass of the row reads."""
+    row_ptr, row_maxes_ptr, num_chunks, vocab_size, stride_col, scale, largest, min_p = row_args
     offsets = tl.arange(0, SUB)
     lane_score = tl.full((SUB,), -float("inf"), tl.float32)
     lane_token = tl.zeros((SUB,), tl.int32)
@@ -289,6 +285,17 @@ def _finish_kernel(
         lo = tl.full((), -float("inf"), tl.float32)
         hi = largest
         ranks = tl.arange(0, PIVOTS).to(tl.float32)
+        row_maxes_ptr = maxes_ptr + row * num_chunks
+        row_args = (
+            row_ptr,
+            row_maxes_ptr,
+            num_chunks,
+            vocab_size,
+            stride_col,
+            scale,
+            largest,
+            min_p,
+        )
         races = tl.full((), 1, tl.int32)
         while done == 0:
             races += 1
@@ -297,19 +304,7 @@ def _finish_kernel(
             bound = tl.maximum(best_x, lo)
             pivots = bound + (ranks + 1.0) * ((largest - bound) / (PIVOTS + 1))
             score, raced, raced_x, mass, count = _pass_above(
-                row_ptr,
-                maxes_ptr + row * num_chunks,
-                num_chunks,
-                vocab_size,
-                stride_col,
-                scale,
-                largest,
-                min_p,
-                bound,
-                pivots,
-                key,
-                True,
-                BLOCK,
+                row_args, bound, pivots, key, True, BLOCK
             )
             found = score > -float("inf")  # always: the largest's token is above the bound
             token = tl.where(found, raced, token)
@@ -320,21 +315,7 @@ def _finish_kernel(
                 # Between: count above the winner itself (the first threshold), and above
                 # pivots between it and the largest, for the next race should it lose.
                 thresholds = best_x + ranks * ((largest - best_x) / PIVOTS)
-                _, _, _, mass, count = _pass_above(
-                    row_ptr,
-                    maxes_ptr + row * num_chunks,
-                    num_chunks,
-                    vocab_size,
-                    stride_col,
-                    scale,
-                    largest,
-                    min_p,
-                    best_x,
-                    thresholds,
-                    key,
-                    False,
-                    BLOCK,
-                )
+                _, _, _, mass, count = _pass_above(row_args, best_x, thresholds, key, False, BLOCK)
                 kept_at = _in_nucleus(mass, count, kept_mass, top_p, top_k).to(tl.int32)
                 done = tl.max(tl.where(ranks == 0.0, kept_at, 0), 0)
                 lo, hi = _narrowed(lo, hi, thresholds, mass, count, kept_mass, top_p, top_k)
