@@ -29,6 +29,7 @@
 #   scripts/gpu_session.sh profile-offline  # each kind of offline step: device busy against wall
 #   scripts/gpu_session.sh l2-prefetch  # batch 1: the o weights pulled into L2 during attention?
 #   scripts/gpu_session.sh prompt-graphs  # prompt graphs past 512 tokens: GPU tests, Qwen3 offline
+#   BASE=dir scripts/gpu_session.sh penalties  # penalties' kernel and seen-token tables: tests, Qwen2.5 offline
 #   scripts/gpu_session.sh mixed-8b  # the 8B's steps that admit prompts: split, one pass, decodes
 #
 # moe (issue 39, about 8 minutes): tests/gpu/test_moe_cuda.py (small Qwen3-MoE and Mixtral
@@ -454,6 +455,34 @@ PY
       m=$(config_only qwen3-0.6b)
       timeout 200 python3 scripts/bench_offline.py --model "$m" --load-format dummy --runs 3 2>&1 \
         | tee "$out/offline-qwen3.log" | grep -E "engine start|^tandem, (median|range)|^prefill" ;;
+    penalties)  # issue 37 (about 5 minutes): penalties in one kernel (triton/penalties.py)
+      # reading counts and prompts kept on the device (execution/seen_tokens.py): the kernel's
+      # and the tables' tests natively, the backend-kernels and warm-up GPU tests, then the
+      # Qwen2.5-0.5B shape's offline workload under Qwen2.5's generation config (repetition
+      # penalty 1.05) and without the penalty, profiled (BASE=dir: that tree alternated with
+      # this one, two rounds; the tree needs bench_offline's --repetition-penalty)
+      timeout 200 python3 -m pytest -q tests/engine/test_kernels.py tests/engine/test_penalties.py \
+        tests/engine/test_overlap_steps.py -p no:cacheprovider -k "penalt or seen or overlap" 2>&1 \
+        | tee "$out/penalties-tests.log" | grep -E "passed|failed|Error" | tail -3
+      timeout 300 python3 -m pytest -q -rf tests/gpu/test_backend_kernels.py tests/gpu/test_warm_up.py \
+        -p no:cacheprovider -k "triton_backend or (graphs and not ngram and not fp8)" 2>&1 \
+        | tee "$out/penalties-gpu-tests.log" | grep -E "compiled after|passed|failed|FAILED" | tail -4
+      m=$(config_only qwen2.5-0.5b)
+      gen="--temperature 0.7 --top-p 0.8 --top-k 20"
+      for round in 1 2; do
+        for tree in ${BASE:+"$BASE"} .; do
+          name=head; [ "$tree" = . ] || name=base
+          echo "$name round $round: $(cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 \
+            scripts/bench_offline.py --model "$m" --load-format dummy --runs 2 $gen \
+            --repetition-penalty 1.05 2>&1 | tee "$out/penalties-$name-$round.log" \
+            | grep -E "^tandem, (median|range)" | tr -s ' ' | paste -sd ';')"
+        done
+      done
+      for flags in "--repetition-penalty 1.05" ""; do
+        timeout 150 python3 scripts/bench_offline.py --model "$m" --load-format dummy --runs 1 $gen \
+          $flags --profile-steps 2>&1 | tee "$out/penalties-profile${flags// /}.log" \
+          | sed -n '/^device time, a profiled run/,$p' | sed "s/^/${flags:-no penalty}: /"
+      done ;;
     sampler)  # issue 37 (about 5 minutes): a sampled step's draw in Triton kernels
       # (engine/backends/triton/argmax.py's race; nucleus.py's within min-p/top-k/top-p, no
       # sort): their tests against the reference natively, the draws timed against PyTorch's
