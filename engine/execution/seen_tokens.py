@@ -26,6 +26,7 @@ from engine.scheduling.request import Request
 
 
 def penalizes(request: Request) -> bool:
+    """Whether a request has a presence, frequency or repetition penalty."""
     sampling = request.sampling
     return bool(
         sampling.presence_penalty or sampling.frequency_penalty or sampling.repetition_penalty != 1
@@ -41,13 +42,13 @@ class SeenTokens:
         # Made by the first step with a penalty: most deployments have none.
         self.counts: torch.Tensor | None = None  # [slots, V] float32
         self.prompt_tokens: torch.Tensor | None = None  # [slots, V] bool
+        # Each slot's request, kept until another takes the slot (num_slots of them at most).
         self._holders: list[Request | None] = [None] * num_slots
 
     def slots_of(self, rows: list[Request], last_sampled: torch.Tensor) -> torch.Tensor:
         """Each row's slot [B] (int64, on the device), its counts brought up to the
         request's output so far, the token pending in ``last_sampled`` included, and its
         prompt marked where it has a repetition penalty. Some row must have a penalty."""
-        assert 0 < sum(penalizes(r) for r in rows) <= self.num_slots
         if self.counts is None:
             shape = (self.num_slots, self.vocab_size)
             self.counts = torch.zeros(shape, dtype=torch.float32, device=self.device)
@@ -89,6 +90,7 @@ class SeenTokens:
             # One step in flight at most: a pending token is the newest, taken from the device.
             assert request.num_pending_tokens <= 1
             request.num_seen_tokens = len(outputs) + request.num_pending_tokens
+        assert len(neutral) < len(rows), "no row has a penalty"
         # A row without penalties changes nothing whatever counts it reads: any slot's.
         counted = np.ones(len(rows), bool)
         counted[neutral] = False
