@@ -51,8 +51,11 @@ class SeenTokens:
         prompt marked where it has a repetition penalty. Some row must have a penalty."""
         if self.counts is None:
             shape = (self.num_slots, self.vocab_size)
-            self.counts = torch.zeros(shape, dtype=torch.float32, device=self.device)
-            self.prompt_tokens = torch.zeros(shape, dtype=torch.bool, device=self.device)
+            # Plain tensors, though a step makes them in inference mode: they are updated in
+            # place from step to step, and an inference tensor only ever in that mode.
+            with torch.inference_mode(False):
+                self.counts = torch.zeros(shape, dtype=torch.float32, device=self.device)
+                self.prompt_tokens = torch.zeros(shape, dtype=torch.bool, device=self.device)
         assert self.prompt_tokens is not None
         free = self._free_slots(rows)
         slots = np.empty(len(rows), np.int64)

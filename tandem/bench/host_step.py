@@ -1,13 +1,15 @@
 """The host's share of a decode step, without the model: what a GPU waits through.
 
     tandem bench host-step [--batch 1 --batch 256] [--context 500] [--model DIR]
-                           [--num-speculative-tokens K]
+                           [--num-speculative-tokens K] [--repetition-penalty R]
 
 BATCH requests of CONTEXT tokens are prefilled on the CPU, then decode steps run with the
 forward pass and the sampler replaced by constant outputs, timing the engine's own Python
 and numpy parts: scheduling, packing the inputs, the sampling parameters, and taking in
 the new tokens. The model only shapes the cache: by default a tiny random Llama, quick to
-prefill; it runs on the CPU.
+prefill; it runs on the CPU. With --repetition-penalty R every request is penalized, and
+"sampling params" includes adding each step's tokens to the counts kept on the device
+(``engine/execution/seen_tokens.py``; on the CPU, with the tiny model's small vocabulary).
 
 With --num-speculative-tokens K, verify steps of n-gram speculation instead: the prompts
 repeat eight tokens and the model is replaced by logits that pick the next of them, so every
@@ -34,9 +36,13 @@ from engine.llm_engine import LLMEngine
 from protocol import SamplingParams
 
 
-def time_host_step(engine: LLMEngine, batch: int, context: int, steps: int) -> dict[str, float]:
+def time_host_step(
+    engine: LLMEngine, batch: int, context: int, steps: int, repetition_penalty: float = 1.0
+) -> dict[str, float]:
     for i in range(batch):
-        sampling = SamplingParams(max_tokens=steps + 64, ignore_eos=True)
+        sampling = SamplingParams(
+            max_tokens=steps + 64, ignore_eos=True, repetition_penalty=repetition_penalty
+        )
         engine.add_request(b"bench", str(i), [5] * context, sampling)
     # Until every prompt is computed (a request has its first token), chunks and all.
     while any(not r.output_token_ids for r in engine.requests.values()):
@@ -141,6 +147,12 @@ def main(argv: list[str] | None = None) -> None:
         default=0,
         help="time n-gram verify steps of K drafts each, all accepted (default: decode steps)",
     )
+    parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="every request's, as Qwen2.5's generation config asks (1.05); decode steps only",
+    )
     args = parser.parse_args(argv)
     k = args.num_speculative_tokens
     batches = args.batch or [1, 256]
@@ -164,10 +176,15 @@ def main(argv: list[str] | None = None) -> None:
             overlap_steps=True,  # as on CUDA
         )
     )
-    timer = time_verify_step if k else time_host_step
-    rows = [(batch, timer(engine, batch, args.context, args.steps)) for batch in batches]
+    if k:
+        rows = [(b, time_verify_step(engine, b, args.context, args.steps)) for b in batches]
+    else:
+        penalty = args.repetition_penalty
+        rows = [(b, time_host_step(engine, b, args.context, args.steps, penalty)) for b in batches]
     names = [name for name in rows[0][1] if name != "whole step"]
     kind = f"verify step ({k} drafts a request, all accepted)" if k else "decode step"
+    if not k and args.repetition_penalty != 1:
+        kind += f", repetition penalty {args.repetition_penalty:g}"
     print(f"\nhost ms per {kind}, context {args.context}")
     print(f"{'batch':>6} " + " ".join(f"{n:>16}" for n in names) + f" {'total':>8}")
     for batch, parts in rows:
