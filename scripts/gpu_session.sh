@@ -457,15 +457,18 @@ PY
         | tee "$out/offline-qwen3.log" | grep -E "engine start|^tandem, (median|range)|^prefill" ;;
     penalties)  # issue 37 (about 5 minutes): penalties in one kernel (triton/penalties.py)
       # reading counts and prompts kept on the device (execution/seen_tokens.py): the kernel's
-      # and the tables' tests natively, the backend-kernels and warm-up GPU tests, then the
+      # and the tables' tests natively, the backend-kernels, warm-up and sampling GPU tests, then the
       # Qwen2.5-0.5B shape's offline workload under Qwen2.5's generation config (repetition
       # penalty 1.05) and without the penalty, profiled (BASE=dir: that tree alternated with
       # this one, two rounds; the tree needs bench_offline's --repetition-penalty)
       timeout 200 python3 -m pytest -q tests/engine/test_kernels.py tests/engine/test_penalties.py \
         tests/engine/test_overlap_steps.py -p no:cacheprovider -k "penalt or seen or overlap" 2>&1 \
         | tee "$out/penalties-tests.log" | grep -E "passed|failed|Error" | tail -3
+      # (sampling_parameters: penalized requests batched and overlapped equal one at a time,
+      # with no host synchronization allowed)
       timeout 300 python3 -m pytest -q -rf tests/gpu/test_backend_kernels.py tests/gpu/test_warm_up.py \
-        -p no:cacheprovider -k "triton_backend or (graphs and not ngram and not fp8)" 2>&1 \
+        tests/gpu/test_cuda_engine.py -p no:cacheprovider \
+        -k "triton_backend or (graphs and not ngram and not fp8) or sampling_parameters" 2>&1 \
         | tee "$out/penalties-gpu-tests.log" | grep -E "compiled after|passed|failed|FAILED" | tail -4
       m=$(config_only qwen2.5-0.5b)
       gen="--temperature 0.7 --top-p 0.8 --top-k 20"
