@@ -9,13 +9,14 @@ holds a slot, a row of two [slots, V] tables, while it is sampled: a step adds o
 since the last (the one pending on the device among them), and the penalties read each row's
 through the step's row-to-slot map.
 
-A request keeps its slot until a step needs one for a request of its own while the holder
-is not in it (the holder finished, was aborted or waits: nothing need tell this module). A
-request that comes back to find its slot taken gets another, counted afresh from its output.
+A request keeps its slot until it is gone, or a step needs one for a request of its own
+while the holder is not in it (the holder waits): nothing need tell this module. A request
+that comes back to find its slot taken gets another, counted afresh from its output.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 
 import numpy as np
@@ -42,8 +43,9 @@ class SeenTokens:
         # Made by the first step with a penalty: most deployments have none.
         self.counts: torch.Tensor | None = None  # [slots, V] float32
         self.prompt_tokens: torch.Tensor | None = None  # [slots, V] bool
-        # Each slot's request, kept until another takes the slot (num_slots of them at most).
-        self._holders: list[Request | None] = [None] * num_slots
+        # Each slot's request, until another takes the slot or it is gone (weakly: a finished
+        # request's slot is free without anything telling this module).
+        self._holders: list[weakref.ref[Request] | None] = [None] * num_slots
 
     def slots_of(self, rows: list[Request], last_sampled: torch.Tensor) -> torch.Tensor:
         """Each row's slot [B] (int64, on the device), its counts brought up to the
@@ -73,13 +75,13 @@ class SeenTokens:
                 continue
             slot = request.seen_tokens_slot
             outputs = request.output_token_ids
-            held = slot is not None and self._holders[slot] is request
+            held = slot is not None and self._holder(slot) is request
             # Counted past what the host knows (a pending token it never took): afresh.
             if not held or request.num_seen_tokens > len(outputs):
                 if not held:
                     slot = next(free)
                 assert slot is not None
-                self._holders[slot] = request
+                self._holders[slot] = weakref.ref(request)
                 request.seen_tokens_slot = slot
                 request.num_seen_tokens = 0
                 fresh.append(slot)
@@ -119,13 +121,17 @@ class SeenTokens:
             )
         return slots_t
 
+    def _holder(self, slot: int) -> Request | None:
+        holder = self._holders[slot]
+        return None if holder is None else holder()
+
     def _free_slots(self, rows: list[Request]) -> Iterator[int]:
         """Slots a request of ``rows`` may take: those no request holds first, then those
         whose holder is not in the step."""
         in_step = {id(request) for request in rows}
-        empty = [slot for slot, holder in enumerate(self._holders) if holder is None]
-        yield from empty
-        for slot, holder in enumerate(self._holders):
+        holders = [self._holder(slot) for slot in range(self.num_slots)]
+        yield from (slot for slot, holder in enumerate(holders) if holder is None)
+        for slot, holder in enumerate(holders):
             if holder is not None and id(holder) not in in_step:
                 yield slot
 
