@@ -111,14 +111,15 @@ class SeenTokens:
             self.counts.index_fill_(0, fresh_t, 0.0)
             self.prompt_tokens.index_fill_(0, fresh_t, False)
         if prompt_slots_t.numel():
-            self.prompt_tokens.index_put_((prompt_slots_t, prompt_tokens_t), _true(prompt_slots_t))
+            marks = torch.ones_like(prompt_slots_t, dtype=torch.bool)
+            self.prompt_tokens.index_put_((prompt_slots_t, prompt_tokens_t), marks)
         if count_slots_t.numel():
-            self.counts.index_put_((count_slots_t, count_tokens_t), _ones(count_slots_t), True)
+            ones = torch.ones_like(count_slots_t, dtype=torch.float32)
+            self.counts.index_put_((count_slots_t, count_tokens_t), ones, True)
         if pending_t.numel():
             pending_slots = slots_t[pending_t]
-            self.counts.index_put_(
-                (pending_slots, last_sampled[sources_t]), _ones(pending_slots), True
-            )
+            ones = torch.ones_like(pending_slots, dtype=torch.float32)
+            self.counts.index_put_((pending_slots, last_sampled[sources_t]), ones, True)
         return slots_t
 
     def _holder(self, slot: int) -> Request | None:
@@ -134,11 +135,3 @@ class SeenTokens:
         for slot, holder in enumerate(holders):
             if holder is not None and id(holder) not in in_step:
                 yield slot
-
-
-def _ones(like: torch.Tensor) -> torch.Tensor:
-    return torch.ones(like.shape[0], dtype=torch.float32, device=like.device)
-
-
-def _true(like: torch.Tensor) -> torch.Tensor:
-    return torch.ones(like.shape[0], dtype=torch.bool, device=like.device)

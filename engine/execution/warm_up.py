@@ -21,9 +21,10 @@ steps reach all of them, and every sampling path:
   batch with its residual, reaches the LM head as one row whose norm adds a residual, which
   batch-1 decode steps no longer do (their o and down projections add the stream
   themselves), and a prompt graph never does (its LM head computes its padded rows);
-- the sampled rows' draws the steps did not make, a kernel variant each: the uncut race,
-  and the races within min-p alone and with top-p (the steps drew within top-k and top-p),
-  over logits of zeros (``sample``: nothing but the draw);
+- the draws the steps did not make, a kernel variant each, over logits of zeros (``sample``:
+  nothing but the draw): an all-greedy step's argmax (a small model's one-prompt step is its
+  prompt graph's), the uncut race, the races within min-p alone and with top-p (the steps
+  drew within top-k and top-p), and the penalties with a repetition penalty and without;
 - where decode may run eagerly (no graphs, or batches beyond the largest one), eager decodes
   of one sequence at the longest context (split-K) and of max_num_seqs at one token; where
   verify steps may (speculative decoding), the same two as verify steps (the decode
@@ -60,8 +61,7 @@ logger = logging.getLogger(__name__)
 _PROMPT_LEN = 37  # odd, and beyond a block: nothing in the variants depends on it anyway
 _GREEDY = SamplingParams(max_tokens=2, temperature=0.0)
 _SAMPLED = SamplingParams(max_tokens=2, temperature=0.8, top_p=0.9, top_k=20, logprobs=2)
-# Each draw a step may make (``sample``): the steps above need not make them all (a small
-# model's one-prompt step is left to its prompt graph, so none may be all greedy).
+# The draws the steps above need not make (the module's docstring).
 _OTHER_DRAWS = [
     _GREEDY,
     SamplingParams(temperature=0.8),

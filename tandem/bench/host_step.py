@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -176,11 +177,9 @@ def main(argv: list[str] | None = None) -> None:
             overlap_steps=True,  # as on CUDA
         )
     )
-    if k:
-        rows = [(b, time_verify_step(engine, b, args.context, args.steps)) for b in batches]
-    else:
-        penalty = args.repetition_penalty
-        rows = [(b, time_host_step(engine, b, args.context, args.steps, penalty)) for b in batches]
+    penalty = args.repetition_penalty
+    timer = time_verify_step if k else partial(time_host_step, repetition_penalty=penalty)
+    rows = [(batch, timer(engine, batch, args.context, args.steps)) for batch in batches]
     names = [name for name in rows[0][1] if name != "whole step"]
     kind = f"verify step ({k} drafts a request, all accepted)" if k else "decode step"
     if not k and args.repetition_penalty != 1:
