@@ -92,9 +92,12 @@ class SeenTokens:
             new = outputs[request.num_seen_tokens :]
             count_slots += [slot] * len(new)
             count_tokens += new
-            # One step in flight at most: a pending token is the newest, taken from the device.
-            assert request.num_pending_tokens <= 1
-            request.num_seen_tokens = len(outputs) + request.num_pending_tokens
+            # The newest pending token is taken from the device. The engine keeps one step in
+            # flight, so there is no other; were there more (steps launched back to back, none
+            # read), the older ones are in no tensor of this step: the count is one past them,
+            # so that once the host has read them the request is counted afresh.
+            pending = request.num_pending_tokens
+            request.num_seen_tokens = len(outputs) + pending + (pending > 1)
         assert len(neutral) < len(rows), "no row has a penalty"
         # A row without penalties changes nothing whatever counts it reads: any slot's.
         counted = np.ones(len(rows), bool)

@@ -149,3 +149,15 @@ def test_seen_tokens_count_each_output_once_across_steps_and_lost_slots() -> Non
         request.append_output_token(before[row])
     rows = [b, a]
     check(rows, seen.slots_of(rows, no_pending), [])
+    # Steps launched back to back with none read (as a test of the runner does): no failure,
+    # and the counts are exact again once the host has read the tokens.
+    steps = ([3, 4], [3, 3])
+    for sampled in steps:
+        for row, request in enumerate(rows):
+            request.add_pending_token(row)
+        seen.slots_of(rows, torch.tensor(sampled))
+    for sampled in steps:
+        for row, request in enumerate(rows):
+            request.read_pending_token()
+            request.append_output_token(sampled[row])
+    check(rows, seen.slots_of(rows, no_pending), [])
