@@ -30,6 +30,7 @@
 #   scripts/gpu_session.sh l2-prefetch  # batch 1: the o weights pulled into L2 during attention?
 #   scripts/gpu_session.sh prompt-graphs  # prompt graphs past 512 tokens: GPU tests, Qwen3 offline
 #   BASE=dir scripts/gpu_session.sh penalties  # penalties' kernel and seen-token tables: tests, Qwen2.5 offline
+#   scripts/gpu_session.sh current  # the tables' older rows at this tree: batch-1 TPOT, 8B offline
 #   scripts/gpu_session.sh mixed-8b  # the 8B's steps that admit prompts: split, one pass, decodes
 #
 # moe (issue 39, about 8 minutes): tests/gpu/test_moe_cuda.py (small Qwen3-MoE and Mixtral
@@ -513,6 +514,17 @@ PY
       # experts, whole and a TP=2 rank's share, context 512)
       timeout 400 python3 scripts/bench_kernels.py --l2-prefetch llama-3.1-8b llama-3.2-1b \
         qwen3-30b-a3b --l2-prefetch-tp 1 2 2>&1 | tee "$out/l2-prefetch.log" | tail -8 ;;
+    current)  # issues 37/39 (about 5 minutes): the tree's figures for the tables' older rows:
+      # batch-1 TPOT of the 1B, 8B, Qwen3-0.6B and Qwen3-30B-A3B shapes (3 runs each), then
+      # the 8B's offline workload with fresh prompts (2 runs); random weights, a table last
+      for shape in llama-3.2-1b llama-3.1-8b qwen3-0.6b qwen3-30b-a3b; do
+        m=$(config_only "$shape")
+        timeout 150 python3 scripts/bench_latency.py --model "$m" --load-format dummy --runs 3 2>&1 \
+          | tee "$out/current-latency-$shape.log" | grep -E "^(tandem|roofline)" | sed "s/^/$shape: /"
+      done
+      m=$(config_only llama-3.1-8b)
+      timeout 200 python3 scripts/bench_offline.py --model "$m" --load-format dummy --runs 2 2>&1 \
+        | tee "$out/current-offline-8b.log" | grep -E "^tandem, (median|range)" ;;
     mixed-8b)  # issue 37 (about 2 minutes): should the 8B split its steps that admit prompts?
       # (--split-mixed-steps auto splits only models of at most 4 GiB a GPU.) A decode batch of
       # 256 at context 512 with 1, 2 and 4 prompts mixed in: split, one pass op by op, and the
