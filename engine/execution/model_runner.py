@@ -28,7 +28,7 @@ from engine.execution.cuda_graphs import CAPTURE_BATCH_SIZES, StepGraphs
 from engine.execution.mixed_steps import is_mixed, split_mixed_step, splits_mixed_steps
 from engine.execution.pinned_inputs import PinnedInputs
 from engine.execution.prompt_graphs import PromptGraphs, prompt_graph_lengths
-from engine.execution.seen_tokens import SeenTokens
+from engine.execution.seen_tokens import SeenTokens, seen_token_table_bytes
 from engine.model_config import ModelConfig
 from engine.models import build_model
 from engine.models.causal_lm import CausalLM
@@ -380,13 +380,21 @@ class ModelRunner:
                 # the eager steps' (the caching allocator's): about its share of those measured.
                 graphed = min(self.prompt_graph_lengths[-1], step_tokens)
                 activations += activations * graphed // step_tokens
+            # And for the penalties' tables on rank 0, which samples: the first penalized
+            # request makes them while the engine serves (Qwen2.5's generation config
+            # penalizes every request).
+            tables = 0
+            if self.tp.rank == 0:
+                tables = seen_token_table_bytes(config.max_num_seqs, self.model_config.vocab_size)
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free  # our weights and anything else on the GPU
-            budget = int(total * config.gpu_memory_utilization) - used - activations
+            budget = int(total * config.gpu_memory_utilization) - used - activations - tables
             logger.info(
-                "warm-up step of %d tokens: %.2f GiB of activations; %.2f GiB for the KV cache",
+                "warm-up step of %d tokens: %.2f GiB of activations, %.2f GiB of penalties' "
+                "tables; %.2f GiB for the KV cache",
                 step_tokens,
                 activations / 1024**3,
+                tables / 1024**3,
                 budget / 1024**3,
             )
         else:

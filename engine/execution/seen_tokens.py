@@ -34,6 +34,17 @@ def penalizes(request: Request) -> bool:
     )
 
 
+_COUNT_DTYPE = torch.float32
+_PROMPT_DTYPE = torch.bool
+
+
+def seen_token_table_bytes(num_slots: int, vocab_size: int) -> int:
+    """What the tables take once made: the KV cache's sizing leaves room for them, as the
+    first penalized request makes them while the engine serves."""
+    per_entry = _COUNT_DTYPE.itemsize + _PROMPT_DTYPE.itemsize
+    return num_slots * vocab_size * per_entry
+
+
 class SeenTokens:
     def __init__(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
         """``num_slots``: the most requests a step samples (``max_num_seqs``)."""
@@ -56,8 +67,8 @@ class SeenTokens:
             # Plain tensors, though a step makes them in inference mode: they are updated in
             # place from step to step, and an inference tensor only ever in that mode.
             with torch.inference_mode(False):
-                self.counts = torch.zeros(shape, dtype=torch.float32, device=self.device)
-                self.prompt_tokens = torch.zeros(shape, dtype=torch.bool, device=self.device)
+                self.counts = torch.zeros(shape, dtype=_COUNT_DTYPE, device=self.device)
+                self.prompt_tokens = torch.zeros(shape, dtype=_PROMPT_DTYPE, device=self.device)
         assert self.prompt_tokens is not None
         free = self._free_slots(rows)
         slots = np.empty(len(rows), np.int64)

@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaForCausalLM as HFLlama
 
 from engine.config import EngineConfig
-from engine.execution.seen_tokens import SeenTokens
+from engine.execution.seen_tokens import SeenTokens, seen_token_table_bytes
 from engine.llm_engine import LLMEngine, RequestRejected
 from engine.scheduling.request import Request
 from protocol import SamplingParams, TokenLogprobs
@@ -149,6 +149,8 @@ def test_seen_tokens_count_each_output_once_across_steps_and_lost_slots() -> Non
         request.append_output_token(before[row])
     rows = [b, a]
     check(rows, seen.slots_of(rows, no_pending), [])
+    # What the KV cache's sizing leaves them is what they take.
+    assert seen.counts.nbytes + seen.prompt_tokens.nbytes == seen_token_table_bytes(2, vocab)
     # Steps launched back to back with none read (as a test of the runner does): no failure,
     # and the counts are exact again once the host has read the tokens.
     steps = ([3, 4], [3, 3])
