@@ -31,6 +31,7 @@
 #   scripts/gpu_session.sh prompt-graphs  # prompt graphs past 512 tokens: GPU tests, Qwen3 offline
 #   BASE=dir scripts/gpu_session.sh penalties  # penalties' kernel and seen-token tables: tests, Qwen2.5 offline
 #   scripts/gpu_session.sh current  # the tables' older rows at this tree: batch-1 TPOT, 8B offline
+#   scripts/gpu_session.sh budget-8b  # the 8B's offline run at step budgets of 4k, 8k and 16k tokens
 #   scripts/gpu_session.sh mixed-8b  # the 8B's steps that admit prompts: split, one pass, decodes
 #
 # moe (issue 39, about 8 minutes): tests/gpu/test_moe_cuda.py (small Qwen3-MoE and Mixtral
@@ -525,6 +526,16 @@ PY
       m=$(config_only llama-3.1-8b)
       timeout 200 python3 scripts/bench_offline.py --model "$m" --load-format dummy --runs 2 2>&1 \
         | tee "$out/current-offline-8b.log" | grep -E "^tandem, (median|range)" ;;
+    budget-8b)  # issue 37 (about 4 minutes): the 8B's fresh-prompt offline run at step budgets
+      # (--max-num-batched-tokens) of 4,096, 8,192 (the default) and 16,384: do larger prompt
+      # steps run nearer their roofline? Each profiled by kind of step
+      m=$(config_only llama-3.1-8b)
+      for budget in ${BUDGETS:-8192 16384 4096}; do
+        timeout 200 python3 scripts/bench_offline.py --model "$m" --load-format dummy --runs 2 \
+          --max-num-batched-tokens "$budget" --profile-steps 2>&1 \
+          | tee "$out/budget-8b-$budget.log" \
+          | grep -E "^tandem, median|^prefill|^decode, batch 129" | sed "s/^/$budget: /"
+      done ;;
     mixed-8b)  # issue 37 (about 2 minutes): should the 8B split its steps that admit prompts?
       # (--split-mixed-steps auto splits only models of at most 4 GiB a GPU.) A decode batch of
       # 256 at context 512 with 1, 2 and 4 prompts mixed in: split, one pass op by op, and the

@@ -5,7 +5,8 @@
                          [--structured-fraction F [--schema FILE|builtin]]
                          [--tensor-parallel-size N] [--load-format dummy]
                          [--kv-cache-dtype fp8] [--quantization fp8|int8]
-                         [--repeat-prompts] [--num-kv-blocks N] [--json-out FILE]
+                         [--repeat-prompts] [--num-kv-blocks N] [--max-num-batched-tokens N]
+                         [--json-out FILE]
                          [--profile-steps] [--temperature T [--top-p P] [--top-k K]]
                          [--repetition-penalty R]
 
@@ -19,7 +20,8 @@ freed for an older one's, its tokens computed again later: a cache that cannot h
 batch, whose cost the figures then include; the header gives the cache's tokens), then a
 table of the first run, the median run and the range (least to greatest over the runs, a
 figure alike in every run printed once) of each figure. --num-kv-blocks sizes the cache
-exactly (the engine's option).
+exactly, --max-num-batched-tokens sets a step's token budget (the engine's options: the
+prompt steps' size, which `--profile-steps` shows against their roofline).
 
 With --repeat-prompts every run submits the first run's prompts, so the runs after the first
 find them in the prefix cache and compute one token of each: a benchmark that drives an
@@ -454,6 +456,11 @@ def main(argv: list[str] | None = None) -> None:
         help="the engine's: the KV cache's size in blocks",
     )
     parser.add_argument(
+        "--max-num-batched-tokens",
+        type=bounded(int, at_least=1),
+        help="the engine's: the tokens a step computes at most (default: its own)",
+    )
+    parser.add_argument(
         "--temperature",
         type=float,
         default=0.0,
@@ -487,6 +494,10 @@ def main(argv: list[str] | None = None) -> None:
     rates = measure_rates(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the measurement's buffers are the KV cache's again
+    # The engine's own default unless asked: the option takes no None.
+    budget: dict[str, int] = {}
+    if args.max_num_batched_tokens is not None:
+        budget["max_num_batched_tokens"] = args.max_num_batched_tokens
     started = time.perf_counter()
     engine = LLMEngine(
         EngineConfig(
@@ -500,6 +511,7 @@ def main(argv: list[str] | None = None) -> None:
             kv_cache_dtype=args.kv_cache_dtype,
             quantization=args.quantization,
             num_kv_blocks=args.num_kv_blocks,
+            **budget,
         )
     )
     start_s = time.perf_counter() - started

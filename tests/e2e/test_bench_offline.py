@@ -1,8 +1,9 @@
-"""scripts/bench_offline.py on a tiny model (CPU): every requested token generated, and the
-median run's steps by kind add up to the run (its time and its roofline), as the first run's
-add up to the first run; each kind's slowest step is one of its steps; --profile-steps adds
-a profiled run's table of the same kinds (on the CPU, no device time). A cache too small for
-the batch shows as preemptions, every token still generated."""
+"""scripts/bench_offline.py on a tiny model (CPU): every requested token generated, prompts
+computed within the step budget asked for, and the median run's steps by kind add up to the
+run (its time and its roofline), as the first run's add up to the first run; each kind's
+slowest step is one of its steps; --profile-steps adds a profiled run's table of the same
+kinds (on the CPU, no device time). A cache too small for the batch shows as preemptions,
+every token still generated."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def test_steps_by_kind_add_up_to_the_run(tmp_path: Path) -> None:
     command = [sys.executable, "scripts/bench_offline.py", "--model", str(model)]
     command += ["--device", "cpu", "--num-requests", "20", "--min-len", "10", "--max-len", "40"]
     command += ["--max-num-seqs", "16", "--runs", "2", "--json-out", str(out), "--profile-steps"]
+    command += ["--max-num-batched-tokens", "32"]
     completed = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     print(completed.stdout)
@@ -44,6 +46,8 @@ def test_steps_by_kind_add_up_to_the_run(tmp_path: Path) -> None:
     kinds = list(steps)
     # 20 prompts prefill first; 16 sequences at most decode at once, then fewer as they end.
     assert kinds[0] == "prefill (and decodes)"
+    # A step computes 32 tokens at most: the prompts' 200 or more take 7 steps or more.
+    assert steps["prefill (and decodes)"]["steps"] >= 7
     assert set(kinds[1:]) <= {"decode, batch 1", "decode, batch 2-16"}
     assert "decode, batch 2-16" in kinds
     seconds = sum(kind["seconds"] for kind in steps.values())
