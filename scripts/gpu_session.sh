@@ -32,6 +32,7 @@
 #   BASE=dir scripts/gpu_session.sh penalties  # penalties' kernel and seen-token tables: tests, Qwen2.5 offline
 #   scripts/gpu_session.sh current  # the tables' older rows at this tree: batch-1 TPOT, 8B offline
 #   scripts/gpu_session.sh budget-8b  # the 8B's offline run at step budgets of 4k, 8k and 16k tokens
+#   BASE=dir scripts/gpu_session.sh decode-order  # decodes longest context first, against BASE
 #   scripts/gpu_session.sh mixed-8b  # the 8B's steps that admit prompts: split, one pass, decodes
 #
 # moe (issue 39, about 8 minutes): tests/gpu/test_moe_cuda.py (small Qwen3-MoE and Mixtral
@@ -535,6 +536,24 @@ PY
           --max-num-batched-tokens "$budget" --profile-steps 2>&1 \
           | tee "$out/budget-8b-$budget.log" \
           | grep -E "^tandem, median|^prefill|^decode, batch 129" | sed "s/^/$budget: /"
+      done ;;
+    decode-order)  # issue 37 (about 6 minutes): decodes scheduled longest context first
+      # (scheduler.py) against BASE (a tree before it), the 1B and Qwen3-0.6B offline, two rounds
+      # alternated, then this tree profiled by kind of step (decode attention's ms a step)
+      for shape in llama-3.2-1b qwen3-0.6b; do
+        m=$(config_only "$shape")
+        for round in 1 2; do
+          for tree in ${BASE:+"$BASE"} .; do
+            name=head; [ "$tree" = . ] || name=base
+            echo "$shape $name round $round: $(cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 100 \
+              python3 scripts/bench_offline.py --model "$m" --load-format dummy --runs 2 2>&1 \
+              | tee "$out/decode-order-$shape-$name-$round.log" \
+              | grep -E "^tandem, (median|range)" | tr -s ' ' | paste -sd ';')"
+          done
+        done
+        timeout 120 python3 scripts/bench_offline.py --model "$m" --load-format dummy --runs 1 \
+          --profile-steps 2>&1 | tee "$out/decode-order-$shape-profile.log" \
+          | sed -n '/^device time, a profiled run/,$p' | sed "s/^/$shape: /"
       done ;;
     mixed-8b)  # issue 37 (about 2 minutes): should the 8B split its steps that admit prompts?
       # (--split-mixed-steps auto splits only models of at most 4 GiB a GPU.) A decode batch of

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from operator import attrgetter
 
 from engine.scheduling.block_manager import BlockManager
 from engine.scheduling.request import Request, RequestStatus
 from engine.scheduling.waiting_queue import WaitingQueue
+
+_context_length = attrgetter("num_tokens")
 
 
 class Scheduler:
@@ -51,7 +54,8 @@ class Scheduler:
     def schedule(self) -> list[Request]:
         """The requests of the next forward pass, each with ``num_scheduled_tokens`` set: how
         many of its uncomputed tokens it computes. Within the step's token budget, decodes
-        come first, then prefills under way, then newly admitted requests; a prompt longer
+        come first (longest context first), then prefills under way, then newly admitted
+        requests; a prompt longer
         than what is left of the budget is prefilled a chunk a step. When the cache runs out,
         the newest running requests are preempted for the older ones, and no one is admitted.
         With ``separate_prefill_steps``, a step that admits waiting requests computes prompts
@@ -99,6 +103,12 @@ class Scheduler:
                 request.num_scheduled_tokens = num_tokens
                 batch.append(request)
                 budget -= num_tokens
+        # Decodes longest context first. At a large batch each (sequence, KV head) is one
+        # attention program over its whole context, contexts differ tenfold, and the GPU
+        # starts programs in batch order: a long context started last would keep every SM
+        # but its own waiting (longest-processing-time-first). The running list keeps its
+        # age order, which preemption follows.
+        batch.sort(key=_context_length, reverse=True)
         self.running = kept
         admits = self.num_preemptions == num_preemptions  # none preempted: there may be room
         prompts_alone = admits and self.computes_prompts_alone_next()
