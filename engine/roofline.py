@@ -184,15 +184,24 @@ class StepTraffic(NamedTuple):
     fp8_flops: int  # the FP8 weights' products, at the FP8 rate
 
 
+def cache_read_bytes(step: StepShape, cost: ModelCost) -> int:
+    """The K/V the step's attention reads from the cache: each sequence's cached tokens, as
+    far back as each layer's window reaches (queries at positions cached.. see keys back to
+    position - window + 1)."""
+    cached = step.context_lens - step.query_lens
+    tokens = sum(
+        int((cached if window is None else np.minimum(cached, window - 1)).sum())
+        for window in cost.windows
+    )
+    return tokens * cost.kv_bytes_per_token
+
+
 def step_traffic(step: StepShape, cost: ModelCost) -> StepTraffic:
     """The bytes and FLOPs the step cannot do without."""
     tokens = step.num_tokens
     cached = step.context_lens - step.query_lens
-    kv_read_tokens = 0
     attention_pairs = 0
     for window in cost.windows:
-        # Queries at positions cached.. see keys back to position - window + 1.
-        kv_read_tokens += int((cached if window is None else np.minimum(cached, window - 1)).sum())
         attention_pairs += int(
             (
                 _visible_keys_below(step.context_lens, window) - _visible_keys_below(cached, window)
@@ -206,7 +215,7 @@ def step_traffic(step: StepShape, cost: ModelCost) -> StepTraffic:
         + (cost.head_weight_bytes if head else 0)
         + tokens * cost.embedding_row_bytes
     )
-    kv_bytes = (kv_read_tokens + kv_written_tokens) * cost.kv_bytes_per_token
+    kv_bytes = cache_read_bytes(step, cost) + kv_written_tokens * cost.kv_bytes_per_token
     expert_flops, fp8_expert_flops = cost.expert_flops(tokens)
     flops = (
         2 * (cost.layer_matmul_params - cost.fp8_matmul_params) * tokens

@@ -105,6 +105,7 @@ from engine.roofline import (
     DeviceRates,
     ModelCost,
     StepShape,
+    cache_read_bytes,
     measure_rates,
     run_bound,
     step_bound,
@@ -329,12 +330,14 @@ def print_step_breakdown(
         )
 
 
-def profile_steps(labelled_run: Callable[[], Run]) -> str:
+def profile_steps(labelled_run: Callable[[], Run], cost: ModelCost, rates: DeviceRates) -> str:
     """``labelled_run`` (a run whose steps are labelled, ``bench_engine``'s ``label_steps``)
     under the torch profiler, and a table of where each kind of step's device time went
     (``--profile-steps``): its wall time a step (profiled, so slower than the timed runs'),
     how long its kernels kept the device busy, how long from its first kernel to its last,
-    and its costliest kernels."""
+    the least time its attention can take (the K/V it reads from the cache at copy
+    bandwidth: its decode attention kernel's time against this is that kernel's share of
+    copy bandwidth), and its costliest kernels."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profiler:
         profiled = labelled_run()
@@ -347,7 +350,7 @@ def profile_steps(labelled_run: Callable[[], Run]) -> str:
         kinds.setdefault(step_kind(step), []).append(index)
     lines = [
         f"\n{'device time, a profiled run':28} {'steps':>6} {'wall ms':>8} {'busy ms':>8} "
-        f"{'span ms':>8} {'busy / wall':>12}  costliest kernels, ms a step"
+        f"{'span ms':>8} {'busy / wall':>12} {'cache ms':>9}  costliest kernels, ms a step"
     ]
     for kind in sorted(kinds, key=kind_order):
         indices = kinds[kind]
@@ -355,6 +358,8 @@ def profile_steps(labelled_run: Callable[[], Run]) -> str:
         wall_ms = 1e3 * sum(profiled.step_seconds[i] for i in indices) / len(indices)
         busy_ms = sum(t.busy_us for t in times) / 1e3 / len(indices)
         span_ms = sum(t.span_us for t in times) / 1e3 / len(indices)
+        cache_bytes = sum(cache_read_bytes(profiled.steps[i], cost) for i in indices)
+        cache_ms = 1e3 * cache_bytes / rates.bytes_per_s / len(indices)
         by_kernel: dict[str, float] = {}
         for t in times:
             for name, us in t.by_kernel.items():
@@ -363,7 +368,7 @@ def profile_steps(labelled_run: Callable[[], Run]) -> str:
         kernels = "; ".join(f"{name[:40]} {us / 1e3 / len(indices):.3f}" for name, us in costliest)
         lines.append(
             f"{kind:28} {len(indices):6d} {wall_ms:8.3f} {busy_ms:8.3f} {span_ms:8.3f} "
-            f"{busy_ms / wall_ms:12.0%}  {kernels}"
+            f"{busy_ms / wall_ms:12.0%} {cache_ms:9.3f}  {kernels}"
         )
     return "\n".join(lines)
 
@@ -579,7 +584,9 @@ def main(argv: list[str] | None = None) -> None:
         args.json_out.write_text(json.dumps(figures))
     profile_table = None
     if args.profile_steps:
-        profile_table = profile_steps(lambda: run_workload(args.runs, label_steps=True)[1])
+        profile_table = profile_steps(
+            lambda: run_workload(args.runs, label_steps=True)[1], cost, rates
+        )
     engine.close()
     peer = None
     if args.peer:

@@ -38,6 +38,8 @@ def test_steps_by_kind_add_up_to_the_run(tmp_path: Path) -> None:
     for kind, cells in rows.items():
         assert int(cells[0]) == figures["steps"][kind]["steps"]
         assert float(cells[1]) > 0 and float(cells[2]) == 0
+        # The least time to read each step's cache: every step of the kind reads some.
+        assert float(cells[5]) > 0
     assert 20 * 10 <= figures["output_tokens"] <= 20 * 40  # ignore_eos: every length in full
     # The default cache (1 GiB on CPU) holds the batch: nothing preempted.
     assert figures["kv_cache_tokens"] >= 16 * 80 and figures["preemptions_max"] == 0

@@ -20,6 +20,7 @@ from engine.roofline import (
     DeviceRates,
     ModelCost,
     StepShape,
+    cache_read_bytes,
     load_steps,
     measure_rates,
     run_bound,
@@ -55,6 +56,8 @@ def test_decode_step_reads_the_weights_and_every_cached_key() -> None:
     assert num_bytes == 1000 + 500 + 2 * 10 + (kv_read + kv_written) * 32
     # Each query sees its whole context, itself included.
     assert flops == 2 * 300 * 2 + 2 * 250 * 2 + 128 * (10 + 3)
+    # The cache's part alone: what its decode attention cannot read in less time.
+    assert cache_read_bytes(step, COST) == kv_read * 32
 
 
 def test_prefill_chunk_is_causal_and_skips_the_head_without_logits() -> None:
@@ -71,6 +74,7 @@ def test_sliding_window_caps_keys_read_and_attended() -> None:
     # one reads the 3 before the new token and sees 4.
     num_bytes, flops, _ = step_traffic(shape([1], [10], 1), windowed)
     assert num_bytes == 1000 + 500 + 10 + (9 + 3 + 2) * 32
+    assert cache_read_bytes(shape([1], [10], 1), windowed) == (9 + 3) * 32
     assert flops == 2 * 300 + 2 * 250 + 128 * (10 + 4)
     # A prefill of 6 from nothing: the windowed layer's queries see 1, 2, 3, 4, 4, 4 keys.
     _, flops, _ = step_traffic(shape([6], [6], 1), windowed)
