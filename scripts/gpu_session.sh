@@ -537,9 +537,14 @@ PY
           | tee "$out/budget-8b-$budget.log" \
           | grep -E "^tandem, median|^prefill|^decode, batch 129" | sed "s/^/$budget: /"
       done ;;
-    decode-order)  # issue 37 (about 6 minutes): decodes scheduled longest context first
-      # (scheduler.py) against BASE (a tree before it), the 1B and Qwen3-0.6B offline, two rounds
-      # alternated, then this tree profiled by kind of step (decode attention's ms a step)
+    decode-order)  # issue 37 (about 7 minutes): decodes scheduled longest context first
+      # (scheduler.py): first the kernel alone over contexts drawn in 100..2048, in the order
+      # drawn and longest first (the 1B's heads and Qwen3-0.6B's, a graph's table width); then
+      # against BASE (a tree before it), the 1B and Qwen3-0.6B offline, two rounds alternated,
+      # then this tree profiled by kind of step (decode attention's ms against cache ms)
+      timeout 200 python3 scripts/bench_kernels.py --ragged 100:2048 --head-dims 64 128 \
+        --batches 32 64 128 256 --table-tokens 131072 2>&1 | tee "$out/decode-order-kernel.log" \
+        | tail -17
       for shape in llama-3.2-1b qwen3-0.6b; do
         m=$(config_only "$shape")
         for round in 1 2; do

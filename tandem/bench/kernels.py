@@ -13,6 +13,8 @@
     tandem bench kernels --l2-prefetch SHAPE [SHAPE ...] [--l2-prefetch-tp 1 2]
                          [--l2-prefetch-context 512]
     tandem bench kernels --sampler [--batches 1 8 64 256]
+    tandem bench kernels --ragged 100:2048 [--head-dims 64 128] [--batches 32 64 128 256]
+                         [--table-tokens 131072]
 
 A decode step's attention must read every cached key and value of every sequence once; the
 kernel (``paged_decode_attention``, split-K as the engine runs it: the split count from
@@ -43,7 +45,9 @@ shapes' linear layers (tandem/bench/fp8_products.py says what its table shows). 
 on two streams (tandem/bench/overlap.py). --l2-prefetch, a batch-1 step's chain of
 attention and one-row products with and without the o projection's weights pulled into L2
 during attention (tandem/bench/l2_prefetch.py). --sampler, a sampled step's draw: the
-Triton kernel against PyTorch's tensors (tandem/bench/sampler_kernel.py). CUDA only.
+Triton kernel against PyTorch's tensors (tandem/bench/sampler_kernel.py). --ragged, decode
+attention over a batch whose contexts differ, as an offline batch's do, in the order drawn
+and longest first (as the scheduler orders decodes). CUDA only.
 """
 
 from __future__ import annotations
@@ -115,29 +119,30 @@ def copy_ms(num_bytes: int) -> float:
 def decode_case(
     head_dim: int,
     heads: tuple[int, int],
-    context: int,
-    batch: int,
+    contexts: list[int],
     bandwidth: float,
     check: bool,
     kv_dtype: torch.dtype = DTYPE,
     table_tokens: int = 0,
 ) -> tuple[int, float, float]:
     """(splits, ms, share of copy bandwidth) of one decode step's attention with ``heads``
-    (query heads, KV heads), over a cache of ``kv_dtype`` (bf16, or float8 e4m3 as
-    --kv-cache-dtype fp8 stores it); block tables as wide as ``table_tokens`` where that is
-    longer than the context (their other entries never read)."""
+    (query heads, KV heads) for a sequence of each context of ``contexts``, over a cache of
+    ``kv_dtype`` (bf16, or float8 e4m3 as --kv-cache-dtype fp8 stores it); block tables as
+    wide as ``table_tokens`` where that is longer than the longest context (their other
+    entries never read)."""
     num_heads, num_kv_heads = heads
-    blocks_per_seq = -(-context // BLOCK_SIZE)
-    num_blocks = batch * blocks_per_seq + 1
+    batch = len(contexts)
+    blocks = [-(-context // BLOCK_SIZE) for context in contexts]
+    num_blocks = sum(blocks) + 1
     shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
     key_cache = torch.randn(shape, device="cuda", dtype=DTYPE).to(kv_dtype)
     value_cache = torch.randn(shape, device="cuda", dtype=DTYPE).to(kv_dtype)
-    table_width = max(blocks_per_seq, -(-table_tokens // BLOCK_SIZE))
+    table_width = max(max(blocks), -(-table_tokens // BLOCK_SIZE))
     block_tables = torch.zeros(batch, table_width, dtype=torch.int64, device="cuda")
-    block_tables[:, :blocks_per_seq] = (torch.randperm(num_blocks - 1, device="cuda") + 1)[
-        : batch * blocks_per_seq
-    ].view(batch, blocks_per_seq)
-    context_lens = torch.full((batch,), context, device="cuda")
+    shuffled = (torch.randperm(num_blocks - 1, device="cuda") + 1).split(blocks)
+    for row, ids in enumerate(shuffled):
+        block_tables[row, : len(ids)] = ids
+    context_lens = torch.tensor(contexts, device="cuda")
     q = torch.randn(batch, num_heads, head_dim, device="cuda", dtype=DTYPE)
     out = torch.empty_like(q)
     scale = head_dim**-0.5
@@ -161,10 +166,40 @@ def decode_case(
         )
         error = ((out.float() - reference).norm() / reference.norm()).item()
         rounding = ((reference.to(DTYPE).float() - reference).norm() / reference.norm()).item()
-        assert error < 2 * rounding, f"head_dim {head_dim} context {context}: error {error:.2e}"
+        assert error < 2 * rounding, f"head_dim {head_dim} contexts {contexts}: error {error:.2e}"
     ms = time_ms(run)
-    kv_bytes = 2 * batch * context * num_kv_heads * head_dim * kv_dtype.itemsize
+    kv_bytes = 2 * sum(contexts) * num_kv_heads * head_dim * kv_dtype.itemsize
     return splits, ms, kv_bytes / (ms / 1e3) / bandwidth
+
+
+def run_ragged(args: argparse.Namespace, bandwidth: float, kv_dtype: torch.dtype) -> None:
+    """Decode attention over contexts drawn uniformly in LOW..HIGH (seed 0), as an offline
+    batch's differ, in the order drawn and longest first (the scheduler's order): whether
+    the order the programs start in loses bandwidth to a long context started last."""
+    low, high = map(int, args.ragged.split(":"))
+    print(
+        f"\n{'head_dim':>8} {'heads':>6} {'batch':>6} {'contexts':>11} {'order':>13} "
+        f"{'splits':>6} {'us':>9} {'of copy':>8}"
+    )
+    for head_dim in args.head_dims:
+        heads = tuple(map(int, args.heads.split(":"))) if args.heads else HEADS[head_dim]
+        for batch in args.batches:
+            drawn = torch.randint(
+                low, high + 1, (batch,), generator=torch.Generator().manual_seed(0)
+            )
+            for order, contexts in (
+                ("as drawn", drawn.tolist()),
+                ("longest first", drawn.sort(descending=True).values.tolist()),
+            ):
+                check = batch * high <= 64 * 1024  # the float32 reference loops in Python
+                splits, ms, share = decode_case(
+                    head_dim, heads, contexts, bandwidth, check, kv_dtype, args.table_tokens
+                )
+                print(
+                    f"{head_dim:8d} {f'{heads[0]}/{heads[1]}':>6} {batch:6d} "
+                    f"{f'{low}-{high}':>11} {order:>13} {splits:6d} {ms * 1e3:9.1f} {share:8.0%}"
+                )
+                torch.cuda.empty_cache()
 
 
 def prefill_case(
@@ -320,6 +355,11 @@ def main(argv: list[str] | None = None) -> None:
         "--sampler", action="store_true", help="time a sampled step's draw instead (--batches)"
     )
     parser.add_argument(
+        "--ragged",
+        metavar="LOW:HIGH",
+        help="decode attention over contexts drawn in LOW..HIGH, drawn order and longest first",
+    )
+    parser.add_argument(
         "--prompts", nargs="+", default=["16x512", "1x8192", "1x32768"], help="BATCHxLENGTH"
     )
     args = parser.parse_args(argv)
@@ -354,6 +394,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{torch.cuda.get_device_name()}: measured {rates.describe()}")
         run_prefill(args, rates.flops_per_s)
         return
+    if args.ragged:
+        print(f"{torch.cuda.get_device_name()}: measured {rates.describe()}; K/V in {kv_dtype}")
+        run_ragged(args, rates.bytes_per_s, kv_dtype)
+        return
     print(f"{torch.cuda.get_device_name()}: measured {rates.describe()}; K/V in {kv_dtype}")
     print(
         f"\n{'head_dim':>8} {'heads':>6} {'context':>8} {'batch':>6} {'splits':>6} "
@@ -372,8 +416,7 @@ def main(argv: list[str] | None = None) -> None:
                 splits, ms, share = decode_case(
                     head_dim,
                     heads,
-                    context,
-                    batch,
+                    [context] * batch,
                     rates.bytes_per_s,
                     check,
                     kv_dtype,
