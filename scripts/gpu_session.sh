@@ -544,7 +544,7 @@ PY
       # then this tree profiled by kind of step (decode attention's ms against cache ms)
       timeout 200 python3 scripts/bench_kernels.py --ragged 100:2048 --head-dims 64 128 \
         --batches 32 64 128 256 --table-tokens 131072 2>&1 | tee "$out/decode-order-kernel.log" \
-        | tail -17
+        | tail -33
       for shape in llama-3.2-1b qwen3-0.6b; do
         m=$(config_only "$shape")
         for round in 1 2; do

@@ -64,7 +64,7 @@ from engine.backends.triton import (
     paged_prefill_attention,
     rotary_store_kv,
 )
-from engine.backends.triton.paged_attention import default_decode_splits
+from engine.backends.triton.paged_attention import MAX_DECODE_SPLITS, default_decode_splits
 from engine.roofline import measure_rates
 from tandem.bench.fp8_products import ROWS as FP8_ROWS
 from tandem.bench.fp8_products import run_fp8_products
@@ -124,12 +124,13 @@ def decode_case(
     check: bool,
     kv_dtype: torch.dtype = DTYPE,
     table_tokens: int = 0,
+    splits_times: int = 1,
 ) -> tuple[int, float, float]:
     """(splits, ms, share of copy bandwidth) of one decode step's attention with ``heads``
     (query heads, KV heads) for a sequence of each context of ``contexts``, over a cache of
     ``kv_dtype`` (bf16, or float8 e4m3 as --kv-cache-dtype fp8 stores it); block tables as
     wide as ``table_tokens`` where that is longer than the longest context (their other
-    entries never read)."""
+    entries never read); split ``splits_times`` as many times as the engine's rule splits."""
     num_heads, num_kv_heads = heads
     batch = len(contexts)
     blocks = [-(-context // BLOCK_SIZE) for context in contexts]
@@ -146,11 +147,12 @@ def decode_case(
     q = torch.randn(batch, num_heads, head_dim, device="cuda", dtype=DTYPE)
     out = torch.empty_like(q)
     scale = head_dim**-0.5
-    splits = default_decode_splits(q, key_cache, block_tables, query_len=1)  # as run() takes
+    splits = default_decode_splits(q, key_cache, block_tables, query_len=1)
+    splits = min(splits * splits_times, MAX_DECODE_SPLITS)
 
     def run() -> None:
         paged_decode_attention(
-            q, key_cache, value_cache, block_tables, context_lens, scale, out=out
+            q, key_cache, value_cache, block_tables, context_lens, scale, num_splits=splits, out=out
         )
 
     if check:
@@ -175,7 +177,9 @@ def decode_case(
 def run_ragged(args: argparse.Namespace, bandwidth: float, kv_dtype: torch.dtype) -> None:
     """Decode attention over contexts drawn uniformly in LOW..HIGH (seed 0), as an offline
     batch's differ, in the order drawn and longest first (the scheduler's order): whether
-    the order the programs start in loses bandwidth to a long context started last."""
+    the order the programs start in loses bandwidth to a long context started last; and
+    longest first split 2 and 4 times as many times as the engine's rule splits (whether
+    smaller parts would balance such a batch better)."""
     low, high = map(int, args.ragged.split(":"))
     print(
         f"\n{'head_dim':>8} {'heads':>6} {'batch':>6} {'contexts':>11} {'order':>13} "
@@ -187,13 +191,16 @@ def run_ragged(args: argparse.Namespace, bandwidth: float, kv_dtype: torch.dtype
             drawn = torch.randint(
                 low, high + 1, (batch,), generator=torch.Generator().manual_seed(0)
             )
-            for order, contexts in (
-                ("as drawn", drawn.tolist()),
-                ("longest first", drawn.sort(descending=True).values.tolist()),
+            longest_first = drawn.sort(descending=True).values.tolist()
+            for order, contexts, times in (
+                ("as drawn", drawn.tolist(), 1),
+                ("longest first", longest_first, 1),
+                ("longest, 2x", longest_first, 2),
+                ("longest, 4x", longest_first, 4),
             ):
                 check = batch * high <= 64 * 1024  # the float32 reference loops in Python
                 splits, ms, share = decode_case(
-                    head_dim, heads, contexts, bandwidth, check, kv_dtype, args.table_tokens
+                    head_dim, heads, contexts, bandwidth, check, kv_dtype, args.table_tokens, times
                 )
                 print(
                     f"{head_dim:8d} {f'{heads[0]}/{heads[1]}':>6} {batch:6d} "

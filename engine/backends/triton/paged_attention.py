@@ -74,7 +74,7 @@ _DECODE_PROGRAMS_PER_SM = 4
 # these were the fastest or close to it (docs/benchmarks.md, decode attention at batch 1).
 _SPLITS_PER_SPLIT_TILE = tl.constexpr(8.0)
 _MIN_SPLIT_TOKENS = 128
-_MAX_SPLITS = 256
+MAX_DECODE_SPLITS = 256
 # Splits the merge kernel (after the fp8 kernel's splits) reads at a time, for one query
 # head: a batch-1 step's 66 (8 KV heads on 132 SMs) in two chunks; at 16 they would take
 # five, each waiting on the one before.
@@ -629,7 +629,7 @@ def decode_num_splits(
     """
     programs = batch * num_kv_heads
     wanted = programs_per_sm * num_sms // programs
-    return max(1, min(wanted, max_context_len // min_split_tokens, _MAX_SPLITS))
+    return max(1, min(wanted, max_context_len // min_split_tokens, MAX_DECODE_SPLITS))
 
 
 def default_decode_splits(
@@ -799,7 +799,7 @@ def paged_decode_attention(
     if num_splits is None:
         num_splits = default_decode_splits(q, key_cache, block_tables, query_len, sinks is not None)
     assert sinks is None or sinks.shape == (num_heads,)
-    assert 1 <= num_splits <= _MAX_SPLITS
+    assert 1 <= num_splits <= MAX_DECODE_SPLITS
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
