@@ -537,7 +537,7 @@ PY
           | tee "$out/budget-8b-$budget.log" \
           | grep -E "^tandem, median|^prefill|^decode, batch 129" | sed "s/^/$budget: /"
       done ;;
-    decode-order)  # issue 37 (about 7 minutes): decodes scheduled longest context first
+    decode-order)  # issue 37 (about 8 minutes): decodes scheduled longest context first
       # (scheduler.py): first the kernel alone over contexts drawn in 100..2048, in the order
       # drawn and longest first (the 1B's heads and Qwen3-0.6B's, a graph's table width); then
       # against BASE (a tree before it), the 1B and Qwen3-0.6B offline, two rounds alternated,
