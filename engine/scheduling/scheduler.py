@@ -55,9 +55,9 @@ class Scheduler:
         """The requests of the next forward pass, each with ``num_scheduled_tokens`` set: how
         many of its uncomputed tokens it computes. Within the step's token budget, decodes
         come first (longest context first), then prefills under way, then newly admitted
-        requests; a prompt longer
-        than what is left of the budget is prefilled a chunk a step. When the cache runs out,
-        the newest running requests are preempted for the older ones, and no one is admitted.
+        requests; a prompt longer than what is left of the budget is prefilled a chunk a
+        step. When the cache runs out, the newest running requests are preempted for the
+        older ones, and no one is admitted.
         With ``separate_prefill_steps``, a step that admits waiting requests computes prompts
         alone (theirs, with the whole budget, then those under way): the decodes wait for the
         next step, so that a new request's first token waits for no step of theirs. Never two
