@@ -17,7 +17,7 @@ from engine.backends.attention import AttentionMetadata
 from engine.backends.step_ops import StepOps
 from engine.execution.host_to_device import pending_rows_and_sources, to_device
 from engine.execution.pinned_inputs import PinnedInputs
-from engine.execution.seen_tokens import SeenTokens, penalizes
+from engine.execution.seen_tokens import SeenTokens
 from engine.sampling.prompt_logprobs import ScoredPositions, scored_chunks
 from engine.sampling.sampler import (
     AllowedTokens,
@@ -303,7 +303,7 @@ def sampling_tensors(
     shaping = [r for r in rows if r.shapes_logits]
     if not shaping and all(p.temperature == 0 for p in params):
         return None
-    penalized = any(penalizes(r) for r in shaping)
+    penalized = any(r.penalized for r in shaping)
     biased = any(r.sampling.logit_bias_token_ids for r in shaping)
     restricted = any(r.sampling.allowed_token_ids is not None for r in shaping)
     banning = any(

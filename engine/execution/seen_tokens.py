@@ -25,15 +25,6 @@ import torch
 from engine.execution.host_to_device import pending_rows_and_sources, to_device
 from engine.scheduling.request import Request
 
-
-def penalizes(request: Request) -> bool:
-    """Whether a request has a presence, frequency or repetition penalty."""
-    sampling = request.sampling
-    return bool(
-        sampling.presence_penalty or sampling.frequency_penalty or sampling.repetition_penalty != 1
-    )
-
-
 _COUNT_DTYPE = torch.float32
 _PROMPT_DTYPE = torch.bool
 
@@ -81,7 +72,7 @@ class SeenTokens:
         prompt_tokens: list[int] = []
         neutral = []
         for row, request in enumerate(rows):
-            if not penalizes(request):
+            if not request.penalized:
                 neutral.append(row)
                 continue
             slot = request.seen_tokens_slot
@@ -128,11 +119,11 @@ class SeenTokens:
             marks = torch.ones_like(prompt_slots_t, dtype=torch.bool)
             self.prompt_tokens.index_put_((prompt_slots_t, prompt_tokens_t), marks)
         if count_slots_t.numel():
-            ones = torch.ones_like(count_slots_t, dtype=torch.float32)
+            ones = torch.ones_like(count_slots_t, dtype=_COUNT_DTYPE)
             self.counts.index_put_((count_slots_t, count_tokens_t), ones, True)
         if pending_t.numel():
             pending_slots = slots_t[pending_t]
-            ones = torch.ones_like(pending_slots, dtype=torch.float32)
+            ones = torch.ones_like(pending_slots, dtype=_COUNT_DTYPE)
             self.counts.index_put_((pending_slots, last_sampled[sources_t]), ones, True)
         return slots_t
 

@@ -84,6 +84,8 @@ class Request:
     # bias, bans, allowed tokens, min_p): known at arrival, so that a step of requests that
     # do not checks one flag each (engine/execution/batch.py).
     shapes_logits: bool = field(init=False)
+    # A presence, frequency or repetition penalty, one of those (engine/execution/seen_tokens.py).
+    penalized: bool = field(init=False)
     # Its sampling parameters' token lists, made once at arrival as the host reads them for
     # each token (sets) and a step packs them (int64 arrays, each id once): a request's body
     # holds millions of ids, which scanned or converted every step would slow every step of
@@ -106,10 +108,11 @@ class Request:
 
     def __post_init__(self) -> None:
         s = self.sampling
+        self.penalized = bool(
+            s.presence_penalty or s.frequency_penalty or s.repetition_penalty != 1
+        )
         self.shapes_logits = bool(
-            s.presence_penalty
-            or s.frequency_penalty
-            or s.repetition_penalty != 1
+            self.penalized
             or s.logit_bias_token_ids
             or s.allowed_token_ids is not None
             or s.bad_words_token_ids
