@@ -33,7 +33,7 @@
 #   scripts/gpu_session.sh current  # the tables' older rows at this tree: batch-1 TPOT, 8B offline
 #   scripts/gpu_session.sh budget-8b  # the 8B's offline run at step budgets of 4k, 8k and 16k tokens
 #   BASE=dir scripts/gpu_session.sh decode-order  # decodes longest context first, against BASE
-#   BASE=dir scripts/gpu_session.sh latency-ab  # batch-1 TPOT against BASE (SHAPES, LATENCY_FLAGS)
+#   BASE="dir ..." scripts/gpu_session.sh latency-ab  # batch-1 TPOT against base trees (SHAPES, LATENCY_FLAGS)
 #   scripts/gpu_session.sh mixed-8b  # the 8B's steps that admit prompts: split, one pass, decodes
 #
 # moe (issue 39, about 8 minutes): tests/gpu/test_moe_cuda.py (small Qwen3-MoE and Mixtral
@@ -831,18 +831,29 @@ PY
           done
         done
       done ;;
-    latency-ab)  # issues 37/39 (about 6 minutes): batch-1 TPOT against a base tree (BASE=dir):
-      # decode attention's GPU tests natively first (the split kernel's graphs against the
-      # reference), then bench_latency at SHAPES (default the 1B, the 8B and Qwen3-30B-A3B;
-      # --load-format dummy, 2 runs, LATENCY_FLAGS added), the trees alternated ROUNDS times
-      base=${BASE:?set BASE to the other tree}
+    latency-ab)  # issues 37/39 (about 8 minutes): batch-1 TPOT against base trees (BASE: one
+      # directory or several, space-separated): decode attention's GPU tests natively first
+      # (the split kernel's graphs against the reference), then the kernel alone at batches 1
+      # and 8 (the 1B's and the 8B's heads, a graph's table width) on each tree, then
+      # bench_latency at SHAPES (default the 1B, the 8B and Qwen3-30B-A3B; --load-format dummy,
+      # 2 runs, LATENCY_FLAGS added), the trees alternated ROUNDS times (default 1)
+      bases=${BASE:?set BASE to the other trees}
       timeout 150 python3 -m pytest -q -rfEs -p no:cacheprovider tests/gpu/test_split_decode_cuda.py \
         tests/engine/test_kernels.py -k "decode" 2>&1 | tee "$out/latency-ab-tests.log" | tail -3
-      for round in $(seq "${ROUNDS:-2}"); do
+      # shellcheck disable=SC2086
+      for tree in $bases .; do
+        name=head; [ "$tree" = . ] || name=$(basename "$tree")
+        echo "kernel, $name:"
+        (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 60 python3 scripts/bench_kernels.py \
+          --head-dims 64 128 --heads 32:8 --batches 1 8 --contexts 256 2048 8192 \
+          --table-tokens 131072 2>&1 | grep -E "^ +(64|128) ")
+      done
+      for round in $(seq "${ROUNDS:-1}"); do
         for shape in ${SHAPES:-llama-3.2-1b llama-3.1-8b qwen3-30b-a3b}; do
           m=$(config_only "$shape")
-          for tree in "$base" .; do
-            name=head; [ "$tree" = . ] || name=base
+          # shellcheck disable=SC2086
+          for tree in $bases .; do
+            name=head; [ "$tree" = . ] || name=$(basename "$tree")
             # shellcheck disable=SC2086
             echo "$shape $name round $round: $(cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 100 \
               python3 scripts/bench_latency.py --model "$m" --load-format dummy --runs 2 \
