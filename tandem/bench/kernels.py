@@ -192,13 +192,13 @@ def run_ragged(args: argparse.Namespace, bandwidth: float, kv_dtype: torch.dtype
                 low, high + 1, (batch,), generator=torch.Generator().manual_seed(0)
             )
             longest_first = drawn.sort(descending=True).values.tolist()
+            check = batch * high <= 64 * 1024  # the float32 reference loops in Python
             for order, contexts, times in (
                 ("as drawn", drawn.tolist(), 1),
                 ("longest first", longest_first, 1),
                 ("longest, 2x", longest_first, 2),
                 ("longest, 4x", longest_first, 4),
             ):
-                check = batch * high <= 64 * 1024  # the float32 reference loops in Python
                 splits, ms, share = decode_case(
                     head_dim, heads, contexts, bandwidth, check, kv_dtype, args.table_tokens, times
                 )

@@ -21,7 +21,8 @@ from tandem.testing.random_checkpoint import save_tiny_llama
 def test_steps_by_kind_add_up_to_the_run(tmp_path: Path) -> None:
     model = tmp_path / "model"
     # Heads wide enough that a batch-1 step's cache (6 KiB a token) takes longer to read than
-    # the table's 0.001 ms shows, at a CPU's copy bandwidth (0.003 ms here).
+    # the table's 0.001 ms shows, at a CPU's copy bandwidth: the tiny default's 768 bytes a
+    # token round to 0.000.
     save_tiny_llama(model, num_attention_heads=4, num_key_value_heads=4, head_dim=64)
     out = tmp_path / "figures.json"
     command = [sys.executable, "scripts/bench_offline.py", "--model", str(model)]
