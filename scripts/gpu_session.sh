@@ -10,6 +10,7 @@
 #   scripts/gpu_session.sh moe-decode-parity  # batch-1 decode parity of Qwen3 (QK-norm) and the MoEs
 #   MOE_SHAPE=mixtral-8x7b scripts/gpu_session.sh moe-sweep  # its rule against neighbouring configurations
 #   scripts/gpu_session.sh moe-ncu  # Nsight Compute on the MoE decode kernels (where they wait)
+#   scripts/gpu_session.sh decode-ncu  # Nsight Compute on split decode attention, ragged contexts
 #   BASE=/tmp/base scripts/gpu_session.sh moe-latency-ab  # MoE batch-1 TPOT against a base tree
 #   SPEC_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh spec spec-f32  # speculative decoding (issue 37)
 #   scripts/gpu_session.sh moe                           # mixtures of experts, one GPU
@@ -879,6 +880,37 @@ Occupancy|Registers Per Thread|Grid Size|Block Size|Warp Cycles Per Issued Instr
 Issued Warp Per Scheduler|No Eligible|Avg. Active Threads)" "$out/moe-ncu-$kernel.log" | head -16
         grep -iE "stall|long scoreboard|barrier" "$out/moe-ncu-$kernel.log" | head -8
       done ;;
+    decode-ncu)  # issue 37 (about 3 minutes): Nsight Compute on split decode attention over
+      # ragged contexts (DECODE_NCU_BATCH, default 64; the 1B's heads, 100-2048 tokens drawn,
+      # longest first as the scheduler orders them: each case is 22 launches, the second case
+      # longest first): throughput against the DRAM's, occupancy,
+      # and each stall reason's share of a warp's cycles, to say why it reads below copy
+      # bandwidth where a step is one wave of programs
+      args=(python3 scripts/bench_kernels.py --ragged 100:2048 --batches "${DECODE_NCU_BATCH:-64}"
+        --head-dims 64 --heads 32:8 --table-tokens 131072)
+      timeout 200 ncu --clock-control none --kernel-name _decode_kernel --launch-skip 30 \
+        --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section SchedulerStats "${args[@]}" > "$out/decode-ncu.log" 2>&1
+      grep -E "^ +(Duration|DRAM Throughput|Memory Throughput|L2 Hit Rate|Achieved Occupancy|\
+Theoretical Occupancy|Registers Per Thread|Grid Size|Block Size|Waves Per SM|Warp Cycles Per \
+Issued Instruction|Issued Warp Per Scheduler|No Eligible|Avg. Active Threads)" "$out/decode-ncu.log" | head -20
+      timeout 200 ncu --clock-control none --kernel-name _decode_kernel --launch-skip 30 \
+        --launch-count 1 --csv --page raw \
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+        "${args[@]}" > "$out/decode-ncu-stalls.csv" 2>&1
+      python3 - "$out/decode-ncu-stalls.csv" <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+names, values = rows[0], rows[-1]
+stalls = sorted(
+    ((float(v.replace(",", "")), n.split("stalled_")[1].split("_per")[0])
+     for n, v in zip(names, values) if "stalled_" in n and v.replace(",", "").replace(".", "").isdigit()),
+    reverse=True,
+)
+print("stall reasons, warps a issued instruction:", ", ".join(f"{n} {v:.2f}" for v, n in stalls[:8]))
+PY
+      ;;
     mxfp4-sweep)  # MXFP4's decode path (about 5 minutes): gpt-oss-20b and 120b's experts at
       # 1, 2 and 4 tokens, the rule against its by-token neighbours and the grouped tiles
       timeout 500 python3 scripts/bench_kernels.py --moe gpt-oss-20b gpt-oss-120b --moe-tokens 1 2 4 \
