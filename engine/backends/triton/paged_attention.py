@@ -293,22 +293,21 @@ def _decode_kernel(
     at each of the sequence's QUERY_LEN query tokens (rows seq * QUERY_LEN + token).
 
     Split (WRITE_PARTIAL), each program stores its partial results to the workspace. Where
-    the tile's rows are few enough to merge at once (MERGE_HERE: a decode step's group), it
-    then counts itself done on its (kv head, sequence)'s counter in ``split_counts_ptr``
-    (the stores first, then a barrier, then the count's release); the program that finds
-    itself the last (after the count's acquire) merges the group's rows from the workspace
-    (``_merge_splits``, the sinks there, once) and sets the counter back to zero for the
-    next launch. Only the counts are atomic: the result does not depend on which program
-    came last. A taller tile's rows (a verify step's 1 + k tokens) are merged by
-    ``_decode_merge_kernel``, a program a row, after this kernel."""
+    the tile's rows are few enough to merge at once (MERGE_HERE: a decode step's group), only
+    the splits holding keys run (the rest end at once); each then counts itself done on its
+    (kv head, sequence)'s counter in ``split_counts_ptr`` (the stores first, then a barrier,
+    then the count's release); the program that finds itself the last (after the count's
+    acquire) merges the group's rows from the workspace (``_merge_splits``, the sinks there,
+    once) and sets the counter back to zero for the next launch. Only the counts are atomic:
+    the result does not depend on which program came last. A taller tile's rows (a verify
+    step's 1 + k tokens) are merged by ``_decode_merge_kernel``, a program a row, after this
+    kernel."""
     kv_head = tl.program_id(0)  # fastest: a sequence's KV heads run side by side
     seq = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     # A step input, written before the forward pass: read before the wait.
     context_len = tl.load(context_lens_ptr + seq)
-    wait_for_previous_kernel()  # launched dependent (dependent_launch.py)
-    let_next_kernel_start()
     first_key = 0
     if USE_WINDOW:  # the first query's window
         first_key = tl.maximum(context_len - QUERY_LEN + 1 - window, 0)
@@ -318,6 +317,17 @@ def _decode_kernel(
     split_len = tl.maximum(tl.cdiv(tiles, num_splits), _least_split_tiles(tiles)) * BLOCK_N
     key_start = first_key + split * split_len
     key_end = tl.minimum(key_start + split_len, context_len)
+    # Only the splits that start inside the context hold keys: the block tables' width (a
+    # CUDA graph's: the longest context the engine takes) sets the split count, and a short
+    # context leaves most of them empty. Merged here, they do nothing: not counted, stored or
+    # merged (at batch 1, most of a step's programs; each stored its empty partial and took
+    # its turn at the counter the last one merges after), nor waited for: a dependent launch
+    # lets the next kernel start once each program has let it or ended.
+    splits_with_keys = tl.cdiv(context_len - first_key, tl.maximum(split_len, 1))
+    if MERGE_HERE and split >= splits_with_keys:
+        return
+    wait_for_previous_kernel()  # launched dependent (dependent_launch.py)
+    let_next_kernel_start()
 
     token, heads, valid = _group_rows(kv_head, QUERY_LEN, GROUP, GROUP_PAD, BLOCK_M)
     rows = seq * QUERY_LEN + token
@@ -372,11 +382,7 @@ def _decode_kernel(
         tl.debug_barrier()  # every thread's partial stored before the count releases them
         count_ptr = split_counts_ptr + seq * tl.num_programs(0) + kv_head
         finished = tl.atomic_add(count_ptr, 1, sem="acq_rel")
-        if finished == num_splits - 1:
-            # Only the splits that start inside the context hold keys: the block tables' width
-            # (a CUDA graph's: the longest context the engine takes) sets the split count,
-            # and a short context leaves most of them empty, weighing nothing.
-            splits_with_keys = tl.cdiv(context_len - first_key, tl.maximum(split_len, 1))
+        if finished == splits_with_keys - 1:
             # The group's rows alone (MERGE_ROWS, not the tile's padding to a dot's 16).
             group_tokens, group_heads, group_valid = _group_rows(
                 kv_head, QUERY_LEN, GROUP, GROUP_PAD, MERGE_ROWS
