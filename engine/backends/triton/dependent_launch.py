@@ -15,10 +15,13 @@ kernel of a forward pass writes may be read before: a weight, the RoPE tables, a
 step's inputs (positions, cache slots, context lengths), which are written before the
 forward pass's first kernel starts. The one-row GEMV reads its first chunk of the weight,
 then waits; the fused QKV kernel reads its position, slot and angles too, and decode
-attention its context length. What a kernel two back wrote may be read before too, where the
-kernel between waits before it lets this one start (all here do, first thing): that kernel's
-wait returned, so the one before it is complete. The MoE decode path's down kernel reads
-the routing so (``moe_decode``), behind its gate/up kernel. Kernels launched without it (PyTorch's,
+attention its context length (split, it also pulls its first tile of K/V into L2 with
+``prefetch_to_l2``: a prefetch reads nothing into the program, so the newest token's row,
+which the kernel before may be writing, is read after the wait as stored). What a kernel
+two back wrote may be read before too, where the kernel between waits before it lets this
+one start (all here do, first thing): that kernel's wait returned, so the one before it is
+complete. The MoE decode path's down kernel reads the routing so (``moe_decode``), behind
+its gate/up kernel. Kernels launched without it (PyTorch's,
 cuBLAS') start after their predecessor finishes, as always; calling
 ``let_next_kernel_start`` is harmless anywhere. The decode step's other kernels (RMSNorm,
 the Q/K rotary and K/V store, the fp8 decode kernel's split merge, the argmax, and those
@@ -56,6 +59,23 @@ def wait_for_previous_kernel():
     """Block until the kernel before has finished and its writes are visible."""
     if not _INTERPRETED:
         gdc_wait()
+
+
+@triton.jit
+def prefetch_to_l2(pointers, mask):
+    """Start pulling the cache lines at ``pointers`` (where ``mask``) into L2, without waiting
+    for them or reading them into the program: for what a program will read after
+    ``wait_for_previous_kernel``, where it was not written by the kernel before. Nothing in
+    the interpreter."""
+    if not _INTERPRETED:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+            "=r,l,r",
+            [pointers, mask.to(tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
 
 
 def launch_options(device: torch.device) -> dict[str, bool]:

@@ -36,6 +36,7 @@ import triton.language as tl
 from engine.backends.triton.dependent_launch import (
     launch_options,
     let_next_kernel_start,
+    prefetch_to_l2,
     wait_for_previous_kernel,
 )
 from engine.backends.triton.device import sm_count, zeroed_counters
@@ -74,6 +75,8 @@ _DECODE_PROGRAMS_PER_SM = 4
 # these were the fastest or close to it (docs/benchmarks.md, decode attention at batch 1).
 _SPLITS_PER_SPLIT_TILE = tl.constexpr(8.0)
 _MIN_SPLIT_TOKENS = 128
+# The unit L2 fills: what one prefetch instruction pulls in.
+_CACHE_LINE_BYTES = tl.constexpr(128)
 MAX_DECODE_SPLITS = 256
 # Splits the merge kernel (after the fp8 kernel's splits) reads at a time, for one query
 # head: a batch-1 step's 66 (8 KV heads on 132 SMs) in two chunks; at 16 they would take
@@ -241,6 +244,45 @@ def _least_split_tiles(tiles):
     return tl.ceil(tl.sqrt_rn(tiles.to(tl.float32) / _SPLITS_PER_SPLIT_TILE)).to(tl.int32)
 
 
+@triton.jit
+def _prefetch_tile(
+    key_cache_ptr,
+    value_cache_ptr,
+    block_table_ptr,
+    kv_head,
+    key_start,
+    key_end,
+    stride_cache_slot,
+    stride_cache_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """Pull the K/V rows of keys [key_start, key_start + BLOCK_N) (below key_end) into L2,
+    without waiting for them. Before the kernel before has finished: the block tables are a
+    step input, the rows were written by earlier steps but for the newest tokens', which that
+    kernel may still be writing. A prefetch reads nothing into the program, and L2 is where
+    that kernel's stores land, so the loads after the wait still see them."""
+    LINE_VALUES: tl.constexpr = (
+        8 * _CACHE_LINE_BYTES // key_cache_ptr.dtype.element_ty.primitive_bitwidth
+    )
+    LINES: tl.constexpr = (BLOCK_D + LINE_VALUES - 1) // LINE_VALUES  # a power of two
+    lines = tl.arange(0, LINES)
+    keys = key_start + tl.arange(0, BLOCK_N)
+    key_mask = keys < key_end
+    blocks = tl.load(block_table_ptr + keys // BLOCK_SIZE, mask=key_mask, other=0)
+    slots = blocks * BLOCK_SIZE + keys % BLOCK_SIZE
+    offsets = (
+        slots[:, None] * stride_cache_slot
+        + kv_head * stride_cache_head
+        + lines[None, :] * LINE_VALUES
+    )
+    mask = key_mask[:, None] & (lines * LINE_VALUES < HEAD_DIM)[None, :]
+    prefetch_to_l2(key_cache_ptr + offsets, mask)
+    prefetch_to_l2(value_cache_ptr + offsets, mask)
+
+
 @triton.jit(
     do_not_specialize=["stride_table", *_WORKSPACE_STRIDES],
     do_not_specialize_on_alignment=[
@@ -326,6 +368,24 @@ def _decode_kernel(
     splits_with_keys = tl.cdiv(context_len - first_key, tl.maximum(split_len, 1))
     if MERGE_HERE and split >= splits_with_keys:
         return
+    if WRITE_PARTIAL:
+        # Split (a small batch, whose step is a chain of latencies): the split's first tile
+        # pulled into L2 while the kernel before finishes, so that its loads after the wait
+        # do not start from DRAM.
+        _prefetch_tile(
+            key_cache_ptr,
+            value_cache_ptr,
+            block_tables_ptr + seq * stride_table,
+            kv_head,
+            key_start,
+            key_end,
+            stride_cache_slot,
+            stride_cache_head,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_N,
+            BLOCK_SIZE,
+        )
     wait_for_previous_kernel()  # launched dependent (dependent_launch.py)
     let_next_kernel_start()
 
