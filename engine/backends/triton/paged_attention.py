@@ -155,6 +155,25 @@ def _initial_state(
 
 
 @triton.jit
+def _key_rows(
+    block_table_ptr,
+    keys,
+    key_mask,
+    stride_cache_slot,
+    BLOCK_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """Where ``keys``' rows start in the cache (their first KV head's), through the
+    sequence's block table (with MASKED, only the entries of ``key_mask``'s keys read; the
+    others' rows are block 0's)."""
+    if MASKED:
+        blocks = tl.load(block_table_ptr + keys // BLOCK_SIZE, mask=key_mask, other=0)
+    else:
+        blocks = tl.load(block_table_ptr + keys // BLOCK_SIZE)
+    return (blocks * BLOCK_SIZE + keys % BLOCK_SIZE) * stride_cache_slot
+
+
+@triton.jit
 def _attend_keys(
     q,
     acc,
@@ -202,16 +221,9 @@ def _attend_keys(
         for tile_start in range(start, end, BLOCK_N):
             keys = tile_start + tl.arange(0, BLOCK_N)
             key_mask = keys < key_end
-            if masked:
-                blocks = tl.load(block_table_ptr + keys // BLOCK_SIZE, mask=key_mask, other=0)
-                kv_mask = key_mask[:, None] & dim_mask[None, :]
-            else:
-                blocks = tl.load(block_table_ptr + keys // BLOCK_SIZE)
-                kv_mask = dim_mask[None, :]
-            slots = blocks * BLOCK_SIZE + keys % BLOCK_SIZE
-            offsets = (
-                slots[:, None] * stride_cache_slot + kv_head * stride_cache_head + dims[None, :]
-            )
+            kv_mask = key_mask[:, None] & dim_mask[None, :] if masked else dim_mask[None, :]
+            rows = _key_rows(block_table_ptr, keys, key_mask, stride_cache_slot, BLOCK_SIZE, masked)
+            offsets = (rows + kv_head * stride_cache_head)[:, None] + dims[None, :]
             # An fp8 cache is read as q's dtype, divided by the factor (applied below).
             k = widen(tl.load(key_cache_ptr + offsets, mask=kv_mask, other=0.0), q.dtype)
             v = widen(tl.load(value_cache_ptr + offsets, mask=kv_mask, other=0.0), q.dtype, True)
@@ -254,10 +266,10 @@ def _prefetch_tile(
     key_end,
     stride_cache_slot,
     stride_cache_head,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
 ):
     """Pull the K/V rows of keys [key_start, key_start + BLOCK_N) (below key_end) into L2,
     without waiting for them. Before the kernel before has finished: the block tables are a
@@ -271,13 +283,8 @@ def _prefetch_tile(
     lines = tl.arange(0, LINES)
     keys = key_start + tl.arange(0, BLOCK_N)
     key_mask = keys < key_end
-    blocks = tl.load(block_table_ptr + keys // BLOCK_SIZE, mask=key_mask, other=0)
-    slots = blocks * BLOCK_SIZE + keys % BLOCK_SIZE
-    offsets = (
-        slots[:, None] * stride_cache_slot
-        + kv_head * stride_cache_head
-        + lines[None, :] * LINE_VALUES
-    )
+    rows = _key_rows(block_table_ptr, keys, key_mask, stride_cache_slot, BLOCK_SIZE, True)
+    offsets = (rows + kv_head * stride_cache_head)[:, None] + lines[None, :] * LINE_VALUES
     mask = key_mask[:, None] & (lines * LINE_VALUES < HEAD_DIM)[None, :]
     prefetch_to_l2(key_cache_ptr + offsets, mask)
     prefetch_to_l2(value_cache_ptr + offsets, mask)
@@ -381,10 +388,10 @@ def _decode_kernel(
             key_end,
             stride_cache_slot,
             stride_cache_head,
+            BLOCK_SIZE,
+            BLOCK_N,
             HEAD_DIM,
             BLOCK_D,
-            BLOCK_N,
-            BLOCK_SIZE,
         )
     wait_for_previous_kernel()  # launched dependent (dependent_launch.py)
     let_next_kernel_start()
