@@ -32,6 +32,7 @@
 #   scripts/gpu_session.sh prompt-graphs  # prompt graphs past 512 tokens: GPU tests, Qwen3 offline
 #   BASE=dir scripts/gpu_session.sh penalties  # penalties' kernel and seen-token tables: tests, Qwen2.5 offline
 #   scripts/gpu_session.sh current  # the tables' older rows at this tree: batch-1 TPOT, 8B offline
+#   scripts/gpu_session.sh quant-current  # the quantization and fp8-cache rows at this tree
 #   scripts/gpu_session.sh budget-8b  # the 8B's offline run at step budgets of 4k, 8k and 16k tokens
 #   BASE=dir scripts/gpu_session.sh decode-order  # decodes longest context first, against BASE
 #   BASE="dir ..." scripts/gpu_session.sh latency-ab  # batch-1 TPOT against base trees (SHAPES, LATENCY_FLAGS)
@@ -529,6 +530,27 @@ PY
       m=$(config_only llama-3.1-8b)
       timeout 200 python3 scripts/bench_offline.py --model "$m" --load-format dummy --runs 2 2>&1 \
         | tee "$out/current-offline-8b.log" | grep -E "^tandem, (median|range)" ;;
+    quant-current)  # issue 37 (about 8 minutes): the quantization and fp8-cache rows at this tree,
+      # random weights: offline with fresh prompts (2 runs) for the 8B, 1B and Qwen3-0.6B with
+      # fp8 weights and cache, the 1B and Qwen3-0.6B with an fp8 cache alone; then batch-1 TPOT
+      # (3 runs) of the 1B with fp8 weights and cache and the 8B with int8 weights
+      for case in "llama-3.1-8b fp8" "llama-3.2-1b fp8" "qwen3-0.6b fp8" "llama-3.2-1b cache" \
+        "qwen3-0.6b cache"; do
+        set -- $case
+        flags="--kv-cache-dtype fp8"; [ "$2" = fp8 ] && flags="--quantization fp8 $flags"
+        # shellcheck disable=SC2086
+        timeout 100 python3 scripts/bench_offline.py --model "$(config_only "$1")" --load-format dummy \
+          --runs 2 $flags 2>&1 | tee "$out/quant-current-$1-$2.log" \
+          | grep -E "^tandem, (median|range)" | sed "s/^/$1 $2: /"
+      done
+      for case in "llama-3.2-1b fp8" "llama-3.1-8b int8"; do
+        set -- $case
+        flags="--quantization $2"; [ "$2" = fp8 ] && flags="$flags --kv-cache-dtype fp8"
+        # shellcheck disable=SC2086
+        timeout 100 python3 scripts/bench_latency.py --model "$(config_only "$1")" --load-format dummy \
+          --runs 3 $flags 2>&1 | tee "$out/quant-current-latency-$1-$2.log" \
+          | grep -E "^(tandem|roofline)" | sed "s/^/$1 $2: /"
+      done ;;
     budget-8b)  # issue 37 (about 4 minutes): the 8B's fresh-prompt offline run at step budgets
       # (--max-num-batched-tokens) of 4,096, 8,192 (the default) and 16,384: do larger prompt
       # steps run nearer their roofline? Each profiled by kind of step
