@@ -60,6 +60,7 @@ from engine.backends.triton.paged_attention import (
     decode_constants,
     decode_num_stages,
     decode_num_warps,
+    lone_split,
     prefill_constants,
     prefill_num_warps,
 )
@@ -206,6 +207,9 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     parser.add_argument("--split", action="store_true", help="the split-K variant")
     parser.add_argument("--query-len", type=int, default=1, help="1 + k: a verify step")
+    parser.add_argument(
+        "--batch", type=int, default=2, help="sequences a step (1: a batch-1 step's variant)"
+    )
     parser.add_argument("--sliding-window", type=int)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--block-n", type=int, help="keys a tile (default: the engine's)")
@@ -236,11 +240,14 @@ def main() -> None:
         args.query_len,
         args.sliding_window,
         2 if args.split else 1,
+        args.batch,
     )
     if args.block_n is not None:
         constants["BLOCK_N"] = args.block_n
     if args.num_warps is None:
-        args.num_warps = decode_num_warps(args.head_dim, kv_dtype, int(constants["BLOCK_M"]))
+        block_m = int(constants["BLOCK_M"])
+        one_sequence_split = lone_split(2 if args.split else 1, args.batch, args.query_len)
+        args.num_warps = decode_num_warps(args.head_dim, kv_dtype, block_m, one_sequence_split)
     if args.num_stages is None:
         args.num_stages = decode_num_stages(args.query_len, kv_dtype)
     integers = engine_arguments(num_heads, num_kv_heads, args.head_dim, args.sliding_window)

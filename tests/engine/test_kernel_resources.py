@@ -55,3 +55,12 @@ def test_verify_tile_fits_its_warps_registers() -> None:
     shape = ("--heads", "9", "3", "--head-dim", "64", "--split", "--query-len", "17")
     registers, local, _, _ = kernel_resources(*shape)
     assert 0 < registers <= 255 and local == 0
+
+
+def test_one_sequence_split_variant_spills_nothing() -> None:
+    """A batch-1 step's split decode at head_dim 128 (Qwen3-30B-A3B's 32/4 heads) takes eight
+    warps (``decode_num_warps``), larger batches' four: neither spills to local memory."""
+    shape = ("--heads", "32", "4", "--head-dim", "128", "--split")
+    for batch in ("1", "2"):
+        registers, local, _, _ = kernel_resources(*shape, "--batch", batch)
+        assert 0 < registers <= 255 and local == 0

@@ -780,17 +780,19 @@ def decode_constants(
     query_len: int,
     sliding_window: int | None,
     num_splits: int,
+    batch: int,
     has_sinks: bool = False,
 ) -> dict[str, int | bool | str]:
-    """The decode kernel's compile-time arguments for a step of this shape: what picks its
-    compiled variant (also for ``scripts/kernel_resources.py``, which compiles it without a
-    GPU)."""
+    """The decode kernel's compile-time arguments for a step of this shape (``batch``
+    sequences): what picks its compiled variant (also for ``scripts/kernel_resources.py``,
+    which compiles it without a GPU)."""
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     block_d = triton.next_power_of_2(head_dim)
     rows = triton.next_power_of_2(query_len * group_pad)
     block_m = max(rows, _MIN_DOT_ROWS)
-    merge_values = _MERGE_VALUES_PER_THREAD * 32 * decode_num_warps(head_dim, kv_dtype, block_m)
+    warps = decode_num_warps(head_dim, kv_dtype, block_m, lone_split(num_splits, batch, query_len))
+    merge_values = _MERGE_VALUES_PER_THREAD * 32 * warps
     return {
         "QUERY_LEN": query_len,
         "GROUP": group,
@@ -811,7 +813,15 @@ def decode_constants(
     }
 
 
-def decode_num_warps(head_dim: int, kv_dtype: torch.dtype, block_m: int) -> int:
+def lone_split(num_splits: int, batch: int, query_len: int) -> bool:
+    """Whether a decode step is one sequence's one query, split: a batch-1 step, whose
+    attention is a chain of latencies rather than a read of the cache at copy bandwidth."""
+    return num_splits > 1 and batch == 1 and query_len == 1
+
+
+def decode_num_warps(
+    head_dim: int, kv_dtype: torch.dtype, block_m: int, one_sequence_split: bool
+) -> int:
     """Warps a decode program takes for a tile of ``block_m`` query rows. Over a bf16 cache
     at head_dim 64, two where the tile has at most 64 rows: they read a large batch's cache
     (128-256 sequences) closer to copy bandwidth than four, and tie at smaller batches; at
@@ -821,7 +831,18 @@ def decode_num_warps(head_dim: int, kv_dtype: torch.dtype, block_m: int) -> int:
     --query-len 17`` reports the bytes) and runs several times slower than at 64 rows. The
     other cases keep Triton's default, four. ``scripts/bench_kernels.py --head-dims 64 128
     --batches 1 64 128 256`` measures the share of copy bandwidth (change this rule to
-    compare)."""
+    compare).
+
+    One sequence's split decode (``one_sequence_split``, ``lone_split``) at head_dim 128
+    over a bf16/fp16 cache takes eight: its few programs are a chain of latencies, and with
+    twice the warps each program's loads of a tile, and its last program's merge (as many
+    splits a round as ``_MERGE_VALUES_PER_THREAD`` allows), take fewer instructions a
+    thread. From four sequences up eight lose where the contexts are long: the programs
+    then outnumber an SM's places, and read the cache further from copy bandwidth
+    (docs/benchmarks.md, decode attention at batch 1, eight warps; ``scripts/ablate_step.py``
+    times the batch-1 step without attention)."""
+    if one_sequence_split and head_dim == 128 and kv_dtype.itemsize == 2:
+        return 8
     return 2 if head_dim <= 64 and kv_dtype.itemsize == 2 and block_m <= 64 else 4
 
 
@@ -977,6 +998,7 @@ def _launch_decode_kernel(
         query_len,
         sliding_window,
         num_splits,
+        batch,
         sinks is not None,
     )
     # Unread where the kernel does not merge (unsplit, or a taller tile's merge kernel).
@@ -1008,7 +1030,12 @@ def _launch_decode_kernel(
         out.stride(1),
         *ws_strides,
         **constants,
-        num_warps=decode_num_warps(head_dim, key_cache.dtype, int(constants["BLOCK_M"])),
+        num_warps=decode_num_warps(
+            head_dim,
+            key_cache.dtype,
+            int(constants["BLOCK_M"]),
+            lone_split(num_splits, batch, query_len),
+        ),
         num_stages=decode_num_stages(query_len, key_cache.dtype),
         **launch_options(q.device),
     )
