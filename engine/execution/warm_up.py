@@ -26,7 +26,8 @@ steps reach all of them, and every sampling path:
   prompt graph's), the uncut race, the races within min-p alone and with top-p (the steps
   drew within top-k and top-p), and the penalties with a repetition penalty and without;
 - where decode may run eagerly (no graphs, or batches beyond the largest one), eager decodes
-  of one sequence at the longest context (split-K) and of max_num_seqs at one token; where
+  of one sequence at the longest context (split-K), of two (a split step of one sequence
+  takes a variant of its own: ``decode_num_warps``) and of max_num_seqs at one token; where
   verify steps may (speculative decoding), the same two as verify steps (the decode
   kernel's variant of 1 + k queries a sequence; the verify graphs' capture compiled it for
   the graphs).
@@ -129,9 +130,12 @@ def warm_up(runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens: int)
     # eager steps are not sent: they are left to the first steps that need them.
     if runner.send_step is None and (eager_decodes or eager_verifies):
         length = runner.max_model_len - num_drafts
-        longest = _request(3, length, _GREEDY, block_size, length - 1)
-        widest = [_request(4 + i, 1, _GREEDY, block_size) for i in range(max_num_seqs)]
-        for decode in ([longest], widest):
+        alone, pair = (
+            [_request(i, length, _GREEDY, block_size, length - 1) for i in indices]
+            for indices in ((3,), (4, 5))
+        )
+        widest = [_request(6 + i, 1, _GREEDY, block_size) for i in range(max_num_seqs)]
+        for decode in (alone, pair, widest):
             if eager_decodes:
                 runner.forward_eager(runner.step_inputs(decode))
                 num_steps += 1

@@ -119,6 +119,9 @@ FP8 = {"quantization": "fp8"}  # weight-only GEMMs up to 16 rows (split K), W8A8
 FP8_KV = {"kv_cache_dtype": "fp8", "shape": "qwen3-0.6b"}
 # A Llama's batch-1 steps project, rotate and store in one kernel (one_row_qkv); Gemma's not.
 LLAMA = {"shape": "llama-3.2-1b"}
+# head_dim 128 over a bf16 cache: one sequence's split decode takes eight warps, two or more
+# sequences' four (decode_num_warps), two variants an eager decode must compile.
+QWEN3 = {"shape": "qwen3-0.6b"}
 
 
 @pytest.mark.parametrize(
@@ -132,6 +135,7 @@ LLAMA = {"shape": "llama-3.2-1b"}
         (False, FP8_KV),
         (False, LLAMA),
         (True, LLAMA),
+        (True, QWEN3),
     ],
     # ngram: speculative verify steps, in graphs or eager
     ids=[
@@ -143,6 +147,7 @@ LLAMA = {"shape": "llama-3.2-1b"}
         "fp8-kv-graphs",
         "llama-graphs",
         "llama-eager",
+        "qwen3-eager",
     ],
 )
 def test_no_kernel_compiles_after_start_up(
