@@ -37,6 +37,7 @@
 #   BASE=dir scripts/gpu_session.sh decode-order  # decodes longest context first, against BASE
 #   BASE="dir ..." scripts/gpu_session.sh latency-ab  # batch-1 TPOT against base trees (SHAPES, LATENCY_FLAGS)
 #   scripts/gpu_session.sh mixed-8b  # the 8B's steps that admit prompts: split, one pass, decodes
+#   scripts/gpu_session.sh ablate  # what each part costs a batch-1 step (attention, routing, experts)
 #
 # moe (issue 39, about 8 minutes): tests/gpu/test_moe_cuda.py (small Qwen3-MoE and Mixtral
 # against transformers in float32, torch and triton backends; fp8 experts), then at the
@@ -883,6 +884,20 @@ PY
               ${LATENCY_FLAGS:-} 2>&1 | tee "$out/latency-ab-$shape-$name-$round.log" \
               | grep -E "^tandem, median")"
           done
+        done
+      done ;;
+    ablate)  # issues 37/39 (about 4 minutes): what each part costs a batch-1 step inside its
+      # graph (scripts/ablate_step.py, context 512, --load-format dummy): Qwen3-30B-A3B as it is
+      # and without attention, routing, the routing kernel, the experts; the 8B and the 1B as
+      # they are and without attention. Compare within a call: the step is wall time.
+      for case in "qwen3-30b-a3b none attention routing route-kernel experts" \
+        "llama-3.1-8b none attention" "llama-3.2-1b none attention"; do
+        read -r shape parts <<<"$case"
+        m=$(config_only "$shape")
+        for part in $parts; do
+          timeout 120 python3 scripts/ablate_step.py --model "$m" --load-format dummy --steps 50 \
+            --rounds 5 --without "$part" 2>&1 | tee "$out/ablate-$shape-$part.log" \
+            | grep -E "^without|Error" | sed "s/^/$shape /"
         done
       done ;;
     moe-ncu)  # issue 39 (about 3 minutes): Nsight Compute on the decode path's two kernels at
