@@ -241,6 +241,7 @@ def main() -> None:
         args.sliding_window,
         2 if args.split else 1,
         args.batch,
+        num_warps=args.num_warps,  # its merge's splits a round follow the warps
     )
     if args.block_n is not None:
         constants["BLOCK_N"] = args.block_n

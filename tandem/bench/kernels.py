@@ -3,6 +3,7 @@
     tandem bench kernels [--head-dims 64 128 256] [--heads Q:KV] [--batches 1 8 64 256]
                          [--contexts 256 1024 4096 16384] [--max-gib 24]
                          [--kv-cache-dtype auto|fp8] [--table-tokens 131072]
+                         [--decode-warps 4 8]
     tandem bench kernels --moe SHAPE [SHAPE ...] [--moe-tokens 1 8 64 256 2048]
                          [--quantization fp8|mxfp4] [--moe-sweep]
     tandem bench kernels --prefill [--head-dims 64 128] [--heads Q:KV]
@@ -32,7 +33,9 @@ Gemma 3 1B (4 on 1); ``--heads 32:8`` sets other counts for every head_dim given
 ``--head-dims 128``, Llama 3.1 8B's and 70B's group of 4). Every result is checked against
 the float32 reference first. Each timing starts with the L2 cache flushed. "of same"
 compares with a copy of the same bytes timed alike: small cases (a few MB) are bound by
-launch and latency, not bandwidth, for any kernel.
+launch and latency, not bandwidth, for any kernel. ``--decode-warps`` times the Triton
+kernel in each of those warps a program, beside one another ("warps"; "rule": the engine's,
+``decode_num_warps``), where the rule is to be changed.
 Then the fused Q/K-norm + RoPE + cache-write kernel at a decode and a prefill step.
 With --moe, instead, the fused MoE kernel at the shapes named (tandem/bench/moe_kernel.py
 says what its table shows). With --prefill, instead, prefill attention
@@ -53,6 +56,7 @@ and longest first (as the scheduler orders decodes). CUDA only.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 from collections.abc import Callable
 
@@ -125,12 +129,14 @@ def decode_case(
     kv_dtype: torch.dtype = DTYPE,
     table_tokens: int = 0,
     splits_times: int = 1,
+    num_warps: int | None = None,
 ) -> tuple[int, float, float]:
     """(splits, ms, share of copy bandwidth) of one decode step's attention with ``heads``
     (query heads, KV heads) for a sequence of each context of ``contexts``, over a cache of
     ``kv_dtype`` (bf16, or float8 e4m3 as --kv-cache-dtype fp8 stores it); block tables as
     wide as ``table_tokens`` where that is longer than the longest context (their other
-    entries never read); split ``splits_times`` as many times as the engine's rule splits."""
+    entries never read); split ``splits_times`` as many times as the engine's rule splits;
+    the Triton kernel in ``num_warps`` (None: the engine's rule, ``decode_num_warps``)."""
     num_heads, num_kv_heads = heads
     batch = len(contexts)
     blocks = [-(-context // BLOCK_SIZE) for context in contexts]
@@ -152,7 +158,15 @@ def decode_case(
 
     def run() -> None:
         paged_decode_attention(
-            q, key_cache, value_cache, block_tables, context_lens, scale, num_splits=splits, out=out
+            q,
+            key_cache,
+            value_cache,
+            block_tables,
+            context_lens,
+            scale,
+            num_splits=splits,
+            out=out,
+            num_warps=num_warps,
         )
 
     if check:
@@ -316,6 +330,13 @@ def main(argv: list[str] | None = None) -> None:
         "--contexts", type=int, nargs="+", default=[256, 1024, 2048, 4096, 8192, 16384]
     )
     parser.add_argument("--max-gib", type=float, default=24, help="largest cache to allocate")
+    parser.add_argument(
+        "--decode-warps",
+        type=int,
+        nargs="+",
+        help="time decode attention's Triton kernel in each of these warps a program "
+        "(default: the engine's rule, decode_num_warps)",
+    )
     parser.add_argument("--target", type=float, default=0.85, help="share to reach")
     parser.add_argument(
         "--table-tokens",
@@ -408,36 +429,38 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{torch.cuda.get_device_name()}: measured {rates.describe()}; K/V in {kv_dtype}")
     print(
         f"\n{'head_dim':>8} {'heads':>6} {'context':>8} {'batch':>6} {'splits':>6} "
-        f"{'us':>9} {'GB/s':>7} {'of copy':>8} {'copy us':>8} {'of same':>8}"
+        f"{'us':>9} {'GB/s':>7} {'of copy':>8} {'copy us':>8} {'of same':>8} {'warps':>6}"
     )
     shares = []
     for head_dim in args.head_dims:
         heads = tuple(map(int, args.heads.split(":"))) if args.heads else HEADS[head_dim]
         num_heads, num_kv_heads = heads
-        for context in args.contexts:
-            for batch in args.batches:
-                cache_bytes = 2 * batch * context * num_kv_heads * head_dim * kv_dtype.itemsize
-                if cache_bytes > args.max_gib * 1024**3:
-                    continue
-                check = batch * context <= 64 * 1024  # the float32 reference loops in Python
-                splits, ms, share = decode_case(
-                    head_dim,
-                    heads,
-                    [context] * batch,
-                    rates.bytes_per_s,
-                    check,
-                    kv_dtype,
-                    args.table_tokens,
-                )
-                # A copy moves each byte twice (read, write): half as many bytes to copy.
-                same_ms = copy_ms(cache_bytes // 2)
-                shares.append((share, head_dim, context, batch))
-                print(
-                    f"{head_dim:8d} {f'{num_heads}/{num_kv_heads}':>6} {context:8d} {batch:6d} "
-                    f"{splits:6d} {ms * 1e3:9.1f} {share * rates.bytes_per_s / 1e9:7.0f} "
-                    f"{share:8.0%} {same_ms * 1e3:8.1f} {same_ms / ms:8.0%}"
-                )
-                torch.cuda.empty_cache()
+        for context, batch, warps in itertools.product(
+            args.contexts, args.batches, args.decode_warps or [None]
+        ):
+            cache_bytes = 2 * batch * context * num_kv_heads * head_dim * kv_dtype.itemsize
+            if cache_bytes > args.max_gib * 1024**3:
+                continue
+            check = batch * context <= 64 * 1024  # the float32 reference loops in Python
+            splits, ms, share = decode_case(
+                head_dim,
+                heads,
+                [context] * batch,
+                rates.bytes_per_s,
+                check,
+                kv_dtype,
+                args.table_tokens,
+                num_warps=warps,
+            )
+            # A copy moves each byte twice (read, write): half as many bytes to copy.
+            same_ms = copy_ms(cache_bytes // 2)
+            shares.append((share, head_dim, context, batch))
+            print(
+                f"{head_dim:8d} {f'{num_heads}/{num_kv_heads}':>6} {context:8d} {batch:6d} "
+                f"{splits:6d} {ms * 1e3:9.1f} {share * rates.bytes_per_s / 1e9:7.0f} "
+                f"{share:8.0%} {same_ms * 1e3:8.1f} {same_ms / ms:8.0%} {warps or 'rule':>6}"
+            )
+            torch.cuda.empty_cache()
     print("\nfused Q/K norms + RoPE + cache write, Qwen3 0.6B's heads:")
     for num_tokens in (256, 8192):
         ms, share = rotary_case(num_tokens, rates.bytes_per_s)

@@ -229,6 +229,25 @@ def test_decode_attention(
     assert_rounding_close(out, attention_reference(q, batch, sliding_window))
 
 
+@pytest.mark.parametrize("num_warps", [None, 2, 4, 8], ids=["rule", "2", "4", "8"])
+def test_one_sequence_split_decode_in_any_warps(num_warps: int | None) -> None:
+    """One sequence's split decode at head_dim 128 (a batch-1 step: eight warps by the rule)
+    and the warps a benchmark asks for: the last program merges as many splits a round as
+    its warps hold (one to four here, over 700 keys in 6 splits), each right."""
+    num_heads, num_kv_heads, head_dim = 8, 2, 128
+    batch = paged_batch([700], [1], num_kv_heads, head_dim, fill=float("nan"))
+    m = batch.metadata
+    q = randn(1, num_heads, head_dim)
+    out = paged_decode_attention(
+        *(q, batch.key_cache, batch.value_cache, m.block_tables, m.context_lens),
+        head_dim**-0.5,
+        num_splits=6,
+        out=torch.full_like(q, float("nan")),
+        num_warps=num_warps,
+    )
+    assert_rounding_close(out, attention_reference(q, batch, None))
+
+
 def test_split_decode_resets_its_counts() -> None:
     """Split decode's last program of each (KV head, sequence) merges the group's splits and
     sets its count back to zero: launched twice on the same counts, each launch's output is

@@ -782,16 +782,19 @@ def decode_constants(
     num_splits: int,
     batch: int,
     has_sinks: bool = False,
+    num_warps: int | None = None,
 ) -> dict[str, int | bool | str]:
     """The decode kernel's compile-time arguments for a step of this shape (``batch``
-    sequences): what picks its compiled variant (also for ``scripts/kernel_resources.py``,
-    which compiles it without a GPU)."""
+    sequences) in ``num_warps`` (default: ``decode_num_warps``'): what picks its compiled
+    variant (also for ``scripts/kernel_resources.py``, which compiles it without a GPU)."""
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     block_d = triton.next_power_of_2(head_dim)
     rows = triton.next_power_of_2(query_len * group_pad)
     block_m = max(rows, _MIN_DOT_ROWS)
-    warps = decode_num_warps(head_dim, kv_dtype, block_m, lone_split(num_splits, batch, query_len))
+    warps = num_warps or decode_num_warps(
+        head_dim, kv_dtype, block_m, lone_split(num_splits, batch, query_len)
+    )
     merge_values = _MERGE_VALUES_PER_THREAD * 32 * warps
     return {
         "QUERY_LEN": query_len,
@@ -871,6 +874,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Attention of ``query_len`` new tokens per sequence, its last ones, to its cached
     context, causal among them; with ``sinks`` [num_heads] (any float dtype), each head's
@@ -880,8 +884,9 @@ def paged_decode_attention(
     onwards, at positions context_lens[b] - query_len, ... (a position below 0 reads as 0:
     padding); caches: [num_blocks, block_size, num_kv_heads, head_dim]; block_tables:
     [B, max_blocks] int64; context_lens: [B] int, the new tokens included.
-    ``num_splits`` defaults to ``default_decode_splits``. For CUDA graphs, pass ``out``
-    and, when splitting, ``workspace`` (``decode_workspace``).
+    ``num_splits`` defaults to ``default_decode_splits``, ``num_warps`` (the Triton kernel's,
+    for benchmarks to compare) to ``decode_num_warps``. For CUDA graphs, pass ``out`` and,
+    when splitting, ``workspace`` (``decode_workspace``).
     Returns out: [B * query_len, num_heads, head_dim] in q's dtype.
     """
     _check_cache(q, key_cache, value_cache)
@@ -939,6 +944,7 @@ def paged_decode_attention(
             ws_strides,
             num_splits,
             sinks,
+            num_warps,
         )
     return out
 
@@ -983,8 +989,10 @@ def _launch_decode_kernel(
     ws_strides: tuple[int, ...],
     num_splits: int,
     sinks: torch.Tensor | None,
+    num_warps: int | None,
 ) -> None:
-    """``_decode_kernel``'s launch, into ``out``, through ``workspace`` when split."""
+    """``_decode_kernel``'s launch, into ``out``, through ``workspace`` when split, in
+    ``num_warps`` (None: ``decode_num_warps``')."""
     num_heads, head_dim = q.shape[1:]
     _, block_size, num_kv_heads, _ = key_cache.shape
     batch = block_tables.shape[0]
@@ -1000,6 +1008,7 @@ def _launch_decode_kernel(
         num_splits,
         batch,
         sinks is not None,
+        num_warps,
     )
     # Unread where the kernel does not merge (unsplit, or a taller tile's merge kernel).
     merges_here = constants["MERGE_HERE"]
@@ -1030,7 +1039,8 @@ def _launch_decode_kernel(
         out.stride(1),
         *ws_strides,
         **constants,
-        num_warps=decode_num_warps(
+        num_warps=num_warps
+        or decode_num_warps(
             head_dim,
             key_cache.dtype,
             int(constants["BLOCK_M"]),
