@@ -59,8 +59,6 @@ from engine.backends.triton.paged_attention import (
     _prefill_kernel,
     decode_constants,
     decode_num_stages,
-    decode_num_warps,
-    lone_split,
     prefill_constants,
     prefill_num_warps,
 )
@@ -230,7 +228,7 @@ def main() -> None:
     if args.prefill:
         prefill_resources(args, num_heads, num_kv_heads, kv_dtype)
         return
-    constants = decode_constants(
+    constants, args.num_warps = decode_constants(
         torch.bfloat16,
         kv_dtype,
         num_heads,
@@ -245,10 +243,6 @@ def main() -> None:
     )
     if args.block_n is not None:
         constants["BLOCK_N"] = args.block_n
-    if args.num_warps is None:
-        block_m = int(constants["BLOCK_M"])
-        one_sequence_split = lone_split(2 if args.split else 1, args.batch, args.query_len)
-        args.num_warps = decode_num_warps(args.head_dim, kv_dtype, block_m, one_sequence_split)
     if args.num_stages is None:
         args.num_stages = decode_num_stages(args.query_len, kv_dtype)
     integers = engine_arguments(num_heads, num_kv_heads, args.head_dim, args.sliding_window)

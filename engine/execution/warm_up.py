@@ -130,12 +130,9 @@ def warm_up(runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens: int)
     # eager steps are not sent: they are left to the first steps that need them.
     if runner.send_step is None and (eager_decodes or eager_verifies):
         length = runner.max_model_len - num_drafts
-        alone, pair = (
-            [_request(i, length, _GREEDY, block_size, length - 1) for i in indices]
-            for indices in ((3,), (4, 5))
-        )
+        longest = [_request(i, length, _GREEDY, block_size, length - 1) for i in (3, 4, 5)]
         widest = [_request(6 + i, 1, _GREEDY, block_size) for i in range(max_num_seqs)]
-        for decode in (alone, pair, widest):
+        for decode in (longest[:1], longest[1:], widest):  # one sequence, two, the most
             if eager_decodes:
                 runner.forward_eager(runner.step_inputs(decode))
                 num_steps += 1

@@ -783,20 +783,22 @@ def decode_constants(
     batch: int,
     has_sinks: bool = False,
     num_warps: int | None = None,
-) -> dict[str, int | bool | str]:
+) -> tuple[dict[str, int | bool | str], int]:
     """The decode kernel's compile-time arguments for a step of this shape (``batch``
-    sequences) in ``num_warps`` (default: ``decode_num_warps``'): what picks its compiled
-    variant (also for ``scripts/kernel_resources.py``, which compiles it without a GPU)."""
+    sequences), and the warps it runs in (``num_warps``, default ``decode_num_warps``'):
+    what picks its compiled variant (also for ``scripts/kernel_resources.py``, which compiles
+    it without a GPU)."""
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     block_d = triton.next_power_of_2(head_dim)
     rows = triton.next_power_of_2(query_len * group_pad)
     block_m = max(rows, _MIN_DOT_ROWS)
-    warps = num_warps or decode_num_warps(
-        head_dim, kv_dtype, block_m, lone_split(num_splits, batch, query_len)
-    )
+    # One sequence's one query, split: a batch-1 step, whose attention is a chain of
+    # latencies rather than a read of the cache at copy bandwidth.
+    one_sequence_split = num_splits > 1 and batch == 1 and query_len == 1
+    warps = num_warps or decode_num_warps(head_dim, kv_dtype, block_m, one_sequence_split)
     merge_values = _MERGE_VALUES_PER_THREAD * 32 * warps
-    return {
+    constants: dict[str, int | bool | str] = {
         "QUERY_LEN": query_len,
         "GROUP": group,
         "GROUP_PAD": group_pad,
@@ -814,12 +816,7 @@ def decode_constants(
         "HAS_SINKS": has_sinks,
         "DOT_PRECISION": dot_precision(dtype),
     }
-
-
-def lone_split(num_splits: int, batch: int, query_len: int) -> bool:
-    """Whether a decode step is one sequence's one query, split: a batch-1 step, whose
-    attention is a chain of latencies rather than a read of the cache at copy bandwidth."""
-    return num_splits > 1 and batch == 1 and query_len == 1
+    return constants, warps
 
 
 def decode_num_warps(
@@ -836,7 +833,7 @@ def decode_num_warps(
     --batches 1 64 128 256`` measures the share of copy bandwidth (change this rule to
     compare).
 
-    One sequence's split decode (``one_sequence_split``, ``lone_split``) at head_dim 128
+    One sequence's split decode (``one_sequence_split``: a batch-1 step) at head_dim 128
     over a bf16/fp16 cache takes eight: its few programs are a chain of latencies, and with
     twice the warps each program's loads of a tile, and its last program's merge (as many
     splits a round as ``_MERGE_VALUES_PER_THREAD`` allows), take fewer instructions a
@@ -996,7 +993,7 @@ def _launch_decode_kernel(
     num_heads, head_dim = q.shape[1:]
     _, block_size, num_kv_heads, _ = key_cache.shape
     batch = block_tables.shape[0]
-    constants = decode_constants(
+    constants, warps = decode_constants(
         q.dtype,
         key_cache.dtype,
         num_heads,
@@ -1039,13 +1036,7 @@ def _launch_decode_kernel(
         out.stride(1),
         *ws_strides,
         **constants,
-        num_warps=num_warps
-        or decode_num_warps(
-            head_dim,
-            key_cache.dtype,
-            int(constants["BLOCK_M"]),
-            lone_split(num_splits, batch, query_len),
-        ),
+        num_warps=warps,
         num_stages=decode_num_stages(query_len, key_cache.dtype),
         **launch_options(q.device),
     )
