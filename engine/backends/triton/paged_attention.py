@@ -833,16 +833,17 @@ def decode_num_warps(
     --batches 1 64 128 256`` measures the share of copy bandwidth (change this rule to
     compare).
 
-    One sequence's split decode (``one_sequence_split``: a batch-1 step) at head_dim 128
-    over a bf16/fp16 cache takes eight: its few programs are a chain of latencies, and with
-    twice the warps each program's loads of a tile, and its last program's merge (as many
-    splits a round as ``_MERGE_VALUES_PER_THREAD`` allows), take fewer instructions a
-    thread. From four sequences up eight lose where the contexts are long: the programs
-    then outnumber an SM's places, and read the cache further from copy bandwidth
+    One sequence's split decode (``one_sequence_split``: a batch-1 step) over a bf16/fp16
+    cache takes more: its few programs are a chain of latencies, and with more warps each
+    program's loads of a tile, and its last program's merge (as many splits a round as
+    ``_MERGE_VALUES_PER_THREAD`` allows), take fewer instructions a thread. Eight at head_dim
+    128 and 256; four at 64, where eight lose at long contexts (32,768 keys). From four
+    sequences up the extra warps lose where the contexts are long: the programs then
+    outnumber an SM's places, and read the cache further from copy bandwidth
     (docs/benchmarks.md, decode attention at batch 1, eight warps; ``scripts/ablate_step.py``
     times the batch-1 step without attention)."""
-    if one_sequence_split and head_dim == 128 and kv_dtype.itemsize == 2:
-        return 8
+    if one_sequence_split and kv_dtype.itemsize == 2:
+        return 4 if head_dim <= 64 else 8
     return 2 if head_dim <= 64 and kv_dtype.itemsize == 2 and block_m <= 64 else 4
 
 
