@@ -119,8 +119,9 @@ FP8 = {"quantization": "fp8"}  # weight-only GEMMs up to 16 rows (split K), W8A8
 FP8_KV = {"kv_cache_dtype": "fp8", "shape": "qwen3-0.6b"}
 # A Llama's batch-1 steps project, rotate and store in one kernel (one_row_qkv); Gemma's not.
 LLAMA = {"shape": "llama-3.2-1b"}
-# head_dim 128 over a bf16 cache: one sequence's split decode takes eight warps, two or more
-# sequences' four (decode_num_warps), two variants an eager decode must compile.
+# Over a bf16 cache one sequence's split decode takes more warps than two or more sequences'
+# (decode_num_warps: at head_dim 128 eight against four; the Llama's 64 four against two),
+# two variants an eager decode must compile.
 QWEN3 = {"shape": "qwen3-0.6b"}
 
 
