@@ -44,10 +44,11 @@ class LayerOps(Protocol):
         ...
 
     def rms_norm_round_once(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0
     ) -> torch.Tensor:
-        """rmsnorm(x) * weight with the product in float32 too, rounded to x's dtype once at
-        the end (OLMo 2's norm; Gemma's, given 1 + its weight); rms_norm rounds before it."""
+        """rmsnorm(x) * (weight_offset + weight) with the product in float32 too, rounded to
+        x's dtype once at the end (OLMo 2's norm; Gemma's, whose weight_offset is 1), over the
+        last dimension; rms_norm rounds before it."""
         ...
 
     def add_rms_norm(

@@ -218,9 +218,9 @@ class TorchLayerOps:
         return rms_norm(x, weight, eps)
 
     def rms_norm_round_once(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0
     ) -> torch.Tensor:
-        return (_normalized(x, eps) * weight.float()).to(x.dtype)
+        return (_normalized(x, eps) * (weight.float() + weight_offset)).to(x.dtype)
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float

@@ -828,6 +828,22 @@ def test_add_rms_norm(with_residual: bool) -> None:
     torch.testing.assert_close(got_residual, expected_residual, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("heads", [0, 4], ids=["rows", "heads"])
+@pytest.mark.parametrize("weight_offset", [0.0, 1.0], ids=["olmo2", "gemma"])
+def test_rms_norm_round_once(heads: int, weight_offset: float) -> None:
+    """Whole rows (OLMo 2's and Gemma's layer norms) or each head of a view of wider rows
+    (their Q/K norms, of the QKV projection's output), times weight_offset + weight in
+    float32: one rounding, within the reference's."""
+    hidden = 4 * 72 if heads else 1000  # not powers of two: masked
+    wide = randn(5, hidden + 3 * 72)  # the rows' stride is not the norm's width
+    x = wide[:, :hidden].view(5, heads, 72) if heads else wide[:, :hidden]
+    weight = randn(x.shape[-1]) * 0.1
+    expected = REFERENCE_OPS.rms_norm_round_once(x.float(), weight, 1e-6, weight_offset)
+    out = TritonLayerOps().rms_norm_round_once(x, weight, 1e-6, weight_offset)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert_rounding_close(out, expected, units=1.5)
+
+
 def test_silu_and_mul() -> None:
     num_rows, intermediate = 3, 1500  # two column blocks, the second partial
     # Rows of a wider buffer: the kernel follows the row stride.

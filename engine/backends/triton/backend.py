@@ -58,6 +58,7 @@ from engine.backends.triton.fused_moe import fused_moe
 from engine.backends.triton.graph_inputs import fill_graph_inputs
 from engine.backends.triton.moe_route import moe_route
 from engine.backends.triton.mxfp4_moe import mxfp4_moe
+from engine.backends.triton.norm import rms_norm_round_once
 from engine.backends.triton.nucleus import draw_tokens
 from engine.backends.triton.one_row_matmul import one_row_matmul
 from engine.backends.triton.penalties import apply_penalties
@@ -184,9 +185,9 @@ class TritonPagedAttention(AttentionBackend):
 
 
 class TritonLayerOps(TorchLayerOps):
-    """The fused kernels; norms of [T, heads, head_dim] views (Gemma's per-head Q/K norms)
-    stay in PyTorch. A norm of one row is left to the one-row kernel of the linear layer
-    after it, and an FP8 layer's rows' to its quantization kernel
+    """The fused kernels; norms of [T, heads, head_dim] views stay in PyTorch, but for the
+    round-once norm's (Gemma's per-head Q/K norms). A norm of one row is left to the one-row
+    kernel of the linear layer after it, and an FP8 layer's rows' to its quantization kernel
     (``engine.backends.deferred_norm``)."""
 
     defers_norms = True
@@ -195,6 +196,14 @@ class TritonLayerOps(TorchLayerOps):
         if x.dim() != 2:
             return super().rms_norm(x, weight, eps)
         return add_rms_norm(x, None, weight, eps)[0]
+
+    def rms_norm_round_once(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0
+    ) -> torch.Tensor:
+        # One kernel where PyTorch's float32 steps take about ten, six times a Gemma layer.
+        if x.dim() not in (2, 3) or x.stride(-1) != 1:
+            return super().rms_norm_round_once(x, weight, eps, weight_offset)
+        return rms_norm_round_once(x, weight, eps, weight_offset)
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float

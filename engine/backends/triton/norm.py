@@ -1,4 +1,6 @@
-"""RMSNorm fused with the residual add that precedes it."""
+"""RMSNorm fused with the residual add that precedes it; and the norm whose product with its
+weight is in float32 too, rounded once (OLMo 2's; Gemma's, which scales by 1 + its weight),
+of whole rows or of each head of a row (Q/K norms)."""
 
 from __future__ import annotations
 
@@ -15,10 +17,21 @@ from engine.backends.triton.dependent_launch import (
 
 @triton.jit
 def add_and_normalize(
-    x_row, residual_row, weight_ptr, residual_out_row, cols, mask, hidden_size, eps, HAS_RESIDUAL
+    x_row,
+    residual_row,
+    weight_ptr,
+    residual_out_row,
+    cols,
+    mask,
+    hidden_size,
+    eps,
+    HAS_RESIDUAL,
+    weight_offset=0.0,
+    ROUND_ONCE: tl.constexpr = False,
 ):
     """One row's rms_norm(x + residual) * weight in x's dtype, rounded as Hugging Face's
-    RMSNorm rounds; x + residual written to ``residual_out_row``. (The pointers are the row's.)
+    RMSNorm rounds (ROUND_ONCE: times weight_offset + weight in float32, rounded once at
+    the end); x + residual written to ``residual_out_row``. (The pointers are the row's.)
     The FP8 quantization of a norm's output (``fp8_quantize``) computes it the same way."""
     x = tl.load(x_row + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
@@ -28,6 +41,8 @@ def add_and_normalize(
     x32 = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x32 * x32, 0) / hidden_size + eps)
     weight = tl.load(weight_ptr + cols, mask=mask)
+    if ROUND_ONCE:
+        return (x32 * inv_rms * (weight.to(tl.float32) + weight_offset)).to(x.dtype)
     return (x32 * inv_rms).to(x.dtype) * weight
 
 
@@ -40,21 +55,27 @@ def _add_rms_norm_kernel(
     residual_out_ptr,
     hidden_size,
     eps,
+    weight_offset,
     stride_x,
+    stride_x_head,
     stride_residual,
     stride_out,
+    stride_out_head,
     stride_residual_out,
     HAS_RESIDUAL: tl.constexpr,
+    ROUND_ONCE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Program per row; the whole row stays in registers between the add and the norm."""
+    """Program per (row, head: one where the rows are not cut into heads); the whole row
+    stays in registers between the add and the norm."""
     wait_for_previous_kernel()  # launched dependent (dependent_launch.py)
     let_next_kernel_start()
     row = tl.program_id(0)
+    head = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden_size
     out = add_and_normalize(
-        x_ptr + row * stride_x,
+        x_ptr + row * stride_x + head * stride_x_head,
         residual_ptr + row * stride_residual,
         weight_ptr,
         residual_out_ptr + row * stride_residual_out,
@@ -63,8 +84,10 @@ def _add_rms_norm_kernel(
         hidden_size,
         eps,
         HAS_RESIDUAL,
+        weight_offset,
+        ROUND_ONCE,
     )
-    tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
+    tl.store(out_ptr + row * stride_out + head * stride_out_head + cols, out, mask=mask)
 
 
 def add_rms_norm(
@@ -83,8 +106,13 @@ def add_rms_norm(
     (the first layer) x is normalized and returned as the residual. ``residual_out`` may be
     ``residual`` or ``x`` itself (each row is read whole before it is written).
     """
-    num_rows, hidden_size = x.shape
-    assert weight.shape == (hidden_size,) and weight.dtype == x.dtype and x.stride(1) == 1
+    hidden_size = x.shape[1]
+    assert (
+        x.dim() == 2
+        and weight.shape == (hidden_size,)
+        and weight.dtype == x.dtype
+        and x.stride(1) == 1
+    )
     if out is None:
         out = torch.empty_like(x)
     assert out.shape == x.shape and out.dtype == x.dtype and out.stride(1) == 1
@@ -99,8 +127,40 @@ def add_rms_norm(
             residual_out = torch.empty_like(x)
         assert residual_out.shape == x.shape and residual_out.dtype == x.dtype
         assert residual_out.stride(1) == 1
+    _launch(x, residual, weight, out, residual_out, eps, has_residual)
+    return out, residual_out
+
+
+def rms_norm_round_once(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0
+) -> torch.Tensor:
+    """``rmsnorm(x) * (weight_offset + weight)`` with the product in float32 too, rounded to
+    x's dtype once (``LayerOps.rms_norm_round_once``), in a new tensor: x [T, D] (whole rows)
+    or [T, heads, D] (each head's D, the Q/K norms of a view of the QKV projection's rows);
+    weight [D] in any float dtype."""
+    assert x.dim() in (2, 3) and x.stride(-1) == 1 and weight.shape == (x.shape[-1],)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch(x, x, weight, out, x, eps, False, weight_offset, round_once=True)
+    return out
+
+
+def _launch(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    residual_out: torch.Tensor,
+    eps: float,
+    has_residual: bool,
+    weight_offset: float = 0.0,
+    *,
+    round_once: bool = False,
+) -> None:
+    """The kernel over x's rows, [T, D], or each head of them, [T, heads, D] (no residual)."""
+    heads = x.shape[1] if x.dim() == 3 else 1
+    hidden_size = x.shape[-1]
     block = triton.next_power_of_2(hidden_size)
-    _add_rms_norm_kernel[(num_rows,)](
+    _add_rms_norm_kernel[(x.shape[0], heads)](
         x,
         residual,
         weight,
@@ -108,13 +168,16 @@ def add_rms_norm(
         residual_out,
         hidden_size,
         eps,
+        weight_offset,
         x.stride(0),
+        x.stride(1) if heads > 1 else 0,
         residual.stride(0),
         out.stride(0),
+        out.stride(1) if heads > 1 else 0,
         residual_out.stride(0),
         HAS_RESIDUAL=has_residual,
+        ROUND_ONCE=round_once,
         BLOCK=block,
         num_warps=min(max(block // 256, 1), 16),
         **launch_options(x.device),
     )
-    return out, residual_out
