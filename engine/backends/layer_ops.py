@@ -57,6 +57,17 @@ class LayerOps(Protocol):
         """(rms_norm(x + residual), x + residual); x: [T, hidden]."""
         ...
 
+    def add_rms_norm_round_once(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        weight_offset: float = 0.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm_round_once(x + residual), x + residual); x: [T, hidden]."""
+        ...
+
     def normalize(self, norm: DeferredNorm) -> torch.Tensor:
         """A deferred norm these ops left (only ops that defer norms leave one): its rows
         normalized, and its ``stream`` written (x + residual)."""

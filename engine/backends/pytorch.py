@@ -228,6 +228,17 @@ class TorchLayerOps:
         residual = x + residual
         return self.rms_norm(residual, weight, eps), residual
 
+    def add_rms_norm_round_once(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        weight_offset: float = 0.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = x + residual
+        return self.rms_norm_round_once(residual, weight, eps, weight_offset), residual
+
     def normalize(self, norm: DeferredNorm) -> torch.Tensor:
         if norm.residual is not None:
             torch.add(norm.x, norm.residual, out=norm.stream)

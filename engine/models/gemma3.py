@@ -48,8 +48,7 @@ class Gemma3Config(ModelConfig):
 class UnitOffsetRMSNorm(RoundOnceRMSNorm):
     """Gemma's RMSNorm: scales by (1 + weight), the weight starting at zero, in float32."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.rms_norm_round_once(x, self.weight, self.eps, weight_offset=1.0)
+    weight_offset = 1.0
 
 
 class Gemma3Attention(Attention):

@@ -74,16 +74,22 @@ class RMSNorm(nn.Module):
 
 
 class RoundOnceRMSNorm(RMSNorm):
-    """RMSNorm whose product with the weight is in float32 too, rounded once (OLMo 2's)."""
+    """RMSNorm whose product with the weight is in float32 too, rounded once (OLMo 2's); a
+    subclass may scale by ``weight_offset`` + the weight (Gemma's 1 + weight)."""
+
+    weight_offset = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.rms_norm_round_once(x, self.weight, self.eps)
+        return self.ops.rms_norm_round_once(x, self.weight, self.eps, self.weight_offset)
 
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[LinearInput, torch.Tensor]:
-        stream = x if residual is None else x + residual
-        return self(stream), stream
+        if residual is None:
+            return self(x), x
+        return self.ops.add_rms_norm_round_once(
+            x, residual, self.weight, self.eps, self.weight_offset
+        )
 
 
 def rope_inverse_frequencies(

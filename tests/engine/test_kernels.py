@@ -844,6 +844,21 @@ def test_rms_norm_round_once(heads: int, weight_offset: float) -> None:
     assert_rounding_close(out, expected, units=1.5)
 
 
+@pytest.mark.parametrize("weight_offset", [0.0, 1.0], ids=["olmo2", "gemma"])
+def test_add_rms_norm_round_once(weight_offset: float) -> None:
+    """The residual added first (in the stream's dtype), in place on the stream, then the
+    round-once norm (a Gemma layer's input and pre-MLP norms)."""
+    x, residual, weight = randn(5, 1000), randn(5, 1000), randn(1000) * 0.1
+    stream = x + residual
+    expected = REFERENCE_OPS.rms_norm_round_once(stream.float(), weight, 1e-6, weight_offset)
+    out, got_stream = TritonLayerOps().add_rms_norm_round_once(
+        x, residual, weight, 1e-6, weight_offset
+    )
+    assert got_stream is residual
+    torch.testing.assert_close(got_stream, stream, atol=0, rtol=0)
+    assert_rounding_close(out, expected, units=1.5)
+
+
 def test_silu_and_mul() -> None:
     num_rows, intermediate = 3, 1500  # two column blocks, the second partial
     # Rows of a wider buffer: the kernel follows the row stride.

@@ -211,6 +211,19 @@ class TritonLayerOps(TorchLayerOps):
         # The sum overwrites the residual: nothing else reads the old stream.
         return add_rms_norm(x, residual, weight, eps, residual_out=residual)
 
+    def add_rms_norm_round_once(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        weight_offset: float = 0.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The sum overwrites the residual, as add_rms_norm's.
+        return add_rms_norm(
+            x, residual, weight, eps, residual_out=residual, weight_offset=weight_offset
+        )
+
     def normalize(self, norm: DeferredNorm) -> torch.Tensor:
         residual_out = None if norm.residual is None else norm.stream
         normalized, _ = add_rms_norm(

@@ -98,21 +98,20 @@ def add_rms_norm(
     *,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
+    weight_offset: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``residual = x + residual; out = rmsnorm(residual) * weight``; returns (out, residual).
 
     x, residual: [T, hidden]; weight: [hidden], all one dtype. The norm is computed in
-    float32 and cast back before the weight, as Hugging Face's RMSNorm. Without a residual
-    (the first layer) x is normalized and returned as the residual. ``residual_out`` may be
-    ``residual`` or ``x`` itself (each row is read whole before it is written).
+    float32 and cast back before the weight, as Hugging Face's RMSNorm; or, given a
+    ``weight_offset``, times weight_offset + weight in float32 too, rounded once
+    (``rms_norm_round_once``). Without a residual (the first layer) x is normalized and
+    returned as the residual. ``residual_out`` may be ``residual`` or ``x`` itself (each row
+    is read whole before it is written).
     """
     hidden_size = x.shape[1]
-    assert (
-        x.dim() == 2
-        and weight.shape == (hidden_size,)
-        and weight.dtype == x.dtype
-        and x.stride(1) == 1
-    )
+    assert x.dim() == 2 and weight.shape == (hidden_size,) and x.stride(1) == 1
+    assert weight_offset is not None or weight.dtype == x.dtype
     if out is None:
         out = torch.empty_like(x)
     assert out.shape == x.shape and out.dtype == x.dtype and out.stride(1) == 1
@@ -127,7 +126,11 @@ def add_rms_norm(
             residual_out = torch.empty_like(x)
         assert residual_out.shape == x.shape and residual_out.dtype == x.dtype
         assert residual_out.stride(1) == 1
-    _launch(x, residual, weight, out, residual_out, eps, has_residual)
+    round_once = weight_offset is not None
+    _launch(
+        x, residual, weight, out, residual_out, eps, has_residual, weight_offset or 0.0,
+        round_once=round_once,
+    )  # fmt: skip
     return out, residual_out
 
 
