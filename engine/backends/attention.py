@@ -78,14 +78,16 @@ class Rotary:
     """What the backend applies to the projected q and k before it stores K and attends, in
     one pass where it can: with ``q_norm`` and ``k_norm`` (weights [head_dim]), an RMSNorm
     over each head, as Llama's RMSNorm rounds (normalized in float32, rounded to the
-    model's dtype, times the weight); then rotate-half RoPE by the rows of the float32
-    [max_positions, head_dim] tables at the tokens' positions."""
+    model's dtype, times the weight), or, given ``norm_offset``, as Gemma's (times
+    norm_offset + the weight in float32, rounded once); then rotate-half RoPE by the rows of
+    the float32 [max_positions, head_dim] tables at the tokens' positions."""
 
     cos: torch.Tensor
     sin: torch.Tensor
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     eps: float = 0.0
+    norm_offset: float | None = None
 
     def __post_init__(self) -> None:
         assert (self.q_norm is None) == (self.k_norm is None)

@@ -66,8 +66,12 @@ def apply_rotary(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q and k normalized per head (if ``rotary`` has norms) and rotated, as new tensors."""
     if rotary.q_norm is not None and rotary.k_norm is not None:
-        q = rms_norm(q, rotary.q_norm, rotary.eps)
-        k = rms_norm(k, rotary.k_norm, rotary.eps)
+        if rotary.norm_offset is None:
+            q = rms_norm(q, rotary.q_norm, rotary.eps)
+            k = rms_norm(k, rotary.k_norm, rotary.eps)
+        else:
+            q = rms_norm_round_once(q, rotary.q_norm, rotary.eps, rotary.norm_offset)
+            k = rms_norm_round_once(k, rotary.k_norm, rotary.eps, rotary.norm_offset)
     return rope(q, k, positions, rotary.cos, rotary.sin)
 
 
@@ -200,6 +204,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * _normalized(x, eps).to(x.dtype)
 
 
+def rms_norm_round_once(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0
+) -> torch.Tensor:
+    return (_normalized(x, eps) * (weight.float() + weight_offset)).to(x.dtype)
+
+
 def quantize_per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations ``x`` [T, K] as float8 e4m3 with one float32 scale per token [T, 1]."""
     scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=MIN_SCALE) / FP8_MAX
@@ -220,7 +230,7 @@ class TorchLayerOps:
     def rms_norm_round_once(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0
     ) -> torch.Tensor:
-        return (_normalized(x, eps) * (weight.float() + weight_offset)).to(x.dtype)
+        return rms_norm_round_once(x, weight, eps, weight_offset)
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float

@@ -27,7 +27,7 @@ from engine.distributed.parallel import TensorParallel
 from engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from engine.models.causal_lm import CausalLM
 from engine.models.family import GGUF_PROJECTIONS, GGUF_QK_NORMS, GGUFLayout, ModelFamily
-from engine.models.layers import MLP, Attention, RotaryEmbedding, RoundOnceRMSNorm
+from engine.models.layers import MLP, QKNormAttention, RotaryEmbedding, RoundOnceRMSNorm
 
 # transformers' defaults where a config leaves them out: every 6th layer attends globally; RoPE
 # bases of the global and the sliding layers.
@@ -51,9 +51,11 @@ class UnitOffsetRMSNorm(RoundOnceRMSNorm):
     weight_offset = 1.0
 
 
-class Gemma3Attention(Attention):
-    """Per-head Q/K norms of Gemma's own kind (1 + weight, rounded once), applied before the
-    backend's RoPE; the scale is query_pre_attn_scalar ** -0.5."""
+class Gemma3Attention(QKNormAttention):
+    """Per-head Q/K norms of Gemma's own kind (1 + weight, rounded once), which the backend
+    applies with RoPE; the scale is query_pre_attn_scalar ** -0.5."""
+
+    head_norm_class = UnitOffsetRMSNorm
 
     def __init__(
         self,
@@ -65,13 +67,7 @@ class Gemma3Attention(Attention):
         sliding_window: int | None,
     ) -> None:
         super().__init__(config, backend, ops, tp, rotary, sliding_window)
-        self.q_norm = UnitOffsetRMSNorm(self.head_dim, config.rms_norm_eps, ops)
-        self.k_norm = UnitOffsetRMSNorm(self.head_dim, config.rms_norm_eps, ops)
         self.scale = config.query_pre_attn_scalar**-0.5
-
-    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = super().project_qkv(x)
-        return self.q_norm(q), self.k_norm(k), v
 
 
 class Gemma3DecoderLayer(nn.Module):

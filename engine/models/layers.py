@@ -274,8 +274,10 @@ class Attention(nn.Module):
 
 class QKNormAttention(Attention):
     """An RMSNorm over each head of Q and K (weights of size head_dim), before RoPE, as the
-    checkpoints were trained (Qwen3). The backend applies them, with RoPE and the cache
-    write in one pass (``Rotary``)."""
+    checkpoints were trained (Qwen3; ``head_norm_class``, Gemma's rounds once). The backend
+    applies them, with RoPE and the cache write in one pass (``Rotary``)."""
+
+    head_norm_class: type[RMSNorm] = RMSNorm
 
     def __init__(
         self,
@@ -287,13 +289,15 @@ class QKNormAttention(Attention):
         sliding_window: int | None,
     ) -> None:
         super().__init__(config, backend, ops, tp, rotary, sliding_window)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
+        self.q_norm = self.head_norm_class(self.head_dim, config.rms_norm_eps, ops)
+        self.k_norm = self.head_norm_class(self.head_dim, config.rms_norm_eps, ops)
 
     def rotary(self) -> Rotary:
         rotary = super().rotary()
         rotary.q_norm, rotary.k_norm = self.q_norm.weight, self.k_norm.weight
         rotary.eps = self.q_norm.eps
+        if isinstance(self.q_norm, RoundOnceRMSNorm):
+            rotary.norm_offset = self.q_norm.weight_offset
         return rotary
 
 

@@ -552,22 +552,34 @@ def test_rotary_store_into_an_fp8_cache() -> None:
     torch.testing.assert_close(value_cache.flatten(0, 1)[slot_mapping].float(), expected_v)
 
 
-def make_rotary(head_dim: int, norms: bool, max_positions: int = 512) -> Rotary:
+def make_rotary(
+    head_dim: int, norms: bool, max_positions: int = 512, norm_offset: float | None = None
+) -> Rotary:
     """RoPE tables as the model builds them and, with ``norms``, random per-head norm
-    weights (in DTYPE), so that a kernel ignoring them shows."""
+    weights (in DTYPE), so that a kernel ignoring them shows; with ``norm_offset``, Gemma's
+    (weights about 0, scaling by norm_offset + weight)."""
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     angles = torch.outer(torch.arange(max_positions).float(), inv_freq).repeat(1, 2).to(DEVICE)
     if not norms:
         return Rotary(angles.cos(), angles.sin())
-    weights = (1 + 0.5 * torch.randn(2, head_dim, device=DEVICE)).to(DTYPE)
-    return Rotary(angles.cos(), angles.sin(), weights[0], weights[1], eps=1e-6)
+    weights = ((norm_offset is None) + 0.5 * torch.randn(2, head_dim, device=DEVICE)).to(DTYPE)
+    return Rotary(
+        angles.cos(), angles.sin(), weights[0], weights[1], eps=1e-6, norm_offset=norm_offset
+    )
 
 
 def float32_rotary(rotary: Rotary) -> Rotary:
     """The same Rotary for a float32 reference."""
     if rotary.q_norm is None or rotary.k_norm is None:
         return rotary
-    return Rotary(rotary.cos, rotary.sin, rotary.q_norm.float(), rotary.k_norm.float(), rotary.eps)
+    return Rotary(
+        rotary.cos,
+        rotary.sin,
+        rotary.q_norm.float(),
+        rotary.k_norm.float(),
+        rotary.eps,
+        rotary.norm_offset,
+    )
 
 
 # The per-head norm rounds twice before RoPE rounds (as Llama's RMSNorm does, on purpose):
@@ -764,14 +776,22 @@ def test_store_kv_without_rotary() -> None:
 
 
 @pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "head_dim", "norms"),
-    [(4, 2, 64, False), (4, 2, 64, True), (6, 2, 80, True), (16, 8, 128, True)],
+    ("num_heads", "num_kv_heads", "head_dim", "norms", "norm_offset"),
+    [
+        (4, 2, 64, False, None),
+        (4, 2, 64, True, None),
+        (6, 2, 80, True, None),
+        (16, 8, 128, True, None),
+        (4, 1, 64, True, 1.0),  # Gemma's
+    ],
 )
-def test_rotary_store(num_heads: int, num_kv_heads: int, head_dim: int, norms: bool) -> None:
+def test_rotary_store(
+    num_heads: int, num_kv_heads: int, head_dim: int, norms: bool, norm_offset: float | None
+) -> None:
     """Q/K norms, RoPE and the cache write in one kernel, against the torch backend's norms
     and RoPE in float32 and its cache write."""
     num_tokens, num_blocks, max_positions = 9, 2, 50
-    rotary = make_rotary(head_dim, norms, max_positions)
+    rotary = make_rotary(head_dim, norms, max_positions, norm_offset)
     positions = torch.randint(0, max_positions, (num_tokens,), device=DEVICE)
     # q rotated in place inside the fused QKV output; k and v must not move.
     qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)

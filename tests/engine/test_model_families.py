@@ -187,7 +187,7 @@ def test_greedy_generation_matches_transformers(family: tuple[Path, PreTrainedMo
 
 
 # The Triton kernels (in Triton's CPU interpreter) where the families differ around
-# attention: Qwen3's Q/K norms fused with RoPE and the cache write, Gemma's and OLMo's not.
+# attention: Qwen3's and Gemma's Q/K norms fused with RoPE and the cache write, OLMo's not.
 TRITON_CASES = [
     pytest.param(
         name,

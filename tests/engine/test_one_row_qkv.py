@@ -63,7 +63,11 @@ def unfused(
         (2, 1, 32, "deferred norm", False, None, -1),  # a CUDA graph's padding row
     ],
 )
-@pytest.mark.parametrize("head_norms", [False, True], ids=["rope", "qk-norm"])
+@pytest.mark.parametrize(
+    ("head_norms", "norm_offset"),
+    [(False, None), (True, None), (True, 1.0)],
+    ids=["rope", "qk-norm", "gemma-qk-norm"],
+)
 def test_one_row_qkv_rotary_store(
     num_heads: int,
     num_kv_heads: int,
@@ -73,10 +77,11 @@ def test_one_row_qkv_rotary_store(
     cache_dtype: torch.dtype | None,
     slot: int,
     head_norms: bool,
+    norm_offset: float | None,
 ) -> None:
-    """With ``head_norms`` (Qwen3's per-head Q/K RMSNorms), each head's last program to store
-    its channels norms the whole head; the counts it keeps are zero again after a launch, for
-    the next (the kernel runs twice)."""
+    """With ``head_norms`` (Qwen3's per-head Q/K RMSNorms; Gemma's with ``norm_offset``),
+    each head's last program to store its channels norms the whole head; the counts it
+    keeps are zero again after a launch, for the next (the kernel runs twice)."""
     depth, num_blocks, max_positions = 100, 2, 50  # K off every chunk: the last is partial
     channels = (num_heads + 2 * num_kv_heads) * head_dim
     x = randn(1, depth)
@@ -93,7 +98,7 @@ def test_one_row_qkv_rotary_store(
         twin = DeferredNorm(x, residual, norm_weight, 1e-5, ops)  # the unfused kernels' own
         streams = [row.stream, twin.stream]
     bias_t = randn(channels) if bias else None
-    rotary = make_rotary(head_dim, norms=head_norms, max_positions=max_positions)
+    rotary = make_rotary(head_dim, head_norms, max_positions, norm_offset)
     positions = torch.tensor([37], device=DEVICE)
     slot_mapping = torch.tensor([slot], device=DEVICE)
     shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)

@@ -16,18 +16,18 @@ sums, two loads one after the other made each program's tail about as long as th
 kernel it replaced. ``scripts/profile_step.py --model DIR --batch 1 --rounds 3`` times the
 batch-1 step (run on two trees to compare them).
 
-Per-head Q/K norms (Qwen3's, ``Rotary.q_norm``) need a whole head's sums, across programs
-(a head of 128 is 32 of them at 4 channels a program; a program a head would leave most SMs
-idle). So each q or k program stores its rounded sums to ``head_values`` and counts itself done on
-its head's counter (``head_counts_ptr``, ``zeroed_counters``; the stores first, then a
-barrier, then the count's release); the program that finds itself its head's last reads the
-whole head back from L2 (after the count's acquire), normalizes, rotates and stores it as
-``rotary_store_kv`` does (the same ``norm_and_rotate``), and sets the counter back to zero
-for the next layer. Only the counts are atomic: the values, and so the result, do not depend
-on which program came last. v's programs store as before.
+Per-head Q/K norms (Qwen3's and Gemma 3's, ``Rotary.q_norm``) need a whole head's sums,
+across programs (a head of 128 is 32 of them at 4 channels a program; a program a head would
+leave most SMs idle). So each q or k program stores its rounded sums to ``head_values`` and
+counts itself done on its head's counter (``head_counts_ptr``, ``zeroed_counters``; the
+stores first, then a barrier, then the count's release); the program that finds itself its
+head's last reads the whole head back from L2 (after the count's acquire), normalizes,
+rotates and stores it as ``rotary_store_kv`` does (the same ``norm_and_rotate``), and sets
+the counter back to zero for the next layer. Only the counts are atomic: the values, and so
+the result, do not depend on which program came last. v's programs store as before.
 
 Only for what needs nothing else between the projection and RoPE: no family's own step
-between them (Gemma 3's, OLMo 2's); the caller asks
+between them (OLMo 2's norm over all heads); the caller asks
 (``TritonPagedAttention.project_and_attend``).
 """
 
@@ -164,6 +164,7 @@ def _one_row_qkv_kernel(
     stride_weight,
     eps,
     head_norm_eps,
+    head_norm_offset,
     num_heads,
     num_kv_heads,
     stride_cache_slot,
@@ -172,6 +173,7 @@ def _one_row_qkv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     HEAD_NORM: tl.constexpr,
+    HEAD_NORM_ROUND_ONCE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     GATED: tl.constexpr,
@@ -254,6 +256,8 @@ def _one_row_qkv_kernel(
                 mask,
                 HALF,
                 True,
+                head_norm_offset,
+                HEAD_NORM_ROUND_ONCE,
             )
             _store_head_values(
                 tl.reshape(first, (BLOCK_HALF,)),
@@ -376,6 +380,7 @@ def one_row_qkv_rotary_store(
         weight.stride(0),
         operands.eps,
         rotary.eps,
+        rotary.norm_offset or 0.0,
         num_heads,
         num_kv_heads,
         key_cache.stride(1),
@@ -384,6 +389,7 @@ def one_row_qkv_rotary_store(
         HEAD_DIM=head_dim,
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         HEAD_NORM=head_norm,
+        HEAD_NORM_ROUND_ONCE=rotary.norm_offset is not None,
         HAS_BIAS=bias is not None,
         **operands.flags,
         BLOCK_N=2 * pairs,

@@ -30,18 +30,28 @@ def norm_and_rotate(
     dim_mask,
     HALF: tl.constexpr,
     NORM: tl.constexpr,
+    norm_offset=0.0,
+    ROUND_ONCE: tl.constexpr = False,
 ):
     """The float32 halves [heads, HALF] of each head, normalized (if NORM) as Llama's
     RMSNorm rounds (in float32, rounded to the weight's dtype, the model's, times the
-    weight), then rotated: x * cos + rotate_half(x) * sin, where rotate_half([a, b]) =
+    weight; ROUND_ONCE: as Gemma's, times norm_offset + the weight in float32, then
+    rounded), then rotated: x * cos + rotate_half(x) * sin, where rotate_half([a, b]) =
     [-b, a]. In float32; the caller rounds once."""
     if NORM:
         square_sum = tl.sum(first * first, 1) + tl.sum(second * second, 1)
         inv_rms = tl.rsqrt(square_sum / (2 * HALF) + eps)[:, None]
         weight_first = tl.load(norm_ptr + dims, mask=dim_mask, other=0.0)[None, :]
         weight_second = tl.load(norm_ptr + HALF + dims, mask=dim_mask, other=0.0)[None, :]
-        first = ((first * inv_rms).to(weight_first.dtype) * weight_first).to(tl.float32)
-        second = ((second * inv_rms).to(weight_second.dtype) * weight_second).to(tl.float32)
+        dtype = weight_first.dtype
+        if ROUND_ONCE:
+            first = (first * inv_rms * (weight_first.to(tl.float32) + norm_offset)).to(dtype)
+            second = (second * inv_rms * (weight_second.to(tl.float32) + norm_offset)).to(dtype)
+        else:
+            first = (first * inv_rms).to(dtype) * weight_first
+            second = (second * inv_rms).to(dtype) * weight_second
+        first = first.to(tl.float32)
+        second = second.to(tl.float32)
     new_first = first * cos_first - second * sin_first
     new_second = second * cos_second + first * sin_second
     return new_first, new_second
@@ -63,6 +73,7 @@ def _rotary_store_kernel(
     q_norm_ptr,
     k_norm_ptr,
     eps,
+    norm_offset,
     num_heads,
     num_kv_heads,
     stride_q_token,
@@ -80,6 +91,7 @@ def _rotary_store_kernel(
     BLOCK_HALF: tl.constexpr,
     ROTATE: tl.constexpr,
     NORM: tl.constexpr,
+    NORM_ROUND_ONCE: tl.constexpr,
 ):
     """Program per token: Q's heads rotated in place, then K's rotated and K and V stored
     at the token's slot (none for a negative slot: a CUDA graph's padding row)."""
@@ -117,6 +129,8 @@ def _rotary_store_kernel(
             dim_mask,
             HALF,
             NORM,
+            norm_offset,
+            NORM_ROUND_ONCE,
         )
         tl.store(q_first_ptr, q_first.to(dtype), mask=mask)
         tl.store(q_first_ptr + HALF, q_second.to(dtype), mask=mask)
@@ -144,6 +158,8 @@ def _rotary_store_kernel(
             dim_mask,
             HALF,
             NORM,
+            norm_offset,
+            NORM_ROUND_ONCE,
         )
     # K rounded to the model's dtype, as the reference rounds it, then to the cache's.
     cache_dtype = key_cache_ptr.dtype.element_ty
@@ -189,6 +205,7 @@ def rotary_store_kv(
         cos = sin = q_norm = k_norm = key_cache  # unread: the kernel is built without them
         positions = slot_mapping
         eps = 0.0
+        norm_offset = None
     else:
         assert positions is not None and positions.shape == (num_tokens,)
         cos, sin = rotary.cos, rotary.sin
@@ -200,6 +217,7 @@ def rotary_store_kv(
         if rotary.q_norm is not None:
             assert q_norm.shape == k_norm.shape == (head_dim,) and q_norm.dtype == q.dtype
         eps = rotary.eps
+        norm_offset = rotary.norm_offset
     _rotary_store_kernel[(num_tokens,)](
         q,
         k,
@@ -213,6 +231,7 @@ def rotary_store_kv(
         q_norm,
         k_norm,
         eps,
+        norm_offset or 0.0,
         num_heads,
         num_kv_heads,
         q.stride(0),
@@ -230,5 +249,6 @@ def rotary_store_kv(
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         ROTATE=rotary is not None,
         NORM=rotary is not None and rotary.q_norm is not None,
+        NORM_ROUND_ONCE=norm_offset is not None,
         **launch_options(q.device),
     )
