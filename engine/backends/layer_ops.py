@@ -77,6 +77,10 @@ class LayerOps(Protocol):
         """silu(gate) * up of gate_up [T, 2 * I], gate half first."""
         ...
 
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu(gate, approximate="tanh") * up of gate_up [T, 2 * I], gate half first."""
+        ...
+
     def linear(
         self, x: LinearInput, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:

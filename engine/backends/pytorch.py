@@ -258,6 +258,10 @@ class TorchLayerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
     def linear(
         self, x: LinearInput, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:

@@ -10,11 +10,8 @@ fused into one matrix each.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.backends.attention import AttentionBackend, AttentionMetadata, LayerKVCache, Rotary
@@ -31,10 +28,9 @@ from engine.models.parallel_layers import (
 from engine.models.yarn import yarn_attention_factor, yarn_inverse_frequencies
 from engine.quantization.linear_methods import LinearMethod, linear_method
 
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
-}
+# The gated MLP's activations: SiLU, left to the down projection, which may fold it into its
+# product (``gated``), and the tanh-approximated GELU (Gemma's, ``LayerOps.gelu_tanh_and_mul``).
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 class RMSNorm(nn.Module):
@@ -311,7 +307,8 @@ class MLP(nn.Module):
             raise ValueError(
                 f"activation {config.hidden_act!r} is not supported, only {', '.join(ACTIVATIONS)}"
             )
-        self.act = ACTIVATIONS[config.hidden_act]
+        self.silu = config.hidden_act == "silu"
+        self.ops = ops
         start, length = tp.split(config.intermediate_size, "intermediate_size")
         rows = Rows(start, length, config.intermediate_size)
         method = linear_method(config.quantization, ops)
@@ -333,10 +330,9 @@ class MLP(nn.Module):
         """The MLP's output as it joins the residual ``stream``, and what is left of the
         stream to add (``RowParallelLinear.into_stream``)."""
         gate_up = self.gate_up_proj(x)
-        if self.act is F.silu:
+        if self.silu:
             return self.down_proj.into_stream(gate_up, stream, gated=True)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj.into_stream(self.act(gate) * up, stream)
+        return self.down_proj.into_stream(self.ops.gelu_tanh_and_mul(gate_up), stream)
 
 
 class DecoderLayer(nn.Module):

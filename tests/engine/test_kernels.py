@@ -888,6 +888,14 @@ def test_silu_and_mul() -> None:
     assert_rounding_close(out, REFERENCE_OPS.silu_and_mul(x.float()))
 
 
+def test_gelu_tanh_and_mul() -> None:
+    """Gemma's gated activation, in float32 and rounded once, against PyTorch's GELU."""
+    x = randn(3, 2 * 1500 + 8)[:, : 2 * 1500]  # two column blocks; rows of a wider buffer
+    out = TritonLayerOps().gelu_tanh_and_mul(x)
+    assert out.shape == (3, 1500) and out.dtype == x.dtype
+    assert_rounding_close(out, REFERENCE_OPS.gelu_tanh_and_mul(x.float()))
+
+
 @pytest.mark.parametrize("gated", [False, True])
 def test_one_row_matmul(gated: bool) -> None:
     # Sizes off every tile: the last block of channels and the last chunk of K are partial.

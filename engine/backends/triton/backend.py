@@ -51,6 +51,7 @@ from engine.backends.triton import (
     rotary_store_kv,
     silu_and_mul,
 )
+from engine.backends.triton.activation import gelu_tanh_and_mul
 from engine.backends.triton.argmax import argmax_rows
 from engine.backends.triton.fp8_matmul import fp8_matmul
 from engine.backends.triton.fp8_quantize import quantize_rows_fp8
@@ -233,6 +234,11 @@ class TritonLayerOps(TorchLayerOps):
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(gate_up)
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.stride(-1) != 1:
+            return super().gelu_tanh_and_mul(gate_up)
+        return gelu_tanh_and_mul(gate_up)
 
     def linear(
         self, x: LinearInput, weight: torch.Tensor, bias: torch.Tensor | None = None

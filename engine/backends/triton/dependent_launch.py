@@ -24,8 +24,9 @@ complete. The MoE decode path's down kernel reads the routing so (``moe_decode``
 its gate/up kernel. Kernels launched without it (PyTorch's,
 cuBLAS') start after their predecessor finishes, as always; calling
 ``let_next_kernel_start`` is harmless anywhere. The decode step's other kernels (RMSNorm,
-the Q/K rotary and K/V store, the fp8 decode kernel's split merge, the argmax, and those
-that fill a step's inputs between graphs) all wait and let go first thing.
+the gated activations, the Q/K rotary and K/V store, the fp8 decode kernel's split merge,
+the argmax, and those that fill a step's inputs between graphs) all wait and let go first
+thing.
 
 The interpreter (the CPU tests) and GPUs before Hopper launch as usual, and both calls do
 nothing there. ``TANDEM_PDL=0`` launches every kernel plainly, to measure what this gains:
