@@ -38,6 +38,7 @@
 #   BASE="dir ..." scripts/gpu_session.sh latency-ab  # batch-1 TPOT against base trees (SHAPES, LATENCY_FLAGS)
 #   scripts/gpu_session.sh mixed-8b  # the 8B's steps that admit prompts: split, one pass, decodes
 #   scripts/gpu_session.sh ablate  # what each part costs a batch-1 step (attention, routing, experts)
+#   BASE=dir scripts/gpu_session.sh gemma  # Gemma 3's fused norms and gate: GPU parity, TPOT against BASE
 #
 # moe (issue 39, about 8 minutes): tests/gpu/test_moe_cuda.py (small Qwen3-MoE and Mixtral
 # against transformers in float32, torch and triton backends; fp8 experts), then at the
@@ -853,6 +854,25 @@ PY
               python3 scripts/bench_latency.py --model "$m" --load-format dummy --runs 2 2>&1 \
               | tee "$out/moe-ab-$shape-$name-$round.log" | grep -E "^tandem, median")"
           done
+        done
+      done ;;
+    gemma)  # Gemma 3 1B's decode (about 6 minutes): its round-once norms, Q/K norms and GELU gate
+      # in Triton kernels (s49, untimed there). Their kernels' and the engine's GPU tests
+      # first (the float32 decode against transformers, the warm-up's compiles), then batch-1
+      # TPOT and TTFT at the gemma3-1b shape against BASE (--load-format dummy, 2 runs), the
+      # trees alternated ROUNDS times (default 2)
+      base=${BASE:?set BASE to the other tree}
+      timeout 240 python3 -m pytest -q -rfEs -p no:cacheprovider tests/gpu/test_decode_parity.py \
+        tests/gpu/test_cuda_engine.py -k gemma3 2>&1 | tee "$out/gemma-tests.log" | tail -3
+      timeout 120 python3 -m pytest -q -rfEs -p no:cacheprovider tests/engine/test_kernels.py \
+        tests/engine/test_one_row_qkv.py -k "round_once or rotary or gelu" 2>&1 | tail -2
+      m=$(config_only gemma3-1b)
+      for round in $(seq "${ROUNDS:-2}"); do
+        for tree in "$base" .; do
+          name=head; [ "$tree" = . ] || name=base
+          echo "gemma3-1b $name round $round: $(cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 90 \
+            python3 scripts/bench_latency.py --model "$m" --load-format dummy --runs 2 2>&1 \
+            | tee "$out/gemma-$name-$round.log" | grep -E "^tandem, (median|range)" | tr '\n' ' ')"
         done
       done ;;
     latency-ab)  # issues 37/39 (about 8 minutes): batch-1 TPOT against base trees (BASE: one
