@@ -49,24 +49,40 @@ def unfused(
     return q
 
 
+SHAPES = [
+    (2, 1, 64, "deferred norm", False, None, 21),
+    (4, 2, 32, "row", True, None, 3),
+    (6, 2, 32, "deferred norm, no residual", True, FP8, 30),
+    (4, 4, 16, "fp8 weight", False, None, 17),
+    # Half a head (3) not a multiple of the rule's channel pairs: fewer channels a program
+    # than the unfused kernel's, which on CUDA may sum in another layout.
+    (3, 1, 6, "row", False, None, 5),
+    (4, 2, 32, "fp8 weight", True, FP8, 0),
+    (2, 1, 32, "deferred norm", False, None, -1),  # a CUDA graph's padding row
+]
+# RoPE alone and Qwen3's Q/K norms at every shape; Gemma's (rounded once, 1 + weight), which
+# differ only in the head's last program, at two.
+NORMS = [("rope", False, None), ("qk-norm", True, None)]
+CASES = [
+    pytest.param(*shape, head_norms, offset, id=f"{name}-{index}")
+    for name, head_norms, offset in NORMS
+    for index, shape in enumerate(SHAPES)
+] + [pytest.param(*SHAPES[index], True, 1.0, id=f"gemma-qk-norm-{index}") for index in (0, 2)]
+
+
 @pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "head_dim", "input_kind", "bias", "cache_dtype", "slot"),
-    [
-        (2, 1, 64, "deferred norm", False, None, 21),
-        (4, 2, 32, "row", True, None, 3),
-        (6, 2, 32, "deferred norm, no residual", True, FP8, 30),
-        (4, 4, 16, "fp8 weight", False, None, 17),
-        # Half a head (3) not a multiple of the rule's channel pairs: fewer channels a program
-        # than the unfused kernel's, which on CUDA may sum in another layout.
-        (3, 1, 6, "row", False, None, 5),
-        (4, 2, 32, "fp8 weight", True, FP8, 0),
-        (2, 1, 32, "deferred norm", False, None, -1),  # a CUDA graph's padding row
-    ],
-)
-@pytest.mark.parametrize(
-    ("head_norms", "norm_offset"),
-    [(False, None), (True, None), (True, 1.0)],
-    ids=["rope", "qk-norm", "gemma-qk-norm"],
+    (
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "input_kind",
+        "bias",
+        "cache_dtype",
+        "slot",
+        "head_norms",
+        "norm_offset",
+    ),
+    CASES,
 )
 def test_one_row_qkv_rotary_store(
     num_heads: int,
