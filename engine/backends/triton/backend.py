@@ -236,8 +236,6 @@ class TritonLayerOps(TorchLayerOps):
         return silu_and_mul(gate_up)
 
     def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if gate_up.stride(-1) != 1:
-            return super().gelu_tanh_and_mul(gate_up)
         return gelu_tanh_and_mul(gate_up)
 
     def linear(

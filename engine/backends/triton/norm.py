@@ -126,11 +126,7 @@ def add_rms_norm(
             residual_out = torch.empty_like(x)
         assert residual_out.shape == x.shape and residual_out.dtype == x.dtype
         assert residual_out.stride(1) == 1
-    round_once = weight_offset is not None
-    _launch(
-        x, residual, weight, out, residual_out, eps, has_residual, weight_offset or 0.0,
-        round_once=round_once,
-    )  # fmt: skip
+    _launch(x, residual, weight, out, residual_out, eps, has_residual, weight_offset)
     return out, residual_out
 
 
@@ -143,7 +139,7 @@ def rms_norm_round_once(
     weight [D] in any float dtype."""
     assert x.dim() in (2, 3) and x.stride(-1) == 1 and weight.shape == (x.shape[-1],)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch(x, x, weight, out, x, eps, False, weight_offset, round_once=True)
+    _launch(x, x, weight, out, x, eps, False, weight_offset)
     return out
 
 
@@ -155,11 +151,10 @@ def _launch(
     residual_out: torch.Tensor,
     eps: float,
     has_residual: bool,
-    weight_offset: float = 0.0,
-    *,
-    round_once: bool = False,
+    weight_offset: float | None = None,
 ) -> None:
-    """The kernel over x's rows, [T, D], or each head of them, [T, heads, D] (no residual)."""
+    """The kernel over x's rows, [T, D], or each head of them, [T, heads, D] (no residual);
+    rounded once, times weight_offset + weight, where there is an offset."""
     heads = x.shape[1] if x.dim() == 3 else 1
     hidden_size = x.shape[-1]
     block = triton.next_power_of_2(hidden_size)
@@ -171,7 +166,7 @@ def _launch(
         residual_out,
         hidden_size,
         eps,
-        weight_offset,
+        weight_offset or 0.0,
         x.stride(0),
         x.stride(1) if heads > 1 else 0,
         residual.stride(0),
@@ -179,7 +174,7 @@ def _launch(
         out.stride(1) if heads > 1 else 0,
         residual_out.stride(0),
         HAS_RESIDUAL=has_residual,
-        ROUND_ONCE=round_once,
+        ROUND_ONCE=weight_offset is not None,
         BLOCK=block,
         num_warps=min(max(block // 256, 1), 16),
         **launch_options(x.device),
