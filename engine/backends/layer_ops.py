@@ -64,8 +64,12 @@ class LayerOps(Protocol):
         weight: torch.Tensor,
         eps: float,
         weight_offset: float = 0.0,
+        output_norm_weight: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rms_norm_round_once(x + residual), x + residual); x: [T, hidden]."""
+        """(rms_norm_round_once(x + residual), x + residual); x: [T, hidden]. Given
+        ``output_norm_weight``, x is rms_norm_round_once(x, output_norm_weight) first (the
+        same eps and offset): a sandwich layer's norm of its sublayer's output, the add and
+        the next norm, as one step."""
         ...
 
     def normalize(self, norm: DeferredNorm) -> torch.Tensor:

@@ -245,7 +245,10 @@ class TorchLayerOps:
         weight: torch.Tensor,
         eps: float,
         weight_offset: float = 0.0,
+        output_norm_weight: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if output_norm_weight is not None:
+            x = self.rms_norm_round_once(x, output_norm_weight, eps, weight_offset)
         residual = x + residual
         return self.rms_norm_round_once(residual, weight, eps, weight_offset), residual
 

@@ -155,7 +155,7 @@ class CausalLM(nn.Module):
             # (One token whose logits are wanted, a batch-1 step's: it is the row already.)
             x = x[logits_index]
             residual = None if residual is None else residual[logits_index]
-        hidden, _ = self.norm.add_and_norm(x, residual)
+        hidden, _ = self.final_norm(x, residual)
         return self.compute_logits(hidden)
 
     def run_layers(
@@ -175,7 +175,14 @@ class CausalLM(nn.Module):
         """Every packed token's last hidden state: the final norm's output, as transformers'
         ``last_hidden_state`` (what embeddings pool, engine/execution/pooling.py)."""
         x, residual = self.run_layers(input_ids, metadata)
-        return dense(self.norm.add_and_norm(x, residual)[0])
+        return dense(self.final_norm(x, residual)[0])
+
+    def final_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[LinearInput, torch.Tensor]:
+        """The last layer's output added to the stream and normalized (``run_layers``'
+        results), and the stream."""
+        return self.norm.add_and_norm(x, residual)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

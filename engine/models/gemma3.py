@@ -76,7 +76,11 @@ class Gemma3DecoderLayer(nn.Module):
 
     The checkpoints call the norm before the MLP ``pre_feedforward_layernorm`` and use
     Llama's name ``post_attention_layernorm`` for the norm of the attention output.
-    """
+
+    A sublayer's output norm, its add to the stream and the next norm are one step
+    (``RoundOnceRMSNorm.add_normed_and_norm``). So the layer returns its MLP's output before
+    ``post_feedforward_layernorm``, which the next layer's first norm applies (it takes the
+    layer before's, ``output_norm``), or the model's after the last layer."""
 
     def __init__(
         self, config: ModelConfig, self_attn: Gemma3Attention, ops: LayerOps, tp: TensorParallel
@@ -91,12 +95,21 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = UnitOffsetRMSNorm(size, eps, ops)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, metadata: AttentionMetadata
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        metadata: AttentionMetadata,
+        output_norm: UnitOffsetRMSNorm | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h = self.post_attention_layernorm(self.self_attn(h, metadata))
-        h, residual = self.pre_feedforward_layernorm.add_and_norm(h, residual)
-        return self.post_feedforward_layernorm(self.mlp(h)), residual
+        """The MLP's output, not yet normalized, and the stream; x is the layer before's,
+        to be normalized by its ``output_norm`` (None: x is the embedding)."""
+        h, residual = self.input_layernorm.add_normed_and_norm(x, output_norm, residual)
+        attention = self.self_attn(h, metadata)
+        norm_after = self.post_attention_layernorm
+        h, residual = self.pre_feedforward_layernorm.add_normed_and_norm(
+            attention, norm_after, residual
+        )
+        return self.mlp(h), residual
 
 
 class Gemma3ForCausalLM(CausalLM):
@@ -116,6 +129,25 @@ class Gemma3ForCausalLM(CausalLM):
         super().__init__(config, backend, ops, tp, max_positions, device)
         self.embed_scale = config.hidden_size**0.5
         self.final_logit_softcapping = config.final_logit_softcapping
+
+    def run_layers(
+        self, input_ids: torch.Tensor, metadata: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # Each layer applies the one before's output norm (Gemma3DecoderLayer); the last's
+        # is final_norm's.
+        x = self.embed(input_ids)
+        residual = None
+        output_norm = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, metadata, output_norm)
+            output_norm = layer.post_feedforward_layernorm
+        return x, residual
+
+    def final_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[LinearInput, torch.Tensor]:
+        last_output_norm = self.layers[-1].post_feedforward_layernorm
+        return self.norm.add_normed_and_norm(x, last_output_norm, residual)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)

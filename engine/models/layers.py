@@ -81,10 +81,23 @@ class RoundOnceRMSNorm(RMSNorm):
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[LinearInput, torch.Tensor]:
+        return self.add_normed_and_norm(x, None, residual)
+
+    def add_normed_and_norm(
+        self, x: torch.Tensor, output_norm: RoundOnceRMSNorm | None, residual: torch.Tensor | None
+    ) -> tuple[LinearInput, torch.Tensor]:
+        """``add_and_norm`` of a sublayer's output ``x`` normalized by its own norm first
+        (``output_norm``, of this norm's kind; None: x as it is): a sandwich layer's norm
+        after its sublayer, the add and the next norm in one pass where the ops fuse them."""
         if residual is None:
-            return self(x), x
+            stream = x if output_norm is None else output_norm(x)
+            return self(stream), stream
+        output_weight = None
+        if output_norm is not None:
+            assert (output_norm.eps, output_norm.weight_offset) == (self.eps, self.weight_offset)
+            output_weight = output_norm.weight
         return self.ops.add_rms_norm_round_once(
-            x, residual, self.weight, self.eps, self.weight_offset
+            x, residual, self.weight, self.eps, self.weight_offset, output_weight
         )
 
 

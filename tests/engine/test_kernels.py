@@ -879,6 +879,21 @@ def test_add_rms_norm_round_once(weight_offset: float) -> None:
     assert_rounding_close(out, expected, units=1.5)
 
 
+def test_add_rms_norm_round_once_of_a_normed_output() -> None:
+    """Gemma's sandwich: a sublayer's output normalized by its own norm and rounded, added
+    to the stream, and the stream normalized by the next norm, in one kernel."""
+    x, residual = randn(5, 1000) * 8, randn(5, 1000)  # the output's scale not the stream's
+    output_weight, weight = randn(1000) * 0.1, randn(1000) * 0.1
+    normed_output = REFERENCE_OPS.rms_norm_round_once(x.float(), output_weight, 1e-6, 1.0)
+    stream = normed_output.to(DTYPE) + residual
+    expected = REFERENCE_OPS.rms_norm_round_once(stream.float(), weight, 1e-6, 1.0)
+    out, got_stream = TritonLayerOps().add_rms_norm_round_once(
+        x, residual.clone(), weight, 1e-6, 1.0, output_weight
+    )
+    assert_rounding_close(got_stream, (normed_output + residual.float()), units=1.5)
+    assert_rounding_close(out, expected, units=1.5)
+
+
 def test_silu_and_mul() -> None:
     num_rows, intermediate = 3, 1500  # two column blocks, the second partial
     # Rows of a wider buffer: the kernel follows the row stride.

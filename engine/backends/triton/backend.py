@@ -219,10 +219,17 @@ class TritonLayerOps(TorchLayerOps):
         weight: torch.Tensor,
         eps: float,
         weight_offset: float = 0.0,
+        output_norm_weight: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # The sum overwrites the residual, as add_rms_norm's.
         return add_rms_norm(
-            x, residual, weight, eps, residual_out=residual, weight_offset=weight_offset
+            x,
+            residual,
+            weight,
+            eps,
+            residual_out=residual,
+            weight_offset=weight_offset,
+            output_norm_weight=output_norm_weight,
         )
 
     def normalize(self, norm: DeferredNorm) -> torch.Tensor:

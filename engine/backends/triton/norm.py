@@ -1,6 +1,8 @@
 """RMSNorm fused with the residual add that precedes it; and the norm whose product with its
 weight is in float32 too, rounded once (OLMo 2's; Gemma's, which scales by 1 + its weight),
-of whole rows or of each head of a row (Q/K norms)."""
+of whole rows or of each head of a row (Q/K norms). Gemma's sandwich layer normalizes a
+sublayer's output by a norm of its own before it joins the stream, and the stream by the
+next norm: both norms and the add in one pass (``output_norm_weight``)."""
 
 from __future__ import annotations
 
@@ -28,12 +30,21 @@ def add_and_normalize(
     HAS_RESIDUAL,
     weight_offset=0.0,
     ROUND_ONCE: tl.constexpr = False,
+    output_norm_ptr=None,
+    OUTPUT_NORM: tl.constexpr = False,
 ):
     """One row's rms_norm(x + residual) * weight in x's dtype, rounded as Hugging Face's
     RMSNorm rounds (ROUND_ONCE: times weight_offset + weight in float32, rounded once at
     the end); x + residual written to ``residual_out_row``. (The pointers are the row's.)
+    OUTPUT_NORM (with ROUND_ONCE): x is first normalized so by its own weight at
+    ``output_norm_ptr``, and rounded, as its norm's kernel would store it.
     The FP8 quantization of a norm's output (``fp8_quantize``) computes it the same way."""
     x = tl.load(x_row + cols, mask=mask, other=0.0)
+    if OUTPUT_NORM:
+        x32 = x.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(x32 * x32, 0) / hidden_size + eps)
+        output_weight = tl.load(output_norm_ptr + cols, mask=mask).to(tl.float32)
+        x = (x32 * inv_rms * (output_weight + weight_offset)).to(x.dtype)
     if HAS_RESIDUAL:
         # Added in the model dtype, as Hugging Face does, so the stream rounds the same way.
         x += tl.load(residual_row + cols, mask=mask, other=0.0)
@@ -51,6 +62,7 @@ def _add_rms_norm_kernel(
     x_ptr,
     residual_ptr,
     weight_ptr,
+    output_norm_ptr,
     out_ptr,
     residual_out_ptr,
     hidden_size,
@@ -64,10 +76,11 @@ def _add_rms_norm_kernel(
     stride_residual_out,
     HAS_RESIDUAL: tl.constexpr,
     ROUND_ONCE: tl.constexpr,
+    OUTPUT_NORM: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Program per (row, head: one where the rows are not cut into heads); the whole row
-    stays in registers between the add and the norm."""
+    stays in registers between the norms and the add."""
     wait_for_previous_kernel()  # launched dependent (dependent_launch.py)
     let_next_kernel_start()
     row = tl.program_id(0)
@@ -86,6 +99,8 @@ def _add_rms_norm_kernel(
         HAS_RESIDUAL,
         weight_offset,
         ROUND_ONCE,
+        output_norm_ptr,
+        OUTPUT_NORM,
     )
     tl.store(out_ptr + row * stride_out + head * stride_out_head + cols, out, mask=mask)
 
@@ -99,6 +114,7 @@ def add_rms_norm(
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
     weight_offset: float | None = None,
+    output_norm_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``residual = x + residual; out = rmsnorm(residual) * weight``; returns (out, residual).
 
@@ -107,7 +123,9 @@ def add_rms_norm(
     ``weight_offset``, times weight_offset + weight in float32 too, rounded once
     (``rms_norm_round_once``). Without a residual (the first layer) x is normalized and
     returned as the residual. ``residual_out`` may be ``residual`` or ``x`` itself (each row
-    is read whole before it is written).
+    is read whole before it is written). ``output_norm_weight`` [hidden] (with a
+    ``weight_offset`` and a residual): x is first ``rms_norm_round_once(x,
+    output_norm_weight, eps, weight_offset)``, rounded as that norm stores it.
     """
     hidden_size = x.shape[1]
     assert x.dim() == 2 and weight.shape == (hidden_size,) and x.stride(1) == 1
@@ -116,6 +134,9 @@ def add_rms_norm(
         out = torch.empty_like(x)
     assert out.shape == x.shape and out.dtype == x.dtype and out.stride(1) == 1
     has_residual = residual is not None
+    if output_norm_weight is not None:
+        assert has_residual and weight_offset is not None
+        assert output_norm_weight.shape == weight.shape
     if residual is None:
         assert residual_out is None, "without a residual, x itself is returned as one"
         residual = residual_out = x  # unread and unwritten: the kernel is built without the add
@@ -126,7 +147,9 @@ def add_rms_norm(
             residual_out = torch.empty_like(x)
         assert residual_out.shape == x.shape and residual_out.dtype == x.dtype
         assert residual_out.stride(1) == 1
-    _launch(x, residual, weight, out, residual_out, eps, has_residual, weight_offset)
+    _launch(
+        x, residual, weight, out, residual_out, eps, has_residual, weight_offset, output_norm_weight
+    )
     return out, residual_out
 
 
@@ -152,9 +175,11 @@ def _launch(
     eps: float,
     has_residual: bool,
     weight_offset: float | None = None,
+    output_norm_weight: torch.Tensor | None = None,
 ) -> None:
     """The kernel over x's rows, [T, D], or each head of them, [T, heads, D] (no residual);
-    rounded once, times weight_offset + weight, where there is an offset."""
+    rounded once, times weight_offset + weight, where there is an offset; x normalized by
+    ``output_norm_weight`` first where it is given."""
     heads = x.shape[1] if x.dim() == 3 else 1
     hidden_size = x.shape[-1]
     block = triton.next_power_of_2(hidden_size)
@@ -162,6 +187,7 @@ def _launch(
         x,
         residual,
         weight,
+        weight if output_norm_weight is None else output_norm_weight,  # unread without
         out,
         residual_out,
         hidden_size,
@@ -175,6 +201,7 @@ def _launch(
         residual_out.stride(0),
         HAS_RESIDUAL=has_residual,
         ROUND_ONCE=weight_offset is not None,
+        OUTPUT_NORM=output_norm_weight is not None,
         BLOCK=block,
         num_warps=min(max(block // 256, 1), 16),
         **launch_options(x.device),
