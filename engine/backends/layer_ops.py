@@ -15,16 +15,12 @@ Face's Llama.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 
 from engine.backends.deferred_norm import DeferredNorm, LinearInput
 from engine.distributed.parallel import OneKernelAllReduce, TensorParallel
-
-# A gated MLP's activation of its gate, times its up half: SiLU (Llama's) or tanh-approximated
-# GELU (Gemma's).
-GatedActivation = Literal["silu", "gelu_tanh"]
 
 
 @dataclass(frozen=True)
@@ -113,14 +109,12 @@ class LayerOps(Protocol):
         scale: torch.Tensor | None = None,
         *,
         gated: bool = False,
-        activation: GatedActivation = "silu",
         bias: torch.Tensor | None = None,
         add: torch.Tensor | None = None,
         all_reduce: OneKernelAllReduce | None = None,
     ) -> torch.Tensor:
         """For a row ``takes_one_row`` takes only: x [1, K] (``gated``: [1, 2K], the input
-        act(gate) * up of its halves, act the ``activation``; or a deferred norm of a row)
-        times weight [N, K] in
+        silu(gate) * up of its halves; or a deferred norm of a row) times weight [N, K] in
         x's dtype, or int8 / float8 codes with float32 ``scale`` [N] -> [1, N] in x's
         dtype; ``bias`` [N] added to the rounded product if given, as ``with_bias`` adds it;
         summed over the ranks by ``all_reduce`` if given (one that ``fuses_into_one_row``:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from engine.backends.attention import AttentionBackend, AttentionMetadata, LayerKVCache, Rotary
 from engine.backends.deferred_norm import DeferredNorm, LinearInput, dense
 from engine.backends.fp8 import FP8, FP8_MAX, MIN_SCALE, rowwise_scaled_mm
-from engine.backends.layer_ops import ClampedSwiGLU, GatedActivation
+from engine.backends.layer_ops import ClampedSwiGLU
 from engine.backends.mxfp4 import BLOCK, dequantize_mxfp4
 from engine.backends.penalties import Penalties, penalized
 from engine.backends.sampling_draw import Cuts, race_sample
@@ -289,7 +289,6 @@ class TorchLayerOps:
         scale: torch.Tensor | None = None,
         *,
         gated: bool = False,
-        activation: GatedActivation = "silu",
         bias: torch.Tensor | None = None,
         add: torch.Tensor | None = None,
         all_reduce: OneKernelAllReduce | None = None,

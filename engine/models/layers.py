@@ -16,7 +16,7 @@ from torch import nn
 
 from engine.backends.attention import AttentionBackend, AttentionMetadata, LayerKVCache, Rotary
 from engine.backends.deferred_norm import DeferredNorm, LinearInput
-from engine.backends.layer_ops import GatedActivation, LayerOps
+from engine.backends.layer_ops import LayerOps
 from engine.distributed.parallel import TensorParallel
 from engine.model_config import ModelConfig, RopeScaling, YarnScaling
 from engine.models.parallel_layers import (
@@ -28,9 +28,9 @@ from engine.models.parallel_layers import (
 from engine.models.yarn import yarn_attention_factor, yarn_inverse_frequencies
 from engine.quantization.linear_methods import LinearMethod, linear_method
 
-# The gated MLP's activations by their config.json names: SiLU and the tanh-approximated GELU
-# (Gemma's), each left to the down projection, which may fold it into its product.
-ACTIVATIONS: dict[str, GatedActivation] = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+# The gated MLP's activations: SiLU, left to the down projection, which may fold it into its
+# product (``gated``), and the tanh-approximated GELU (Gemma's, ``LayerOps.gelu_tanh_and_mul``).
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 class RMSNorm(nn.Module):
@@ -320,7 +320,8 @@ class MLP(nn.Module):
             raise ValueError(
                 f"activation {config.hidden_act!r} is not supported, only {', '.join(ACTIVATIONS)}"
             )
-        self.activation = ACTIVATIONS[config.hidden_act]
+        self.silu = config.hidden_act == "silu"
+        self.ops = ops
         start, length = tp.split(config.intermediate_size, "intermediate_size")
         rows = Rows(start, length, config.intermediate_size)
         method = linear_method(config.quantization, ops)
@@ -341,7 +342,10 @@ class MLP(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The MLP's output as it joins the residual ``stream``, and what is left of the
         stream to add (``RowParallelLinear.into_stream``)."""
-        return self.down_proj.into_stream(self.gate_up_proj(x), stream, activation=self.activation)
+        gate_up = self.gate_up_proj(x)
+        if self.silu:
+            return self.down_proj.into_stream(gate_up, stream, gated=True)
+        return self.down_proj.into_stream(self.ops.gelu_tanh_and_mul(gate_up), stream)
 
 
 class DecoderLayer(nn.Module):

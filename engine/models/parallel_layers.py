@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.backends.deferred_norm import LinearInput
-from engine.backends.layer_ops import GatedActivation, LayerOps
+from engine.backends.layer_ops import LayerOps
 from engine.checkpoint.checkpoint import TensorSlices
 from engine.distributed.parallel import TensorParallel
 from engine.quantization.linear_methods import LinearMethod
@@ -156,30 +156,25 @@ class RowParallelLinear(ParallelLinear):
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self._partial(x, activation=None))
+        return self.tp.all_reduce(self._partial(x, gated=False))
 
-    def forward_gated(self, gate_up: torch.Tensor, activation: GatedActivation) -> torch.Tensor:
-        """forward(act(gate) * up) of gate_up's halves, act the ``activation``, fused into
-        the product where the method can (``LinearMethod.apply_gated``)."""
-        return self.tp.all_reduce(self._partial(gate_up, activation=activation))
+    def forward_silu_gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """forward(silu(gate) * up) of gate_up's halves, the activation fused into the
+        product where the method can (``LinearMethod.apply_silu_gated``)."""
+        return self.tp.all_reduce(self._partial(gate_up, gated=True))
 
-    def _partial(self, x: torch.Tensor, *, activation: GatedActivation | None) -> torch.Tensor:
-        """This rank's share of the product, before the all-reduce (the bias on rank 0); of
-        act(gate) * up of x's halves where an ``activation`` is given."""
-        if activation is not None:
+    def _partial(self, x: torch.Tensor, *, gated: bool) -> torch.Tensor:
+        """This rank's share of the product, before the all-reduce (the bias on rank 0)."""
+        if gated:
             assert self.bias is None, "no gated layer has a bias"
-            return self.method.apply_gated(self, x, activation)
+            return self.method.apply_silu_gated(self, x)
         return self.multiply(x, self.bias if self.tp.rank == 0 else None)
 
     def into_stream(
-        self,
-        x: torch.Tensor,
-        stream: torch.Tensor | None,
-        *,
-        activation: GatedActivation | None = None,
+        self, x: torch.Tensor, stream: torch.Tensor | None, *, gated: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The product (given an ``activation``: of act(gate) * up of x's halves, as
-        ``forward_gated``) as it joins the residual ``stream``, and what is left of the
+        """The product (``gated``: of silu(gate) * up of x's halves, as
+        ``forward_silu_gated``) as it joins the residual ``stream``, and what is left of the
         stream for the next norm to add. One row that the layer ops' one-row product takes
         (``LayerOps.takes_one_row``), that product adds the stream and nothing is left
         (None), its bias (gpt-oss's o projection) added first as ``_partial`` adds it; under
@@ -192,9 +187,9 @@ class RowParallelLinear(ParallelLinear):
             if self.tp.size == 1 or all_reduce is not None:
                 bias = self.bias if self.tp.rank == 0 else None
                 return self.method.one_row_into_stream(
-                    self, x, stream, activation=activation, bias=bias, all_reduce=all_reduce
+                    self, x, stream, gated=gated, bias=bias, all_reduce=all_reduce
                 ), None
-        return self.tp.all_reduce_into_stream(self._partial(x, activation=activation), stream)
+        return self.tp.all_reduce_into_stream(self._partial(x, gated=gated), stream)
 
     def load(self, param: str, part: int, source: TensorSlices, hf_name: str) -> None:
         if param == "bias":

@@ -44,7 +44,7 @@ from torch import nn
 
 from engine.backends.deferred_norm import DeferredNorm, LinearInput, dense
 from engine.backends.fp8 import FP8, FP8_MAX, MIN_SCALE, WEIGHT_ONLY_MAX_TOKENS
-from engine.backends.layer_ops import GatedActivation, LayerOps
+from engine.backends.layer_ops import LayerOps
 from engine.backends.pytorch import with_bias
 from engine.distributed.parallel import OneKernelAllReduce
 from engine.model_config import Quantization
@@ -142,18 +142,18 @@ class LinearMethod:
         to it (``DeferredNorm``): where the rows are read by a kernel that can compute it."""
         return False
 
-    def apply_gated(
-        self, layer: nn.Module, gate_up: torch.Tensor, activation: GatedActivation
-    ) -> torch.Tensor:
-        """The layer's output for act(gate) * up of ``gate_up`` [T, 2K] (a gated MLP's down
-        projection), act its ``activation``; one row the ops' one-row product takes applies
-        the activation inside the product, as it reads the row."""
+    def apply_silu_gated(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+        """The layer's output for silu(gate) * up of ``gate_up`` [T, 2K] (a gated MLP's down
+        projection); one row the ops' one-row product takes applies the activation inside
+        the product."""
         if self.ops.takes_one_row(gate_up):
-            _, weight, scale = self.one_row_operands(layer, gate_up)
-            return self.ops.one_row_matmul(
-                gate_up, weight, scale, gated=True, activation=activation
-            )
-        return self.apply(layer, gated_activation(self.ops, gate_up, activation), None)
+            return self.one_row_silu_gated(layer, gate_up)
+        return self.apply(layer, self.ops.silu_and_mul(gate_up), None)
+
+    def one_row_silu_gated(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+        """``apply_silu_gated`` of one row (``LayerOps.takes_one_row``), the activation
+        applied as it is read."""
+        return self.ops.one_row_matmul(gate_up, layer.weight, gated=True)
 
     def one_row_into_stream(
         self,
@@ -161,12 +161,12 @@ class LinearMethod:
         x: torch.Tensor,
         stream: torch.Tensor,
         *,
-        activation: GatedActivation | None = None,
+        gated: bool = False,
         bias: torch.Tensor | None = None,
         all_reduce: OneKernelAllReduce | None = None,
     ) -> torch.Tensor:
         """``stream + apply(layer, x, bias)`` for one row ``x`` that the ops' one-row product
-        takes (given an ``activation``: of act(gate) * up of its halves, as ``apply_gated``), the
+        takes (``gated``: of silu(gate) * up of its halves, as ``apply_silu_gated``), the
         residual stream [1, N] added by that product as it stores it, rounded as the sum of
         the stored product (and bias) and the stream rounds: a layer's o and down
         projections, with nothing left for the next norm to add. ``all_reduce``: the product
@@ -174,14 +174,7 @@ class LinearMethod:
         the stream joins it (``TensorParallel.one_row_all_reduce``)."""
         row, weight, scale = self.one_row_operands(layer, x)
         return self.ops.one_row_matmul(
-            row,
-            weight,
-            scale,
-            gated=activation is not None,
-            activation=activation or "silu",
-            bias=bias,
-            add=stream,
-            all_reduce=all_reduce,
+            row, weight, scale, gated=gated, bias=bias, add=stream, all_reduce=all_reduce
         )
 
     def one_row_operands(
@@ -247,6 +240,9 @@ class QuantizedLinear(LinearMethod):
         product = self.ops.weight_only_matmul(x, layer.weight, layer.weight_scale)
         return with_bias(product, bias)
 
+    def one_row_silu_gated(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.ops.weight_only_matmul(gate_up, layer.weight, layer.weight_scale, gated=True)
+
     def one_row_operands(
         self, layer: nn.Module, x: LinearInput
     ) -> tuple[LinearInput, torch.Tensor, torch.Tensor | None]:
@@ -281,26 +277,13 @@ class Fp8Linear(QuantizedLinear):
         # The W8A8 product's quantization kernel computes the norm as it reads the rows.
         return num_rows > WEIGHT_ONLY_MAX_TOKENS
 
-    def apply_gated(
-        self, layer: nn.Module, gate_up: torch.Tensor, activation: GatedActivation
-    ) -> torch.Tensor:
-        # SiLU computed where the ops quantize it (in the same kernel, where they have one).
+    def apply_silu_gated(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+        # The activation computed where the ops quantize it (in the same kernel, where they
+        # have one).
         if not takes_w8a8(layer, gate_up.shape[0]):
-            return super().apply_gated(layer, gate_up, activation)
-        if activation == "silu":
-            codes, scale = self.ops.quantize_fp8(gate_up, gated=True)
-        else:
-            codes, scale = self.ops.quantize_fp8(gated_activation(self.ops, gate_up, activation))
+            return super().apply_silu_gated(layer, gate_up)
+        codes, scale = self.ops.quantize_fp8(gate_up, gated=True)
         return self.ops.fp8_matmul(codes, scale, layer.weight, layer.weight_scale, gate_up.dtype)
-
-
-def gated_activation(
-    ops: LayerOps, gate_up: torch.Tensor, activation: GatedActivation
-) -> torch.Tensor:
-    """act(gate) * up of ``gate_up`` [T, 2K]'s halves by the ops' kernel for ``activation``."""
-    if activation == "silu":
-        return ops.silu_and_mul(gate_up)
-    return ops.gelu_tanh_and_mul(gate_up)
 
 
 def takes_w8a8(layer: nn.Module, num_tokens: int) -> bool:

@@ -428,7 +428,6 @@ def test_projections_adding_the_stream_change_no_bit(
     same tokens and log-probabilities, bit for bit, as with the stream left to the norm."""
     if quantization == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability 8.9")
-    from engine.backends.layer_ops import GatedActivation
     from engine.models.parallel_layers import RowParallelLinear
     from engine.quantization.linear_methods import LinearMethod
 
@@ -460,11 +459,11 @@ def test_projections_adding_the_stream_change_no_bit(
         x: torch.Tensor,
         stream: torch.Tensor | None,
         *,
-        activation: GatedActivation | None = None,
+        gated: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if activation is None:
+        if not gated:
             return self(x), stream
-        return self.forward_gated(x, activation), stream
+        return self.forward_silu_gated(x), stream
 
     monkeypatch.setattr(RowParallelLinear, "into_stream", left_to_the_norm)
     assert each_alone() == in_epilogue

@@ -38,15 +38,6 @@ _GELU_TANH_CUBE = tl.constexpr(0.044715)
 
 
 @triton.jit
-def gate_and_multiply(gate, up, GELU_TANH: tl.constexpr):
-    """float32 gate and up -> silu(gate) * up, or GELU_TANH's gelu(gate) * up, in float32."""
-    if GELU_TANH:
-        inner = _GELU_TANH_SCALE * (gate + _GELU_TANH_CUBE * gate * gate * gate)
-        return gate * tl.sigmoid(inner) * up
-    return gate * tl.sigmoid(gate) * up
-
-
-@triton.jit
 def _gated_kernel(
     x_ptr,
     out_ptr,
@@ -66,7 +57,11 @@ def _gated_kernel(
     gate_ptr = x_ptr + row * stride_x + cols
     gate = tl.load(gate_ptr, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_ptr + intermediate_size, mask=mask, other=0.0).to(tl.float32)
-    out = gate_and_multiply(gate, up, GELU_TANH)
+    if GELU_TANH:
+        inner = _GELU_TANH_SCALE * (gate + _GELU_TANH_CUBE * gate * gate * gate)
+        out = gate * tl.sigmoid(inner) * up
+    else:
+        out = gate * tl.sigmoid(gate) * up
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -39,7 +39,7 @@ from engine.backends.attention import (
     Rotary,
 )
 from engine.backends.deferred_norm import DeferredNorm, LinearInput
-from engine.backends.layer_ops import ClampedSwiGLU, GatedActivation
+from engine.backends.layer_ops import ClampedSwiGLU
 from engine.backends.penalties import Penalties
 from engine.backends.pytorch import TorchLayerOps, TorchStepOps
 from engine.backends.sampling_draw import Cuts
@@ -270,21 +270,13 @@ class TritonLayerOps(TorchLayerOps):
         scale: torch.Tensor | None = None,
         *,
         gated: bool = False,
-        activation: GatedActivation = "silu",
         bias: torch.Tensor | None = None,
         add: torch.Tensor | None = None,
         all_reduce: OneKernelAllReduce | None = None,
     ) -> torch.Tensor:
         assert all_reduce is None or isinstance(all_reduce, PushAllReduce)
         return one_row_matmul(
-            x,
-            weight,
-            scale,
-            gated=gated,
-            activation=activation,
-            bias=bias,
-            add=add,
-            all_reduce=all_reduce,
+            x, weight, scale, gated=gated, bias=bias, add=add, all_reduce=all_reduce
         )
 
     def weight_only_matmul(

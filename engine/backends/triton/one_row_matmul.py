@@ -15,10 +15,9 @@ the tiled kernel, layer by layer.
 The weight may be bfloat16/float16 (the model's dtype), or int8 / float8 e4m3 codes with one
 float32 scale per output channel, widened in registers (``fp8_widen``) and scaled once.
 
-``gated``: x is a gated MLP's gate and up halves [1, 2K], and the input is silu(gate) * up
-(or ``activation`` "gelu_tanh": gelu(gate) * up, Gemma's), computed while it is read
-(rounded to x's dtype, as ``silu_and_mul`` stores it): the down projection without the
-activation's own kernel.
+``gated``: x is a gated MLP's gate and up halves [1, 2K], and the input is silu(gate) * up,
+computed while it is read (rounded to x's dtype, as ``silu_and_mul`` stores it): the down
+projection without the activation's own kernel.
 
 A ``DeferredNorm`` for x: the input is rms_norm(x + residual) * norm weight. Each program
 reads the whole row anyway: it adds the residual as it reads (in x's dtype, as the norm's
@@ -55,8 +54,6 @@ import triton
 import triton.language as tl
 
 from engine.backends.deferred_norm import DeferredNorm, norm_arguments
-from engine.backends.layer_ops import GatedActivation
-from engine.backends.triton.activation import gate_and_multiply
 from engine.backends.triton.dependent_launch import (
     launch_options,
     let_next_kernel_start,
@@ -150,10 +147,10 @@ def _accumulate(
     ks = start + tl.arange(0, BLOCK_K)
     k_mask = ks < K
     x = tl.load(x_ptr + ks, mask=k_mask, other=0.0)
-    if GATED != "":
+    if GATED:
         gate = x.to(tl.float32)
         up = tl.load(x_ptr + K + ks, mask=k_mask, other=0.0).to(tl.float32)
-        x = gate_and_multiply(gate, up, GATED == "gelu_tanh").to(x_ptr.dtype.element_ty)
+        x = (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty)
     x32 = x.to(tl.float32)
     if NORM:
         if HAS_RESIDUAL:
@@ -378,11 +375,10 @@ def row_operands(
     weight: torch.Tensor,
     scale: torch.Tensor | None,
     gated: bool = False,
-    activation: GatedActivation = "silu",
 ) -> RowOperands:
-    """x [1, K] (or [1, 2K] gate and up halves, ``gated``, the input their ``activation``;
-    or a deferred norm of a row [1, K]) and weight [N, K] in x's dtype, or int8 / float8
-    e4m3 codes with float32 ``scale`` [N], checked, as ``row_sums`` takes them."""
+    """x [1, K] (or [1, 2K] gate and up halves, ``gated``; or a deferred norm of a row [1, K])
+    and weight [N, K] in x's dtype, or int8 / float8 e4m3 codes with float32 ``scale`` [N],
+    checked, as ``row_sums`` takes them."""
     norm = x if isinstance(x, DeferredNorm) else None
     if norm is not None:
         assert not gated
@@ -401,7 +397,7 @@ def row_operands(
     )
     flags = {
         "HAS_SCALE": scale is not None,
-        "GATED": activation if gated else "",  # the gate's activation, a constant string
+        "GATED": gated,
         "NORM": norm is not None,
         "HAS_RESIDUAL": norm_args.has_residual,
     }
@@ -414,23 +410,21 @@ def one_row_matmul(
     scale: torch.Tensor | None = None,
     *,
     gated: bool = False,
-    activation: GatedActivation = "silu",
     out_dtype: torch.dtype | None = None,
     bias: torch.Tensor | None = None,
     add: torch.Tensor | None = None,
     all_reduce: PushAllReduce | None = None,
     config: OneRowConfig | None = None,
 ) -> torch.Tensor:
-    """x [1, K] (or [1, 2K] gate and up halves, ``gated``, the input their ``activation``; or
-    a deferred norm of a row [1, K]) and weight [N, K] in x's dtype, or int8 / float8 e4m3
-    codes with float32 ``scale`` [N] -> [1, N] in ``out_dtype`` (default: x's dtype), plus
-    ``bias`` [N] in that dtype if given
+    """x [1, K] (or [1, 2K] gate and up halves, ``gated``; or a deferred norm of a row [1, K])
+    and weight [N, K] in x's dtype, or int8 / float8 e4m3 codes with float32 ``scale`` [N]
+    -> [1, N] in ``out_dtype`` (default: x's dtype), plus ``bias`` [N] in that dtype if given
     (rounded as ``with_bias`` adds it to the stored product), summed over the ranks by
     ``all_reduce`` if given (this rank's push all-reduce: the product is its share, rounded to
     the output's dtype as it is pushed), plus ``add`` [1, N] in that dtype if given (the
     residual stream the product or the sum joins). ``config``: ``one_row_config``'s unless
     given (the sweep's candidates)."""
-    operands = row_operands(x, weight, scale, gated, activation)
+    operands = row_operands(x, weight, scale, gated)
     channels, depth = weight.shape
     out = operands.x.new_empty(1, channels, dtype=out_dtype or operands.x.dtype)
     if add is not None:
