@@ -81,23 +81,25 @@ class RoundOnceRMSNorm(RMSNorm):
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[LinearInput, torch.Tensor]:
-        return self.add_normed_and_norm(x, None, residual)
+        if residual is None:
+            return self(x), x
+        return self.ops.add_rms_norm_round_once(
+            x, residual, self.weight, self.eps, self.weight_offset
+        )
 
     def add_normed_and_norm(
         self, x: torch.Tensor, output_norm: RoundOnceRMSNorm | None, residual: torch.Tensor | None
     ) -> tuple[LinearInput, torch.Tensor]:
         """``add_and_norm`` of a sublayer's output ``x`` normalized by its own norm first
-        (``output_norm``, of this norm's kind; None: x as it is): a sandwich layer's norm
-        after its sublayer, the add and the next norm in one pass where the ops fuse them."""
-        if residual is None:
-            stream = x if output_norm is None else output_norm(x)
-            return self(stream), stream
-        output_weight = None
-        if output_norm is not None:
-            assert (output_norm.eps, output_norm.weight_offset) == (self.eps, self.weight_offset)
-            output_weight = output_norm.weight
+        (``output_norm``, of this norm's kind; None: x as it is): a sandwich
+        layer's norm after its sublayer, the add and the next norm in one pass where the ops
+        fuse them."""
+        if output_norm is None:
+            return self.add_and_norm(x, residual)
+        assert residual is not None, "a sublayer's output joins a stream"
+        assert (output_norm.eps, output_norm.weight_offset) == (self.eps, self.weight_offset)
         return self.ops.add_rms_norm_round_once(
-            x, residual, self.weight, self.eps, self.weight_offset, output_weight
+            x, residual, self.weight, self.eps, self.weight_offset, output_norm.weight
         )
 
 
