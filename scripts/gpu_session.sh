@@ -856,8 +856,8 @@ PY
           done
         done
       done ;;
-    gemma)  # Gemma 3 1B's decode (about 6 minutes): its round-once norms, Q/K norms and GELU gate
-      # in Triton kernels. Their kernels' and the engine's GPU tests
+    gemma)  # Gemma 3 1B's decode (about 6 minutes): its round-once and sandwich norms, Q/K norms
+      # and GELU gate in Triton kernels. Their kernels' and the engine's GPU tests
       # first (the float32 decode against transformers, the warm-up's compiles), then batch-1
       # TPOT and TTFT at the gemma3-1b shape against BASE (--load-format dummy, 2 runs), the
       # trees alternated ROUNDS times (default 2)
