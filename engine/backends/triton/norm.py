@@ -187,7 +187,7 @@ def _launch(
         x,
         residual,
         weight,
-        weight if output_norm_weight is None else output_norm_weight,  # unread without
+        weight if output_norm_weight is None else output_norm_weight,  # unread without one
         out,
         residual_out,
         hidden_size,
