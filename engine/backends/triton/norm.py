@@ -18,6 +18,20 @@ from engine.backends.triton.dependent_launch import (
 
 
 @triton.jit
+def _normalize(
+    x, weight_ptr, cols, mask, hidden_size, eps, weight_offset, ROUND_ONCE: tl.constexpr
+):
+    """One row x's rms_norm * weight in x's dtype, rounded as Hugging Face's RMSNorm rounds
+    (ROUND_ONCE: times weight_offset + weight in float32, rounded once at the end)."""
+    x32 = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x32 * x32, 0) / hidden_size + eps)
+    weight = tl.load(weight_ptr + cols, mask=mask)
+    if ROUND_ONCE:
+        return (x32 * inv_rms * (weight.to(tl.float32) + weight_offset)).to(x.dtype)
+    return (x32 * inv_rms).to(x.dtype) * weight
+
+
+@triton.jit
 def add_and_normalize(
     x_row,
     residual_row,
@@ -33,28 +47,19 @@ def add_and_normalize(
     output_norm_ptr=None,
     OUTPUT_NORM: tl.constexpr = False,
 ):
-    """One row's rms_norm(x + residual) * weight in x's dtype, rounded as Hugging Face's
-    RMSNorm rounds (ROUND_ONCE: times weight_offset + weight in float32, rounded once at
-    the end); x + residual written to ``residual_out_row``. (The pointers are the row's.)
-    OUTPUT_NORM (with ROUND_ONCE): x is first normalized so by its own weight at
-    ``output_norm_ptr``, and rounded, as its norm's kernel would store it.
-    The FP8 quantization of a norm's output (``fp8_quantize``) computes it the same way."""
+    """One row's rms_norm(x + residual) * weight (``_normalize``); x + residual written to
+    ``residual_out_row``. (The pointers are the row's.) OUTPUT_NORM (with ROUND_ONCE): x is
+    first normalized so by its own weight at ``output_norm_ptr``, and rounded, as its norm's
+    kernel would store it. The FP8 quantization of a norm's output (``fp8_quantize``)
+    computes it the same way."""
     x = tl.load(x_row + cols, mask=mask, other=0.0)
     if OUTPUT_NORM:
-        x32 = x.to(tl.float32)
-        inv_rms = tl.rsqrt(tl.sum(x32 * x32, 0) / hidden_size + eps)
-        output_weight = tl.load(output_norm_ptr + cols, mask=mask).to(tl.float32)
-        x = (x32 * inv_rms * (output_weight + weight_offset)).to(x.dtype)
+        x = _normalize(x, output_norm_ptr, cols, mask, hidden_size, eps, weight_offset, True)
     if HAS_RESIDUAL:
         # Added in the model dtype, as Hugging Face does, so the stream rounds the same way.
         x += tl.load(residual_row + cols, mask=mask, other=0.0)
         tl.store(residual_out_row + cols, x, mask=mask)
-    x32 = x.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(x32 * x32, 0) / hidden_size + eps)
-    weight = tl.load(weight_ptr + cols, mask=mask)
-    if ROUND_ONCE:
-        return (x32 * inv_rms * (weight.to(tl.float32) + weight_offset)).to(x.dtype)
-    return (x32 * inv_rms).to(x.dtype) * weight
+    return _normalize(x, weight_ptr, cols, mask, hidden_size, eps, weight_offset, ROUND_ONCE)
 
 
 @triton.jit
