@@ -40,7 +40,13 @@ beats plain decoding, so:
   catch-up over the pause's tokens, the lost overlap), so probes wait until the plain steps
   since the last one earned it: they take at most ``PROBE_SHARE`` of the time (each charged
   what it was measured to cost once it is), and the requests due then probe together, one
-  verify step for the batch. Requests due ride along, free, where others' drafts pay. Where
+  verify step for the batch. Each probe halves that share for the next, down to
+  ``LEAST_PROBE_SHARE``, and a draft accepted anywhere (a probe's or drafting's) restores it:
+  a draft that guesses nothing costs a quarter of a percent once a few probes found nothing,
+  where it cost 2%, and text it starts to guess is found by the next probe, a few times the
+  probe's own cost in plain steps later (about a thousand steps for an 8B model with a 1B
+  draft), then probed for at the full share. Requests due ride along, free, where others'
+  drafts pay. Where
   not even drafts all accepted would pay at the measured costs (a draft whose pass costs as
   much as the target's), there is nothing a probe could find: the requests pause again
   instead, and such a draft costs nothing once its costs are measured.
@@ -74,8 +80,10 @@ ENGINE_MEMORY = 0.98
 # most this share of the time.
 LOOKUP_SHARE = 0.05
 # Probes whose drafts the proposer cannot preview (a draft model's) take at most this share of
-# the time: all that a draft that never pays costs, at any batch size.
+# the time while drafts are accepted; each probe halves it for the next, down to the least,
+# until a draft is accepted again: all that a draft that guesses nothing costs for long.
 PROBE_SHARE = 0.02
+LEAST_PROBE_SHARE = PROBE_SHARE / 8
 
 
 class AdaptiveDrafting:
@@ -95,9 +103,10 @@ class AdaptiveDrafting:
         self.costs = costs
         self.max_batch = max_batch
         self.preview = preview
-        # Seconds of probing that plain steps earned (``PROBE_SHARE`` of theirs) and probes
+        # Seconds of probing that plain steps earned (``probe_share`` of theirs) and probes
         # did not spend; below 0 when probes cost more than foreseen.
         self.probe_credit = 0.0
+        self.probe_share = PROBE_SHARE
         # What the probes launched but not yet measured were foreseen to cost.
         self.probes_foreseen = 0.0
         self.engine_acceptance = DraftAcceptance(memory=ENGINE_MEMORY)
@@ -161,6 +170,8 @@ class AdaptiveDrafting:
             if self._best_width(np.ones(len(due)), batch_size)[1]:
                 self.probe_credit -= costs.probe
                 self.probes_foreseen += costs.probe
+                # The next probe waits twice as long, unless a draft is accepted before it.
+                self.probe_share = max(self.probe_share / 2, LEAST_PROBE_SHARE)
                 alphas = [self._alpha(r, r.draft_acceptance.key) for r in due]
                 width, _ = self._best_width(np.asarray(alphas), batch_size)
                 return due, width
@@ -171,7 +182,7 @@ class AdaptiveDrafting:
         # A plain step: it earns the probes their share of its time (a probe at most
         # banked, so that probes after a long run of drafting do not come in a burst; a
         # debt, when a probe cost more than foreseen, is paid off first).
-        self.probe_credit = min(self.probe_credit + PROBE_SHARE * costs.plain, costs.probe)
+        self.probe_credit = min(self.probe_credit + self.probe_share * costs.plain, costs.probe)
         return [], 0
 
     def choose(
@@ -213,6 +224,8 @@ class AdaptiveDrafting:
         key = request.draft_acceptance.key
         request.draft_acceptance.add(key, num_drafts, num_accepted)
         self.engine_acceptance.add(key, num_drafts, num_accepted)
+        if num_accepted:  # the draft guesses something: probes take their full share again
+            self.probe_share = PROBE_SHARE
 
     def _wait(self, requests: list[Request], batch_size: int) -> None:
         """``requests`` have nothing to draft from: each looks again after as many steps as
