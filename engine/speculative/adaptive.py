@@ -46,10 +46,12 @@ beats plain decoding, so:
   where it cost 2%, and text it starts to guess is found by the next probe, a few times the
   probe's own cost in plain steps later (about a thousand steps for an 8B model with a 1B
   draft), then probed for at the full share. Requests due ride along, free, where others'
-  drafts pay. Where
-  not even drafts all accepted would pay at the measured costs (a draft whose pass costs as
-  much as the target's), there is nothing a probe could find: the requests pause again
-  instead, and such a draft costs nothing once its costs are measured.
+  drafts pay. Where not even drafts all accepted would win back a probe's measured cost
+  within a longest pause's steps of drafting (a draft whose pass costs about as much as the
+  target's: the target as its own draft, whose verify steps a large model's batch-1 step
+  never times since no two come in a row), there is nothing a probe could find that pays
+  for it: the requests pause again instead, and such a draft costs nothing once its costs
+  are measured.
 
 Two decisions a step: before the step in flight is read (``plan``: who may draft, and k, from
 the estimates for each request's latest source), and once the drafts are proposed
@@ -167,7 +169,7 @@ class AdaptiveDrafting:
             for request in active:
                 request.draft_pause.pause()
         if due and self.probe_credit >= costs.probe:
-            if self._best_width(np.ones(len(due)), batch_size)[1]:
+            if self._probe_could_repay(len(due), batch_size):
                 self.probe_credit -= costs.probe
                 self.probes_foreseen += costs.probe
                 # The next probe waits twice as long, unless a draft is accepted before it.
@@ -175,8 +177,8 @@ class AdaptiveDrafting:
                 alphas = [self._alpha(r, r.draft_acceptance.key) for r in due]
                 width, _ = self._best_width(np.asarray(alphas), batch_size)
                 return due, width
-            # Not even drafts all accepted would pay at the costs measured here (a draft as
-            # costly as the target's own pass): a probe could show nothing that changes it.
+            # Not even drafts all accepted would win the probe back (a draft about as costly
+            # as the target's own pass): a probe could show nothing that pays for it.
             for request in due:
                 request.draft_pause.pause()
         # A plain step: it earns the probes their share of its time (a probe at most
@@ -239,6 +241,19 @@ class AdaptiveDrafting:
     def _alpha(self, request: Request, key: int) -> float:
         prior = self.engine_acceptance.rate(key, FIRST_PRIOR)
         return request.draft_acceptance.rate(key, prior)
+
+    def _probe_could_repay(self, num_due: int, batch_size: int) -> bool:
+        """Whether drafts all accepted for ``num_due`` requests of a batch of ``batch_size``
+        would gain, over a longest pause's steps of drafting, the tokens a probe's cost
+        would have decoded: what a probe could find at best against what it costs."""
+        costs = self.costs.costs(batch_size)
+        width, _ = self._best_width(np.ones(num_due), batch_size)
+        # Tokens in a plain step's time, drafting at that width with every draft accepted.
+        drafting = (
+            (batch_size + num_due * width) * costs.plain / (costs.verify + width * costs.draft_pass)
+        )
+        gained_steps = (drafting - batch_size) / batch_size * LONGEST_PAUSE
+        return gained_steps * costs.plain > costs.probe
 
     def _best_width(self, alphas: np.ndarray, batch_size: int) -> tuple[int, bool]:
         """The k of most tokens a second for requests of acceptance ``alphas`` in a batch of
