@@ -343,7 +343,7 @@ PY
       m=${SPEC_MODEL:-/tmp/smollm2.gguf}
       if [ -f "$m" ]; then
         timeout 200 python3 scripts/bench_speculative.py --model "$m" --ngram 4:4 --ngram 8:8 2>&1 \
-          | tee "$out/spec-smollm2.log" | grep -E "^(step costs|MISMATCH|a rejected)" | tail -12
+          | tee "$out/spec-smollm2.log" | grep -E "^(step costs|MISMATCH|a rejected)|verify steps: [0-9]" | tail -24
       else
         echo "no model at $m: set SPEC_MODEL to the SmolLM2 GGUF file"
       fi
@@ -352,7 +352,7 @@ PY
       # draft's cost (about twice a plain step's) is far above the engines' drift.
       timeout 200 python3 scripts/bench_speculative.py --model "$t" --speculative-model "$d" \
         --load-format dummy --max-tokens 128 --rounds 1 2>&1 \
-        | tee "$out/spec-8b.log" | grep -E "^(step costs|a rejected)" | tail -12
+        | tee "$out/spec-8b.log" | grep -E "^(step costs|a rejected)|verify steps: [0-9]" | tail -24
       echo "--- speed-ups against plain decoding (targets: >= 1.00x everywhere; code edit >= 2.5x with ngram)"
       for log in "$out"/spec-smollm2.log "$out"/spec-8b.log; do
         [ -f "$log" ] || continue

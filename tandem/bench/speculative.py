@@ -37,10 +37,12 @@ may differ: ``--dtype float32`` checks exactly). Then the timings: output tokens
 drafts made, the milliseconds a step, and "% of roofline": the least time the target's steps
 of the run can take (``engine/roofline.py``, rates measured first) over the time measured (a
 draft model's own steps are not in the bound); the plain run's roofline in tokens/s is the
-ceiling of decoding without speculation. After each adaptive engine, the step costs it
-measured at batch 1 (engine/speculative/step_costs.py). A table last. (The code edit was
-this script's own source, which changed with every edit of the script, so that the model's
-answer did too: a fixed file keeps the workload the same from one run to the next.)
+ceiling of decoding without speculation. As each run ends, its time and the batch sizes
+its verify steps ran at (where a policy drafted); after each adaptive engine's, the step
+costs it measured at the workload's batch size (engine/speculative/step_costs.py). A table
+last. (The code edit was this script's own source, which changed with every edit of the
+script, so that the model's answer did too: a fixed file keeps the workload the same from
+one run to the next.)
 
 The real models are GGUF files from PyPI (../shared/MODELS.md): SmolLM2-135M-Instruct is the
 default model (``~/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf`` once fetched),
@@ -108,6 +110,16 @@ class Run:
     @property
     def step_ms(self) -> float:
         return self.seconds * 1e3 / len(self.steps)
+
+    def verify_steps_by_batch(self) -> dict[int, int]:
+        """How many steps verified drafts, by batch size: those that computed more rows of
+        logits than they had sequences (a verify row's 1 + k; the bench scores no prompt)."""
+        counts: dict[int, int] = {}
+        for step in self.steps:
+            size = len(step.query_lens)
+            if step.num_logits > size:
+                counts[size] = counts.get(size, 0) + 1
+        return dict(sorted(counts.items()))
 
 
 def run_workload(
@@ -257,7 +269,13 @@ def main(argv: list[str] | None = None) -> None:
         costs = llm.engine.step_costs
         for name, conversations in workloads.items():
             runs[name][method].append(run_workload(llm, conversations, sampling))
-            print(f"{method} {name}: {runs[name][method][-1].seconds:.2f} s", flush=True)
+            run = runs[name][method][-1]
+            verified = run.verify_steps_by_batch()
+            # Where a policy drafted: which batch sizes its verify steps ran at.
+            where = ", ".join(f"{count} at batch {size}" for size, count in verified.items())
+            print(
+                f"{method} {name}: {run.seconds:.2f} s; verify steps: {where or 'none'}", flush=True
+            )
             if costs is not None and isinstance(llm.engine.drafting, AdaptiveDrafting):
                 # What the policy weighed, after each workload (the estimates carry over).
                 at = costs.costs(len(conversations))  # at the workload's batch size
