@@ -37,11 +37,11 @@ costly as the target's own pass seemed to pay.) A verify step or a draft pass co
 measured three times, also from their least: one slow step must not stop drafting for good.
 Until then they cost as at the nearest batch size where they were measured, in proportion to
 the plain steps (learnt once, not again at every size); where none was, a verify step costs
-as a plain step, and a draft pass its device time (``seed``:
-at start-up on CUDA the engine times a replay of each decode and draft graph) or, unseeded
-(the CPU), the proposer's prior (a draft model's pass as a plain step; prompt lookup
-nothing): estimates no higher than the costs, since one too low leads to the verify steps
-that measure it, one too high to none.
+as a plain step, and a draft pass its device time (``seed``: at start-up on CUDA the engine
+times a replay of each decode and draft graph) scaled by the host's share as the plain
+step's device time is to its cost, or, unseeded (the CPU), the proposer's prior (a draft
+model's pass as a plain step; prompt lookup nothing): estimates no higher than the costs,
+since one too low leads to the verify steps that measure it, one too high to none.
 
 Batch sizes are grouped as the CUDA graphs' ladder groups them (a batch runs as the next
 captured size).
@@ -257,9 +257,14 @@ class StepCosts:
             # several times a verify step's real cost, and nothing was drafted.)
             verify = plain
         if math.isnan(draft_pass):
-            # The device's time alone, not scaled: a pass costs at least that, and a low
-            # estimate is corrected by the verify steps it leads to, a high one never.
-            draft_pass = seeds[DRAFT_PASS]
+            # The device's time, scaled as the plain step's device time is to its measured
+            # cost (the host's share, where the host sets the pace), never down: a pass costs
+            # at least that, since the proposer waits for its drafts with the host in the
+            # loop (SmolLM2 as its own draft: a pass measured 2.2 times its device time, the
+            # plain step 1.3 times). A low estimate is corrected by the verify steps it leads
+            # to, a high one never; unscaled, a draft as costly as the target seemed to pay
+            # with every draft accepted, and drafted at batch sizes not yet measured.
+            draft_pass = seeds[DRAFT_PASS] * max(1.0, plain / seeds[PLAIN])
             if math.isnan(draft_pass):
                 draft_pass = self.draft_pass_prior * plain
         if math.isnan(probe):

@@ -237,8 +237,9 @@ class AsyncDevice:
     accepted: bool = True
     # From this step on every draft is accepted, whatever ``accepted`` says.
     right_from_step: int | None = None
-    # The draft graph's device time, timed at start-up (None: ``plain_device``'s).
-    draft_seed: float | None = None
+    # The draft graph's device time, timed at start-up (the policy's seed for a pass). None:
+    # the pass's, at most the target's own step's (as for the target as its own draft).
+    draft_device: float | None = None
     catch_up: float = 0.0
     # The engine's first steps, while it warms, take this many times the host's work.
     warm_up_steps: int = 0
@@ -254,7 +255,9 @@ class AsyncDevice:
         """``run``, with the steps that verified drafts."""
         costs = StepCosts(draft_pass_prior=1.0)
         costs.seeded[PLAIN] = [self.plain_device] * len(CAPTURE_BATCH_SIZES)
-        draft_seed = self.plain_device if self.draft_seed is None else self.draft_seed
+        draft_seed = self.draft_device
+        if draft_seed is None:
+            draft_seed = min(self.draft_pass, self.plain_device)
         costs.seeded[DRAFT_PASS] = [draft_seed] * len(CAPTURE_BATCH_SIZES)
         policy = AdaptiveDrafting(MAX_DRAFTS, costs, max_batch=None)
         request = Request(b"t", "r", [1, 2, 3], SamplingParams(), seed=0)
@@ -298,13 +301,14 @@ class AsyncDevice:
 
 
 def test_a_draft_whose_cost_only_the_next_step_shows_is_paused() -> None:
-    """The target as its own draft, on a device whose passes the host does not wait for:
-    every draft is accepted, but k + 1 tokens cost a verify step and k passes, more than k + 1
-    plain steps. The policy must find that from the steps' times alone (the graphs' device
-    times make a draft pass look cheap) and pause: at least 97% of plain decoding's tokens a
+    """A draft whose pass costs 0.64 ms, more than the target's plain step, on a device whose
+    passes the host does not wait for, while its graph's device time (0.1 ms, the policy's
+    seed even scaled by the host's share) makes it look cheap: every draft is accepted, but
+    k + 1 tokens cost a verify step and k passes, more than k + 1 plain steps. The policy must
+    find that from the steps' times alone and pause: at least 97% of plain decoding's tokens a
     second. A draft pass cheap enough pays, by the same mechanism."""
     plain_rate = 1 / AsyncDevice.plain_host
-    seconds, tokens, verify_steps = AsyncDevice(draft_pass=0.64).run(2000)
+    seconds, tokens, verify_steps = AsyncDevice(draft_pass=0.64, draft_device=0.1).run(2000)
     assert tokens / seconds > 0.97 * plain_rate, (tokens / seconds / plain_rate, verify_steps)
     assert verify_steps < 2000 * 0.02
     seconds, tokens, verify_steps = AsyncDevice(draft_pass=0.05).run(2000)
@@ -312,12 +316,12 @@ def test_a_draft_whose_cost_only_the_next_step_shows_is_paused() -> None:
 
 
 def test_a_plain_step_measured_while_the_engine_warms_is_measured_again_soon() -> None:
-    """The target as its own draft on an engine whose first 8 steps take 1.4 times a plain
-    step's host work: the plain step measured then is too high, and drafting seems to pay.
+    """The costly draft of the test above on an engine whose first 8 steps take 1.4 times a
+    plain step's host work: the plain step measured then is too high, and drafting seems to pay.
     The plain step is measured again after 16 verify steps (not 512), found faster, and
     drafting stops: at least 97% of plain decoding's tokens a second over 3,000 steps (its
     first steps as slow)."""
-    device = AsyncDevice(draft_pass=0.64, warm_up_steps=8, warm_up_factor=1.4)
+    device = AsyncDevice(draft_pass=0.64, draft_device=0.1, warm_up_steps=8, warm_up_factor=1.4)
     seconds, tokens, verify_steps = device.run(3000)
     plain_seconds = (3000 + 8 * (device.warm_up_factor - 1)) * device.plain_host
     assert tokens / seconds > 0.97 * 3000 / plain_seconds, tokens / seconds * plain_seconds / 3000
@@ -339,26 +343,43 @@ def test_a_draft_that_never_pays_costs_at_most_its_probes_share() -> None:
 def test_a_draft_that_starts_guessing_is_found_by_a_later_probe() -> None:
     """The draft of the test above guesses nothing for 3,000 steps, by when its probes came
     at the least share, then guesses every token: the next probe finds it (at the least share,
-    a probe's cost over 0.25% of a plain step: under 3,500 steps), and probes at the full
-    share again, so that within a thousand steps of that probe the request drafts every
-    step."""
-    device = AsyncDevice(draft_pass=0.05, accepted=False, catch_up=2.7, right_from_step=3000)
-    _, _, verify_steps = device.run_steps(8000)
+    a probe's cost over 0.25% of a plain step: under 3,500 steps), and probes come at the full
+    share again, each finding drafts accepted, so that 2,000 steps after the first the request
+    drafts at more than 95% of its steps (all but the plain steps that measure a plain step
+    again now and then). Probes left at the least share found it once in 6,000 steps."""
+    device = AsyncDevice(draft_pass=0.2, accepted=False, catch_up=2.7, right_from_step=3000)
+    _, _, verify_steps = device.run_steps(9000)
     found = [step for step in verify_steps if step >= 3000]
     assert found and found[0] < 6500, verify_steps
-    drafting_from = found[0] + 1000
-    assert all(step in found for step in range(drafting_from, drafting_from + 100)), found[:20]
+    window = range(found[0] + 2000, found[0] + 2500)
+    drafted = len(set(window).intersection(found))
+    assert drafted > 0.95 * len(window), (drafted, found[:20])
 
 
 def test_a_draft_that_cannot_pay_is_not_probed() -> None:
-    """The target as its own draft, whose probe after a pause first catches up op by op (30
-    plain steps' time): once its costs are measured, not even every draft accepted would pay,
-    so its requests are not probed again: 99% of plain decoding's tokens a second over 3,000
-    steps, all its verify steps in the first few (probed within the 2% budget, it fell short)."""
-    device = AsyncDevice(draft_pass=0.64, catch_up=30.0)
+    """The costly draft of the tests above, whose probe after a pause first catches up op by
+    op (30 plain steps' time): once its costs are measured, not even every draft accepted
+    would pay, so its requests are not probed again: 99% of plain decoding's tokens a second
+    over 3,000 steps, all its verify steps in the first few (probed within the 2% budget, it
+    fell short)."""
+    device = AsyncDevice(draft_pass=0.64, draft_device=0.1, catch_up=30.0)
     seconds, tokens, verify_steps = device.run(3000)
     assert tokens / seconds > 0.99 / device.plain_host, tokens * device.plain_host / seconds
     assert verify_steps < 10
+
+
+def test_the_target_as_its_own_draft_is_priced_as_a_plain_step() -> None:
+    """The target as its own draft, on a host that sets a small model's pace (a plain step
+    0.54 ms, its graph 0.25 ms on the device): its draft pass, until measured, is the same
+    graph's device time scaled by the host's share, a plain step's cost. Not even every
+    draft accepted would pay then, so nothing is drafted, not even once, and no probe is
+    made: all of plain decoding's speed. (Priced at the graph's device time alone, the draft
+    seemed to pay, and its first verify steps cost 0.8% here; on an H200 SmolLM2 as its own
+    draft lost 14% in one of bench_speculative's batch-32 runs, likely so.)"""
+    device = AsyncDevice(draft_pass=0.64, catch_up=30.0)
+    seconds, tokens, verify_steps = device.run(3000)
+    assert verify_steps == 0
+    assert tokens / seconds > 0.999 / device.plain_host, tokens * device.plain_host / seconds
 
 
 def test_a_probe_that_could_not_win_back_its_cost_is_not_made() -> None:
@@ -376,7 +397,6 @@ def test_a_probe_that_could_not_win_back_its_cost_is_not_made() -> None:
         verify_host=0.3,
         verify_device=4.1,
         catch_up=30.0,
-        draft_seed=3.87,
     )
     seconds, tokens, verify_steps = device.run(3000)
     assert tokens / seconds > 0.995 / device.plain_device, (tokens * 4.0 / seconds, verify_steps)
