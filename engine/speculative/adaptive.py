@@ -43,10 +43,10 @@ beats plain decoding, so:
   verify step for the batch. Each probe halves that share for the next, down to
   ``LEAST_PROBE_SHARE``, and a draft accepted anywhere (a probe's or drafting's) restores it:
   a draft that guesses nothing costs a quarter of a percent once a few probes found nothing,
-  where it cost 2%, and text it starts to guess is found by the next probe, a few times the
-  probe's own cost in plain steps later (about a thousand steps for an 8B model with a 1B
-  draft), then probed for at the full share. Requests due ride along, free, where others'
-  drafts pay. Where not even drafts all accepted would win back a probe's measured cost
+  where it cost 2%, and text it starts to guess is found by the next probe (at the least
+  share, once plain steps have run 400 times a probe's cost), then probed for at the full
+  share. Requests due ride along, free, where others' drafts pay. Where not even drafts all
+  accepted would win back a probe's measured cost
   within a longest pause's steps of drafting (a draft whose pass costs about as much as the
   target's: the target as its own draft, whose verify steps a large model's batch-1 step
   never times since no two come in a row), there is nothing a probe could find that pays

@@ -260,10 +260,10 @@ class StepCosts:
             # The device's time, scaled as the plain step's device time is to its measured
             # cost (the host's share, where the host sets the pace), never down: a pass costs
             # at least that, since the proposer waits for its drafts with the host in the
-            # loop (SmolLM2 as its own draft: a pass measured 2.2 times its device time, the
-            # plain step 1.3 times). A low estimate is corrected by the verify steps it leads
-            # to, a high one never; unscaled, a draft as costly as the target seemed to pay
-            # with every draft accepted, and drafted at batch sizes not yet measured.
+            # loop, where a plain step overlaps the host's work with the device's. A low
+            # estimate is corrected by the verify steps it leads to, a high one never;
+            # unscaled, a draft as costly as the target seemed to pay with every draft
+            # accepted, and drafted at batch sizes not yet measured.
             draft_pass = seeds[DRAFT_PASS] * max(1.0, plain / seeds[PLAIN])
             if math.isnan(draft_pass):
                 draft_pass = self.draft_pass_prior * plain
