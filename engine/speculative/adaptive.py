@@ -46,12 +46,11 @@ beats plain decoding, so:
   where it cost 2%, and text it starts to guess is found by the next probe (at the least
   share, once plain steps have run 400 times a probe's cost), then probed for at the full
   share. Requests due ride along, free, where others' drafts pay. Where not even drafts all
-  accepted would win back a probe's measured cost
-  within a longest pause's steps of drafting (a draft whose pass costs about as much as the
-  target's: the target as its own draft, whose verify steps a large model's batch-1 step
-  never times since no two come in a row), there is nothing a probe could find that pays
-  for it: the requests pause again instead, and such a draft costs nothing once its costs
-  are measured.
+  accepted would win back a probe's measured cost within a longest pause's steps of drafting
+  (a draft whose pass costs about as much as the target's: the target as its own draft,
+  whose verify steps a large model's batch-1 step never times since no two come in a row),
+  there is nothing a probe could find that pays for it: the requests pause again instead,
+  and such a draft costs nothing once its costs are measured.
 
 Two decisions a step: before the step in flight is read (``plan``: who may draft, and k, from
 the estimates for each request's latest source), and once the drafts are proposed
@@ -160,8 +159,9 @@ class AdaptiveDrafting:
         costs = self.costs.costs(batch_size)
         if active:
             alphas = [self._alpha(r, r.draft_acceptance.key) for r in active + due]
-            width, pays = self._best_width(np.asarray(alphas), batch_size)
-            if pays:  # their drafts pay (those due ride along): a later pause starts short
+            width, tokens = self._best_width(np.asarray(alphas), batch_size)
+            # Their drafts pay (those due ride along): a later pause starts short.
+            if tokens > batch_size:
                 for request in active + due:
                     request.draft_pause.reset()
                     request.draft_pause.probing = False  # choose weighs them as the others
@@ -247,22 +247,19 @@ class AdaptiveDrafting:
         would gain, over a longest pause's steps of drafting, the tokens a probe's cost
         would have decoded: what a probe could find at best against what it costs."""
         costs = self.costs.costs(batch_size)
-        width, _ = self._best_width(np.ones(num_due), batch_size)
-        # Tokens in a plain step's time, drafting at that width with every draft accepted.
-        drafting = (
-            (batch_size + num_due * width) * costs.plain / (costs.verify + width * costs.draft_pass)
-        )
+        _, drafting = self._best_width(np.ones(num_due), batch_size)
         gained_steps = (drafting - batch_size) / batch_size * LONGEST_PAUSE
         return gained_steps * costs.plain > costs.probe
 
-    def _best_width(self, alphas: np.ndarray, batch_size: int) -> tuple[int, bool]:
+    def _best_width(self, alphas: np.ndarray, batch_size: int) -> tuple[int, float]:
         """The k of most tokens a second for requests of acceptance ``alphas`` in a batch of
-        ``batch_size``, and whether it beats plain decoding."""
+        ``batch_size``, and the tokens it makes in a plain step's time (drafting beats plain
+        decoding where that is more than ``batch_size``)."""
         costs = self.costs.costs(batch_size)
         gains = (_expected_tokens(alphas, self.max_drafts)[:, 1:] - 1).sum(axis=0)
         rates = (batch_size + gains) / (costs.verify + self.widths * costs.draft_pass)
         best = int(rates.argmax())
-        return best + 1, rates[best] * costs.plain > batch_size
+        return best + 1, float(rates[best] * costs.plain)
 
 
 def _expected_tokens(alphas: np.ndarray, max_drafts: int) -> np.ndarray:
