@@ -266,27 +266,34 @@ class LLM:
             )
         results: list[RequestOutput] = []
         choices: dict[str, _Choice] = {}
-        for text, prompt, params in zip(texts, token_ids, sampling_params, strict=True):
-            sampling = (
-                params if isinstance(params, SamplingParams) else SamplingParams(**vars(params))
-            )
-            if sampling.n < 1:
-                raise ValueError(f"prompt {len(results)}: n must be at least 1, not {sampling.n}")
-            result = RequestOutput(str(next(self._request_ids)), text, prompt, [], False)
-            if sampling.prompt_logprobs is not None:
-                result.prompt_logprobs = [None]  # the first token's; the engine's pieces follow
-            for index in range(sampling.n):
-                request_id = f"{result.request_id}-{index}"
-                try:
-                    self.engine.add_request(
-                        _CLIENT, request_id, prompt, sampling.engine_params(index)
+        try:
+            for text, prompt, params in zip(texts, token_ids, sampling_params, strict=True):
+                sampling = (
+                    params if isinstance(params, SamplingParams) else SamplingParams(**vars(params))
+                )
+                if sampling.n < 1:
+                    raise ValueError(
+                        f"prompt {len(results)}: n must be at least 1, not {sampling.n}"
                     )
-                except RequestRejected as exc:
-                    for added in choices:
-                        self.engine.abort(_CLIENT, added)
-                    raise ValueError(f"prompt {len(results)}: {exc.message}") from None
-                choices[request_id] = _Choice(self.tokenizer, result, index, prompt, sampling)
-            results.append(result)
+                result = RequestOutput(str(next(self._request_ids)), text, prompt, [], False)
+                if sampling.prompt_logprobs is not None:
+                    result.prompt_logprobs = [None]  # the first token's; the engine's follow
+                for index in range(sampling.n):
+                    request_id = f"{result.request_id}-{index}"
+                    try:
+                        self.engine.add_request(
+                            _CLIENT, request_id, prompt, sampling.engine_params(index)
+                        )
+                    except RequestRejected as exc:
+                        raise ValueError(f"prompt {len(results)}: {exc.message}") from None
+                    choices[request_id] = _Choice(self.tokenizer, result, index, prompt, sampling)
+                results.append(result)
+        except BaseException:
+            # A refused prompt generates nothing: the earlier prompts' requests leave the engine
+            # too, or the next call would step them with no choice to take their tokens.
+            for added in choices:
+                self.engine.abort(_CLIENT, added)
+            raise
         with tqdm(
             total=len(results), desc="generating", unit="prompt", disable=not use_tqdm
         ) as progress:

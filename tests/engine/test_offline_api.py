@@ -166,10 +166,13 @@ def test_stop_strings_end_the_text_as_the_servers_do(
 
 
 def test_a_refused_prompt_raises_and_generates_nothing(llm: LLM) -> None:
+    """Refused by the engine (too long) or by the offline API (n = 0), a prompt after one
+    already added: the call raises, and nothing of it stays in the engine."""
     too_long = SamplingParams(max_tokens=10_000)
-    with pytest.raises(ValueError, match="prompt 1"):
-        llm.generate([[5, 6], [7, 8]], [GREEDY, too_long], use_tqdm=False)
-    assert not llm.engine.has_work
+    for refused, reason in ((too_long, "prompt 1"), (SamplingParams(n=0), "n must be")):
+        with pytest.raises(ValueError, match=reason):
+            llm.generate([[5, 6], [7, 8]], [GREEDY, refused], use_tqdm=False)
+        assert not llm.engine.has_work
     (output,) = llm.generate([[5, 6]], GREEDY, use_tqdm=False)
     assert len(output.outputs[0].token_ids) == 8
 
