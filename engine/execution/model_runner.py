@@ -628,23 +628,25 @@ class ModelRunner:
         (``engine/sampling/rejection_sampler.py``); the last one is pending. Rows with
         drafts have no grammar and shape no logits: the others are sampled as ``_sample``
         samples them."""
-        tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=self.device)
         plain = [r for r in rows if not r.draft_token_ids]
-        if plain:
+        drafted = [r for r in rows if r.draft_token_ids]
+        params = position_sampling_tensors(drafted, self.device)
+        if not plain:  # every position is a drafted row's, in order: sampled without a gather
+            tokens = sample(logits, params, self.backend.step_ops)
+        else:
+            tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=self.device)
             plain_logits = logits[layout.plain_index]
             if grammars is not None:
                 masks = [g for g, r in zip(grammars, rows, strict=True) if not r.draft_token_ids]
                 assert self.grammar_bitmask is not None, "only rank 0 samples"
                 self.grammar_bitmask.apply(plain_logits, masks)
                 logits[layout.plain_index] = plain_logits  # logprobs: the masked distribution's
-            params = sampling_tensors(
+            plain_params = sampling_tensors(
                 plain, self.device, self._last_sampled, self.eos_token_ids, self.seen_tokens
             )
-            tokens[layout.plain_index] = sample(plain_logits, params, self.backend.step_ops)
-        drafted = [r for r in rows if r.draft_token_ids]
-        drafted_logits = logits[layout.drafted_index]
-        params = position_sampling_tensors(drafted, self.device)
-        tokens[layout.drafted_index] = sample(drafted_logits, params, self.backend.step_ops)
+            tokens[layout.plain_index] = sample(plain_logits, plain_params, self.backend.step_ops)
+            drafted_logits = logits[layout.drafted_index]
+            tokens[layout.drafted_index] = sample(drafted_logits, params, self.backend.step_ops)
         num_emitted = num_emitted_tokens(tokens, layout)
         self._mark_pending(rows, tokens[layout.row_starts_index + num_emitted - 1])
         return self._with_logprobs(rows, logits, tokens, [tokens, num_emitted])
