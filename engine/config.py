@@ -35,6 +35,23 @@ def default_max_num_seqs(tensor_parallel_size: int) -> int:
     return MAX_NUM_SEQS_PER_GPU * max(tensor_parallel_size, 1)
 
 
+# A step's token budget: a GPU computes 8192 tokens in milliseconds. A CPU takes tens of
+# seconds over a long prompt's 8192 (a 135M model on two cores: 40 s), and the engine answers
+# nothing during a step, so a server, which takes an engine silent for 30 s to be lost
+# (server/engine_client.py), would refuse every request meanwhile: on the CPU a long prompt
+# goes in chunks of seconds, the heartbeat between them. Its matrix products run about as
+# fast on 512 rows as on 8192.
+GPU_STEP_TOKENS = 8192
+CPU_STEP_TOKENS = 512
+
+
+def default_max_num_batched_tokens(device: str, max_num_seqs: int) -> int:
+    """--max-num-batched-tokens when none is given, for a device and a batch (a step's budget
+    holds each running request's token)."""
+    per_step = CPU_STEP_TOKENS if torch.device(device).type == "cpu" else GPU_STEP_TOKENS
+    return max(per_step, max_num_seqs)
+
+
 def option(default: Any, help: str, **argparse_kwargs: Any) -> Any:
     """A field with a default and the command line's help text (and choices, if any;
     ``aliases``, more flags for it, such as its old name; and a ``type``, ``bounded``, for a
@@ -108,9 +125,11 @@ class EngineConfig:
         "so that each GPU's share of a step stays as large as one GPU's)",
         type=bounded(int, at_least=1),
     )
-    max_num_batched_tokens: int = option(
-        8192,
-        "tokens one step computes at most; longer prompts are prefilled in chunks",
+    max_num_batched_tokens: int | None = option(
+        None,
+        "tokens one step computes at most; longer prompts are prefilled in chunks (default: "
+        "8192; on the CPU 512, or --max-num-seqs if more: a step keeps to seconds there, "
+        "within the servers' 30 s heartbeat)",
         type=bounded(int, at_least=1),
     )
     scheduling_policy: str = option(
@@ -233,6 +252,10 @@ class EngineConfig:
     def __post_init__(self, attention_backend: str | None) -> None:
         if self.max_num_seqs is None:
             self.max_num_seqs = default_max_num_seqs(self.tensor_parallel_size)
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = default_max_num_batched_tokens(
+                self.device, self.max_num_seqs
+            )
         if attention_backend is None:
             return
         if self.backend not in (None, attention_backend):

@@ -80,3 +80,20 @@ def test_budget_below_max_num_seqs_is_refused(tiny: tuple[Path, HFLlama]) -> Non
     )
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8\) must be at least"):
         LLMEngine(config)
+
+
+def test_on_the_cpu_a_step_computes_512_tokens_by_default(tmp_path: Path) -> None:
+    """A step computes at most 512 tokens on the CPU unless told (a longer step there would
+    outlast the servers' heartbeat): a 1,200-token prompt takes three steps to its first
+    token, and its tokens are transformers'."""
+    hf_model = save_tiny_llama(tmp_path, max_position_embeddings=2048)
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", kv_cache_memory_gb=0.05))
+    assert engine.scheduler.max_num_batched_tokens == 512
+    prompt = [token % 200 + 3 for token in range(1200)]
+    engine.add_request(b"t", "long", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    steps: list[list[int]] = []  # each step's new tokens
+    while engine.has_work:
+        steps.append([token for _, output in engine.step() for token in output.new_token_ids])
+    # Three chunks of 512, 512 and 176 tokens, the last one's step sampling the first token.
+    assert [bool(new) for new in steps] == [False, False, True, True, True, True]
+    assert [token for new in steps for token in new] == hf_greedy(hf_model, prompt, 4)
