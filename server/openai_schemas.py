@@ -339,6 +339,17 @@ class GenerationBody(SamplingFields, PromptTruncation):
     guided_choice: Any = None
     guided_grammar: Any = None
 
+    @model_validator(mode="after")
+    def _stream_options_with_stream(self) -> GenerationBody:
+        # As OpenAI and vLLM: options of a stream that is not asked for are a mistake.
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(
+                400,
+                "Stream options can only be defined when `stream=True`.",
+                param="stream_options",
+            )
+        return self
+
     @property
     def num_choices(self) -> int:
         return self.n or 1

@@ -224,6 +224,8 @@ def test_malformed_structured_outputs(
         ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs
         ("/v1/chat/completions", {"logprobs": [1]}, "logprobs"),
         ("/v1/completions", {"logprobs": 21}, "logprobs"),
+        ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/completions", {"stream_options": {}, "stream": False}, "stream_options"),
     ],
 )
 def test_bad_choices_penalties_or_logprobs(
@@ -577,7 +579,8 @@ def test_defaults_and_normalisation() -> None:
     request = parse_request(
         ChatCompletionRequest,
         b'{"messages": [{"role": "user", "content": "hi", "name": "ann"}], "stop": "END",'
-        b' "frequency_penalty": 0, "n": 1, "stream_options": {"include_usage": true}}',
+        b' "frequency_penalty": 0, "n": 1, "stream": true,'
+        b' "stream_options": {"include_usage": true}}',
     )
     assert request.stop == ["END"]
     assert request.temperature is None and request.top_p is None  # defaults come later
