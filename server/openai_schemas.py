@@ -117,6 +117,8 @@ def _content(value: Any) -> str | list[dict[str, str]] | None:
         return value
     if not isinstance(value, list):
         raise PydanticCustomError("invalid_type", "content must be a string or a list of parts")
+    if not value:  # as OpenAI: a message of no parts says nothing
+        raise PydanticCustomError("invalid_value", "content must not be an empty list of parts")
     parts = []
     for part in value:
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
@@ -186,6 +188,7 @@ class ChatMessage(BaseModel):
 
     role: Annotated[str, Field(min_length=1)]
     content: Content = None
+    name: str | None = None  # the participant's, as OpenAI's: a template writes it as text
 
     @model_validator(mode="after")
     def _content_where_required(self) -> ChatMessage:

@@ -137,6 +137,20 @@ def test_empty_messages(client: TestClient) -> None:
     assert_error(response, 400, "messages")
 
 
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        ({"role": "user", "content": []}, "messages[0].content"),
+        ({"role": "user", "content": "hi", "name": 5}, "messages[0].name"),
+    ],
+)
+def test_a_message_of_no_parts_or_a_name_not_text_is_refused(
+    client: TestClient, message: dict[str, Any], param: str
+) -> None:
+    """As OpenAI: content is a string or one part at least, and a name is a string."""
+    assert_error(client.post("/v1/chat/completions", json=chat(messages=[message])), 400, param)
+
+
 @pytest.mark.parametrize("role", ["user", "system", "tool"])
 def test_a_message_without_content_is_refused_by_its_place(client: TestClient, role: str) -> None:
     """Only an assistant's message (its tool calls) may leave content out, as OpenAI says; a
