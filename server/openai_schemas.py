@@ -309,6 +309,9 @@ class GenerationBody(SamplingFields, PromptTruncation):
     not_served: ClassVar[Mapping[str, tuple[Any, ...]]] = _NOT_SERVED_GENERATION
     # What the request calls its prompt, in errors about it (the chat API's "messages").
     prompt_param: ClassVar[str]
+    # The length of an answer that neither the request nor the model's max_new_tokens bounds
+    # (None: what the context leaves).
+    unasked_max_tokens: ClassVar[int | None] = None
 
     model: str | None = None
     max_tokens: Annotated[int | None, Field(ge=1)] = None
@@ -427,9 +430,10 @@ class GenerationBody(SamplingFields, PromptTruncation):
         if problem:
             raise ApiError(400, problem, param=self.prompt_param, code="context_length_exceeded")
         defaults = model.sampling_defaults
-        # As vLLM: what the request asks, else the model's max_new_tokens, within the context.
+        # As vLLM: what the request asks, else the model's max_new_tokens, else the endpoint's
+        # default, within the context.
         max_tokens = min(
-            _first(requested_max_tokens, defaults.max_tokens, limit),
+            _first(requested_max_tokens, defaults.max_tokens, self.unasked_max_tokens or limit),
             limit - prompt_tokens,
         )
         generated = self.num_candidates * max_tokens
@@ -590,6 +594,7 @@ class CompletionRequest(GenerationBody):
         "prompt_embeds": (),
     }
     prompt_param: ClassVar[str] = "prompt"
+    unasked_max_tokens: ClassVar[int | None] = 16  # OpenAI's and vLLM's
 
     prompt: Prompts
     echo: bool = False  # each choice's text starts with its prompt's

@@ -51,6 +51,14 @@ def test_batched_prompts_and_echo(cluster: Cluster) -> None:
     assert streamed == [choice.text for choice in echoed.choices]
 
 
+def test_a_completion_that_names_no_length_has_16_tokens(cluster: Cluster) -> None:
+    """OpenAI's and vLLM's default for completions (the model sets none), not the context."""
+    reply = cluster.client().completions.create(
+        model=cluster.model, prompt=PROMPTS[0], temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert reply.usage.completion_tokens == 16 and reply.choices[0].finish_reason == "length"
+
+
 def test_best_of_answers_with_the_likeliest_candidates(cluster: Cluster) -> None:
     request = dict(prompt=PROMPTS[0], temperature=1.0, seed=1, max_tokens=6)
     # best_of's candidates are the choices a request for that many makes (seeds 1, 2, 3).
