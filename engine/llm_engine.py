@@ -328,6 +328,8 @@ class LLMEngine:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, problem)
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
         request = Request(client, request_id, list(prompt), sampling, seed, scheduling)
+        if not sampling.ignore_eos:
+            request.finish_token_set = request.stop_token_set | self.eos_token_ids
         if sampling.structured_output is not None:
             # Scheduled once its grammar is compiled; refused (take_errors) if it fails.
             self.compiling.add(request)
@@ -575,45 +577,48 @@ class LLMEngine:
         self, request: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None
     ) -> RequestOutput | None:
         """Append a step's new tokens to the request, up to the one that finishes it; its
-        output (None: refused, its error is in self.errors)."""
+        output (None: refused, its error is in self.errors). A verify step's tokens are
+        looked at a few at once (set lookups, one slice), not in a Python loop a token."""
         sampling = request.sampling
         first = not request.output_token_ids
         grammar = request.grammar
-        dead_ends = may_dead_end(request)
-        for count, token in enumerate(tokens):
-            # A request that may dead-end gets no drafts (it has a grammar or restricts its
-            # tokens, which shape its logits): this is its step's one token.
-            if dead_ends and (
-                breaks_restrictions(request, token, self.eos_token_ids)
-                or (grammar is not None and not grammar.accept_token(token))
+        stop_at = None  # the index of the token that finishes it, if one does
+        if may_dead_end(request):
+            # Its grammar or allowed tokens shape its logits, so it gets no drafts: this is
+            # its step's one token.
+            (token,) = tokens
+            if breaks_restrictions(request, token, self.eos_token_ids) or (
+                grammar is not None and not grammar.accept_token(token)
             ):
                 return self._refuse_dead_end(request, token)
-            if (
-                token in request.stop_token_set
-                or (not sampling.ignore_eos and token in self.eos_token_ids)
-                or (grammar is not None and grammar.is_terminated())
-            ):
-                new_tokens, new_logprobs = _first(count, tokens, logprobs)
-                output = self._finish(
-                    request,
-                    FinishReason.STOP,
-                    new_tokens,
-                    new_logprobs,
-                    stop_token_id=token,
-                )
-                break
-            request.append_output_token(token)
-            if (
-                len(request.output_token_ids) >= sampling.max_tokens
-                # Known tokens, not num_tokens: with overlapped steps that counts the next
-                # token too, sampled by the step in flight, and the context's last token was
-                # dropped.
-                or request.num_known_tokens >= self.max_model_len
-            ):
-                new_tokens, new_logprobs = _first(count + 1, tokens, logprobs)
-                output = self._finish(request, FinishReason.LENGTH, new_tokens, new_logprobs)
-                break
+            if grammar is not None and grammar.is_terminated():
+                stop_at = 0
+        finish_tokens = request.finish_token_set
+        if stop_at is None and not finish_tokens.isdisjoint(tokens):
+            stop_at = next(i for i, token in enumerate(tokens) if token in finish_tokens)
+        # The token that reaches max_tokens or the context's end finishes it (the first one
+        # whatever the bound): tokens known, not num_tokens, since with overlapped steps that
+        # counts the next token too, sampled by the step in flight.
+        room = sampling.max_tokens - len(request.output_token_ids)
+        room_in_context = self.max_model_len - request.num_known_tokens
+        if room_in_context < room:
+            room = room_in_context
+        if stop_at is not None and stop_at < max(room, 1):
+            new_tokens, new_logprobs = _first(stop_at, tokens, logprobs)
+            request.append_output_tokens(new_tokens)
+            output = self._finish(
+                request,
+                FinishReason.STOP,
+                new_tokens,
+                new_logprobs,
+                stop_token_id=tokens[stop_at],
+            )
+        elif room <= len(tokens):
+            new_tokens, new_logprobs = _first(max(room, 1), tokens, logprobs)
+            request.append_output_tokens(new_tokens)
+            output = self._finish(request, FinishReason.LENGTH, new_tokens, new_logprobs)
         else:
+            request.append_output_tokens(tokens)
             output = self._output(request, tokens, None, logprobs)
         if first and request.first_scheduled_time is not None:
             output.queue_time = request.first_scheduled_time - request.arrival_time

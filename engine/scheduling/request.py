@@ -49,7 +49,7 @@ class Request:
     pending_row: int = -1
     # Its prompt, output and pending tokens: len(prompt_token_ids) + len(output_token_ids) +
     # num_pending_tokens, kept as they change (add_pending_token, read_pending_token,
-    # append_output_token). An attribute, not a property: the scheduler, packing and the read
+    # append_output_tokens). An attribute, not a property: the scheduler, packing and the read
     # of results take it four times a request each step, and a property's call cost a large
     # batch's step a tenth of the host's time.
     num_tokens: int = field(init=False)
@@ -93,6 +93,9 @@ class Request:
     # allowed_token_array None: every token is allowed. A token repeated in the logit bias
     # gets the sum of its values, as the sampler's accumulating sum would give it.
     stop_token_set: frozenset[int] = field(init=False)
+    # The tokens that finish it when sampled: its stop tokens, and the model's end-of-sequence
+    # tokens unless it ignores them (the engine adds those at arrival).
+    finish_token_set: frozenset[int] = field(init=False)
     stop_token_array: np.ndarray = field(init=False)
     allowed_token_set: frozenset[int] | None = field(init=False)
     allowed_token_array: np.ndarray | None = field(init=False)
@@ -120,6 +123,7 @@ class Request:
             or s.min_p
         )
         self.stop_token_set = frozenset(s.stop_token_ids)
+        self.finish_token_set = self.stop_token_set
         self.stop_token_array = np.fromiter(self.stop_token_set, np.int64, len(self.stop_token_set))
         allowed = s.allowed_token_ids
         self.allowed_token_set = None if allowed is None else frozenset(allowed)
@@ -145,9 +149,9 @@ class Request:
         self.num_pending_tokens -= 1
         self.num_tokens -= 1
 
-    def append_output_token(self, token: int) -> None:
-        self.output_token_ids.append(token)
-        self.num_tokens += 1
+    def append_output_tokens(self, tokens: list[int]) -> None:
+        self.output_token_ids.extend(tokens)
+        self.num_tokens += len(tokens)
 
     @property
     def key(self) -> tuple[bytes, str]:

@@ -170,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
             max_num_seqs=max(batches),
             max_model_len=args.context + (args.steps + 64) * (k + 1),
             kv_cache_memory_gb=1,
+            # Every prompt in one step: timed steps start with every request decoding.
+            max_num_batched_tokens=max(batches) * args.context,
             speculative_method="ngram" if k else None,
             num_speculative_tokens=max(k, 1),
             speculative_disable_by_batch_size=0,  # verify steps at every batch timed

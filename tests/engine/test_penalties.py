@@ -135,7 +135,7 @@ def test_seen_tokens_count_each_output_once_across_steps_and_lost_slots() -> Non
         for row, request in enumerate(rows):
             if before:
                 request.read_pending_token()
-                request.append_output_token(before[row])
+                request.append_output_tokens([before[row]])
             request.add_pending_token(row)
         before = sampled
         slots = seen.slots_of(rows, torch.tensor(sampled))
@@ -146,7 +146,7 @@ def test_seen_tokens_count_each_output_once_across_steps_and_lost_slots() -> Non
     check([c], seen.slots_of([c], no_pending), [])
     for row, request in enumerate(rows):
         request.read_pending_token()
-        request.append_output_token(before[row])
+        request.append_output_tokens([before[row]])
     rows = [b, a]
     check(rows, seen.slots_of(rows, no_pending), [])
     # What the KV cache's sizing leaves them is what they take.
@@ -161,5 +161,5 @@ def test_seen_tokens_count_each_output_once_across_steps_and_lost_slots() -> Non
     for sampled in steps:
         for row, request in enumerate(rows):
             request.read_pending_token()
-            request.append_output_token(sampled[row])
+            request.append_output_tokens([sampled[row]])
     check(rows, seen.slots_of(rows, no_pending), [])

@@ -139,6 +139,6 @@ def test_disabled_prefix_caching_finds_nothing(tiny: tuple[Path, HFLlama]) -> No
 def test_token_ids_between_spans_prompt_and_output(start: int, end: int) -> None:
     request = Request(b"c", "r", [0, 1, 2, 3], SamplingParams(), seed=0)
     for token in [4, 5, 6]:
-        request.append_output_token(token)
+        request.append_output_tokens([token])
     assert request.num_tokens == 7 and request.num_output_tokens == 3
     assert request.token_ids_between(start, end) == list(range(start, end))

@@ -128,7 +128,15 @@ def test_accepted_drafts_keep_greedy_output_and_roll_back_the_rest(
     requests = {
         str(i): (p, SamplingParams(max_tokens=30, ignore_eos=True)) for i, p in enumerate(prompts)
     }
+    first_stop = expected[0].index(stop_at)
     requests["stop"] = (REPETITIVE, SamplingParams(max_tokens=30, stop_token_ids=[stop_at]))
+    # Its stop token the last that max_tokens allows: a stop, not a length (the token is not
+    # output); and a length reached within a step's accepted drafts.
+    requests["stop-last"] = (
+        REPETITIVE,
+        SamplingParams(max_tokens=first_stop + 1, stop_token_ids=[stop_at]),
+    )
+    requests["length"] = (REPETITIVE, SamplingParams(max_tokens=13, ignore_eos=True))
     for request_id, (prompt, sampling) in requests.items():
         engine.add_request(b"t", request_id, prompt, sampling)
     outputs: dict[str, list[RequestOutput]] = {request_id: [] for request_id in requests}
@@ -142,8 +150,11 @@ def test_accepted_drafts_keep_greedy_output_and_roll_back_the_rest(
             assert len(request.block_ids) <= engine.block_manager.blocks_for(request.num_tokens)
     tokens = {i: [t for o in out for t in o.new_token_ids] for i, out in outputs.items()}
     assert [tokens[str(i)] for i in range(len(prompts))] == expected
-    assert tokens["stop"] == expected[0][: expected[0].index(stop_at)]
-    assert outputs["stop"][-1].finish_reason == "stop"
+    for request_id in ("stop", "stop-last"):
+        assert tokens[request_id] == expected[0][:first_stop]
+        assert outputs[request_id][-1].finish_reason == "stop"
+    assert tokens["length"] == expected[0][:13]
+    assert outputs["length"][-1].finish_reason == "length"
     assert engine.num_accepted_tokens > 0
     assert steps < 30  # several tokens a step
     assert_all_blocks_free(engine)
