@@ -80,9 +80,17 @@ def _from_response_format(value: Any) -> StructuredOutput | None:
                 param="response_format.json_schema",
             )
         # strict is not read: the output always follows the schema.
-        return _constraint(
+        constraint = _constraint(
             StructuredOutputKind.JSON_SCHEMA, spec["schema"], "response_format.json_schema.schema"
         )
+        # Required by OpenAI's API (and vLLM's), though the output does not depend on it.
+        if not isinstance(spec.get("name"), str) or not spec["name"]:
+            raise ApiError(
+                400,
+                "response_format json_schema needs a name (a non-empty string)",
+                param="response_format.json_schema.name",
+            )
+        return constraint
     raise ApiError(
         400,
         f"response_format type {kind!r} is not supported; use text, json_object or json_schema",

@@ -97,6 +97,11 @@ def test_each_shape_maps_to_its_constraint(
             "response_format.json_schema.schema",
             "JSON Schema object",
         ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}},
+            "response_format.json_schema.name",
+            "needs a name",
+        ),
         ({"structured_outputs": {}}, "structured_outputs", "exactly one of"),
         (
             {"structured_outputs": {"regex": "a", "choice": ["a"]}},
