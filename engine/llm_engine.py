@@ -603,7 +603,9 @@ class LLMEngine:
         room_in_context = self.max_model_len - request.num_known_tokens
         if room_in_context < room:
             room = room_in_context
-        if stop_at is not None and stop_at < max(room, 1):
+        if room < 1:
+            room = 1
+        if stop_at is not None and stop_at < room:
             new_tokens, new_logprobs = _first(stop_at, tokens, logprobs)
             request.append_output_tokens(new_tokens)
             output = self._finish(
@@ -614,7 +616,7 @@ class LLMEngine:
                 stop_token_id=tokens[stop_at],
             )
         elif room <= len(tokens):
-            new_tokens, new_logprobs = _first(max(room, 1), tokens, logprobs)
+            new_tokens, new_logprobs = _first(room, tokens, logprobs)
             request.append_output_tokens(new_tokens)
             output = self._finish(request, FinishReason.LENGTH, new_tokens, new_logprobs)
         else:
