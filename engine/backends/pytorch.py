@@ -430,6 +430,20 @@ class TorchStepOps:
         kernel = "cpu" if logits.device.type == "cpu" else "torch_native"
         xgr.apply_token_bitmask_inplace(logits, bitmask, backend=kernel)
 
+    def emitted_tokens(
+        self,
+        sampled: torch.Tensor,
+        next_drafts: torch.Tensor,
+        row_starts: torch.Tensor,
+        width: int,
+    ) -> torch.Tensor:
+        # Each row's positions as a row of [R, width]; those past its end are the next row's
+        # (or the last position again), after the mismatch its last position always is.
+        offsets = torch.arange(width, device=sampled.device)
+        positions = (row_starts[:, None] + offsets).clamp_(max=sampled.shape[0] - 1)
+        kept = (sampled[positions] == next_drafts[positions]).cumprod(dim=1).sum(dim=1)
+        return torch.stack([kept + 1, sampled[row_starts + kept]])
+
     def fill_pending_tokens(
         self,
         input_ids: torch.Tensor,

@@ -52,6 +52,21 @@ class StepOps(Protocol):
         used (the sampling rank), so the grammar library may be imported here."""
         ...
 
+    def emitted_tokens(
+        self,
+        sampled: torch.Tensor,
+        next_drafts: torch.Tensor,
+        row_starts: torch.Tensor,
+        width: int,
+    ) -> torch.Tensor:
+        """A verify step's acceptance (``engine/sampling/rejection_sampler.py``): int64 [2, R],
+        how many of each row's sampled tokens it emits, then the last of them. ``sampled``
+        [P]: the token sampled at each position, rows one after the other from
+        ``row_starts`` [R], none more than ``width`` long; ``next_drafts`` [P]: the draft
+        each must equal to be kept, -1 at each row's last position. A row emits its tokens
+        up to the first that differs from its draft, that one included. int64, 1-D."""
+        ...
+
     def fill_pending_tokens(
         self,
         input_ids: torch.Tensor,

@@ -38,7 +38,6 @@ from engine.roofline import ModelCost
 from engine.sampling.prompt_logprobs import ScoredChunk, ScoredPositions, read_scored
 from engine.sampling.rejection_sampler import (
     VerifyLayout,
-    num_emitted_tokens,
     position_sampling_tensors,
 )
 from engine.sampling.sampler import prompt_token_logprobs, sample, token_logprobs
@@ -647,8 +646,10 @@ class ModelRunner:
             tokens[layout.plain_index] = sample(plain_logits, plain_params, self.backend.step_ops)
             drafted_logits = logits[layout.drafted_index]
             tokens[layout.drafted_index] = sample(drafted_logits, params, self.backend.step_ops)
-        num_emitted = num_emitted_tokens(tokens, layout)
-        self._mark_pending(rows, tokens[layout.row_starts_index + num_emitted - 1])
+        num_emitted, last_tokens = self.backend.step_ops.emitted_tokens(
+            tokens, layout.next_drafts, layout.row_starts_index, layout.width
+        )
+        self._mark_pending(rows, last_tokens)
         return self._with_logprobs(rows, logits, tokens, [tokens, num_emitted])
 
     def _mark_pending(self, rows: list[Request], last_tokens: torch.Tensor) -> None:

@@ -44,8 +44,7 @@ class VerifyLayout:
     # [P] int64: the draft each position's sampled token must equal to accept it; -1 at
     # each row's last position, whose token is emitted whatever it is.
     next_drafts: torch.Tensor
-    padded_index: torch.Tensor  # [P] int64: each position's place in an [R, W] matrix
-    width: int  # W: the most positions a row has
+    width: int  # the most positions a row has
 
     @staticmethod
     def of(rows: list[Request], num_drafts: list[int], device: torch.device) -> VerifyLayout:
@@ -55,38 +54,26 @@ class VerifyLayout:
         starts = ends - num_positions
         total = int(ends[-1])
         width = int(num_positions.max())
-        position_row = np.repeat(np.arange(len(rows)), num_positions)
-        column = np.arange(total) - starts[position_row]
-        next_drafts = np.full(total, -1, np.int64)
         # The positions before a row's last are its drafts', in order.
-        next_drafts[column < num_positions[position_row] - 1] = np.fromiter(
+        before_last = np.ones(total, bool)
+        before_last[ends - 1] = False
+        next_drafts = np.full(total, -1, np.int64)
+        next_drafts[before_last] = np.fromiter(
             chain.from_iterable(r.draft_token_ids for r in rows), np.int64, int(drafts.sum())
         )
         is_drafted = np.repeat(drafts > 0, num_positions)
         host = np.concatenate(
-            [
-                starts,
-                starts[drafts == 0],
-                np.flatnonzero(is_drafted),
-                next_drafts,
-                position_row * width + column,
-            ]
+            [starts, starts[drafts == 0], np.flatnonzero(is_drafted), next_drafts]
         )
         host_t = torch.from_numpy(host)
         if device.type == "cuda":
             host_t = host_t.pin_memory()  # so that the copy is asynchronous
-        sizes = [len(rows), int((drafts == 0).sum()), int(is_drafted.sum()), total, total]
-        starts_t, plain_index, drafted_index, next_drafts_t, padded_index = host_t.to(
+        sizes = [len(rows), int((drafts == 0).sum()), int(is_drafted.sum()), total]
+        starts_t, plain_index, drafted_index, next_drafts_t = host_t.to(
             device, non_blocking=True
         ).split(sizes)
         return VerifyLayout(
-            starts.tolist(),
-            starts_t,
-            plain_index,
-            drafted_index,
-            next_drafts_t,
-            padded_index,
-            width,
+            starts.tolist(), starts_t, plain_index, drafted_index, next_drafts_t, width
         )
 
 
@@ -120,13 +107,3 @@ def position_sampling_tensors(rows: list[Request], device: torch.device) -> Samp
         step=ints_t[:, 2],
         any_top_k_or_p=any(r.sampling.top_k > 0 or r.sampling.top_p < 1 for r in rows),
     )
-
-
-def num_emitted_tokens(sampled: torch.Tensor, layout: VerifyLayout) -> torch.Tensor:
-    """[R] int64: how many of each row's sampled tokens [P] it emits: those whose drafts
-    match, up to the first that does not, and that one."""
-    num_rows = len(layout.row_starts)
-    matches = torch.zeros(num_rows * layout.width, dtype=torch.int64, device=sampled.device)
-    matches[layout.padded_index] = (sampled == layout.next_drafts).long()
-    accepted = matches.view(num_rows, layout.width).cumprod(dim=1).sum(dim=1)
-    return accepted + 1

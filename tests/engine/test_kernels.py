@@ -292,24 +292,30 @@ def test_attention_refuses_int32_block_tables(decode: bool) -> None:
             )
 
 
-def test_decode_merge_rescales_across_chunks() -> None:
-    """The merge kernel (after the fp8 kernel's splits) reads 64 splits at a time and
-    rescales what it has summed to each chunk's larger max: 70 splits' partial results, the
-    largest maxima in the second chunk and some splits empty (max _NO_SCORE, sum 0, weighing
-    nothing), against their softmax-weighted sum in float32."""
-    tokens, heads, splits, head_dim = 3, 4, 70, 64
+@pytest.mark.parametrize("splits", [70, 5, 2])
+def test_decode_merge_rescales_across_chunks(splits: int) -> None:
+    """The merge kernel (after the fp8 kernel's splits, and a verify step's) reads up to 64
+    splits at a time and rescales what it has summed to each chunk's larger max, several rows
+    a program where the splits are few: partial results with the largest maxima in the last
+    splits and some splits empty (max _NO_SCORE, sum 0, weighing nothing), against their
+    softmax-weighted sum in float32. 3 x 5 rows fill no program's rows evenly, and the output
+    is a view whose tokens lie further apart than its heads."""
+    tokens, heads, head_dim = 3, 5, 64
     workspace = torch.randn(tokens, heads, splits, head_dim + 2, device=DEVICE)
     maxima = torch.randn(tokens, heads, splits, device=DEVICE) * 4
-    maxima[..., 64:] += 16
+    maxima[..., splits - splits // 8 - 1 :] += 16
     sums = torch.rand(tokens, heads, splits, device=DEVICE) + 0.5
-    maxima[..., 10:20], sums[..., 10:20] = -1.0e30, 0.0
+    empty = slice(splits // 7, splits // 7 + max(splits // 7, 1))
+    maxima[..., empty], sums[..., empty] = -1.0e30, 0.0
     workspace[..., head_dim], workspace[..., head_dim + 1] = maxima, sums
-    out = torch.full((tokens, heads, head_dim), float("nan"), dtype=DTYPE, device=DEVICE)
+    wide = torch.full((tokens, heads + 2, head_dim), float("nan"), dtype=DTYPE, device=DEVICE)
+    out = wide[:, :heads]
 
     merge_splits(workspace, out)
     weights = torch.exp2(maxima - maxima.amax(-1, keepdim=True))
     expected = (workspace[..., :head_dim] * weights[..., None]).sum(2)
     assert_rounding_close(out, expected / (sums * weights).sum(-1)[..., None])
+    assert wide[:, heads:].isnan().all()  # nothing written past each token's heads
 
 
 # (context_len, real query tokens): a verify step's sequences, each its last token and up to

@@ -53,6 +53,7 @@ from engine.backends.triton import (
 )
 from engine.backends.triton.activation import gelu_tanh_and_mul
 from engine.backends.triton.argmax import argmax_rows
+from engine.backends.triton.emitted_tokens import emitted_tokens
 from engine.backends.triton.fp8_matmul import fp8_matmul
 from engine.backends.triton.fp8_quantize import quantize_rows_fp8
 from engine.backends.triton.fused_moe import fused_moe
@@ -384,6 +385,17 @@ class TritonStepOps(TorchStepOps):
         import xgrammar as xgr  # the grammar library's Triton kernel
 
         xgr.apply_token_bitmask_inplace(logits, bitmask, backend="triton")
+
+    def emitted_tokens(
+        self,
+        sampled: torch.Tensor,
+        next_drafts: torch.Tensor,
+        row_starts: torch.Tensor,
+        width: int,
+    ) -> torch.Tensor:
+        if sampled.is_cuda:
+            return emitted_tokens(sampled, next_drafts, row_starts, width)
+        return super().emitted_tokens(sampled, next_drafts, row_starts, width)
 
     def fill_pending_tokens(
         self,

@@ -78,10 +78,13 @@ _MIN_SPLIT_TOKENS = 128
 # The unit L2 fills: what one prefetch instruction pulls in.
 _CACHE_LINE_BYTES = tl.constexpr(128)
 MAX_DECODE_SPLITS = 256
-# Splits the merge kernel (after the fp8 kernel's splits) reads at a time, for one query
-# head: a batch-1 step's 66 (8 KV heads on 132 SMs) in two chunks; at 16 they would take
-# five, each waiting on the one before.
-_MERGE_BLOCK_S = tl.constexpr(64)
+# The merge kernel's (after the fp8 kernel's splits, and a verify step's) tile: rows times
+# splits read at a time. Up to 64 splits a chunk: a batch-1 step's 66 (8 KV heads on 132 SMs)
+# in two, where 16 would take five, each waiting on the one before. Fewer splits (a verify
+# step's few a sequence) leave room for more rows: a program a row, the tile mostly masked,
+# was a verify step's largest kernel after attention (thousands of programs, each a chain of
+# latencies for a few hundred bytes).
+_MERGE_TILE_SPLITS_TIMES_ROWS = 64
 # The split decode kernel's last program merges its group's rows together, as many splits at
 # a time as keep this many values of a chunk a thread (powers of two; at least one split): at
 # 8 no split variant of the models' head shapes takes more registers than the kernel took
@@ -92,7 +95,7 @@ _MERGE_BLOCK_S = tl.constexpr(64)
 _MERGE_VALUES_PER_THREAD = 8
 # The most rows the split decode kernel's last program merges: a decode step's group (up to
 # 16 query heads a KV head), at once. A verify step's taller tile (1 + k tokens of the group)
-# goes to the merge kernel, a program a row: its last program, merging it in rounds of 16
+# goes to the merge kernel, several rows a program: its last program, merging it in rounds of 16
 # rows one split at a time, was a serial tail longer than the attention before it (a verify
 # step's cost: ``scripts/bench_speculative.py`` prints it); merged all at once, the tall tile
 # spills at head_dim 128 (``scripts/kernel_resources.py --split --query-len 17``).
@@ -349,8 +352,8 @@ def _decode_kernel(
     acquire) merges the group's rows from the workspace (``_merge_splits``, the sinks there,
     once) and sets the counter back to zero for the next launch. Only the counts are atomic:
     the result does not depend on which program came last. A taller tile's rows (a verify
-    step's 1 + k tokens) are merged by ``_decode_merge_kernel``, a program a row, after this
-    kernel."""
+    step's 1 + k tokens) are merged by ``_decode_merge_kernel``, several rows a program, after
+    this kernel."""
     kv_head = tl.program_id(0)  # fastest: a sequence's KV heads run side by side
     seq = tl.program_id(1)
     split = tl.program_id(2)
@@ -544,42 +547,48 @@ def _merge_splits(
 
 
 @triton.jit(
-    do_not_specialize=["num_splits", *_WORKSPACE_STRIDES],
-    do_not_specialize_on_alignment=["num_splits", *_WORKSPACE_STRIDES],
+    do_not_specialize=["num_rows", "num_splits", *_WORKSPACE_STRIDES],
+    do_not_specialize_on_alignment=["num_rows", "num_splits", *_WORKSPACE_STRIDES],
 )
 def _decode_merge_kernel(
     workspace_ptr,
     out_ptr,
     sinks_ptr,
+    num_rows,
     num_splits,
-    stride_ws_seq,
     stride_ws_head,
     stride_ws_split,
     stride_out_seq,
     stride_out_head,
+    NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
-    """Program (query token, query head): its splits merged (``_merge_splits``), for the
-    fp8 decode kernel's splits and for the Triton decode kernel's taller tiles (a verify
-    step's: merged by its last program, their rows would be a serial tail)."""
+    """Program (BLOCK_R rows, a row a query token's head, token by token): their splits
+    merged (``_merge_splits``), for the fp8 decode kernel's splits and for the Triton decode
+    kernel's taller tiles (a verify step's: merged by its last program, their rows would be a
+    serial tail). The workspace's rows are contiguous, ``stride_ws_head`` apart."""
     wait_for_previous_kernel()  # launched dependent (dependent_launch.py)
     let_next_kernel_start()
-    seq = tl.program_id(0)
-    heads = tl.program_id(1) + tl.arange(0, 1)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    valid = rows < num_rows
+    tokens = rows // NUM_HEADS
+    heads = rows % NUM_HEADS
     _merge_splits(
-        workspace_ptr + seq * stride_ws_seq + heads * stride_ws_head,
-        out_ptr + seq * stride_out_seq + heads * stride_out_head,
+        workspace_ptr + rows.to(tl.int64) * stride_ws_head,
+        out_ptr + tokens.to(tl.int64) * stride_out_seq + heads * stride_out_head,
         sinks_ptr,
         heads,
-        heads >= 0,
+        valid,
         num_splits,
         stride_ws_split,
         HEAD_DIM,
         BLOCK_D,
-        1,
-        _MERGE_BLOCK_S,
+        BLOCK_R,
+        BLOCK_S,
         HAS_SINKS,
     )
 
@@ -958,19 +967,34 @@ def merge_splits(
     num_tokens, num_heads, num_splits, row = workspace.shape
     head_dim = row - 2
     assert out.shape == (num_tokens, num_heads, head_dim) and out.stride(-1) == 1
-    _decode_merge_kernel[(num_tokens, num_heads)](
+    assert workspace.is_contiguous()
+    block_s, block_r = merge_tile(num_splits)
+    num_rows = num_tokens * num_heads
+    _decode_merge_kernel[(triton.cdiv(num_rows, block_r),)](
         workspace,
         out,
         out if sinks is None else sinks,  # unread without sinks
+        num_rows,
         num_splits,
-        *workspace.stride()[:3],
+        *workspace.stride()[1:3],
         out.stride(0),
         out.stride(1),
+        NUM_HEADS=num_heads,
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_R=block_r,
+        BLOCK_S=block_s,
         HAS_SINKS=sinks is not None,
         **launch_options(out.device),
     )
+
+
+def merge_tile(num_splits: int) -> tuple[int, int]:
+    """The merge kernel's splits a chunk and rows a program for ``num_splits`` splits: as
+    many splits as there are, up to 64 (a power of two: a step's split count follows its
+    batch, and few variants compile), and the rows that fill the rest of the tile."""
+    block_s = min(triton.next_power_of_2(num_splits), _MERGE_TILE_SPLITS_TIMES_ROWS)
+    return block_s, _MERGE_TILE_SPLITS_TIMES_ROWS // block_s
 
 
 def _launch_decode_kernel(
