@@ -332,6 +332,10 @@ VERIFY_QUERY_LEN = 5
         (HEAD_SHAPES[2], 4, 40, VERIFY_SEQUENCES),
         (HEAD_SHAPES[3], 1, 5, VERIFY_SEQUENCES),
         (HEAD_SHAPES[4], 37, None, VERIFY_SEQUENCES),
+        # groups of 3 and 6 heads, their tokens' rows back to back (unpadded): 15 rows merged
+        # by the decode kernel's last program, 30 by the merge kernel
+        (HEAD_SHAPES[3], 3, None, VERIFY_SEQUENCES),
+        ((12, 2, 64), 4, None, VERIFY_SEQUENCES),
         # long contexts in parts of at least about sqrt(tiles / 8) tiles, windowed: the merge
         # kernel reads every split, the empty ones weighing nothing
         (HEAD_SHAPES[0], 40, 900, [(700, 5), (2100, 5), (3000, 3)]),

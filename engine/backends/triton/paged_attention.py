@@ -126,15 +126,16 @@ def _group_rows(
     kv_head,
     num_tokens,
     GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
+    TOKEN_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     first_row=0,
 ):
     """Tile row -> (token within the tile, query head, row holds a real query), for the
-    BLOCK_M rows from ``first_row`` on."""
+    BLOCK_M rows from ``first_row`` on, each token's group of heads TOKEN_ROWS rows apart (the
+    group, or the group padded to a power of two)."""
     rows = first_row + tl.arange(0, BLOCK_M)
-    token = rows // GROUP_PAD
-    head_in_group = rows % GROUP_PAD
+    token = rows // TOKEN_ROWS
+    head_in_group = rows % TOKEN_ROWS
     valid = (token < num_tokens) & (head_in_group < GROUP)
     return token, kv_head * GROUP + head_in_group, valid
 
@@ -326,7 +327,7 @@ def _decode_kernel(
     stride_ws_split,
     QUERY_LEN: tl.constexpr,
     GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
+    TOKEN_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -399,7 +400,7 @@ def _decode_kernel(
     wait_for_previous_kernel()  # launched dependent (dependent_launch.py)
     let_next_kernel_start()
 
-    token, heads, valid = _group_rows(kv_head, QUERY_LEN, GROUP, GROUP_PAD, BLOCK_M)
+    token, heads, valid = _group_rows(kv_head, QUERY_LEN, GROUP, TOKEN_ROWS, BLOCK_M)
     rows = seq * QUERY_LEN + token
     dims = tl.arange(0, BLOCK_D)
     mask = valid[:, None] & (dims < HEAD_DIM)[None, :]
@@ -455,7 +456,7 @@ def _decode_kernel(
         if finished == splits_with_keys - 1:
             # The group's rows alone (MERGE_ROWS, not the tile's padding to a dot's 16).
             group_tokens, group_heads, group_valid = _group_rows(
-                kv_head, QUERY_LEN, GROUP, GROUP_PAD, MERGE_ROWS
+                kv_head, QUERY_LEN, GROUP, TOKEN_ROWS, MERGE_ROWS
             )
             group_rows = seq * QUERY_LEN + group_tokens
             _merge_splits(
@@ -798,9 +799,12 @@ def decode_constants(
     what picks its compiled variant (also for ``scripts/kernel_resources.py``, which compiles
     it without a GPU)."""
     group = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
+    # A decode step's tile holds one token's group, padded to a power of two; a verify step's
+    # the 1 + k tokens' groups back to back, unpadded, for a tile half as tall where the
+    # group is not a power of two (SmolLM2's 3 heads at k = 16: 51 rows in 64, not 68 in 128).
+    token_rows = group if query_len > 1 else triton.next_power_of_2(group)
     block_d = triton.next_power_of_2(head_dim)
-    rows = triton.next_power_of_2(query_len * group_pad)
+    rows = triton.next_power_of_2(query_len * token_rows)
     block_m = max(rows, _MIN_DOT_ROWS)
     # One sequence's one query, split: a batch-1 step, whose attention is a chain of
     # latencies rather than a read of the cache at copy bandwidth.
@@ -810,7 +814,7 @@ def decode_constants(
     constants: dict[str, int | bool | str] = {
         "QUERY_LEN": query_len,
         "GROUP": group,
-        "GROUP_PAD": group_pad,
+        "TOKEN_ROWS": token_rows,
         "BLOCK_M": block_m,
         "HEAD_DIM": head_dim,
         "BLOCK_D": block_d,
@@ -832,15 +836,15 @@ def decode_num_warps(
     head_dim: int, kv_dtype: torch.dtype, block_m: int, one_sequence_split: bool
 ) -> int:
     """Warps a decode program takes for a tile of ``block_m`` query rows. Over a bf16 cache
-    at head_dim 64, two where the tile has at most 64 rows: they read a large batch's cache
+    at head_dim 64, two where the tile has at most 32 rows: they read a large batch's cache
     (128-256 sequences) closer to copy bandwidth than four, and tie at smaller batches; at
     head_dim 128 two and four tie. A verify step's taller tile (1 + k tokens a row times the
-    query heads of a KV head, 128 rows at k = 16 for three or four of them) does not fit two
-    warps' registers: compiled so, it spills to local memory (``scripts/kernel_resources.py
-    --query-len 17`` reports the bytes) and runs several times slower than at 64 rows. The
-    other cases keep Triton's default, four. ``scripts/bench_kernels.py --head-dims 64 128
-    --batches 1 64 128 256`` measures the share of copy bandwidth (change this rule to
-    compare).
+    query heads of a KV head: 64 or 128 rows at k = 8 or 16) does not fit two warps'
+    registers: compiled so, it spills to local memory (``scripts/kernel_resources.py
+    --query-len 9 --heads 32 8 --head-dim 64 --split`` reports the bytes), and at 128 rows
+    it ran several times slower than at 64. The other cases keep Triton's default, four.
+    ``scripts/bench_kernels.py --head-dims 64 128 --batches 1 64 128 256`` measures the
+    share of copy bandwidth (change this rule to compare).
 
     One sequence's split decode (``one_sequence_split``: a batch-1 step) over a bf16/fp16
     cache takes more: its few programs are a chain of latencies, and with more warps each
@@ -853,7 +857,7 @@ def decode_num_warps(
     times the batch-1 step without attention)."""
     if one_sequence_split and kv_dtype.itemsize == 2:
         return 4 if head_dim <= 64 else 8
-    return 2 if head_dim <= 64 and kv_dtype.itemsize == 2 and block_m <= 64 else 4
+    return 2 if head_dim <= 64 and kv_dtype.itemsize == 2 and block_m <= 32 else 4
 
 
 def decode_num_stages(query_len: int, kv_dtype: torch.dtype) -> int:
