@@ -298,9 +298,10 @@ def test_decode_merge_rescales_across_chunks(splits: int) -> None:
     splits at a time and rescales what it has summed to each chunk's larger max, several rows
     a program where the splits are few: partial results with the largest maxima in the last
     splits and some splits empty (max _NO_SCORE, sum 0, weighing nothing), against their
-    softmax-weighted sum in float32. 3 x 5 rows fill no program's rows evenly, and the output
+    softmax-weighted sum in float32. 9 x 7 rows (four a program at 2 and 5 splits, at least
+    eight programs on the interpreter's one SM) fill no program's rows evenly, and the output
     is a view whose tokens lie further apart than its heads."""
-    tokens, heads, head_dim = 3, 5, 64
+    tokens, heads, head_dim = 9, 7, 64
     workspace = torch.randn(tokens, heads, splits, head_dim + 2, device=DEVICE)
     maxima = torch.randn(tokens, heads, splits, device=DEVICE) * 4
     maxima[..., splits - splits // 8 - 1 :] += 16

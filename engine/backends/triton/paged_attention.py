@@ -85,6 +85,12 @@ MAX_DECODE_SPLITS = 256
 # was a verify step's largest kernel after attention (thousands of programs, each a chain of
 # latencies for a few hundred bytes).
 _MERGE_TILE_SPLITS_TIMES_ROWS = 64
+# Rows a merge program stop growing where fewer programs than this an SM would remain: the
+# fp8 decode kernel's splits at batches of 8-128 (a handful of splits, a few hundred to a
+# few thousand rows) would otherwise merge in as few programs as a quarter of the SMs. At
+# a verify step's many rows (thousands, a few splits) it ties with the tile filled
+# (``scripts/time_verify_steps.py``).
+_MERGE_PROGRAMS_PER_SM = 8
 # The split decode kernel's last program merges its group's rows together, as many splits at
 # a time as keep this many values of a chunk a thread (powers of two; at least one split): at
 # 8 no split variant of the models' head shapes takes more registers than the kernel took
@@ -972,8 +978,8 @@ def merge_splits(
     head_dim = row - 2
     assert out.shape == (num_tokens, num_heads, head_dim) and out.stride(-1) == 1
     assert workspace.is_contiguous()
-    block_s, block_r = merge_tile(num_splits)
     num_rows = num_tokens * num_heads
+    block_s, block_r = merge_tile(num_splits, num_rows, sm_count(out.device))
     _decode_merge_kernel[(triton.cdiv(num_rows, block_r),)](
         workspace,
         out,
@@ -993,12 +999,17 @@ def merge_splits(
     )
 
 
-def merge_tile(num_splits: int) -> tuple[int, int]:
-    """The merge kernel's splits a chunk and rows a program for ``num_splits`` splits: as
-    many splits as there are, up to 64 (a power of two: a step's split count follows its
-    batch, and few variants compile), and the rows that fill the rest of the tile."""
+def merge_tile(num_splits: int, num_rows: int, num_sms: int) -> tuple[int, int]:
+    """The merge kernel's splits a chunk and rows a program, for ``num_rows`` rows of
+    ``num_splits`` splits each on ``num_sms`` SMs: as many splits as there are, up to 64 (a
+    power of two: a step's split count follows its batch, and few variants compile), and the
+    rows that fill the rest of the tile, but never so many that fewer than
+    ``_MERGE_PROGRAMS_PER_SM`` programs an SM remain."""
     block_s = min(triton.next_power_of_2(num_splits), _MERGE_TILE_SPLITS_TIMES_ROWS)
-    return block_s, _MERGE_TILE_SPLITS_TIMES_ROWS // block_s
+    block_r = _MERGE_TILE_SPLITS_TIMES_ROWS // block_s
+    while block_r > 1 and num_rows // block_r < _MERGE_PROGRAMS_PER_SM * num_sms:
+        block_r //= 2
+    return block_s, block_r
 
 
 def _launch_decode_kernel(
