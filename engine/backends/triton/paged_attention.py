@@ -554,8 +554,8 @@ def _merge_splits(
 
 
 @triton.jit(
-    do_not_specialize=["num_rows", "num_splits", *_WORKSPACE_STRIDES],
-    do_not_specialize_on_alignment=["num_rows", "num_splits", *_WORKSPACE_STRIDES],
+    do_not_specialize=["num_rows", "num_splits", "stride_ws_head"],
+    do_not_specialize_on_alignment=["num_rows", "num_splits", "stride_ws_head"],
 )
 def _decode_merge_kernel(
     workspace_ptr,
