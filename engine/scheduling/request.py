@@ -76,10 +76,10 @@ class Request:
     # included (engine/execution/seen_tokens.py).
     seen_tokens_slot: int | None = None
     num_seen_tokens: int = 0
-    # Its prompt and output as one array, token_array[:num_arrayed_tokens], which the n-gram
-    # proposer (speculative decoding) extends as the output grows.
-    token_array: np.ndarray | None = None
-    num_arrayed_tokens: int = 0
+    # Its prompt and output as int32 ids in one byte string, num_byte_tokens of them, which
+    # the n-gram proposer (speculative decoding) searches and extends as the output grows.
+    token_bytes: bytearray | None = None
+    num_byte_tokens: int = 0
     # Whether sampling does more than temperature, top-k and top-p for it (penalties, logit
     # bias, bans, allowed tokens, min_p): known at arrival, so that a step of requests that
     # do not checks one flag each (engine/execution/batch.py).

@@ -6,6 +6,7 @@ verify steps reach tensor-parallel workers."""
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from transformers import LlamaForCausalLM as HFLlama
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.speculative import ngram
 from engine.speculative.ngram import find_continuation
 from protocol import RequestOutput, SamplingParams
 from tandem.testing.random_checkpoint import random_prompts, save_tiny_llama
@@ -48,25 +50,36 @@ def assert_all_blocks_free(engine: LLMEngine) -> None:
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def token_bytes(tokens: list[int]) -> bytearray:
+    """Token ids as the n-gram lookup keeps them: int32 ids in one byte string."""
+    return bytearray(array("i", tokens))
+
+
 def test_find_continuation_takes_the_longest_then_latest_ngram() -> None:
-    tokens = np.array([1, 2, 3, 9, 2, 3, 4, 7, 1, 2, 3], np.int64)
-
-    def found(tokens: np.ndarray, min_n: int, max_n: int, count: int) -> tuple[list[int], int]:
-        continuation, length = find_continuation(tokens, min_n, max_n, count)
-        return continuation.tolist(), length
-
+    tokens = token_bytes([1, 2, 3, 9, 2, 3, 4, 7, 1, 2, 3])
     # "1 2 3" occurred once, followed by 9: the longest match wins over "2 3" -> 4.
-    assert found(tokens, 1, 3, 2) == ([9, 2], 3)
-    assert found(tokens, 1, 2, 2) == ([4, 7], 2)  # "2 3", latest first
-    assert found(tokens, 4, 5, 2) == ([], 0)  # no 4-gram repeats
-    assert found(np.array([5], np.int64), 1, 3, 2) == ([], 0)
+    assert find_continuation(tokens, 1, 3, 2) == ([9, 2], 3)
+    assert find_continuation(tokens, 1, 2, 2) == ([4, 7], 2)  # "2 3", latest first
+    assert find_continuation(tokens, 4, 5, 2) == ([], 0)  # no 4-gram repeats
+    assert find_continuation(token_bytes([5]), 1, 3, 2) == ([], 0)
+    # The bytes of 2 << 24 then 0 hold those of 2 across the two tokens: the latest match of
+    # the bytes is no occurrence of the token, the one before it is.
+    assert find_continuation(token_bytes([2, 7, 2 << 24, 0, 2]), 1, 1, 1) == ([7], 1)
 
 
-def test_find_continuation_equals_a_search_of_every_occurrence() -> None:
+@pytest.mark.parametrize("search", ["bytes", "array"])
+def test_find_continuation_equals_a_search_of_every_occurrence(
+    search: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Against the rule checked one occurrence at a time (the longest suffix of min_n to max_n
     tokens that occurred before, of those the latest): sequences of a few distinct tokens, so
-    that suffixes recur, some latest occurrences matching as far back as any can (the lookup's
-    shortcut) and some not."""
+    that suffixes recur, some latest occurrences matching as far back as any can and some
+    not; in a third of them ids of one nonzero byte each, at different places (2, 2 << 8,
+    2 << 16, 2 << 24), whose bytes also match across two tokens, which must not count. Both
+    searches: the byte string's (short sequences) and the array's (long ones, here every
+    one)."""
+    if search == "array":
+        monkeypatch.setattr(ngram, "_LONGEST_BYTE_SEARCH", 0)
 
     def searched(tokens: list[int], min_n: int, max_n: int, count: int) -> tuple[list[int], int]:
         best, best_end = 0, -1
@@ -83,16 +96,14 @@ def test_find_continuation_equals_a_search_of_every_occurrence() -> None:
         return (tokens[best_end + 1 : best_end + 1 + count], best) if best else ([], 0)
 
     rng = np.random.default_rng(0)
-    for _ in range(400):
+    for trial in range(1200):
         tokens = rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(1, 40))).tolist()
+        if trial % 3 == 0:
+            tokens = [0 if token == 0 else 2 << (8 * (token - 1)) for token in tokens]
         min_n = int(rng.integers(1, 4))
         max_n = min_n + int(rng.integers(0, 5))
-        continuation, length = find_continuation(np.array(tokens, np.int64), min_n, max_n, 3)
-        assert (continuation.tolist(), length) == searched(tokens, min_n, max_n, 3), (
-            tokens,
-            min_n,
-            max_n,
-        )
+        found = find_continuation(token_bytes(tokens), min_n, max_n, 3)
+        assert found == searched(tokens, min_n, max_n, 3), (tokens, min_n, max_n)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
