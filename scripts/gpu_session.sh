@@ -13,6 +13,7 @@
 #   scripts/gpu_session.sh decode-ncu  # Nsight Compute on split decode attention, ragged contexts
 #   BASE=/tmp/base scripts/gpu_session.sh moe-latency-ab  # MoE batch-1 TPOT against a base tree
 #   SPEC_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh spec spec-f32  # speculative decoding (issue 37)
+#   BASE=dir scripts/gpu_session.sh verify-ab  # verify steps alone (time_verify_steps.py) against a base tree
 #   scripts/gpu_session.sh moe                           # mixtures of experts, one GPU
 #   scripts/gpu_session.sh moe-235b moe-235b-offline     # Qwen3-235B-A22B shape, fp8, 4 GPUs
 #   MOE_TP=2 scripts/gpu_session.sh moe-235b             # the same on two, where four are not lent
@@ -857,6 +858,29 @@ PY
             echo "$shape $name round $round: $(cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 100 \
               python3 scripts/bench_latency.py --model "$m" --load-format dummy --runs 2 2>&1 \
               | tee "$out/moe-ab-$shape-$name-$round.log" | grep -E "^tandem, median")"
+          done
+        done
+      done ;;
+    verify-ab)  # issue 37 (about 5 minutes): a verify step's graph alone against BASE (a tree, e.g.
+      # `git archive REV` carried and untarred). The acceptance and verify attention's GPU tests
+      # first, then `time_verify_steps.py` (median wall of 100 replays, then the kernels of
+      # one) at the SmolLM2 shape (3 query heads a KV head) at k = 16 and 4, and the 8B's at
+      # k = 4, the trees alternated ROUNDS times (default 2)
+      base=${BASE:?set BASE to the other tree}
+      timeout 150 python3 -m pytest -q -rfEs -p no:cacheprovider tests/engine/test_verify_acceptance.py \
+        tests/engine/test_kernels.py -k "merge or several_queries or emitted" 2>&1 \
+        | tee "$out/verify-ab-tests.log" | tail -2
+      for round in $(seq "${ROUNDS:-2}"); do
+        for run in "smollm2-135m 16 1 8 32" "smollm2-135m 4 8 32 64" "llama-3.1-8b 4 8 32"; do
+          set -- $run
+          m=$(config_only "$1"); k=$2; shift 2
+          for tree in "$base" .; do
+            name=head; [ "$tree" = . ] || name=base
+            echo "$(basename "$m") k=$k $name round $round: $(cd "$tree" && PYTHONPATH=/tmp/site:$PWD \
+              timeout 150 python3 scripts/time_verify_steps.py --model "$m" --load-format dummy \
+              --batches "$@" --drafts "$k" --repeats 100 2>&1 \
+              | tee "$out/verify-ab-$(basename "$m")-$k-$name-$round.log" \
+              | sed -nE 's/^batch ([0-9]+),.*wall ([0-9.]+) ms/b\1 \2/p' | tr '\n' ' ')"
           done
         done
       done ;;
