@@ -76,8 +76,9 @@ def find_continuation(
     matches it at once), then the lengths between from the short end, whose occurrences are
     among the shorter's, so the first that is missing ends the search. Past it numpy's
     comparisons of the whole array (``_find_in_array``): the byte search goes about a byte a
-    step where the ids' bytes repeat (their high bytes are mostly zero), and numpy's calls
-    cost a few microseconds whatever the length, so each is the faster on its side."""
+    step where the ids' bytes repeat (their high bytes are mostly zero), while numpy's
+    handful of calls costs about the same fixed overhead whatever the length, so each is the
+    faster on its side (docs/benchmarks.md has the crossover)."""
     length = len(tokens) // _TOKEN_BYTES
     if length - 1 < min_n:
         return [], 0
