@@ -18,8 +18,10 @@ between kernels, by the kernel after each), the kernels that take the most devic
 the host functions that take the most time under cProfile. Where kernels are launched dependent
 (the Triton backend on compute capability 9.0 and up), each kernel's time includes its wait
 for the one before, so they sum to more than the step and a kernel after a long one looks
-long: ``TANDEM_PDL=0`` launches them plainly, to time each alone. On CPU only host times
-exist. With tensor parallelism the kernels are rank 0's (the engine's process),
+long: ``TANDEM_PDL=0`` launches them plainly, to time each alone. There a last table gives
+each kernel's share of the device's span instead (from the latest end of a kernel before it
+to its own end), which adds up to the step: what each kernel's place in the chain costs.
+On CPU only host times exist. With tensor parallelism the kernels are rank 0's (the engine's process),
 its all-reduces' time including its waits for the other ranks.
 
 --prefill profiles time to first token instead: BATCH requests (default 1) of CONTEXT new
@@ -276,7 +278,12 @@ def report(
     else:
         key = "self_cpu_time_total"
     if cuda:
-        print_idle_gaps(profiler, steps, top)
+        kernels = [
+            (event.name, event.time_range.start, event.time_range.end)
+            for event in profiler.events()
+            if event.device_type == DeviceType.CUDA
+        ]
+        print_idle_gaps(kernels, steps, top)
         if dependent_launches(torch.device("cuda")):
             # Kernels launched dependent start before the one ahead ends and wait for it:
             # their spans overlap and sum to more than the step.
@@ -284,6 +291,7 @@ def report(
                 "  (kernels launched dependent: each one's time includes its wait for the "
                 "kernel before; TANDEM_PDL=0 times them one after another)"
             )
+            print_chain_shares(kernels, steps, top)
     print(f"  {'ms per step':>11}  {'calls':>6}  name")
     for event in sorted(events, key=lambda e: getattr(e, key), reverse=True)[:top]:
         print(
@@ -306,15 +314,41 @@ def idle_before(kernels: list[tuple[str, float, float]]) -> dict[str, float]:
     return idle
 
 
-def print_idle_gaps(profiler: profile, steps: int, top: int) -> None:
+def chain_shares(kernels: list[tuple[str, float, float]]) -> dict[str, tuple[float, int]]:
+    """What each kernel adds to the device's span, summed by name, with the count of kernels
+    of that name: ``kernels`` are (name, start, end), in any order. Taken in the order they
+    end, each adds the time from the latest end before its own to its end (idle time before it
+    included), nothing if it ends within a kernel that ended later. Where kernels are launched
+    dependent, their own spans include their waits for the kernel before and overlap; these
+    shares do not, and add up to the device's span: a kernel's share is what removing its
+    place in the chain could save, at most."""
+    shares: dict[str, tuple[float, int]] = {}
+    done_at: float | None = None
+    for name, start, end in sorted(kernels, key=lambda kernel: kernel[2]):
+        share = max(end - (start if done_at is None else done_at), 0.0)
+        total, count = shares.get(name, (0.0, 0))
+        shares[name] = (total + share, count + 1)
+        done_at = end if done_at is None else max(done_at, end)
+    return shares
+
+
+def print_chain_shares(kernels: list[tuple[str, float, float]], steps: int, top: int) -> None:
+    """Each kernel's share of the step's span (``chain_shares``), the largest first, with the
+    mean share of one launch: the kernels whose place in a batch-1 chain costs the most."""
+    shares = chain_shares(kernels)
+    span = sum(total for total, _ in shares.values())
+    print(f"  the kernels' shares of the device's span, {span / 1e3 / steps:.3f} ms per step:")
+    print(f"  {'ms per step':>11}  {'calls':>6}  {'us a call':>9}  name")
+    for name, (total, count) in sorted(shares.items(), key=lambda item: -item[1][0])[:top]:
+        print(
+            f"  {total / 1e3 / steps:11.4f}  {count // steps:6d}  {total / count:9.2f}  {name[:80]}"
+        )
+
+
+def print_idle_gaps(kernels: list[tuple[str, float, float]], steps: int, top: int) -> None:
     """Where the device waits: its idle time per step, by the kernel that ends each wait (the
     first kernel of a step after the host's work, a kernel launched without dependence after
-    the one before it drained)."""
-    kernels = [
-        (event.name, event.time_range.start, event.time_range.end)
-        for event in profiler.events()
-        if event.device_type == DeviceType.CUDA
-    ]
+    the one before it drained). ``kernels`` are (name, start, end)."""
     idle = idle_before(kernels)
     print(
         f"  the device idle between kernels {sum(idle.values()) / 1e3 / steps:.3f} ms per "
