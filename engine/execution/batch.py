@@ -19,6 +19,7 @@ from engine.execution.host_to_device import pending_rows_and_sources, to_device
 from engine.execution.pinned_inputs import PinnedInputs
 from engine.execution.seen_tokens import SeenTokens
 from engine.sampling.prompt_logprobs import ScoredPositions, scored_chunks
+from engine.sampling.rejection_sampler import VerifyLayout
 from engine.sampling.sampler import (
     AllowedTokens,
     BannedTokens,
@@ -285,6 +286,35 @@ def pad_verify(
     padded_slots[token_index] = slot_mapping
     positions = np.maximum((ends - width)[:, None] + np.arange(width), 0).ravel()
     return token_index, padded_ids, padded_slots, positions
+
+
+def verify_layout(rows: list[Request], num_drafts: list[int], device: torch.device) -> VerifyLayout:
+    """Where a verify step's rows sample (``VerifyLayout``), each row with ``num_drafts`` of
+    its drafts, on the device in one copy."""
+    drafts = np.asarray(num_drafts, np.int64)
+    num_positions = drafts + 1
+    ends = np.cumsum(num_positions)
+    starts = ends - num_positions
+    total = int(ends[-1])
+    # The positions before a row's last are its drafts', in order.
+    before_last = np.ones(total, bool)
+    before_last[ends - 1] = False
+    next_drafts = np.full(total, -1, np.int64)
+    next_drafts[before_last] = np.fromiter(
+        chain.from_iterable(r.draft_token_ids for r in rows), np.int64, int(drafts.sum())
+    )
+    is_drafted = np.repeat(drafts > 0, num_positions)
+    row_starts, plain_index, drafted_index, next_drafts_on_device = to_device(
+        [starts, starts[drafts == 0], np.flatnonzero(is_drafted), next_drafts], device
+    )
+    return VerifyLayout(
+        starts.tolist(),
+        row_starts,
+        plain_index,
+        drafted_index,
+        next_drafts_on_device,
+        int(num_positions.max()),
+    )
 
 
 def sampling_tensors(

@@ -23,7 +23,7 @@ from engine.backends import Backend, create_backend
 from engine.backends.attention import AttentionMetadata, LayerKVCache
 from engine.checkpoint import Checkpoint
 from engine.distributed.parallel import SINGLE, TensorParallel
-from engine.execution.batch import StepInputs, pack, sampling_tensors
+from engine.execution.batch import StepInputs, pack, sampling_tensors, verify_layout
 from engine.execution.cuda_graphs import CAPTURE_BATCH_SIZES, StepGraphs
 from engine.execution.mixed_steps import is_mixed, split_mixed_step, splits_mixed_steps
 from engine.execution.pinned_inputs import PinnedInputs
@@ -584,7 +584,7 @@ class ModelRunner:
         row_starts = None
         num_row_logits = len(rows) + sum(step.num_drafts or ())
         if step.num_drafts is not None:
-            layout = VerifyLayout.of(rows, step.num_drafts, self.device)
+            layout = verify_layout(rows, step.num_drafts, self.device)
             row_starts = layout.row_starts
             results, logprobs_asked = self._verify(rows, logits[:num_row_logits], grammars, layout)
         elif rows:  # else only prompt chunks: nothing to sample yet

@@ -23,7 +23,6 @@ token is the race's winner among the others, so no second random number is drawn
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 import torch
@@ -35,7 +34,8 @@ from engine.scheduling.request import Request
 @dataclass
 class VerifyLayout:
     """Where a verify step's sampled positions are: each row's last token and then its
-    drafts, rows one after the other (``ForwardedStep.logits``' first rows)."""
+    drafts, rows one after the other (``ForwardedStep.logits``' first rows). Built from the
+    step's requests by ``engine.execution.batch.verify_layout``."""
 
     row_starts: list[int]  # [R] each row's first position
     row_starts_index: torch.Tensor  # the same [R] int64, on the device
@@ -45,36 +45,6 @@ class VerifyLayout:
     # each row's last position, whose token is emitted whatever it is.
     next_drafts: torch.Tensor
     width: int  # the most positions a row has
-
-    @staticmethod
-    def of(rows: list[Request], num_drafts: list[int], device: torch.device) -> VerifyLayout:
-        drafts = np.asarray(num_drafts, np.int64)
-        num_positions = drafts + 1
-        ends = np.cumsum(num_positions)
-        starts = ends - num_positions
-        total = int(ends[-1])
-        width = int(num_positions.max())
-        # The positions before a row's last are its drafts', in order.
-        before_last = np.ones(total, bool)
-        before_last[ends - 1] = False
-        next_drafts = np.full(total, -1, np.int64)
-        next_drafts[before_last] = np.fromiter(
-            chain.from_iterable(r.draft_token_ids for r in rows), np.int64, int(drafts.sum())
-        )
-        is_drafted = np.repeat(drafts > 0, num_positions)
-        host = np.concatenate(
-            [starts, starts[drafts == 0], np.flatnonzero(is_drafted), next_drafts]
-        )
-        host_t = torch.from_numpy(host)
-        if device.type == "cuda":
-            host_t = host_t.pin_memory()  # so that the copy is asynchronous
-        sizes = [len(rows), int((drafts == 0).sum()), int(is_drafted.sum()), total]
-        starts_t, plain_index, drafted_index, next_drafts_t = host_t.to(
-            device, non_blocking=True
-        ).split(sizes)
-        return VerifyLayout(
-            starts.tolist(), starts_t, plain_index, drafted_index, next_drafts_t, width
-        )
 
 
 def position_sampling_tensors(rows: list[Request], device: torch.device) -> SamplingTensors | None:

@@ -5,7 +5,7 @@ after it, that one included, and its newest token is the last emitted.
 
 Run natively on CUDA and, without it, in Triton's interpreter on CPU (tests/conftest.py
 selects it). The row starts are a view at an odd offset of one packed buffer, as
-``VerifyLayout.of`` splits them off its one copy.
+``engine.execution.batch.verify_layout`` splits them off its one copy.
 """
 
 from __future__ import annotations
