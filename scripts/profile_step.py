@@ -21,8 +21,8 @@ for the one before, so they sum to more than the step and a kernel after a long 
 long: ``TANDEM_PDL=0`` launches them plainly, to time each alone. There a last table gives
 each kernel's share of the device's span instead (from the latest end of a kernel before it
 to its own end), which adds up to the step: what each kernel's place in the chain costs.
-On CPU only host times exist. With tensor parallelism the kernels are rank 0's (the engine's process),
-its all-reduces' time including its waits for the other ranks.
+On CPU only host times exist. With tensor parallelism the kernels are rank 0's (the
+engine's process), its all-reduces' time including its waits for the other ranks.
 
 --prefill profiles time to first token instead: BATCH requests (default 1) of CONTEXT new
 random tokens admitted together, from their admission to the last one's first token, as many
