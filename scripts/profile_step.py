@@ -11,7 +11,9 @@ replay, sampling, the one read-back). Prints, per step: the wall time (unprofile
 --rounds R, the median of R rounds of STEPS steps and their range, the device synchronized
 around each round: a batch-1 step's time to compare two trees by), the host's time by
 phase (unprofiled, timed around the engine's methods; with overlapped steps the host is the
-bottleneck when it waits for the device less than it works: a large batch's step can be),
+bottleneck when it waits for the device less than it works: a large batch's step can be), how
+many forward passes the host launched only after the device had finished the step before
+(the device idle until then: those steps' pace is the host's),
 the device's kernel time (from torch.profiler, over as many more steps), the difference
 (host work and launch gaps the GPU waits through), where the device sits idle (its gaps
 between kernels, by the kernel after each), the kernels that take the most device time, and
@@ -97,7 +99,7 @@ def profile_batch(
             torch.cuda.synchronize(engine.device)
         round_ms.append((time.perf_counter() - started) * 1e3 / steps)
     wall_ms = statistics.median(round_ms)
-    phase_ms = host_phases(engine, steps)
+    phase_ms, late_launches, launches = host_phases(engine, steps)
     profiled_from = contexts(engine)
     with profile(activities=activities) as profiler:
         for _ in range(steps):
@@ -125,6 +127,11 @@ def profile_batch(
         f"  the host busy {busy:.3f} ms per step, waiting for the device {waiting:.3f}: "
         + ", ".join(f"{name} {ms:.3f}" for name, ms in phase_ms.items())
     )
+    if cuda and engine.overlap_steps:
+        print(
+            f"  {late_launches} of {launches} forward passes launched after the device had "
+            "finished the step in flight (the host set their pace)"
+        )
     report(profiler, host_profile, wall_ms, steps, top, cuda)
 
 
@@ -162,18 +169,37 @@ def _timed(owner: object, name: str, add: Callable[[float], None]) -> Iterator[N
     return _replaced(owner, name, timed)
 
 
-def host_phases(engine: LLMEngine, steps: int) -> dict[str, float]:
+def host_phases(engine: LLMEngine, steps: int) -> tuple[dict[str, float], int, int]:
     """ms per step over ``steps`` steps: the host's time in each phase of a step (the rest of
-    ``step()`` as "other"), and its wait for the step in flight's results, apart."""
+    ``step()`` as "other"), and its wait for the step in flight's results, apart; then how
+    many of the steps' forward passes were launched after the device had finished the step in
+    flight (on CUDA with overlapped steps: the host set the pace of those), of how many."""
     totals = dict.fromkeys(
         ["schedule", "pack", "launch", "sample", "read results", "waiting for the device"], 0.0
     )
+    # Launches that found the device done with the step in flight (its results' copy to
+    # the host complete): it sat idle from then until this launch. Counted by ``run_model``'s
+    # entry, the forward pass's first device work.
+    launches = {"found it done": 0, "all": 0}
 
     def adder(phase: str) -> Callable[[float], None]:
         def add(seconds: float) -> None:
             totals[phase] += seconds
 
         return add
+
+    run_model = engine.runner.run_model
+
+    def launch(inputs: object) -> object:
+        """``run_model``, timed as "launch", its launches counted."""
+        started = time.perf_counter()
+        in_flight = engine.in_flight
+        launches["all"] += 1
+        if in_flight is not None and in_flight.copied is not None and in_flight.copied.query():
+            launches["found it done"] += 1
+        logits = run_model(inputs)
+        totals["launch"] += time.perf_counter() - started
+        return logits
 
     result = LaunchedStep.result
 
@@ -188,7 +214,7 @@ def host_phases(engine: LLMEngine, steps: int) -> dict[str, float]:
     with (
         _timed(engine.scheduler, "schedule", adder("schedule")),
         _timed(runner, "step_inputs", adder("pack")),
-        _timed(runner, "run_model", adder("launch")),
+        _replaced(runner, "run_model", launch),
         _timed(runner, "sample", adder("sample")),
         _timed(engine, "_read_results", adder("read results")),
         _replaced(LaunchedStep, "result", waited_result),
@@ -204,7 +230,8 @@ def host_phases(engine: LLMEngine, steps: int) -> dict[str, float]:
     # Reading results includes the wait, which is not the host's work.
     totals["read results"] -= totals["waiting for the device"]
     totals["other"] = elapsed - sum(totals.values())
-    return {phase: seconds * 1e3 / steps for phase, seconds in totals.items()}
+    phase_ms = {phase: seconds * 1e3 / steps for phase, seconds in totals.items()}
+    return phase_ms, launches["found it done"], launches["all"]
 
 
 def first_tokens(engine: LLMEngine, prompts: list[list[int]], name: str) -> None:
