@@ -29,6 +29,7 @@
 #   scripts/gpu_session.sh fp8-8b   # the 8B shape, fp8 weights and cache: offline as bf16's row, TPOT
 #   scripts/gpu_session.sh overlap  # a decode batch's halves on two streams against it whole
 #   scripts/gpu_session.sh profile-offline  # each kind of offline step: device busy against wall
+#   scripts/gpu_session.sh host-pace  # batch 1: steps the host set the pace of, each kernel's share
 #   scripts/gpu_session.sh l2-prefetch  # batch 1: the o weights pulled into L2 during attention?
 #   scripts/gpu_session.sh prompt-graphs  # prompt graphs past 512 tokens: GPU tests, Qwen3 offline
 #   BASE=dir scripts/gpu_session.sh penalties  # penalties' kernel and seen-token tables: tests, Qwen2.5 offline
@@ -456,6 +457,16 @@ PY
         timeout 200 python3 scripts/bench_offline.py --model "$m" --load-format dummy --runs 1 \
           --profile-steps 2>&1 | tee "$out/profile-offline-$shape.log" \
           | sed -n '/^device time, a profiled run/,$p' | sed "s/^/$shape: /"
+      done ;;
+    host-pace)  # issues 37/39 (about 3 minutes): at batch 1, whose steps the host sets the pace
+      # of: profile_step.py's count of forward passes launched after the device had finished
+      # the step in flight, its host phases, and each kernel's share of the chain, at
+      # PROFILE_SHAPES (default Qwen3-0.6B, the 1B and Qwen3-30B-A3B)
+      for shape in ${PROFILE_SHAPES:-qwen3-0.6b llama-3.2-1b qwen3-30b-a3b}; do
+        m=$(config_only "$shape")
+        timeout 200 python3 scripts/profile_step.py --model "$m" --load-format dummy --batch 1 \
+          --steps 50 --rounds 3 --top 12 2>&1 | tee "$out/host-pace-$shape.log" \
+          | sed -n '/^batch/,/host time per step/p' | sed "s/^/$shape: /"
       done ;;
     prompt-graphs)  # issue 37 (about 5 minutes): prompt graphs to the step budget for small
       # models (engine/execution/prompt_graphs.py): the graph tests against eager steps, the
