@@ -13,7 +13,10 @@ around each round: a batch-1 step's time to compare two trees by), the host's ti
 phase (unprofiled, timed around the engine's methods; with overlapped steps the host is the
 bottleneck when it waits for the device less than it works: a large batch's step can be), how
 many forward passes the host launched only after the device had finished the step before
-(the device idle until then: those steps' pace is the host's),
+(the device idle until then: those steps' pace is the host's), the device's step by CUDA
+events without the profiler (the forward pass, the sampling, and from there to the next
+forward pass: what a graph's launch and the inputs' copy cost outside the profiler; the
+events may cut a dependent launch's overlap around them by a few µs),
 the device's kernel time (from torch.profiler, over as many more steps), the difference
 (host work and launch gaps the GPU waits through), where the device sits idle (its gaps
 between kernels, by the kernel after each), the kernels that take the most device time, and
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import itertools
 import pstats
 import statistics
 import time
@@ -100,6 +104,7 @@ def profile_batch(
         round_ms.append((time.perf_counter() - started) * 1e3 / steps)
     wall_ms = statistics.median(round_ms)
     phase_ms, late_launches, launches = host_phases(engine, steps)
+    device_ms = device_phases(engine, steps) if cuda else None
     profiled_from = contexts(engine)
     with profile(activities=activities) as profiler:
         for _ in range(steps):
@@ -131,6 +136,11 @@ def profile_batch(
         print(
             f"  {late_launches} of {launches} forward passes launched after the device had "
             "finished the step in flight (the host set their pace)"
+        )
+    if device_ms is not None:
+        print(
+            "  the device's step by CUDA events (no profiler): "
+            + ", ".join(f"{name} {ms:.4f}" for name, ms in device_ms.items())
         )
     report(profiler, host_profile, wall_ms, steps, top, cuda)
 
@@ -232,6 +242,48 @@ def host_phases(engine: LLMEngine, steps: int) -> tuple[dict[str, float], int, i
     totals["other"] = elapsed - sum(totals.values())
     phase_ms = {phase: seconds * 1e3 / steps for phase, seconds in totals.items()}
     return phase_ms, launches["found it done"], launches["all"]
+
+
+def device_phases(engine: LLMEngine, steps: int) -> dict[str, float]:
+    """ms per step on the device's own clock, from CUDA events recorded in the stream around
+    the forward pass (``run_model``: a decode step's graph inputs filled and its graph
+    replayed) and after the sampling (its kernels and the tokens' copy to the host): the
+    forward pass, the sampling, and from one step's sampling to the next one's forward pass
+    (the inputs' copy, the pending tokens' fill, and any time the device waited for the
+    host). No profiler runs: a graph's launch costs what it costs in serving."""
+    runner = engine.runner
+    marks: list[tuple[str, torch.cuda.Event]] = []
+
+    def mark(name: str) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        marks.append((name, event))
+
+    run_model, sample = runner.run_model, runner.sample
+
+    def marked_run_model(inputs: object) -> object:
+        mark("forward")
+        logits = run_model(inputs)
+        mark("sampling")
+        return logits
+
+    def marked_sample(*args: object) -> object:
+        launched = sample(*args)
+        mark("to the next step")
+        return launched
+
+    with (
+        _replaced(runner, "run_model", marked_run_model),
+        _replaced(runner, "sample", marked_sample),
+    ):
+        for _ in range(steps):
+            engine.step()
+    torch.cuda.synchronize(engine.device)
+    # Each mark starts the phase it names, which the next mark ends (the last one's, no mark).
+    phases: dict[str, list[float]] = {"forward": [], "sampling": [], "to the next step": []}
+    for (name, start), (_, end) in itertools.pairwise(marks):
+        phases[name].append(start.elapsed_time(end))
+    return {name: statistics.mean(ms) for name, ms in phases.items() if ms}
 
 
 def first_tokens(engine: LLMEngine, prompts: list[list[int]], name: str) -> None:
