@@ -460,7 +460,9 @@ PY
       done ;;
     host-pace)  # issues 37/39 (about 3 minutes): at batch 1, whose steps the host sets the pace
       # of: profile_step.py's count of forward passes launched after the device had finished
-      # the step in flight, its host phases, and each kernel's share of the chain, at
+      # the step in flight, its host phases, the device's step by CUDA events (the forward
+      # pass against the time between two: a graph's launch outside the profiler), and each
+      # kernel's share of the chain, at
       # PROFILE_SHAPES (default Qwen3-0.6B, the 1B and Qwen3-30B-A3B)
       for shape in ${PROFILE_SHAPES:-qwen3-0.6b llama-3.2-1b qwen3-30b-a3b}; do
         m=$(config_only "$shape")
