@@ -188,8 +188,9 @@ def host_phases(engine: LLMEngine, steps: int) -> tuple[dict[str, float], int, i
         ["schedule", "pack", "launch", "sample", "read results", "waiting for the device"], 0.0
     )
     # Launches that found the device done with the step in flight (its results' copy to
-    # the host complete): it sat idle from then until this launch. Counted by ``run_model``'s
-    # entry, the forward pass's first device work.
+    # the host complete): it sat idle from then until this launch, but for the step's input
+    # copy and pending-token fill, which packing queued just before. Counted at
+    # ``run_model``'s entry.
     launches = {"found it done": 0, "all": 0}
 
     def adder(phase: str) -> Callable[[float], None]:
