@@ -244,7 +244,7 @@ def main() -> None:
     if args.block_n is not None:
         constants["BLOCK_N"] = args.block_n
     if args.num_stages is None:
-        args.num_stages = decode_num_stages(args.query_len, kv_dtype, constants["TABLE_AHEAD"])
+        args.num_stages = decode_num_stages(args.query_len, kv_dtype)
     integers = engine_arguments(num_heads, num_kv_heads, args.head_dim, args.sliding_window)
     warps, stages = args.num_warps, args.num_stages
     kernel = compile_attention_kernel(constants, integers, kv_dtype, warps, stages)

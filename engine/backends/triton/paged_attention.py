@@ -184,13 +184,6 @@ def _key_rows(
 
 
 @triton.jit
-def _tile_blocks(block_table_ptr, tile_start, end, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The block number of each key of the tile from ``tile_start`` (0 past ``end``)."""
-    keys = tile_start + tl.arange(0, BLOCK_N)
-    return tl.load(block_table_ptr + keys // BLOCK_SIZE, mask=keys < end, other=0)
-
-
-@triton.jit
 def _attend_keys(
     q,
     acc,
@@ -215,7 +208,6 @@ def _attend_keys(
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UNMASKED_TILES: tl.constexpr,
-    TABLE_AHEAD: tl.constexpr = False,
 ):
     """Fold keys [key_start, key_end) of one sequence into the online-softmax state.
 
@@ -225,14 +217,6 @@ def _attend_keys(
     the keys before ``masked_start`` are whole tiles that every row sees all of (a prompt's
     keys before its block's first query), read and weighed without masks; without it (a
     decode kernel, compiled as one loop) ``masked_start`` must be ``key_start``.
-
-    With ``TABLE_AHEAD`` each tile's block numbers are read one tile ahead, in the tile
-    before: its K/V addresses then come from the loop's carried values, not from a load of
-    the same iteration, and Triton's software pipelining keeps ``num_stages - 1`` K/V tiles
-    in flight. Read in the tile itself (the default), the pipeliner gives the block numbers
-    a stage and K/V the next, one buffer each: a program waits for each tile's K/V, loaded
-    only after the tile before was computed, and only other programs on its SM hide that
-    wait (``decode_num_stages`` says where each pays).
     """
     widened = widen_factor(key_cache_ptr.dtype.element_ty, q.dtype)
     scale_log2 *= widened
@@ -244,22 +228,11 @@ def _attend_keys(
     for masked in tl.static_range(0 if UNMASKED_TILES else 1, 2):
         start = masked_start if masked else key_start
         end = key_end if masked else masked_start
-        if TABLE_AHEAD:
-            next_blocks = _tile_blocks(block_table_ptr, start, end, BLOCK_SIZE, BLOCK_N)
         for tile_start in range(start, end, BLOCK_N):
             keys = tile_start + tl.arange(0, BLOCK_N)
             key_mask = keys < key_end
             kv_mask = key_mask[:, None] & dim_mask[None, :] if masked else dim_mask[None, :]
-            if TABLE_AHEAD:
-                blocks = next_blocks
-                next_blocks = _tile_blocks(
-                    block_table_ptr, tile_start + BLOCK_N, end, BLOCK_SIZE, BLOCK_N
-                )
-                rows = (blocks * BLOCK_SIZE + keys % BLOCK_SIZE) * stride_cache_slot
-            else:
-                rows = _key_rows(
-                    block_table_ptr, keys, key_mask, stride_cache_slot, BLOCK_SIZE, masked
-                )
+            rows = _key_rows(block_table_ptr, keys, key_mask, stride_cache_slot, BLOCK_SIZE, masked)
             offsets = (rows + kv_head * stride_cache_head)[:, None] + dims[None, :]
             # An fp8 cache is read as q's dtype, divided by the factor (applied below).
             k = widen(tl.load(key_cache_ptr + offsets, mask=kv_mask, other=0.0), q.dtype)
@@ -374,7 +347,6 @@ def _decode_kernel(
     MERGE_SPLITS: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    TABLE_AHEAD: tl.constexpr,
 ):
     """Program (kv head, sequence, split): its part of the context, for the group's heads
     at each of the sequence's QUERY_LEN query tokens (rows seq * QUERY_LEN + token).
@@ -475,7 +447,6 @@ def _decode_kernel(
         MASK_WINDOW,  # one query (a decode): first_key already applies its window
         DOT_PRECISION,
         False,
-        TABLE_AHEAD,
     )
     if WRITE_PARTIAL:
         # Unnormalized output, then the row's max and sum, for the merge.
@@ -863,8 +834,6 @@ def decode_constants(
         "MERGE_SPLITS": max(merge_values // (rows * block_d), 1),
         "HAS_SINKS": has_sinks,
         "DOT_PRECISION": dot_precision(dtype),
-        # Not over an fp8 cache, whose widening was not timed so.
-        "TABLE_AHEAD": one_sequence_split and kv_dtype.itemsize > 1,
     }
     return constants, warps
 
@@ -897,20 +866,14 @@ def decode_num_warps(
     return 2 if head_dim <= 64 and kv_dtype.itemsize == 2 and block_m <= 32 else 4
 
 
-def decode_num_stages(query_len: int, kv_dtype: torch.dtype, table_ahead: bool = False) -> int:
-    """Triton's software-pipelining stages for the decode kernel's loop. With the block
-    numbers read in the tile (``_attend_keys``) the pipeliner keeps one K/V tile in flight
-    whatever the stages (Triton 3.9 compiles three and four alike); four were measured
-    faster than three on an earlier Triton. With them read a tile ahead (``table_ahead``:
-    a batch-1 step's split programs, a chain of latencies) three stages keep two tiles in
-    flight. There large batches lost: at four (three tiles, 104 KB of shared memory, two
-    programs an SM) they read their cache 9% slower than with one tile in flight and four
-    programs an SM, and at three (two tiles, three programs) batches 32-64 lost; at batch
-    1 both were 5-8% faster at head_dim 128, three the faster (docs/benchmarks.md: how
-    close decode attention comes to the memory, and Batch-1 latency).
-    ``scripts/kernel_resources.py`` prints a variant's shared memory."""
-    if table_ahead:
-        return 3
+def decode_num_stages(query_len: int, kv_dtype: torch.dtype) -> int:
+    """How many key tiles a decode program's loop loads ahead (Triton's software pipelining).
+    Four for a decode step's one query a sequence over a bf16/fp16 cache: a large batch's
+    programs of few tiles each (short contexts) start their loads sooner than at Triton's
+    default three, which tie with four at small batches and long contexts (two lose there).
+    Three elsewhere (a verify step's taller tile, an fp8 cache here), where four were not
+    timed. ``scripts/bench_kernels.py`` measures the share of copy bandwidth (change this
+    rule to compare); docs/benchmarks.md has the figures."""
     return 4 if query_len == 1 and kv_dtype.itemsize == 2 else 3
 
 
@@ -1114,7 +1077,7 @@ def _launch_decode_kernel(
         *ws_strides,
         **constants,
         num_warps=warps,
-        num_stages=decode_num_stages(query_len, key_cache.dtype, constants["TABLE_AHEAD"]),
+        num_stages=decode_num_stages(query_len, key_cache.dtype),
         **launch_options(q.device),
     )
     if num_splits > 1 and not merges_here:
