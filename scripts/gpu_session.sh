@@ -451,11 +451,15 @@ PY
         --json "$out/qkv-rules.json" 2>&1 | tee "$out/qkv-rules.log" | grep -E "^qkv" ;;
     profile-offline)  # issue 37 (about 3 minutes): bench_offline's run, then a profiled one
       # whose table says which kinds of step wait on the host (device busy well under the
-      # wall time), at PROFILE_SHAPES (default the 1B, Qwen3-0.6B and the 8B)
+      # wall time), at PROFILE_SHAPES (default the 1B, Qwen3-0.6B and the 8B).
+      # PROFILE_OFFLINE_FLAGS=--repeat-prompts profiles a run whose prompts are all cached:
+      # its one prompt step admits the 256 requests (86.5 ms at Qwen3-0.6B in s50, against
+      # about 4 of roofline; its host's scheduling about 8 ms on the development machine)
       for shape in ${PROFILE_SHAPES:-llama-3.2-1b qwen3-0.6b llama-3.1-8b}; do
         m=$(config_only "$shape")
+        # shellcheck disable=SC2086  # flags, split on purpose
         timeout 200 python3 scripts/bench_offline.py --model "$m" --load-format dummy --runs 1 \
-          --profile-steps 2>&1 | tee "$out/profile-offline-$shape.log" \
+          ${PROFILE_OFFLINE_FLAGS:-} --profile-steps 2>&1 | tee "$out/profile-offline-$shape.log" \
           | sed -n '/^device time, a profiled run/,$p' | sed "s/^/$shape: /"
       done ;;
     host-pace)  # issues 37/39 (about 3 minutes): at batch 1, whose steps the host sets the pace
