@@ -14,7 +14,11 @@ the step loses without it. The parts (``--without``, repeatable):
 - ``routing``: a mixture of experts' router product and routing (fixed experts, spread over
   the layer's, with equal weights);
 - ``route-kernel``: the routing kernel alone (the router's product kept);
-- ``experts``: a mixture of experts' expert kernels (the block's output is its input).
+- ``experts``: a mixture of experts' expert kernels (the block's output is its input);
+- ``head-norms``: the per-head Q/K norms of the batch-1 QKV kernel (Qwen3's, Gemma 3's:
+  ``one_row_qkv.py``), whose head's last program norms it after the others' counts; the
+  kernel projects and rotates without them. What moving the norms elsewhere (into
+  attention, which reads each head whole) could win at most.
 
 The tokens are garbage without a part; only the timing means anything. The rounds' median
 and range are printed, in milliseconds a step.
@@ -23,11 +27,13 @@ and range are printed, in milliseconds a step.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from profile_step import MAX_NEW_TOKENS, start_requests
@@ -37,7 +43,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.models import moe
 
-PARTS = ("none", "attention", "routing", "route-kernel", "experts")
+PARTS = ("none", "attention", "routing", "route-kernel", "experts", "head-norms")
 
 
 def fixed_routing(
@@ -68,6 +74,14 @@ def leave_out(parts: list[str], device: torch.device, experts: int, top_k: int) 
         )
     if "experts" in parts:
         moe.FusedExperts.forward = lambda self, x, weights, ids: x
+    if "head-norms" in parts:
+        with_norms = triton_backend.one_row_qkv_rotary_store
+
+        def without_head_norms(*args: Any) -> torch.Tensor:
+            rotary = args[-1]
+            return with_norms(*args[:-1], dataclasses.replace(rotary, q_norm=None, k_norm=None))
+
+        triton_backend.one_row_qkv_rotary_store = without_head_norms
 
 
 def main() -> None:

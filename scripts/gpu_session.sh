@@ -953,10 +953,11 @@ PY
       done ;;
     ablate)  # issues 37/39 (about 4 minutes): what each part costs a batch-1 step inside its
       # graph (scripts/ablate_step.py, context 512, --load-format dummy): Qwen3-30B-A3B as it is
-      # and without attention, routing, the routing kernel, the experts; the 8B and the 1B as
-      # they are and without attention. Compare within a call: the step is wall time.
-      for case in "qwen3-30b-a3b none attention routing route-kernel experts" \
-        "llama-3.1-8b none attention" "llama-3.2-1b none attention"; do
+      # and without attention, routing, the routing kernel, the experts, the QKV kernel's
+      # per-head norms; Qwen3-0.6B without the head norms; the 8B and the 1B as they are and
+      # without attention. Compare within a call: the step is wall time.
+      for case in "qwen3-30b-a3b none attention routing route-kernel experts head-norms" \
+        "qwen3-0.6b none head-norms" "llama-3.1-8b none attention" "llama-3.2-1b none attention"; do
         read -r shape parts <<<"$case"
         m=$(config_only "$shape")
         for part in $parts; do
