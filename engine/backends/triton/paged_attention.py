@@ -873,7 +873,12 @@ def decode_num_stages(query_len: int, kv_dtype: torch.dtype) -> int:
     default three, which tie with four at small batches and long contexts (two lose there).
     Three elsewhere (a verify step's taller tile, an fp8 cache here), where four were not
     timed. ``scripts/bench_kernels.py`` measures the share of copy bandwidth (change this
-    rule to compare); docs/benchmarks.md has the figures."""
+    rule to compare); docs/benchmarks.md has the figures. Triton 3.9 compiles three and four
+    alike (``scripts/kernel_resources.py``): a tile's K/V addresses come from a block-table
+    load of the same iteration, so its pipeliner keeps one K/V tile in flight a program.
+    Reading the block numbers a tile ahead would keep more, but takes more shared memory
+    and so fewer programs an SM: slower at large batches and, in the engine's step, at
+    batch 1 too (docs/benchmarks.md)."""
     return 4 if query_len == 1 and kv_dtype.itemsize == 2 else 3
 
 
