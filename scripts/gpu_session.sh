@@ -951,7 +951,7 @@ PY
           done
         done
       done ;;
-    ablate)  # issues 37/39 (about 4 minutes): what each part costs a batch-1 step inside its
+    ablate)  # issues 37/39 (about 6 minutes): what each part costs a batch-1 step inside its
       # graph (scripts/ablate_step.py, context 512, --load-format dummy): Qwen3-30B-A3B as it is
       # and without attention, routing, the routing kernel, the experts, the QKV kernel's
       # per-head norms; Qwen3-0.6B without the head norms; the 8B and the 1B as they are and
