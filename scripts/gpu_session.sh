@@ -453,8 +453,8 @@ PY
       # whose table says which kinds of step wait on the host (device busy well under the
       # wall time), at PROFILE_SHAPES (default the 1B, Qwen3-0.6B and the 8B).
       # PROFILE_OFFLINE_FLAGS=--repeat-prompts profiles a run whose prompts are all cached:
-      # its one prompt step admits the 256 requests (86.5 ms at Qwen3-0.6B in s50, against
-      # about 4 of roofline; its host's scheduling about 8 ms on the development machine)
+      # its one prompt step, which admits all 256 requests, is its "prefill" row (where that
+      # step's time goes beyond its roofline: docs/benchmarks.md, Offline throughput)
       for shape in ${PROFILE_SHAPES:-llama-3.2-1b qwen3-0.6b llama-3.1-8b}; do
         m=$(config_only "$shape")
         # shellcheck disable=SC2086  # flags, split on purpose
