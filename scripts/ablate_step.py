@@ -17,8 +17,9 @@ the step loses without it. The parts (``--without``, repeatable):
 - ``experts``: a mixture of experts' expert kernels (the block's output is its input);
 - ``head-norms``: the per-head Q/K norms of the batch-1 QKV kernel (Qwen3's, Gemma 3's:
   ``one_row_qkv.py``), whose head's last program norms it after the others' counts; the
-  kernel projects and rotates without them. What moving the norms elsewhere (into
-  attention, which reads each head whole) could win at most.
+  kernel projects and rotates without them, in the configuration the norms choose (the
+  rule picks another without them). What moving the norms elsewhere (into attention, which
+  reads each head whole) could win at most.
 
 The tokens are garbage without a part; only the timing means anything. The rounds' median
 and range are printed, in milliseconds a step.
@@ -39,6 +40,8 @@ import torch
 from profile_step import MAX_NEW_TOKENS, start_requests
 
 import engine.backends.triton.backend as triton_backend
+from engine.backends.triton.one_row_matmul import row_operands
+from engine.backends.triton.one_row_qkv import one_row_qkv_config
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.models import moe
@@ -78,8 +81,12 @@ def leave_out(parts: list[str], device: torch.device, experts: int, top_k: int) 
         with_norms = triton_backend.one_row_qkv_rotary_store
 
         def without_head_norms(*args: Any) -> torch.Tensor:
-            rotary = args[-1]
-            return with_norms(*args[:-1], dataclasses.replace(rotary, q_norm=None, k_norm=None))
+            x, weight, scale, rotary = args[0], args[1], args[2], args[-1]
+            channels, depth = weight.shape
+            normed = row_operands(x, weight, scale).normed
+            config = one_row_qkv_config(channels, depth, weight.dtype, normed, head_norms=True)
+            unnormed = dataclasses.replace(rotary, q_norm=None, k_norm=None)
+            return with_norms(*args[:-1], unnormed, config=config)
 
         triton_backend.one_row_qkv_rotary_store = without_head_norms
 
