@@ -17,7 +17,8 @@ in-process engine, --runs times in one process, with no warm-up of its own: the 
 shows what a fresh engine's first users get. Prints each run's output tokens, seconds and
 output tokens per second and how many times the scheduler preempted a request (its blocks
 freed for an older one's, its tokens computed again later: a cache that cannot hold the
-batch, whose cost the figures then include; the header gives the cache's tokens), then a
+batch, whose cost the figures then include; the header gives the cache's tokens), and what
+may have stalled a step (``Stalls``: the CUDA allocator's retries, full collections), then a
 table of the first run, the median run and the range (least to greatest over the runs, a
 figure alike in every run printed once) of each figure. --num-kv-blocks sizes the cache
 exactly, --max-num-batched-tokens sets a step's token budget (the engine's options: the
@@ -79,7 +80,8 @@ time is a step that waited on the host.
 engine's construction: load, cache sizing, graphs), load time, the median run's figures, their
 least and greatest over the runs (seconds_min, seconds_max, tok_s_min, tok_s_max,
 roofline_share_min, roofline_share_max), the median run's preemptions and their range
-(preemptions_min, preemptions_max), the cache's tokens (kv_cache_tokens), the first run's
+(preemptions_min, preemptions_max), each run's stalls ("stalls": allocator_retries,
+collections, collection_s), the cache's tokens (kv_cache_tokens), the first run's
 speed and time (first_tok_s, first_seconds), and the median and first runs' steps by kind
 ("steps", "first_steps": kind -> steps, seconds, bound_s, slowest_s).
 """
@@ -87,13 +89,14 @@ speed and time (first_tok_s, first_seconds), and the median and first runs' step
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -168,6 +171,56 @@ def compile_times(engine: LLMEngine, constraint: StructuredOutput) -> tuple[floa
 
 
 @dataclass
+class Stalls:
+    """What can stall a run's steps beyond their work, counted over the run: the CUDA
+    caching allocator's retries (an allocation it could not serve, every cached block freed
+    back to the device, a synchronization, then tried again) and the garbage collector's
+    full (oldest-generation) collections, with the time they took. A step much slower than
+    its kind's others (the table's "slowest ms") is then one of these or not."""
+
+    allocator_retries: int = 0
+    collections: int = 0
+    collection_s: float = 0.0
+
+    def __str__(self) -> str:
+        return (
+            f"{self.allocator_retries} allocator retries, {self.collections} full collections"
+            f" ({self.collection_s * 1e3:.1f} ms)"
+        )
+
+
+def _allocator_retries(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+
+
+@contextmanager
+def counted_stalls(device: torch.device) -> Iterator[Stalls]:
+    """``Stalls`` while the block runs: the allocator's retries on ``device`` (none off
+    CUDA) and the full collections, timed by the collector's own callbacks."""
+    stalls = Stalls()
+    collection_started: list[float] = []
+
+    def on_collection(phase: str, info: dict[str, int]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            collection_started.append(time.perf_counter())
+        elif collection_started:
+            stalls.collections += 1
+            stalls.collection_s += time.perf_counter() - collection_started.pop()
+
+    retries_before = _allocator_retries(device)
+    gc.callbacks.append(on_collection)
+    try:
+        yield stalls
+    finally:
+        gc.callbacks.remove(on_collection)
+        stalls.allocator_retries = _allocator_retries(device) - retries_before
+
+
+@dataclass
 class Run:
     tokens: int
     seconds: float
@@ -181,6 +234,7 @@ class Run:
     needed_s: float = 0.0
     # Requests the scheduler preempted during the run (their tokens computed again).
     preemptions: int = 0
+    stalls: Stalls = field(default_factory=Stalls)
 
     @property
     def tokens_per_s(self) -> float:
@@ -239,23 +293,26 @@ def bench_engine(
         torch.cuda.synchronize()
     engine.step_shapes = []
     preempted_before = engine.scheduler.num_preemptions
-    started = time.perf_counter()
-    submit(engine, requests, constrained, constraint, f"{run}-", sampling_template)
-    generated = 0
-    read_at = [started]  # when each step's results were read, after the run's start
-    while engine.has_work:
-        with label_step(len(engine.step_shapes)) if label_steps else nullcontext():
-            outputs = engine.step()
-        for _, output in outputs:
-            generated += len(output.new_token_ids)
-        num_read = len(engine.step_shapes) - (engine.in_flight is not None)
-        read_at += [time.perf_counter()] * (num_read + 1 - len(read_at))
-    seconds = time.perf_counter() - started
+    with counted_stalls(engine.device) as stalls:
+        started = time.perf_counter()
+        submit(engine, requests, constrained, constraint, f"{run}-", sampling_template)
+        generated = 0
+        read_at = [started]  # when each step's results were read, after the run's start
+        while engine.has_work:
+            with label_step(len(engine.step_shapes)) if label_steps else nullcontext():
+                outputs = engine.step()
+            for _, output in outputs:
+                generated += len(output.new_token_ids)
+            num_read = len(engine.step_shapes) - (engine.in_flight is not None)
+            read_at += [time.perf_counter()] * (num_read + 1 - len(read_at))
+        seconds = time.perf_counter() - started
     steps, engine.step_shapes = engine.step_shapes, None
     step_seconds = [b - a for a, b in itertools.pairwise(read_at)]
     preemptions = engine.scheduler.num_preemptions - preempted_before
     bound_s = run_bound(steps, cost, rates)
-    return Run(generated, seconds, bound_s, steps, step_seconds, preemptions=preemptions)
+    return Run(
+        generated, seconds, bound_s, steps, step_seconds, preemptions=preemptions, stalls=stalls
+    )
 
 
 # Kernels named a step kind under --profile-steps, the costliest first.
@@ -562,7 +619,8 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"run {run + 1}: {r.tokens} tokens in {r.seconds:.2f} s, {r.tokens_per_s:.1f} tok/s; "
             f"roofline {r.bound_s:.2f} s ({r.bound_s / r.seconds:.0%}), the workload's "
-            f"{r.needed_s:.2f} s ({r.needed_s / r.seconds:.0%}); {r.preemptions} preemptions"
+            f"{r.needed_s:.2f} s ({r.needed_s / r.seconds:.0%}); {r.preemptions} preemptions, "
+            f"{r.stalls}"
         )
     median = sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
     cache_tokens = engine.block_manager.num_blocks * engine.block_manager.block_size
@@ -575,6 +633,7 @@ def main(argv: list[str] | None = None) -> None:
         figures |= {"workload_roofline_share": median.needed_s / median.seconds}
         figures |= {"preemptions": median.preemptions, "kv_cache_tokens": cache_tokens}
         figures |= extremes("preemptions", [r.preemptions for r in runs])
+        figures |= {"stalls": [vars(r.stalls) for r in runs]}  # each run's, in order
         figures |= extremes("seconds", [r.seconds for r in runs])
         figures |= extremes("tok_s", [r.tokens_per_s for r in runs])
         figures |= extremes("roofline_share", [r.bound_s / r.seconds for r in runs])

@@ -46,7 +46,9 @@ def test_steps_by_kind_add_up_to_the_run(tmp_path: Path) -> None:
     assert 20 * 10 <= figures["output_tokens"] <= 20 * 40  # ignore_eos: every length in full
     # The default cache (1 GiB on CPU) holds the batch: nothing preempted.
     assert figures["kv_cache_tokens"] >= 16 * 80 and figures["preemptions_max"] == 0
-    assert "; 0 preemptions" in completed.stdout
+    assert "; 0 preemptions, 0 allocator retries, " in completed.stdout
+    # Each run's stalls, in order: the CPU has no caching allocator to retry.
+    assert [stalls["allocator_retries"] for stalls in figures["stalls"]] == [0, 0]
     steps = figures["steps"]
     kinds = list(steps)
     # 20 prompts prefill first; 16 sequences at most decode at once, then fewer as they end.
