@@ -10,7 +10,7 @@
 #   scripts/gpu_session.sh moe-decode-parity  # batch-1 decode parity of Qwen3 (QK-norm) and the MoEs
 #   MOE_SHAPE=mixtral-8x7b scripts/gpu_session.sh moe-sweep  # its rule against neighbouring configurations
 #   scripts/gpu_session.sh moe-ncu  # Nsight Compute on the MoE decode kernels (where they wait)
-#   scripts/gpu_session.sh decode-ncu  # Nsight Compute on split decode attention, ragged contexts
+#   scripts/gpu_session.sh decode-ncu  # Nsight Compute on split decode attention (DECODE_NCU_CASE: another case)
 #   BASE=/tmp/base scripts/gpu_session.sh moe-latency-ab  # MoE batch-1 TPOT against a base tree
 #   SPEC_MODEL=/tmp/smollm2.gguf scripts/gpu_session.sh spec spec-f32  # speculative decoding (issue 37)
 #   BASE=dir scripts/gpu_session.sh verify-ab  # verify steps alone (time_verify_steps.py) against a base tree
@@ -988,9 +988,14 @@ Issued Warp Per Scheduler|No Eligible|Avg. Active Threads)" "$out/moe-ncu-$kerne
       # longest first as the scheduler orders them: each case is 22 launches, the second case
       # longest first): throughput against the DRAM's, occupancy,
       # and each stall reason's share of a warp's cycles, to say why it reads below copy
-      # bandwidth where a step is one wave of programs
-      args=(python3 scripts/bench_kernels.py --ragged 100:2048 --batches "${DECODE_NCU_BATCH:-64}"
-        --head-dims 64 --heads 32:8 --table-tokens 131072)
+      # bandwidth where a step is one wave of programs. DECODE_NCU_CASE replaces the case's
+      # bench_kernels.py arguments: "--batches 1 --contexts 512 --head-dims 128 --heads 32:4
+      # --table-tokens 131072" is Qwen3-30B-A3B's batch-1 attention at the engine's splits
+      # (issue 39), the kernel alone (its wait for the kernel before is not in it)
+      # shellcheck disable=SC2206  # the case's arguments, split on purpose
+      case_args=(${DECODE_NCU_CASE:---ragged 100:2048 --batches ${DECODE_NCU_BATCH:-64} --head-dims \
+        64 --heads 32:8 --table-tokens 131072})
+      args=(python3 scripts/bench_kernels.py "${case_args[@]}")
       timeout 200 ncu --clock-control none --kernel-name _decode_kernel --launch-skip 30 \
         --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section Occupancy --section LaunchStats --section WarpStateStats \
