@@ -60,7 +60,7 @@ def _route_kernel(
     tl.store(ids_ptr + out, experts, mask=chosen)
 
 
-# One warp: a program's top k is a chain of k + 3 reductions over the experts (the max, k
+# One warp: a program's top k is a chain of k + 2 reductions over the experts (the max, k
 # argmaxes, the sum), each within the warp by shuffles, where more warps add an exchange
 # through shared memory and a barrier to each. At batch 1 the routing kernel is a link in
 # the step's chain of latencies, once an MoE layer (docs/benchmarks.md, Mixtures of experts).
