@@ -992,23 +992,23 @@ Issued Warp Per Scheduler|No Eligible|Avg. Active Threads)" "$out/moe-ncu-$kerne
       # bench_kernels.py arguments: "--batches 1 --contexts 512 --head-dims 128 --heads 32:4
       # --table-tokens 131072" is Qwen3-30B-A3B's batch-1 attention at the engine's splits
       # (issue 39), the kernel alone (its wait for the kernel before is not in it). A case of
-      # bench_kernels.py is 22 launches (the check, the capture, 20 replays): the ragged
-      # run's 30th is its second case's; one case's profiled launch is its fourth
-      # (DECODE_NCU_SKIP: another).
+      # bench_kernels.py is some 22 launches, most of them graph replays (profiled node by
+      # node): the ragged run's 31st is its second case's; one case's profiled launch is its
+      # fourth, a replay (DECODE_NCU_SKIP: another).
       # shellcheck disable=SC2206  # the case's arguments, split on purpose
       case_args=(${DECODE_NCU_CASE:---ragged 100:2048 --batches ${DECODE_NCU_BATCH:-64} --head-dims \
         64 --heads 32:8 --table-tokens 131072})
       skip=${DECODE_NCU_SKIP:-$([ -n "${DECODE_NCU_CASE:-}" ] && echo 3 || echo 30)}
       args=(python3 scripts/bench_kernels.py "${case_args[@]}")
-      timeout 200 ncu --clock-control none --kernel-name _decode_kernel --launch-skip "$skip" \
-        --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
-        --section Occupancy --section LaunchStats --section WarpStateStats \
-        --section SchedulerStats "${args[@]}" > "$out/decode-ncu.log" 2>&1
+      timeout 200 ncu --clock-control none --graph-profiling node --kernel-name _decode_kernel \
+        --launch-skip "$skip" --launch-count 1 --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+        --section WarpStateStats --section SchedulerStats "${args[@]}" > "$out/decode-ncu.log" 2>&1
       grep -E "^ +(Duration|DRAM Throughput|Memory Throughput|L2 Hit Rate|Achieved Occupancy|\
 Theoretical Occupancy|Registers Per Thread|Grid Size|Block Size|Waves Per SM|Warp Cycles Per \
 Issued Instruction|Issued Warp Per Scheduler|No Eligible|Avg. Active Threads)" "$out/decode-ncu.log" | head -20
-      timeout 200 ncu --clock-control none --kernel-name _decode_kernel --launch-skip "$skip" \
-        --launch-count 1 --csv --page raw \
+      timeout 200 ncu --clock-control none --graph-profiling node --kernel-name _decode_kernel \
+        --launch-skip "$skip" --launch-count 1 --csv --page raw \
         --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
         "${args[@]}" > "$out/decode-ncu-stalls.csv" 2>&1
       python3 - "$out/decode-ncu-stalls.csv" <<'PY'
