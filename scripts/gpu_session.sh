@@ -985,16 +985,15 @@ Issued Warp Per Scheduler|No Eligible|Avg. Active Threads)" "$out/moe-ncu-$kerne
       done ;;
     decode-ncu)  # issue 37 (about 3 minutes): Nsight Compute on split decode attention over
       # ragged contexts (DECODE_NCU_BATCH, default 64; the 1B's heads, 100-2048 tokens drawn,
-      # longest first as the scheduler orders them: each case is 22 launches, the second case
-      # longest first): throughput against the DRAM's, occupancy,
-      # and each stall reason's share of a warp's cycles, to say why it reads below copy
-      # bandwidth where a step is one wave of programs. DECODE_NCU_CASE replaces the case's
-      # bench_kernels.py arguments: "--batches 1 --contexts 512 --head-dims 128 --heads 32:4
-      # --table-tokens 131072" is Qwen3-30B-A3B's batch-1 attention at the engine's splits
-      # (issue 39), the kernel alone (its wait for the kernel before is not in it). A case of
-      # bench_kernels.py is some 22 launches, most of them graph replays (profiled node by
-      # node): the ragged run's 31st is its second case's; one case's profiled launch is its
-      # fourth, a replay (DECODE_NCU_SKIP: another).
+      # the run's second case longest first, as the scheduler orders them): throughput against
+      # the DRAM's, occupancy, and each stall reason's share of a warp's cycles, to say why it
+      # reads below copy bandwidth where a step is one wave of programs. DECODE_NCU_CASE
+      # replaces the case's bench_kernels.py arguments: "--batches 1 --contexts 512
+      # --head-dims 128 --heads 32:4 --table-tokens 131072" is Qwen3-30B-A3B's batch-1
+      # attention at the engine's splits (issue 39), the kernel alone (its wait for the kernel
+      # before is not in it). A case of bench_kernels.py is some 22 launches, most of them
+      # graph replays (profiled node by node): the ragged run's 31st is its second case's; one
+      # case's profiled launch is its fourth, a replay (DECODE_NCU_SKIP: another).
       # shellcheck disable=SC2206  # the case's arguments, split on purpose
       case_args=(${DECODE_NCU_CASE:---ragged 100:2048 --batches ${DECODE_NCU_BATCH:-64} --head-dims \
         64 --heads 32:8 --table-tokens 131072})
