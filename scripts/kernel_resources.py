@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import os
 import re
 import subprocess
@@ -74,12 +75,13 @@ _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4nv"}
 
 def engine_arguments(
     num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None
-) -> dict[str, int]:
-    """The attention kernels' integer arguments as the engine passes them: q a view of the
+) -> dict[str, int | float]:
+    """The attention kernels' scalar arguments as the engine passes them: q a view of the
     fused QKV projection's output, caches [blocks, block_size, kv_heads, head_dim]."""
     q_row = (num_heads + 2 * num_kv_heads) * head_dim
     return {
         "window": sliding_window or 0,
+        "scale_log2": head_dim**-0.5 * math.log2(math.e),
         "stride_q_seq": q_row,
         "stride_q_token": q_row,  # the prefill kernel's name for it
         "stride_q_head": head_dim,
@@ -97,16 +99,16 @@ def engine_arguments(
 
 def compile_attention_kernel(
     constants: dict[str, int | bool | str],
-    integers: dict[str, int],
+    integers: dict[str, int | float],
     kv_dtype: torch.dtype,
     num_warps: int,
     num_stages: int,
     kernel: triton.runtime.JITFunction = _decode_kernel,
 ) -> triton.compiler.CompiledKernel:
     """An attention kernel (the Triton decode one, the Gluon fp8 one, or the prefill one)
-    compiled for sm_90, specialized as Triton specializes a launch: integers equal to 1
-    become constants, multiples of 16 and pointers are marked divisible by 16, except the
-    arguments the kernel exempts."""
+    compiled for sm_90, specialized as Triton specializes a launch: the kernel's constant
+    parameters take the engine's values, integers equal to 1 become constants, multiples of
+    16 and pointers are marked divisible by 16, except the arguments the kernel exempts."""
     names = kernel.arg_names
     exempt = set(kernel.do_not_specialize)
     exempt_alignment = set(kernel.do_not_specialize_on_alignment)
@@ -127,7 +129,10 @@ def compile_attention_kernel(
     signature: dict[str, str] = {}
     divisible: list[int] = []
     for index, name in enumerate(names):
-        if name in pointers:
+        if index in kernel.constexprs and name in integers:
+            fixed[name] = integers[name]
+            signature[name] = "constexpr"
+        elif name in pointers:
             signature[name] = pointers[name]
             if name not in exempt_alignment:
                 divisible.append(index)

@@ -121,10 +121,6 @@ _STEP_ARGUMENTS = [
 # rescaling factors stay exp2(0) = 1 instead of exp2(-inf - -inf) = NaN.
 _NO_SCORE = tl.constexpr(-1.0e30)
 _LOG2E = tl.constexpr(1.4426950408889634)  # sinks are natural logits; scores here base 2
-# The split workspace's strides follow the step's split count (a head's row is
-# num_splits * (head_dim + 2) floats), and so does their divisibility by 16: specialized, a
-# split count the warm-up did not use would compile another variant mid-run.
-_WORKSPACE_STRIDES = ["stride_ws_seq", "stride_ws_head"]
 
 
 @triton.jit
@@ -301,13 +297,8 @@ def _prefetch_tile(
 
 
 @triton.jit(
-    do_not_specialize=["stride_table", *_WORKSPACE_STRIDES],
-    do_not_specialize_on_alignment=[
-        "block_tables_ptr",
-        "context_lens_ptr",
-        "stride_table",
-        *_WORKSPACE_STRIDES,
-    ],
+    do_not_specialize=["stride_table"],
+    do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr", "stride_table"],
 )
 def _decode_kernel(
     q_ptr,
@@ -319,18 +310,15 @@ def _decode_kernel(
     workspace_ptr,
     split_counts_ptr,
     sinks_ptr,
-    window,
-    scale_log2,
-    stride_q_seq,
-    stride_q_head,
+    window: tl.constexpr,
+    scale_log2: tl.constexpr,
+    stride_q_seq: tl.constexpr,
+    stride_q_head: tl.constexpr,
     stride_table,
-    stride_cache_slot,
-    stride_cache_head,
-    stride_out_seq,
-    stride_out_head,
-    stride_ws_seq,
-    stride_ws_head,
-    stride_ws_split,
+    stride_cache_slot: tl.constexpr,
+    stride_cache_head: tl.constexpr,
+    stride_out_seq: tl.constexpr,
+    stride_out_head: tl.constexpr,
     QUERY_LEN: tl.constexpr,
     GROUP: tl.constexpr,
     TOKEN_ROWS: tl.constexpr,
@@ -365,6 +353,12 @@ def _decode_kernel(
     seq = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
+    # The split workspace [tokens, heads, splits, HEAD_DIM + 2] is contiguous: its strides
+    # follow from the grid, as the model's (q's, the cache's, out's) are constants, so that
+    # no address is an argument's runtime product (``_launch_decode_kernel``).
+    stride_ws_split: tl.constexpr = HEAD_DIM + 2
+    stride_ws_head = num_splits * stride_ws_split
+    stride_ws_seq = tl.num_programs(0) * GROUP * stride_ws_head
     # A step input, written before the forward pass: read before the wait.
     context_len = tl.load(context_lens_ptr + seq)
     first_key = 0
@@ -963,7 +957,6 @@ def paged_decode_attention(
             sliding_window,
             out,
             workspace,
-            ws_strides,
             num_splits,
             sinks,
             num_warps,
@@ -1028,7 +1021,6 @@ def _launch_decode_kernel(
     sliding_window: int | None,
     out: torch.Tensor,
     workspace: torch.Tensor,
-    ws_strides: tuple[int, ...],
     num_splits: int,
     sinks: torch.Tensor | None,
     num_warps: int | None,
@@ -1060,6 +1052,12 @@ def _launch_decode_kernel(
     # programs reading one block's rows run together. Slightly faster than with the sequences
     # first at batch 64-256 (docs/history/benchmarks-lab-notebook.md;
     # ``scripts/bench_kernels.py --batches 64 256`` measures it).
+    # The window, the scale and q's, the cache's and out's strides are the kernel's constants
+    # (one variant for each model's, compiled at warm-up): the addresses they make fold into
+    # shifts and immediates instead of 64-bit products of arguments, fewer instructions and
+    # registers on the path of a batch-1 step's chain of latencies (``scripts/bench_kernels.py
+    # --batches 1 --table-tokens 131072`` times it). The block tables' stride stays an
+    # argument: an eager step's tables are as wide as its longest context.
     _decode_kernel[(num_kv_heads, batch, num_splits)](
         q,
         key_cache,
@@ -1079,7 +1077,6 @@ def _launch_decode_kernel(
         key_cache.stride(2),
         out.stride(0),
         out.stride(1),
-        *ws_strides,
         **constants,
         num_warps=warps,
         num_stages=decode_num_stages(query_len, key_cache.dtype),
