@@ -99,7 +99,7 @@ def engine_arguments(
 
 def compile_attention_kernel(
     constants: dict[str, int | bool | str],
-    integers: dict[str, int | float],
+    scalars: dict[str, int | float],
     kv_dtype: torch.dtype,
     num_warps: int,
     num_stages: int,
@@ -129,8 +129,8 @@ def compile_attention_kernel(
     signature: dict[str, str] = {}
     divisible: list[int] = []
     for index, name in enumerate(names):
-        if index in kernel.constexprs and name in integers:
-            fixed[name] = integers[name]
+        if index in kernel.constexprs and name in scalars:
+            fixed[name] = scalars[name]
             signature[name] = "constexpr"
         elif name in pointers:
             signature[name] = pointers[name]
@@ -138,8 +138,8 @@ def compile_attention_kernel(
                 divisible.append(index)
         elif name == "scale_log2":
             signature[name] = "fp32"
-        elif name in integers:
-            value = integers[name]
+        elif name in scalars:
+            value = scalars[name]
             if name not in exempt and value == 1:
                 fixed[name] = 1
                 signature[name] = "constexpr"
@@ -250,9 +250,9 @@ def main() -> None:
         constants["BLOCK_N"] = args.block_n
     if args.num_stages is None:
         args.num_stages = decode_num_stages(args.query_len, kv_dtype)
-    integers = engine_arguments(num_heads, num_kv_heads, args.head_dim, args.sliding_window)
+    scalars = engine_arguments(num_heads, num_kv_heads, args.head_dim, args.sliding_window)
     warps, stages = args.num_warps, args.num_stages
-    kernel = compile_attention_kernel(constants, integers, kv_dtype, warps, stages)
+    kernel = compile_attention_kernel(constants, scalars, kv_dtype, warps, stages)
     print(
         f"decode kernel, sm_90, Triton {triton.__version__}: heads {num_heads}/{num_kv_heads}, "
         f"head_dim {args.head_dim}, K/V {kv_dtype}, BLOCK_N {constants['BLOCK_N']}, "
@@ -274,8 +274,8 @@ def prefill_resources(
         constants["BLOCK_N"] = args.block_n
     warps = args.num_warps or prefill_num_warps(int(constants["BLOCK_D"]))
     stages = args.num_stages or PREFILL_STAGES
-    integers = engine_arguments(num_heads, num_kv_heads, args.head_dim, args.sliding_window)
-    kernel = compile_attention_kernel(constants, integers, kv_dtype, warps, stages, _prefill_kernel)
+    scalars = engine_arguments(num_heads, num_kv_heads, args.head_dim, args.sliding_window)
+    kernel = compile_attention_kernel(constants, scalars, kv_dtype, warps, stages, _prefill_kernel)
     rows = int(constants["BLOCK_Q"]) * int(constants["GROUP_PAD"])
     print(
         f"prefill kernel, sm_90, Triton {triton.__version__}: heads {num_heads}/{num_kv_heads}, "
@@ -293,11 +293,11 @@ def gluon_resources(args: argparse.Namespace, num_heads: int, num_kv_heads: int)
     constants = fp8_decode_constants(
         num_heads, num_kv_heads, args.head_dim, args.block_size, window, 2 if args.split else 1
     )
-    integers = engine_arguments(num_heads, num_kv_heads, args.head_dim, args.sliding_window)
-    integers["stride_cache_head"] *= constants["HEADS"]
+    scalars = engine_arguments(num_heads, num_kv_heads, args.head_dim, args.sliding_window)
+    scalars["stride_cache_head"] *= constants["HEADS"]
     warps = FP8_DECODE_NUM_WARPS
     kernel = compile_attention_kernel(
-        constants, integers, torch.float8_e4m3fn, warps, 1, _fp8_decode_kernel
+        constants, scalars, torch.float8_e4m3fn, warps, 1, _fp8_decode_kernel
     )
     print(
         f"fp8 decode kernel (Gluon), sm_90, Triton {triton.__version__}: heads "

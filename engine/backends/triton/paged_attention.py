@@ -354,9 +354,8 @@ def _decode_kernel(
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     # The split workspace [tokens, heads, splits, HEAD_DIM + 2] is contiguous: its strides
-    # follow from the grid, as the model's (q's, the cache's, out's) are constants, so that
-    # the block table's is the one address made from a launch argument's value
-    # (``_launch_decode_kernel``).
+    # follow from the grid, so that, the model's strides being constants
+    # (``_launch_decode_kernel``), the block tables' is the one stride left an argument.
     stride_ws_split: tl.constexpr = HEAD_DIM + 2
     stride_ws_head = num_splits * stride_ws_split
     stride_ws_seq = tl.num_programs(0) * GROUP * stride_ws_head
