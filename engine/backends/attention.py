@@ -110,6 +110,20 @@ class AttentionBackend(ABC):
         one address for every replay."""
         yield
 
+    def compile_eager_variants(  # noqa: B027 (optional)
+        self,
+        q: torch.Tensor,  # [1, num_heads, head_dim]: a query's heads and dtype
+        cache: LayerKVCache,
+        query_len: int,
+        max_batch: int,
+        max_context_len: int,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        """Compile, before the first request, the kernel variants that eager steps of 1 to
+        ``max_batch`` sequences of ``query_len`` queries each, their contexts up to
+        ``max_context_len``, may take where a backend's variants follow a step's shape and
+        the warm-up's few steps do not reach them all (engine/execution/warm_up.py)."""
+
     @abstractmethod
     def forward(
         self,

@@ -5,8 +5,8 @@ The first use of a kernel compiles it (Triton) or loads it (CUDA's lazy module l
 costs a first request hundreds of milliseconds. The Triton kernels take every argument that
 changes from step to step (packed-input views, block-table widths, split counts) without
 specializing on it (engine/backends/triton/), so their variants are few and fixed by the
-model: one per layer kind (sliding window or not) and per decode path (split or not). These
-steps reach all of them, and every sampling path:
+model: one per layer kind (sliding window or not) and per decode path (split or not), but
+the split merge's tiles (below). These steps reach all of them, and every sampling path:
 
 - a prefill step of two prompts, one sampled greedily and one with temperature, top-k,
   top-p and log-probabilities (the prefill kernel serves mixed steps and every chunk size:
@@ -30,7 +30,12 @@ steps reach all of them, and every sampling path:
   takes a variant of its own: ``decode_num_warps``) and of max_num_seqs at one token; where
   verify steps may (speculative decoding), the same two as verify steps (the decode
   kernel's variant of 1 + k queries a sequence; the verify graphs' capture compiled it for
-  the graphs).
+  the graphs);
+- what eager steps' attention takes by their shape where a backend's variants follow it
+  (``AttentionBackend.compile_eager_variants``): the Triton backend's split merge, whose tile
+  follows a step's split count and rows, where a step's splits are merged by it (the fp8
+  decode kernel's, a verify step's), for a mixed step's decodes and verify steps past the
+  graphs of any batch up to max_num_seqs.
 
 The steps use fake requests whose every block is block 0: what they write there is finite
 and later overwritten by the requests that own those slots, and nothing reads a slot before
@@ -50,6 +55,7 @@ import torch
 
 from engine.execution.batch import sampling_tensors
 from engine.execution.seen_tokens import SeenTokens
+from engine.models.layers import Attention
 from engine.sampling.sampler import sample
 from engine.scheduling.request import Request, RequestStatus
 from protocol import SamplingParams
@@ -143,6 +149,22 @@ def warm_up(runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens: int)
                     request.block_ids = array("q", [0]) * (-(-runner.max_model_len // block_size))
                 runner.forward_eager(runner.step_inputs(decode))
                 num_steps += 1
+    # What eager steps' attention takes by their shape (a mixed step's decodes, and verify
+    # steps past the graphs): the steps above reach a few shapes of the many.
+    attention = next(m for m in runner.model.modules() if isinstance(m, Attention))
+    assert attention.cache is not None
+    q = torch.empty(
+        1, attention.num_heads, attention.head_dim, dtype=runner.dtype, device=runner.device
+    )
+    for query_len in [1, 1 + num_drafts] if eager_verifies else [1]:
+        runner.backend.attention.compile_eager_variants(
+            q,
+            attention.cache,
+            query_len,
+            max_num_seqs,
+            runner.max_model_len,
+            attention.sink_logits(),
+        )
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     logger.info("warm-up: %d steps in %.2f s", num_steps, time.perf_counter() - started)

@@ -63,6 +63,7 @@ from engine.backends.triton.mxfp4_moe import mxfp4_moe
 from engine.backends.triton.norm import rms_norm_round_once
 from engine.backends.triton.nucleus import draw_tokens
 from engine.backends.triton.one_row_matmul import one_row_matmul
+from engine.backends.triton.paged_attention import compile_split_merges
 from engine.backends.triton.penalties import apply_penalties
 from engine.backends.triton.pending_tokens import fill_pending_tokens
 from engine.backends.triton.push_all_reduce import PushAllReduce, push_all_reduce
@@ -100,6 +101,18 @@ class TritonPagedAttention(AttentionBackend):
             q, k, v, cache.key, cache.value, metadata.slot_mapping, metadata.positions, rotary
         )
         return self._attend(q, cache, metadata, scale, sliding_window, sinks)
+
+    def compile_eager_variants(
+        self,
+        q: torch.Tensor,
+        cache: LayerKVCache,
+        query_len: int,
+        max_batch: int,
+        max_context_len: int,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        # The split merge's tile follows a step's split count and rows.
+        compile_split_merges(q, cache.key, query_len, max_batch, max_context_len, sinks)
 
     def project_and_attend(
         self,

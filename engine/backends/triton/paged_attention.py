@@ -978,6 +978,20 @@ def merge_splits(
     assert workspace.is_contiguous()
     num_rows = num_tokens * num_heads
     block_s, block_r = merge_tile(num_splits, num_rows, sm_count(out.device))
+    _launch_merge_kernel(workspace, out, sinks, num_rows, block_s, block_r)
+
+
+def _launch_merge_kernel(
+    workspace: torch.Tensor,
+    out: torch.Tensor,
+    sinks: torch.Tensor | None,
+    num_rows: int,
+    block_s: int,
+    block_r: int,
+) -> None:
+    """``_decode_merge_kernel`` over the first ``num_rows`` rows, in tiles of ``block_s``
+    splits by ``block_r`` rows."""
+    num_heads, num_splits, row = workspace.shape[1:]
     _decode_merge_kernel[(triton.cdiv(num_rows, block_r),)](
         workspace,
         out,
@@ -988,13 +1002,71 @@ def merge_splits(
         out.stride(0),
         out.stride(1),
         NUM_HEADS=num_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        HEAD_DIM=row - 2,
+        BLOCK_D=triton.next_power_of_2(row - 2),
         BLOCK_R=block_r,
         BLOCK_S=block_s,
         HAS_SINKS=sinks is not None,
         **launch_options(out.device),
     )
+
+
+def compile_split_merges(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    query_len: int,
+    max_batch: int,
+    max_context_len: int,
+    sinks: torch.Tensor | None = None,
+) -> int:
+    """Compile the merge kernel's variant for each tile (``merge_tile``) that a split step of
+    1 to ``max_batch`` sequences of ``query_len`` queries each (``q``'s heads and dtype),
+    contexts of up to ``max_context_len`` keys over ``key_cache``, may take, where such a
+    step's splits are merged by that kernel (the fp8 kernel's; a verify step's taller tile):
+    the tile follows the step's split count and rows. A graph's step compiles its own at
+    capture, but an eager one (a mixed step's decodes, a verify step past the graphs) may
+    take any, and a first compile then stalls that step. Each is launched over no rows.
+    Returns how many variants."""
+    num_heads, head_dim = q.shape[1:]
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    if uses_fp8_decode_kernel(q, key_cache, query_len) and sinks is None:
+        rule = {
+            "programs_per_sm": FP8_DECODE_PROGRAMS_PER_SM,
+            "min_split_tokens": FP8_DECODE_MIN_SPLIT_TOKENS,
+        }
+    else:
+        rule = {}
+        constants, _ = decode_constants(
+            q.dtype,
+            key_cache.dtype,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            query_len,
+            None,
+            2,  # split
+            max_batch,
+            sinks is not None,
+        )
+        if constants["MERGE_HERE"]:
+            return 0
+    num_sms = sm_count(q.device)
+    max_context_len = triton.cdiv(max_context_len, block_size) * block_size  # tables' width
+    tiles: set[tuple[int, int]] = set()
+    for batch in range(1, max_batch + 1):
+        most_splits = decode_num_splits(batch, num_kv_heads, max_context_len, num_sms, **rule)
+        num_rows = batch * query_len * num_heads
+        # The splits' tile is their count's power of two, at most _MERGE_TILE_SPLITS_TIMES_ROWS
+        splits = 2
+        while splits // 2 < most_splits and splits <= _MERGE_TILE_SPLITS_TIMES_ROWS:
+            tiles.add(merge_tile(splits, num_rows, num_sms))
+            splits *= 2
+    out = torch.empty(1, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    for block_s, block_r in tiles:
+        workspace = decode_workspace(1, num_heads, head_dim, block_s, q.device)
+        _launch_merge_kernel(workspace, out, sinks, 0, block_s, block_r)
+    return len(tiles)
 
 
 def merge_tile(num_splits: int, num_rows: int, num_sms: int) -> tuple[int, int]:
