@@ -48,6 +48,12 @@ written by a kernel before that one, which the gate/up programs waited for befor
 this kernel start (``dependent_launch``), so it is complete; the weights are never written.
 The read then overlaps the gate/up kernel's last programs. Nothing is read back to the
 host and the grids follow from T, K, H and I: captured in CUDA graphs for any routing.
+
+The experts' rows (bf16 and FP8) are loaded evict-first: a step reads each once, and a
+layer's picks are the step's largest read by far (Qwen3-30B-A3B's 75 MB a layer at one token,
+more than L2 holds), so left as other lines they would push out of L2 what the layer's other
+kernels read again or load ahead of their waits. Which lines that keeps is not measured
+apart; the batch-1 step is faster with it (docs/benchmarks.md, Mixtures of experts).
 """
 
 from __future__ import annotations
@@ -86,6 +92,8 @@ _MAX_REGISTERS = 64
 # The weight bytes a depth's steps may read, at most, over its own: beyond, the grouped
 # kernels' short steps (``takes_decode_path``).
 _MOST_MASKED = 1.125
+# The experts' rows' loads: read once a step (the module's docstring says why).
+_STREAMED = tl.constexpr("evict_first")
 
 
 @dataclass(frozen=True)
@@ -323,8 +331,10 @@ def _pick_rows(
         ks = start + tl.arange(0, BLOCK_K)
         gate_rows = w_ptr + expert[:, None] * stride_we + cols[:, None] * stride_wn + ks[None, :]
         mask = (local & col_mask)[:, None] & (ks < depth)[None, :]
-        gate = tl.load(gate_rows, mask=mask, other=0.0)
-        up = tl.load(gate_rows + intermediate * stride_wn, mask=mask, other=0.0)
+        gate = tl.load(gate_rows, mask=mask, other=0.0, eviction_policy=_STREAMED)
+        up = tl.load(
+            gate_rows + intermediate * stride_wn, mask=mask, other=0.0, eviction_policy=_STREAMED
+        )
         gate_scales, up_scales = gate, up
     return gate, gate_scales, up, up_scales, expert, local
 
@@ -467,7 +477,10 @@ def _down_rows(
     else:
         ks = start + tl.arange(0, BLOCK_K)
         weight = tl.load(
-            weight_rows + ks[None, None, :], mask=rows_mask & (ks < depth)[None, None, :], other=0.0
+            weight_rows + ks[None, None, :],
+            mask=rows_mask & (ks < depth)[None, None, :],
+            other=0.0,
+            eviction_policy=_STREAMED,
         )
         scales = weight
     return weight, scales
