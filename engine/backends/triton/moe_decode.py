@@ -80,6 +80,7 @@ from engine.backends.triton.mxfp4_widen import (
     load_mxfp4_rows,
     nibble_products,
 )
+from engine.backends.triton.one_row_matmul import READ_ONCE
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Products a program step: 32 a thread of 8 warps (the one-row kernel's 4 rows x 4 KiB).
@@ -92,8 +93,6 @@ _MAX_REGISTERS = 64
 # The weight bytes a depth's steps may read, at most, over its own: beyond, the grouped
 # kernels' short steps (``takes_decode_path``).
 _MOST_MASKED = 1.125
-# The experts' rows' loads: read once a step (the module's docstring says why).
-_STREAMED = tl.constexpr("evict_first")
 
 
 @dataclass(frozen=True)
@@ -331,9 +330,9 @@ def _pick_rows(
         ks = start + tl.arange(0, BLOCK_K)
         gate_rows = w_ptr + expert[:, None] * stride_we + cols[:, None] * stride_wn + ks[None, :]
         mask = (local & col_mask)[:, None] & (ks < depth)[None, :]
-        gate = tl.load(gate_rows, mask=mask, other=0.0, eviction_policy=_STREAMED)
+        gate = tl.load(gate_rows, mask=mask, other=0.0, eviction_policy=READ_ONCE)
         up = tl.load(
-            gate_rows + intermediate * stride_wn, mask=mask, other=0.0, eviction_policy=_STREAMED
+            gate_rows + intermediate * stride_wn, mask=mask, other=0.0, eviction_policy=READ_ONCE
         )
         gate_scales, up_scales = gate, up
     return gate, gate_scales, up, up_scales, expert, local
@@ -480,7 +479,7 @@ def _down_rows(
             weight_rows + ks[None, None, :],
             mask=rows_mask & (ks < depth)[None, None, :],
             other=0.0,
-            eviction_policy=_STREAMED,
+            eviction_policy=READ_ONCE,
         )
         scales = weight
     return weight, scales

@@ -42,6 +42,10 @@ Qwen3-0.6B, but not of the 1B shape: there the early reads slow the kernel they 
 about as much as they speed up their own (the down projection, and the split merge before
 the o projection). ``scripts/bench_latency.py --model DIR --device cuda`` measures the
 TPOT; the figures are in docs/history/benchmarks-lab-notebook.md.
+
+The weight is loaded evict-first, as the MoE decode kernels load the experts' rows: a step
+reads each weight once, a whole layer's far more than L2 holds, and left as other lines they
+would push out of L2 what the step reads again (docs/benchmarks.md, batch-1 latency).
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Elements of the row that a reducing product's last program sums at a time: a wider tile has
 # more loads in flight, each waited for, but its registers count against every program's.
 SUM_BLOCK = 4096
+# How a step's weights are loaded: evict-first, read once a step (the module's docstring).
+READ_ONCE = tl.constexpr("evict_first")
 
 
 @dataclass(frozen=True)
@@ -173,7 +179,12 @@ def first_weight_chunk(cols, col_mask, weight_ptr, K, stride_weight, BLOCK_BYTES
     BLOCK_K: tl.constexpr = BLOCK_BYTES // weight_ptr.dtype.element_ty.primitive_bitwidth * 8
     ks = tl.arange(0, BLOCK_K)
     mask = col_mask[:, None] & (ks < K)[None, :]
-    return tl.load(weight_ptr + cols[:, None] * stride_weight + ks[None, :], mask=mask, other=0.0)
+    return tl.load(
+        weight_ptr + cols[:, None] * stride_weight + ks[None, :],
+        mask=mask,
+        other=0.0,
+        eviction_policy=READ_ONCE,
+    )
 
 
 @triton.jit
@@ -230,7 +241,10 @@ def row_sums(
     for start in range(BLOCK_K, K, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
         weight = tl.load(
-            weight_rows + ks[None, :], mask=col_mask[:, None] & (ks < K)[None, :], other=0.0
+            weight_rows + ks[None, :],
+            mask=col_mask[:, None] & (ks < K)[None, :],
+            other=0.0,
+            eviction_policy=READ_ONCE,
         )
         acc, squares = _accumulate(
             acc,
