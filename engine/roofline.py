@@ -304,6 +304,19 @@ def share_of_roofline(bound_s: float, measured_s: float) -> str:
     return f"{bound_s / measured_s:.0%}"
 
 
+def uneven_routing_note(cost: ModelCost, shares: Iterable[float]) -> str | None:
+    """What a benchmark prints under its shares where one is above 100% for a mixture of
+    experts: the bound counts min(E, T * k) experts a layer (the tokens spread evenly), which a
+    step whose tokens went to fewer (random weights' routing is uneven) does not read; None
+    otherwise."""
+    if cost.num_experts == 1 or all(share <= 1 for share in shares):
+        return None
+    return (
+        "(a share above 100%: the bound counts the experts a layer's tokens could reach, "
+        "min(E, tokens x k), as if routed evenly; these went to fewer, as random weights route)"
+    )
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

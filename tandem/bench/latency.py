@@ -52,6 +52,7 @@ from engine.roofline import (
     load_steps,
     measure_rates,
     run_bound,
+    uneven_routing_note,
 )
 from protocol import (
     PROTOCOL_VERSION,
@@ -349,6 +350,11 @@ def main(argv: list[str] | None = None) -> None:
                 f" {spread([b.tpot_s / r.tpot_s for r, b in pairs], '.0%'):>14}"
             )
         print(line)
+    pairs = list(zip(runs, bounds, strict=True))
+    shares = [b.ttft_s / r.ttft_s for r, b in pairs] + [b.tpot_s / r.tpot_s for r, b in pairs]
+    note = uneven_routing_note(cost, shares)
+    if note is not None:
+        print(note)
     least, ours = median(bounds), median(runs)
     if args.json_out is not None:
         figures = {"start_s": start_s, "ttft_ms": ours.ttft_s * 1e3, "tpot_ms": ours.tpot_s * 1e3}

@@ -112,6 +112,7 @@ from engine.roofline import (
     measure_rates,
     run_bound,
     step_bound,
+    uneven_routing_note,
     workload_bound,
 )
 from protocol import SamplingParams, StructuredOutput, StructuredOutputKind
@@ -684,6 +685,9 @@ def main(argv: list[str] | None = None) -> None:
             f"{spread([r.bound_s / r.seconds for r in rs], '.0%'):>14} "
             f"{spread([r.needed_s / r.seconds for r in rs], '.0%'):>18}"
         )
+    note = uneven_routing_note(cost, [r.bound_s / r.seconds for r in runs])
+    if note is not None:
+        print(note)
     if peer is not None:
         tokens, seconds = peer
         print(f"{'transformers generate':28} {tokens:14d} {seconds:11.2f} {tokens / seconds:15.1f}")

@@ -27,6 +27,7 @@ from engine.roofline import (
     save_steps,
     step_bound,
     step_traffic,
+    uneven_routing_note,
     workload_bound,
 )
 from tandem.testing.reference import run_engine
@@ -167,6 +168,17 @@ def test_a_mixture_of_experts_reads_the_experts_its_tokens_go_to(tmp_path: Path)
     step = shape([5], [5], num_logits=1)
     assert step_traffic(step, fp8).flops == step_traffic(step, without_experts).flops
     assert step_traffic(step, fp8).fp8_flops == 2 * 5 * top_k * moe_layers * per_expert
+
+
+def test_a_share_above_the_bound_is_explained_only_for_a_mixture_of_experts() -> None:
+    """Random weights route a mixture of experts' tokens unevenly, so its runs can beat a bound
+    that spreads them evenly: the benchmarks say so under the shares. A dense model's share
+    above 100% gets no excuse (a wrong bound), nor does any share at or below it."""
+    moe = replace(COST, num_experts=128, experts_per_token=8)
+    note = uneven_routing_note(moe, [0.62, 1.28])
+    assert note is not None and "min(E, tokens x k)" in note
+    assert uneven_routing_note(moe, [0.62, 1.0]) is None
+    assert uneven_routing_note(COST, [0.62, 1.28]) is None
 
 
 def test_engine_records_the_steps_it_ran(
