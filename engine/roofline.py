@@ -312,8 +312,8 @@ def uneven_routing_note(cost: ModelCost, shares: Iterable[float]) -> str | None:
     if cost.num_experts == 1 or all(share <= 1 for share in shares):
         return None
     return (
-        "(a share above 100%: the bound counts the experts a layer's tokens could reach, "
-        "min(E, tokens x k), as if routed evenly; these went to fewer, as random weights route)"
+        "(a share above 100%: the bound has a layer's tokens reach min(E, tokens x k) "
+        "experts, as if routed evenly; this run's reached fewer: random weights route unevenly)"
     )
 
 

@@ -1018,15 +1018,14 @@ def compile_split_merges(
     max_batch: int,
     max_context_len: int,
     sinks: torch.Tensor | None = None,
-) -> int:
+) -> None:
     """Compile the merge kernel's variant for each tile (``merge_tile``) that a split step of
     1 to ``max_batch`` sequences of ``query_len`` queries each (``q``'s heads and dtype),
     contexts of up to ``max_context_len`` keys over ``key_cache``, may take, where such a
     step's splits are merged by that kernel (the fp8 kernel's; a verify step's taller tile):
     the tile follows the step's split count and rows. A graph's step compiles its own at
     capture, but an eager one (a mixed step's decodes, a verify step past the graphs) may
-    take any, and a first compile then stalls that step. Each is launched over no rows.
-    Returns how many variants."""
+    take any, and a first compile then stalls that step. Each is launched over no rows."""
     num_heads, head_dim = q.shape[1:]
     _, block_size, num_kv_heads, _ = key_cache.shape
     if uses_fp8_decode_kernel(q, key_cache, query_len) and sinks is None:
@@ -1050,14 +1049,14 @@ def compile_split_merges(
             sinks is not None,
         )
         if constants["MERGE_HERE"]:
-            return 0
+            return
     num_sms = sm_count(q.device)
     max_context_len = triton.cdiv(max_context_len, block_size) * block_size  # tables' width
     tiles: set[tuple[int, int]] = set()
     for batch in range(1, max_batch + 1):
         most_splits = decode_num_splits(batch, num_kv_heads, max_context_len, num_sms, **rule)
         num_rows = batch * query_len * num_heads
-        # The splits' tile is their count's power of two, at most _MERGE_TILE_SPLITS_TIMES_ROWS
+        # A tile's splits: their count's power of two, at most _MERGE_TILE_SPLITS_TIMES_ROWS.
         splits = 2
         while splits // 2 < most_splits and splits <= _MERGE_TILE_SPLITS_TIMES_ROWS:
             tiles.add(merge_tile(splits, num_rows, num_sms))
@@ -1066,7 +1065,6 @@ def compile_split_merges(
     for block_s, block_r in tiles:
         workspace = decode_workspace(1, num_heads, head_dim, block_s, q.device)
         _launch_merge_kernel(workspace, out, sinks, 0, block_s, block_r)
-    return len(tiles)
 
 
 def merge_tile(num_splits: int, num_rows: int, num_sms: int) -> tuple[int, int]:
