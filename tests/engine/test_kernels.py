@@ -33,6 +33,7 @@ from engine.backends.triton import (
     add_rms_norm,
     decode_num_splits,
     decode_workspace,
+    paged_attention,
     paged_decode_attention,
     paged_prefill_attention,
     rotary_store_kv,
@@ -48,7 +49,12 @@ from engine.backends.triton.fp8_decode import (
 from engine.backends.triton.fp8_widen import widen, widen_factor
 from engine.backends.triton.nucleus import draw_tokens, sample_within_cuts
 from engine.backends.triton.one_row_matmul import one_row_matmul
-from engine.backends.triton.paged_attention import decode_split_counts, merge_splits
+from engine.backends.triton.paged_attention import (
+    decode_split_counts,
+    merge_splits,
+    merge_tile,
+    merge_tiles,
+)
 from engine.backends.triton.penalties import apply_penalties
 from engine.execution.batch import pad_verify
 from engine.quantization.linear_methods import quantize_per_channel
@@ -317,6 +323,38 @@ def test_decode_merge_rescales_across_chunks(splits: int) -> None:
     expected = (workspace[..., :head_dim] * weights[..., None]).sum(2)
     assert_rounding_close(out, expected / (sums * weights).sum(-1)[..., None])
     assert wide[:, heads:].isnan().all()  # nothing written past each token's heads
+
+
+@pytest.mark.parametrize(
+    ("fp8_kernel", "query_len", "heads"),
+    [(False, 17, (4, 1)), (False, 9, (32, 8)), (True, 1, (16, 8)), (True, 1, (32, 4))],
+    ids=["verify-k16-gemma3-1b", "verify-k8-8b", "fp8-qwen3-0.6b", "fp8-qwen3-30b-a3b"],
+)
+def test_merge_tiles_hold_every_eager_step_s_tile(
+    fp8_kernel: bool, query_len: int, heads: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The warm-up compiles the merge kernel for each tile ``merge_tiles`` names (an eager
+    verify step of gemma3-1b once compiled one after start-up): each step's tile, from the
+    split count ``paged_decode_attention`` takes for its batch and block tables' width (the
+    fp8 kernel's rule or the Triton kernel's) on 132 SMs and its rows, is among them."""
+    num_heads, num_kv_heads = heads
+    max_batch, max_context_len, head_dim = 256, 4096, 128
+    monkeypatch.setattr(paged_attention, "sm_count", lambda device: 132)
+    monkeypatch.setattr(paged_attention, "uses_fp8_decode_kernel", lambda *args: fp8_kernel)
+    tiles = merge_tiles(
+        num_heads, num_kv_heads, query_len, max_batch, max_context_len, 132, fp8_kernel
+    )
+    key_cache = torch.empty(1, BLOCK_SIZE, num_kv_heads, head_dim)
+    seen = set()
+    for batch in [1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233, 256]:
+        q = torch.empty(batch * query_len, num_heads, head_dim)
+        for width in range(1, max_context_len // BLOCK_SIZE + 1, 7):
+            tables = torch.empty(batch, width, dtype=torch.int64)
+            splits = paged_attention.default_decode_splits(q, key_cache, tables, query_len)
+            if splits > 1:
+                seen.add(merge_tile(splits, batch * query_len * num_heads, 132))
+    assert seen <= tiles
+    assert len(seen) > 3  # many tiles, not one
 
 
 # (context_len, real query tokens): a verify step's sequences, each its last token and up to

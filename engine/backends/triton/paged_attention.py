@@ -727,14 +727,19 @@ def default_decode_splits(
     without reading the lengths back from the GPU)."""
     _, block_size, num_kv_heads, _ = key_cache.shape
     batch, max_blocks = block_tables.shape
-    rule: dict[str, int] = {}
-    if uses_fp8_decode_kernel(q, key_cache, query_len) and not has_sinks:
-        rule = {
-            "programs_per_sm": FP8_DECODE_PROGRAMS_PER_SM,
-            "min_split_tokens": FP8_DECODE_MIN_SPLIT_TOKENS,
-        }
+    rule = _split_rule(uses_fp8_decode_kernel(q, key_cache, query_len) and not has_sinks)
     max_context_len = max_blocks * block_size
     return decode_num_splits(batch, num_kv_heads, max_context_len, sm_count(q.device), **rule)
+
+
+def _split_rule(fp8_kernel: bool) -> dict[str, int]:
+    """``decode_num_splits``' rule for the fp8 kernel (``fp8_kernel``) or the Triton one."""
+    if not fp8_kernel:
+        return {}
+    return {
+        "programs_per_sm": FP8_DECODE_PROGRAMS_PER_SM,
+        "min_split_tokens": FP8_DECODE_MIN_SPLIT_TOKENS,
+    }
 
 
 def decode_workspace(
@@ -1019,22 +1024,17 @@ def compile_split_merges(
     max_context_len: int,
     sinks: torch.Tensor | None = None,
 ) -> None:
-    """Compile the merge kernel's variant for each tile (``merge_tile``) that a split step of
-    1 to ``max_batch`` sequences of ``query_len`` queries each (``q``'s heads and dtype),
-    contexts of up to ``max_context_len`` keys over ``key_cache``, may take, where such a
-    step's splits are merged by that kernel (the fp8 kernel's; a verify step's taller tile):
-    the tile follows the step's split count and rows. A graph's step compiles its own at
-    capture, but an eager one (a mixed step's decodes, a verify step past the graphs) may
+    """Compile the merge kernel's variant for each tile that a split step of 1 to
+    ``max_batch`` sequences of ``query_len`` queries each (``q``'s heads and dtype), contexts
+    of up to ``max_context_len`` keys over ``key_cache``, may take (``merge_tiles``), where
+    such a step's splits are merged by that kernel (the fp8 kernel's; a verify step's taller
+    tile): the tile follows the step's split count and rows. A graph's step compiles its own
+    at capture, but an eager one (a mixed step's decodes, a verify step past the graphs) may
     take any, and a first compile then stalls that step. Each is launched over no rows."""
     num_heads, head_dim = q.shape[1:]
     _, block_size, num_kv_heads, _ = key_cache.shape
-    if uses_fp8_decode_kernel(q, key_cache, query_len) and sinks is None:
-        rule = {
-            "programs_per_sm": FP8_DECODE_PROGRAMS_PER_SM,
-            "min_split_tokens": FP8_DECODE_MIN_SPLIT_TOKENS,
-        }
-    else:
-        rule = {}
+    fp8_kernel = uses_fp8_decode_kernel(q, key_cache, query_len) and sinks is None
+    if not fp8_kernel:
         constants, _ = decode_constants(
             q.dtype,
             key_cache.dtype,
@@ -1050,21 +1050,48 @@ def compile_split_merges(
         )
         if constants["MERGE_HERE"]:
             return
-    num_sms = sm_count(q.device)
-    max_context_len = triton.cdiv(max_context_len, block_size) * block_size  # tables' width
-    tiles: set[tuple[int, int]] = set()
-    for batch in range(1, max_batch + 1):
-        most_splits = decode_num_splits(batch, num_kv_heads, max_context_len, num_sms, **rule)
-        num_rows = batch * query_len * num_heads
-        # A tile's splits: their count's power of two, at most _MERGE_TILE_SPLITS_TIMES_ROWS.
-        splits = 2
-        while splits // 2 < most_splits and splits <= _MERGE_TILE_SPLITS_TIMES_ROWS:
-            tiles.add(merge_tile(splits, num_rows, num_sms))
-            splits *= 2
+    # Eager tables are whole blocks wide.
+    max_context_len = triton.cdiv(max_context_len, block_size) * block_size
+    tiles = merge_tiles(
+        num_heads,
+        num_kv_heads,
+        query_len,
+        max_batch,
+        max_context_len,
+        sm_count(q.device),
+        fp8_kernel,
+    )
     out = torch.empty(1, num_heads, head_dim, dtype=q.dtype, device=q.device)
     for block_s, block_r in tiles:
         workspace = decode_workspace(1, num_heads, head_dim, block_s, q.device)
         _launch_merge_kernel(workspace, out, sinks, 0, block_s, block_r)
+
+
+def merge_tiles(
+    num_heads: int,
+    num_kv_heads: int,
+    query_len: int,
+    max_batch: int,
+    max_context_len: int,
+    num_sms: int,
+    fp8_kernel: bool,
+) -> set[tuple[int, int]]:
+    """The merge kernel's tiles (``merge_tile``) for every split step of 1 to ``max_batch``
+    sequences of ``query_len`` queries, ``num_heads`` a token, contexts of up to
+    ``max_context_len`` keys, split by the fp8 kernel's rule (``fp8_kernel``) or the Triton
+    kernel's. A step's split count is at most its batch's at the longest context, and any
+    count below it, its tile's splits that count's power of two (at most
+    ``_MERGE_TILE_SPLITS_TIMES_ROWS``); its rows follow the batch."""
+    rule = _split_rule(fp8_kernel)
+    tiles: set[tuple[int, int]] = set()
+    for batch in range(1, max_batch + 1):
+        most_splits = decode_num_splits(batch, num_kv_heads, max_context_len, num_sms, **rule)
+        num_rows = batch * query_len * num_heads
+        splits = 2
+        while splits // 2 < most_splits and splits <= _MERGE_TILE_SPLITS_TIMES_ROWS:
+            tiles.add(merge_tile(splits, num_rows, num_sms))
+            splits *= 2
+    return tiles
 
 
 def merge_tile(num_splits: int, num_rows: int, num_sms: int) -> tuple[int, int]:
