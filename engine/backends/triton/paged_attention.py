@@ -804,12 +804,8 @@ def decode_constants(
     what picks its compiled variant (also for ``scripts/kernel_resources.py``, which compiles
     it without a GPU)."""
     group = num_heads // num_kv_heads
-    # A decode step's tile holds one token's group, padded to a power of two; a verify step's
-    # the 1 + k tokens' groups back to back, unpadded, for a tile half as tall where the
-    # group is not a power of two (SmolLM2's 3 heads at k = 16: 51 rows in 64, not 68 in 128).
-    token_rows = group if query_len > 1 else triton.next_power_of_2(group)
+    token_rows, rows = _tile_rows(query_len, group)
     block_d = triton.next_power_of_2(head_dim)
-    rows = triton.next_power_of_2(query_len * token_rows)
     block_m = max(rows, _MIN_DOT_ROWS)
     # One sequence's one query, split: a batch-1 step, whose attention is a chain of
     # latencies rather than a read of the cache at copy bandwidth.
@@ -835,6 +831,16 @@ def decode_constants(
         "DOT_PRECISION": dot_precision(dtype),
     }
     return constants, warps
+
+
+def _tile_rows(query_len: int, group: int) -> tuple[int, int]:
+    """The decode kernel's rows a token and its tile's query rows, for ``query_len`` tokens
+    of a KV head's ``group`` query heads. A decode step's tile holds one token's group, padded
+    to a power of two; a verify step's the 1 + k tokens' groups back to back, unpadded, for a
+    tile half as tall where the group is not a power of two (SmolLM2's 3 heads at k = 16: 51
+    rows in 64, not 68 in 128)."""
+    token_rows = group if query_len > 1 else triton.next_power_of_2(group)
+    return token_rows, triton.next_power_of_2(query_len * token_rows)
 
 
 def decode_num_warps(
@@ -1034,22 +1040,9 @@ def compile_split_merges(
     num_heads, head_dim = q.shape[1:]
     _, block_size, num_kv_heads, _ = key_cache.shape
     fp8_kernel = uses_fp8_decode_kernel(q, key_cache, query_len) and sinks is None
-    if not fp8_kernel:
-        constants, _ = decode_constants(
-            q.dtype,
-            key_cache.dtype,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            block_size,
-            query_len,
-            None,
-            2,  # split
-            max_batch,
-            sinks is not None,
-        )
-        if constants["MERGE_HERE"]:
-            return
+    _, rows = _tile_rows(query_len, num_heads // num_kv_heads)
+    if not fp8_kernel and rows <= _MOST_MERGE_ROWS:  # the decode kernel merges its splits
+        return
     # Eager tables are whole blocks wide.
     max_context_len = triton.cdiv(max_context_len, block_size) * block_size
     tiles = merge_tiles(
