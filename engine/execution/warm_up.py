@@ -35,7 +35,8 @@ the split merge's tiles (below). These steps reach all of them, and every sampli
   (``AttentionBackend.compile_eager_variants``): the Triton backend's split merge, whose tile
   follows a step's split count and rows, where a step's splits are merged by it (the fp8
   decode kernel's, a verify step's), for a mixed step's decodes and verify steps past the
-  graphs of any batch up to max_num_seqs.
+  graphs of any batch up to max_num_seqs (``compile_eager_attention``; a draft model's warm-up
+  calls it for its own eager passes).
 
 The steps use fake requests whose every block is block 0: what they write there is finite
 and later overwritten by the requests that own those slots, and nothing reads a slot before
@@ -49,6 +50,7 @@ import gc
 import logging
 import time
 from array import array
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -61,6 +63,7 @@ from engine.scheduling.request import Request, RequestStatus
 from protocol import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.backends.attention import AttentionBackend
     from engine.execution.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -151,23 +154,38 @@ def warm_up(runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens: int)
                 num_steps += 1
     # What eager steps' attention takes by their shape (a mixed step's decodes, and verify
     # steps past the graphs): the steps above reach a few shapes of the many.
-    attention = next(m for m in runner.model.modules() if isinstance(m, Attention))
-    assert attention.cache is not None
-    q = torch.empty(
-        1, attention.num_heads, attention.head_dim, dtype=runner.dtype, device=runner.device
+    compile_eager_attention(
+        runner.model,
+        runner.backend.attention,
+        runner.dtype,
+        [1, 1 + num_drafts] if eager_verifies else [1],
+        max_num_seqs,
+        runner.max_model_len,
     )
-    for query_len in [1, 1 + num_drafts] if eager_verifies else [1]:
-        runner.backend.attention.compile_eager_variants(
-            q,
-            attention.cache,
-            query_len,
-            max_num_seqs,
-            runner.max_model_len,
-            attention.sink_logits(),
-        )
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     logger.info("warm-up: %d steps in %.2f s", num_steps, time.perf_counter() - started)
+
+
+def compile_eager_attention(
+    model: torch.nn.Module,
+    attention_backend: AttentionBackend,
+    dtype: torch.dtype,
+    query_lens: Sequence[int],
+    max_batch: int,
+    max_context_len: int,
+) -> None:
+    """Compile what ``model``'s eager steps of 1 to ``max_batch`` sequences of each of
+    ``query_lens`` queries take by their shape (``AttentionBackend.compile_eager_variants``),
+    for the heads, cache and sinks of its attention layers (the same in every layer)."""
+    attention = next(m for m in model.modules() if isinstance(m, Attention))
+    assert attention.cache is not None, "the cache is bound first"
+    device = attention.cache.key.device
+    q = torch.empty(1, attention.num_heads, attention.head_dim, dtype=dtype, device=device)
+    for query_len in query_lens:
+        attention_backend.compile_eager_variants(
+            q, attention.cache, query_len, max_batch, max_context_len, attention.sink_logits()
+        )
 
 
 def freeze_start_up_objects() -> None:

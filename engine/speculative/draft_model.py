@@ -53,6 +53,7 @@ from engine.execution.model_runner import (
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
+from engine.execution.warm_up import compile_eager_attention
 from engine.scheduling.block_manager import BlockManager
 from engine.scheduling.request import Request
 from protocol import SamplingParams
@@ -108,6 +109,8 @@ class DraftModelProposer:
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
         # A backend of its own, the configured one, as the target's runner has: its passes
         # and graphs run that backend's kernels only.
+        self.dtype = dtype
+        self.max_num_seqs = config.max_num_seqs
         self.model, self.backend, _ = load_model(
             config,
             quantized_config(config, checkpoint, self.device),
@@ -151,6 +154,16 @@ class DraftModelProposer:
         positions = prompt_len + self.num_speculative_tokens
         request.block_ids = array("q", [0]) * self.block_manager.blocks_for(positions)
         self._run([(request, 0, prompt_len)], [self.num_speculative_tokens])
+        # Its eager passes (past the graphs, or all where there are none) attend as a mixed
+        # step's decodes: one query a sequence, of any batch.
+        compile_eager_attention(
+            self.model,
+            self.backend.attention,
+            self.dtype,
+            [1],
+            self.max_num_seqs,
+            self.max_model_len,
+        )
         if self.graphed and self.max_graph_batch >= 1:
             self._capture_graphs()
 
