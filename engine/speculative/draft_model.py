@@ -107,10 +107,10 @@ class DraftModelProposer:
         self.device = torch.device(config.device)
         dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
-        # A backend of its own, the configured one, as the target's runner has: its passes
-        # and graphs run that backend's kernels only.
         self.dtype = dtype
         self.max_num_seqs = config.max_num_seqs
+        # A backend of its own, the configured one, as the target's runner has: its passes
+        # and graphs run that backend's kernels only.
         self.model, self.backend, _ = load_model(
             config,
             quantized_config(config, checkpoint, self.device),

@@ -727,9 +727,17 @@ def default_decode_splits(
     without reading the lengths back from the GPU)."""
     _, block_size, num_kv_heads, _ = key_cache.shape
     batch, max_blocks = block_tables.shape
-    rule = _split_rule(uses_fp8_decode_kernel(q, key_cache, query_len) and not has_sinks)
+    rule = _split_rule(_takes_fp8_kernel(q, key_cache, query_len, has_sinks))
     max_context_len = max_blocks * block_size
     return decode_num_splits(batch, num_kv_heads, max_context_len, sm_count(q.device), **rule)
+
+
+def _takes_fp8_kernel(
+    q: torch.Tensor, key_cache: torch.Tensor, query_len: int, has_sinks: bool
+) -> bool:
+    """Whether a decode step of these arguments runs the Gluon fp8 kernel (fp8_decode.py):
+    where that kernel runs, but with sinks, which are the Triton kernel's."""
+    return uses_fp8_decode_kernel(q, key_cache, query_len) and not has_sinks
 
 
 def _split_rule(fp8_kernel: bool) -> dict[str, int]:
@@ -824,7 +832,7 @@ def decode_constants(
         "USE_WINDOW": sliding_window is not None,
         "MASK_WINDOW": sliding_window is not None and query_len > 1,
         "WRITE_PARTIAL": num_splits > 1,
-        "MERGE_HERE": num_splits > 1 and rows <= _MOST_MERGE_ROWS,
+        "MERGE_HERE": num_splits > 1 and _merged_in_kernel(rows),
         "MERGE_ROWS": rows,
         "MERGE_SPLITS": max(merge_values // (rows * block_d), 1),
         "HAS_SINKS": has_sinks,
@@ -841,6 +849,12 @@ def _tile_rows(query_len: int, group: int) -> tuple[int, int]:
     rows in 64, not 68 in 128)."""
     token_rows = group if query_len > 1 else triton.next_power_of_2(group)
     return token_rows, triton.next_power_of_2(query_len * token_rows)
+
+
+def _merged_in_kernel(rows: int) -> bool:
+    """Whether the split decode kernel's last program merges its splits (a tile of ``rows``
+    query rows, ``_tile_rows``'), not the merge kernel after it."""
+    return rows <= _MOST_MERGE_ROWS
 
 
 def decode_num_warps(
@@ -938,9 +952,8 @@ def paged_decode_attention(
     else:
         workspace, ws_strides = out, (0, 0, 0)  # unused: the kernel writes out directly
 
-    # One query a sequence over an fp8 cache: the Gluon kernel (fp8_decode.py), where it runs
-    # (without sinks: they are this kernel's).
-    if uses_fp8_decode_kernel(q, key_cache, query_len) and sinks is None:
+    # One query a sequence over an fp8 cache: the Gluon kernel (fp8_decode.py), where it runs.
+    if _takes_fp8_kernel(q, key_cache, query_len, sinks is not None):
         fp8_paged_decode(
             q,
             key_cache,
@@ -1039,9 +1052,9 @@ def compile_split_merges(
     take any, and a first compile then stalls that step. Each is launched over no rows."""
     num_heads, head_dim = q.shape[1:]
     _, block_size, num_kv_heads, _ = key_cache.shape
-    fp8_kernel = uses_fp8_decode_kernel(q, key_cache, query_len) and sinks is None
+    fp8_kernel = _takes_fp8_kernel(q, key_cache, query_len, sinks is not None)
     _, rows = _tile_rows(query_len, num_heads // num_kv_heads)
-    if not fp8_kernel and rows <= _MOST_MERGE_ROWS:  # the decode kernel merges its splits
+    if not fp8_kernel and _merged_in_kernel(rows):
         return
     # Eager tables are whole blocks wide.
     max_context_len = triton.cdiv(max_context_len, block_size) * block_size
